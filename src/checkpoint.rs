@@ -1,0 +1,282 @@
+//! Checkpoints that are complete or absent: written to a temp directory, fsynced, described by a
+//! MANIFEST (sha256 per file), renamed to `step-NNNNNNNN`, then `latest` is replaced; older ones
+//! are pruned only after the new one is in place.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+use crate::config::CheckpointSpec;
+use crate::data::download::hex;
+use crate::jobdir::{sync_dir, write_atomic};
+
+#[derive(Debug, Error)]
+pub enum CheckpointError {
+    #[error("checkpoint write to `{}` failed: {source}; the previous checkpoint is untouched", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot serialise tensors for `{}`: {source}", path.display())]
+    Tensor {
+        path: PathBuf,
+        #[source]
+        source: candle_core::Error,
+    },
+}
+
+/// Where training stood when a checkpoint was taken: everything resume needs besides tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainPosition {
+    /// Epoch in progress (0-based); `step_in_epoch` optimizer steps of it are done.
+    pub epoch: usize,
+    pub step_in_epoch: usize,
+    /// Optimizer steps done in the whole run.
+    pub step: usize,
+    pub optimizer_steps: u64,
+    pub world_size: usize,
+    /// The sampler's RNG is a pure function of (seed, epoch); training draws no other randomness.
+    pub seed: u64,
+    pub lr: f64,
+}
+
+/// When checkpoints are due (the policy), apart from writing them.
+pub fn due_after_step(spec: &CheckpointSpec, step: usize) -> bool {
+    spec.every_steps.is_some_and(|n| step % n == 0)
+}
+
+pub fn due_after_epoch(spec: &CheckpointSpec, epoch: usize) -> bool {
+    spec.every_epochs.is_some_and(|n| (epoch + 1) % n == 0)
+}
+
+/// Writes checkpoints into one job's `checkpoints/` directory.
+pub struct Checkpointer {
+    dir: PathBuf,
+    keep_last: Option<usize>,
+}
+
+pub fn step_dir_name(step: usize) -> String {
+    format!("step-{step:08}")
+}
+
+impl Checkpointer {
+    pub fn new(dir: PathBuf, keep_last: Option<usize>) -> Self {
+        Checkpointer { dir, keep_last }
+    }
+
+    /// Writes model and optimizer tensors and the position; returns the checkpoint's directory.
+    /// A checkpoint of the same step that already exists is kept as it is.
+    pub fn save(
+        &self,
+        model: &HashMap<String, Tensor>,
+        optimizer: &HashMap<String, Tensor>,
+        position: &TrainPosition,
+    ) -> Result<PathBuf, CheckpointError> {
+        let name = step_dir_name(position.step);
+        let final_dir = self.dir.join(&name);
+        if final_dir.exists() {
+            return Ok(final_dir);
+        }
+        let tmp = self.dir.join(format!(".tmp-{name}-{}", std::process::id()));
+        let result = self
+            .write_into(&tmp, model, optimizer, position)
+            .and_then(|()| {
+                fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
+                sync_dir(&self.dir).map_err(io(&self.dir))?;
+                write_atomic(&self.dir.join("latest"), format!("{name}\n").as_bytes())
+                    .map_err(io(&self.dir.join("latest")))
+            });
+        if let Err(e) = result {
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        self.prune()?;
+        Ok(final_dir)
+    }
+
+    fn write_into(
+        &self,
+        tmp: &Path,
+        model: &HashMap<String, Tensor>,
+        optimizer: &HashMap<String, Tensor>,
+        position: &TrainPosition,
+    ) -> Result<(), CheckpointError> {
+        fs::create_dir_all(tmp).map_err(io(tmp))?;
+        let model_path = tmp.join("model.safetensors");
+        candle_core::safetensors::save(model, &model_path).map_err(|source| {
+            CheckpointError::Tensor {
+                path: model_path.clone(),
+                source,
+            }
+        })?;
+        let optim_path = tmp.join("optimizer.safetensors");
+        candle_core::safetensors::save(optimizer, &optim_path).map_err(|source| {
+            CheckpointError::Tensor {
+                path: optim_path.clone(),
+                source,
+            }
+        })?;
+        let state_path = tmp.join("state.json");
+        let state = serde_json::to_vec_pretty(position).unwrap_or_default();
+        fs::write(&state_path, state).map_err(io(&state_path))?;
+        let mut manifest = String::new();
+        for file in ["model.safetensors", "optimizer.safetensors", "state.json"] {
+            let path = tmp.join(file);
+            fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(io(&path))?;
+            manifest.push_str(&format!(
+                "{}  {file}\n",
+                sha256_file(&path).map_err(io(&path))?
+            ));
+        }
+        let manifest_path = tmp.join("MANIFEST");
+        write_atomic(&manifest_path, manifest.as_bytes()).map_err(io(&manifest_path))?;
+        sync_dir(tmp).map_err(io(tmp))
+    }
+
+    /// Removes the oldest complete checkpoints beyond `keep_last`, and stale temp directories.
+    fn prune(&self) -> Result<(), CheckpointError> {
+        let mut steps = list_checkpoints(&self.dir).map_err(io(&self.dir))?;
+        if let Some(keep) = self.keep_last {
+            while steps.len() > keep {
+                let oldest = steps.remove(0);
+                fs::remove_dir_all(&oldest).map_err(io(&oldest))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Complete checkpoint directories (`step-*`), oldest first.
+pub fn list_checkpoints(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut found: Vec<PathBuf> = fs::read_dir(dir)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_dir()
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+        })
+        .collect();
+    found.sort();
+    Ok(found)
+}
+
+pub fn sha256_file(path: &Path) -> std::io::Result<String> {
+    let mut f = fs::File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok(hex(&hasher.finalize()));
+        }
+        hasher.update(&buf[..n]);
+    }
+}
+
+/// Checks every file a checkpoint's MANIFEST lists; `Err` says which one is wrong.
+pub fn verify(checkpoint: &Path) -> Result<(), String> {
+    let manifest = fs::read_to_string(checkpoint.join("MANIFEST"))
+        .map_err(|e| format!("MANIFEST unreadable: {e}"))?;
+    let mut seen = 0;
+    for line in manifest.lines().filter(|l| !l.trim().is_empty()) {
+        let (digest, file) = line
+            .split_once("  ")
+            .ok_or_else(|| format!("malformed MANIFEST line `{line}`"))?;
+        let actual = sha256_file(&checkpoint.join(file)).map_err(|e| format!("{file}: {e}"))?;
+        if actual != digest {
+            return Err(format!(
+                "{file}: checksum mismatch (file changed or truncated)"
+            ));
+        }
+        seen += 1;
+    }
+    if seen < 3 {
+        return Err(format!("MANIFEST lists {seen} files, expected 3"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn position(step: usize) -> TrainPosition {
+        TrainPosition {
+            epoch: 0,
+            step_in_epoch: step,
+            step,
+            optimizer_steps: step as u64,
+            world_size: 1,
+            seed: 0,
+            lr: 0.1,
+        }
+    }
+
+    #[test]
+    fn writes_verifiable_checkpoints_and_prunes_old_ones() {
+        let dir = std::env::temp_dir().join(format!("ddpjob-ckpt-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let ck = Checkpointer::new(dir.clone(), Some(2));
+        let model = HashMap::from([(
+            "fc1.weight".to_string(),
+            Tensor::ones((2, 2), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        )]);
+        for step in [10, 20, 30] {
+            ck.save(&model, &HashMap::new(), &position(step)).unwrap();
+        }
+        let names: Vec<String> = list_checkpoints(&dir)
+            .unwrap()
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into())
+            .collect();
+        assert_eq!(names, vec!["step-00000020", "step-00000030"]);
+        assert_eq!(
+            fs::read_to_string(dir.join("latest")).unwrap().trim(),
+            "step-00000030"
+        );
+        let newest = dir.join("step-00000030");
+        verify(&newest).unwrap();
+        let model_file = newest.join("model.safetensors");
+        let bytes = fs::read(&model_file).unwrap();
+        fs::write(&model_file, &bytes[..bytes.len() - 3]).unwrap();
+        assert!(verify(&newest).unwrap_err().contains("model.safetensors"));
+        assert!(
+            !fs::read_dir(&dir).unwrap().any(|e| e
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with(".tmp"))
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn policy_counts_from_one() {
+        let spec = CheckpointSpec {
+            every_epochs: Some(5),
+            every_steps: Some(100),
+            keep_last: None,
+        };
+        assert!(due_after_epoch(&spec, 4) && !due_after_epoch(&spec, 0));
+        assert!(due_after_step(&spec, 200) && !due_after_step(&spec, 150));
+    }
+}

@@ -1,0 +1,194 @@
+//! The command line: parses arguments (clap), runs the subcommand, prints errors once with their
+//! cause chain, and maps failures to exit codes (0 ok, 1 job failed, 2 usage or config error).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::{self, DatasetKind};
+use crate::jobdir;
+use crate::launch::{self, RunOptions};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ddpjob",
+    version,
+    about = "Data-parallel training jobs for Candle, from TOML job files"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Train a job: creates <jobs-dir>/<name>/ and runs it to the end.
+    Run(RunArgs),
+    /// Print the resolved config and derived numbers (global batch, steps); exit 2 on errors.
+    Validate(ConfigArgs),
+    /// List jobs with status, epoch/step and last loss, most recent first.
+    List(ListArgs),
+}
+
+#[derive(Debug, Args)]
+struct ConfigArgs {
+    /// The job file (TOML).
+    config: PathBuf,
+    /// Job name (default: `name` in the file, else the file's stem).
+    #[arg(long)]
+    name: Option<String>,
+    /// Override a config key, typed by the schema: --set train.lr=0.02 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Workers on this node: "auto" or a number (same as distributed.nproc_per_node).
+    #[arg(long, value_name = "N")]
+    nproc_per_node: Option<String>,
+}
+
+impl ConfigArgs {
+    fn overrides(&self) -> Vec<String> {
+        let mut all = self.set.clone();
+        if let Some(name) = &self.name {
+            all.push(format!("name={name}"));
+        }
+        if let Some(n) = &self.nproc_per_node {
+            all.push(format!("distributed.nproc_per_node={n}"));
+        }
+        all
+    }
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Where jobs live.
+    #[arg(long, default_value = "jobs")]
+    jobs_dir: PathBuf,
+}
+
+#[derive(Debug, Args)]
+struct ListArgs {
+    #[arg(long, default_value = "jobs")]
+    jobs_dir: PathBuf,
+}
+
+/// Entry point used by `main.rs`.
+pub fn main() -> ExitCode {
+    let started = Instant::now();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+        }
+    };
+    let result = match cli.command {
+        Command::Run(args) => run(args, started),
+        Command::Validate(args) => validate(&args),
+        Command::List(args) => list(&args.jobs_dir),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err((code, err)) => {
+            eprintln!("error: {err:#}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+type CliResult = Result<(), (u8, anyhow::Error)>;
+
+fn run(args: RunArgs, started: Instant) -> CliResult {
+    let opts = RunOptions {
+        config: args.config.config.clone(),
+        overrides: args.config.overrides(),
+        jobs_dir: args.jobs_dir,
+        started,
+    };
+    match launch::run(&opts) {
+        Ok((job, s)) => {
+            println!(
+                "finished: test accuracy {:.2}%, test loss {:.4}, final train loss {:.4}, {} steps, {:.0} samples/s, {:.1} s",
+                s.test_accuracy * 100.0,
+                s.test_loss,
+                s.final_train_loss,
+                s.steps,
+                s.train_samples_per_s,
+                s.wall_s
+            );
+            println!("job directory: {}", job.root.display());
+            Ok(())
+        }
+        Err(e) => Err((e.exit_code(), anyhow::Error::new(e))),
+    }
+}
+
+fn validate(args: &ConfigArgs) -> CliResult {
+    let loaded = config::load(&args.config, &args.overrides()).map_err(|e| (2, e.into()))?;
+    let spec = &loaded.spec;
+    let (train_samples, source) = match &spec.data.dataset {
+        DatasetKind::Synthetic(s) => (s.train_samples, "synthetic"),
+        DatasetKind::Mnist | DatasetKind::FashionMnist => (60_000, "standard split; not read"),
+    };
+    let world = spec.distributed.nproc_per_node.unwrap_or(1);
+    let plan = spec.plan(train_samples, world);
+    print!("{}", loaded.resolved_toml());
+    println!();
+    println!("# derived");
+    println!("world_size        = {world}  (CPU: nproc_per_node \"auto\" is 1)");
+    println!(
+        "global_batch      = {}  (batch_size {} x accumulation {} x world {world})",
+        plan.global_batch, spec.train.batch_size, spec.train.accumulation
+    );
+    println!("train_samples     = {train_samples}  ({source})");
+    println!("samples_per_rank  = {}", plan.samples_per_rank);
+    println!(
+        "steps_per_epoch   = {}  (optimizer steps)",
+        plan.steps_per_epoch
+    );
+    println!("total_steps       = {}", plan.total_steps);
+    eprintln!("{}: ok", args.config.display());
+    Ok(())
+}
+
+fn list(jobs_dir: &Path) -> CliResult {
+    let jobs = jobdir::list_jobs(jobs_dir).map_err(|e| {
+        (
+            1,
+            anyhow::anyhow!("cannot read jobs directory `{}`: {e}", jobs_dir.display()),
+        )
+    })?;
+    if jobs.is_empty() {
+        println!("no jobs in {}", jobs_dir.display());
+        return Ok(());
+    }
+    println!(
+        "{:<24} {:<12} {:>6} {:>14} {:>10}  UPDATED",
+        "NAME", "STATUS", "EPOCH", "STEP", "LOSS"
+    );
+    let now = jobdir::now_unix();
+    for (name, s) in jobs {
+        let loss = s.last_loss.map_or("-".into(), |l| format!("{l:.4}"));
+        let step = format!("{}/{}", s.step, s.total_steps);
+        println!(
+            "{name:<24} {:<12} {:>6} {step:>14} {loss:>10}  {}",
+            s.status.to_string(),
+            s.epoch,
+            ago(now, s.updated_unix)
+        );
+    }
+    Ok(())
+}
+
+fn ago(now: u64, then: u64) -> String {
+    let secs = now.saturating_sub(then);
+    match secs {
+        0..60 => format!("{secs}s ago"),
+        60..3600 => format!("{}m ago", secs / 60),
+        3600..86400 => format!("{}h ago", secs / 3600),
+        _ => format!("{}d ago", secs / 86400),
+    }
+}

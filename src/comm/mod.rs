@@ -1,0 +1,87 @@
+//! Collectives between workers behind one trait, so the trainer is the same for one worker
+//! (`local`), CPU worker processes and GPUs. Also the DDP pieces built on them: initial
+//! parameter broadcast and bucketed gradient averaging.
+
+mod local;
+
+use candle_core::Tensor;
+use thiserror::Error;
+
+use crate::models::Params;
+pub use local::LocalCommunicator;
+
+#[derive(Debug, Error)]
+pub enum CommError {
+    #[error("collective `{op}` failed on rank {rank}: {problem}")]
+    Failed {
+        op: &'static str,
+        rank: usize,
+        problem: String,
+    },
+    #[error(transparent)]
+    Tensor(#[from] candle_core::Error),
+}
+
+/// What every backend provides. Every rank must call the same collectives in the same order.
+pub trait Communicator {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Replaces `flat` (1-D) with the element-wise mean over ranks.
+    fn all_reduce_mean(&self, flat: &mut Tensor) -> Result<(), CommError>;
+    /// Replaces `values` with their element-wise sum over ranks (metrics: loss sums, counts).
+    fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError>;
+    /// Replaces `t` on every rank with `root`'s.
+    fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
+    fn barrier(&self) -> Result<(), CommError>;
+}
+
+/// Makes every rank start from rank 0's parameters, as DDP does at construction.
+pub fn broadcast_params(comm: &dyn Communicator, params: &Params) -> Result<(), CommError> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    for var in params.vars() {
+        let mut t = var.as_tensor().clone();
+        comm.broadcast(&mut t, 0)?;
+        var.set(&t)?;
+    }
+    Ok(())
+}
+
+/// Averages `grads` over ranks: flattened into buckets of about `bucket_bytes` (in parameter
+/// order), one all-reduce per bucket, written back in place. Called once per optimizer step,
+/// never per micro-batch (torch's `no_sync` during accumulation).
+pub fn average_gradients(
+    comm: &dyn Communicator,
+    grads: &mut [Tensor],
+    bucket_bytes: usize,
+) -> Result<(), CommError> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let mut start = 0;
+    while start < grads.len() {
+        let mut end = start;
+        let mut bytes = 0;
+        while end < grads.len()
+            && (end == start || bytes + grads[end].elem_count() * 4 <= bucket_bytes)
+        {
+            bytes += grads[end].elem_count() * 4;
+            end += 1;
+        }
+        let flats = grads[start..end]
+            .iter()
+            .map(|g| g.flatten_all())
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut bucket = Tensor::cat(&flats, 0)?;
+        comm.all_reduce_mean(&mut bucket)?;
+        let mut offset = 0;
+        for g in &mut grads[start..end] {
+            let n = g.elem_count();
+            *g = bucket.narrow(0, offset, n)?.reshape(g.shape())?;
+            offset += n;
+        }
+        start = end;
+    }
+    Ok(())
+}

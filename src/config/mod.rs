@@ -1,0 +1,104 @@
+//! Job files: TOML → raw serde structs (unknown keys rejected) → a validated [`JobSpec`].
+//! Errors name the file, line and column (or the `--set` argument), the key, and the fix.
+
+mod error;
+mod raw;
+pub mod schema;
+mod source;
+mod spec;
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+pub use error::{ConfigError, Origin};
+pub use raw::RawConfig;
+pub use source::Source;
+pub use spec::{
+    CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, JobSpec, ModelSpec, OptimizerSpec,
+    ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
+};
+
+/// A validated job and the fully resolved config it came from (every default written out).
+#[derive(Debug, Clone)]
+pub struct LoadedConfig {
+    pub spec: JobSpec,
+    pub resolved: RawConfig,
+}
+
+impl LoadedConfig {
+    /// The resolved config as TOML: what `validate` prints and `run` freezes into `job.toml`.
+    pub fn resolved_toml(&self) -> String {
+        toml::to_string_pretty(&self.resolved)
+            .unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
+}
+
+/// Reads and validates the job file at `path`, with `--set key.path=value` overrides applied.
+pub fn load(path: &Path, overrides: &[String]) -> Result<LoadedConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.into(),
+        source,
+    })?;
+    load_str(path, text, overrides)
+}
+
+/// As [`load`], from text already read (`path` is used for messages and the default name).
+pub fn load_str(
+    path: &Path,
+    text: String,
+    overrides: &[String],
+) -> Result<LoadedConfig, ConfigError> {
+    let source = Source::parse(path, text, overrides)?;
+    source.check_keys()?;
+    let mut resolved =
+        RawConfig::deserialize(toml::Value::Table(source.table.clone())).map_err(|e| {
+            ConfigError::Invalid {
+                key: "(document)".into(),
+                at: Origin::Defaulted(path.into()),
+                problem: e.to_string(),
+            }
+        })?;
+    let default_name = path
+        .file_stem()
+        .map_or("job".into(), |s| s.to_string_lossy().into_owned());
+    let spec = JobSpec::from_raw(&resolved, &source, &default_name)?;
+    resolved.name = Some(spec.name.clone());
+    resolved.data.root = Some(spec.data.root.display().to_string());
+    Ok(LoadedConfig { spec, resolved })
+}
+
+/// Numbers derived from the spec and the training-set size: what `validate` shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    pub world_size: usize,
+    pub train_samples: usize,
+    /// Samples each rank sees per epoch (the sampler pads to a multiple of the world size).
+    pub samples_per_rank: usize,
+    pub global_batch: usize,
+    pub micro_batches_per_epoch: usize,
+    pub steps_per_epoch: usize,
+    pub total_steps: usize,
+}
+
+impl JobSpec {
+    pub fn plan(&self, train_samples: usize, world_size: usize) -> Plan {
+        let t = &self.train;
+        let samples_per_rank = train_samples.div_ceil(world_size);
+        let micro_batches_per_epoch = samples_per_rank.div_ceil(t.batch_size);
+        let steps_per_epoch = micro_batches_per_epoch.div_ceil(t.accumulation);
+        let uncapped = steps_per_epoch * t.epochs;
+        Plan {
+            world_size,
+            train_samples,
+            samples_per_rank,
+            global_batch: t.batch_size * t.accumulation * world_size,
+            micro_batches_per_epoch,
+            steps_per_epoch,
+            total_steps: t.max_steps.map_or(uncapped, |m| m.min(uncapped)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,188 @@
+//! The job file as serde reads it: every key optional, defaults filled in, unknown keys rejected.
+//! Values are not checked here; `spec.rs` turns this into a validated [`crate::config::JobSpec`].
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawConfig {
+    pub name: Option<String>,
+    pub seed: i64,
+    pub model: RawModel,
+    pub data: RawData,
+    pub train: RawTrain,
+    pub checkpoint: RawCheckpoint,
+    pub distributed: RawDistributed,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawModel {
+    pub arch: String,
+    pub hidden: Vec<i64>,
+}
+
+impl Default for RawModel {
+    fn default() -> Self {
+        Self {
+            arch: "mlp".into(),
+            hidden: vec![256, 256],
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawData {
+    pub dataset: String,
+    pub root: Option<String>,
+    pub download: bool,
+    pub mirrors: Vec<String>,
+    pub checksums: BTreeMap<String, String>,
+    pub mean: Vec<f64>,
+    pub std: Vec<f64>,
+    pub synthetic: RawSynthetic,
+}
+
+impl Default for RawData {
+    fn default() -> Self {
+        Self {
+            dataset: "mnist".into(),
+            root: None,
+            download: false,
+            mirrors: Vec::new(),
+            checksums: BTreeMap::new(),
+            mean: Vec::new(),
+            std: Vec::new(),
+            synthetic: RawSynthetic::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawSynthetic {
+    pub train_samples: i64,
+    pub test_samples: i64,
+    pub shape: Vec<i64>,
+    pub classes: i64,
+    pub noise: f64,
+}
+
+impl Default for RawSynthetic {
+    fn default() -> Self {
+        Self {
+            train_samples: 4096,
+            test_samples: 1024,
+            shape: vec![1, 28, 28],
+            classes: 10,
+            noise: 0.5,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawTrain {
+    pub epochs: i64,
+    pub batch_size: i64,
+    pub accumulation: i64,
+    pub lr: f64,
+    pub optimizer: String,
+    pub momentum: f64,
+    pub nesterov: bool,
+    pub betas: Vec<f64>,
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub grad_clip_norm: f64,
+    pub max_steps: i64,
+    pub eval_batch_size: i64,
+    pub log_every: i64,
+    pub scheduler: RawScheduler,
+}
+
+impl Default for RawTrain {
+    fn default() -> Self {
+        Self {
+            epochs: 1,
+            batch_size: 64,
+            accumulation: 1,
+            lr: 1e-3,
+            optimizer: "adam".into(),
+            momentum: 0.0,
+            nesterov: false,
+            betas: vec![0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.0,
+            grad_clip_norm: 0.0,
+            max_steps: 0,
+            eval_batch_size: 1000,
+            log_every: 50,
+            scheduler: RawScheduler::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawScheduler {
+    pub kind: String,
+    pub step_size: i64,
+    pub gamma: f64,
+    pub min_lr: f64,
+    pub warmup_steps: i64,
+}
+
+impl Default for RawScheduler {
+    fn default() -> Self {
+        Self {
+            kind: "constant".into(),
+            step_size: 1,
+            gamma: 0.1,
+            min_lr: 0.0,
+            warmup_steps: 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawCheckpoint {
+    pub every_epochs: i64,
+    pub every_steps: i64,
+    pub keep_last: i64,
+}
+
+impl Default for RawCheckpoint {
+    fn default() -> Self {
+        Self {
+            every_epochs: 1,
+            every_steps: 0,
+            keep_last: 3,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawDistributed {
+    pub nproc_per_node: toml::Value,
+    pub backend: String,
+    pub max_restarts: i64,
+    pub timeout_s: i64,
+    pub bucket_mb: f64,
+}
+
+impl Default for RawDistributed {
+    fn default() -> Self {
+        Self {
+            nproc_per_node: toml::Value::String("auto".into()),
+            backend: "auto".into(),
+            max_restarts: 0,
+            timeout_s: 300,
+            bucket_mb: 25.0,
+        }
+    }
+}

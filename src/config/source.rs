@@ -1,0 +1,241 @@
+//! Reads a job file into a `toml::Table`, remembering where every key was written, applies
+//! `--set` overrides typed by the schema, and checks every key against the schema.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use toml_edit::TableLike;
+
+use super::error::{ConfigError, Origin};
+use super::schema::{self, Kind};
+
+/// The merged config document and where each of its keys came from.
+#[derive(Debug)]
+pub struct Source {
+    pub path: PathBuf,
+    pub table: toml::Table,
+    /// Byte offset of each key (dotted path) in the file, and of its value.
+    key_offsets: HashMap<String, usize>,
+    value_offsets: HashMap<String, usize>,
+    text: String,
+    /// `--set` argument that last set each dotted path.
+    overrides: HashMap<String, String>,
+}
+
+impl Source {
+    /// Parses `text` (read from `path`) and applies `overrides` (`key.path=value`).
+    pub fn parse(path: &Path, text: String, overrides: &[String]) -> Result<Self, ConfigError> {
+        let doc = toml_edit::Document::parse(text.as_str()).map_err(|e| ConfigError::Syntax {
+            at: file_origin(path, &text, e.span().map_or(0, |s| s.start)),
+            message: e.message().trim().to_string(),
+        })?;
+        let table: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::Syntax {
+            at: file_origin(path, &text, e.span().map_or(0, |s| s.start)),
+            message: e.message().trim().to_string(),
+        })?;
+        let mut source = Source {
+            path: path.to_path_buf(),
+            table,
+            key_offsets: HashMap::new(),
+            value_offsets: HashMap::new(),
+            text: String::new(),
+            overrides: HashMap::new(),
+        };
+        source.record_offsets("", doc.as_table());
+        drop(doc);
+        source.text = text;
+        for arg in overrides {
+            source.apply_override(arg)?;
+        }
+        Ok(source)
+    }
+
+    fn record_offsets(&mut self, prefix: &str, table: &dyn TableLike) {
+        for (name, item) in table.iter() {
+            let path = join(prefix, name);
+            if let Some(start) = table.key(name).and_then(|k| k.span()).map(|s| s.start) {
+                self.key_offsets.insert(path.clone(), start);
+            }
+            if let Some(start) = item.span().map(|s| s.start) {
+                self.value_offsets.insert(path.clone(), start);
+            }
+            if let Some(inner) = item.as_table_like() {
+                self.record_offsets(&path, inner);
+            }
+        }
+    }
+
+    /// Where the key `path` was set (its key, for unknown-key errors).
+    pub fn key_origin(&self, path: &str) -> Origin {
+        self.origin(path, &self.key_offsets)
+    }
+
+    /// Where the value of `path` was set (for type and value errors).
+    pub fn value_origin(&self, path: &str) -> Origin {
+        self.origin(path, &self.value_offsets)
+    }
+
+    fn origin(&self, path: &str, offsets: &HashMap<String, usize>) -> Origin {
+        if let Some(arg) = self.overrides.get(path) {
+            return Origin::Override(arg.clone());
+        }
+        match offsets.get(path).or_else(|| self.key_offsets.get(path)) {
+            Some(&offset) => file_origin(&self.path, &self.text, offset),
+            None => Origin::Defaulted(self.path.clone()),
+        }
+    }
+
+    fn apply_override(&mut self, arg: &str) -> Result<(), ConfigError> {
+        let bad = |problem: String| ConfigError::BadOverride {
+            arg: arg.to_string(),
+            problem,
+        };
+        let (path, raw_value) = arg
+            .split_once('=')
+            .ok_or_else(|| bad("expected key.path=value, e.g. --set train.lr=0.01".into()))?;
+        let path = path.trim();
+        let Some(spec) = schema::lookup(path) else {
+            let (table, leaf) = path.rsplit_once('.').unwrap_or(("", path));
+            let suggestion = schema::closest(leaf, schema::children(table)).map(|s| join(table, s));
+            let hint = suggestion.map_or(String::new(), |s| format!("; did you mean `{s}`?"));
+            return Err(bad(format!("unknown key `{path}`{hint}")));
+        };
+        let value = parse_override_value(spec.kind, raw_value.trim()).map_err(|problem| {
+            bad(format!(
+                "`{path}` must be {}: {problem}",
+                spec.kind.describe()
+            ))
+        })?;
+        let mut table = &mut self.table;
+        let mut segments: Vec<&str> = path.split('.').collect();
+        let leaf = segments.pop().unwrap_or(path);
+        for (i, segment) in segments.iter().enumerate() {
+            let entry = table
+                .entry(segment.to_string())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            table = entry.as_table_mut().ok_or_else(|| {
+                bad(format!(
+                    "`{}` is not a table in the config file",
+                    segments[..=i].join(".")
+                ))
+            })?;
+        }
+        table.insert(leaf.to_string(), value);
+        self.overrides.insert(path.to_string(), arg.to_string());
+        Ok(())
+    }
+
+    /// Every key known to the schema, with a value of the right type; all problems at once.
+    pub fn check_keys(&self) -> Result<(), ConfigError> {
+        let mut errors = Vec::new();
+        self.check_table("", &self.table, &mut errors);
+        ConfigError::collect(errors)
+    }
+
+    fn check_table(&self, prefix: &str, table: &toml::Table, errors: &mut Vec<ConfigError>) {
+        for (name, value) in table {
+            let path = join(prefix, name);
+            let Some(spec) = schema::lookup(&path) else {
+                errors.push(ConfigError::UnknownKey {
+                    key: name.clone(),
+                    table: if prefix.is_empty() {
+                        "the top level".into()
+                    } else {
+                        format!("[{prefix}]")
+                    },
+                    at: self.key_origin(&path),
+                    suggestion: schema::closest(name, schema::children(prefix)).map(String::from),
+                });
+                continue;
+            };
+            if !kind_matches(spec.kind, value) {
+                errors.push(ConfigError::WrongType {
+                    key: path.clone(),
+                    at: self.value_origin(&path),
+                    expected: spec.kind.describe(),
+                    found: describe_value(value),
+                });
+            } else if spec.kind == Kind::Table {
+                if let Some(inner) = value.as_table() {
+                    self.check_table(&path, inner, errors);
+                }
+            }
+        }
+    }
+}
+
+fn join(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+fn file_origin(path: &Path, text: &str, offset: usize) -> Origin {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    Origin::File {
+        path: path.to_path_buf(),
+        line,
+        col,
+    }
+}
+
+fn kind_matches(kind: Kind, value: &toml::Value) -> bool {
+    use toml::Value as V;
+    let all = |items: &Vec<V>, f: fn(&V) -> bool| items.iter().all(f);
+    match (kind, value) {
+        (Kind::Table, V::Table(_)) => true,
+        (Kind::StrMap, V::Table(t)) => t.values().all(|v| v.is_str()),
+        (Kind::Str, V::String(_)) | (Kind::Int, V::Integer(_)) | (Kind::Bool, V::Boolean(_)) => {
+            true
+        }
+        (Kind::Float, V::Float(_) | V::Integer(_)) => true,
+        (Kind::IntList, V::Array(a)) => all(a, |v| v.is_integer()),
+        (Kind::FloatList, V::Array(a)) => all(a, |v| v.is_float() || v.is_integer()),
+        (Kind::StrList, V::Array(a)) => all(a, |v| v.is_str()),
+        (Kind::AutoOrInt, V::Integer(_)) => true,
+        (Kind::AutoOrInt, V::String(s)) => s == "auto",
+        _ => false,
+    }
+}
+
+fn describe_value(value: &toml::Value) -> String {
+    match value {
+        toml::Value::String(s) => format!("the string \"{s}\""),
+        toml::Value::Integer(i) => format!("the integer {i}"),
+        toml::Value::Float(x) => format!("the number {x}"),
+        toml::Value::Boolean(b) => format!("{b}"),
+        toml::Value::Datetime(d) => format!("the date {d}"),
+        toml::Value::Array(_) => "a list with other types".into(),
+        toml::Value::Table(_) => "a table".into(),
+    }
+}
+
+/// Types a `--set` value by the key's schema kind: `--set data.root=x` needs no quotes.
+fn parse_override_value(kind: Kind, raw: &str) -> Result<toml::Value, String> {
+    let unquoted = raw.trim_matches(|c| c == '"' || c == '\'');
+    let value = match kind {
+        Kind::Str => toml::Value::String(unquoted.to_string()),
+        Kind::Int => toml::Value::Integer(raw.parse().map_err(|_| format!("`{raw}` is not one"))?),
+        Kind::Float => toml::Value::Float(raw.parse().map_err(|_| format!("`{raw}` is not one"))?),
+        Kind::Bool => toml::Value::Boolean(raw.parse().map_err(|_| format!("`{raw}` is not one"))?),
+        Kind::AutoOrInt if unquoted == "auto" => toml::Value::String("auto".into()),
+        Kind::AutoOrInt => {
+            toml::Value::Integer(raw.parse().map_err(|_| format!("`{raw}` is not one"))?)
+        }
+        Kind::Table => return Err("it is a section; set one of its keys instead".into()),
+        Kind::StrMap | Kind::IntList | Kind::FloatList | Kind::StrList => {
+            let mut t: toml::Table = toml::from_str(&format!("v = {raw}"))
+                .map_err(|_| format!("`{raw}` is not TOML (e.g. [1, 2])"))?;
+            t.remove("v").ok_or("no value")?
+        }
+    };
+    if kind_matches(kind, &value) {
+        Ok(value)
+    } else {
+        Err(format!("`{raw}` has the wrong type"))
+    }
+}

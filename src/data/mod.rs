@@ -1,0 +1,274 @@
+//! Datasets held in memory as u8 pixels, and batches assembled from them in one pass.
+
+mod catalog;
+pub mod download;
+pub mod idx;
+pub mod sampler;
+mod synthetic;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use thiserror::Error;
+
+use crate::config::{DataSpec, DatasetKind};
+pub use catalog::{FILES, Locate};
+pub use sampler::DistributedSampler;
+
+#[derive(Debug, Error)]
+pub enum DataError {
+    #[error("cannot read `{}`: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`{}` is damaged: {problem}", path.display())]
+    Corrupt { path: PathBuf, problem: String },
+    #[error(
+        "{dataset}: missing {} (looked in {}); put the IDX files (.gz or raw) in data.root, \
+         install Debian's dataset-{dataset} package if there is one, or set data.download = true",
+        missing.join(", "),
+        searched.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(" and ")
+    )]
+    NotFound {
+        dataset: String,
+        missing: Vec<String>,
+        searched: Vec<PathBuf>,
+    },
+    #[error("could not download {file} to `{}`; every mirror failed:\n  {}\n\
+             check the network, set data.mirrors, or copy the file there by hand",
+            dest.display(), failures.join("\n  "))]
+    Download {
+        file: String,
+        dest: PathBuf,
+        failures: Vec<String>,
+    },
+    #[error("{0}")]
+    Mismatch(String),
+    #[error(transparent)]
+    Tensor(#[from] candle_core::Error),
+}
+
+/// One split: `len` images of `shape` = [channels, height, width], pixels row-major as u8.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Split {
+    pub images: Vec<u8>,
+    pub labels: Vec<u8>,
+    pub shape: [usize; 3],
+}
+
+impl Split {
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    fn sample_len(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Both splits, the number of classes, and the pixel → f32 mapping.
+#[derive(Debug, Clone)]
+pub struct Dataset {
+    pub train: Split,
+    pub test: Split,
+    pub classes: usize,
+    pixels: PixelMap,
+}
+
+/// u8 → f32 lookup per channel: ToTensor's /255, then optional (x - mean) / std.
+#[derive(Debug, Clone)]
+struct PixelMap {
+    per_channel: Vec<[f32; 256]>,
+}
+
+impl PixelMap {
+    fn new(channels: usize, normalize: Option<&(Vec<f32>, Vec<f32>)>) -> Self {
+        let per_channel = (0..channels)
+            .map(|c| {
+                let (mean, std) = normalize.map_or((0.0, 1.0), |(m, s)| (m[c], s[c]));
+                std::array::from_fn(|v| (v as f32 / 255.0 - mean) / std)
+            })
+            .collect();
+        PixelMap { per_channel }
+    }
+}
+
+impl Dataset {
+    pub fn new(
+        train: Split,
+        test: Split,
+        classes: usize,
+        normalize: Option<&(Vec<f32>, Vec<f32>)>,
+    ) -> Self {
+        let pixels = PixelMap::new(train.shape[0], normalize);
+        Dataset {
+            train,
+            test,
+            classes,
+            pixels,
+        }
+    }
+
+    /// Loads (or generates) the dataset the spec names.
+    pub fn load(spec: &DataSpec, seed: u64) -> Result<Self, DataError> {
+        let catalog = match &spec.dataset {
+            DatasetKind::Synthetic(s) => {
+                let (train, test) = synthetic::generate(s, seed);
+                return Ok(Dataset::new(
+                    train,
+                    test,
+                    s.classes,
+                    spec.normalize.as_ref(),
+                ));
+            }
+            DatasetKind::Mnist => &catalog::MNIST,
+            DatasetKind::FashionMnist => &catalog::FASHION_MNIST,
+        };
+        let paths = catalog.locate(&Locate {
+            root: &spec.root,
+            system_dir: Path::new("/usr/share/datasets").join(catalog.name),
+            download: spec.download,
+            mirrors: &spec.mirrors,
+            checksums: &spec.checksums,
+        })?;
+        Self::from_idx_files(&paths, spec.normalize.as_ref())
+    }
+
+    /// Reads train images, train labels, test images, test labels (the `FILES` order).
+    pub fn from_idx_files(
+        paths: &[PathBuf; 4],
+        normalize: Option<&(Vec<f32>, Vec<f32>)>,
+    ) -> Result<Self, DataError> {
+        let train = split_from(&paths[0], &paths[1])?;
+        let test = split_from(&paths[2], &paths[3])?;
+        if train.shape != test.shape {
+            return Err(DataError::Mismatch(format!(
+                "train images are {:?} but test images are {:?} ({} vs {})",
+                train.shape,
+                test.shape,
+                paths[0].display(),
+                paths[2].display()
+            )));
+        }
+        let classes = train
+            .labels
+            .iter()
+            .chain(&test.labels)
+            .copied()
+            .max()
+            .map_or(1, |m| m as usize + 1)
+            .max(2);
+        Ok(Dataset::new(train, test, classes, normalize))
+    }
+
+    /// Images [n, c, h, w] (f32) and labels [n] (u32) for `indices` of `split`, built in one
+    /// pass from the u8 buffer straight into the tensor's storage.
+    pub fn batch(
+        &self,
+        split: &Split,
+        indices: &[usize],
+        device: &Device,
+    ) -> Result<(Tensor, Tensor), DataError> {
+        let sample_len = split.sample_len();
+        let plane = split.shape[1] * split.shape[2];
+        let mut xs = Vec::with_capacity(indices.len() * sample_len);
+        let mut ys = Vec::with_capacity(indices.len());
+        for &i in indices {
+            let pixels = &split.images[i * sample_len..(i + 1) * sample_len];
+            for (channel, lut) in pixels.chunks_exact(plane).zip(&self.pixels.per_channel) {
+                xs.extend(channel.iter().map(|&v| lut[v as usize]));
+            }
+            ys.push(u32::from(split.labels[i]));
+        }
+        let [c, h, w] = split.shape;
+        let xs = Tensor::from_vec(xs, (indices.len(), c, h, w), device)?;
+        let ys = Tensor::from_vec(ys, indices.len(), device)?;
+        Ok((xs, ys))
+    }
+}
+
+fn split_from(images: &Path, labels: &Path) -> Result<Split, DataError> {
+    let img = idx::read_idx(images)?;
+    let lab = idx::read_idx(labels)?;
+    let shape = match img.dims.as_slice() {
+        &[_, h, w] => [1, h, w],
+        &[_, c, h, w] => [c, h, w],
+        other => {
+            return Err(DataError::Corrupt {
+                path: images.into(),
+                problem: format!("expected image dimensions [n, height, width], found {other:?}"),
+            });
+        }
+    };
+    if lab.dims.len() != 1 {
+        return Err(DataError::Corrupt {
+            path: labels.into(),
+            problem: format!("expected label dimensions [n], found {:?}", lab.dims),
+        });
+    }
+    if img.dims[0] != lab.dims[0] {
+        return Err(DataError::Mismatch(format!(
+            "`{}` has {} images but `{}` has {} labels; the files do not belong together",
+            images.display(),
+            img.dims[0],
+            labels.display(),
+            lab.dims[0]
+        )));
+    }
+    Ok(Split {
+        images: img.data,
+        labels: lab.data,
+        shape,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_scale_like_to_tensor_and_normalise() {
+        let split = Split {
+            images: vec![0, 255, 51, 102],
+            labels: vec![3, 1],
+            shape: [1, 1, 2],
+        };
+        let plain = Dataset::new(split.clone(), split.clone(), 4, None);
+        let (x, y) = plain.batch(&split, &[1, 0], &Device::Cpu).unwrap();
+        assert_eq!(x.dims(), &[2, 1, 1, 2]);
+        assert_eq!(
+            x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![0.2, 0.4, 0.0, 1.0]
+        );
+        assert_eq!(y.to_vec1::<u32>().unwrap(), vec![1, 3]);
+        let norm = (vec![0.5], vec![0.5]);
+        let normed = Dataset::new(split.clone(), split.clone(), 4, Some(&norm));
+        let (x, _) = normed.batch(&split, &[0], &Device::Cpu).unwrap();
+        assert_eq!(
+            x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![-1.0, 1.0]
+        );
+    }
+
+    #[test]
+    fn mismatched_counts_name_both_files() {
+        let dir = std::env::temp_dir().join(format!("ddpjob-mismatch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let images = dir.join("train-images-idx3-ubyte");
+        let labels = dir.join("train-labels-idx1-ubyte");
+        std::fs::write(&images, idx::encode_idx(&[3, 2, 2], &[0; 12])).unwrap();
+        std::fs::write(&labels, idx::encode_idx(&[2], &[0, 1])).unwrap();
+        let err = split_from(&images, &labels).unwrap_err().to_string();
+        assert!(
+            err.contains("3 images") && err.contains("2 labels"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,236 @@
+//! The job directory contract: `jobs/<name>/` with job.toml, state.json, metrics.jsonl, logs/,
+//! checkpoints/, model.safetensors and summary.json. Files are replaced atomically.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum JobDirError {
+    #[error(
+        "job `{name}` already exists in `{}` ({status}, epoch {epoch}, step {step}) and is not finished; \
+         choose another name with --name, or delete that directory to start over",
+        dir.display()
+    )]
+    ExistsUnfinished {
+        name: String,
+        dir: PathBuf,
+        status: Status,
+        epoch: usize,
+        step: usize,
+    },
+    #[error("job `{name}` already finished in `{}`; pick a new name with --name {name}-2 (runs are never overwritten)", dir.display())]
+    ExistsFinished { name: String, dir: PathBuf },
+    #[error("`{}` already exists but is not a ddpjob job directory (no readable state.json); use --name or --jobs-dir", dir.display())]
+    ExistsForeign { dir: PathBuf },
+    #[error("cannot write `{}`: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JobDirError + '_ {
+    move |source| JobDirError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Running,
+    Finished,
+    Failed,
+    Interrupted,
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            Status::Running => "running",
+            Status::Finished => "finished",
+            Status::Failed => "failed",
+            Status::Interrupted => "interrupted",
+        };
+        f.write_str(s)
+    }
+}
+
+/// `state.json`: where the job is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobState {
+    pub status: Status,
+    pub epoch: usize,
+    pub step: usize,
+    pub total_steps: usize,
+    pub world_size: usize,
+    pub updated_unix: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+pub fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Writes `bytes` to `path` through a temp file, fsync and rename: readers see old or new, whole.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp",
+        path.file_name()
+            .map_or("file".into(), |n| n.to_string_lossy())
+    ));
+    let mut f = File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    fs::rename(&tmp, path)?;
+    sync_dir(dir)
+}
+
+/// Makes a rename or create in `dir` durable.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// An existing or new job directory.
+#[derive(Debug, Clone)]
+pub struct JobDir {
+    pub root: PathBuf,
+}
+
+impl JobDir {
+    pub fn open(jobs_dir: &Path, name: &str) -> Self {
+        JobDir {
+            root: jobs_dir.join(name),
+        }
+    }
+
+    /// Fails (without touching anything) if the job already exists.
+    pub fn ensure_new(&self, name: &str) -> Result<(), JobDirError> {
+        if !self.root.exists() {
+            return Ok(());
+        }
+        let dir = self.root.clone();
+        match self.read_state() {
+            Some(s) if s.status == Status::Finished => Err(JobDirError::ExistsFinished {
+                name: name.into(),
+                dir,
+            }),
+            Some(s) => Err(JobDirError::ExistsUnfinished {
+                name: name.into(),
+                dir,
+                status: s.status,
+                epoch: s.epoch,
+                step: s.step,
+            }),
+            None => Err(JobDirError::ExistsForeign { dir }),
+        }
+    }
+
+    /// Creates the directory, `logs/` and `checkpoints/`; fails if another run created it first.
+    pub fn create(&self, name: &str) -> Result<(), JobDirError> {
+        self.ensure_new(name)?;
+        if let Some(parent) = self.root.parent() {
+            fs::create_dir_all(parent).map_err(io(parent))?;
+        }
+        fs::create_dir(&self.root).map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => JobDirError::ExistsForeign {
+                dir: self.root.clone(),
+            },
+            _ => JobDirError::Io {
+                path: self.root.clone(),
+                source: e,
+            },
+        })?;
+        for sub in [self.logs_dir(), self.checkpoints_dir()] {
+            fs::create_dir(&sub).map_err(io(&sub))?;
+        }
+        Ok(())
+    }
+
+    pub fn job_toml(&self) -> PathBuf {
+        self.root.join("job.toml")
+    }
+    pub fn state_path(&self) -> PathBuf {
+        self.root.join("state.json")
+    }
+    pub fn metrics_path(&self) -> PathBuf {
+        self.root.join("metrics.jsonl")
+    }
+    pub fn logs_dir(&self) -> PathBuf {
+        self.root.join("logs")
+    }
+    pub fn checkpoints_dir(&self) -> PathBuf {
+        self.root.join("checkpoints")
+    }
+    pub fn model_path(&self) -> PathBuf {
+        self.root.join("model.safetensors")
+    }
+    pub fn summary_path(&self) -> PathBuf {
+        self.root.join("summary.json")
+    }
+
+    pub fn write_file(&self, path: &Path, bytes: &[u8]) -> Result<(), JobDirError> {
+        write_atomic(path, bytes).map_err(io(path))
+    }
+
+    pub fn write_json<T: Serialize>(&self, path: &Path, value: &T) -> Result<(), JobDirError> {
+        let mut text = serde_json::to_string_pretty(value).unwrap_or_default();
+        text.push('\n');
+        self.write_file(path, text.as_bytes())
+    }
+
+    pub fn write_state(&self, state: &JobState) -> Result<(), JobDirError> {
+        self.write_json(&self.state_path(), state)
+    }
+
+    pub fn read_state(&self) -> Option<JobState> {
+        serde_json::from_slice(&fs::read(self.state_path()).ok()?).ok()
+    }
+
+    /// Appends one JSON object as a line to `metrics.jsonl`.
+    pub fn append_metrics(&self, line: &serde_json::Value) -> Result<(), JobDirError> {
+        let path = self.metrics_path();
+        let mut f = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(io(&path))?;
+        writeln!(f, "{line}").map_err(io(&path))
+    }
+}
+
+/// Every job under `jobs_dir` with a readable state, newest first.
+pub fn list_jobs(jobs_dir: &Path) -> std::io::Result<Vec<(String, JobState)>> {
+    let mut jobs = Vec::new();
+    let entries = match fs::read_dir(jobs_dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(jobs),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(state) = JobDir::open(jobs_dir, &name).read_state() {
+            jobs.push((name, state));
+        }
+    }
+    jobs.sort_by(|a, b| {
+        b.1.updated_unix
+            .cmp(&a.1.updated_unix)
+            .then_with(|| a.0.cmp(&b.0))
+    });
+    Ok(jobs)
+}

@@ -1,0 +1,66 @@
+//! `cnn`: the pytorch/examples MNIST net without dropout — Conv(c,32,3)-ReLU-Conv(32,64,3)-ReLU-
+//! MaxPool(2)-Flatten-Linear(·,128)-ReLU-Linear(128,classes) — as in `torch_ref.py`.
+
+use candle_core::{Device, Result, Tensor};
+
+use super::{Conv2d, Init, Linear, Model, Params};
+
+pub struct Cnn {
+    conv1: Conv2d,
+    conv2: Conv2d,
+    fc1: Linear,
+    fc2: Linear,
+    params: Params,
+}
+
+impl Cnn {
+    pub fn new(shape: [usize; 3], classes: usize, seed: u64, device: &Device) -> Result<Self> {
+        let [c, h, w] = shape;
+        let flat = 64 * ((h - 4) / 2) * ((w - 4) / 2);
+        let mut init = Init::new(seed, device);
+        let conv1 = init.conv2d("conv1", c, 32, 3)?;
+        let conv2 = init.conv2d("conv2", 32, 64, 3)?;
+        let fc1 = init.linear("fc1", flat, 128)?;
+        let fc2 = init.linear("fc2", 128, classes)?;
+        Ok(Cnn {
+            conv1,
+            conv2,
+            fc1,
+            fc2,
+            params: init.finish(),
+        })
+    }
+}
+
+impl Model for Cnn {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let h = self.conv1.forward(xs)?.relu()?;
+        let h = self.conv2.forward(&h)?.relu()?.max_pool2d(2)?;
+        let h = self.fc1.forward(&h.flatten_from(1)?)?.relu()?;
+        self.fc2.forward(&h)
+    }
+
+    fn params(&self) -> &Params {
+        &self.params
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matches_the_torch_reference_shapes() {
+        let cnn = Cnn::new([1, 28, 28], 10, 0, &Device::Cpu).unwrap();
+        let dims: Vec<_> = cnn
+            .params()
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.dims().to_vec()))
+            .collect();
+        assert_eq!(dims[0], ("conv1.weight".to_string(), vec![32, 1, 3, 3]));
+        assert_eq!(dims[4], ("fc1.weight".to_string(), vec![128, 9216]));
+        let out = cnn
+            .forward(&Tensor::ones((2, 1, 28, 28), candle_core::DType::F32, &Device::Cpu).unwrap());
+        assert_eq!(out.unwrap().dims(), &[2, 10]);
+    }
+}

@@ -1,0 +1,90 @@
+//! `mlp`: flatten, then Linear-ReLU layers of the configured widths, then a Linear classifier;
+//! named fc1, fc2, ... as in `../shared/bench/torch_ref.py`.
+
+use candle_core::{Device, Result, Tensor};
+
+use super::{Init, Linear, Model, Params};
+
+pub struct Mlp {
+    layers: Vec<Linear>,
+    params: Params,
+}
+
+impl Mlp {
+    pub fn new(
+        shape: [usize; 3],
+        hidden: &[usize],
+        classes: usize,
+        seed: u64,
+        device: &Device,
+    ) -> Result<Self> {
+        let mut init = Init::new(seed, device);
+        let widths: Vec<usize> = std::iter::once(shape.iter().product())
+            .chain(hidden.iter().copied())
+            .chain([classes])
+            .collect();
+        let layers = widths
+            .windows(2)
+            .enumerate()
+            .map(|(i, w)| init.linear(&format!("fc{}", i + 1), w[0], w[1]))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Mlp {
+            layers,
+            params: init.finish(),
+        })
+    }
+}
+
+impl Model for Mlp {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let mut h = xs.flatten_from(1)?;
+        let last = self.layers.len() - 1;
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h)?;
+            if i < last {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+
+    fn params(&self) -> &Params {
+        &self.params
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_shapes_follow_torch() {
+        let mlp = Mlp::new([1, 28, 28], &[256, 256], 10, 0, &Device::Cpu).unwrap();
+        let names: Vec<_> = mlp
+            .params()
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.dims().to_vec()))
+            .collect();
+        assert_eq!(names[0], ("fc1.weight".to_string(), vec![256, 784]));
+        assert_eq!(names[5], ("fc3.bias".to_string(), vec![10]));
+        assert_eq!(
+            mlp.params().element_count(),
+            784 * 256 + 256 + 256 * 256 + 256 + 2570
+        );
+        let out = mlp.forward(
+            &Tensor::zeros((3, 1, 28, 28), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        );
+        assert_eq!(out.unwrap().dims(), &[3, 10]);
+        // Bound 1/sqrt(784): every fc1 weight lies inside it.
+        let w = mlp
+            .params()
+            .vars()
+            .next()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(w.iter().all(|x| x.abs() <= 1.0 / 28.0));
+    }
+}

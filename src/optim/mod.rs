@@ -1,0 +1,195 @@
+//! Optimizers with the formulas of `torch.optim` and state that can be saved and restored
+//! exactly (candle-nn keeps its optimizers' state private), plus gradient clipping.
+
+pub mod schedule;
+
+use std::collections::HashMap;
+
+use candle_core::{Result, Tensor};
+
+use crate::config::OptimizerSpec;
+use crate::models::Params;
+
+pub use schedule::Schedule;
+
+/// One optimizer over a fixed list of parameters; state is per parameter, by position.
+pub struct Optimizer {
+    spec: OptimizerSpec,
+    /// Steps taken (Adam's `t`).
+    steps: u64,
+    /// SGD: momentum buffer. Adam/AdamW: first moment.
+    first: Vec<Option<Tensor>>,
+    /// Adam/AdamW: second moment.
+    second: Vec<Option<Tensor>>,
+}
+
+impl Optimizer {
+    pub fn new(spec: OptimizerSpec, param_count: usize) -> Self {
+        Optimizer {
+            spec,
+            steps: 0,
+            first: vec![None; param_count],
+            second: vec![None; param_count],
+        }
+    }
+
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Updates every parameter from its gradient (same order as `params`) with learning rate `lr`.
+    pub fn step(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
+        self.steps += 1;
+        let t = self.steps as i32;
+        for (i, (var, grad)) in params.vars().zip(grads).enumerate() {
+            let p = var.as_tensor();
+            let updated = match self.spec {
+                OptimizerSpec::Sgd {
+                    momentum,
+                    nesterov,
+                    weight_decay,
+                } => {
+                    // torch.optim.SGD (dampening 0): g += wd·p; buf = μ·buf + g (buf = g at first);
+                    // g = nesterov ? g + μ·buf : buf; p -= lr·g
+                    let g = l2(grad, p, weight_decay)?;
+                    let g = if momentum > 0.0 {
+                        let buf = match &self.first[i] {
+                            Some(buf) => ((buf * momentum)? + &g)?,
+                            None => g.clone(),
+                        };
+                        let dir = if nesterov {
+                            (&g + (&buf * momentum)?)?
+                        } else {
+                            buf.clone()
+                        };
+                        self.first[i] = Some(buf);
+                        dir
+                    } else {
+                        g
+                    };
+                    (p - (g * lr)?)?
+                }
+                OptimizerSpec::Adam {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                } => {
+                    // torch.optim.Adam: g += wd·p (L2), then the Adam update.
+                    let g = l2(grad, p, weight_decay)?;
+                    self.adam_update(i, p, &g, lr, beta1, beta2, eps, t)?
+                }
+                OptimizerSpec::AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                } => {
+                    // torch.optim.AdamW: p *= 1 - lr·wd (decoupled), then the Adam update.
+                    let decayed = if weight_decay > 0.0 {
+                        (p * (1.0 - lr * weight_decay))?
+                    } else {
+                        p.clone()
+                    };
+                    self.adam_update(i, &decayed, grad, lr, beta1, beta2, eps, t)?
+                }
+            };
+            var.set(&updated)?;
+        }
+        Ok(())
+    }
+
+    /// m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²;
+    /// p -= lr/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + eps)
+    #[allow(clippy::too_many_arguments)]
+    fn adam_update(
+        &mut self,
+        i: usize,
+        p: &Tensor,
+        g: &Tensor,
+        lr: f64,
+        b1: f64,
+        b2: f64,
+        eps: f64,
+        t: i32,
+    ) -> Result<Tensor> {
+        let m = match &self.first[i] {
+            Some(m) => ((m * b1)? + (g * (1.0 - b1))?)?,
+            None => (g * (1.0 - b1))?,
+        };
+        let v = match &self.second[i] {
+            Some(v) => ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?,
+            None => (g.sqr()? * (1.0 - b2))?,
+        };
+        let step_size = lr / (1.0 - b1.powi(t));
+        let denom = ((v.sqrt()? / (1.0 - b2.powi(t)).sqrt())? + eps)?;
+        let updated = (p - ((&m / denom)? * step_size)?)?;
+        self.first[i] = Some(m);
+        self.second[i] = Some(v);
+        Ok(updated)
+    }
+
+    /// State tensors keyed `<param>.<buffer>` (torch's names: `momentum_buffer`, `exp_avg`,
+    /// `exp_avg_sq`) and the step count.
+    pub fn state(&self, params: &Params) -> (HashMap<String, Tensor>, u64) {
+        let mut out = HashMap::new();
+        let (first, second) = match self.spec {
+            OptimizerSpec::Sgd { .. } => ("momentum_buffer", ""),
+            _ => ("exp_avg", "exp_avg_sq"),
+        };
+        for (i, (name, _)) in params.iter().enumerate() {
+            if let Some(t) = &self.first[i] {
+                out.insert(format!("{name}.{first}"), t.clone());
+            }
+            if let Some(t) = &self.second[i] {
+                out.insert(format!("{name}.{second}"), t.clone());
+            }
+        }
+        (out, self.steps)
+    }
+
+    /// Restores what [`Optimizer::state`] returned.
+    pub fn load_state(
+        &mut self,
+        params: &Params,
+        mut tensors: HashMap<String, Tensor>,
+        steps: u64,
+    ) {
+        let (first, second) = match self.spec {
+            OptimizerSpec::Sgd { .. } => ("momentum_buffer", ""),
+            _ => ("exp_avg", "exp_avg_sq"),
+        };
+        for (i, (name, _)) in params.iter().enumerate() {
+            self.first[i] = tensors.remove(&format!("{name}.{first}"));
+            self.second[i] = tensors.remove(&format!("{name}.{second}"));
+        }
+        self.steps = steps;
+    }
+}
+
+fn l2(grad: &Tensor, p: &Tensor, weight_decay: f64) -> Result<Tensor> {
+    if weight_decay > 0.0 {
+        grad + (p * weight_decay)?
+    } else {
+        Ok(grad.clone())
+    }
+}
+
+/// Scales `grads` in place so their global L2 norm is at most `max_norm`, as
+/// `torch.nn.utils.clip_grad_norm_`: coefficient min(1, max_norm / (norm + 1e-6)), computed as
+/// tensors so the step needs no host round trip. Returns the norm before clipping (a scalar).
+pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<Tensor> {
+    let squares = grads
+        .iter()
+        .map(|g| g.sqr()?.sum_all())
+        .collect::<Result<Vec<_>>>()?;
+    let norm = Tensor::stack(&squares, 0)?.sum_all()?.sqrt()?;
+    let coef = ((norm.clone() + 1e-6)?.recip()? * max_norm)?.clamp(0f64, 1f64)?;
+    for g in grads.iter_mut() {
+        *g = g.broadcast_mul(&coef)?;
+    }
+    Ok(norm)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,126 @@
+//! Expected numbers come from this PyTorch script (torch 2.x, float64), 3 steps on two scalar
+//! parameters p = [1.0, -2.0] with gradients [[0.5, 0.3], [-0.2, 0.1], [0.4, -0.6]]:
+//!
+//! ```python
+//! p = torch.tensor([1.0, -2.0], dtype=torch.float64, requires_grad=True)
+//! opt = torch.optim.Adam([p], lr=0.1, weight_decay=0.01)   # or SGD / AdamW, see each test
+//! for g in grads: p.grad = torch.tensor(g, dtype=torch.float64); opt.step()
+//! ```
+//!
+//! (The same values come out of a plain-Python transcription of torch.optim's documented update
+//! rules; ours runs in f32, hence the 1e-5 tolerance.)
+
+use candle_core::{Device, Tensor, Var};
+
+use super::*;
+use crate::models::Params;
+
+const GRADS: [[f32; 2]; 3] = [[0.5, 0.3], [-0.2, 0.1], [0.4, -0.6]];
+
+fn run(spec: OptimizerSpec) -> Vec<f32> {
+    let var = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0], &Device::Cpu).unwrap()).unwrap();
+    let params = Params::from_vars(vec![("p".to_string(), var.clone())]);
+    let mut opt = Optimizer::new(spec, 1);
+    for g in GRADS {
+        opt.step(&params, &[Tensor::new(&g, &Device::Cpu).unwrap()], 0.1)
+            .unwrap();
+    }
+    var.to_vec1::<f32>().unwrap()
+}
+
+fn assert_close(actual: &[f32], expected: &[f64]) {
+    for (a, e) in actual.iter().zip(expected) {
+        assert!((*a as f64 - e).abs() < 1e-5, "{actual:?} vs {expected:?}");
+    }
+}
+
+#[test]
+fn sgd_momentum_with_weight_decay() {
+    // torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01)
+    let spec = OptimizerSpec::Sgd {
+        momentum: 0.9,
+        nesterov: false,
+        weight_decay: 0.01,
+    };
+    assert_close(&run(spec), &[0.857064749, -2.028965628]);
+}
+
+#[test]
+fn sgd_nesterov() {
+    // torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True)
+    let spec = OptimizerSpec::Sgd {
+        momentum: 0.9,
+        nesterov: true,
+        weight_decay: 0.0,
+    };
+    assert_close(&run(spec), &[0.80625, -2.01627]);
+}
+
+#[test]
+fn adam_with_l2_weight_decay() {
+    // torch.optim.Adam([p], lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    let spec = OptimizerSpec::Adam {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+    };
+    assert_close(&run(spec), &[0.802356669, -2.154553595]);
+}
+
+#[test]
+fn adamw_with_decoupled_weight_decay() {
+    // torch.optim.AdamW([p], lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    let spec = OptimizerSpec::AdamW {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+    };
+    assert_close(&run(spec), &[0.803123210, -2.155672011]);
+}
+
+#[test]
+fn state_round_trips_exactly() {
+    let spec = OptimizerSpec::Adam {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    };
+    let var = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0], &Device::Cpu).unwrap()).unwrap();
+    let params = Params::from_vars(vec![("w".to_string(), var)]);
+    let mut a = Optimizer::new(spec, 1);
+    a.step(
+        &params,
+        &[Tensor::new(&GRADS[0], &Device::Cpu).unwrap()],
+        0.1,
+    )
+    .unwrap();
+    let (tensors, steps) = a.state(&params);
+    assert!(tensors.contains_key("w.exp_avg") && tensors.contains_key("w.exp_avg_sq"));
+    let mut b = Optimizer::new(spec, 1);
+    b.load_state(&params, tensors, steps);
+    assert_eq!(b.steps(), 1);
+    let (again, _) = b.state(&params);
+    let m = again["w.exp_avg"].to_vec1::<f32>().unwrap();
+    assert_eq!(m, vec![0.05, 0.03]);
+}
+
+#[test]
+fn clipping_scales_to_the_global_norm() {
+    // torch.nn.utils.clip_grad_norm_([a, b], 1.0) with a = [3, 0], b = [4]: norm 5, coef 1/5.
+    let mut grads = vec![
+        Tensor::new(&[3.0f32, 0.0], &Device::Cpu).unwrap(),
+        Tensor::new(&[4.0f32], &Device::Cpu).unwrap(),
+    ];
+    let norm = clip_grad_norm(&mut grads, 1.0).unwrap();
+    assert!((norm.to_scalar::<f32>().unwrap() - 5.0).abs() < 1e-6);
+    let a = grads[0].to_vec1::<f32>().unwrap();
+    assert!((a[0] - 0.6).abs() < 1e-6, "{a:?}");
+    assert!((grads[1].to_vec1::<f32>().unwrap()[0] - 0.8).abs() < 1e-6);
+    // Under the limit nothing changes.
+    let mut small = vec![Tensor::new(&[0.1f32], &Device::Cpu).unwrap()];
+    clip_grad_norm(&mut small, 1.0).unwrap();
+    assert!((small[0].to_vec1::<f32>().unwrap()[0] - 0.1).abs() < 1e-9);
+}

@@ -1,0 +1,100 @@
+//! What only rank 0 does: write metrics, state and checkpoints into the job directory. A separate
+//! type with no collectives, so a collective that only rank 0 would call cannot be written here.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use serde_json::json;
+
+use crate::checkpoint::{Checkpointer, TrainPosition};
+use crate::config::Plan;
+use crate::jobdir::{JobDir, JobState, Status, now_unix};
+use crate::models::Params;
+use crate::optim::Optimizer;
+
+use super::{EvalResult, TrainError};
+
+pub struct Leader {
+    job: JobDir,
+    checkpointer: Checkpointer,
+    world_size: usize,
+}
+
+impl Leader {
+    pub fn new(job: JobDir, keep_last: Option<usize>, world_size: usize) -> Self {
+        let checkpointer = Checkpointer::new(job.checkpoints_dir(), keep_last);
+        Leader {
+            job,
+            checkpointer,
+            world_size,
+        }
+    }
+
+    pub fn job(&self) -> &JobDir {
+        &self.job
+    }
+
+    pub fn log_step(
+        &self,
+        epoch: usize,
+        step: usize,
+        loss: f64,
+        lr: f64,
+        samples_per_s: f64,
+    ) -> Result<(), TrainError> {
+        let line = json!({
+            "kind": "train", "epoch": epoch, "step": step, "loss": loss, "lr": lr,
+            "samples_per_s": round(samples_per_s), "time": now_unix(),
+        });
+        Ok(self.job.append_metrics(&line)?)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn log_epoch(
+        &self,
+        epoch: usize,
+        step: usize,
+        train_loss: f64,
+        lr: f64,
+        samples_per_s: f64,
+        eval: &EvalResult,
+        epoch_train_s: f64,
+        plan: &Plan,
+    ) -> Result<(), TrainError> {
+        let line = json!({
+            "kind": "epoch", "epoch": epoch, "step": step, "loss": train_loss, "lr": lr,
+            "samples_per_s": round(samples_per_s), "test_loss": eval.loss, "test_accuracy": eval.accuracy,
+            "train_s": epoch_train_s, "time": now_unix(),
+        });
+        self.job.append_metrics(&line)?;
+        let state = JobState {
+            status: Status::Running,
+            epoch: epoch + 1,
+            step,
+            total_steps: plan.total_steps,
+            world_size: self.world_size,
+            updated_unix: now_unix(),
+            last_loss: Some(train_loss),
+            error: None,
+        };
+        Ok(self.job.write_state(&state)?)
+    }
+
+    pub fn checkpoint(
+        &self,
+        params: &Params,
+        optimizer: &Optimizer,
+        position: &TrainPosition,
+    ) -> Result<PathBuf, TrainError> {
+        let model: HashMap<String, _> = params
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
+            .collect();
+        let (optim, _) = optimizer.state(params);
+        Ok(self.checkpointer.save(&model, &optim, position)?)
+    }
+}
+
+fn round(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}

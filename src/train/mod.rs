@@ -1,0 +1,342 @@
+//! The training loop: epochs of optimizer steps over DistributedSampler shards, gradient
+//! accumulation, one gradient average per step through the [`Communicator`], clipping, the
+//! schedule, evaluation, metrics and checkpoints. The same code for one worker or many.
+
+mod eval;
+mod leader;
+
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::checkpoint::{self, CheckpointError, TrainPosition};
+use crate::comm::{CommError, Communicator, average_gradients, broadcast_params};
+use crate::config::{JobSpec, Plan};
+use crate::data::{DataError, Dataset, DistributedSampler};
+use crate::jobdir::JobDirError;
+use crate::models::{Model, cross_entropy};
+use crate::optim::{Optimizer, Schedule, clip_grad_norm};
+use crate::progress::Reporter;
+
+pub use eval::{EvalResult, evaluate};
+pub use leader::Leader;
+
+#[derive(Debug, Error)]
+pub enum TrainError {
+    #[error(
+        "training loss became {value} in epoch {epoch}, between optimizer steps {first_step} and {last_step}; \
+         lower train.lr, set train.grad_clip_norm, or check the data"
+    )]
+    NonFinite {
+        value: f64,
+        epoch: usize,
+        first_step: usize,
+        last_step: usize,
+    },
+    #[error(transparent)]
+    Tensor(#[from] candle_core::Error),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    JobDir(#[from] JobDirError),
+}
+
+/// `summary.json` (**contract**: the first seven fields).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub test_accuracy: f64,
+    pub test_loss: f64,
+    /// Mean training loss over the last epoch (sample-weighted, all ranks).
+    pub final_train_loss: f64,
+    pub epochs: usize,
+    pub steps: usize,
+    /// Samples of all ranks / time in the training loop (data loading, evaluation and
+    /// checkpoints excluded), as `torch_ref.py` measures it.
+    pub train_samples_per_s: f64,
+    pub wall_s: f64,
+    pub train_s: f64,
+    pub samples: u64,
+    pub world_size: usize,
+    pub parameters: usize,
+}
+
+/// Sum of loss × samples and the sample count, over some steps.
+#[derive(Default)]
+struct LossTally {
+    loss_sum: Option<Tensor>,
+    samples: usize,
+    time: Duration,
+}
+
+impl LossTally {
+    fn add(&mut self, loss_sum: Tensor, samples: usize, time: Duration) -> Result<(), TrainError> {
+        self.loss_sum = Some(match self.loss_sum.take() {
+            Some(s) => (s + loss_sum)?,
+            None => loss_sum,
+        });
+        self.samples += samples;
+        self.time += time;
+        Ok(())
+    }
+
+    /// (mean loss over all ranks, samples of all ranks, seconds) — a collective.
+    fn reduce(&mut self, comm: &dyn Communicator) -> Result<(f64, f64, f64), TrainError> {
+        let local = match self.loss_sum.take() {
+            Some(t) => t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
+            None => 0.0,
+        };
+        let mut v = [local, self.samples as f64];
+        comm.all_reduce_sum_f64(&mut v)?;
+        let secs = self.time.as_secs_f64();
+        *self = LossTally::default();
+        Ok((v[0] / v[1].max(1.0), v[1], secs))
+    }
+}
+
+pub struct Trainer<'a> {
+    pub spec: &'a JobSpec,
+    pub data: &'a Dataset,
+    pub comm: &'a dyn Communicator,
+    pub model: Box<dyn Model>,
+    pub device: Device,
+    pub reporter: &'a mut dyn Reporter,
+    /// Rank 0 only: the job directory's writer (it has no collectives).
+    pub leader: Option<Leader>,
+    pub started: Instant,
+}
+
+impl Trainer<'_> {
+    pub fn plan(&self) -> Plan {
+        self.spec
+            .plan(self.data.train.len(), self.comm.world_size())
+    }
+
+    /// Trains to the end of the plan; returns the summary (rank 0 also writes it).
+    pub fn run(&mut self) -> Result<Summary, TrainError> {
+        let spec = self.spec;
+        let t = &spec.train;
+        let plan = self.plan();
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let schedule = Schedule::new(t.lr, t.schedule, plan.total_steps);
+        let mut optimizer = Optimizer::new(t.optimizer, self.model.params().len());
+        broadcast_params(self.comm, self.model.params())?;
+        let mut sampler = DistributedSampler::new(self.data.train.len(), world, rank, spec.seed);
+
+        let mut step = 0;
+        let mut train_time = Duration::ZERO;
+        let mut total_samples = 0f64;
+        let mut final_train_loss = f64::NAN;
+        let mut last_eval = None;
+        let mut epochs_done = 0;
+        for epoch in 0..t.epochs {
+            if step >= plan.total_steps {
+                break;
+            }
+            sampler.set_epoch(epoch as u64);
+            let indices = sampler.indices();
+            let micro: Vec<&[usize]> = indices.chunks(t.batch_size).collect();
+            let groups: Vec<&[&[usize]]> = micro.chunks(t.accumulation).collect();
+            let steps_now = groups.len().min(plan.total_steps - step);
+            self.reporter.epoch_start(epoch, t.epochs, steps_now);
+            let (mut interval, mut epoch_tally) = (LossTally::default(), (0.0, 0.0, 0.0));
+            let mut interval_first_step = step + 1;
+            for (i, group) in groups.iter().take(steps_now).enumerate() {
+                let started = Instant::now();
+                let lr = schedule.lr(step, epoch);
+                let (loss_sum, samples) = self.optimizer_step(&mut optimizer, group, lr)?;
+                step += 1;
+                interval.add(loss_sum, samples, started.elapsed())?;
+                let at_log = step % t.log_every == 0 || i + 1 == steps_now;
+                let mut status = None;
+                if at_log {
+                    let (loss, n, secs) = interval.reduce(self.comm)?;
+                    if !loss.is_finite() {
+                        return Err(TrainError::NonFinite {
+                            value: loss,
+                            epoch,
+                            first_step: interval_first_step,
+                            last_step: step,
+                        });
+                    }
+                    epoch_tally = (
+                        epoch_tally.0 + loss * n,
+                        epoch_tally.1 + n,
+                        epoch_tally.2 + secs,
+                    );
+                    let rate = n / secs.max(1e-9);
+                    let text = format!("loss {loss:.4}  lr {lr:.2e}  {rate:.0} samples/s");
+                    self.reporter.line(&format!(
+                        "epoch {}/{} step {step}/{}  {text}",
+                        epoch + 1,
+                        t.epochs,
+                        plan.total_steps
+                    ));
+                    if let Some(leader) = &self.leader {
+                        leader.log_step(epoch, step, loss, lr, rate)?;
+                    }
+                    status = Some(text);
+                    interval_first_step = step + 1;
+                }
+                self.reporter.step(i + 1, status.as_deref());
+                if checkpoint::due_after_step(&spec.checkpoint, step) && i + 1 < steps_now {
+                    let position = self.position(epoch, i + 1, step, &optimizer, lr);
+                    self.save_checkpoint(&optimizer, &position)?;
+                }
+            }
+            self.reporter.epoch_end();
+            let (loss_x_n, n, secs) = epoch_tally;
+            final_train_loss = loss_x_n / n.max(1.0);
+            total_samples += n;
+            train_time += Duration::from_secs_f64(secs);
+            epochs_done = epoch + 1;
+
+            let eval = evaluate(
+                self.model.as_ref(),
+                self.data,
+                self.comm,
+                t.eval_batch_size,
+                &self.device,
+            )?;
+            let lr = schedule.lr(step.saturating_sub(1), epoch);
+            let rate = n / secs.max(1e-9);
+            self.reporter.line(&format!(
+                "epoch {}/{} done: train loss {final_train_loss:.4}, test loss {:.4}, test accuracy {:.2}%, {rate:.0} samples/s, {secs:.1} s",
+                epoch + 1,
+                t.epochs,
+                eval.loss,
+                eval.accuracy * 100.0
+            ));
+            if let Some(leader) = &self.leader {
+                leader.log_epoch(epoch, step, final_train_loss, lr, rate, &eval, secs, &plan)?;
+            }
+            last_eval = Some(eval);
+            // The last step's mid-epoch checkpoint is taken here, after evaluation, as an epoch one.
+            if checkpoint::due_after_epoch(&spec.checkpoint, epoch)
+                || checkpoint::due_after_step(&spec.checkpoint, step)
+            {
+                let complete = steps_now == groups.len();
+                let (at_epoch, in_epoch) = if complete {
+                    (epoch + 1, 0)
+                } else {
+                    (epoch, steps_now)
+                };
+                let position = self.position(at_epoch, in_epoch, step, &optimizer, lr);
+                self.save_checkpoint(&optimizer, &position)?;
+            }
+        }
+
+        let eval = match last_eval {
+            Some(e) => e,
+            None => evaluate(
+                self.model.as_ref(),
+                self.data,
+                self.comm,
+                t.eval_batch_size,
+                &self.device,
+            )?,
+        };
+        let train_s = train_time.as_secs_f64();
+        Ok(Summary {
+            test_accuracy: eval.accuracy,
+            test_loss: eval.loss,
+            final_train_loss,
+            epochs: epochs_done,
+            steps: step,
+            train_samples_per_s: total_samples / train_s.max(1e-9),
+            wall_s: self.started.elapsed().as_secs_f64(),
+            train_s,
+            samples: total_samples as u64,
+            world_size: world,
+            parameters: self.model.params().element_count(),
+        })
+    }
+
+    /// Forward and backward over each micro-batch of `group`, gradients summed with weights
+    /// n_micro / n_group (so the step sees the mean over the group's samples, exactly as one big
+    /// batch would), averaged over ranks once, clipped, applied. Returns (Σ loss·n, n).
+    fn optimizer_step(
+        &mut self,
+        optimizer: &mut Optimizer,
+        group: &[&[usize]],
+        lr: f64,
+    ) -> Result<(Tensor, usize), TrainError> {
+        let params = self.model.params();
+        let n_group: usize = group.iter().map(|m| m.len()).sum();
+        let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
+        let mut loss_sum: Option<Tensor> = None;
+        for micro in group {
+            let (xs, ys) = self.data.batch(&self.data.train, micro, &self.device)?;
+            let loss = cross_entropy(&self.model.forward(&xs)?, &ys)?;
+            let store = (&loss * (micro.len() as f64 / n_group as f64))?.backward()?;
+            for (slot, var) in grads.iter_mut().zip(params.vars()) {
+                if let Some(g) = store.get(var) {
+                    *slot = Some(match slot.take() {
+                        Some(acc) => (acc + g)?,
+                        None => g.clone(),
+                    });
+                }
+            }
+            let weighted = (loss.detach() * micro.len() as f64)?;
+            loss_sum = Some(match loss_sum {
+                Some(s) => (s + weighted)?,
+                None => weighted,
+            });
+        }
+        let mut grads = grads
+            .into_iter()
+            .zip(params.vars())
+            .map(|(g, var)| g.map_or_else(|| var.zeros_like(), Ok))
+            .collect::<Result<Vec<_>, _>>()?;
+        average_gradients(self.comm, &mut grads, self.spec.distributed.bucket_bytes)?;
+        if let Some(max_norm) = self.spec.train.grad_clip_norm {
+            clip_grad_norm(&mut grads, max_norm)?;
+        }
+        optimizer.step(params, &grads, lr)?;
+        let loss_sum = loss_sum.map_or_else(
+            || Tensor::zeros((), candle_core::DType::F32, &self.device),
+            Ok,
+        )?;
+        Ok((loss_sum, n_group))
+    }
+
+    fn position(
+        &self,
+        epoch: usize,
+        step_in_epoch: usize,
+        step: usize,
+        optimizer: &Optimizer,
+        lr: f64,
+    ) -> TrainPosition {
+        TrainPosition {
+            epoch,
+            step_in_epoch,
+            step,
+            optimizer_steps: optimizer.steps(),
+            world_size: self.comm.world_size(),
+            seed: self.spec.seed,
+            lr,
+        }
+    }
+
+    fn save_checkpoint(
+        &mut self,
+        optimizer: &Optimizer,
+        position: &TrainPosition,
+    ) -> Result<(), TrainError> {
+        if let Some(leader) = &self.leader {
+            let dir = leader.checkpoint(self.model.params(), optimizer, position)?;
+            self.reporter
+                .line(&format!("checkpoint written: {}", dir.display()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -18,17 +18,15 @@ use crate::jobdir::{sync_dir, write_atomic};
 
 #[derive(Debug, Error)]
 pub enum CheckpointError {
-    #[error("checkpoint write to `{}` failed: {source}; the previous checkpoint is untouched", path.display())]
+    #[error("checkpoint write to `{}` failed: {cause}; the previous checkpoint is untouched", path.display())]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
-    #[error("cannot serialise tensors for `{}`: {source}", path.display())]
+    #[error("cannot serialise tensors for `{}`: {cause}", path.display())]
     Tensor {
         path: PathBuf,
-        #[source]
-        source: candle_core::Error,
+        cause: candle_core::Error,
     },
 }
 
@@ -110,17 +108,17 @@ impl Checkpointer {
     ) -> Result<(), CheckpointError> {
         fs::create_dir_all(tmp).map_err(io(tmp))?;
         let model_path = tmp.join("model.safetensors");
-        candle_core::safetensors::save(model, &model_path).map_err(|source| {
+        candle_core::safetensors::save(model, &model_path).map_err(|cause| {
             CheckpointError::Tensor {
                 path: model_path.clone(),
-                source,
+                cause,
             }
         })?;
         let optim_path = tmp.join("optimizer.safetensors");
-        candle_core::safetensors::save(optimizer, &optim_path).map_err(|source| {
+        candle_core::safetensors::save(optimizer, &optim_path).map_err(|cause| {
             CheckpointError::Tensor {
                 path: optim_path.clone(),
-                source,
+                cause,
             }
         })?;
         let state_path = tmp.join("state.json");
@@ -156,9 +154,9 @@ impl Checkpointer {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io {
+    move |cause| CheckpointError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     }
 }
 

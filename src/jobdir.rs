@@ -27,18 +27,17 @@ pub enum JobDirError {
     ExistsFinished { name: String, dir: PathBuf },
     #[error("`{}` already exists but is not a ddpjob job directory (no readable state.json); use --name or --jobs-dir", dir.display())]
     ExistsForeign { dir: PathBuf },
-    #[error("cannot write `{}`: {source}", path.display())]
+    #[error("cannot write `{}`: {cause}", path.display())]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JobDirError + '_ {
-    move |source| JobDirError::Io {
+    move |cause| JobDirError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     }
 }
 
@@ -151,7 +150,7 @@ impl JobDir {
             },
             _ => JobDirError::Io {
                 path: self.root.clone(),
-                source: e,
+                cause: e,
             },
         })?;
         for sub in [self.logs_dir(), self.checkpoints_dir()] {

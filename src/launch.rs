@@ -24,14 +24,13 @@ pub enum RunError {
     JobDir(#[from] JobDirError),
     #[error(transparent)]
     Data(#[from] DataError),
-    #[error("job `{name}` failed: {source}")]
+    #[error("job `{name}` failed: {cause}")]
     Train {
         name: String,
-        #[source]
-        source: TrainError,
+        cause: TrainError,
     },
     #[error("cannot build the model: {0}")]
-    Model(#[source] candle_core::Error),
+    Model(candle_core::Error),
 }
 
 impl RunError {
@@ -129,9 +128,9 @@ fn train_in_process(
     )
     .map_err(RunError::Model)?;
     let log_path = job.logs_dir().join("rank-0.log");
-    let mut reporter = Logged::new(display, Some(&log_path)).map_err(|source| JobDirError::Io {
+    let mut reporter = Logged::new(display, Some(&log_path)).map_err(|cause| JobDirError::Io {
         path: log_path.clone(),
-        source,
+        cause,
     })?;
     reporter.line(&format!(
         "job `{}`: {} parameters, {} train / {} test samples, world size 1",
@@ -150,9 +149,9 @@ fn train_in_process(
         leader: Some(Leader::new(job.clone(), spec.checkpoint.keep_last, 1)),
         started,
     };
-    let fail = |source| RunError::Train {
+    let fail = |cause| RunError::Train {
         name: spec.name.clone(),
-        source,
+        cause,
     };
     let summary = trainer.run().map_err(fail)?;
     save_model(&trainer, &job.model_path()).map_err(fail)?;
@@ -168,9 +167,9 @@ fn save_model(trainer: &Trainer, path: &Path) -> Result<(), TrainError> {
         .collect();
     let tmp = path.with_extension("safetensors.tmp");
     candle_core::safetensors::save(&tensors, &tmp)?;
-    std::fs::rename(&tmp, path).map_err(|source| JobDirError::Io {
+    std::fs::rename(&tmp, path).map_err(|cause| JobDirError::Io {
         path: path.into(),
-        source,
+        cause,
     })?;
     Ok(())
 }

@@ -31,11 +31,10 @@ impl fmt::Display for Origin {
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
-    #[error("cannot read config file `{}`: {source}", path.display())]
+    #[error("cannot read config file `{}`: {cause}", path.display())]
     Read {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 
     #[error("TOML syntax error in {at}: {message}")]

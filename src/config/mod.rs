@@ -36,9 +36,9 @@ impl LoadedConfig {
 
 /// Reads and validates the job file at `path`, with `--set key.path=value` overrides applied.
 pub fn load(path: &Path, overrides: &[String]) -> Result<LoadedConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+    let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
         path: path.into(),
-        source,
+        cause,
     })?;
     load_str(path, text, overrides)
 }

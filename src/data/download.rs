@@ -20,9 +20,9 @@ pub fn download(
     dest: &Path,
 ) -> Result<(), DataError> {
     let dir = dest.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(|source| DataError::Io {
+    std::fs::create_dir_all(dir).map_err(|cause| DataError::Io {
         path: dir.into(),
-        source,
+        cause,
     })?;
     let mut failures = Vec::new();
     for mirror in mirrors {
@@ -30,11 +30,11 @@ pub fn download(
         let tmp = dir.join(format!(".{file_name}.part-{}", std::process::id()));
         match fetch_verified(&url, sha256, &tmp) {
             Ok(()) => {
-                return std::fs::rename(&tmp, dest).map_err(|source| {
+                return std::fs::rename(&tmp, dest).map_err(|cause| {
                     let _ = std::fs::remove_file(&tmp);
                     DataError::Io {
                         path: dest.into(),
-                        source,
+                        cause,
                     }
                 });
             }

@@ -15,9 +15,9 @@ pub struct IdxArray {
 
 /// Reads `path`, gunzipping when it starts with the gzip magic.
 pub fn read_idx(path: &Path) -> Result<IdxArray, DataError> {
-    let raw = std::fs::read(path).map_err(|source| DataError::Io {
+    let raw = std::fs::read(path).map_err(|cause| DataError::Io {
         path: path.into(),
-        source,
+        cause,
     })?;
     let bytes = if raw.starts_with(&[0x1f, 0x8b]) {
         let mut out = Vec::with_capacity(raw.len() * 4);

@@ -17,11 +17,10 @@ pub use sampler::DistributedSampler;
 
 #[derive(Debug, Error)]
 pub enum DataError {
-    #[error("cannot read `{}`: {source}", path.display())]
+    #[error("cannot read `{}`: {cause}", path.display())]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("`{}` is damaged: {problem}", path.display())]
     Corrupt { path: PathBuf, problem: String },

@@ -1,0 +1,8 @@
+//! End-to-end tests of the real `ddpjob` binary: real processes, files and sockets.
+
+mod common;
+
+mod accumulation;
+mod download;
+mod run;
+mod validate;

@@ -118,3 +118,11 @@ fn plan_derives_global_batch_and_steps() {
     let capped = load_text("[train]\nmax_steps = 7\n", &[]).unwrap().spec;
     assert_eq!(capped.plan(1000, 1).total_steps, 7);
 }
+
+#[test]
+fn every_key_is_documented_in_the_readme() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    for key in schema::KEYS.iter().filter(|k| k.kind != schema::Kind::Table) {
+        assert!(readme.contains(&format!("`{}`", key.path)), "README.md lacks config key `{}`", key.path);
+    }
+}

@@ -27,7 +27,7 @@ pub enum RunError {
     #[error("job `{name}` failed: {cause}")]
     Train {
         name: String,
-        cause: TrainError,
+        cause: Box<TrainError>,
     },
     #[error("cannot build the model: {0}")]
     Model(candle_core::Error),
@@ -151,7 +151,7 @@ fn train_in_process(
     };
     let fail = |cause| RunError::Train {
         name: spec.name.clone(),
-        cause,
+        cause: Box::new(cause),
     };
     let summary = trainer.run().map_err(fail)?;
     save_model(&trainer, &job.model_path()).map_err(fail)?;

@@ -12,8 +12,12 @@ pub trait Reporter {
     fn epoch_start(&mut self, epoch: usize, epochs: usize, steps: usize);
     /// After every optimizer step; `status` is set at log intervals (loss, samples/s).
     fn step(&mut self, done_in_epoch: usize, status: Option<&str>);
-    /// A line worth keeping: log interval, epoch summary, notices.
+    /// A line worth keeping: epoch summary, notices.
     fn line(&mut self, text: &str);
+    /// A log-interval line: printed where there is no bar (the bar shows the same numbers).
+    fn interval(&mut self, text: &str) {
+        self.line(text);
+    }
     fn epoch_end(&mut self);
 }
 
@@ -59,6 +63,8 @@ impl Reporter for Bars {
         }
     }
 
+    fn interval(&mut self, _text: &str) {}
+
     fn epoch_end(&mut self) {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
@@ -98,6 +104,13 @@ impl Logged {
             .transpose()?;
         Ok(Logged { display, file })
     }
+
+    fn write_file(&mut self, text: &str) {
+        if let Some(f) = &mut self.file {
+            // A full disk must not stop training; the display still shows the line.
+            let _ = writeln!(f, "{text}");
+        }
+    }
 }
 
 impl Reporter for Logged {
@@ -110,11 +123,13 @@ impl Reporter for Logged {
     }
 
     fn line(&mut self, text: &str) {
-        if let Some(f) = &mut self.file {
-            // A full disk must not stop training; the display still shows the line.
-            let _ = writeln!(f, "{text}");
-        }
+        self.write_file(text);
         self.display.line(text);
+    }
+
+    fn interval(&mut self, text: &str) {
+        self.write_file(text);
+        self.display.interval(text);
     }
 
     fn epoch_end(&mut self) {

@@ -94,9 +94,18 @@ mod tests {
     #[test]
     fn randperm_matches_torch() {
         // torch 2.x: g = torch.Generator(); g.manual_seed(s); torch.randperm(n, generator=g).tolist()
-        assert_eq!(Mt19937::new(0).randperm(10), vec![4, 1, 7, 5, 3, 9, 0, 8, 6, 2]);
-        assert_eq!(Mt19937::new(5).randperm(10), vec![1, 4, 9, 6, 3, 5, 0, 2, 8, 7]);
-        assert_eq!(Mt19937::new(7).randperm(10), vec![5, 0, 3, 4, 1, 7, 9, 6, 8, 2]);
+        assert_eq!(
+            Mt19937::new(0).randperm(10),
+            vec![4, 1, 7, 5, 3, 9, 0, 8, 6, 2]
+        );
+        assert_eq!(
+            Mt19937::new(5).randperm(10),
+            vec![1, 4, 9, 6, 3, 5, 0, 2, 8, 7]
+        );
+        assert_eq!(
+            Mt19937::new(7).randperm(10),
+            vec![5, 0, 3, 4, 1, 7, 9, 6, 8, 2]
+        );
         let p = Mt19937::new(1).randperm(60_000);
         assert_eq!(p[..5], [35845, 27522, 33254, 23645, 11299]);
         assert_eq!(p[59_995..], [6467, 3437, 21675, 36444, 12053]);

@@ -85,3 +85,68 @@ pub fn average_gradients(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use candle_core::Device;
+
+    use super::*;
+
+    /// Pretends to be rank 0 of 2 whose peer's gradients are all zero, so the mean halves every
+    /// value; records the length of each bucket it is given.
+    struct HalfOfTwo {
+        buckets: RefCell<Vec<usize>>,
+    }
+
+    impl Communicator for HalfOfTwo {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            2
+        }
+        fn all_reduce_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
+            self.buckets.borrow_mut().push(flat.elem_count());
+            *flat = (&*flat * 0.5)?;
+            Ok(())
+        }
+        fn all_reduce_sum_f64(&self, _values: &mut [f64]) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn broadcast(&self, _t: &mut Tensor, _root: usize) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn barrier(&self) -> Result<(), CommError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn gradients_are_bucketed_in_order_and_written_back_in_shape() {
+        let dev = Device::Cpu;
+        let mut grads = vec![
+            Tensor::ones((2, 3), candle_core::DType::F32, &dev).unwrap(),
+            Tensor::new(&[2f32, 4.0], &dev).unwrap(),
+            Tensor::ones((5, 1), candle_core::DType::F32, &dev).unwrap(),
+        ];
+        let comm = HalfOfTwo {
+            buckets: RefCell::new(Vec::new()),
+        };
+        // 8 elements (32 bytes) fit the first two tensors; the third gets its own bucket.
+        average_gradients(&comm, &mut grads, 32).unwrap();
+        assert_eq!(*comm.buckets.borrow(), vec![8, 5]);
+        assert_eq!(grads[0].dims(), &[2, 3]);
+        assert_eq!(grads[1].to_vec1::<f32>().unwrap(), vec![1.0, 2.0]);
+        assert_eq!(grads[2].dims(), &[5, 1]);
+        assert_eq!(
+            grads[2].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![0.5; 5]
+        );
+        // A tensor larger than the bucket still goes, alone.
+        comm.buckets.borrow_mut().clear();
+        average_gradients(&comm, &mut grads, 4).unwrap();
+        assert_eq!(*comm.buckets.borrow(), vec![6, 2, 5]);
+    }
+}

@@ -15,9 +15,22 @@ fn error(text: &str) -> String {
 fn an_empty_file_gives_documented_defaults() {
     let spec = load_text("", &[]).unwrap().spec;
     assert_eq!(spec.name, "x");
-    assert_eq!(spec.model, ModelSpec::Mlp { hidden: vec![256, 256] });
+    assert_eq!(
+        spec.model,
+        ModelSpec::Mlp {
+            hidden: vec![256, 256]
+        }
+    );
     assert_eq!(spec.train.batch_size, 64);
-    assert_eq!(spec.train.optimizer, OptimizerSpec::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 });
+    assert_eq!(
+        spec.train.optimizer,
+        OptimizerSpec::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0
+        }
+    );
     assert_eq!(spec.data.root, Path::new("data/mnist"));
     assert_eq!(spec.distributed.nproc_per_node, None);
     assert_eq!(spec.distributed.bucket_bytes, 25_000_000);
@@ -26,9 +39,17 @@ fn an_empty_file_gives_documented_defaults() {
 #[test]
 fn unknown_key_names_table_position_and_closest_key() {
     let msg = error("name = \"a\"\n\n[train]\nepochs = 2\n\n\nbatchsize = 3\n");
-    assert_eq!(msg, "unknown key `batchsize` in [train] (configs/x.toml:7:1); did you mean `batch_size`?");
+    assert_eq!(
+        msg,
+        "unknown key `batchsize` in [train] (configs/x.toml:7:1); did you mean `batch_size`?"
+    );
     let msg = error("sed = 1\n");
-    assert!(msg.contains("unknown key `sed` in the top level (configs/x.toml:1:1); did you mean `seed`?"), "{msg}");
+    assert!(
+        msg.contains(
+            "unknown key `sed` in the top level (configs/x.toml:1:1); did you mean `seed`?"
+        ),
+        "{msg}"
+    );
     let msg = error("[trian]\nepochs = 1\n");
     assert!(msg.contains("did you mean `train`?"), "{msg}");
 }
@@ -36,32 +57,77 @@ fn unknown_key_names_table_position_and_closest_key() {
 #[test]
 fn wrong_types_name_key_and_position() {
     let msg = error("[train]\nepochs = \"ten\"\n");
-    assert_eq!(msg, "`train.epochs` (configs/x.toml:2:10) must be an integer, found the string \"ten\"");
-    assert!(error("[data]\ndownload = 1\n").contains("`data.download` (configs/x.toml:2:12) must be true or false"));
+    assert_eq!(
+        msg,
+        "`train.epochs` (configs/x.toml:2:10) must be an integer, found the string \"ten\""
+    );
+    assert!(
+        error("[data]\ndownload = 1\n")
+            .contains("`data.download` (configs/x.toml:2:12) must be true or false")
+    );
     assert!(error("[distributed]\nnproc_per_node = \"many\"\n").contains("\"auto\" or an integer"));
 }
 
 #[test]
 fn bad_values_are_each_named() {
     let cases = [
-        ("[train]\nepochs = 0\n", "invalid `train.epochs` (configs/x.toml:2:10): must be at least 1, got 0"),
-        ("[train]\nepochs = -3\n", "`train.epochs` (configs/x.toml:2:10): must be at least 1, got -3"),
-        ("[train]\nbatch_size = 0\n", "`train.batch_size` (configs/x.toml:2:14): must be at least 1, got 0"),
-        ("[train]\nlr = 0.0\n", "`train.lr` (configs/x.toml:2:6): must be a number greater than 0, got 0"),
-        ("[train]\nlr = -0.1\n", "`train.lr` (configs/x.toml:2:6): must be a number greater than 0, got -0.1"),
-        ("[train]\naccumulation = 0\n", "`train.accumulation` (configs/x.toml:2:16): must be at least 1, got 0"),
-        ("[model]\narch = \"resnet\"\n", "`model.arch` (configs/x.toml:2:8): unknown value \"resnet\"; expected one of \"mlp\", \"cnn\""),
-        ("[data]\ndataset = \"cifar\"\n", "`data.dataset` (configs/x.toml:2:11): unknown value \"cifar\""),
-        ("[train]\noptimizer = \"lion\"\n", "`train.optimizer` (configs/x.toml:2:13): unknown value \"lion\"; expected one of \"sgd\", \"adam\", \"adamw\""),
-        ("[train.scheduler]\nkind = \"poly\"\n", "`train.scheduler.kind` (configs/x.toml:2:8): unknown value \"poly\""),
+        (
+            "[train]\nepochs = 0\n",
+            "invalid `train.epochs` (configs/x.toml:2:10): must be at least 1, got 0",
+        ),
+        (
+            "[train]\nepochs = -3\n",
+            "`train.epochs` (configs/x.toml:2:10): must be at least 1, got -3",
+        ),
+        (
+            "[train]\nbatch_size = 0\n",
+            "`train.batch_size` (configs/x.toml:2:14): must be at least 1, got 0",
+        ),
+        (
+            "[train]\nlr = 0.0\n",
+            "`train.lr` (configs/x.toml:2:6): must be a number greater than 0, got 0",
+        ),
+        (
+            "[train]\nlr = -0.1\n",
+            "`train.lr` (configs/x.toml:2:6): must be a number greater than 0, got -0.1",
+        ),
+        (
+            "[train]\naccumulation = 0\n",
+            "`train.accumulation` (configs/x.toml:2:16): must be at least 1, got 0",
+        ),
+        (
+            "[model]\narch = \"resnet\"\n",
+            "`model.arch` (configs/x.toml:2:8): unknown value \"resnet\"; expected one of \"mlp\", \"cnn\"",
+        ),
+        (
+            "[data]\ndataset = \"cifar\"\n",
+            "`data.dataset` (configs/x.toml:2:11): unknown value \"cifar\"",
+        ),
+        (
+            "[train]\noptimizer = \"lion\"\n",
+            "`train.optimizer` (configs/x.toml:2:13): unknown value \"lion\"; expected one of \"sgd\", \"adam\", \"adamw\"",
+        ),
+        (
+            "[train.scheduler]\nkind = \"poly\"\n",
+            "`train.scheduler.kind` (configs/x.toml:2:8): unknown value \"poly\"",
+        ),
         ("[train]\nnesterov = true\n", "`train.nesterov`"),
-        ("[train]\nbetas = [0.9]\n", "`train.betas` (configs/x.toml:2:9): must be two numbers"),
+        (
+            "[train]\nbetas = [0.9]\n",
+            "`train.betas` (configs/x.toml:2:9): must be two numbers",
+        ),
         ("[data]\nmean = [0.1]\n", "`data.std`"),
-        ("[data.checksums]\n\"a.gz\" = \"xyz\"\n", "`data.checksums.a.gz`"),
+        (
+            "[data.checksums]\n\"a.gz\" = \"xyz\"\n",
+            "`data.checksums.a.gz`",
+        ),
     ];
     for (text, expected) in cases {
         let msg = error(text);
-        assert!(msg.contains(expected), "for {text:?}:\n  got      {msg}\n  expected {expected}");
+        assert!(
+            msg.contains(expected),
+            "for {text:?}:\n  got      {msg}\n  expected {expected}"
+        );
     }
 }
 
@@ -76,38 +142,73 @@ fn several_problems_are_reported_together() {
 fn overrides_are_typed_by_the_schema() {
     let loaded = load_text(
         "[train]\nlr = 0.1\n",
-        &["train.lr=0.02", "data.root=/tmp/d", "model.hidden=[8, 4]", "distributed.nproc_per_node=1", "name=other"],
+        &[
+            "train.lr=0.02",
+            "data.root=/tmp/d",
+            "model.hidden=[8, 4]",
+            "distributed.nproc_per_node=1",
+            "name=other",
+        ],
     )
     .unwrap();
     assert_eq!(loaded.spec.train.lr, 0.02);
     assert_eq!(loaded.spec.data.root, Path::new("/tmp/d"));
     assert_eq!(loaded.spec.model, ModelSpec::Mlp { hidden: vec![8, 4] });
     assert_eq!(loaded.spec.name, "other");
-    let msg = load_text("", &["train.epochs=zero"]).unwrap_err().to_string();
-    assert_eq!(msg, "bad override `--set train.epochs=zero`: `train.epochs` must be an integer: `zero` is not one");
-    let msg = load_text("", &["train.batchsize=2"]).unwrap_err().to_string();
-    assert!(msg.contains("unknown key `train.batchsize`; did you mean `train.batch_size`?"), "{msg}");
+    let msg = load_text("", &["train.epochs=zero"])
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        msg,
+        "bad override `--set train.epochs=zero`: `train.epochs` must be an integer: `zero` is not one"
+    );
+    let msg = load_text("", &["train.batchsize=2"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("unknown key `train.batchsize`; did you mean `train.batch_size`?"),
+        "{msg}"
+    );
     let msg = load_text("", &["train.epochs=0"]).unwrap_err().to_string();
-    assert!(msg.contains("invalid `train.epochs` (--set train.epochs=0): must be at least 1"), "{msg}");
-    assert!(load_text("", &["train"]).unwrap_err().to_string().contains("expected key.path=value"));
+    assert!(
+        msg.contains("invalid `train.epochs` (--set train.epochs=0): must be at least 1"),
+        "{msg}"
+    );
+    assert!(
+        load_text("", &["train"])
+            .unwrap_err()
+            .to_string()
+            .contains("expected key.path=value")
+    );
 }
 
 #[test]
 fn the_resolved_config_loads_back_to_the_same_spec() {
-    let original = load_text("[model]\narch = \"cnn\"\n[train]\nlr = 0.5\n[train.scheduler]\nkind = \"cosine\"\n", &[]).unwrap();
+    let original = load_text(
+        "[model]\narch = \"cnn\"\n[train]\nlr = 0.5\n[train.scheduler]\nkind = \"cosine\"\n",
+        &[],
+    )
+    .unwrap();
     let again = load_str(Path::new("jobs/x/job.toml"), original.resolved_toml(), &[]).unwrap();
     assert_eq!(again.spec, original.spec);
 }
 
 #[test]
 fn multi_worker_counts_are_refused_until_supported() {
-    let msg = load_text("", &["distributed.nproc_per_node=2"]).unwrap_err().to_string();
+    let msg = load_text("", &["distributed.nproc_per_node=2"])
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("single worker"), "{msg}");
 }
 
 #[test]
 fn plan_derives_global_batch_and_steps() {
-    let spec = load_text("[train]\nbatch_size = 64\naccumulation = 4\nepochs = 20\n", &[]).unwrap().spec;
+    let spec = load_text(
+        "[train]\nbatch_size = 64\naccumulation = 4\nepochs = 20\n",
+        &[],
+    )
+    .unwrap()
+    .spec;
     let plan = spec.plan(60_000, 1);
     assert_eq!(plan.global_batch, 256);
     assert_eq!(plan.micro_batches_per_epoch, 938);
@@ -121,8 +222,16 @@ fn plan_derives_global_batch_and_steps() {
 
 #[test]
 fn every_key_is_documented_in_the_readme() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    for key in schema::KEYS.iter().filter(|k| k.kind != schema::Kind::Table) {
-        assert!(readme.contains(&format!("`{}`", key.path)), "README.md lacks config key `{}`", key.path);
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    for key in schema::KEYS
+        .iter()
+        .filter(|k| k.kind != schema::Kind::Table)
+    {
+        assert!(
+            readme.contains(&format!("`{}`", key.path)),
+            "README.md lacks config key `{}`",
+            key.path
+        );
     }
 }

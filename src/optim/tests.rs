@@ -105,11 +105,15 @@ fn state_round_trips_exactly() {
     let (again, _) = b.state(&params);
     let (before, _) = a.state(&params);
     for key in ["w.exp_avg", "w.exp_avg_sq"] {
-        assert_eq!(again[key].to_vec1::<f32>().unwrap(), before[key].to_vec1::<f32>().unwrap());
+        assert_eq!(
+            again[key].to_vec1::<f32>().unwrap(),
+            before[key].to_vec1::<f32>().unwrap()
+        );
     }
     // And both take the same next step.
     let g = [Tensor::new(&GRADS[1], &Device::Cpu).unwrap()];
-    let var_b = Var::from_tensor(&params.vars().next().unwrap().as_tensor().copy().unwrap()).unwrap();
+    let var_b =
+        Var::from_tensor(&params.vars().next().unwrap().as_tensor().copy().unwrap()).unwrap();
     let params_b = Params::from_vars(vec![("w".to_string(), var_b.clone())]);
     a.step(&params, &g, 0.1).unwrap();
     b.step(&params_b, &g, 0.1).unwrap();

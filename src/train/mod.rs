@@ -171,7 +171,7 @@ impl Trainer<'_> {
                     );
                     let rate = n / secs.max(1e-9);
                     let text = format!("loss {loss:.4}  lr {lr:.2e}  {rate:.0} samples/s");
-                    self.reporter.line(&format!(
+                    self.reporter.interval(&format!(
                         "epoch {}/{} step {step}/{}  {text}",
                         epoch + 1,
                         t.epochs,

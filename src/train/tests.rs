@@ -1,1 +1,83 @@
+use std::path::Path;
+use std::time::Instant;
 
+use candle_core::Device;
+
+use super::*;
+use crate::comm::LocalCommunicator;
+use crate::config::load_str;
+use crate::models;
+use crate::progress::Silent;
+
+fn spec(overrides: &[&str]) -> JobSpec {
+    let base = "[data]\ndataset = \"synthetic\"\n[data.synthetic]\ntrain_samples = 100\ntest_samples = 37\n\
+                shape = [1, 4, 4]\nclasses = 3\n[model]\nhidden = [8]\n[train]\nbatch_size = 16\nlog_every = 2\n";
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    load_str(Path::new("t.toml"), base.into(), &overrides)
+        .unwrap()
+        .spec
+}
+
+fn train(spec: &JobSpec) -> Summary {
+    let data = Dataset::load(&spec.data, spec.seed).unwrap();
+    let model = models::build(
+        &spec.model,
+        data.train.shape,
+        data.classes,
+        spec.seed,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut reporter = Silent;
+    let mut trainer = Trainer {
+        spec,
+        data: &data,
+        comm: &LocalCommunicator,
+        model,
+        device: Device::Cpu,
+        reporter: &mut reporter,
+        leader: None,
+        started: Instant::now(),
+    };
+    trainer.run().unwrap()
+}
+
+#[test]
+fn a_trailing_partial_accumulation_group_still_steps() {
+    // 100 samples / batch 16 = 7 micro-batches; accumulation 3 → groups of 3, 3 and 1.
+    let s = train(&spec(&["train.accumulation=3", "train.epochs=2"]));
+    assert_eq!(s.steps, 6);
+    assert_eq!(s.samples, 200);
+    assert_eq!(s.epochs, 2);
+}
+
+#[test]
+fn max_steps_stops_mid_epoch_and_still_evaluates() {
+    let s = train(&spec(&["train.max_steps=3", "train.epochs=5"]));
+    assert_eq!((s.steps, s.epochs, s.samples), (3, 1, 48));
+    assert!(s.test_loss.is_finite() && (0.0..=1.0).contains(&s.test_accuracy));
+}
+
+#[test]
+fn evaluation_counts_every_test_sample_once() {
+    let spec = spec(&[]);
+    let data = Dataset::load(&spec.data, spec.seed).unwrap();
+    let model =
+        models::build(&spec.model, data.train.shape, data.classes, 0, &Device::Cpu).unwrap();
+    let r = evaluate(model.as_ref(), &data, &LocalCommunicator, 10, &Device::Cpu).unwrap();
+    assert_eq!(r.samples, 37);
+    // An untrained 3-class model's loss is near ln 3.
+    assert!((r.loss - 3f64.ln()).abs() < 0.5, "{r:?}");
+}
+
+#[test]
+fn training_is_deterministic_for_a_seed() {
+    let a = train(&spec(&["train.epochs=2"]));
+    let b = train(&spec(&["train.epochs=2"]));
+    assert_eq!(
+        (a.final_train_loss, a.test_loss),
+        (b.final_train_loss, b.test_loss)
+    );
+    let c = train(&spec(&["train.epochs=2", "seed=1"]));
+    assert_ne!(a.final_train_loss, c.final_train_loss);
+}

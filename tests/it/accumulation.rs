@@ -6,9 +6,30 @@ use crate::common::{TINY, TestJob, load_weights};
 fn accumulating_two_micro_batches_equals_one_double_batch() {
     let t = TestJob::new();
     let cfg = t.config("acc", TINY);
-    let common = ["--set", "train.max_steps=6", "--set", "train.grad_clip_norm=1.0", "--set", "train.weight_decay=1e-3"];
-    let mut a = vec!["--name", "b16x2", "--set", "train.batch_size=16", "--set", "train.accumulation=2"];
-    let mut b = vec!["--name", "b32x1", "--set", "train.batch_size=32", "--set", "train.accumulation=1"];
+    let common = [
+        "--set",
+        "train.max_steps=6",
+        "--set",
+        "train.grad_clip_norm=1.0",
+        "--set",
+        "train.weight_decay=1e-3",
+    ];
+    let mut a = vec![
+        "--name",
+        "b16x2",
+        "--set",
+        "train.batch_size=16",
+        "--set",
+        "train.accumulation=2",
+    ];
+    let mut b = vec![
+        "--name",
+        "b32x1",
+        "--set",
+        "train.batch_size=32",
+        "--set",
+        "train.accumulation=1",
+    ];
     a.extend_from_slice(&common);
     b.extend_from_slice(&common);
     t.run(&cfg, &a).success();
@@ -23,9 +44,14 @@ fn accumulating_two_micro_batches_equals_one_double_batch() {
     }
     assert!(max_diff < 1e-5, "weights differ by {max_diff}");
     // Agreement is not trivial: the weights moved far more than the tolerance over those steps.
-    t.run(&cfg, &["--name", "one-step", "--set", "train.max_steps=1"]).success();
+    t.run(&cfg, &["--name", "one-step", "--set", "train.max_steps=1"])
+        .success();
     let w1 = load_weights(&t.job("one-step").join("model.safetensors"));
-    let moved = wb["fc1.weight"].iter().zip(&w1["fc1.weight"]).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let moved = wb["fc1.weight"]
+        .iter()
+        .zip(&w1["fc1.weight"])
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
     assert!(moved > 1e-3, "training barely moved the weights ({moved})");
     let summary = t.json(&t.job("b16x2").join("summary.json"));
     assert_eq!(summary["steps"], 6);

@@ -28,14 +28,26 @@ impl From<Output> for Run {
 impl Run {
     #[track_caller]
     pub fn success(&self) -> &Self {
-        assert_eq!(self.code, 0, "expected success\nstdout:\n{}\nstderr:\n{}", self.stdout, self.stderr);
+        assert_eq!(
+            self.code, 0,
+            "expected success\nstdout:\n{}\nstderr:\n{}",
+            self.stdout, self.stderr
+        );
         self
     }
 
     #[track_caller]
     pub fn fails_with(&self, code: i32, message: &str) -> &Self {
-        assert_eq!(self.code, code, "wrong exit code\nstdout:\n{}\nstderr:\n{}", self.stdout, self.stderr);
-        assert!(self.stderr.contains(message), "stderr lacks {message:?}:\n{}", self.stderr);
+        assert_eq!(
+            self.code, code,
+            "wrong exit code\nstdout:\n{}\nstderr:\n{}",
+            self.stdout, self.stderr
+        );
+        assert!(
+            self.stderr.contains(message),
+            "stderr lacks {message:?}:\n{}",
+            self.stderr
+        );
         self
     }
 }
@@ -63,7 +75,9 @@ log_every = 4
 
 impl TestJob {
     pub fn new() -> Self {
-        TestJob { dir: tempfile::tempdir().expect("temp dir") }
+        TestJob {
+            dir: tempfile::tempdir().expect("temp dir"),
+        }
     }
 
     pub fn path(&self, rel: &str) -> PathBuf {
@@ -106,13 +120,17 @@ impl TestJob {
     }
 
     pub fn json(&self, path: &Path) -> serde_json::Value {
-        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let text =
+            std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
     }
 
     pub fn metrics(&self, name: &str) -> Vec<serde_json::Value> {
-        let text = std::fs::read_to_string(self.job(name).join("metrics.jsonl")).expect("metrics.jsonl");
-        text.lines().map(|l| serde_json::from_str(l).expect("metrics line is JSON")).collect()
+        let text =
+            std::fs::read_to_string(self.job(name).join("metrics.jsonl")).expect("metrics.jsonl");
+        text.lines()
+            .map(|l| serde_json::from_str(l).expect("metrics line is JSON"))
+            .collect()
     }
 }
 

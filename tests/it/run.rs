@@ -6,41 +6,87 @@ fn smoke_config_trains_and_fills_the_job_directory() {
     let smoke = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/smoke.toml");
     t.run(&smoke, &[]).success();
     let job = t.job("smoke");
-    for file in ["job.toml", "state.json", "metrics.jsonl", "logs/rank-0.log", "model.safetensors", "summary.json"] {
+    for file in [
+        "job.toml",
+        "state.json",
+        "metrics.jsonl",
+        "logs/rank-0.log",
+        "model.safetensors",
+        "summary.json",
+    ] {
         assert!(job.join(file).is_file(), "missing {file}");
     }
     let latest = std::fs::read_to_string(job.join("checkpoints/latest")).unwrap();
     let ckpt = job.join("checkpoints").join(latest.trim());
-    for file in ["model.safetensors", "optimizer.safetensors", "state.json", "MANIFEST"] {
+    for file in [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+        "MANIFEST",
+    ] {
         assert!(ckpt.join(file).is_file(), "checkpoint lacks {file}");
     }
 
     let summary = t.json(&job.join("summary.json"));
-    for key in ["test_accuracy", "test_loss", "final_train_loss", "epochs", "steps", "train_samples_per_s", "wall_s"] {
-        assert!(summary[key].is_number(), "summary.json lacks {key}: {summary}");
+    for key in [
+        "test_accuracy",
+        "test_loss",
+        "final_train_loss",
+        "epochs",
+        "steps",
+        "train_samples_per_s",
+        "wall_s",
+    ] {
+        assert!(
+            summary[key].is_number(),
+            "summary.json lacks {key}: {summary}"
+        );
     }
     let classes = 10.0;
-    assert!(summary["test_accuracy"].as_f64().unwrap() > 3.0 / classes, "accuracy near chance: {summary}");
+    assert!(
+        summary["test_accuracy"].as_f64().unwrap() > 3.0 / classes,
+        "accuracy near chance: {summary}"
+    );
     assert!(summary["train_samples_per_s"].as_f64().unwrap() > 0.0);
     assert_eq!(t.json(&job.join("state.json"))["status"], "finished");
 
     let metrics = t.metrics("smoke");
-    let losses: Vec<f64> = metrics.iter().filter(|m| m["kind"] == "train").map(|m| m["loss"].as_f64().unwrap()).collect();
+    let losses: Vec<f64> = metrics
+        .iter()
+        .filter(|m| m["kind"] == "train")
+        .map(|m| m["loss"].as_f64().unwrap())
+        .collect();
     assert!(losses.len() >= 4, "too few metric lines: {metrics:?}");
-    assert!(losses.last().unwrap() < &(losses[0] * 0.7), "loss did not go down: {losses:?}");
+    assert!(
+        losses.last().unwrap() < &(losses[0] * 0.7),
+        "loss did not go down: {losses:?}"
+    );
     let epochs: Vec<_> = metrics.iter().filter(|m| m["kind"] == "epoch").collect();
     assert_eq!(epochs.len(), summary["epochs"].as_u64().unwrap() as usize);
     for m in &epochs {
-        for key in ["epoch", "step", "loss", "lr", "samples_per_s", "test_loss", "test_accuracy"] {
+        for key in [
+            "epoch",
+            "step",
+            "loss",
+            "lr",
+            "samples_per_s",
+            "test_loss",
+            "test_accuracy",
+        ] {
             assert!(!m[key].is_null(), "epoch line lacks {key}: {m}");
         }
     }
 
     // The final weights carry torch's parameter names.
     let weights = load_weights(&job.join("model.safetensors"));
-    assert!(weights.contains_key("fc1.weight") && weights.contains_key("fc2.bias"), "{:?}", weights.keys());
+    assert!(
+        weights.contains_key("fc1.weight") && weights.contains_key("fc2.bias"),
+        "{:?}",
+        weights.keys()
+    );
     // job.toml is a complete config that validates on its own.
-    t.ddpjob(&["validate", job.join("job.toml").to_str().unwrap()]).success();
+    t.ddpjob(&["validate", job.join("job.toml").to_str().unwrap()])
+        .success();
 }
 
 #[test]
@@ -49,8 +95,13 @@ fn an_existing_job_is_never_overwritten() {
     let cfg = t.config("tiny", TINY);
     t.run(&cfg, &[]).success();
     let before = std::fs::read(t.job("tiny").join("model.safetensors")).unwrap();
-    t.run(&cfg, &[]).fails_with(2, "job `tiny` already finished").fails_with(2, "--name");
-    assert_eq!(std::fs::read(t.job("tiny").join("model.safetensors")).unwrap(), before);
+    t.run(&cfg, &[])
+        .fails_with(2, "job `tiny` already finished")
+        .fails_with(2, "--name");
+    assert_eq!(
+        std::fs::read(t.job("tiny").join("model.safetensors")).unwrap(),
+        before
+    );
 
     // An unfinished job (here: marked failed) is refused too, with its state.
     let state_path = t.job("tiny").join("state.json");
@@ -63,25 +114,49 @@ fn an_existing_job_is_never_overwritten() {
     assert!(t.job("tiny-2").join("summary.json").is_file());
     let list = t.ddpjob(&["list", "--jobs-dir", t.jobs_dir().to_str().unwrap()]);
     list.success();
-    assert!(list.stdout.contains("tiny-2") && list.stdout.contains("finished") && list.stdout.contains("failed"), "{}", list.stdout);
+    assert!(
+        list.stdout.contains("tiny-2")
+            && list.stdout.contains("finished")
+            && list.stdout.contains("failed"),
+        "{}",
+        list.stdout
+    );
 }
 
 #[test]
 fn a_diverging_loss_fails_the_job_naming_epoch_and_step() {
     let t = TestJob::new();
     let cfg = t.config("boom", TINY);
-    let run = t.run(&cfg, &["--set", "train.lr=1e30", "--set", "train.optimizer=sgd"]);
-    run.fails_with(1, "training loss became").fails_with(1, "in epoch 0, between optimizer steps 1 and 4");
+    let run = t.run(
+        &cfg,
+        &["--set", "train.lr=1e30", "--set", "train.optimizer=sgd"],
+    );
+    run.fails_with(1, "training loss became")
+        .fails_with(1, "in epoch 0, between optimizer steps 1 and 4");
     let state = t.json(&t.job("boom").join("state.json"));
     assert_eq!(state["status"], "failed");
-    assert!(state["error"].as_str().unwrap().contains("training loss became"));
+    assert!(
+        state["error"]
+            .as_str()
+            .unwrap()
+            .contains("training loss became")
+    );
 }
 
 #[test]
 fn mid_epoch_checkpoints_are_written_and_pruned() {
     let t = TestJob::new();
     let cfg = t.config("ck", TINY);
-    t.run(&cfg, &["--set", "checkpoint.every_steps=3", "--set", "checkpoint.keep_last=2"]).success();
+    t.run(
+        &cfg,
+        &[
+            "--set",
+            "checkpoint.every_steps=3",
+            "--set",
+            "checkpoint.keep_last=2",
+        ],
+    )
+    .success();
     let dir = t.job("ck").join("checkpoints");
     let mut names: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
@@ -92,5 +167,8 @@ fn mid_epoch_checkpoints_are_written_and_pruned() {
     // 16 steps per epoch, 32 in all: every 3 steps, plus the epoch ends 16 and 32; two kept.
     assert_eq!(names, vec!["step-00000030", "step-00000032"]);
     let state = t.json(&dir.join("step-00000030/state.json"));
-    assert_eq!((state["epoch"].as_u64(), state["step_in_epoch"].as_u64()), (Some(1), Some(14)));
+    assert_eq!(
+        (state["epoch"].as_u64(), state["step_in_epoch"].as_u64()),
+        (Some(1), Some(14))
+    );
 }

@@ -10,11 +10,18 @@ fn every_shipped_config_validates() {
         if path.extension().is_some_and(|e| e == "toml") {
             let run = t.ddpjob(&["validate", path.to_str().unwrap()]);
             run.success();
-            assert!(run.stdout.contains("global_batch") && run.stdout.contains("total_steps"), "{}", run.stdout);
+            assert!(
+                run.stdout.contains("global_batch") && run.stdout.contains("total_steps"),
+                "{}",
+                run.stdout
+            );
             seen += 1;
         }
     }
-    assert!(seen >= 3, "expected mnist, fashion-mnist and smoke configs, saw {seen}");
+    assert!(
+        seen >= 3,
+        "expected mnist, fashion-mnist and smoke configs, saw {seen}"
+    );
 }
 
 #[test]
@@ -23,37 +30,91 @@ fn validate_prints_the_derived_numbers() {
     let cfg = t.config("d", "[data]\ndataset = \"synthetic\"\n[data.synthetic]\ntrain_samples = 1000\n[train]\nbatch_size = 10\naccumulation = 3\nepochs = 2\n");
     let run = t.ddpjob(&["validate", cfg.to_str().unwrap()]);
     run.success();
-    for line in ["global_batch      = 30", "steps_per_epoch   = 34", "total_steps       = 68", "world_size        = 1"] {
-        assert!(run.stdout.contains(line), "missing {line:?} in\n{}", run.stdout);
+    for line in [
+        "global_batch      = 30",
+        "steps_per_epoch   = 34",
+        "total_steps       = 68",
+        "world_size        = 1",
+    ] {
+        assert!(
+            run.stdout.contains(line),
+            "missing {line:?} in\n{}",
+            run.stdout
+        );
     }
-    assert!(run.stdout.contains("batch_size = 10"), "resolved config not printed:\n{}", run.stdout);
+    assert!(
+        run.stdout.contains("batch_size = 10"),
+        "resolved config not printed:\n{}",
+        run.stdout
+    );
 }
 
 #[test]
 fn bad_configs_exit_2_with_their_specific_error() {
     let t = TestJob::new();
     let cases: &[(&str, &str)] = &[
-        ("[train]\nbatchsize = 3\n", "unknown key `batchsize` in [train] (bad.toml:2:1); did you mean `batch_size`?"),
-        ("[train]\nepochs = 0\n", "invalid `train.epochs` (bad.toml:2:10): must be at least 1, got 0"),
+        (
+            "[train]\nbatchsize = 3\n",
+            "unknown key `batchsize` in [train] (bad.toml:2:1); did you mean `batch_size`?",
+        ),
+        (
+            "[train]\nepochs = 0\n",
+            "invalid `train.epochs` (bad.toml:2:10): must be at least 1, got 0",
+        ),
         ("[train]\nepochs = -2\n", "must be at least 1, got -2"),
-        ("[train]\nbatch_size = 0\n", "invalid `train.batch_size` (bad.toml:2:14)"),
-        ("[train]\nlr = 0\n", "invalid `train.lr` (bad.toml:2:6): must be a number greater than 0"),
-        ("[train]\naccumulation = 0\n", "invalid `train.accumulation` (bad.toml:2:16)"),
-        ("[model]\narch = \"vit\"\n", "invalid `model.arch` (bad.toml:2:8): unknown value \"vit\""),
-        ("[data]\ndataset = \"imagenet\"\n", "invalid `data.dataset` (bad.toml:2:11)"),
-        ("[train]\noptimizer = \"rmsprop\"\n", "invalid `train.optimizer` (bad.toml:2:13)"),
-        ("[train.scheduler]\nkind = \"onecycle\"\n", "invalid `train.scheduler.kind` (bad.toml:2:8)"),
-        ("[train]\nlr = \"high\"\n", "`train.lr` (bad.toml:2:6) must be a number, found the string \"high\""),
+        (
+            "[train]\nbatch_size = 0\n",
+            "invalid `train.batch_size` (bad.toml:2:14)",
+        ),
+        (
+            "[train]\nlr = 0\n",
+            "invalid `train.lr` (bad.toml:2:6): must be a number greater than 0",
+        ),
+        (
+            "[train]\naccumulation = 0\n",
+            "invalid `train.accumulation` (bad.toml:2:16)",
+        ),
+        (
+            "[model]\narch = \"vit\"\n",
+            "invalid `model.arch` (bad.toml:2:8): unknown value \"vit\"",
+        ),
+        (
+            "[data]\ndataset = \"imagenet\"\n",
+            "invalid `data.dataset` (bad.toml:2:11)",
+        ),
+        (
+            "[train]\noptimizer = \"rmsprop\"\n",
+            "invalid `train.optimizer` (bad.toml:2:13)",
+        ),
+        (
+            "[train.scheduler]\nkind = \"onecycle\"\n",
+            "invalid `train.scheduler.kind` (bad.toml:2:8)",
+        ),
+        (
+            "[train]\nlr = \"high\"\n",
+            "`train.lr` (bad.toml:2:6) must be a number, found the string \"high\"",
+        ),
         ("[train\n", "TOML syntax error in bad.toml:1:7"),
     ];
     for (text, message) in cases {
         t.config("bad", text);
         t.ddpjob(&["validate", "bad.toml"]).fails_with(2, message);
-        t.run(std::path::Path::new("bad.toml"), &[]).fails_with(2, message);
+        t.run(std::path::Path::new("bad.toml"), &[])
+            .fails_with(2, message);
     }
-    assert!(!t.jobs_dir().exists(), "a rejected config must not create a job");
-    t.ddpjob(&["validate", "missing.toml"]).fails_with(2, "cannot read config file `missing.toml`");
-    t.ddpjob(&["validate", t.config("ok", "").to_str().unwrap(), "--set", "train.lr=abc"])
-        .fails_with(2, "bad override `--set train.lr=abc`");
-    t.ddpjob(&["frobnicate"]).fails_with(2, "unrecognized subcommand");
+    assert!(
+        !t.jobs_dir().exists(),
+        "a rejected config must not create a job"
+    );
+    t.ddpjob(&["validate", "missing.toml"])
+        .fails_with(2, "cannot read config file `missing.toml`");
+    t.ddpjob(&[
+        "validate",
+        t.config("ok", "").to_str().unwrap(),
+        "--set",
+        "train.lr=abc",
+    ])
+    .fails_with(2, "bad override `--set train.lr=abc`");
+    t.ddpjob(&["frobnicate"])
+        .fails_with(2, "unrecognized subcommand");
 }

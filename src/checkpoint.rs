@@ -142,6 +142,15 @@ impl Checkpointer {
 
     /// Removes the oldest complete checkpoints beyond `keep_last`, and stale temp directories.
     fn prune(&self) -> Result<(), CheckpointError> {
+        // Left by a writer that died mid-checkpoint; never a complete checkpoint.
+        for entry in fs::read_dir(&self.dir)
+            .map_err(io(&self.dir))?
+            .filter_map(|e| e.ok())
+        {
+            if entry.file_name().to_string_lossy().starts_with(".tmp-") {
+                let _ = fs::remove_dir_all(entry.path());
+            }
+        }
         let mut steps = list_checkpoints(&self.dir).map_err(io(&self.dir))?;
         if let Some(keep) = self.keep_last {
             while steps.len() > keep {

@@ -129,14 +129,19 @@ impl Optimizer {
         Ok(updated)
     }
 
+    /// torch's names for the per-parameter buffers (SGD has only the first).
+    fn buffer_names(&self) -> (&'static str, &'static str) {
+        match self.spec {
+            OptimizerSpec::Sgd { .. } => ("momentum_buffer", ""),
+            _ => ("exp_avg", "exp_avg_sq"),
+        }
+    }
+
     /// State tensors keyed `<param>.<buffer>` (torch's names: `momentum_buffer`, `exp_avg`,
     /// `exp_avg_sq`) and the step count.
     pub fn state(&self, params: &Params) -> (HashMap<String, Tensor>, u64) {
         let mut out = HashMap::new();
-        let (first, second) = match self.spec {
-            OptimizerSpec::Sgd { .. } => ("momentum_buffer", ""),
-            _ => ("exp_avg", "exp_avg_sq"),
-        };
+        let (first, second) = self.buffer_names();
         for (i, (name, _)) in params.iter().enumerate() {
             if let Some(t) = &self.first[i] {
                 out.insert(format!("{name}.{first}"), t.clone());
@@ -155,10 +160,7 @@ impl Optimizer {
         mut tensors: HashMap<String, Tensor>,
         steps: u64,
     ) {
-        let (first, second) = match self.spec {
-            OptimizerSpec::Sgd { .. } => ("momentum_buffer", ""),
-            _ => ("exp_avg", "exp_avg_sq"),
-        };
+        let (first, second) = self.buffer_names();
         for (i, (name, _)) in params.iter().enumerate() {
             self.first[i] = tensors.remove(&format!("{name}.{first}"));
             self.second[i] = tensors.remove(&format!("{name}.{second}"));

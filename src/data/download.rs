@@ -20,6 +20,7 @@ pub fn download(
     dest: &Path,
 ) -> Result<(), DataError> {
     let dir = dest.parent().unwrap_or(Path::new("."));
+    let dir_existed = dir.exists();
     std::fs::create_dir_all(dir).map_err(|cause| DataError::Io {
         path: dir.into(),
         cause,
@@ -43,6 +44,10 @@ pub fn download(
                 failures.push(format!("{url}: {problem}"));
             }
         }
+    }
+    if !dir_existed {
+        // Only removes it if still empty: nothing of ours is left behind, nothing else is touched.
+        let _ = std::fs::remove_dir(dir);
     }
     Err(DataError::Download {
         file: file_name.into(),

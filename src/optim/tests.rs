@@ -1,4 +1,4 @@
-//! Expected numbers come from this PyTorch script (torch 2.x, float64), 3 steps on two scalar
+//! Expected numbers come from this PyTorch script (run with torch 2.15, float64), 3 steps on two scalar
 //! parameters p = [1.0, -2.0] with gradients [[0.5, 0.3], [-0.2, 0.1], [0.4, -0.6]]:
 //!
 //! ```python

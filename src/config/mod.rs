@@ -6,6 +6,7 @@ mod raw;
 pub mod schema;
 mod source;
 mod spec;
+mod validate;
 
 use std::path::Path;
 

@@ -1,0 +1,359 @@
+//! Turns the raw config into a [`JobSpec`], checking every value; all problems are reported at
+//! once, each with its key and where it was written (file:line:col or the `--set` argument).
+
+use std::path::PathBuf;
+
+use super::error::ConfigError;
+use super::raw::RawConfig;
+use super::source::Source;
+use super::spec::{
+    CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, JobSpec, ModelSpec, OptimizerSpec,
+    ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
+};
+
+/// Collects every invalid value instead of stopping at the first.
+struct Checker<'a> {
+    source: &'a Source,
+    errors: Vec<ConfigError>,
+}
+
+impl Checker<'_> {
+    fn fail(&mut self, key: &str, problem: impl Into<String>) {
+        self.errors.push(ConfigError::Invalid {
+            key: key.to_string(),
+            at: self.source.value_origin(key),
+            problem: problem.into(),
+        });
+    }
+
+    fn at_least(&mut self, key: &str, value: i64, min: i64) -> usize {
+        if value < min {
+            self.fail(key, format!("must be at least {min}, got {value}"));
+        }
+        value.max(min).max(0) as usize
+    }
+
+    fn positive(&mut self, key: &str, value: f64) -> f64 {
+        if !(value.is_finite() && value > 0.0) {
+            self.fail(key, format!("must be a number greater than 0, got {value}"));
+        }
+        value
+    }
+
+    fn in_range(&mut self, key: &str, value: f64, lo: f64, hi_exclusive: f64) -> f64 {
+        if !(value >= lo && value < hi_exclusive) {
+            self.fail(
+                key,
+                format!("must be in [{lo}, {hi_exclusive}), got {value}"),
+            );
+        }
+        value
+    }
+
+    fn one_of(&mut self, key: &str, value: &str, choices: &[&str]) {
+        if !choices.contains(&value) {
+            let quoted: Vec<String> = choices.iter().map(|c| format!("\"{c}\"")).collect();
+            self.fail(
+                key,
+                format!(
+                    "unknown value \"{value}\"; expected one of {}",
+                    quoted.join(", ")
+                ),
+            );
+        }
+    }
+}
+
+impl JobSpec {
+    /// Validates `raw`; `default_name` (the config file's stem) is used when `name` is absent.
+    pub fn from_raw(
+        raw: &RawConfig,
+        source: &Source,
+        default_name: &str,
+    ) -> Result<Self, ConfigError> {
+        let mut c = Checker {
+            source,
+            errors: Vec::new(),
+        };
+        let name = raw.name.clone().unwrap_or_else(|| default_name.to_string());
+        if name.is_empty()
+            || name.starts_with('.')
+            || !name
+                .chars()
+                .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch))
+        {
+            c.fail("name", format!("\"{name}\" is not a usable directory name; use letters, digits, '-', '_' or '.'"));
+        }
+        let seed = c.at_least("seed", raw.seed, 0) as u64;
+
+        c.one_of("model.arch", &raw.model.arch, &["mlp", "cnn"]);
+        let hidden = raw
+            .model
+            .hidden
+            .iter()
+            .map(|&h| c.at_least("model.hidden", h, 1))
+            .collect();
+        let model = if raw.model.arch == "cnn" {
+            ModelSpec::Cnn
+        } else {
+            ModelSpec::Mlp { hidden }
+        };
+
+        let data = check_data(&mut c, raw, &model);
+        let train = check_train(&mut c, raw);
+
+        let ck = &raw.checkpoint;
+        let nonzero = |v: usize| (v > 0).then_some(v);
+        let checkpoint = CheckpointSpec {
+            every_epochs: nonzero(c.at_least("checkpoint.every_epochs", ck.every_epochs, 0)),
+            every_steps: nonzero(c.at_least("checkpoint.every_steps", ck.every_steps, 0)),
+            keep_last: nonzero(c.at_least("checkpoint.keep_last", ck.keep_last, 0)),
+        };
+
+        let d = &raw.distributed;
+        let nproc_per_node = match &d.nproc_per_node {
+            toml::Value::Integer(n) => Some(c.at_least("distributed.nproc_per_node", *n, 1)),
+            _ => None,
+        };
+        if nproc_per_node.is_some_and(|n| n > 1) {
+            c.fail(
+                "distributed.nproc_per_node",
+                "this version of ddpjob runs a single worker; use 1 or \"auto\" \
+                 (multi-worker data parallelism is not implemented yet)",
+            );
+        }
+        c.one_of("distributed.backend", &d.backend, &["auto", "tcp", "nccl"]);
+        if d.backend == "nccl" {
+            c.fail(
+                "distributed.backend",
+                "\"nccl\" needs a GPU build (`--features cuda`), not available yet; use \"auto\"",
+            );
+        }
+        let distributed = DistributedSpec {
+            nproc_per_node,
+            timeout_s: c.at_least("distributed.timeout_s", d.timeout_s, 1) as u64,
+            max_restarts: c.at_least("distributed.max_restarts", d.max_restarts, 0),
+            bucket_bytes: (c.positive("distributed.bucket_mb", d.bucket_mb) * 1e6) as usize,
+        };
+
+        ConfigError::collect(c.errors)?;
+        Ok(JobSpec {
+            name,
+            seed,
+            model,
+            data,
+            train,
+            checkpoint,
+            distributed,
+        })
+    }
+}
+
+fn check_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> DataSpec {
+    let d = &raw.data;
+    c.one_of(
+        "data.dataset",
+        &d.dataset,
+        &["mnist", "fashion-mnist", "synthetic"],
+    );
+    let s = &d.synthetic;
+    let shape: Vec<usize> = s
+        .shape
+        .iter()
+        .map(|&v| c.at_least("data.synthetic.shape", v, 1))
+        .collect();
+    let shape = match shape.as_slice() {
+        &[ch, h, w] => [ch, h, w],
+        _ => {
+            c.fail(
+                "data.synthetic.shape",
+                format!(
+                    "must have 3 entries [channels, height, width], got {}",
+                    shape.len()
+                ),
+            );
+            [1, 28, 28]
+        }
+    };
+    let dataset = match d.dataset.as_str() {
+        "fashion-mnist" => DatasetKind::FashionMnist,
+        "synthetic" => DatasetKind::Synthetic(SyntheticSpec {
+            train_samples: c.at_least("data.synthetic.train_samples", s.train_samples, 1),
+            test_samples: c.at_least("data.synthetic.test_samples", s.test_samples, 1),
+            shape,
+            classes: c.at_least("data.synthetic.classes", s.classes, 2),
+            noise: {
+                if !(s.noise.is_finite() && s.noise >= 0.0) {
+                    c.fail(
+                        "data.synthetic.noise",
+                        format!("must be 0 or more, got {}", s.noise),
+                    );
+                }
+                s.noise as f32
+            },
+        }),
+        _ => DatasetKind::Mnist,
+    };
+    let channels = if matches!(dataset, DatasetKind::Synthetic(_)) {
+        shape[0]
+    } else {
+        1
+    };
+    let (height, width) = if matches!(dataset, DatasetKind::Synthetic(_)) {
+        (shape[1], shape[2])
+    } else {
+        (28, 28)
+    };
+    if *model == ModelSpec::Cnn && (height < 6 || width < 6) {
+        c.fail(
+            "data.synthetic.shape",
+            format!("the cnn needs images of at least 6x6, got {height}x{width}"),
+        );
+    }
+    let normalize = if d.mean.is_empty() && d.std.is_empty() {
+        None
+    } else {
+        if d.mean.len() != channels {
+            c.fail(
+                "data.mean",
+                format!(
+                    "needs one value per channel ({channels}), got {}",
+                    d.mean.len()
+                ),
+            );
+        }
+        if d.std.len() != d.mean.len() {
+            c.fail(
+                "data.std",
+                format!(
+                    "needs as many values as data.mean ({}), got {}",
+                    d.mean.len(),
+                    d.std.len()
+                ),
+            );
+        }
+        for &v in &d.std {
+            c.positive("data.std", v);
+        }
+        Some((
+            d.mean.iter().map(|&v| v as f32).collect(),
+            d.std.iter().map(|&v| v as f32).collect(),
+        ))
+    };
+    for (file, digest) in &d.checksums {
+        if digest.len() != 64 || !digest.chars().all(|ch| ch.is_ascii_hexdigit()) {
+            c.fail(
+                &format!("data.checksums.{file}"),
+                "must be a SHA-256 digest: 64 hex digits",
+            );
+        }
+    }
+    let root = d
+        .root
+        .clone()
+        .unwrap_or_else(|| format!("data/{}", d.dataset));
+    DataSpec {
+        dataset,
+        root: PathBuf::from(root),
+        download: d.download,
+        mirrors: d.mirrors.clone(),
+        checksums: d.checksums.clone(),
+        normalize,
+    }
+}
+
+fn check_train(c: &mut Checker, raw: &RawConfig) -> TrainSpec {
+    let t = &raw.train;
+    c.one_of("train.optimizer", &t.optimizer, &["sgd", "adam", "adamw"]);
+    let weight_decay = t.weight_decay;
+    if !(weight_decay.is_finite() && weight_decay >= 0.0) {
+        c.fail(
+            "train.weight_decay",
+            format!("must be 0 or more, got {weight_decay}"),
+        );
+    }
+    let (beta1, beta2) = match t.betas.as_slice() {
+        &[b1, b2] => (
+            c.in_range("train.betas", b1, 0.0, 1.0),
+            c.in_range("train.betas", b2, 0.0, 1.0),
+        ),
+        other => {
+            c.fail(
+                "train.betas",
+                format!("must be two numbers [beta1, beta2], got {}", other.len()),
+            );
+            (0.9, 0.999)
+        }
+    };
+    let eps = c.positive("train.eps", t.eps);
+    let momentum = c.in_range("train.momentum", t.momentum, 0.0, 1.0);
+    if t.nesterov && momentum == 0.0 {
+        c.fail(
+            "train.nesterov",
+            "Nesterov momentum needs train.momentum > 0",
+        );
+    }
+    let optimizer = match t.optimizer.as_str() {
+        "sgd" => OptimizerSpec::Sgd {
+            momentum,
+            nesterov: t.nesterov,
+            weight_decay,
+        },
+        "adamw" => OptimizerSpec::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        },
+        _ => OptimizerSpec::Adam {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        },
+    };
+    if !(t.grad_clip_norm.is_finite() && t.grad_clip_norm >= 0.0) {
+        c.fail(
+            "train.grad_clip_norm",
+            format!("must be 0 (off) or more, got {}", t.grad_clip_norm),
+        );
+    }
+    let lr = c.positive("train.lr", t.lr);
+    let s = &t.scheduler;
+    c.one_of(
+        "train.scheduler.kind",
+        &s.kind,
+        &["constant", "step", "cosine"],
+    );
+    let kind = match s.kind.as_str() {
+        "step" => ScheduleKind::Step {
+            step_size: c.at_least("train.scheduler.step_size", s.step_size, 1),
+            gamma: c.positive("train.scheduler.gamma", s.gamma),
+        },
+        "cosine" => {
+            if !(s.min_lr >= 0.0 && s.min_lr <= lr) {
+                c.fail(
+                    "train.scheduler.min_lr",
+                    format!("must be in [0, train.lr = {lr}], got {}", s.min_lr),
+                );
+            }
+            ScheduleKind::Cosine { min_lr: s.min_lr }
+        }
+        _ => ScheduleKind::Constant,
+    };
+    TrainSpec {
+        epochs: c.at_least("train.epochs", t.epochs, 1),
+        batch_size: c.at_least("train.batch_size", t.batch_size, 1),
+        accumulation: c.at_least("train.accumulation", t.accumulation, 1),
+        lr,
+        optimizer,
+        grad_clip_norm: (t.grad_clip_norm > 0.0).then_some(t.grad_clip_norm),
+        max_steps: Some(c.at_least("train.max_steps", t.max_steps, 0)).filter(|&m| m > 0),
+        eval_batch_size: c.at_least("train.eval_batch_size", t.eval_batch_size, 1),
+        log_every: c.at_least("train.log_every", t.log_every, 1),
+        schedule: ScheduleSpec {
+            kind,
+            warmup_steps: c.at_least("train.scheduler.warmup_steps", s.warmup_steps, 0),
+        },
+    }
+}

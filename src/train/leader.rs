@@ -30,10 +30,6 @@ impl Leader {
         }
     }
 
-    pub fn job(&self) -> &JobDir {
-        &self.job
-    }
-
     pub fn log_step(
         &self,
         epoch: usize,

@@ -159,12 +159,7 @@ fn train_in_process(
 }
 
 fn save_model(trainer: &Trainer, path: &Path) -> Result<(), TrainError> {
-    let tensors: std::collections::HashMap<String, _> = trainer
-        .model
-        .params()
-        .iter()
-        .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
-        .collect();
+    let tensors = trainer.model.params().named_tensors();
     let tmp = path.with_extension("safetensors.tmp");
     candle_core::safetensors::save(&tensors, &tmp)?;
     std::fs::rename(&tmp, path).map_err(|cause| JobDirError::Io {

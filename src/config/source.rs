@@ -25,44 +25,29 @@ pub struct Source {
 impl Source {
     /// Parses `text` (read from `path`) and applies `overrides` (`key.path=value`).
     pub fn parse(path: &Path, text: String, overrides: &[String]) -> Result<Self, ConfigError> {
-        let doc = toml_edit::Document::parse(text.as_str()).map_err(|e| ConfigError::Syntax {
-            at: file_origin(path, &text, e.span().map_or(0, |s| s.start)),
-            message: e.message().trim().to_string(),
-        })?;
-        let table: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::Syntax {
-            at: file_origin(path, &text, e.span().map_or(0, |s| s.start)),
-            message: e.message().trim().to_string(),
-        })?;
+        let syntax = |span: Option<std::ops::Range<usize>>, message: &str| ConfigError::Syntax {
+            at: file_origin(path, &text, span.map_or(0, |s| s.start)),
+            message: message.trim().to_string(),
+        };
+        let doc =
+            toml_edit::Document::parse(text.as_str()).map_err(|e| syntax(e.span(), e.message()))?;
+        let table: toml::Table =
+            toml::from_str(&text).map_err(|e| syntax(e.span(), e.message()))?;
+        let (mut key_offsets, mut value_offsets) = (HashMap::new(), HashMap::new());
+        record_offsets("", doc.as_table(), &mut key_offsets, &mut value_offsets);
+        drop(doc);
         let mut source = Source {
             path: path.to_path_buf(),
             table,
-            key_offsets: HashMap::new(),
-            value_offsets: HashMap::new(),
-            text: String::new(),
+            key_offsets,
+            value_offsets,
+            text,
             overrides: HashMap::new(),
         };
-        source.record_offsets("", doc.as_table());
-        drop(doc);
-        source.text = text;
         for arg in overrides {
             source.apply_override(arg)?;
         }
         Ok(source)
-    }
-
-    fn record_offsets(&mut self, prefix: &str, table: &dyn TableLike) {
-        for (name, item) in table.iter() {
-            let path = join(prefix, name);
-            if let Some(start) = table.key(name).and_then(|k| k.span()).map(|s| s.start) {
-                self.key_offsets.insert(path.clone(), start);
-            }
-            if let Some(start) = item.span().map(|s| s.start) {
-                self.value_offsets.insert(path.clone(), start);
-            }
-            if let Some(inner) = item.as_table_like() {
-                self.record_offsets(&path, inner);
-            }
-        }
     }
 
     /// Where the key `path` was set (its key, for unknown-key errors).
@@ -160,6 +145,27 @@ impl Source {
                     self.check_table(&path, inner, errors);
                 }
             }
+        }
+    }
+}
+
+/// Byte offsets of every key and value in the parsed file, by dotted path.
+fn record_offsets(
+    prefix: &str,
+    table: &dyn TableLike,
+    keys: &mut HashMap<String, usize>,
+    values: &mut HashMap<String, usize>,
+) {
+    for (name, item) in table.iter() {
+        let path = join(prefix, name);
+        if let Some(span) = table.key(name).and_then(|k| k.span()) {
+            keys.insert(path.clone(), span.start);
+        }
+        if let Some(span) = item.span() {
+            values.insert(path.clone(), span.start);
+        }
+        if let Some(inner) = item.as_table_like() {
+            record_offsets(&path, inner, keys, values);
         }
     }
 }

@@ -41,6 +41,13 @@ impl Params {
         self.entries.is_empty()
     }
 
+    /// The current values by name: what `model.safetensors` and checkpoints hold.
+    pub fn named_tensors(&self) -> std::collections::HashMap<String, Tensor> {
+        self.iter()
+            .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
+            .collect()
+    }
+
     pub fn element_count(&self) -> usize {
         self.entries.iter().map(|(_, v)| v.elem_count()).sum()
     }

@@ -1,7 +1,6 @@
 //! What only rank 0 does: write metrics, state and checkpoints into the job directory. A separate
 //! type with no collectives, so a collective that only rank 0 would call cannot be written here.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use serde_json::json;
@@ -82,10 +81,7 @@ impl Leader {
         optimizer: &Optimizer,
         position: &TrainPosition,
     ) -> Result<PathBuf, TrainError> {
-        let model: HashMap<String, _> = params
-            .iter()
-            .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
-            .collect();
+        let model = params.named_tensors();
         let (optim, _) = optimizer.state(params);
         Ok(self.checkpointer.save(&model, &optim, position)?)
     }

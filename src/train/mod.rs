@@ -144,7 +144,9 @@ impl Trainer<'_> {
             let groups: Vec<&[&[usize]]> = micro.chunks(t.accumulation).collect();
             let steps_now = groups.len().min(plan.total_steps - step);
             self.reporter.epoch_start(epoch, t.epochs, steps_now);
-            let (mut interval, mut epoch_tally) = (LossTally::default(), (0.0, 0.0, 0.0));
+            let mut interval = LossTally::default();
+            // Σ loss·n, n and seconds of this epoch, from the interval reductions.
+            let (mut epoch_loss_x_n, mut epoch_samples, mut epoch_secs) = (0.0, 0.0, 0.0);
             let mut interval_first_step = step + 1;
             for (i, group) in groups.iter().take(steps_now).enumerate() {
                 let started = Instant::now();
@@ -164,11 +166,9 @@ impl Trainer<'_> {
                             last_step: step,
                         });
                     }
-                    epoch_tally = (
-                        epoch_tally.0 + loss * n,
-                        epoch_tally.1 + n,
-                        epoch_tally.2 + secs,
-                    );
+                    epoch_loss_x_n += loss * n;
+                    epoch_samples += n;
+                    epoch_secs += secs;
                     let rate = n / secs.max(1e-9);
                     let text = format!("loss {loss:.4}  lr {lr:.2e}  {rate:.0} samples/s");
                     self.reporter.interval(&format!(
@@ -190,8 +190,8 @@ impl Trainer<'_> {
                 }
             }
             self.reporter.epoch_end();
-            let (loss_x_n, n, secs) = epoch_tally;
-            final_train_loss = loss_x_n / n.max(1.0);
+            let (n, secs) = (epoch_samples, epoch_secs);
+            final_train_loss = epoch_loss_x_n / n.max(1.0);
             total_samples += n;
             train_time += Duration::from_secs_f64(secs);
             epochs_done = epoch + 1;

@@ -9,7 +9,8 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::config::{self, DatasetKind};
 use crate::jobdir;
-use crate::launch::{self, RunOptions};
+use crate::launch::{self, NodeOptions, RunOptions};
+use crate::worker::{self, WorkerEnv};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -30,6 +31,9 @@ enum Command {
     Validate(ConfigArgs),
     /// List jobs with status, epoch/step and last loss, most recent first.
     List(ListArgs),
+    /// A worker process; started by `run` with the torchrun environment, not by hand.
+    #[command(hide = true)]
+    Worker,
 }
 
 #[derive(Debug, Args)]
@@ -67,6 +71,18 @@ struct RunArgs {
     /// Where jobs live.
     #[arg(long, default_value = "jobs")]
     jobs_dir: PathBuf,
+    /// Number of nodes (machines) in the job; run the same command on each.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    nnodes: u16,
+    /// This node's index, 0..nnodes; node 0 hosts the rendezvous store.
+    #[arg(long, default_value_t = 0, value_name = "I")]
+    node_rank: u16,
+    /// Address of node 0 that every node can reach (needed with --nnodes > 1).
+    #[arg(long, value_name = "ADDR")]
+    master_addr: Option<String>,
+    /// Port of node 0's store (default: a free port on one node, 29500 with --nnodes > 1).
+    #[arg(long, value_name = "PORT")]
+    master_port: Option<u16>,
 }
 
 #[derive(Debug, Args)]
@@ -89,6 +105,7 @@ pub fn main() -> ExitCode {
         Command::Run(args) => run(args, started),
         Command::Validate(args) => validate(&args),
         Command::List(args) => list(&args.jobs_dir),
+        Command::Worker => worker(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -106,10 +123,24 @@ fn run(args: RunArgs, started: Instant) -> CliResult {
         config: args.config.config.clone(),
         overrides: args.config.overrides(),
         jobs_dir: args.jobs_dir,
+        node: NodeOptions {
+            nnodes: args.nnodes.into(),
+            node_rank: args.node_rank.into(),
+            master_addr: args.master_addr,
+            master_port: args.master_port,
+        },
         started,
     };
     match launch::run(&opts) {
-        Ok((job, s)) => {
+        Ok((job, None)) => {
+            println!(
+                "node {}: workers finished; node 0 holds the results",
+                opts.node.node_rank
+            );
+            println!("job directory: {}", job.root.display());
+            Ok(())
+        }
+        Ok((job, Some(s))) => {
             println!(
                 "finished: test accuracy {:.2}%, test loss {:.4}, final train loss {:.4}, {} steps, {:.0} samples/s, {:.1} s",
                 s.test_accuracy * 100.0,
@@ -124,6 +155,25 @@ fn run(args: RunArgs, started: Instant) -> CliResult {
         }
         Err(e) => Err((e.exit_code(), anyhow::Error::new(e))),
     }
+}
+
+/// A worker's error goes to its stderr (its log, or the terminal for rank 0) and, for rank 0,
+/// also into its log file, so the launcher's report can quote it.
+fn worker() -> CliResult {
+    worker::run().map_err(|e| {
+        let rank = WorkerEnv::from_env().ok();
+        let text = match &rank {
+            Some(env) => format!("rank {}: {e:#}", env.rank),
+            None => format!("{e:#}"),
+        };
+        if let Some(env) = rank.filter(|env| env.rank == 0) {
+            let log = worker::log_path(&env.job_dir, 0);
+            if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(log) {
+                let _ = std::io::Write::write_all(&mut f, format!("error: {text}\n").as_bytes());
+            }
+        }
+        (1, anyhow::anyhow!(text))
+    })
 }
 
 fn validate(args: &ConfigArgs) -> CliResult {

@@ -18,4 +18,6 @@ pub mod models;
 pub mod optim;
 pub mod progress;
 pub mod rng;
+pub mod store;
 pub mod train;
+pub mod worker;

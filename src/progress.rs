@@ -72,7 +72,8 @@ impl Reporter for Bars {
     }
 }
 
-struct Plain;
+/// One plain line per message on stdout: no bars, no control characters.
+pub struct Plain;
 
 impl Reporter for Plain {
     fn epoch_start(&mut self, _epoch: usize, _epochs: usize, _steps: usize) {}

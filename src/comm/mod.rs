@@ -1,14 +1,17 @@
 //! Collectives between workers behind one trait, so the trainer is the same for one worker
-//! (`local`), CPU worker processes and GPUs. Also the DDP pieces built on them: initial
+//! (`local`), CPU worker processes (`tcp`) and GPUs. Also the DDP pieces built on them: initial
 //! parameter broadcast and bucketed gradient averaging.
 
 mod local;
+pub mod ring;
+mod tcp;
 
 use candle_core::Tensor;
 use thiserror::Error;
 
 use crate::models::Params;
 pub use local::LocalCommunicator;
+pub use tcp::{TcpCommunicator, ring_key};
 
 #[derive(Debug, Error)]
 pub enum CommError {
@@ -18,6 +21,10 @@ pub enum CommError {
         rank: usize,
         problem: String,
     },
+    #[error("rank {rank} could not join the worker ring: {problem}")]
+    Setup { rank: usize, problem: String },
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),
 }

@@ -194,11 +194,20 @@ fn the_resolved_config_loads_back_to_the_same_spec() {
 }
 
 #[test]
-fn multi_worker_counts_are_refused_until_supported() {
-    let msg = load_text("", &["distributed.nproc_per_node=2"])
+fn worker_counts_are_auto_or_at_least_one() {
+    let spec = load_text("", &["distributed.nproc_per_node=4"])
+        .unwrap()
+        .spec;
+    assert_eq!(spec.distributed.nproc_per_node, Some(4));
+    let spec = load_text("", &[]).unwrap().spec;
+    assert_eq!(spec.distributed.nproc_per_node, None);
+    let msg = load_text("", &["distributed.nproc_per_node=0"])
         .unwrap_err()
         .to_string();
-    assert!(msg.contains("single worker"), "{msg}");
+    assert!(
+        msg.contains("distributed.nproc_per_node") && msg.contains("at least 1"),
+        "{msg}"
+    );
 }
 
 #[test]

@@ -115,13 +115,6 @@ impl JobSpec {
             toml::Value::Integer(n) => Some(c.at_least("distributed.nproc_per_node", *n, 1)),
             _ => None,
         };
-        if nproc_per_node.is_some_and(|n| n > 1) {
-            c.fail(
-                "distributed.nproc_per_node",
-                "this version of ddpjob runs a single worker; use 1 or \"auto\" \
-                 (multi-worker data parallelism is not implemented yet)",
-            );
-        }
         c.one_of("distributed.backend", &d.backend, &["auto", "tcp", "nccl"]);
         if d.backend == "nccl" {
             c.fail(

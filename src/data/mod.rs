@@ -114,7 +114,7 @@ impl Dataset {
         }
     }
 
-    /// Loads (or generates) the dataset the spec names.
+    /// Loads (or generates) the dataset the spec names, downloading missing files if allowed.
     pub fn load(spec: &DataSpec, seed: u64) -> Result<Self, DataError> {
         let catalog = match &spec.dataset {
             DatasetKind::Synthetic(s) => {
@@ -129,14 +129,18 @@ impl Dataset {
             DatasetKind::Mnist => &catalog::MNIST,
             DatasetKind::FashionMnist => &catalog::FASHION_MNIST,
         };
-        let paths = catalog.locate(&Locate {
-            root: &spec.root,
-            system_dir: Path::new("/usr/share/datasets").join(catalog.name),
-            download: spec.download,
-            mirrors: &spec.mirrors,
-            checksums: &spec.checksums,
-        })?;
+        let paths = locate_in(catalog, spec)?;
         Self::from_idx_files(&paths, spec.normalize.as_ref())
+    }
+
+    /// Makes sure the files are on disk (found or downloaded, checksums verified) without
+    /// reading them: what a launcher does before it creates a job. Nothing to do for synthetic.
+    pub fn ensure_present(spec: &DataSpec) -> Result<(), DataError> {
+        match &spec.dataset {
+            DatasetKind::Synthetic(_) => Ok(()),
+            DatasetKind::Mnist => locate_in(&catalog::MNIST, spec).map(drop),
+            DatasetKind::FashionMnist => locate_in(&catalog::FASHION_MNIST, spec).map(drop),
+        }
     }
 
     /// Reads train images, train labels, test images, test labels (the `FILES` order).
@@ -190,6 +194,16 @@ impl Dataset {
         let ys = Tensor::from_vec(ys, indices.len(), device)?;
         Ok((xs, ys))
     }
+}
+
+fn locate_in(catalog: &catalog::Catalog, spec: &DataSpec) -> Result<[PathBuf; 4], DataError> {
+    catalog.locate(&Locate {
+        root: &spec.root,
+        system_dir: Path::new("/usr/share/datasets").join(catalog.name),
+        download: spec.download,
+        mirrors: &spec.mirrors,
+        checksums: &spec.checksums,
+    })
 }
 
 fn split_from(images: &Path, labels: &Path) -> Result<Split, DataError> {

@@ -7,11 +7,11 @@ use serde_json::json;
 
 use crate::checkpoint::{Checkpointer, TrainPosition};
 use crate::config::Plan;
-use crate::jobdir::{JobDir, JobState, Status, now_unix};
+use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
 use crate::models::Params;
 use crate::optim::Optimizer;
 
-use super::{EvalResult, TrainError};
+use super::{EvalResult, Summary, TrainError};
 
 pub struct Leader {
     job: JobDir,
@@ -27,6 +27,21 @@ impl Leader {
             checkpointer,
             world_size,
         }
+    }
+
+    /// Records the plan in `state.json` as training starts.
+    pub fn start(&self, plan: &Plan) -> Result<(), TrainError> {
+        let state = JobState {
+            status: Status::Running,
+            epoch: 0,
+            step: 0,
+            total_steps: plan.total_steps,
+            world_size: self.world_size,
+            updated_unix: now_unix(),
+            last_loss: None,
+            error: None,
+        };
+        Ok(self.job.write_state(&state)?)
     }
 
     pub fn log_step(
@@ -84,6 +99,20 @@ impl Leader {
         let model = params.named_tensors();
         let (optim, _) = optimizer.state(params);
         Ok(self.checkpointer.save(&model, &optim, position)?)
+    }
+}
+
+impl Leader {
+    /// The end of a successful run: final weights (PyTorch names) and `summary.json`.
+    pub fn finish(&self, params: &Params, summary: &Summary) -> Result<(), TrainError> {
+        let path = self.job.model_path();
+        let tmp = path.with_extension("safetensors.tmp");
+        candle_core::safetensors::save(&params.named_tensors(), &tmp)?;
+        std::fs::rename(&tmp, &path).map_err(|cause| JobDirError::Io {
+            path: path.clone(),
+            cause,
+        })?;
+        Ok(self.job.write_json(&self.job.summary_path(), summary)?)
     }
 }
 

@@ -127,6 +127,9 @@ impl Trainer<'_> {
         let mut optimizer = Optimizer::new(t.optimizer, self.model.params().len());
         broadcast_params(self.comm, self.model.params())?;
         let mut sampler = DistributedSampler::new(self.data.train.len(), world, rank, spec.seed);
+        if let Some(leader) = &self.leader {
+            leader.start(&plan)?;
+        }
 
         let mut step = 0;
         let mut train_time = Duration::ZERO;
@@ -334,6 +337,8 @@ impl Trainer<'_> {
             self.reporter
                 .line(&format!("checkpoint written: {}", dir.display()));
         }
+        // Everyone continues only once rank 0's checkpoint is complete on disk.
+        self.comm.barrier()?;
         Ok(())
     }
 }

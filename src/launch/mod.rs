@@ -1,0 +1,359 @@
+//! `ddpjob run`, the launcher (torchrun's agent): validate, refuse to overwrite a job, host the
+//! rendezvous store (node 0), make sure the data is on disk, create the job directory, spawn
+//! one worker process per slot with the torchrun environment, supervise them, and record the
+//! outcome in `state.json`. The launcher never trains.
+
+mod supervise;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+use crate::config::{self, ConfigError, JobSpec, LoadedConfig};
+use crate::data::{DataError, Dataset};
+use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
+use crate::store::{self, StoreClient, StoreError, StoreServer};
+use crate::train::Summary;
+use crate::worker::{self, env};
+
+pub use supervise::{describe, install_signal_handlers, log_tail, signal_name};
+
+/// torchrun's default rendezvous port for multi-node jobs.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+const JOB_READY_KEY: &str = "job/ready";
+
+#[derive(Debug, Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    JobDir(#[from] JobDirError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot start worker {rank}: {cause}")]
+    Spawn { rank: usize, cause: std::io::Error },
+    #[error("job `{name}` failed: {report}")]
+    Failed { name: String, report: String },
+    #[error("job `{name}` interrupted by {} (signal {signal}); the workers were stopped", signal_name(*.signal))]
+    Interrupted { name: String, signal: i32 },
+}
+
+impl RunError {
+    /// 2 for what the user fixes before running (config, name clash, flags, a taken port),
+    /// 128 + signal for an interrupt, as a shell expects, 1 for a failed job.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            RunError::Config(_) | RunError::Usage(_) => 2,
+            RunError::JobDir(JobDirError::Io { .. }) => 1,
+            RunError::JobDir(_) => 2,
+            RunError::Store(StoreError::Bind { .. } | StoreError::Refused { .. }) => 2,
+            RunError::Interrupted { signal, .. } => 128u8.saturating_add(*signal as u8),
+            _ => 1,
+        }
+    }
+}
+
+/// Where this launcher sits among the nodes (torchrun's `--nnodes --node-rank --master-*`).
+#[derive(Debug, Clone, Default)]
+pub struct NodeOptions {
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: Option<String>,
+    pub master_port: Option<u16>,
+}
+
+pub struct RunOptions {
+    pub config: PathBuf,
+    pub overrides: Vec<String>,
+    pub jobs_dir: PathBuf,
+    pub node: NodeOptions,
+    pub started: Instant,
+}
+
+/// The checked node layout.
+struct Layout {
+    nnodes: usize,
+    node_rank: usize,
+    nproc: usize,
+    master_addr: String,
+    /// `None`: a free port chosen when the store binds (single-node jobs only).
+    master_port: Option<u16>,
+}
+
+impl Layout {
+    fn new(opts: &NodeOptions, spec: &JobSpec) -> Result<Self, RunError> {
+        let nnodes = opts.nnodes.max(1);
+        if opts.node_rank >= nnodes {
+            return Err(RunError::Usage(format!(
+                "--node-rank {} is outside --nnodes {nnodes}; node ranks are 0..{}",
+                opts.node_rank,
+                nnodes - 1
+            )));
+        }
+        let master_addr = match (&opts.master_addr, nnodes) {
+            (Some(a), _) => a.clone(),
+            (None, 1) => Ipv4Addr::LOCALHOST.to_string(),
+            (None, _) => {
+                return Err(RunError::Usage(format!(
+                    "--nnodes {nnodes} needs --master-addr: the address of node 0, which every \
+                     node can reach (and the same --master-port on every node, default {DEFAULT_MASTER_PORT})"
+                )));
+            }
+        };
+        let master_port = match (opts.master_port, nnodes) {
+            (Some(p), _) => Some(p),
+            (None, 1) => None,
+            (None, _) => Some(DEFAULT_MASTER_PORT),
+        };
+        Ok(Layout {
+            nnodes,
+            node_rank: opts.node_rank,
+            // On CPU "auto" is one worker; the cuda build will count GPUs here.
+            nproc: spec.distributed.nproc_per_node.unwrap_or(1),
+            master_addr,
+            master_port,
+        })
+    }
+
+    fn world_size(&self) -> usize {
+        self.nnodes * self.nproc
+    }
+
+    /// Single-node jobs get a fresh random token; nodes of one job derive the same one from
+    /// the resolved config, so a node started with another config or name is refused.
+    fn token(&self, loaded: &LoadedConfig) -> String {
+        if self.nnodes == 1 {
+            return store::random_token();
+        }
+        let mut h = Sha256::new();
+        h.update(loaded.resolved_toml().as_bytes());
+        h.update(format!("nnodes={} nproc={}", self.nnodes, self.nproc).as_bytes());
+        crate::data::download::hex(&h.finalize())[..32].to_string()
+    }
+}
+
+/// Runs a job from its config file to the end; on node 0 returns its summary.
+pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
+    let loaded = config::load(&opts.config, &opts.overrides)?;
+    let spec = &loaded.spec;
+    let layout = Layout::new(&opts.node, spec)?;
+    let token = layout.token(&loaded);
+    let job = JobDir::open(&opts.jobs_dir, &spec.name);
+    install_signal_handlers();
+
+    // Node 0 binds the store before anything is created, so a taken port costs nothing.
+    let (_server, client) = if layout.node_rank == 0 {
+        job.ensure_new(&spec.name)?;
+        let ip = if layout.nnodes == 1 {
+            Ipv4Addr::LOCALHOST
+        } else {
+            Ipv4Addr::UNSPECIFIED
+        };
+        let port = layout.master_port.unwrap_or(0);
+        let server = StoreServer::bind(SocketAddr::from((ip, port)), &token)?;
+        let addr = format!("127.0.0.1:{}", server.addr().port());
+        let client = StoreClient::connect(&addr, &token, Duration::from_secs(10))?;
+        (Some(server), client)
+    } else {
+        let addr = format!(
+            "{}:{}",
+            layout.master_addr,
+            layout.master_port.unwrap_or(DEFAULT_MASTER_PORT)
+        );
+        let patience = Duration::from_secs(spec.distributed.timeout_s);
+        println!("node {}: joining node 0 at {addr} ...", layout.node_rank);
+        let client = StoreClient::connect(&addr, &token, patience)?;
+        (None, client)
+    };
+    let port = match (&_server, layout.master_port) {
+        (Some(s), _) => s.addr().port(),
+        (None, Some(p)) => p,
+        (None, None) => DEFAULT_MASTER_PORT,
+    };
+
+    Dataset::ensure_present(&spec.data)?;
+    let state = if layout.node_rank == 0 {
+        let state = create_job(&job, &loaded, opts, &layout)?;
+        client.set(JOB_READY_KEY, b"1")?;
+        Some(state)
+    } else {
+        client.wait(
+            &[JOB_READY_KEY.to_string()],
+            Duration::from_secs(spec.distributed.timeout_s),
+        )?;
+        join_job(&job, &loaded, opts)?;
+        None
+    };
+
+    let outcome = spawn_and_supervise(&job, &layout, &token, port, opts);
+    drop(client);
+    let Some(mut state) = state else {
+        return outcome.map(|()| (job, None));
+    };
+    if let Some(s) = job.read_state() {
+        state = s;
+    }
+    state.updated_unix = now_unix();
+    let result = outcome.and_then(|()| finish_summary(&job, opts.started, spec));
+    match result {
+        Ok(summary) => {
+            state.status = Status::Finished;
+            state.epoch = summary.epochs;
+            state.step = summary.steps;
+            state.last_loss = Some(summary.final_train_loss);
+            job.write_state(&state)?;
+            Ok((job, Some(summary)))
+        }
+        Err(e) => {
+            state.status = match e {
+                RunError::Interrupted { .. } => Status::Interrupted,
+                _ => Status::Failed,
+            };
+            state.error = Some(e.to_string());
+            // The job's own error matters more than a failure to record it.
+            let _ = job.write_state(&state);
+            Err(e)
+        }
+    }
+}
+
+/// Node 0: the job directory, the frozen config and the first `state.json`.
+fn create_job(
+    job: &JobDir,
+    loaded: &LoadedConfig,
+    opts: &RunOptions,
+    layout: &Layout,
+) -> Result<JobState, RunError> {
+    let spec = &loaded.spec;
+    job.create(&spec.name)?;
+    write_job_toml(job, loaded, opts)?;
+    // Rank 0 fills in total_steps once it has read the data.
+    let state = JobState {
+        status: Status::Running,
+        epoch: 0,
+        step: 0,
+        total_steps: 0,
+        world_size: layout.world_size(),
+        updated_unix: now_unix(),
+        last_loss: None,
+        error: None,
+    };
+    job.write_state(&state)?;
+    Ok(state)
+}
+
+/// Nodes > 0: their own job directory (or node 0's, on a shared file system) for their logs.
+fn join_job(job: &JobDir, loaded: &LoadedConfig, opts: &RunOptions) -> Result<(), RunError> {
+    let logs = job.logs_dir();
+    std::fs::create_dir_all(&logs).map_err(|cause| JobDirError::Io { path: logs, cause })?;
+    if !job.job_toml().exists() {
+        write_job_toml(job, loaded, opts)?;
+    }
+    Ok(())
+}
+
+fn write_job_toml(job: &JobDir, loaded: &LoadedConfig, opts: &RunOptions) -> Result<(), RunError> {
+    let header = format!(
+        "# Resolved config of job `{}`, frozen by `ddpjob run {}`; resume reads this file.\n\n",
+        loaded.spec.name,
+        opts.config.display()
+    );
+    job.write_file(
+        &job.job_toml(),
+        (header + &loaded.resolved_toml()).as_bytes(),
+    )?;
+    Ok(())
+}
+
+/// Threads per worker: the node's cores split evenly (as torchrun sets OMP_NUM_THREADS).
+fn threads_per_worker(nproc: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / nproc).max(1)
+}
+
+fn spawn_and_supervise(
+    job: &JobDir,
+    layout: &Layout,
+    token: &str,
+    port: u16,
+    opts: &RunOptions,
+) -> Result<(), RunError> {
+    let exe = std::env::current_exe().map_err(|cause| RunError::Spawn { rank: 0, cause })?;
+    let threads = threads_per_worker(layout.nproc).to_string();
+    let started_ms = now_unix_ms().saturating_sub(opts.started.elapsed().as_millis());
+    let job_dir = std::path::absolute(&job.root).unwrap_or_else(|_| job.root.clone());
+    let name = job
+        .root
+        .file_name()
+        .map_or("job".into(), |n| n.to_string_lossy().into_owned());
+    let mut workers = Vec::new();
+    for local_rank in 0..layout.nproc {
+        let rank = layout.node_rank * layout.nproc + local_rank;
+        let mut cmd = Command::new(&exe);
+        cmd.arg("worker")
+            .env(env::RANK, rank.to_string())
+            .env(env::LOCAL_RANK, local_rank.to_string())
+            .env(env::WORLD_SIZE, layout.world_size().to_string())
+            .env(env::LOCAL_WORLD_SIZE, layout.nproc.to_string())
+            .env(env::NODE_RANK, layout.node_rank.to_string())
+            .env(env::MASTER_ADDR, &layout.master_addr)
+            .env(env::MASTER_PORT, port.to_string())
+            .env(env::JOB_DIR, &job_dir)
+            .env(env::RESTART_COUNT, "0")
+            .env(env::TOKEN, token)
+            .env(env::STARTED_MS, started_ms.to_string());
+        for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
+            if std::env::var_os(var).is_none() {
+                cmd.env(var, &threads);
+            }
+        }
+        let log = worker::log_path(&job_dir, rank);
+        let spawned = supervise::spawn(cmd, rank, &log, rank == 0);
+        match spawned {
+            Ok(w) => workers.push(w),
+            Err(cause) => {
+                supervise::stop(&mut workers, false);
+                return Err(RunError::Spawn { rank, cause });
+            }
+        }
+    }
+    match supervise::supervise(&mut workers) {
+        supervise::Outcome::Finished => Ok(()),
+        supervise::Outcome::Failed { report } => Err(RunError::Failed { name, report }),
+        supervise::Outcome::Interrupted { signal } => Err(RunError::Interrupted { name, signal }),
+    }
+}
+
+fn now_unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+/// Reads rank 0's `summary.json` and sets `wall_s` to the whole command's time.
+fn finish_summary(job: &JobDir, started: Instant, spec: &JobSpec) -> Result<Summary, RunError> {
+    let path = job.summary_path();
+    let summary: Option<Summary> = std::fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    let Some(mut summary) = summary else {
+        return Err(RunError::Failed {
+            name: spec.name.clone(),
+            report: format!(
+                "every worker exited successfully but rank 0 left no readable `{}`",
+                path.display()
+            ),
+        });
+    };
+    summary.wall_s = started.elapsed().as_secs_f64();
+    job.write_json(&path, &summary)?;
+    Ok(summary)
+}

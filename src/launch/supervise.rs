@@ -1,0 +1,219 @@
+//! Spawning and watching the worker processes of one node: each in its own process group (so a
+//! terminal's Ctrl-C reaches only the launcher, which then stops them in order), each killed by
+//! the kernel if the launcher dies. The first failure stops the rest within seconds.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long stopped workers get to exit after SIGTERM before SIGKILL.
+const GRACE: Duration = Duration::from_secs(5);
+const POLL: Duration = Duration::from_millis(50);
+
+static INTERRUPTS: AtomicUsize = AtomicUsize::new(0);
+static LAST_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    LAST_SIGNAL.store(sig, Ordering::SeqCst);
+    INTERRUPTS.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Routes SIGINT and SIGTERM to a counter the supervision loop reads.
+pub fn install_signal_handlers() {
+    let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: the handler only touches atomics, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, handler);
+        libc::signal(libc::SIGTERM, handler);
+    }
+}
+
+/// One spawned worker.
+pub struct Worker {
+    pub rank: usize,
+    pub log: PathBuf,
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+/// How a node's workers ended.
+pub enum Outcome {
+    Finished,
+    /// The first rank that failed (a signal death preferred over an error exit, since the
+    /// others usually fail because of it), and the others that also failed.
+    Failed {
+        report: String,
+    },
+    /// The launcher got SIGINT or SIGTERM; `signal` is its number.
+    Interrupted {
+        signal: i32,
+    },
+}
+
+/// Spawns `command` for `rank`; stdout and stderr go to `log` unless `inherit_output`.
+pub fn spawn(
+    mut command: Command,
+    rank: usize,
+    log: &Path,
+    inherit_output: bool,
+) -> std::io::Result<Worker> {
+    if !inherit_output {
+        let file = File::options().create(true).append(true).open(log)?;
+        command.stdout(file.try_clone()?).stderr(file);
+    }
+    command.stdin(Stdio::null());
+    // SAFETY: prctl, getppid, setpgid and _exit are async-signal-safe.
+    let launcher = std::process::id() as libc::pid_t;
+    unsafe {
+        command.pre_exec(move || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            if libc::getppid() != launcher {
+                libc::_exit(1);
+            }
+            libc::setpgid(0, 0);
+            Ok(())
+        });
+    }
+    let child = command.spawn()?;
+    Ok(Worker {
+        rank,
+        log: log.to_path_buf(),
+        child,
+        status: None,
+    })
+}
+
+/// Waits for every worker; on the first failure or an interrupt, stops the others.
+pub fn supervise(workers: &mut [Worker]) -> Outcome {
+    loop {
+        let interrupts = INTERRUPTS.load(Ordering::SeqCst);
+        if interrupts > 0 {
+            stop(workers, interrupts > 1);
+            return Outcome::Interrupted {
+                signal: LAST_SIGNAL.load(Ordering::SeqCst),
+            };
+        }
+        let mut failed = Vec::new();
+        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+            if let Ok(Some(status)) = w.child.try_wait() {
+                w.status = Some(status);
+                if !status.success() {
+                    failed.push(w.rank);
+                }
+            }
+        }
+        if !failed.is_empty() {
+            stop(workers, false);
+            return Outcome::Failed {
+                report: failure_report(workers, &failed),
+            };
+        }
+        if workers.iter().all(|w| w.status.is_some()) {
+            return Outcome::Finished;
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// SIGTERM to every running worker, SIGKILL after the grace period (or at once); reaps all.
+pub fn stop(workers: &mut [Worker], at_once: bool) {
+    let signal = if at_once {
+        libc::SIGKILL
+    } else {
+        libc::SIGTERM
+    };
+    for w in workers.iter().filter(|w| w.status.is_none()) {
+        // SAFETY: kill with a pid we spawned and have not reaped.
+        unsafe { libc::kill(w.child.id() as libc::pid_t, signal) };
+    }
+    let deadline = Instant::now() + GRACE;
+    while workers.iter().any(|w| w.status.is_none()) {
+        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+            if let Ok(Some(s)) = w.child.try_wait() {
+                w.status = Some(s);
+            }
+        }
+        if Instant::now() >= deadline || INTERRUPTS.load(Ordering::SeqCst) > 1 {
+            for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+                let _ = w.child.kill();
+                w.status = w.child.wait().ok();
+            }
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+fn failure_report(workers: &[Worker], failed: &[usize]) -> String {
+    let by_rank = |r: usize| workers.iter().find(|w| w.rank == r);
+    let killed = |r: &usize| by_rank(*r).and_then(|w| w.status?.signal()).is_some();
+    let first = failed
+        .iter()
+        .copied()
+        .find(|r| killed(r))
+        .unwrap_or(failed[0]);
+    let Some(w) = by_rank(first) else {
+        return format!("rank {first} failed");
+    };
+    let mut text = format!(
+        "rank {} (pid {}) {}; the other workers were stopped",
+        w.rank,
+        w.child.id(),
+        describe(w.status)
+    );
+    let others: Vec<String> = failed
+        .iter()
+        .filter(|&&r| r != first)
+        .map(|r| format!("rank {r}"))
+        .collect();
+    if !others.is_empty() {
+        text += &format!(" ({} also failed at the same time)", others.join(", "));
+    }
+    let tail = log_tail(&w.log, 12);
+    if tail.is_empty() {
+        text += &format!("; its log `{}` is empty", w.log.display());
+    } else {
+        text += &format!(
+            "\nlast lines of `{}`:\n    {}",
+            w.log.display(),
+            tail.join("\n    ")
+        );
+    }
+    text
+}
+
+/// "exited with status 1" / "was killed by signal 9 (SIGKILL)".
+pub fn describe(status: Option<ExitStatus>) -> String {
+    match status {
+        Some(s) => match (s.code(), s.signal()) {
+            (Some(code), _) => format!("exited with status {code}"),
+            (None, Some(sig)) => format!("was killed by signal {sig} ({})", signal_name(sig)),
+            _ => "ended".into(),
+        },
+        None => "is still running".into(),
+    }
+}
+
+pub fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGKILL => "SIGKILL: by hand, or the out-of-memory killer",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        libc::SIGSEGV => "SIGSEGV, a crash",
+        libc::SIGABRT => "SIGABRT, an abort",
+        libc::SIGBUS => "SIGBUS",
+        _ => "signal",
+    }
+}
+
+/// The last `n` lines of a log file (empty if it cannot be read).
+pub fn log_tail(path: &Path, n: usize) -> Vec<String> {
+    let Ok(file) = File::open(path) else {
+        return Vec::new();
+    };
+    let lines: Vec<String> = BufReader::new(file).lines().map_while(Result::ok).collect();
+    lines[lines.len().saturating_sub(n)..].to_vec()
+}

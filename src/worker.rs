@@ -1,0 +1,269 @@
+//! The worker process (`ddpjob worker`, spawned by the launcher, never typed by users): reads
+//! its torchrun-style environment, meets the others through the store, waits for the data,
+//! joins the ring and trains. Rank 0 also writes the job directory.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use thiserror::Error;
+
+use crate::comm::{CommError, Communicator, LocalCommunicator, TcpCommunicator};
+use crate::config::{self, ConfigError, JobSpec};
+use crate::data::{DataError, Dataset};
+use crate::jobdir::{JobDir, JobDirError};
+use crate::models;
+use crate::progress::{self, Logged, Reporter};
+use crate::store::{StoreClient, StoreError};
+use crate::train::{Leader, TrainError, Trainer};
+
+/// Environment variables the launcher sets (**contract**, named as torchrun names them).
+pub mod env {
+    pub const RANK: &str = "RANK";
+    pub const LOCAL_RANK: &str = "LOCAL_RANK";
+    pub const WORLD_SIZE: &str = "WORLD_SIZE";
+    pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+    pub const NODE_RANK: &str = "NODE_RANK";
+    pub const MASTER_ADDR: &str = "MASTER_ADDR";
+    pub const MASTER_PORT: &str = "MASTER_PORT";
+    pub const JOB_DIR: &str = "DDPJOB_JOB_DIR";
+    pub const RESTART_COUNT: &str = "DDPJOB_RESTART_COUNT";
+    /// The job token for the store and the ring (not a contract: internal to one job).
+    pub const TOKEN: &str = "DDPJOB_STORE_TOKEN";
+    /// Unix milliseconds when the launcher started, so `wall_s` covers the whole command.
+    pub const STARTED_MS: &str = "DDPJOB_STARTED_MS";
+}
+
+/// How long non-zero local ranks wait for local rank 0 to have the data (it may be
+/// downloading); the launcher stops everyone at once if local rank 0 fails.
+const DATA_PATIENCE: Duration = Duration::from_secs(3600);
+
+#[derive(Debug, Error)]
+pub enum WorkerError {
+    #[error("`ddpjob worker` is started by `ddpjob run`, not by hand: {0}")]
+    Env(String),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error("{0}")]
+    Rendezvous(String),
+    #[error(transparent)]
+    JobDir(#[from] JobDirError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error("cannot build the model: {0}")]
+    Model(candle_core::Error),
+}
+
+/// A worker's place in the job, read from its environment.
+#[derive(Debug, Clone)]
+pub struct WorkerEnv {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub world_size: usize,
+    pub local_world_size: usize,
+    pub node_rank: usize,
+    pub master: String,
+    pub job_dir: PathBuf,
+    pub restart_count: usize,
+    pub token: String,
+    pub started_unix_ms: Option<u128>,
+}
+
+impl WorkerEnv {
+    pub fn from_env() -> Result<Self, WorkerError> {
+        fn var(name: &str) -> Result<String, WorkerError> {
+            std::env::var(name).map_err(|_| WorkerError::Env(format!("{name} is not set")))
+        }
+        fn num(name: &str) -> Result<usize, WorkerError> {
+            let v = var(name)?;
+            v.parse()
+                .map_err(|_| WorkerError::Env(format!("{name}={v:?} is not a number")))
+        }
+        let e = WorkerEnv {
+            rank: num(env::RANK)?,
+            local_rank: num(env::LOCAL_RANK)?,
+            world_size: num(env::WORLD_SIZE)?,
+            local_world_size: num(env::LOCAL_WORLD_SIZE)?,
+            node_rank: num(env::NODE_RANK)?,
+            master: format!("{}:{}", var(env::MASTER_ADDR)?, var(env::MASTER_PORT)?),
+            job_dir: var(env::JOB_DIR)?.into(),
+            restart_count: num(env::RESTART_COUNT).unwrap_or(0),
+            token: var(env::TOKEN)?,
+            started_unix_ms: std::env::var(env::STARTED_MS)
+                .ok()
+                .and_then(|v| v.parse().ok()),
+        };
+        if e.rank >= e.world_size || e.local_rank >= e.local_world_size {
+            return Err(WorkerError::Env(format!(
+                "RANK {} / WORLD_SIZE {} or LOCAL_RANK {} / LOCAL_WORLD_SIZE {} out of range",
+                e.rank, e.world_size, e.local_rank, e.local_world_size
+            )));
+        }
+        Ok(e)
+    }
+
+    /// Time since the launcher started (or since this worker started, if unknown).
+    fn since_launch(&self, fallback: Instant) -> Instant {
+        let Some(ms) = self.started_unix_ms else {
+            return fallback;
+        };
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(ms, |d| d.as_millis());
+        let ago = Duration::from_millis(now_ms.saturating_sub(ms) as u64);
+        Instant::now().checked_sub(ago).unwrap_or(fallback)
+    }
+}
+
+/// Store keys that workers use to meet.
+pub fn registered_key(rank: usize) -> String {
+    format!("worker/{rank}")
+}
+
+fn data_key(node: usize) -> String {
+    format!("data/node{node}")
+}
+
+/// The `worker` subcommand's body.
+pub fn run() -> Result<(), WorkerError> {
+    let started = Instant::now();
+    let env = WorkerEnv::from_env()?;
+    let job = JobDir {
+        root: env.job_dir.clone(),
+    };
+    let spec = config::load(&job.job_toml(), &[])?.spec;
+    let timeout = Duration::from_secs(spec.distributed.timeout_s);
+
+    let store = StoreClient::connect(&env.master, &env.token, timeout)?;
+    rendezvous(&store, &env, timeout)?;
+    let data = load_data(&store, &env, &spec)?;
+
+    if env.world_size == 1 {
+        train(&env, &spec, &job, &data, &LocalCommunicator, started)
+    } else {
+        let bind: IpAddr = store.local_addr().ip();
+        let comm =
+            TcpCommunicator::connect(&store, &env.token, env.rank, env.world_size, bind, timeout)?;
+        train(&env, &spec, &job, &data, &comm, started)
+    }
+}
+
+/// Registers this rank and waits for every other; a timeout names the ranks (and nodes) missing.
+fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result<(), WorkerError> {
+    store.set(
+        &registered_key(env.rank),
+        format!("pid {} node {}", std::process::id(), env.node_rank).as_bytes(),
+    )?;
+    let keys: Vec<String> = (0..env.world_size).map(registered_key).collect();
+    store.wait(&keys, timeout).map_err(|e| {
+        let missing = e.missing_ranks("worker/");
+        if missing.is_empty() {
+            return WorkerError::Store(e);
+        }
+        let mut nodes: Vec<usize> = missing.iter().map(|r| r / env.local_world_size).collect();
+        nodes.dedup();
+        WorkerError::Rendezvous(format!(
+            "rank {}: ranks {missing:?} (nodes {nodes:?}) did not join within {} s \
+             (distributed.timeout_s); start `ddpjob run` on every node with the same config, \
+             --nnodes and --master-addr/--master-port, each with its own --node-rank",
+            env.rank,
+            timeout.as_secs()
+        ))
+    })
+}
+
+/// Local rank 0 reads (and if needed downloads) the data; the other local ranks wait for it on
+/// the store, then read the same files.
+fn load_data(store: &StoreClient, env: &WorkerEnv, spec: &JobSpec) -> Result<Dataset, WorkerError> {
+    let key = data_key(env.node_rank);
+    if env.local_rank == 0 {
+        let loaded = Dataset::load(&spec.data, spec.seed);
+        let note = match &loaded {
+            Ok(_) => "ok".to_string(),
+            Err(e) => format!("error: {e}"),
+        };
+        store.set(&key, note.as_bytes())?;
+        return Ok(loaded?);
+    }
+    let note = store.wait_get(&key, DATA_PATIENCE)?;
+    if note != b"ok" {
+        return Err(WorkerError::Rendezvous(format!(
+            "local rank 0 could not load the data: {}",
+            String::from_utf8_lossy(&note)
+        )));
+    }
+    Ok(Dataset::load(&spec.data, spec.seed)?)
+}
+
+fn train(
+    env: &WorkerEnv,
+    spec: &JobSpec,
+    job: &JobDir,
+    data: &Dataset,
+    comm: &dyn Communicator,
+    started: Instant,
+) -> Result<(), WorkerError> {
+    let device = Device::Cpu;
+    let model = models::build(
+        &spec.model,
+        data.train.shape,
+        data.classes,
+        spec.seed,
+        &device,
+    )
+    .map_err(WorkerError::Model)?;
+    let leader = env.rank == 0;
+    // Rank 0 drives the terminal and mirrors its lines into its log; the others' stdout is
+    // their log file already.
+    let (display, log_path) = if leader {
+        let path = job.logs_dir().join("rank-0.log");
+        (progress::for_stdout(), Some(path))
+    } else {
+        (Box::new(progress::Plain) as Box<dyn Reporter>, None)
+    };
+    let mut reporter =
+        Logged::new(display, log_path.as_deref()).map_err(|cause| JobDirError::Io {
+            path: log_path.clone().unwrap_or_default(),
+            cause,
+        })?;
+    reporter.line(&format!(
+        "job `{}` rank {}/{} (node {}, local rank {}): {} parameters, {} train / {} test samples",
+        spec.name,
+        env.rank,
+        env.world_size,
+        env.node_rank,
+        env.local_rank,
+        model.params().element_count(),
+        data.train.len(),
+        data.test.len()
+    ));
+    let mut trainer = Trainer {
+        spec,
+        data,
+        comm,
+        model,
+        device,
+        reporter: &mut reporter,
+        leader: leader.then(|| Leader::new(job.clone(), spec.checkpoint.keep_last, env.world_size)),
+        started: env.since_launch(started),
+    };
+    let summary = trainer.run()?;
+    if let Some(leader) = &trainer.leader {
+        leader.finish(trainer.model.params(), &summary)?;
+    }
+    // Nobody leaves before rank 0's final files are complete.
+    comm.barrier()?;
+    Ok(())
+}
+
+/// Where a rank's output goes.
+pub fn log_path(job_dir: &Path, rank: usize) -> PathBuf {
+    job_dir.join("logs").join(format!("rank-{rank}.log"))
+}

@@ -15,7 +15,7 @@ pub use tcp::{TcpCommunicator, ring_key};
 
 #[derive(Debug, Error)]
 pub enum CommError {
-    #[error("collective `{op}` failed on rank {rank}: {problem}")]
+    #[error("collective `{op}` failed: {problem}")]
     Failed {
         op: &'static str,
         rank: usize,

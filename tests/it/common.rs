@@ -142,3 +142,122 @@ pub fn load_weights(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>>
         .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
         .collect()
 }
+
+/// A launcher running in the background; killed (with its process group) if the test ends
+/// before it does, so a failing test leaves nothing behind.
+pub struct Background {
+    pub child: std::process::Child,
+}
+
+impl Background {
+    /// Waits up to `limit` for the launcher to exit; `None` if it is still running.
+    pub fn wait_for(&mut self, limit: std::time::Duration) -> Option<Run> {
+        let deadline = std::time::Instant::now() + limit;
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                let mut stdout = String::new();
+                let mut stderr = String::new();
+                use std::io::Read;
+                if let Some(mut s) = self.child.stdout.take() {
+                    let _ = s.read_to_string(&mut stdout);
+                }
+                if let Some(mut s) = self.child.stderr.take() {
+                    let _ = s.read_to_string(&mut stderr);
+                }
+                let status = self.child.wait().expect("reap launcher");
+                return Some(Run {
+                    code: status.code().unwrap_or(-1),
+                    stdout,
+                    stderr,
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl TestJob {
+    /// `ddpjob run <config> --jobs-dir <tmp>/<jobs_dir> <extra>` in the background, output piped.
+    pub fn spawn_run(&self, config: &Path, jobs_dir: &str, extra: &[&str]) -> Background {
+        let child = Command::new(env!("CARGO_BIN_EXE_ddpjob"))
+            .arg("run")
+            .arg(config)
+            .arg("--jobs-dir")
+            .arg(self.path(jobs_dir))
+            .args(extra)
+            .current_dir(self.dir.path())
+            .env("DDPJOB_PLAIN", "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn ddpjob");
+        Background { child }
+    }
+}
+
+/// Live processes whose environment has `DDPJOB_JOB_DIR` under `dir`: (pid, RANK).
+pub fn workers_under(dir: &Path) -> Vec<(u32, usize)> {
+    let dir = dir.to_string_lossy().into_owned();
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        let vars: Vec<String> = environ
+            .split(|&b| b == 0)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .collect();
+        let in_dir = vars.iter().any(|v| {
+            v.strip_prefix("DDPJOB_JOB_DIR=")
+                .is_some_and(|d| d.starts_with(&dir))
+        });
+        // A zombie (already dead, not yet reaped) has an empty environ and is skipped.
+        if in_dir {
+            let rank = vars
+                .iter()
+                .find_map(|v| v.strip_prefix("RANK=")?.parse().ok())
+                .unwrap_or(usize::MAX);
+            found.push((pid, rank));
+        }
+    }
+    found
+}
+
+/// Largest absolute difference between two sets of weights with the same names.
+pub fn max_abs_diff(
+    a: &std::collections::BTreeMap<String, Vec<f32>>,
+    b: &std::collections::BTreeMap<String, Vec<f32>>,
+) -> f32 {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "different parameters"
+    );
+    a.iter()
+        .flat_map(|(name, va)| va.iter().zip(&b[name]).map(|(x, y)| (x - y).abs()))
+        .fold(0f32, f32::max)
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}

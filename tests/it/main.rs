@@ -3,6 +3,7 @@
 mod common;
 
 mod accumulation;
+mod distributed;
 mod download;
 mod run;
 mod validate;

@@ -126,4 +126,74 @@ mod tests {
             vec![0, 1, 2, 3, 4]
         );
     }
+
+    /// The epoch's permutation as one worker sees it (no padding when world = 1).
+    fn permutation(len: usize, seed: u64, epoch: u64) -> Vec<usize> {
+        let mut s = DistributedSampler::new(len, 1, 0, seed);
+        s.set_epoch(epoch);
+        s.indices()
+    }
+
+    fn shards(len: usize, world: usize, seed: u64, epoch: u64, drop_last: bool) -> Vec<Vec<usize>> {
+        (0..world)
+            .map(|rank| {
+                let mut s =
+                    DistributedSampler::new(len, world, rank, seed).with_drop_last(drop_last);
+                s.set_epoch(epoch);
+                s.indices()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn padding_and_drop_last_follow_torch_index_for_index() {
+        // torch: padded = perm + perm[:total - len] (repeated while short); rank r takes
+        // padded[r::world]. drop_last: num_samples = ceil((len - world) / world), truncated.
+        let perm = permutation(10, 7, 3);
+        let padded: Vec<usize> = perm.iter().chain(&perm[..2]).copied().collect();
+        for (rank, shard) in shards(10, 4, 7, 3, false).iter().enumerate() {
+            let want: Vec<usize> = padded.iter().skip(rank).step_by(4).copied().collect();
+            assert_eq!(shard, &want, "rank {rank}");
+        }
+        for (rank, shard) in shards(10, 4, 7, 3, true).iter().enumerate() {
+            assert_eq!(shard, &vec![perm[rank], perm[rank + 4]], "rank {rank}");
+        }
+        // Printed by torch 2.x: [list(DistributedSampler(range(10), num_replicas=4, rank=r,
+        // seed=7, drop_last=d)) for r in range(4)] after set_epoch(3), d = False and True.
+        assert_eq!(
+            shards(10, 4, 7, 3, false),
+            vec![vec![7, 3, 2], vec![4, 5, 0], vec![6, 9, 7], vec![1, 8, 4]]
+        );
+        assert_eq!(
+            shards(10, 4, 7, 3, true),
+            vec![vec![7, 3], vec![4, 5], vec![6, 9], vec![1, 8]]
+        );
+        // Padding longer than the data set wraps around more than once.
+        let tiny = permutation(2, 0, 0);
+        let all: Vec<usize> = shards(2, 5, 0, 0, false).into_iter().flatten().collect();
+        assert_eq!(all, vec![tiny[0], tiny[1], tiny[0], tiny[1], tiny[0]]);
+    }
+
+    #[test]
+    fn shards_are_disjoint_and_cover_the_permutation_whatever_the_world_size() {
+        for world in 1..=5 {
+            let perm = permutation(101, 11, 4);
+            let shards = shards(101, world, 11, 4, false);
+            // Interleaving the shards gives back the permutation (plus its padding).
+            let interleaved: Vec<usize> = (0..shards[0].len())
+                .flat_map(|i| shards.iter().map(move |s| s[i]))
+                .collect();
+            assert_eq!(&interleaved[..101], &perm[..], "world {world}");
+            let mut seen: Vec<usize> = interleaved[..101].to_vec();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..101).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn order_depends_on_seed_and_epoch_only() {
+        assert_eq!(permutation(50, 1, 2), permutation(50, 1, 2));
+        assert_ne!(permutation(50, 1, 2), permutation(50, 2, 2));
+        assert_ne!(permutation(50, 1, 2), permutation(50, 1, 3));
+    }
 }

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::bench;
 use crate::config::{self, DatasetKind};
 use crate::jobdir;
 use crate::launch::{self, NodeOptions, RunOptions};
@@ -31,9 +32,35 @@ enum Command {
     Validate(ConfigArgs),
     /// List jobs with status, epoch/step and last loss, most recent first.
     List(ListArgs),
+    /// Measure this machine: collective bandwidth between worker processes.
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// A worker process; started by `run` with the torchrun environment, not by hand.
     #[command(hide = true)]
     Worker,
+    /// A benchmark worker; started by `bench`, not by hand.
+    #[command(hide = true)]
+    BenchWorker {
+        #[arg(long)]
+        sizes: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Time the all-reduce `run` uses (tcp ring between CPU worker processes), per size:
+    /// time, algorithm bandwidth and bus bandwidth as nccl-tests defines them.
+    Allreduce {
+        /// Worker processes (at least 2).
+        #[arg(long, default_value_t = 2, value_name = "N")]
+        nproc_per_node: usize,
+        /// Buffer sizes in floats (K = 10^3, M = 10^6, G = 10^9).
+        #[arg(long, default_value = "1M,10M,100M")]
+        sizes: String,
+        /// Print the results as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -106,6 +133,14 @@ pub fn main() -> ExitCode {
         Command::Validate(args) => validate(&args),
         Command::List(args) => list(&args.jobs_dir),
         Command::Worker => worker(),
+        Command::Bench(BenchCommand::Allreduce {
+            nproc_per_node,
+            sizes,
+            json,
+        }) => bench_allreduce(nproc_per_node, &sizes, json),
+        Command::BenchWorker { sizes } => bench::parse_sizes(&sizes)
+            .and_then(|s| bench::worker(&s))
+            .map_err(|e| (1, e.into())),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -174,6 +209,25 @@ fn worker() -> CliResult {
         }
         (1, anyhow::anyhow!(text))
     })
+}
+
+fn bench_allreduce(nproc: usize, sizes: &str, json: bool) -> CliResult {
+    let usage = |e: bench::BenchError| {
+        let code = if matches!(e, bench::BenchError::Usage(_)) {
+            2
+        } else {
+            1
+        };
+        (code, anyhow::Error::new(e))
+    };
+    let sizes = bench::parse_sizes(sizes).map_err(usage)?;
+    let rows = bench::allreduce(nproc, &sizes).map_err(usage)?;
+    if json {
+        println!("{}", serde_json::to_string(&rows).unwrap_or_default());
+    } else {
+        print!("{}", bench::table(nproc, &rows));
+    }
+    Ok(())
 }
 
 fn validate(args: &ConfigArgs) -> CliResult {

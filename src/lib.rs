@@ -7,6 +7,7 @@
 //! (the `local` communicator); the trainer is already written against the communicator seam so
 //! multi-process workers plug in without changing the loop.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod comm;

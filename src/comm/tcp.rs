@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 
-use super::ring::{LinkError, RingLinks};
+use super::ring::{Element, LinkError, RingLinks};
 use super::{CommError, Communicator};
 use crate::store::StoreClient;
 
@@ -175,6 +175,11 @@ impl TcpCommunicator {
         body(links).map_err(fail)
     }
 
+    /// Sums a plain buffer in place, with no tensor conversion: what `ddpjob bench` times.
+    pub fn all_reduce_sum<T: Element>(&self, buf: &mut [T]) -> Result<(), CommError> {
+        self.collective(Op::AllReduceSum, buf.len(), |l| l.all_reduce_sum(buf))
+    }
+
     fn prev(&self) -> usize {
         (self.rank + self.world - 1) % self.world
     }
@@ -277,7 +282,7 @@ impl Communicator for TcpCommunicator {
     }
 
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError> {
-        self.collective(Op::AllReduceSum, values.len(), |l| l.all_reduce_sum(values))
+        self.all_reduce_sum(values)
     }
 
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), CommError> {

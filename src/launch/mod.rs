@@ -3,7 +3,7 @@
 //! one worker process per slot with the torchrun environment, supervise them, and record the
 //! outcome in `state.json`. The launcher never trains.
 
-mod supervise;
+pub mod supervise;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;

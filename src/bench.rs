@@ -1,0 +1,219 @@
+//! `ddpjob bench allreduce`: the all-reduce of the backend `run` uses, timed between real worker
+//! processes, reported as nccl-tests does (time, algorithm and bus bandwidth per size).
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::comm::{CommError, Communicator, TcpCommunicator};
+use crate::launch::supervise::{self, Outcome};
+use crate::store::{self, StoreClient, StoreError, StoreServer};
+use crate::worker::{WorkerEnv, env};
+
+/// Where rank 0 writes its results for the parent.
+const OUT_ENV: &str = "DDPJOB_BENCH_OUT";
+const TIMEOUT: Duration = Duration::from_secs(300);
+
+#[derive(Debug, Error)]
+pub enum BenchError {
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error("benchmark worker failed: {0}")]
+    Worker(String),
+    #[error("{what}: {cause}")]
+    Io { what: String, cause: std::io::Error },
+}
+
+/// One size's result (averages over the timed iterations; the slowest rank counts).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AllReduceRow {
+    pub floats: usize,
+    pub bytes: usize,
+    pub iters: usize,
+    pub time_ms: f64,
+    /// bytes / time, GB/s.
+    pub algbw_gbs: f64,
+    /// algbw × 2(world-1)/world, as nccl-tests defines it for all-reduce.
+    pub busbw_gbs: f64,
+}
+
+/// "1M,10M,100M" → element counts (K = 10³, M = 10⁶, G = 10⁹).
+pub fn parse_sizes(text: &str) -> Result<Vec<usize>, BenchError> {
+    text.split(',')
+        .map(|part| {
+            let p = part.trim();
+            let (digits, scale) = match p.chars().last() {
+                Some('K' | 'k') => (&p[..p.len() - 1], 1e3),
+                Some('M' | 'm') => (&p[..p.len() - 1], 1e6),
+                Some('G' | 'g') => (&p[..p.len() - 1], 1e9),
+                _ => (p, 1.0),
+            };
+            digits
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite() && *v >= 0.0)
+                .map(|v| (v * scale).round() as usize)
+                .ok_or_else(|| {
+                    BenchError::Usage(format!(
+                        "--sizes: cannot read {p:?}; write float counts like 1M,10M,100M or 4096"
+                    ))
+                })
+        })
+        .collect()
+}
+
+/// Iterations for a size: enough to last a while, bounded both ways.
+fn iterations(floats: usize) -> usize {
+    (200_000_000 / floats.max(1)).clamp(5, 200)
+}
+
+/// The parent: a store, `nproc` bench workers, their results.
+pub fn allreduce(nproc: usize, sizes: &[usize]) -> Result<Vec<AllReduceRow>, BenchError> {
+    if nproc < 2 {
+        return Err(BenchError::Usage(
+            "--nproc-per-node must be at least 2 for an all-reduce benchmark".into(),
+        ));
+    }
+    let token = store::random_token();
+    let server = StoreServer::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), &token)?;
+    let out = std::env::temp_dir().join(format!("ddpjob-bench-{}.json", std::process::id()));
+    let exe = std::env::current_exe().map_err(|cause| BenchError::Io {
+        what: "cannot find the ddpjob binary".into(),
+        cause,
+    })?;
+    let sizes_arg = sizes
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut workers = Vec::new();
+    for rank in 0..nproc {
+        let mut cmd = Command::new(&exe);
+        cmd.args(["bench-worker", "--sizes", &sizes_arg])
+            .env(env::RANK, rank.to_string())
+            .env(env::LOCAL_RANK, rank.to_string())
+            .env(env::WORLD_SIZE, nproc.to_string())
+            .env(env::LOCAL_WORLD_SIZE, nproc.to_string())
+            .env(env::NODE_RANK, "0")
+            .env(env::MASTER_ADDR, "127.0.0.1")
+            .env(env::MASTER_PORT, server.addr().port().to_string())
+            .env(env::JOB_DIR, std::env::temp_dir())
+            .env(env::TOKEN, &token)
+            .env(OUT_ENV, &out);
+        let log = PathBuf::from("/dev/null");
+        let w = supervise::spawn(cmd, rank, &log, true).map_err(|cause| BenchError::Io {
+            what: format!("cannot start bench worker {rank}"),
+            cause,
+        })?;
+        workers.push(w);
+    }
+    supervise::install_signal_handlers();
+    match supervise::supervise(&mut workers) {
+        Outcome::Finished => {}
+        Outcome::Failed { report } => return Err(BenchError::Worker(report)),
+        Outcome::Interrupted { .. } => return Err(BenchError::Worker("interrupted".into())),
+    }
+    let text = std::fs::read(&out).map_err(|cause| BenchError::Io {
+        what: format!("rank 0 left no results in {}", out.display()),
+        cause,
+    })?;
+    let _ = std::fs::remove_file(&out);
+    serde_json::from_slice(&text).map_err(|e| BenchError::Worker(format!("bad results: {e}")))
+}
+
+/// The hidden `bench-worker` subcommand: join the ring, time each size, rank 0 reports.
+pub fn worker(sizes: &[usize]) -> Result<(), BenchError> {
+    let env = WorkerEnv::from_env().map_err(|e| BenchError::Usage(e.to_string()))?;
+    let store = StoreClient::connect(&env.master, &env.token, TIMEOUT)?;
+    let bind = store.local_addr().ip();
+    let comm =
+        TcpCommunicator::connect(&store, &env.token, env.rank, env.world_size, bind, TIMEOUT)?;
+    let world = env.world_size;
+    let mut rows = Vec::new();
+    for &floats in sizes {
+        let iters = iterations(floats);
+        let mut buf = vec![0f32; floats];
+        let mut elapsed = Duration::ZERO;
+        // One untimed warm-up, then the timed iterations, each from fresh inputs.
+        for i in 0..=iters {
+            buf.fill((env.rank + 1) as f32);
+            comm.barrier()?;
+            let started = Instant::now();
+            comm.all_reduce_sum(&mut buf)?;
+            if i > 0 {
+                elapsed += started.elapsed();
+            }
+        }
+        let want = (world * (world + 1) / 2) as f32;
+        if let Some(bad) = buf.iter().position(|&x| x != want) {
+            return Err(BenchError::Worker(format!(
+                "wrong sum at element {bad}: {} instead of {want}",
+                buf[bad]
+            )));
+        }
+        let mut slowest = vec![0f64; world];
+        slowest[env.rank] = elapsed.as_secs_f64();
+        comm.all_reduce_sum_f64(&mut slowest)?;
+        let secs = slowest.iter().copied().fold(0.0, f64::max) / iters as f64;
+        let bytes = floats * 4;
+        let algbw = bytes as f64 / secs.max(1e-12) / 1e9;
+        rows.push(AllReduceRow {
+            floats,
+            bytes,
+            iters,
+            time_ms: secs * 1e3,
+            algbw_gbs: algbw,
+            busbw_gbs: algbw * 2.0 * (world - 1) as f64 / world as f64,
+        });
+    }
+    if env.rank == 0 {
+        let out =
+            std::env::var(OUT_ENV).map_err(|_| BenchError::Usage(format!("{OUT_ENV} unset")))?;
+        let text = serde_json::to_vec(&rows).unwrap_or_default();
+        std::fs::write(&out, text).map_err(|cause| BenchError::Io {
+            what: format!("cannot write {out}"),
+            cause,
+        })?;
+    }
+    comm.barrier()?;
+    Ok(())
+}
+
+/// A table like nccl-tests' for a terminal.
+pub fn table(world: usize, rows: &[AllReduceRow]) -> String {
+    let mut s = format!(
+        "# all-reduce (sum, f32), tcp ring backend, {world} worker processes on this node\n\
+         {:>12} {:>12} {:>6} {:>10} {:>12} {:>12}\n",
+        "floats", "bytes", "iters", "time ms", "algbw GB/s", "busbw GB/s"
+    );
+    for r in rows {
+        s += &format!(
+            "{:>12} {:>12} {:>6} {:>10.3} {:>12.3} {:>12.3}\n",
+            r.floats, r.bytes, r.iters, r.time_ms, r.algbw_gbs, r.busbw_gbs
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_like_nccl_tests() {
+        assert_eq!(
+            parse_sizes("1M,10M, 2.5K,7").unwrap(),
+            vec![1_000_000, 10_000_000, 2500, 7]
+        );
+        assert!(parse_sizes("ten").is_err());
+        assert!(parse_sizes("1M,,2").is_err());
+    }
+}

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::comm::{CommError, Communicator, TcpCommunicator};
+use crate::comm::{CommError, Communicator, TcpCommunicator, spin_for};
 use crate::launch::supervise::{self, Outcome};
 use crate::store::{self, StoreClient, StoreError, StoreServer};
 use crate::worker::{WorkerEnv, env};
@@ -134,8 +134,16 @@ pub fn worker(sizes: &[usize]) -> Result<(), BenchError> {
     let env = WorkerEnv::from_env().map_err(|e| BenchError::Usage(e.to_string()))?;
     let store = StoreClient::connect(&env.master, &env.token, TIMEOUT)?;
     let bind = store.local_addr().ip();
-    let comm =
-        TcpCommunicator::connect(&store, &env.token, env.rank, env.world_size, bind, TIMEOUT)?;
+    let spin = spin_for(env.local_world_size);
+    let comm = TcpCommunicator::connect(
+        &store,
+        &env.token,
+        env.rank,
+        env.world_size,
+        bind,
+        TIMEOUT,
+        spin,
+    )?;
     let world = env.world_size;
     let mut rows = Vec::new();
     for &floats in sizes {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use thiserror::Error;
 
-use crate::comm::{CommError, Communicator, LocalCommunicator, TcpCommunicator};
+use crate::comm::{CommError, Communicator, LocalCommunicator, TcpCommunicator, spin_for};
 use crate::config::{self, ConfigError, JobSpec};
 use crate::data::{DataError, Dataset};
 use crate::jobdir::{JobDir, JobDirError};
@@ -149,8 +149,16 @@ pub fn run() -> Result<(), WorkerError> {
         train(&env, &spec, &job, &data, &LocalCommunicator, started)
     } else {
         let bind: IpAddr = store.local_addr().ip();
-        let comm =
-            TcpCommunicator::connect(&store, &env.token, env.rank, env.world_size, bind, timeout)?;
+        let spin = spin_for(env.local_world_size);
+        let comm = TcpCommunicator::connect(
+            &store,
+            &env.token,
+            env.rank,
+            env.world_size,
+            bind,
+            timeout,
+            spin,
+        )?;
         train(&env, &spec, &job, &data, &comm, started)
     }
 }

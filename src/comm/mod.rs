@@ -11,7 +11,7 @@ use thiserror::Error;
 
 use crate::models::Params;
 pub use local::LocalCommunicator;
-pub use tcp::{TcpCommunicator, ring_key};
+pub use tcp::{TcpCommunicator, ring_key, spin_for};
 
 #[derive(Debug, Error)]
 pub enum CommError {

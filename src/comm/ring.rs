@@ -1,21 +1,25 @@
-//! Ring collectives over a pair of byte streams per rank (to the next rank, from the previous):
+//! Ring collectives over a pair of sockets per rank (to the next rank, from the previous):
 //! all-reduce as reduce-scatter then all-gather (each rank sends 2·(W-1)/W of the buffer, the
-//! bandwidth optimum), and a pipelined broadcast. Segments stream in bounded chunks; sending
-//! and receiving overlap, so no rank waits on a full socket buffer.
+//! bandwidth optimum), and a pipelined broadcast. One thread drives both sockets, non-blocking,
+//! so sending and receiving overlap without helper threads; incoming data is reduced in bounded
+//! chunks as it arrives, so no message is ever copied whole.
 //!
 //! Reduction order is fixed: segment `c` (of W, split as evenly as the length allows) starts
 //! at rank `c` and collects ranks c+1, c+2, ... in ring order, so it equals
 //! `((x_c + x_{c+1}) + x_{c+2}) + ... + x_{c-1}` exactly, on every rank and every run.
 
-use std::io::{self, Read, Write};
+use std::io::{self, ErrorKind, Read, Write};
+use std::net::TcpStream;
 use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
 
 #[cfg(target_endian = "big")]
 compile_error!("the ring wire format is little-endian; big-endian targets are not supported");
 
-/// Elements per read while reducing: bounds the scratch buffer whatever the message size.
+/// Elements per reduction chunk: bounds the scratch buffer whatever the message size.
 const CHUNK_ELEMS: usize = 64 * 1024;
 
 /// What the ring can add: plain numbers with a bit-exact wire form.
@@ -23,15 +27,7 @@ pub trait Element: Pod + Send + Sync + std::ops::AddAssign {}
 impl Element for f32 {}
 impl Element for f64 {}
 
-/// The streams of one rank: `send` to rank+1, `recv` from rank-1 (mod world).
-pub struct RingLinks<S, R> {
-    pub rank: usize,
-    pub world: usize,
-    pub send: S,
-    pub recv: R,
-}
-
-/// Which part of an io failure it was, for messages that say which neighbour stalled.
+/// Which side of a link failed, for messages that say which neighbour stalled.
 #[derive(Debug)]
 pub enum LinkError {
     Send(io::Error),
@@ -43,7 +39,182 @@ pub fn segment(n: usize, world: usize, i: usize) -> Range<usize> {
     (i * n / world)..((i + 1) * n / world)
 }
 
-impl<S: Write + Send, R: Read> RingLinks<S, R> {
+/// One rank's links: `send` to rank+1, `recv` from rank-1 (mod world).
+pub struct RingLinks {
+    pub rank: usize,
+    pub world: usize,
+    send: TcpStream,
+    recv: TcpStream,
+    /// A collective fails when neither socket makes progress for this long.
+    timeout: Duration,
+    /// How long to busy-wait before sleeping in poll(2): waking a sleeping thread costs tens of
+    /// microseconds per hand-off, which adds up over the many hand-offs of one all-reduce.
+    /// Zero when workers outnumber cores, where spinning would steal a peer's core.
+    spin: Duration,
+}
+
+/// Where incoming bytes go: straight into place, or through a scratch chunk that is added in.
+trait Sink {
+    fn pending(&self) -> bool;
+    fn space(&mut self) -> &mut [u8];
+    fn advance(&mut self, n: usize);
+}
+
+struct Place<'a> {
+    dst: &'a mut [u8],
+    pos: usize,
+}
+
+impl Sink for Place<'_> {
+    fn pending(&self) -> bool {
+        self.pos < self.dst.len()
+    }
+    fn space(&mut self) -> &mut [u8] {
+        &mut self.dst[self.pos..]
+    }
+    fn advance(&mut self, n: usize) {
+        self.pos += n;
+    }
+}
+
+struct AddInto<'a, T> {
+    dst: &'a mut [T],
+    scratch: &'a mut [T],
+    /// Elements of `dst` already reduced; bytes of the current chunk received.
+    done: usize,
+    filled: usize,
+}
+
+impl<T: Element> AddInto<'_, T> {
+    fn chunk(&self) -> usize {
+        (self.dst.len() - self.done).min(self.scratch.len())
+    }
+}
+
+impl<T: Element> Sink for AddInto<'_, T> {
+    fn pending(&self) -> bool {
+        self.done < self.dst.len()
+    }
+    fn space(&mut self) -> &mut [u8] {
+        let chunk = self.chunk();
+        &mut bytemuck::cast_slice_mut(&mut self.scratch[..chunk])[self.filled..]
+    }
+    fn advance(&mut self, n: usize) {
+        self.filled += n;
+        let chunk = self.chunk();
+        if self.filled == chunk * std::mem::size_of::<T>() {
+            let dst = &mut self.dst[self.done..self.done + chunk];
+            for (d, x) in dst.iter_mut().zip(&self.scratch[..chunk]) {
+                // Commutative, so `mine + running` is the same bits as `running + mine`.
+                *d += *x;
+            }
+            self.done += chunk;
+            self.filled = 0;
+        }
+    }
+}
+
+impl RingLinks {
+    pub fn new(
+        rank: usize,
+        world: usize,
+        send: TcpStream,
+        recv: TcpStream,
+        timeout: Duration,
+        spin: Duration,
+    ) -> io::Result<Self> {
+        for s in [&send, &recv] {
+            s.set_nodelay(true)?;
+            s.set_nonblocking(true)?;
+        }
+        Ok(RingLinks {
+            rank,
+            world,
+            send,
+            recv,
+            timeout,
+            spin,
+        })
+    }
+
+    /// Sends all of `out` while feeding incoming bytes to `sink` until it is satisfied.
+    fn drive(&mut self, out: &[u8], sink: &mut dyn Sink) -> Result<(), LinkError> {
+        let mut sent = 0;
+        let mut last_progress = Instant::now();
+        loop {
+            let mut progressed = false;
+            if sent < out.len() {
+                match self.send.write(&out[sent..]) {
+                    Ok(n) => {
+                        sent += n;
+                        progressed = n > 0;
+                    }
+                    Err(e) if retry(&e) => {}
+                    Err(e) => return Err(LinkError::Send(e)),
+                }
+            }
+            if sink.pending() {
+                match self.recv.read(sink.space()) {
+                    Ok(0) => return Err(LinkError::Recv(ErrorKind::UnexpectedEof.into())),
+                    Ok(n) => {
+                        sink.advance(n);
+                        progressed = true;
+                    }
+                    Err(e) if retry(&e) => {}
+                    Err(e) => return Err(LinkError::Recv(e)),
+                }
+            }
+            let (want_out, want_in) = (sent < out.len(), sink.pending());
+            if !want_out && !want_in {
+                return Ok(());
+            }
+            if progressed {
+                last_progress = Instant::now();
+            } else {
+                self.idle(want_out, want_in, last_progress)?;
+            }
+        }
+    }
+
+    /// Nothing moved: spin a little, then sleep in poll(2) until a socket is ready; fail once
+    /// nothing has moved for the whole timeout.
+    fn idle(&self, want_out: bool, want_in: bool, since: Instant) -> Result<(), LinkError> {
+        let waited = since.elapsed();
+        if waited < self.spin {
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        let Some(left) = self.timeout.checked_sub(waited).filter(|d| !d.is_zero()) else {
+            let stalled = io::Error::from(ErrorKind::TimedOut);
+            return Err(if want_in {
+                LinkError::Recv(stalled)
+            } else {
+                LinkError::Send(stalled)
+            });
+        };
+        let mut fds = [
+            libc::pollfd {
+                fd: self.send.as_raw_fd(),
+                events: if want_out { libc::POLLOUT } else { 0 },
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.recv.as_raw_fd(),
+                events: if want_in { libc::POLLIN } else { 0 },
+                revents: 0,
+            },
+        ];
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+        // SAFETY: two valid pollfd entries on sockets this struct owns.
+        unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+        Ok(())
+    }
+
+    /// Sends `out` and receives exactly `into.len()` bytes, at once.
+    pub fn exchange_bytes(&mut self, out: &[u8], into: &mut [u8]) -> Result<(), LinkError> {
+        self.drive(out, &mut Place { dst: into, pos: 0 })
+    }
+
     /// Replaces `buf` with the element-wise sum over ranks, in the order the module describes.
     pub fn all_reduce_sum<T: Element>(&mut self, buf: &mut [T]) -> Result<(), LinkError> {
         if self.world == 1 {
@@ -75,19 +246,14 @@ impl<S: Write + Send, R: Read> RingLinks<S, R> {
         let seg = |i: usize| segment(n, w, i % w);
         let mut scratch: Vec<T> = vec![T::zeroed(); CHUNK_ELEMS.min(n.div_ceil(w))];
         for s in 0..w - 1 {
-            let (out, into) = (seg(r + w - s), seg(r + 2 * w - s - 1));
-            let recv = &mut self.recv;
-            exchange(&mut self.send, buf, out, into, |dst| {
-                for part in dst.chunks_mut(CHUNK_ELEMS) {
-                    let tmp = &mut scratch[..part.len()];
-                    recv.read_exact(bytemuck::cast_slice_mut(tmp))?;
-                    for (d, x) in part.iter_mut().zip(tmp.iter()) {
-                        // Commutative, so `mine + running` is the same bits as `running + mine`.
-                        *d += *x;
-                    }
-                }
-                Ok(())
-            })?;
+            let (outgoing, incoming) = disjoint(buf, seg(r + w - s), seg(r + 2 * w - s - 1));
+            let mut sink = AddInto {
+                dst: incoming,
+                scratch: &mut scratch,
+                done: 0,
+                filled: 0,
+            };
+            self.drive(bytemuck::cast_slice(outgoing), &mut sink)?;
         }
         Ok(())
     }
@@ -97,11 +263,11 @@ impl<S: Write + Send, R: Read> RingLinks<S, R> {
         let (w, r, n) = (self.world, self.rank, buf.len());
         let seg = |i: usize| segment(n, w, i % w);
         for s in 0..w - 1 {
-            let (out, into) = (seg(r + 1 + w - s), seg(r + w - s));
-            let recv = &mut self.recv;
-            exchange(&mut self.send, buf, out, into, |dst| {
-                recv.read_exact(bytemuck::cast_slice_mut(dst))
-            })?;
+            let (outgoing, incoming) = disjoint(buf, seg(r + 1 + w - s), seg(r + w - s));
+            self.exchange_bytes(
+                bytemuck::cast_slice(outgoing),
+                bytemuck::cast_slice_mut(incoming),
+            )?;
         }
         Ok(())
     }
@@ -115,42 +281,18 @@ impl<S: Write + Send, R: Read> RingLinks<S, R> {
         let last = (root + w - 1) % w;
         for part in buf.chunks_mut(CHUNK_ELEMS) {
             if self.rank != root {
-                self.recv
-                    .read_exact(bytemuck::cast_slice_mut(part))
-                    .map_err(LinkError::Recv)?;
+                self.exchange_bytes(&[], bytemuck::cast_slice_mut(part))?;
             }
             if self.rank != last {
-                self.send
-                    .write_all(bytemuck::cast_slice(part))
-                    .map_err(LinkError::Send)?;
+                self.exchange_bytes(bytemuck::cast_slice(part), &mut [])?;
             }
         }
-        self.send.flush().map_err(LinkError::Send)
+        Ok(())
     }
 }
 
-/// Sends `buf[out]` on a helper thread while `receive` fills `buf[into]`; the two ranges are
-/// disjoint, so both run at once without copying the outgoing segment.
-fn exchange<T: Element, S: Write + Send>(
-    send: &mut S,
-    buf: &mut [T],
-    out: Range<usize>,
-    into: Range<usize>,
-    receive: impl FnOnce(&mut [T]) -> io::Result<()>,
-) -> Result<(), LinkError> {
-    let (outgoing, incoming) = disjoint(buf, out, into);
-    std::thread::scope(|scope| {
-        let sender = scope.spawn(move || {
-            send.write_all(bytemuck::cast_slice(outgoing))?;
-            send.flush()
-        });
-        let received = receive(incoming).map_err(LinkError::Recv);
-        let sent = sender
-            .join()
-            .unwrap_or_else(|_| Err(io::Error::other("sender thread panicked")))
-            .map_err(LinkError::Send);
-        received.and(sent)
-    })
+fn retry(e: &io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted)
 }
 
 /// `(&buf[a], &mut buf[b])` for non-overlapping ranges.

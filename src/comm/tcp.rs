@@ -49,7 +49,7 @@ impl Op {
 }
 
 struct State {
-    links: RingLinks<TcpStream, TcpStream>,
+    links: RingLinks,
     /// Collectives started so far; the next one's sequence number.
     seq: u64,
 }
@@ -61,6 +61,17 @@ pub struct TcpCommunicator {
     state: RefCell<State>,
 }
 
+/// Busy-wait budget for a worker when `local_workers` share this machine: spinning only pays
+/// while every worker has a core of its own.
+pub fn spin_for(local_workers: usize) -> Duration {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if local_workers <= cores {
+        Duration::from_micros(500)
+    } else {
+        Duration::ZERO
+    }
+}
+
 /// Store key under which `rank` publishes its ring address.
 pub fn ring_key(rank: usize) -> String {
     format!("ring/addr/{rank}")
@@ -68,7 +79,8 @@ pub fn ring_key(rank: usize) -> String {
 
 impl TcpCommunicator {
     /// Joins the ring: listens on `bind_ip`, publishes the address, connects to rank+1 and
-    /// accepts rank-1 (checking the job token), all within `timeout`.
+    /// accepts rank-1 (checking the job token), all within `timeout`. `spin`: see
+    /// [`RingLinks`]; [`spin_for`] picks it.
     pub fn connect(
         store: &StoreClient,
         token: &str,
@@ -76,6 +88,7 @@ impl TcpCommunicator {
         world: usize,
         bind_ip: IpAddr,
         timeout: Duration,
+        spin: Duration,
     ) -> Result<Self, CommError> {
         let setup = |problem: String| CommError::Setup { rank, problem };
         let listener = TcpListener::bind(SocketAddr::new(bind_ip, 0))
@@ -105,25 +118,13 @@ impl TcpCommunicator {
         send.write_all(&hello)
             .map_err(|e| setup(format!("cannot greet rank {next} at {next_addr}: {e}")))?;
         let recv = accept_from(&listener, token, prev, timeout).map_err(setup)?;
-        for s in [&send, &recv] {
-            s.set_nodelay(true)
-                .and_then(|()| s.set_read_timeout(Some(timeout)))
-                .and_then(|()| s.set_write_timeout(Some(timeout)))
-                .map_err(|e| setup(format!("cannot configure a ring socket: {e}")))?;
-        }
+        let links = RingLinks::new(rank, world, send, recv, timeout, spin)
+            .map_err(|e| setup(format!("cannot configure a ring socket: {e}")))?;
         Ok(TcpCommunicator {
             rank,
             world,
             timeout,
-            state: RefCell::new(State {
-                links: RingLinks {
-                    rank,
-                    world,
-                    send,
-                    recv,
-                },
-                seq: 0,
-            }),
+            state: RefCell::new(State { links, seq: 0 }),
         })
     }
 
@@ -133,7 +134,7 @@ impl TcpCommunicator {
         &self,
         op: Op,
         len: usize,
-        body: impl FnOnce(&mut RingLinks<TcpStream, TcpStream>) -> Result<(), LinkError>,
+        body: impl FnOnce(&mut RingLinks) -> Result<(), LinkError>,
     ) -> Result<(), CommError> {
         if self.world == 1 {
             return Ok(());
@@ -147,15 +148,8 @@ impl TcpCommunicator {
         header[1..9].copy_from_slice(&seq.to_le_bytes());
         header[9..].copy_from_slice(&(len as u64).to_le_bytes());
         let links = &mut state.links;
-        links
-            .send
-            .write_all(&header)
-            .map_err(|e| fail(LinkError::Send(e)))?;
         let mut theirs = [0u8; 17];
-        links
-            .recv
-            .read_exact(&mut theirs)
-            .map_err(|e| fail(LinkError::Recv(e)))?;
+        links.exchange_bytes(&header, &mut theirs).map_err(fail)?;
         if theirs != header {
             let their_op = Op::from_byte(theirs[0]).map_or("an unknown operation", Op::name);
             let their_seq = u64::from_le_bytes(theirs[1..9].try_into().unwrap_or_default());

@@ -1,9 +1,10 @@
 use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
 
 use super::*;
 
 /// `world` ranks' links over real loopback sockets: rank r sends to r+1, receives from r-1.
-fn ring(world: usize) -> Vec<RingLinks<TcpStream, TcpStream>> {
+fn ring(world: usize) -> Vec<RingLinks> {
     let listeners: Vec<TcpListener> = (0..world)
         .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
         .collect();
@@ -15,11 +16,9 @@ fn ring(world: usize) -> Vec<RingLinks<TcpStream, TcpStream>> {
         .into_iter()
         .zip(recvs)
         .enumerate()
-        .map(|(rank, (send, recv))| RingLinks {
-            rank,
-            world,
-            send,
-            recv,
+        .map(|(rank, (send, recv))| {
+            let timeout = Duration::from_secs(60);
+            RingLinks::new(rank, world, send, recv, timeout, Duration::from_micros(50)).unwrap()
         })
         .collect()
 }
@@ -54,10 +53,7 @@ fn expected_sum(inputs: &[Vec<f32>]) -> Vec<f32> {
     out
 }
 
-fn run_all<T: Send>(
-    world: usize,
-    f: impl Fn(&mut RingLinks<TcpStream, TcpStream>) -> T + Sync,
-) -> Vec<T> {
+fn run_all<T: Send>(world: usize, f: impl Fn(&mut RingLinks) -> T + Sync) -> Vec<T> {
     let mut links = ring(world);
     std::thread::scope(|s| {
         let handles: Vec<_> = links.iter_mut().map(|l| s.spawn(|| f(l))).collect();

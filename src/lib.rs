@@ -1,11 +1,11 @@
 //! ddpjob: data-parallel training jobs for Candle, driven by TOML job files — what torchrun and
 //! DistributedDataParallel do for PyTorch, in one binary.
 //!
-//! `ddpjob run job.toml` validates the config into a [`config::JobSpec`], creates the job
-//! directory ([`jobdir`]), loads the data ([`data`]) and trains ([`train`]) with gradients averaged
-//! through a [`comm::Communicator`] once per optimizer step. This version runs one CPU worker
-//! (the `local` communicator); the trainer is already written against the communicator seam so
-//! multi-process workers plug in without changing the loop.
+//! `ddpjob run job.toml` is the launcher ([`launch`]): it validates the config into a
+//! [`config::JobSpec`], creates the job directory ([`jobdir`]), hosts the rendezvous [`store`]
+//! and spawns one [`worker`] process per slot. Each worker loads the data ([`data`]) and trains
+//! ([`train`]) with gradients averaged through a [`comm::Communicator`] once per optimizer step:
+//! `local` for one worker, the `tcp` ring between CPU worker processes.
 
 pub mod bench;
 pub mod checkpoint;

@@ -85,7 +85,8 @@ pub struct Plan {
 impl JobSpec {
     pub fn plan(&self, train_samples: usize, world_size: usize) -> Plan {
         let t = &self.train;
-        let samples_per_rank = train_samples.div_ceil(world_size);
+        let samples_per_rank =
+            crate::data::sampler::samples_per_rank(train_samples, world_size, self.data.drop_last);
         let micro_batches_per_epoch = samples_per_rank.div_ceil(t.batch_size);
         let steps_per_epoch = micro_batches_per_epoch.div_ceil(t.accumulation);
         let uncapped = steps_per_epoch * t.epochs;

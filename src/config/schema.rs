@@ -85,6 +85,11 @@ pub const KEYS: &[KeySpec] = &[
         "download missing files from data.mirrors (SHA-256 checked)",
     ),
     key(
+        "data.drop_last",
+        Kind::Bool,
+        "drop the tail that does not divide among the workers instead of padding (DistributedSampler's drop_last)",
+    ),
+    key(
         "data.mirrors",
         Kind::StrList,
         "base URLs tried in order for downloads (default: the dataset's known mirrors)",

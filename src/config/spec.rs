@@ -43,6 +43,8 @@ pub struct DataSpec {
     pub dataset: DatasetKind,
     pub root: PathBuf,
     pub download: bool,
+    /// DistributedSampler's `drop_last`: drop the tail instead of padding it by wrap-around.
+    pub drop_last: bool,
     pub mirrors: Vec<String>,
     pub checksums: BTreeMap<String, String>,
     /// Per-channel (mean, std) applied after scaling to [0,1].

@@ -211,6 +211,16 @@ fn worker_counts_are_auto_or_at_least_one() {
 }
 
 #[test]
+fn drop_last_shrinks_each_ranks_share_as_torch_does() {
+    let padded = load_text("", &[]).unwrap().spec;
+    let dropped = load_text("[data]\ndrop_last = true\n", &[]).unwrap().spec;
+    // torch: num_samples = ceil(len / world), or ceil((len - world) / world) with drop_last.
+    assert_eq!(padded.plan(100, 3).samples_per_rank, 34);
+    assert_eq!(dropped.plan(100, 3).samples_per_rank, 33);
+    assert_eq!(dropped.plan(99, 3).samples_per_rank, 33);
+}
+
+#[test]
 fn plan_derives_global_batch_and_steps() {
     let spec = load_text(
         "[train]\nbatch_size = 64\naccumulation = 4\nepochs = 20\n",

@@ -249,6 +249,7 @@ fn check_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> DataSpec {
         dataset,
         root: PathBuf::from(root),
         download: d.download,
+        drop_last: d.drop_last,
         mirrors: d.mirrors.clone(),
         checksums: d.checksums.clone(),
         normalize,

@@ -4,6 +4,15 @@
 
 use crate::rng::Mt19937;
 
+/// Samples each rank sees per epoch, as torch computes `num_samples`.
+pub fn samples_per_rank(len: usize, world: usize, drop_last: bool) -> usize {
+    if drop_last && len % world != 0 {
+        len.saturating_sub(world).div_ceil(world)
+    } else {
+        len.div_ceil(world)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct DistributedSampler {
     len: usize,
@@ -46,11 +55,7 @@ impl DistributedSampler {
 
     /// Samples this rank sees per epoch.
     pub fn num_samples(&self) -> usize {
-        if self.drop_last && self.len % self.world != 0 {
-            (self.len - self.world).div_ceil(self.world)
-        } else {
-            self.len.div_ceil(self.world)
-        }
+        samples_per_rank(self.len, self.world, self.drop_last)
     }
 
     /// This rank's indices for the current epoch.

@@ -126,7 +126,8 @@ impl Trainer<'_> {
         let schedule = Schedule::new(t.lr, t.schedule, plan.total_steps);
         let mut optimizer = Optimizer::new(t.optimizer, self.model.params().len());
         broadcast_params(self.comm, self.model.params())?;
-        let mut sampler = DistributedSampler::new(self.data.train.len(), world, rank, spec.seed);
+        let mut sampler = DistributedSampler::new(self.data.train.len(), world, rank, spec.seed)
+            .with_drop_last(spec.data.drop_last);
         if let Some(leader) = &self.leader {
             leader.start(&plan)?;
         }

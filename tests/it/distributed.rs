@@ -328,3 +328,36 @@ fn a_node_with_another_config_or_no_token_is_refused() {
     let _ = node0.child.kill();
     let _ = node0.wait_for(Duration::from_secs(10));
 }
+
+/// DistributedSampler's two ways with a tail that does not divide: pad by wrapping around
+/// (every sample seen, two ranks see 2 × 256), or drop it (2 × 255).
+#[test]
+fn an_uneven_tail_is_padded_or_dropped_as_torch_does() {
+    let t = TestJob::new();
+    let cfg = t.config(
+        "tail",
+        &TINY.replace("train_samples = 512", "train_samples = 511"),
+    );
+    for (drop_last, samples) in [("false", 512), ("true", 510)] {
+        let name = format!("drop-{drop_last}");
+        t.run(
+            &cfg,
+            &[
+                "--name",
+                &name,
+                "--nproc-per-node",
+                "2",
+                "--set",
+                "train.epochs=1",
+                "--set",
+                &format!("data.drop_last={drop_last}"),
+            ],
+        )
+        .success();
+        let summary = t.json(&t.job(&name).join("summary.json"));
+        assert_eq!(
+            summary["samples"], samples,
+            "drop_last = {drop_last}: {summary}"
+        );
+    }
+}

@@ -207,7 +207,12 @@ fn worker() -> CliResult {
                 let _ = std::io::Write::write_all(&mut f, format!("error: {text}\n").as_bytes());
             }
         }
-        (1, anyhow::anyhow!(text))
+        let code = if matches!(e, worker::WorkerError::Env(_)) {
+            2
+        } else {
+            1
+        };
+        (code, anyhow::anyhow!(text))
     })
 }
 

@@ -361,3 +361,35 @@ fn an_uneven_tail_is_padded_or_dropped_as_torch_does() {
         );
     }
 }
+
+#[test]
+fn a_node_that_never_comes_names_the_missing_ranks_within_the_timeout() {
+    let t = TestJob::new();
+    let cfg = t.config("alone", TINY);
+    let port = free_port().to_string();
+    let started = Instant::now();
+    let run = t.run(
+        &cfg,
+        &[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--nproc-per-node",
+            "2",
+            "--set",
+            "distributed.timeout_s=2",
+        ],
+    );
+    run.fails_with(1, "ranks [2, 3] (nodes [1]) did not join within 2 s");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(workers_under(&t.job("alone")).is_empty());
+}

@@ -221,6 +221,26 @@ fn a_taken_master_port_is_a_clear_error_and_creates_nothing() {
     assert!(!t.job("port").exists());
 }
 
+/// torchrun's multi-node flags for node `rank` of two, on 127.0.0.1.
+fn two_node_flags(rank: &str, port: &str) -> Vec<String> {
+    [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        rank,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
 /// torchrun's multi-node form on one machine: node 0 hosts the store, node 1 joins it.
 #[test]
 fn two_nodes_train_together_like_one_node_with_two_workers() {
@@ -228,22 +248,9 @@ fn two_nodes_train_together_like_one_node_with_two_workers() {
     let cfg = t.config("nodes", TINY);
     let port = free_port().to_string();
     let node = |rank: &str, jobs: &str| {
-        t.spawn_run(
-            &cfg,
-            jobs,
-            &[
-                "--nnodes",
-                "2",
-                "--node-rank",
-                rank,
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                &port,
-                "--nproc-per-node",
-                "1",
-            ],
-        )
+        let mut flags = two_node_flags(rank, &port);
+        flags.extend(["--nproc-per-node".into(), "1".into()]);
+        t.spawn_run(&cfg, jobs, &strs(&flags))
     };
     // Node 1 first: it waits for node 0's store.
     let mut n1 = node("1", "jobs-node1");
@@ -277,38 +284,18 @@ fn a_node_with_another_config_or_no_token_is_refused() {
     let cfg = long_job(&t);
     let other = t.config("other", &TINY.replace("seed = 3", "seed = 4"));
     let port = free_port().to_string();
-    let multi = |rank: &str| {
-        [
-            "--nnodes",
-            "2",
-            "--node-rank",
-            rank,
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port,
-        ]
-        .map(String::from)
-    };
-    let args0 = multi("0");
-    let args0: Vec<&str> = args0.iter().map(String::as_str).collect();
-    let mut node0 = t.spawn_run(&cfg, "jobs", &args0);
+    let mut node0 = t.spawn_run(&cfg, "jobs", &strs(&two_node_flags("0", &port)));
     // Let node 0's store come up.
     let deadline = Instant::now() + Duration::from_secs(20);
     while !t.job("long").join("state.json").exists() {
         assert!(Instant::now() < deadline, "node 0 never created its job");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let mut args1: Vec<String> = multi("1").to_vec();
-    args1.extend([
-        "--name".into(),
-        "long".into(),
-        "--jobs-dir".into(),
-        t.path("jobs1").display().to_string(),
-    ]);
-    let args1: Vec<&str> = args1.iter().map(String::as_str).collect();
-    let mut full = vec!["run", other.to_str().unwrap()];
-    full.extend(args1);
+    let mut args1 = vec!["run".to_string(), other.display().to_string()];
+    args1.extend(two_node_flags("1", &port));
+    args1.extend(["--name", "long", "--jobs-dir"].map(String::from));
+    args1.push(t.path("jobs1").display().to_string());
+    let full = strs(&args1);
     t.ddpjob(&full)
         .fails_with(2, "refused")
         .fails_with(2, "wrong job token");
@@ -368,23 +355,9 @@ fn a_node_that_never_comes_names_the_missing_ranks_within_the_timeout() {
     let cfg = t.config("alone", TINY);
     let port = free_port().to_string();
     let started = Instant::now();
-    let run = t.run(
-        &cfg,
-        &[
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "0",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port,
-            "--nproc-per-node",
-            "2",
-            "--set",
-            "distributed.timeout_s=2",
-        ],
-    );
+    let mut flags = two_node_flags("0", &port);
+    flags.extend(["--nproc-per-node", "2", "--set", "distributed.timeout_s=2"].map(String::from));
+    let run = t.run(&cfg, &strs(&flags));
     run.fails_with(1, "ranks [2, 3] (nodes [1]) did not join within 2 s");
     assert!(
         started.elapsed() < Duration::from_secs(30),

@@ -11,7 +11,7 @@ use crate::bench;
 use crate::config::{self, DatasetKind};
 use crate::jobdir;
 use crate::launch::{self, NodeOptions, RunOptions};
-use crate::worker::{self, WorkerEnv};
+use crate::worker;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -132,7 +132,7 @@ pub fn main() -> ExitCode {
         Command::Run(args) => run(args, started),
         Command::Validate(args) => validate(&args),
         Command::List(args) => list(&args.jobs_dir),
-        Command::Worker => worker(),
+        Command::Worker => return ExitCode::from(worker::main()),
         Command::Bench(BenchCommand::Allreduce {
             nproc_per_node,
             sizes,
@@ -190,30 +190,6 @@ fn run(args: RunArgs, started: Instant) -> CliResult {
         }
         Err(e) => Err((e.exit_code(), anyhow::Error::new(e))),
     }
-}
-
-/// A worker's error goes to its stderr (its log, or the terminal for rank 0) and, for rank 0,
-/// also into its log file, so the launcher's report can quote it.
-fn worker() -> CliResult {
-    worker::run().map_err(|e| {
-        let rank = WorkerEnv::from_env().ok();
-        let text = match &rank {
-            Some(env) => format!("rank {}: {e:#}", env.rank),
-            None => format!("{e:#}"),
-        };
-        if let Some(env) = rank.filter(|env| env.rank == 0) {
-            let log = worker::log_path(&env.job_dir, 0);
-            if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(log) {
-                let _ = std::io::Write::write_all(&mut f, format!("error: {text}\n").as_bytes());
-            }
-        }
-        let code = if matches!(e, worker::WorkerError::Env(_)) {
-            2
-        } else {
-            1
-        };
-        (code, anyhow::anyhow!(text))
-    })
 }
 
 fn bench_allreduce(nproc: usize, sizes: &str, json: bool) -> CliResult {

@@ -2,6 +2,7 @@
 //! its torchrun-style environment, meets the others through the store, waits for the data,
 //! joins the ring and trains. Rank 0 also writes the job directory.
 
+use std::io::Write;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -59,6 +60,9 @@ pub enum WorkerError {
     Train(#[from] TrainError),
     #[error("cannot build the model: {0}")]
     Model(candle_core::Error),
+    /// Already printed (see [`main`]); carries the original for the exit status.
+    #[error("{0}")]
+    Announced(Box<WorkerError>),
 }
 
 /// A worker's place in the job, read from its environment.
@@ -148,6 +152,8 @@ pub fn run() -> Result<(), WorkerError> {
     if env.world_size == 1 {
         train(&env, &spec, &job, &data, &LocalCommunicator, started)
     } else {
+        // The error is printed while the ring is still open, so this rank's own failure is on
+        // record before its neighbours notice the closed connections and fail in turn.
         let bind: IpAddr = store.local_addr().ip();
         let spin = spin_for(env.local_world_size);
         let comm = TcpCommunicator::connect(
@@ -159,7 +165,50 @@ pub fn run() -> Result<(), WorkerError> {
             timeout,
             spin,
         )?;
-        train(&env, &spec, &job, &data, &comm, started)
+        train(&env, &spec, &job, &data, &comm, started).map_err(|e| {
+            announce(Some(&env), &e);
+            WorkerError::Announced(Box::new(e))
+        })
+    }
+}
+
+/// Exit status of a failed worker: 2 if it was started by hand, 3 if it only failed because a
+/// peer went away (the launcher then blames the peer), 1 otherwise.
+pub const EXIT_PEER_LOST: u8 = 3;
+
+/// The `worker` subcommand: runs, prints its error once (rank 0 also into its log), exits.
+pub fn main() -> u8 {
+    let error = match run() {
+        Ok(()) => return 0,
+        Err(WorkerError::Announced(e)) => *e,
+        Err(e) => {
+            announce(WorkerEnv::from_env().ok().as_ref(), &e);
+            e
+        }
+    };
+    let peer_lost = |c: &CommError| matches!(c, CommError::PeerLost { .. });
+    match &error {
+        WorkerError::Env(_) => 2,
+        WorkerError::Comm(c) | WorkerError::Train(TrainError::Comm(c)) if peer_lost(c) => {
+            EXIT_PEER_LOST
+        }
+        _ => 1,
+    }
+}
+
+/// Prints a worker's error with its rank; rank 0's stderr is the terminal, so it also goes
+/// into rank 0's log for the launcher's report.
+fn announce(env: Option<&WorkerEnv>, error: &WorkerError) {
+    let text = match env {
+        Some(env) => format!("error: rank {}: {error}", env.rank),
+        None => format!("error: {error}"),
+    };
+    eprintln!("{text}");
+    if let Some(env) = env.filter(|env| env.rank == 0) {
+        let log = log_path(&env.job_dir, 0);
+        if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(log) {
+            let _ = writeln!(f, "{text}");
+        }
     }
 }
 

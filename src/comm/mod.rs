@@ -21,6 +21,13 @@ pub enum CommError {
         rank: usize,
         problem: String,
     },
+    /// A neighbour vanished mid-collective: a consequence of another rank's failure.
+    #[error("collective `{op}` failed: {problem}")]
+    PeerLost {
+        op: &'static str,
+        rank: usize,
+        problem: String,
+    },
     #[error("rank {rank} could not join the worker ring: {problem}")]
     Setup { rank: usize, problem: String },
     #[error(transparent)]

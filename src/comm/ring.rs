@@ -193,14 +193,15 @@ impl RingLinks {
             });
         };
         let mut fds = [
+            // A negative fd is ignored: an unwanted socket's hang-up must not wake us in a loop.
             libc::pollfd {
-                fd: self.send.as_raw_fd(),
-                events: if want_out { libc::POLLOUT } else { 0 },
+                fd: if want_out { self.send.as_raw_fd() } else { -1 },
+                events: libc::POLLOUT,
                 revents: 0,
             },
             libc::pollfd {
-                fd: self.recv.as_raw_fd(),
-                events: if want_in { libc::POLLIN } else { 0 },
+                fd: if want_in { self.recv.as_raw_fd() } else { -1 },
+                events: libc::POLLIN,
                 revents: 0,
             },
         ];

@@ -184,17 +184,23 @@ impl TcpCommunicator {
             LinkError::Send(c) => ((self.rank + 1) % self.world, "sending to", c),
         };
         let problem = match cause.kind() {
+            ErrorKind::UnexpectedEof
+            | ErrorKind::ConnectionReset
+            | ErrorKind::ConnectionAborted
+            | ErrorKind::BrokenPipe => {
+                return CommError::PeerLost {
+                    op: op.name(),
+                    rank: self.rank,
+                    problem: format!(
+                        "collective #{seq}: rank {peer} closed its connection while {role} it \
+                         (that worker exited or crashed; see its log)"
+                    ),
+                };
+            }
             ErrorKind::WouldBlock | ErrorKind::TimedOut => format!(
                 "collective #{seq}: no progress {role} rank {peer} for {} s \
                  (distributed.timeout_s); that rank is stalled, dead, or in another collective",
                 self.timeout.as_secs()
-            ),
-            ErrorKind::UnexpectedEof
-            | ErrorKind::ConnectionReset
-            | ErrorKind::ConnectionAborted
-            | ErrorKind::BrokenPipe => format!(
-                "collective #{seq}: rank {peer} closed its connection while {role} it \
-                 (that worker exited or crashed; see its log)"
             ),
             _ => format!("collective #{seq}: {role} rank {peer}: {cause}"),
         };
@@ -206,7 +212,8 @@ impl TcpCommunicator {
     }
 }
 
-/// Accepts connections until one from `prev` with the right token arrives (others are dropped).
+/// Accepts connections until one from `prev` with the right token arrives (others are dropped,
+/// and named in the error if `prev` never comes).
 fn accept_from(
     listener: &TcpListener,
     token: &str,
@@ -220,34 +227,20 @@ fn accept_from(
     let mut refused = Vec::new();
     loop {
         match listener.accept() {
-            Ok((mut conn, from)) => {
-                let _ = conn.set_nonblocking(false);
-                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
-                let mut hello = vec![0u8; HELLO.len() + token.len() + 4];
-                let ok = conn.read_exact(&mut hello).is_ok()
-                    && hello.starts_with(HELLO)
-                    && &hello[HELLO.len()..HELLO.len() + token.len()] == token.as_bytes();
-                let claimed =
-                    u32::from_le_bytes(hello[hello.len() - 4..].try_into().unwrap_or_default())
-                        as usize;
-                if ok && claimed == prev {
-                    return Ok(conn);
-                }
-                refused.push(from.to_string());
-            }
+            Ok((conn, from)) => match greeting(conn, token, prev, deadline) {
+                Ok(conn) => return Ok(conn),
+                Err(why) => refused.push(format!("{from} ({why})")),
+            },
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
+                    let others = if refused.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; refused: {}", refused.join(", "))
+                    };
                     return Err(format!(
-                        "rank {prev} did not connect within {} s{}",
-                        timeout.as_secs(),
-                        if refused.is_empty() {
-                            String::new()
-                        } else {
-                            format!(
-                                " (refused connections without the job token from {})",
-                                refused.join(", ")
-                            )
-                        }
+                        "rank {prev} did not connect within {} s{others}",
+                        timeout.as_secs()
                     ));
                 }
                 std::thread::sleep(Duration::from_millis(5));
@@ -255,6 +248,34 @@ fn accept_from(
             Err(e) => return Err(format!("accepting rank {prev}: {e}")),
         }
     }
+}
+
+/// Checks a new connection's greeting: the ring magic, the job token, and the rank `prev`.
+fn greeting(
+    mut conn: TcpStream,
+    token: &str,
+    prev: usize,
+    deadline: Instant,
+) -> Result<TcpStream, String> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .clamp(Duration::from_millis(100), Duration::from_secs(10));
+    conn.set_nonblocking(false)
+        .and_then(|()| conn.set_read_timeout(Some(left)))
+        .map_err(|e| e.to_string())?;
+    let mut hello = vec![0u8; HELLO.len() + token.len() + 4];
+    conn.read_exact(&mut hello)
+        .map_err(|_| "no ddpjob greeting".to_string())?;
+    if !hello.starts_with(HELLO)
+        || &hello[HELLO.len()..HELLO.len() + token.len()] != token.as_bytes()
+    {
+        return Err("not this job's token".into());
+    }
+    let claimed = u32::from_le_bytes(hello[hello.len() - 4..].try_into().unwrap_or_default());
+    if claimed as usize != prev {
+        return Err(format!("claims rank {claimed}, expected rank {prev}"));
+    }
+    Ok(conn)
 }
 
 impl Communicator for TcpCommunicator {
@@ -297,5 +318,103 @@ impl Communicator for TcpCommunicator {
     fn barrier(&self) -> Result<(), CommError> {
         let mut token = vec![0f64; self.world];
         self.collective(Op::Barrier, token.len(), |l| l.all_reduce_sum(&mut token))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::store::StoreServer;
+
+    /// Runs `f(rank, communicator)` for a 2-rank ring over a real store, in two threads.
+    fn pair<T: Send>(f: impl Fn(usize, TcpCommunicator) -> T + Sync) -> Vec<T> {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "tok").unwrap();
+        let addr = server.addr().to_string();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (addr, f) = (&addr, &f);
+                    s.spawn(move || {
+                        let store =
+                            StoreClient::connect(addr, "tok", Duration::from_secs(5)).unwrap();
+                        let ip = IpAddr::from(Ipv4Addr::LOCALHOST);
+                        let timeout = Duration::from_secs(5);
+                        let comm = TcpCommunicator::connect(
+                            &store,
+                            "tok",
+                            rank,
+                            2,
+                            ip,
+                            timeout,
+                            Duration::ZERO,
+                        )
+                        .unwrap();
+                        f(rank, comm)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn ranks_in_different_collectives_fail_with_a_message_not_garbage() {
+        let errors = pair(|rank, comm| {
+            comm.barrier().unwrap();
+            let err = if rank == 0 {
+                comm.barrier().unwrap_err()
+            } else {
+                comm.all_reduce_sum(&mut [1f64; 5]).unwrap_err()
+            };
+            err.to_string()
+        });
+        assert!(
+            errors[0].contains("collective #1 is barrier(2 elements) here")
+                && errors[0].contains("rank 1 called all_reduce_sum #1 (5 elements)"),
+            "{}",
+            errors[0]
+        );
+        assert!(errors[1].contains("every rank must run the same collectives"));
+    }
+
+    #[test]
+    fn a_vanished_peer_is_named_and_classed_as_lost() {
+        let errors = pair(|rank, comm| {
+            if rank == 1 {
+                drop(comm);
+                return None;
+            }
+            Some(comm.barrier().unwrap_err())
+        });
+        let err = errors[0].as_ref().unwrap();
+        assert!(matches!(err, CommError::PeerLost { .. }), "{err:?}");
+        assert!(
+            err.to_string().contains("rank 1 closed its connection"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_ring_listener_checks_token_and_rank() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let hello = |token: &str, rank: u32| {
+            let mut c = TcpStream::connect(addr).unwrap();
+            let mut msg = HELLO.to_vec();
+            msg.extend_from_slice(token.as_bytes());
+            msg.extend_from_slice(&rank.to_le_bytes());
+            c.write_all(&msg).unwrap();
+            let (conn, _) = listener.accept().unwrap();
+            (c, greeting(conn, "tok", 3, deadline))
+        };
+        assert_eq!(hello("bad", 3).1.err().unwrap(), "not this job's token");
+        assert_eq!(
+            hello("tok", 2).1.err().unwrap(),
+            "claims rank 2, expected rank 3"
+        );
+        assert!(hello("tok", 3).1.is_ok());
     }
 }

@@ -211,6 +211,24 @@ fn worker_counts_are_auto_or_at_least_one() {
 }
 
 #[test]
+fn restarts_are_refused_until_implemented_and_timeouts_are_bounded() {
+    let msg = load_text("", &["distributed.max_restarts=2"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("distributed.max_restarts") && msg.contains("not implemented"),
+        "{msg}"
+    );
+    let msg = load_text("", &["distributed.timeout_s=9223372036854775807"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("distributed.timeout_s") && msg.contains("between 1 and 604800"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn drop_last_shrinks_each_ranks_share_as_torch_does() {
     let padded = load_text("", &[]).unwrap().spec;
     let dropped = load_text("[data]\ndrop_last = true\n", &[]).unwrap().spec;

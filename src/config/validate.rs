@@ -11,6 +11,9 @@ use super::spec::{
     ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
 };
 
+/// A week: longer than any collective should stall, and safe to add to a clock.
+const MAX_TIMEOUT_S: i64 = 7 * 24 * 3600;
+
 /// Collects every invalid value instead of stopping at the first.
 struct Checker<'a> {
     source: &'a Source,
@@ -31,6 +34,13 @@ impl Checker<'_> {
             self.fail(key, format!("must be at least {min}, got {value}"));
         }
         value.max(min).max(0) as usize
+    }
+
+    fn in_int_range(&mut self, key: &str, value: i64, min: i64, max: i64) -> usize {
+        if !(min..=max).contains(&value) {
+            self.fail(key, format!("must be between {min} and {max}, got {value}"));
+        }
+        value.clamp(min, max).max(0) as usize
     }
 
     fn positive(&mut self, key: &str, value: f64) -> f64 {
@@ -115,6 +125,13 @@ impl JobSpec {
             toml::Value::Integer(n) => Some(c.at_least("distributed.nproc_per_node", *n, 1)),
             _ => None,
         };
+        if d.max_restarts > 0 {
+            c.fail(
+                "distributed.max_restarts",
+                "automatic restarts are not implemented yet; use 0 (a failed job stops with \
+                 the failing rank named)",
+            );
+        }
         c.one_of("distributed.backend", &d.backend, &["auto", "tcp", "nccl"]);
         if d.backend == "nccl" {
             c.fail(
@@ -124,7 +141,8 @@ impl JobSpec {
         }
         let distributed = DistributedSpec {
             nproc_per_node,
-            timeout_s: c.at_least("distributed.timeout_s", d.timeout_s, 1) as u64,
+            timeout_s: c.in_int_range("distributed.timeout_s", d.timeout_s, 1, MAX_TIMEOUT_S)
+                as u64,
             max_restarts: c.at_least("distributed.max_restarts", d.max_restarts, 0),
             bucket_bytes: (c.positive("distributed.bucket_mb", d.bucket_mb) * 1e6) as usize,
         };

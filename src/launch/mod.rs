@@ -98,9 +98,10 @@ impl Layout {
                 nnodes - 1
             )));
         }
+        // A single-node store listens on loopback only, whatever --master-addr says.
         let master_addr = match (&opts.master_addr, nnodes) {
+            (_, 1) => Ipv4Addr::LOCALHOST.to_string(),
             (Some(a), _) => a.clone(),
-            (None, 1) => Ipv4Addr::LOCALHOST.to_string(),
             (None, _) => {
                 return Err(RunError::Usage(format!(
                     "--nnodes {nnodes} needs --master-addr: the address of node 0, which every \
@@ -147,8 +148,6 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
     let layout = Layout::new(&opts.node, spec)?;
     let token = layout.token(&loaded);
     let job = JobDir::open(&opts.jobs_dir, &spec.name);
-    install_signal_handlers();
-
     // Node 0 binds the store before anything is created, so a taken port costs nothing.
     let (_server, client) = if layout.node_rank == 0 {
         job.ensure_new(&spec.name)?;
@@ -185,14 +184,26 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
         client.set(JOB_READY_KEY, b"1")?;
         Some(state)
     } else {
-        client.wait(
-            &[JOB_READY_KEY.to_string()],
-            Duration::from_secs(spec.distributed.timeout_s),
-        )?;
+        let patience = Duration::from_secs(spec.distributed.timeout_s);
+        client
+            .wait(&[JOB_READY_KEY.to_string()], patience)
+            .map_err(|e| match e {
+                StoreError::Timeout { .. } => RunError::Failed {
+                    name: spec.name.clone(),
+                    report: format!(
+                        "node 0 did not finish preparing it (data download, job directory) \
+                         within {} s (distributed.timeout_s); see node 0's output",
+                        patience.as_secs()
+                    ),
+                },
+                other => other.into(),
+            })?;
         join_job(&job, &loaded, opts)?;
         None
     };
 
+    // From here on, Ctrl-C stops the workers in order instead of killing the launcher.
+    install_signal_handlers();
     let outcome = spawn_and_supervise(&job, &layout, &token, port, opts);
     drop(client);
     let Some(mut state) = state else {
@@ -254,10 +265,9 @@ fn create_job(
 fn join_job(job: &JobDir, loaded: &LoadedConfig, opts: &RunOptions) -> Result<(), RunError> {
     let logs = job.logs_dir();
     std::fs::create_dir_all(&logs).map_err(|cause| JobDirError::Io { path: logs, cause })?;
-    if !job.job_toml().exists() {
-        write_job_toml(job, loaded, opts)?;
-    }
-    Ok(())
+    // Always rewritten: a job.toml left by an earlier run must not configure these workers
+    // (on a shared file system this is node 0's file, with the same resolved config).
+    write_job_toml(job, loaded, opts)
 }
 
 fn write_job_toml(job: &JobDir, loaded: &LoadedConfig, opts: &RunOptions) -> Result<(), RunError> {

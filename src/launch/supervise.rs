@@ -10,9 +10,13 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::worker::EXIT_PEER_LOST;
+
 /// How long stopped workers get to exit after SIGTERM before SIGKILL.
 const GRACE: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_millis(50);
+/// After the first failure, how long to let the others fail on their own before stopping them.
+const SETTLE: Duration = Duration::from_millis(500);
 
 static INTERRUPTS: AtomicUsize = AtomicUsize::new(0);
 static LAST_SIGNAL: AtomicI32 = AtomicI32::new(0);
@@ -97,25 +101,48 @@ pub fn supervise(workers: &mut [Worker]) -> Outcome {
                 signal: LAST_SIGNAL.load(Ordering::SeqCst),
             };
         }
-        let mut failed = Vec::new();
-        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
-            if let Ok(Some(status)) = w.child.try_wait() {
-                w.status = Some(status);
-                if !status.success() {
-                    failed.push(w.rank);
-                }
+        reap(workers);
+        if workers.iter().any(Worker::failed) {
+            // The others usually fail within moments because of the first; let them, so the
+            // report can tell the cause from the consequences.
+            let settle = Instant::now() + SETTLE;
+            while Instant::now() < settle && workers.iter().any(|w| w.status.is_none()) {
+                std::thread::sleep(POLL);
+                reap(workers);
             }
-        }
-        if !failed.is_empty() {
+            // Reported before the stop, whose SIGTERMs would count as failures of their own.
+            let report = failure_report(workers);
             stop(workers, false);
-            return Outcome::Failed {
-                report: failure_report(workers, &failed),
-            };
+            return Outcome::Failed { report };
         }
         if workers.iter().all(|w| w.status.is_some()) {
             return Outcome::Finished;
         }
         std::thread::sleep(POLL);
+    }
+}
+
+fn reap(workers: &mut [Worker]) {
+    for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+        if let Ok(Some(status)) = w.child.try_wait() {
+            w.status = Some(status);
+        }
+    }
+}
+
+impl Worker {
+    fn failed(&self) -> bool {
+        self.status.is_some_and(|s| !s.success())
+    }
+
+    /// Which failure explains the others best: a death by signal, then an error of its own,
+    /// then a worker that only lost a peer.
+    fn blame_order(&self) -> u8 {
+        match self.status.map(|s| (s.signal(), s.code())) {
+            Some((Some(_), _)) => 0,
+            Some((None, Some(code))) if code != i32::from(EXIT_PEER_LOST) => 1,
+            _ => 2,
+        }
     }
 }
 
@@ -147,16 +174,11 @@ pub fn stop(workers: &mut [Worker], at_once: bool) {
     }
 }
 
-fn failure_report(workers: &[Worker], failed: &[usize]) -> String {
-    let by_rank = |r: usize| workers.iter().find(|w| w.rank == r);
-    let killed = |r: &usize| by_rank(*r).and_then(|w| w.status?.signal()).is_some();
-    let first = failed
-        .iter()
-        .copied()
-        .find(|r| killed(r))
-        .unwrap_or(failed[0]);
-    let Some(w) = by_rank(first) else {
-        return format!("rank {first} failed");
+fn failure_report(workers: &[Worker]) -> String {
+    let mut failed: Vec<&Worker> = workers.iter().filter(|w| w.failed()).collect();
+    failed.sort_by_key(|w| (w.blame_order(), w.rank));
+    let Some(w) = failed.first() else {
+        return "a worker failed".into();
     };
     let mut text = format!(
         "rank {} (pid {}) {}; the other workers were stopped",
@@ -164,13 +186,12 @@ fn failure_report(workers: &[Worker], failed: &[usize]) -> String {
         w.child.id(),
         describe(w.status)
     );
-    let others: Vec<String> = failed
+    let others: Vec<String> = failed[1..]
         .iter()
-        .filter(|&&r| r != first)
-        .map(|r| format!("rank {r}"))
+        .map(|o| format!("rank {}", o.rank))
         .collect();
     if !others.is_empty() {
-        text += &format!(" ({} also failed at the same time)", others.join(", "));
+        text += &format!(" ({} failed too)", others.join(", "));
     }
     let tail = log_tail(&w.log, 12);
     if tail.is_empty() {

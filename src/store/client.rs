@@ -31,14 +31,17 @@ impl StoreClient {
     pub fn connect(addr: &str, token: &str, patience: Duration) -> Result<Self, StoreError> {
         let started = Instant::now();
         let stream = loop {
-            let attempt = addr
-                .to_socket_addrs()
-                .and_then(|mut addrs| {
-                    addrs.next().ok_or_else(|| {
-                        std::io::Error::new(std::io::ErrorKind::NotFound, "no address")
-                    })
-                })
-                .and_then(|sa| TcpStream::connect_timeout(&sa, Duration::from_secs(5)));
+            // Every address the name resolves to (localhost may be ::1 first, the store IPv4).
+            let attempt = addr.to_socket_addrs().and_then(|addrs| {
+                let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+                for sa in addrs {
+                    match TcpStream::connect_timeout(&sa, Duration::from_secs(5)) {
+                        Ok(s) => return Ok(s),
+                        Err(e) => last = e,
+                    }
+                }
+                Err(last)
+            });
             match attempt {
                 Ok(s) => break s,
                 Err(cause) if started.elapsed() >= patience => {

@@ -271,7 +271,11 @@ fn two_nodes_train_together_like_one_node_with_two_workers() {
         &load_weights(&t.path("jobs-node0/nodes/model.safetensors")),
         &load_weights(&t.job("single").join("model.safetensors")),
     );
-    assert_eq!(diff, 0.0, "two nodes and one node with two workers differ");
+    // Bit-identical here; a tolerance only for kernels that split work by thread count.
+    assert!(
+        diff <= 1e-6,
+        "two nodes and one node with two workers differ by {diff}"
+    );
     assert_eq!(
         t.json(&t.path("jobs-node0/nodes/state.json"))["world_size"],
         2

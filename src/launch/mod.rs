@@ -149,34 +149,10 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
     let token = layout.token(&loaded);
     let job = JobDir::open(&opts.jobs_dir, &spec.name);
     // Node 0 binds the store before anything is created, so a taken port costs nothing.
-    let (_server, client) = if layout.node_rank == 0 {
+    if layout.node_rank == 0 {
         job.ensure_new(&spec.name)?;
-        let ip = if layout.nnodes == 1 {
-            Ipv4Addr::LOCALHOST
-        } else {
-            Ipv4Addr::UNSPECIFIED
-        };
-        let port = layout.master_port.unwrap_or(0);
-        let server = StoreServer::bind(SocketAddr::from((ip, port)), &token)?;
-        let addr = format!("127.0.0.1:{}", server.addr().port());
-        let client = StoreClient::connect(&addr, &token, Duration::from_secs(10))?;
-        (Some(server), client)
-    } else {
-        let addr = format!(
-            "{}:{}",
-            layout.master_addr,
-            layout.master_port.unwrap_or(DEFAULT_MASTER_PORT)
-        );
-        let patience = Duration::from_secs(spec.distributed.timeout_s);
-        println!("node {}: joining node 0 at {addr} ...", layout.node_rank);
-        let client = StoreClient::connect(&addr, &token, patience)?;
-        (None, client)
-    };
-    let port = match (&_server, layout.master_port) {
-        (Some(s), _) => s.addr().port(),
-        (None, Some(p)) => p,
-        (None, None) => DEFAULT_MASTER_PORT,
-    };
+    }
+    let (_store, client, port) = meet(&layout, &token, spec)?;
 
     Dataset::ensure_present(&spec.data)?;
     let state = if layout.node_rank == 0 {
@@ -234,6 +210,37 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
             Err(e)
         }
     }
+}
+
+/// Node 0 hosts the store (loopback and a free port for single-node jobs) and connects to it;
+/// other nodes connect to node 0's. Returns the server (kept alive by the caller), a client,
+/// and the store's port.
+fn meet(
+    layout: &Layout,
+    token: &str,
+    spec: &JobSpec,
+) -> Result<(Option<StoreServer>, StoreClient, u16), RunError> {
+    if layout.node_rank == 0 {
+        let ip = if layout.nnodes == 1 {
+            Ipv4Addr::LOCALHOST
+        } else {
+            Ipv4Addr::UNSPECIFIED
+        };
+        let server = StoreServer::bind(
+            SocketAddr::from((ip, layout.master_port.unwrap_or(0))),
+            token,
+        )?;
+        let port = server.addr().port();
+        let client =
+            StoreClient::connect(&format!("127.0.0.1:{port}"), token, Duration::from_secs(10))?;
+        return Ok((Some(server), client, port));
+    }
+    let port = layout.master_port.unwrap_or(DEFAULT_MASTER_PORT);
+    let addr = format!("{}:{port}", layout.master_addr);
+    println!("node {}: joining node 0 at {addr} ...", layout.node_rank);
+    let patience = Duration::from_secs(spec.distributed.timeout_s);
+    let client = StoreClient::connect(&addr, token, patience)?;
+    Ok((None, client, port))
 }
 
 /// Node 0: the job directory, the frozen config and the first `state.json`.

@@ -12,7 +12,7 @@ use thiserror::Error;
 use crate::comm::{CommError, Communicator, TcpCommunicator, spin_for};
 use crate::launch::supervise::{self, Outcome};
 use crate::store::{self, StoreClient, StoreError, StoreServer};
-use crate::worker::{WorkerEnv, env};
+use crate::worker::WorkerEnv;
 
 /// Where rank 0 writes its results for the parent.
 const OUT_ENV: &str = "DDPJOB_BENCH_OUT";
@@ -98,16 +98,21 @@ pub fn allreduce(nproc: usize, sizes: &[usize]) -> Result<Vec<AllReduceRow>, Ben
     for rank in 0..nproc {
         let mut cmd = Command::new(&exe);
         cmd.args(["bench-worker", "--sizes", &sizes_arg])
-            .env(env::RANK, rank.to_string())
-            .env(env::LOCAL_RANK, rank.to_string())
-            .env(env::WORLD_SIZE, nproc.to_string())
-            .env(env::LOCAL_WORLD_SIZE, nproc.to_string())
-            .env(env::NODE_RANK, "0")
-            .env(env::MASTER_ADDR, "127.0.0.1")
-            .env(env::MASTER_PORT, server.addr().port().to_string())
-            .env(env::JOB_DIR, std::env::temp_dir())
-            .env(env::TOKEN, &token)
             .env(OUT_ENV, &out);
+        WorkerEnv {
+            rank,
+            local_rank: rank,
+            world_size: nproc,
+            local_world_size: nproc,
+            node_rank: 0,
+            master_addr: Ipv4Addr::LOCALHOST.to_string(),
+            master_port: server.addr().port(),
+            job_dir: std::env::temp_dir(),
+            restart_count: 0,
+            token: token.clone(),
+            started_unix_ms: None,
+        }
+        .apply(&mut cmd);
         let log = PathBuf::from("/dev/null");
         let w = supervise::spawn(cmd, rank, &log, true).map_err(|cause| BenchError::Io {
             what: format!("cannot start bench worker {rank}"),
@@ -132,7 +137,7 @@ pub fn allreduce(nproc: usize, sizes: &[usize]) -> Result<Vec<AllReduceRow>, Ben
 /// The hidden `bench-worker` subcommand: join the ring, time each size, rank 0 reports.
 pub fn worker(sizes: &[usize]) -> Result<(), BenchError> {
     let env = WorkerEnv::from_env().map_err(|e| BenchError::Usage(e.to_string()))?;
-    let store = StoreClient::connect(&env.master, &env.token, TIMEOUT)?;
+    let store = StoreClient::connect(&env.master(), &env.token, TIMEOUT)?;
     let bind = store.local_addr().ip();
     let spin = spin_for(env.local_world_size);
     let comm = TcpCommunicator::connect(

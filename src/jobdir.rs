@@ -83,6 +83,28 @@ pub fn now_unix() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+pub fn now_unix_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+impl JobState {
+    /// A job at its start: running, nothing done yet.
+    pub fn running(world_size: usize, total_steps: usize) -> Self {
+        JobState {
+            status: Status::Running,
+            epoch: 0,
+            step: 0,
+            total_steps,
+            world_size,
+            updated_unix: now_unix(),
+            last_loss: None,
+            error: None,
+        }
+    }
+}
+
 /// Writes `bytes` to `path` through a temp file, fsync and rename: readers see old or new, whole.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));

@@ -5,6 +5,7 @@
 use std::io::Write;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
@@ -13,7 +14,7 @@ use thiserror::Error;
 use crate::comm::{CommError, Communicator, LocalCommunicator, TcpCommunicator, spin_for};
 use crate::config::{self, ConfigError, JobSpec};
 use crate::data::{DataError, Dataset};
-use crate::jobdir::{JobDir, JobDirError};
+use crate::jobdir::{JobDir, JobDirError, now_unix_ms};
 use crate::models;
 use crate::progress::{self, Logged, Reporter};
 use crate::store::{StoreClient, StoreError};
@@ -73,7 +74,8 @@ pub struct WorkerEnv {
     pub world_size: usize,
     pub local_world_size: usize,
     pub node_rank: usize,
-    pub master: String,
+    pub master_addr: String,
+    pub master_port: u16,
     pub job_dir: PathBuf,
     pub restart_count: usize,
     pub token: String,
@@ -85,7 +87,7 @@ impl WorkerEnv {
         fn var(name: &str) -> Result<String, WorkerError> {
             std::env::var(name).map_err(|_| WorkerError::Env(format!("{name} is not set")))
         }
-        fn num(name: &str) -> Result<usize, WorkerError> {
+        fn num<T: std::str::FromStr>(name: &str) -> Result<T, WorkerError> {
             let v = var(name)?;
             v.parse()
                 .map_err(|_| WorkerError::Env(format!("{name}={v:?} is not a number")))
@@ -96,7 +98,8 @@ impl WorkerEnv {
             world_size: num(env::WORLD_SIZE)?,
             local_world_size: num(env::LOCAL_WORLD_SIZE)?,
             node_rank: num(env::NODE_RANK)?,
-            master: format!("{}:{}", var(env::MASTER_ADDR)?, var(env::MASTER_PORT)?),
+            master_addr: var(env::MASTER_ADDR)?,
+            master_port: num(env::MASTER_PORT)?,
             job_dir: var(env::JOB_DIR)?.into(),
             restart_count: num(env::RESTART_COUNT).unwrap_or(0),
             token: var(env::TOKEN)?,
@@ -113,15 +116,34 @@ impl WorkerEnv {
         Ok(e)
     }
 
+    /// The inverse of [`from_env`](Self::from_env): what a launcher gives a worker it spawns.
+    pub fn apply(&self, cmd: &mut Command) {
+        cmd.env(env::RANK, self.rank.to_string())
+            .env(env::LOCAL_RANK, self.local_rank.to_string())
+            .env(env::WORLD_SIZE, self.world_size.to_string())
+            .env(env::LOCAL_WORLD_SIZE, self.local_world_size.to_string())
+            .env(env::NODE_RANK, self.node_rank.to_string())
+            .env(env::MASTER_ADDR, &self.master_addr)
+            .env(env::MASTER_PORT, self.master_port.to_string())
+            .env(env::JOB_DIR, &self.job_dir)
+            .env(env::RESTART_COUNT, self.restart_count.to_string())
+            .env(env::TOKEN, &self.token);
+        if let Some(ms) = self.started_unix_ms {
+            cmd.env(env::STARTED_MS, ms.to_string());
+        }
+    }
+
+    /// The store's address, `MASTER_ADDR:MASTER_PORT`.
+    pub fn master(&self) -> String {
+        format!("{}:{}", self.master_addr, self.master_port)
+    }
+
     /// Time since the launcher started (or since this worker started, if unknown).
     fn since_launch(&self, fallback: Instant) -> Instant {
         let Some(ms) = self.started_unix_ms else {
             return fallback;
         };
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(ms, |d| d.as_millis());
-        let ago = Duration::from_millis(now_ms.saturating_sub(ms) as u64);
+        let ago = Duration::from_millis(now_unix_ms().saturating_sub(ms) as u64);
         Instant::now().checked_sub(ago).unwrap_or(fallback)
     }
 }
@@ -145,7 +167,7 @@ pub fn run() -> Result<(), WorkerError> {
     let spec = config::load(&job.job_toml(), &[])?.spec;
     let timeout = Duration::from_secs(spec.distributed.timeout_s);
 
-    let store = StoreClient::connect(&env.master, &env.token, timeout)?;
+    let store = StoreClient::connect(&env.master(), &env.token, timeout)?;
     rendezvous(&store, &env, timeout)?;
     let data = load_data(&store, &env, &spec)?;
 

@@ -15,12 +15,12 @@ use thiserror::Error;
 
 use crate::config::{self, ConfigError, JobSpec, LoadedConfig};
 use crate::data::{DataError, Dataset};
-use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
+use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix, now_unix_ms};
 use crate::store::{self, StoreClient, StoreError, StoreServer};
 use crate::train::Summary;
-use crate::worker::{self, env};
+use crate::worker::{self, WorkerEnv};
 
-pub use supervise::{describe, install_signal_handlers, log_tail, signal_name};
+use supervise::{install_signal_handlers, signal_name};
 
 /// torchrun's default rendezvous port for multi-node jobs.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -254,16 +254,7 @@ fn create_job(
     job.create(&spec.name)?;
     write_job_toml(job, loaded, opts)?;
     // Rank 0 fills in total_steps once it has read the data.
-    let state = JobState {
-        status: Status::Running,
-        epoch: 0,
-        step: 0,
-        total_steps: 0,
-        world_size: layout.world_size(),
-        updated_unix: now_unix(),
-        last_loss: None,
-        error: None,
-    };
+    let state = JobState::running(layout.world_size(), 0);
     job.write_state(&state)?;
     Ok(state)
 }
@@ -315,18 +306,21 @@ fn spawn_and_supervise(
     for local_rank in 0..layout.nproc {
         let rank = layout.node_rank * layout.nproc + local_rank;
         let mut cmd = Command::new(&exe);
-        cmd.arg("worker")
-            .env(env::RANK, rank.to_string())
-            .env(env::LOCAL_RANK, local_rank.to_string())
-            .env(env::WORLD_SIZE, layout.world_size().to_string())
-            .env(env::LOCAL_WORLD_SIZE, layout.nproc.to_string())
-            .env(env::NODE_RANK, layout.node_rank.to_string())
-            .env(env::MASTER_ADDR, &layout.master_addr)
-            .env(env::MASTER_PORT, port.to_string())
-            .env(env::JOB_DIR, &job_dir)
-            .env(env::RESTART_COUNT, "0")
-            .env(env::TOKEN, token)
-            .env(env::STARTED_MS, started_ms.to_string());
+        cmd.arg("worker");
+        WorkerEnv {
+            rank,
+            local_rank,
+            world_size: layout.world_size(),
+            local_world_size: layout.nproc,
+            node_rank: layout.node_rank,
+            master_addr: layout.master_addr.clone(),
+            master_port: port,
+            job_dir: job_dir.clone(),
+            restart_count: 0,
+            token: token.to_string(),
+            started_unix_ms: Some(started_ms),
+        }
+        .apply(&mut cmd);
         for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
             if std::env::var_os(var).is_none() {
                 cmd.env(var, &threads);
@@ -347,12 +341,6 @@ fn spawn_and_supervise(
         supervise::Outcome::Failed { report } => Err(RunError::Failed { name, report }),
         supervise::Outcome::Interrupted { signal } => Err(RunError::Interrupted { name, signal }),
     }
-}
-
-fn now_unix_ms() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
 }
 
 /// Reads rank 0's `summary.json` and sets `wall_s` to the whole command's time.

@@ -7,7 +7,7 @@ use serde_json::json;
 
 use crate::checkpoint::{Checkpointer, TrainPosition};
 use crate::config::Plan;
-use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
+use crate::jobdir::{JobDir, JobDirError, JobState, now_unix};
 use crate::models::Params;
 use crate::optim::Optimizer;
 
@@ -31,16 +31,7 @@ impl Leader {
 
     /// Records the plan in `state.json` as training starts.
     pub fn start(&self, plan: &Plan) -> Result<(), TrainError> {
-        let state = JobState {
-            status: Status::Running,
-            epoch: 0,
-            step: 0,
-            total_steps: plan.total_steps,
-            world_size: self.world_size,
-            updated_unix: now_unix(),
-            last_loss: None,
-            error: None,
-        };
+        let state = JobState::running(self.world_size, plan.total_steps);
         Ok(self.job.write_state(&state)?)
     }
 
@@ -78,14 +69,10 @@ impl Leader {
         });
         self.job.append_metrics(&line)?;
         let state = JobState {
-            status: Status::Running,
             epoch: epoch + 1,
             step,
-            total_steps: plan.total_steps,
-            world_size: self.world_size,
-            updated_unix: now_unix(),
             last_loss: Some(train_loss),
-            error: None,
+            ..JobState::running(self.world_size, plan.total_steps)
         };
         Ok(self.job.write_state(&state)?)
     }

@@ -11,6 +11,7 @@ use thiserror::Error;
 
 use crate::comm::{CommError, Communicator, TcpCommunicator, spin_for};
 use crate::launch::supervise::{self, Outcome};
+use crate::launch::watch::Watchdog;
 use crate::store::{self, StoreClient, StoreError, StoreServer};
 use crate::worker::WorkerEnv;
 
@@ -111,6 +112,7 @@ pub fn allreduce(nproc: usize, sizes: &[usize]) -> Result<Vec<AllReduceRow>, Ben
             restart_count: 0,
             token: token.clone(),
             started_unix_ms: None,
+            resume_from: None,
         }
         .apply(&mut cmd);
         let log = PathBuf::from("/dev/null");
@@ -121,9 +123,11 @@ pub fn allreduce(nproc: usize, sizes: &[usize]) -> Result<Vec<AllReduceRow>, Ben
         workers.push(w);
     }
     supervise::install_signal_handlers();
-    match supervise::supervise(&mut workers) {
+    // Benchmark workers publish no heartbeats and have nothing to checkpoint.
+    let mut watch = Watchdog::none();
+    match supervise::supervise(&mut workers, &mut watch, Duration::ZERO) {
         Outcome::Finished => {}
-        Outcome::Failed { report } => return Err(BenchError::Worker(report)),
+        Outcome::Failed { report, .. } => return Err(BenchError::Worker(report)),
         Outcome::Interrupted { .. } => return Err(BenchError::Worker("interrupted".into())),
     }
     let text = std::fs::read(&out).map_err(|cause| BenchError::Io {

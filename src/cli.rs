@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::bench;
 use crate::config::{self, DatasetKind};
 use crate::jobdir;
-use crate::launch::{self, NodeOptions, RunOptions};
+use crate::launch::{self, NodeOptions, ResumeOptions, Resumed, RunOptions};
 use crate::worker;
 
 #[derive(Debug, Parser)]
@@ -28,6 +28,8 @@ struct Cli {
 enum Command {
     /// Train a job: creates <jobs-dir>/<name>/ and runs it to the end.
     Run(RunArgs),
+    /// Continue an unfinished job from its newest good checkpoint (reads jobs/<name>/job.toml).
+    Resume(ResumeArgs),
     /// Print the resolved config and derived numbers (global batch, steps); exit 2 on errors.
     Validate(ConfigArgs),
     /// List jobs with status, epoch/step and last loss, most recent first.
@@ -113,6 +115,22 @@ struct RunArgs {
 }
 
 #[derive(Debug, Args)]
+struct ResumeArgs {
+    /// The job to resume (default: the most recently updated unfinished job).
+    name: Option<String>,
+    /// Where jobs live.
+    #[arg(long, default_value = "jobs")]
+    jobs_dir: PathBuf,
+    /// Workers for the rest of the job (default: the checkpoint's world size, which resumes
+    /// exactly); another number re-shards the rest of the epoch.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    nproc_per_node: Option<u16>,
+    /// When no checkpoint is usable, train again from the start instead of failing.
+    #[arg(long)]
+    from_scratch: bool,
+}
+
+#[derive(Debug, Args)]
 struct ListArgs {
     #[arg(long, default_value = "jobs")]
     jobs_dir: PathBuf,
@@ -130,6 +148,7 @@ pub fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Run(args) => run(args, started),
+        Command::Resume(args) => resume(args, started),
         Command::Validate(args) => validate(&args),
         Command::List(args) => list(&args.jobs_dir),
         Command::Worker => return ExitCode::from(worker::main()),
@@ -176,20 +195,45 @@ fn run(args: RunArgs, started: Instant) -> CliResult {
             Ok(())
         }
         Ok((job, Some(s))) => {
-            println!(
-                "finished: test accuracy {:.2}%, test loss {:.4}, final train loss {:.4}, {} steps, {:.0} samples/s, {:.1} s",
-                s.test_accuracy * 100.0,
-                s.test_loss,
-                s.final_train_loss,
-                s.steps,
-                s.train_samples_per_s,
-                s.wall_s
-            );
-            println!("job directory: {}", job.root.display());
+            print_finished(&job, &s);
             Ok(())
         }
         Err(e) => Err((e.exit_code(), anyhow::Error::new(e))),
     }
+}
+
+fn resume(args: ResumeArgs, started: Instant) -> CliResult {
+    let opts = ResumeOptions {
+        name: args.name,
+        jobs_dir: args.jobs_dir,
+        nproc_per_node: args.nproc_per_node.map(usize::from),
+        from_scratch: args.from_scratch,
+        started,
+    };
+    match launch::resume(&opts) {
+        Ok(Resumed::AlreadyFinished(message)) => {
+            println!("{message}");
+            Ok(())
+        }
+        Ok(Resumed::Finished(job, s)) => {
+            print_finished(&job, &s);
+            Ok(())
+        }
+        Err(e) => Err((e.exit_code(), anyhow::Error::new(e))),
+    }
+}
+
+fn print_finished(job: &jobdir::JobDir, s: &crate::train::Summary) {
+    println!(
+        "finished: test accuracy {:.2}%, test loss {:.4}, final train loss {:.4}, {} steps, {:.0} samples/s, {:.1} s",
+        s.test_accuracy * 100.0,
+        s.test_loss,
+        s.final_train_loss,
+        s.steps,
+        s.train_samples_per_s,
+        s.wall_s
+    );
+    println!("job directory: {}", job.root.display());
 }
 
 fn bench_allreduce(nproc: usize, sizes: &str, json: bool) -> CliResult {

@@ -27,6 +27,11 @@ pub enum JobDirError {
     ExistsFinished { name: String, dir: PathBuf },
     #[error("`{}` already exists but is not a ddpjob job directory (no readable state.json); use --name or --jobs-dir", dir.display())]
     ExistsForeign { dir: PathBuf },
+    #[error(
+        "job `{name}` is being run by another ddpjob (pid {pid}); wait for it to end, or stop \
+         it (Ctrl-C, or `kill {pid}`) before resuming"
+    )]
+    Busy { name: String, pid: String },
     #[error("cannot write `{}`: {cause}", path.display())]
     Io {
         path: PathBuf,
@@ -75,6 +80,9 @@ pub struct JobState {
     pub last_loss: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Automatic restarts of the worker group so far (`distributed.max_restarts`).
+    #[serde(default)]
+    pub restarts: usize,
 }
 
 pub fn now_unix() -> u64 {
@@ -101,6 +109,7 @@ impl JobState {
             updated_unix: now_unix(),
             last_loss: None,
             error: None,
+            restarts: 0,
         }
     }
 }
@@ -230,6 +239,69 @@ impl JobDir {
             .open(&path)
             .map_err(io(&path))?;
         writeln!(f, "{line}").map_err(io(&path))
+    }
+}
+
+/// Held while a launcher runs a job; released (by the kernel, too) when it exits.
+#[derive(Debug)]
+pub struct JobLock {
+    _file: File,
+}
+
+impl JobDir {
+    /// Takes the job's lock (`.lock`, with the holder's pid in it) without waiting.
+    pub fn lock(&self, name: &str) -> Result<JobLock, JobDirError> {
+        let path = self.root.join(".lock");
+        let mut file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(io(&path))?;
+        // SAFETY: flock on a descriptor we own.
+        let taken = unsafe {
+            libc::flock(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                libc::LOCK_EX | libc::LOCK_NB,
+            )
+        } == 0;
+        if !taken {
+            let pid = fs::read_to_string(&path).unwrap_or_default();
+            return Err(JobDirError::Busy {
+                name: name.into(),
+                pid: pid.trim().to_string(),
+            });
+        }
+        file.set_len(0).map_err(io(&path))?;
+        write!(file, "{}", std::process::id()).map_err(io(&path))?;
+        Ok(JobLock { _file: file })
+    }
+
+    /// Drops the `metrics.jsonl` lines written after a checkpoint at (`epoch`, `step`), so a
+    /// resumed run continues the history instead of repeating part of it.
+    pub fn rewind_metrics(&self, epoch: usize, step: usize) -> Result<(), JobDirError> {
+        let path = self.metrics_path();
+        let text = match fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(JobDirError::Io { path, cause: e }),
+        };
+        let kept: String = text
+            .lines()
+            .filter(|line| {
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                    return false;
+                };
+                let at = v["step"].as_u64().unwrap_or(u64::MAX) as usize;
+                let of_epoch = v["epoch"].as_u64().unwrap_or(u64::MAX) as usize;
+                // An epoch line at the checkpoint's step belongs to it only if that epoch ended
+                // before the checkpoint (an epoch-boundary one).
+                at < step || (at == step && (v["kind"] != "epoch" || of_epoch < epoch))
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        self.write_file(&path, kept.as_bytes())
     }
 }
 

@@ -13,6 +13,8 @@ pub mod cli;
 pub mod comm;
 pub mod config;
 pub mod data;
+pub mod fault;
+pub mod heartbeat;
 pub mod jobdir;
 pub mod launch;
 pub mod models;

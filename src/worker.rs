@@ -6,19 +6,24 @@ use std::io::Write;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use thiserror::Error;
 
+use crate::checkpoint::{self, CheckpointError};
 use crate::comm::{CommError, Communicator, LocalCommunicator, TcpCommunicator, spin_for};
 use crate::config::{self, ConfigError, JobSpec};
 use crate::data::{DataError, Dataset};
+use crate::fault::Fault;
+use crate::heartbeat::{self, Beacon, Heartbeat};
 use crate::jobdir::{JobDir, JobDirError, now_unix_ms};
 use crate::models;
 use crate::progress::{self, Logged, Reporter};
 use crate::store::{StoreClient, StoreError};
-use crate::train::{Leader, TrainError, Trainer};
+use crate::train::{Ending, Hooks, Leader, TrainError, Trainer};
 
 /// Environment variables the launcher sets (**contract**, named as torchrun names them).
 pub mod env {
@@ -35,6 +40,24 @@ pub mod env {
     pub const TOKEN: &str = "DDPJOB_STORE_TOKEN";
     /// Unix milliseconds when the launcher started, so `wall_s` covers the whole command.
     pub const STARTED_MS: &str = "DDPJOB_STARTED_MS";
+    /// The checkpoint directory to continue from (set by `resume` and by restarts).
+    pub const RESUME_FROM: &str = "DDPJOB_RESUME_FROM";
+}
+
+/// Set by SIGTERM or SIGINT: finish the current optimizer step, checkpoint, exit.
+static STOP_REQUESTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_stop_signal(_sig: libc::c_int) {
+    STOP_REQUESTED.store(true, Ordering::SeqCst);
+}
+
+fn install_stop_handler() {
+    let handler = on_stop_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGTERM, handler);
+        libc::signal(libc::SIGINT, handler);
+    }
 }
 
 /// How long non-zero local ranks wait for local rank 0 to have the data (it may be
@@ -61,6 +84,11 @@ pub enum WorkerError {
     Train(#[from] TrainError),
     #[error("cannot build the model: {0}")]
     Model(candle_core::Error),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// A collective timed out; the text adds what the heartbeats say about the other ranks.
+    #[error("{0}")]
+    Hang(String),
     /// Already printed (see [`main`]); carries the original for the exit status.
     #[error("{0}")]
     Announced(Box<WorkerError>),
@@ -80,6 +108,7 @@ pub struct WorkerEnv {
     pub restart_count: usize,
     pub token: String,
     pub started_unix_ms: Option<u128>,
+    pub resume_from: Option<PathBuf>,
 }
 
 impl WorkerEnv {
@@ -106,6 +135,7 @@ impl WorkerEnv {
             started_unix_ms: std::env::var(env::STARTED_MS)
                 .ok()
                 .and_then(|v| v.parse().ok()),
+            resume_from: std::env::var_os(env::RESUME_FROM).map(PathBuf::from),
         };
         if e.rank >= e.world_size || e.local_rank >= e.local_world_size {
             return Err(WorkerError::Env(format!(
@@ -131,6 +161,10 @@ impl WorkerEnv {
         if let Some(ms) = self.started_unix_ms {
             cmd.env(env::STARTED_MS, ms.to_string());
         }
+        match &self.resume_from {
+            Some(dir) => cmd.env(env::RESUME_FROM, dir),
+            None => cmd.env_remove(env::RESUME_FROM),
+        };
     }
 
     /// The store's address, `MASTER_ADDR:MASTER_PORT`.
@@ -157,10 +191,12 @@ fn data_key(node: usize) -> String {
     format!("data/node{node}")
 }
 
-/// The `worker` subcommand's body.
-pub fn run() -> Result<(), WorkerError> {
+/// The `worker` subcommand's body; `Ok(true)` if it stopped on request after a checkpoint.
+pub fn run() -> Result<bool, WorkerError> {
     let started = Instant::now();
+    install_stop_handler();
     let env = WorkerEnv::from_env()?;
+    let fault = Fault::from_env(env.rank, env.restart_count).map_err(WorkerError::Env)?;
     let job = JobDir {
         root: env.job_dir.clone(),
     };
@@ -168,11 +204,25 @@ pub fn run() -> Result<(), WorkerError> {
     let timeout = Duration::from_secs(spec.distributed.timeout_s);
 
     let store = StoreClient::connect(&env.master(), &env.token, timeout)?;
+    let beacon = Arc::new(Beacon::default());
+    let _heartbeat = Heartbeat::start(
+        &env.master(),
+        &env.token,
+        env.rank,
+        beacon.clone(),
+        heartbeat::interval_for(timeout),
+    )
+    .map_err(|e| WorkerError::Rendezvous(format!("cannot start heartbeats: {e}")))?;
     rendezvous(&store, &env, timeout)?;
     let data = load_data(&store, &env, &spec)?;
+    let hooks = Hooks {
+        stop: &STOP_REQUESTED,
+        fault,
+        beacon: beacon.clone(),
+    };
 
     if env.world_size == 1 {
-        train(&env, &spec, &job, &data, &LocalCommunicator, started)
+        train(&env, &spec, &job, &data, &LocalCommunicator, hooks, started)
     } else {
         // The error is printed while the ring is still open, so this rank's own failure is on
         // record before its neighbours notice the closed connections and fail in turn.
@@ -186,22 +236,47 @@ pub fn run() -> Result<(), WorkerError> {
             bind,
             timeout,
             spin,
-        )?;
-        train(&env, &spec, &job, &data, &comm, started).map_err(|e| {
+        )?
+        .with_beacon(beacon);
+        train(&env, &spec, &job, &data, &comm, hooks, started).map_err(|e| {
+            let e = explain_timeout(&store, &env, timeout, e);
             announce(Some(&env), &e);
             WorkerError::Announced(Box::new(e))
         })
     }
 }
 
+/// A collective that timed out gets what the heartbeats say: who never arrived, and where.
+fn explain_timeout(
+    store: &StoreClient,
+    env: &WorkerEnv,
+    timeout: Duration,
+    error: WorkerError,
+) -> WorkerError {
+    let seq = match &error {
+        WorkerError::Comm(CommError::Timeout { seq, .. })
+        | WorkerError::Train(TrainError::Comm(CommError::Timeout { seq, .. })) => *seq,
+        _ => return error,
+    };
+    let beats = heartbeat::read_all(store, env.world_size);
+    let stale_after = 3 * heartbeat::interval_for(timeout) + Duration::from_secs(1);
+    WorkerError::Hang(format!(
+        "{error}; ranks that {}",
+        heartbeat::diagnose(&beats, seq, stale_after)
+    ))
+}
+
 /// Exit status of a failed worker: 2 if it was started by hand, 3 if it only failed because a
 /// peer went away (the launcher then blames the peer), 1 otherwise.
 pub const EXIT_PEER_LOST: u8 = 3;
+/// Exit status of a worker that stopped on request (SIGTERM) after its checkpoint.
+pub const EXIT_STOPPED: u8 = 4;
 
 /// The `worker` subcommand: runs, prints its error once (rank 0 also into its log), exits.
 pub fn main() -> u8 {
     let error = match run() {
-        Ok(()) => return 0,
+        Ok(false) => return 0,
+        Ok(true) => return EXIT_STOPPED,
         Err(WorkerError::Announced(e)) => *e,
         Err(e) => {
             announce(WorkerEnv::from_env().ok().as_ref(), &e);
@@ -287,8 +362,9 @@ fn train(
     job: &JobDir,
     data: &Dataset,
     comm: &dyn Communicator,
+    hooks: Hooks,
     started: Instant,
-) -> Result<(), WorkerError> {
+) -> Result<bool, WorkerError> {
     let device = Device::Cpu;
     let model = models::build(
         &spec.model,
@@ -298,6 +374,10 @@ fn train(
         &device,
     )
     .map_err(WorkerError::Model)?;
+    let resume = match &env.resume_from {
+        Some(dir) => Some(checkpoint::load(dir, &device)?),
+        None => None,
+    };
     let leader = env.rank == 0;
     // Rank 0 drives the terminal and mirrors its lines into its log; the others' stdout is
     // their log file already.
@@ -313,12 +393,16 @@ fn train(
             cause,
         })?;
     reporter.line(&format!(
-        "job `{}` rank {}/{} (node {}, local rank {}): {} parameters, {} train / {} test samples",
+        "job `{}` rank {}/{} (node {}, local rank {}{}): {} parameters, {} train / {} test samples",
         spec.name,
         env.rank,
         env.world_size,
         env.node_rank,
         env.local_rank,
+        match env.restart_count {
+            0 => String::new(),
+            n => format!(", restart {n}"),
+        },
         model.params().element_count(),
         data.train.len(),
         data.test.len()
@@ -330,16 +414,28 @@ fn train(
         model,
         device,
         reporter: &mut reporter,
-        leader: leader.then(|| Leader::new(job.clone(), spec.checkpoint.keep_last, env.world_size)),
+        leader: leader.then(|| {
+            Leader::new(
+                job.clone(),
+                spec.checkpoint.keep_last,
+                env.world_size,
+                env.restart_count,
+            )
+        }),
         started: env.since_launch(started),
+        resume,
+        hooks,
     };
-    let summary = trainer.run()?;
+    let summary = match trainer.run()? {
+        Ending::Completed(summary) => summary,
+        Ending::Stopped { .. } => return Ok(true),
+    };
     if let Some(leader) = &trainer.leader {
         leader.finish(trainer.model.params(), &summary)?;
     }
     // Nobody leaves before rank 0's final files are complete.
     comm.barrier()?;
-    Ok(())
+    Ok(false)
 }
 
 /// Where a rank's output goes.

@@ -28,6 +28,17 @@ pub enum CommError {
         rank: usize,
         problem: String,
     },
+    /// No progress within `distributed.timeout_s`: some rank never arrived (see `heartbeat`).
+    #[error(
+        "collective `{op}` #{seq} did not complete within {waited_s} s (distributed.timeout_s): {problem}"
+    )]
+    Timeout {
+        op: &'static str,
+        rank: usize,
+        seq: u64,
+        waited_s: u64,
+        problem: String,
+    },
     #[error("rank {rank} could not join the worker ring: {problem}")]
     Setup { rank: usize, problem: String },
     #[error(transparent)]
@@ -65,14 +76,19 @@ pub fn broadcast_params(comm: &dyn Communicator, params: &Params) -> Result<(), 
 /// Averages `grads` over ranks: flattened into buckets of about `bucket_bytes` (in parameter
 /// order), one all-reduce per bucket, written back in place. Called once per optimizer step,
 /// never per micro-batch (torch's `no_sync` during accumulation).
+///
+/// The last bucket also carries this rank's `stop` vote, so every rank learns in the same step,
+/// at no extra cost, whether any rank was asked to stop; returns that verdict.
 pub fn average_gradients(
     comm: &dyn Communicator,
     grads: &mut [Tensor],
     bucket_bytes: usize,
-) -> Result<(), CommError> {
+    stop: bool,
+) -> Result<bool, CommError> {
     if comm.world_size() == 1 {
-        return Ok(());
+        return Ok(stop);
     }
+    let mut verdict = false;
     let mut start = 0;
     while start < grads.len() {
         let mut end = start;
@@ -83,12 +99,21 @@ pub fn average_gradients(
             bytes += grads[end].elem_count() * 4;
             end += 1;
         }
-        let flats = grads[start..end]
+        let mut flats = grads[start..end]
             .iter()
             .map(|g| g.flatten_all())
             .collect::<Result<Vec<_>, _>>()?;
+        let last = end == grads.len();
+        if last {
+            let vote = if stop { 1f32 } else { 0f32 };
+            flats.push(Tensor::new(&[vote], flats[0].device())?.to_dtype(flats[0].dtype())?);
+        }
         let mut bucket = Tensor::cat(&flats, 0)?;
         comm.all_reduce_mean(&mut bucket)?;
+        if last {
+            let votes = bucket.narrow(0, bucket.elem_count() - 1, 1)?;
+            verdict = votes.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?[0] > 0.0;
+        }
         let mut offset = 0;
         for g in &mut grads[start..end] {
             let n = g.elem_count();
@@ -97,7 +122,7 @@ pub fn average_gradients(
         }
         start = end;
     }
-    Ok(())
+    Ok(verdict)
 }
 
 #[cfg(test)]
@@ -149,8 +174,9 @@ mod tests {
             buckets: RefCell::new(Vec::new()),
         };
         // 8 elements (32 bytes) fit the first two tensors; the third gets its own bucket.
-        average_gradients(&comm, &mut grads, 32).unwrap();
-        assert_eq!(*comm.buckets.borrow(), vec![8, 5]);
+        // The last bucket carries the stop vote: 1 of 2 ranks voting still stops both.
+        assert!(average_gradients(&comm, &mut grads, 32, true).unwrap());
+        assert_eq!(*comm.buckets.borrow(), vec![8, 6]);
         assert_eq!(grads[0].dims(), &[2, 3]);
         assert_eq!(grads[1].to_vec1::<f32>().unwrap(), vec![1.0, 2.0]);
         assert_eq!(grads[2].dims(), &[5, 1]);
@@ -160,7 +186,7 @@ mod tests {
         );
         // A tensor larger than the bucket still goes, alone.
         comm.buckets.borrow_mut().clear();
-        average_gradients(&comm, &mut grads, 4).unwrap();
-        assert_eq!(*comm.buckets.borrow(), vec![6, 2, 5]);
+        assert!(!average_gradients(&comm, &mut grads, 4, false).unwrap());
+        assert_eq!(*comm.buckets.borrow(), vec![6, 2, 6]);
     }
 }

@@ -6,12 +6,14 @@
 use std::cell::RefCell;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 
 use super::ring::{Element, LinkError, RingLinks};
 use super::{CommError, Communicator};
+use crate::heartbeat::Beacon;
 use crate::store::StoreClient;
 
 const HELLO: &[u8] = b"DDPJOB-RING/1\n";
@@ -59,6 +61,7 @@ pub struct TcpCommunicator {
     world: usize,
     timeout: Duration,
     state: RefCell<State>,
+    beacon: Arc<Beacon>,
 }
 
 /// Busy-wait budget for a worker when `local_workers` share this machine: spinning only pays
@@ -125,7 +128,14 @@ impl TcpCommunicator {
             world,
             timeout,
             state: RefCell::new(State { links, seq: 0 }),
+            beacon: Arc::default(),
         })
+    }
+
+    /// Reports every collective's start and end to `beacon` (published as heartbeats).
+    pub fn with_beacon(mut self, beacon: Arc<Beacon>) -> Self {
+        self.beacon = beacon;
+        self
     }
 
     /// Runs one collective: header exchange, then `body`; io failures become messages naming
@@ -142,12 +152,25 @@ impl TcpCommunicator {
         let mut state = self.state.borrow_mut();
         let seq = state.seq;
         state.seq += 1;
+        self.beacon.enter(seq, op.name());
+        let result = Self::exchange(self, &mut state.links, op, seq, len, body);
+        self.beacon.leave();
+        result
+    }
+
+    fn exchange(
+        &self,
+        links: &mut RingLinks,
+        op: Op,
+        seq: u64,
+        len: usize,
+        body: impl FnOnce(&mut RingLinks) -> Result<(), LinkError>,
+    ) -> Result<(), CommError> {
         let fail = |e: LinkError| self.link_failure(op, seq, e);
         let mut header = [0u8; 17];
         header[0] = op as u8;
         header[1..9].copy_from_slice(&seq.to_le_bytes());
         header[9..].copy_from_slice(&(len as u64).to_le_bytes());
-        let links = &mut state.links;
         let mut theirs = [0u8; 17];
         links.exchange_bytes(&header, &mut theirs).map_err(fail)?;
         if theirs != header {
@@ -197,11 +220,15 @@ impl TcpCommunicator {
                     ),
                 };
             }
-            ErrorKind::WouldBlock | ErrorKind::TimedOut => format!(
-                "collective #{seq}: no progress {role} rank {peer} for {} s \
-                 (distributed.timeout_s); that rank is stalled, dead, or in another collective",
-                self.timeout.as_secs()
-            ),
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+                return CommError::Timeout {
+                    op: op.name(),
+                    rank: self.rank,
+                    seq,
+                    waited_s: self.timeout.as_secs(),
+                    problem: format!("no progress {role} rank {peer}"),
+                };
+            }
             _ => format!("collective #{seq}: {role} rank {peer}: {cause}"),
         };
         CommError::Failed {

@@ -16,8 +16,8 @@ pub use error::{ConfigError, Origin};
 pub use raw::RawConfig;
 pub use source::Source;
 pub use spec::{
-    CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, JobSpec, ModelSpec, OptimizerSpec,
-    ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
+    CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, JobSpec, ModelSpec, OnWriteError,
+    OptimizerSpec, ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
 };
 
 /// A validated job and the fully resolved config it came from (every default written out).
@@ -99,6 +99,15 @@ impl JobSpec {
             steps_per_epoch,
             total_steps: t.max_steps.map_or(uncapped, |m| m.min(uncapped)),
         }
+    }
+
+    /// Optimizer steps that `samples` samples of one epoch take on `world_size` ranks.
+    pub fn steps_for(&self, samples: usize, world_size: usize) -> usize {
+        let per_rank =
+            crate::data::sampler::samples_per_rank(samples, world_size, self.data.drop_last);
+        per_rank
+            .div_ceil(self.train.batch_size)
+            .div_ceil(self.train.accumulation)
     }
 }
 

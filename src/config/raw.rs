@@ -155,6 +155,7 @@ pub struct RawCheckpoint {
     pub every_epochs: i64,
     pub every_steps: i64,
     pub keep_last: i64,
+    pub on_write_error: String,
 }
 
 impl Default for RawCheckpoint {
@@ -163,6 +164,7 @@ impl Default for RawCheckpoint {
             every_epochs: 1,
             every_steps: 0,
             keep_last: 3,
+            on_write_error: "fail".into(),
         }
     }
 }

@@ -220,6 +220,11 @@ pub const KEYS: &[KeySpec] = &[
         Kind::Int,
         "checkpoints kept; older ones are pruned (0: keep all)",
     ),
+    key(
+        "checkpoint.on_write_error",
+        Kind::Str,
+        "\"fail\" (stop the job, previous checkpoint intact) or \"warn\" (log and train on)",
+    ),
     key("distributed", Kind::Table, "workers and gradient averaging"),
     key(
         "distributed.nproc_per_node",

@@ -112,6 +112,16 @@ pub struct CheckpointSpec {
     pub every_steps: Option<usize>,
     /// `None`: keep all.
     pub keep_last: Option<usize>,
+    pub on_write_error: OnWriteError,
+}
+
+/// What a failed checkpoint write does to the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnWriteError {
+    /// Stop the job (the previous checkpoint is intact), so it never trains on unprotected.
+    Fail,
+    /// Log the error and keep training; the previous checkpoint stays the newest.
+    Warn,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -211,12 +211,23 @@ fn worker_counts_are_auto_or_at_least_one() {
 }
 
 #[test]
-fn restarts_are_refused_until_implemented_and_timeouts_are_bounded() {
-    let msg = load_text("", &["distributed.max_restarts=2"])
+fn restarts_and_write_policy_are_checked_and_timeouts_are_bounded() {
+    let spec = load_text(
+        "",
+        &[
+            "distributed.max_restarts=2",
+            "checkpoint.on_write_error=\"warn\"",
+        ],
+    )
+    .unwrap()
+    .spec;
+    assert_eq!(spec.distributed.max_restarts, 2);
+    assert_eq!(spec.checkpoint.on_write_error, OnWriteError::Warn);
+    let msg = load_text("", &["checkpoint.on_write_error=\"ignore\""])
         .unwrap_err()
         .to_string();
     assert!(
-        msg.contains("distributed.max_restarts") && msg.contains("not implemented"),
+        msg.contains("checkpoint.on_write_error") && msg.contains("\"fail\", \"warn\""),
         "{msg}"
     );
     let msg = load_text("", &["distributed.timeout_s=9223372036854775807"])

@@ -7,8 +7,8 @@ use super::error::ConfigError;
 use super::raw::RawConfig;
 use super::source::Source;
 use super::spec::{
-    CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, JobSpec, ModelSpec, OptimizerSpec,
-    ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
+    CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, JobSpec, ModelSpec, OnWriteError,
+    OptimizerSpec, ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
 };
 
 /// A week: longer than any collective should stall, and safe to add to a clock.
@@ -118,6 +118,18 @@ impl JobSpec {
             every_epochs: nonzero(c.at_least("checkpoint.every_epochs", ck.every_epochs, 0)),
             every_steps: nonzero(c.at_least("checkpoint.every_steps", ck.every_steps, 0)),
             keep_last: nonzero(c.at_least("checkpoint.keep_last", ck.keep_last, 0)),
+            on_write_error: {
+                c.one_of(
+                    "checkpoint.on_write_error",
+                    &ck.on_write_error,
+                    &["fail", "warn"],
+                );
+                if ck.on_write_error == "warn" {
+                    OnWriteError::Warn
+                } else {
+                    OnWriteError::Fail
+                }
+            },
         };
 
         let d = &raw.distributed;
@@ -125,13 +137,6 @@ impl JobSpec {
             toml::Value::Integer(n) => Some(c.at_least("distributed.nproc_per_node", *n, 1)),
             _ => None,
         };
-        if d.max_restarts > 0 {
-            c.fail(
-                "distributed.max_restarts",
-                "automatic restarts are not implemented yet; use 0 (a failed job stops with \
-                 the failing rank named)",
-            );
-        }
         c.one_of("distributed.backend", &d.backend, &["auto", "tcp", "nccl"]);
         if d.backend == "nccl" {
             c.fail(

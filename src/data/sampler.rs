@@ -60,12 +60,32 @@ impl DistributedSampler {
 
     /// This rank's indices for the current epoch.
     pub fn indices(&self) -> Vec<usize> {
-        let mut all = if self.shuffle {
+        self.shard(self.permutation())
+    }
+
+    /// This rank's share of what is left of the current epoch after its first `consumed`
+    /// samples (counted over all ranks, in the epoch's permutation, as they were taken on any
+    /// world size): the rest is padded or truncated and dealt out as [`indices`](Self::indices)
+    /// deals a whole epoch. Resuming on a new world size continues here.
+    pub fn indices_after(&self, consumed: usize) -> Vec<usize> {
+        let all = self.permutation();
+        let rest = all[consumed.min(all.len())..].to_vec();
+        self.shard(rest)
+    }
+
+    fn permutation(&self) -> Vec<usize> {
+        if self.shuffle {
             Mt19937::new(self.seed.wrapping_add(self.epoch)).randperm(self.len)
         } else {
             (0..self.len).collect()
-        };
-        let total = self.num_samples() * self.world;
+        }
+    }
+
+    fn shard(&self, mut all: Vec<usize>) -> Vec<usize> {
+        let total = samples_per_rank(all.len(), self.world, self.drop_last) * self.world;
+        if all.is_empty() {
+            return all;
+        }
         if all.len() < total {
             let original = all.clone();
             while all.len() < total {
@@ -200,5 +220,32 @@ mod tests {
         assert_eq!(permutation(50, 1, 2), permutation(50, 1, 2));
         assert_ne!(permutation(50, 1, 2), permutation(50, 2, 2));
         assert_ne!(permutation(50, 1, 2), permutation(50, 1, 3));
+    }
+
+    #[test]
+    fn the_rest_of_an_epoch_is_dealt_out_again_on_a_new_world_size() {
+        // 2 ranks took 3 steps of 4 samples each (24 samples); 3 ranks share the other 76.
+        let (len, consumed) = (100, 24);
+        let mut whole = DistributedSampler::new(len, 1, 0, 9);
+        whole.set_epoch(4);
+        let permutation = whole.indices();
+        let mut seen = Vec::new();
+        for rank in 0..4 {
+            let mut s = DistributedSampler::new(len, 4, rank, 9);
+            s.set_epoch(4);
+            let idx = s.indices_after(consumed);
+            assert_eq!(idx.len(), 19);
+            seen.extend(idx);
+        }
+        seen.sort_unstable();
+        let mut rest = permutation[consumed..].to_vec();
+        rest.sort_unstable();
+        assert_eq!(seen, rest, "every remaining sample exactly once");
+        // Uneven: 76 over 3 ranks pads by wrapping around the rest, as torch pads an epoch.
+        let mut s = DistributedSampler::new(len, 3, 2, 9);
+        s.set_epoch(4);
+        assert_eq!(s.indices_after(consumed).len(), 26);
+        assert!(s.indices_after(len).is_empty());
+        assert_eq!(s.indices_after(0), s.indices());
     }
 }

@@ -3,11 +3,15 @@
 //! one worker process per slot with the torchrun environment, supervise them, and record the
 //! outcome in `state.json`. The launcher never trains.
 
+mod group;
+mod resume;
 pub mod supervise;
+pub mod watch;
+
+pub use resume::{ResumeOptions, Resumed, resume};
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -15,11 +19,11 @@ use thiserror::Error;
 
 use crate::config::{self, ConfigError, JobSpec, LoadedConfig};
 use crate::data::{DataError, Dataset};
-use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix, now_unix_ms};
+use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
 use crate::store::{self, StoreClient, StoreError, StoreServer};
 use crate::train::Summary;
-use crate::worker::{self, WorkerEnv};
 
+use group::Group;
 use supervise::{install_signal_handlers, signal_name};
 
 /// torchrun's default rendezvous port for multi-node jobs.
@@ -42,8 +46,21 @@ pub enum RunError {
     Spawn { rank: usize, cause: std::io::Error },
     #[error("job `{name}` failed: {report}")]
     Failed { name: String, report: String },
-    #[error("job `{name}` interrupted by {} (signal {signal}); the workers were stopped", signal_name(*.signal))]
-    Interrupted { name: String, signal: i32 },
+    #[error("job `{name}` interrupted by {} (signal {signal}); {after}", signal_name(*.signal))]
+    Interrupted {
+        name: String,
+        signal: i32,
+        after: String,
+    },
+    #[error(
+        "job `{name}` failed and was given up after {restarts} restart(s) (distributed.max_restarts = {restarts}):\n{failures}\n{report}"
+    )]
+    GaveUp {
+        name: String,
+        restarts: usize,
+        failures: String,
+        report: String,
+    },
 }
 
 impl RunError {
@@ -109,6 +126,14 @@ impl Layout {
                 )));
             }
         };
+        if nnodes > 1 && spec.distributed.max_restarts > 0 {
+            return Err(RunError::Usage(format!(
+                "distributed.max_restarts = {} needs a single-node job: restarting workers \
+                 across nodes is not implemented; set it to 0 for --nnodes {nnodes} (a failed \
+                 job can still be continued with `ddpjob resume` on one node)",
+                spec.distributed.max_restarts
+            )));
+        }
         let master_port = match (opts.master_port, nnodes) {
             (Some(p), _) => Some(p),
             (None, 1) => None,
@@ -152,11 +177,13 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
     if layout.node_rank == 0 {
         job.ensure_new(&spec.name)?;
     }
-    let (_store, client, port) = meet(&layout, &token, spec)?;
+    let (server, client, port) = meet(&layout, &token, spec)?;
 
     Dataset::ensure_present(&spec.data)?;
+    let mut _lock = None;
     let state = if layout.node_rank == 0 {
         let state = create_job(&job, &loaded, opts, &layout)?;
+        _lock = Some(job.lock(&spec.name)?);
         client.set(JOB_READY_KEY, b"1")?;
         Some(state)
     } else {
@@ -180,24 +207,43 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
 
     // From here on, Ctrl-C stops the workers in order instead of killing the launcher.
     install_signal_handlers();
-    let outcome = spawn_and_supervise(&job, &layout, &token, port, opts);
-    drop(client);
-    let Some(mut state) = state else {
-        return outcome.map(|()| (job, None));
+    let group = Group {
+        job: &job,
+        spec,
+        layout: &layout,
+        token: &token,
+        port,
+        started: opts.started,
+        server: server.as_ref(),
+        client: &client,
     };
-    if let Some(s) = job.read_state() {
-        state = s;
+    let outcome = group.execute(None);
+    drop(client);
+    if state.is_none() {
+        return outcome.map(|()| (job, None));
     }
+    record_outcome(&job, spec, opts.started, outcome).map(|s| (job, Some(s)))
+}
+
+/// Node 0: writes the final `state.json` (finished, failed or interrupted) and returns the
+/// summary of a finished job.
+fn record_outcome(
+    job: &JobDir,
+    spec: &JobSpec,
+    started: Instant,
+    outcome: Result<(), RunError>,
+) -> Result<Summary, RunError> {
+    let mut state = job.read_state().unwrap_or_else(|| JobState::running(0, 0));
     state.updated_unix = now_unix();
-    let result = outcome.and_then(|()| finish_summary(&job, opts.started, spec));
-    match result {
+    match outcome.and_then(|()| finish_summary(job, started, spec)) {
         Ok(summary) => {
             state.status = Status::Finished;
             state.epoch = summary.epochs;
             state.step = summary.steps;
             state.last_loss = Some(summary.final_train_loss);
+            state.error = None;
             job.write_state(&state)?;
-            Ok((job, Some(summary)))
+            Ok(summary)
         }
         Err(e) => {
             state.status = match e {
@@ -279,68 +325,6 @@ fn write_job_toml(job: &JobDir, loaded: &LoadedConfig, opts: &RunOptions) -> Res
         (header + &loaded.resolved_toml()).as_bytes(),
     )?;
     Ok(())
-}
-
-/// Threads per worker: the node's cores split evenly (as torchrun sets OMP_NUM_THREADS).
-fn threads_per_worker(nproc: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / nproc).max(1)
-}
-
-fn spawn_and_supervise(
-    job: &JobDir,
-    layout: &Layout,
-    token: &str,
-    port: u16,
-    opts: &RunOptions,
-) -> Result<(), RunError> {
-    let exe = std::env::current_exe().map_err(|cause| RunError::Spawn { rank: 0, cause })?;
-    let threads = threads_per_worker(layout.nproc).to_string();
-    let started_ms = now_unix_ms().saturating_sub(opts.started.elapsed().as_millis());
-    let job_dir = std::path::absolute(&job.root).unwrap_or_else(|_| job.root.clone());
-    let name = job
-        .root
-        .file_name()
-        .map_or("job".into(), |n| n.to_string_lossy().into_owned());
-    let mut workers = Vec::new();
-    for local_rank in 0..layout.nproc {
-        let rank = layout.node_rank * layout.nproc + local_rank;
-        let mut cmd = Command::new(&exe);
-        cmd.arg("worker");
-        WorkerEnv {
-            rank,
-            local_rank,
-            world_size: layout.world_size(),
-            local_world_size: layout.nproc,
-            node_rank: layout.node_rank,
-            master_addr: layout.master_addr.clone(),
-            master_port: port,
-            job_dir: job_dir.clone(),
-            restart_count: 0,
-            token: token.to_string(),
-            started_unix_ms: Some(started_ms),
-        }
-        .apply(&mut cmd);
-        for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
-            if std::env::var_os(var).is_none() {
-                cmd.env(var, &threads);
-            }
-        }
-        let log = worker::log_path(&job_dir, rank);
-        let spawned = supervise::spawn(cmd, rank, &log, rank == 0);
-        match spawned {
-            Ok(w) => workers.push(w),
-            Err(cause) => {
-                supervise::stop(&mut workers, false);
-                return Err(RunError::Spawn { rank, cause });
-            }
-        }
-    }
-    match supervise::supervise(&mut workers) {
-        supervise::Outcome::Finished => Ok(()),
-        supervise::Outcome::Failed { report } => Err(RunError::Failed { name, report }),
-        supervise::Outcome::Interrupted { signal } => Err(RunError::Interrupted { name, signal }),
-    }
 }
 
 /// Reads rank 0's `summary.json` and sets `wall_s` to the whole command's time.

@@ -1,6 +1,7 @@
 //! Spawning and watching the worker processes of one node: each in its own process group (so a
-//! terminal's Ctrl-C reaches only the launcher, which then stops them in order), each killed by
-//! the kernel if the launcher dies. The first failure stops the rest within seconds.
+//! terminal's Ctrl-C reaches only the launcher, which then asks them to checkpoint and stop),
+//! each killed by the kernel if the launcher dies. The first failure, or a rank whose
+//! heartbeats stop, ends the rest within seconds.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -10,10 +11,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::worker::EXIT_PEER_LOST;
+use super::watch::Watchdog;
+use crate::worker::{EXIT_PEER_LOST, EXIT_STOPPED};
 
-/// How long stopped workers get to exit after SIGTERM before SIGKILL.
-const GRACE: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_millis(50);
 /// After the first failure, how long to let the others fail on their own before stopping them.
 const SETTLE: Duration = Duration::from_millis(500);
@@ -47,14 +47,17 @@ pub struct Worker {
 /// How a node's workers ended.
 pub enum Outcome {
     Finished,
-    /// The first rank that failed (a signal death preferred over an error exit, since the
-    /// others usually fail because of it), and the others that also failed.
+    /// `report`: the rank blamed (a signal death preferred over an error exit, since the others
+    /// usually fail because of it), its status and step, the others that failed, its log tail.
     Failed {
+        summary: String,
         report: String,
     },
-    /// The launcher got SIGINT or SIGTERM; `signal` is its number.
+    /// The launcher got SIGINT or SIGTERM (`signal`), or the workers were told to stop by
+    /// someone else; `clean`: every worker stopped after its checkpoint.
     Interrupted {
         signal: i32,
+        clean: bool,
     },
 }
 
@@ -91,17 +94,26 @@ pub fn spawn(
     })
 }
 
-/// Waits for every worker; on the first failure or an interrupt, stops the others.
-pub fn supervise(workers: &mut [Worker]) -> Outcome {
+/// Waits for every worker. On the first failure, or a rank whose heartbeats stop, kills the
+/// others. On SIGINT or SIGTERM, asks every worker to finish its step and checkpoint (SIGTERM),
+/// waiting up to `grace`; a second signal kills them at once.
+pub fn supervise(workers: &mut [Worker], watch: &mut Watchdog, grace: Duration) -> Outcome {
     loop {
-        let interrupts = INTERRUPTS.load(Ordering::SeqCst);
-        if interrupts > 0 {
-            stop(workers, interrupts > 1);
+        if INTERRUPTS.load(Ordering::SeqCst) > 0 {
+            let signal = LAST_SIGNAL.load(Ordering::SeqCst);
             return Outcome::Interrupted {
-                signal: LAST_SIGNAL.load(Ordering::SeqCst),
+                signal,
+                clean: stop_gracefully(workers, grace),
             };
         }
         reap(workers);
+        if workers.iter().any(|w| w.stopped_on_request()) {
+            // Told to stop by someone else (a scheduler signalling the workers directly).
+            return Outcome::Interrupted {
+                signal: libc::SIGTERM,
+                clean: stop_gracefully(workers, grace),
+            };
+        }
         if workers.iter().any(Worker::failed) {
             // The others usually fail within moments because of the first; let them, so the
             // report can tell the cause from the consequences.
@@ -110,15 +122,49 @@ pub fn supervise(workers: &mut [Worker]) -> Outcome {
                 std::thread::sleep(POLL);
                 reap(workers);
             }
-            // Reported before the stop, whose SIGTERMs would count as failures of their own.
-            let report = failure_report(workers);
-            stop(workers, false);
-            return Outcome::Failed { report };
+            // Reported before the stop, whose kills would count as failures of their own.
+            let (summary, report) = failure_report(workers, watch);
+            stop(workers, true);
+            return Outcome::Failed { summary, report };
         }
         if workers.iter().all(|w| w.status.is_some()) {
             return Outcome::Finished;
         }
+        let running: Vec<(usize, u32)> = workers
+            .iter()
+            .filter(|w| w.status.is_none())
+            .map(|w| (w.rank, w.child.id()))
+            .collect();
+        if let Some(report) = watch.check(&running) {
+            stop(workers, true);
+            let summary = report.clone();
+            return Outcome::Failed { summary, report };
+        }
         std::thread::sleep(POLL);
+    }
+}
+
+/// SIGTERM to every running worker, then waits up to `grace` (SIGKILL after it, or at a second
+/// interrupt). True if every worker stopped cleanly after its checkpoint.
+fn stop_gracefully(workers: &mut [Worker], grace: Duration) -> bool {
+    signal_running(workers, libc::SIGTERM);
+    let deadline = Instant::now() + grace;
+    while workers.iter().any(|w| w.status.is_none()) {
+        reap(workers);
+        if Instant::now() >= deadline || INTERRUPTS.load(Ordering::SeqCst) > 1 {
+            stop(workers, true);
+        }
+        std::thread::sleep(POLL);
+    }
+    workers
+        .iter()
+        .all(|w| w.stopped_on_request() || w.status.is_some_and(|s| s.success()))
+}
+
+fn signal_running(workers: &[Worker], signal: libc::c_int) {
+    for w in workers.iter().filter(|w| w.status.is_none()) {
+        // SAFETY: kill with a pid we spawned and have not reaped.
+        unsafe { libc::kill(w.child.id() as libc::pid_t, signal) };
     }
 }
 
@@ -132,7 +178,12 @@ fn reap(workers: &mut [Worker]) {
 
 impl Worker {
     fn failed(&self) -> bool {
-        self.status.is_some_and(|s| !s.success())
+        self.status.is_some_and(|s| !s.success()) && !self.stopped_on_request()
+    }
+
+    fn stopped_on_request(&self) -> bool {
+        self.status
+            .is_some_and(|s| s.code() == Some(i32::from(EXIT_STOPPED)))
     }
 
     /// Which failure explains the others best: a death by signal, then an error of its own,
@@ -146,46 +197,39 @@ impl Worker {
     }
 }
 
-/// SIGTERM to every running worker, SIGKILL after the grace period (or at once); reaps all.
+/// Kills every running worker (SIGKILL at once, or SIGTERM first with a 5 s grace) and reaps all.
 pub fn stop(workers: &mut [Worker], at_once: bool) {
-    let signal = if at_once {
-        libc::SIGKILL
-    } else {
-        libc::SIGTERM
-    };
-    for w in workers.iter().filter(|w| w.status.is_none()) {
-        // SAFETY: kill with a pid we spawned and have not reaped.
-        unsafe { libc::kill(w.child.id() as libc::pid_t, signal) };
+    if !at_once {
+        signal_running(workers, libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline && workers.iter().any(|w| w.status.is_none()) {
+            reap(workers);
+            std::thread::sleep(POLL);
+        }
     }
-    let deadline = Instant::now() + GRACE;
-    while workers.iter().any(|w| w.status.is_none()) {
-        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
-            if let Ok(Some(s)) = w.child.try_wait() {
-                w.status = Some(s);
-            }
-        }
-        if Instant::now() >= deadline || INTERRUPTS.load(Ordering::SeqCst) > 1 {
-            for w in workers.iter_mut().filter(|w| w.status.is_none()) {
-                let _ = w.child.kill();
-                w.status = w.child.wait().ok();
-            }
-        }
-        std::thread::sleep(POLL);
+    for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+        let _ = w.child.kill();
+        w.status = w.child.wait().ok();
     }
 }
 
-fn failure_report(workers: &[Worker]) -> String {
+/// A one-line summary (rank, pid, status, step) and the full report with the log tail.
+fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String) {
     let mut failed: Vec<&Worker> = workers.iter().filter(|w| w.failed()).collect();
     failed.sort_by_key(|w| (w.blame_order(), w.rank));
     let Some(w) = failed.first() else {
-        return "a worker failed".into();
+        return ("a worker failed".into(), "a worker failed".into());
     };
-    let mut text = format!(
-        "rank {} (pid {}) {}; the other workers were stopped",
+    let step = watch
+        .last_step(w.rank)
+        .map_or(String::new(), |s| format!(" (last seen at step {s})"));
+    let summary = format!(
+        "rank {} (pid {}) {}{step}",
         w.rank,
         w.child.id(),
         describe(w.status)
     );
+    let mut text = format!("{summary}; the other workers were stopped");
     let others: Vec<String> = failed[1..]
         .iter()
         .map(|o| format!("rank {}", o.rank))
@@ -203,7 +247,7 @@ fn failure_report(workers: &[Worker]) -> String {
             tail.join("\n    ")
         );
     }
-    text
+    (summary, text)
 }
 
 /// "exited with status 1" / "was killed by signal 9 (SIGKILL)".

@@ -26,6 +26,7 @@ struct Table {
 pub struct StoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
+    table: Arc<Table>,
 }
 
 impl StoreServer {
@@ -39,6 +40,7 @@ impl StoreServer {
         let table = Arc::new(Table::default());
         let token = token.to_string();
         let stop_flag = stop.clone();
+        let shared = table.clone();
         std::thread::Builder::new()
             .name("ddpjob-store".into())
             .spawn(move || {
@@ -54,11 +56,23 @@ impl StoreServer {
                 }
             })
             .map_err(|cause| StoreError::Bind { addr, cause })?;
-        Ok(StoreServer { addr, stop })
+        Ok(StoreServer {
+            addr,
+            stop,
+            table: shared,
+        })
     }
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Forgets every key except those starting with `keep`: a restarted worker group meets
+    /// afresh, with no address or heartbeat of the group before it.
+    pub fn clear_except(&self, keep: &str) {
+        let mut map = self.table.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.retain(|k, _| k.starts_with(keep));
+        self.table.changed.notify_all();
     }
 }
 

@@ -5,8 +5,7 @@ use std::path::PathBuf;
 
 use serde_json::json;
 
-use crate::checkpoint::{Checkpointer, TrainPosition};
-use crate::config::Plan;
+use crate::checkpoint::{Checkpointer, Restored, TrainPosition};
 use crate::jobdir::{JobDir, JobDirError, JobState, now_unix};
 use crate::models::Params;
 use crate::optim::Optimizer;
@@ -17,22 +16,63 @@ pub struct Leader {
     job: JobDir,
     checkpointer: Checkpointer,
     world_size: usize,
+    restart_count: usize,
 }
 
 impl Leader {
-    pub fn new(job: JobDir, keep_last: Option<usize>, world_size: usize) -> Self {
+    pub fn new(
+        job: JobDir,
+        keep_last: Option<usize>,
+        world_size: usize,
+        restart_count: usize,
+    ) -> Self {
         let checkpointer = Checkpointer::new(job.checkpoints_dir(), keep_last);
         Leader {
             job,
             checkpointer,
             world_size,
+            restart_count,
         }
     }
 
     /// Records the plan in `state.json` as training starts.
-    pub fn start(&self, plan: &Plan) -> Result<(), TrainError> {
-        let state = JobState::running(self.world_size, plan.total_steps);
+    pub fn start(&self, world_size: usize, total_steps: usize) -> Result<(), TrainError> {
+        let state = JobState {
+            restarts: self.restarts(),
+            ..JobState::running(world_size, total_steps)
+        };
         Ok(self.job.write_state(&state)?)
+    }
+
+    /// Records a resumed start: `state.json` at the checkpoint's position, and a `resume` line
+    /// in `metrics.jsonl` (whose later lines the launcher already dropped).
+    pub fn log_resume(
+        &self,
+        from: &Restored,
+        world_size: usize,
+        total_steps: usize,
+    ) -> Result<(), TrainError> {
+        let p = &from.position;
+        let line = json!({
+            "kind": "resume", "epoch": p.epoch, "step": p.step,
+            "checkpoint": from.dir.file_name().map(|n| n.to_string_lossy().into_owned()),
+            "world_size": world_size, "previous_world_size": p.world_size,
+            "restart": self.restart_count, "time": now_unix(),
+        });
+        self.job.append_metrics(&line)?;
+        let state = JobState {
+            epoch: p.epoch,
+            step: p.step,
+            last_loss: p.metrics.last_epoch_loss,
+            restarts: self.restarts(),
+            ..JobState::running(world_size, total_steps)
+        };
+        Ok(self.job.write_state(&state)?)
+    }
+
+    /// Restarts so far, as the launcher recorded them.
+    fn restarts(&self) -> usize {
+        self.job.read_state().map_or(0, |s| s.restarts)
     }
 
     pub fn log_step(
@@ -60,7 +100,7 @@ impl Leader {
         samples_per_s: f64,
         eval: &EvalResult,
         epoch_train_s: f64,
-        plan: &Plan,
+        total_steps: usize,
     ) -> Result<(), TrainError> {
         let line = json!({
             "kind": "epoch", "epoch": epoch, "step": step, "loss": train_loss, "lr": lr,
@@ -72,7 +112,8 @@ impl Leader {
             epoch: epoch + 1,
             step,
             last_loss: Some(train_loss),
-            ..JobState::running(self.world_size, plan.total_steps)
+            restarts: self.restarts(),
+            ..JobState::running(self.world_size, total_steps)
         };
         Ok(self.job.write_state(&state)?)
     }

@@ -4,17 +4,22 @@
 
 mod eval;
 mod leader;
+mod resume;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::checkpoint::{self, CheckpointError, TrainPosition};
+use crate::checkpoint::{self, CheckpointError, MetricState, Restored, TrainPosition};
 use crate::comm::{CommError, Communicator, average_gradients, broadcast_params};
-use crate::config::{JobSpec, Plan};
+use crate::config::{JobSpec, OnWriteError, Plan};
 use crate::data::{DataError, Dataset, DistributedSampler};
+use crate::fault::Fault;
+use crate::heartbeat::Beacon;
 use crate::jobdir::JobDirError;
 use crate::models::{Model, cross_entropy};
 use crate::optim::{Optimizer, Schedule, clip_grad_norm};
@@ -22,6 +27,7 @@ use crate::progress::Reporter;
 
 pub use eval::{EvalResult, evaluate};
 pub use leader::Leader;
+pub use resume::Start;
 
 #[derive(Debug, Error)]
 pub enum TrainError {
@@ -45,6 +51,16 @@ pub enum TrainError {
     Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     JobDir(#[from] JobDirError),
+    #[error(
+        "checkpoint `{}` does not fit this job: {problem}; was job.toml edited? resume from \
+         another checkpoint or start a new job", dir.display()
+    )]
+    Restore {
+        dir: std::path::PathBuf,
+        problem: String,
+    },
+    #[error("{0}")]
+    Injected(String),
 }
 
 /// `summary.json` (**contract**: the first seven fields).
@@ -99,6 +115,26 @@ impl LossTally {
     }
 }
 
+/// What a worker can be told from outside the training loop.
+pub struct Hooks<'a> {
+    /// Set (by a signal handler) when the job should stop after the current optimizer step.
+    pub stop: &'a AtomicBool,
+    /// Test-only fault injection (`DDPJOB_FAULT`).
+    pub fault: Option<Fault>,
+    /// Where this worker is, for heartbeats.
+    pub beacon: Arc<Beacon>,
+}
+
+/// How a run ended.
+#[derive(Debug)]
+pub enum Ending {
+    Completed(Summary),
+    /// Every rank agreed to stop (preemption); the checkpoint of `step` is on disk.
+    Stopped {
+        step: usize,
+    },
+}
+
 pub struct Trainer<'a> {
     pub spec: &'a JobSpec,
     pub data: &'a Dataset,
@@ -109,6 +145,20 @@ pub struct Trainer<'a> {
     /// Rank 0 only: the job directory's writer (it has no collectives).
     pub leader: Option<Leader>,
     pub started: Instant,
+    /// The checkpoint to continue from.
+    pub resume: Option<Restored>,
+    pub hooks: Hooks<'a>,
+}
+
+/// One epoch's shard of steps, as this run takes it.
+struct EpochRun {
+    epoch: usize,
+    /// Steps of the epoch already done before this run reached it.
+    skip: usize,
+    /// Steps in the epoch (on this world size, from its start or its re-shard).
+    groups: usize,
+    /// Samples of the epoch consumed by all ranks so far.
+    consumed: usize,
 }
 
 impl Trainer<'_> {
@@ -117,48 +167,91 @@ impl Trainer<'_> {
             .plan(self.data.train.len(), self.comm.world_size())
     }
 
-    /// Trains to the end of the plan; returns the summary (rank 0 also writes it).
-    pub fn run(&mut self) -> Result<Summary, TrainError> {
+    /// Trains to the end of the plan, or until every rank agrees to stop.
+    pub fn run(&mut self) -> Result<Ending, TrainError> {
         let spec = self.spec;
         let t = &spec.train;
         let plan = self.plan();
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
-        let schedule = Schedule::new(t.lr, t.schedule, plan.total_steps);
+        let position = self.resume.as_ref().map(|r| r.position.clone());
+        let start = Start::new(
+            spec,
+            self.data.train.len(),
+            world,
+            plan.total_steps,
+            position.as_ref(),
+        );
+        let total_steps = start.total_steps;
+        let schedule = Schedule::new(t.lr, t.schedule, total_steps);
         let mut optimizer = Optimizer::new(t.optimizer, self.model.params().len());
+        if let Some(restored) = self.resume.take() {
+            resume::restore(self.model.params(), &mut optimizer, &restored)?;
+            let note = start.describe(spec, &restored.position, world);
+            self.reporter.line(&format!(
+                "{note} (from checkpoint `{}`)",
+                restored.dir.display()
+            ));
+            if let Some(leader) = &self.leader {
+                leader.log_resume(&restored, world, total_steps)?;
+            }
+        } else if let Some(leader) = &self.leader {
+            leader.start(world, total_steps)?;
+        }
         broadcast_params(self.comm, self.model.params())?;
         let mut sampler = DistributedSampler::new(self.data.train.len(), world, rank, spec.seed)
             .with_drop_last(spec.data.drop_last);
-        if let Some(leader) = &self.leader {
-            leader.start(&plan)?;
-        }
 
-        let mut step = 0;
-        let mut train_time = Duration::ZERO;
-        let mut total_samples = 0f64;
-        let mut final_train_loss = f64::NAN;
+        let mut step = start.step;
+        let mut metrics = start.metrics.clone();
         let mut last_eval = None;
-        let mut epochs_done = 0;
-        for epoch in 0..t.epochs {
-            if step >= plan.total_steps {
+        let mut epochs_done = start.epoch;
+        for epoch in start.epoch..t.epochs {
+            if step >= total_steps {
                 break;
             }
             sampler.set_epoch(epoch as u64);
-            let indices = sampler.indices();
+            let here = position.is_some() && epoch == start.epoch;
+            let indices = if here && start.reshard {
+                sampler.indices_after(start.consumed)
+            } else {
+                sampler.indices()
+            };
             let micro: Vec<&[usize]> = indices.chunks(t.batch_size).collect();
             let groups: Vec<&[&[usize]]> = micro.chunks(t.accumulation).collect();
-            let steps_now = groups.len().min(plan.total_steps - step);
+            let mut run = EpochRun {
+                epoch,
+                skip: if here { start.skip_in_epoch } else { 0 },
+                groups: groups.len(),
+                consumed: if here { start.consumed } else { 0 },
+            };
+            if !here {
+                metrics.start_epoch();
+            }
+            let steps_now = groups
+                .len()
+                .saturating_sub(run.skip)
+                .min(total_steps - step);
             self.reporter.epoch_start(epoch, t.epochs, steps_now);
             let mut interval = LossTally::default();
-            // Σ loss·n, n and seconds of this epoch, from the interval reductions.
-            let (mut epoch_loss_x_n, mut epoch_samples, mut epoch_secs) = (0.0, 0.0, 0.0);
             let mut interval_first_step = step + 1;
-            for (i, group) in groups.iter().take(steps_now).enumerate() {
+            for (i, group) in groups[run.skip..].iter().take(steps_now).enumerate() {
                 let started = Instant::now();
                 let lr = schedule.lr(step, epoch);
-                let (loss_sum, samples) = self.optimizer_step(&mut optimizer, group, lr)?;
+                self.hooks.beacon.set_step(step + 1);
+                if let Some(fault) = &self.hooks.fault {
+                    fault.before_step(step + 1).map_err(TrainError::Injected)?;
+                }
+                let vote = self.hooks.stop.load(Ordering::SeqCst);
+                let (loss_sum, samples, stop) =
+                    self.optimizer_step(&mut optimizer, group, lr, vote)?;
                 step += 1;
+                run.consumed += samples * world;
                 interval.add(loss_sum, samples, started.elapsed())?;
-                let at_log = step % t.log_every == 0 || i + 1 == steps_now;
+                let in_epoch = run.skip + i + 1;
+                let checkpoint_due =
+                    checkpoint::due_after_step(&spec.checkpoint, step) && i + 1 < steps_now;
+                let at_log =
+                    step % t.log_every == 0 || i + 1 == steps_now || checkpoint_due || stop;
                 let mut status = None;
                 if at_log {
                     let (loss, n, secs) = interval.reduce(self.comm)?;
@@ -170,16 +263,13 @@ impl Trainer<'_> {
                             last_step: step,
                         });
                     }
-                    epoch_loss_x_n += loss * n;
-                    epoch_samples += n;
-                    epoch_secs += secs;
+                    metrics.add_interval(loss, n, secs);
                     let rate = n / secs.max(1e-9);
                     let text = format!("loss {loss:.4}  lr {lr:.2e}  {rate:.0} samples/s");
                     self.reporter.interval(&format!(
-                        "epoch {}/{} step {step}/{}  {text}",
+                        "epoch {}/{} step {step}/{total_steps}  {text}",
                         epoch + 1,
                         t.epochs,
-                        plan.total_steps
                     ));
                     if let Some(leader) = &self.leader {
                         leader.log_step(epoch, step, loss, lr, rate)?;
@@ -188,16 +278,23 @@ impl Trainer<'_> {
                     interval_first_step = step + 1;
                 }
                 self.reporter.step(i + 1, status.as_deref());
-                if checkpoint::due_after_step(&spec.checkpoint, step) && i + 1 < steps_now {
-                    let position = self.position(epoch, i + 1, step, &optimizer, lr);
+                if stop {
+                    self.reporter.epoch_end();
+                    let position = self.position(&run, in_epoch, step, &optimizer, lr, &metrics);
+                    self.save_checkpoint(&optimizer, &position)?;
+                    self.reporter.line(&format!(
+                        "stopped on request after step {step}; continue with `ddpjob resume`"
+                    ));
+                    return Ok(Ending::Stopped { step });
+                }
+                if checkpoint_due {
+                    let position = self.position(&run, in_epoch, step, &optimizer, lr, &metrics);
                     self.save_checkpoint(&optimizer, &position)?;
                 }
             }
             self.reporter.epoch_end();
-            let (n, secs) = (epoch_samples, epoch_secs);
-            final_train_loss = epoch_loss_x_n / n.max(1.0);
-            total_samples += n;
-            train_time += Duration::from_secs_f64(secs);
+            let (n, secs) = (metrics.epoch_samples, metrics.epoch_secs);
+            let train_loss = metrics.finish_epoch();
             epochs_done = epoch + 1;
 
             let eval = evaluate(
@@ -210,27 +307,34 @@ impl Trainer<'_> {
             let lr = schedule.lr(step.saturating_sub(1), epoch);
             let rate = n / secs.max(1e-9);
             self.reporter.line(&format!(
-                "epoch {}/{} done: train loss {final_train_loss:.4}, test loss {:.4}, test accuracy {:.2}%, {rate:.0} samples/s, {secs:.1} s",
+                "epoch {}/{} done: train loss {train_loss:.4}, test loss {:.4}, test accuracy {:.2}%, {rate:.0} samples/s, {secs:.1} s",
                 epoch + 1,
                 t.epochs,
                 eval.loss,
                 eval.accuracy * 100.0
             ));
             if let Some(leader) = &self.leader {
-                leader.log_epoch(epoch, step, final_train_loss, lr, rate, &eval, secs, &plan)?;
+                leader.log_epoch(epoch, step, train_loss, lr, rate, &eval, secs, total_steps)?;
             }
             last_eval = Some(eval);
             // The last step's mid-epoch checkpoint is taken here, after evaluation, as an epoch one.
             if checkpoint::due_after_epoch(&spec.checkpoint, epoch)
                 || checkpoint::due_after_step(&spec.checkpoint, step)
             {
-                let complete = steps_now == groups.len();
-                let (at_epoch, in_epoch) = if complete {
-                    (epoch + 1, 0)
+                let done = run.skip + steps_now;
+                let position = if done == run.groups {
+                    let next = EpochRun {
+                        epoch: epoch + 1,
+                        skip: 0,
+                        groups: 0,
+                        consumed: 0,
+                    };
+                    let mut m = metrics.clone();
+                    m.start_epoch();
+                    self.position(&next, 0, step, &optimizer, lr, &m)
                 } else {
-                    (epoch, steps_now)
+                    self.position(&run, done, step, &optimizer, lr, &metrics)
                 };
-                let position = self.position(at_epoch, in_epoch, step, &optimizer, lr);
                 self.save_checkpoint(&optimizer, &position)?;
             }
         }
@@ -245,20 +349,20 @@ impl Trainer<'_> {
                 &self.device,
             )?,
         };
-        let train_s = train_time.as_secs_f64();
-        Ok(Summary {
+        let train_s = metrics.train_s;
+        Ok(Ending::Completed(Summary {
             test_accuracy: eval.accuracy,
             test_loss: eval.loss,
-            final_train_loss,
+            final_train_loss: metrics.last_epoch_loss.unwrap_or(f64::NAN),
             epochs: epochs_done,
             steps: step,
-            train_samples_per_s: total_samples / train_s.max(1e-9),
+            train_samples_per_s: metrics.total_samples / train_s.max(1e-9),
             wall_s: self.started.elapsed().as_secs_f64(),
             train_s,
-            samples: total_samples as u64,
+            samples: metrics.total_samples as u64,
             world_size: world,
             parameters: self.model.params().element_count(),
-        })
+        }))
     }
 
     /// Forward and backward over each micro-batch of `group`, gradients summed with weights
@@ -269,7 +373,8 @@ impl Trainer<'_> {
         optimizer: &mut Optimizer,
         group: &[&[usize]],
         lr: f64,
-    ) -> Result<(Tensor, usize), TrainError> {
+        stop_vote: bool,
+    ) -> Result<(Tensor, usize, bool), TrainError> {
         let params = self.model.params();
         let n_group: usize = group.iter().map(|m| m.len()).sum();
         let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
@@ -297,7 +402,12 @@ impl Trainer<'_> {
             .zip(params.vars())
             .map(|(g, var)| g.map_or_else(|| var.zeros_like(), Ok))
             .collect::<Result<Vec<_>, _>>()?;
-        average_gradients(self.comm, &mut grads, self.spec.distributed.bucket_bytes)?;
+        let stop = average_gradients(
+            self.comm,
+            &mut grads,
+            self.spec.distributed.bucket_bytes,
+            stop_vote,
+        )?;
         if let Some(max_norm) = self.spec.train.grad_clip_norm {
             clip_grad_norm(&mut grads, max_norm)?;
         }
@@ -306,25 +416,28 @@ impl Trainer<'_> {
             || Tensor::zeros((), candle_core::DType::F32, &self.device),
             Ok,
         )?;
-        Ok((loss_sum, n_group))
+        Ok((loss_sum, n_group, stop))
     }
 
     fn position(
         &self,
-        epoch: usize,
+        run: &EpochRun,
         step_in_epoch: usize,
         step: usize,
         optimizer: &Optimizer,
         lr: f64,
+        metrics: &MetricState,
     ) -> TrainPosition {
         TrainPosition {
-            epoch,
+            epoch: run.epoch,
             step_in_epoch,
             step,
             optimizer_steps: optimizer.steps(),
             world_size: self.comm.world_size(),
             seed: self.spec.seed,
             lr,
+            consumed_in_epoch: run.consumed,
+            metrics: metrics.clone(),
         }
     }
 
@@ -334,9 +447,19 @@ impl Trainer<'_> {
         position: &TrainPosition,
     ) -> Result<(), TrainError> {
         if let Some(leader) = &self.leader {
-            let dir = leader.checkpoint(self.model.params(), optimizer, position)?;
-            self.reporter
-                .line(&format!("checkpoint written: {}", dir.display()));
+            match leader.checkpoint(self.model.params(), optimizer, position) {
+                Ok(dir) => self
+                    .reporter
+                    .line(&format!("checkpoint written: {}", dir.display())),
+                Err(TrainError::Checkpoint(e))
+                    if self.spec.checkpoint.on_write_error == OnWriteError::Warn =>
+                {
+                    self.reporter.line(&format!(
+                        "warning: {e}; training on (checkpoint.on_write_error = \"warn\")"
+                    ));
+                }
+                Err(e) => return Err(e),
+            }
         }
         // Everyone continues only once rank 0's checkpoint is complete on disk.
         self.comm.barrier()?;

@@ -38,8 +38,17 @@ fn train(spec: &JobSpec) -> Summary {
         reporter: &mut reporter,
         leader: None,
         started: Instant::now(),
+        resume: None,
+        hooks: Hooks {
+            stop: &AtomicBool::new(false),
+            fault: None,
+            beacon: Default::default(),
+        },
     };
-    trainer.run().unwrap()
+    match trainer.run().unwrap() {
+        Ending::Completed(summary) => summary,
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]

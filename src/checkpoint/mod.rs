@@ -23,14 +23,21 @@ pub enum CheckpointError {
         path: PathBuf,
         cause: std::io::Error,
     },
-    #[error("cannot serialise tensors for `{}`: {cause}", path.display())]
+    #[error("checkpoint write to `{}` failed: {cause}; the previous checkpoint is untouched", path.display())]
     Tensor {
         path: PathBuf,
         cause: candle_core::Error,
     },
+    #[error("cannot read checkpoint `{}`: {problem}", path.display())]
+    Unreadable { path: PathBuf, problem: String },
 }
 
+mod restore;
+pub use restore::{Choice, Restored, choose, load, read_position};
+
 /// Where training stood when a checkpoint was taken: everything resume needs besides tensors.
+/// Training draws no randomness of its own (the sampler's permutation is a pure function of
+/// seed and epoch, and the models have no dropout), so the position is the whole RNG state.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainPosition {
     /// Epoch in progress (0-based); `step_in_epoch` optimizer steps of it are done.
@@ -40,9 +47,52 @@ pub struct TrainPosition {
     pub step: usize,
     pub optimizer_steps: u64,
     pub world_size: usize,
-    /// The sampler's RNG is a pure function of (seed, epoch); training draws no other randomness.
     pub seed: u64,
     pub lr: f64,
+    /// Samples of this epoch's (padded) permutation consumed by all ranks: where a run on
+    /// another world size picks up.
+    #[serde(default)]
+    pub consumed_in_epoch: usize,
+    /// The metric history a resumed run continues.
+    #[serde(default)]
+    pub metrics: MetricState,
+}
+
+/// Running sums behind the epoch's train loss and the summary's throughput.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MetricState {
+    /// Σ loss·samples, samples and training seconds of the epoch in progress.
+    pub epoch_loss_x_n: f64,
+    pub epoch_samples: f64,
+    pub epoch_secs: f64,
+    /// Samples and training seconds of the epochs already completed.
+    pub total_samples: f64,
+    pub train_s: f64,
+    /// The last completed epoch's mean train loss (none before the first).
+    pub last_epoch_loss: Option<f64>,
+}
+
+impl MetricState {
+    /// Clears the epoch-in-progress sums.
+    pub fn start_epoch(&mut self) {
+        (self.epoch_loss_x_n, self.epoch_samples, self.epoch_secs) = (0.0, 0.0, 0.0);
+    }
+
+    /// Adds a logging interval: its mean loss over `samples` samples, taking `secs`.
+    pub fn add_interval(&mut self, loss: f64, samples: f64, secs: f64) {
+        self.epoch_loss_x_n += loss * samples;
+        self.epoch_samples += samples;
+        self.epoch_secs += secs;
+    }
+
+    /// Closes the epoch: returns its mean train loss and adds it to the totals.
+    pub fn finish_epoch(&mut self) -> f64 {
+        let loss = self.epoch_loss_x_n / self.epoch_samples.max(1.0);
+        self.total_samples += self.epoch_samples;
+        self.train_s += self.epoch_secs;
+        self.last_epoch_loss = Some(loss);
+        loss
+    }
 }
 
 /// When checkpoints are due (the policy), apart from writing them.
@@ -234,6 +284,8 @@ mod tests {
             world_size: 1,
             seed: 0,
             lr: 0.1,
+            consumed_in_epoch: step * 8,
+            metrics: MetricState::default(),
         }
     }
 
@@ -282,6 +334,7 @@ mod tests {
             every_epochs: Some(5),
             every_steps: Some(100),
             keep_last: None,
+            on_write_error: crate::config::OnWriteError::Fail,
         };
         assert!(due_after_epoch(&spec, 4) && !due_after_epoch(&spec, 0));
         assert!(due_after_step(&spec, 200) && !due_after_step(&spec, 150));

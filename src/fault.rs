@@ -1,0 +1,158 @@
+//! Test-only fault injection, so the failure paths (restart, hang diagnosis, preemption) can
+//! be exercised deterministically: `DDPJOB_FAULT="rank=1,step=5,kind=kill"` makes rank 1 fail
+//! as it begins optimizer step 5, on the first attempt only (`attempt=N` picks another).
+//! Not for production use; documented in the README's testing section.
+
+use std::time::Duration;
+
+/// The environment variable that arms a fault.
+pub const ENV: &str = "DDPJOB_FAULT";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// SIGKILL to itself: what `kill -9` or the out-of-memory killer does.
+    Kill,
+    /// abort(): a crash (SIGABRT).
+    Crash,
+    /// Returns an error: a worker that fails with a message and exit status 1.
+    Exit,
+    /// The training thread sleeps forever; heartbeats go on (a deadlock in user code).
+    Hang,
+    /// SIGSTOP to itself: the whole process stops, heartbeats too.
+    Freeze,
+    /// SIGTERM to the launcher, as a cluster scheduler's preemption would send.
+    Preempt,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fault {
+    pub rank: usize,
+    pub step: usize,
+    pub kind: FaultKind,
+    pub attempt: usize,
+}
+
+impl Fault {
+    /// Parses `rank=R,step=S,kind=K[,attempt=A]`.
+    pub fn parse(text: &str) -> Result<Fault, String> {
+        let mut rank = None;
+        let mut step = None;
+        let mut kind = None;
+        let mut attempt = 0;
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| format!("`{part}` is not key=value"))?;
+            let number = || {
+                value
+                    .parse::<usize>()
+                    .map_err(|_| format!("{key}={value} is not a number"))
+            };
+            match key {
+                "rank" => rank = Some(number()?),
+                "step" => step = Some(number()?),
+                "attempt" => attempt = number()?,
+                "kind" => {
+                    kind = Some(match value {
+                        "kill" => FaultKind::Kill,
+                        "crash" => FaultKind::Crash,
+                        "exit" => FaultKind::Exit,
+                        "hang" => FaultKind::Hang,
+                        "freeze" => FaultKind::Freeze,
+                        "preempt" => FaultKind::Preempt,
+                        other => {
+                            return Err(format!(
+                                "kind={other} is unknown; use kill, crash, exit, hang, freeze or preempt"
+                            ));
+                        }
+                    })
+                }
+                other => return Err(format!("unknown key `{other}`")),
+            }
+        }
+        let missing = |what: &str| format!("{what}= is missing");
+        Ok(Fault {
+            rank: rank.ok_or_else(|| missing("rank"))?,
+            step: step.ok_or_else(|| missing("step"))?,
+            kind: kind.ok_or_else(|| missing("kind"))?,
+            attempt,
+        })
+    }
+
+    /// The fault armed for this rank and attempt, if any.
+    pub fn from_env(rank: usize, attempt: usize) -> Result<Option<Fault>, String> {
+        let Ok(text) = std::env::var(ENV) else {
+            return Ok(None);
+        };
+        let fault = Fault::parse(&text).map_err(|e| format!("{ENV}={text:?}: {e}"))?;
+        Ok((fault.rank == rank && fault.attempt == attempt).then_some(fault))
+    }
+
+    /// Called as optimizer step `step` (1-based) begins; fires once, at its step.
+    pub fn before_step(&self, step: usize) -> Result<(), String> {
+        if step != self.step {
+            return Ok(());
+        }
+        eprintln!(
+            "{ENV}: injecting {:?} into rank {} at step {step}",
+            self.kind, self.rank
+        );
+        // SAFETY: plain signal calls on this process or its parent.
+        unsafe {
+            match self.kind {
+                FaultKind::Kill => {
+                    libc::raise(libc::SIGKILL);
+                }
+                FaultKind::Crash => libc::abort(),
+                FaultKind::Freeze => {
+                    libc::raise(libc::SIGSTOP);
+                }
+                FaultKind::Preempt => {
+                    libc::kill(libc::getppid(), libc::SIGTERM);
+                }
+                FaultKind::Hang => loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                },
+                FaultKind::Exit => {
+                    return Err(format!("{ENV}: injected failure at step {step}"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_names_what_is_wrong() {
+        assert_eq!(
+            Fault::parse("rank=1, step=5, kind=kill").unwrap(),
+            Fault {
+                rank: 1,
+                step: 5,
+                kind: FaultKind::Kill,
+                attempt: 0
+            }
+        );
+        assert_eq!(
+            Fault::parse("kind=hang,step=2,rank=0,attempt=1")
+                .unwrap()
+                .attempt,
+            1
+        );
+        assert!(Fault::parse("rank=1,step=5").unwrap_err().contains("kind="));
+        assert!(
+            Fault::parse("rank=1,step=x,kind=kill")
+                .unwrap_err()
+                .contains("step=x")
+        );
+        assert!(
+            Fault::parse("rank=1,step=2,kind=explode")
+                .unwrap_err()
+                .contains("explode")
+        );
+    }
+}

@@ -1,0 +1,203 @@
+//! One node's worker group through its attempts: spawn every worker with the torchrun
+//! environment, supervise them, and after a failure restart the whole group from the newest
+//! good checkpoint (`distributed.max_restarts`), or give up with every failure listed.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use super::supervise::{self, Outcome};
+use super::watch::Watchdog;
+use super::{JOB_READY_KEY, Layout, RunError};
+use crate::checkpoint;
+use crate::config::JobSpec;
+use crate::jobdir::{JobDir, JobDirError, now_unix, now_unix_ms};
+use crate::store::{StoreClient, StoreServer};
+use crate::worker::{self, WorkerEnv};
+
+/// Everything needed to start this node's workers, attempt after attempt.
+pub(super) struct Group<'a> {
+    pub job: &'a JobDir,
+    pub spec: &'a JobSpec,
+    pub layout: &'a Layout,
+    pub token: &'a str,
+    pub port: u16,
+    pub started: Instant,
+    /// Node 0's store (cleared between attempts); `None` on other nodes.
+    pub server: Option<&'a StoreServer>,
+    pub client: &'a StoreClient,
+}
+
+impl Group<'_> {
+    fn name(&self) -> String {
+        self.spec.name.clone()
+    }
+
+    /// Runs attempts until the workers finish, are interrupted, or fail more often than
+    /// `distributed.max_restarts` allows. `resume_from`: the first attempt's checkpoint.
+    pub fn execute(&self, mut resume_from: Option<PathBuf>) -> Result<(), RunError> {
+        let max_restarts = self.spec.distributed.max_restarts;
+        let grace = Duration::from_secs(self.spec.distributed.timeout_s) + Duration::from_secs(10);
+        let mut failures: Vec<String> = Vec::new();
+        for attempt in 0.. {
+            let mut workers = self.spawn(attempt, resume_from.as_ref())?;
+            let stale_after = Duration::from_secs(self.spec.distributed.timeout_s);
+            let mut watch = Watchdog::new(self.client, stale_after);
+            let (summary, report) = match supervise::supervise(&mut workers, &mut watch, grace) {
+                Outcome::Finished => return Ok(()),
+                Outcome::Interrupted { signal, clean } => {
+                    return Err(RunError::Interrupted {
+                        name: self.name(),
+                        signal,
+                        after: self.after_interrupt(clean),
+                    });
+                }
+                Outcome::Failed { summary, report } => (summary, report),
+            };
+            failures.push(format!("  attempt {}: {summary}", attempt + 1));
+            if attempt >= max_restarts {
+                if max_restarts == 0 {
+                    return Err(RunError::Failed {
+                        name: self.name(),
+                        report,
+                    });
+                }
+                return Err(RunError::GaveUp {
+                    name: self.name(),
+                    restarts: max_restarts,
+                    failures: failures.join("\n"),
+                    report,
+                });
+            }
+            resume_from = self.restart_point()?;
+            let from = resume_from
+                .as_ref()
+                .map_or("the start (no checkpoint yet)".into(), |d| {
+                    format!("checkpoint `{}`", d.display())
+                });
+            let line = format!(
+                "restart {}/{max_restarts} of job `{}` from {from} after: {summary}",
+                attempt + 1,
+                self.name()
+            );
+            eprintln!("{line}");
+            self.record_restart(attempt + 1, &line)?;
+        }
+        unreachable!("the attempts loop returns")
+    }
+
+    /// Node 0 after a failure: the newest checkpoint that verifies (damaged newer ones named),
+    /// the metrics rewound to it, and a fresh store for the next group.
+    fn restart_point(&self) -> Result<Option<PathBuf>, RunError> {
+        let dir = self.job.checkpoints_dir();
+        let choice = checkpoint::choose(&dir).map_err(|cause| JobDirError::Io {
+            path: dir.clone(),
+            cause,
+        })?;
+        rewind_to(self.job, &choice)?;
+        if let Some(server) = self.server {
+            server.clear_except(JOB_READY_KEY);
+        }
+        Ok(choice.usable)
+    }
+
+    fn record_restart(&self, restarts: usize, line: &str) -> Result<(), RunError> {
+        if let Some(mut state) = self.job.read_state() {
+            state.restarts = restarts;
+            state.updated_unix = now_unix();
+            state.error = Some(line.to_string());
+            self.job.write_state(&state)?;
+        }
+        Ok(())
+    }
+
+    /// What an interrupted job left behind, for the message.
+    fn after_interrupt(&self, clean: bool) -> String {
+        let resume = format!("continue with `ddpjob resume {}`", self.name());
+        let latest = std::fs::read_to_string(self.job.checkpoints_dir().join("latest"))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
+        match (clean, latest.is_empty()) {
+            (true, false) => format!("every worker stopped after checkpoint `{latest}`; {resume}"),
+            (true, true) => "the workers stopped before training began; nothing to resume".into(),
+            (false, false) => format!(
+                "the workers were stopped before all of them had checkpointed; the newest \
+                 checkpoint is `{latest}`; {resume}"
+            ),
+            (false, true) => "the workers were stopped; no checkpoint was written".into(),
+        }
+    }
+
+    /// Starts one worker per local slot; on a spawn failure the ones started are stopped.
+    fn spawn(
+        &self,
+        attempt: usize,
+        resume_from: Option<&PathBuf>,
+    ) -> Result<Vec<supervise::Worker>, RunError> {
+        let layout = self.layout;
+        let exe = std::env::current_exe().map_err(|cause| RunError::Spawn { rank: 0, cause })?;
+        let threads = threads_per_worker(layout.nproc).to_string();
+        let started_ms = now_unix_ms().saturating_sub(self.started.elapsed().as_millis());
+        let job_dir = std::path::absolute(&self.job.root).unwrap_or_else(|_| self.job.root.clone());
+        let resume_from = resume_from.map(|d| std::path::absolute(d).unwrap_or_else(|_| d.clone()));
+        let mut workers = Vec::new();
+        for local_rank in 0..layout.nproc {
+            let rank = layout.node_rank * layout.nproc + local_rank;
+            let mut cmd = Command::new(&exe);
+            cmd.arg("worker");
+            WorkerEnv {
+                rank,
+                local_rank,
+                world_size: layout.world_size(),
+                local_world_size: layout.nproc,
+                node_rank: layout.node_rank,
+                master_addr: layout.master_addr.clone(),
+                master_port: self.port,
+                job_dir: job_dir.clone(),
+                restart_count: attempt,
+                token: self.token.to_string(),
+                started_unix_ms: Some(started_ms),
+                resume_from: resume_from.clone(),
+            }
+            .apply(&mut cmd);
+            for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
+                if std::env::var_os(var).is_none() {
+                    cmd.env(var, &threads);
+                }
+            }
+            let log = worker::log_path(&job_dir, rank);
+            match supervise::spawn(cmd, rank, &log, rank == 0) {
+                Ok(w) => workers.push(w),
+                Err(cause) => {
+                    supervise::stop(&mut workers, true);
+                    return Err(RunError::Spawn { rank, cause });
+                }
+            }
+        }
+        Ok(workers)
+    }
+}
+
+/// Sets damaged checkpoints aside (saying so) and rewinds `metrics.jsonl` to the chosen one.
+pub(super) fn rewind_to(job: &JobDir, choice: &checkpoint::Choice) -> Result<(), RunError> {
+    let dir = job.checkpoints_dir();
+    let io = |cause| JobDirError::Io {
+        path: dir.clone(),
+        cause,
+    };
+    for warning in choice.set_aside().map_err(io)? {
+        eprintln!("warning: {warning}");
+    }
+    let (epoch, step) = match &choice.usable {
+        // `choose` only picks checkpoints whose position reads.
+        Some(c) => checkpoint::read_position(c).map_or((0, 0), |p| (p.epoch, p.step)),
+        None => (0, 0),
+    };
+    Ok(job.rewind_metrics(epoch, step)?)
+}
+
+/// Threads per worker: the node's cores split evenly (as torchrun sets OMP_NUM_THREADS).
+fn threads_per_worker(nproc: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / nproc).max(1)
+}

@@ -1,0 +1,159 @@
+//! `ddpjob resume [NAME]`: continues an unfinished job from its frozen `job.toml` (never the
+//! original config file, which may have changed) and its newest checkpoint that verifies.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use super::group::{Group, rewind_to};
+use super::supervise::install_signal_handlers;
+use super::{Layout, NodeOptions, RunError, meet, record_outcome};
+use crate::checkpoint;
+use crate::config;
+use crate::data::Dataset;
+use crate::jobdir::{self, JobDir, JobDirError, Status, now_unix};
+use crate::store;
+use crate::train::Summary;
+
+pub struct ResumeOptions {
+    /// `None`: the most recently updated unfinished job.
+    pub name: Option<String>,
+    pub jobs_dir: PathBuf,
+    /// Another world size than the checkpoint's (not bit-identical then).
+    pub nproc_per_node: Option<usize>,
+    /// Start over when no checkpoint is usable, instead of failing.
+    pub from_scratch: bool,
+    pub started: Instant,
+}
+
+pub enum Resumed {
+    /// Nothing to do; the message says so.
+    AlreadyFinished(String),
+    Finished(JobDir, Summary),
+}
+
+/// Finds the job, checks it can be resumed, and runs it to the end.
+pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
+    let name = match &opts.name {
+        Some(name) => name.clone(),
+        None => most_recent_unfinished(opts)?,
+    };
+    let job = JobDir::open(&opts.jobs_dir, &name);
+    let Some(mut state) = job.read_state() else {
+        return Err(RunError::Usage(if job.root.exists() {
+            format!(
+                "`{}` has no readable state.json, so it is not a ddpjob job",
+                job.root.display()
+            )
+        } else {
+            format!(
+                "no job `{name}` in `{}`; `ddpjob list --jobs-dir {}` shows the jobs there",
+                opts.jobs_dir.display(),
+                opts.jobs_dir.display()
+            )
+        }));
+    };
+    if state.status == Status::Finished {
+        return Ok(Resumed::AlreadyFinished(format!(
+            "job `{name}` already finished ({} steps, final train loss {}); nothing to resume. \
+             Its results are in `{}`",
+            state.step,
+            state.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
+            job.root.display()
+        )));
+    }
+    let _lock = job.lock(&name)?;
+
+    let checkpoints = job.checkpoints_dir();
+    let choice = checkpoint::choose(&checkpoints).map_err(|cause| JobDirError::Io {
+        path: checkpoints.clone(),
+        cause,
+    })?;
+    if choice.usable.is_none() && !opts.from_scratch {
+        let damaged: Vec<String> = choice
+            .skipped
+            .iter()
+            .map(|(d, why)| format!("`{}`: {why}", d.display()))
+            .collect();
+        let found = if damaged.is_empty() {
+            "it has none".to_string()
+        } else {
+            format!("every one is damaged ({})", damaged.join("; "))
+        };
+        return Err(RunError::Usage(format!(
+            "job `{name}` has no usable checkpoint in `{}` ({found}); run \
+             `ddpjob resume {name} --from-scratch` to train it again from the start",
+            checkpoints.display()
+        )));
+    }
+    let position = match &choice.usable {
+        Some(dir) => Some(checkpoint::read_position(dir).map_err(|problem| {
+            RunError::Usage(format!("checkpoint `{}`: {problem}", dir.display()))
+        })?),
+        None => None,
+    };
+    // Same world size as the checkpoint unless asked otherwise, so a resume is exact.
+    let nproc = opts
+        .nproc_per_node
+        .or(position.as_ref().map(|p| p.world_size));
+    let overrides: Vec<String> = nproc
+        .map(|n| format!("distributed.nproc_per_node={n}"))
+        .into_iter()
+        .collect();
+    let loaded = config::load(&job.job_toml(), &overrides)?;
+    let spec = &loaded.spec;
+    let layout = Layout::new(&NodeOptions::default(), spec)?;
+    let token = store::random_token();
+    let (server, client, port) = meet(&layout, &token, spec)?;
+    Dataset::ensure_present(&spec.data)?;
+
+    rewind_to(&job, &choice)?;
+    match (&choice.usable, &position) {
+        (Some(dir), Some(p)) => println!(
+            "resuming job `{name}` from `{}` (epoch {}, step {}) on {} worker(s)",
+            dir.display(),
+            p.epoch + 1,
+            p.step,
+            layout.world_size()
+        ),
+        _ => println!("job `{name}`: no usable checkpoint; training again from the start"),
+    }
+    state.status = Status::Running;
+    state.error = None;
+    state.world_size = layout.world_size();
+    state.updated_unix = now_unix();
+    job.write_state(&state)?;
+
+    install_signal_handlers();
+    let group = Group {
+        job: &job,
+        spec,
+        layout: &layout,
+        token: &token,
+        port,
+        started: opts.started,
+        server: server.as_ref(),
+        client: &client,
+    };
+    let outcome = group.execute(choice.usable.clone());
+    drop(client);
+    let summary = record_outcome(&job, spec, opts.started, outcome)?;
+    Ok(Resumed::Finished(job, summary))
+}
+
+fn most_recent_unfinished(opts: &ResumeOptions) -> Result<String, RunError> {
+    let jobs = jobdir::list_jobs(&opts.jobs_dir).map_err(|cause| JobDirError::Io {
+        path: opts.jobs_dir.clone(),
+        cause,
+    })?;
+    jobs.into_iter()
+        .find(|(_, s)| s.status != Status::Finished)
+        .map(|(name, _)| name)
+        .ok_or_else(|| {
+            RunError::Usage(format!(
+                "no unfinished job in `{}` to resume; `ddpjob list --jobs-dir {}` shows the jobs \
+                 there, `ddpjob resume NAME` picks one",
+                opts.jobs_dir.display(),
+                opts.jobs_dir.display()
+            ))
+        })
+}

@@ -1,0 +1,131 @@
+//! Where a run starts: from scratch, or from a checkpoint. On the checkpoint's world size the
+//! run repeats exactly what the uninterrupted one would have done; on another, it continues
+//! from the epoch's global sample position and says what changed.
+
+use candle_core::Tensor;
+
+use crate::checkpoint::{MetricState, Restored, TrainPosition};
+use crate::config::JobSpec;
+use crate::models::Params;
+use crate::optim::Optimizer;
+
+use super::TrainError;
+
+/// The training loop's starting point.
+#[derive(Debug, Clone, Default)]
+pub struct Start {
+    pub epoch: usize,
+    /// Optimizer steps already done.
+    pub step: usize,
+    /// Same world size: steps of `epoch` to skip. Otherwise 0, and `reshard` is set.
+    pub skip_in_epoch: usize,
+    /// Samples of `epoch` consumed by all ranks before the start.
+    pub consumed: usize,
+    pub reshard: bool,
+    pub metrics: MetricState,
+    /// Optimizer steps of the whole run, as this world size will take them.
+    pub total_steps: usize,
+}
+
+impl Start {
+    /// Where to start on `world` ranks, given the checkpoint position (if resuming) and the
+    /// total steps an uninterrupted run on `world` ranks takes.
+    pub fn new(
+        spec: &JobSpec,
+        train_len: usize,
+        world: usize,
+        planned_total: usize,
+        at: Option<&TrainPosition>,
+    ) -> Start {
+        let Some(p) = at else {
+            return Start {
+                total_steps: planned_total,
+                ..Start::default()
+            };
+        };
+        let reshard = p.world_size != world;
+        let total_steps = if reshard {
+            let rest_of_epoch =
+                spec.steps_for(train_len.saturating_sub(p.consumed_in_epoch), world);
+            let later_epochs = spec.train.epochs.saturating_sub(p.epoch + 1);
+            let uncapped = p.step + rest_of_epoch + later_epochs * spec.steps_for(train_len, world);
+            spec.train.max_steps.map_or(uncapped, |m| m.min(uncapped))
+        } else {
+            planned_total
+        };
+        Start {
+            epoch: p.epoch,
+            step: p.step,
+            skip_in_epoch: if reshard { 0 } else { p.step_in_epoch },
+            consumed: p.consumed_in_epoch,
+            reshard,
+            metrics: p.metrics.clone(),
+            total_steps,
+        }
+    }
+
+    /// What a user should know about a resumed run, for the log.
+    pub fn describe(&self, spec: &JobSpec, from: &TrainPosition, world: usize) -> String {
+        let mut text = format!(
+            "resuming at epoch {}, step {} ({} samples of the epoch done)",
+            self.epoch + 1,
+            self.step,
+            self.consumed
+        );
+        if self.reshard {
+            let t = &spec.train;
+            let batch = |w: usize| t.batch_size * t.accumulation * w;
+            text += &format!(
+                "; world size changed from {} to {world}: global batch {} -> {}, the rest of \
+                 the epoch is re-sharded over {world} ranks, {} steps in all (was planned on \
+                 {}); the result will not be bit-identical to an uninterrupted run",
+                from.world_size,
+                batch(from.world_size),
+                batch(world),
+                self.total_steps,
+                from.world_size
+            );
+        }
+        text
+    }
+}
+
+/// Puts a checkpoint's weights into `params` and its state into `optimizer`, after checking
+/// that every parameter is there with its shape.
+pub fn restore(
+    params: &Params,
+    optimizer: &mut Optimizer,
+    restored: &Restored,
+) -> Result<(), TrainError> {
+    let mismatch = |problem: String| TrainError::Restore {
+        dir: restored.dir.clone(),
+        problem,
+    };
+    for (name, var) in params.iter() {
+        let saved: &Tensor = restored
+            .model
+            .get(name)
+            .ok_or_else(|| mismatch(format!("it has no parameter `{name}`")))?;
+        if saved.dims() != var.dims() {
+            return Err(mismatch(format!(
+                "`{name}` has shape {:?} there but {:?} in this model",
+                saved.dims(),
+                var.dims()
+            )));
+        }
+        var.set(&saved.to_dtype(var.dtype())?)?;
+    }
+    if restored.model.len() != params.len() {
+        return Err(mismatch(format!(
+            "it has {} parameters, this model {}",
+            restored.model.len(),
+            params.len()
+        )));
+    }
+    optimizer.load_state(
+        params,
+        restored.optimizer.clone(),
+        restored.position.optimizer_steps,
+    );
+    Ok(())
+}

@@ -3,6 +3,7 @@
 //! as it begins optimizer step 5, on the first attempt only (`attempt=N` picks another).
 //! Not for production use; documented in the README's testing section.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// The environment variable that arms a fault.
@@ -20,7 +21,8 @@ pub enum FaultKind {
     Hang,
     /// SIGSTOP to itself: the whole process stops, heartbeats too.
     Freeze,
-    /// SIGTERM to the launcher, as a cluster scheduler's preemption would send.
+    /// SIGTERM to the launcher, as a cluster scheduler's preemption would send; the rank then
+    /// waits (up to 10 s) for the launcher's stop request, so the job stops after this step.
     Preempt,
 }
 
@@ -88,8 +90,9 @@ impl Fault {
         Ok((fault.rank == rank && fault.attempt == attempt).then_some(fault))
     }
 
-    /// Called as optimizer step `step` (1-based) begins; fires once, at its step.
-    pub fn before_step(&self, step: usize) -> Result<(), String> {
+    /// Called as optimizer step `step` (1-based) begins; fires once, at its step. `stop`: the
+    /// worker's stop-request flag.
+    pub fn before_step(&self, step: usize, stop: &AtomicBool) -> Result<(), String> {
         if step != self.step {
             return Ok(());
         }
@@ -109,6 +112,10 @@ impl Fault {
                 }
                 FaultKind::Preempt => {
                     libc::kill(libc::getppid(), libc::SIGTERM);
+                    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                    while !stop.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
                 }
                 FaultKind::Hang => loop {
                     std::thread::sleep(Duration::from_secs(3600));

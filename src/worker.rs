@@ -42,6 +42,9 @@ pub mod env {
     pub const STARTED_MS: &str = "DDPJOB_STARTED_MS";
     /// The checkpoint directory to continue from (set by `resume` and by restarts).
     pub const RESUME_FROM: &str = "DDPJOB_RESUME_FROM";
+    /// Test-only: each rank writes the sample indices of every step to
+    /// `logs/samples-rank-<r>.txt`.
+    pub const TRACE_SAMPLES: &str = "DDPJOB_TRACE_SAMPLES";
 }
 
 /// Set by SIGTERM or SIGINT: finish the current optimizer step, checkpoint, exit.
@@ -219,6 +222,10 @@ pub fn run() -> Result<bool, WorkerError> {
         stop: &STOP_REQUESTED,
         fault,
         beacon: beacon.clone(),
+        trace_samples: std::env::var_os(env::TRACE_SAMPLES).map(|_| {
+            job.logs_dir()
+                .join(format!("samples-rank-{}.txt", env.rank))
+        }),
     };
 
     if env.world_size == 1 {

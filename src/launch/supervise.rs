@@ -101,10 +101,15 @@ pub fn supervise(workers: &mut [Worker], watch: &mut Watchdog, grace: Duration) 
     loop {
         if INTERRUPTS.load(Ordering::SeqCst) > 0 {
             let signal = LAST_SIGNAL.load(Ordering::SeqCst);
-            return Outcome::Interrupted {
-                signal,
-                clean: stop_gracefully(workers, grace),
-            };
+            let clean = stop_gracefully(workers, grace);
+            // Workers that all completed before the request reached them finished the job.
+            if workers
+                .iter()
+                .all(|w| w.status.is_some_and(|s| s.success()))
+            {
+                return Outcome::Finished;
+            }
+            return Outcome::Interrupted { signal, clean };
         }
         reap(workers);
         if workers.iter().any(|w| w.stopped_on_request()) {
@@ -223,13 +228,21 @@ fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String) {
     let step = watch
         .last_step(w.rank)
         .map_or(String::new(), |s| format!(" (last seen at step {s})"));
-    let summary = format!(
+    let tail = log_tail(&w.log, 12);
+    // Its own error line says why (a hang names the ranks that never arrived).
+    let why = tail
+        .iter()
+        .rev()
+        .find_map(|l| l.strip_prefix("error: "))
+        .map_or(String::new(), |e| format!(": {}", shorten(e, 400)));
+    let head = format!(
         "rank {} (pid {}) {}{step}",
         w.rank,
         w.child.id(),
         describe(w.status)
     );
-    let mut text = format!("{summary}; the other workers were stopped");
+    let summary = format!("{head}{why}");
+    let mut text = format!("{head}; the other workers were stopped");
     let others: Vec<String> = failed[1..]
         .iter()
         .map(|o| format!("rank {}", o.rank))
@@ -237,7 +250,6 @@ fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String) {
     if !others.is_empty() {
         text += &format!(" ({} failed too)", others.join(", "));
     }
-    let tail = log_tail(&w.log, 12);
     if tail.is_empty() {
         text += &format!("; its log `{}` is empty", w.log.display());
     } else {
@@ -248,6 +260,13 @@ fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String) {
         );
     }
     (summary, text)
+}
+
+fn shorten(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((i, _)) => format!("{}...", &text[..i]),
+        None => text.to_string(),
+    }
 }
 
 /// "exited with status 1" / "was killed by signal 9 (SIGKILL)".

@@ -123,6 +123,9 @@ pub struct Hooks<'a> {
     pub fault: Option<Fault>,
     /// Where this worker is, for heartbeats.
     pub beacon: Arc<Beacon>,
+    /// Test-only (`DDPJOB_TRACE_SAMPLES`): a file to append `epoch step index...` lines to, one
+    /// per optimizer step, so tests can check which samples each rank saw.
+    pub trace_samples: Option<std::path::PathBuf>,
 }
 
 /// How a run ended.
@@ -239,7 +242,12 @@ impl Trainer<'_> {
                 let lr = schedule.lr(step, epoch);
                 self.hooks.beacon.set_step(step + 1);
                 if let Some(fault) = &self.hooks.fault {
-                    fault.before_step(step + 1).map_err(TrainError::Injected)?;
+                    fault
+                        .before_step(step + 1, self.hooks.stop)
+                        .map_err(TrainError::Injected)?;
+                }
+                if let Some(path) = &self.hooks.trace_samples {
+                    trace_samples(path, epoch, step + 1, group)?;
                 }
                 let vote = self.hooks.stop.load(Ordering::SeqCst);
                 let (loss_sum, samples, stop) =
@@ -465,6 +473,31 @@ impl Trainer<'_> {
         self.comm.barrier()?;
         Ok(())
     }
+}
+
+fn trace_samples(
+    path: &std::path::Path,
+    epoch: usize,
+    step: usize,
+    group: &[&[usize]],
+) -> Result<(), TrainError> {
+    use std::io::Write;
+    let indices: Vec<String> = group
+        .iter()
+        .flat_map(|m| m.iter())
+        .map(|i| i.to_string())
+        .collect();
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|mut f| writeln!(f, "{epoch} {step} {}", indices.join(" ")))
+        .map_err(|cause| {
+            TrainError::JobDir(JobDirError::Io {
+                path: path.to_path_buf(),
+                cause,
+            })
+        })
 }
 
 #[cfg(test)]

@@ -43,6 +43,7 @@ fn train(spec: &JobSpec) -> Summary {
             stop: &AtomicBool::new(false),
             fault: None,
             beacon: Default::default(),
+            trace_samples: None,
         },
     };
     match trainer.run().unwrap() {

@@ -1,6 +1,7 @@
 //! Test-only fault injection, so the failure paths (restart, hang diagnosis, preemption) can
 //! be exercised deterministically: `DDPJOB_FAULT="rank=1,step=5,kind=kill"` makes rank 1 fail
-//! as it begins optimizer step 5, on the first attempt only (`attempt=N` picks another).
+//! as it begins optimizer step 5, on the first attempt only (`attempt=N` picks another,
+//! `attempt=any` fails every attempt).
 //! Not for production use; documented in the README's testing section.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,16 +32,17 @@ pub struct Fault {
     pub rank: usize,
     pub step: usize,
     pub kind: FaultKind,
-    pub attempt: usize,
+    /// The restart attempt it fires in (`None`: every attempt).
+    pub attempt: Option<usize>,
 }
 
 impl Fault {
-    /// Parses `rank=R,step=S,kind=K[,attempt=A]`.
+    /// Parses `rank=R,step=S,kind=K[,attempt=A|any]`.
     pub fn parse(text: &str) -> Result<Fault, String> {
         let mut rank = None;
         let mut step = None;
         let mut kind = None;
-        let mut attempt = 0;
+        let mut attempt = Some(0);
         for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (key, value) = part
                 .split_once('=')
@@ -53,7 +55,8 @@ impl Fault {
             match key {
                 "rank" => rank = Some(number()?),
                 "step" => step = Some(number()?),
-                "attempt" => attempt = number()?,
+                "attempt" if value == "any" => attempt = None,
+                "attempt" => attempt = Some(number()?),
                 "kind" => {
                     kind = Some(match value {
                         "kill" => FaultKind::Kill,
@@ -87,7 +90,8 @@ impl Fault {
             return Ok(None);
         };
         let fault = Fault::parse(&text).map_err(|e| format!("{ENV}={text:?}: {e}"))?;
-        Ok((fault.rank == rank && fault.attempt == attempt).then_some(fault))
+        let now = fault.attempt.is_none_or(|a| a == attempt);
+        Ok((fault.rank == rank && now).then_some(fault))
     }
 
     /// Called as optimizer step `step` (1-based) begins; fires once, at its step. `stop`: the
@@ -141,14 +145,20 @@ mod tests {
                 rank: 1,
                 step: 5,
                 kind: FaultKind::Kill,
-                attempt: 0
+                attempt: Some(0)
             }
         );
         assert_eq!(
             Fault::parse("kind=hang,step=2,rank=0,attempt=1")
                 .unwrap()
                 .attempt,
-            1
+            Some(1)
+        );
+        assert_eq!(
+            Fault::parse("rank=0,step=1,kind=exit,attempt=any")
+                .unwrap()
+                .attempt,
+            None
         );
         assert!(Fault::parse("rank=1,step=5").unwrap_err().contains("kind="));
         assert!(

@@ -126,7 +126,15 @@ impl Leader {
     ) -> Result<PathBuf, TrainError> {
         let model = params.named_tensors();
         let (optim, _) = optimizer.state(params);
-        Ok(self.checkpointer.save(&model, &optim, position)?)
+        let dir = self.checkpointer.save(&model, &optim, position)?;
+        // state.json follows the checkpoints, so it says where a resume would start.
+        if let Some(mut state) = self.job.read_state() {
+            state.epoch = position.epoch;
+            state.step = position.step;
+            state.updated_unix = now_unix();
+            self.job.write_state(&state)?;
+        }
+        Ok(dir)
     }
 }
 

@@ -5,5 +5,6 @@ mod common;
 mod accumulation;
 mod distributed;
 mod download;
+mod resume;
 mod run;
 mod validate;

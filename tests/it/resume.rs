@@ -1,0 +1,353 @@
+//! Checkpoints you can trust: a job stopped at any checkpoint and resumed (`ddpjob resume`), or
+//! restarted after a worker died, ends bit-identical to the run that was never interrupted.
+//! Failures are injected with the test-only `DDPJOB_FAULT` (a real SIGKILL, SIGTERM to the
+//! launcher, ...), so each test stops exactly where it means to.
+
+use std::path::Path;
+use std::process::Command;
+
+use crate::common::{Run, TestJob, load_weights, workers_under};
+
+/// 512 samples, batch 16 × accumulation 2: 8 optimizer steps per epoch on 2 workers, 16 on one.
+fn job(optimizer: &str, extra: &str) -> String {
+    format!(
+        r#"
+seed = 5
+[model]
+arch = "mlp"
+hidden = [32]
+[data]
+dataset = "synthetic"
+[data.synthetic]
+train_samples = 512
+test_samples = 128
+shape = [1, 8, 8]
+classes = 4
+noise = 0.8
+[train]
+epochs = 3
+batch_size = 16
+accumulation = 2
+lr = 0.02
+optimizer = "{optimizer}"
+weight_decay = 0.01
+grad_clip_norm = 0.5
+log_every = 3
+[train.scheduler]
+kind = "cosine"
+warmup_steps = 3
+min_lr = 0.001
+[checkpoint]
+every_epochs = 1
+keep_last = 0
+{extra}
+"#
+    )
+}
+
+/// `ddpjob run` with `DDPJOB_FAULT` set (if `fault` is not empty).
+fn run_with_fault(t: &TestJob, config: &Path, fault: &str, extra: &[&str]) -> Run {
+    let jobs = t.jobs_dir();
+    Command::new(env!("CARGO_BIN_EXE_ddpjob"))
+        .arg("run")
+        .arg(config)
+        .arg("--jobs-dir")
+        .arg(&jobs)
+        .args(extra)
+        .current_dir(t.dir.path())
+        .env("DDPJOB_PLAIN", "1")
+        .env("DDPJOB_FAULT", fault)
+        .output()
+        .expect("spawn ddpjob")
+        .into()
+}
+
+fn resume(t: &TestJob, args: &[&str]) -> Run {
+    let jobs = t.jobs_dir().to_string_lossy().into_owned();
+    let mut all = vec!["resume", "--jobs-dir", jobs.as_str()];
+    all.extend_from_slice(args);
+    t.ddpjob(&all)
+}
+
+#[track_caller]
+fn assert_bit_identical(t: &TestJob, a: &str, b: &str) {
+    let (wa, wb) = (
+        load_weights(&t.job(a).join("model.safetensors")),
+        load_weights(&t.job(b).join("model.safetensors")),
+    );
+    assert_eq!(wa.keys().collect::<Vec<_>>(), wb.keys().collect::<Vec<_>>());
+    for (name, va) in &wa {
+        let same = va
+            .iter()
+            .zip(&wb[name])
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "`{name}` differs between jobs {a} and {b}");
+    }
+}
+
+/// The optimizer steps of `metrics.jsonl`'s train lines: each exactly once, in order.
+#[track_caller]
+fn assert_history_continues(t: &TestJob, name: &str) {
+    let steps: Vec<u64> = t
+        .metrics(name)
+        .iter()
+        .filter(|l| l["kind"] == "train")
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    let mut sorted = steps.clone();
+    sorted.dedup();
+    assert_eq!(steps, sorted, "train lines repeat or go back: {steps:?}");
+    assert!(
+        t.metrics(name).iter().any(|l| l["kind"] == "resume"),
+        "no resume line"
+    );
+}
+
+#[test]
+fn sigterm_mid_epoch_then_resume_ends_bit_identical() {
+    // (workers, optimizer): sgd with momentum on one worker, adam on two; both accumulate,
+    // clip and follow a cosine schedule with warm-up.
+    for (workers, optimizer, momentum) in [("1", "sgd", "momentum = 0.9"), ("2", "adam", "")] {
+        let t = TestJob::new();
+        let text =
+            job(optimizer, "").replace("log_every = 3", &format!("log_every = 3\n{momentum}"));
+        let cfg = t.config("job", &text);
+        let n = ["--nproc-per-node", workers];
+        t.run(&cfg, &[&n[..], &["--name", "whole"]].concat())
+            .success();
+        // Step 13 is mid-epoch on either world size (8 or 16 steps per epoch).
+        let run = run_with_fault(
+            &t,
+            &cfg,
+            "rank=0,step=13,kind=preempt",
+            &[&n[..], &["--name", "cut"]].concat(),
+        );
+        run.fails_with(143, "interrupted by SIGTERM")
+            .fails_with(143, "after checkpoint `step-00000013`")
+            .fails_with(143, "ddpjob resume cut");
+        let state = t.json(&t.job("cut").join("state.json"));
+        assert_eq!(
+            (state["status"].as_str(), state["step"].as_u64()),
+            (Some("interrupted"), Some(13))
+        );
+        assert!(workers_under(&t.job("cut")).is_empty());
+
+        // No name: the most recently updated unfinished job.
+        let resumed = resume(&t, &[]);
+        resumed.success();
+        assert!(
+            resumed.stdout.contains("resuming job `cut` from")
+                && resumed.stdout.contains("step 13"),
+            "{}",
+            resumed.stdout
+        );
+        assert_bit_identical(&t, "whole", "cut");
+        assert_history_continues(&t, "cut");
+        let (a, b) = (
+            t.json(&t.job("whole").join("summary.json")),
+            t.json(&t.job("cut").join("summary.json")),
+        );
+        assert_eq!(
+            (a["steps"].clone(), a["samples"].clone()),
+            (b["steps"].clone(), b["samples"].clone())
+        );
+        assert_eq!(
+            a["final_train_loss"], b["final_train_loss"],
+            "{workers} workers"
+        );
+        assert_eq!(a["test_accuracy"], b["test_accuracy"]);
+    }
+}
+
+#[test]
+fn a_crash_after_an_epoch_checkpoint_resumes_from_it_bit_identical() {
+    let t = TestJob::new();
+    let cfg = t.config("job", &job("adamw", ""));
+    let n = ["--nproc-per-node", "2"];
+    t.run(&cfg, &[&n[..], &["--name", "whole"]].concat())
+        .success();
+    // Step 9 opens epoch 2: the newest checkpoint is the epoch-boundary one at step 8.
+    let run = run_with_fault(
+        &t,
+        &cfg,
+        "rank=1,step=9,kind=crash",
+        &[&n[..], &["--name", "crashed"]].concat(),
+    );
+    run.fails_with(1, "rank 1").fails_with(1, "SIGABRT");
+    assert_eq!(
+        t.json(&t.job("crashed").join("state.json"))["status"],
+        "failed"
+    );
+    let resumed = resume(&t, &["crashed"]);
+    resumed.success();
+    assert!(
+        resumed.stdout.contains("step-00000008"),
+        "{}",
+        resumed.stdout
+    );
+    assert_bit_identical(&t, "whole", "crashed");
+    assert_history_continues(&t, "crashed");
+}
+
+#[test]
+fn a_mid_epoch_checkpoint_resumes_bit_identical() {
+    let t = TestJob::new();
+    let cfg = t.config("job", &job("sgd", "every_steps = 5"));
+    t.run(&cfg, &["--name", "whole"]).success();
+    // One worker: 16 steps per epoch, checkpoints at 5 and 10; killed at step 12.
+    run_with_fault(&t, &cfg, "rank=0,step=12,kind=kill", &["--name", "killed"])
+        .fails_with(1, "killed by signal 9");
+    let resumed = resume(&t, &["killed"]);
+    resumed.success();
+    assert!(
+        resumed.stdout.contains("step-00000010"),
+        "{}",
+        resumed.stdout
+    );
+    assert_bit_identical(&t, "whole", "killed");
+}
+
+/// Damages the newest checkpoint of a copy of job `src` in `jobs-<how>/`.
+fn damaged_copy(t: &TestJob, how: &str) -> std::path::PathBuf {
+    let jobs = t.path(&format!("jobs-{how}"));
+    std::fs::create_dir_all(&jobs).unwrap();
+    let status = Command::new("cp")
+        .arg("-a")
+        .arg(t.job("broken"))
+        .arg(&jobs)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let newest = jobs.join("broken/checkpoints/step-00000020");
+    let model = newest.join("model.safetensors");
+    match how {
+        "flipped" => {
+            let mut bytes = std::fs::read(&model).unwrap();
+            let last = bytes.len() - 1;
+            bytes[last] ^= 0x40;
+            std::fs::write(&model, bytes).unwrap();
+        }
+        "missing" => std::fs::remove_file(newest.join("optimizer.safetensors")).unwrap(),
+        "truncated" => {
+            let bytes = std::fs::read(&model).unwrap();
+            std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+        }
+        _ => unreachable!(),
+    }
+    jobs
+}
+
+#[test]
+fn a_damaged_newest_checkpoint_is_named_and_the_previous_one_used() {
+    let t = TestJob::new();
+    let cfg = t.config("job", &job("adam", "every_steps = 4"));
+    let n = ["--nproc-per-node", "2"];
+    t.run(&cfg, &[&n[..], &["--name", "whole"]].concat())
+        .success();
+    // Killed at step 22: checkpoints at 4, 8, ..., 20.
+    run_with_fault(
+        &t,
+        &cfg,
+        "rank=1,step=22,kind=kill",
+        &[&n[..], &["--name", "broken"]].concat(),
+    )
+    .fails_with(1, "killed by signal 9");
+    for (how, reason) in [
+        ("flipped", "model.safetensors: checksum mismatch"),
+        ("missing", "optimizer.safetensors: No such file"),
+        ("truncated", "model.safetensors: checksum mismatch"),
+    ] {
+        let jobs = damaged_copy(&t, how);
+        let jobs_arg = jobs.to_string_lossy().into_owned();
+        let run = t.ddpjob(&["resume", "broken", "--jobs-dir", &jobs_arg]);
+        run.success();
+        assert!(
+            run.stderr.contains("checkpoint `step-00000020` is damaged")
+                && run.stderr.contains(reason),
+            "{how}: {}",
+            run.stderr
+        );
+        assert!(
+            run.stdout.contains("step-00000016"),
+            "{how}: {}",
+            run.stdout
+        );
+        // Kept aside for inspection, never deleted; the step was written afresh.
+        assert!(
+            jobs.join("broken/checkpoints/damaged-step-00000020")
+                .is_dir()
+        );
+        let fresh = jobs.join("broken/checkpoints/step-00000020");
+        assert!(fresh.join("MANIFEST").exists(), "{how}");
+        let weights = |dir: &Path| load_weights(&dir.join("broken/model.safetensors"));
+        let whole = load_weights(&t.job("whole").join("model.safetensors"));
+        assert_eq!(weights(&jobs), whole, "{how}: not bit-identical");
+    }
+}
+
+#[test]
+fn a_killed_worker_is_restarted_from_the_checkpoint_when_allowed() {
+    let t = TestJob::new();
+    let cfg = t.config("job", &job("adam", "every_steps = 5"));
+    let n = ["--nproc-per-node", "2"];
+    t.run(&cfg, &[&n[..], &["--name", "whole"]].concat())
+        .success();
+    let run = run_with_fault(
+        &t,
+        &cfg,
+        "rank=1,step=12,kind=kill",
+        &[
+            &n[..],
+            &["--name", "restarted", "--set", "distributed.max_restarts=1"],
+        ]
+        .concat(),
+    );
+    run.success();
+    assert!(
+        run.stderr
+            .contains("restart 1/1 of job `restarted` from checkpoint")
+            && run.stderr.contains("step-00000010")
+            && run.stderr.contains("rank 1 (pid")
+            && run.stderr.contains("killed by signal 9"),
+        "{}",
+        run.stderr
+    );
+    assert_bit_identical(&t, "whole", "restarted");
+    let state = t.json(&t.job("restarted").join("state.json"));
+    assert_eq!(
+        (state["status"].as_str(), state["restarts"].as_u64()),
+        (Some("finished"), Some(1))
+    );
+
+    // Without restarts the same failure ends the job, naming the rank, leaving nothing behind.
+    run_with_fault(
+        &t,
+        &cfg,
+        "rank=1,step=12,kind=kill",
+        &[&n[..], &["--name", "gone"]].concat(),
+    )
+    .fails_with(1, "job `gone` failed: rank 1")
+    .fails_with(1, "killed by signal 9");
+    assert!(workers_under(&t.job("gone")).is_empty());
+}
+
+#[test]
+fn a_worker_that_fails_on_every_attempt_is_given_up_with_each_failure_listed() {
+    let t = TestJob::new();
+    let cfg = t.config("job", &job("sgd", ""));
+    let run = run_with_fault(
+        &t,
+        &cfg,
+        "rank=0,step=2,kind=exit,attempt=any",
+        &["--name", "doomed", "--set", "distributed.max_restarts=2"],
+    );
+    run.fails_with(1, "job `doomed` failed and was given up after 2 restart(s)")
+        .fails_with(1, "attempt 1: rank 0")
+        .fails_with(1, "attempt 3: rank 0")
+        .fails_with(1, "injected failure at step 2");
+    let state = t.json(&t.job("doomed").join("state.json"));
+    assert_eq!(
+        (state["status"].as_str(), state["restarts"].as_u64()),
+        (Some("failed"), Some(2))
+    );
+}

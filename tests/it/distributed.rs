@@ -181,7 +181,18 @@ fn interrupting_the_launcher_stops_every_worker() {
     let run = launcher
         .wait_for(Duration::from_secs(20))
         .expect("launcher did not stop");
-    run.fails_with(130, "interrupted");
+    // Every worker finished its step, rank 0 checkpointed it, and resume is offered.
+    run.fails_with(130, "interrupted by SIGINT")
+        .fails_with(130, "every worker stopped after checkpoint `step-")
+        .fails_with(130, "continue with `ddpjob resume stopped`");
+    let latest = std::fs::read_to_string(t.job("stopped").join("checkpoints/latest")).unwrap();
+    assert!(
+        t.job("stopped")
+            .join("checkpoints")
+            .join(latest.trim())
+            .join("MANIFEST")
+            .exists()
+    );
     assert!(workers_under(&t.job("stopped")).is_empty());
     assert_eq!(
         t.json(&t.job("stopped").join("state.json"))["status"],

@@ -5,6 +5,7 @@ mod common;
 mod accumulation;
 mod distributed;
 mod download;
+mod hangs;
 mod resume;
 mod run;
 mod validate;

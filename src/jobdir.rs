@@ -327,3 +327,45 @@ pub fn list_jobs(jobs_dir: &Path) -> std::io::Result<Vec<(String, JobState)>> {
     });
     Ok(jobs)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_rewind_to_a_checkpoint_and_the_lock_is_exclusive() {
+        let root = std::env::temp_dir().join(format!("ddpjob-jobdir-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        fs::create_dir_all(&root).unwrap();
+        let job = JobDir { root: root.clone() };
+        let lines = [
+            r#"{"kind":"train","epoch":0,"step":4}"#,
+            r#"{"kind":"train","epoch":0,"step":8}"#,
+            r#"{"kind":"epoch","epoch":0,"step":8}"#,
+            r#"{"kind":"train","epoch":1,"step":12}"#,
+        ];
+        fs::write(job.metrics_path(), lines.join("\n") + "\n").unwrap();
+        let kept = |epoch, step| {
+            job.rewind_metrics(epoch, step).unwrap();
+            fs::read_to_string(job.metrics_path())
+                .unwrap()
+                .lines()
+                .count()
+        };
+        // At the epoch-boundary checkpoint (epoch 1 next, step 8) the epoch-0 line stays...
+        assert_eq!(kept(1, 8), 3);
+        // ...at a mid-epoch one at the same step (a stop before evaluation) it goes.
+        assert_eq!(kept(0, 8), 2);
+        assert_eq!(kept(0, 0), 0);
+
+        let lock = job.lock("j").unwrap();
+        let busy = job.lock("j").unwrap_err().to_string();
+        assert!(
+            busy.contains(&format!("pid {}", std::process::id())),
+            "{busy}"
+        );
+        drop(lock);
+        job.lock("j").unwrap();
+        fs::remove_dir_all(&root).unwrap();
+    }
+}

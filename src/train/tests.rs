@@ -19,6 +19,13 @@ fn spec(overrides: &[&str]) -> JobSpec {
 }
 
 fn train(spec: &JobSpec) -> Summary {
+    match train_with(spec, None).unwrap() {
+        Ending::Completed(summary) => summary,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn train_with(spec: &JobSpec, leader: Option<Leader>) -> Result<Ending, TrainError> {
     let data = Dataset::load(&spec.data, spec.seed).unwrap();
     let model = models::build(
         &spec.model,
@@ -36,7 +43,7 @@ fn train(spec: &JobSpec) -> Summary {
         model,
         device: Device::Cpu,
         reporter: &mut reporter,
-        leader: None,
+        leader,
         started: Instant::now(),
         resume: None,
         hooks: Hooks {
@@ -46,9 +53,35 @@ fn train(spec: &JobSpec) -> Summary {
             trace_samples: None,
         },
     };
-    match trainer.run().unwrap() {
-        Ending::Completed(summary) => summary,
-        other => panic!("{other:?}"),
+    trainer.run()
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_written_fails_or_warns_as_configured() {
+    for (policy, trains_on) in [("fail", false), ("warn", true)] {
+        let root =
+            std::env::temp_dir().join(format!("ddpjob-write-{}-{policy}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).unwrap();
+        // A file where the checkpoint directory should be: no checkpoint can be made in it,
+        // whoever runs the test.
+        std::fs::write(root.join("checkpoints"), b"not a directory").unwrap();
+        let leader = Leader::new(crate::jobdir::JobDir { root: root.clone() }, None, 1, 0);
+        let set = format!("checkpoint.on_write_error=\"{policy}\"");
+        let spec = spec(&["checkpoint.every_steps=2", &set]);
+        let result = train_with(&spec, Some(leader));
+        match (trains_on, result) {
+            (true, Ok(Ending::Completed(s))) => assert_eq!(s.steps, 7),
+            (false, Err(TrainError::Checkpoint(e))) => {
+                assert!(
+                    e.to_string()
+                        .contains("the previous checkpoint is untouched"),
+                    "{e}"
+                )
+            }
+            (_, other) => panic!("{policy}: {other:?}"),
+        }
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }
 

@@ -95,12 +95,19 @@ impl TestJob {
         path
     }
 
-    /// Runs `ddpjob <args>` in the temp directory, plain output (not a terminal).
-    pub fn ddpjob(&self, args: &[&str]) -> Run {
-        Command::new(env!("CARGO_BIN_EXE_ddpjob"))
-            .args(args)
+    /// `ddpjob <args>` in the temp directory, plain output (not a terminal), with `env` added.
+    pub fn command(&self, args: &[&str], env: &[(&str, &str)]) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddpjob"));
+        cmd.args(args)
             .current_dir(self.dir.path())
             .env("DDPJOB_PLAIN", "1")
+            .envs(env.iter().copied());
+        cmd
+    }
+
+    /// Runs `ddpjob <args>` in the temp directory, plain output (not a terminal).
+    pub fn ddpjob(&self, args: &[&str]) -> Run {
+        self.command(args, &[])
             .output()
             .expect("spawn ddpjob")
             .into()
@@ -108,11 +115,19 @@ impl TestJob {
 
     /// `ddpjob run <config> --jobs-dir <tmp>/jobs <extra>`.
     pub fn run(&self, config: &Path, extra: &[&str]) -> Run {
+        self.run_env(config, extra, &[])
+    }
+
+    /// [`run`](Self::run) with environment variables (`DDPJOB_FAULT`, ...).
+    pub fn run_env(&self, config: &Path, extra: &[&str], env: &[(&str, &str)]) -> Run {
         let config = config.to_string_lossy().into_owned();
         let jobs = self.jobs_dir().to_string_lossy().into_owned();
         let mut args = vec!["run", config.as_str(), "--jobs-dir", jobs.as_str()];
         args.extend_from_slice(extra);
-        self.ddpjob(&args)
+        self.command(&args, env)
+            .output()
+            .expect("spawn ddpjob")
+            .into()
     }
 
     pub fn job(&self, name: &str) -> PathBuf {

@@ -2,25 +2,14 @@
 //! `ddpjob resume`: each ends with a message that says what happened, never a hang.
 
 use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use crate::common::{Background, Run, TINY, TestJob, workers_under};
 
-fn ddpjob_with(t: &TestJob, args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddpjob"));
-    cmd.args(args)
-        .current_dir(t.dir.path())
-        .env("DDPJOB_PLAIN", "1")
-        .envs(env.iter().copied());
-    cmd
-}
-
 fn run_job(t: &TestJob, config: &str, extra: &[&str], env: &[(&str, &str)]) -> Run {
-    let jobs = t.jobs_dir().to_string_lossy().into_owned();
-    let mut args = vec!["run", config, "--jobs-dir", jobs.as_str()];
-    args.extend_from_slice(extra);
-    ddpjob_with(t, &args, env).output().unwrap().into()
+    t.run_env(Path::new(config), extra, env)
 }
 
 #[test]
@@ -104,24 +93,24 @@ fn a_second_ctrl_c_stops_at_once() {
     let cfg = t.config("job", TINY);
     let jobs = t.jobs_dir();
     // Rank 1 hangs at step 3, so the first Ctrl-C cannot reach a step end.
-    let child = ddpjob_with(
-        &t,
-        &[
-            "run",
-            cfg.to_str().unwrap(),
-            "--name",
-            "stuck",
-            "--nproc-per-node",
-            "2",
-        ],
-        &[("DDPJOB_FAULT", "rank=1,step=3,kind=hang")],
-    )
-    .arg("--jobs-dir")
-    .arg(&jobs)
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let child = t
+        .command(
+            &[
+                "run",
+                cfg.to_str().unwrap(),
+                "--name",
+                "stuck",
+                "--nproc-per-node",
+                "2",
+            ],
+            &[("DDPJOB_FAULT", "rank=1,step=3,kind=hang")],
+        )
+        .arg("--jobs-dir")
+        .arg(&jobs)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut launcher = Background { child };
     let deadline = Instant::now() + Duration::from_secs(20);
     while !std::fs::read_to_string(t.job("stuck").join("logs/rank-1.log"))
@@ -194,21 +183,21 @@ fn resuming_on_another_world_size_covers_the_rest_of_the_epoch_exactly_once() {
     )
     .fails_with(143, "after checkpoint `step-00000005`");
     let jobs = t.jobs_dir().to_string_lossy().into_owned();
-    let run: Run = ddpjob_with(
-        &t,
-        &[
-            "resume",
-            "grow",
-            "--jobs-dir",
-            &jobs,
-            "--nproc-per-node",
-            "3",
-        ],
-        &trace,
-    )
-    .output()
-    .unwrap()
-    .into();
+    let run: Run = t
+        .command(
+            &[
+                "resume",
+                "grow",
+                "--jobs-dir",
+                &jobs,
+                "--nproc-per-node",
+                "3",
+            ],
+            &trace,
+        )
+        .output()
+        .unwrap()
+        .into();
     run.success();
     assert!(
         run.stdout.contains("world size changed from 2 to 3")
@@ -250,7 +239,7 @@ fn a_checkpoint_that_cannot_be_written_fails_the_job_and_keeps_the_previous_one(
     let checkpoints = t.job("full").join("checkpoints");
     let before = std::fs::read(checkpoints.join("step-00000004/model.safetensors")).unwrap();
     let jobs = t.jobs_dir().to_string_lossy().into_owned();
-    let mut cmd = ddpjob_with(&t, &["resume", "full", "--jobs-dir", &jobs], &[]);
+    let mut cmd = t.command(&["resume", "full", "--jobs-dir", &jobs], &[]);
     // SAFETY: setrlimit and signal are async-signal-safe; both are inherited by the workers.
     unsafe {
         cmd.pre_exec(|| {

@@ -45,21 +45,9 @@ keep_last = 0
     )
 }
 
-/// `ddpjob run` with `DDPJOB_FAULT` set (if `fault` is not empty).
+/// `ddpjob run` with `DDPJOB_FAULT` set.
 fn run_with_fault(t: &TestJob, config: &Path, fault: &str, extra: &[&str]) -> Run {
-    let jobs = t.jobs_dir();
-    Command::new(env!("CARGO_BIN_EXE_ddpjob"))
-        .arg("run")
-        .arg(config)
-        .arg("--jobs-dir")
-        .arg(&jobs)
-        .args(extra)
-        .current_dir(t.dir.path())
-        .env("DDPJOB_PLAIN", "1")
-        .env("DDPJOB_FAULT", fault)
-        .output()
-        .expect("spawn ddpjob")
-        .into()
+    t.run_env(config, extra, &[("DDPJOB_FAULT", fault)])
 }
 
 fn resume(t: &TestJob, args: &[&str]) -> Run {

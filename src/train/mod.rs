@@ -4,14 +4,14 @@
 
 mod eval;
 mod leader;
+mod metrics;
 mod resume;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::checkpoint::{self, CheckpointError, MetricState, Restored, TrainPosition};
@@ -27,6 +27,8 @@ use crate::progress::Reporter;
 
 pub use eval::{EvalResult, evaluate};
 pub use leader::Leader;
+pub use metrics::Summary;
+use metrics::{LossTally, trace_samples};
 pub use resume::Start;
 
 #[derive(Debug, Error)]
@@ -61,58 +63,6 @@ pub enum TrainError {
     },
     #[error("{0}")]
     Injected(String),
-}
-
-/// `summary.json` (**contract**: the first seven fields).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Summary {
-    pub test_accuracy: f64,
-    pub test_loss: f64,
-    /// Mean training loss over the last epoch (sample-weighted, all ranks).
-    pub final_train_loss: f64,
-    pub epochs: usize,
-    pub steps: usize,
-    /// Samples of all ranks / time in the training loop (data loading, evaluation and
-    /// checkpoints excluded), as `torch_ref.py` measures it.
-    pub train_samples_per_s: f64,
-    pub wall_s: f64,
-    pub train_s: f64,
-    pub samples: u64,
-    pub world_size: usize,
-    pub parameters: usize,
-}
-
-/// Sum of loss × samples and the sample count, over some steps.
-#[derive(Default)]
-struct LossTally {
-    loss_sum: Option<Tensor>,
-    samples: usize,
-    time: Duration,
-}
-
-impl LossTally {
-    fn add(&mut self, loss_sum: Tensor, samples: usize, time: Duration) -> Result<(), TrainError> {
-        self.loss_sum = Some(match self.loss_sum.take() {
-            Some(s) => (s + loss_sum)?,
-            None => loss_sum,
-        });
-        self.samples += samples;
-        self.time += time;
-        Ok(())
-    }
-
-    /// (mean loss over all ranks, samples of all ranks, seconds) — a collective.
-    fn reduce(&mut self, comm: &dyn Communicator) -> Result<(f64, f64, f64), TrainError> {
-        let local = match self.loss_sum.take() {
-            Some(t) => t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
-            None => 0.0,
-        };
-        let mut v = [local, self.samples as f64];
-        comm.all_reduce_sum_f64(&mut v)?;
-        let secs = self.time.as_secs_f64();
-        *self = LossTally::default();
-        Ok((v[0] / v[1].max(1.0), v[1], secs))
-    }
 }
 
 /// What a worker can be told from outside the training loop.
@@ -473,31 +423,6 @@ impl Trainer<'_> {
         self.comm.barrier()?;
         Ok(())
     }
-}
-
-fn trace_samples(
-    path: &std::path::Path,
-    epoch: usize,
-    step: usize,
-    group: &[&[usize]],
-) -> Result<(), TrainError> {
-    use std::io::Write;
-    let indices: Vec<String> = group
-        .iter()
-        .flat_map(|m| m.iter())
-        .map(|i| i.to_string())
-        .collect();
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .and_then(|mut f| writeln!(f, "{epoch} {step} {}", indices.join(" ")))
-        .map_err(|cause| {
-            TrainError::JobDir(JobDirError::Io {
-                path: path.to_path_buf(),
-                cause,
-            })
-        })
 }
 
 #[cfg(test)]

@@ -92,10 +92,16 @@ fn assert_history_continues(t: &TestJob, name: &str) {
 }
 
 #[test]
-fn sigterm_mid_epoch_then_resume_ends_bit_identical() {
-    // (workers, optimizer): sgd with momentum on one worker, adam on two; both accumulate,
-    // clip and follow a cosine schedule with warm-up.
-    for (workers, optimizer, momentum) in [("1", "sgd", "momentum = 0.9"), ("2", "adam", "")] {
+fn sigterm_then_resume_ends_bit_identical() {
+    // (workers, optimizer, stop after step): sgd with momentum on one worker, adam and adamw on
+    // two; all accumulate, clip and follow a cosine schedule with warm-up. Step 13 is mid-epoch
+    // on either world size (8 or 16 steps per epoch); step 8 ends the first epoch on two, before
+    // its evaluation.
+    for (workers, optimizer, momentum, stop) in [
+        ("1", "sgd", "momentum = 0.9", 13),
+        ("2", "adam", "", 13),
+        ("2", "adamw", "", 8),
+    ] {
         let t = TestJob::new();
         let text =
             job(optimizer, "").replace("log_every = 3", &format!("log_every = 3\n{momentum}"));
@@ -103,20 +109,19 @@ fn sigterm_mid_epoch_then_resume_ends_bit_identical() {
         let n = ["--nproc-per-node", workers];
         t.run(&cfg, &[&n[..], &["--name", "whole"]].concat())
             .success();
-        // Step 13 is mid-epoch on either world size (8 or 16 steps per epoch).
         let run = run_with_fault(
             &t,
             &cfg,
-            "rank=0,step=13,kind=preempt",
+            &format!("rank=0,step={stop},kind=preempt"),
             &[&n[..], &["--name", "cut"]].concat(),
         );
         run.fails_with(143, "interrupted by SIGTERM")
-            .fails_with(143, "after checkpoint `step-00000013`")
+            .fails_with(143, &format!("after checkpoint `step-{stop:08}`"))
             .fails_with(143, "ddpjob resume cut");
         let state = t.json(&t.job("cut").join("state.json"));
         assert_eq!(
             (state["status"].as_str(), state["step"].as_u64()),
-            (Some("interrupted"), Some(13))
+            (Some("interrupted"), Some(stop))
         );
         assert!(workers_under(&t.job("cut")).is_empty());
 
@@ -125,7 +130,7 @@ fn sigterm_mid_epoch_then_resume_ends_bit_identical() {
         resumed.success();
         assert!(
             resumed.stdout.contains("resuming job `cut` from")
-                && resumed.stdout.contains("step 13"),
+                && resumed.stdout.contains(&format!("step {stop})")),
             "{}",
             resumed.stdout
         );

@@ -1,0 +1,96 @@
+//! What the training loop measures: loss sums over log intervals (reduced over ranks), the
+//! run's `summary.json`, and the test-only trace of the samples each step took.
+
+use std::time::Duration;
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+
+use super::TrainError;
+use crate::comm::Communicator;
+use crate::jobdir::JobDirError;
+
+/// `summary.json` (**contract**: the first seven fields).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub test_accuracy: f64,
+    pub test_loss: f64,
+    /// Mean training loss over the last epoch (sample-weighted, all ranks).
+    pub final_train_loss: f64,
+    pub epochs: usize,
+    pub steps: usize,
+    /// Samples of all ranks / time in the training loop (data loading, evaluation and
+    /// checkpoints excluded), as `torch_ref.py` measures it.
+    pub train_samples_per_s: f64,
+    pub wall_s: f64,
+    pub train_s: f64,
+    pub samples: u64,
+    pub world_size: usize,
+    pub parameters: usize,
+}
+
+/// Sum of loss × samples and the sample count, over some steps.
+#[derive(Default)]
+pub(super) struct LossTally {
+    loss_sum: Option<Tensor>,
+    samples: usize,
+    time: Duration,
+}
+
+impl LossTally {
+    pub(super) fn add(
+        &mut self,
+        loss_sum: Tensor,
+        samples: usize,
+        time: Duration,
+    ) -> Result<(), TrainError> {
+        self.loss_sum = Some(match self.loss_sum.take() {
+            Some(s) => (s + loss_sum)?,
+            None => loss_sum,
+        });
+        self.samples += samples;
+        self.time += time;
+        Ok(())
+    }
+
+    /// (mean loss over all ranks, samples of all ranks, seconds) — a collective.
+    pub(super) fn reduce(
+        &mut self,
+        comm: &dyn Communicator,
+    ) -> Result<(f64, f64, f64), TrainError> {
+        let local = match self.loss_sum.take() {
+            Some(t) => t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
+            None => 0.0,
+        };
+        let mut v = [local, self.samples as f64];
+        comm.all_reduce_sum_f64(&mut v)?;
+        let secs = self.time.as_secs_f64();
+        *self = LossTally::default();
+        Ok((v[0] / v[1].max(1.0), v[1], secs))
+    }
+}
+
+pub(super) fn trace_samples(
+    path: &std::path::Path,
+    epoch: usize,
+    step: usize,
+    group: &[&[usize]],
+) -> Result<(), TrainError> {
+    use std::io::Write;
+    let indices: Vec<String> = group
+        .iter()
+        .flat_map(|m| m.iter())
+        .map(|i| i.to_string())
+        .collect();
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|mut f| writeln!(f, "{epoch} {step} {}", indices.join(" ")))
+        .map_err(|cause| {
+            TrainError::JobDir(JobDirError::Io {
+                path: path.to_path_buf(),
+                cause,
+            })
+        })
+}

@@ -33,7 +33,7 @@ pub enum CheckpointError {
 }
 
 mod restore;
-pub use restore::{Choice, Restored, choose, load, read_position};
+pub use restore::{Choice, Restored, choose, load};
 
 /// Where training stood when a checkpoint was taken: everything resume needs besides tensors.
 /// Training draws no randomness of its own (the sampler's permutation is a pure function of

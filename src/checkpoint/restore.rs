@@ -19,8 +19,9 @@ pub struct Restored {
 /// What [`choose`] found in a `checkpoints/` directory.
 #[derive(Debug, Default)]
 pub struct Choice {
-    /// The newest checkpoint that verifies.
+    /// The newest checkpoint that verifies, and its position.
     pub usable: Option<PathBuf>,
+    pub position: Option<TrainPosition>,
     /// Newer checkpoints that do not, newest first, with the reason.
     pub skipped: Vec<(PathBuf, String)>,
 }
@@ -54,9 +55,10 @@ pub fn choose(dir: &Path) -> std::io::Result<Choice> {
         Err(e) => return Err(e),
     };
     for candidate in all.into_iter().rev() {
-        match verify(&candidate).and_then(|()| read_position(&candidate).map(|_| ())) {
-            Ok(()) => {
+        match verify(&candidate).and_then(|()| read_position(&candidate)) {
+            Ok(position) => {
                 choice.usable = Some(candidate);
+                choice.position = Some(position);
                 break;
             }
             Err(why) => choice.skipped.push((candidate, why)),
@@ -66,7 +68,7 @@ pub fn choose(dir: &Path) -> std::io::Result<Choice> {
 }
 
 /// A checkpoint's position (`state.json`).
-pub fn read_position(dir: &Path) -> Result<TrainPosition, String> {
+fn read_position(dir: &Path) -> Result<TrainPosition, String> {
     let bytes = std::fs::read(dir.join("state.json")).map_err(|e| format!("state.json: {e}"))?;
     serde_json::from_slice(&bytes).map_err(|e| format!("state.json: {e}"))
 }

@@ -188,11 +188,10 @@ pub(super) fn rewind_to(job: &JobDir, choice: &checkpoint::Choice) -> Result<(),
     for warning in choice.set_aside().map_err(io)? {
         eprintln!("warning: {warning}");
     }
-    let (epoch, step) = match &choice.usable {
-        // `choose` only picks checkpoints whose position reads.
-        Some(c) => checkpoint::read_position(c).map_or((0, 0), |p| (p.epoch, p.step)),
-        None => (0, 0),
-    };
+    let (epoch, step) = choice
+        .position
+        .as_ref()
+        .map_or((0, 0), |p| (p.epoch, p.step));
     Ok(job.rewind_metrics(epoch, step)?)
 }
 

@@ -85,12 +85,7 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
             checkpoints.display()
         )));
     }
-    let position = match &choice.usable {
-        Some(dir) => Some(checkpoint::read_position(dir).map_err(|problem| {
-            RunError::Usage(format!("checkpoint `{}`: {problem}", dir.display()))
-        })?),
-        None => None,
-    };
+    let position = choice.position.clone();
     // Same world size as the checkpoint unless asked otherwise, so a resume is exact.
     let nproc = opts
         .nproc_per_node

@@ -17,7 +17,7 @@ python=${PYTHON:-python3}
 nproc=${NPROC:-1}
 torchrun=${TORCHRUN:-$(dirname "$python")/torchrun}
 torch_ref=${TORCH_REF:-$here/../shared/bench/torch_ref.py}
-bin=$here/target/release/ddpjob
+bin=${BIN:-$here/target/release/ddpjob}
 data=/usr/share/datasets/fashion-mnist
 [ -x "$bin" ] || { echo "no $bin: run cargo build --release first" >&2; exit 2; }
 [ -f "$torch_ref" ] || { echo "no $torch_ref: set TORCH_REF" >&2; exit 2; }

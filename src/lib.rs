@@ -16,6 +16,7 @@ pub mod data;
 pub mod fault;
 pub mod heartbeat;
 pub mod jobdir;
+pub mod kernels;
 pub mod launch;
 pub mod models;
 pub mod optim;

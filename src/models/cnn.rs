@@ -4,6 +4,7 @@
 use candle_core::{Device, Result, Tensor};
 
 use super::{Conv2d, Init, Linear, Model, Params};
+use crate::kernels::Pooling;
 
 pub struct Cnn {
     conv1: Conv2d,
@@ -34,10 +35,10 @@ impl Cnn {
 
 impl Model for Cnn {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let h = self.conv1.forward(xs)?.relu()?;
-        let h = self.conv2.forward(&h)?.relu()?.max_pool2d(2)?;
-        let h = self.fc1.forward(&h.flatten_from(1)?)?.relu()?;
-        self.fc2.forward(&h)
+        let h = self.conv1.forward_relu(xs, Pooling::None)?;
+        let h = self.conv2.forward_relu(&h, Pooling::Max2)?;
+        let h = self.fc1.forward(&h.flatten_from(1)?, true)?;
+        self.fc2.forward(&h, false)
     }
 
     fn params(&self) -> &Params {

@@ -40,10 +40,7 @@ impl Model for Mlp {
         let mut h = xs.flatten_from(1)?;
         let last = self.layers.len() - 1;
         for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(&h)?;
-            if i < last {
-                h = h.relu()?;
-            }
+            h = layer.forward(&h, i < last)?;
         }
         Ok(h)
     }

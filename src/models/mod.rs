@@ -7,6 +7,7 @@ mod mlp;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use crate::config::ModelSpec;
+use crate::kernels::{self, ConvGeometry, Pooling};
 use crate::rng::Mt19937;
 
 pub use cnn::Cnn;
@@ -124,8 +125,13 @@ pub struct Linear {
 }
 
 impl Linear {
-    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        xs.matmul(&self.weight.t()?)?.broadcast_add(&self.bias)
+    /// `x·Wᵀ + b`, then ReLU when `relu`.
+    pub fn forward(&self, xs: &Tensor, relu: bool) -> Result<Tensor> {
+        if kernels::applies(xs) {
+            return kernels::linear(xs, &self.weight, &self.bias, relu);
+        }
+        let y = xs.matmul(&self.weight.t()?)?.broadcast_add(&self.bias)?;
+        if relu { y.relu() } else { Ok(y) }
     }
 }
 
@@ -135,10 +141,24 @@ pub struct Conv2d {
 }
 
 impl Conv2d {
-    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+    /// `pooling(relu(conv2d(x) + b))`, stride 1, no padding.
+    pub fn forward_relu(&self, xs: &Tensor, pooling: Pooling) -> Result<Tensor> {
+        if kernels::applies(xs) {
+            let geometry = ConvGeometry {
+                stride: 1,
+                padding: 0,
+            };
+            return kernels::conv2d(xs, &self.weight, &self.bias, geometry, true, pooling);
+        }
         let out_channels = self.bias.dim(0)?;
-        xs.conv2d(&self.weight, 0, 1, 1, 1)?
-            .broadcast_add(&self.bias.reshape((1, out_channels, 1, 1))?)
+        let y = xs
+            .conv2d(&self.weight, 0, 1, 1, 1)?
+            .broadcast_add(&self.bias.reshape((1, out_channels, 1, 1))?)?
+            .relu()?;
+        match pooling {
+            Pooling::None => Ok(y),
+            Pooling::Max2 => kernels::max_pool2_with_ops(&y),
+        }
     }
 }
 

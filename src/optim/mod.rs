@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use candle_core::{Result, Tensor};
 
 use crate::config::OptimizerSpec;
+use crate::kernels::{self, AdamStep, SgdStep};
 use crate::models::Params;
 
 pub use schedule::Schedule;
@@ -18,9 +19,46 @@ pub struct Optimizer {
     /// Steps taken (Adam's `t`).
     steps: u64,
     /// SGD: momentum buffer. Adam/AdamW: first moment.
-    first: Vec<Option<Tensor>>,
+    first: Vec<Option<Buffer>>,
     /// Adam/AdamW: second moment.
-    second: Vec<Option<Tensor>>,
+    second: Vec<Option<Buffer>>,
+}
+
+/// A state buffer: a tensor for candle's ops, or (f32 on the CPU) a plain vector that the fused
+/// kernels update in place. The representation never leaves this module.
+#[derive(Debug, Clone)]
+enum Buffer {
+    Tensor(Tensor),
+    Host(Vec<f32>),
+}
+
+impl Buffer {
+    fn tensor(&self, like: &Tensor) -> Result<Tensor> {
+        match self {
+            Buffer::Tensor(t) => Ok(t.clone()),
+            Buffer::Host(v) => Tensor::from_slice(v, like.shape(), like.device()),
+        }
+    }
+
+    fn host(&mut self) -> Result<&mut Vec<f32>> {
+        if let Buffer::Tensor(t) = self {
+            *self = Buffer::Host(t.flatten_all()?.to_vec1::<f32>()?);
+        }
+        match self {
+            Buffer::Host(v) => Ok(v),
+            Buffer::Tensor(_) => unreachable!("converted above"),
+        }
+    }
+}
+
+/// The host vector of a buffer, created empty (the kernels' "no state yet") when missing.
+fn host(slot: &mut Option<Buffer>) -> Result<&mut Vec<f32>> {
+    slot.get_or_insert(Buffer::Host(Vec::new())).host()
+}
+
+/// The tensor of a buffer, if any.
+fn tensor(slot: &Option<Buffer>, like: &Tensor) -> Result<Option<Tensor>> {
+    slot.as_ref().map(|b| b.tensor(like)).transpose()
 }
 
 impl Optimizer {
@@ -40,63 +78,120 @@ impl Optimizer {
     /// Updates every parameter from its gradient (same order as `params`) with learning rate `lr`.
     pub fn step(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
         self.steps += 1;
-        let t = self.steps as i32;
         for (i, (var, grad)) in params.vars().zip(grads).enumerate() {
-            let p = var.as_tensor();
-            let updated = match self.spec {
-                OptimizerSpec::Sgd {
+            if kernels::applies(var.as_tensor()) {
+                self.fused_step(i, var.as_tensor(), grad, lr)?;
+            } else {
+                let updated = self.tensor_step(i, var.as_tensor(), grad, lr)?;
+                var.set(&updated)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The update as one pass over the parameter (CPU, f32), in place.
+    fn fused_step(&mut self, i: usize, p: &Tensor, grad: &Tensor, lr: f64) -> Result<()> {
+        match self.spec {
+            OptimizerSpec::Sgd {
+                momentum,
+                nesterov,
+                weight_decay,
+            } => {
+                let h = SgdStep {
+                    lr,
                     momentum,
                     nesterov,
                     weight_decay,
-                } => {
-                    // torch.optim.SGD (dampening 0): g += wd·p; buf = μ·buf + g (buf = g at first);
-                    // g = nesterov ? g + μ·buf : buf; p -= lr·g
-                    let g = l2(grad, p, weight_decay)?;
-                    let g = if momentum > 0.0 {
-                        let buf = match &self.first[i] {
-                            Some(buf) => ((buf * momentum)? + &g)?,
-                            None => g.clone(),
-                        };
-                        let dir = if nesterov {
-                            (&g + (&buf * momentum)?)?
-                        } else {
-                            buf.clone()
-                        };
-                        self.first[i] = Some(buf);
-                        dir
-                    } else {
-                        g
-                    };
-                    (p - (g * lr)?)?
+                };
+                if momentum > 0.0 {
+                    kernels::sgd_step(p, grad, host(&mut self.first[i])?, h)?;
+                } else {
+                    kernels::sgd_step(p, grad, &mut Vec::new(), h)?;
                 }
-                OptimizerSpec::Adam {
+            }
+            OptimizerSpec::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            }
+            | OptimizerSpec::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                let h = AdamStep {
+                    lr,
                     beta1,
                     beta2,
                     eps,
                     weight_decay,
-                } => {
-                    // torch.optim.Adam: g += wd·p (L2), then the Adam update.
-                    let g = l2(grad, p, weight_decay)?;
-                    self.adam_update(i, p, &g, lr, beta1, beta2, eps, t)?
-                }
-                OptimizerSpec::AdamW {
-                    beta1,
-                    beta2,
-                    eps,
-                    weight_decay,
-                } => {
-                    // torch.optim.AdamW: p *= 1 - lr·wd (decoupled), then the Adam update.
-                    let decayed = if weight_decay > 0.0 {
-                        (p * (1.0 - lr * weight_decay))?
-                    } else {
-                        p.clone()
-                    };
-                    self.adam_update(i, &decayed, grad, lr, beta1, beta2, eps, t)?
-                }
-            };
-            var.set(&updated)?;
+                    decoupled: matches!(self.spec, OptimizerSpec::AdamW { .. }),
+                    t: self.steps as i32,
+                };
+                let m = host(&mut self.first[i])?;
+                let v = host(&mut self.second[i])?;
+                kernels::adam_step(p, grad, m, v, h)?;
+            }
         }
         Ok(())
+    }
+
+    /// The update with candle's tensor ops (any device): the new parameter value.
+    fn tensor_step(&mut self, i: usize, p: &Tensor, grad: &Tensor, lr: f64) -> Result<Tensor> {
+        let t = self.steps as i32;
+        Ok(match self.spec {
+            OptimizerSpec::Sgd {
+                momentum,
+                nesterov,
+                weight_decay,
+            } => {
+                // torch.optim.SGD (dampening 0): g += wd·p; buf = μ·buf + g (buf = g at first);
+                // g = nesterov ? g + μ·buf : buf; p -= lr·g
+                let g = l2(grad, p, weight_decay)?;
+                let g = if momentum > 0.0 {
+                    let buf = match tensor(&self.first[i], p)? {
+                        Some(buf) => ((buf * momentum)? + &g)?,
+                        None => g.clone(),
+                    };
+                    let dir = if nesterov {
+                        (&g + (&buf * momentum)?)?
+                    } else {
+                        buf.clone()
+                    };
+                    self.first[i] = Some(Buffer::Tensor(buf));
+                    dir
+                } else {
+                    g
+                };
+                (p - (g * lr)?)?
+            }
+            OptimizerSpec::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                // torch.optim.Adam: g += wd·p (L2), then the Adam update.
+                let g = l2(grad, p, weight_decay)?;
+                self.adam_update(i, p, &g, lr, beta1, beta2, eps, t)?
+            }
+            OptimizerSpec::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                // torch.optim.AdamW: p *= 1 - lr·wd (decoupled), then the Adam update.
+                let decayed = if weight_decay > 0.0 {
+                    (p * (1.0 - lr * weight_decay))?
+                } else {
+                    p.clone()
+                };
+                self.adam_update(i, &decayed, grad, lr, beta1, beta2, eps, t)?
+            }
+        })
     }
 
     /// m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²;
@@ -113,19 +208,19 @@ impl Optimizer {
         eps: f64,
         t: i32,
     ) -> Result<Tensor> {
-        let m = match &self.first[i] {
+        let m = match tensor(&self.first[i], p)? {
             Some(m) => ((m * b1)? + (g * (1.0 - b1))?)?,
             None => (g * (1.0 - b1))?,
         };
-        let v = match &self.second[i] {
+        let v = match tensor(&self.second[i], p)? {
             Some(v) => ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?,
             None => (g.sqr()? * (1.0 - b2))?,
         };
         let step_size = lr / (1.0 - b1.powi(t));
         let denom = ((v.sqrt()? / (1.0 - b2.powi(t)).sqrt())? + eps)?;
         let updated = (p - ((&m / denom)? * step_size)?)?;
-        self.first[i] = Some(m);
-        self.second[i] = Some(v);
+        self.first[i] = Some(Buffer::Tensor(m));
+        self.second[i] = Some(Buffer::Tensor(v));
         Ok(updated)
     }
 
@@ -139,18 +234,18 @@ impl Optimizer {
 
     /// State tensors keyed `<param>.<buffer>` (torch's names: `momentum_buffer`, `exp_avg`,
     /// `exp_avg_sq`) and the step count.
-    pub fn state(&self, params: &Params) -> (HashMap<String, Tensor>, u64) {
+    pub fn state(&self, params: &Params) -> Result<(HashMap<String, Tensor>, u64)> {
         let mut out = HashMap::new();
         let (first, second) = self.buffer_names();
-        for (i, (name, _)) in params.iter().enumerate() {
-            if let Some(t) = &self.first[i] {
-                out.insert(format!("{name}.{first}"), t.clone());
+        for (i, (name, var)) in params.iter().enumerate() {
+            if let Some(t) = tensor(&self.first[i], var)? {
+                out.insert(format!("{name}.{first}"), t);
             }
-            if let Some(t) = &self.second[i] {
-                out.insert(format!("{name}.{second}"), t.clone());
+            if let Some(t) = tensor(&self.second[i], var)? {
+                out.insert(format!("{name}.{second}"), t);
             }
         }
-        (out, self.steps)
+        Ok((out, self.steps))
     }
 
     /// Restores what [`Optimizer::state`] returned.
@@ -162,8 +257,12 @@ impl Optimizer {
     ) {
         let (first, second) = self.buffer_names();
         for (i, (name, _)) in params.iter().enumerate() {
-            self.first[i] = tensors.remove(&format!("{name}.{first}"));
-            self.second[i] = tensors.remove(&format!("{name}.{second}"));
+            self.first[i] = tensors
+                .remove(&format!("{name}.{first}"))
+                .map(Buffer::Tensor);
+            self.second[i] = tensors
+                .remove(&format!("{name}.{second}"))
+                .map(Buffer::Tensor);
         }
         self.steps = steps;
     }

@@ -10,22 +10,40 @@
 //! (The same values come out of a plain-Python transcription of torch.optim's documented update
 //! rules; ours runs in f32, hence the 1e-5 tolerance.)
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 
 use super::*;
 use crate::models::Params;
 
 const GRADS: [[f32; 2]; 3] = [[0.5, 0.3], [-0.2, 0.1], [0.4, -0.6]];
 
-fn run(spec: OptimizerSpec) -> Vec<f32> {
-    let var = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0], &Device::Cpu).unwrap()).unwrap();
+/// The three steps, in `dtype`: f32 on the CPU takes the fused kernels, f64 candle's tensor ops
+/// (the path other devices take).
+fn run_as(spec: OptimizerSpec, dtype: DType) -> Vec<f32> {
+    let p = Tensor::new(&[1.0f32, -2.0], &Device::Cpu).unwrap();
+    let var = Var::from_tensor(&p.to_dtype(dtype).unwrap()).unwrap();
     let params = Params::from_vars(vec![("p".to_string(), var.clone())]);
     let mut opt = Optimizer::new(spec, 1);
     for g in GRADS {
-        opt.step(&params, &[Tensor::new(&g, &Device::Cpu).unwrap()], 0.1)
+        let g = Tensor::new(&g, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
             .unwrap();
+        opt.step(&params, &[g], 0.1).unwrap();
     }
-    var.to_vec1::<f32>().unwrap()
+    var.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
+}
+
+fn run(spec: OptimizerSpec) -> Vec<f32> {
+    let fused = run_as(spec, DType::F32);
+    let tensor_ops = run_as(spec, DType::F64);
+    for (a, b) in fused.iter().zip(&tensor_ops) {
+        assert!(
+            (a - b).abs() < 1e-5,
+            "fused {fused:?} vs tensor ops {tensor_ops:?}"
+        );
+    }
+    fused
 }
 
 fn assert_close(actual: &[f32], expected: &[f64]) {
@@ -81,6 +99,56 @@ fn adamw_with_decoupled_weight_decay() {
 }
 
 #[test]
+fn sgd_without_momentum_and_large_parameters_split_over_threads() {
+    let plain = OptimizerSpec::Sgd {
+        momentum: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
+    };
+    // p - 0.1·(g1 + g2 + g3)
+    assert_close(&run(plain), &[0.93, -1.98]);
+    // More elements than one parallel chunk: every chunk is updated, as the tensor path does.
+    let n = 100_003;
+    let values: Vec<f32> = (0..n).map(|i| (i % 17) as f32 * 0.1 - 0.8).collect();
+    let grads: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.05 - 0.3).collect();
+    for spec in [
+        plain,
+        OptimizerSpec::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+    ] {
+        let results: Vec<Vec<f32>> = [DType::F32, DType::F64]
+            .into_iter()
+            .map(|dtype| {
+                let p = Tensor::new(values.as_slice(), &Device::Cpu).unwrap();
+                let var = Var::from_tensor(&p.to_dtype(dtype).unwrap()).unwrap();
+                let params = Params::from_vars(vec![("p".to_string(), var.clone())]);
+                let g = Tensor::new(grads.as_slice(), &Device::Cpu).unwrap();
+                let mut opt = Optimizer::new(spec, 1);
+                for _ in 0..2 {
+                    opt.step(&params, &[g.to_dtype(dtype).unwrap()], 0.1)
+                        .unwrap();
+                }
+                var.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
+            })
+            .collect();
+        let worst = results[0]
+            .iter()
+            .zip(&results[1])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst < 1e-5,
+            "{spec:?}: fused and tensor ops differ by {worst}"
+        );
+        assert_ne!(results[0], values, "{spec:?}: nothing was updated");
+    }
+}
+
+#[test]
 fn state_round_trips_exactly() {
     let spec = OptimizerSpec::Adam {
         beta1: 0.9,
@@ -97,13 +165,13 @@ fn state_round_trips_exactly() {
         0.1,
     )
     .unwrap();
-    let (tensors, steps) = a.state(&params);
+    let (tensors, steps) = a.state(&params).unwrap();
     assert!(tensors.contains_key("w.exp_avg") && tensors.contains_key("w.exp_avg_sq"));
     let mut b = Optimizer::new(spec, 1);
     b.load_state(&params, tensors, steps);
     assert_eq!(b.steps(), 1);
-    let (again, _) = b.state(&params);
-    let (before, _) = a.state(&params);
+    let (again, _) = b.state(&params).unwrap();
+    let (before, _) = a.state(&params).unwrap();
     for key in ["w.exp_avg", "w.exp_avg_sq"] {
         assert_eq!(
             again[key].to_vec1::<f32>().unwrap(),

@@ -125,7 +125,7 @@ impl Leader {
         position: &TrainPosition,
     ) -> Result<PathBuf, TrainError> {
         let model = params.named_tensors();
-        let (optim, _) = optimizer.state(params);
+        let (optim, _) = optimizer.state(params)?;
         let dir = self.checkpointer.save(&model, &optim, position)?;
         // state.json follows the checkpoints, so it says where a resume would start.
         if let Some(mut state) = self.job.read_state() {

@@ -90,6 +90,7 @@ fn data_key(node: usize) -> String {
 /// The `worker` subcommand's body; `Ok(true)` if it stopped on request after a checkpoint.
 pub fn run() -> Result<bool, WorkerError> {
     let started = Instant::now();
+    crate::kernels::keep_freed_memory();
     install_stop_handler();
     let env = WorkerEnv::from_env()?;
     let fault = Fault::from_env(env.rank, env.restart_count).map_err(WorkerError::Env)?;

@@ -1,0 +1,435 @@
+//! 2-D convolution (+ bias, optional ReLU, optional 2×2 max-pool) as im2col + GEMM, one sample
+//! per GEMM and one contiguous range of samples per thread, so each thread's column buffer stays
+//! in its cache. Backward: the weight gradient is gz·colsᵀ summed over samples, the input
+//! gradient Wᵀ·gz folded back with col2im, and skipped when the input is data.
+
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
+
+use super::linear::relu_in_place;
+use super::{Mat, gemm, per_sample, sum_parts, values, with_values};
+
+/// Stride and zero padding, the same along both spatial axes (dilation 1, one group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvGeometry {
+    pub stride: usize,
+    pub padding: usize,
+}
+
+/// What follows the convolution (and its ReLU, if any).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    None,
+    /// `max_pool2d(2)`: 2×2 windows, stride 2, an odd last row or column dropped (as torch).
+    Max2,
+}
+
+/// `pool(relu(conv2d(x, weight) + bias))` for `x` [n, c, h, w], `weight` [o, c, k, k], `bias` [o].
+pub fn conv2d(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    geometry: ConvGeometry,
+    relu: bool,
+    pooling: Pooling,
+) -> Result<Tensor> {
+    let op = ConvOp {
+        geometry,
+        relu,
+        pooling,
+        argmax: Mutex::new(Vec::new()),
+    };
+    x.contiguous()?
+        .apply_op3(&weight.contiguous()?, &bias.contiguous()?, op)
+}
+
+struct ConvOp {
+    geometry: ConvGeometry,
+    relu: bool,
+    pooling: Pooling,
+    /// Which of its 2×2 window each pooled output came from (forward → backward).
+    argmax: Mutex<Vec<u8>>,
+}
+
+/// Sizes of one call; `l` = output pixels per channel, `ckk` = rows of a sample's column matrix.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    o: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    oh: usize,
+    ow: usize,
+    l: usize,
+    ckk: usize,
+    /// Output values per sample (after pooling).
+    out: usize,
+}
+
+impl Dims {
+    fn new(x: &Shape, w: &Shape, geometry: ConvGeometry, pooling: Pooling) -> Result<Self> {
+        let (n, c, h, wd) = x.dims4()?;
+        let (o, wc, k, k2) = w.dims4()?;
+        let ConvGeometry { stride, padding } = geometry;
+        if wc != c || k != k2 || stride == 0 || h + 2 * padding < k || wd + 2 * padding < k {
+            bail!(
+                "conv2d: input {x:?} does not fit weight {w:?} with stride {stride}, padding {padding}"
+            );
+        }
+        let oh = (h + 2 * padding - k) / stride + 1;
+        let ow = (wd + 2 * padding - k) / stride + 1;
+        let out = match pooling {
+            Pooling::None => o * oh * ow,
+            Pooling::Max2 => o * (oh / 2) * (ow / 2),
+        };
+        Ok(Dims {
+            n,
+            c,
+            h,
+            w: wd,
+            o,
+            k,
+            stride,
+            pad: padding,
+            oh,
+            ow,
+            l: oh * ow,
+            ckk: c * k * k,
+            out,
+        })
+    }
+
+    fn input(&self) -> usize {
+        self.c * self.h * self.w
+    }
+
+    fn out_shape(&self, pooling: Pooling) -> Shape {
+        match pooling {
+            Pooling::None => (self.n, self.o, self.oh, self.ow).into(),
+            Pooling::Max2 => (self.n, self.o, self.oh / 2, self.ow / 2).into(),
+        }
+    }
+
+    /// The output columns `ox` whose input column `ox·stride + kx - pad` lies inside the image.
+    fn inside(&self, kx: usize) -> std::ops::Range<usize> {
+        let first = self.pad.saturating_sub(kx).div_ceil(self.stride);
+        let end = (self.w + self.pad)
+            .saturating_sub(kx)
+            .div_ceil(self.stride)
+            .min(self.ow);
+        first.min(end)..end
+    }
+}
+
+/// Unfolds one sample [c, h, w] into `cols` [c·k·k, oh·ow] (zeros where the window is padding).
+fn im2col(x: &[f32], d: &Dims, cols: &mut [f32]) {
+    for c in 0..d.c {
+        let plane = &x[c * d.h * d.w..][..d.h * d.w];
+        for ky in 0..d.k {
+            for kx in 0..d.k {
+                let row = &mut cols[((c * d.k + ky) * d.k + kx) * d.l..][..d.l];
+                let inside = d.inside(kx);
+                for (oy, out) in row.chunks_exact_mut(d.ow).enumerate() {
+                    let iy = (oy * d.stride + ky).wrapping_sub(d.pad);
+                    if iy >= d.h {
+                        out.fill(0.0);
+                        continue;
+                    }
+                    let line = &plane[iy * d.w..][..d.w];
+                    out[..inside.start].fill(0.0);
+                    out[inside.end..].fill(0.0);
+                    if inside.is_empty() {
+                        continue;
+                    }
+                    let x0 = inside.start * d.stride + kx - d.pad;
+                    if d.stride == 1 {
+                        out[inside.clone()].copy_from_slice(&line[x0..x0 + inside.len()]);
+                    } else {
+                        for (v, src) in out[inside.clone()]
+                            .iter_mut()
+                            .zip(line[x0..].iter().step_by(d.stride))
+                        {
+                            *v = *src;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The adjoint of [`im2col`]: adds `cols` back onto the sample gradient `gx` [c, h, w].
+fn col2im(cols: &[f32], d: &Dims, gx: &mut [f32]) {
+    for c in 0..d.c {
+        let plane = &mut gx[c * d.h * d.w..][..d.h * d.w];
+        for ky in 0..d.k {
+            for kx in 0..d.k {
+                let row = &cols[((c * d.k + ky) * d.k + kx) * d.l..][..d.l];
+                let inside = d.inside(kx);
+                for (oy, src) in row.chunks_exact(d.ow).enumerate() {
+                    let iy = (oy * d.stride + ky).wrapping_sub(d.pad);
+                    if iy >= d.h || inside.is_empty() {
+                        continue;
+                    }
+                    let line = &mut plane[iy * d.w..][..d.w];
+                    let x0 = inside.start * d.stride + kx - d.pad;
+                    let src = &src[inside.clone()];
+                    if d.stride == 1 {
+                        for (dst, v) in line[x0..x0 + src.len()].iter_mut().zip(src) {
+                            *dst += v;
+                        }
+                    } else {
+                        for (dst, v) in line[x0..].iter_mut().step_by(d.stride).zip(src) {
+                            *dst += v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// 2×2 max-pool of `z` [o, oh, ow] into `out`, recording the winner's place in each window
+/// (the first maximum, as torch; unlike torch, a NaN loses to any number).
+fn max_pool2(z: &[f32], d: &Dims, out: &mut [f32], argmax: &mut [u8]) {
+    let pw = d.ow / 2;
+    let rows = out.chunks_exact_mut(pw).zip(argmax.chunks_exact_mut(pw));
+    for (r, (out, argmax)) in rows.enumerate() {
+        let (top, bottom) = window_rows(z, d, r);
+        for (px, (dst, arg)) in out.iter_mut().zip(argmax.iter_mut()).enumerate() {
+            let (a, b) = (top[2 * px], top[2 * px + 1]);
+            let (c, e) = (bottom[2 * px], bottom[2 * px + 1]);
+            let max = a.max(b).max(c.max(e));
+            // The first place holding the maximum, as arithmetic rather than branches.
+            let (na, nb, nc) = (a != max, b != max, c != max);
+            *dst = max;
+            *arg = u8::from(na) * (1 + u8::from(nb) * (1 + u8::from(nc)));
+        }
+    }
+}
+
+/// The two rows of `z` [o, oh, ow] that pooled row `r` (over all channels) is taken from.
+fn window_rows<'a>(z: &'a [f32], d: &Dims, r: usize) -> (&'a [f32], &'a [f32]) {
+    let ph = d.oh / 2;
+    let top = (r / ph) * d.l + 2 * (r % ph) * d.ow;
+    (&z[top..][..d.ow], &z[top + d.ow..][..d.ow])
+}
+
+/// Where pooled output `q` came from in the [o, oh, ow] map.
+#[cfg(test)]
+fn unpooled(q: usize, arg: u8, d: &Dims) -> usize {
+    let (ph, pw) = (d.oh / 2, d.ow / 2);
+    let (o, py, px) = (q / (ph * pw), q / pw % ph, q % pw);
+    o * d.l + (2 * py + usize::from(arg / 2)) * d.ow + 2 * px + usize::from(arg % 2)
+}
+
+impl ConvOp {
+    /// relu(W·cols + b) for one sample into `z` [o, l].
+    fn conv_one(&self, x: &[f32], w: &[f32], b: &[f32], d: &Dims, cols: &mut [f32], z: &mut [f32]) {
+        im2col(x, d, cols);
+        for (row, bias) in z.chunks_exact_mut(d.l).zip(b) {
+            row.fill(*bias);
+        }
+        gemm(
+            z,
+            Mat::new(w, d.o, d.ckk),
+            Mat::new(cols, d.ckk, d.l),
+            true,
+            1,
+        );
+        if self.relu {
+            relu_in_place(z);
+        }
+    }
+
+    /// The gradient at the convolution's output (before ReLU and pooling) for one sample.
+    fn grad_at_conv(&self, g: &[f32], y: &[f32], argmax: &[u8], d: &Dims, gz: &mut [f32]) {
+        let passes = |y: f32| !self.relu || y > 0.0;
+        match self.pooling {
+            Pooling::None => {
+                for ((dst, &g), &y) in gz.iter_mut().zip(g).zip(y) {
+                    *dst = if passes(y) { g } else { 0.0 };
+                }
+            }
+            Pooling::Max2 => {
+                gz.fill(0.0);
+                let (ph, pw) = (d.oh / 2, d.ow / 2);
+                let rows = g.chunks_exact(pw).zip(y.chunks_exact(pw));
+                for (r, ((g, y), argmax)) in rows.zip(argmax.chunks_exact(pw)).enumerate() {
+                    let top = (r / ph) * d.l + 2 * (r % ph) * d.ow;
+                    for (px, ((&g, &y), &arg)) in g.iter().zip(y).zip(argmax).enumerate() {
+                        if passes(y) {
+                            let at = top + usize::from(arg / 2) * d.ow + 2 * px;
+                            gz[at + usize::from(arg % 2)] = g;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl CustomOp3 for ConvOp {
+    fn name(&self) -> &'static str {
+        "ddpjob-conv2d"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        w: &CpuStorage,
+        w_layout: &Layout,
+        b: &CpuStorage,
+        b_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = Dims::new(
+            x_layout.shape(),
+            w_layout.shape(),
+            self.geometry,
+            self.pooling,
+        )?;
+        if b_layout.shape().dims1()? != d.o {
+            bail!("conv2d: bias {:?} for {} channels", b_layout.shape(), d.o);
+        }
+        let (x, w, b) = (
+            values(x, x_layout)?,
+            values(w, w_layout)?,
+            values(b, b_layout)?,
+        );
+        let mut out = vec![0f32; d.n * d.out];
+        let pooled = self.pooling == Pooling::Max2;
+        let mut argmax = vec![0u8; if pooled { d.n * d.out } else { 0 }];
+        let per_arg = if pooled { d.out } else { 0 };
+        per_sample(
+            d.n,
+            ((&mut out, d.out), (&mut argmax, per_arg)),
+            |range, out, argmax| {
+                let mut cols = vec![0f32; d.ckk * d.l];
+                let mut z = vec![0f32; if pooled { d.o * d.l } else { 0 }];
+                for (i, s) in range.enumerate() {
+                    let xs = &x[s * d.input()..][..d.input()];
+                    let dst = &mut out[i * d.out..][..d.out];
+                    if pooled {
+                        self.conv_one(xs, w, b, &d, &mut cols, &mut z);
+                        max_pool2(&z, &d, dst, &mut argmax[i * d.out..][..d.out]);
+                    } else {
+                        self.conv_one(xs, w, b, &d, &mut cols, dst);
+                    }
+                }
+            },
+        );
+        *self.argmax.lock().unwrap_or_else(|e| e.into_inner()) = argmax;
+        Ok((CpuStorage::F32(out), d.out_shape(self.pooling)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = Dims::new(x.shape(), w.shape(), self.geometry, self.pooling)?;
+        let need_gx = x.track_op();
+        let argmax = self.argmax.lock().unwrap_or_else(|e| e.into_inner());
+        if self.pooling == Pooling::Max2 && argmax.len() != d.n * d.out {
+            bail!("conv2d backward: the forward's pooling record is missing");
+        }
+        let mut gx = vec![0f32; if need_gx { d.n * d.input() } else { 0 }];
+        let per_gx = if need_gx { d.input() } else { 0 };
+        let parts = with_values(x, |x| {
+            with_values(w, |w| {
+                with_values(grad, |g| {
+                    with_values(out, |y| {
+                        Ok(per_sample(
+                            d.n,
+                            ((&mut gx, per_gx), (&mut [0u8; 0][..], 0)),
+                            |range, gx, _| {
+                                let mut cols = vec![0f32; d.ckk * d.l];
+                                let mut gcols = vec![0f32; if need_gx { d.ckk * d.l } else { 0 }];
+                                let mut gz = vec![0f32; d.o * d.l];
+                                let mut gw = vec![0f32; d.o * d.ckk];
+                                let mut gb = vec![0f32; d.o];
+                                for (i, s) in range.enumerate() {
+                                    let at = s * d.out..(s + 1) * d.out;
+                                    let arg = argmax.get(at.clone()).unwrap_or_default();
+                                    self.grad_at_conv(&g[at.clone()], &y[at], arg, &d, &mut gz);
+                                    for (acc, row) in gb.iter_mut().zip(gz.chunks_exact(d.l)) {
+                                        *acc += row.iter().sum::<f32>();
+                                    }
+                                    im2col(&x[s * d.input()..][..d.input()], &d, &mut cols);
+                                    gemm(
+                                        &mut gw,
+                                        Mat::new(&gz, d.o, d.l),
+                                        Mat::new(&cols, d.ckk, d.l).t(),
+                                        true,
+                                        1,
+                                    );
+                                    if need_gx {
+                                        gemm(
+                                            &mut gcols,
+                                            Mat::new(w, d.o, d.ckk).t(),
+                                            Mat::new(&gz, d.o, d.l),
+                                            false,
+                                            1,
+                                        );
+                                        col2im(&gcols, &d, &mut gx[i * d.input()..][..d.input()]);
+                                    }
+                                }
+                                (gw, gb)
+                            },
+                        ))
+                    })
+                })
+            })
+        })?;
+        let (gws, gbs): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
+        let device = x.device();
+        let gx = if need_gx {
+            Some(Tensor::from_vec(gx, x.shape(), device)?)
+        } else {
+            None
+        };
+        Ok((
+            gx,
+            Some(Tensor::from_vec(sum_parts(gws), w.shape(), device)?),
+            Some(Tensor::from_vec(sum_parts(gbs), d.o, device)?),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_pool_takes_the_first_maximum() {
+        let d = Dims::new(
+            &Shape::from((1, 1, 2, 4)),
+            &Shape::from((1, 1, 1, 1)),
+            ConvGeometry {
+                stride: 1,
+                padding: 0,
+            },
+            Pooling::Max2,
+        )
+        .unwrap();
+        let z = [1.0, 3.0, 5.0, 0.0, 3.0, 2.0, 5.0, 9.0];
+        let (mut out, mut arg) = ([0f32; 2], [0u8; 2]);
+        max_pool2(&z, &d, &mut out, &mut arg);
+        assert_eq!((out[0], arg[0]), (3.0, 1));
+        assert_eq!((out[1], arg[1]), (9.0, 3));
+        let z = [7.0, 7.0, 1.0, 2.0, 7.0, 0.0, 2.0, 2.0];
+        max_pool2(&z, &d, &mut out, &mut arg);
+        assert_eq!((out, arg), ([7.0, 2.0], [0, 1]));
+        assert_eq!(unpooled(0, 1, &d), 1);
+        assert_eq!(unpooled(1, 3, &d), 7);
+    }
+}

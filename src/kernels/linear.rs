@@ -1,0 +1,136 @@
+//! `y = x·Wᵀ + b`, optionally followed by ReLU, as one op: one GEMM forward, two (or one, when
+//! `x` needs no gradient) backward, the bias and ReLU folded into them.
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::{Mat, gemm, threads, values, with_values};
+
+/// `relu(x·Wᵀ + b)` (or without the ReLU) for `x` [n, in], `weight` [out, in], `bias` [out].
+pub fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor, relu: bool) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(
+        &weight.contiguous()?,
+        &bias.contiguous()?,
+        LinearOp { relu },
+    )
+}
+
+struct LinearOp {
+    relu: bool,
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "ddpjob-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        w: &CpuStorage,
+        w_layout: &Layout,
+        b: &CpuStorage,
+        b_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, inputs) = x_layout.shape().dims2()?;
+        let (outputs, w_inputs) = w_layout.shape().dims2()?;
+        if w_inputs != inputs || b_layout.shape().dims1()? != outputs {
+            candle_core::bail!(
+                "linear: input [{n}, {inputs}] does not fit weight [{outputs}, {w_inputs}]"
+            );
+        }
+        let (x, w, b) = (
+            values(x, x_layout)?,
+            values(w, w_layout)?,
+            values(b, b_layout)?,
+        );
+        let mut y = Vec::with_capacity(n * outputs);
+        for _ in 0..n {
+            y.extend_from_slice(b);
+        }
+        gemm(
+            &mut y,
+            Mat::new(x, n, inputs),
+            Mat::new(w, outputs, inputs).t(),
+            true,
+            threads(),
+        );
+        if self.relu {
+            relu_in_place(&mut y);
+        }
+        Ok((CpuStorage::F32(y), Shape::from((n, outputs))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (n, inputs) = x.dims2()?;
+        let outputs = w.dim(0)?;
+        let device = x.device();
+        let gz = with_values(grad, |g| {
+            if !self.relu {
+                return Ok(g.to_vec());
+            }
+            with_values(out, |y| Ok(relu_grad(g, y)))
+        })?;
+        let mut gw = vec![0f32; outputs * inputs];
+        with_values(x, |x| {
+            gemm(
+                &mut gw,
+                Mat::new(&gz, n, outputs).t(),
+                Mat::new(x, n, inputs),
+                false,
+                threads(),
+            );
+            Ok(())
+        })?;
+        let mut gb = vec![0f32; outputs];
+        for row in gz.chunks_exact(outputs) {
+            for (acc, g) in gb.iter_mut().zip(row) {
+                *acc += g;
+            }
+        }
+        // The first layer's input is data: nothing needs its gradient.
+        let gx = if x.track_op() {
+            let mut gx = vec![0f32; n * inputs];
+            with_values(w, |w| {
+                gemm(
+                    &mut gx,
+                    Mat::new(&gz, n, outputs),
+                    Mat::new(w, outputs, inputs),
+                    false,
+                    threads(),
+                );
+                Ok(())
+            })?;
+            Some(Tensor::from_vec(gx, (n, inputs), device)?)
+        } else {
+            None
+        };
+        Ok((
+            gx,
+            Some(Tensor::from_vec(gw, (outputs, inputs), device)?),
+            Some(Tensor::from_vec(gb, outputs, device)?),
+        ))
+    }
+}
+
+/// max(0, v), keeping NaN (so a diverging loss is still seen as one).
+pub(super) fn relu_in_place(values: &mut [f32]) {
+    for v in values {
+        *v = if *v < 0.0 { 0.0 } else { *v };
+    }
+}
+
+/// The gradient through a ReLU whose output was `y`: `g` where `y > 0`, else 0 (as torch).
+pub(super) fn relu_grad(g: &[f32], y: &[f32]) -> Vec<f32> {
+    g.iter()
+        .zip(y)
+        .map(|(&g, &y)| if y > 0.0 { g } else { 0.0 })
+        .collect()
+}

@@ -1,0 +1,212 @@
+//! Fused CPU kernels for the layers ddpjob's models are made of. Candle's CPU ops allocate a
+//! tensor per op and its autograd computes a gradient for every input of every op; a layer here
+//! runs its forward in one pass and its backward as a few GEMMs, and skips the input gradient
+//! when nothing upstream needs it (the first layer). Used for f32 on the CPU; other devices keep
+//! candle's own ops, which the tests check these against.
+
+mod conv;
+mod linear;
+mod optim;
+
+use std::ops::Range;
+
+use candle_core::{CpuStorage, DType, Layout, Result, Storage, Tensor, bail};
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+pub use conv::{ConvGeometry, Pooling, conv2d};
+pub use linear::linear;
+pub use optim::{AdamStep, SgdStep, adam_step, sgd_step};
+
+/// Keeps freed memory in the process. A training step frees and allocates the same large
+/// buffers every time; glibc's defaults hand blocks over 128 KiB back to the kernel (mmap
+/// threshold) and trim the heap, so every step would pay for zeroing fresh pages (measured:
+/// 3–5% of a CNN step). Called once at the start of a worker.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; called before the worker's threads start.
+    unsafe {
+        // 32 MiB is glibc's ceiling for the mmap threshold on 64-bit.
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
+    }
+}
+
+/// Whether the fused kernels run for `t`: f32 on the CPU.
+pub fn applies(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == DType::F32
+}
+
+/// 2×2 max-pool (stride 2, an odd last row or column dropped) from candle's reshape and max,
+/// for devices the fused kernels do not cover. Candle's own `max_pool2d` backward scales the
+/// gradient of a window's unique maximum by 1/4 (it multiplies by the window's mean of the
+/// argmax mask); the backward of `max` passes it whole, as torch does.
+pub fn max_pool2_with_ops(x: &Tensor) -> Result<Tensor> {
+    let (n, c, h, w) = x.dims4()?;
+    let (ph, pw) = (h / 2, w / 2);
+    x.narrow(2, 0, 2 * ph)?
+        .narrow(3, 0, 2 * pw)?
+        .reshape((n, c, ph, 2, pw, 2))?
+        .max(5)?
+        .max(3)
+}
+
+/// The f32 values a contiguous CPU storage holds for `layout`.
+fn values<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
+    let all = storage.as_slice::<f32>()?;
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&all[start..end]),
+        None => bail!("ddpjob kernels need contiguous inputs"),
+    }
+}
+
+/// Runs `f` on the f32 values of a CPU tensor (made contiguous first).
+fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => f(values(cpu, layout)?),
+        _ => bail!("ddpjob kernels run on the CPU only"),
+    }
+}
+
+/// A matrix operand for [`gemm`]: `rows × cols` elements at the given row and column strides.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// `data` read as a row-major `rows × cols` matrix.
+    fn new(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        assert!(data.len() >= rows * cols, "matrix data too short");
+        Mat {
+            data,
+            rows,
+            cols,
+            row_stride: cols,
+            col_stride: 1,
+        }
+    }
+
+    /// The transpose, without moving any data.
+    fn t(self) -> Self {
+        Mat {
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
+    }
+}
+
+/// `dst` (row-major `a.rows × b.cols`) = a·b, or += a·b when `accumulate`. With `threads` > 1
+/// the rows of `dst` are split into one block per thread, each a single-threaded GEMM: for the
+/// shapes here (a batch of 64 rows against thousands of features) that keeps both cores busy
+/// where the gemm crate's own splitting does not.
+fn gemm(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool, threads: usize) {
+    assert_eq!(a.cols, b.rows, "gemm: inner dimensions differ");
+    assert_eq!(dst.len(), a.rows * b.cols, "gemm: destination size");
+    let parts = threads.min(a.rows / 16).max(1);
+    if parts == 1 || b.cols == 0 {
+        return gemm_one(dst, a, b, accumulate);
+    }
+    let rows_per_part = a.rows.div_ceil(parts);
+    dst.par_chunks_mut(rows_per_part * b.cols)
+        .enumerate()
+        .for_each(|(i, dst)| {
+            let first = i * rows_per_part;
+            let rows = dst.len() / b.cols;
+            let block = Mat {
+                data: &a.data[first * a.row_stride..],
+                rows,
+                ..a
+            };
+            gemm_one(dst, block, b, accumulate);
+        });
+}
+
+/// One single-threaded GEMM (see [`gemm`]).
+fn gemm_one(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
+    // SAFETY: `Mat::new` checked that each operand's data covers rows × cols, a transpose only
+    // swaps the strides within those bounds, and a row block (in `gemm`) starts its data at its
+    // first row, keeping every access at or below the original's last element; `dst` is
+    // exactly `a.rows × b.cols` (asserted by the caller) and borrowed mutably.
+    unsafe {
+        gemm::gemm(
+            a.rows,
+            b.cols,
+            a.cols,
+            dst.as_mut_ptr(),
+            1,
+            b.cols as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.col_stride as isize,
+            a.row_stride as isize,
+            b.data.as_ptr(),
+            b.col_stride as isize,
+            b.row_stride as isize,
+            if accumulate { 1.0 } else { 0.0 },
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        )
+    }
+}
+
+/// Threads the kernels may use: rayon's pool (`RAYON_NUM_THREADS`, which the launcher sets).
+fn threads() -> usize {
+    rayon::current_num_threads().max(1)
+}
+
+/// An output split by sample: the values and how many belong to each sample (0: not wanted).
+type PerSample<'a, T> = (&'a mut [T], usize);
+
+/// Splits `n` samples into one contiguous range per thread and runs `f(range, a, b)` on each in
+/// parallel, where `a` and `b` are the range's parts of `outs.0` and `outs.1`. Returns each
+/// range's result.
+fn per_sample<A: Send, B: Send, R: Send>(
+    n: usize,
+    outs: (PerSample<A>, PerSample<B>),
+    f: impl Fn(Range<usize>, &mut [A], &mut [B]) -> R + Sync,
+) -> Vec<R> {
+    let ((mut a, per_a), (mut b, per_b)) = outs;
+    let parts = threads().min(n).max(1);
+    let mut work = Vec::with_capacity(parts);
+    let mut start = 0;
+    for part in 0..parts {
+        let end = start + (n - start) / (parts - part);
+        let (a_here, a_rest) = std::mem::take(&mut a).split_at_mut((end - start) * per_a);
+        let (b_here, b_rest) = std::mem::take(&mut b).split_at_mut((end - start) * per_b);
+        work.push((start..end, a_here, b_here));
+        (a, b) = (a_rest, b_rest);
+        start = end;
+    }
+    if parts == 1 {
+        return work.into_iter().map(|(r, a, b)| f(r, a, b)).collect();
+    }
+    work.into_par_iter().map(|(r, a, b)| f(r, a, b)).collect()
+}
+
+/// Element-wise sum of equally long vectors (per-thread partial gradients).
+fn sum_parts(parts: Vec<Vec<f32>>) -> Vec<f32> {
+    let mut parts = parts.into_iter();
+    let mut total = parts.next().unwrap_or_default();
+    for part in parts {
+        for (t, p) in total.iter_mut().zip(&part) {
+            *t += p;
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests;

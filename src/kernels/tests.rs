@@ -1,0 +1,150 @@
+//! The fused kernels against candle's own ops: outputs and every gradient, over random shapes,
+//! strides and padding.
+
+use candle_core::{Device, Tensor, Var};
+
+use super::*;
+use crate::rng::Mt19937;
+
+fn random(rng: &mut Mt19937, shape: &[usize]) -> Tensor {
+    let n = shape.iter().product();
+    let values: Vec<f32> = (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+}
+
+fn assert_close(what: &str, ours: &Tensor, theirs: &Tensor) {
+    assert_eq!(ours.dims(), theirs.dims(), "{what}: shapes");
+    let a = ours.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let b = theirs.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let scale = b.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-4 * scale,
+            "{what}[{i}]: ours {x}, candle {y}"
+        );
+    }
+}
+
+/// Output and gradients of `f(x, w, b)` under a random upstream gradient; `x` is a variable
+/// only when `x_needs_grad` (otherwise it is data, as for a first layer).
+fn run(
+    f: impl Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    tensors: [&Tensor; 3],
+    upstream_seed: u64,
+    x_needs_grad: bool,
+) -> (Tensor, Option<Tensor>, Tensor, Tensor) {
+    let [x, w, b] = tensors.map(|t| Var::from_tensor(t).unwrap());
+    let x_in = if x_needs_grad {
+        x.as_tensor().clone()
+    } else {
+        x.as_tensor().detach()
+    };
+    let out = f(&x_in, w.as_tensor(), b.as_tensor()).unwrap();
+    let upstream = random(&mut Mt19937::new(upstream_seed), out.dims());
+    let grads = (&out * &upstream)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let gx = grads.get(x.as_tensor()).cloned();
+    let gw = grads.get(w.as_tensor()).unwrap().clone();
+    let gb = grads.get(b.as_tensor()).unwrap().clone();
+    (out, gx, gw, gb)
+}
+
+#[test]
+fn conv2d_matches_candle_over_shapes_strides_and_padding() {
+    let mut rng = Mt19937::new(7);
+    let cases = [
+        // n, c, h, w, o, k, stride, padding, relu, pooling
+        (2, 1, 8, 8, 4, 3, 1, 0, true, Pooling::None),
+        (3, 3, 9, 7, 5, 3, 2, 1, false, Pooling::None),
+        (2, 2, 6, 6, 3, 1, 1, 0, true, Pooling::Max2),
+        (4, 4, 10, 11, 6, 3, 1, 0, true, Pooling::Max2),
+        (1, 2, 5, 5, 2, 5, 1, 2, false, Pooling::None),
+        (2, 3, 12, 9, 4, 2, 3, 2, true, Pooling::None),
+        (5, 2, 9, 9, 3, 3, 1, 1, false, Pooling::Max2),
+    ];
+    for (case, &(n, c, h, w, o, k, stride, padding, relu, pooling)) in cases.iter().enumerate() {
+        let x = random(&mut rng, &[n, c, h, w]);
+        let wt = random(&mut rng, &[o, c, k, k]);
+        let b = random(&mut rng, &[o]);
+        let geometry = ConvGeometry { stride, padding };
+        let ours = |x: &Tensor, w: &Tensor, b: &Tensor| conv2d(x, w, b, geometry, relu, pooling);
+        let candle = |x: &Tensor, w: &Tensor, b: &Tensor| {
+            let mut y = x
+                .conv2d(w, padding, stride, 1, 1)?
+                .broadcast_add(&b.reshape((1, o, 1, 1))?)?;
+            if relu {
+                y = y.relu()?;
+            }
+            if pooling == Pooling::Max2 {
+                y = max_pool2_with_ops(&y)?;
+            }
+            Ok(y)
+        };
+        for x_needs_grad in [true, false] {
+            let a = run(ours, [&x, &wt, &b], case as u64, x_needs_grad);
+            let r = run(candle, [&x, &wt, &b], case as u64, x_needs_grad);
+            let what = format!("case {case} (x needs grad: {x_needs_grad})");
+            assert_close(&format!("{what} output"), &a.0, &r.0);
+            assert_close(&format!("{what} weight grad"), &a.2, &r.2);
+            assert_close(&format!("{what} bias grad"), &a.3, &r.3);
+            match (&a.1, &r.1) {
+                (Some(ours), Some(theirs)) => {
+                    assert_close(&format!("{what} input grad"), ours, theirs)
+                }
+                (None, None) => assert!(!x_needs_grad),
+                _ => panic!("{what}: input gradient present in one only"),
+            }
+        }
+    }
+}
+
+#[test]
+fn max_pool_with_ops_passes_the_whole_gradient_to_the_maximum() {
+    let x = Var::new(
+        &[[[[1f32, 4.0, 0.5], [2.0, 3.0, 9.0], [7.0, 7.5, 8.0]]]],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let y = max_pool2_with_ops(x.as_tensor()).unwrap();
+    assert_eq!(y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [4.0]);
+    let grads = (y * 3.0).unwrap().sum_all().unwrap().backward().unwrap();
+    let g = grads.get(x.as_tensor()).unwrap().flatten_all().unwrap();
+    assert_eq!(
+        g.to_vec1::<f32>().unwrap(),
+        [0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    );
+}
+
+#[test]
+fn linear_matches_candle_with_and_without_relu() {
+    let mut rng = Mt19937::new(11);
+    for (case, &(n, inputs, outputs, relu)) in
+        [(5, 7, 3, true), (64, 33, 17, false), (1, 4, 9, true)]
+            .iter()
+            .enumerate()
+    {
+        let x = random(&mut rng, &[n, inputs]);
+        let w = random(&mut rng, &[outputs, inputs]);
+        let b = random(&mut rng, &[outputs]);
+        let ours = |x: &Tensor, w: &Tensor, b: &Tensor| linear(x, w, b, relu);
+        let candle = |x: &Tensor, w: &Tensor, b: &Tensor| {
+            let y = x.matmul(&w.t()?)?.broadcast_add(b)?;
+            if relu { y.relu() } else { Ok(y) }
+        };
+        for x_needs_grad in [true, false] {
+            let a = run(ours, [&x, &w, &b], 100 + case as u64, x_needs_grad);
+            let r = run(candle, [&x, &w, &b], 100 + case as u64, x_needs_grad);
+            assert_close("linear output", &a.0, &r.0);
+            assert_close("linear weight grad", &a.2, &r.2);
+            assert_close("linear bias grad", &a.3, &r.3);
+            assert_eq!(a.1.is_some(), x_needs_grad, "input grad only when needed");
+            if let (Some(ours), Some(theirs)) = (&a.1, &r.1) {
+                assert_close("linear input grad", ours, theirs);
+            }
+        }
+    }
+}

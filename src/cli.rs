@@ -34,7 +34,7 @@ enum Command {
     Validate(ConfigArgs),
     /// List jobs with status, epoch/step and last loss, most recent first.
     List(ListArgs),
-    /// Measure this machine: collective bandwidth between worker processes.
+    /// Measure this machine: collective bandwidth between worker processes, training step speed.
     #[command(subcommand)]
     Bench(BenchCommand),
     /// A worker process; started by `run` with the torchrun environment, not by hand.
@@ -60,6 +60,28 @@ enum BenchCommand {
         #[arg(long, default_value = "1M,10M,100M")]
         sizes: String,
         /// Print the results as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Time the training step (forward, backward, optimizer) of a job file's model and batch
+    /// in this process, data loading excluded: samples/s and where the time goes.
+    Step {
+        /// The job file (TOML) whose model, batch, accumulation and optimizer to time.
+        #[arg(long)]
+        config: PathBuf,
+        /// Override a config key: --set model.arch=mlp (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// Timed optimizer steps.
+        #[arg(long, default_value_t = 300)]
+        steps: usize,
+        /// Untimed steps first.
+        #[arg(long, default_value_t = 20)]
+        warmup: usize,
+        /// Threads (default: every core, as a single worker of `run` gets).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Print the result as JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -157,6 +179,14 @@ pub fn main() -> ExitCode {
             sizes,
             json,
         }) => bench_allreduce(nproc_per_node, &sizes, json),
+        Command::Bench(BenchCommand::Step {
+            config,
+            set,
+            steps,
+            warmup,
+            threads,
+            json,
+        }) => bench_step(&config, &set, steps, warmup, threads, json),
         Command::BenchWorker { sizes } => bench::parse_sizes(&sizes)
             .and_then(|s| bench::worker(&s))
             .map_err(|e| (1, e.into())),
@@ -251,6 +281,38 @@ fn bench_allreduce(nproc: usize, sizes: &str, json: bool) -> CliResult {
         println!("{}", serde_json::to_string(&rows).unwrap_or_default());
     } else {
         print!("{}", bench::table(nproc, &rows));
+    }
+    Ok(())
+}
+
+fn bench_step(
+    config: &Path,
+    set: &[String],
+    steps: usize,
+    warmup: usize,
+    threads: Option<usize>,
+    json: bool,
+) -> CliResult {
+    let loaded = config::load(config, set).map_err(|e| (2, e.into()))?;
+    let threads =
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let options = bench::StepOptions {
+        steps,
+        warmup,
+        threads,
+    };
+    let result = bench::step(&loaded.spec, options).map_err(|e| {
+        let code = if matches!(e, bench::BenchError::Usage(_)) {
+            2
+        } else {
+            1
+        };
+        (code, anyhow::Error::new(e))
+    })?;
+    if json {
+        println!("{}", serde_json::to_string(&result).unwrap_or_default());
+    } else {
+        print!("{}", bench::step_table(&result));
     }
     Ok(())
 }

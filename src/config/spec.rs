@@ -21,11 +21,32 @@ pub enum ModelSpec {
     Cnn,
 }
 
+impl ModelSpec {
+    /// `cnn`, or `mlp [256, 256]`.
+    pub fn describe(&self) -> String {
+        match self {
+            ModelSpec::Mlp { hidden } => format!("mlp {hidden:?}"),
+            ModelSpec::Cnn => "cnn".into(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum DatasetKind {
     Mnist,
     FashionMnist,
     Synthetic(SyntheticSpec),
+}
+
+impl DatasetKind {
+    /// A sample's [channels, height, width] and the number of classes, known without reading
+    /// any data.
+    pub fn sample_shape(&self) -> ([usize; 3], usize) {
+        match self {
+            DatasetKind::Mnist | DatasetKind::FashionMnist => ([1, 28, 28], 10),
+            DatasetKind::Synthetic(s) => (s.shape, s.classes),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -49,6 +70,17 @@ pub struct DataSpec {
     pub checksums: BTreeMap<String, String>,
     /// Per-channel (mean, std) applied after scaling to [0,1].
     pub normalize: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl OptimizerSpec {
+    /// The `train.optimizer` value.
+    pub fn name(&self) -> &'static str {
+        match self {
+            OptimizerSpec::Sgd { .. } => "sgd",
+            OptimizerSpec::Adam { .. } => "adam",
+            OptimizerSpec::AdamW { .. } => "adamw",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -106,45 +106,97 @@ impl<'a> Mat<'a> {
 }
 
 /// `dst` (row-major `a.rows × b.cols`) = a·b, or += a·b when `accumulate`. With `threads` > 1
-/// the rows of `dst` are split into one block per thread, each a single-threaded GEMM: for the
-/// shapes here (a batch of 64 rows against thousands of features) that keeps both cores busy
-/// where the gemm crate's own splitting does not.
+/// the product is split into one block per thread, each a single-threaded GEMM: along the
+/// rows of `a` when `a` is the larger operand, else along the columns of `b`, so each thread
+/// packs only its share of the big matrix. For the shapes here (a batch of 64 rows against
+/// thousands of features) this keeps both cores busy where the gemm crate's own split does not.
 fn gemm(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool, threads: usize) {
     assert_eq!(a.cols, b.rows, "gemm: inner dimensions differ");
     assert_eq!(dst.len(), a.rows * b.cols, "gemm: destination size");
-    let parts = threads.min(a.rows / 16).max(1);
-    if parts == 1 || b.cols == 0 {
-        return gemm_one(dst, a, b, accumulate);
+    let (m, n) = (a.rows, b.cols);
+    let split_rows = m >= n;
+    // A fork-join costs tens of microseconds; below this much work per thread it does not pay.
+    let flops = 2 * m * n * a.cols;
+    let parts = threads
+        .min(if split_rows { m } else { n } / 16)
+        .min(flops / MIN_FLOPS_PER_THREAD)
+        .max(1);
+    let out = Out {
+        ptr: dst.as_mut_ptr(),
+        row_stride: n,
+    };
+    if parts == 1 {
+        // SAFETY: `out` is `dst`, exactly m × n (asserted above), borrowed mutably here.
+        return unsafe { gemm_block(out, a, b, accumulate) };
     }
-    let rows_per_part = a.rows.div_ceil(parts);
-    dst.par_chunks_mut(rows_per_part * b.cols)
-        .enumerate()
-        .for_each(|(i, dst)| {
-            let first = i * rows_per_part;
-            let rows = dst.len() / b.cols;
-            let block = Mat {
+    let per_part = if split_rows { m } else { n }.div_ceil(parts);
+    (0..parts).into_par_iter().for_each(|part| {
+        let first = part * per_part;
+        let (a, b, out) = if split_rows {
+            let rows = per_part.min(m - first);
+            let a = Mat {
                 data: &a.data[first * a.row_stride..],
                 rows,
                 ..a
             };
-            gemm_one(dst, block, b, accumulate);
-        });
+            (a, b, out.offset(first * n))
+        } else {
+            let cols = per_part.min(n - first);
+            let b = Mat {
+                data: &b.data[first * b.col_stride..],
+                cols,
+                ..b
+            };
+            (a, b, out.offset(first))
+        };
+        // SAFETY: the blocks are disjoint (distinct rows, or distinct columns, of `dst`), each
+        // inside `dst`, which stays mutably borrowed until every block is done.
+        unsafe { gemm_block(out, a, b, accumulate) }
+    });
 }
 
-/// One single-threaded GEMM (see [`gemm`]).
-fn gemm_one(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
-    // SAFETY: `Mat::new` checked that each operand's data covers rows × cols, a transpose only
-    // swaps the strides within those bounds, and a row block (in `gemm`) starts its data at its
-    // first row, keeping every access at or below the original's last element; `dst` is
-    // exactly `a.rows × b.cols` (asserted by the caller) and borrowed mutably.
+/// The least work (floating-point operations) worth a thread of its own in [`gemm`].
+const MIN_FLOPS_PER_THREAD: usize = 16_000_000;
+
+/// Where a block of the product goes: a pointer into the destination and its row stride.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    row_stride: usize,
+}
+
+// SAFETY: an `Out` is only handed to blocks that write disjoint parts of one destination.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    fn offset(self, by: usize) -> Out {
+        Out {
+            // SAFETY (of the arithmetic): `by` is a row or column start inside the destination.
+            ptr: self.ptr.wrapping_add(by),
+            ..self
+        }
+    }
+}
+
+/// One single-threaded GEMM into `out` (see [`gemm`]).
+///
+/// # Safety
+/// `out` must point at `a.rows` rows of `b.cols` writable values, `out.row_stride` apart, that
+/// nothing else accesses meanwhile.
+unsafe fn gemm_block(out: Out, a: Mat, b: Mat, accumulate: bool) {
+    // SAFETY: `Mat::new` checked that each operand's data covers rows × cols; a transpose only
+    // swaps the strides within those bounds, and a block (in `gemm`) starts its data at its
+    // first row or column, keeping every access at or below the original's last element; the
+    // caller vouches for `out`.
     unsafe {
         gemm::gemm(
             a.rows,
             b.cols,
             a.cols,
-            dst.as_mut_ptr(),
+            out.ptr,
             1,
-            b.cols as isize,
+            out.row_stride as isize,
             accumulate,
             a.data.as_ptr(),
             a.col_stride as isize,

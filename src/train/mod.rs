@@ -6,6 +6,7 @@ mod eval;
 mod leader;
 mod metrics;
 mod resume;
+pub mod step;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,14 +16,14 @@ use candle_core::{Device, Tensor};
 use thiserror::Error;
 
 use crate::checkpoint::{self, CheckpointError, MetricState, Restored, TrainPosition};
-use crate::comm::{CommError, Communicator, average_gradients, broadcast_params};
+use crate::comm::{CommError, Communicator, broadcast_params};
 use crate::config::{JobSpec, OnWriteError, Plan};
 use crate::data::{DataError, Dataset, DistributedSampler};
 use crate::fault::Fault;
 use crate::heartbeat::Beacon;
 use crate::jobdir::JobDirError;
-use crate::models::{Model, cross_entropy};
-use crate::optim::{Optimizer, Schedule, clip_grad_norm};
+use crate::models::Model;
+use crate::optim::{Optimizer, Schedule};
 use crate::progress::Reporter;
 
 pub use eval::{EvalResult, evaluate};
@@ -30,6 +31,7 @@ pub use leader::Leader;
 pub use metrics::Summary;
 use metrics::{LossTally, trace_samples};
 pub use resume::Start;
+use step::{StepContext, StepError};
 
 #[derive(Debug, Error)]
 pub enum TrainError {
@@ -63,6 +65,15 @@ pub enum TrainError {
     },
     #[error("{0}")]
     Injected(String),
+}
+
+impl From<StepError> for TrainError {
+    fn from(e: StepError) -> Self {
+        match e {
+            StepError::Tensor(e) => TrainError::Tensor(e),
+            StepError::Comm(e) => TrainError::Comm(e),
+        }
+    }
 }
 
 /// What a worker can be told from outside the training loop.
@@ -323,9 +334,8 @@ impl Trainer<'_> {
         }))
     }
 
-    /// Forward and backward over each micro-batch of `group`, gradients summed with weights
-    /// n_micro / n_group (so the step sees the mean over the group's samples, exactly as one big
-    /// batch would), averaged over ranks once, clipped, applied. Returns (Σ loss·n, n).
+    /// One optimizer step over the micro-batches of `group` (indices into the training split).
+    /// Returns (Σ loss·n, n, whether any rank voted to stop).
     fn optimizer_step(
         &mut self,
         optimizer: &mut Optimizer,
@@ -333,48 +343,19 @@ impl Trainer<'_> {
         lr: f64,
         stop_vote: bool,
     ) -> Result<(Tensor, usize, bool), TrainError> {
-        let params = self.model.params();
-        let n_group: usize = group.iter().map(|m| m.len()).sum();
-        let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
-        let mut loss_sum: Option<Tensor> = None;
-        for micro in group {
-            let (xs, ys) = self.data.batch(&self.data.train, micro, &self.device)?;
-            let loss = cross_entropy(&self.model.forward(&xs)?, &ys)?;
-            let store = (&loss * (micro.len() as f64 / n_group as f64))?.backward()?;
-            for (slot, var) in grads.iter_mut().zip(params.vars()) {
-                if let Some(g) = store.get(var) {
-                    *slot = Some(match slot.take() {
-                        Some(acc) => (acc + g)?,
-                        None => g.clone(),
-                    });
-                }
-            }
-            let weighted = (loss.detach() * micro.len() as f64)?;
-            loss_sum = Some(match loss_sum {
-                Some(s) => (s + weighted)?,
-                None => weighted,
-            });
-        }
-        let mut grads = grads
-            .into_iter()
-            .zip(params.vars())
-            .map(|(g, var)| g.map_or_else(|| var.zeros_like(), Ok))
+        let batches = group
+            .iter()
+            .map(|micro| self.data.batch(&self.data.train, micro, &self.device))
             .collect::<Result<Vec<_>, _>>()?;
-        let stop = average_gradients(
-            self.comm,
-            &mut grads,
-            self.spec.distributed.bucket_bytes,
-            stop_vote,
-        )?;
-        if let Some(max_norm) = self.spec.train.grad_clip_norm {
-            clip_grad_norm(&mut grads, max_norm)?;
-        }
-        optimizer.step(params, &grads, lr)?;
-        let loss_sum = loss_sum.map_or_else(
-            || Tensor::zeros((), candle_core::DType::F32, &self.device),
-            Ok,
-        )?;
-        Ok((loss_sum, n_group, stop))
+        let cx = StepContext {
+            model: self.model.as_ref(),
+            comm: self.comm,
+            device: &self.device,
+            grad_clip_norm: self.spec.train.grad_clip_norm,
+            bucket_bytes: self.spec.distributed.bucket_bytes,
+        };
+        let r = step::optimizer_step(&cx, optimizer, &batches, lr, stop_vote, None)?;
+        Ok((r.loss_sum, r.samples, r.stop))
     }
 
     fn position(

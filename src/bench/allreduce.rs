@@ -7,31 +7,17 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use thiserror::Error;
 
-use crate::comm::{CommError, Communicator, TcpCommunicator, spin_for};
+use super::BenchError;
+use crate::comm::{Communicator, TcpCommunicator, spin_for};
 use crate::launch::supervise::{self, Outcome};
 use crate::launch::watch::Watchdog;
-use crate::store::{self, StoreClient, StoreError, StoreServer};
+use crate::store::{self, StoreClient, StoreServer};
 use crate::worker::WorkerEnv;
 
 /// Where rank 0 writes its results for the parent.
 const OUT_ENV: &str = "DDPJOB_BENCH_OUT";
 const TIMEOUT: Duration = Duration::from_secs(300);
-
-#[derive(Debug, Error)]
-pub enum BenchError {
-    #[error("{0}")]
-    Usage(String),
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Comm(#[from] CommError),
-    #[error("benchmark worker failed: {0}")]
-    Worker(String),
-    #[error("{what}: {cause}")]
-    Io { what: String, cause: std::io::Error },
-}
 
 /// One size's result (averages over the timed iterations; the slowest rank counts).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,0 +1,178 @@
+//! `ddpjob bench step`: samples/s of the configured model's training step (forward, backward,
+//! optimizer; accumulation and clipping as configured) on this machine, in this process, with
+//! batches prepared beforehand so that data loading is not counted. It calls the very step
+//! function training uses.
+
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::BenchError;
+use crate::comm::LocalCommunicator;
+use crate::config::JobSpec;
+use crate::models;
+use crate::optim::Optimizer;
+use crate::rng::Mt19937;
+use crate::train::step::{Phases, StepContext, optimizer_step};
+
+/// How long to measure.
+#[derive(Debug, Clone, Copy)]
+pub struct StepOptions {
+    pub steps: usize,
+    pub warmup: usize,
+    /// Threads for the step's kernels (rayon's pool), as one worker of `run` would get.
+    pub threads: usize,
+}
+
+/// The result, per optimizer step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepBench {
+    pub model: String,
+    pub parameters: usize,
+    pub batch_size: usize,
+    pub accumulation: usize,
+    pub optimizer: String,
+    pub threads: usize,
+    pub device: String,
+    pub steps: usize,
+    pub warmup: usize,
+    pub step_ms_median: f64,
+    pub step_ms_mean: f64,
+    /// Samples per second over all timed steps.
+    pub samples_per_s: f64,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+    pub update_ms: f64,
+}
+
+/// Times `options.steps` steps of `spec`'s model after `options.warmup` untimed ones.
+pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchError> {
+    if options.steps == 0 {
+        return Err(BenchError::Usage("--steps must be at least 1".into()));
+    }
+    use_threads(options.threads)?;
+    crate::kernels::keep_freed_memory();
+    let device = Device::Cpu;
+    let (shape, classes) = spec.data.dataset.sample_shape();
+    let model = models::build(&spec.model, shape, classes, spec.seed, &device)
+        .map_err(crate::train::TrainError::from)?;
+    let mut optimizer = Optimizer::new(spec.train.optimizer, model.params().len());
+    let t = &spec.train;
+    let mut rng = Mt19937::new(spec.seed);
+    let batches = (0..t.accumulation)
+        .map(|_| random_batch(&mut rng, t.batch_size, shape, classes, &device))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(crate::train::TrainError::from)?;
+    let comm = LocalCommunicator;
+    let cx = StepContext {
+        model: model.as_ref(),
+        comm: &comm,
+        device: &device,
+        grad_clip_norm: t.grad_clip_norm,
+        bucket_bytes: spec.distributed.bucket_bytes,
+    };
+    let run = |optimizer: &mut Optimizer, phases: Option<&mut Phases>| {
+        optimizer_step(&cx, optimizer, &batches, t.lr, false, phases)
+            .map_err(crate::train::TrainError::from)
+    };
+    for _ in 0..options.warmup {
+        run(&mut optimizer, None)?;
+    }
+    let mut times = Vec::with_capacity(options.steps);
+    for _ in 0..options.steps {
+        let started = Instant::now();
+        run(&mut optimizer, None)?;
+        times.push(started.elapsed());
+    }
+    // The phase split is a separate, shorter pass: timing phases costs a little itself.
+    let mut phases = Phases::default();
+    let phase_steps = options.steps.div_ceil(4);
+    for _ in 0..phase_steps {
+        run(&mut optimizer, Some(&mut phases))?;
+    }
+    let total: Duration = times.iter().sum();
+    times.sort();
+    let samples = t.batch_size * t.accumulation;
+    let per_step = |d: Duration| d.as_secs_f64() * 1e3 / phase_steps as f64;
+    Ok(StepBench {
+        model: spec.model.describe(),
+        parameters: model.params().element_count(),
+        batch_size: t.batch_size,
+        accumulation: t.accumulation,
+        optimizer: t.optimizer.name().to_string(),
+        threads: options.threads,
+        device: "cpu".into(),
+        steps: options.steps,
+        warmup: options.warmup,
+        step_ms_median: times[times.len() / 2].as_secs_f64() * 1e3,
+        step_ms_mean: total.as_secs_f64() * 1e3 / options.steps as f64,
+        samples_per_s: (samples * options.steps) as f64 / total.as_secs_f64().max(1e-12),
+        forward_ms: per_step(phases.forward),
+        backward_ms: per_step(phases.backward),
+        update_ms: per_step(phases.sync + phases.update),
+    })
+}
+
+/// Sizes rayon's pool (which the kernels and candle's matrix products share) and tells candle.
+fn use_threads(threads: usize) -> Result<(), BenchError> {
+    if threads == 0 {
+        return Err(BenchError::Usage("--threads must be at least 1".into()));
+    }
+    // SAFETY: called before this process starts any thread of its own (the CLI is
+    // single-threaded until here); candle reads the variable to size its matrix products.
+    unsafe { std::env::set_var("RAYON_NUM_THREADS", threads.to_string()) };
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .map_err(|e| BenchError::Usage(format!("cannot start {threads} threads: {e}")))
+}
+
+/// Inputs uniform in [0, 1) (as scaled pixels) and uniform labels.
+fn random_batch(
+    rng: &mut Mt19937,
+    n: usize,
+    [c, h, w]: [usize; 3],
+    classes: usize,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let xs: Vec<f32> = (0..n * c * h * w).map(|_| rng.uniform(0.0, 1.0)).collect();
+    let ys: Vec<u32> = (0..n)
+        .map(|_| (rng.uniform(0.0, classes as f32) as u32).min(classes as u32 - 1))
+        .collect();
+    Ok((
+        Tensor::from_vec(xs, (n, c, h, w), device)?,
+        Tensor::from_vec(ys, n, device)?,
+    ))
+}
+
+/// A table for a terminal.
+pub fn step_table(r: &StepBench) -> String {
+    format!(
+        "# training step: {} ({} parameters), {}, batch {} x accumulation {}, 1 process x {} \
+         thread(s), {}; {} steps after {} warm-up\n\
+         {:>14} {:>14} {:>12} {:>11} {:>12} {:>10}\n\
+         {:>14.2} {:>14.2} {:>12.0} {:>11.2} {:>12.2} {:>10.2}\n",
+        r.model,
+        r.parameters,
+        r.optimizer,
+        r.batch_size,
+        r.accumulation,
+        r.threads,
+        r.device,
+        r.steps,
+        r.warmup,
+        "step ms median",
+        "step ms mean",
+        "samples/s",
+        "forward ms",
+        "backward ms",
+        "update ms",
+        r.step_ms_median,
+        r.step_ms_mean,
+        r.samples_per_s,
+        r.forward_ms,
+        r.backward_ms,
+        r.update_ms,
+    )
+}

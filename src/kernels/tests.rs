@@ -148,3 +148,51 @@ fn linear_matches_candle_with_and_without_relu() {
         }
     }
 }
+
+#[test]
+fn gemm_split_over_threads_matches_one_thread() {
+    let mut rng = Mt19937::new(3);
+    let mut fill = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect() };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    // Big enough to split: by columns (a has fewer rows than b has columns), then by rows,
+    // with transposed operands and accumulation.
+    for (m, n, k, transpose, accumulate) in
+        [(64, 300, 1000, false, false), (300, 64, 1000, true, true)]
+    {
+        let (a, b, start) = (fill(m * k), fill(k * n), fill(m * n));
+        let (a, b) = if transpose {
+            (Mat::new(&a, k, m).t(), Mat::new(&b, n, k).t())
+        } else {
+            (Mat::new(&a, m, k), Mat::new(&b, k, n))
+        };
+        let mut one = start.clone();
+        gemm(&mut one, a, b, accumulate, 1);
+        let mut two = start.clone();
+        pool.install(|| gemm(&mut two, a, b, accumulate, 2));
+        // The reference: plain loops.
+        for i in (0..m).step_by(37) {
+            for j in (0..n).step_by(11) {
+                let dot: f32 = (0..k)
+                    .map(|p| {
+                        let x = a.data[i * a.row_stride + p * a.col_stride];
+                        x * b.data[p * b.row_stride + j * b.col_stride]
+                    })
+                    .sum();
+                let want = dot + if accumulate { start[i * n + j] } else { 0.0 };
+                assert!(
+                    (one[i * n + j] - want).abs() < 1e-3,
+                    "one thread at ({i}, {j})"
+                );
+            }
+        }
+        let worst = one
+            .iter()
+            .zip(&two)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "{m}x{n}x{k}: split differs by {worst}");
+    }
+}

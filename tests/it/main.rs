@@ -3,6 +3,7 @@
 mod common;
 
 mod accumulation;
+mod bench;
 mod distributed;
 mod download;
 mod hangs;

@@ -1,0 +1,109 @@
+//! `ddpjob bench step` and `ddpjob bench allreduce`: real processes, JSON and table output, and
+//! usage errors.
+
+use crate::common::{TINY, TestJob};
+
+#[test]
+fn bench_step_times_the_configured_model_and_reports_json() {
+    let t = TestJob::new();
+    let cfg = t.config("tiny", TINY);
+    let cfg = cfg.to_str().unwrap();
+    let run = t.ddpjob(&[
+        "bench",
+        "step",
+        "--config",
+        cfg,
+        "--steps",
+        "12",
+        "--warmup",
+        "2",
+        "--threads",
+        "1",
+        "--set",
+        "train.accumulation=2",
+        "--json",
+    ]);
+    run.success();
+    let r: serde_json::Value = serde_json::from_str(run.stdout.trim()).expect("one JSON line");
+    // mlp [32] on 1×8×8 inputs with 4 classes: 64·32 + 32 + 32·4 + 4 parameters.
+    assert_eq!(r["parameters"], 64 * 32 + 32 + 32 * 4 + 4);
+    assert_eq!(r["model"], "mlp [32]");
+    assert_eq!(r["batch_size"], 32);
+    assert_eq!(r["accumulation"], 2);
+    assert_eq!(r["steps"], 12);
+    assert_eq!(r["threads"], 1);
+    let rate = r["samples_per_s"].as_f64().unwrap();
+    let step_ms = r["step_ms_mean"].as_f64().unwrap();
+    assert!(rate > 0.0 && step_ms > 0.0, "{r}");
+    // samples/s is the 64 samples of a step over the mean step time.
+    let implied = 64.0 / (step_ms / 1e3);
+    assert!((rate / implied - 1.0).abs() < 0.01, "{rate} vs {implied}");
+    let phases: f64 = ["forward_ms", "backward_ms", "update_ms"]
+        .iter()
+        .map(|k| r[k].as_f64().unwrap())
+        .sum();
+    assert!(phases > 0.0, "{r}");
+
+    let table = t.ddpjob(&[
+        "bench",
+        "step",
+        "--config",
+        cfg,
+        "--steps",
+        "3",
+        "--set",
+        "model.arch=cnn",
+    ]);
+    table.success();
+    assert!(
+        table.stdout.contains("# training step: cnn"),
+        "{}",
+        table.stdout
+    );
+    assert!(table.stdout.contains("samples/s"), "{}", table.stdout);
+}
+
+#[test]
+fn bench_step_refuses_bad_input_with_usage_errors() {
+    let t = TestJob::new();
+    let cfg = t.config("tiny", TINY);
+    let cfg = cfg.to_str().unwrap();
+    t.ddpjob(&["bench", "step", "--config", cfg, "--steps", "0"])
+        .fails_with(2, "--steps must be at least 1");
+    t.ddpjob(&["bench", "step", "--config", cfg, "--threads", "0"])
+        .fails_with(2, "--threads must be at least 1");
+    t.ddpjob(&["bench", "step", "--config", "missing.toml"])
+        .fails_with(2, "missing.toml");
+    t.ddpjob(&["bench", "step", "--config", cfg, "--set", "train.lr=fast"])
+        .fails_with(2, "train.lr");
+}
+
+#[test]
+fn bench_allreduce_reports_bandwidth_per_size() {
+    let t = TestJob::new();
+    let run = t.ddpjob(&[
+        "bench",
+        "allreduce",
+        "--nproc-per-node",
+        "2",
+        "--sizes",
+        "1K,100K",
+        "--json",
+    ]);
+    run.success();
+    let rows: serde_json::Value = serde_json::from_str(run.stdout.trim()).expect("JSON");
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1]["floats"], 100_000);
+    assert_eq!(rows[1]["bytes"], 400_000);
+    for row in rows {
+        let (alg, bus) = (
+            row["algbw_gbs"].as_f64().unwrap(),
+            row["busbw_gbs"].as_f64().unwrap(),
+        );
+        // nccl-tests: busbw = algbw · 2(n-1)/n, which is algbw itself for 2 ranks.
+        assert!(alg > 0.0 && (bus - alg).abs() < 1e-9, "{row}");
+    }
+    t.ddpjob(&["bench", "allreduce", "--nproc-per-node", "1"])
+        .fails_with(2, "at least 2");
+}

@@ -267,22 +267,24 @@ fn print_finished(job: &jobdir::JobDir, s: &crate::train::Summary) {
 }
 
 fn bench_allreduce(nproc: usize, sizes: &str, json: bool) -> CliResult {
-    let usage = |e: bench::BenchError| {
-        let code = if matches!(e, bench::BenchError::Usage(_)) {
-            2
-        } else {
-            1
-        };
-        (code, anyhow::Error::new(e))
-    };
-    let sizes = bench::parse_sizes(sizes).map_err(usage)?;
-    let rows = bench::allreduce(nproc, &sizes).map_err(usage)?;
+    let sizes = bench::parse_sizes(sizes).map_err(bench_failure)?;
+    let rows = bench::allreduce(nproc, &sizes).map_err(bench_failure)?;
     if json {
         println!("{}", serde_json::to_string(&rows).unwrap_or_default());
     } else {
         print!("{}", bench::table(nproc, &rows));
     }
     Ok(())
+}
+
+/// A benchmark's error with its exit status: 2 for usage, 1 for a failed measurement.
+fn bench_failure(e: bench::BenchError) -> (u8, anyhow::Error) {
+    let code = if matches!(e, bench::BenchError::Usage(_)) {
+        2
+    } else {
+        1
+    };
+    (code, anyhow::Error::new(e))
 }
 
 fn bench_step(
@@ -301,14 +303,7 @@ fn bench_step(
         warmup,
         threads,
     };
-    let result = bench::step(&loaded.spec, options).map_err(|e| {
-        let code = if matches!(e, bench::BenchError::Usage(_)) {
-            2
-        } else {
-            1
-        };
-        (code, anyhow::Error::new(e))
-    })?;
+    let result = bench::step(&loaded.spec, options).map_err(bench_failure)?;
     if json {
         println!("{}", serde_json::to_string(&result).unwrap_or_default());
     } else {

@@ -1,5 +1,5 @@
 //! The job directory contract: `jobs/<name>/` with job.toml, state.json, metrics.jsonl, logs/,
-//! checkpoints/, model.safetensors and summary.json. Files are replaced atomically.
+//! checkpoints/, model.safetensors, summary.json and curves.svg. Files are replaced atomically.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
@@ -210,6 +210,16 @@ impl JobDir {
     }
     pub fn summary_path(&self) -> PathBuf {
         self.root.join("summary.json")
+    }
+    pub fn curves_path(&self) -> PathBuf {
+        self.root.join("curves.svg")
+    }
+    /// The job's name: its directory's.
+    pub fn name(&self) -> String {
+        self.root.file_name().map_or_else(
+            || self.root.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        )
     }
 
     pub fn write_file(&self, path: &Path, bytes: &[u8]) -> Result<(), JobDirError> {

@@ -21,6 +21,7 @@ pub mod launch;
 pub mod models;
 pub mod optim;
 pub mod progress;
+pub mod report;
 pub mod rng;
 pub mod store;
 pub mod train;

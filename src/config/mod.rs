@@ -16,8 +16,8 @@ pub use error::{ConfigError, Origin};
 pub use raw::RawConfig;
 pub use source::Source;
 pub use spec::{
-    CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, JobSpec, ModelSpec, OnWriteError,
-    OptimizerSpec, ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
+    Check, CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, Expectation, JobSpec, ModelSpec,
+    OnWriteError, OptimizerSpec, ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
 };
 
 /// A validated job and the fully resolved config it came from (every default written out).

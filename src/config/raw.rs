@@ -15,6 +15,8 @@ pub struct RawConfig {
     pub train: RawTrain,
     pub checkpoint: RawCheckpoint,
     pub distributed: RawDistributed,
+    #[serde(skip_serializing_if = "RawExpect::is_empty")]
+    pub expect: RawExpect,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -188,5 +190,27 @@ impl Default for RawDistributed {
             timeout_s: 300,
             bucket_mb: 25.0,
         }
+    }
+}
+
+/// `[expect]`: thresholds checked after the run; absent keys are not checked.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawExpect {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_test_accuracy: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_test_loss: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_final_loss: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_wall_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_train_samples_per_s: Option<f64>,
+}
+
+impl RawExpect {
+    pub fn is_empty(&self) -> bool {
+        *self == RawExpect::default()
     }
 }

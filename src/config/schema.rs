@@ -251,6 +251,36 @@ pub const KEYS: &[KeySpec] = &[
         Kind::Float,
         "gradient bucket size in MB for all-reduce",
     ),
+    key(
+        "expect",
+        Kind::Table,
+        "checks after the run (CI smoke jobs): any unmet one makes the run exit 1",
+    ),
+    key(
+        "expect.min_test_accuracy",
+        Kind::Float,
+        "lowest acceptable final test accuracy, a fraction in [0, 1]",
+    ),
+    key(
+        "expect.max_test_loss",
+        Kind::Float,
+        "highest acceptable final test loss",
+    ),
+    key(
+        "expect.max_final_loss",
+        Kind::Float,
+        "highest acceptable training loss of the last epoch",
+    ),
+    key(
+        "expect.max_wall_s",
+        Kind::Float,
+        "longest acceptable wall time of the command, in seconds",
+    ),
+    key(
+        "expect.min_train_samples_per_s",
+        Kind::Float,
+        "lowest acceptable training throughput (samples of all workers per second)",
+    ),
 ];
 
 /// The spec of a dotted key path, if known.

@@ -13,6 +13,8 @@ pub struct JobSpec {
     pub train: TrainSpec,
     pub checkpoint: CheckpointSpec,
     pub distributed: DistributedSpec,
+    /// `[expect]`, in the order of [`Check::ALL`].
+    pub expect: Vec<Expectation>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -163,4 +165,58 @@ pub struct DistributedSpec {
     pub timeout_s: u64,
     pub max_restarts: usize,
     pub bucket_bytes: usize,
+}
+
+/// One `[expect]` threshold, checked against the run's summary when it ends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Expectation {
+    pub check: Check,
+    pub threshold: f64,
+}
+
+/// What an expectation compares, and in which direction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    MinTestAccuracy,
+    MaxTestLoss,
+    MaxFinalLoss,
+    MaxWallS,
+    MinTrainSamplesPerS,
+}
+
+impl Check {
+    pub const ALL: [Check; 5] = [
+        Check::MinTestAccuracy,
+        Check::MaxTestLoss,
+        Check::MaxFinalLoss,
+        Check::MaxWallS,
+        Check::MinTrainSamplesPerS,
+    ];
+
+    /// The key under `[expect]`.
+    pub fn key(self) -> &'static str {
+        match self {
+            Check::MinTestAccuracy => "min_test_accuracy",
+            Check::MaxTestLoss => "max_test_loss",
+            Check::MaxFinalLoss => "max_final_loss",
+            Check::MaxWallS => "max_wall_s",
+            Check::MinTrainSamplesPerS => "min_train_samples_per_s",
+        }
+    }
+
+    /// The `summary.json` field it reads.
+    pub fn metric(self) -> &'static str {
+        match self {
+            Check::MinTestAccuracy => "test_accuracy",
+            Check::MaxTestLoss => "test_loss",
+            Check::MaxFinalLoss => "final_train_loss",
+            Check::MaxWallS => "wall_s",
+            Check::MinTrainSamplesPerS => "train_samples_per_s",
+        }
+    }
+
+    /// A lower bound (`min_*`) rather than an upper one.
+    pub fn is_minimum(self) -> bool {
+        matches!(self, Check::MinTestAccuracy | Check::MinTrainSamplesPerS)
+    }
 }

@@ -7,8 +7,8 @@ use super::error::ConfigError;
 use super::raw::RawConfig;
 use super::source::Source;
 use super::spec::{
-    CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, JobSpec, ModelSpec, OnWriteError,
-    OptimizerSpec, ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
+    Check, CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, Expectation, JobSpec, ModelSpec,
+    OnWriteError, OptimizerSpec, ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
 };
 
 /// A week: longer than any collective should stall, and safe to add to a clock.
@@ -152,6 +152,8 @@ impl JobSpec {
             bucket_bytes: (c.positive("distributed.bucket_mb", d.bucket_mb) * 1e6) as usize,
         };
 
+        let expect = check_expect(&mut c, raw);
+
         ConfigError::collect(c.errors)?;
         Ok(JobSpec {
             name,
@@ -161,8 +163,42 @@ impl JobSpec {
             train,
             checkpoint,
             distributed,
+            expect,
         })
     }
+}
+
+fn check_expect(c: &mut Checker, raw: &RawConfig) -> Vec<Expectation> {
+    let e = &raw.expect;
+    let values = [
+        e.min_test_accuracy,
+        e.max_test_loss,
+        e.max_final_loss,
+        e.max_wall_s,
+        e.min_train_samples_per_s,
+    ];
+    Check::ALL
+        .into_iter()
+        .zip(values)
+        .filter_map(|(check, value)| {
+            let threshold = value?;
+            let key = format!("expect.{}", check.key());
+            if check == Check::MinTestAccuracy {
+                if threshold > 1.0 && threshold <= 100.0 {
+                    let fraction = threshold / 100.0;
+                    c.fail(
+                        &key,
+                        format!("is a fraction in [0, 1], got {threshold}; write {fraction} for {threshold}%"),
+                    );
+                } else if !(0.0..=1.0).contains(&threshold) {
+                    c.fail(&key, format!("must be a fraction in [0, 1], got {threshold}"));
+                }
+            } else {
+                c.positive(&key, threshold);
+            }
+            Some(Expectation { check, threshold })
+        })
+        .collect()
 }
 
 fn check_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> DataSpec {

@@ -8,7 +8,7 @@ mod resume;
 pub mod supervise;
 pub mod watch;
 
-pub use resume::{ResumeOptions, Resumed, resume};
+pub use resume::{ResumeOptions, Resumed, resume, target as resume_target};
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -235,7 +235,12 @@ fn record_outcome(
 ) -> Result<Summary, RunError> {
     let mut state = job.read_state().unwrap_or_else(|| JobState::running(0, 0));
     state.updated_unix = now_unix();
-    match outcome.and_then(|()| finish_summary(job, started, spec)) {
+    let finished = outcome.and_then(|()| finish_summary(job, started, spec));
+    // The last epochs (or a failed job's steps) are in the curves too.
+    if let Err(warning) = crate::report::curves::draw(job) {
+        eprintln!("warning: {warning}");
+    }
+    match finished {
         Ok(summary) => {
             state.status = Status::Finished;
             state.epoch = summary.epochs;
@@ -327,7 +332,8 @@ fn write_job_toml(job: &JobDir, loaded: &LoadedConfig, opts: &RunOptions) -> Res
     Ok(())
 }
 
-/// Reads rank 0's `summary.json` and sets `wall_s` to the whole command's time.
+/// Reads rank 0's `summary.json`, sets `wall_s` to the whole command's time and checks
+/// `[expect]` against it.
 fn finish_summary(job: &JobDir, started: Instant, spec: &JobSpec) -> Result<Summary, RunError> {
     let path = job.summary_path();
     let summary: Option<Summary> = std::fs::read(&path)
@@ -343,6 +349,7 @@ fn finish_summary(job: &JobDir, started: Instant, spec: &JobSpec) -> Result<Summ
         });
     };
     summary.wall_s = started.elapsed().as_secs_f64();
+    summary.expectations = crate::report::check(&spec.expect, &summary);
     job.write_json(&path, &summary)?;
     Ok(summary)
 }

@@ -33,10 +33,7 @@ pub enum Resumed {
 
 /// Finds the job, checks it can be resumed, and runs it to the end.
 pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
-    let name = match &opts.name {
-        Some(name) => name.clone(),
-        None => most_recent_unfinished(opts)?,
-    };
+    let name = target(opts)?;
     let job = JobDir::open(&opts.jobs_dir, &name);
     let Some(mut state) = job.read_state() else {
         return Err(RunError::Usage(if job.root.exists() {
@@ -133,6 +130,14 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     drop(client);
     let summary = record_outcome(&job, spec, opts.started, outcome)?;
     Ok(Resumed::Finished(job, summary))
+}
+
+/// The job `resume` continues: the one named, else the most recently updated unfinished one.
+pub fn target(opts: &ResumeOptions) -> Result<String, RunError> {
+    match &opts.name {
+        Some(name) => Ok(name.clone()),
+        None => most_recent_unfinished(opts),
+    }
 }
 
 fn most_recent_unfinished(opts: &ResumeOptions) -> Result<String, RunError> {

@@ -118,6 +118,11 @@ impl Leader {
         Ok(self.job.write_state(&state)?)
     }
 
+    /// Redraws `curves.svg`; a failure is only worth a warning (returned as its text).
+    pub fn draw_curves(&self) -> Result<(), String> {
+        crate::report::curves::draw(&self.job)
+    }
+
     pub fn checkpoint(
         &self,
         params: &Params,

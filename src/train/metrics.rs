@@ -27,6 +27,9 @@ pub struct Summary {
     pub samples: u64,
     pub world_size: usize,
     pub parameters: usize,
+    /// `[expect]` results, filled in by the launcher when the run ends.
+    #[serde(default)]
+    pub expectations: Vec<crate::report::ExpectationResult>,
 }
 
 /// Sum of loss × samples and the sample count, over some steps.

@@ -284,6 +284,9 @@ impl Trainer<'_> {
             ));
             if let Some(leader) = &self.leader {
                 leader.log_epoch(epoch, step, train_loss, lr, rate, &eval, secs, total_steps)?;
+                if let Err(warning) = leader.draw_curves() {
+                    self.reporter.line(&format!("warning: {warning}"));
+                }
             }
             last_eval = Some(eval);
             // The last step's mid-epoch checkpoint is taken here, after evaluation, as an epoch one.
@@ -331,6 +334,7 @@ impl Trainer<'_> {
             samples: metrics.total_samples as u64,
             world_size: world,
             parameters: self.model.params().element_count(),
+            expectations: Vec::new(),
         }))
     }
 

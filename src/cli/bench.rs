@@ -1,0 +1,53 @@
+//! `ddpjob bench`: the measurements of this machine, printed as a table or JSON.
+
+use std::path::Path;
+
+use super::CliResult;
+use crate::bench;
+use crate::config;
+
+pub(super) fn bench_allreduce(nproc: usize, sizes: &str, json: bool) -> CliResult {
+    let sizes = bench::parse_sizes(sizes).map_err(bench_failure)?;
+    let rows = bench::allreduce(nproc, &sizes).map_err(bench_failure)?;
+    if json {
+        println!("{}", serde_json::to_string(&rows).unwrap_or_default());
+    } else {
+        print!("{}", bench::table(nproc, &rows));
+    }
+    Ok(())
+}
+
+/// A benchmark's error with its exit status: 2 for usage, 1 for a failed measurement.
+pub(super) fn bench_failure(e: bench::BenchError) -> (u8, anyhow::Error) {
+    let code = if matches!(e, bench::BenchError::Usage(_)) {
+        2
+    } else {
+        1
+    };
+    (code, anyhow::Error::new(e))
+}
+
+pub(super) fn bench_step(
+    config: &Path,
+    set: &[String],
+    steps: usize,
+    warmup: usize,
+    threads: Option<usize>,
+    json: bool,
+) -> CliResult {
+    let loaded = config::load(config, set).map_err(|e| (2, e.into()))?;
+    let threads =
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let options = bench::StepOptions {
+        steps,
+        warmup,
+        threads,
+    };
+    let result = bench::step(&loaded.spec, options).map_err(bench_failure)?;
+    if json {
+        println!("{}", serde_json::to_string(&result).unwrap_or_default());
+    } else {
+        print!("{}", bench::step_table(&result));
+    }
+    Ok(())
+}

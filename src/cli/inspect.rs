@@ -1,0 +1,48 @@
+//! `list` and `show`: what the jobs under a jobs directory are doing, read without touching them.
+
+use std::path::Path;
+
+use anyhow::anyhow;
+
+use super::CliResult;
+use crate::jobdir::now_unix;
+use crate::report::{JobView, show};
+
+pub(super) fn list(jobs_dir: &Path) -> CliResult {
+    let views = JobView::load_all(jobs_dir).map_err(|e| {
+        (
+            1,
+            anyhow!("cannot read jobs directory `{}`: {e}", jobs_dir.display()),
+        )
+    })?;
+    if views.is_empty() {
+        println!("no jobs in {}", jobs_dir.display());
+        return Ok(());
+    }
+    print!("{}", show::list(&views, now_unix()));
+    Ok(())
+}
+
+pub(super) fn show(jobs_dir: &Path, name: &str) -> CliResult {
+    match JobView::load(jobs_dir, name) {
+        Some(view) => {
+            print!("{}", show::show(&view, now_unix()));
+            Ok(())
+        }
+        None if jobs_dir.join(name).exists() => Err((
+            2,
+            anyhow!(
+                "`{}` has no readable state.json, so it is not a ddpjob job",
+                jobs_dir.join(name).display()
+            ),
+        )),
+        None => Err((
+            2,
+            anyhow!(
+                "no job `{name}` in `{}`; `ddpjob list --jobs-dir {}` shows the jobs there",
+                jobs_dir.display(),
+                jobs_dir.display()
+            ),
+        )),
+    }
+}

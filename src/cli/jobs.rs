@@ -1,0 +1,109 @@
+//! `run`, `resume` and `validate`: the commands that read a job file or a job directory and
+//! train (or only check) it.
+
+use std::time::Instant;
+
+use anyhow::anyhow;
+
+use super::output::{Done, Ending, Reporting};
+use super::{CliResult, ConfigArgs, ResumeArgs, RunArgs};
+use crate::config::{self, DatasetKind, Expectation};
+use crate::jobdir::JobDir;
+use crate::launch::{self, NodeOptions, ResumeOptions, Resumed, RunOptions};
+
+pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
+    let overrides = args.config.overrides();
+    // The name and [expect] for the reports; a config error is the run's own to report.
+    let (name, expect) = match config::load(&args.config.config, &overrides) {
+        Ok(loaded) => (loaded.spec.name, loaded.spec.expect),
+        Err(_) => (args.config.fallback_name(), Vec::new()),
+    };
+    let reporting = Reporting::start(&args.output, name, expect, started)?;
+    let opts = RunOptions {
+        config: args.config.config.clone(),
+        overrides,
+        jobs_dir: args.jobs_dir,
+        node: NodeOptions {
+            nnodes: args.nnodes.into(),
+            node_rank: args.node_rank.into(),
+            master_addr: args.master_addr,
+            master_port: args.master_port,
+        },
+        started,
+    };
+    let ending: Ending = match launch::run(&opts) {
+        Ok((job, summary)) => Ok(Done {
+            note: summary.is_none().then(|| {
+                format!(
+                    "node {}: workers finished; node 0 holds the results\njob directory: {}",
+                    opts.node.node_rank,
+                    job.root.display()
+                )
+            }),
+            job,
+            summary,
+        }),
+        Err(e) => Err((e.exit_code(), anyhow::Error::new(e))),
+    };
+    reporting.finish(ending)
+}
+
+pub(super) fn resume(args: ResumeArgs, started: Instant) -> CliResult {
+    let opts = ResumeOptions {
+        name: args.name,
+        jobs_dir: args.jobs_dir,
+        nproc_per_node: args.nproc_per_node.map(usize::from),
+        from_scratch: args.from_scratch,
+        started,
+    };
+    let name = launch::resume_target(&opts).unwrap_or_else(|_| "resume".into());
+    let job = JobDir::open(&opts.jobs_dir, &name);
+    let expect: Vec<Expectation> = config::load(&job.job_toml(), &[])
+        .map(|l| l.spec.expect)
+        .unwrap_or_default();
+    let reporting = Reporting::start(&args.output, name, expect, started)?;
+    let ending: Ending = match launch::resume(&opts) {
+        Ok(Resumed::AlreadyFinished(message)) => Ok(Done {
+            summary: std::fs::read(job.summary_path())
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok()),
+            note: Some(message),
+            job,
+        }),
+        Ok(Resumed::Finished(job, summary)) => Ok(Done {
+            job,
+            summary: Some(summary),
+            note: None,
+        }),
+        Err(e) => Err((e.exit_code(), anyhow::Error::new(e))),
+    };
+    reporting.finish(ending)
+}
+
+pub(super) fn validate(args: &ConfigArgs) -> CliResult {
+    let loaded = config::load(&args.config, &args.overrides()).map_err(|e| (2, anyhow!(e)))?;
+    let spec = &loaded.spec;
+    let (train_samples, source) = match &spec.data.dataset {
+        DatasetKind::Synthetic(s) => (s.train_samples, "synthetic"),
+        DatasetKind::Mnist | DatasetKind::FashionMnist => (60_000, "standard split; not read"),
+    };
+    let world = spec.distributed.nproc_per_node.unwrap_or(1);
+    let plan = spec.plan(train_samples, world);
+    print!("{}", loaded.resolved_toml());
+    println!();
+    println!("# derived");
+    println!("world_size        = {world}  (CPU: nproc_per_node \"auto\" is 1)");
+    println!(
+        "global_batch      = {}  (batch_size {} x accumulation {} x world {world})",
+        plan.global_batch, spec.train.batch_size, spec.train.accumulation
+    );
+    println!("train_samples     = {train_samples}  ({source})");
+    println!("samples_per_rank  = {}", plan.samples_per_rank);
+    println!(
+        "steps_per_epoch   = {}  (optimizer steps)",
+        plan.steps_per_epoch
+    );
+    println!("total_steps       = {}", plan.total_steps);
+    eprintln!("{}: ok", args.config.display());
+    Ok(())
+}

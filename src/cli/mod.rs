@@ -1,0 +1,247 @@
+//! The command line: parses arguments (clap), runs the subcommand, prints errors once with their
+//! cause chain, and maps failures to exit codes (0 ok, 1 job failed, 2 usage or config error).
+
+mod bench;
+mod inspect;
+mod jobs;
+mod output;
+mod shell;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::worker;
+use output::OutputArgs;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ddpjob",
+    version,
+    about = "Data-parallel training jobs for Candle, from TOML job files"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Train a job: creates <jobs-dir>/<name>/ and runs it to the end.
+    Run(RunArgs),
+    /// Continue an unfinished job from its newest good checkpoint (reads jobs/<name>/job.toml).
+    Resume(ResumeArgs),
+    /// Print the resolved config and derived numbers (global batch, steps); exit 2 on errors.
+    Validate(ConfigArgs),
+    /// List jobs, most recent first: status, model and data, step, loss, best accuracy,
+    /// expectations and a loss sparkline, one line each.
+    List(ListArgs),
+    /// One job in full: status, config digest, progress, best and last metrics, checkpoints,
+    /// expectation results and a loss sparkline.
+    Show(ShowArgs),
+    /// Print a shell completion script: `ddpjob completions bash > /etc/bash_completion.d/ddpjob`.
+    Completions {
+        /// The shell to complete for.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), or write one per subcommand into DIR.
+    Man {
+        /// Write ddpjob.1 and ddpjob-<command>.1 here instead of printing ddpjob.1.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
+    /// Measure this machine: collective bandwidth between worker processes, training step speed.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// A worker process; started by `run` with the torchrun environment, not by hand.
+    #[command(hide = true)]
+    Worker,
+    /// A benchmark worker; started by `bench`, not by hand.
+    #[command(hide = true)]
+    BenchWorker {
+        #[arg(long)]
+        sizes: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Time the all-reduce `run` uses (tcp ring between CPU worker processes), per size:
+    /// time, algorithm bandwidth and bus bandwidth as nccl-tests defines them.
+    Allreduce {
+        /// Worker processes (at least 2).
+        #[arg(long, default_value_t = 2, value_name = "N")]
+        nproc_per_node: usize,
+        /// Buffer sizes in floats (K = 10^3, M = 10^6, G = 10^9).
+        #[arg(long, default_value = "1M,10M,100M")]
+        sizes: String,
+        /// Print the results as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Time the training step (forward, backward, optimizer) of a job file's model and batch
+    /// in this process, data loading excluded: samples/s and where the time goes.
+    Step {
+        /// The job file (TOML) whose model, batch, accumulation and optimizer to time.
+        #[arg(long)]
+        config: PathBuf,
+        /// Override a config key: --set model.arch=mlp (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// Timed optimizer steps.
+        #[arg(long, default_value_t = 300)]
+        steps: usize,
+        /// Untimed steps first.
+        #[arg(long, default_value_t = 20)]
+        warmup: usize,
+        /// Threads (default: every core, as a single worker of `run` gets).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Print the result as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+struct ConfigArgs {
+    /// The job file (TOML).
+    config: PathBuf,
+    /// Job name (default: `name` in the file, else the file's stem).
+    #[arg(long)]
+    name: Option<String>,
+    /// Override a config key, typed by the schema: --set train.lr=0.02 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Workers on this node: "auto" or a number (same as distributed.nproc_per_node).
+    #[arg(long, value_name = "N")]
+    nproc_per_node: Option<String>,
+}
+
+impl ConfigArgs {
+    /// The job's name when its config cannot be read: --name, else the file's stem.
+    fn fallback_name(&self) -> String {
+        self.name.clone().unwrap_or_else(|| {
+            self.config
+                .file_stem()
+                .map_or("job".into(), |s| s.to_string_lossy().into_owned())
+        })
+    }
+
+    fn overrides(&self) -> Vec<String> {
+        let mut all = self.set.clone();
+        if let Some(name) = &self.name {
+            all.push(format!("name={name}"));
+        }
+        if let Some(n) = &self.nproc_per_node {
+            all.push(format!("distributed.nproc_per_node={n}"));
+        }
+        all
+    }
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Where jobs live.
+    #[arg(long, default_value = "jobs")]
+    jobs_dir: PathBuf,
+    /// Number of nodes (machines) in the job; run the same command on each.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    nnodes: u16,
+    /// This node's index, 0..nnodes; node 0 hosts the rendezvous store.
+    #[arg(long, default_value_t = 0, value_name = "I")]
+    node_rank: u16,
+    /// Address of node 0 that every node can reach (needed with --nnodes > 1).
+    #[arg(long, value_name = "ADDR")]
+    master_addr: Option<String>,
+    /// Port of node 0's store (default: a free port on one node, 29500 with --nnodes > 1).
+    #[arg(long, value_name = "PORT")]
+    master_port: Option<u16>,
+    #[command(flatten)]
+    output: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+struct ResumeArgs {
+    /// The job to resume (default: the most recently updated unfinished job).
+    name: Option<String>,
+    /// Where jobs live.
+    #[arg(long, default_value = "jobs")]
+    jobs_dir: PathBuf,
+    /// Workers for the rest of the job (default: the checkpoint's world size, which resumes
+    /// exactly); another number re-shards the rest of the epoch.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    nproc_per_node: Option<u16>,
+    /// When no checkpoint is usable, train again from the start instead of failing.
+    #[arg(long)]
+    from_scratch: bool,
+    #[command(flatten)]
+    output: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+struct ListArgs {
+    /// Where jobs live.
+    #[arg(long, default_value = "jobs")]
+    jobs_dir: PathBuf,
+}
+
+#[derive(Debug, Args)]
+struct ShowArgs {
+    /// The job's name (its directory under --jobs-dir).
+    name: String,
+    /// Where jobs live.
+    #[arg(long, default_value = "jobs")]
+    jobs_dir: PathBuf,
+}
+
+/// Entry point used by `main.rs`.
+pub fn main() -> ExitCode {
+    let started = Instant::now();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+        }
+    };
+    let result = match cli.command {
+        Command::Run(args) => jobs::run(args, started),
+        Command::Resume(args) => jobs::resume(args, started),
+        Command::Validate(args) => jobs::validate(&args),
+        Command::List(args) => inspect::list(&args.jobs_dir),
+        Command::Show(args) => inspect::show(&args.jobs_dir, &args.name),
+        Command::Completions { shell } => shell::completions(shell),
+        Command::Man { dir } => shell::man(dir.as_deref()),
+        Command::Worker => return ExitCode::from(worker::main()),
+        Command::Bench(BenchCommand::Allreduce {
+            nproc_per_node,
+            sizes,
+            json,
+        }) => bench::bench_allreduce(nproc_per_node, &sizes, json),
+        Command::Bench(BenchCommand::Step {
+            config,
+            set,
+            steps,
+            warmup,
+            threads,
+            json,
+        }) => bench::bench_step(&config, &set, steps, warmup, threads, json),
+        Command::BenchWorker { sizes } => crate::bench::parse_sizes(&sizes)
+            .and_then(|s| crate::bench::worker(&s))
+            .map_err(|e| (1, e.into())),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err((code, err)) => {
+            eprintln!("error: {err:#}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+type CliResult = Result<(), (u8, anyhow::Error)>;

@@ -1,0 +1,156 @@
+//! `[expect]` checked against a finished run's summary: the verdict a CI smoke job needs beyond
+//! "it did not crash". Results are recorded in `summary.json` and decide the exit status.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Check, Expectation};
+use crate::train::Summary;
+
+/// One checked expectation, as `summary.json` records it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpectationResult {
+    /// The `[expect]` key, e.g. `min_test_accuracy`.
+    pub name: String,
+    /// The `summary.json` field compared, e.g. `test_accuracy`.
+    pub metric: String,
+    pub threshold: f64,
+    /// The run's value; `null` when it was not a number (a diverged loss).
+    pub value: Option<f64>,
+    pub met: bool,
+}
+
+impl ExpectationResult {
+    /// `min_test_accuracy: test_accuracy 0.8531 is below the minimum 0.9`.
+    pub fn describe(&self) -> String {
+        let value = self.value.map_or("NaN".into(), fmt_number);
+        let threshold = fmt_number(self.threshold);
+        let minimum = self.name.starts_with("min_");
+        let relation = match (self.met, minimum) {
+            (true, true) => format!("is at least the minimum {threshold}"),
+            (true, false) => format!("is at most the maximum {threshold}"),
+            (false, true) => format!("is below the minimum {threshold}"),
+            (false, false) => format!("is above the maximum {threshold}"),
+        };
+        let relation = if self.value.is_none() {
+            format!("is not a number (threshold {threshold})")
+        } else {
+            relation
+        };
+        format!("{}: {} {value} {relation}", self.name, self.metric)
+    }
+}
+
+/// Numbers as people read them: up to 4 decimals for small ones, no trailing zeros.
+fn fmt_number(x: f64) -> String {
+    if x.abs() >= 1000.0 {
+        format!("{x:.0}")
+    } else {
+        let s = format!("{x:.4}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    }
+}
+
+/// Checks every expectation; a value that is not finite never meets one.
+pub fn check(expect: &[Expectation], summary: &Summary) -> Vec<ExpectationResult> {
+    expect
+        .iter()
+        .map(|e| {
+            let value = match e.check {
+                Check::MinTestAccuracy => summary.test_accuracy,
+                Check::MaxTestLoss => summary.test_loss,
+                Check::MaxFinalLoss => summary.final_train_loss,
+                Check::MaxWallS => summary.wall_s,
+                Check::MinTrainSamplesPerS => summary.train_samples_per_s,
+            };
+            let met = value.is_finite()
+                && if e.check.is_minimum() {
+                    value >= e.threshold
+                } else {
+                    value <= e.threshold
+                };
+            ExpectationResult {
+                name: e.check.key().to_string(),
+                metric: e.check.metric().to_string(),
+                threshold: e.threshold,
+                value: value.is_finite().then_some(value),
+                met,
+            }
+        })
+        .collect()
+}
+
+/// The unmet ones, one line each, for an error message; `None` if all were met.
+pub fn unmet_report(results: &[ExpectationResult]) -> Option<String> {
+    let unmet: Vec<String> = results
+        .iter()
+        .filter(|r| !r.met)
+        .map(|r| format!("  expect.{}", r.describe()))
+        .collect();
+    (!unmet.is_empty()).then(|| {
+        format!(
+            "{} of {} expectation(s) unmet:\n{}",
+            unmet.len(),
+            results.len(),
+            unmet.join("\n")
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary() -> Summary {
+        Summary {
+            test_accuracy: 0.85,
+            test_loss: 0.4,
+            final_train_loss: f64::NAN,
+            epochs: 1,
+            steps: 10,
+            train_samples_per_s: 5000.0,
+            wall_s: 12.5,
+            train_s: 10.0,
+            samples: 640,
+            world_size: 1,
+            parameters: 100,
+            expectations: Vec::new(),
+        }
+    }
+
+    fn expect(check: Check, threshold: f64) -> Expectation {
+        Expectation { check, threshold }
+    }
+
+    #[test]
+    fn each_bound_compares_in_its_direction_and_nan_never_passes() {
+        let results = check(
+            &[
+                expect(Check::MinTestAccuracy, 0.9),
+                expect(Check::MaxTestLoss, 0.5),
+                expect(Check::MaxFinalLoss, 10.0),
+                expect(Check::MaxWallS, 12.5),
+                expect(Check::MinTrainSamplesPerS, 5000.0),
+            ],
+            &summary(),
+        );
+        let met: Vec<bool> = results.iter().map(|r| r.met).collect();
+        assert_eq!(met, [false, true, false, true, true]);
+        assert_eq!(results[0].value, Some(0.85));
+        assert_eq!(results[2].value, None);
+        assert_eq!(
+            results[0].describe(),
+            "min_test_accuracy: test_accuracy 0.85 is below the minimum 0.9"
+        );
+        assert_eq!(
+            results[2].describe(),
+            "max_final_loss: final_train_loss NaN is not a number (threshold 10)"
+        );
+        let report = unmet_report(&results).unwrap();
+        assert!(
+            report.starts_with("2 of 5 expectation(s) unmet:"),
+            "{report}"
+        );
+        assert!(report.contains("expect.min_test_accuracy"), "{report}");
+        assert!(unmet_report(&results[1..2]).is_none());
+    }
+}

@@ -1,0 +1,175 @@
+//! A job's training history read back from `metrics.jsonl`: the numbers behind the curves, the
+//! sparkline and the best/last metrics of `ddpjob show`.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+/// One log-interval line (`"kind": "train"`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrainPoint {
+    pub step: usize,
+    pub loss: f64,
+    pub lr: f64,
+}
+
+/// One end-of-epoch line (`"kind": "epoch"`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EpochPoint {
+    pub epoch: usize,
+    pub step: usize,
+    pub train_loss: f64,
+    pub test_loss: f64,
+    pub test_accuracy: f64,
+    pub lr: f64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct History {
+    pub train: Vec<TrainPoint>,
+    pub epochs: Vec<EpochPoint>,
+    /// Steps at which the job was resumed (`"kind": "resume"`).
+    pub resumes: Vec<usize>,
+    /// Lines that were not JSON objects of a known kind (a torn last line after a crash).
+    pub skipped: usize,
+}
+
+impl History {
+    /// Reads `metrics.jsonl`; a missing file is an empty history.
+    pub fn read(path: &Path) -> std::io::Result<History> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Ok(History::parse(&text)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(History::default()),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub fn parse(text: &str) -> History {
+        let mut h = History::default();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let Ok(v) = serde_json::from_str::<Value>(line) else {
+                h.skipped += 1;
+                continue;
+            };
+            let step = v["step"].as_u64().map(|s| s as usize);
+            let num = |key: &str| v[key].as_f64().unwrap_or(f64::NAN);
+            match (v["kind"].as_str(), step) {
+                (Some("train"), Some(step)) => h.train.push(TrainPoint {
+                    step,
+                    loss: num("loss"),
+                    lr: num("lr"),
+                }),
+                (Some("epoch"), Some(step)) => h.epochs.push(EpochPoint {
+                    epoch: v["epoch"].as_u64().unwrap_or(0) as usize,
+                    step,
+                    train_loss: num("loss"),
+                    test_loss: num("test_loss"),
+                    test_accuracy: num("test_accuracy"),
+                    lr: num("lr"),
+                }),
+                (Some("resume"), Some(step)) => h.resumes.push(step),
+                _ => h.skipped += 1,
+            }
+        }
+        h
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.train.is_empty() && self.epochs.is_empty()
+    }
+
+    pub fn last_epoch(&self) -> Option<&EpochPoint> {
+        self.epochs.last()
+    }
+
+    /// The epoch with the highest test accuracy (the earliest of equals).
+    pub fn best_epoch(&self) -> Option<&EpochPoint> {
+        self.epochs
+            .iter()
+            .filter(|e| e.test_accuracy.is_finite())
+            .fold(None, |best: Option<&EpochPoint>, e| match best {
+                Some(b) if b.test_accuracy >= e.test_accuracy => Some(b),
+                _ => Some(e),
+            })
+    }
+
+    /// The newest training loss, from a log-interval or an epoch line.
+    pub fn last_train_loss(&self) -> Option<f64> {
+        let from_train = self.train.last().map(|p| (p.step, p.loss));
+        let from_epoch = self.epochs.last().map(|e| (e.step, e.train_loss));
+        match (from_train, from_epoch) {
+            (Some(a), Some(b)) => Some(if a.0 > b.0 { a.1 } else { b.1 }),
+            (a, b) => a.or(b).map(|p| p.1),
+        }
+    }
+}
+
+const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
+
+/// `values` as at most `width` block characters, low to high; each character is the mean of
+/// the values it covers. Non-finite values are left out; empty if nothing is left.
+pub fn sparkline(values: &[f64], width: usize) -> String {
+    let finite: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+    if finite.is_empty() || width == 0 {
+        return String::new();
+    }
+    let cells = finite.len().min(width);
+    let means: Vec<f64> = (0..cells)
+        .map(|c| {
+            let (lo, hi) = (c * finite.len() / cells, (c + 1) * finite.len() / cells);
+            finite[lo..hi].iter().sum::<f64>() / (hi - lo) as f64
+        })
+        .collect();
+    let (min, max) = means
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| {
+            (a.min(v), b.max(v))
+        });
+    means
+        .iter()
+        .map(|&v| {
+            let level = if max > min {
+                ((v - min) / (max - min) * 7.0).round() as usize
+            } else {
+                3
+            };
+            BARS[level.min(7)]
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_kind_and_counts_what_it_cannot_read() {
+        let text = r#"{"kind":"train","epoch":0,"step":4,"loss":2.0,"lr":0.01}
+{"kind":"epoch","epoch":0,"step":8,"loss":1.5,"lr":0.01,"test_loss":1.2,"test_accuracy":0.6}
+{"kind":"resume","epoch":1,"step":8}
+{"kind":"train","epoch":1,"step":12,"loss":1.0,"lr":0.005}
+{"kind":"epoch","epoch":1,"step":16,"loss":0.9,"lr":0.005,"test_loss":1.3,"test_accuracy":0.55}
+{"kind":"train","epo"#;
+        let h = History::parse(text);
+        assert_eq!(h.train.len(), 2);
+        assert_eq!(h.epochs.len(), 2);
+        assert_eq!(h.resumes, vec![8]);
+        assert_eq!(h.skipped, 1);
+        assert_eq!(h.best_epoch().unwrap().epoch, 0);
+        assert_eq!(h.last_epoch().unwrap().test_accuracy, 0.55);
+        assert_eq!(h.last_train_loss(), Some(0.9));
+        assert_eq!(h.train[1].lr, 0.005);
+    }
+
+    #[test]
+    fn sparkline_scales_low_to_high_and_averages_into_its_width() {
+        assert_eq!(sparkline(&[3.0, 2.0, 1.0, 0.0], 10), "█▆▃▁");
+        // 8 values into 4 cells: pairs are averaged.
+        assert_eq!(
+            sparkline(&[4.0, 4.0, 3.0, 3.0, 2.0, 2.0, 1.0, 1.0], 4),
+            "█▆▃▁"
+        );
+        assert_eq!(sparkline(&[1.0, f64::NAN, 1.0], 5), "▄▄");
+        assert_eq!(sparkline(&[], 5), "");
+    }
+}

@@ -1,0 +1,274 @@
+//! The text of `ddpjob show NAME` (one job, in full) and `ddpjob list` (one line per job).
+
+use std::fmt::Write;
+
+use super::history::sparkline;
+use super::view::JobView;
+use crate::jobdir::Status;
+
+const ERROR_LINES: usize = 12;
+
+/// `ddpjob show`: status, config digest, progress, metrics, checkpoints, expectations.
+pub fn show(v: &JobView, now: u64) -> String {
+    let mut out = String::new();
+    let s = &v.state;
+    let mut line = |label: &str, text: String| {
+        let _ = writeln!(out, "  {label:<12}{text}");
+    };
+    let status = match (v.launcher, s.status) {
+        (Some((pid, true)), _) => format!("running (launcher pid {pid})"),
+        (Some((pid, false)), _) => format!(
+            "stale: state.json says running, but its launcher (pid {pid}) is gone; \
+             `ddpjob resume {}` continues it",
+            v.name
+        ),
+        (None, Status::Interrupted | Status::Failed) => {
+            format!("{} (`ddpjob resume {}` continues it)", s.status, v.name)
+        }
+        (None, status) => status.to_string(),
+    };
+    let mut head = format!(
+        "job {}: {status}, updated {}",
+        v.name,
+        ago(now, s.updated_unix)
+    );
+    if !v.history.resumes.is_empty() {
+        let _ = write!(head, ", resumed {} time(s)", v.history.resumes.len());
+    }
+    if s.restarts > 0 {
+        let _ = write!(head, ", {} automatic restart(s)", s.restarts);
+    }
+    let mut out_head = head;
+    out_head.push('\n');
+    line("directory", v.dir.display().to_string());
+    line("model", model_line(v));
+    line("data", v.data());
+    if let (Some(spec), Some(global)) = (&v.spec, v.global_batch()) {
+        let t = &spec.train;
+        line(
+            "batch",
+            format!(
+                "global {global} = {} per worker x {} accumulation x {} worker(s)",
+                t.batch_size,
+                t.accumulation,
+                s.world_size.max(1)
+            ),
+        );
+        line(
+            "optimizer",
+            format!(
+                "{}, lr {}, {} epoch(s)",
+                spec.train.optimizer.name(),
+                t.lr,
+                t.epochs
+            ),
+        );
+    }
+    line("progress", progress(v));
+    if let Some(e) = v.history.last_epoch() {
+        line(
+            "last epoch",
+            format!(
+                "{}: train loss {:.4}, test loss {:.4}, test accuracy {:.2}%",
+                e.epoch + 1,
+                e.train_loss,
+                e.test_loss,
+                e.test_accuracy * 100.0
+            ),
+        );
+    }
+    if let Some(b) = v.history.best_epoch() {
+        line(
+            "best",
+            format!(
+                "test accuracy {:.2}% at epoch {} (step {})",
+                b.test_accuracy * 100.0,
+                b.epoch + 1,
+                b.step
+            ),
+        );
+    }
+    if let Some(sum) = &v.summary {
+        line(
+            "final",
+            format!(
+                "test accuracy {:.2}%, test loss {:.4}, train loss {:.4}; {:.0} samples/s, {:.1} s",
+                sum.test_accuracy * 100.0,
+                sum.test_loss,
+                sum.final_train_loss,
+                sum.train_samples_per_s,
+                sum.wall_s
+            ),
+        );
+    }
+    let losses = v.loss_series();
+    let spark = sparkline(&losses, 48);
+    if !spark.is_empty() {
+        let finite: Vec<f64> = losses.iter().copied().filter(|x| x.is_finite()).collect();
+        let (first, last) = (finite[0], finite[finite.len() - 1]);
+        line("train loss", format!("{spark}  {first:.4} -> {last:.4}"));
+    }
+    let total: u64 = v.checkpoints.iter().map(|c| c.bytes).sum();
+    line(
+        "checkpoints",
+        match v.checkpoints.len() {
+            0 => "none".into(),
+            n => format!("{n}, {} in all", bytes(total)),
+        },
+    );
+    for c in &v.checkpoints {
+        let at = c
+            .position
+            .as_ref()
+            .map_or("position unreadable".into(), |p| {
+                if p.step_in_epoch == 0 {
+                    format!("step {}, after epoch {}", p.step, p.epoch)
+                } else {
+                    format!("step {}, in epoch {}", p.step, p.epoch + 1)
+                }
+            });
+        let latest = if v.latest.as_deref() == Some(c.name.as_str()) {
+            "  (latest)"
+        } else {
+            ""
+        };
+        line(
+            "",
+            format!("{}  {at:<26} {:>10}{latest}", c.name, bytes(c.bytes)),
+        );
+    }
+    match (&v.summary, &v.spec) {
+        (Some(sum), _) if !sum.expectations.is_empty() => {
+            let met = sum.expectations.iter().filter(|r| r.met).count();
+            line("expect", format!("{met} of {} met", sum.expectations.len()));
+            for r in &sum.expectations {
+                let mark = if r.met { "met  " } else { "UNMET" };
+                line("", format!("{mark} {}", r.describe()));
+            }
+        }
+        (_, Some(spec)) if !spec.expect.is_empty() => {
+            let keys: Vec<&str> = spec.expect.iter().map(|e| e.check.key()).collect();
+            line("expect", format!("not checked yet: {}", keys.join(", ")));
+        }
+        _ => {}
+    }
+    if let Some(error) = &s.error {
+        let mut lines = error.lines();
+        line("error", lines.next().unwrap_or_default().to_string());
+        for l in lines.by_ref().take(ERROR_LINES) {
+            line("", l.to_string());
+        }
+        if lines.next().is_some() {
+            line("", format!("... (full logs in {}/logs/)", v.dir.display()));
+        }
+    }
+    if v.dir.join("curves.svg").exists() {
+        line("curves", v.dir.join("curves.svg").display().to_string());
+    }
+    if v.history.skipped > 0 {
+        line(
+            "note",
+            format!(
+                "{} unreadable line(s) in metrics.jsonl were skipped",
+                v.history.skipped
+            ),
+        );
+    }
+    out_head + &out
+}
+
+fn model_line(v: &JobView) -> String {
+    match &v.summary {
+        Some(s) => format!("{}, {} parameters", v.model(), s.parameters),
+        None => v.model(),
+    }
+}
+
+fn progress(v: &JobView) -> String {
+    let s = &v.state;
+    let epochs = v.spec.as_ref().map(|spec| spec.train.epochs);
+    let epoch = match epochs {
+        Some(n) => format!("epoch {}/{n}", s.epoch.min(n)),
+        None => format!("epoch {}", s.epoch),
+    };
+    if s.total_steps == 0 {
+        return format!("{epoch}, step {}", s.step);
+    }
+    let pct = 100.0 * s.step as f64 / s.total_steps as f64;
+    format!(
+        "{epoch} done, step {}/{} ({pct:.0}%)",
+        s.step, s.total_steps
+    )
+}
+
+/// The header and one line per job for `ddpjob list`.
+pub fn list(views: &[JobView], now: u64) -> String {
+    let mut out = format!(
+        "{:<20} {:<11} {:<10} {:<18} {:>5} {:>13} {:>8} {:>8} {:<7} {:<12} UPDATED\n",
+        "NAME",
+        "STATUS",
+        "MODEL",
+        "DATA",
+        "WORLD",
+        "STEP",
+        "LOSS",
+        "BEST ACC",
+        "EXPECT",
+        "LOSS CURVE"
+    );
+    for v in views {
+        let s = &v.state;
+        let model = v
+            .spec
+            .as_ref()
+            .map_or("?".into(), |spec| match &spec.model {
+                crate::config::ModelSpec::Mlp { .. } => "mlp".to_string(),
+                crate::config::ModelSpec::Cnn => "cnn".to_string(),
+            });
+        let loss = v
+            .history
+            .last_train_loss()
+            .or(s.last_loss)
+            .map_or("-".into(), |l| format!("{l:.4}"));
+        let best = v
+            .history
+            .best_epoch()
+            .map_or("-".into(), |b| format!("{:.2}%", b.test_accuracy * 100.0));
+        let expect = match v.expectations_met() {
+            Some((met, total)) if met == total => format!("{met} met"),
+            Some((met, total)) => format!("{} unmet", total - met),
+            None => "-".into(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<20} {:<11} {model:<10} {:<18} {:>5} {:>13} {loss:>8} {best:>8} {expect:<7} {:<12} {}",
+            v.name,
+            v.status(),
+            v.data(),
+            s.world_size,
+            format!("{}/{}", s.step, s.total_steps),
+            sparkline(&v.loss_series(), 12),
+            ago(now, s.updated_unix)
+        );
+    }
+    out
+}
+
+pub fn ago(now: u64, then: u64) -> String {
+    let secs = now.saturating_sub(then);
+    match secs {
+        0..60 => format!("{secs}s ago"),
+        60..3600 => format!("{}m ago", secs / 60),
+        3600..86400 => format!("{}h ago", secs / 3600),
+        _ => format!("{}d ago", secs / 86400),
+    }
+}
+
+fn bytes(n: u64) -> String {
+    match n {
+        0..1024 => format!("{n} B"),
+        1024..1_048_576 => format!("{:.1} KiB", n as f64 / 1024.0),
+        1_048_576..1_073_741_824 => format!("{:.1} MiB", n as f64 / 1_048_576.0),
+        _ => format!("{:.2} GiB", n as f64 / 1_073_741_824.0),
+    }
+}

@@ -1,0 +1,156 @@
+//! Everything `ddpjob show` and `ddpjob list` say about a job, read from its directory without
+//! touching it: state (and whether a "running" job's launcher is still alive), the frozen
+//! config, the metric history, the summary and the checkpoints.
+
+use std::path::{Path, PathBuf};
+
+use crate::checkpoint::{self, TrainPosition};
+use crate::config::{self, DatasetKind, JobSpec};
+use crate::jobdir::{JobDir, JobState, Status};
+use crate::train::Summary;
+
+use super::history::History;
+
+/// A job as found on disk.
+pub struct JobView {
+    pub name: String,
+    pub dir: PathBuf,
+    pub state: JobState,
+    /// For a job whose state says running: the launcher's pid and whether it is alive.
+    pub launcher: Option<(u32, bool)>,
+    /// The frozen `job.toml`, validated; `None` if it is missing or no longer valid.
+    pub spec: Option<JobSpec>,
+    pub history: History,
+    pub summary: Option<Summary>,
+    pub checkpoints: Vec<CheckpointInfo>,
+    /// The checkpoint `checkpoints/latest` names.
+    pub latest: Option<String>,
+}
+
+pub struct CheckpointInfo {
+    pub name: String,
+    /// Where training stood; `None` if its state.json is unreadable.
+    pub position: Option<TrainPosition>,
+    pub bytes: u64,
+}
+
+impl JobView {
+    /// Reads the job `name` under `jobs_dir`; `None` if it has no readable `state.json`.
+    pub fn load(jobs_dir: &Path, name: &str) -> Option<JobView> {
+        let job = JobDir::open(jobs_dir, name);
+        let state = job.read_state()?;
+        let launcher = (state.status == Status::Running)
+            .then(|| launcher_of(&job))
+            .flatten();
+        let spec = config::load(&job.job_toml(), &[]).ok().map(|l| l.spec);
+        let summary = std::fs::read(job.summary_path())
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        let checkpoints = checkpoint::list_checkpoints(&job.checkpoints_dir())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|dir| CheckpointInfo {
+                name: dir
+                    .file_name()
+                    .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+                position: std::fs::read(dir.join("state.json"))
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok()),
+                bytes: dir_size(&dir),
+            })
+            .collect();
+        let latest = std::fs::read_to_string(job.checkpoints_dir().join("latest"))
+            .ok()
+            .map(|s| s.trim().to_string());
+        Some(JobView {
+            name: name.to_string(),
+            history: History::read(&job.metrics_path()).unwrap_or_default(),
+            dir: job.root,
+            state,
+            launcher,
+            spec,
+            summary,
+            checkpoints,
+            latest,
+        })
+    }
+
+    /// The status to show: `stale` for a job whose state says running but whose launcher is
+    /// gone (killed with SIGKILL, or its machine rebooted).
+    pub fn status(&self) -> String {
+        match self.launcher {
+            Some((_, false)) => "stale".into(),
+            _ => self.state.status.to_string(),
+        }
+    }
+
+    /// Every job under `jobs_dir` with a readable state, most recently updated first.
+    pub fn load_all(jobs_dir: &Path) -> std::io::Result<Vec<JobView>> {
+        Ok(crate::jobdir::list_jobs(jobs_dir)?
+            .into_iter()
+            .filter_map(|(name, _)| JobView::load(jobs_dir, &name))
+            .collect())
+    }
+
+    /// `mlp [64]`, or `?` without a readable config.
+    pub fn model(&self) -> String {
+        self.spec
+            .as_ref()
+            .map_or("?".into(), |s| s.model.describe())
+    }
+
+    /// `fashion-mnist`, `synthetic 2048/512`, or `?`.
+    pub fn data(&self) -> String {
+        match self.spec.as_ref().map(|s| &s.data.dataset) {
+            Some(DatasetKind::Mnist) => "mnist".into(),
+            Some(DatasetKind::FashionMnist) => "fashion-mnist".into(),
+            Some(DatasetKind::Synthetic(s)) => {
+                format!("synthetic {}/{}", s.train_samples, s.test_samples)
+            }
+            None => "?".into(),
+        }
+    }
+
+    /// Samples per optimizer step over all workers: batch × accumulation × world size.
+    pub fn global_batch(&self) -> Option<usize> {
+        let t = &self.spec.as_ref()?.train;
+        Some(t.batch_size * t.accumulation * self.state.world_size.max(1))
+    }
+
+    /// Training losses for a sparkline: log intervals, else epoch means.
+    pub fn loss_series(&self) -> Vec<f64> {
+        if self.history.train.is_empty() {
+            self.history.epochs.iter().map(|e| e.train_loss).collect()
+        } else {
+            self.history.train.iter().map(|p| p.loss).collect()
+        }
+    }
+
+    /// (met, total) of the recorded expectations, if any were checked.
+    pub fn expectations_met(&self) -> Option<(usize, usize)> {
+        let results = &self.summary.as_ref()?.expectations;
+        (!results.is_empty()).then(|| (results.iter().filter(|r| r.met).count(), results.len()))
+    }
+}
+
+/// The pid in `.lock` and whether that process still exists.
+fn launcher_of(job: &JobDir) -> Option<(u32, bool)> {
+    let text = std::fs::read_to_string(job.root.join(".lock")).ok()?;
+    let pid: u32 = text.trim().parse().ok()?;
+    // SAFETY: signal 0 only checks that the process exists; EPERM means it does.
+    let alive = unsafe { libc::kill(pid as libc::pid_t, 0) } == 0
+        || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    Some((pid, alive))
+}
+
+fn dir_size(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}

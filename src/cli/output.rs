@@ -103,7 +103,14 @@ impl Reporting {
                 })
                 .to_string(),
                 Err((code, e)) => json!({
-                    "job": self.job, "status": "failed", "exit_code": code, "error": format!("{e:#}"),
+                    "job": self.job,
+                    "status": match code {
+                        2 => "usage_error",
+                        128.. => "interrupted",
+                        _ => "failed",
+                    },
+                    "exit_code": code,
+                    "error": format!("{e:#}"),
                 })
                 .to_string(),
             };

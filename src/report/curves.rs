@@ -15,10 +15,10 @@ const SIZE: (u32, u32) = (960, 900);
 /// A long job logs many intervals; more points than this add bytes, not information.
 const MAX_POINTS: usize = 1500;
 const FONT: &str = "sans-serif";
-const TRAIN_COLOR: RGBColor = RGBColor(31, 119, 180);
-const TEST_COLOR: RGBColor = RGBColor(214, 39, 40);
-const ACCURACY_COLOR: RGBColor = RGBColor(44, 160, 44);
-const LR_COLOR: RGBColor = RGBColor(148, 103, 189);
+pub const TRAIN_COLOR: RGBColor = RGBColor(31, 119, 180);
+pub const TEST_COLOR: RGBColor = RGBColor(214, 39, 40);
+pub const ACCURACY_COLOR: RGBColor = RGBColor(44, 160, 44);
+pub const LR_COLOR: RGBColor = RGBColor(148, 103, 189);
 const RESUME_COLOR: RGBColor = RGBColor(150, 150, 150);
 
 /// Redraws `curves.svg` of `job` from its `metrics.jsonl`; the error is a warning's text.

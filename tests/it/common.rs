@@ -140,6 +140,12 @@ impl TestJob {
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
     }
 
+    /// Lines in a job's `metrics.jsonl` so far (0 before it exists).
+    pub fn metrics_lines(&self, name: &str) -> usize {
+        std::fs::read_to_string(self.job(name).join("metrics.jsonl"))
+            .map_or(0, |text| text.lines().count())
+    }
+
     pub fn metrics(&self, name: &str) -> Vec<serde_json::Value> {
         let text =
             std::fs::read_to_string(self.job(name).join("metrics.jsonl")).expect("metrics.jsonl");

@@ -4,9 +4,12 @@ mod common;
 
 mod accumulation;
 mod bench;
+mod ci;
 mod distributed;
 mod download;
 mod hangs;
 mod resume;
 mod run;
+mod shell;
+mod show;
 mod validate;

@@ -1,0 +1,181 @@
+//! `ddpjob show` and `ddpjob list` on jobs in every state: finished, failed, running,
+//! interrupted, and "stale" (state says running, launcher gone).
+
+use std::time::{Duration, Instant};
+
+use crate::common::{TINY, TestJob, workers_under};
+
+/// The `list` line of job `name`.
+fn list_line(list: &str, name: &str) -> String {
+    list.lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .unwrap_or_else(|| panic!("no line for {name}:\n{list}"))
+        .to_string()
+}
+
+fn status_column(line: &str) -> &str {
+    line.split_whitespace().nth(1).unwrap()
+}
+
+#[test]
+fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
+    let t = TestJob::new();
+    let jobs = t.jobs_dir();
+    let jobs = jobs.to_str().unwrap();
+    let cfg = t.config(
+        "tiny",
+        &format!("{TINY}\n[expect]\nmin_test_accuracy = 0.3\nmax_test_loss = 0.0001\n"),
+    );
+    assert_eq!(
+        t.run(&cfg, &["--name", "done"]).code,
+        1,
+        "max_test_loss is unmet"
+    );
+    t.run_env(
+        &cfg,
+        &["--name", "broken"],
+        &[("DDPJOB_FAULT", "rank=0,step=20,kind=exit")],
+    )
+    .fails_with(1, "rank 0");
+
+    let long = t.config(
+        "long",
+        &TINY
+            .replace("epochs = 2", "epochs = 100000")
+            .replace("log_every = 4", "log_every = 8"),
+    );
+    let mut live = t.spawn_run(&long, "jobs", &["--name", "live"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while t.metrics_lines("live") < 3 {
+        assert!(Instant::now() < deadline, "the live job never logged");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // Finished, with an unmet expectation.
+    let show = t.ddpjob(&["show", "done", "--jobs-dir", jobs]);
+    show.success();
+    let out = &show.stdout;
+    for expected in [
+        "job done: finished",
+        "model       mlp [32]",
+        "data        synthetic 512/256",
+        "batch       global 32 = 32 per worker x 1 accumulation x 1 worker(s)",
+        "progress    epoch 2/2 done, step 32/32 (100%)",
+        "last epoch  2: train loss",
+        "best        test accuracy",
+        "checkpoints 2,",
+        "step-00000032  step 32, after epoch 2",
+        "(latest)",
+        "expect      1 of 2 met",
+        "met   min_test_accuracy: test_accuracy",
+        "UNMET max_test_loss: test_loss",
+        "curves.svg",
+    ] {
+        assert!(out.contains(expected), "show lacks {expected:?}:\n{out}");
+    }
+    let spark = out
+        .lines()
+        .find(|l| l.contains("train loss  "))
+        .expect("a sparkline line");
+    assert!(spark.chars().any(|c| ('▁'..='█').contains(&c)), "{spark}");
+
+    // Failed: the error and the way on.
+    let show = t.ddpjob(&["show", "broken", "--jobs-dir", jobs]);
+    show.success();
+    for expected in [
+        "job broken: failed (`ddpjob resume broken` continues it)",
+        "error       job `broken` failed",
+        "rank 0",
+        "expect      not checked yet: min_test_accuracy, max_test_loss",
+    ] {
+        assert!(
+            show.stdout.contains(expected),
+            "lacks {expected:?}:\n{}",
+            show.stdout
+        );
+    }
+
+    // Running: the live launcher's pid, progress so far.
+    let show = t.ddpjob(&["show", "live", "--jobs-dir", jobs]);
+    show.success();
+    let pid = live.child.id();
+    assert!(
+        show.stdout
+            .contains(&format!("job live: running (launcher pid {pid})")),
+        "{}",
+        show.stdout
+    );
+    assert!(
+        show.stdout.contains("progress    epoch "),
+        "{}",
+        show.stdout
+    );
+
+    let list = t.ddpjob(&["list", "--jobs-dir", jobs]);
+    list.success();
+    assert!(list.stdout.starts_with("NAME"), "{}", list.stdout);
+    assert_eq!(status_column(&list_line(&list.stdout, "live")), "running");
+    assert_eq!(status_column(&list_line(&list.stdout, "broken")), "failed");
+    let done = list_line(&list.stdout, "done");
+    assert_eq!(status_column(&done), "finished");
+    assert!(done.contains("mlp") && done.contains("synthetic 512/256") && done.contains("32/32"));
+    assert!(done.contains("1 unmet"), "{done}");
+
+    // Interrupted: Ctrl-C to the launcher.
+    // SAFETY: SIGINT to the launcher this test spawned.
+    unsafe { libc::kill(pid as i32, libc::SIGINT) };
+    live.wait_for(Duration::from_secs(20))
+        .expect("the launcher did not stop")
+        .fails_with(130, "interrupted by SIGINT");
+    let show = t.ddpjob(&["show", "live", "--jobs-dir", jobs]);
+    assert!(
+        show.stdout
+            .contains("job live: interrupted (`ddpjob resume live` continues it)"),
+        "{}",
+        show.stdout
+    );
+    assert!(show.stdout.contains("(latest)"), "{}", show.stdout);
+    let list = t.ddpjob(&["list", "--jobs-dir", jobs]);
+    assert_eq!(
+        status_column(&list_line(&list.stdout, "live")),
+        "interrupted"
+    );
+}
+
+#[test]
+fn a_running_job_whose_launcher_was_killed_shows_as_stale() {
+    let t = TestJob::new();
+    let jobs = t.jobs_dir();
+    let jobs = jobs.to_str().unwrap();
+    let long = t.config("long", &TINY.replace("epochs = 2", "epochs = 100000"));
+    let mut launcher = t.spawn_run(&long, "jobs", &["--name", "orphan"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while t.metrics_lines("orphan") < 1 {
+        assert!(Instant::now() < deadline, "the job never logged");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SIGKILL: the launcher cannot record anything; then its worker, so nothing is left.
+    let _ = launcher.child.kill();
+    let _ = launcher.child.wait();
+    for (pid, _) in workers_under(&t.job("orphan")) {
+        // SAFETY: kill(2) of a worker this test started, found by its environment.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    assert_eq!(
+        t.json(&t.job("orphan").join("state.json"))["status"],
+        "running"
+    );
+    let show = t.ddpjob(&["show", "orphan", "--jobs-dir", jobs]);
+    assert!(
+        show.stdout
+            .contains("stale: state.json says running, but its launcher")
+            && show.stdout.contains("`ddpjob resume orphan` continues it"),
+        "{}",
+        show.stdout
+    );
+    let list = t.ddpjob(&["list", "--jobs-dir", jobs]);
+    assert_eq!(status_column(&list_line(&list.stdout, "orphan")), "stale");
+
+    t.ddpjob(&["show", "nothing", "--jobs-dir", jobs])
+        .fails_with(2, "no job `nothing` in");
+}

@@ -201,30 +201,49 @@ fn progress(v: &JobView) -> String {
     )
 }
 
+/// `ddpjob list` columns: header and width (negative: left-aligned).
+const COLUMNS: [(&str, i32); 12] = [
+    ("NAME", -20),
+    ("STATUS", -11),
+    ("MODEL", -5),
+    ("DATA", -18),
+    ("WORLD", 5),
+    ("EPOCH", 7),
+    ("STEP", 13),
+    ("LOSS", 8),
+    ("BEST ACC", 8),
+    ("EXPECT", -7),
+    ("LOSS CURVE", -12),
+    ("UPDATED", 0),
+];
+
+fn row(cells: &[String]) -> String {
+    let mut line = String::new();
+    for (cell, (_, width)) in cells.iter().zip(COLUMNS) {
+        let w = width.unsigned_abs() as usize;
+        let _ = if width < 0 {
+            write!(line, "{cell:<w$} ")
+        } else {
+            write!(line, "{cell:>w$} ")
+        };
+    }
+    line.trim_end().to_string() + "\n"
+}
+
 /// The header and one line per job for `ddpjob list`.
 pub fn list(views: &[JobView], now: u64) -> String {
-    let mut out = format!(
-        "{:<20} {:<11} {:<10} {:<18} {:>5} {:>13} {:>8} {:>8} {:<7} {:<12} UPDATED\n",
-        "NAME",
-        "STATUS",
-        "MODEL",
-        "DATA",
-        "WORLD",
-        "STEP",
-        "LOSS",
-        "BEST ACC",
-        "EXPECT",
-        "LOSS CURVE"
-    );
+    let header: Vec<String> = COLUMNS.iter().map(|(h, _)| h.to_string()).collect();
+    let mut out = row(&header);
     for v in views {
         let s = &v.state;
-        let model = v
-            .spec
-            .as_ref()
-            .map_or("?".into(), |spec| match &spec.model {
-                crate::config::ModelSpec::Mlp { .. } => "mlp".to_string(),
-                crate::config::ModelSpec::Cnn => "cnn".to_string(),
-            });
+        let model = v.spec.as_ref().map_or("?", |spec| match &spec.model {
+            crate::config::ModelSpec::Mlp { .. } => "mlp",
+            crate::config::ModelSpec::Cnn => "cnn",
+        });
+        let epoch = match &v.spec {
+            Some(spec) => format!("{}/{}", s.epoch.min(spec.train.epochs), spec.train.epochs),
+            None => s.epoch.to_string(),
+        };
         let loss = v
             .history
             .last_train_loss()
@@ -239,17 +258,20 @@ pub fn list(views: &[JobView], now: u64) -> String {
             Some((met, total)) => format!("{} unmet", total - met),
             None => "-".into(),
         };
-        let _ = writeln!(
-            out,
-            "{:<20} {:<11} {model:<10} {:<18} {:>5} {:>13} {loss:>8} {best:>8} {expect:<7} {:<12} {}",
-            v.name,
+        out += &row(&[
+            v.name.clone(),
             v.status(),
+            model.to_string(),
             v.data(),
-            s.world_size,
+            s.world_size.to_string(),
+            epoch,
             format!("{}/{}", s.step, s.total_steps),
+            loss,
+            best,
+            expect,
             sparkline(&v.loss_series(), 12),
-            ago(now, s.updated_unix)
-        );
+            ago(now, s.updated_unix),
+        ]);
     }
     out
 }

@@ -4,9 +4,18 @@ use crate::common::{TINY, TestJob, load_weights};
 fn smoke_config_trains_and_fills_the_job_directory() {
     let t = TestJob::new();
     let smoke = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/smoke.toml");
-    t.run(&smoke, &[]).success();
+    // As docs/ci.md runs it: the shipped expectations hold.
+    let report = t.path("smoke.xml");
+    t.run(&smoke, &["--junit", report.to_str().unwrap()])
+        .success();
+    assert!(
+        std::fs::read_to_string(&report)
+            .unwrap()
+            .contains("failures=\"0\"")
+    );
     let job = t.job("smoke");
     for file in [
+        "curves.svg",
         "job.toml",
         "state.json",
         "metrics.jsonl",
@@ -48,6 +57,9 @@ fn smoke_config_trains_and_fills_the_job_directory() {
         "accuracy near chance: {summary}"
     );
     assert!(summary["train_samples_per_s"].as_f64().unwrap() > 0.0);
+    let expectations = summary["expectations"].as_array().unwrap();
+    assert_eq!(expectations.len(), 5, "{summary}");
+    assert!(expectations.iter().all(|e| e["met"] == true), "{summary}");
     assert_eq!(t.json(&job.join("state.json"))["status"], "finished");
 
     let metrics = t.metrics("smoke");

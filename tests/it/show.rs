@@ -118,7 +118,13 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
     assert_eq!(status_column(&list_line(&list.stdout, "broken")), "failed");
     let done = list_line(&list.stdout, "done");
     assert_eq!(status_column(&done), "finished");
-    assert!(done.contains("mlp") && done.contains("synthetic 512/256") && done.contains("32/32"));
+    assert!(
+        done.contains("mlp")
+            && done.contains("synthetic 512/256")
+            && done.contains(" 2/2 ")
+            && done.contains("32/32"),
+        "{done}"
+    );
     assert!(done.contains("1 unmet"), "{done}");
 
     // Interrupted: Ctrl-C to the launcher.

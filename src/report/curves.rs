@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use super::history::History;
@@ -109,23 +110,50 @@ fn legend(color: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
     move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
 }
 
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// A panel's frame: caption, labelled axes and ticks over `steps` × `ys`.
+fn axes<'a, 'b>(
+    area: &'a Area<'b>,
+    caption: &str,
+    y_desc: &str,
+    y_label: &dyn Fn(&f64) -> String,
+    steps: Range<f64>,
+    ys: Range<f64>,
+) -> Result<Chart<'a, 'b>, DrawingAreaErrorKind<std::io::Error>> {
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, (FONT, 16))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(steps, ys)?;
+    chart
+        .configure_mesh()
+        .x_desc("optimizer step")
+        .y_desc(y_desc)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(y_label)
+        .label_style((FONT, 13))
+        .draw()?;
+    Ok(chart)
+}
+
+fn legend_box<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, position: SeriesLabelPosition) -> DrawResult {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .label_font((FONT, 13))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+}
+
 fn loss_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
     let train = thin(finite(h.train.iter().map(|p| (p.step as f64, p.loss))));
     let test = finite(h.epochs.iter().map(|e| (e.step as f64, e.test_loss)));
     let ys = y_range(train.iter().chain(&test), Some(0.0));
-    let mut chart = ChartBuilder::on(area)
-        .caption("Loss", (FONT, 16))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
-        .build_cartesian_2d(steps, ys.clone())?;
-    chart
-        .configure_mesh()
-        .x_desc("optimizer step")
-        .y_desc("loss")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .label_style((FONT, 13))
-        .draw()?;
+    let plain = |y: &f64| format!("{y:.2}");
+    let mut chart = axes(area, "Loss", "loss", &plain, steps, ys.clone())?;
     chart
         .draw_series(LineSeries::new(train, TRAIN_COLOR.stroke_width(2)))?
         .label("train loss (per log interval)")
@@ -145,13 +173,7 @@ fn loss_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
             .label("resumed here")
             .legend(legend(RESUME_COLOR));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .label_font((FONT, 13))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
+    legend_box(&mut chart, SeriesLabelPosition::UpperRight)
 }
 
 fn accuracy_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
@@ -162,20 +184,8 @@ fn accuracy_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
     );
     let ys = y_range(acc.iter(), None);
     let ys = ys.start.max(0.0)..ys.end.min(100.0).max(ys.start.max(0.0) + 1.0);
-    let mut chart = ChartBuilder::on(area)
-        .caption("Test accuracy", (FONT, 16))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
-        .build_cartesian_2d(steps, ys)?;
-    chart
-        .configure_mesh()
-        .x_desc("optimizer step")
-        .y_desc("accuracy (%)")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .y_label_formatter(&|y| format!("{y:.1}"))
-        .label_style((FONT, 13))
-        .draw()?;
+    let percent = |y: &f64| format!("{y:.1}");
+    let mut chart = axes(area, "Test accuracy", "accuracy (%)", &percent, steps, ys)?;
     chart
         .draw_series(LineSeries::new(acc.clone(), ACCURACY_COLOR.stroke_width(2)))?
         .label("test accuracy (per epoch)")
@@ -184,13 +194,7 @@ fn accuracy_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
         acc.iter()
             .map(|&p| Circle::new(p, 4, ACCURACY_COLOR.filled())),
     )?;
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .label_font((FONT, 13))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
+    legend_box(&mut chart, SeriesLabelPosition::LowerRight)
 }
 
 fn lr_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
@@ -204,37 +208,28 @@ fn lr_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
     points.dedup_by(|a, b| a.0 == b.0);
     let points = thin(points);
     let ys = y_range(points.iter(), Some(0.0));
-    let mut chart = ChartBuilder::on(area)
-        .caption("Learning rate", (FONT, 16))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
-        .build_cartesian_2d(steps, ys)?;
-    chart
-        .configure_mesh()
-        .x_desc("optimizer step")
-        .y_desc("learning rate")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .y_label_formatter(&|y| {
-            if *y == 0.0 {
-                "0".into()
-            } else {
-                format!("{y:.1e}")
-            }
-        })
-        .label_style((FONT, 13))
-        .draw()?;
+    // Headroom for the legend above a flat (constant) learning rate.
+    let ys = ys.start..ys.end * 1.3;
+    let scientific = |y: &f64| {
+        if *y == 0.0 {
+            "0".into()
+        } else {
+            format!("{y:.1e}")
+        }
+    };
+    let mut chart = axes(
+        area,
+        "Learning rate",
+        "learning rate",
+        &scientific,
+        steps,
+        ys,
+    )?;
     chart
         .draw_series(LineSeries::new(points, LR_COLOR.stroke_width(2)))?
         .label("learning rate")
         .legend(legend(LR_COLOR));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .label_font((FONT, 13))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
+    legend_box(&mut chart, SeriesLabelPosition::UpperRight)
 }
 
 #[cfg(test)]

@@ -282,3 +282,45 @@ fn curves_svg_holds_the_three_series_point_for_point() {
     assert_eq!(points(ACCURACY_COLOR), count("epoch"));
     assert!(points(LR_COLOR) >= count("train"));
 }
+
+#[test]
+fn resume_reports_like_run_and_checks_the_expectations() {
+    let t = TestJob::new();
+    let cfg = t.config("smoke", &with_loose_expectations());
+    t.run_env(&cfg, &[], &[("DDPJOB_FAULT", "rank=0,step=20,kind=exit")])
+        .fails_with(1, "rank 0");
+    let jobs = t.jobs_dir();
+    let report = t.path("resume.xml");
+    let run = t.ddpjob(&[
+        "resume",
+        "smoke",
+        "--jobs-dir",
+        jobs.to_str().unwrap(),
+        "--json",
+        "--junit",
+        report.to_str().unwrap(),
+    ]);
+    run.success();
+    let printed: serde_json::Value =
+        serde_json::from_str(run.stdout.trim()).expect("exactly one JSON line on stdout");
+    assert_eq!(printed, t.json(&t.job("smoke").join("summary.json")));
+    assert_eq!(printed["expectations"].as_array().unwrap().len(), 5);
+    let (attrs, _) = junit(&report);
+    assert_eq!(
+        (attr(&attrs, "tests"), attr(&attrs, "failures")),
+        ("6", "0")
+    );
+
+    // Resuming a finished job does nothing, and still reports its recorded verdict.
+    let run = t.ddpjob(&[
+        "resume",
+        "smoke",
+        "--jobs-dir",
+        jobs.to_str().unwrap(),
+        "--json",
+    ]);
+    run.success();
+    assert!(run.stderr.contains("already finished"), "{}", run.stderr);
+    let again: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    assert_eq!(again, printed);
+}

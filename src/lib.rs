@@ -13,6 +13,7 @@ pub mod cli;
 pub mod comm;
 pub mod config;
 pub mod data;
+pub mod device;
 pub mod fault;
 pub mod heartbeat;
 pub mod jobdir;

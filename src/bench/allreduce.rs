@@ -99,6 +99,7 @@ pub fn allreduce(nproc: usize, sizes: &[usize]) -> Result<Vec<AllReduceRow>, Ben
             token: token.clone(),
             started_unix_ms: None,
             resume_from: None,
+            device: "cpu".into(),
         }
         .apply(&mut cmd);
         let log = PathBuf::from("/dev/null");

@@ -1,8 +1,10 @@
 //! Collectives between workers behind one trait, so the trainer is the same for one worker
-//! (`local`), CPU worker processes (`tcp`) and GPUs. Also the DDP pieces built on them: initial
+//! (`local`), CPU worker processes (`tcp`) and GPUs (`nccl`, with `--features cuda`). Also the DDP pieces built on them: initial
 //! parameter broadcast and bucketed gradient averaging.
 
 mod local;
+#[cfg(feature = "cuda")]
+mod nccl;
 pub mod ring;
 mod tcp;
 
@@ -11,6 +13,8 @@ use thiserror::Error;
 
 use crate::models::Params;
 pub use local::LocalCommunicator;
+#[cfg(feature = "cuda")]
+pub use nccl::NcclCommunicator;
 pub use tcp::{TcpCommunicator, ring_key, spin_for};
 
 #[derive(Debug, Error)]

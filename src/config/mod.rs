@@ -16,8 +16,9 @@ pub use error::{ConfigError, Origin};
 pub use raw::RawConfig;
 pub use source::Source;
 pub use spec::{
-    Check, CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, Expectation, JobSpec, ModelSpec,
-    OnWriteError, OptimizerSpec, ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
+    Backend, Check, CheckpointSpec, DataSpec, DatasetKind, DeviceChoice, DistributedSpec,
+    Expectation, JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
+    ScheduleSpec, SyntheticSpec, TrainSpec,
 };
 
 /// A validated job and the fully resolved config it came from (every default written out).

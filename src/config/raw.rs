@@ -104,6 +104,7 @@ pub struct RawTrain {
     pub max_steps: i64,
     pub eval_batch_size: i64,
     pub log_every: i64,
+    pub precision: String,
     pub scheduler: RawScheduler,
 }
 
@@ -124,6 +125,7 @@ impl Default for RawTrain {
             max_steps: 0,
             eval_batch_size: 1000,
             log_every: 50,
+            precision: "f32".into(),
             scheduler: RawScheduler::default(),
         }
     }
@@ -179,6 +181,9 @@ pub struct RawDistributed {
     pub max_restarts: i64,
     pub timeout_s: i64,
     pub bucket_mb: f64,
+    pub device: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<i64>>,
 }
 
 impl Default for RawDistributed {
@@ -189,6 +194,8 @@ impl Default for RawDistributed {
             max_restarts: 0,
             timeout_s: 300,
             bucket_mb: 25.0,
+            device: "auto".into(),
+            devices: None,
         }
     }
 }

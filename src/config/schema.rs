@@ -182,6 +182,11 @@ pub const KEYS: &[KeySpec] = &[
         Kind::Int,
         "optimizer steps between metric lines",
     ),
+    key(
+        "train.precision",
+        Kind::Str,
+        "\"f32\" or \"bf16\" (bf16 forward and backward, f32 weights, optimizer and all-reduce)",
+    ),
     key("train.scheduler", Kind::Table, "learning-rate schedule"),
     key(
         "train.scheduler.kind",
@@ -234,7 +239,7 @@ pub const KEYS: &[KeySpec] = &[
     key(
         "distributed.backend",
         Kind::Str,
-        "\"auto\", \"tcp\" or \"nccl\"",
+        "\"auto\" (nccl for GPU workers, tcp for CPU ones), \"tcp\" or \"nccl\"",
     ),
     key(
         "distributed.max_restarts",
@@ -250,6 +255,16 @@ pub const KEYS: &[KeySpec] = &[
         "distributed.bucket_mb",
         Kind::Float,
         "gradient bucket size in MB for all-reduce",
+    ),
+    key(
+        "distributed.device",
+        Kind::Str,
+        "\"auto\" (a GPU per worker if the build has CUDA and one is visible), \"cpu\" or \"cuda\"",
+    ),
+    key(
+        "distributed.devices",
+        Kind::IntList,
+        "GPU ordinals to use, one per worker on each node (default: every visible GPU)",
     ),
     key(
         "expect",

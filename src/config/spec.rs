@@ -138,6 +138,7 @@ pub struct TrainSpec {
     pub eval_batch_size: usize,
     pub log_every: usize,
     pub schedule: ScheduleSpec,
+    pub precision: Precision,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -165,6 +166,38 @@ pub struct DistributedSpec {
     pub timeout_s: u64,
     pub max_restarts: usize,
     pub bucket_bytes: usize,
+    /// Where workers train (`distributed.device`).
+    pub device: DeviceChoice,
+    /// GPU ordinals to use, one per local rank (`distributed.devices`); `None`: all visible.
+    pub devices: Option<Vec<usize>>,
+    pub backend: Backend,
+}
+
+/// `distributed.device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// A GPU per worker when the build has CUDA and a GPU is visible, else the CPU.
+    Auto,
+    Cpu,
+    /// GPUs, or fail: never silently slower.
+    Cuda,
+}
+
+/// `distributed.backend`: the collectives between workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// NCCL for GPU workers, the tcp ring for CPU ones.
+    Auto,
+    Tcp,
+    Nccl,
+}
+
+/// `train.precision`: the dtype of the forward and backward passes. Weights, optimizer state
+/// and gradient averaging stay f32 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    F32,
+    Bf16,
 }
 
 /// One `[expect]` threshold, checked against the run's summary when it ends.

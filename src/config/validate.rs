@@ -7,9 +7,14 @@ use super::error::ConfigError;
 use super::raw::RawConfig;
 use super::source::Source;
 use super::spec::{
-    Check, CheckpointSpec, DataSpec, DatasetKind, DistributedSpec, Expectation, JobSpec, ModelSpec,
-    OnWriteError, OptimizerSpec, ScheduleKind, ScheduleSpec, SyntheticSpec, TrainSpec,
+    Backend, Check, CheckpointSpec, DataSpec, DatasetKind, DeviceChoice, DistributedSpec,
+    Expectation, JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
+    ScheduleSpec, SyntheticSpec, TrainSpec,
 };
+
+/// How to get GPU workers, for messages of a build without them.
+const GPU_BUILD: &str = "this ddpjob was built without GPU support; build it with `cargo build \
+     --release --features cuda` (needs the CUDA toolkit; see the README's GPU section)";
 
 /// A week: longer than any collective should stall, and safe to add to a clock.
 const MAX_TIMEOUT_S: i64 = 7 * 24 * 3600;
@@ -137,19 +142,16 @@ impl JobSpec {
             toml::Value::Integer(n) => Some(c.at_least("distributed.nproc_per_node", *n, 1)),
             _ => None,
         };
-        c.one_of("distributed.backend", &d.backend, &["auto", "tcp", "nccl"]);
-        if d.backend == "nccl" {
-            c.fail(
-                "distributed.backend",
-                "\"nccl\" needs a GPU build (`--features cuda`), not available yet; use \"auto\"",
-            );
-        }
+        let (device, devices, backend) = check_devices(&mut c, raw, nproc_per_node);
         let distributed = DistributedSpec {
             nproc_per_node,
             timeout_s: c.in_int_range("distributed.timeout_s", d.timeout_s, 1, MAX_TIMEOUT_S)
                 as u64,
             max_restarts: c.at_least("distributed.max_restarts", d.max_restarts, 0),
             bucket_bytes: (c.positive("distributed.bucket_mb", d.bucket_mb) * 1e6) as usize,
+            device,
+            devices,
+            backend,
         };
 
         let expect = check_expect(&mut c, raw);
@@ -394,7 +396,9 @@ fn check_train(c: &mut Checker, raw: &RawConfig) -> TrainSpec {
         }
         _ => ScheduleKind::Constant,
     };
+    let precision = check_precision(c, raw);
     TrainSpec {
+        precision,
         epochs: c.at_least("train.epochs", t.epochs, 1),
         batch_size: c.at_least("train.batch_size", t.batch_size, 1),
         accumulation: c.at_least("train.accumulation", t.accumulation, 1),
@@ -408,5 +412,94 @@ fn check_train(c: &mut Checker, raw: &RawConfig) -> TrainSpec {
             kind,
             warmup_steps: c.at_least("train.scheduler.warmup_steps", s.warmup_steps, 0),
         },
+    }
+}
+
+/// `distributed.device`, `devices` and `backend`, and how they fit together and with this build.
+fn check_devices(
+    c: &mut Checker,
+    raw: &RawConfig,
+    nproc_per_node: Option<usize>,
+) -> (DeviceChoice, Option<Vec<usize>>, Backend) {
+    let d = &raw.distributed;
+    let gpu_build = cfg!(feature = "cuda");
+    c.one_of("distributed.device", &d.device, &["auto", "cpu", "cuda"]);
+    let device = match d.device.as_str() {
+        "cpu" => DeviceChoice::Cpu,
+        "cuda" => DeviceChoice::Cuda,
+        _ => DeviceChoice::Auto,
+    };
+    if device == DeviceChoice::Cuda && !gpu_build {
+        c.fail(
+            "distributed.device",
+            format!("\"cuda\" needs GPU workers: {GPU_BUILD}"),
+        );
+    }
+    c.one_of("distributed.backend", &d.backend, &["auto", "tcp", "nccl"]);
+    let backend = match d.backend.as_str() {
+        "tcp" => Backend::Tcp,
+        "nccl" => Backend::Nccl,
+        _ => Backend::Auto,
+    };
+    if backend == Backend::Nccl && !gpu_build {
+        c.fail(
+            "distributed.backend",
+            format!("\"nccl\" needs GPU workers: {GPU_BUILD}; or use \"auto\""),
+        );
+    } else if backend == Backend::Nccl && device == DeviceChoice::Cpu {
+        c.fail(
+            "distributed.backend",
+            "\"nccl\" reduces on GPUs, but distributed.device = \"cpu\"; use backend \"tcp\" (or \"auto\") for CPU workers",
+        );
+    }
+    let devices = d.devices.as_ref().map(|list| {
+        let ordinals: Vec<usize> = list
+            .iter()
+            .map(|&v| c.at_least("distributed.devices", v, 0))
+            .collect();
+        if ordinals.is_empty() {
+            c.fail(
+                "distributed.devices",
+                "must name at least one GPU, e.g. [0]; leave it out to use every visible GPU",
+            );
+        }
+        let mut sorted = ordinals.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != ordinals.len() {
+            c.fail(
+                "distributed.devices",
+                format!("names a GPU twice: {list:?}; one worker per GPU"),
+            );
+        }
+        if !gpu_build {
+            c.fail("distributed.devices", format!("picks GPUs: {GPU_BUILD}"));
+        } else if device == DeviceChoice::Cpu {
+            c.fail(
+                "distributed.devices",
+                "picks GPUs, but distributed.device = \"cpu\"; remove one of them",
+            );
+        }
+        if let Some(n) = nproc_per_node.filter(|&n| n > ordinals.len() && !ordinals.is_empty()) {
+            c.fail(
+                "distributed.nproc_per_node",
+                format!(
+                    "{n} workers need {n} GPUs, but distributed.devices names {} ({list:?}); \
+                     one worker per GPU: lower nproc_per_node or list more devices",
+                    ordinals.len()
+                ),
+            );
+        }
+        ordinals
+    });
+    (device, devices, backend)
+}
+
+/// `train.precision`.
+fn check_precision(c: &mut Checker, raw: &RawConfig) -> Precision {
+    c.one_of("train.precision", &raw.train.precision, &["f32", "bf16"]);
+    match raw.train.precision.as_str() {
+        "bf16" => Precision::Bf16,
+        _ => Precision::F32,
     }
 }

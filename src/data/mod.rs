@@ -1,5 +1,6 @@
 //! Datasets held in memory as u8 pixels, and batches assembled from them in one pass.
 
+mod batches;
 mod catalog;
 pub mod download;
 pub mod idx;
@@ -12,6 +13,7 @@ use candle_core::{Device, Tensor};
 use thiserror::Error;
 
 use crate::config::{DataSpec, DatasetKind};
+pub use batches::{Batches, DeviceSplit, MAX_RESIDENT_BYTES};
 pub use catalog::{FILES, Locate};
 pub use sampler::DistributedSampler;
 

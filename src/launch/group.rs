@@ -158,6 +158,7 @@ impl Group<'_> {
                 token: self.token.to_string(),
                 started_unix_ms: Some(started_ms),
                 resume_from: resume_from.clone(),
+                device: layout.placement.device_of(local_rank),
             }
             .apply(&mut cmd);
             for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {

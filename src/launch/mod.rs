@@ -19,6 +19,7 @@ use thiserror::Error;
 
 use crate::config::{self, ConfigError, JobSpec, LoadedConfig};
 use crate::data::{DataError, Dataset};
+use crate::device::{self, DeviceError, Placement};
 use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
 use crate::store::{self, StoreClient, StoreError, StoreServer};
 use crate::train::Summary;
@@ -40,6 +41,8 @@ pub enum RunError {
     JobDir(#[from] JobDirError),
     #[error(transparent)]
     Data(#[from] DataError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("cannot start worker {rank}: {cause}")]
@@ -68,7 +71,7 @@ impl RunError {
     /// 128 + signal for an interrupt, as a shell expects, 1 for a failed job.
     pub fn exit_code(&self) -> u8 {
         match self {
-            RunError::Config(_) | RunError::Usage(_) => 2,
+            RunError::Config(_) | RunError::Usage(_) | RunError::Device(_) => 2,
             RunError::JobDir(JobDirError::Io { .. }) => 1,
             RunError::JobDir(_) => 2,
             RunError::Store(StoreError::Bind { .. } | StoreError::Refused { .. }) => 2,
@@ -100,6 +103,8 @@ struct Layout {
     nnodes: usize,
     node_rank: usize,
     nproc: usize,
+    /// This node's workers and their devices.
+    placement: Placement,
     master_addr: String,
     /// `None`: a free port chosen when the store binds (single-node jobs only).
     master_port: Option<u16>,
@@ -139,11 +144,15 @@ impl Layout {
             (None, 1) => None,
             (None, _) => Some(DEFAULT_MASTER_PORT),
         };
+        let placement = device::place(&spec.distributed)?;
+        if let Some(notice) = &placement.notice {
+            eprintln!("note: {notice}");
+        }
         Ok(Layout {
             nnodes,
             node_rank: opts.node_rank,
-            // On CPU "auto" is one worker; the cuda build will count GPUs here.
-            nproc: spec.distributed.nproc_per_node.unwrap_or(1),
+            nproc: placement.nproc,
+            placement,
             master_addr,
             master_port,
         })

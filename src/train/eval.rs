@@ -1,10 +1,8 @@
 //! Evaluation on the test split: each rank takes an unpadded shard, sums of loss and correct
 //! predictions are all-reduced, so every test sample counts exactly once.
 
-use candle_core::Device;
-
 use crate::comm::Communicator;
-use crate::data::Dataset;
+use crate::data::Batches;
 use crate::models::{Model, loss_sum_and_correct};
 
 use super::TrainError;
@@ -16,19 +14,20 @@ pub struct EvalResult {
     pub samples: usize,
 }
 
+/// Evaluates on the `test_len` samples of the test split that `batches` serves.
 pub fn evaluate(
     model: &dyn Model,
-    data: &Dataset,
+    batches: &Batches,
+    test_len: usize,
     comm: &dyn Communicator,
     batch_size: usize,
-    device: &Device,
 ) -> Result<EvalResult, TrainError> {
-    let n = data.test.len();
+    let n = test_len;
     let (rank, world) = (comm.rank(), comm.world_size());
     let shard: Vec<usize> = (rank..n).step_by(world).collect();
     let mut sums = [0.0f64; 3];
     for chunk in shard.chunks(batch_size) {
-        let (xs, ys) = data.batch(&data.test, chunk, device)?;
+        let (xs, ys) = batches.test(chunk)?;
         let logits = model.forward(&xs)?;
         let (loss, correct) = loss_sum_and_correct(&logits, &ys)?;
         sums[0] += loss;

@@ -18,7 +18,7 @@ use thiserror::Error;
 use crate::checkpoint::{self, CheckpointError, MetricState, Restored, TrainPosition};
 use crate::comm::{CommError, Communicator, broadcast_params};
 use crate::config::{JobSpec, OnWriteError, Plan};
-use crate::data::{DataError, Dataset, DistributedSampler};
+use crate::data::{Batches, DataError, Dataset, DistributedSampler};
 use crate::fault::Fault;
 use crate::heartbeat::Beacon;
 use crate::jobdir::JobDirError;
@@ -162,6 +162,13 @@ impl Trainer<'_> {
             leader.start(world, total_steps)?;
         }
         broadcast_params(self.comm, self.model.params())?;
+        let batches = Batches::new(self.data, &self.device)?;
+        if batches.is_resident() {
+            self.reporter.line(&format!(
+                "data: both splits uploaded to {:?} once; batches are gathered there",
+                self.device.location()
+            ));
+        }
         let mut sampler = DistributedSampler::new(self.data.train.len(), world, rank, spec.seed)
             .with_drop_last(spec.data.drop_last);
 
@@ -212,7 +219,7 @@ impl Trainer<'_> {
                 }
                 let vote = self.hooks.stop.load(Ordering::SeqCst);
                 let (loss_sum, samples, stop) =
-                    self.optimizer_step(&mut optimizer, group, lr, vote)?;
+                    self.optimizer_step(&batches, &mut optimizer, group, lr, vote)?;
                 step += 1;
                 run.consumed += samples * world;
                 interval.add(loss_sum, samples, started.elapsed())?;
@@ -268,10 +275,10 @@ impl Trainer<'_> {
 
             let eval = evaluate(
                 self.model.as_ref(),
-                self.data,
+                &batches,
+                self.data.test.len(),
                 self.comm,
                 t.eval_batch_size,
-                &self.device,
             )?;
             let lr = schedule.lr(step.saturating_sub(1), epoch);
             let rate = n / secs.max(1e-9);
@@ -315,10 +322,10 @@ impl Trainer<'_> {
             Some(e) => e,
             None => evaluate(
                 self.model.as_ref(),
-                self.data,
+                &batches,
+                self.data.test.len(),
                 self.comm,
                 t.eval_batch_size,
-                &self.device,
             )?,
         };
         let train_s = metrics.train_s;
@@ -342,6 +349,7 @@ impl Trainer<'_> {
     /// Returns (Σ loss·n, n, whether any rank voted to stop).
     fn optimizer_step(
         &mut self,
+        source: &Batches,
         optimizer: &mut Optimizer,
         group: &[&[usize]],
         lr: f64,
@@ -349,7 +357,7 @@ impl Trainer<'_> {
     ) -> Result<(Tensor, usize, bool), TrainError> {
         let batches = group
             .iter()
-            .map(|micro| self.data.batch(&self.data.train, micro, &self.device))
+            .map(|micro| source.train(micro))
             .collect::<Result<Vec<_>, _>>()?;
         let cx = StepContext {
             model: self.model.as_ref(),

@@ -107,7 +107,15 @@ fn evaluation_counts_every_test_sample_once() {
     let data = Dataset::load(&spec.data, spec.seed).unwrap();
     let model =
         models::build(&spec.model, data.train.shape, data.classes, 0, &Device::Cpu).unwrap();
-    let r = evaluate(model.as_ref(), &data, &LocalCommunicator, 10, &Device::Cpu).unwrap();
+    let batches = crate::data::Batches::new(&data, &Device::Cpu).unwrap();
+    let r = evaluate(
+        model.as_ref(),
+        &batches,
+        data.test.len(),
+        &LocalCommunicator,
+        10,
+    )
+    .unwrap();
     assert_eq!(r.samples, 37);
     // An untrained 3-class model's loss is near ln 3.
     assert!((r.loss - 3f64.ln()).abs() < 0.5, "{r:?}");

@@ -45,6 +45,8 @@ pub struct WorkerEnv {
     pub token: String,
     pub started_unix_ms: Option<u128>,
     pub resume_from: Option<PathBuf>,
+    /// `cpu` or `cuda:<ordinal>` ([`crate::device::ENV`]).
+    pub device: String,
 }
 
 impl WorkerEnv {
@@ -72,6 +74,7 @@ impl WorkerEnv {
                 .ok()
                 .and_then(|v| v.parse().ok()),
             resume_from: std::env::var_os(env::RESUME_FROM).map(PathBuf::from),
+            device: std::env::var(crate::device::ENV).unwrap_or_else(|_| "cpu".into()),
         };
         if e.rank >= e.world_size || e.local_rank >= e.local_world_size {
             return Err(WorkerError::Env(format!(
@@ -93,7 +96,8 @@ impl WorkerEnv {
             .env(env::MASTER_PORT, self.master_port.to_string())
             .env(env::JOB_DIR, &self.job_dir)
             .env(env::RESTART_COUNT, self.restart_count.to_string())
-            .env(env::TOKEN, &self.token);
+            .env(env::TOKEN, &self.token)
+            .env(crate::device::ENV, &self.device);
         if let Some(ms) = self.started_unix_ms {
             cmd.env(env::STARTED_MS, ms.to_string());
         }

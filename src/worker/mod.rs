@@ -70,6 +70,8 @@ pub enum WorkerError {
     Model(candle_core::Error),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Device(#[from] crate::device::DeviceError),
     /// A collective timed out; the text adds what the heartbeats say about the other ranks.
     #[error("{0}")]
     Hang(String),
@@ -122,8 +124,33 @@ pub fn run() -> Result<bool, WorkerError> {
         }),
     };
 
+    let device = crate::device::open(Some(&env.device))?;
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() && spec.distributed.backend != crate::config::Backend::Tcp {
+        let comm = crate::comm::NcclCommunicator::connect(
+            &store,
+            env.rank,
+            env.world_size,
+            env.restart_count,
+            &device,
+            timeout,
+        )?;
+        return train(&env, &spec, &job, &data, &comm, &device, hooks, started).map_err(|e| {
+            announce(Some(&env), &e);
+            WorkerError::Announced(Box::new(e))
+        });
+    }
     if env.world_size == 1 {
-        train(&env, &spec, &job, &data, &LocalCommunicator, hooks, started)
+        train(
+            &env,
+            &spec,
+            &job,
+            &data,
+            &LocalCommunicator,
+            &device,
+            hooks,
+            started,
+        )
     } else {
         // The error is printed while the ring is still open, so this rank's own failure is on
         // record before its neighbours notice the closed connections and fail in turn.
@@ -139,7 +166,7 @@ pub fn run() -> Result<bool, WorkerError> {
             spin,
         )?
         .with_beacon(beacon);
-        train(&env, &spec, &job, &data, &comm, hooks, started).map_err(|e| {
+        train(&env, &spec, &job, &data, &comm, &device, hooks, started).map_err(|e| {
             let e = explain_timeout(&store, &env, timeout, e);
             announce(Some(&env), &e);
             WorkerError::Announced(Box::new(e))
@@ -257,16 +284,18 @@ fn load_data(store: &StoreClient, env: &WorkerEnv, spec: &JobSpec) -> Result<Dat
     Ok(Dataset::load(&spec.data, spec.seed)?)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn train(
     env: &WorkerEnv,
     spec: &JobSpec,
     job: &JobDir,
     data: &Dataset,
     comm: &dyn Communicator,
+    device: &Device,
     hooks: Hooks,
     started: Instant,
 ) -> Result<bool, WorkerError> {
-    let device = Device::Cpu;
+    let device = device.clone();
     let model = models::build(
         &spec.model,
         data.train.shape,

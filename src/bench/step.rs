@@ -57,6 +57,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     let (shape, classes) = spec.data.dataset.sample_shape();
     let model = models::build(&spec.model, shape, classes, spec.seed, &device)
         .map_err(crate::train::TrainError::from)?;
+    let model = models::with_precision(model, spec.train.precision);
     let mut optimizer = Optimizer::new(spec.train.optimizer, model.params().len());
     let t = &spec.train;
     let mut rng = Mt19937::new(spec.seed);

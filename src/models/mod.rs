@@ -6,7 +6,7 @@ mod mlp;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use crate::config::ModelSpec;
+use crate::config::{ModelSpec, Precision};
 use crate::kernels::{self, ConvGeometry, Pooling};
 use crate::rng::Mt19937;
 
@@ -130,7 +130,8 @@ impl Linear {
         if kernels::applies(xs) {
             return kernels::linear(xs, &self.weight, &self.bias, relu);
         }
-        let y = xs.matmul(&self.weight.t()?)?.broadcast_add(&self.bias)?;
+        let (weight, bias) = (in_dtype(&self.weight, xs)?, in_dtype(&self.bias, xs)?);
+        let y = xs.matmul(&weight.t()?)?.broadcast_add(&bias)?;
         if relu { y.relu() } else { Ok(y) }
     }
 }
@@ -150,15 +151,67 @@ impl Conv2d {
             };
             return kernels::conv2d(xs, &self.weight, &self.bias, geometry, true, pooling);
         }
-        let out_channels = self.bias.dim(0)?;
-        let y = xs
-            .conv2d(&self.weight, 0, 1, 1, 1)?
-            .broadcast_add(&self.bias.reshape((1, out_channels, 1, 1))?)?
-            .relu()?;
-        match pooling {
-            Pooling::None => Ok(y),
-            Pooling::Max2 => kernels::max_pool2_with_ops(&y),
+        let (weight, bias) = (in_dtype(&self.weight, xs)?, in_dtype(&self.bias, xs)?);
+        if xs.dtype() == DType::BF16 && xs.device().is_cpu() {
+            // candle's CPU convolution has no bf16 kernel. As its bf16 matmul does, widen the
+            // bf16 operands to f32 (exactly), compute, and round the result back to bf16.
+            let wide = |t: &Tensor| t.to_dtype(DType::F32);
+            let y = conv_relu(&wide(xs)?, &wide(&weight)?, &wide(&bias)?)?;
+            return pool(&y.to_dtype(DType::BF16)?, pooling);
         }
+        pool(&conv_relu(xs, &weight, &bias)?, pooling)
+    }
+}
+
+/// `relu(conv2d(x, w) + b)` with candle's ops, stride 1, no padding.
+fn conv_relu(xs: &Tensor, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let out_channels = bias.dim(0)?;
+    xs.conv2d(weight, 0, 1, 1, 1)?
+        .broadcast_add(&bias.reshape((1, out_channels, 1, 1))?)?
+        .relu()
+}
+
+fn pool(y: &Tensor, pooling: Pooling) -> Result<Tensor> {
+    match pooling {
+        Pooling::None => Ok(y.clone()),
+        Pooling::Max2 => kernels::max_pool2_with_ops(y),
+    }
+}
+
+/// A parameter in the dtype of the activations `xs`: under bf16 autocast the f32 master
+/// weight is cast for the computation, and its gradient flows back to it as f32.
+fn in_dtype(param: &Var, xs: &Tensor) -> Result<Tensor> {
+    param.as_tensor().to_dtype(xs.dtype())
+}
+
+/// Mixed precision, as torch's autocast: inputs cast to `dtype`, every layer computes in it
+/// (weights cast on the fly, see [`in_dtype`]), logits returned as f32 so the loss, the
+/// gradients reaching the f32 weights, the optimizer and the all-reduce stay f32.
+pub struct Autocast {
+    inner: Box<dyn Model>,
+    dtype: DType,
+}
+
+impl Model for Autocast {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.inner
+            .forward(&xs.to_dtype(self.dtype)?)?
+            .to_dtype(DType::F32)
+    }
+
+    fn params(&self) -> &Params {
+        self.inner.params()
+    }
+}
+
+/// `model` computing in `precision` (f32: unchanged).
+pub fn with_precision(model: Box<dyn Model>, precision: Precision) -> Box<dyn Model> {
+    match precision {
+        Precision::F32 => model,
+        Precision::Bf16 => Box::new(Autocast {
+            inner: model,
+            dtype: DType::BF16,
+        }),
     }
 }
 

@@ -304,6 +304,7 @@ fn train(
         &device,
     )
     .map_err(WorkerError::Model)?;
+    let model = models::with_precision(model, spec.train.precision);
     let resume = match &env.resume_from {
         Some(dir) => Some(checkpoint::load(dir, &device)?),
         None => None,
@@ -323,7 +324,7 @@ fn train(
             cause,
         })?;
     reporter.line(&format!(
-        "job `{}` rank {}/{} (node {}, local rank {}{}): {} parameters, {} train / {} test samples",
+        "job `{}` rank {}/{} (node {}, local rank {}{}) on {}{}: {} parameters, {} train / {} test samples",
         spec.name,
         env.rank,
         env.world_size,
@@ -332,6 +333,11 @@ fn train(
         match env.restart_count {
             0 => String::new(),
             n => format!(", restart {n}"),
+        },
+        env.device,
+        match spec.train.precision {
+            crate::config::Precision::F32 => "",
+            crate::config::Precision::Bf16 => " in bf16 autocast",
         },
         model.params().element_count(),
         data.train.len(),

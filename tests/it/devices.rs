@@ -1,0 +1,76 @@
+//! Devices and precision as a CPU build sees them: bf16 autocast trains (f32 weights kept),
+//! GPU-only settings are refused with the way to get them.
+
+use crate::common::{TINY, TestJob};
+
+#[test]
+fn bf16_autocast_trains_like_f32_and_keeps_f32_weights() {
+    let t = TestJob::new();
+    let cfg = t.config("tiny", TINY);
+    let summary = |name: &str| t.json(&t.job(name).join("summary.json"));
+    for arch in ["mlp", "cnn"] {
+        let arch_set = format!("model.arch={arch}");
+        let (full, half) = (format!("f32-{arch}"), format!("bf16-{arch}"));
+        t.run(&cfg, &["--name", &full, "--set", &arch_set])
+            .success();
+        t.run(
+            &cfg,
+            &[
+                "--name",
+                &half,
+                "--set",
+                "train.precision=bf16",
+                "--set",
+                &arch_set,
+            ],
+        )
+        .success();
+        let weights = candle_core::safetensors::load(
+            t.job(&half).join("model.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        assert!(
+            weights
+                .values()
+                .all(|w| w.dtype() == candle_core::DType::F32)
+        );
+        // Close to f32 (bf16 keeps ~3 significant digits), yet not the same numbers: the
+        // bf16 path really ran.
+        let (a, b) = (summary(&full), summary(&half));
+        let loss = |s: &serde_json::Value| s["final_train_loss"].as_f64().unwrap();
+        let accuracy = |s: &serde_json::Value| s["test_accuracy"].as_f64().unwrap();
+        assert!(
+            (loss(&a) - loss(&b)).abs() < 0.1 * loss(&a),
+            "{arch}: {a} vs {b}"
+        );
+        assert!(
+            (accuracy(&a) - accuracy(&b)).abs() < 0.1,
+            "{arch}: {a} vs {b}"
+        );
+        assert_ne!(loss(&a), loss(&b), "{arch}: bf16 gave f32's exact loss");
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn gpu_settings_in_a_cpu_build_name_the_build_that_has_them() {
+    let t = TestJob::new();
+    let cfg = t.config("tiny", TINY);
+    for (set, key) in [
+        ("distributed.device=cuda", "distributed.device"),
+        ("distributed.backend=nccl", "distributed.backend"),
+        ("distributed.devices=[0]", "distributed.devices"),
+    ] {
+        t.run(&cfg, &["--set", set])
+            .fails_with(2, &format!("invalid `{key}`"))
+            .fails_with(2, "--features cuda");
+    }
+    t.run(&cfg, &["--set", "train.precision=fp8"])
+        .fails_with(2, "expected one of \"f32\", \"bf16\"");
+    // "auto" on a CPU build is the CPU, silently, and the job says where it trains.
+    let run = t.run(&cfg, &[]);
+    run.success();
+    assert!(!run.stderr.contains("note: no GPU"), "{}", run.stderr);
+    assert!(run.stdout.contains("on cpu"), "{}", run.stdout);
+}

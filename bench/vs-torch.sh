@@ -6,6 +6,8 @@
 #
 #   bench/vs-torch.sh mlp [ROUNDS]     PYTHON=/tmp/torchref/bin/python bench/vs-torch.sh cnn 3
 #   NPROC=2 bench/vs-torch.sh mlp 3    2 workers x 1 thread vs torchrun 2 x 1 thread (gloo DDP)
+#   DEVICE=cuda DATA=data/fashion-mnist BIN=target/gpu-dist/run-gpu.sh\ target/gpu-dist/ddpjob \
+#     bench/vs-torch.sh cnn 3          on a GPU: the whole epoch, torch_ref.py --device cuda
 #
 # Needs: a release build (cargo build --release), Debian's dataset-fashion-mnist, and a Python
 # with torch and numpy (see ../shared/bench/README.md).
@@ -17,12 +19,14 @@ python=${PYTHON:-python3}
 nproc=${NPROC:-1}
 torchrun=${TORCHRUN:-$(dirname "$python")/torchrun}
 torch_ref=${TORCH_REF:-$here/../shared/bench/torch_ref.py}
-bin=${BIN:-$here/target/release/ddpjob}
-data=/usr/share/datasets/fashion-mnist
-[ -x "$bin" ] || { echo "no $bin: run cargo build --release first" >&2; exit 2; }
+read -r -a bin <<< "${BIN:-$here/target/release/ddpjob}"   # may be a wrapper and the binary
+data=${DATA:-/usr/share/datasets/fashion-mnist}
+device=${DEVICE:-cpu}
+[ -x "${bin[-1]}" ] || { echo "no ${bin[-1]}: run cargo build --release first" >&2; exit 2; }
 [ -f "$torch_ref" ] || { echo "no $torch_ref: set TORCH_REF" >&2; exit 2; }
-limit=0; sets=()
-if [ "$model" = cnn ]; then limit=200; sets+=(--set train.max_steps=200); fi
+limit=0; sets=(--set "data.root=$data" --set distributed.device="$device"); torch_device=()
+if [ "$device" = cuda ]; then torch_device=(--device cuda)
+elif [ "$model" = cnn ]; then limit=200; sets+=(--set train.max_steps=200); fi
 jobs=$(mktemp -d); trap 'rm -rf "$jobs"' EXIT
 
 threads=$(( $(nproc) / nproc )); [ "$threads" -ge 1 ] || threads=1
@@ -35,14 +39,14 @@ now() { date +%s.%N; }
 ours=(); theirs=(); ours_wall=(); theirs_wall=()
 for r in $(seq 1 "$rounds"); do
   t0=$(now)
-  "$bin" run "$here/configs/fashion-mnist.toml" --jobs-dir "$jobs" --name "bench-$r" \
+  "${bin[@]}" run "$here/configs/fashion-mnist.toml" --jobs-dir "$jobs" --name "bench-$r" \
     --set model.arch="$model" --set train.epochs=1 --set train.accumulation=1 --set train.lr=0.001 \
     --set train.weight_decay=0 --set train.grad_clip_norm=0 --set 'data.mean=[]' --set 'data.std=[]' \
     --set train.log_every=100000 --set checkpoint.every_epochs=0 --nproc-per-node "$nproc" "${sets[@]}" > /dev/null
   t1=$(now)
   a=$("$python" -c 'import json,sys; s=json.load(open(sys.argv[1])); print(round(s["train_samples_per_s"]), round(s["test_accuracy"],4))' "$jobs/bench-$r/summary.json")
   t2=$(now)
-  b=$(OMP_NUM_THREADS=$threads "${torch_cmd[@]}" --model "$model" --threads "$threads" --limit-steps "$limit" --data-dir "$data" 2>/dev/null \
+  b=$(OMP_NUM_THREADS=$threads "${torch_cmd[@]}" --model "$model" --threads "$threads" --limit-steps "$limit" --data-dir "$data" "${torch_device[@]}" 2>/dev/null \
       | "$python" -c 'import json,sys; s=json.loads(sys.stdin.read().strip().splitlines()[-1]); print(round(s["train_samples_per_s"]), round(s["test_accuracy"],4))')
   t3=$(now)
   wa=$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.2f", b-a}'); wb=$(awk -v a="$t2" -v b="$t3" 'BEGIN {printf "%.2f", b-a}')
@@ -52,5 +56,5 @@ done
 median() { printf '%s\n' "$@" | sort -n | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
 mo=$(median "${ours[@]}"); mt=$(median "${theirs[@]}")
 wo=$(median "${ours_wall[@]}"); wt=$(median "${theirs_wall[@]}")
-echo "$model, $nproc process(es) x $threads thread(s), medians: ddpjob $mo samples/s, torch $mt samples/s, ratio $(awk -v a="$mo" -v b="$mt" 'BEGIN {printf "%.2f", a/b}');" \
+echo "$model on $device, $nproc process(es) x $threads thread(s), medians: ddpjob $mo samples/s, torch $mt samples/s, ratio $(awk -v a="$mo" -v b="$mt" 'BEGIN {printf "%.2f", a/b}');" \
   "wall ddpjob $wo s, torch $wt s, ratio $(awk -v a="$wo" -v b="$wt" 'BEGIN {printf "%.2f", a/b}')"

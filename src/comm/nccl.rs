@@ -5,6 +5,7 @@
 use std::ffi::{CStr, c_char};
 use std::time::Duration;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Tensor};
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::safe::{Comm, Id, ReduceOp};
@@ -151,7 +152,7 @@ impl Communicator for NcclCommunicator {
         // reduces them.
         let stream = self.comm.stream();
         let mut buf = stream
-            .clone_htod(values)
+            .clone_htod(&values[..])
             .map_err(|e| self.failed("all_reduce_sum", format!("{e:?}")))?;
         self.comm
             .all_reduce_in_place(&mut buf, &ReduceOp::Sum)

@@ -87,12 +87,21 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         DatasetKind::Synthetic(s) => (s.train_samples, "synthetic"),
         DatasetKind::Mnist | DatasetKind::FashionMnist => (60_000, "standard split; not read"),
     };
-    let world = spec.distributed.nproc_per_node.unwrap_or(1);
+    // Where `run` would put the workers on this machine, as it would decide it.
+    let placement = crate::device::place(&spec.distributed).map_err(|e| (2, anyhow!(e)))?;
+    if let Some(notice) = &placement.notice {
+        eprintln!("note: {notice}");
+    }
+    let world = placement.nproc;
     let plan = spec.plan(train_samples, world);
     print!("{}", loaded.resolved_toml());
     println!();
-    println!("# derived");
-    println!("world_size        = {world}  (CPU: nproc_per_node \"auto\" is 1)");
+    println!("# derived (on this machine, one node)");
+    let devices: Vec<String> = (0..world).map(|r| placement.device_of(r)).collect();
+    println!(
+        "world_size        = {world}  (devices: {})",
+        devices.join(", ")
+    );
     println!(
         "global_batch      = {}  (batch_size {} x accumulation {} x world {world})",
         plan.global_batch, spec.train.batch_size, spec.train.accumulation

@@ -12,16 +12,20 @@ use crate::jobdir::JobDir;
 use crate::launch::{self, NodeOptions, ResumeOptions, Resumed, RunOptions};
 
 pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
-    let overrides = args.config.overrides();
-    // The name and [expect] for the reports; a config error is the run's own to report.
-    let (name, expect) = match config::load(&args.config.config, &overrides) {
-        Ok(loaded) => (loaded.spec.name, loaded.spec.expect),
+    let loaded = config::load(&args.config.config, &args.config.overrides());
+    // The name and [expect] for the reports; a config error is reported like any failure.
+    let (name, expect) = match &loaded {
+        Ok(l) => (l.spec.name.clone(), l.spec.expect.clone()),
         Err(_) => (args.config.fallback_name(), Vec::new()),
     };
     let reporting = Reporting::start(&args.output, name, expect, started)?;
+    let loaded = match loaded {
+        Ok(loaded) => loaded,
+        Err(e) => return reporting.finish(Err((2, anyhow::Error::new(e)))),
+    };
     let opts = RunOptions {
         config: args.config.config.clone(),
-        overrides,
+        loaded,
         jobs_dir: args.jobs_dir,
         node: NodeOptions {
             nnodes: args.nnodes.into(),
@@ -49,14 +53,18 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
 }
 
 pub(super) fn resume(args: ResumeArgs, started: Instant) -> CliResult {
-    let opts = ResumeOptions {
+    let mut opts = ResumeOptions {
         name: args.name,
         jobs_dir: args.jobs_dir,
         nproc_per_node: args.nproc_per_node.map(usize::from),
         from_scratch: args.from_scratch,
         started,
     };
-    let name = launch::resume_target(&opts).unwrap_or_else(|_| "resume".into());
+    // Resolved once: `resume` then continues exactly the job the reports are about.
+    if let Ok(target) = launch::resume_target(&opts) {
+        opts.name = Some(target);
+    }
+    let name = opts.name.clone().unwrap_or_else(|| "resume".into());
     let job = JobDir::open(&opts.jobs_dir, &name);
     let expect: Vec<Expectation> = config::load(&job.job_toml(), &[])
         .map(|l| l.spec.expect)

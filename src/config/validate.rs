@@ -142,7 +142,7 @@ impl JobSpec {
             toml::Value::Integer(n) => Some(c.at_least("distributed.nproc_per_node", *n, 1)),
             _ => None,
         };
-        let (device, devices, backend) = check_devices(&mut c, raw, nproc_per_node);
+        let (device, devices, backend) = check_devices(&mut c, raw);
         let distributed = DistributedSpec {
             nproc_per_node,
             timeout_s: c.in_int_range("distributed.timeout_s", d.timeout_s, 1, MAX_TIMEOUT_S)
@@ -416,11 +416,8 @@ fn check_train(c: &mut Checker, raw: &RawConfig) -> TrainSpec {
 }
 
 /// `distributed.device`, `devices` and `backend`, and how they fit together and with this build.
-fn check_devices(
-    c: &mut Checker,
-    raw: &RawConfig,
-    nproc_per_node: Option<usize>,
-) -> (DeviceChoice, Option<Vec<usize>>, Backend) {
+/// Whether there are enough GPUs for the workers is the launcher's to say (`device::place`).
+fn check_devices(c: &mut Checker, raw: &RawConfig) -> (DeviceChoice, Option<Vec<usize>>, Backend) {
     let d = &raw.distributed;
     let gpu_build = cfg!(feature = "cuda");
     c.one_of("distributed.device", &d.device, &["auto", "cpu", "cuda"]);
@@ -478,16 +475,6 @@ fn check_devices(
             c.fail(
                 "distributed.devices",
                 "picks GPUs, but distributed.device = \"cpu\"; remove one of them",
-            );
-        }
-        if let Some(n) = nproc_per_node.filter(|&n| n > ordinals.len() && !ordinals.is_empty()) {
-            c.fail(
-                "distributed.nproc_per_node",
-                format!(
-                    "{n} workers need {n} GPUs, but distributed.devices names {} ({list:?}); \
-                     one worker per GPU: lower nproc_per_node or list more devices",
-                    ordinals.len()
-                ),
             );
         }
         ordinals

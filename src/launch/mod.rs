@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
-use crate::config::{self, ConfigError, JobSpec, LoadedConfig};
+use crate::config::{ConfigError, JobSpec, LoadedConfig};
 use crate::data::{DataError, Dataset};
 use crate::device::{self, DeviceError, Placement};
 use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
@@ -91,8 +91,10 @@ pub struct NodeOptions {
 }
 
 pub struct RunOptions {
+    /// The job file, named in job.toml's header.
     pub config: PathBuf,
-    pub overrides: Vec<String>,
+    /// That file, loaded and validated with its `--set` overrides.
+    pub loaded: LoadedConfig,
     pub jobs_dir: PathBuf,
     pub node: NodeOptions,
     pub started: Instant,
@@ -177,10 +179,9 @@ impl Layout {
 
 /// Runs a job from its config file to the end; on node 0 returns its summary.
 pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
-    let loaded = config::load(&opts.config, &opts.overrides)?;
-    let spec = &loaded.spec;
+    let spec = &opts.loaded.spec;
     let layout = Layout::new(&opts.node, spec)?;
-    let token = layout.token(&loaded);
+    let token = layout.token(&opts.loaded);
     let job = JobDir::open(&opts.jobs_dir, &spec.name);
     // Node 0 binds the store before anything is created, so a taken port costs nothing.
     if layout.node_rank == 0 {
@@ -191,7 +192,7 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
     Dataset::ensure_present(&spec.data)?;
     let mut _lock = None;
     let state = if layout.node_rank == 0 {
-        let state = create_job(&job, &loaded, opts, &layout)?;
+        let state = create_job(&job, opts, &layout)?;
         _lock = Some(job.lock(&spec.name)?);
         client.set(JOB_READY_KEY, b"1")?;
         Some(state)
@@ -210,7 +211,7 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
                 },
                 other => other.into(),
             })?;
-        join_job(&job, &loaded, opts)?;
+        join_job(&job, opts)?;
         None
     };
 
@@ -304,15 +305,10 @@ fn meet(
 }
 
 /// Node 0: the job directory, the frozen config and the first `state.json`.
-fn create_job(
-    job: &JobDir,
-    loaded: &LoadedConfig,
-    opts: &RunOptions,
-    layout: &Layout,
-) -> Result<JobState, RunError> {
-    let spec = &loaded.spec;
+fn create_job(job: &JobDir, opts: &RunOptions, layout: &Layout) -> Result<JobState, RunError> {
+    let spec = &opts.loaded.spec;
     job.create(&spec.name)?;
-    write_job_toml(job, loaded, opts)?;
+    write_job_toml(job, opts)?;
     // Rank 0 fills in total_steps once it has read the data.
     let state = JobState::running(layout.world_size(), 0);
     job.write_state(&state)?;
@@ -320,15 +316,16 @@ fn create_job(
 }
 
 /// Nodes > 0: their own job directory (or node 0's, on a shared file system) for their logs.
-fn join_job(job: &JobDir, loaded: &LoadedConfig, opts: &RunOptions) -> Result<(), RunError> {
+fn join_job(job: &JobDir, opts: &RunOptions) -> Result<(), RunError> {
     let logs = job.logs_dir();
     std::fs::create_dir_all(&logs).map_err(|cause| JobDirError::Io { path: logs, cause })?;
     // Always rewritten: a job.toml left by an earlier run must not configure these workers
     // (on a shared file system this is node 0's file, with the same resolved config).
-    write_job_toml(job, loaded, opts)
+    write_job_toml(job, opts)
 }
 
-fn write_job_toml(job: &JobDir, loaded: &LoadedConfig, opts: &RunOptions) -> Result<(), RunError> {
+fn write_job_toml(job: &JobDir, opts: &RunOptions) -> Result<(), RunError> {
+    let loaded = &opts.loaded;
     let header = format!(
         "# Resolved config of job `{}`, frozen by `ddpjob run {}`; resume reads this file.\n\n",
         loaded.spec.name,

@@ -25,16 +25,12 @@ impl ExpectationResult {
         let value = self.value.map_or("NaN".into(), fmt_number);
         let threshold = fmt_number(self.threshold);
         let minimum = self.name.starts_with("min_");
-        let relation = match (self.met, minimum) {
-            (true, true) => format!("is at least the minimum {threshold}"),
-            (true, false) => format!("is at most the maximum {threshold}"),
-            (false, true) => format!("is below the minimum {threshold}"),
-            (false, false) => format!("is above the maximum {threshold}"),
-        };
-        let relation = if self.value.is_none() {
-            format!("is not a number (threshold {threshold})")
-        } else {
-            relation
+        let relation = match (self.value, self.met, minimum) {
+            (None, _, _) => format!("is not a number (threshold {threshold})"),
+            (_, true, true) => format!("is at least the minimum {threshold}"),
+            (_, true, false) => format!("is at most the maximum {threshold}"),
+            (_, false, true) => format!("is below the minimum {threshold}"),
+            (_, false, false) => format!("is above the maximum {threshold}"),
         };
         format!("{}: {} {value} {relation}", self.name, self.metric)
     }

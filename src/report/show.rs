@@ -10,11 +10,7 @@ const ERROR_LINES: usize = 12;
 
 /// `ddpjob show`: status, config digest, progress, metrics, checkpoints, expectations.
 pub fn show(v: &JobView, now: u64) -> String {
-    let mut out = String::new();
     let s = &v.state;
-    let mut line = |label: &str, text: String| {
-        let _ = writeln!(out, "  {label:<12}{text}");
-    };
     let status = match (v.launcher, s.status) {
         (Some((pid, true)), _) => format!("running (launcher pid {pid})"),
         (Some((pid, false)), _) => format!(
@@ -27,19 +23,21 @@ pub fn show(v: &JobView, now: u64) -> String {
         }
         (None, status) => status.to_string(),
     };
-    let mut head = format!(
+    let mut out = format!(
         "job {}: {status}, updated {}",
         v.name,
         ago(now, s.updated_unix)
     );
     if !v.history.resumes.is_empty() {
-        let _ = write!(head, ", resumed {} time(s)", v.history.resumes.len());
+        let _ = write!(out, ", resumed {} time(s)", v.history.resumes.len());
     }
     if s.restarts > 0 {
-        let _ = write!(head, ", {} automatic restart(s)", s.restarts);
+        let _ = write!(out, ", {} automatic restart(s)", s.restarts);
     }
-    let mut out_head = head;
-    out_head.push('\n');
+    out.push('\n');
+    let mut line = |label: &str, text: String| {
+        let _ = writeln!(out, "  {label:<12}{text}");
+    };
     line("directory", v.dir.display().to_string());
     line("model", model_line(v));
     line("data", v.data());
@@ -174,7 +172,7 @@ pub fn show(v: &JobView, now: u64) -> String {
             ),
         );
     }
-    out_head + &out
+    out
 }
 
 fn model_line(v: &JobView) -> String {
@@ -276,7 +274,7 @@ pub fn list(views: &[JobView], now: u64) -> String {
     out
 }
 
-pub fn ago(now: u64, then: u64) -> String {
+fn ago(now: u64, then: u64) -> String {
     let secs = now.saturating_sub(then);
     match secs {
         0..60 => format!("{secs}s ago"),

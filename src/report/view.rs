@@ -37,8 +37,13 @@ pub struct CheckpointInfo {
 impl JobView {
     /// Reads the job `name` under `jobs_dir`; `None` if it has no readable `state.json`.
     pub fn load(jobs_dir: &Path, name: &str) -> Option<JobView> {
+        let state = JobDir::open(jobs_dir, name).read_state()?;
+        Some(JobView::with_state(jobs_dir, name, state))
+    }
+
+    /// The rest of the job, its `state.json` already read.
+    fn with_state(jobs_dir: &Path, name: &str, state: JobState) -> JobView {
         let job = JobDir::open(jobs_dir, name);
-        let state = job.read_state()?;
         let launcher = (state.status == Status::Running)
             .then(|| launcher_of(&job))
             .flatten();
@@ -62,7 +67,7 @@ impl JobView {
         let latest = std::fs::read_to_string(job.checkpoints_dir().join("latest"))
             .ok()
             .map(|s| s.trim().to_string());
-        Some(JobView {
+        JobView {
             name: name.to_string(),
             history: History::read(&job.metrics_path()).unwrap_or_default(),
             dir: job.root,
@@ -72,7 +77,7 @@ impl JobView {
             summary,
             checkpoints,
             latest,
-        })
+        }
     }
 
     /// The status to show: `stale` for a job whose state says running but whose launcher is
@@ -88,7 +93,7 @@ impl JobView {
     pub fn load_all(jobs_dir: &Path) -> std::io::Result<Vec<JobView>> {
         Ok(crate::jobdir::list_jobs(jobs_dir)?
             .into_iter()
-            .filter_map(|(name, _)| JobView::load(jobs_dir, &name))
+            .map(|(name, state)| JobView::with_state(jobs_dir, &name, state))
             .collect())
     }
 

@@ -125,53 +125,65 @@ pub fn run() -> Result<bool, WorkerError> {
     };
 
     let device = crate::device::open(Some(&env.device))?;
+    let comm = connect(&store, &env, &spec, &device, beacon, timeout)?;
+    // The error is printed while the ring is still open, so this rank's own failure is on
+    // record before its neighbours notice the closed connections and fail in turn.
+    train(
+        &env,
+        &spec,
+        &job,
+        &data,
+        comm.as_ref(),
+        &device,
+        hooks,
+        started,
+    )
+    .map_err(|e| {
+        let e = explain_timeout(&store, &env, timeout, e);
+        announce(Some(&env), &e);
+        WorkerError::Announced(Box::new(e))
+    })
+}
+
+/// This rank's collectives: NCCL for GPU workers (unless `backend = "tcp"`), the tcp ring
+/// between CPU workers, nothing to connect for a single one.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn connect(
+    store: &StoreClient,
+    env: &WorkerEnv,
+    spec: &JobSpec,
+    device: &Device,
+    beacon: Arc<Beacon>,
+    timeout: Duration,
+) -> Result<Box<dyn Communicator>, WorkerError> {
     #[cfg(feature = "cuda")]
     if device.is_cuda() && spec.distributed.backend != crate::config::Backend::Tcp {
         let comm = crate::comm::NcclCommunicator::connect(
-            &store,
+            store,
             env.rank,
             env.world_size,
             env.restart_count,
-            &device,
+            device,
             timeout,
         )?;
-        return train(&env, &spec, &job, &data, &comm, &device, hooks, started).map_err(|e| {
-            announce(Some(&env), &e);
-            WorkerError::Announced(Box::new(e))
-        });
+        return Ok(Box::new(comm));
     }
     if env.world_size == 1 {
-        train(
-            &env,
-            &spec,
-            &job,
-            &data,
-            &LocalCommunicator,
-            &device,
-            hooks,
-            started,
-        )
-    } else {
-        // The error is printed while the ring is still open, so this rank's own failure is on
-        // record before its neighbours notice the closed connections and fail in turn.
-        let bind: IpAddr = store.local_addr().ip();
-        let spin = spin_for(env.local_world_size);
-        let comm = TcpCommunicator::connect(
-            &store,
-            &env.token,
-            env.rank,
-            env.world_size,
-            bind,
-            timeout,
-            spin,
-        )?
-        .with_beacon(beacon);
-        train(&env, &spec, &job, &data, &comm, &device, hooks, started).map_err(|e| {
-            let e = explain_timeout(&store, &env, timeout, e);
-            announce(Some(&env), &e);
-            WorkerError::Announced(Box::new(e))
-        })
+        return Ok(Box::new(LocalCommunicator));
     }
+    let bind: IpAddr = store.local_addr().ip();
+    let spin = spin_for(env.local_world_size);
+    let comm = TcpCommunicator::connect(
+        store,
+        &env.token,
+        env.rank,
+        env.world_size,
+        bind,
+        timeout,
+        spin,
+    )?
+    .with_beacon(beacon);
+    Ok(Box::new(comm))
 }
 
 /// A collective that timed out gets what the heartbeats say: who never arrived, and where.

@@ -11,10 +11,11 @@ use serde::{Deserialize, Serialize};
 use super::BenchError;
 use crate::comm::LocalCommunicator;
 use crate::config::JobSpec;
-use crate::models;
+use crate::models::{self, Mode};
 use crate::optim::Optimizer;
 use crate::rng::Mt19937;
-use crate::train::step::{Phases, StepContext, optimizer_step};
+use crate::task::ModelInput;
+use crate::train::step::{MicroBatch, Phases, StepContext, optimizer_step};
 
 /// How long to measure.
 #[derive(Debug, Clone, Copy)]
@@ -54,15 +55,20 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     use_threads(options.threads)?;
     crate::kernels::keep_freed_memory();
     let device = Device::Cpu;
-    let (shape, classes) = spec.data.dataset.sample_shape();
-    let model = models::build(&spec.model, shape, classes, spec.seed, &device)
+    let input = match spec.data.dataset.image_shape() {
+        Some((shape, classes)) => ModelInput::Image { shape, classes },
+        // A language model's vocabulary comes from its data: read (or map) it.
+        None => crate::task::load(spec, None)
+            .map_err(crate::train::TrainError::from)?
+            .input(),
+    };
+    let model = models::build(&spec.model, input, spec.seed, &device, spec.train.precision)
         .map_err(crate::train::TrainError::from)?;
-    let model = models::with_precision(model, spec.train.precision);
     let mut optimizer = Optimizer::new(spec.train.optimizer, model.params().len());
     let t = &spec.train;
     let mut rng = Mt19937::new(spec.seed);
     let batches = (0..t.accumulation)
-        .map(|_| random_batch(&mut rng, t.batch_size, shape, classes, &device))
+        .map(|_| random_batch(&mut rng, t.batch_size, input, &device))
         .collect::<Result<Vec<_>, _>>()
         .map_err(crate::train::TrainError::from)?;
     let comm = LocalCommunicator;
@@ -129,22 +135,54 @@ fn use_threads(threads: usize) -> Result<(), BenchError> {
         .map_err(|e| BenchError::Usage(format!("cannot start {threads} threads: {e}")))
 }
 
-/// Inputs uniform in [0, 1) (as scaled pixels) and uniform labels.
+/// Images uniform in [0, 1) (as scaled pixels) with uniform labels, or uniform token windows;
+/// training mode, so a model with dropout pays for it as training does.
 fn random_batch(
     rng: &mut Mt19937,
     n: usize,
-    [c, h, w]: [usize; 3],
-    classes: usize,
+    input: ModelInput,
     device: &Device,
-) -> candle_core::Result<(Tensor, Tensor)> {
-    let xs: Vec<f32> = (0..n * c * h * w).map(|_| rng.uniform(0.0, 1.0)).collect();
-    let ys: Vec<u32> = (0..n)
-        .map(|_| (rng.uniform(0.0, classes as f32) as u32).min(classes as u32 - 1))
-        .collect();
-    Ok((
-        Tensor::from_vec(xs, (n, c, h, w), device)?,
-        Tensor::from_vec(ys, n, device)?,
-    ))
+) -> candle_core::Result<MicroBatch> {
+    let pick = |rng: &mut Mt19937, k: usize| (rng.uniform(0.0, k as f32) as u32).min(k as u32 - 1);
+    let (inputs, targets) = match input {
+        ModelInput::Image {
+            shape: [c, h, w],
+            classes,
+        } => {
+            let xs: Vec<f32> = (0..n * c * h * w).map(|_| rng.uniform(0.0, 1.0)).collect();
+            let ys: Vec<u32> = (0..n).map(|_| pick(rng, classes)).collect();
+            (
+                Tensor::from_vec(xs, (n, c, h, w), device)?,
+                Tensor::from_vec(ys, n, device)?,
+            )
+        }
+        ModelInput::Tokens {
+            vocab_size,
+            block_size,
+        } => {
+            let ids: Vec<u32> = (0..n * (block_size + 1))
+                .map(|_| pick(rng, vocab_size))
+                .collect();
+            let rows: Vec<&[u32]> = ids.chunks(block_size + 1).collect();
+            let xs: Vec<u32> = rows
+                .iter()
+                .flat_map(|r| &r[..block_size])
+                .copied()
+                .collect();
+            let ys: Vec<u32> = rows.iter().flat_map(|r| &r[1..]).copied().collect();
+            (
+                Tensor::from_vec(xs, (n, block_size), device)?,
+                Tensor::from_vec(ys, (n, block_size), device)?,
+            )
+        }
+    };
+    Ok(MicroBatch {
+        inputs,
+        targets,
+        mode: Mode::Train {
+            row_seeds: (0..n as u64).collect(),
+        },
+    })
 }
 
 /// A table for a terminal.

@@ -70,6 +70,9 @@ pub struct MetricState {
     pub train_s: f64,
     /// The last completed epoch's mean train loss (none before the first).
     pub last_epoch_loss: Option<f64>,
+    /// The lowest evaluation loss so far and the optimizer step it was measured after.
+    #[serde(default)]
+    pub best_eval: Option<(f64, usize)>,
 }
 
 impl MetricState {
@@ -147,6 +150,35 @@ impl Checkpointer {
         }
         self.prune()?;
         Ok(final_dir)
+    }
+
+    /// Replaces `checkpoints/best` with these weights (a complete checkpoint, MANIFEST
+    /// included, never pruned and never chosen by `resume`, which takes `step-*` only).
+    pub fn save_best(
+        &self,
+        model: &HashMap<String, Tensor>,
+        optimizer: &HashMap<String, Tensor>,
+        position: &TrainPosition,
+    ) -> Result<PathBuf, CheckpointError> {
+        let pid = std::process::id();
+        let best = self.dir.join("best");
+        let tmp = self.dir.join(format!(".tmp-best-{pid}"));
+        let old = self.dir.join(format!(".tmp-best-old-{pid}"));
+        let result = self
+            .write_into(&tmp, model, optimizer, position)
+            .and_then(|()| {
+                if best.exists() {
+                    fs::rename(&best, &old).map_err(io(&best))?;
+                }
+                fs::rename(&tmp, &best).map_err(io(&best))?;
+                sync_dir(&self.dir).map_err(io(&self.dir))
+            });
+        let _ = fs::remove_dir_all(&old);
+        if let Err(e) = result {
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        Ok(best)
     }
 
     fn write_into(
@@ -334,6 +366,7 @@ mod tests {
             every_epochs: Some(5),
             every_steps: Some(100),
             keep_last: None,
+            keep_best: false,
             on_write_error: crate::config::OnWriteError::Fail,
         };
         assert!(due_after_epoch(&spec, 4) && !due_after_epoch(&spec, 0));

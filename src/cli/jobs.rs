@@ -92,8 +92,14 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     let loaded = config::load(&args.config, &args.overrides()).map_err(|e| (2, anyhow!(e)))?;
     let spec = &loaded.spec;
     let (train_samples, source) = match &spec.data.dataset {
-        DatasetKind::Synthetic(s) => (s.train_samples, "synthetic"),
-        DatasetKind::Mnist | DatasetKind::FashionMnist => (60_000, "standard split; not read"),
+        DatasetKind::Synthetic(s) => (s.train_samples, "synthetic".to_string()),
+        DatasetKind::Mnist | DatasetKind::FashionMnist => {
+            (60_000, "standard split; not read".to_string())
+        }
+        DatasetKind::Text(_) | DatasetKind::Tokens(_) => match text_windows(spec) {
+            Ok(found) => found,
+            Err(e) => return Err((2, anyhow!(e))),
+        },
     };
     // Where `run` would put the workers on this machine, as it would decide it.
     let placement = crate::device::place(&spec.distributed).map_err(|e| (2, anyhow!(e)))?;
@@ -121,6 +127,33 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         plan.steps_per_epoch
     );
     println!("total_steps       = {}", plan.total_steps);
+    if let crate::config::ModelSpec::Gpt(g) = &spec.model {
+        println!(
+            "tokens_per_step   = {}  (global_batch x block_size {})",
+            plan.global_batch * g.block_size,
+            g.block_size
+        );
+    }
     eprintln!("{}: ok", args.config.display());
     Ok(())
+}
+
+/// Training windows of a language model's data and where the number comes from; a text file
+/// still to be downloaded counts as not read.
+fn text_windows(spec: &config::JobSpec) -> Result<(usize, String), crate::data::DataError> {
+    if let DatasetKind::Text(t) = &spec.data.dataset
+        && !t.path.is_file()
+        && spec.data.download
+    {
+        return Ok((0, format!("`{}` not downloaded yet", t.path.display())));
+    }
+    let task = crate::task::load(spec, None)?;
+    let windows = task.train_len();
+    Ok((
+        windows,
+        format!(
+            "windows of block_size + 1 tokens; {} for evaluation",
+            task.eval_len()
+        ),
+    ))
 }

@@ -5,6 +5,7 @@ mod bench;
 mod inspect;
 mod jobs;
 mod output;
+mod sample;
 mod shell;
 
 use std::path::PathBuf;
@@ -41,6 +42,8 @@ enum Command {
     /// One job in full: status, config digest, progress, best and last metrics, checkpoints,
     /// expectation results and a loss sparkline.
     Show(ShowArgs),
+    /// Generate text with a trained gpt job's weights, streamed as it is generated.
+    Sample(sample::SampleArgs),
     /// Print a shell completion script: `ddpjob completions bash > /etc/bash_completion.d/ddpjob`.
     Completions {
         /// The shell to complete for.
@@ -215,6 +218,7 @@ pub fn main() -> ExitCode {
         Command::Validate(args) => jobs::validate(&args),
         Command::List(args) => inspect::list(&args.jobs_dir),
         Command::Show(args) => inspect::show(&args.jobs_dir, &args.name),
+        Command::Sample(args) => sample::sample(&args),
         Command::Completions { shell } => shell::completions(shell),
         Command::Man { dir } => shell::man(dir.as_deref()),
         Command::Worker => return ExitCode::from(worker::main()),

@@ -17,8 +17,8 @@ pub use raw::RawConfig;
 pub use source::Source;
 pub use spec::{
     Backend, Check, CheckpointSpec, DataSpec, DatasetKind, DeviceChoice, DistributedSpec,
-    Expectation, JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
-    ScheduleSpec, SyntheticSpec, TrainSpec,
+    Expectation, GptSpec, JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
+    ScheduleSpec, SyntheticSpec, TextSpec, TokenDtype, TokenizerKind, TokensSpec, TrainSpec,
 };
 
 /// A validated job and the fully resolved config it came from (every default written out).
@@ -67,6 +67,31 @@ pub fn load_str(
     let spec = JobSpec::from_raw(&resolved, &source, &default_name)?;
     resolved.name = Some(spec.name.clone());
     resolved.data.root = Some(spec.data.root.display().to_string());
+    if let ModelSpec::Gpt(_) = spec.model {
+        resolved.model.resolve_gpt();
+    }
+    match &spec.data.dataset {
+        DatasetKind::Text(t) => {
+            resolved.data.tokenizer = Some(
+                match t.tokenizer {
+                    TokenizerKind::Char => "char",
+                    TokenizerKind::Byte => "byte",
+                }
+                .into(),
+            );
+            resolved.data.val_fraction = Some(t.val_fraction);
+        }
+        DatasetKind::Tokens(t) => {
+            resolved.data.token_dtype = Some(
+                match t.dtype {
+                    TokenDtype::U16 => "u16",
+                    TokenDtype::U32 => "u32",
+                }
+                .into(),
+            );
+        }
+        _ => {}
+    }
     Ok(LoadedConfig { spec, resolved })
 }
 

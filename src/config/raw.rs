@@ -24,6 +24,20 @@ pub struct RawConfig {
 pub struct RawModel {
     pub arch: String,
     pub hidden: Vec<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n_layer: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n_head: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n_embd: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dropout: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bias: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vocab_size: Option<i64>,
 }
 
 impl Default for RawModel {
@@ -31,7 +45,27 @@ impl Default for RawModel {
         Self {
             arch: "mlp".into(),
             hidden: vec![256, 256],
+            n_layer: None,
+            n_head: None,
+            n_embd: None,
+            block_size: None,
+            dropout: None,
+            bias: None,
+            vocab_size: None,
         }
+    }
+}
+
+impl RawModel {
+    /// The `gpt` keys with their defaults written out (nanoGPT's CPU recipe's shape), so a gpt
+    /// job's `job.toml` says what it trained; other archs leave them out.
+    pub fn resolve_gpt(&mut self) {
+        self.n_layer.get_or_insert(4);
+        self.n_head.get_or_insert(4);
+        self.n_embd.get_or_insert(128);
+        self.block_size.get_or_insert(64);
+        self.dropout.get_or_insert(0.0);
+        self.bias.get_or_insert(true);
     }
 }
 
@@ -46,6 +80,19 @@ pub struct RawData {
     pub checksums: BTreeMap<String, String>,
     pub mean: Vec<f64>,
     pub std: Vec<f64>,
+    // `text` and `tokens` data; absent for image datasets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_fraction: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_path: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_path: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_dtype: Option<String>,
     pub synthetic: RawSynthetic,
 }
 
@@ -61,6 +108,12 @@ impl Default for RawData {
             mean: Vec::new(),
             std: Vec::new(),
             synthetic: RawSynthetic::default(),
+            path: None,
+            tokenizer: None,
+            val_fraction: None,
+            train_path: None,
+            val_path: None,
+            token_dtype: None,
         }
     }
 }
@@ -103,6 +156,8 @@ pub struct RawTrain {
     pub grad_clip_norm: f64,
     pub max_steps: i64,
     pub eval_batch_size: i64,
+    pub eval_every: i64,
+    pub eval_batches: i64,
     pub log_every: i64,
     pub precision: String,
     pub scheduler: RawScheduler,
@@ -124,6 +179,8 @@ impl Default for RawTrain {
             grad_clip_norm: 0.0,
             max_steps: 0,
             eval_batch_size: 1000,
+            eval_every: 0,
+            eval_batches: 0,
             log_every: 50,
             precision: "f32".into(),
             scheduler: RawScheduler::default(),
@@ -159,6 +216,7 @@ pub struct RawCheckpoint {
     pub every_epochs: i64,
     pub every_steps: i64,
     pub keep_last: i64,
+    pub keep_best: bool,
     pub on_write_error: String,
 }
 
@@ -168,6 +226,7 @@ impl Default for RawCheckpoint {
             every_epochs: 1,
             every_steps: 0,
             keep_last: 3,
+            keep_best: false,
             on_write_error: "fail".into(),
         }
     }

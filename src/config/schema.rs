@@ -65,14 +65,75 @@ pub const KEYS: &[KeySpec] = &[
     key(
         "model.arch",
         Kind::Str,
-        "\"mlp\" or \"cnn\" (the pytorch/examples MNIST net without dropout)",
+        "\"mlp\", \"cnn\" (the pytorch/examples MNIST net without dropout) or \"gpt\" (a GPT-2-style decoder, nanoGPT's parameter names)",
     ),
     key("model.hidden", Kind::IntList, "mlp hidden layer sizes"),
+    key(
+        "model.n_layer",
+        Kind::Int,
+        "gpt: transformer blocks (default 4)",
+    ),
+    key(
+        "model.n_head",
+        Kind::Int,
+        "gpt: attention heads; must divide n_embd (default 4)",
+    ),
+    key("model.n_embd", Kind::Int, "gpt: channels (default 128)"),
+    key(
+        "model.block_size",
+        Kind::Int,
+        "gpt: context length in tokens (default 64)",
+    ),
+    key(
+        "model.dropout",
+        Kind::Float,
+        "gpt: dropout on embeddings, attention and MLP outputs, in [0, 1) (default 0)",
+    ),
+    key(
+        "model.bias",
+        Kind::Bool,
+        "gpt: biases in Linear and LayerNorm layers (default true)",
+    ),
+    key(
+        "model.vocab_size",
+        Kind::Int,
+        "gpt: vocabulary size; required for \"tokens\" data (e.g. 50304), \"text\" data knows its own",
+    ),
     key("data", Kind::Table, "where the samples come from"),
     key(
         "data.dataset",
         Kind::Str,
-        "\"mnist\", \"fashion-mnist\" or \"synthetic\"",
+        "\"mnist\", \"fashion-mnist\", \"synthetic\", \"text\" (a UTF-8 file) or \"tokens\" (pre-tokenised .bin files)",
+    ),
+    key(
+        "data.path",
+        Kind::Str,
+        "text: the text file (downloaded from data.mirrors if missing and data.download is set)",
+    ),
+    key(
+        "data.tokenizer",
+        Kind::Str,
+        "text: \"char\" (the file's distinct characters, sorted, as nanoGPT) or \"byte\" (256 symbols)",
+    ),
+    key(
+        "data.val_fraction",
+        Kind::Float,
+        "text: the last fraction of the tokens kept for validation (default 0.1)",
+    ),
+    key(
+        "data.train_path",
+        Kind::Str,
+        "tokens: training tokens, flat little-endian (memory-mapped)",
+    ),
+    key(
+        "data.val_path",
+        Kind::Str,
+        "tokens: validation tokens, same format",
+    ),
+    key(
+        "data.token_dtype",
+        Kind::Str,
+        "tokens: \"u16\" (nanoGPT, llm.c; default) or \"u32\"",
     ),
     key(
         "data.root",
@@ -178,6 +239,16 @@ pub const KEYS: &[KeySpec] = &[
         "batch size for evaluation on the test split",
     ),
     key(
+        "train.eval_every",
+        Kind::Int,
+        "also evaluate every N optimizer steps (0: at the end of each epoch only)",
+    ),
+    key(
+        "train.eval_batches",
+        Kind::Int,
+        "the train.eval_every evaluations use this many batches of train.eval_batch_size, spread evenly over the split (0: the whole split); epoch ends always use all of it",
+    ),
+    key(
         "train.log_every",
         Kind::Int,
         "optimizer steps between metric lines",
@@ -224,6 +295,11 @@ pub const KEYS: &[KeySpec] = &[
         "checkpoint.keep_last",
         Kind::Int,
         "checkpoints kept; older ones are pruned (0: keep all)",
+    ),
+    key(
+        "checkpoint.keep_best",
+        Kind::Bool,
+        "keep the weights with the lowest evaluation loss as checkpoints/best (never pruned)",
     ),
     key(
         "checkpoint.on_write_error",

@@ -21,16 +21,43 @@ pub struct JobSpec {
 pub enum ModelSpec {
     Mlp { hidden: Vec<usize> },
     Cnn,
+    Gpt(GptSpec),
 }
 
 impl ModelSpec {
-    /// `cnn`, or `mlp [256, 256]`.
+    /// `cnn`, `mlp [256, 256]`, or `gpt 4x4x128 ctx 64`.
     pub fn describe(&self) -> String {
         match self {
             ModelSpec::Mlp { hidden } => format!("mlp {hidden:?}"),
             ModelSpec::Cnn => "cnn".into(),
+            ModelSpec::Gpt(g) => format!(
+                "gpt {} layers x {} heads x {} channels, context {}",
+                g.n_layer, g.n_head, g.n_embd, g.block_size
+            ),
         }
     }
+
+    /// The `model.arch` value.
+    pub fn arch(&self) -> &'static str {
+        match self {
+            ModelSpec::Mlp { .. } => "mlp",
+            ModelSpec::Cnn => "cnn",
+            ModelSpec::Gpt(_) => "gpt",
+        }
+    }
+}
+
+/// `model.arch = "gpt"`: a GPT-2-style decoder.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptSpec {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    pub block_size: usize,
+    pub dropout: f64,
+    pub bias: bool,
+    /// Required for `tokens` data; `text` data brings its own vocabulary.
+    pub vocab_size: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -38,15 +65,74 @@ pub enum DatasetKind {
     Mnist,
     FashionMnist,
     Synthetic(SyntheticSpec),
+    Text(TextSpec),
+    Tokens(TokensSpec),
 }
 
 impl DatasetKind {
-    /// A sample's [channels, height, width] and the number of classes, known without reading
-    /// any data.
-    pub fn sample_shape(&self) -> ([usize; 3], usize) {
+    /// The `data.dataset` value.
+    pub fn name(&self) -> &'static str {
         match self {
-            DatasetKind::Mnist | DatasetKind::FashionMnist => ([1, 28, 28], 10),
-            DatasetKind::Synthetic(s) => (s.shape, s.classes),
+            DatasetKind::Mnist => "mnist",
+            DatasetKind::FashionMnist => "fashion-mnist",
+            DatasetKind::Synthetic(_) => "synthetic",
+            DatasetKind::Text(_) => "text",
+            DatasetKind::Tokens(_) => "tokens",
+        }
+    }
+
+    /// An image dataset's sample [channels, height, width] and number of classes, known
+    /// without reading any data; `None` for token data.
+    pub fn image_shape(&self) -> Option<([usize; 3], usize)> {
+        match self {
+            DatasetKind::Mnist | DatasetKind::FashionMnist => Some(([1, 28, 28], 10)),
+            DatasetKind::Synthetic(s) => Some((s.shape, s.classes)),
+            DatasetKind::Text(_) | DatasetKind::Tokens(_) => None,
+        }
+    }
+
+    /// Whether the samples are token windows (a language model's data).
+    pub fn is_text(&self) -> bool {
+        matches!(self, DatasetKind::Text(_) | DatasetKind::Tokens(_))
+    }
+}
+
+/// `data.dataset = "text"`: a UTF-8 file, tokenised at load time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextSpec {
+    pub path: PathBuf,
+    pub tokenizer: TokenizerKind,
+    /// The last fraction of the tokens, kept for validation.
+    pub val_fraction: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerKind {
+    /// The file's distinct characters in sorted order (nanoGPT's `prepare.py`).
+    Char,
+    /// The 256 byte values.
+    Byte,
+}
+
+/// `data.dataset = "tokens"`: pre-tokenised files, memory-mapped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokensSpec {
+    pub train_path: PathBuf,
+    pub val_path: PathBuf,
+    pub dtype: TokenDtype,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenDtype {
+    U16,
+    U32,
+}
+
+impl TokenDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            TokenDtype::U16 => 2,
+            TokenDtype::U32 => 4,
         }
     }
 }
@@ -136,6 +222,10 @@ pub struct TrainSpec {
     pub grad_clip_norm: Option<f64>,
     pub max_steps: Option<usize>,
     pub eval_batch_size: usize,
+    /// Evaluate every N optimizer steps as well as at each epoch's end.
+    pub eval_every: Option<usize>,
+    /// Evaluate on this many batches (spread over the split) instead of all of it.
+    pub eval_batches: Option<usize>,
     pub log_every: usize,
     pub schedule: ScheduleSpec,
     pub precision: Precision,
@@ -147,6 +237,8 @@ pub struct CheckpointSpec {
     pub every_steps: Option<usize>,
     /// `None`: keep all.
     pub keep_last: Option<usize>,
+    /// Keep the weights of the lowest evaluation loss as `checkpoints/best`.
+    pub keep_best: bool,
     pub on_write_error: OnWriteError,
 }
 

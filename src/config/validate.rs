@@ -8,8 +8,8 @@ use super::raw::RawConfig;
 use super::source::Source;
 use super::spec::{
     Backend, Check, CheckpointSpec, DataSpec, DatasetKind, DeviceChoice, DistributedSpec,
-    Expectation, JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
-    ScheduleSpec, SyntheticSpec, TrainSpec,
+    Expectation, GptSpec, JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
+    ScheduleSpec, SyntheticSpec, TextSpec, TokenDtype, TokenizerKind, TokensSpec, TrainSpec,
 };
 
 /// How to get GPU workers, for messages of a build without them.
@@ -101,18 +101,39 @@ impl JobSpec {
         }
         let seed = c.at_least("seed", raw.seed, 0) as u64;
 
-        c.one_of("model.arch", &raw.model.arch, &["mlp", "cnn"]);
+        c.one_of("model.arch", &raw.model.arch, &["mlp", "cnn", "gpt"]);
         let hidden = raw
             .model
             .hidden
             .iter()
             .map(|&h| c.at_least("model.hidden", h, 1))
             .collect();
-        let model = if raw.model.arch == "cnn" {
-            ModelSpec::Cnn
-        } else {
-            ModelSpec::Mlp { hidden }
+        let model = match raw.model.arch.as_str() {
+            "cnn" => ModelSpec::Cnn,
+            "gpt" => ModelSpec::Gpt(check_gpt(&mut c, raw)),
+            _ => ModelSpec::Mlp { hidden },
         };
+        if !matches!(model, ModelSpec::Gpt(_)) {
+            let m = &raw.model;
+            let given = [
+                ("n_layer", m.n_layer.is_some()),
+                ("n_head", m.n_head.is_some()),
+                ("n_embd", m.n_embd.is_some()),
+                ("block_size", m.block_size.is_some()),
+                ("dropout", m.dropout.is_some()),
+                ("bias", m.bias.is_some()),
+                ("vocab_size", m.vocab_size.is_some()),
+            ];
+            for (key, _) in given.iter().filter(|(_, set)| *set) {
+                c.fail(
+                    &format!("model.{key}"),
+                    format!(
+                        "applies to model.arch = \"gpt\" only, but the arch is \"{}\"; remove it",
+                        raw.model.arch
+                    ),
+                );
+            }
+        }
 
         let data = check_data(&mut c, raw, &model);
         let train = check_train(&mut c, raw);
@@ -123,6 +144,7 @@ impl JobSpec {
             every_epochs: nonzero(c.at_least("checkpoint.every_epochs", ck.every_epochs, 0)),
             every_steps: nonzero(c.at_least("checkpoint.every_steps", ck.every_steps, 0)),
             keep_last: nonzero(c.at_least("checkpoint.keep_last", ck.keep_last, 0)),
+            keep_best: ck.keep_best,
             on_write_error: {
                 c.one_of(
                     "checkpoint.on_write_error",
@@ -203,13 +225,164 @@ fn check_expect(c: &mut Checker, raw: &RawConfig) -> Vec<Expectation> {
         .collect()
 }
 
+/// `model.*` of a gpt.
+fn check_gpt(c: &mut Checker, raw: &RawConfig) -> GptSpec {
+    let mut m = raw.model.clone();
+    m.resolve_gpt();
+    let n_head = c.at_least("model.n_head", m.n_head.unwrap_or(4), 1);
+    let n_embd = c.at_least("model.n_embd", m.n_embd.unwrap_or(128), 1);
+    if n_head > 0 && n_embd % n_head != 0 {
+        c.fail(
+            "model.n_embd",
+            format!(
+                "must be divisible by model.n_head = {n_head} (each head takes n_embd / n_head \
+                 channels), got {n_embd}; e.g. {}",
+                (n_embd / n_head).max(1) * n_head
+            ),
+        );
+    }
+    let dropout = m.dropout.unwrap_or(0.0);
+    if !(0.0..1.0).contains(&dropout) {
+        c.fail("model.dropout", format!("must be in [0, 1), got {dropout}"));
+    }
+    GptSpec {
+        n_layer: c.at_least("model.n_layer", m.n_layer.unwrap_or(4), 1),
+        n_head,
+        n_embd,
+        block_size: c.at_least("model.block_size", m.block_size.unwrap_or(64), 1),
+        dropout,
+        bias: m.bias.unwrap_or(true),
+        vocab_size: m
+            .vocab_size
+            .map(|v| c.in_int_range("model.vocab_size", v, 1, 1 << 31)),
+    }
+}
+
+/// `data.*` of `text` and `tokens` data, and how they fit the model.
+fn check_text_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> Option<DatasetKind> {
+    let d = &raw.data;
+    let is_text = matches!(d.dataset.as_str(), "text" | "tokens");
+    let is_gpt = matches!(model, ModelSpec::Gpt(_));
+    if is_gpt && !is_text {
+        c.fail(
+            "data.dataset",
+            format!(
+                "model.arch = \"gpt\" learns from token sequences: use \"text\" or \"tokens\", not \"{}\"",
+                d.dataset
+            ),
+        );
+    } else if is_text && !is_gpt {
+        c.fail(
+            "model.arch",
+            format!(
+                "data.dataset = \"{}\" is token sequences: it needs model.arch = \"gpt\", not \"{}\"",
+                d.dataset, raw.model.arch
+            ),
+        );
+    }
+    let text_keys = [
+        ("path", d.path.is_some(), "text"),
+        ("tokenizer", d.tokenizer.is_some(), "text"),
+        ("val_fraction", d.val_fraction.is_some(), "text"),
+        ("train_path", d.train_path.is_some(), "tokens"),
+        ("val_path", d.val_path.is_some(), "tokens"),
+        ("token_dtype", d.token_dtype.is_some(), "tokens"),
+    ];
+    for (key, _, kind) in text_keys
+        .iter()
+        .filter(|(_, set, kind)| *set && *kind != d.dataset)
+    {
+        c.fail(
+            &format!("data.{key}"),
+            format!(
+                "applies to data.dataset = \"{kind}\" only, but the dataset is \"{}\"; remove it",
+                d.dataset
+            ),
+        );
+    }
+    let required = |c: &mut Checker, key: &str, value: &Option<String>, example: &str| match value
+        .as_deref()
+    {
+        Some(v) if !v.is_empty() => PathBuf::from(v),
+        _ => {
+            c.fail(
+                key,
+                format!(
+                    "is required for data.dataset = \"{}\", e.g. {key} = \"{example}\"",
+                    d.dataset
+                ),
+            );
+            PathBuf::new()
+        }
+    };
+    match d.dataset.as_str() {
+        "text" => {
+            let path = required(c, "data.path", &d.path, "data/shakespeare/input.txt");
+            let tokenizer = d.tokenizer.as_deref().unwrap_or("char");
+            if !matches!(tokenizer, "char" | "byte") {
+                c.fail(
+                    "data.tokenizer",
+                    format!("unknown tokenizer \"{tokenizer}\"; expected \"char\" or \"byte\""),
+                );
+            }
+            let val_fraction = d.val_fraction.unwrap_or(0.1);
+            if !(val_fraction > 0.0 && val_fraction < 1.0) {
+                c.fail(
+                    "data.val_fraction",
+                    format!("must be in (0, 1), got {val_fraction}; 0.1 keeps the last 10% for validation"),
+                );
+            }
+            Some(DatasetKind::Text(TextSpec {
+                path,
+                tokenizer: if tokenizer == "byte" {
+                    TokenizerKind::Byte
+                } else {
+                    TokenizerKind::Char
+                },
+                val_fraction,
+            }))
+        }
+        "tokens" => {
+            let train_path = required(c, "data.train_path", &d.train_path, "data/owt/train.bin");
+            let val_path = required(c, "data.val_path", &d.val_path, "data/owt/val.bin");
+            let dtype = d.token_dtype.as_deref().unwrap_or("u16");
+            c.one_of("data.token_dtype", dtype, &["u16", "u32"]);
+            if let ModelSpec::Gpt(g) = model {
+                match g.vocab_size {
+                    None => c.fail(
+                        "model.vocab_size",
+                        "is required for data.dataset = \"tokens\": the files do not say their \
+                         vocabulary; e.g. 50304 for GPT-2's tokenizer padded as nanoGPT pads it",
+                    ),
+                    Some(v) if dtype == "u16" && v > 65536 => c.fail(
+                        "model.vocab_size",
+                        format!("{v} tokens do not fit data.token_dtype = \"u16\"; use \"u32\""),
+                    ),
+                    _ => {}
+                }
+            }
+            Some(DatasetKind::Tokens(TokensSpec {
+                train_path,
+                val_path,
+                dtype: if dtype == "u32" {
+                    TokenDtype::U32
+                } else {
+                    TokenDtype::U16
+                },
+            }))
+        }
+        _ => None,
+    }
+}
+
 fn check_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> DataSpec {
     let d = &raw.data;
     c.one_of(
         "data.dataset",
         &d.dataset,
-        &["mnist", "fashion-mnist", "synthetic"],
+        &["mnist", "fashion-mnist", "synthetic", "text", "tokens"],
     );
+    let text = check_text_data(c, raw, model);
     let s = &d.synthetic;
     let shape: Vec<usize> = s
         .shape
@@ -229,9 +402,10 @@ fn check_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> DataSpec {
             [1, 28, 28]
         }
     };
-    let dataset = match d.dataset.as_str() {
-        "fashion-mnist" => DatasetKind::FashionMnist,
-        "synthetic" => DatasetKind::Synthetic(SyntheticSpec {
+    let dataset = match (text, d.dataset.as_str()) {
+        (Some(text), _) => text,
+        (None, "fashion-mnist") => DatasetKind::FashionMnist,
+        (None, "synthetic") => DatasetKind::Synthetic(SyntheticSpec {
             train_samples: c.at_least("data.synthetic.train_samples", s.train_samples, 1),
             test_samples: c.at_least("data.synthetic.test_samples", s.test_samples, 1),
             shape,
@@ -246,7 +420,7 @@ fn check_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> DataSpec {
                 s.noise as f32
             },
         }),
-        _ => DatasetKind::Mnist,
+        (None, _) => DatasetKind::Mnist,
     };
     let channels = if matches!(dataset, DatasetKind::Synthetic(_)) {
         shape[0]
@@ -302,10 +476,14 @@ fn check_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> DataSpec {
             );
         }
     }
-    let root = d
-        .root
-        .clone()
-        .unwrap_or_else(|| format!("data/{}", d.dataset));
+    let root = d.root.clone().unwrap_or_else(|| match &dataset {
+        DatasetKind::Text(t) => t
+            .path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .map_or(".".into(), |p| p.display().to_string()),
+        _ => format!("data/{}", d.dataset),
+    });
     DataSpec {
         dataset,
         root: PathBuf::from(root),
@@ -407,6 +585,8 @@ fn check_train(c: &mut Checker, raw: &RawConfig) -> TrainSpec {
         grad_clip_norm: (t.grad_clip_norm > 0.0).then_some(t.grad_clip_norm),
         max_steps: Some(c.at_least("train.max_steps", t.max_steps, 0)).filter(|&m| m > 0),
         eval_batch_size: c.at_least("train.eval_batch_size", t.eval_batch_size, 1),
+        eval_every: Some(c.at_least("train.eval_every", t.eval_every, 0)).filter(|&n| n > 0),
+        eval_batches: Some(c.at_least("train.eval_batches", t.eval_batches, 0)).filter(|&n| n > 0),
         log_every: c.at_least("train.log_every", t.log_every, 1),
         schedule: ScheduleSpec {
             kind,

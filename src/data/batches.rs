@@ -5,6 +5,7 @@
 use candle_core::{Device, Tensor};
 
 use super::{DataError, Dataset, Split};
+use crate::task::BatchSource;
 
 /// Splits larger than this together stay on the host (a GPU has other uses for its memory).
 pub const MAX_RESIDENT_BYTES: usize = 4 << 30;
@@ -83,6 +84,26 @@ impl<'a> Batches<'a> {
         match self {
             Batches::Host { data, device } => data.batch(&data.test, indices, device),
             Batches::Resident { test, .. } => test.gather(indices),
+        }
+    }
+}
+
+impl BatchSource for Batches<'_> {
+    fn train(&self, _epoch: usize, indices: &[usize]) -> Result<(Tensor, Tensor), DataError> {
+        Batches::train(self, indices)
+    }
+
+    fn eval(&self, indices: &[usize]) -> Result<(Tensor, Tensor), DataError> {
+        self.test(indices)
+    }
+
+    fn note(&self) -> Option<String> {
+        match self {
+            Batches::Resident { train, .. } => Some(format!(
+                "data: both splits uploaded to {:?} once; batches are gathered there",
+                train.images.device().location()
+            )),
+            Batches::Host { .. } => None,
         }
     }
 }

@@ -6,6 +6,8 @@ pub mod download;
 pub mod idx;
 pub mod sampler;
 mod synthetic;
+pub mod text;
+pub mod vocab;
 
 use std::path::{Path, PathBuf};
 
@@ -130,6 +132,13 @@ impl Dataset {
             }
             DatasetKind::Mnist => &catalog::MNIST,
             DatasetKind::FashionMnist => &catalog::FASHION_MNIST,
+            DatasetKind::Text(_) | DatasetKind::Tokens(_) => {
+                return Err(DataError::Mismatch(
+                    "text and tokens data are token sequences, not images: load them with \
+                     task::load"
+                        .into(),
+                ));
+            }
         };
         let paths = locate_in(catalog, spec)?;
         Self::from_idx_files(&paths, spec.normalize.as_ref())
@@ -142,6 +151,7 @@ impl Dataset {
             DatasetKind::Synthetic(_) => Ok(()),
             DatasetKind::Mnist => locate_in(&catalog::MNIST, spec).map(drop),
             DatasetKind::FashionMnist => locate_in(&catalog::FASHION_MNIST, spec).map(drop),
+            DatasetKind::Text(_) | DatasetKind::Tokens(_) => text::ensure_present(spec),
         }
     }
 

@@ -18,6 +18,8 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 use crate::config::{ConfigError, JobSpec, LoadedConfig};
+use crate::data::text::TextTask;
+use crate::data::vocab::Vocab;
 use crate::data::{DataError, Dataset};
 use crate::device::{self, DeviceError, Placement};
 use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
@@ -192,7 +194,9 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
     Dataset::ensure_present(&spec.data)?;
     let mut _lock = None;
     let state = if layout.node_rank == 0 {
-        let state = create_job(&job, opts, &layout)?;
+        // Text data is read (and checked) before the job exists, so bad data creates nothing.
+        let vocab = text_vocab(spec, None)?;
+        let state = create_job(&job, opts, &layout, vocab.as_ref())?;
         _lock = Some(job.lock(&spec.name)?);
         client.set(JOB_READY_KEY, b"1")?;
         Some(state)
@@ -305,10 +309,27 @@ fn meet(
 }
 
 /// Node 0: the job directory, the frozen config and the first `state.json`.
-fn create_job(job: &JobDir, opts: &RunOptions, layout: &Layout) -> Result<JobState, RunError> {
+/// The vocabulary of a `text` job (checking the data on the way): the one stored in `job`
+/// when given, else the one the text makes. `None` for other data.
+pub(crate) fn text_vocab(spec: &JobSpec, job: Option<&JobDir>) -> Result<Option<Vocab>, RunError> {
+    if !matches!(spec.data.dataset, crate::config::DatasetKind::Text(_)) {
+        return Ok(None);
+    }
+    Ok(TextTask::load(spec, job)?.vocab)
+}
+
+fn create_job(
+    job: &JobDir,
+    opts: &RunOptions,
+    layout: &Layout,
+    vocab: Option<&Vocab>,
+) -> Result<JobState, RunError> {
     let spec = &opts.loaded.spec;
     job.create(&spec.name)?;
     write_job_toml(job, opts)?;
+    if let Some(vocab) = vocab {
+        job.write_file(&Vocab::path_in(&job.root), vocab.to_json().as_bytes())?;
+    }
     // Rank 0 fills in total_steps once it has read the data.
     let state = JobState::running(layout.world_size(), 0);
     job.write_state(&state)?;

@@ -97,6 +97,8 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     let token = store::random_token();
     let (server, client, port) = meet(&layout, &token, spec)?;
     Dataset::ensure_present(&spec.data)?;
+    // The text must still encode with the vocabulary the job trained with.
+    super::text_vocab(spec, Some(&job))?;
 
     rewind_to(&job, &choice)?;
     match (&choice.usable, &position) {

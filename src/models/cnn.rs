@@ -3,7 +3,7 @@
 
 use candle_core::{Device, Result, Tensor};
 
-use super::{Conv2d, Init, Linear, Model, Params};
+use super::{Conv2d, Init, Linear, Mode, Model, Params};
 use crate::kernels::Pooling;
 
 pub struct Cnn {
@@ -34,7 +34,7 @@ impl Cnn {
 }
 
 impl Model for Cnn {
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+    fn forward(&self, xs: &Tensor, _mode: &Mode) -> Result<Tensor> {
         let h = self.conv1.forward_relu(xs, Pooling::None)?;
         let h = self.conv2.forward_relu(&h, Pooling::Max2)?;
         let h = self.fc1.forward(&h.flatten_from(1)?, true)?;
@@ -60,8 +60,10 @@ mod tests {
             .collect();
         assert_eq!(dims[0], ("conv1.weight".to_string(), vec![32, 1, 3, 3]));
         assert_eq!(dims[4], ("fc1.weight".to_string(), vec![128, 9216]));
-        let out = cnn
-            .forward(&Tensor::ones((2, 1, 28, 28), candle_core::DType::F32, &Device::Cpu).unwrap());
+        let out = cnn.forward(
+            &Tensor::ones((2, 1, 28, 28), candle_core::DType::F32, &Device::Cpu).unwrap(),
+            &Mode::Eval,
+        );
         assert_eq!(out.unwrap().dims(), &[2, 10]);
     }
 }

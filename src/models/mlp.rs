@@ -3,7 +3,7 @@
 
 use candle_core::{Device, Result, Tensor};
 
-use super::{Init, Linear, Model, Params};
+use super::{Init, Linear, Mode, Model, Params};
 
 pub struct Mlp {
     layers: Vec<Linear>,
@@ -36,7 +36,7 @@ impl Mlp {
 }
 
 impl Model for Mlp {
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+    fn forward(&self, xs: &Tensor, _mode: &Mode) -> Result<Tensor> {
         let mut h = xs.flatten_from(1)?;
         let last = self.layers.len() - 1;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -70,6 +70,7 @@ mod tests {
         );
         let out = mlp.forward(
             &Tensor::zeros((3, 1, 28, 28), candle_core::DType::F32, &Device::Cpu).unwrap(),
+            &Mode::Eval,
         );
         assert_eq!(out.unwrap().dims(), &[3, 10]);
         // Bound 1/sqrt(784): every fc1 weight lies inside it.

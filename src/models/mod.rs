@@ -2,6 +2,7 @@
 //! initialised like torch's defaults from our own seeded RNG.
 
 mod cnn;
+mod gpt;
 mod mlp;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -9,20 +10,48 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use crate::config::{ModelSpec, Precision};
 use crate::kernels::{self, ConvGeometry, Pooling};
 use crate::rng::Mt19937;
+use crate::task::ModelInput;
 
 pub use cnn::Cnn;
+pub use gpt::{Gpt, GptConfig, KvCache};
 pub use mlp::Mlp;
 
-/// A classifier over images [n, c, h, w] producing logits [n, classes].
+/// A network mapping a batch of inputs to logits whose last dimension is the classes (or the
+/// vocabulary): images [n, c, h, w] → [n, classes], token windows [n, t] → [n, t, vocab].
 pub trait Model: Send {
-    fn forward(&self, xs: &Tensor) -> Result<Tensor>;
+    fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor>;
     fn params(&self) -> &Params;
+}
+
+/// How a forward pass runs: evaluation, or training with the seeds of its random choices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mode {
+    Eval,
+    /// One seed per batch row, derived from (job seed, epoch, sample index): a row's dropout
+    /// masks depend on which sample it is, never on the rank or the batch it landed in, so
+    /// 2 workers × B/2 draw exactly the masks 1 worker × B draws, and a resumed run redraws
+    /// them bit for bit.
+    Train {
+        row_seeds: Vec<u64>,
+    },
+}
+
+impl Mode {
+    pub fn is_train(&self) -> bool {
+        matches!(self, Mode::Train { .. })
+    }
 }
 
 /// Named trainable parameters in a fixed order (the order gradients are bucketed in).
 #[derive(Debug, Clone, Default)]
 pub struct Params {
     entries: Vec<(String, Var)>,
+    /// Parameters exempt from weight decay, by position (biases and LayerNorm gains of a GPT).
+    no_decay: Vec<bool>,
+    /// Extra names of a tied parameter (e.g. `lm_head.weight` for `transformer.wte.weight`):
+    /// written into `model.safetensors` as a PyTorch `state_dict()` holds them, never trained
+    /// twice.
+    aliases: Vec<(String, usize)>,
 }
 
 impl Params {
@@ -34,6 +63,33 @@ impl Params {
         self.entries.iter().map(|(_, v)| v)
     }
 
+    /// Whether weight decay applies to the parameter at `index`.
+    pub fn decays(&self, index: usize) -> bool {
+        !self.no_decay.get(index).copied().unwrap_or(false)
+    }
+
+    /// Marks the parameter at `index` as exempt from weight decay.
+    pub fn exempt_from_decay(&mut self, index: usize) {
+        if self.no_decay.len() < self.entries.len() {
+            self.no_decay.resize(self.entries.len(), false);
+        }
+        self.no_decay[index] = true;
+    }
+
+    /// Records `alias` as a second name of the parameter called `name`.
+    pub fn tie(&mut self, alias: &str, name: &str) {
+        if let Some(i) = self.entries.iter().position(|(n, _)| n == name) {
+            self.aliases.push((alias.to_string(), i));
+        }
+    }
+
+    /// Names that are aliases of a trained parameter, with that parameter's name.
+    pub fn aliases(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.aliases
+            .iter()
+            .map(|(a, i)| (a.as_str(), self.entries[*i].0.as_str()))
+    }
+
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -42,11 +98,22 @@ impl Params {
         self.entries.is_empty()
     }
 
-    /// The current values by name: what `model.safetensors` and checkpoints hold.
+    /// The current values by name, aliases of tied parameters included: what
+    /// `model.safetensors` and checkpoints hold.
     pub fn named_tensors(&self) -> std::collections::HashMap<String, Tensor> {
+        let aliased = self
+            .aliases
+            .iter()
+            .map(|(a, i)| (a.clone(), self.entries[*i].1.as_tensor().clone()));
         self.iter()
             .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
+            .chain(aliased)
             .collect()
+    }
+
+    /// Entries of `named_tensors`: parameters plus aliases.
+    pub fn named_len(&self) -> usize {
+        self.entries.len() + self.aliases.len()
     }
 
     pub fn element_count(&self) -> usize {
@@ -55,7 +122,10 @@ impl Params {
 
     /// Parameters from explicit (name, var) pairs, in that order.
     pub fn from_vars(entries: Vec<(String, Var)>) -> Self {
-        Params { entries }
+        Params {
+            entries,
+            ..Params::default()
+        }
     }
 
     fn push(&mut self, name: String, var: Var) -> Var {
@@ -193,9 +263,9 @@ pub struct Autocast {
 }
 
 impl Model for Autocast {
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+    fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
         self.inner
-            .forward(&xs.to_dtype(self.dtype)?)?
+            .forward(&xs.to_dtype(self.dtype)?, mode)?
             .to_dtype(DType::F32)
     }
 
@@ -205,7 +275,7 @@ impl Model for Autocast {
 }
 
 /// `model` computing in `precision` (f32: unchanged).
-pub fn with_precision(model: Box<dyn Model>, precision: Precision) -> Box<dyn Model> {
+fn with_precision(model: Box<dyn Model>, precision: Precision) -> Box<dyn Model> {
     match precision {
         Precision::F32 => model,
         Precision::Bf16 => Box::new(Autocast {
@@ -215,37 +285,50 @@ pub fn with_precision(model: Box<dyn Model>, precision: Precision) -> Box<dyn Mo
     }
 }
 
-/// Builds the model of `spec` for inputs of `shape` = [c, h, w] and `classes` outputs.
+/// Builds the model of `spec` for `input`, computing in `precision` (f32 master weights
+/// either way). A mismatch of model and data (a gpt on images) is an error; validation
+/// refuses such configs first.
 pub fn build(
     spec: &ModelSpec,
-    shape: [usize; 3],
-    classes: usize,
+    input: ModelInput,
     seed: u64,
     device: &Device,
+    precision: Precision,
 ) -> Result<Box<dyn Model>> {
-    Ok(match spec {
-        ModelSpec::Mlp { hidden } => Box::new(Mlp::new(shape, hidden, classes, seed, device)?),
-        ModelSpec::Cnn => Box::new(Cnn::new(shape, classes, seed, device)?),
-    })
-}
-
-/// Mean cross-entropy of `logits` [n, classes] against `labels` [n] (u32).
-pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
-    candle_nn::loss::cross_entropy(logits, labels)
-}
-
-/// Sum of cross-entropy over the batch and the number of correct predictions (for evaluation).
-pub fn loss_sum_and_correct(logits: &Tensor, labels: &Tensor) -> Result<(f64, usize)> {
-    let n = labels.dim(0)? as f64;
-    let loss = cross_entropy(logits, labels)?
-        .to_dtype(DType::F64)?
-        .to_scalar::<f64>()?
-        * n;
-    let correct = logits
-        .argmax(1)?
-        .eq(labels)?
-        .to_dtype(DType::F32)?
-        .sum_all()?
-        .to_scalar::<f32>()?;
-    Ok((loss, correct as usize))
+    let model: Box<dyn Model> = match (spec, input) {
+        (ModelSpec::Mlp { hidden }, ModelInput::Image { shape, classes }) => {
+            Box::new(Mlp::new(shape, hidden, classes, seed, device)?)
+        }
+        (ModelSpec::Cnn, ModelInput::Image { shape, classes }) => {
+            Box::new(Cnn::new(shape, classes, seed, device)?)
+        }
+        (
+            ModelSpec::Gpt(g),
+            ModelInput::Tokens {
+                vocab_size,
+                block_size,
+            },
+        ) => {
+            let config = GptConfig {
+                vocab_size,
+                block_size,
+                n_layer: g.n_layer,
+                n_head: g.n_head,
+                n_embd: g.n_embd,
+                dropout: g.dropout,
+                bias: g.bias,
+            };
+            let compute = match precision {
+                Precision::F32 => DType::F32,
+                Precision::Bf16 => DType::BF16,
+            };
+            // The gpt does its own autocast: its inputs are token ids, not values to cast.
+            return Ok(Box::new(Gpt::new(&config, seed, device, compute)?));
+        }
+        (spec, input) => candle_core::bail!(
+            "model.arch = \"{}\" cannot learn from this data ({input:?})",
+            spec.arch()
+        ),
+    };
+    Ok(with_precision(model, precision))
 }

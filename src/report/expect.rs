@@ -109,6 +109,9 @@ mod tests {
             samples: 640,
             world_size: 1,
             parameters: 100,
+            train_tokens_per_s: None,
+            best_test_loss: None,
+            best_step: None,
             expectations: Vec::new(),
         }
     }

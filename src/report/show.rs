@@ -234,10 +234,7 @@ pub fn list(views: &[JobView], now: u64) -> String {
     let mut out = row(&header);
     for v in views {
         let s = &v.state;
-        let model = v.spec.as_ref().map_or("?", |spec| match &spec.model {
-            crate::config::ModelSpec::Mlp { .. } => "mlp",
-            crate::config::ModelSpec::Cnn => "cnn",
-        });
+        let model = v.spec.as_ref().map_or("?", |spec| spec.model.arch());
         let epoch = match &v.spec {
             Some(spec) => format!("{}/{}", s.epoch.min(spec.train.epochs), spec.train.epochs),
             None => s.epoch.to_string(),

@@ -112,6 +112,8 @@ impl JobView {
             Some(DatasetKind::Synthetic(s)) => {
                 format!("synthetic {}/{}", s.train_samples, s.test_samples)
             }
+            Some(DatasetKind::Text(t)) => format!("text {}", t.path.display()),
+            Some(DatasetKind::Tokens(t)) => format!("tokens {}", t.train_path.display()),
             None => "?".into(),
         }
     }

@@ -1,9 +1,9 @@
-//! Evaluation on the test split: each rank takes an unpadded shard, sums of loss and correct
-//! predictions are all-reduced, so every test sample counts exactly once.
+//! Evaluation on the evaluation split: each rank takes an unpadded shard, sums of loss and
+//! correct predictions per target are all-reduced, so every target counts exactly once.
 
 use crate::comm::Communicator;
-use crate::data::Batches;
-use crate::models::{Model, loss_sum_and_correct};
+use crate::models::{Mode, Model};
+use crate::task::{BatchSource, loss_sum_and_correct};
 
 use super::TrainError;
 
@@ -11,28 +11,32 @@ use super::TrainError;
 pub struct EvalResult {
     pub loss: f64,
     pub accuracy: f64,
+    /// Targets scored (samples for a classifier, tokens for a language model).
     pub samples: usize,
 }
 
-/// Evaluates on the `test_len` samples of the test split that `batches` serves.
+/// Evaluates on the `eval_len` samples of the evaluation split that `batches` serves, or on
+/// `batches_limit` batches of them spread evenly over it (the same ones every time).
 pub fn evaluate(
     model: &dyn Model,
-    batches: &Batches,
-    test_len: usize,
+    batches: &dyn BatchSource,
+    eval_len: usize,
     comm: &dyn Communicator,
     batch_size: usize,
+    batches_limit: Option<usize>,
 ) -> Result<EvalResult, TrainError> {
-    let n = test_len;
     let (rank, world) = (comm.rank(), comm.world_size());
-    let shard: Vec<usize> = (rank..n).step_by(world).collect();
+    let picked = batches_limit.map_or(eval_len, |b| (b * batch_size).min(eval_len));
+    let index = |j: usize| j * eval_len / picked.max(1);
+    let shard: Vec<usize> = (rank..picked).step_by(world).map(index).collect();
     let mut sums = [0.0f64; 3];
     for chunk in shard.chunks(batch_size) {
-        let (xs, ys) = batches.test(chunk)?;
-        let logits = model.forward(&xs)?;
+        let (xs, ys) = batches.eval(chunk)?;
+        let logits = model.forward(&xs, &Mode::Eval)?;
         let (loss, correct) = loss_sum_and_correct(&logits, &ys)?;
         sums[0] += loss;
         sums[1] += correct as f64;
-        sums[2] += chunk.len() as f64;
+        sums[2] += ys.elem_count() as f64;
     }
     comm.all_reduce_sum_f64(&mut sums)?;
     let samples = sums[2].max(1.0);

@@ -118,6 +118,28 @@ impl Leader {
         Ok(self.job.write_state(&state)?)
     }
 
+    /// A mid-epoch evaluation (`train.eval_every`).
+    pub fn log_eval(&self, epoch: usize, step: usize, eval: &EvalResult) -> Result<(), TrainError> {
+        let line = json!({
+            "kind": "eval", "epoch": epoch, "step": step, "test_loss": eval.loss,
+            "test_accuracy": eval.accuracy, "time": now_unix(),
+        });
+        Ok(self.job.append_metrics(&line)?)
+    }
+
+    /// Replaces `checkpoints/best` with the current weights.
+    pub fn save_best(
+        &self,
+        params: &Params,
+        optimizer: &Optimizer,
+        position: &TrainPosition,
+    ) -> Result<PathBuf, TrainError> {
+        let (optim, _) = optimizer.state(params)?;
+        Ok(self
+            .checkpointer
+            .save_best(&params.named_tensors(), &optim, position)?)
+    }
+
     /// Redraws `curves.svg`; a failure is only worth a warning (returned as its text).
     pub fn draw_curves(&self) -> Result<(), String> {
         crate::report::curves::draw(&self.job)

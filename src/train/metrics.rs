@@ -27,6 +27,14 @@ pub struct Summary {
     pub samples: u64,
     pub world_size: usize,
     pub parameters: usize,
+    /// Language models: training tokens of all ranks per second (samples × block_size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_tokens_per_s: Option<f64>,
+    /// The lowest evaluation loss of the run and the optimizer step after which it was taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_test_loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_step: Option<usize>,
     /// `[expect]` results, filled in by the launcher when the run ends.
     #[serde(default)]
     pub expectations: Vec<crate::report::ExpectationResult>,

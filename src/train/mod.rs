@@ -18,20 +18,21 @@ use thiserror::Error;
 use crate::checkpoint::{self, CheckpointError, MetricState, Restored, TrainPosition};
 use crate::comm::{CommError, Communicator, broadcast_params};
 use crate::config::{JobSpec, OnWriteError, Plan};
-use crate::data::{Batches, DataError, Dataset, DistributedSampler};
+use crate::data::{DataError, DistributedSampler};
 use crate::fault::Fault;
 use crate::heartbeat::Beacon;
 use crate::jobdir::JobDirError;
-use crate::models::Model;
+use crate::models::{Mode, Model};
 use crate::optim::{Optimizer, Schedule};
 use crate::progress::Reporter;
+use crate::task::{BatchSource, ModelInput, Task, sample_seed};
 
 pub use eval::{EvalResult, evaluate};
 pub use leader::Leader;
 pub use metrics::Summary;
 use metrics::{LossTally, trace_samples};
 pub use resume::Start;
-use step::{StepContext, StepError};
+use step::{MicroBatch, StepContext, StepError};
 
 #[derive(Debug, Error)]
 pub enum TrainError {
@@ -101,7 +102,7 @@ pub enum Ending {
 
 pub struct Trainer<'a> {
     pub spec: &'a JobSpec,
-    pub data: &'a Dataset,
+    pub data: &'a dyn Task,
     pub comm: &'a dyn Communicator,
     pub model: Box<dyn Model>,
     pub device: Device,
@@ -128,7 +129,7 @@ struct EpochRun {
 impl Trainer<'_> {
     pub fn plan(&self) -> Plan {
         self.spec
-            .plan(self.data.train.len(), self.comm.world_size())
+            .plan(self.data.train_len(), self.comm.world_size())
     }
 
     /// Trains to the end of the plan, or until every rank agrees to stop.
@@ -138,13 +139,8 @@ impl Trainer<'_> {
         let plan = self.plan();
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let position = self.resume.as_ref().map(|r| r.position.clone());
-        let start = Start::new(
-            spec,
-            self.data.train.len(),
-            world,
-            plan.total_steps,
-            position.as_ref(),
-        );
+        let train_len = self.data.train_len();
+        let start = Start::new(spec, train_len, world, plan.total_steps, position.as_ref());
         let total_steps = start.total_steps;
         let schedule = Schedule::new(t.lr, t.schedule, total_steps);
         let mut optimizer = Optimizer::new(t.optimizer, self.model.params().len());
@@ -162,14 +158,13 @@ impl Trainer<'_> {
             leader.start(world, total_steps)?;
         }
         broadcast_params(self.comm, self.model.params())?;
-        let batches = Batches::new(self.data, &self.device)?;
-        if batches.is_resident() {
-            self.reporter.line(&format!(
-                "data: both splits uploaded to {:?} once; batches are gathered there",
-                self.device.location()
-            ));
+        let data = self.data;
+        let batches = data.batches(&self.device)?;
+        let batches = batches.as_ref();
+        if let Some(note) = batches.note() {
+            self.reporter.line(&note);
         }
-        let mut sampler = DistributedSampler::new(self.data.train.len(), world, rank, spec.seed)
+        let mut sampler = DistributedSampler::new(train_len, world, rank, spec.seed)
             .with_drop_last(spec.data.drop_last);
 
         let mut step = start.step;
@@ -219,7 +214,7 @@ impl Trainer<'_> {
                 }
                 let vote = self.hooks.stop.load(Ordering::SeqCst);
                 let (loss_sum, samples, stop) =
-                    self.optimizer_step(&batches, &mut optimizer, group, lr, vote)?;
+                    self.optimizer_step(batches, &mut optimizer, epoch, group, lr, vote)?;
                 step += 1;
                 run.consumed += samples * world;
                 interval.add(loss_sum, samples, started.elapsed())?;
@@ -263,6 +258,16 @@ impl Trainer<'_> {
                     ));
                     return Ok(Ending::Stopped { step });
                 }
+                let eval_due = t.eval_every.is_some_and(|n| step % n == 0);
+                if eval_due && i + 1 < steps_now {
+                    let eval = self.evaluate(batches, true)?;
+                    self.reporter.line(&format!(
+                        "step {step}/{total_steps}: {}",
+                        self.describe_eval(&eval)
+                    ));
+                    let position = self.position(&run, in_epoch, step, &optimizer, lr, &metrics);
+                    self.record_eval(&eval, &mut metrics, &optimizer, position, true)?;
+                }
                 if checkpoint_due {
                     let position = self.position(&run, in_epoch, step, &optimizer, lr, &metrics);
                     self.save_checkpoint(&optimizer, &position)?;
@@ -273,21 +278,14 @@ impl Trainer<'_> {
             let train_loss = metrics.finish_epoch();
             epochs_done = epoch + 1;
 
-            let eval = evaluate(
-                self.model.as_ref(),
-                &batches,
-                self.data.test.len(),
-                self.comm,
-                t.eval_batch_size,
-            )?;
+            let eval = self.evaluate(batches, false)?;
             let lr = schedule.lr(step.saturating_sub(1), epoch);
             let rate = n / secs.max(1e-9);
             self.reporter.line(&format!(
-                "epoch {}/{} done: train loss {train_loss:.4}, test loss {:.4}, test accuracy {:.2}%, {rate:.0} samples/s, {secs:.1} s",
+                "epoch {}/{} done: train loss {train_loss:.4}, {}, {rate:.0} samples/s, {secs:.1} s",
                 epoch + 1,
                 t.epochs,
-                eval.loss,
-                eval.accuracy * 100.0
+                self.describe_eval(&eval),
             ));
             if let Some(leader) = &self.leader {
                 leader.log_epoch(epoch, step, train_loss, lr, rate, &eval, secs, total_steps)?;
@@ -296,46 +294,35 @@ impl Trainer<'_> {
                 }
             }
             last_eval = Some(eval);
+            let done = run.skip + steps_now;
+            let at = self.epoch_end_position(&run, done, step, &optimizer, lr, &metrics);
+            self.record_eval(&eval, &mut metrics, &optimizer, at, false)?;
             // The last step's mid-epoch checkpoint is taken here, after evaluation, as an epoch one.
             if checkpoint::due_after_epoch(&spec.checkpoint, epoch)
                 || checkpoint::due_after_step(&spec.checkpoint, step)
             {
-                let done = run.skip + steps_now;
-                let position = if done == run.groups {
-                    let next = EpochRun {
-                        epoch: epoch + 1,
-                        skip: 0,
-                        groups: 0,
-                        consumed: 0,
-                    };
-                    let mut m = metrics.clone();
-                    m.start_epoch();
-                    self.position(&next, 0, step, &optimizer, lr, &m)
-                } else {
-                    self.position(&run, done, step, &optimizer, lr, &metrics)
-                };
+                let position = self.epoch_end_position(&run, done, step, &optimizer, lr, &metrics);
                 self.save_checkpoint(&optimizer, &position)?;
             }
         }
 
         let eval = match last_eval {
             Some(e) => e,
-            None => evaluate(
-                self.model.as_ref(),
-                &batches,
-                self.data.test.len(),
-                self.comm,
-                t.eval_batch_size,
-            )?,
+            None => self.evaluate(batches, false)?,
         };
         let train_s = metrics.train_s;
+        let samples_per_s = metrics.total_samples / train_s.max(1e-9);
+        let tokens = matches!(data.input(), ModelInput::Tokens { .. });
         Ok(Ending::Completed(Summary {
+            best_test_loss: metrics.best_eval.map(|b| b.0),
+            best_step: metrics.best_eval.map(|b| b.1),
+            train_tokens_per_s: tokens.then(|| samples_per_s * data.targets_per_sample() as f64),
             test_accuracy: eval.accuracy,
             test_loss: eval.loss,
             final_train_loss: metrics.last_epoch_loss.unwrap_or(f64::NAN),
             epochs: epochs_done,
             steps: step,
-            train_samples_per_s: metrics.total_samples / train_s.max(1e-9),
+            train_samples_per_s: samples_per_s,
             wall_s: self.started.elapsed().as_secs_f64(),
             train_s,
             samples: metrics.total_samples as u64,
@@ -349,16 +336,26 @@ impl Trainer<'_> {
     /// Returns (Σ loss·n, n, whether any rank voted to stop).
     fn optimizer_step(
         &mut self,
-        source: &Batches,
+        source: &dyn BatchSource,
         optimizer: &mut Optimizer,
+        epoch: usize,
         group: &[&[usize]],
         lr: f64,
         stop_vote: bool,
     ) -> Result<(Tensor, usize, bool), TrainError> {
+        let seed = self.spec.seed;
         let batches = group
             .iter()
-            .map(|micro| source.train(micro))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|micro| {
+                let (inputs, targets) = source.train(epoch, micro)?;
+                let row_seeds = micro.iter().map(|&i| sample_seed(seed, epoch, i)).collect();
+                Ok(MicroBatch {
+                    inputs,
+                    targets,
+                    mode: Mode::Train { row_seeds },
+                })
+            })
+            .collect::<Result<Vec<_>, DataError>>()?;
         let cx = StepContext {
             model: self.model.as_ref(),
             comm: self.comm,
@@ -368,6 +365,115 @@ impl Trainer<'_> {
         };
         let r = step::optimizer_step(&cx, optimizer, &batches, lr, stop_vote, None)?;
         Ok((r.loss_sum, r.samples, r.stop))
+    }
+
+    /// Evaluates on the whole evaluation split, or (`periodic`: the `eval_every` ones) on
+    /// `train.eval_batches` batches of it when set.
+    fn evaluate(
+        &self,
+        batches: &dyn BatchSource,
+        periodic: bool,
+    ) -> Result<EvalResult, TrainError> {
+        let t = &self.spec.train;
+        evaluate(
+            self.model.as_ref(),
+            batches,
+            self.data.eval_len(),
+            self.comm,
+            t.eval_batch_size,
+            t.eval_batches.filter(|_| periodic),
+        )
+    }
+
+    fn describe_eval(&self, eval: &EvalResult) -> String {
+        match self.data.input() {
+            ModelInput::Tokens { .. } => format!(
+                "val loss {:.4}, next-token accuracy {:.2}%",
+                eval.loss,
+                eval.accuracy * 100.0
+            ),
+            ModelInput::Image { .. } => format!(
+                "test loss {:.4}, test accuracy {:.2}%",
+                eval.loss,
+                eval.accuracy * 100.0
+            ),
+        }
+    }
+
+    /// Records an evaluation: a metrics line for a mid-epoch one (epoch lines carry their own),
+    /// the best loss so far, and the `best` checkpoint when asked for.
+    fn record_eval(
+        &mut self,
+        eval: &EvalResult,
+        metrics: &mut MetricState,
+        optimizer: &Optimizer,
+        mut at: TrainPosition,
+        mid_epoch: bool,
+    ) -> Result<(), TrainError> {
+        let step = at.step;
+        if let Some(leader) = &self.leader
+            && mid_epoch
+        {
+            leader.log_eval(at.epoch, step, eval)?;
+        }
+        let better = eval.loss.is_finite() && metrics.best_eval.is_none_or(|b| eval.loss < b.0);
+        if !better {
+            return Ok(());
+        }
+        metrics.best_eval = Some((eval.loss, step));
+        at.metrics.best_eval = metrics.best_eval;
+        if !self.spec.checkpoint.keep_best {
+            return Ok(());
+        }
+        if let Some(leader) = &self.leader {
+            match leader.save_best(self.model.params(), optimizer, &at) {
+                Ok(dir) => self.reporter.line(&format!(
+                    "best {} so far ({:.4}): weights kept in {}",
+                    self.loss_name(),
+                    eval.loss,
+                    dir.display()
+                )),
+                Err(TrainError::Checkpoint(e))
+                    if self.spec.checkpoint.on_write_error == OnWriteError::Warn =>
+                {
+                    self.reporter.line(&format!("warning: {e}; training on"));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn loss_name(&self) -> &'static str {
+        match self.data.input() {
+            ModelInput::Tokens { .. } => "validation loss",
+            ModelInput::Image { .. } => "test loss",
+        }
+    }
+
+    /// The position after `done` steps of `run`'s epoch: the next epoch's start when it is
+    /// complete.
+    fn epoch_end_position(
+        &self,
+        run: &EpochRun,
+        done: usize,
+        step: usize,
+        optimizer: &Optimizer,
+        lr: f64,
+        metrics: &MetricState,
+    ) -> TrainPosition {
+        if done < run.groups {
+            return self.position(run, done, step, optimizer, lr, metrics);
+        }
+        let next = EpochRun {
+            epoch: run.epoch + 1,
+            skip: 0,
+            groups: 0,
+            consumed: 0,
+        };
+        let mut m = metrics.clone();
+        m.start_epoch();
+        self.position(&next, 0, step, optimizer, lr, &m)
     }
 
     fn position(

@@ -115,11 +115,11 @@ pub fn restore(
         }
         var.set(&saved.to_dtype(var.dtype())?)?;
     }
-    if restored.model.len() != params.len() {
+    if restored.model.len() != params.named_len() {
         return Err(mismatch(format!(
             "it has {} parameters, this model {}",
             restored.model.len(),
-            params.len()
+            params.named_len()
         )));
     }
     optimizer.load_state(

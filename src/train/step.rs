@@ -7,8 +7,17 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 
 use crate::comm::{CommError, Communicator, average_gradients};
-use crate::models::{Model, cross_entropy};
+use crate::models::{Mode, Model};
 use crate::optim::{Optimizer, clip_grad_norm};
+use crate::task::cross_entropy;
+
+/// One micro-batch: inputs, integer targets, and how the forward pass runs (the row seeds of
+/// its dropout).
+pub struct MicroBatch {
+    pub inputs: Tensor,
+    pub targets: Tensor,
+    pub mode: Mode,
+}
 
 /// What every step needs besides the batches.
 pub struct StepContext<'a> {
@@ -37,25 +46,29 @@ pub struct Phases {
     pub update: Duration,
 }
 
-/// Forward and backward over each (inputs, labels) micro-batch, gradients summed with weights
+/// Forward and backward over each micro-batch, gradients summed with weights
 /// n_micro / n_step (so the step sees the mean over all its samples, exactly as one big batch
 /// would), averaged over ranks once, clipped, applied with learning rate `lr`.
 pub fn optimizer_step(
     cx: &StepContext,
     optimizer: &mut Optimizer,
-    micro_batches: &[(Tensor, Tensor)],
+    micro_batches: &[MicroBatch],
     lr: f64,
     stop_vote: bool,
     mut phases: Option<&mut Phases>,
 ) -> Result<StepResult, StepError> {
     let params = cx.model.params();
-    let n_step: usize = micro_batches.iter().map(|(_, ys)| ys.elem_count()).sum();
+    // Samples (rows) weight the micro-batches; a language model's rows all hold block_size
+    // targets, so this is also the weighting by targets.
+    let rows = |b: &MicroBatch| b.targets.dims().first().copied().unwrap_or(1);
+    let n_step: usize = micro_batches.iter().map(rows).sum();
     let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
     let mut loss_sum: Option<Tensor> = None;
     let mut clock = PhaseClock::new(cx.device, phases.is_some());
-    for (xs, ys) in micro_batches {
-        let n = ys.elem_count();
-        let loss = cross_entropy(&cx.model.forward(xs)?, ys)?;
+    for batch in micro_batches {
+        let n = rows(batch);
+        let logits = cx.model.forward(&batch.inputs, &batch.mode)?;
+        let loss = cross_entropy(&logits, &batch.targets)?;
         clock.lap(&mut phases, |p| &mut p.forward)?;
         let store = (&loss * (n as f64 / n_step as f64))?.backward()?;
         for (slot, var) in grads.iter_mut().zip(params.vars()) {

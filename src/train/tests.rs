@@ -26,19 +26,19 @@ fn train(spec: &JobSpec) -> Summary {
 }
 
 fn train_with(spec: &JobSpec, leader: Option<Leader>) -> Result<Ending, TrainError> {
-    let data = Dataset::load(&spec.data, spec.seed).unwrap();
+    let data = crate::task::load(spec, None).unwrap();
     let model = models::build(
         &spec.model,
-        data.train.shape,
-        data.classes,
+        data.input(),
         spec.seed,
         &Device::Cpu,
+        spec.train.precision,
     )
     .unwrap();
     let mut reporter = Silent;
     let mut trainer = Trainer {
         spec,
-        data: &data,
+        data: data.as_ref(),
         comm: &LocalCommunicator,
         model,
         device: Device::Cpu,
@@ -104,21 +104,35 @@ fn max_steps_stops_mid_epoch_and_still_evaluates() {
 #[test]
 fn evaluation_counts_every_test_sample_once() {
     let spec = spec(&[]);
-    let data = Dataset::load(&spec.data, spec.seed).unwrap();
-    let model =
-        models::build(&spec.model, data.train.shape, data.classes, 0, &Device::Cpu).unwrap();
-    let batches = crate::data::Batches::new(&data, &Device::Cpu).unwrap();
-    let r = evaluate(
-        model.as_ref(),
-        &batches,
-        data.test.len(),
-        &LocalCommunicator,
-        10,
+    let data = crate::task::load(&spec, None).unwrap();
+    let model = models::build(
+        &spec.model,
+        data.input(),
+        0,
+        &Device::Cpu,
+        spec.train.precision,
     )
     .unwrap();
+    let batches = data.batches(&Device::Cpu).unwrap();
+    let eval = |limit| {
+        evaluate(
+            model.as_ref(),
+            batches.as_ref(),
+            data.eval_len(),
+            &LocalCommunicator,
+            10,
+            limit,
+        )
+        .unwrap()
+    };
+    let r = eval(None);
     assert_eq!(r.samples, 37);
     // An untrained 3-class model's loss is near ln 3.
     assert!((r.loss - 3f64.ln()).abs() < 0.5, "{r:?}");
+    // Two batches of 10, spread over the split: 20 samples, and never more than the split.
+    assert_eq!(eval(Some(2)).samples, 20);
+    assert_eq!(eval(Some(9)).samples, 37);
+    assert_eq!(eval(Some(9)).loss, r.loss);
 }
 
 #[test]

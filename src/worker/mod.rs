@@ -19,13 +19,14 @@ use thiserror::Error;
 use crate::checkpoint::{self, CheckpointError};
 use crate::comm::{CommError, Communicator, LocalCommunicator, TcpCommunicator, spin_for};
 use crate::config::{self, ConfigError, JobSpec};
-use crate::data::{DataError, Dataset};
+use crate::data::DataError;
 use crate::fault::Fault;
 use crate::heartbeat::{self, Beacon, Heartbeat};
 use crate::jobdir::{JobDir, JobDirError};
 use crate::models;
 use crate::progress::{self, Logged, Reporter};
 use crate::store::{StoreClient, StoreError};
+use crate::task::{self, Task};
 use crate::train::{Ending, Hooks, Leader, TrainError, Trainer};
 
 /// Set by SIGTERM or SIGINT: finish the current optimizer step, checkpoint, exit.
@@ -113,7 +114,7 @@ pub fn run() -> Result<bool, WorkerError> {
     )
     .map_err(|e| WorkerError::Rendezvous(format!("cannot start heartbeats: {e}")))?;
     rendezvous(&store, &env, timeout)?;
-    let data = load_data(&store, &env, &spec)?;
+    let data = load_data(&store, &env, &spec, &job)?;
     let hooks = Hooks {
         stop: &STOP_REQUESTED,
         fault,
@@ -132,7 +133,7 @@ pub fn run() -> Result<bool, WorkerError> {
         &env,
         &spec,
         &job,
-        &data,
+        data.as_ref(),
         comm.as_ref(),
         &device,
         hooks,
@@ -275,10 +276,15 @@ fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result
 
 /// Local rank 0 reads (and if needed downloads) the data; the other local ranks wait for it on
 /// the store, then read the same files.
-fn load_data(store: &StoreClient, env: &WorkerEnv, spec: &JobSpec) -> Result<Dataset, WorkerError> {
+fn load_data(
+    store: &StoreClient,
+    env: &WorkerEnv,
+    spec: &JobSpec,
+    job: &JobDir,
+) -> Result<Box<dyn Task>, WorkerError> {
     let key = data_key(env.node_rank);
     if env.local_rank == 0 {
-        let loaded = Dataset::load(&spec.data, spec.seed);
+        let loaded = task::load(spec, Some(job));
         let note = match &loaded {
             Ok(_) => "ok".to_string(),
             Err(e) => format!("error: {e}"),
@@ -293,7 +299,7 @@ fn load_data(store: &StoreClient, env: &WorkerEnv, spec: &JobSpec) -> Result<Dat
             String::from_utf8_lossy(&note)
         )));
     }
-    Ok(Dataset::load(&spec.data, spec.seed)?)
+    Ok(task::load(spec, Some(job))?)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -301,7 +307,7 @@ fn train(
     env: &WorkerEnv,
     spec: &JobSpec,
     job: &JobDir,
-    data: &Dataset,
+    data: &dyn Task,
     comm: &dyn Communicator,
     device: &Device,
     hooks: Hooks,
@@ -310,13 +316,12 @@ fn train(
     let device = device.clone();
     let model = models::build(
         &spec.model,
-        data.train.shape,
-        data.classes,
+        data.input(),
         spec.seed,
         &device,
+        spec.train.precision,
     )
     .map_err(WorkerError::Model)?;
-    let model = models::with_precision(model, spec.train.precision);
     let resume = match &env.resume_from {
         Some(dir) => Some(checkpoint::load(dir, &device)?),
         None => None,
@@ -336,7 +341,7 @@ fn train(
             cause,
         })?;
     reporter.line(&format!(
-        "job `{}` rank {}/{} (node {}, local rank {}{}) on {}{}: {} parameters, {} train / {} test samples",
+        "job `{}` rank {}/{} (node {}, local rank {}{}) on {}{}: {} parameters, {} train / {} evaluation samples",
         spec.name,
         env.rank,
         env.world_size,
@@ -352,8 +357,8 @@ fn train(
             crate::config::Precision::Bf16 => " in bf16 autocast",
         },
         model.params().element_count(),
-        data.train.len(),
-        data.test.len()
+        data.train_len(),
+        data.eval_len()
     ));
     let mut trainer = Trainer {
         spec,

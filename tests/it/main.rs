@@ -9,6 +9,7 @@ mod devices;
 mod distributed;
 mod download;
 mod hangs;
+mod language;
 mod resume;
 mod run;
 mod shell;

@@ -1,0 +1,114 @@
+//! `ddpjob sample NAME`: text from a trained gpt job, streamed to stdout as it is generated.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::anyhow;
+use clap::Args;
+
+use super::CliResult;
+use crate::generate::{Generator, SampleError, Sampling};
+use crate::jobdir::JobDir;
+
+#[derive(Debug, Args)]
+pub(super) struct SampleArgs {
+    /// The job's name (its directory under --jobs-dir).
+    name: String,
+    /// Which weights: best, latest, step-N (default: the final weights, else the newest
+    /// checkpoint).
+    #[arg(long, value_name = "WHICH")]
+    checkpoint: Option<String>,
+    /// Text to continue (default: a newline, as nanoGPT's sample.py).
+    #[arg(long, default_value = "")]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 500)]
+    tokens: usize,
+    /// Softmax temperature; 0 always takes the most likely token.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Sample among the K most likely tokens only (0: all).
+    #[arg(long, default_value_t = 200, value_name = "K")]
+    top_k: usize,
+    /// Seed of the sampling; the same seed gives the same text.
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// Print one JSON object (prompt, text, tokens, tokens_per_s, weights) instead of
+    /// streaming the text.
+    #[arg(long)]
+    json: bool,
+    /// Where jobs live.
+    #[arg(long, default_value = "jobs")]
+    jobs_dir: PathBuf,
+}
+
+pub(super) fn sample(args: &SampleArgs) -> CliResult {
+    let root = args.jobs_dir.join(&args.name);
+    if !root.join("job.toml").is_file() {
+        return Err((
+            2,
+            anyhow!(
+                "no job `{}` in `{}`; `ddpjob list --jobs-dir {}` shows the jobs there",
+                args.name,
+                args.jobs_dir.display(),
+                args.jobs_dir.display()
+            ),
+        ));
+    }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        return Err((
+            2,
+            anyhow!("--temperature must be 0 or more, got {}", args.temperature),
+        ));
+    }
+    let job = JobDir { root };
+    let exit = |e: SampleError| {
+        let code = match e {
+            SampleError::Usage(_) | SampleError::Config(_) => 2,
+            SampleError::Data(crate::data::DataError::Mismatch(_)) => 2,
+            _ => 1,
+        };
+        (code, anyhow!(e))
+    };
+    let generator = Generator::load(&job, args.checkpoint.as_deref()).map_err(exit)?;
+    let how = Sampling {
+        temperature: args.temperature,
+        top_k: (args.top_k > 0).then_some(args.top_k),
+        seed: args.seed,
+    };
+    let started = Instant::now();
+    let mut stdout = std::io::stdout().lock();
+    let mut text = String::new();
+    if !args.json {
+        let _ = write!(stdout, "{}", args.prompt);
+    }
+    let ids = generator
+        .generate(&args.prompt, args.tokens, how, |piece| {
+            if args.json {
+                text.push_str(piece);
+            } else {
+                let _ = write!(stdout, "{piece}");
+                let _ = stdout.flush();
+            }
+        })
+        .map_err(exit)?;
+    let secs = started.elapsed().as_secs_f64();
+    if args.json {
+        let line = serde_json::json!({
+            "prompt": args.prompt, "text": text, "tokens": ids.len(),
+            "tokens_per_s": (ids.len() as f64 / secs.max(1e-9)).round(),
+            "weights": generator.weights.display().to_string(), "seed": args.seed,
+        });
+        let _ = writeln!(stdout, "{line}");
+    } else {
+        let _ = writeln!(stdout);
+        eprintln!(
+            "{} tokens in {secs:.2} s ({:.0} tokens/s) from {}",
+            ids.len(),
+            ids.len() as f64 / secs.max(1e-9),
+            generator.weights.display()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,362 @@
+//! Language-model data: a token sequence per split, cut into windows of `block_size + 1` tokens
+//! (inputs, and the same shifted by one as targets). `text` data is a UTF-8 file tokenised at
+//! load time; `tokens` data is pre-tokenised files (flat little-endian u16 or u32, as nanoGPT's
+//! and llm.c's `.bin` files) that are memory-mapped, never read whole.
+//!
+//! How an epoch is laid out: the training split is cut into non-overlapping windows that start
+//! every `block_size` tokens from a phase drawn from (seed, epoch) in `0..block_size`; the
+//! DistributedSampler shuffles and deals out these windows. An epoch is thus a real pass over
+//! the corpus (every token is a target once, but for at most one window's worth at the ends),
+//! and different epochs cut the text at different places. Validation windows start at 0, every
+//! `block_size` tokens, as `gpt_ref.py` and nanoGPT's full-split evaluation take them.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use memmap2::Mmap;
+
+use super::DataError;
+use super::download::download;
+use super::vocab::{Vocab, read_text};
+use crate::config::{DataSpec, DatasetKind, JobSpec, ModelSpec, TextSpec, TokenDtype};
+use crate::jobdir::JobDir;
+use crate::task::{BatchSource, ModelInput, Task};
+
+/// One split's tokens: in memory (text data) or mapped from a file (tokens data).
+pub enum Tokens {
+    Owned(Vec<u32>),
+    Mapped {
+        map: Mmap,
+        dtype: TokenDtype,
+        path: PathBuf,
+    },
+}
+
+impl Tokens {
+    /// Maps `path`, checking only its length: tokens are range-checked as windows are read.
+    pub fn map(path: &Path, dtype: TokenDtype) -> Result<Tokens, DataError> {
+        let file = std::fs::File::open(path).map_err(|cause| DataError::Io {
+            path: path.into(),
+            cause,
+        })?;
+        // SAFETY: the file is opened read-only and ddpjob never writes it; like every reader of
+        // memory-mapped data, a training run assumes nobody truncates it while it trains.
+        let map = unsafe { Mmap::map(&file) }.map_err(|cause| DataError::Io {
+            path: path.into(),
+            cause,
+        })?;
+        if map.len() % dtype.bytes() != 0 {
+            return Err(DataError::Corrupt {
+                path: path.into(),
+                problem: format!(
+                    "its length, {} bytes, is not a multiple of {} (data.token_dtype = \"{}\"); \
+                     is it a token file, and of that dtype?",
+                    map.len(),
+                    dtype.bytes(),
+                    if dtype == TokenDtype::U16 {
+                        "u16"
+                    } else {
+                        "u32"
+                    }
+                ),
+            });
+        }
+        let path = path.to_path_buf();
+        Ok(Tokens::Mapped { map, dtype, path })
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::Owned(v) => v.len(),
+            Tokens::Mapped { map, dtype, .. } => map.len() / dtype.bytes(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends tokens `start..start + len` to `out`, each checked against `vocab`.
+    fn read(
+        &self,
+        start: usize,
+        len: usize,
+        vocab: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(), DataError> {
+        let from = out.len();
+        match self {
+            Tokens::Owned(v) => out.extend_from_slice(&v[start..start + len]),
+            Tokens::Mapped { map, dtype, .. } => {
+                let b = dtype.bytes();
+                let bytes = &map[start * b..(start + len) * b];
+                match dtype {
+                    TokenDtype::U16 => out.extend(
+                        bytes
+                            .chunks_exact(2)
+                            .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]]))),
+                    ),
+                    TokenDtype::U32 => out.extend(
+                        bytes
+                            .chunks_exact(4)
+                            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                    ),
+                }
+            }
+        }
+        if let Some(bad) = out[from..].iter().position(|&t| t as usize >= vocab) {
+            let index = start + bad;
+            let (path, bytes) = match self {
+                Tokens::Mapped { path, dtype, .. } => (path.clone(), dtype.bytes()),
+                Tokens::Owned(_) => (PathBuf::from("(text)"), 4),
+            };
+            return Err(DataError::Corrupt {
+                path,
+                problem: format!(
+                    "token {} at byte offset {} (token {index}) is outside the vocabulary of \
+                     model.vocab_size = {vocab}; set model.vocab_size to the tokenizer's size",
+                    out[from + bad],
+                    index * bytes
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Training windows of a split of `n` tokens: every `block` tokens from a phase, each needing
+/// `block + 1` tokens; one window if only one fits.
+fn train_windows(n: usize, block: usize) -> usize {
+    if n < block + 1 {
+        0
+    } else {
+        ((n - block) / block).max(1)
+    }
+}
+
+/// A language-modelling task over two token splits.
+pub struct TextTask {
+    train: Tokens,
+    val: Tokens,
+    block: usize,
+    vocab_size: usize,
+    seed: u64,
+    /// Text data's vocabulary (None for pre-tokenised data).
+    pub vocab: Option<Vocab>,
+}
+
+impl TextTask {
+    /// Loads the splits of a gpt job; `job`'s stored vocabulary is used when there is one.
+    pub fn load(spec: &JobSpec, job: Option<&JobDir>) -> Result<TextTask, DataError> {
+        let ModelSpec::Gpt(gpt) = &spec.model else {
+            return Err(DataError::Mismatch(
+                "text and tokens data need model.arch = \"gpt\"".into(),
+            ));
+        };
+        let (train, val, vocab, vocab_size) = match &spec.data.dataset {
+            DatasetKind::Text(t) => {
+                let stored = job.map(|j| Vocab::path_in(&j.root)).filter(|p| p.is_file());
+                let (ids, vocab) = encode_file(t, stored.as_deref())?;
+                let size = vocab.size();
+                if let Some(v) = gpt.vocab_size.filter(|&v| v < size) {
+                    return Err(DataError::Mismatch(format!(
+                        "model.vocab_size = {v} is smaller than the vocabulary of `{}` ({size} \
+                         symbols); leave it out for text data, or make it at least {size}",
+                        t.path.display()
+                    )));
+                }
+                let split = ((ids.len() as f64) * (1.0 - t.val_fraction)) as usize;
+                let val = ids[split..].to_vec();
+                let mut train = ids;
+                train.truncate(split);
+                let size = gpt.vocab_size.unwrap_or(size);
+                (Tokens::Owned(train), Tokens::Owned(val), Some(vocab), size)
+            }
+            DatasetKind::Tokens(t) => {
+                let size = gpt.vocab_size.unwrap_or(0);
+                let train = Tokens::map(&t.train_path, t.dtype)?;
+                let val = Tokens::map(&t.val_path, t.dtype)?;
+                (train, val, None, size)
+            }
+            _ => {
+                return Err(DataError::Mismatch(
+                    "model.arch = \"gpt\" needs data.dataset = \"text\" or \"tokens\"".into(),
+                ));
+            }
+        };
+        let task = TextTask {
+            train,
+            val,
+            block: gpt.block_size,
+            vocab_size,
+            seed: spec.seed,
+            vocab,
+        };
+        task.check_lengths(&spec.data)?;
+        Ok(task)
+    }
+
+    fn check_lengths(&self, data: &DataSpec) -> Result<(), DataError> {
+        let need = self.block + 1;
+        let names = match &data.dataset {
+            DatasetKind::Tokens(t) => [t.train_path.clone(), t.val_path.clone()],
+            DatasetKind::Text(t) => {
+                let p = &t.path;
+                [p.clone(), p.clone()]
+            }
+            _ => return Ok(()),
+        };
+        for (split, tokens, path) in [
+            ("training", &self.train, &names[0]),
+            ("validation", &self.val, &names[1]),
+        ] {
+            if tokens.len() < need {
+                return Err(DataError::Corrupt {
+                    path: path.clone(),
+                    problem: format!(
+                        "its {split} split has {} tokens, fewer than one window of \
+                         model.block_size + 1 = {need}; use more text or a smaller block_size",
+                        tokens.len()
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Where epoch `epoch`'s training windows start (see the module doc).
+    fn phase(&self, epoch: usize) -> usize {
+        let n = self.train.len();
+        let windows = train_windows(n, self.block);
+        let slack = n - 1 - windows * self.block;
+        let phases = slack.min(self.block - 1) + 1;
+        (crate::task::sample_seed(self.seed ^ 0x7068_6173_65, epoch, usize::MAX) % phases as u64)
+            as usize
+    }
+
+    /// Inputs and targets [n, block] (u32) for windows starting at `starts` of `tokens`.
+    fn windows(
+        &self,
+        tokens: &Tokens,
+        starts: impl Iterator<Item = usize>,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor), DataError> {
+        let b = self.block;
+        let (mut xs, mut ys, mut buf) = (Vec::new(), Vec::new(), Vec::with_capacity(b + 1));
+        let mut n = 0;
+        for start in starts {
+            buf.clear();
+            tokens.read(start, b + 1, self.vocab_size, &mut buf)?;
+            xs.extend_from_slice(&buf[..b]);
+            ys.extend_from_slice(&buf[1..]);
+            n += 1;
+        }
+        Ok((
+            Tensor::from_vec(xs, (n, b), device)?,
+            Tensor::from_vec(ys, (n, b), device)?,
+        ))
+    }
+}
+
+impl Task for TextTask {
+    fn train_len(&self) -> usize {
+        train_windows(self.train.len(), self.block)
+    }
+
+    fn eval_len(&self) -> usize {
+        (self.val.len() - 1) / self.block
+    }
+
+    fn targets_per_sample(&self) -> usize {
+        self.block
+    }
+
+    fn input(&self) -> ModelInput {
+        ModelInput::Tokens {
+            vocab_size: self.vocab_size,
+            block_size: self.block,
+        }
+    }
+
+    fn batches<'a>(&'a self, device: &Device) -> Result<Box<dyn BatchSource + 'a>, DataError> {
+        Ok(Box::new(TextBatches {
+            task: self,
+            device: device.clone(),
+        }))
+    }
+}
+
+struct TextBatches<'a> {
+    task: &'a TextTask,
+    device: Device,
+}
+
+impl BatchSource for TextBatches<'_> {
+    fn train(&self, epoch: usize, indices: &[usize]) -> Result<(Tensor, Tensor), DataError> {
+        let (t, phase) = (self.task, self.task.phase(epoch));
+        let starts = indices.iter().map(|&i| phase + i * t.block);
+        t.windows(&t.train, starts, &self.device)
+    }
+
+    fn eval(&self, indices: &[usize]) -> Result<(Tensor, Tensor), DataError> {
+        let t = self.task;
+        let starts = indices.iter().map(|&i| i * t.block);
+        t.windows(&t.val, starts, &self.device)
+    }
+}
+
+/// Reads and encodes a text file with the stored vocabulary (resume, sample) or a new one.
+fn encode_file(t: &TextSpec, stored: Option<&Path>) -> Result<(Vec<u32>, Vocab), DataError> {
+    let built_fresh = stored.is_none();
+    let vocab_of = |text: &str| match stored {
+        Some(path) => Vocab::load(path),
+        None => Ok(Vocab::build(t.tokenizer, text)),
+    };
+    if t.tokenizer == crate::config::TokenizerKind::Byte {
+        let bytes = std::fs::read(&t.path).map_err(|cause| DataError::Io {
+            path: t.path.clone(),
+            cause,
+        })?;
+        return Ok((bytes.into_iter().map(u32::from).collect(), vocab_of("")?));
+    }
+    let text = read_text(&t.path)?;
+    let vocab = vocab_of(&text)?;
+    let what = format!("`{}`", t.path.display());
+    let ids = vocab.encode(&text, &what).map_err(|e| match built_fresh {
+        true => e,
+        false => DataError::Mismatch(format!(
+            "{e}. The text changed since the job started: its vocabulary (vocab.json in the job \
+             directory) no longer covers it; restore the original file or start a new job"
+        )),
+    })?;
+    Ok((ids, vocab))
+}
+
+/// Makes sure a `text` file is on disk (downloading it into place if allowed; SHA-256 checked
+/// when `data.checksums` names it). Nothing to do for `tokens` data, which is never downloaded.
+pub fn ensure_present(spec: &DataSpec) -> Result<(), DataError> {
+    let DatasetKind::Text(t) = &spec.dataset else {
+        return Ok(());
+    };
+    if t.path.is_file() {
+        return Ok(());
+    }
+    let file = t
+        .path
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if !spec.download || spec.mirrors.is_empty() {
+        return Err(DataError::Mismatch(format!(
+            "data.path `{}` does not exist; put the text there, or set data.download = true and \
+             data.mirrors to where `{file}` can be fetched (with its SHA-256 in data.checksums)",
+            t.path.display()
+        )));
+    }
+    let digest = spec.checksums.get(&file).map(String::as_str);
+    download(&spec.mirrors, &file, digest, &t.path)
+}
+
+#[cfg(test)]
+#[path = "text_tests.rs"]
+mod tests;

@@ -1,0 +1,141 @@
+use std::path::Path;
+
+use super::*;
+use crate::config;
+
+fn spec_for(dir: &Path, data: &str, block: usize) -> JobSpec {
+    let text = format!(
+        "seed = 3\n[model]\narch = \"gpt\"\nblock_size = {block}\nn_layer = 1\nn_head = 1\n\
+         n_embd = 4\n{}[data]\n{data}\n",
+        if data.contains("tokens") {
+            "vocab_size = 100\n"
+        } else {
+            ""
+        }
+    );
+    let path = dir.join("job.toml");
+    std::fs::write(&path, &text).unwrap();
+    config::load(&path, &[]).unwrap().spec
+}
+
+fn ids(t: &Tensor) -> Vec<Vec<u32>> {
+    t.to_vec2::<u32>().unwrap()
+}
+
+#[test]
+fn windows_are_inputs_and_targets_shifted_by_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let text: String = (0..100)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    std::fs::write(dir.path().join("in.txt"), &text).unwrap();
+    let data = format!(
+        "dataset = \"text\"\npath = \"{}\"\nval_fraction = 0.2\n",
+        dir.path().join("in.txt").display()
+    );
+    let task = TextTask::load(&spec_for(dir.path(), &data, 8), None).unwrap();
+    // 80 training tokens: (80 - 8) / 8 = 9 windows; 20 validation tokens: 19 / 8 = 2 windows.
+    assert_eq!((task.train_len(), task.eval_len()), (9, 2));
+    assert_eq!(task.vocab.as_ref().unwrap().size(), 26);
+    let batches = task.batches(&Device::Cpu).unwrap();
+    let (x, y) = batches.eval(&[1]).unwrap();
+    // Validation starts at token 80 ('c'): window 1 is tokens 88..97.
+    let want: Vec<u32> = (88..96).map(|i| (i % 26) as u32).collect();
+    assert_eq!(ids(&x)[0], want);
+    assert_eq!(
+        ids(&y)[0],
+        (89..97).map(|i| (i % 26) as u32).collect::<Vec<_>>()
+    );
+    // An epoch's windows are every 8 tokens from its phase; phases vary over epochs.
+    let phases: Vec<usize> = (0..20).map(|e| task.phase(e)).collect();
+    assert!(phases.iter().all(|&p| p < 8));
+    assert!(phases.iter().any(|&p| p != phases[0]), "{phases:?}");
+    let (x, _) = batches.train(5, &[0, 8]).unwrap();
+    let p = task.phase(5) as u32;
+    assert_eq!(ids(&x)[0][0], p % 26);
+    assert_eq!(ids(&x)[1][0], (p + 64) % 26);
+    assert_eq!(x.dims(), &[2, 8]);
+}
+
+#[test]
+fn mapped_tokens_are_read_in_place_and_range_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, tokens: &[u16]| {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        std::fs::write(dir.path().join(name), bytes).unwrap();
+    };
+    write("train.bin", &(0..50).collect::<Vec<u16>>());
+    let mut val: Vec<u16> = (0..20).collect();
+    val[13] = 100;
+    write("val.bin", &val);
+    let data = format!(
+        "dataset = \"tokens\"\ntrain_path = \"{0}/train.bin\"\nval_path = \"{0}/val.bin\"\n",
+        dir.path().display()
+    );
+    let task = TextTask::load(&spec_for(dir.path(), &data, 4), None).unwrap();
+    assert!(matches!(task.train, Tokens::Mapped { .. }));
+    assert_eq!(task.train_len(), 11);
+    let batches = task.batches(&Device::Cpu).unwrap();
+    let (x, y) = batches.eval(&[0]).unwrap();
+    assert_eq!(ids(&x)[0], vec![0, 1, 2, 3]);
+    assert_eq!(ids(&y)[0], vec![1, 2, 3, 4]);
+    let err = batches.eval(&[3]).unwrap_err().to_string();
+    assert!(
+        err.contains("val.bin")
+            && err.contains("token 100 at byte offset 26")
+            && err.contains("model.vocab_size = 100"),
+        "{err}"
+    );
+}
+
+#[test]
+fn odd_lengths_and_short_files_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("train.bin"), [0u8; 7]).unwrap();
+    std::fs::write(dir.path().join("val.bin"), [0u8; 8]).unwrap();
+    let data = format!(
+        "dataset = \"tokens\"\ntrain_path = \"{0}/train.bin\"\nval_path = \"{0}/val.bin\"\n",
+        dir.path().display()
+    );
+    let err = TextTask::load(&spec_for(dir.path(), &data, 4), None)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("train.bin") && err.contains("7 bytes"),
+        "{err}"
+    );
+
+    std::fs::write(dir.path().join("short.txt"), "abcdefgh").unwrap();
+    let data = format!(
+        "dataset = \"text\"\npath = \"{}/short.txt\"\n",
+        dir.path().display()
+    );
+    let err = TextTask::load(&spec_for(dir.path(), &data, 16), None)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("short.txt") && err.contains("fewer than one window"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_stored_vocabulary_that_no_longer_covers_the_text_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("in.txt");
+    std::fs::write(&path, "abcabcabcabcabcabcabcabcabcabcabcabcabcabc").unwrap();
+    let job = JobDir {
+        root: dir.path().join("job"),
+    };
+    std::fs::create_dir_all(&job.root).unwrap();
+    let vocab = Vocab::build(crate::config::TokenizerKind::Char, "ab");
+    std::fs::write(Vocab::path_in(&job.root), vocab.to_json()).unwrap();
+    let data = format!("dataset = \"text\"\npath = \"{}\"\n", path.display());
+    let err = TextTask::load(&spec_for(dir.path(), &data, 2), Some(&job))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("'c'") && err.contains("vocab.json"), "{err}");
+}

@@ -1,0 +1,290 @@
+//! Text generation from a trained gpt job (`ddpjob sample`): loads the job's weights and
+//! vocabulary, then samples token by token with a KV cache, so a token costs the same however
+//! long the prompt. Sampling is deterministic for a seed (our own Mersenne Twister).
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use thiserror::Error;
+
+use crate::config::{self, ModelSpec};
+use crate::data::DataError;
+use crate::data::vocab::Vocab;
+use crate::jobdir::JobDir;
+use crate::models::{Gpt, GptConfig, KvCache, Model};
+use crate::rng::Mt19937;
+
+#[derive(Debug, Error)]
+pub enum SampleError {
+    /// Something the user asked for that cannot be done (exit 2).
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error("cannot use the weights in `{}`: {cause}", path.display())]
+    Weights {
+        path: PathBuf,
+        cause: candle_core::Error,
+    },
+    #[error(transparent)]
+    Tensor(#[from] candle_core::Error),
+}
+
+/// How to sample.
+#[derive(Debug, Clone, Copy)]
+pub struct Sampling {
+    /// Softmax temperature; 0 picks the most likely token every time.
+    pub temperature: f64,
+    /// Keep only the k most likely tokens (None: all).
+    pub top_k: Option<usize>,
+    pub seed: u64,
+}
+
+/// A trained gpt and its vocabulary, ready to generate.
+pub struct Generator {
+    model: Gpt,
+    vocab: Vocab,
+    /// Where the weights came from, for messages.
+    pub weights: PathBuf,
+}
+
+impl Generator {
+    /// Loads job `job`'s weights: `checkpoint` is `best`, `latest` (the newest checkpoint),
+    /// `step-N`, or `None` for the final weights (the newest checkpoint if the job is not
+    /// finished).
+    pub fn load(job: &JobDir, checkpoint: Option<&str>) -> Result<Generator, SampleError> {
+        let spec = config::load(&job.job_toml(), &[])?.spec;
+        let ModelSpec::Gpt(g) = &spec.model else {
+            return Err(SampleError::Usage(format!(
+                "job `{}` trains a {} model; `sample` generates text from model.arch = \"gpt\" jobs",
+                job.name(),
+                spec.model.arch()
+            )));
+        };
+        let vocab_path = Vocab::path_in(&job.root);
+        if !vocab_path.is_file() {
+            return Err(SampleError::Usage(format!(
+                "job `{}` has no vocabulary (`{}`): it trained on pre-tokenised ids, which \
+                 `sample` cannot turn into text",
+                job.name(),
+                vocab_path.display()
+            )));
+        }
+        let vocab = Vocab::load(&vocab_path)?;
+        let weights = weights_path(job, checkpoint)?;
+        let config = GptConfig {
+            vocab_size: g.vocab_size.unwrap_or(vocab.size()),
+            block_size: g.block_size,
+            n_layer: g.n_layer,
+            n_head: g.n_head,
+            n_embd: g.n_embd,
+            dropout: 0.0,
+            bias: g.bias,
+        };
+        let device = Device::Cpu;
+        let model = Gpt::new(&config, 0, &device, DType::F32)?;
+        let fail = |cause| SampleError::Weights {
+            path: weights.clone(),
+            cause,
+        };
+        let saved = candle_core::safetensors::load(&weights, &device).map_err(fail)?;
+        for (name, var) in model.params().iter() {
+            let t = saved.get(name).ok_or_else(|| {
+                fail(candle_core::Error::Msg(format!(
+                    "no tensor `{name}`; the file does not belong to this job's model"
+                )))
+            })?;
+            var.set(&t.to_dtype(DType::F32)?).map_err(fail)?;
+        }
+        Ok(Generator {
+            model,
+            vocab,
+            weights,
+        })
+    }
+
+    pub fn vocab(&self) -> &Vocab {
+        &self.vocab
+    }
+
+    /// Generates `tokens` tokens after `prompt`, calling `emit` with each one's text as it
+    /// comes; returns the generated ids.
+    pub fn generate(
+        &self,
+        prompt: &str,
+        tokens: usize,
+        how: Sampling,
+        mut emit: impl FnMut(&str),
+    ) -> Result<Vec<u32>, SampleError> {
+        let mut context = if prompt.is_empty() {
+            // nanoGPT's sample.py starts from a newline; else the first symbol.
+            self.vocab.encode("\n", "").unwrap_or_else(|_| vec![0])
+        } else {
+            self.vocab.encode(prompt, "the prompt")?
+        };
+        let block = self.model.config().block_size;
+        if context.len() > block {
+            context.drain(..context.len() - block);
+        }
+        let mut rng = Mt19937::new(how.seed);
+        let mut cache = KvCache::default();
+        let mut logits = self.model.forward_cached(&context, &mut cache)?;
+        let mut out = Vec::with_capacity(tokens);
+        let mut pending = Vec::new();
+        for _ in 0..tokens {
+            let next = pick(&logits, how, &mut rng)?;
+            out.push(next);
+            context.push(next);
+            pending.push(next);
+            let text = self.vocab.decode(&pending);
+            // A byte vocabulary may need more bytes to finish a character.
+            if !text.ends_with('\u{FFFD}') || pending.len() >= 4 {
+                emit(&text);
+                pending.clear();
+            }
+            if cache.len() >= block {
+                // The context window is full: keep its newer half and go on from there, so
+                // the cost stays bounded by the window, not the text so far.
+                let keep = (block / 2).max(1);
+                cache.clear();
+                logits = self
+                    .model
+                    .forward_cached(&context[context.len() - keep..], &mut cache)?;
+            } else {
+                logits = self.model.forward_cached(&[next], &mut cache)?;
+            }
+        }
+        if !pending.is_empty() {
+            emit(&self.vocab.decode(&pending));
+        }
+        Ok(out)
+    }
+}
+
+/// The file holding the weights `checkpoint` names.
+fn weights_path(job: &JobDir, checkpoint: Option<&str>) -> Result<PathBuf, SampleError> {
+    let dir = job.checkpoints_dir();
+    let latest = || -> Option<PathBuf> {
+        let name = std::fs::read_to_string(dir.join("latest")).ok()?;
+        Some(dir.join(name.trim()).join("model.safetensors"))
+    };
+    let path = match checkpoint {
+        None => Some(job.model_path())
+            .filter(|p| p.is_file())
+            .or_else(latest),
+        Some("latest") => latest(),
+        Some(name) if name == "best" || name.starts_with("step-") => {
+            let name = match name.strip_prefix("step-").map(str::parse::<usize>) {
+                Some(Ok(step)) => crate::checkpoint::step_dir_name(step),
+                _ => name.to_string(),
+            };
+            Some(dir.join(name).join("model.safetensors"))
+        }
+        Some(other) => {
+            return Err(SampleError::Usage(format!(
+                "--checkpoint {other}: expected best, latest or step-N"
+            )));
+        }
+    };
+    match path.filter(|p| p.is_file()) {
+        Some(p) => Ok(p),
+        None => Err(SampleError::Usage(format!(
+            "job `{}` has no weights {}in `{}`; train it first (`ddpjob run`), or pick another \
+             with --checkpoint ({})",
+            job.name(),
+            checkpoint.map_or(String::new(), |c| format!("for --checkpoint {c} ")),
+            job.root.display(),
+            available(&dir)
+        ))),
+    }
+}
+
+/// The checkpoints there are, for messages.
+fn available(dir: &Path) -> String {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n == "best" || n.starts_with("step-"))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    if names.is_empty() {
+        "there are no checkpoints".into()
+    } else {
+        format!("there are: {}", names.join(", "))
+    }
+}
+
+/// Draws the next token from `logits` [vocab].
+fn pick(logits: &Tensor, how: Sampling, rng: &mut Mt19937) -> Result<u32, SampleError> {
+    let logits: Vec<f32> = logits.to_dtype(DType::F32)?.to_vec1()?;
+    let argmax = || {
+        logits
+            .iter()
+            .enumerate()
+            .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
+                if v > best.1 { (i, v) } else { best }
+            })
+            .0 as u32
+    };
+    if how.temperature <= 0.0 {
+        return Ok(argmax());
+    }
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    order.truncate(how.top_k.unwrap_or(order.len()).max(1));
+    let top = logits[order[0]] as f64;
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i] as f64 - top) / how.temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut r = rng.next_f32() as f64 * total;
+    for (&i, w) in order.iter().zip(&weights) {
+        if r < *w {
+            return Ok(i as u32);
+        }
+        r -= w;
+    }
+    Ok(order[order.len() - 1] as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picking_follows_temperature_and_top_k() {
+        let logits = Tensor::new(&[0.0f32, 3.0, 1.0, 2.9], &Device::Cpu).unwrap();
+        let mut rng = Mt19937::new(1);
+        let greedy = Sampling {
+            temperature: 0.0,
+            top_k: None,
+            seed: 1,
+        };
+        assert_eq!(pick(&logits, greedy, &mut rng).unwrap(), 1);
+        let top2 = Sampling {
+            temperature: 1.0,
+            top_k: Some(2),
+            seed: 1,
+        };
+        let draws: Vec<u32> = (0..200)
+            .map(|_| pick(&logits, top2, &mut rng).unwrap())
+            .collect();
+        assert!(draws.iter().all(|&d| d == 1 || d == 3));
+        assert!(draws.contains(&1) && draws.contains(&3));
+        let mut a = Mt19937::new(7);
+        let mut b = Mt19937::new(7);
+        for _ in 0..20 {
+            assert_eq!(
+                pick(&logits, top2, &mut a).unwrap(),
+                pick(&logits, top2, &mut b).unwrap()
+            );
+        }
+    }
+}

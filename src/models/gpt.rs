@@ -1,0 +1,392 @@
+//! `gpt`: a GPT-2-style decoder as nanoGPT's `model.py` builds it (pre-LayerNorm blocks,
+//! causal self-attention, exact-GELU MLP, learned positions, output tied to the token
+//! embedding), with nanoGPT's parameter names so a `model.safetensors` loads into nanoGPT's
+//! `GPT` as is. The language-model jobs train it; `forward_cached` generates from it.
+//!
+//! Dropout follows nanoGPT at the embedding sum and after both residual projections, but
+//! attention-probability dropout (nanoGPT's `attn_dropout`) is not applied: masks are drawn on
+//! the host so they depend only on each row's seed (see `dropout`), and an [n, heads, t, t]
+//! host mask per layer would cost more to draw and upload than the attention itself.
+
+mod attention;
+mod dropout;
+mod ops;
+#[cfg(test)]
+mod tests;
+
+use candle_core::{DType, Device, Error, Result, Tensor, Var};
+
+use super::{Mode, Model, Params};
+use crate::kernels;
+use crate::rng::Mt19937;
+use dropout::Dropout;
+
+/// nanoGPT's `GPTConfig`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptConfig {
+    pub vocab_size: usize,
+    pub block_size: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    pub dropout: f64,
+    pub bias: bool,
+}
+
+impl GptConfig {
+    fn validate(&self) -> Result<()> {
+        let fail = |why: String| Err(Error::Msg(format!("gpt config: {why}")));
+        if self.vocab_size == 0 || self.block_size == 0 || self.n_embd == 0 {
+            return fail("vocab_size, block_size and n_embd must be positive".into());
+        }
+        if self.n_head == 0 || self.n_embd % self.n_head != 0 {
+            let (c, h) = (self.n_embd, self.n_head);
+            return fail(format!("n_embd {c} is not a multiple of n_head {h}"));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return fail(format!("dropout {} is not in [0, 1)", self.dropout));
+        }
+        Ok(())
+    }
+}
+
+/// Keys and values of the positions fed so far to [`Gpt::forward_cached`], per layer, each
+/// [1, n_head, t, head_dim].
+#[derive(Default)]
+pub struct KvCache {
+    layers: Vec<(Tensor, Tensor)>,
+}
+
+impl KvCache {
+    /// Positions cached.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |(k, _)| k.dims()[2])
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn clear(&mut self) {
+        self.layers.clear();
+    }
+}
+
+pub struct Gpt {
+    config: GptConfig,
+    wte: Var,
+    wpe: Var,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    /// Zeros standing in for the bias the tied output layer does not have.
+    head_bias: Tensor,
+    /// [block, block]: 0 on and below the diagonal, -inf above (off the fused CPU path).
+    causal_mask: Tensor,
+    /// Matrices compute in this dtype (autocast-like); LayerNorm, softmax, the residual
+    /// stream and the logits stay f32.
+    compute: DType,
+    params: Params,
+}
+
+impl Gpt {
+    /// `compute`: DType::F32 or DType::BF16 (f32 master weights cast per use, f32 logits).
+    pub fn new(config: &GptConfig, seed: u64, device: &Device, compute: DType) -> Result<Self> {
+        config.validate()?;
+        if !matches!(compute, DType::F32 | DType::BF16) {
+            return Err(Error::Msg(format!(
+                "gpt computes in f32 or bf16, not {compute:?}"
+            )));
+        }
+        let (c, bias) = (config.n_embd, config.bias);
+        let std = 0.02;
+        let proj_std = 0.02 / (2.0 * config.n_layer.max(1) as f32).sqrt();
+        let mut init = GptInit::new(seed, device);
+        let wte = init.normal("transformer.wte.weight", &[config.vocab_size, c], std)?;
+        let wpe = init.normal("transformer.wpe.weight", &[config.block_size, c], std)?;
+        let mut blocks = Vec::with_capacity(config.n_layer);
+        for i in 0..config.n_layer {
+            let p = format!("transformer.h.{i}");
+            blocks.push(Block {
+                ln_1: init.layer_norm(&format!("{p}.ln_1"), c, bias)?,
+                c_attn: init.linear(&format!("{p}.attn.c_attn"), c, 3 * c, std, bias)?,
+                attn_proj: init.linear(&format!("{p}.attn.c_proj"), c, c, proj_std, bias)?,
+                ln_2: init.layer_norm(&format!("{p}.ln_2"), c, bias)?,
+                c_fc: init.linear(&format!("{p}.mlp.c_fc"), c, 4 * c, std, bias)?,
+                mlp_proj: init.linear(&format!("{p}.mlp.c_proj"), 4 * c, c, proj_std, bias)?,
+            });
+        }
+        let ln_f = init.layer_norm("transformer.ln_f", c, bias)?;
+        let mut params = Params::from_vars(init.entries);
+        for i in init.no_decay {
+            params.exempt_from_decay(i);
+        }
+        params.tie("lm_head.weight", "transformer.wte.weight");
+        let t = config.block_size;
+        let mask: Vec<f32> = (0..t * t)
+            .map(|i| {
+                if i % t > i / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        Ok(Gpt {
+            config: config.clone(),
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            head_bias: Tensor::zeros(config.vocab_size, DType::F32, device)?,
+            causal_mask: Tensor::from_vec(mask, (t, t), device)?,
+            compute,
+            params,
+        })
+    }
+
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    /// Feeds `tokens` (the prompt, then one token at a time) after the positions in `cache`
+    /// and returns the f32 logits [vocab] of the last one. No dropout. Errors when the total
+    /// would exceed `block_size`: the caller crops the context and starts a new cache.
+    pub fn forward_cached(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
+        let past = cache.len();
+        let t = tokens.len();
+        if t == 0 || past + t > self.config.block_size {
+            return Err(Error::Msg(format!(
+                "gpt: {past} cached + {t} new positions: need 1..={} in all (block_size)",
+                self.config.block_size
+            )));
+        }
+        let (c, h) = (self.config.n_embd, self.config.n_head);
+        let ids = Tensor::new(tokens, self.wte.device())?;
+        let mut x = self.embed(&ids, 1, t, past)?;
+        if !cache.layers.is_empty() && cache.layers.len() != self.blocks.len() {
+            return Err(Error::Msg("gpt: the KV cache is another model's".into()));
+        }
+        for (i, block) in self.blocks.iter().enumerate() {
+            let entry = cache.layers.get_mut(i);
+            let qkv = block.qkv(&x, 1, t, self)?;
+            let (y, k, v) = attention::with_ops(&qkv, h, entry.as_deref(), &self.causal_mask)?;
+            match entry {
+                Some(slot) => *slot = (k.detach(), v.detach()),
+                None => cache.layers.push((k.detach(), v.detach())),
+            }
+            let y = block.attn_proj.forward(&y.reshape((t, c))?, self.compute)?;
+            x = (x + y.to_dtype(DType::F32)?)?;
+            x = (&x + block.mlp(&x, self.compute)?.to_dtype(DType::F32)?)?;
+        }
+        let last = x.narrow(0, t - 1, 1)?;
+        Ok(self.head(&last)?.squeeze(0)?.detach())
+    }
+
+    /// Token plus position embeddings of `ids` ([n·t], positions from `offset`): [n·t, C].
+    fn embed(&self, ids: &Tensor, n: usize, t: usize, offset: usize) -> Result<Tensor> {
+        let c = self.config.n_embd;
+        let tokens = self.wte.as_tensor().embedding(ids)?.reshape((n, t, c))?;
+        let positions = self.wpe.as_tensor().narrow(0, offset, t)?;
+        tokens.broadcast_add(&positions)?.reshape((n * t, c))
+    }
+
+    /// Final LayerNorm, then logits x·wteᵀ in f32.
+    fn head(&self, x: &Tensor) -> Result<Tensor> {
+        let x = self.ln_f.forward(x)?;
+        let wte = self.wte.as_tensor();
+        if self.compute == DType::F32 && kernels::applies(&x) {
+            return kernels::linear(&x, wte, &self.head_bias, false);
+        }
+        let dt = self.compute;
+        x.to_dtype(dt)?
+            .matmul(&wte.to_dtype(dt)?.t()?)?
+            .to_dtype(DType::F32)
+    }
+}
+
+impl Model for Gpt {
+    /// Token ids [n, t] (t ≤ block_size) → f32 logits [n, t, vocab].
+    fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
+        let (n, t) = xs.dims2()?;
+        let c = self.config.n_embd;
+        if t == 0 || t > self.config.block_size {
+            let block = self.config.block_size;
+            return Err(Error::Msg(format!(
+                "gpt: {t} positions, block_size is {block}"
+            )));
+        }
+        let dropout = match mode {
+            Mode::Train { row_seeds } if self.config.dropout > 0.0 => {
+                if row_seeds.len() != n {
+                    let seeds = row_seeds.len();
+                    return Err(Error::Msg(format!("gpt: {seeds} row seeds for {n} rows")));
+                }
+                Dropout::new(row_seeds, self.config.dropout, t * c, xs.device())
+            }
+            _ => None,
+        };
+        let drop = |x: Tensor, site: usize| match &dropout {
+            Some(d) => d.apply(&x, site),
+            None => Ok(x),
+        };
+        let mut x = drop(self.embed(&xs.flatten_all()?, n, t, 0)?, 0)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            let y = block.attention(&x, n, t, self)?;
+            x = (&x + drop(y.to_dtype(DType::F32)?, 1 + 2 * i)?)?;
+            let y = block.mlp(&x, self.compute)?.to_dtype(DType::F32)?;
+            x = (&x + drop(y, 2 + 2 * i)?)?;
+        }
+        self.head(&x)?.reshape((n, t, self.config.vocab_size))
+    }
+
+    fn params(&self) -> &Params {
+        &self.params
+    }
+}
+
+struct Block {
+    ln_1: LayerNorm,
+    c_attn: Linear,
+    attn_proj: Linear,
+    ln_2: LayerNorm,
+    c_fc: Linear,
+    mlp_proj: Linear,
+}
+
+impl Block {
+    /// Causal self-attention of `ln_1(x)` (x: [n·t, C]), projected: [n·t, C].
+    fn attention(&self, x: &Tensor, n: usize, t: usize, gpt: &Gpt) -> Result<Tensor> {
+        let (c, h) = (gpt.config.n_embd, gpt.config.n_head);
+        let qkv = self.qkv(x, n, t, gpt)?;
+        let y = match kernels::applies(&qkv) {
+            true => attention::causal_attention(&qkv, h)?,
+            false => attention::with_ops(&qkv, h, None, &gpt.causal_mask)?.0,
+        };
+        self.attn_proj.forward(&y.reshape((n * t, c))?, gpt.compute)
+    }
+
+    /// c_attn(ln_1(x)) as [n, t, 3C].
+    fn qkv(&self, x: &Tensor, n: usize, t: usize, gpt: &Gpt) -> Result<Tensor> {
+        let qkv = self.c_attn.forward(&self.ln_1.forward(x)?, gpt.compute)?;
+        qkv.reshape((n, t, 3 * gpt.config.n_embd))
+    }
+
+    /// c_proj(gelu(c_fc(ln_2(x)))), in the compute dtype.
+    fn mlp(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
+        let hidden = self.c_fc.forward(&self.ln_2.forward(x)?, compute)?;
+        self.mlp_proj.forward(&ops::gelu(&hidden)?, compute)
+    }
+}
+
+/// `y = x·Wᵀ + b` for x [m, in], W [out, in] as torch's `nn.Linear`; without bias, `b` is a
+/// constant zero vector (so the fused CPU kernel applies either way).
+struct Linear {
+    weight: Var,
+    bias: Option<Var>,
+    zeros: Tensor,
+}
+
+impl Linear {
+    fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
+        let bias = self.bias.as_ref().map_or(&self.zeros, |b| b.as_tensor());
+        if compute == DType::F32 && kernels::applies(x) {
+            return kernels::linear(x, self.weight.as_tensor(), bias, false);
+        }
+        let y = x
+            .to_dtype(compute)?
+            .matmul(&self.weight.as_tensor().to_dtype(compute)?.t()?)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(&b.as_tensor().to_dtype(compute)?),
+            None => Ok(y),
+        }
+    }
+}
+
+/// LayerNorm (eps 1e-5) over the channels, in f32; without bias, a constant zero vector.
+struct LayerNorm {
+    weight: Var,
+    bias: Option<Var>,
+    zeros: Tensor,
+}
+
+impl LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let bias = self.bias.as_ref().map_or(&self.zeros, |b| b.as_tensor());
+        ops::layer_norm(x, self.weight.as_tensor(), bias, 1e-5)
+    }
+}
+
+/// Creates parameters in registration order, weights drawn N(0, std) from `Mt19937(seed)` as
+/// nanoGPT's `_init_weights` (biases 0, gains 1, which draw nothing), and records which ones
+/// are exempt from weight decay (fewer than 2 dimensions).
+struct GptInit<'a> {
+    rng: Mt19937,
+    device: &'a Device,
+    entries: Vec<(String, Var)>,
+    no_decay: Vec<usize>,
+}
+
+impl<'a> GptInit<'a> {
+    fn new(seed: u64, device: &'a Device) -> Self {
+        GptInit {
+            rng: Mt19937::new(seed),
+            device,
+            entries: Vec::new(),
+            no_decay: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, name: String, shape: &[usize], values: Vec<f32>) -> Result<Var> {
+        let var = Var::from_tensor(&Tensor::from_vec(values, shape, self.device)?)?;
+        if shape.len() < 2 {
+            self.no_decay.push(self.entries.len());
+        }
+        self.entries.push((name, var.clone()));
+        Ok(var)
+    }
+
+    fn normal(&mut self, name: &str, shape: &[usize], std: f32) -> Result<Var> {
+        let count = shape.iter().product();
+        let values = (0..count).map(|_| self.rng.normal() * std).collect();
+        self.push(name.to_string(), shape, values)
+    }
+
+    fn constant(&mut self, name: String, size: usize, value: f32) -> Result<Var> {
+        self.push(name, &[size], vec![value; size])
+    }
+
+    fn linear(
+        &mut self,
+        name: &str,
+        inputs: usize,
+        outputs: usize,
+        std: f32,
+        bias: bool,
+    ) -> Result<Linear> {
+        let weight = self.normal(&format!("{name}.weight"), &[outputs, inputs], std)?;
+        let bias = match bias {
+            true => Some(self.constant(format!("{name}.bias"), outputs, 0.0)?),
+            false => None,
+        };
+        let zeros = Tensor::zeros(outputs, DType::F32, self.device)?;
+        Ok(Linear {
+            weight,
+            bias,
+            zeros,
+        })
+    }
+
+    fn layer_norm(&mut self, name: &str, size: usize, bias: bool) -> Result<LayerNorm> {
+        let weight = self.constant(format!("{name}.weight"), size, 1.0)?;
+        let bias = match bias {
+            true => Some(self.constant(format!("{name}.bias"), size, 0.0)?),
+            false => None,
+        };
+        let zeros = Tensor::zeros(size, DType::F32, self.device)?;
+        Ok(LayerNorm {
+            weight,
+            bias,
+            zeros,
+        })
+    }
+}

@@ -1,0 +1,247 @@
+//! Causal self-attention over the fused projection `qkv` [n, t, 3C] as one CPU op for f32:
+//! per sequence and head, softmax(q·kᵀ·scale + causal mask)·v as GEMMs that read q, k and v in
+//! place (strided) and write each head's columns of the output, so no permute, transpose or
+//! split is copied, in the forward or the backward. The backward recomputes the [t, t]
+//! probabilities instead of keeping them. Sequences run in parallel; their outputs are
+//! disjoint rows. [`with_ops`] does the same with candle's ops, for other devices and dtypes
+//! and for generation with a KV cache.
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+use super::ops::{self, exp, values, with_values};
+
+/// Causal attention of `qkv` [n, t, 3C] (q, k, v side by side, heads of `C / heads` columns
+/// each): the attended values [n, t, C], heads side by side, before the output projection.
+pub fn causal_attention(qkv: &Tensor, heads: usize) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op1(AttentionOp { heads })
+}
+
+/// [`causal_attention`] from candle's ops, after the cached keys and values `past` (if any,
+/// [n, heads, past, hd]): the attended values [n, t, C] and the keys and values with this
+/// call's appended, [n, heads, past + t, hd]. `mask`: see `ops::causal_softmax_with_ops`.
+pub fn with_ops(
+    qkv: &Tensor,
+    heads: usize,
+    past: Option<&(Tensor, Tensor)>,
+    mask: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (n, t, c3) = qkv.dims3()?;
+    let (c, h) = (c3 / 3, heads);
+    let hd = c / h;
+    let qkv = qkv
+        .reshape((n, t, 3, h, hd))?
+        .permute((2, 0, 3, 1, 4))?
+        .contiguous()?;
+    let (q, mut k, mut v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+    let offset = match past {
+        Some((pk, pv)) => {
+            k = Tensor::cat(&[pk, &k], 2)?;
+            v = Tensor::cat(&[pv, &v], 2)?;
+            pk.dims()[2]
+        }
+        None => 0,
+    };
+    let tk = offset + t;
+    let q = q.reshape((n * h, t, hd))?;
+    let (kf, vf) = (k.reshape((n * h, tk, hd))?, v.reshape((n * h, tk, hd))?);
+    let scale = 1.0 / (hd as f64).sqrt();
+    let att = ops::causal_softmax_with_ops(&q.matmul(&kf.t()?)?, scale, offset, mask)?;
+    let y = att
+        .matmul(&vf)?
+        .reshape((n, h, t, hd))?
+        .transpose(1, 2)?
+        .reshape((n, t, c))?;
+    Ok((y, k, v))
+}
+
+struct AttentionOp {
+    heads: usize,
+}
+
+/// A strided matrix inside `data`: element (i, j) at `i · rs + j · cs`.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> View<'a> {
+    /// Rows of `cols` values `rs` apart, starting at `data[start]`.
+    fn rows(data: &'a [f32], start: usize, rows: usize, cols: usize, rs: usize) -> Self {
+        let v = View {
+            data: &data[start..],
+            rows,
+            cols,
+            rs,
+            cs: 1,
+        };
+        assert!(v.fits(v.data.len()), "attention: view out of bounds");
+        v
+    }
+
+    fn t(self) -> Self {
+        View {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    fn fits(&self, len: usize) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || (self.rows - 1) * self.rs + (self.cols - 1) * self.cs < len
+    }
+}
+
+/// `dst` (rows `rs` apart) = a·b, single-threaded (the callers run one task per sequence).
+fn matmul(dst: &mut [f32], rs: usize, a: View, b: View) {
+    assert_eq!(a.cols, b.rows, "attention: inner dimensions differ");
+    let out = View {
+        data: dst,
+        rows: a.rows,
+        cols: b.cols,
+        rs,
+        cs: 1,
+    };
+    assert!(out.fits(dst.len()), "attention: destination too small");
+    // SAFETY: `View::rows` and the assertions above keep every element gemm reads (a, b) or
+    // writes (dst: a.rows rows of b.cols values, rs apart) inside the borrowed slices; `dst`
+    // is borrowed mutably, so nothing else touches it meanwhile.
+    unsafe {
+        gemm::gemm(
+            a.rows,
+            b.cols,
+            a.cols,
+            dst.as_mut_ptr(),
+            1,
+            rs as isize,
+            false,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        )
+    }
+}
+
+/// `p` [t, t] = causal softmax(q·kᵀ·scale) of one head: rows sum to 1, zeros above the diagonal.
+fn probabilities(p: &mut [f32], q: View, k: View, scale: f32) {
+    let t = q.rows;
+    matmul(p, t, q, k.t());
+    for (i, row) in p.chunks_exact_mut(t).enumerate() {
+        let (seen, future) = row.split_at_mut(i + 1);
+        let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut sum = 0.0;
+        for v in seen.iter_mut() {
+            *v = exp((*v - max) * scale);
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        seen.iter_mut().for_each(|v| *v *= inv);
+        future.fill(0.0);
+    }
+}
+
+impl AttentionOp {
+    /// (t, C, head_dim) of `qkv` [n, t, 3C].
+    fn dims(&self, shape: &Shape) -> Result<(usize, usize, usize)> {
+        let (_, t, c3) = shape.dims3()?;
+        let c = c3 / 3;
+        if c3 % 3 != 0 || self.heads == 0 || c % self.heads != 0 {
+            bail!(
+                "attention: qkv {shape:?} does not split into 3 × {} heads",
+                self.heads
+            );
+        }
+        Ok((t, c, c / self.heads))
+    }
+
+    fn scale(hd: usize) -> f32 {
+        1.0 / (hd as f32).sqrt()
+    }
+}
+
+impl CustomOp1 for AttentionOp {
+    fn name(&self) -> &'static str {
+        "ddpjob-gpt-attention"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, _, _) = layout.shape().dims3()?;
+        let (t, c, hd) = self.dims(layout.shape())?;
+        let qkv = values(storage, layout)?;
+        let mut y = vec![0f32; n * t * c];
+        if t > 0 && c > 0 {
+            y.par_chunks_mut(t * c)
+                .zip(qkv.par_chunks(t * 3 * c))
+                .for_each(|(y, x)| {
+                    let mut p = vec![0f32; t * t];
+                    for h in 0..self.heads {
+                        let q = View::rows(x, h * hd, t, hd, 3 * c);
+                        let k = View::rows(x, c + h * hd, t, hd, 3 * c);
+                        let v = View::rows(x, 2 * c + h * hd, t, hd, 3 * c);
+                        probabilities(&mut p, q, k, Self::scale(hd));
+                        matmul(&mut y[h * hd..], c, View::rows(&p, 0, t, t, t), v);
+                    }
+                });
+        }
+        Ok((CpuStorage::F32(y), Shape::from((n, t, c))))
+    }
+
+    /// With P the probabilities and dY the gradient of one head's output: dV = Pᵀ·dY,
+    /// dP = dY·Vᵀ, dS = P ⊙ (dP - rowsum(dP ⊙ P)) · scale, dQ = dS·K, dK = dSᵀ·Q.
+    fn bwd(&self, qkv: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let (t, c, hd) = self.dims(qkv.shape())?;
+        let scale = Self::scale(hd);
+        let mut dqkv = vec![0f32; qkv.elem_count()];
+        if t > 0 && c > 0 {
+            with_values(qkv, |qkv| {
+                with_values(grad, |grad| {
+                    dqkv.par_chunks_mut(t * 3 * c)
+                        .zip(qkv.par_chunks(t * 3 * c))
+                        .zip(grad.par_chunks(t * c))
+                        .for_each(|((dx, x), dy)| {
+                            let (mut p, mut ds) = (vec![0f32; t * t], vec![0f32; t * t]);
+                            for h in 0..self.heads {
+                                let q = View::rows(x, h * hd, t, hd, 3 * c);
+                                let k = View::rows(x, c + h * hd, t, hd, 3 * c);
+                                let v = View::rows(x, 2 * c + h * hd, t, hd, 3 * c);
+                                let dyh = View::rows(dy, h * hd, t, hd, c);
+                                probabilities(&mut p, q, k, scale);
+                                let pv = View::rows(&p, 0, t, t, t);
+                                matmul(&mut dx[2 * c + h * hd..], 3 * c, pv.t(), dyh);
+                                matmul(&mut ds, t, dyh, v.t());
+                                for (ds, p) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+                                    let dot: f32 = ds.iter().zip(p).map(|(d, p)| d * p).sum();
+                                    for (d, p) in ds.iter_mut().zip(p) {
+                                        *d = p * (*d - dot) * scale;
+                                    }
+                                }
+                                let dsv = View::rows(&ds, 0, t, t, t);
+                                matmul(&mut dx[h * hd..], 3 * c, dsv, k);
+                                matmul(&mut dx[c + h * hd..], 3 * c, dsv.t(), q);
+                            }
+                        });
+                    Ok(())
+                })
+            })?;
+        }
+        Ok(Some(Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?))
+    }
+}

@@ -1,0 +1,261 @@
+//! LayerNorm, GELU and causal softmax with gradients. candle-nn 0.11's fused `layer_norm` and
+//! `softmax_last_dim` have no backward (they are applied with `apply_op*_no_bwd`), and candle's
+//! GELU backward is a dozen tensor ops. For f32 on the CPU, LayerNorm and GELU here are one op
+//! each (forward and backward one pass over the values); elsewhere (GPU, bf16) they are
+//! composed from candle's differentiable ops, which the tests check the fused ones against.
+
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp3, D, DType, Layout, Result, Shape, Storage, Tensor, bail,
+};
+use rayon::prelude::*;
+
+use crate::kernels;
+
+/// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) · gain + bias`, computed
+/// in f32 whatever the dtype of `x` (as torch's autocast does); the result is f32.
+pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if kernels::applies(x) {
+        return x
+            .contiguous()?
+            .apply_op3(gain, bias, LayerNormOp { eps: eps as f32 });
+    }
+    layer_norm_with_ops(x, gain, bias, eps)
+}
+
+/// [`layer_norm`] from candle's differentiable ops, for any device and dtype.
+pub fn layer_norm_with_ops(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = x.to_dtype(DType::F32)?;
+    let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+    let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
+    centred
+        .broadcast_div(&(var + eps)?.sqrt()?)?
+        .broadcast_mul(gain)?
+        .broadcast_add(bias)
+}
+
+/// `softmax(scale · att + causal mask)` over the last dimension of `att` [b, tq, tk], where
+/// query row i sits at position `offset + i` and sees keys 0..=offset + i, from candle's ops
+/// (the fused CPU attention has its own). Computed in f32, returned in the dtype of `att`.
+/// `mask` is the [block, block] additive mask: 0 on and below the diagonal, -inf above.
+pub fn causal_softmax_with_ops(
+    att: &Tensor,
+    scale: f64,
+    offset: usize,
+    mask: &Tensor,
+) -> Result<Tensor> {
+    let (_, tq, tk) = att.dims3()?;
+    let mask = mask.narrow(0, offset, tq)?.narrow(1, 0, tk)?;
+    let scores = (att.to_dtype(DType::F32)? * scale)?.broadcast_add(&mask)?;
+    candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(att.dtype())
+}
+
+/// Exact (erf) GELU, `x · Φ(x)`: fused on the CPU for f32, candle's `gelu_erf` elsewhere.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    if kernels::applies(x) {
+        return x.contiguous()?.apply_op1(GeluOp);
+    }
+    x.gelu_erf()
+}
+
+/// The f32 values of a contiguous CPU storage.
+pub(super) fn values<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&storage.as_slice::<f32>()?[start..end]),
+        None => bail!("gpt ops need contiguous inputs"),
+    }
+}
+
+/// Runs `f` on the f32 values of a CPU tensor (made contiguous first).
+pub(super) fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => f(values(cpu, layout)?),
+        _ => bail!("gpt ops run on the CPU only"),
+    }
+}
+
+/// Rows handed to one rayon task: below this a fork costs more than it saves.
+pub(super) const ROWS_PER_TASK: usize = 64;
+
+struct LayerNormOp {
+    eps: f32,
+}
+
+/// Mean and 1/std of one row (two passes, as torch).
+fn moments(row: &[f32], eps: f32) -> (f32, f32) {
+    let n = row.len() as f32;
+    let mean = row.iter().sum::<f32>() / n;
+    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "ddpjob-gpt-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        g: &CpuStorage,
+        g_layout: &Layout,
+        b: &CpuStorage,
+        b_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let c = x_layout.shape().dims().last().copied().unwrap_or(0);
+        if g_layout.shape().dims1()? != c || b_layout.shape().dims1()? != c || c == 0 {
+            bail!(
+                "layer_norm: input {:?}, gain {:?}",
+                x_layout.shape(),
+                g_layout.shape()
+            );
+        }
+        let (x, g, b) = (
+            values(x, x_layout)?,
+            values(g, g_layout)?,
+            values(b, b_layout)?,
+        );
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(c * ROWS_PER_TASK)
+            .zip(x.par_chunks(c * ROWS_PER_TASK))
+            .for_each(|(y, x)| {
+                for (y, x) in y.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
+                    let (mean, rstd) = moments(x, self.eps);
+                    for (((y, x), g), b) in y.iter_mut().zip(x).zip(g).zip(b) {
+                        *y = (x - mean) * rstd * g + b;
+                    }
+                }
+            });
+        Ok((CpuStorage::F32(y), x_layout.shape().clone()))
+    }
+
+    /// dx = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂)) with ĝ = grad · gain; dgain = Σ grad · x̂,
+    /// dbias = Σ grad over the rows.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gain: &Tensor,
+        _bias: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let c = gain.dim(0)?;
+        let mut dx = vec![0f32; x.elem_count()];
+        let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
+        with_values(x, |x| {
+            with_values(gain, |gain| {
+                with_values(grad, |grad| {
+                    let mut xhat = vec![0f32; c];
+                    let rows = x.chunks_exact(c).zip(grad.chunks_exact(c));
+                    for ((x, gy), dx) in rows.zip(dx.chunks_exact_mut(c)) {
+                        let (mean, rstd) = moments(x, self.eps);
+                        let (mut sum_g, mut sum_gx) = (0f32, 0f32);
+                        for i in 0..c {
+                            xhat[i] = (x[i] - mean) * rstd;
+                            let gh = gy[i] * gain[i];
+                            sum_g += gh;
+                            sum_gx += gh * xhat[i];
+                            dg[i] += gy[i] * xhat[i];
+                            db[i] += gy[i];
+                        }
+                        let (mean_g, mean_gx) = (sum_g / c as f32, sum_gx / c as f32);
+                        for i in 0..c {
+                            dx[i] = rstd * (gy[i] * gain[i] - mean_g - xhat[i] * mean_gx);
+                        }
+                    }
+                    Ok(())
+                })
+            })
+        })?;
+        let device = x.device();
+        Ok((
+            Some(Tensor::from_vec(dx, x.shape(), device)?),
+            Some(Tensor::from_vec(dg, c, device)?),
+            Some(Tensor::from_vec(db, c, device)?),
+        ))
+    }
+}
+
+struct GeluOp;
+
+/// Elements handed to one rayon task by the elementwise ops.
+const ELEMENTS_PER_TASK: usize = 1 << 14;
+
+/// Φ(x) and φ(x) = exp(-x²/2)/√(2π), sharing the one exponential.
+fn cdf_pdf(x: f32) -> (f32, f32) {
+    let e = exp(-0.5 * x * x);
+    (
+        0.5 + 0.5 * erf_with_exp(x * std::f32::consts::FRAC_1_SQRT_2, e),
+        e * 0.398_942_3,
+    )
+}
+
+impl CustomOp1 for GeluOp {
+    fn name(&self) -> &'static str {
+        "ddpjob-gpt-gelu"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = values(storage, layout)?;
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(ELEMENTS_PER_TASK)
+            .zip(x.par_chunks(ELEMENTS_PER_TASK))
+            .for_each(|(y, x)| {
+                for (y, &x) in y.iter_mut().zip(x) {
+                    *y = x * cdf_pdf(x).0;
+                }
+            });
+        Ok((CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    /// d(x·Φ(x))/dx = Φ(x) + x·φ(x).
+    fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let mut dx = vec![0f32; x.elem_count()];
+        with_values(x, |x| {
+            with_values(grad, |g| {
+                dx.par_chunks_mut(ELEMENTS_PER_TASK)
+                    .zip(x.par_chunks(ELEMENTS_PER_TASK))
+                    .zip(g.par_chunks(ELEMENTS_PER_TASK))
+                    .for_each(|((dx, x), g)| {
+                        for ((dx, &x), g) in dx.iter_mut().zip(x).zip(g) {
+                            let (cdf, pdf) = cdf_pdf(x);
+                            *dx = g * (cdf + x * pdf);
+                        }
+                    });
+                Ok(())
+            })
+        })?;
+        Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
+    }
+}
+
+/// erf(z) given e = exp(-z²): Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7), the
+/// formula torch's vectorised CPU `erf` uses. Branch-free, so loops over it vectorise.
+fn erf_with_exp(z: f32, e: f32) -> f32 {
+    let a = z.abs();
+    let t = 1.0 / (1.0 + 0.327_591_1 * a);
+    let poly = t
+        * (0.254_829_6
+            + t * (-0.284_496_74 + t * (1.421_413_8 + t * (-1.453_152 + t * 1.061_405_4))));
+    (1.0 - poly * e).copysign(z)
+}
+
+/// e^x to about 1 ulp (Cephes' `expf`: x = n·ln2 + r, a degree-6 polynomial for e^r, 2^n from
+/// the exponent bits), branch-free so loops over it vectorise, unlike libm's `expf` calls.
+/// Inputs are clamped to [-87, 88]: below, the result flushes to about 1.6e-38, not 0.
+pub(super) fn exp(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
+    let p = 1.987_569_1e-4;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 0.166_666_65;
+    let p = p * r + 0.5;
+    let er = p * r * r + r + 1.0;
+    er * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}

@@ -1,0 +1,400 @@
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+
+use super::*;
+
+fn config(bias: bool, dropout: f64) -> GptConfig {
+    GptConfig {
+        vocab_size: 11,
+        block_size: 8,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 8,
+        dropout,
+        bias,
+    }
+}
+
+fn gpt(config: &GptConfig) -> Gpt {
+    Gpt::new(config, 3, &Device::Cpu, DType::F32).unwrap()
+}
+
+fn ids(rows: &[&[u32]]) -> Tensor {
+    let t = rows[0].len();
+    let flat: Vec<u32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+    Tensor::from_vec(flat, (rows.len(), t), &Device::Cpu).unwrap()
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn names_shapes_order_count_alias_and_decay_follow_nanogpt() {
+    for bias in [true, false] {
+        let cfg = config(bias, 0.0);
+        let model = gpt(&cfg);
+        let p = model.params();
+        let got: Vec<(String, Vec<usize>)> = p
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.dims().to_vec()))
+            .collect();
+        let c = 8;
+        let mut want = vec![
+            ("transformer.wte.weight".to_string(), vec![11, c]),
+            ("transformer.wpe.weight".to_string(), vec![8, c]),
+        ];
+        for i in 0..2 {
+            let layer: [(&str, Vec<usize>, bool); 12] = [
+                ("ln_1.weight", vec![c], true),
+                ("ln_1.bias", vec![c], false),
+                ("attn.c_attn.weight", vec![3 * c, c], true),
+                ("attn.c_attn.bias", vec![3 * c], false),
+                ("attn.c_proj.weight", vec![c, c], true),
+                ("attn.c_proj.bias", vec![c], false),
+                ("ln_2.weight", vec![c], true),
+                ("ln_2.bias", vec![c], false),
+                ("mlp.c_fc.weight", vec![4 * c, c], true),
+                ("mlp.c_fc.bias", vec![4 * c], false),
+                ("mlp.c_proj.weight", vec![c, 4 * c], true),
+                ("mlp.c_proj.bias", vec![c], false),
+            ];
+            for (name, shape, always) in layer {
+                if always || bias {
+                    want.push((format!("transformer.h.{i}.{name}"), shape));
+                }
+            }
+        }
+        want.push(("transformer.ln_f.weight".to_string(), vec![c]));
+        if bias {
+            want.push(("transformer.ln_f.bias".to_string(), vec![c]));
+        }
+        assert_eq!(got, want);
+        let per_layer = 12 * c * c + if bias { 13 * c } else { 2 * c };
+        let rest = (11 + 8) * c + if bias { 2 * c } else { c };
+        assert_eq!(p.element_count(), 2 * per_layer + rest);
+        for (i, (_, v)) in p.iter().enumerate() {
+            assert_eq!(p.decays(i), v.rank() >= 2, "decay flag of parameter {i}");
+        }
+        let named = p.named_tensors();
+        assert_eq!(named.len(), p.len() + 1);
+        assert_eq!(p.named_len(), p.len() + 1);
+        let (head, wte) = (&named["lm_head.weight"], &named["transformer.wte.weight"]);
+        assert_eq!(values(head), values(wte));
+        let aliases: Vec<_> = p.aliases().collect();
+        assert_eq!(aliases, vec![("lm_head.weight", "transformer.wte.weight")]);
+        let out = model.forward(&ids(&[&[1, 2, 3], &[4, 5, 6]]), &Mode::Eval);
+        assert_eq!(out.unwrap().dims(), &[2, 3, 11]);
+    }
+}
+
+#[test]
+fn bad_configs_are_refused() {
+    let mut cfg = config(true, 0.0);
+    cfg.n_head = 3;
+    let err = Gpt::new(&cfg, 0, &Device::Cpu, DType::F32).err().unwrap();
+    assert!(err.to_string().contains("multiple of n_head"), "{err}");
+    for broken in [
+        GptConfig {
+            block_size: 0,
+            ..config(true, 0.0)
+        },
+        GptConfig {
+            vocab_size: 0,
+            ..config(true, 0.0)
+        },
+        GptConfig {
+            dropout: 1.0,
+            ..config(true, 0.0)
+        },
+    ] {
+        assert!(Gpt::new(&broken, 0, &Device::Cpu, DType::F32).is_err());
+    }
+    let model = gpt(&config(true, 0.0));
+    assert!(model.forward(&ids(&[&[0; 9]]), &Mode::Eval).is_err());
+}
+
+#[test]
+fn attention_is_causal() {
+    let model = gpt(&config(true, 0.0));
+    let a: &[u32] = &[1, 5, 2, 7, 3, 9, 0, 4];
+    let base = model.forward(&ids(&[a]), &Mode::Eval).unwrap();
+    for j in [0, 3, 7] {
+        let mut b = a.to_vec();
+        b[j] = (b[j] + 1) % 11;
+        let changed = model.forward(&ids(&[&b]), &Mode::Eval).unwrap();
+        for pos in 0..8 {
+            let before = values(&base.narrow(1, pos, 1).unwrap());
+            let after = values(&changed.narrow(1, pos, 1).unwrap());
+            let diff = max_diff(&before, &after);
+            if pos < j {
+                assert!(
+                    diff <= 1e-6,
+                    "position {pos} moved by {diff} when {j} changed"
+                );
+            } else if pos == j {
+                assert!(diff > 1e-4, "position {j} did not see its own token");
+            }
+        }
+    }
+}
+
+#[test]
+fn layer_norm_and_gelu_match_torch() {
+    // torch.nn.functional.layer_norm(torch.tensor([1., 2., 3., 4.]), (4,)) and
+    // torch.nn.functional.gelu(torch.tensor([1., -1.])) (exact erf form), torch 2.x.
+    let dev = Device::Cpu;
+    let x = Tensor::new(&[[1f32, 2., 3., 4.]], &dev).unwrap();
+    let (g, b) = (
+        Tensor::ones(4, DType::F32, &dev).unwrap(),
+        Tensor::zeros(4, DType::F32, &dev).unwrap(),
+    );
+    let want = [-1.3416f32, -0.4472, 0.4472, 1.3416];
+    assert!(max_diff(&values(&ops::layer_norm(&x, &g, &b, 1e-5).unwrap()), &want) < 1e-4);
+    assert!(
+        max_diff(
+            &values(&ops::layer_norm_with_ops(&x, &g, &b, 1e-5).unwrap()),
+            &want
+        ) < 1e-4
+    );
+    let gelu = values(&Tensor::new(&[1f32, -1.], &dev).unwrap().gelu_erf().unwrap());
+    assert!(max_diff(&gelu, &[0.841_344_7, -0.158_655_3]) < 1e-6);
+}
+
+/// Values and input gradients of `f` (fused) and `g` (composed) on the same random input.
+fn compare_with_ops(shape: &[usize], f: impl Fn(&Tensor) -> Tensor, g: impl Fn(&Tensor) -> Tensor) {
+    let dev = Device::Cpu;
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1., shape, &dev).unwrap()).unwrap();
+    let run = |h: &dyn Fn(&Tensor) -> Tensor| {
+        let y = h(x.as_tensor());
+        // A fixed, uneven weighting of the outputs, so every output's gradient differs.
+        let w = (Tensor::arange(0u32, y.elem_count() as u32, &dev).unwrap())
+            .to_dtype(DType::F32)
+            .unwrap()
+            .sin()
+            .unwrap()
+            .reshape(y.shape())
+            .unwrap();
+        let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        (values(&y), values(grads.get(x.as_tensor()).unwrap()))
+    };
+    let (y1, g1) = run(&f);
+    let (y2, g2) = run(&g);
+    assert!(
+        max_diff(&y1, &y2) < 1e-5,
+        "values differ by {}",
+        max_diff(&y1, &y2)
+    );
+    assert!(
+        max_diff(&g1, &g2) < 1e-4,
+        "gradients differ by {}",
+        max_diff(&g1, &g2)
+    );
+}
+
+#[test]
+fn fused_cpu_ops_match_candle_ops_with_gradients() {
+    let dev = Device::Cpu;
+    let gain = Tensor::randn(1f32, 0.5, 16, &dev).unwrap();
+    let bias = Tensor::randn(0f32, 0.5, 16, &dev).unwrap();
+    compare_with_ops(
+        &[70, 16],
+        |x| ops::layer_norm(x, &gain, &bias, 1e-5).unwrap(),
+        |x| ops::layer_norm_with_ops(x, &gain, &bias, 1e-5).unwrap(),
+    );
+    compare_with_ops(
+        &[3, 700],
+        |x| ops::gelu(x).unwrap(),
+        |x| x.gelu_erf().unwrap(),
+    );
+    let model = gpt(&config(true, 0.0));
+    compare_with_ops(
+        &[3, 8, 24],
+        |x| attention::causal_attention(x, 2).unwrap(),
+        |x| {
+            attention::with_ops(x, 2, None, &model.causal_mask)
+                .unwrap()
+                .0
+        },
+    );
+    // The exponential the fused ops use, against the standard library's.
+    for i in -8_000..=8_000 {
+        let x = i as f32 / 100.0;
+        let (fast, std) = (ops::exp(x), x.exp());
+        assert!(
+            (fast - std).abs() <= 2e-7 * std,
+            "exp({x}): {fast} vs {std}"
+        );
+    }
+}
+
+#[test]
+fn init_follows_gpt2() {
+    let cfg = GptConfig {
+        n_embd: 64,
+        n_head: 4,
+        n_layer: 3,
+        ..config(true, 0.0)
+    };
+    let model = gpt(&cfg);
+    let named = model.params().named_tensors();
+    let std = |name: &str| {
+        let v = values(&named[name]);
+        let mean = v.iter().sum::<f32>() / v.len() as f32;
+        (v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v.len() as f32).sqrt()
+    };
+    let proj = 0.02 / (6f32).sqrt();
+    assert!((std("transformer.h.1.attn.c_attn.weight") / 0.02 - 1.0).abs() < 0.05);
+    assert!((std("transformer.wte.weight") / 0.02 - 1.0).abs() < 0.15);
+    assert!((std("transformer.h.2.attn.c_proj.weight") / proj - 1.0).abs() < 0.05);
+    assert!((std("transformer.h.0.mlp.c_proj.weight") / proj - 1.0).abs() < 0.05);
+    for (name, t) in &named {
+        let v = values(t);
+        if name.ends_with(".bias") {
+            assert!(v.iter().all(|&x| x == 0.0), "{name}");
+        } else if name.contains("ln_") {
+            assert!(v.iter().all(|&x| x == 1.0), "{name}");
+        }
+    }
+    // The same seed gives the same weights.
+    let again = gpt(&cfg).params().named_tensors();
+    assert_eq!(
+        values(&again["transformer.h.1.mlp.c_fc.weight"]),
+        values(&named["transformer.h.1.mlp.c_fc.weight"])
+    );
+}
+
+#[test]
+fn kv_cache_matches_the_full_forward() {
+    for compute in [DType::F32, DType::BF16] {
+        let model = Gpt::new(&config(true, 0.1), 5, &Device::Cpu, compute).unwrap();
+        let seq: &[u32] = &[3, 1, 4, 1, 5, 9, 2, 6];
+        let mut cache = KvCache::default();
+        let tol = if compute == DType::F32 { 1e-4 } else { 2e-2 };
+        for end in 3..=8 {
+            let fed = if end == 3 {
+                &seq[..3]
+            } else {
+                &seq[end - 1..end]
+            };
+            let cached = model.forward_cached(fed, &mut cache).unwrap();
+            assert_eq!(cached.dims(), &[11]);
+            assert_eq!(cache.len(), end);
+            let full = model.forward(&ids(&[&seq[..end]]), &Mode::Eval).unwrap();
+            let last = values(&full.narrow(1, end - 1, 1).unwrap());
+            let diff = max_diff(&values(&cached), &last);
+            assert!(diff < tol, "{compute:?}: position {end} differs by {diff}");
+        }
+        let err = model.forward_cached(&[0], &mut cache).err().unwrap();
+        assert!(err.to_string().contains("block_size"), "{err}");
+        cache.clear();
+        assert!(cache.is_empty());
+        assert!(model.forward_cached(&seq[..8], &mut cache).is_ok());
+    }
+}
+
+#[test]
+fn dropout_masks_follow_the_row_seeds() {
+    let model = gpt(&config(true, 0.2));
+    let (a, b): (&[u32], &[u32]) = (&[1, 2, 3, 4, 5, 6], &[6, 5, 4, 3, 2, 1]);
+    let train = |rows: &[&[u32]], seeds: &[u64]| {
+        let mode = Mode::Train {
+            row_seeds: seeds.to_vec(),
+        };
+        model.forward(&ids(rows), &mode).unwrap()
+    };
+    let both = train(&[a, b], &[10, 20]);
+    assert_eq!(values(&both), values(&train(&[a, b], &[10, 20])));
+    // 2 workers × B/2 = 1 worker × B: row a's logits do not depend on its batch. The masks
+    // are identical; the GEMMs may round differently for another number of rows (last bit).
+    let alone = train(&[a], &[10]);
+    assert!(max_diff(&values(&both.narrow(0, 0, 1).unwrap()), &values(&alone)) < 1e-6);
+    let b_alone = train(&[b], &[20]);
+    assert!(max_diff(&values(&both.narrow(0, 1, 1).unwrap()), &values(&b_alone)) < 1e-6);
+    assert_ne!(values(&alone), values(&train(&[a], &[11])));
+    let eval = model.forward(&ids(&[a]), &Mode::Eval).unwrap();
+    assert!(max_diff(&values(&eval), &values(&alone)) > 1e-3);
+    assert!(
+        model
+            .forward(&ids(&[a]), &Mode::Train { row_seeds: vec![] })
+            .is_err()
+    );
+
+    let plain = gpt(&config(true, 0.0));
+    let eval = plain.forward(&ids(&[a, b]), &Mode::Eval).unwrap();
+    let train = plain
+        .forward(
+            &ids(&[a, b]),
+            &Mode::Train {
+                row_seeds: vec![1, 2],
+            },
+        )
+        .unwrap();
+    assert_eq!(values(&eval), values(&train));
+}
+
+#[test]
+fn bf16_compute_returns_f32_logits_close_to_f32() {
+    let cfg = config(false, 0.0);
+    let wide = gpt(&cfg);
+    let narrow = Gpt::new(&cfg, 3, &Device::Cpu, DType::BF16).unwrap();
+    let x = ids(&[&[1, 2, 3, 4], &[5, 6, 7, 8]]);
+    let (l32, l16) = (
+        wide.forward(&x, &Mode::Eval).unwrap(),
+        narrow.forward(&x, &Mode::Eval).unwrap(),
+    );
+    assert_eq!(l16.dtype(), DType::F32);
+    assert!(max_diff(&values(&l32), &values(&l16)) < 2e-2);
+    let loss = l16.sqr().unwrap().mean_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let (name, var) = narrow.params().iter().nth(2).unwrap();
+    assert_eq!(
+        grads.get(var.as_tensor()).unwrap().dtype(),
+        DType::F32,
+        "{name}"
+    );
+}
+
+#[test]
+fn a_tiny_gpt_learns_a_repeating_sequence() {
+    let cfg = GptConfig {
+        block_size: 16,
+        n_embd: 16,
+        ..config(true, 0.0)
+    };
+    let model = gpt(&cfg);
+    let text: Vec<u32> = (0..64).map(|i| (i * 7 % 11) as u32).collect();
+    let windows: Vec<&[u32]> = (0..8).map(|s| &text[s * 3..s * 3 + 16]).collect();
+    let targets: Vec<&[u32]> = (0..8).map(|s| &text[s * 3 + 1..s * 3 + 17]).collect();
+    let (x, y) = (ids(&windows), ids(&targets).flatten_all().unwrap());
+    let vars: Vec<Var> = model.params().vars().cloned().collect();
+    let adam = ParamsAdamW {
+        lr: 1e-2,
+        weight_decay: 0.0,
+        ..ParamsAdamW::default()
+    };
+    let mut opt = AdamW::new(vars, adam).unwrap();
+    let loss_of = |logits: Tensor| {
+        candle_nn::loss::cross_entropy(&logits.reshape((8 * 16, 11)).unwrap(), &y).unwrap()
+    };
+    let first = loss_of(model.forward(&x, &Mode::Eval).unwrap())
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!((first - (11f32).ln()).abs() < 0.2, "initial loss {first}");
+    for _ in 0..100 {
+        opt.backward_step(&loss_of(model.forward(&x, &Mode::Eval).unwrap()))
+            .unwrap();
+    }
+    let last = loss_of(model.forward(&x, &Mode::Eval).unwrap())
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(last < 0.3, "loss {first} -> {last}");
+}

@@ -1,0 +1,163 @@
+//! The task seam: what a job learns from. A task knows its two splits, makes batches of inputs
+//! and targets on a device, and says what its model takes. The trainer, evaluation, `bench step`
+//! and the reports see only this, so image classification (a label per image) and language
+//! modelling (a next token per position of a window) run through one loop.
+//!
+//! Both tasks share one loss and one metric: logits whose last dimension is the classes (or the
+//! vocabulary) against integer targets of the same leading shape, scored by mean cross-entropy
+//! per target and by the fraction of targets predicted exactly (accuracy; for a language model,
+//! next-token accuracy).
+
+use candle_core::{D, DType, Device, Result as TensorResult, Tensor};
+
+use crate::config::{DatasetKind, JobSpec};
+use crate::data::{DataError, Dataset, text};
+use crate::jobdir::JobDir;
+
+/// What a model is built for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelInput {
+    /// Images [c, h, w] → one of `classes` labels.
+    Image { shape: [usize; 3], classes: usize },
+    /// Token windows of `block_size` → a distribution over `vocab_size` for every position.
+    Tokens {
+        vocab_size: usize,
+        block_size: usize,
+    },
+}
+
+/// A data set a job trains on, whatever it predicts.
+pub trait Task: Send + Sync {
+    /// Samples per epoch of the training split (images, or token windows).
+    fn train_len(&self) -> usize;
+    /// Samples of the evaluation split.
+    fn eval_len(&self) -> usize;
+    /// Targets per sample: 1 for a classifier, the window length for a language model.
+    fn targets_per_sample(&self) -> usize;
+    fn input(&self) -> ModelInput;
+    /// Where batches come from on `device`.
+    fn batches<'a>(&'a self, device: &Device) -> Result<Box<dyn BatchSource + 'a>, DataError>;
+}
+
+/// Makes batches of (inputs, targets) on a device.
+pub trait BatchSource {
+    /// Training samples `indices` of `epoch` (a language model's windows move every epoch).
+    fn train(&self, epoch: usize, indices: &[usize]) -> Result<(Tensor, Tensor), DataError>;
+    /// Evaluation samples `indices`.
+    fn eval(&self, indices: &[usize]) -> Result<(Tensor, Tensor), DataError>;
+    /// A line for the log about how batches are made, if worth saying.
+    fn note(&self) -> Option<String> {
+        None
+    }
+}
+
+/// Loads the task `spec` names. Text data takes its vocabulary from the job directory when one
+/// was stored there (so a resumed job encodes exactly as it did).
+pub fn load(spec: &JobSpec, job: Option<&JobDir>) -> Result<Box<dyn Task>, DataError> {
+    match &spec.data.dataset {
+        DatasetKind::Text(_) | DatasetKind::Tokens(_) => {
+            Ok(Box::new(text::TextTask::load(spec, job)?))
+        }
+        _ => Ok(Box::new(Dataset::load(&spec.data, spec.seed)?)),
+    }
+}
+
+/// Mean cross-entropy of `logits` [.., classes] against integer `targets` [..].
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> TensorResult<Tensor> {
+    let classes = logits.dim(D::Minus1)?;
+    candle_nn::loss::cross_entropy(&logits.reshape(((), classes))?, &targets.flatten_all()?)
+}
+
+/// Σ cross-entropy and the number of exactly predicted targets, for evaluation.
+pub fn loss_sum_and_correct(logits: &Tensor, targets: &Tensor) -> TensorResult<(f64, usize)> {
+    let n = targets.elem_count() as f64;
+    let loss = cross_entropy(logits, targets)?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?
+        * n;
+    let correct = logits
+        .argmax(D::Minus1)?
+        .flatten_all()?
+        .eq(&targets.flatten_all()?)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    Ok((loss, correct as usize))
+}
+
+/// The seed of a training sample's random choices (dropout): a function of the job's seed, the
+/// epoch and the sample's index only, so it is the same whichever rank or batch the sample
+/// lands in.
+pub fn sample_seed(seed: u64, epoch: usize, index: usize) -> u64 {
+    let mut z = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add((epoch as u64) << 40)
+        .wrapping_add(index as u64);
+    // splitmix64's finaliser.
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Task for Dataset {
+    fn train_len(&self) -> usize {
+        self.train.len()
+    }
+
+    fn eval_len(&self) -> usize {
+        self.test.len()
+    }
+
+    fn targets_per_sample(&self) -> usize {
+        1
+    }
+
+    fn input(&self) -> ModelInput {
+        ModelInput::Image {
+            shape: self.train.shape,
+            classes: self.classes,
+        }
+    }
+
+    fn batches<'a>(&'a self, device: &Device) -> Result<Box<dyn BatchSource + 'a>, DataError> {
+        Ok(Box::new(crate::data::Batches::new(self, device)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loss_and_accuracy_flatten_any_leading_shape() {
+        // Two windows of two positions over 3 classes. By hand (= torch's
+        // F.cross_entropy(x.view(-1, 3), y.view(-1))): -ln softmax per target is 0.2395, 1.5514,
+        // 0.0949 and ln 3 = 1.0986, mean 0.7461.
+        let logits = Tensor::new(
+            &[
+                [[2.0f32, 0.0, 0.0], [0.0, 1.0, 0.0]],
+                [[0.0, 0.0, 3.0], [1.0, 1.0, 1.0]],
+            ],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let targets = Tensor::new(&[[0u32, 2], [2, 1]], &Device::Cpu).unwrap();
+        let mean = cross_entropy(&logits, &targets)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!((mean - 0.7461).abs() < 1e-3, "{mean}");
+        let (sum, correct) = loss_sum_and_correct(&logits, &targets).unwrap();
+        assert!((sum - 4.0 * mean as f64).abs() < 1e-4);
+        // argmax: 0, 1, 2, 0 against 0, 2, 2, 1.
+        assert_eq!(correct, 2);
+    }
+
+    #[test]
+    fn sample_seeds_differ_by_epoch_and_index_only() {
+        assert_eq!(sample_seed(1, 2, 3), sample_seed(1, 2, 3));
+        assert_ne!(sample_seed(1, 2, 3), sample_seed(1, 2, 4));
+        assert_ne!(sample_seed(1, 2, 3), sample_seed(1, 3, 3));
+        assert_ne!(sample_seed(1, 2, 3), sample_seed(2, 2, 3));
+    }
+}

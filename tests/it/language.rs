@@ -1,0 +1,297 @@
+//! Language models end to end: a tiny GPT on a few KB of text the test writes (and on a token
+//! file), trained by the real binary, then sampled; DDP equivalence with dropout, bit-exact
+//! resume after SIGTERM, and the bad inputs a user meets first.
+
+use std::path::Path;
+
+use crate::common::{TestJob, load_weights};
+
+/// A few KB of text with structure a one-layer model can learn.
+fn corpus() -> String {
+    let subjects = ["the cat", "a dog", "my bird", "our fox"];
+    let verbs = ["sat on", "ran to", "looked at", "slept by"];
+    let objects = ["the mat.", "a tree.", "the door.", "my hat."];
+    let mut text = String::new();
+    for i in 0..240 {
+        text += &format!(
+            "{} {} {}\n",
+            subjects[i % 4],
+            verbs[(i / 4) % 4],
+            objects[(i / 16) % 4]
+        );
+    }
+    text
+}
+
+fn gpt_job(text_path: &Path, extra: &str) -> String {
+    format!(
+        r#"
+seed = 11
+[model]
+arch = "gpt"
+n_layer = 1
+n_head = 2
+n_embd = 16
+block_size = 16
+bias = false
+[data]
+dataset = "text"
+path = "{}"
+[train]
+epochs = 3
+max_steps = 60
+batch_size = 8
+lr = 0.01
+optimizer = "adamw"
+betas = [0.9, 0.99]
+weight_decay = 0.1
+grad_clip_norm = 1.0
+log_every = 5
+eval_batch_size = 32
+[train.scheduler]
+kind = "cosine"
+warmup_steps = 5
+min_lr = 0.001
+[checkpoint]
+every_epochs = 1
+keep_last = 0
+{extra}
+"#,
+        text_path.display()
+    )
+}
+
+fn write_corpus(t: &TestJob) -> std::path::PathBuf {
+    let path = t.path("corpus.txt");
+    std::fs::write(&path, corpus()).unwrap();
+    path
+}
+
+#[test]
+fn a_tiny_gpt_learns_text_and_samples_from_it() {
+    let t = TestJob::new();
+    let text = write_corpus(&t);
+    let cfg = t.config("lm", &gpt_job(&text, "keep_best = true\n[train.x]\n"));
+    // An unknown key inside a table still names itself (the [train.x] above).
+    t.run(&cfg, &[]).fails_with(2, "unknown key `x`");
+    let cfg = t.config(
+        "lm",
+        &gpt_job(&text, "keep_best = true")
+            .replace("[train]", "[train]\neval_every = 20")
+            .replace("max_steps = 60", "max_steps = 200"),
+    );
+    t.run(&cfg, &[]).success();
+    let job = t.job("lm");
+    let summary = t.json(&job.join("summary.json"));
+    let vocab = 30f64; // distinct characters of the corpus, about
+    let val = summary["test_loss"].as_f64().unwrap();
+    assert!(val < 0.5 * vocab.ln(), "validation loss {val} vs ln(vocab)");
+    assert!(summary["train_tokens_per_s"].as_f64().unwrap() > 0.0);
+    let best = summary["best_test_loss"].as_f64().unwrap();
+    assert!(best <= val, "{summary}");
+    assert!(job.join("checkpoints/best/model.safetensors").is_file());
+    let evals = t.metrics("lm");
+    let mid: Vec<u64> = evals
+        .iter()
+        .filter(|l| l["kind"] == "eval")
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert!(mid.contains(&20) && mid.contains(&40), "{mid:?}");
+    // nanoGPT's parameter names; the tied head is there under its own name too.
+    let weights = load_weights(&job.join("model.safetensors"));
+    for name in [
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.0.mlp.c_proj.weight",
+        "transformer.ln_f.weight",
+        "lm_head.weight",
+    ] {
+        assert!(weights.contains_key(name), "{name} missing");
+    }
+    assert_eq!(weights["lm_head.weight"], weights["transformer.wte.weight"]);
+    assert!(!weights.contains_key("transformer.h.0.attn.c_attn.bias"));
+
+    let jobs = t.jobs_dir().to_string_lossy().into_owned();
+    let sample = |extra: &[&str]| {
+        let mut args = vec![
+            "sample",
+            "lm",
+            "--jobs-dir",
+            jobs.as_str(),
+            "--tokens",
+            "80",
+        ];
+        args.extend_from_slice(extra);
+        t.ddpjob(&args)
+    };
+    let a = sample(&["--prompt", "the cat", "--seed", "3"]);
+    a.success();
+    let b = sample(&["--prompt", "the cat", "--seed", "3"]);
+    assert_eq!(a.stdout, b.stdout, "same seed, same text");
+    assert!(a.stdout.starts_with("the cat"), "{}", a.stdout);
+    let allowed = corpus();
+    assert!(
+        a.stdout.chars().all(|c| allowed.contains(c)),
+        "{}",
+        a.stdout
+    );
+    assert_ne!(
+        a.stdout,
+        sample(&["--prompt", "the cat", "--seed", "4"]).stdout
+    );
+    sample(&["--checkpoint", "best", "--json"]).success();
+    sample(&["--prompt", "Zebra"]).fails_with(2, "'Z'");
+    sample(&["--checkpoint", "step-999"]).fails_with(2, "no weights");
+}
+
+#[test]
+fn two_workers_with_half_the_batch_match_one_with_dropout() {
+    let t = TestJob::new();
+    let text = write_corpus(&t);
+    // Without biases: the key bias of attention has a gradient of exactly 0 in exact
+    // arithmetic (it adds the same q·b to every score of a row), so Adam turns its rounding
+    // noise into full-size steps that no two summation orders share.
+    let job = |batch: usize| {
+        gpt_job(&text, "")
+            .replace("batch_size = 8", &format!("batch_size = {batch}"))
+            .replace("bias = false", "bias = false\ndropout = 0.2")
+            .replace("max_steps = 60", "max_steps = 12")
+    };
+    t.run(&t.config("one", &job(8)), &["--nproc-per-node", "1"])
+        .success();
+    t.run(&t.config("two", &job(4)), &["--nproc-per-node", "2"])
+        .success();
+    let (a, b) = (
+        load_weights(&t.job("one").join("model.safetensors")),
+        load_weights(&t.job("two").join("model.safetensors")),
+    );
+    for (name, va) in &a {
+        let worst = va
+            .iter()
+            .zip(&b[name])
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "`{name}` differs by {worst}");
+    }
+}
+
+#[test]
+fn sigterm_then_resume_is_bit_identical_for_a_gpt() {
+    let t = TestJob::new();
+    let text = write_corpus(&t);
+    let text = gpt_job(&text, "keep_best = true")
+        .replace("bias = false", "dropout = 0.1")
+        .replace("[train]", "[train]\neval_every = 7");
+    let cfg = t.config("job", &text);
+    t.run(&cfg, &["--name", "whole"]).success();
+    let cut = t.run_env(
+        &cfg,
+        &["--name", "cut"],
+        &[("DDPJOB_FAULT", "rank=0,step=23,kind=preempt")],
+    );
+    cut.fails_with(143, "interrupted by SIGTERM");
+    let jobs = t.jobs_dir().to_string_lossy().into_owned();
+    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
+    let (a, b) = (
+        load_weights(&t.job("whole").join("model.safetensors")),
+        load_weights(&t.job("cut").join("model.safetensors")),
+    );
+    for (name, va) in &a {
+        let same = va
+            .iter()
+            .zip(&b[name])
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "`{name}` differs after resume");
+    }
+    let (sa, sb) = (
+        t.json(&t.job("whole").join("summary.json")),
+        t.json(&t.job("cut").join("summary.json")),
+    );
+    assert_eq!(sa["test_loss"], sb["test_loss"]);
+    assert_eq!(sa["best_test_loss"], sb["best_test_loss"]);
+    assert_eq!(sa["best_step"], sb["best_step"]);
+}
+
+#[test]
+fn memory_mapped_tokens_train_and_bad_tokens_are_named() {
+    let t = TestJob::new();
+    let write = |name: &str, tokens: &[u16]| {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(t.path(name), bytes).unwrap();
+    };
+    // A repeating pattern over 50 token ids.
+    let pattern: Vec<u16> = (0..6000).map(|i| ((i * 7) % 50) as u16).collect();
+    write("train.bin", &pattern);
+    write("val.bin", &pattern[..600]);
+    let job = |val: &str| {
+        format!(
+            r#"
+[model]
+arch = "gpt"
+n_layer = 1
+n_head = 1
+n_embd = 16
+block_size = 8
+vocab_size = 64
+[data]
+dataset = "tokens"
+train_path = "train.bin"
+val_path = "{val}"
+[train]
+max_steps = 40
+epochs = 5
+batch_size = 8
+lr = 0.01
+optimizer = "adamw"
+"#
+        )
+    };
+    t.run(&t.config("toks", &job("val.bin")), &[]).success();
+    let s = t.json(&t.job("toks").join("summary.json"));
+    assert!(s["test_loss"].as_f64().unwrap() < 1.0, "{s}");
+    assert!(!t.job("toks").join("vocab.json").exists());
+
+    let mut bad = pattern[..600].to_vec();
+    bad[300] = 64;
+    write("bad.bin", &bad);
+    t.run(&t.config("badtoks", &job("bad.bin")), &[])
+        .fails_with(1, "token 64 at byte offset 600");
+    std::fs::write(t.path("odd.bin"), [0u8; 601]).unwrap();
+    t.run(&t.config("odd", &job("odd.bin")), &[])
+        .fails_with(1, "601 bytes, is not a multiple of 2");
+}
+
+#[test]
+fn bad_text_jobs_are_refused_before_anything_is_created() {
+    let t = TestJob::new();
+    let text = write_corpus(&t);
+    let run = |name: &str, job: String| {
+        let r = t.run(&t.config(name, &job), &[]);
+        assert!(!t.job(name).exists(), "{name}: job directory created");
+        r
+    };
+    run(
+        "heads",
+        gpt_job(&text, "").replace("n_embd = 16", "n_embd = 15"),
+    )
+    .fails_with(2, "`model.n_embd`")
+    .fails_with(2, "divisible by model.n_head = 2");
+    run(
+        "block",
+        gpt_job(&text, "").replace("block_size = 16", "block_size = 0"),
+    )
+    .fails_with(2, "`model.block_size`");
+    run(
+        "images",
+        gpt_job(&text, "").replace("dataset = \"text\"", "dataset = \"mnist\""),
+    )
+    .fails_with(2, "learns from token sequences");
+    std::fs::write(t.path("latin1.txt"), b"caf\xe9 au lait, ".repeat(100)).unwrap();
+    run("latin1", gpt_job(&t.path("latin1.txt"), ""))
+        .fails_with(1, "not UTF-8")
+        .fails_with(1, "offset 3");
+    std::fs::write(t.path("short.txt"), "tiny text").unwrap();
+    run("short", gpt_job(&t.path("short.txt"), "")).fails_with(1, "fewer than one window");
+    run("missing", gpt_job(&t.path("nowhere.txt"), "")).fails_with(1, "does not exist");
+}

@@ -192,6 +192,37 @@ pub enum OptimizerSpec {
     },
 }
 
+impl OptimizerSpec {
+    /// The same optimiser with weight decay 0, for parameters exempt from it.
+    pub fn without_weight_decay(self) -> Self {
+        match self {
+            OptimizerSpec::Sgd {
+                momentum, nesterov, ..
+            } => OptimizerSpec::Sgd {
+                momentum,
+                nesterov,
+                weight_decay: 0.0,
+            },
+            OptimizerSpec::Adam {
+                beta1, beta2, eps, ..
+            } => OptimizerSpec::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay: 0.0,
+            },
+            OptimizerSpec::AdamW {
+                beta1, beta2, eps, ..
+            } => OptimizerSpec::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay: 0.0,
+            },
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ScheduleKind {
     Constant,

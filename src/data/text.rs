@@ -230,7 +230,7 @@ impl TextTask {
         let windows = train_windows(n, self.block);
         let slack = n - 1 - windows * self.block;
         let phases = slack.min(self.block - 1) + 1;
-        (crate::task::sample_seed(self.seed ^ 0x7068_6173_65, epoch, usize::MAX) % phases as u64)
+        (crate::task::sample_seed(self.seed ^ 0x0070_6861_7365, epoch, usize::MAX) % phases as u64)
             as usize
     }
 

@@ -168,7 +168,10 @@ impl Gpt {
         }
         for (i, block) in self.blocks.iter().enumerate() {
             let entry = cache.layers.get_mut(i);
-            let qkv = block.qkv(&x, 1, t, self)?;
+            let qkv = block
+                .c_attn
+                .forward(&block.ln_1.forward(&x)?, self.compute)?;
+            let qkv = qkv.reshape((1, t, 3 * c))?;
             let (y, k, v) = attention::with_ops(&qkv, h, entry.as_deref(), &self.causal_mask)?;
             match entry {
                 Some(slot) => *slot = (k.detach(), v.detach()),
@@ -257,18 +260,16 @@ impl Block {
     /// Causal self-attention of `ln_1(x)` (x: [n·t, C]), projected: [n·t, C].
     fn attention(&self, x: &Tensor, n: usize, t: usize, gpt: &Gpt) -> Result<Tensor> {
         let (c, h) = (gpt.config.n_embd, gpt.config.n_head);
-        let qkv = self.qkv(x, n, t, gpt)?;
-        let y = match kernels::applies(&qkv) {
-            true => attention::causal_attention(&qkv, h)?,
-            false => attention::with_ops(&qkv, h, None, &gpt.causal_mask)?.0,
-        };
-        self.attn_proj.forward(&y.reshape((n * t, c))?, gpt.compute)
-    }
-
-    /// c_attn(ln_1(x)) as [n, t, 3C].
-    fn qkv(&self, x: &Tensor, n: usize, t: usize, gpt: &Gpt) -> Result<Tensor> {
         let qkv = self.c_attn.forward(&self.ln_1.forward(x)?, gpt.compute)?;
-        qkv.reshape((n, t, 3 * gpt.config.n_embd))
+        let y = if kernels::applies(&qkv) {
+            attention::causal_attention(&qkv, h, t)?
+        } else {
+            let qkv = qkv.reshape((n, t, 3 * c))?;
+            attention::with_ops(&qkv, h, None, &gpt.causal_mask)?
+                .0
+                .reshape((n * t, c))?
+        };
+        self.attn_proj.forward(&y, gpt.compute)
     }
 
     /// c_proj(gelu(c_fc(ln_2(x)))), in the compute dtype.

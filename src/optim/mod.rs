@@ -79,10 +79,17 @@ impl Optimizer {
     pub fn step(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
         self.steps += 1;
         for (i, (var, grad)) in params.vars().zip(grads).enumerate() {
+            // Biases and LayerNorm gains are exempt from weight decay where the model says so
+            // (nanoGPT's two parameter groups); a parameter either decays at the configured rate
+            // or not at all.
+            let spec = match params.decays(i) {
+                true => self.spec,
+                false => self.spec.without_weight_decay(),
+            };
             if kernels::applies(var.as_tensor()) {
-                self.fused_step(i, var.as_tensor(), grad, lr)?;
+                self.fused_step(spec, i, var.as_tensor(), grad, lr)?;
             } else {
-                let updated = self.tensor_step(i, var.as_tensor(), grad, lr)?;
+                let updated = self.tensor_step(spec, i, var.as_tensor(), grad, lr)?;
                 var.set(&updated)?;
             }
         }
@@ -90,8 +97,15 @@ impl Optimizer {
     }
 
     /// The update as one pass over the parameter (CPU, f32), in place.
-    fn fused_step(&mut self, i: usize, p: &Tensor, grad: &Tensor, lr: f64) -> Result<()> {
-        match self.spec {
+    fn fused_step(
+        &mut self,
+        spec: OptimizerSpec,
+        i: usize,
+        p: &Tensor,
+        grad: &Tensor,
+        lr: f64,
+    ) -> Result<()> {
+        match spec {
             OptimizerSpec::Sgd {
                 momentum,
                 nesterov,
@@ -127,7 +141,7 @@ impl Optimizer {
                     beta2,
                     eps,
                     weight_decay,
-                    decoupled: matches!(self.spec, OptimizerSpec::AdamW { .. }),
+                    decoupled: matches!(spec, OptimizerSpec::AdamW { .. }),
                     t: self.steps as i32,
                 };
                 let m = host(&mut self.first[i])?;
@@ -139,9 +153,16 @@ impl Optimizer {
     }
 
     /// The update with candle's tensor ops (any device): the new parameter value.
-    fn tensor_step(&mut self, i: usize, p: &Tensor, grad: &Tensor, lr: f64) -> Result<Tensor> {
+    fn tensor_step(
+        &mut self,
+        spec: OptimizerSpec,
+        i: usize,
+        p: &Tensor,
+        grad: &Tensor,
+        lr: f64,
+    ) -> Result<Tensor> {
         let t = self.steps as i32;
-        Ok(match self.spec {
+        Ok(match spec {
             OptimizerSpec::Sgd {
                 momentum,
                 nesterov,

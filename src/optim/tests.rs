@@ -20,9 +20,17 @@ const GRADS: [[f32; 2]; 3] = [[0.5, 0.3], [-0.2, 0.1], [0.4, -0.6]];
 /// The three steps, in `dtype`: f32 on the CPU takes the fused kernels, f64 candle's tensor ops
 /// (the path other devices take).
 fn run_as(spec: OptimizerSpec, dtype: DType) -> Vec<f32> {
+    run_with(spec, dtype, false)
+}
+
+/// [`run_as`], with the parameter marked exempt from weight decay when `exempt`.
+fn run_with(spec: OptimizerSpec, dtype: DType, exempt: bool) -> Vec<f32> {
     let p = Tensor::new(&[1.0f32, -2.0], &Device::Cpu).unwrap();
     let var = Var::from_tensor(&p.to_dtype(dtype).unwrap()).unwrap();
-    let params = Params::from_vars(vec![("p".to_string(), var.clone())]);
+    let mut params = Params::from_vars(vec![("p".to_string(), var.clone())]);
+    if exempt {
+        params.exempt_from_decay(0);
+    }
     let mut opt = Optimizer::new(spec, 1);
     for g in GRADS {
         let g = Tensor::new(&g, &Device::Cpu)
@@ -96,6 +104,45 @@ fn adamw_with_decoupled_weight_decay() {
         weight_decay: 0.01,
     };
     assert_close(&run(spec), &[0.803123210, -2.155672011]);
+}
+
+#[test]
+fn parameters_exempt_from_decay_step_as_without_it() {
+    // nanoGPT's second parameter group (biases, LayerNorm gains): weight_decay=0.0 there.
+    let decaying = [
+        OptimizerSpec::AdamW {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.5,
+        },
+        OptimizerSpec::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.5,
+        },
+        OptimizerSpec::Sgd {
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: 0.5,
+        },
+    ];
+    for spec in decaying {
+        let undecayed: Vec<f64> = run(spec.without_weight_decay())
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        for dtype in [DType::F32, DType::F64] {
+            let exempt = run_with(spec, dtype, true);
+            assert_close(&exempt, &undecayed);
+            let decayed = run_with(spec, dtype, false);
+            assert!(
+                (decayed[0] - exempt[0]).abs() > 1e-3,
+                "{spec:?}: decay had no effect on a decaying parameter"
+            );
+        }
+    }
 }
 
 #[test]

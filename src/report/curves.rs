@@ -67,6 +67,7 @@ fn step_range(h: &History) -> Range<f64> {
         .iter()
         .map(|p| p.step)
         .chain(h.epochs.iter().map(|e| e.step))
+        .chain(h.evals.iter().map(|e| e.step))
         .max()
         .unwrap_or(0);
     0.0..(last.max(1) as f64)
@@ -151,7 +152,8 @@ fn legend_box<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, position: SeriesLabelPositi
 fn loss_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
     let train = thin(finite(h.train.iter().map(|p| (p.step as f64, p.loss))));
     let test = finite(h.epochs.iter().map(|e| (e.step as f64, e.test_loss)));
-    let ys = y_range(train.iter().chain(&test), Some(0.0));
+    let periodic = finite(h.evals.iter().map(|e| (e.step as f64, e.test_loss)));
+    let ys = y_range(train.iter().chain(&test).chain(&periodic), Some(0.0));
     let plain = |y: &f64| format!("{y:.2}");
     let mut chart = axes(area, "Loss", "loss", &plain, steps, ys.clone())?;
     chart
@@ -163,6 +165,14 @@ fn loss_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
         .label("test loss (per epoch)")
         .legend(legend(TEST_COLOR));
     chart.draw_series(test.iter().map(|&p| Circle::new(p, 4, TEST_COLOR.filled())))?;
+    if !periodic.is_empty() {
+        let color = TEST_COLOR.mix(0.55);
+        chart
+            .draw_series(LineSeries::new(periodic.clone(), color.stroke_width(1)))?
+            .label("test loss (every eval_every steps)")
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        chart.draw_series(periodic.iter().map(|&p| Circle::new(p, 3, color)))?;
+    }
     if !h.resumes.is_empty() {
         let lines = h.resumes.iter().map(|&s| {
             let x = s as f64;

@@ -24,10 +24,19 @@ pub struct EpochPoint {
     pub lr: f64,
 }
 
+/// One evaluation every `train.eval_every` steps (`"kind": "eval"`), often on part of the split.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalPoint {
+    pub step: usize,
+    pub test_loss: f64,
+    pub test_accuracy: f64,
+}
+
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct History {
     pub train: Vec<TrainPoint>,
     pub epochs: Vec<EpochPoint>,
+    pub evals: Vec<EvalPoint>,
     /// Steps at which the job was resumed (`"kind": "resume"`).
     pub resumes: Vec<usize>,
     /// Lines that were not JSON objects of a known kind (a torn last line after a crash).
@@ -67,6 +76,11 @@ impl History {
                     test_accuracy: num("test_accuracy"),
                     lr: num("lr"),
                 }),
+                (Some("eval"), Some(step)) => h.evals.push(EvalPoint {
+                    step,
+                    test_loss: num("test_loss"),
+                    test_accuracy: num("test_accuracy"),
+                }),
                 (Some("resume"), Some(step)) => h.resumes.push(step),
                 _ => h.skipped += 1,
             }
@@ -91,6 +105,22 @@ impl History {
                 Some(b) if b.test_accuracy >= e.test_accuracy => Some(b),
                 _ => Some(e),
             })
+    }
+
+    /// The lowest test loss of any evaluation, periodic or end of epoch: (step, loss), the
+    /// earliest of equals. Language models are judged by it rather than by accuracy.
+    pub fn lowest_test_loss(&self) -> Option<(usize, f64)> {
+        let periodic = self.evals.iter().map(|e| (e.step, e.test_loss));
+        let epoch_ends = self.epochs.iter().map(|e| (e.step, e.test_loss));
+        let mut all: Vec<(usize, f64)> = periodic
+            .chain(epoch_ends)
+            .filter(|p| p.1.is_finite())
+            .collect();
+        all.sort_by_key(|p| p.0);
+        all.into_iter().fold(None, |best, p| match best {
+            Some(b) if b.1 <= p.1 => Some(b),
+            _ => Some(p),
+        })
     }
 
     /// The newest training loss, from a log-interval or an epoch line.
@@ -147,6 +177,7 @@ mod tests {
         let text = r#"{"kind":"train","epoch":0,"step":4,"loss":2.0,"lr":0.01}
 {"kind":"epoch","epoch":0,"step":8,"loss":1.5,"lr":0.01,"test_loss":1.2,"test_accuracy":0.6}
 {"kind":"resume","epoch":1,"step":8}
+{"kind":"eval","epoch":1,"step":10,"test_loss":1.1,"test_accuracy":0.5}
 {"kind":"train","epoch":1,"step":12,"loss":1.0,"lr":0.005}
 {"kind":"epoch","epoch":1,"step":16,"loss":0.9,"lr":0.005,"test_loss":1.3,"test_accuracy":0.55}
 {"kind":"train","epo"#;
@@ -154,6 +185,8 @@ mod tests {
         assert_eq!(h.train.len(), 2);
         assert_eq!(h.epochs.len(), 2);
         assert_eq!(h.resumes, vec![8]);
+        assert_eq!(h.evals.len(), 1);
+        assert_eq!(h.lowest_test_loss(), Some((10, 1.1)));
         assert_eq!(h.skipped, 1);
         assert_eq!(h.best_epoch().unwrap().epoch, 0);
         assert_eq!(h.last_epoch().unwrap().test_accuracy, 0.55);

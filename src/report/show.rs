@@ -86,6 +86,11 @@ pub fn show(v: &JobView, now: u64) -> String {
             ),
         );
     }
+    if !v.history.evals.is_empty()
+        && let Some((step, loss)) = v.history.lowest_test_loss()
+    {
+        line("lowest test loss", format!("{loss:.4} at step {step}"));
+    }
     if let Some(sum) = &v.summary {
         line(
             "final",

@@ -10,12 +10,13 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::ops::{self, exp, values, with_values};
+use super::ops::{self, dot, exp, max, values, with_values};
 
-/// Causal attention of `qkv` [n, t, 3C] (q, k, v side by side, heads of `C / heads` columns
-/// each): the attended values [n, t, C], heads side by side, before the output projection.
-pub fn causal_attention(qkv: &Tensor, heads: usize) -> Result<Tensor> {
-    qkv.contiguous()?.apply_op1(AttentionOp { heads })
+/// Causal attention of `qkv` [n·t, 3C] (sequences of `t` rows; q, k, v side by side, heads of
+/// `C / heads` columns each): the attended values [n·t, C], heads side by side, before the
+/// output projection.
+pub fn causal_attention(qkv: &Tensor, heads: usize, t: usize) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op1(AttentionOp { heads, t })
 }
 
 /// [`causal_attention`] from candle's ops, after the cached keys and values `past` (if any,
@@ -58,6 +59,7 @@ pub fn with_ops(
 
 struct AttentionOp {
     heads: usize,
+    t: usize,
 }
 
 /// A strided matrix inside `data`: element (i, j) at `i · rs + j · cs`.
@@ -146,30 +148,23 @@ fn probabilities(p: &mut [f32], q: View, k: View, scale: f32) {
     matmul(p, t, q, k.t());
     for (i, row) in p.chunks_exact_mut(t).enumerate() {
         let (seen, future) = row.split_at_mut(i + 1);
-        let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let mut sum = 0.0;
-        for v in seen.iter_mut() {
-            *v = exp((*v - max) * scale);
-            sum += *v;
-        }
-        let inv = 1.0 / sum;
+        let max = max(seen);
+        seen.iter_mut().for_each(|v| *v = exp((*v - max) * scale));
+        let inv = 1.0 / ops::sum_map(seen, |v| v);
         seen.iter_mut().for_each(|v| *v *= inv);
         future.fill(0.0);
     }
 }
 
 impl AttentionOp {
-    /// (t, C, head_dim) of `qkv` [n, t, 3C].
-    fn dims(&self, shape: &Shape) -> Result<(usize, usize, usize)> {
-        let (_, t, c3) = shape.dims3()?;
-        let c = c3 / 3;
-        if c3 % 3 != 0 || self.heads == 0 || c % self.heads != 0 {
-            bail!(
-                "attention: qkv {shape:?} does not split into 3 × {} heads",
-                self.heads
-            );
+    /// (n, t, C, head_dim) of `qkv` [n·t, 3C].
+    fn dims(&self, shape: &Shape) -> Result<(usize, usize, usize, usize)> {
+        let (rows, c3) = shape.dims2()?;
+        let (c, h, t) = (c3 / 3, self.heads, self.t);
+        if c3 % 3 != 0 || h == 0 || c % h != 0 || t == 0 || rows % t != 0 {
+            bail!("attention: qkv {shape:?} does not split into sequences of {t}, 3 × {h} heads");
         }
-        Ok((t, c, c / self.heads))
+        Ok((rows / t, t, c, c / h))
     }
 
     fn scale(hd: usize) -> f32 {
@@ -183,11 +178,10 @@ impl CustomOp1 for AttentionOp {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (n, _, _) = layout.shape().dims3()?;
-        let (t, c, hd) = self.dims(layout.shape())?;
+        let (n, t, c, hd) = self.dims(layout.shape())?;
         let qkv = values(storage, layout)?;
         let mut y = vec![0f32; n * t * c];
-        if t > 0 && c > 0 {
+        if c > 0 {
             y.par_chunks_mut(t * c)
                 .zip(qkv.par_chunks(t * 3 * c))
                 .for_each(|(y, x)| {
@@ -201,16 +195,16 @@ impl CustomOp1 for AttentionOp {
                     }
                 });
         }
-        Ok((CpuStorage::F32(y), Shape::from((n, t, c))))
+        Ok((CpuStorage::F32(y), Shape::from((n * t, c))))
     }
 
     /// With P the probabilities and dY the gradient of one head's output: dV = Pᵀ·dY,
     /// dP = dY·Vᵀ, dS = P ⊙ (dP - rowsum(dP ⊙ P)) · scale, dQ = dS·K, dK = dSᵀ·Q.
     fn bwd(&self, qkv: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let (t, c, hd) = self.dims(qkv.shape())?;
+        let (_, t, c, hd) = self.dims(qkv.shape())?;
         let scale = Self::scale(hd);
         let mut dqkv = vec![0f32; qkv.elem_count()];
-        if t > 0 && c > 0 {
+        if c > 0 {
             with_values(qkv, |qkv| {
                 with_values(grad, |grad| {
                     dqkv.par_chunks_mut(t * 3 * c)
@@ -228,7 +222,7 @@ impl CustomOp1 for AttentionOp {
                                 matmul(&mut dx[2 * c + h * hd..], 3 * c, pv.t(), dyh);
                                 matmul(&mut ds, t, dyh, v.t());
                                 for (ds, p) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-                                    let dot: f32 = ds.iter().zip(p).map(|(d, p)| d * p).sum();
+                                    let dot = dot(ds, p);
                                     for (d, p) in ds.iter_mut().zip(p) {
                                         *d = p * (*d - dot) * scale;
                                     }

@@ -78,6 +78,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         device: &device,
         grad_clip_norm: t.grad_clip_norm,
         bucket_bytes: spec.distributed.bucket_bytes,
+        shards: crate::train::shards::ShardPool::for_device(&device),
     };
     let run = |optimizer: &mut Optimizer, phases: Option<&mut Phases>| {
         optimizer_step(&cx, optimizer, &batches, t.lr, false, phases)
@@ -129,6 +130,9 @@ fn use_threads(threads: usize) -> Result<(), BenchError> {
     // SAFETY: called before this process starts any thread of its own (the CLI is
     // single-threaded until here); candle reads the variable to size its matrix products.
     unsafe { std::env::set_var("RAYON_NUM_THREADS", threads.to_string()) };
+    // As a worker has it (see launch::group): shards call candle's ops single-threaded.
+    // SAFETY: as above.
+    unsafe { std::env::set_var("CANDLE_NUM_THREADS", "1") };
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global()

@@ -166,6 +166,10 @@ impl Group<'_> {
                     cmd.env(var, &threads);
                 }
             }
+            // A CPU worker runs its threads as row shards (train::shards), each calling
+            // candle's element-wise ops single-threaded; candle's own pool would make them
+            // queue behind one lock and spin a thread of its own.
+            cmd.env("CANDLE_NUM_THREADS", "1");
             let log = worker::log_path(&job_dir, rank);
             match supervise::spawn(cmd, rank, &log, rank == 0) {
                 Ok(w) => workers.push(w),

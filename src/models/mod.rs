@@ -18,7 +18,7 @@ pub use mlp::Mlp;
 
 /// A network mapping a batch of inputs to logits whose last dimension is the classes (or the
 /// vocabulary): images [n, c, h, w] → [n, classes], token windows [n, t] → [n, t, vocab].
-pub trait Model: Send {
+pub trait Model: Send + Sync {
     fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor>;
     fn params(&self) -> &Params;
 }

@@ -6,6 +6,7 @@ use crate::models::{Mode, Model};
 use crate::task::{BatchSource, loss_sum_and_correct};
 
 use super::TrainError;
+use super::shards::ShardPool;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EvalResult {
@@ -24,6 +25,7 @@ pub fn evaluate(
     comm: &dyn Communicator,
     batch_size: usize,
     batches_limit: Option<usize>,
+    shards: Option<&ShardPool>,
 ) -> Result<EvalResult, TrainError> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let picked = batches_limit.map_or(eval_len, |b| (b * batch_size).min(eval_len));
@@ -32,11 +34,26 @@ pub fn evaluate(
     let mut sums = [0.0f64; 3];
     for chunk in shard.chunks(batch_size) {
         let (xs, ys) = batches.eval(chunk)?;
-        let logits = model.forward(&xs, &Mode::Eval)?;
-        let (loss, correct) = loss_sum_and_correct(&logits, &ys)?;
-        sums[0] += loss;
-        sums[1] += correct as f64;
-        sums[2] += ys.elem_count() as f64;
+        let ranges = super::shards::ranges(shards, chunk.len());
+        let part = |i: usize| -> candle_core::Result<[f64; 3]> {
+            let r = &ranges[i];
+            let (xs, ys) = (
+                xs.narrow(0, r.start, r.len())?,
+                ys.narrow(0, r.start, r.len())?,
+            );
+            let logits = model.forward(&xs, &Mode::Eval)?;
+            let (loss, correct) = loss_sum_and_correct(&logits, &ys)?;
+            Ok([loss, correct as f64, ys.elem_count() as f64])
+        };
+        let parts = match shards {
+            Some(pool) if ranges.len() > 1 => pool.run(ranges.len(), part),
+            _ => vec![part(0)],
+        };
+        for part in parts {
+            for (sum, v) in sums.iter_mut().zip(part?) {
+                *sum += v;
+            }
+        }
     }
     comm.all_reduce_sum_f64(&mut sums)?;
     let samples = sums[2].max(1.0);

@@ -6,6 +6,7 @@ mod eval;
 mod leader;
 mod metrics;
 mod resume;
+pub mod shards;
 pub mod step;
 
 use std::sync::Arc;
@@ -362,6 +363,7 @@ impl Trainer<'_> {
             device: &self.device,
             grad_clip_norm: self.spec.train.grad_clip_norm,
             bucket_bytes: self.spec.distributed.bucket_bytes,
+            shards: shards::ShardPool::for_device(&self.device),
         };
         let r = step::optimizer_step(&cx, optimizer, &batches, lr, stop_vote, None)?;
         Ok((r.loss_sum, r.samples, r.stop))
@@ -382,6 +384,7 @@ impl Trainer<'_> {
             self.comm,
             t.eval_batch_size,
             t.eval_batches.filter(|_| periodic),
+            shards::ShardPool::for_device(&self.device),
         )
     }
 

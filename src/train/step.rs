@@ -11,6 +11,8 @@ use crate::models::{Mode, Model};
 use crate::optim::{Optimizer, clip_grad_norm};
 use crate::task::cross_entropy;
 
+use super::shards::ShardPool;
+
 /// One micro-batch: inputs, integer targets, and how the forward pass runs (the row seeds of
 /// its dropout).
 pub struct MicroBatch {
@@ -26,6 +28,9 @@ pub struct StepContext<'a> {
     pub device: &'a Device,
     pub grad_clip_norm: Option<f64>,
     pub bucket_bytes: usize,
+    /// Row shards run side by side per micro-batch (CPU); `None`: the whole micro-batch at
+    /// once, the kernels splitting each op over the threads instead.
+    pub shards: Option<&'a ShardPool>,
 }
 
 /// What one step produced: Σ loss·n over its samples (a scalar, read only at log intervals),
@@ -66,25 +71,34 @@ pub fn optimizer_step(
     let mut loss_sum: Option<Tensor> = None;
     let mut clock = PhaseClock::new(cx.device, phases.is_some());
     for batch in micro_batches {
-        let n = rows(batch);
-        let logits = cx.model.forward(&batch.inputs, &batch.mode)?;
-        let loss = cross_entropy(&logits, &batch.targets)?;
-        clock.lap(&mut phases, |p| &mut p.forward)?;
-        let store = (&loss * (n as f64 / n_step as f64))?.backward()?;
-        for (slot, var) in grads.iter_mut().zip(params.vars()) {
-            if let Some(g) = store.get(var) {
-                *slot = Some(match slot.take() {
-                    Some(acc) => (acc + g)?,
-                    None => g.clone(),
-                });
+        let ranges = super::shards::ranges(cx.shards, rows(batch));
+        let shard = |i: usize| -> Result<ShardResult, StepError> {
+            let part = batch.rows(ranges[i].clone())?;
+            shard_forward_backward(cx.model, &part, ranges[i].len(), n_step)
+        };
+        let results = match (cx.shards, ranges.len()) {
+            (Some(pool), parts) if parts > 1 => pool.run(parts, shard),
+            _ => vec![shard(0)],
+        };
+        let mut forward = Duration::ZERO;
+        for result in results {
+            let result = result?;
+            forward = forward.max(result.forward);
+            for (slot, g) in grads.iter_mut().zip(result.grads) {
+                if let Some(g) = g {
+                    *slot = Some(match slot.take() {
+                        Some(acc) => (acc + g)?,
+                        None => g,
+                    });
+                }
             }
+            loss_sum = Some(match loss_sum {
+                Some(s) => (s + result.loss_sum)?,
+                None => result.loss_sum,
+            });
         }
-        let weighted = (loss.detach() * n as f64)?;
-        loss_sum = Some(match loss_sum {
-            Some(s) => (s + weighted)?,
-            None => weighted,
-        });
-        clock.lap(&mut phases, |p| &mut p.backward)?;
+        // Shards interleave their phases: the forward share is the slowest shard's forward.
+        clock.split(&mut phases, forward)?;
     }
     let mut grads = grads
         .into_iter()
@@ -104,6 +118,62 @@ pub fn optimizer_step(
         samples: n_step,
         stop,
     })
+}
+
+/// What one shard of a micro-batch contributes: its parameters' gradients (weighted by its
+/// share of the step's rows), Σ loss·rows, and how long its forward pass took.
+struct ShardResult {
+    grads: Vec<Option<Tensor>>,
+    loss_sum: Tensor,
+    forward: Duration,
+}
+
+fn shard_forward_backward(
+    model: &dyn Model,
+    batch: &MicroBatch,
+    n: usize,
+    n_step: usize,
+) -> Result<ShardResult, StepError> {
+    let started = Instant::now();
+    let logits = model.forward(&batch.inputs, &batch.mode)?;
+    let loss = cross_entropy(&logits, &batch.targets)?;
+    let forward = started.elapsed();
+    let store = (&loss * (n as f64 / n_step as f64))?.backward()?;
+    let grads = model
+        .params()
+        .vars()
+        .map(|v| store.get(v).cloned())
+        .collect();
+    Ok(ShardResult {
+        grads,
+        loss_sum: (loss.detach() * n as f64)?,
+        forward,
+    })
+}
+
+impl MicroBatch {
+    /// Rows `range` of the micro-batch (the whole of it, uncopied, for all its rows).
+    fn rows(&self, range: std::ops::Range<usize>) -> candle_core::Result<MicroBatch> {
+        let len = range.len();
+        if range.start == 0 && self.inputs.dims().first() == Some(&len) {
+            return Ok(MicroBatch {
+                inputs: self.inputs.clone(),
+                targets: self.targets.clone(),
+                mode: self.mode.clone(),
+            });
+        }
+        let mode = match &self.mode {
+            Mode::Train { row_seeds } => Mode::Train {
+                row_seeds: row_seeds[range.clone()].to_vec(),
+            },
+            Mode::Eval => Mode::Eval,
+        };
+        Ok(MicroBatch {
+            inputs: self.inputs.narrow(0, range.start, len)?,
+            targets: self.targets.narrow(0, range.start, len)?,
+            mode,
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -137,6 +207,24 @@ impl<'a> PhaseClock<'a> {
             self.device.synchronize()?;
             let now = Instant::now();
             *field(p) += now - last;
+            self.last = Some(now);
+        }
+        Ok(())
+    }
+
+    /// Ends a forward-and-backward lap: `forward` of it to the forward phase, the rest to the
+    /// backward phase.
+    fn split(
+        &mut self,
+        phases: &mut Option<&mut Phases>,
+        forward: Duration,
+    ) -> candle_core::Result<()> {
+        if let (Some(last), Some(p)) = (self.last, phases.as_deref_mut()) {
+            self.device.synchronize()?;
+            let now = Instant::now();
+            let lap = now - last;
+            p.forward += forward.min(lap);
+            p.backward += lap.saturating_sub(forward);
             self.last = Some(now);
         }
         Ok(())

@@ -3,6 +3,7 @@ use std::time::Instant;
 
 use candle_core::Device;
 
+use super::shards::ShardPool;
 use super::*;
 use crate::comm::LocalCommunicator;
 use crate::config::load_str;
@@ -122,6 +123,7 @@ fn evaluation_counts_every_test_sample_once() {
             &LocalCommunicator,
             10,
             limit,
+            ShardPool::new(3).as_ref(),
         )
         .unwrap()
     };

@@ -246,7 +246,7 @@ pub const KEYS: &[KeySpec] = &[
     key(
         "train.eval_batches",
         Kind::Int,
-        "the train.eval_every evaluations use this many batches of train.eval_batch_size, spread evenly over the split (0: the whole split); epoch ends always use all of it",
+        "every evaluation uses this many batches of train.eval_batch_size, spread evenly over the split, the same ones each time (0: the whole split)",
     ),
     key(
         "train.log_every",

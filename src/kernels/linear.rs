@@ -72,41 +72,47 @@ impl CustomOp3 for LinearOp {
         let (n, inputs) = x.dims2()?;
         let outputs = w.dim(0)?;
         let device = x.device();
-        let gz = with_values(grad, |g| {
-            if !self.relu {
-                return Ok(g.to_vec());
-            }
-            with_values(out, |y| Ok(relu_grad(g, y)))
-        })?;
-        let mut gw = vec![0f32; outputs * inputs];
-        with_values(x, |x| {
-            gemm(
-                &mut gw,
-                Mat::new(&gz, n, outputs).t(),
-                Mat::new(x, n, inputs),
-                false,
-                threads(),
-            );
-            Ok(())
-        })?;
-        let mut gb = vec![0f32; outputs];
-        for row in gz.chunks_exact(outputs) {
-            for (acc, g) in gb.iter_mut().zip(row) {
-                *acc += g;
-            }
-        }
-        // The first layer's input is data: nothing needs its gradient.
-        let gx = if x.track_op() {
-            let mut gx = vec![0f32; n * inputs];
-            with_values(w, |w| {
+        // Without a ReLU the output gradient is used as it is, not copied.
+        let masked = match self.relu {
+            true => Some(with_values(grad, |g| {
+                with_values(out, |y| Ok(relu_grad(g, y)))
+            })?),
+            false => None,
+        };
+        let (gw, gb) = with_gz(grad, masked.as_deref(), |gz| {
+            let mut gw = vec![0f32; outputs * inputs];
+            with_values(x, |x| {
                 gemm(
-                    &mut gx,
-                    Mat::new(&gz, n, outputs),
-                    Mat::new(w, outputs, inputs),
+                    &mut gw,
+                    Mat::new(gz, n, outputs).t(),
+                    Mat::new(x, n, inputs),
                     false,
                     threads(),
                 );
                 Ok(())
+            })?;
+            let mut gb = vec![0f32; outputs];
+            for row in gz.chunks_exact(outputs) {
+                for (acc, g) in gb.iter_mut().zip(row) {
+                    *acc += g;
+                }
+            }
+            Ok((gw, gb))
+        })?;
+        // The first layer's input is data: nothing needs its gradient.
+        let gx = if x.track_op() {
+            let mut gx = vec![0f32; n * inputs];
+            with_gz(grad, masked.as_deref(), |gz| {
+                with_values(w, |w| {
+                    gemm(
+                        &mut gx,
+                        Mat::new(gz, n, outputs),
+                        Mat::new(w, outputs, inputs),
+                        false,
+                        threads(),
+                    );
+                    Ok(())
+                })
             })?;
             Some(Tensor::from_vec(gx, (n, inputs), device)?)
         } else {
@@ -117,6 +123,19 @@ impl CustomOp3 for LinearOp {
             Some(Tensor::from_vec(gw, (outputs, inputs), device)?),
             Some(Tensor::from_vec(gb, outputs, device)?),
         ))
+    }
+}
+
+/// Runs `f` on the gradient of the pre-activation: `masked` when the ReLU masked it, else the
+/// output gradient `grad` itself.
+fn with_gz<R>(
+    grad: &Tensor,
+    masked: Option<&[f32]>,
+    f: impl FnOnce(&[f32]) -> Result<R>,
+) -> Result<R> {
+    match masked {
+        Some(gz) => f(gz),
+        None => with_values(grad, f),
     }
 }
 

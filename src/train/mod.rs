@@ -261,7 +261,7 @@ impl Trainer<'_> {
                 }
                 let eval_due = t.eval_every.is_some_and(|n| step % n == 0);
                 if eval_due && i + 1 < steps_now {
-                    let eval = self.evaluate(batches, true)?;
+                    let eval = self.evaluate(batches)?;
                     self.reporter.line(&format!(
                         "step {step}/{total_steps}: {}",
                         self.describe_eval(&eval)
@@ -279,7 +279,7 @@ impl Trainer<'_> {
             let train_loss = metrics.finish_epoch();
             epochs_done = epoch + 1;
 
-            let eval = self.evaluate(batches, false)?;
+            let eval = self.evaluate(batches)?;
             let lr = schedule.lr(step.saturating_sub(1), epoch);
             let rate = n / secs.max(1e-9);
             self.reporter.line(&format!(
@@ -309,7 +309,7 @@ impl Trainer<'_> {
 
         let eval = match last_eval {
             Some(e) => e,
-            None => self.evaluate(batches, false)?,
+            None => self.evaluate(batches)?,
         };
         let train_s = metrics.train_s;
         let samples_per_s = metrics.total_samples / train_s.max(1e-9);
@@ -369,13 +369,10 @@ impl Trainer<'_> {
         Ok((r.loss_sum, r.samples, r.stop))
     }
 
-    /// Evaluates on the whole evaluation split, or (`periodic`: the `eval_every` ones) on
-    /// `train.eval_batches` batches of it when set.
-    fn evaluate(
-        &self,
-        batches: &dyn BatchSource,
-        periodic: bool,
-    ) -> Result<EvalResult, TrainError> {
+    /// Evaluates on the whole evaluation split, or on `train.eval_batches` batches of it when
+    /// set (every evaluation alike, as nanoGPT's `eval_iters` or Lightning's
+    /// `limit_val_batches`: a large corpus's split is never scored whole unless asked).
+    fn evaluate(&self, batches: &dyn BatchSource) -> Result<EvalResult, TrainError> {
         let t = &self.spec.train;
         evaluate(
             self.model.as_ref(),
@@ -383,7 +380,7 @@ impl Trainer<'_> {
             self.data.eval_len(),
             self.comm,
             t.eval_batch_size,
-            t.eval_batches.filter(|_| periodic),
+            t.eval_batches,
             shards::ShardPool::for_device(&self.device),
         )
     }

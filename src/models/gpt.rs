@@ -10,6 +10,7 @@
 
 mod attention;
 mod dropout;
+mod head;
 mod ops;
 #[cfg(test)]
 mod tests;
@@ -195,10 +196,14 @@ impl Gpt {
 
     /// Final LayerNorm, then logits x·wteᵀ in f32.
     fn head(&self, x: &Tensor) -> Result<Tensor> {
-        let x = self.ln_f.forward(x)?;
+        self.project(&self.ln_f.forward(x)?)
+    }
+
+    /// Logits x·wteᵀ in f32 of the final LayerNorm's output `x`.
+    fn project(&self, x: &Tensor) -> Result<Tensor> {
         let wte = self.wte.as_tensor();
-        if self.compute == DType::F32 && kernels::applies(&x) {
-            return kernels::linear(&x, wte, &self.head_bias, false);
+        if self.compute == DType::F32 && kernels::applies(x) {
+            return kernels::linear(x, wte, &self.head_bias, false);
         }
         let dt = self.compute;
         x.to_dtype(dt)?
@@ -210,6 +215,39 @@ impl Gpt {
 impl Model for Gpt {
     /// Token ids [n, t] (t ≤ block_size) → f32 logits [n, t, vocab].
     fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
+        let (n, t) = xs.dims2()?;
+        self.head(&self.trunk(xs, mode)?)?
+            .reshape((n, t, self.config.vocab_size))
+    }
+
+    /// On the CPU in f32, the output projection and the cross-entropy run as one op that
+    /// never holds all the logits (see `head`).
+    fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
+        let x = self.ln_f.forward(&self.trunk(xs, mode)?)?;
+        let wte = self.wte.as_tensor();
+        if self.compute == DType::F32 && head::applies(&x, wte) {
+            return head::loss(&x, wte, &targets.flatten_all()?);
+        }
+        crate::task::cross_entropy(&self.project(&x)?, targets)
+    }
+
+    fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
+        let x = self.ln_f.forward(&self.trunk(xs, &Mode::Eval)?)?;
+        let wte = self.wte.as_tensor();
+        if self.compute == DType::F32 && head::applies(&x, wte) {
+            return head::score(&x, wte, &targets.flatten_all()?);
+        }
+        crate::task::loss_sum_and_correct(&self.project(&x)?, targets)
+    }
+
+    fn params(&self) -> &Params {
+        &self.params
+    }
+}
+
+impl Gpt {
+    /// Token ids [n, t] (t ≤ block_size) → the last block's output [n·t, C], before ln_f.
+    fn trunk(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
         let (n, t) = xs.dims2()?;
         let c = self.config.n_embd;
         if t == 0 || t > self.config.block_size {
@@ -239,11 +277,7 @@ impl Model for Gpt {
             let y = block.mlp(&x, self.compute)?.to_dtype(DType::F32)?;
             x = (&x + drop(y, 2 + 2 * i)?)?;
         }
-        self.head(&x)?.reshape((n, t, self.config.vocab_size))
-    }
-
-    fn params(&self) -> &Params {
-        &self.params
+        Ok(x)
     }
 }
 

@@ -21,6 +21,17 @@ pub use mlp::Mlp;
 pub trait Model: Send + Sync {
     fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor>;
     fn params(&self) -> &Params;
+
+    /// Mean cross-entropy of the logits for `xs` against integer `targets`, differentiable.
+    /// A model may override it to compute the loss without holding all the logits at once.
+    fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
+        crate::task::cross_entropy(&self.forward(xs, mode)?, targets)
+    }
+
+    /// Σ cross-entropy and the number of targets predicted exactly, for evaluation.
+    fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
+        crate::task::loss_sum_and_correct(&self.forward(xs, &Mode::Eval)?, targets)
+    }
 }
 
 /// How a forward pass runs: evaluation, or training with the seeds of its random choices.

@@ -2,8 +2,8 @@
 //! correct predictions per target are all-reduced, so every target counts exactly once.
 
 use crate::comm::Communicator;
-use crate::models::{Mode, Model};
-use crate::task::{BatchSource, loss_sum_and_correct};
+use crate::models::Model;
+use crate::task::BatchSource;
 
 use super::TrainError;
 use super::shards::ShardPool;
@@ -41,8 +41,7 @@ pub fn evaluate(
                 xs.narrow(0, r.start, r.len())?,
                 ys.narrow(0, r.start, r.len())?,
             );
-            let logits = model.forward(&xs, &Mode::Eval)?;
-            let (loss, correct) = loss_sum_and_correct(&logits, &ys)?;
+            let (loss, correct) = model.score(&xs, &ys)?;
             Ok([loss, correct as f64, ys.elem_count() as f64])
         };
         let parts = match shards {

@@ -9,7 +9,6 @@ use candle_core::{DType, Device, Tensor};
 use crate::comm::{CommError, Communicator, average_gradients};
 use crate::models::{Mode, Model};
 use crate::optim::{Optimizer, clip_grad_norm};
-use crate::task::cross_entropy;
 
 use super::shards::ShardPool;
 
@@ -135,8 +134,7 @@ fn shard_forward_backward(
     n_step: usize,
 ) -> Result<ShardResult, StepError> {
     let started = Instant::now();
-    let logits = model.forward(&batch.inputs, &batch.mode)?;
-    let loss = cross_entropy(&logits, &batch.targets)?;
+    let loss = model.loss(&batch.inputs, &batch.targets, &batch.mode)?;
     let forward = started.elapsed();
     let store = (&loss * (n as f64 / n_step as f64))?.backward()?;
     let grads = model

@@ -64,7 +64,7 @@ struct AttentionOp {
 
 /// A strided matrix inside `data`: element (i, j) at `i · rs + j · cs`.
 #[derive(Clone, Copy)]
-struct View<'a> {
+pub(super) struct View<'a> {
     data: &'a [f32],
     rows: usize,
     cols: usize,
@@ -74,7 +74,7 @@ struct View<'a> {
 
 impl<'a> View<'a> {
     /// Rows of `cols` values `rs` apart, starting at `data[start]`.
-    fn rows(data: &'a [f32], start: usize, rows: usize, cols: usize, rs: usize) -> Self {
+    pub(super) fn rows(data: &'a [f32], start: usize, rows: usize, cols: usize, rs: usize) -> Self {
         let v = View {
             data: &data[start..],
             rows,
@@ -86,7 +86,7 @@ impl<'a> View<'a> {
         v
     }
 
-    fn t(self) -> Self {
+    pub(super) fn t(self) -> Self {
         View {
             rows: self.cols,
             cols: self.rows,
@@ -105,6 +105,11 @@ impl<'a> View<'a> {
 
 /// `dst` (rows `rs` apart) = a·b, single-threaded (the callers run one task per sequence).
 fn matmul(dst: &mut [f32], rs: usize, a: View, b: View) {
+    gemm_into(dst, rs, a, b, false)
+}
+
+/// `dst` (rows `rs` apart) = a·b, or += a·b when `accumulate`; single-threaded.
+pub(super) fn gemm_into(dst: &mut [f32], rs: usize, a: View, b: View, accumulate: bool) {
     assert_eq!(a.cols, b.rows, "attention: inner dimensions differ");
     let out = View {
         data: dst,
@@ -125,14 +130,14 @@ fn matmul(dst: &mut [f32], rs: usize, a: View, b: View) {
             dst.as_mut_ptr(),
             1,
             rs as isize,
-            false,
+            accumulate,
             a.data.as_ptr(),
             a.cs as isize,
             a.rs as isize,
             b.data.as_ptr(),
             b.cs as isize,
             b.rs as isize,
-            0.0,
+            if accumulate { 1.0 } else { 0.0 },
             1.0,
             false,
             false,

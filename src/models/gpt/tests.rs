@@ -412,3 +412,42 @@ fn a_tiny_gpt_learns_a_repeating_sequence() {
         .unwrap();
     assert!(last < 0.3, "loss {first} -> {last}");
 }
+
+#[test]
+fn fused_head_loss_matches_logits_and_cross_entropy_with_gradients() {
+    let dev = Device::Cpu;
+    // 70 rows: two whole chunks of logits and a partial one; 37 symbols.
+    let (rows, channels, vocab) = (70, 16, 37);
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1., (rows, channels), &dev).unwrap()).unwrap();
+    let w = Var::from_tensor(&Tensor::randn(0f32, 0.5, (vocab, channels), &dev).unwrap()).unwrap();
+    let ids: Vec<u32> = (0..rows as u32)
+        .map(|i| (i * 7 + 3) % vocab as u32)
+        .collect();
+    let targets = Tensor::new(ids.as_slice(), &dev).unwrap();
+    let composed_logits = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
+    let run = |loss: Tensor| {
+        let grads = (&loss * 3.0).unwrap().backward().unwrap();
+        vec![
+            values(&loss.reshape(1).unwrap()),
+            values(grads.get(x.as_tensor()).unwrap()),
+            values(grads.get(w.as_tensor()).unwrap()),
+        ]
+    };
+    let fused = run(head::loss(x.as_tensor(), w.as_tensor(), &targets).unwrap());
+    let composed = run(crate::task::cross_entropy(&composed_logits, &targets).unwrap());
+    for (i, (a, b)) in fused.iter().zip(&composed).enumerate() {
+        let diff = max_diff(a, b);
+        assert!(
+            diff < 1e-5,
+            "output {i} (0: loss, 1: dx, 2: dw) differs by {diff}"
+        );
+    }
+    let (sum, correct) = head::score(x.as_tensor(), w.as_tensor(), &targets).unwrap();
+    let (sum2, correct2) = crate::task::loss_sum_and_correct(&composed_logits, &targets).unwrap();
+    assert!((sum - sum2).abs() < 1e-3, "{sum} vs {sum2}");
+    assert_eq!(correct, correct2);
+    let outside = Tensor::new(&[0u32, vocab as u32], &dev).unwrap();
+    let two = x.as_tensor().narrow(0, 0, 2).unwrap();
+    let err = head::loss(&two, w.as_tensor(), &outside).unwrap_err();
+    assert!(err.to_string().contains("target 37 is outside"), "{err}");
+}

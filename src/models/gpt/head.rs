@@ -1,0 +1,229 @@
+//! The tied output projection and the cross-entropy over the vocabulary as one op (CPU, f32):
+//! logits are made and consumed a few rows at a time, never held as a whole [n, vocab] tensor,
+//! and the backward recomputes each chunk's logits instead of keeping them. With GPT-2's 50,304
+//! tokens, 1,024 positions would otherwise hold 206 MB of logits, and as much again for each
+//! intermediate of the softmax and its gradient (Liger-Kernel's "fused linear cross-entropy").
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor, bail};
+use rayon::prelude::*;
+
+use super::attention::{View, gemm_into};
+use super::ops::{exp, max, sum_map, values, with_values};
+
+/// Rows whose logits are made at once: 32 × 50,304 floats is 6 MB.
+const CHUNK: usize = 32;
+
+/// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C]) against `targets` [n] (u32),
+/// differentiable in `x` and `w`. CPU f32 only (see [`applies`]).
+pub fn loss(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op3(&w.contiguous()?, &targets.contiguous()?, HeadLossOp)
+}
+
+/// Σ cross-entropy and the number of targets that are the logits' argmax (evaluation).
+pub fn score(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
+    let ids = ids(targets)?;
+    with_values(x, |x| {
+        with_values(w, |w| {
+            let dims = Dims::of(x.len(), w.len(), ids.len())?;
+            check_targets(&ids, dims.vocab)?;
+            let parts: Vec<(f64, usize)> = (0..ids.len().div_ceil(CHUNK))
+                .into_par_iter()
+                .map(|c| {
+                    let (rows, logits) = dims.logits(x, w, c);
+                    let mut sums = (0.0, 0);
+                    for (row, &target) in logits.chunks_exact(dims.vocab).zip(&ids[rows]) {
+                        sums.0 += (log_sum_exp(row) - row[target]) as f64;
+                        let best = row
+                            .iter()
+                            .enumerate()
+                            .fold(0, |b, (i, &v)| if v > row[b] { i } else { b });
+                        sums.1 += usize::from(best == target);
+                    }
+                    sums
+                })
+                .collect();
+            Ok(parts.iter().fold((0.0, 0), |a, p| (a.0 + p.0, a.1 + p.1)))
+        })
+    })
+}
+
+/// Whether the fused op can run: f32 values on the CPU.
+pub fn applies(x: &Tensor, w: &Tensor) -> bool {
+    crate::kernels::applies(x) && crate::kernels::applies(w)
+}
+
+struct HeadLossOp;
+
+#[derive(Clone, Copy)]
+struct Dims {
+    rows: usize,
+    channels: usize,
+    vocab: usize,
+}
+
+impl Dims {
+    fn of(x_len: usize, w_len: usize, rows: usize) -> Result<Dims> {
+        let channels = x_len.checked_div(rows).unwrap_or(0);
+        if rows == 0 || channels == 0 || x_len != rows * channels || w_len % channels != 0 {
+            bail!("head loss: {x_len} inputs for {rows} targets and {w_len} weights do not fit");
+        }
+        Ok(Dims {
+            rows,
+            channels,
+            vocab: w_len / channels,
+        })
+    }
+
+    /// The rows of chunk `c` and their logits [rows, vocab].
+    fn logits(&self, x: &[f32], w: &[f32], c: usize) -> (std::ops::Range<usize>, Vec<f32>) {
+        let (start, end) = (c * CHUNK, ((c + 1) * CHUNK).min(self.rows));
+        let mut logits = vec![0f32; (end - start) * self.vocab];
+        let xs = View::rows(
+            x,
+            start * self.channels,
+            end - start,
+            self.channels,
+            self.channels,
+        );
+        let wt = View::rows(w, 0, self.vocab, self.channels, self.channels).t();
+        gemm_into(&mut logits, self.vocab, xs, wt, false);
+        (start..end, logits)
+    }
+}
+
+/// ln Σ exp(v), stable.
+fn log_sum_exp(row: &[f32]) -> f32 {
+    let m = max(row);
+    m + sum_map(row, |v| exp(v - m)).ln()
+}
+
+/// The target ids as indices.
+fn ids(targets: &Tensor) -> Result<Vec<usize>> {
+    let t = targets.flatten_all()?.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        bail!("head loss runs on the CPU only")
+    };
+    ids_of(cpu, layout)
+}
+
+fn ids_of(storage: &CpuStorage, layout: &Layout) -> Result<Vec<usize>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("head loss needs contiguous targets")
+    };
+    Ok(match storage {
+        CpuStorage::U32(v) => v[start..end].iter().map(|&i| i as usize).collect(),
+        CpuStorage::I64(v) => v[start..end].iter().map(|&i| i.max(0) as usize).collect(),
+        _ => bail!("head loss: targets must be u32 or i64"),
+    })
+}
+
+impl CustomOp3 for HeadLossOp {
+    fn name(&self) -> &'static str {
+        "ddpjob-gpt-head-loss"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        w: &CpuStorage,
+        w_layout: &Layout,
+        t: &CpuStorage,
+        t_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w, ids) = (
+            values(x, x_layout)?,
+            values(w, w_layout)?,
+            ids_of(t, t_layout)?,
+        );
+        let dims = Dims::of(x.len(), w.len(), ids.len())?;
+        check_targets(&ids, dims.vocab)?;
+        let parts: Vec<f32> = (0..dims.rows.div_ceil(CHUNK))
+            .into_par_iter()
+            .map(|c| {
+                let (rows, logits) = dims.logits(x, w, c);
+                let rows = logits.chunks_exact(dims.vocab).zip(&ids[rows]);
+                rows.map(|(row, &t)| log_sum_exp(row) - row[t]).sum::<f32>()
+            })
+            .collect();
+        // Chunk sums added in order: the same loss whatever the number of threads.
+        let mean = parts.iter().sum::<f32>() / dims.rows as f32;
+        Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
+    }
+
+    /// d logits = (softmax - one-hot(target)) · g / n; dx = d logits · w, dw = d logitsᵀ · x.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+        _loss: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let ids = ids(targets)?;
+        let g = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+        let (dx, dw) = with_values(x, |xv| {
+            with_values(w, |wv| {
+                let dims = Dims::of(xv.len(), wv.len(), ids.len())?;
+                let scale = g / dims.rows as f32;
+                let mut dx = vec![0f32; xv.len()];
+                // One dw per contiguous group of chunks (one per thread), added in order.
+                let chunks = dims.rows.div_ceil(CHUNK);
+                let groups = rayon::current_num_threads().min(chunks).max(1);
+                let per_group = chunks.div_ceil(groups);
+                let partial_dw: Vec<Vec<f32>> = dx
+                    .par_chunks_mut(per_group * CHUNK * dims.channels)
+                    .enumerate()
+                    .map(|(gi, dx)| {
+                        let mut dw = vec![0f32; wv.len()];
+                        let first = gi * per_group;
+                        for c in first..(first + per_group).min(chunks) {
+                            let (rows, mut dl) = dims.logits(xv, wv, c);
+                            for (row, &t) in dl.chunks_exact_mut(dims.vocab).zip(&ids[rows.clone()])
+                            {
+                                let lse = log_sum_exp(row);
+                                row.iter_mut().for_each(|v| *v = exp(*v - lse) * scale);
+                                row[t] -= scale;
+                            }
+                            let n = rows.len();
+                            let dl_view = View::rows(&dl, 0, n, dims.vocab, dims.vocab);
+                            let local = (rows.start - first * CHUNK) * dims.channels;
+                            let w_view =
+                                View::rows(wv, 0, dims.vocab, dims.channels, dims.channels);
+                            gemm_into(&mut dx[local..], dims.channels, dl_view, w_view, false);
+                            let x_view = View::rows(
+                                xv,
+                                rows.start * dims.channels,
+                                n,
+                                dims.channels,
+                                dims.channels,
+                            );
+                            gemm_into(&mut dw, dims.channels, dl_view.t(), x_view, true);
+                        }
+                        dw
+                    })
+                    .collect();
+                let mut parts = partial_dw.into_iter();
+                let mut dw = parts.next().unwrap_or_else(|| vec![0f32; wv.len()]);
+                for part in parts {
+                    dw.iter_mut().zip(part).for_each(|(d, p)| *d += p);
+                }
+                Ok((dx, dw))
+            })
+        })?;
+        Ok((
+            Some(Tensor::from_vec(dx, x.shape(), x.device())?),
+            Some(Tensor::from_vec(dw, w.shape(), w.device())?),
+            None,
+        ))
+    }
+}
+
+fn check_targets(ids: &[usize], vocab: usize) -> Result<()> {
+    match ids.iter().find(|&&t| t >= vocab) {
+        Some(t) => bail!("head loss: target {t} is outside the vocabulary of {vocab}"),
+        None => Ok(()),
+    }
+}

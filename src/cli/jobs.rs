@@ -147,6 +147,18 @@ fn text_windows(spec: &config::JobSpec) -> Result<(usize, String), crate::data::
     {
         return Ok((0, format!("`{}` not downloaded yet", t.path.display())));
     }
+    // Token files are made by the user's own preparation step; the config is still checked.
+    if let DatasetKind::Tokens(t) = &spec.data.dataset
+        && !t.train_path.is_file()
+    {
+        return Ok((
+            0,
+            format!(
+                "`{}` not found: prepare the token files before `run`",
+                t.train_path.display()
+            ),
+        ));
+    }
     let task = crate::task::load(spec, None)?;
     let windows = task.train_len();
     Ok((

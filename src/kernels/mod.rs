@@ -52,7 +52,7 @@ pub fn max_pool2_with_ops(x: &Tensor) -> Result<Tensor> {
 }
 
 /// The f32 values a contiguous CPU storage holds for `layout`.
-fn values<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
+pub(crate) fn values<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
     let all = storage.as_slice::<f32>()?;
     match layout.contiguous_offsets() {
         Some((start, end)) => Ok(&all[start..end]),
@@ -61,7 +61,7 @@ fn values<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
 }
 
 /// Runs `f` on the f32 values of a CPU tensor (made contiguous first).
-fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+pub(crate) fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
     match &*storage {

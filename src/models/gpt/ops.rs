@@ -5,7 +5,7 @@
 //! composed from candle's differentiable ops, which the tests check the fused ones against.
 
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp3, D, DType, Layout, Result, Shape, Storage, Tensor, bail,
+    CpuStorage, CustomOp1, CustomOp3, D, DType, Layout, Result, Shape, Tensor, bail,
 };
 use rayon::prelude::*;
 
@@ -57,23 +57,8 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     x.gelu_erf()
 }
 
-/// The f32 values of a contiguous CPU storage.
-pub(super) fn values<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&storage.as_slice::<f32>()?[start..end]),
-        None => bail!("gpt ops need contiguous inputs"),
-    }
-}
-
-/// Runs `f` on the f32 values of a CPU tensor (made contiguous first).
-pub(super) fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(cpu) => f(values(cpu, layout)?),
-        _ => bail!("gpt ops run on the CPU only"),
-    }
-}
+/// The kernels' accessors of f32 CPU values, shared by the GPT's ops.
+pub(super) use crate::kernels::{values, with_values};
 
 /// Rows handed to one rayon task: below this a fork costs more than it saves.
 pub(super) const ROWS_PER_TASK: usize = 64;

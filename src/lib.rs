@@ -21,6 +21,7 @@ pub mod jobdir;
 pub mod kernels;
 pub mod launch;
 pub mod models;
+pub mod numerics;
 pub mod optim;
 pub mod progress;
 pub mod report;

@@ -35,6 +35,8 @@ pub struct StepBench {
     pub accumulation: usize,
     pub optimizer: String,
     pub threads: usize,
+    /// Whether subnormal floats were flushed to zero (`train.flush_denormals`).
+    pub flush_denormals: bool,
     pub device: String,
     pub steps: usize,
     pub warmup: usize,
@@ -52,6 +54,8 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     if options.steps == 0 {
         return Err(BenchError::Usage("--steps must be at least 1".into()));
     }
+    // As a worker does, before any thread starts (threads inherit the mode).
+    crate::numerics::set_for_this_thread(spec.train.flush_denormals);
     use_threads(options.threads)?;
     crate::kernels::keep_freed_memory();
     let device = Device::Cpu;
@@ -110,6 +114,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         accumulation: t.accumulation,
         optimizer: t.optimizer.name().to_string(),
         threads: options.threads,
+        flush_denormals: spec.train.flush_denormals && crate::numerics::flushing(),
         device: "cpu".into(),
         steps: options.steps,
         warmup: options.warmup,

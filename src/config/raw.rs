@@ -160,6 +160,7 @@ pub struct RawTrain {
     pub eval_batches: i64,
     pub log_every: i64,
     pub precision: String,
+    pub flush_denormals: bool,
     pub scheduler: RawScheduler,
 }
 
@@ -183,6 +184,7 @@ impl Default for RawTrain {
             eval_batches: 0,
             log_every: 50,
             precision: "f32".into(),
+            flush_denormals: true,
             scheduler: RawScheduler::default(),
         }
     }

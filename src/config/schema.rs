@@ -258,6 +258,11 @@ pub const KEYS: &[KeySpec] = &[
         Kind::Str,
         "\"f32\" or \"bf16\" (bf16 forward and backward, f32 weights, optimizer and all-reduce)",
     ),
+    key(
+        "train.flush_denormals",
+        Kind::Bool,
+        "CPU workers flush subnormal floats to zero (FTZ/DAZ), as torch.set_flush_denormal(True); false keeps IEEE subnormals, which x86 computes many times slower",
+    ),
     key("train.scheduler", Kind::Table, "learning-rate schedule"),
     key(
         "train.scheduler.kind",

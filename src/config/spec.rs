@@ -260,6 +260,8 @@ pub struct TrainSpec {
     pub log_every: usize,
     pub schedule: ScheduleSpec,
     pub precision: Precision,
+    /// CPU threads flush subnormal results and inputs to zero (`train.flush_denormals`).
+    pub flush_denormals: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]

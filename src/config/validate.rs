@@ -577,6 +577,7 @@ fn check_train(c: &mut Checker, raw: &RawConfig) -> TrainSpec {
     let precision = check_precision(c, raw);
     TrainSpec {
         precision,
+        flush_denormals: t.flush_denormals,
         epochs: c.at_least("train.epochs", t.epochs, 1),
         batch_size: c.at_least("train.batch_size", t.batch_size, 1),
         accumulation: c.at_least("train.accumulation", t.accumulation, 1),

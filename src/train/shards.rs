@@ -50,6 +50,11 @@ impl ShardPool {
         Some(ShardPool { pools })
     }
 
+    /// The pools, one per shard.
+    pub fn pools(&self) -> impl Iterator<Item = &ThreadPool> {
+        self.pools.iter()
+    }
+
     /// The shards `rows` rows are cut into: as many as there are threads (at most one per
     /// row), contiguous, the first ones one row longer when they do not divide evenly.
     pub fn split(&self, rows: usize) -> Vec<Range<usize>> {

@@ -101,6 +101,8 @@ pub fn run() -> Result<bool, WorkerError> {
         root: env.job_dir.clone(),
     };
     let spec = config::load(&job.job_toml(), &[])?.spec;
+    // Before this process starts any thread: threads inherit the mode of their creator.
+    crate::numerics::set_for_this_thread(spec.train.flush_denormals);
     let timeout = Duration::from_secs(spec.distributed.timeout_s);
 
     let store = StoreClient::connect(&env.master(), &env.token, timeout)?;
@@ -360,6 +362,11 @@ fn train(
         data.train_len(),
         data.eval_len()
     ));
+    if device.is_cpu() {
+        let shards = crate::train::shards::ShardPool::for_device(&device);
+        let pools: Vec<_> = shards.into_iter().flat_map(|s| s.pools()).collect();
+        reporter.line(&crate::numerics::report(spec.train.flush_denormals, &pools));
+    }
     let mut trainer = Trainer {
         spec,
         data,

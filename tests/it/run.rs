@@ -184,3 +184,45 @@ fn mid_epoch_checkpoints_are_written_and_pruned() {
         (Some(1), Some(14))
     );
 }
+
+#[test]
+fn cpu_workers_flush_subnormals_unless_the_config_says_not_to() {
+    let t = TestJob::new();
+    let cfg = t.config("tiny", TINY);
+    let log = |job: &str, rank: usize| {
+        std::fs::read_to_string(t.job(job).join(format!("logs/rank-{rank}.log"))).unwrap()
+    };
+    t.run(&cfg, &["--nproc-per-node", "2"]).success();
+    for rank in 0..2 {
+        let log = log("tiny", rank);
+        assert!(
+            log.contains("subnormal floats flushed to zero on all"),
+            "rank {rank}: {log}"
+        );
+    }
+    t.run(
+        &cfg,
+        &[
+            "--nproc-per-node",
+            "2",
+            "--name",
+            "ieee",
+            "--set",
+            "train.flush_denormals=false",
+        ],
+    )
+    .success();
+    for rank in 0..2 {
+        let log = log("ieee", rank);
+        let counts = log
+            .split("kept as IEEE subnormals on ")
+            .nth(1)
+            .and_then(|rest| rest.split(" threads").next())
+            .unwrap_or_else(|| panic!("rank {rank}: {log}"));
+        let (kept, of) = counts.split_once(" of ").unwrap();
+        assert_eq!(
+            kept, of,
+            "rank {rank}: every thread keeps subnormals: {log}"
+        );
+    }
+}

@@ -47,6 +47,15 @@ pub struct StepBench {
     pub forward_ms: f64,
     pub backward_ms: f64,
     pub update_ms: f64,
+    /// Training operations per sample (matrix products and convolutions, see
+    /// `Model::train_flops_per_sample`), when the model knows them.
+    pub train_flops_per_sample: Option<f64>,
+    /// GFLOP/s the steps reached: `train_flops_per_sample` × `samples_per_s`.
+    pub achieved_gflops: Option<f64>,
+    /// This machine's f32 matrix-product rate with the same threads, measured after the steps.
+    pub gemm_peak_gflops: f64,
+    /// `achieved_gflops` / `gemm_peak_gflops`: how close the step is to the arithmetic limit.
+    pub fraction_of_peak: Option<f64>,
 }
 
 /// Times `options.steps` steps of `spec`'s model after `options.warmup` untimed ones.
@@ -106,6 +115,10 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     let total: Duration = times.iter().sum();
     times.sort();
     let samples = t.batch_size * t.accumulation;
+    let samples_per_s = (samples * options.steps) as f64 / total.as_secs_f64().max(1e-12);
+    let flops = model.train_flops_per_sample();
+    let achieved_gflops = flops.map(|f| f * samples_per_s / 1e9);
+    let gemm_peak_gflops = crate::kernels::gemm_rate(PEAK_SIZE, PEAK_REPS) / 1e9;
     let per_step = |d: Duration| d.as_secs_f64() * 1e3 / phase_steps as f64;
     Ok(StepBench {
         model: spec.model.describe(),
@@ -120,12 +133,21 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         warmup: options.warmup,
         step_ms_median: times[times.len() / 2].as_secs_f64() * 1e3,
         step_ms_mean: total.as_secs_f64() * 1e3 / options.steps as f64,
-        samples_per_s: (samples * options.steps) as f64 / total.as_secs_f64().max(1e-12),
+        samples_per_s,
         forward_ms: per_step(phases.forward),
         backward_ms: per_step(phases.backward),
         update_ms: per_step(phases.sync + phases.update),
+        train_flops_per_sample: flops,
+        achieved_gflops,
+        gemm_peak_gflops,
+        fraction_of_peak: achieved_gflops.map(|a| a / gemm_peak_gflops),
     })
 }
+
+/// The peak's product: large enough for the gemm crate's full speed, short enough (about 2
+/// GFLOP) to take a few tenths of a second in all.
+const PEAK_SIZE: usize = 1024;
+const PEAK_REPS: usize = 8;
 
 /// Sizes rayon's pool (which the kernels and candle's matrix products share) and tells candle.
 fn use_threads(threads: usize) -> Result<(), BenchError> {
@@ -196,9 +218,30 @@ fn random_batch(
 
 /// A table for a terminal.
 pub fn step_table(r: &StepBench) -> String {
-    format!(
+    let arithmetic = match (
+        r.train_flops_per_sample,
+        r.achieved_gflops,
+        r.fraction_of_peak,
+    ) {
+        (Some(flops), Some(achieved), Some(fraction)) => format!(
+            "# arithmetic: {:.1} MFLOP per sample -> {achieved:.1} GFLOP/s of this machine's \
+             measured f32 GEMM peak, {:.1} GFLOP/s with {} thread(s): {:.1}% (limit {:.0} \
+             samples/s)\n",
+            flops / 1e6,
+            r.gemm_peak_gflops,
+            r.threads,
+            100.0 * fraction,
+            r.gemm_peak_gflops * 1e9 / flops,
+        ),
+        _ => format!(
+            "# arithmetic: this model's FLOPs are not known; measured f32 GEMM peak {:.1} \
+             GFLOP/s with {} thread(s)\n",
+            r.gemm_peak_gflops, r.threads
+        ),
+    };
+    let table = format!(
         "# training step: {} ({} parameters), {}, batch {} x accumulation {}, 1 process x {} \
-         thread(s), {}; {} steps after {} warm-up\n\
+         thread(s), {}, {}; {} steps after {} warm-up\n\
          {:>14} {:>14} {:>12} {:>11} {:>12} {:>10}\n\
          {:>14.2} {:>14.2} {:>12.0} {:>11.2} {:>12.2} {:>10.2}\n",
         r.model,
@@ -208,6 +251,11 @@ pub fn step_table(r: &StepBench) -> String {
         r.accumulation,
         r.threads,
         r.device,
+        if r.flush_denormals {
+            "subnormals flushed to zero"
+        } else {
+            "IEEE subnormals"
+        },
         r.steps,
         r.warmup,
         "step ms median",
@@ -222,5 +270,6 @@ pub fn step_table(r: &StepBench) -> String {
         r.forward_ms,
         r.backward_ms,
         r.update_ms,
-    )
+    );
+    table + &arithmetic
 }

@@ -155,6 +155,26 @@ fn gemm(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool, threads: usize) {
     });
 }
 
+/// This machine's f32 matrix-product rate in operations per second, as the kernels reach it
+/// with rayon's pool: the best of `reps` timed `size`×`size`×`size` products (after one
+/// untimed), each thread packing and multiplying its own block, as training's shards do.
+pub fn gemm_rate(size: usize, reps: usize) -> f64 {
+    let a: Vec<f32> = (0..size * size).map(|i| (i % 7) as f32 * 0.25).collect();
+    let b: Vec<f32> = (0..size * size).map(|i| (i % 5) as f32 * 0.5).collect();
+    let mut c = vec![0f32; size * size];
+    let (a, b) = (Mat::new(&a, size, size), Mat::new(&b, size, size));
+    gemm(&mut c, a, b, false, threads());
+    let best = (0..reps.max(1))
+        .map(|_| {
+            let started = std::time::Instant::now();
+            gemm(&mut c, a, b, false, threads());
+            started.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    std::hint::black_box(&c);
+    2.0 * (size as f64).powi(3) / best.max(1e-9)
+}
+
 /// The least work (floating-point operations) worth a thread of its own in [`gemm`].
 const MIN_FLOPS_PER_THREAD: usize = 16_000_000;
 

@@ -65,6 +65,9 @@ fn conv2d_matches_candle_over_shapes_strides_and_padding() {
         (1, 2, 5, 5, 2, 5, 1, 2, false, Pooling::None),
         (2, 3, 12, 9, 4, 2, 3, 2, true, Pooling::None),
         (5, 2, 9, 9, 3, 3, 1, 1, false, Pooling::Max2),
+        // Larger: more channels and output rows, odd sizes, padding.
+        (2, 16, 26, 26, 8, 3, 1, 1, true, Pooling::Max2),
+        (1, 20, 33, 30, 4, 5, 1, 2, false, Pooling::None),
     ];
     for (case, &(n, c, h, w, o, k, stride, padding, relu, pooling)) in cases.iter().enumerate() {
         let x = random(&mut rng, &[n, c, h, w]);

@@ -12,6 +12,8 @@ pub struct Cnn {
     fc1: Linear,
     fc2: Linear,
     params: Params,
+    /// Forward operations per sample of conv1, conv2, fc1, fc2.
+    forward_flops: [f64; 4],
 }
 
 impl Cnn {
@@ -23,12 +25,22 @@ impl Cnn {
         let conv2 = init.conv2d("conv2", 32, 64, 3)?;
         let fc1 = init.linear("fc1", flat, 128)?;
         let fc2 = init.linear("fc2", 128, classes)?;
+        // A k×k convolution costs 2·c·k·k operations per output value.
+        let conv =
+            |c: usize, o: usize, side: usize| (2 * c * 9 * o * (h - side) * (w - side)) as f64;
+        let forward_flops = [
+            conv(c, 32, 2),
+            conv(32, 64, 4),
+            (2 * flat * 128) as f64,
+            (2 * 128 * classes) as f64,
+        ];
         Ok(Cnn {
             conv1,
             conv2,
             fc1,
             fc2,
             params: init.finish(),
+            forward_flops,
         })
     }
 }
@@ -43,6 +55,10 @@ impl Model for Cnn {
 
     fn params(&self) -> &Params {
         &self.params
+    }
+
+    fn train_flops_per_sample(&self) -> Option<f64> {
+        Some(super::chain_train_flops(&self.forward_flops))
     }
 }
 
@@ -65,5 +81,11 @@ mod tests {
             &Mode::Eval,
         );
         assert_eq!(out.unwrap().dims(), &[2, 10]);
+        // Forward: conv1 2·9·32·26², conv2 2·288·64·24², fc1 2·9216·128, fc2 2·128·10; backward
+        // twice that, less conv1's input gradient: the ≈ 71.6 MFLOP of the estimate.
+        let forward = [389_376.0, 21_233_664.0, 2_359_296.0, 2_560.0];
+        let expected = 3.0 * forward.iter().sum::<f64>() - forward[0];
+        assert_eq!(cnn.train_flops_per_sample(), Some(expected));
+        assert_eq!(expected, 71_565_312.0);
     }
 }

@@ -243,6 +243,17 @@ impl Model for Gpt {
     fn params(&self) -> &Params {
         &self.params
     }
+
+    /// nanoGPT's `estimate_mfu` count (the PaLM paper's): 6 operations per parameter per
+    /// token, position embeddings excepted, plus 12·n_layer·n_embd·block_size per token for
+    /// attention's two products (the masked half counted, as there); times block_size tokens.
+    fn train_flops_per_sample(&self) -> Option<f64> {
+        let c = &self.config;
+        let n = (self.params.element_count() - self.wpe.elem_count()) as f64;
+        let t = c.block_size as f64;
+        let per_token = 6.0 * n + 12.0 * (c.n_layer * c.n_embd) as f64 * t;
+        Some(per_token * t)
+    }
 }
 
 impl Gpt {

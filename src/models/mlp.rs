@@ -48,6 +48,14 @@ impl Model for Mlp {
     fn params(&self) -> &Params {
         &self.params
     }
+
+    fn train_flops_per_sample(&self) -> Option<f64> {
+        let forward: Vec<f64> = (self.params.iter())
+            .filter(|(name, _)| name.ends_with(".weight"))
+            .map(|(_, w)| 2.0 * w.elem_count() as f64)
+            .collect();
+        Some(super::chain_train_flops(&forward))
+    }
 }
 
 #[cfg(test)]
@@ -73,6 +81,8 @@ mod tests {
             &Mode::Eval,
         );
         assert_eq!(out.unwrap().dims(), &[3, 10]);
+        // 3 × 2·(784·256 + 256·256 + 256·10), less fc1's input gradient 2·784·256.
+        assert_eq!(mlp.train_flops_per_sample(), Some(1_211_392.0));
         // Bound 1/sqrt(784): every fc1 weight lies inside it.
         let w = mlp
             .params()

@@ -32,6 +32,22 @@ pub trait Model: Send + Sync {
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
         crate::task::loss_sum_and_correct(&self.forward(xs, &Mode::Eval)?, targets)
     }
+
+    /// Floating-point operations of one sample's training forward and backward passes, by
+    /// the usual convention: 2 per multiply-add of the matrix products and convolutions
+    /// (forward, weight gradient, input gradient where one is needed), element-wise work
+    /// not counted. `bench step` divides the rate it reaches by the machine's measured GEMM
+    /// peak. `None`: not known for this model.
+    fn train_flops_per_sample(&self) -> Option<f64> {
+        None
+    }
+}
+
+/// [`Model::train_flops_per_sample`] of a chain of products whose forward passes cost
+/// `forward[i]` operations per sample: each costs as much again for its weight gradient and
+/// for its input gradient, except the first, whose input is data.
+pub fn chain_train_flops(forward: &[f64]) -> f64 {
+    3.0 * forward.iter().sum::<f64>() - forward.first().copied().unwrap_or(0.0)
 }
 
 /// How a forward pass runs: evaluation, or training with the seeds of its random choices.

@@ -43,6 +43,17 @@ fn bench_step_times_the_configured_model_and_reports_json() {
         .map(|k| r[k].as_f64().unwrap())
         .sum();
     assert!(phases > 0.0, "{r}");
+    // How close to the arithmetic limit: 3 × 2·(64·32 + 32·4) less fc1's input gradient.
+    assert_eq!(r["train_flops_per_sample"], 8960.0);
+    let peak = r["gemm_peak_gflops"].as_f64().unwrap();
+    let achieved = r["achieved_gflops"].as_f64().unwrap();
+    assert!(
+        peak > 0.1,
+        "a GEMM peak below 0.1 GFLOP/s is no measurement: {r}"
+    );
+    assert!((achieved / (8960.0 * rate / 1e9) - 1.0).abs() < 1e-6, "{r}");
+    assert!((r["fraction_of_peak"].as_f64().unwrap() - achieved / peak).abs() < 1e-9);
+    assert_eq!(r["flush_denormals"], true);
 
     let table = t.ddpjob(&[
         "bench",
@@ -61,6 +72,11 @@ fn bench_step_times_the_configured_model_and_reports_json() {
         table.stdout
     );
     assert!(table.stdout.contains("samples/s"), "{}", table.stdout);
+    assert!(
+        table.stdout.contains("# arithmetic: 2.0 MFLOP per sample"),
+        "{}",
+        table.stdout
+    );
 }
 
 #[test]

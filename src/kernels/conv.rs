@@ -7,7 +7,6 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
 
-use super::linear::relu_in_place;
 use super::{Mat, gemm, per_sample, sum_parts, values, with_values};
 
 /// Stride and zero padding, the same along both spatial axes (dilation 1, one group).
@@ -247,18 +246,25 @@ impl ConvOp {
     /// relu(W·cols + b) for one sample into `z` [o, l].
     fn conv_one(&self, x: &[f32], w: &[f32], b: &[f32], d: &Dims, cols: &mut [f32], z: &mut [f32]) {
         im2col(x, d, cols);
-        for (row, bias) in z.chunks_exact_mut(d.l).zip(b) {
-            row.fill(*bias);
-        }
         gemm(
             z,
             Mat::new(w, d.o, d.ckk),
             Mat::new(cols, d.ckk, d.l),
-            true,
+            false,
             1,
         );
-        if self.relu {
-            relu_in_place(z);
+        // Bias and ReLU in one pass over the product (NaN kept, as `relu_in_place`).
+        for (row, &bias) in z.chunks_exact_mut(d.l).zip(b) {
+            if self.relu {
+                for v in row {
+                    let biased = *v + bias;
+                    *v = if biased < 0.0 { 0.0 } else { biased };
+                }
+            } else {
+                for v in row {
+                    *v += bias;
+                }
+            }
         }
     }
 

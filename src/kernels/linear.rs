@@ -44,17 +44,38 @@ impl CustomOp3 for LinearOp {
             values(w, w_layout)?,
             values(b, b_layout)?,
         );
-        let mut y = Vec::with_capacity(n * outputs);
-        for _ in 0..n {
-            y.extend_from_slice(b);
-        }
-        gemm(
-            &mut y,
-            Mat::new(x, n, inputs),
-            Mat::new(w, outputs, inputs).t(),
-            true,
-            threads(),
-        );
+        // gemm copies (packs) the weight before multiplying it into a row-major y. For a few
+        // rows against a large weight (the cnn's fc1: 32 rows, 9216 × 128 weights) it is
+        // cheaper to form yᵀ = W·xᵀ, where it copies x instead, and transpose the small yᵀ.
+        let y = if n * (inputs + outputs) < outputs * inputs {
+            let mut yt = vec![0f32; outputs * n];
+            gemm(
+                &mut yt,
+                Mat::new(w, outputs, inputs),
+                Mat::new(x, n, inputs).t(),
+                false,
+                threads(),
+            );
+            let mut y = Vec::with_capacity(n * outputs);
+            for i in 0..n {
+                y.extend(b.iter().enumerate().map(|(j, b)| yt[j * n + i] + b));
+            }
+            y
+        } else {
+            let mut y = Vec::with_capacity(n * outputs);
+            for _ in 0..n {
+                y.extend_from_slice(b);
+            }
+            gemm(
+                &mut y,
+                Mat::new(x, n, inputs),
+                Mat::new(w, outputs, inputs).t(),
+                true,
+                threads(),
+            );
+            y
+        };
+        let mut y = y;
         if self.relu {
             relu_in_place(&mut y);
         }

@@ -125,11 +125,14 @@ fn max_pool_with_ops_passes_the_whole_gradient_to_the_maximum() {
 #[test]
 fn linear_matches_candle_with_and_without_relu() {
     let mut rng = Mt19937::new(11);
-    for (case, &(n, inputs, outputs, relu)) in
-        [(5, 7, 3, true), (64, 33, 17, false), (1, 4, 9, true)]
-            .iter()
-            .enumerate()
-    {
+    // The last two take the transposed forward (few rows against a large weight).
+    let cases = [
+        (5, 7, 3, true),
+        (64, 33, 17, false),
+        (1, 4, 9, true),
+        (8, 300, 40, true),
+    ];
+    for (case, &(n, inputs, outputs, relu)) in cases.iter().enumerate() {
         let x = random(&mut rng, &[n, inputs]);
         let w = random(&mut rng, &[outputs, inputs]);
         let b = random(&mut rng, &[outputs]);

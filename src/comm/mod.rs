@@ -77,22 +77,45 @@ pub fn broadcast_params(comm: &dyn Communicator, params: &Params) -> Result<(), 
     Ok(())
 }
 
+/// Whether any rank voted to stop in a step's gradient average.
+#[derive(Debug, Clone)]
+pub enum StopVote {
+    /// Known on the host (a single rank: its own vote).
+    Known(bool),
+    /// The ranks' mean vote, still on the device: reading it is a host round trip, which on a
+    /// GPU waits for every kernel queued so far, so the trainer reads it only every few steps.
+    Reduced(Tensor),
+}
+
+impl StopVote {
+    /// Whether any rank voted to stop (waits for the device when the vote is still there).
+    pub fn read(&self) -> Result<bool, CommError> {
+        match self {
+            StopVote::Known(stop) => Ok(*stop),
+            StopVote::Reduced(votes) => {
+                Ok(votes.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?[0] > 0.0)
+            }
+        }
+    }
+}
+
 /// Averages `grads` over ranks: flattened into buckets of about `bucket_bytes` (in parameter
 /// order), one all-reduce per bucket, written back in place. Called once per optimizer step,
 /// never per micro-batch (torch's `no_sync` during accumulation).
 ///
-/// The last bucket also carries this rank's `stop` vote, so every rank learns in the same step,
-/// at no extra cost, whether any rank was asked to stop; returns that verdict.
+/// The last bucket also carries this rank's `stop` vote, so every rank gets, in the same step
+/// and at no extra cost, whether any rank was asked to stop: returned still on the device, to
+/// be read only when the caller decides (reading it waits for the device; see [`StopVote`]).
 pub fn average_gradients(
     comm: &dyn Communicator,
     grads: &mut [Tensor],
     bucket_bytes: usize,
     stop: bool,
-) -> Result<bool, CommError> {
+) -> Result<StopVote, CommError> {
     if comm.world_size() == 1 {
-        return Ok(stop);
+        return Ok(StopVote::Known(stop));
     }
-    let mut verdict = false;
+    let mut verdict = StopVote::Known(false);
     let mut start = 0;
     while start < grads.len() {
         let mut end = start;
@@ -115,8 +138,7 @@ pub fn average_gradients(
         let mut bucket = Tensor::cat(&flats, 0)?;
         comm.all_reduce_mean(&mut bucket)?;
         if last {
-            let votes = bucket.narrow(0, bucket.elem_count() - 1, 1)?;
-            verdict = votes.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?[0] > 0.0;
+            verdict = StopVote::Reduced(bucket.narrow(0, bucket.elem_count() - 1, 1)?);
         }
         let mut offset = 0;
         for g in &mut grads[start..end] {
@@ -179,7 +201,9 @@ mod tests {
         };
         // 8 elements (32 bytes) fit the first two tensors; the third gets its own bucket.
         // The last bucket carries the stop vote: 1 of 2 ranks voting still stops both.
-        assert!(average_gradients(&comm, &mut grads, 32, true).unwrap());
+        let vote = average_gradients(&comm, &mut grads, 32, true).unwrap();
+        assert!(matches!(vote, StopVote::Reduced(_)));
+        assert!(vote.read().unwrap());
         assert_eq!(*comm.buckets.borrow(), vec![8, 6]);
         assert_eq!(grads[0].dims(), &[2, 3]);
         assert_eq!(grads[1].to_vec1::<f32>().unwrap(), vec![1.0, 2.0]);
@@ -190,7 +214,8 @@ mod tests {
         );
         // A tensor larger than the bucket still goes, alone.
         comm.buckets.borrow_mut().clear();
-        assert!(!average_gradients(&comm, &mut grads, 4, false).unwrap());
+        let vote = average_gradients(&comm, &mut grads, 4, false).unwrap();
+        assert!(!vote.read().unwrap());
         assert_eq!(*comm.buckets.borrow(), vec![6, 2, 6]);
     }
 }

@@ -17,7 +17,7 @@ use candle_core::{Device, Tensor};
 use thiserror::Error;
 
 use crate::checkpoint::{self, CheckpointError, MetricState, Restored, TrainPosition};
-use crate::comm::{CommError, Communicator, broadcast_params};
+use crate::comm::{CommError, Communicator, StopVote, broadcast_params};
 use crate::config::{JobSpec, OnWriteError, Plan};
 use crate::data::{DataError, DistributedSampler};
 use crate::fault::Fault;
@@ -78,8 +78,18 @@ impl From<StepError> for TrainError {
     }
 }
 
+/// Steps between reads of the ranks' stop vote on `device` (each log line, checkpoint and
+/// epoch end read it too): every step on the CPU, where reading is free; every 8 on a GPU,
+/// where a read waits for every kernel queued so far, so a stop request takes effect within 8
+/// steps and 7 steps in 8 queue their kernels without waiting.
+pub fn vote_every(device: &Device) -> usize {
+    if device.is_cpu() { 1 } else { 8 }
+}
+
 /// What a worker can be told from outside the training loop.
 pub struct Hooks<'a> {
+    /// Steps between reads of the stop vote ([`vote_every`]).
+    pub vote_every: usize,
     /// Set (by a signal handler) when the job should stop after the current optimizer step.
     pub stop: &'a AtomicBool,
     /// Test-only fault injection (`DDPJOB_FAULT`).
@@ -214,7 +224,7 @@ impl Trainer<'_> {
                     trace_samples(path, epoch, step + 1, group)?;
                 }
                 let vote = self.hooks.stop.load(Ordering::SeqCst);
-                let (loss_sum, samples, stop) =
+                let (loss_sum, samples, votes) =
                     self.optimizer_step(batches, &mut optimizer, epoch, group, lr, vote)?;
                 step += 1;
                 run.consumed += samples * world;
@@ -222,8 +232,11 @@ impl Trainer<'_> {
                 let in_epoch = run.skip + i + 1;
                 let checkpoint_due =
                     checkpoint::due_after_step(&spec.checkpoint, step) && i + 1 < steps_now;
-                let at_log =
-                    step % t.log_every == 0 || i + 1 == steps_now || checkpoint_due || stop;
+                let at_log = step % t.log_every == 0 || i + 1 == steps_now || checkpoint_due;
+                // Every rank reads the vote after the same steps (the schedule depends on the
+                // step alone), so all stop after the same one. A rank's vote stays up once cast.
+                let stop = (at_log || step % self.hooks.vote_every.max(1) == 0) && votes.read()?;
+                let at_log = at_log || stop;
                 let mut status = None;
                 if at_log {
                     let (loss, n, secs) = interval.reduce(self.comm)?;
@@ -343,7 +356,7 @@ impl Trainer<'_> {
         group: &[&[usize]],
         lr: f64,
         stop_vote: bool,
-    ) -> Result<(Tensor, usize, bool), TrainError> {
+    ) -> Result<(Tensor, usize, StopVote), TrainError> {
         let seed = self.spec.seed;
         let batches = group
             .iter()

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::comm::{CommError, Communicator, average_gradients};
+use crate::comm::{CommError, Communicator, StopVote, average_gradients};
 use crate::models::{Mode, Model};
 use crate::optim::{Optimizer, clip_grad_norm};
 
@@ -37,7 +37,8 @@ pub struct StepContext<'a> {
 pub struct StepResult {
     pub loss_sum: Tensor,
     pub samples: usize,
-    pub stop: bool,
+    /// Whether any rank voted to stop, read when the trainer decides (a device round trip).
+    pub stop: StopVote,
 }
 
 /// Where a step's time went (for `bench step`); filled only when asked for, since on an

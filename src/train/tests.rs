@@ -27,6 +27,17 @@ fn train(spec: &JobSpec) -> Summary {
 }
 
 fn train_with(spec: &JobSpec, leader: Option<Leader>) -> Result<Ending, TrainError> {
+    train_hooked(spec, leader, false, 1)
+}
+
+/// As [`train_with`], with a stop request up from the start (or not) and the stop vote read
+/// every `vote_every` steps.
+fn train_hooked(
+    spec: &JobSpec,
+    leader: Option<Leader>,
+    stop: bool,
+    vote_every: usize,
+) -> Result<Ending, TrainError> {
     let data = crate::task::load(spec, None).unwrap();
     let model = models::build(
         &spec.model,
@@ -48,7 +59,8 @@ fn train_with(spec: &JobSpec, leader: Option<Leader>) -> Result<Ending, TrainErr
         started: Instant::now(),
         resume: None,
         hooks: Hooks {
-            stop: &AtomicBool::new(false),
+            vote_every,
+            stop: &AtomicBool::new(stop),
             fault: None,
             beacon: Default::default(),
             trace_samples: None,
@@ -83,6 +95,23 @@ fn a_checkpoint_that_cannot_be_written_fails_or_warns_as_configured() {
             (_, other) => panic!("{policy}: {other:?}"),
         }
         std::fs::remove_dir_all(&root).unwrap();
+    }
+}
+
+#[test]
+fn a_stop_request_is_read_only_at_the_vote_schedule_or_a_log_line() {
+    // 7 steps an epoch; log lines every 5 steps.
+    let spec = spec(&["train.epochs=3", "train.log_every=5"]);
+    for (vote_every, stops_after) in [(1, 1), (2, 2), (3, 3), (8, 5)] {
+        match train_hooked(&spec, None, true, vote_every).unwrap() {
+            Ending::Stopped { step } => assert_eq!(step, stops_after, "every {vote_every}"),
+            other => panic!("every {vote_every}: {other:?}"),
+        }
+    }
+    // Without a request the vote is read on schedule and never stops the job.
+    match train_hooked(&spec, None, false, 2).unwrap() {
+        Ending::Completed(summary) => assert_eq!(summary.steps, 21),
+        other => panic!("{other:?}"),
     }
 }
 

@@ -117,7 +117,9 @@ pub fn run() -> Result<bool, WorkerError> {
     .map_err(|e| WorkerError::Rendezvous(format!("cannot start heartbeats: {e}")))?;
     rendezvous(&store, &env, timeout)?;
     let data = load_data(&store, &env, &spec, &job)?;
+    let device = crate::device::open(Some(&env.device))?;
     let hooks = Hooks {
+        vote_every: crate::train::vote_every(&device),
         stop: &STOP_REQUESTED,
         fault,
         beacon: beacon.clone(),
@@ -127,7 +129,6 @@ pub fn run() -> Result<bool, WorkerError> {
         }),
     };
 
-    let device = crate::device::open(Some(&env.device))?;
     let comm = connect(&store, &env, &spec, &device, beacon, timeout)?;
     // The error is printed while the ring is still open, so this rank's own failure is on
     // record before its neighbours notice the closed connections and fail in turn.

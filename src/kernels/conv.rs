@@ -147,7 +147,7 @@ fn im2col(x: &[f32], d: &Dims, cols: &mut [f32]) {
                     }
                     let x0 = inside.start * d.stride + kx - d.pad;
                     if d.stride == 1 {
-                        out[inside.clone()].copy_from_slice(&line[x0..x0 + inside.len()]);
+                        copy_short(&mut out[inside.clone()], &line[x0..]);
                     } else {
                         for (v, src) in out[inside.clone()]
                             .iter_mut()
@@ -159,6 +159,23 @@ fn im2col(x: &[f32], d: &Dims, cols: &mut [f32]) {
                 }
             }
         }
+    }
+}
+
+/// `dst` = the first `dst.len()` values of `src`, in 8-value blocks the compiler copies with
+/// vector moves: im2col copies thousands of rows of a few dozen values per sample, and a
+/// `memcpy` call for each (what `copy_from_slice` becomes) cost as much as the copy.
+#[inline(always)]
+fn copy_short(dst: &mut [f32], src: &[f32]) {
+    let src = &src[..dst.len()];
+    let mut blocks = dst.chunks_exact_mut(8);
+    let mut from = src.chunks_exact(8);
+    for (d, s) in (&mut blocks).zip(&mut from) {
+        let block: [f32; 8] = s.try_into().expect("8 values");
+        d.copy_from_slice(&block);
+    }
+    for (d, s) in blocks.into_remainder().iter_mut().zip(from.remainder()) {
+        *d = *s;
     }
 }
 

@@ -9,7 +9,8 @@ use super::output::{Done, Ending, Reporting};
 use super::{CliResult, ConfigArgs, ResumeArgs, RunArgs};
 use crate::config::{self, DatasetKind, Expectation};
 use crate::jobdir::JobDir;
-use crate::launch::{self, NodeOptions, ResumeOptions, Resumed, RunOptions};
+use crate::launch::cluster::{self, NodeFlags, SchedulerEnv};
+use crate::launch::{self, ResumeOptions, Resumed, RunOptions};
 
 pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
     let loaded = config::load(&args.config.config, &args.config.overrides());
@@ -23,16 +24,26 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
         Ok(loaded) => loaded,
         Err(e) => return reporting.finish(Err((2, anyhow::Error::new(e)))),
     };
+    let flags = NodeFlags {
+        nnodes: args.nnodes.map(usize::from),
+        node_rank: args.node_rank.map(usize::from),
+        master_addr: args.master_addr,
+        master_port: args.master_port,
+    };
+    let node = match cluster::resolve(&flags, &SchedulerEnv::from_process()) {
+        Ok(resolution) => {
+            for note in &resolution.notes {
+                eprintln!("note: {note}");
+            }
+            resolution.node
+        }
+        Err(e) => return reporting.finish(Err((2, anyhow!(e)))),
+    };
     let opts = RunOptions {
         config: args.config.config.clone(),
         loaded,
         jobs_dir: args.jobs_dir,
-        node: NodeOptions {
-            nnodes: args.nnodes.into(),
-            node_rank: args.node_rank.into(),
-            master_addr: args.master_addr,
-            master_port: args.master_port,
-        },
+        node,
         started,
     };
     let ending: Ending = match launch::run(&opts) {
@@ -106,14 +117,30 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     if let Some(notice) = &placement.notice {
         eprintln!("note: {notice}");
     }
-    let world = placement.nproc;
+    // Where `run` would sit among the nodes, from the scheduler's variables (no flags here).
+    let node = cluster::resolve(&NodeFlags::default(), &SchedulerEnv::from_process())
+        .map_err(|e| (2, anyhow!(e)))?;
+    for note in &node.notes {
+        eprintln!("note: {note}");
+    }
+    let nnodes = node.node.nnodes;
+    let world = placement.nproc * nnodes;
     let plan = spec.plan(train_samples, world);
     print!("{}", loaded.resolved_toml());
     println!();
-    println!("# derived (on this machine, one node)");
-    let devices: Vec<String> = (0..world).map(|r| placement.device_of(r)).collect();
+    match nnodes {
+        1 => println!("# derived (on this machine, one node)"),
+        n => println!(
+            "# derived (node {} of {n}, each with this machine's workers; {})",
+            node.node.node_rank,
+            node.notes.join("; ")
+        ),
+    }
+    let devices: Vec<String> = (0..placement.nproc)
+        .map(|r| placement.device_of(r))
+        .collect();
     println!(
-        "world_size        = {world}  (devices: {})",
+        "world_size        = {world}  ({nnodes} node(s) x devices: {})",
         devices.join(", ")
     );
     println!(

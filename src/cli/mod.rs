@@ -152,12 +152,14 @@ struct RunArgs {
     /// Where jobs live.
     #[arg(long, default_value = "jobs")]
     jobs_dir: PathBuf,
-    /// Number of nodes (machines) in the job; run the same command on each.
-    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
-    nnodes: u16,
-    /// This node's index, 0..nnodes; node 0 hosts the rendezvous store.
-    #[arg(long, default_value_t = 0, value_name = "I")]
-    node_rank: u16,
+    /// Number of nodes (machines) in the job; run the same command on each (default: from
+    /// Slurm under srun, from PET_NNODES or the pod-level WORLD_SIZE under a PyTorchJob, else 1).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    nnodes: Option<u16>,
+    /// This node's index, 0..nnodes; node 0 hosts the rendezvous store (default: SLURM_NODEID,
+    /// PET_NODE_RANK or the pod-level RANK, else 0).
+    #[arg(long, value_name = "I")]
+    node_rank: Option<u16>,
     /// Address of node 0 that every node can reach (needed with --nnodes > 1).
     #[arg(long, value_name = "ADDR")]
     master_addr: Option<String>,

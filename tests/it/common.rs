@@ -98,6 +98,7 @@ impl TestJob {
     /// `ddpjob <args>` in the temp directory, plain output (not a terminal), with `env` added.
     pub fn command(&self, args: &[&str], env: &[(&str, &str)]) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddpjob"));
+        without_scheduler(&mut cmd);
         cmd.args(args)
             .current_dir(self.dir.path())
             .env("DDPJOB_PLAIN", "1")
@@ -210,7 +211,20 @@ impl Drop for Background {
 impl TestJob {
     /// `ddpjob run <config> --jobs-dir <tmp>/<jobs_dir> <extra>` in the background, output piped.
     pub fn spawn_run(&self, config: &Path, jobs_dir: &str, extra: &[&str]) -> Background {
-        let child = Command::new(env!("CARGO_BIN_EXE_ddpjob"))
+        self.spawn_run_env(config, jobs_dir, extra, &[])
+    }
+
+    /// [`spawn_run`](Self::spawn_run) with environment variables (a scheduler's).
+    pub fn spawn_run_env(
+        &self,
+        config: &Path,
+        jobs_dir: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Background {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddpjob"));
+        without_scheduler(&mut cmd);
+        let child = cmd
             .arg("run")
             .arg(config)
             .arg("--jobs-dir")
@@ -218,11 +232,23 @@ impl TestJob {
             .args(extra)
             .current_dir(self.dir.path())
             .env("DDPJOB_PLAIN", "1")
+            .envs(env.iter().copied())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("spawn ddpjob");
         Background { child }
+    }
+}
+
+/// Removes the variables a scheduler sets (Slurm's, torchrun's, a PyTorchJob's), which
+/// `ddpjob run` reads: a test run under Slurm or in a pod must not pick up its host's.
+fn without_scheduler(cmd: &mut Command) {
+    for (key, _) in std::env::vars() {
+        let pod = ["MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"].contains(&key.as_str());
+        if key.starts_with("SLURM_") || key.starts_with("PET_") || pod {
+            cmd.env_remove(key);
+        }
     }
 }
 

@@ -5,6 +5,7 @@ mod common;
 mod accumulation;
 mod bench;
 mod ci;
+mod cluster;
 mod devices;
 mod distributed;
 mod download;

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# End-to-end tests against a real Slurm: a two-node cluster on this machine (nodes n1 and n2,
+# started by tests/slurm/local-cluster.sh, which installs Debian's slurm-wlm if missing; needs
+# root). `.ci/run` calls this after `cargo test`, which stays free of Slurm.
+#
+#   sudo tests/slurm/run.sh            uses the binary `cargo test` built (DDPJOB_BIN to change)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+here=$(pwd)
+[ "$(id -u)" = 0 ] || { echo "tests/slurm/run.sh needs root (it starts slurmctld and slurmd)" >&2; exit 2; }
+command -v python3 >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-minimal >/dev/null; }
+bin=${DDPJOB_BIN:-target/debug/ddpjob}
+[ -x "$bin" ] || cargo build --locked
+work=$(mktemp -d /tmp/ddpjob-slurm-test.XXXX)
+trap 'bash "$here/tests/slurm/local-cluster.sh" stop >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+bash tests/slurm/local-cluster.sh start >/dev/null
+# The nodes run the binary from a path both can read (one machine: the same file system).
+cp "$bin" "$work/ddpjob"
+cat > "$work/tiny.toml" <<'TOML'
+seed = 3
+[model]
+arch = "mlp"
+hidden = [32]
+[data]
+dataset = "synthetic"
+[data.synthetic]
+train_samples = 512
+test_samples = 256
+shape = [1, 8, 8]
+classes = 4
+noise = 0.8
+[train]
+epochs = 2
+batch_size = 32
+lr = 0.01
+log_every = 4
+TOML
+cd "$work"
+failures=0
+pass() { echo "ok   $1"; }
+fail() { echo "FAIL $1"; failures=$((failures + 1)); }
+
+# 1. Two nodes under srun find their places from Slurm alone and train as one node with two
+#    workers does. Not bit for bit here: a task under srun sees both cores of this machine (no
+#    cgroups), so each worker runs 2 threads where the single-node job's 2 workers run 1 each,
+#    and the row shards add in another order; the existing two-launcher test (same threads)
+#    is bit-identical.
+if timeout 300 srun -N2 --ntasks-per-node=1 ./ddpjob run tiny.toml --nproc-per-node 1 > srun.out 2>&1 \
+   && grep -q "note: --nnodes 2 from SLURM_STEP_NUM_NODES" srun.out \
+   && grep -q "note: --master-addr n1 from the first node of SLURM_STEP_NODELIST" srun.out \
+   && timeout 120 ./ddpjob run tiny.toml --nproc-per-node 2 --name single > single.out 2>&1 \
+   && python3 - jobs/tiny/model.safetensors jobs/single/model.safetensors <<'PY'
+import array, json, struct, sys
+def load(path):
+    b = open(path, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    header = json.loads(b[8:8 + n])
+    out = {}
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        a = array.array("f")
+        a.frombytes(b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+        out[k] = a
+    return out
+a, b = load(sys.argv[1]), load(sys.argv[2])
+assert a.keys() == b.keys(), (a.keys(), b.keys())
+diff = max(max(abs(x - y) for x, y in zip(a[k], b[k])) for k in a)
+print(f"max |two nodes - one node| = {diff:g}")
+sys.exit(0 if diff <= 1e-6 else 1)
+PY
+then pass "srun -N2: two nodes placed by Slurm match one node with two workers"
+else fail "srun -N2 two-node job"; cat srun.out single.out 2>/dev/null | tail -20; fi
+
+# 2. Several tasks per node: each would launch a whole node's workers. Refused, exit 2.
+set +e
+timeout 60 srun -N1 -n2 -O ./ddpjob run tiny.toml --name many > many.out 2>&1
+status=$?
+set -e
+if [ "$status" = 2 ] && grep -q "srun started 2 tasks on 1 node(s)" many.out && [ ! -e jobs/many ]; then
+  pass "srun -n2 on one node: refused (exit 2), nothing created"
+else fail "several tasks per node (exit $status)"; cat many.out; fi
+
+# 3. A two-node batch script that runs ddpjob without srun: it would train on one node only.
+printf '#!/bin/bash\n./ddpjob run tiny.toml --name nosrun\n' > nosrun.sh
+set +e
+timeout 120 sbatch --wait -N2 --ntasks-per-node=1 -o nosrun.out nosrun.sh > /dev/null 2>&1
+set -e
+if grep -q "was not started by srun" nosrun.out && [ ! -e jobs/nosrun ]; then
+  pass "two-node batch script without srun: refused, nothing created"
+else fail "batch script without srun"; cat nosrun.out; fi
+
+echo "slurm tests: $failures failure(s)"
+[ "$failures" = 0 ]

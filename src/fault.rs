@@ -25,6 +25,9 @@ pub enum FaultKind {
     /// SIGTERM to the launcher, as a cluster scheduler's preemption would send; the rank then
     /// waits (up to 10 s) for the launcher's stop request, so the job stops after this step.
     Preempt,
+    /// SIGUSR1 to the launcher, as Slurm's `--signal=USR1@N` warning before a time limit;
+    /// otherwise as `Preempt`.
+    Warn,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,9 +68,10 @@ impl Fault {
                         "hang" => FaultKind::Hang,
                         "freeze" => FaultKind::Freeze,
                         "preempt" => FaultKind::Preempt,
+                        "usr1" => FaultKind::Warn,
                         other => {
                             return Err(format!(
-                                "kind={other} is unknown; use kill, crash, exit, hang, freeze or preempt"
+                                "kind={other} is unknown; use kill, crash, exit, hang, freeze, preempt or usr1"
                             ));
                         }
                     })
@@ -114,8 +118,12 @@ impl Fault {
                 FaultKind::Freeze => {
                     libc::raise(libc::SIGSTOP);
                 }
-                FaultKind::Preempt => {
-                    libc::kill(libc::getppid(), libc::SIGTERM);
+                FaultKind::Preempt | FaultKind::Warn => {
+                    let signal = match self.kind {
+                        FaultKind::Warn => libc::SIGUSR1,
+                        _ => libc::SIGTERM,
+                    };
+                    libc::kill(libc::getppid(), signal);
                     let deadline = std::time::Instant::now() + Duration::from_secs(10);
                     while !stop.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
                         std::thread::sleep(Duration::from_millis(5));

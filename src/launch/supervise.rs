@@ -26,13 +26,15 @@ extern "C" fn on_signal(sig: libc::c_int) {
     INTERRUPTS.fetch_add(1, Ordering::SeqCst);
 }
 
-/// Routes SIGINT and SIGTERM to a counter the supervision loop reads.
+/// Routes SIGINT, SIGTERM and SIGUSR1 (what Slurm's `--signal=USR1@N` sends before a time
+/// limit) to a counter the supervision loop reads.
 pub fn install_signal_handlers() {
     let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
     // SAFETY: the handler only touches atomics, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGINT, handler);
         libc::signal(libc::SIGTERM, handler);
+        libc::signal(libc::SIGUSR1, handler);
     }
 }
 
@@ -286,6 +288,7 @@ pub fn signal_name(sig: i32) -> &'static str {
         libc::SIGKILL => "SIGKILL: by hand, or the out-of-memory killer",
         libc::SIGTERM => "SIGTERM",
         libc::SIGINT => "SIGINT",
+        libc::SIGUSR1 => "SIGUSR1, a scheduler's warning before its time limit",
         libc::SIGSEGV => "SIGSEGV, a crash",
         libc::SIGABRT => "SIGABRT, an abort",
         libc::SIGBUS => "SIGBUS",

@@ -42,6 +42,8 @@ fn install_stop_handler() {
     unsafe {
         libc::signal(libc::SIGTERM, handler);
         libc::signal(libc::SIGINT, handler);
+        // Slurm's `--signal=USR1@N` without `B:` reaches every process of the step.
+        libc::signal(libc::SIGUSR1, handler);
     }
 }
 

@@ -152,6 +152,28 @@ fn sigterm_then_resume_ends_bit_identical() {
     }
 }
 
+/// Slurm's `--signal=USR1@N` (the warning before a time limit) stops the job as SIGTERM does.
+#[test]
+fn sigusr1_checkpoints_and_stops_then_resume_ends_bit_identical() {
+    let t = TestJob::new();
+    let cfg = t.config("job", &job("adam", ""));
+    let n = ["--nproc-per-node", "2"];
+    t.run(&cfg, &[&n[..], &["--name", "whole"]].concat())
+        .success();
+    run_with_fault(
+        &t,
+        &cfg,
+        "rank=1,step=5,kind=usr1",
+        &[&n[..], &["--name", "cut"]].concat(),
+    )
+    .fails_with(138, "interrupted by SIGUSR1")
+    .fails_with(138, "after checkpoint `step-00000005`");
+    let state = t.json(&t.job("cut").join("state.json"));
+    assert_eq!(state["status"].as_str(), Some("interrupted"));
+    resume(&t, &["cut"]).success();
+    assert_bit_identical(&t, "whole", "cut");
+}
+
 #[test]
 fn a_crash_after_an_epoch_checkpoint_resumes_from_it_bit_identical() {
     let t = TestJob::new();

@@ -90,5 +90,23 @@ if grep -q "was not started by srun" nosrun.out && [ ! -e jobs/nosrun ]; then
   pass "two-node batch script without srun: refused, nothing created"
 else fail "batch script without srun"; cat nosrun.out; fi
 
+# 4. Slurm's warning before a time limit (SIGUSR1 to every process of the step, as
+#    `--signal=USR1@N` sends it): every node checkpoints and stops; `ddpjob resume` finishes.
+timeout 300 srun -N2 --ntasks-per-node=1 -J usr1 ./ddpjob run tiny.toml --nproc-per-node 1 \
+  --name usr1 --set train.epochs=3000 > usr1.out 2>&1 &
+srun_pid=$!
+for _ in $(seq 100); do grep -q "step 40/" usr1.out 2>/dev/null && break; sleep 0.2; done
+scancel --signal=USR1 --name usr1 >/dev/null 2>&1 || true
+set +e
+wait "$srun_pid"
+status=$?
+set -e
+if [ "$status" = 138 ] && grep -q "interrupted by SIGUSR1" usr1.out \
+   && grep -q '"status": *"interrupted"' jobs/usr1/state.json \
+   && timeout 300 ./ddpjob resume usr1 --jobs-dir jobs > resume.out 2>&1 \
+   && grep -q '"status": *"finished"' jobs/usr1/state.json; then
+  pass "scancel --signal=USR1: both nodes checkpoint and stop (exit 138), resume finishes"
+else fail "SIGUSR1 (srun exit $status)"; tail -5 usr1.out resume.out 2>/dev/null; fi
+
 echo "slurm tests: $failures failure(s)"
 [ "$failures" = 0 ]

@@ -9,6 +9,7 @@ use super::output::{Done, Ending, Reporting};
 use super::{CliResult, ConfigArgs, ResumeArgs, RunArgs};
 use crate::config::{self, DatasetKind, Expectation};
 use crate::jobdir::JobDir;
+use crate::launch::auto::{self, Decision, ResumeMode};
 use crate::launch::cluster::{self, NodeFlags, SchedulerEnv};
 use crate::launch::{self, ResumeOptions, Resumed, RunOptions};
 
@@ -24,13 +25,14 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
         Ok(loaded) => loaded,
         Err(e) => return reporting.finish(Err((2, anyhow::Error::new(e)))),
     };
+    let scheduler = SchedulerEnv::from_process();
     let flags = NodeFlags {
         nnodes: args.nnodes.map(usize::from),
         node_rank: args.node_rank.map(usize::from),
         master_addr: args.master_addr,
         master_port: args.master_port,
     };
-    let node = match cluster::resolve(&flags, &SchedulerEnv::from_process()) {
+    let node = match cluster::resolve(&flags, &scheduler) {
         Ok(resolution) => {
             for note in &resolution.notes {
                 eprintln!("note: {note}");
@@ -39,6 +41,45 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
         }
         Err(e) => return reporting.finish(Err((2, anyhow!(e)))),
     };
+    let mode = match (args.resume.as_deref(), scheduler.slurm_requeued()) {
+        (Some("auto"), _) => ResumeMode::Auto,
+        (Some(_), _) => ResumeMode::Never,
+        (None, Some(n)) => {
+            eprintln!("note: --resume auto: Slurm requeued this job (SLURM_RESTART_COUNT={n})");
+            ResumeMode::Auto
+        }
+        (None, None) => ResumeMode::Never,
+    };
+    if mode == ResumeMode::Auto {
+        match auto::decide(&args.jobs_dir, &loaded) {
+            Ok(Decision::Start) => {}
+            Ok(Decision::AlreadyFinished(message)) => {
+                let job = JobDir::open(&args.jobs_dir, &loaded.spec.name);
+                return reporting.finish(already_finished(job, message));
+            }
+            Ok(Decision::Continue(name)) if node.nnodes > 1 => {
+                return reporting.finish(Err((
+                    2,
+                    anyhow!(
+                        "job `{name}` exists unfinished; --resume auto continues single-node                          jobs only so far: continue it on one node with `ddpjob resume {name}`"
+                    ),
+                )));
+            }
+            Ok(Decision::Continue(name)) => {
+                let opts = ResumeOptions {
+                    name: Some(name.clone()),
+                    jobs_dir: args.jobs_dir.clone(),
+                    nproc_per_node: None,
+                    // A job stopped before its first checkpoint starts again.
+                    from_scratch: true,
+                    started,
+                };
+                let job = JobDir::open(&args.jobs_dir, &name);
+                return reporting.finish(resumed(launch::resume(&opts), job));
+            }
+            Err(e) => return reporting.finish(Err((e.exit_code(), anyhow::Error::new(e)))),
+        }
+    }
     let opts = RunOptions {
         config: args.config.config.clone(),
         loaded,
@@ -81,22 +122,31 @@ pub(super) fn resume(args: ResumeArgs, started: Instant) -> CliResult {
         .map(|l| l.spec.expect)
         .unwrap_or_default();
     let reporting = Reporting::start(&args.output, name, expect, started)?;
-    let ending: Ending = match launch::resume(&opts) {
-        Ok(Resumed::AlreadyFinished(message)) => Ok(Done {
-            summary: std::fs::read(job.summary_path())
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok()),
-            note: Some(message),
-            job,
-        }),
+    reporting.finish(resumed(launch::resume(&opts), job))
+}
+
+/// How a resume (by `resume`, or `run --resume auto`) of `job` ended.
+fn resumed(result: Result<Resumed, launch::RunError>, job: JobDir) -> Ending {
+    match result {
+        Ok(Resumed::AlreadyFinished(message)) => already_finished(job, message),
         Ok(Resumed::Finished(job, summary)) => Ok(Done {
             job,
             summary: Some(summary),
             note: None,
         }),
         Err(e) => Err((e.exit_code(), anyhow::Error::new(e))),
-    };
-    reporting.finish(ending)
+    }
+}
+
+/// A finished job left as it is, with its summary for the reports.
+fn already_finished(job: JobDir, message: String) -> Ending {
+    Ok(Done {
+        summary: std::fs::read(job.summary_path())
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok()),
+        note: Some(message),
+        job,
+    })
 }
 
 pub(super) fn validate(args: &ConfigArgs) -> CliResult {

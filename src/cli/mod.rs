@@ -166,6 +166,11 @@ struct RunArgs {
     /// Port of node 0's store (default: a free port on one node, 29500 with --nnodes > 1).
     #[arg(long, value_name = "PORT")]
     master_port: Option<u16>,
+    /// When the job already exists: `never` (an error; a job is never overwritten) or `auto`
+    /// (continue it when its config is the same, leave it when finished, refuse it when the
+    /// config differs). Default: `auto` in a job Slurm requeued (SLURM_RESTART_COUNT > 0).
+    #[arg(long, value_name = "WHEN", value_parser = ["never", "auto"])]
+    resume: Option<String>,
     #[command(flatten)]
     output: OutputArgs,
 }

@@ -56,6 +56,15 @@ impl SchedulerEnv {
         }
     }
 
+    /// How many times Slurm has requeued this job (`SLURM_RESTART_COUNT`), when it has.
+    pub fn slurm_requeued(&self) -> Option<usize> {
+        self.number(&["SLURM_RESTART_COUNT"])
+            .ok()
+            .flatten()
+            .map(|(_, n)| n)
+            .filter(|&n| n > 0)
+    }
+
     fn under_slurm(&self) -> bool {
         self.first(&["SLURM_JOB_ID", "SLURM_JOBID"]).is_some()
     }

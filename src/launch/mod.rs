@@ -3,6 +3,7 @@
 //! one worker process per slot with the torchrun environment, supervise them, and record the
 //! outcome in `state.json`. The launcher never trains.
 
+pub mod auto;
 pub mod cluster;
 mod group;
 mod resume;

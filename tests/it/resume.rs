@@ -366,3 +366,75 @@ fn a_worker_that_fails_on_every_attempt_is_given_up_with_each_failure_listed() {
         (Some("failed"), Some(2))
     );
 }
+
+/// `run --resume auto`, what a requeued scheduler job runs again: continue, leave, or refuse.
+#[test]
+fn run_resume_auto_continues_leaves_or_refuses_an_existing_job() {
+    let t = TestJob::new();
+    let cfg = t.config("job", &job("adam", ""));
+    let n = ["--nproc-per-node", "2"];
+    t.run(&cfg, &[&n[..], &["--name", "whole"]].concat())
+        .success();
+    // Preempted at step 5, then the same command again, as Slurm's requeue would: without the
+    // flag, SLURM_RESTART_COUNT > 0 makes it auto.
+    run_with_fault(
+        &t,
+        &cfg,
+        "rank=0,step=5,kind=preempt",
+        &[&n[..], &["--name", "cut"]].concat(),
+    )
+    .fails_with(143, "interrupted by SIGTERM");
+    let again = t.run_env(
+        &cfg,
+        &[&n[..], &["--name", "cut"]].concat(),
+        &[("SLURM_RESTART_COUNT", "1")],
+    );
+    again.success();
+    assert!(
+        again.stderr.contains("--resume auto: Slurm requeued"),
+        "{}",
+        again.stderr
+    );
+    assert!(
+        again.stdout.contains("resuming job `cut` from"),
+        "{}",
+        again.stdout
+    );
+    assert_bit_identical(&t, "whole", "cut");
+
+    // Finished: nothing to do, exit 0, nothing touched.
+    let lines = t.metrics_lines("cut");
+    let done = t.run(
+        &cfg,
+        &[&n[..], &["--name", "cut", "--resume", "auto"]].concat(),
+    );
+    done.success();
+    assert!(done.stdout.contains("already finished"), "{}", done.stdout);
+    assert_eq!(t.metrics_lines("cut"), lines);
+
+    // Another config: refused with the keys that differ, exit 2, nothing touched.
+    t.run(
+        &cfg,
+        &[
+            &n[..],
+            &[
+                "--name",
+                "cut",
+                "--resume",
+                "auto",
+                "--set",
+                "train.lr=0.05",
+            ],
+        ]
+        .concat(),
+    )
+    .fails_with(2, "with another config")
+    .fails_with(2, "train.lr: 0.02 -> 0.05");
+    assert_eq!(t.metrics_lines("cut"), lines);
+    // And without auto, an existing job is never run again.
+    t.run(
+        &cfg,
+        &[&n[..], &["--name", "cut", "--resume", "never"]].concat(),
+    )
+    .fails_with(2, "cut");
+}

@@ -12,7 +12,7 @@ command -v python3 >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninte
 bin=${DDPJOB_BIN:-target/debug/ddpjob}
 [ -x "$bin" ] || cargo build --locked
 work=$(mktemp -d /tmp/ddpjob-slurm-test.XXXX)
-trap 'bash "$here/tests/slurm/local-cluster.sh" stop >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+trap 'scancel --user=root >/dev/null 2>&1 || true; bash "$here/tests/slurm/local-cluster.sh" stop >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
 bash tests/slurm/local-cluster.sh start >/dev/null
 # The nodes run the binary from a path both can read (one machine: the same file system).
 cp "$bin" "$work/ddpjob"
@@ -40,16 +40,9 @@ failures=0
 pass() { echo "ok   $1"; }
 fail() { echo "FAIL $1"; failures=$((failures + 1)); }
 
-# 1. Two nodes under srun find their places from Slurm alone and train as one node with two
-#    workers does. Not bit for bit here: a task under srun sees both cores of this machine (no
-#    cgroups), so each worker runs 2 threads where the single-node job's 2 workers run 1 each,
-#    and the row shards add in another order; the existing two-launcher test (same threads)
-#    is bit-identical.
-if timeout 300 srun -N2 --ntasks-per-node=1 ./ddpjob run tiny.toml --nproc-per-node 1 > srun.out 2>&1 \
-   && grep -q "note: --nnodes 2 from SLURM_STEP_NUM_NODES" srun.out \
-   && grep -q "note: --master-addr n1 from the first node of SLURM_STEP_NODELIST" srun.out \
-   && timeout 120 ./ddpjob run tiny.toml --nproc-per-node 2 --name single > single.out 2>&1 \
-   && python3 - jobs/tiny/model.safetensors jobs/single/model.safetensors <<'PY'
+# compare A B TOLERANCE: the largest difference between two model.safetensors, within TOLERANCE.
+compare() {
+  python3 - "$@" <<'PY'
 import array, json, struct, sys
 def load(path):
     b = open(path, "rb").read()
@@ -66,11 +59,23 @@ def load(path):
 a, b = load(sys.argv[1]), load(sys.argv[2])
 assert a.keys() == b.keys(), (a.keys(), b.keys())
 diff = max(max(abs(x - y) for x, y in zip(a[k], b[k])) for k in a)
-print(f"max |two nodes - one node| = {diff:g}")
-sys.exit(0 if diff <= 1e-6 else 1)
+print(f"max |{sys.argv[1]} - {sys.argv[2]}| = {diff:g}")
+sys.exit(0 if diff <= float(sys.argv[3]) else 1)
 PY
-then pass "srun -N2: two nodes placed by Slurm match one node with two workers"
-else fail "srun -N2 two-node job"; cat srun.out single.out 2>/dev/null | tail -20; fi
+}
+
+# 1. Two nodes under srun find their places from Slurm alone and train as one node with two
+#    workers does. Not bit for bit here: a task under srun sees both cores of this machine (no
+#    cgroups), so each worker runs 2 threads where the single-node job's 2 workers run 1 each,
+#    and the row shards add in another order; the two-launcher test of `cargo test` (same
+#    threads) is bit-identical.
+if timeout 300 srun -N2 --ntasks-per-node=1 ./ddpjob run tiny.toml --nproc-per-node 1 > srun.out 2>&1 \
+   && grep -q "note: --nnodes 2 from SLURM_STEP_NUM_NODES" srun.out \
+   && grep -q "note: --master-addr n1 from the first node of SLURM_STEP_NODELIST" srun.out \
+   && timeout 120 ./ddpjob run tiny.toml --nproc-per-node 2 --name single > single.out 2>&1 \
+   && compare jobs/tiny/model.safetensors jobs/single/model.safetensors 1e-6; then
+  pass "srun -N2: two nodes placed by Slurm match one node with two workers"
+else fail "srun -N2 two-node job"; tail -20 srun.out single.out 2>/dev/null; fi
 
 # 2. Several tasks per node: each would launch a whole node's workers. Refused, exit 2.
 set +e
@@ -107,6 +112,27 @@ if [ "$status" = 138 ] && grep -q "interrupted by SIGUSR1" usr1.out \
    && grep -q '"status": *"finished"' jobs/usr1/state.json; then
   pass "scancel --signal=USR1: both nodes checkpoint and stop (exit 138), resume finishes"
 else fail "SIGUSR1 (srun exit $status)"; tail -5 usr1.out resume.out 2>/dev/null; fi
+
+# 5. `scontrol requeue` in the middle of a (one-node) batch job: the job stops after a
+#    checkpoint, Slurm starts the same script again with SLURM_RESTART_COUNT=1, and `run`
+#    continues the job (--resume auto) to weights bit-identical to an uninterrupted run.
+printf '#!/bin/bash\nsrun ./ddpjob run tiny.toml --name requeued --set train.epochs=800\n' > requeue.sh
+jid=$(sbatch --parsable -N1 --requeue --open-mode=append -o requeue.out requeue.sh)
+for _ in $(seq 150); do grep -qs '"step":40,' jobs/requeued/metrics.jsonl && break; sleep 0.2; done
+scontrol requeue "$jid" || echo "scontrol requeue $jid failed"
+# A requeued job waits about two minutes before it may start again; not here.
+for _ in $(seq 200); do
+  scontrol update JobId="$jid" StartTime=now >/dev/null 2>&1 || true
+  grep -qs '"status": *"finished"' jobs/requeued/state.json && break
+  sleep 1
+done
+if grep -qs '"status": *"finished"' jobs/requeued/state.json \
+   && grep -q "interrupted by SIGTERM" requeue.out \
+   && grep -q "note: --resume auto: Slurm requeued this job (SLURM_RESTART_COUNT=1)" requeue.out \
+   && timeout 300 ./ddpjob run tiny.toml --name straight --set train.epochs=800 > straight.out 2>&1 \
+   && compare jobs/requeued/model.safetensors jobs/straight/model.safetensors 0; then
+  pass "scontrol requeue: the requeued allocation resumes, weights bit-identical"
+else fail "scontrol requeue"; tail -8 requeue.out 2>/dev/null; fi
 
 echo "slurm tests: $failures failure(s)"
 [ "$failures" = 0 ]

@@ -152,22 +152,23 @@ fn sigterm_then_resume_ends_bit_identical() {
     }
 }
 
+/// An adam job on 2 workers run whole (job `whole`), then again as job `cut` with `fault`
+/// injected; returns the config and the cut run.
+fn whole_then_cut(t: &TestJob, fault: &str) -> (std::path::PathBuf, Run) {
+    let cfg = t.config("job", &job("adam", ""));
+    t.run(&cfg, &["--nproc-per-node", "2", "--name", "whole"])
+        .success();
+    let cut = run_with_fault(t, &cfg, fault, &["--nproc-per-node", "2", "--name", "cut"]);
+    (cfg, cut)
+}
+
 /// Slurm's `--signal=USR1@N` (the warning before a time limit) stops the job as SIGTERM does.
 #[test]
 fn sigusr1_checkpoints_and_stops_then_resume_ends_bit_identical() {
     let t = TestJob::new();
-    let cfg = t.config("job", &job("adam", ""));
-    let n = ["--nproc-per-node", "2"];
-    t.run(&cfg, &[&n[..], &["--name", "whole"]].concat())
-        .success();
-    run_with_fault(
-        &t,
-        &cfg,
-        "rank=1,step=5,kind=usr1",
-        &[&n[..], &["--name", "cut"]].concat(),
-    )
-    .fails_with(138, "interrupted by SIGUSR1")
-    .fails_with(138, "after checkpoint `step-00000005`");
+    let (_, cut) = whole_then_cut(&t, "rank=1,step=5,kind=usr1");
+    cut.fails_with(138, "interrupted by SIGUSR1")
+        .fails_with(138, "after checkpoint `step-00000005`");
     let state = t.json(&t.job("cut").join("state.json"));
     assert_eq!(state["status"].as_str(), Some("interrupted"));
     resume(&t, &["cut"]).success();
@@ -371,19 +372,11 @@ fn a_worker_that_fails_on_every_attempt_is_given_up_with_each_failure_listed() {
 #[test]
 fn run_resume_auto_continues_leaves_or_refuses_an_existing_job() {
     let t = TestJob::new();
-    let cfg = t.config("job", &job("adam", ""));
     let n = ["--nproc-per-node", "2"];
-    t.run(&cfg, &[&n[..], &["--name", "whole"]].concat())
-        .success();
     // Preempted at step 5, then the same command again, as Slurm's requeue would: without the
     // flag, SLURM_RESTART_COUNT > 0 makes it auto.
-    run_with_fault(
-        &t,
-        &cfg,
-        "rank=0,step=5,kind=preempt",
-        &[&n[..], &["--name", "cut"]].concat(),
-    )
-    .fails_with(143, "interrupted by SIGTERM");
+    let (cfg, cut) = whole_then_cut(&t, "rank=0,step=5,kind=preempt");
+    cut.fails_with(143, "interrupted by SIGTERM");
     let again = t.run_env(
         &cfg,
         &[&n[..], &["--name", "cut"]].concat(),

@@ -99,7 +99,26 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
             job,
             summary,
         }),
-        Err(e) => Err((e.exit_code(), anyhow::Error::new(e))),
+        Err(e) => {
+            let code = e.exit_code();
+            let warned = matches!(&e, launch::RunError::Interrupted { signal, .. } if *signal == libc::SIGUSR1);
+            let error = anyhow::Error::new(e);
+            // Slurm's time-limit warning on node 0: ask Slurm for another allocation.
+            match warned && opts.node.node_rank == 0 {
+                true => match cluster::requeue(&scheduler) {
+                    Some(said) => {
+                        let job = JobDir::open(&opts.jobs_dir, &opts.loaded.spec.name);
+                        if let Some(mut state) = job.read_state() {
+                            state.error = Some(format!("{error}; {said}"));
+                            let _ = job.write_state(&state);
+                        }
+                        Err((code, error.context(said)))
+                    }
+                    None => Err((code, error)),
+                },
+                false => Err((code, error)),
+            }
+        }
     };
     reporting.finish(ending)
 }

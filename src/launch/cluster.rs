@@ -222,6 +222,30 @@ fn port(name: &str, p: usize) -> Result<u16, String> {
         .ok_or_else(|| format!("{name}={p} is not a TCP port (1..65535)"))
 }
 
+/// Under Slurm, asks it to requeue this job (`scontrol requeue`), as PyTorch Lightning's SLURM
+/// plugin does on the time-limit warning (SIGUSR1): the next allocation runs the same script,
+/// and `run` continues the job (`--resume auto` is the default in a requeued job). Returns
+/// what happened, for the log; `None` outside Slurm.
+pub fn requeue(env: &SchedulerEnv) -> Option<String> {
+    let (_, id) = env.first(&["SLURM_JOB_ID", "SLURM_JOBID"])?;
+    let out = std::process::Command::new("scontrol")
+        .args(["requeue", id])
+        .output();
+    Some(match out {
+        Ok(o) if o.status.success() => format!(
+            "Slurm job {id} requeued: its next allocation continues the job (run --resume auto)"
+        ),
+        Ok(o) => format!(
+            "Slurm job {id} could not be requeued ({}); submit it with `sbatch --requeue`, or \
+             continue it with `ddpjob resume`",
+            String::from_utf8_lossy(&o.stderr).trim()
+        ),
+        Err(e) => {
+            format!("`scontrol requeue {id}` could not run ({e}); continue with `ddpjob resume`")
+        }
+    })
+}
+
 /// What a Slurm step says about this node.
 #[derive(Debug, Clone)]
 struct SlurmStep {

@@ -134,5 +134,25 @@ if grep -qs '"status": *"finished"' jobs/requeued/state.json \
   pass "scontrol requeue: the requeued allocation resumes, weights bit-identical"
 else fail "scontrol requeue"; tail -8 requeue.out 2>/dev/null; fi
 
+# 6. The time-limit warning (SIGUSR1 to the steps) in a job submitted with --requeue: ddpjob
+#    checkpoints, stops, requeues the job itself (scontrol requeue, as Lightning does), and the
+#    next allocation continues it to the same weights.
+printf '#!/bin/bash\nsrun ./ddpjob run tiny.toml --name warned --set train.epochs=800\n' > warned.sh
+jid=$(sbatch --parsable -N1 --requeue --open-mode=append -o warned.out warned.sh)
+for _ in $(seq 150); do grep -qs '"step":40,' jobs/warned/metrics.jsonl && break; sleep 0.2; done
+scancel --signal=USR1 "$jid" || echo "scancel --signal=USR1 $jid failed"
+for _ in $(seq 200); do
+  scontrol update JobId="$jid" StartTime=now >/dev/null 2>&1 || true
+  grep -qs '"status": *"finished"' jobs/warned/state.json && break
+  sleep 1
+done
+if grep -qs '"status": *"finished"' jobs/warned/state.json \
+   && grep -q "interrupted by SIGUSR1" warned.out \
+   && grep -q "Slurm job $jid requeued" warned.out \
+   && grep -q "SLURM_RESTART_COUNT=1" warned.out \
+   && compare jobs/warned/model.safetensors jobs/straight/model.safetensors 0; then
+  pass "SIGUSR1 in a --requeue job: checkpoint, requeued by ddpjob, resumed, bit-identical"
+else fail "SIGUSR1 requeue"; tail -8 warned.out 2>/dev/null; fi
+
 echo "slurm tests: $failures failure(s)"
 [ "$failures" = 0 ]

@@ -116,36 +116,38 @@ else fail "SIGUSR1 (srun exit $status)"; tail -5 usr1.out resume.out 2>/dev/null
 # 5. `scontrol requeue` in the middle of a (one-node) batch job: the job stops after a
 #    checkpoint, Slurm starts the same script again with SLURM_RESTART_COUNT=1, and `run`
 #    continues the job (--resume auto) to weights bit-identical to an uninterrupted run.
-printf '#!/bin/bash\nsrun ./ddpjob run tiny.toml --name requeued --set train.epochs=800\n' > requeue.sh
-jid=$(sbatch --parsable -N1 --requeue --open-mode=append -o requeue.out requeue.sh)
-for _ in $(seq 150); do grep -qs '"step":40,' jobs/requeued/metrics.jsonl && break; sleep 0.2; done
-scontrol requeue "$jid" || echo "scontrol requeue $jid failed"
-# A requeued job waits about two minutes before it may start again; not here.
-for _ in $(seq 200); do
-  scontrol update JobId="$jid" StartTime=now >/dev/null 2>&1 || true
-  grep -qs '"status": *"finished"' jobs/requeued/state.json && break
-  sleep 1
-done
+# interrupt_and_requeue NAME HOW...: submits a one-node --requeue batch job training NAME,
+# runs HOW (with $jid set) once the job is 40 steps in, and waits until the job has finished
+# (in its second allocation); its output is NAME.out.
+interrupt_and_requeue() {
+  local name=$1; shift
+  printf '#!/bin/bash\nsrun ./ddpjob run tiny.toml --name %s --set train.epochs=800\n' "$name" > "$name.sh"
+  jid=$(sbatch --parsable -N1 --requeue --open-mode=append -o "$name.out" "$name.sh")
+  for _ in $(seq 150); do grep -qs '"step":40,' "jobs/$name/metrics.jsonl" && break; sleep 0.2; done
+  "$@" || echo "$* failed"
+  # A requeued job waits about two minutes before it may start again; not here.
+  for _ in $(seq 200); do
+    scontrol update JobId="$jid" StartTime=now >/dev/null 2>&1 || true
+    grep -qs '"status": *"finished"' "jobs/$name/state.json" && break
+    sleep 1
+  done
+}
+requeue_it() { scontrol requeue "$jid"; }
+warn_it() { scancel --signal=USR1 "$jid"; }
+
+interrupt_and_requeue requeued requeue_it
 if grep -qs '"status": *"finished"' jobs/requeued/state.json \
-   && grep -q "interrupted by SIGTERM" requeue.out \
-   && grep -q "note: --resume auto: Slurm requeued this job (SLURM_RESTART_COUNT=1)" requeue.out \
+   && grep -q "interrupted by SIGTERM" requeued.out \
+   && grep -q "note: --resume auto: Slurm requeued this job (SLURM_RESTART_COUNT=1)" requeued.out \
    && timeout 300 ./ddpjob run tiny.toml --name straight --set train.epochs=800 > straight.out 2>&1 \
    && compare jobs/requeued/model.safetensors jobs/straight/model.safetensors 0; then
   pass "scontrol requeue: the requeued allocation resumes, weights bit-identical"
-else fail "scontrol requeue"; tail -8 requeue.out 2>/dev/null; fi
+else fail "scontrol requeue"; tail -8 requeued.out 2>/dev/null; fi
 
 # 6. The time-limit warning (SIGUSR1 to the steps) in a job submitted with --requeue: ddpjob
 #    checkpoints, stops, requeues the job itself (scontrol requeue, as Lightning does), and the
 #    next allocation continues it to the same weights.
-printf '#!/bin/bash\nsrun ./ddpjob run tiny.toml --name warned --set train.epochs=800\n' > warned.sh
-jid=$(sbatch --parsable -N1 --requeue --open-mode=append -o warned.out warned.sh)
-for _ in $(seq 150); do grep -qs '"step":40,' jobs/warned/metrics.jsonl && break; sleep 0.2; done
-scancel --signal=USR1 "$jid" || echo "scancel --signal=USR1 $jid failed"
-for _ in $(seq 200); do
-  scontrol update JobId="$jid" StartTime=now >/dev/null 2>&1 || true
-  grep -qs '"status": *"finished"' jobs/warned/state.json && break
-  sleep 1
-done
+interrupt_and_requeue warned warn_it
 if grep -qs '"status": *"finished"' jobs/warned/state.json \
    && grep -q "interrupted by SIGUSR1" warned.out \
    && grep -q "Slurm job $jid requeued" warned.out \

@@ -62,6 +62,8 @@ pub struct TcpCommunicator {
     timeout: Duration,
     state: RefCell<State>,
     beacon: Arc<Beacon>,
+    /// Workers per node (0: not known), so that messages say which node a peer is on.
+    per_node: usize,
 }
 
 /// Busy-wait budget for a worker when `local_workers` share this machine: spinning only pays
@@ -129,6 +131,7 @@ impl TcpCommunicator {
             timeout,
             state: RefCell::new(State { links, seq: 0 }),
             beacon: Arc::default(),
+            per_node: 0,
         })
     }
 
@@ -136,6 +139,21 @@ impl TcpCommunicator {
     pub fn with_beacon(mut self, beacon: Arc<Beacon>) -> Self {
         self.beacon = beacon;
         self
+    }
+
+    /// With `per_node` workers on each node, messages name the node of a rank on another node.
+    pub fn with_ranks_per_node(mut self, per_node: usize) -> Self {
+        self.per_node = per_node;
+        self
+    }
+
+    /// "rank 3", or "rank 3 (node 1)" when the rank is on another node than this one.
+    fn who(&self, rank: usize) -> String {
+        match self.per_node {
+            0 => format!("rank {rank}"),
+            n if rank / n == self.rank / n => format!("rank {rank}"),
+            n => format!("rank {rank} (node {})", rank / n),
+        }
     }
 
     /// Runs one collective: header exchange, then `body`; io failures become messages naming
@@ -215,8 +233,10 @@ impl TcpCommunicator {
                     op: op.name(),
                     rank: self.rank,
                     problem: format!(
-                        "collective #{seq}: rank {peer} closed its connection while {role} it \
-                         (that worker exited or crashed; see its log)"
+                        "collective #{seq}: {} closed its connection while {role} it \
+                         (that worker exited or crashed, or its node's launcher did; see its \
+                         log)",
+                        self.who(peer)
                     ),
                 };
             }
@@ -226,7 +246,7 @@ impl TcpCommunicator {
                     rank: self.rank,
                     seq,
                     waited_s: self.timeout.as_secs(),
-                    problem: format!("no progress {role} rank {peer}"),
+                    problem: format!("no progress {role} {}", self.who(peer)),
                 };
             }
             _ => format!("collective #{seq}: {role} rank {peer}: {cause}"),

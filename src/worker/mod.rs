@@ -188,7 +188,8 @@ fn connect(
         timeout,
         spin,
     )?
-    .with_beacon(beacon);
+    .with_beacon(beacon)
+    .with_ranks_per_node(env.local_world_size);
     Ok(Box::new(comm))
 }
 

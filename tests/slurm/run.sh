@@ -156,5 +156,26 @@ if grep -qs '"status": *"finished"' jobs/warned/state.json \
   pass "SIGUSR1 in a --requeue job: checkpoint, requeued by ddpjob, resumed, bit-identical"
 else fail "SIGUSR1 requeue"; tail -8 warned.out 2>/dev/null; fi
 
+# 7. Node 1's launcher killed (SIGKILL; its workers die with it): node 0 fails at once, naming
+#    the rank and the node that went away.
+timeout 300 srun -N2 --ntasks-per-node=1 -J killed ./ddpjob run tiny.toml --nproc-per-node 1 \
+  --name killed --set train.epochs=3000 > killed.out 2>&1 &
+srun_pid=$!
+for _ in $(seq 100); do grep -qs '"step":40,' jobs/killed/metrics.jsonl && break; sleep 0.2; done
+for p in $(pgrep -f "name killed"); do
+  tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx 'SLURM_NODEID=1' \
+    && tr '\0' '\n' < "/proc/$p/environ" | grep -qx 'SLURM_PROCID=1' \
+    && ! tr '\0' '\n' < "/proc/$p/environ" | grep -q '^DDPJOB_JOB_DIR=' && kill -9 "$p"
+done
+started=$(date +%s)
+set +e
+wait "$srun_pid"
+set -e
+took=$(( $(date +%s) - started ))
+if [ "$took" -le 30 ] && grep -q "rank 1 (node 1) closed its connection" killed.out \
+   && grep -q '"status": *"failed"' jobs/killed/state.json; then
+  pass "node 1's launcher killed: node 0 fails within ${took} s naming rank 1 (node 1)"
+else fail "launcher killed on node 1 (${took} s)"; grep -E "error" killed.out | head -5; fi
+
 echo "slurm tests: $failures failure(s)"
 [ "$failures" = 0 ]

@@ -7,7 +7,7 @@ use anyhow::anyhow;
 
 use super::output::{Done, Ending, Reporting};
 use super::{CliResult, ConfigArgs, ResumeArgs, RunArgs};
-use crate::config::{self, DatasetKind, Expectation};
+use crate::config::{self, DatasetKind, DeviceChoice, Expectation};
 use crate::jobdir::JobDir;
 use crate::launch::auto::{self, Decision, ResumeMode};
 use crate::launch::cluster::{self, NodeFlags, SchedulerEnv};
@@ -41,6 +41,15 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
         }
         Err(e) => return reporting.finish(Err((2, anyhow!(e)))),
     };
+    let distributed = &loaded.spec.distributed;
+    let on_gpus = match distributed.device {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Auto => cfg!(feature = "cuda"),
+    };
+    if let Err(e) = cluster::check_gpus(&scheduler, distributed.nproc_per_node, on_gpus) {
+        return reporting.finish(Err((2, anyhow!(e))));
+    }
     let mode = match (args.resume.as_deref(), scheduler.slurm_requeued()) {
         (Some("auto"), _) => ResumeMode::Auto,
         (Some(_), _) => ResumeMode::Never,

@@ -222,6 +222,28 @@ fn port(name: &str, p: usize) -> Result<u16, String> {
         .ok_or_else(|| format!("{name}={p} is not a TCP port (1..65535)"))
 }
 
+/// Under Slurm, whether `nproc_per_node` GPU workers (a number in the job file or flags; `None`
+/// is "auto": one per GPU) fit the GPUs Slurm gave this node (`SLURM_GPUS_ON_NODE`), for a job
+/// that trains on GPUs. A difference is refused: fewer workers would leave GPUs idle, more
+/// would not start.
+pub fn check_gpus(
+    env: &SchedulerEnv,
+    nproc_per_node: Option<usize>,
+    on_gpus: bool,
+) -> Result<(), String> {
+    let (Some(n), true) = (nproc_per_node, on_gpus) else {
+        return Ok(());
+    };
+    match env.number(&["SLURM_GPUS_ON_NODE"])? {
+        Some((name, gpus)) if gpus != n => Err(format!(
+            "Slurm gave this node {gpus} GPU(s) ({name}), but the job asks for {n} worker(s) \
+             per node (distributed.nproc_per_node / --nproc-per-node): request \
+             `--gpus-per-node={n}`, or set nproc_per_node = \"auto\" (one worker per GPU)"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Under Slurm, asks it to requeue this job (`scontrol requeue`), as PyTorch Lightning's SLURM
 /// plugin does on the time-limit warning (SIGUSR1): the next allocation runs the same script,
 /// and `run` continues the job (`--resume auto` is the default in a requeued job). Returns

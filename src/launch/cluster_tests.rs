@@ -162,3 +162,23 @@ fn torchrun_and_pod_level_variables_are_read_in_their_order() {
         2
     );
 }
+
+#[test]
+fn a_worker_count_other_than_slurms_gpus_is_refused_for_gpu_jobs() {
+    let slurm = env(&[("SLURM_GPUS_ON_NODE", "4".into())]);
+    assert!(check_gpus(&slurm, Some(4), true).is_ok());
+    assert!(
+        check_gpus(&slurm, None, true).is_ok(),
+        "auto takes what Slurm gave"
+    );
+    assert!(
+        check_gpus(&slurm, Some(8), false).is_ok(),
+        "CPU workers use no GPU"
+    );
+    let e = check_gpus(&slurm, Some(8), true).unwrap_err();
+    assert!(
+        e.contains("4 GPU(s) (SLURM_GPUS_ON_NODE)") && e.contains("--gpus-per-node=8"),
+        "{e}"
+    );
+    assert!(check_gpus(&SchedulerEnv::default(), Some(8), true).is_ok());
+}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Packs what bench/gpu-check.sh needs on a GPU machine into target/gpu-carry/ (about 40 MB, under
+# the device tool's 64 MiB carry limit): the CUDA binary from ../shared/gpu/build-cuda.sh
+# (xz-compressed: 59 MB -> 8 MB), run-gpu.sh, Fashion-MNIST's four .gz files, the tiny
+# Shakespeare text and the two PyTorch reference scripts.
+#
+#   bash ../shared/gpu/build-cuda.sh && bench/gpu-pack.sh
+#   then, with the device tool: carry ["target/gpu-carry"], command "bench/gpu-check.sh"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dist=${DIST:-target/gpu-dist}
+data=${DATA:-/usr/share/datasets/fashion-mnist}
+text=${TEXT:-../shared/data/tinyshakespeare/input.txt}
+refs=${REFS:-../shared/bench}
+[ -x "$dist/ddpjob" ] || { echo "no $dist/ddpjob: run bash ../shared/gpu/build-cuda.sh first" >&2; exit 2; }
+[ -f "$data/train-images-idx3-ubyte.gz" ] || { echo "no Fashion-MNIST in $data: apt-get install dataset-fashion-mnist" >&2; exit 2; }
+carry=target/gpu-carry
+rm -rf "$carry"
+mkdir -p "$carry/fashion-mnist" "$carry/ref"
+xz -T2 -6 -c "$dist/ddpjob" > "$carry/ddpjob.xz"
+cp "$dist/run-gpu.sh" "$carry/"
+cp "$data"/*-ubyte.gz "$carry/fashion-mnist/"
+cp "$text" "$carry/input.txt"
+cp "$refs/torch_ref.py" "$refs/gpt_ref.py" "$carry/ref/"
+du -sh "$carry"

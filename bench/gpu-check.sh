@@ -12,7 +12,8 @@
 # env: BIN (default: target/gpu-carry's binary, else "target/gpu-dist/run-gpu.sh
 #      target/gpu-dist/ddpjob"), DATA (the four Fashion-MNIST .gz files; default
 #      target/gpu-carry/fashion-mnist), TEXT (default target/gpu-carry/input.txt), PYTHON (with
-#      torch), QUICK=1 (a 200-step GPT run instead of the recipe's).
+#      torch), QUICK=1 (a 200-step GPT run instead of the recipe's), SMOKE_ONLY=1 (skip the
+#      comparisons with PyTorch, which need its data and torch: what CI's GPU job runs).
 # Steps: the driver and GPU; the smoke job in f32 and bf16 with --junit; NCCL at world size 1
 # against the same job on the CPU; a Fashion-MNIST cnn epoch against torch_ref.py; the GPT GPU
 # recipe against gpt_ref.py; SIGTERM during a run, then resume, against an uninterrupted run.
@@ -36,6 +37,7 @@ data=${DATA:-$carry/fashion-mnist}
 text=${TEXT:-$carry/input.txt}
 ref() { for p in "$carry/ref/$1" "../shared/bench/$1"; do [ -f "$p" ] && { echo "$p"; return; }; done; echo "$carry/ref/$1"; }
 out=${OUT:-$(mktemp -d)}
+mkdir -p "$out"
 jobs=$(mktemp -d)
 trap 'rm -rf "$jobs"' EXIT
 report=$out/gpu-check.json
@@ -92,7 +94,9 @@ else
 fi
 
 # A Fashion-MNIST cnn epoch against torch_ref.py on the same device (the machine's PyTorch).
-if [ -f "$data/train-images-idx3-ubyte.gz" ]; then
+if [ -n "${SMOKE_ONLY:-}" ]; then
+  record "cnn epoch vs torch_ref.py" skipped "SMOKE_ONLY"
+elif [ -f "$data/train-images-idx3-ubyte.gz" ]; then
   rounds=1
   if line=$(DEVICE=$device DATA=$data BIN="${bin[*]}" PYTHON=$python TORCH_REF=$(ref torch_ref.py) \
         bench/vs-torch.sh cnn "$rounds" 2>"$out/cnn.err" | tail -1) && [ -n "$line" ]; then
@@ -101,7 +105,9 @@ if [ -f "$data/train-images-idx3-ubyte.gz" ]; then
 else record "cnn epoch vs torch_ref.py" FAIL "no Fashion-MNIST in $data (carry its four .gz files)"; fi
 
 # The GPT recipe against gpt_ref.py.
-if [ -f "$text" ]; then
+if [ -n "${SMOKE_ONLY:-}" ]; then
+  record "GPT recipe vs gpt_ref.py" skipped "SMOKE_ONLY"
+elif [ -f "$text" ]; then
   config=configs/shakespeare-char-gpu.toml
   [ "$device" = cpu ] && config=configs/shakespeare-char.toml
   if [ -n "${QUICK:-}" ]; then

@@ -7,7 +7,7 @@ use anyhow::anyhow;
 
 use super::output::{Done, Ending, Reporting};
 use super::{CliResult, ConfigArgs, ResumeArgs, RunArgs};
-use crate::config::{self, DatasetKind, DeviceChoice, Expectation};
+use crate::config::{self, DatasetKind, Expectation};
 use crate::jobdir::JobDir;
 use crate::launch::auto::{self, Decision, ResumeMode};
 use crate::launch::cluster::{self, NodeFlags, SchedulerEnv};
@@ -41,15 +41,6 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
         }
         Err(e) => return reporting.finish(Err((2, anyhow!(e)))),
     };
-    let distributed = &loaded.spec.distributed;
-    let on_gpus = match distributed.device {
-        DeviceChoice::Cpu => false,
-        DeviceChoice::Cuda => true,
-        DeviceChoice::Auto => cfg!(feature = "cuda"),
-    };
-    if let Err(e) = cluster::check_gpus(&scheduler, distributed.nproc_per_node, on_gpus) {
-        return reporting.finish(Err((2, anyhow!(e))));
-    }
     let mode = match (args.resume.as_deref(), scheduler.slurm_requeued()) {
         (Some("auto"), _) => ResumeMode::Auto,
         (Some(_), _) => ResumeMode::Never,
@@ -60,33 +51,8 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
         (None, None) => ResumeMode::Never,
     };
     if mode == ResumeMode::Auto {
-        match auto::decide(&args.jobs_dir, &loaded) {
-            Ok(Decision::Start) => {}
-            Ok(Decision::AlreadyFinished(message)) => {
-                let job = JobDir::open(&args.jobs_dir, &loaded.spec.name);
-                return reporting.finish(already_finished(job, message));
-            }
-            Ok(Decision::Continue(name)) if node.nnodes > 1 => {
-                return reporting.finish(Err((
-                    2,
-                    anyhow!(
-                        "job `{name}` exists unfinished; --resume auto continues single-node                          jobs only so far: continue it on one node with `ddpjob resume {name}`"
-                    ),
-                )));
-            }
-            Ok(Decision::Continue(name)) => {
-                let opts = ResumeOptions {
-                    name: Some(name.clone()),
-                    jobs_dir: args.jobs_dir.clone(),
-                    nproc_per_node: None,
-                    // A job stopped before its first checkpoint starts again.
-                    from_scratch: true,
-                    started,
-                };
-                let job = JobDir::open(&args.jobs_dir, &name);
-                return reporting.finish(resumed(launch::resume(&opts), job));
-            }
-            Err(e) => return reporting.finish(Err((e.exit_code(), anyhow::Error::new(e)))),
+        if let Some(ending) = continue_existing(&args.jobs_dir, &loaded, node.nnodes, started) {
+            return reporting.finish(ending);
         }
     }
     let opts = RunOptions {
@@ -111,25 +77,62 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
         Err(e) => {
             let code = e.exit_code();
             let warned = matches!(&e, launch::RunError::Interrupted { signal, .. } if *signal == libc::SIGUSR1);
-            let error = anyhow::Error::new(e);
+            let mut error = anyhow::Error::new(e);
             // Slurm's time-limit warning on node 0: ask Slurm for another allocation.
-            match warned && opts.node.node_rank == 0 {
-                true => match cluster::requeue(&scheduler) {
-                    Some(said) => {
-                        let job = JobDir::open(&opts.jobs_dir, &opts.loaded.spec.name);
-                        if let Some(mut state) = job.read_state() {
-                            state.error = Some(format!("{error}; {said}"));
-                            let _ = job.write_state(&state);
-                        }
-                        Err((code, error.context(said)))
-                    }
-                    None => Err((code, error)),
-                },
-                false => Err((code, error)),
+            let requeued = (warned && opts.node.node_rank == 0)
+                .then(|| cluster::requeue(&scheduler))
+                .flatten();
+            if let Some(said) = requeued {
+                let job = JobDir::open(&opts.jobs_dir, &opts.loaded.spec.name);
+                if let Some(mut state) = job.read_state() {
+                    state.error = Some(format!("{error}; {said}"));
+                    let _ = job.write_state(&state);
+                }
+                error = error.context(said);
             }
+            Err((code, error))
         }
     };
     reporting.finish(ending)
+}
+
+/// `run --resume auto` for a job that may already exist: continues it, says it finished, or
+/// refuses it; `None` when there is no such job, and `run` starts it.
+fn continue_existing(
+    jobs_dir: &std::path::Path,
+    loaded: &config::LoadedConfig,
+    nnodes: usize,
+    started: Instant,
+) -> Option<Ending> {
+    match auto::decide(jobs_dir, loaded) {
+        Ok(Decision::Start) => None,
+        Ok(Decision::AlreadyFinished(message)) => Some(already_finished(
+            JobDir::open(jobs_dir, &loaded.spec.name),
+            message,
+        )),
+        Ok(Decision::Continue(name)) if nnodes > 1 => Some(Err((
+            2,
+            anyhow!(
+                "job `{name}` exists unfinished; --resume auto continues single-node jobs only \
+                 so far: continue it on one node with `ddpjob resume {name}`"
+            ),
+        ))),
+        Ok(Decision::Continue(name)) => {
+            let opts = ResumeOptions {
+                name: Some(name.clone()),
+                jobs_dir: jobs_dir.to_path_buf(),
+                nproc_per_node: None,
+                // A job stopped before its first checkpoint starts again.
+                from_scratch: true,
+                started,
+            };
+            Some(resumed(
+                launch::resume(&opts),
+                JobDir::open(jobs_dir, &name),
+            ))
+        }
+        Err(e) => Some(Err((e.exit_code(), anyhow::Error::new(e)))),
+    }
 }
 
 pub(super) fn resume(args: ResumeArgs, started: Instant) -> CliResult {

@@ -118,37 +118,10 @@ pub fn resolve(flags: &NodeFlags, env: &SchedulerEnv) -> Result<Resolution, Stri
     let mut notes = Vec::new();
     let slurm = slurm(env)?;
     let pod_level = !env.under_slurm() && env.first(&["MASTER_ADDR"]).is_some();
-    let pet = |n: &'static str| env.number(&[n]);
-    let elastic = env.first(&["PET_NNODES"]);
-    if let Some((_, v)) = elastic.filter(|(_, v)| v.contains(':')) {
-        let (min, max) = v.split_once(':').unwrap_or_default();
-        if min != max {
-            return Err(format!(
-                "PET_NNODES={v:?} asks for an elastic node count; ddpjob runs a fixed number \
-                 of nodes: set the PyTorchJob's minReplicas and maxReplicas equal"
-            ));
-        }
-    }
-    let pet_nnodes = match elastic {
-        Some((name, v)) => {
-            let n = v.split(':').next_back().unwrap_or(v);
-            Some((
-                name,
-                n.parse::<usize>()
-                    .map_err(|_| format!("{name}={v:?} is not a number"))?,
-            ))
-        }
-        None => None,
-    };
-    let world = if pod_level {
-        env.number(&["WORLD_SIZE"])?
-    } else {
-        None
-    };
-    let rank = if pod_level {
-        env.number(&["RANK"])?
-    } else {
-        None
+    let pet_nnodes = pet_nnodes(env)?;
+    let (world, rank) = match pod_level {
+        true => (env.number(&["WORLD_SIZE"])?, env.number(&["RANK"])?),
+        false => (None, None),
     };
     let described = |found: Option<(&'static str, usize)>| found.map(|(n, v)| (n.to_string(), v));
 
@@ -159,7 +132,7 @@ pub fn resolve(flags: &NodeFlags, env: &SchedulerEnv) -> Result<Resolution, Stri
         .or(described(world).map(|(n, v)| (format!("{n} (pods)"), v)));
     let nnodes = pick(flags.nnodes, "--nnodes", nnodes_found, &mut notes).unwrap_or(1);
 
-    let rank_found = described(pet("PET_NODE_RANK")?)
+    let rank_found = described(env.number(&["PET_NODE_RANK"])?)
         .or(slurm
             .as_ref()
             .map(|s| ("SLURM_NODEID".to_string(), s.node_rank)))
@@ -213,6 +186,24 @@ pub fn resolve(flags: &NodeFlags, env: &SchedulerEnv) -> Result<Resolution, Stri
         },
         notes,
     })
+}
+
+/// `PET_NNODES`: a count, or torchrun's `min:max`, which must be fixed (min = max).
+fn pet_nnodes(env: &SchedulerEnv) -> Result<Option<(&'static str, usize)>, String> {
+    let Some((name, v)) = env.first(&["PET_NNODES"]) else {
+        return Ok(None);
+    };
+    let (min, max) = v.split_once(':').unwrap_or((v, v));
+    if min != max {
+        return Err(format!(
+            "{name}={v:?} asks for an elastic node count; ddpjob runs a fixed number of nodes: \
+             set the PyTorchJob's minReplicas and maxReplicas equal"
+        ));
+    }
+    let n = max
+        .parse()
+        .map_err(|_| format!("{name}={v:?} is not a number"))?;
+    Ok(Some((name, n)))
 }
 
 fn port(name: &str, p: usize) -> Result<u16, String> {

@@ -154,6 +154,12 @@ impl Layout {
         if let Some(notice) = &placement.notice {
             eprintln!("note: {notice}");
         }
+        cluster::check_gpus(
+            &cluster::SchedulerEnv::from_process(),
+            spec.distributed.nproc_per_node,
+            placement.on_gpus(),
+        )
+        .map_err(RunError::Usage)?;
         Ok(Layout {
             nnodes,
             node_rank: opts.node_rank,

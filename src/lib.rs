@@ -24,9 +24,16 @@ pub mod models;
 pub mod numerics;
 pub mod optim;
 pub mod progress;
+pub mod registry;
 pub mod report;
 pub mod rng;
 pub mod store;
 pub mod task;
 pub mod train;
 pub mod worker;
+
+pub use std::process::ExitCode;
+
+pub use models::{Mode, Model, ParamStore, Params};
+pub use registry::{BuildError, DataContext, ModelContext, Registry};
+pub use task::{BatchSource, ModelInput, Task};

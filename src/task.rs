@@ -58,6 +58,10 @@ pub fn load(spec: &JobSpec, job: Option<&JobDir>) -> Result<Box<dyn Task>, DataE
         DatasetKind::Text(_) | DatasetKind::Tokens(_) => {
             Ok(Box::new(text::TextTask::load(spec, job)?))
         }
+        DatasetKind::Custom { name, options } => {
+            let cx = crate::registry::DataContext { seed: spec.seed };
+            crate::registry::Registry::current().open_dataset(name, options, &cx)
+        }
         _ => Ok(Box::new(Dataset::load(&spec.data, spec.seed)?)),
     }
 }

@@ -91,7 +91,8 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         device: &device,
         grad_clip_norm: t.grad_clip_norm,
         bucket_bytes: spec.distributed.bucket_bytes,
-        shards: crate::train::shards::ShardPool::for_device(&device),
+        shards: crate::train::shards::ShardPool::for_device(&device)
+            .filter(|_| model.rows_independent()),
     };
     let run = |optimizer: &mut Optimizer, phases: Option<&mut Phases>| {
         optimizer_step(&cx, optimizer, &batches, t.lr, false, phases)

@@ -192,6 +192,10 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
             Ok(found) => found,
             Err(e) => return Err((2, anyhow!(e))),
         },
+        DatasetKind::Custom { name, .. } => match crate::task::load(spec, None) {
+            Ok(task) => (task.train_len(), format!("{name}, opened")),
+            Err(e) => return Err((2, anyhow!(e))),
+        },
     };
     // Where `run` would put the workers on this machine, as it would decide it.
     let placement = crate::device::place(&spec.distributed).map_err(|e| (2, anyhow!(e)))?;

@@ -209,8 +209,24 @@ struct ShowArgs {
     jobs_dir: PathBuf,
 }
 
-/// Entry point used by `main.rs`.
+/// Entry point used by `main.rs`: the command line with ddpjob's own models and datasets.
 pub fn main() -> ExitCode {
+    main_with(crate::registry::Registry::builtin())
+}
+
+/// The whole command line (`run`, `resume`, `validate`, `list`, `show`, `sample`, `bench`, ...)
+/// for a binary whose models and datasets are `registry`'s: what a user's own trainer's
+/// `main` calls. Workers re-execute the same binary, so they build from the same registry.
+///
+/// ```no_run
+/// use ddpjob::{ExitCode, Registry};
+///
+/// fn main() -> ExitCode {
+///     ddpjob::cli::main_with(Registry::builtin())
+/// }
+/// ```
+pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
+    registry.install();
     let started = Instant::now();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,

@@ -77,6 +77,21 @@ pub fn broadcast_params(comm: &dyn Communicator, params: &Params) -> Result<(), 
     Ok(())
 }
 
+/// Makes every rank's buffers (BatchNorm statistics) rank 0's, as DDP's `broadcast_buffers`
+/// does before each forward pass: every rank then trains and evaluates with the same state,
+/// and the state rank 0 checkpoints is the one every rank used.
+pub fn broadcast_buffers(comm: &dyn Communicator, params: &Params) -> Result<(), CommError> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    for (_, var) in params.buffers() {
+        let mut t = var.as_tensor().clone();
+        comm.broadcast(&mut t, 0)?;
+        var.set(&t)?;
+    }
+    Ok(())
+}
+
 /// Whether any rank voted to stop in a step's gradient average.
 #[derive(Debug, Clone)]
 pub enum StopVote {

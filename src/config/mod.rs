@@ -1,6 +1,7 @@
 //! Job files: TOML → raw serde structs (unknown keys rejected) → a validated [`JobSpec`].
 //! Errors name the file, line and column (or the `--set` argument), the key, and the fix.
 
+mod custom;
 mod error;
 mod raw;
 pub mod schema;
@@ -11,6 +12,8 @@ mod validate;
 use std::path::Path;
 
 use serde::Deserialize;
+
+use crate::registry::Registry;
 
 pub use error::{ConfigError, Origin};
 pub use raw::RawConfig;
@@ -30,9 +33,29 @@ pub struct LoadedConfig {
 
 impl LoadedConfig {
     /// The resolved config as TOML: what `validate` prints and `run` freezes into `job.toml`.
+    /// A registered model's or dataset's section holds its selector and its options only.
     pub fn resolved_toml(&self) -> String {
-        toml::to_string_pretty(&self.resolved)
-            .unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+        let render = || -> Result<String, toml::ser::Error> {
+            let mut doc = match toml::Value::try_from(&self.resolved)? {
+                toml::Value::Table(t) => t,
+                _ => toml::Table::new(),
+            };
+            if let ModelSpec::Custom { arch, options } = &self.spec.model {
+                let mut model = toml::Table::new();
+                model.insert("arch".into(), arch.clone().into());
+                model.extend(options.clone());
+                doc.insert("model".into(), model.into());
+            }
+            if let DatasetKind::Custom { name, options } = &self.spec.data.dataset {
+                let mut data = toml::Table::new();
+                data.insert("dataset".into(), name.clone().into());
+                data.insert("drop_last".into(), self.spec.data.drop_last.into());
+                data.extend(options.clone());
+                doc.insert("data".into(), data.into());
+            }
+            toml::to_string_pretty(&doc)
+        };
+        render().unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
     }
 }
 
@@ -51,7 +74,18 @@ pub fn load_str(
     text: String,
     overrides: &[String],
 ) -> Result<LoadedConfig, ConfigError> {
-    let source = Source::parse(path, text, overrides)?;
+    load_str_with(path, text, overrides, Registry::current())
+}
+
+/// As [`load_str`], with the models and datasets of `registry` rather than the installed one.
+pub fn load_str_with(
+    path: &Path,
+    text: String,
+    overrides: &[String],
+    registry: &Registry,
+) -> Result<LoadedConfig, ConfigError> {
+    let mut source = Source::parse(path, text, overrides)?;
+    let custom = custom::extract(&mut source, registry)?;
     source.check_keys()?;
     let mut resolved =
         RawConfig::deserialize(toml::Value::Table(source.table.clone())).map_err(|e| {
@@ -64,7 +98,7 @@ pub fn load_str(
     let default_name = path
         .file_stem()
         .map_or("job".into(), |s| s.to_string_lossy().into_owned());
-    let spec = JobSpec::from_raw(&resolved, &source, &default_name)?;
+    let spec = JobSpec::from_raw(&resolved, &source, &default_name, custom, registry)?;
     resolved.name = Some(spec.name.clone());
     resolved.data.root = Some(spec.data.root.display().to_string());
     if let ModelSpec::Gpt(_) = spec.model {

@@ -79,6 +79,21 @@ impl Source {
             .split_once('=')
             .ok_or_else(|| bad("expected key.path=value, e.g. --set train.lr=0.01".into()))?;
         let path = path.trim();
+        if schema::lookup(path).is_none() && is_option_key(path) {
+            // Possibly an option of a registered model or dataset: typed by its own struct
+            // later; an unknown key is reported then, naming this argument.
+            let value = parse_literal(raw_value.trim());
+            let (section, leaf) = path.split_once('.').unwrap_or(("", path));
+            let table = self
+                .table
+                .entry(section.to_string())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            if let Some(table) = table.as_table_mut() {
+                table.insert(leaf.to_string(), value);
+            }
+            self.overrides.insert(path.to_string(), arg.to_string());
+            return Ok(());
+        }
         let Some(spec) = schema::lookup(path) else {
             let (table, leaf) = path.rsplit_once('.').unwrap_or(("", path));
             let suggestion = schema::closest(leaf, schema::children(table)).map(|s| join(table, s));
@@ -147,6 +162,20 @@ impl Source {
             }
         }
     }
+}
+
+/// `model.KEY` or `data.KEY`: a key a registered model's or dataset's options may have.
+fn is_option_key(path: &str) -> bool {
+    matches!(path.split_once('.'), Some(("model" | "data", leaf)) if !leaf.contains('.'))
+}
+
+/// A `--set` value for a key the schema does not type: a TOML value (`8`, `0.5`, `true`,
+/// `[1, 2]`, `"x"`), else the text as a string.
+fn parse_literal(raw: &str) -> toml::Value {
+    toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()))
 }
 
 /// Byte offsets of every key and value in the parsed file, by dotted path.

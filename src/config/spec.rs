@@ -19,9 +19,17 @@ pub struct JobSpec {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum ModelSpec {
-    Mlp { hidden: Vec<usize> },
+    Mlp {
+        hidden: Vec<usize>,
+    },
     Cnn,
     Gpt(GptSpec),
+    /// A model the binary's author registered: its `[model]` keys but `arch`, with the
+    /// defaults of its options struct written out.
+    Custom {
+        arch: String,
+        options: toml::Table,
+    },
 }
 
 impl ModelSpec {
@@ -34,21 +42,50 @@ impl ModelSpec {
                 "gpt {} layers x {} heads x {} channels, context {}",
                 g.n_layer, g.n_head, g.n_embd, g.block_size
             ),
+            ModelSpec::Custom { arch, options } => {
+                let pairs: Vec<String> =
+                    options.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+                if pairs.is_empty() {
+                    arch.clone()
+                } else {
+                    format!("{arch} ({})", pairs.join(", "))
+                }
+            }
         }
     }
 
     /// The `model.arch` value.
-    pub fn arch(&self) -> &'static str {
+    pub fn arch(&self) -> &str {
         match self {
             ModelSpec::Mlp { .. } => "mlp",
             ModelSpec::Cnn => "cnn",
             ModelSpec::Gpt(_) => "gpt",
+            ModelSpec::Custom { arch, .. } => arch,
         }
+    }
+
+    /// The options its registered builder receives: `[model]` without `arch`.
+    pub fn options(&self) -> toml::Table {
+        let mut table = toml::Table::new();
+        match self {
+            ModelSpec::Mlp { hidden } => {
+                let widths = hidden.iter().map(|&h| toml::Value::Integer(h as i64));
+                table.insert("hidden".into(), toml::Value::Array(widths.collect()));
+            }
+            ModelSpec::Cnn => {}
+            ModelSpec::Gpt(g) => {
+                if let Ok(toml::Value::Table(t)) = toml::Value::try_from(g) {
+                    table = t;
+                }
+            }
+            ModelSpec::Custom { options, .. } => table = options.clone(),
+        }
+        table
     }
 }
 
 /// `model.arch = "gpt"`: a GPT-2-style decoder.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GptSpec {
     pub n_layer: usize,
     pub n_head: usize,
@@ -57,6 +94,7 @@ pub struct GptSpec {
     pub dropout: f64,
     pub bias: bool,
     /// Required for `tokens` data; `text` data brings its own vocabulary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vocab_size: Option<usize>,
 }
 
@@ -67,17 +105,24 @@ pub enum DatasetKind {
     Synthetic(SyntheticSpec),
     Text(TextSpec),
     Tokens(TokensSpec),
+    /// A dataset the binary's author registered: its `[data]` keys but `dataset` and
+    /// `drop_last`, with the defaults of its options struct written out.
+    Custom {
+        name: String,
+        options: toml::Table,
+    },
 }
 
 impl DatasetKind {
     /// The `data.dataset` value.
-    pub fn name(&self) -> &'static str {
+    pub fn name(&self) -> &str {
         match self {
             DatasetKind::Mnist => "mnist",
             DatasetKind::FashionMnist => "fashion-mnist",
             DatasetKind::Synthetic(_) => "synthetic",
             DatasetKind::Text(_) => "text",
             DatasetKind::Tokens(_) => "tokens",
+            DatasetKind::Custom { name, .. } => name,
         }
     }
 
@@ -87,7 +132,7 @@ impl DatasetKind {
         match self {
             DatasetKind::Mnist | DatasetKind::FashionMnist => Some(([1, 28, 28], 10)),
             DatasetKind::Synthetic(s) => Some((s.shape, s.classes)),
-            DatasetKind::Text(_) | DatasetKind::Tokens(_) => None,
+            DatasetKind::Text(_) | DatasetKind::Tokens(_) | DatasetKind::Custom { .. } => None,
         }
     }
 

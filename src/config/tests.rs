@@ -97,7 +97,7 @@ fn bad_values_are_each_named() {
         ),
         (
             "[model]\narch = \"resnet\"\n",
-            "`model.arch` (configs/x.toml:2:8): unknown value \"resnet\"; expected one of \"mlp\", \"cnn\"",
+            "`model.arch` (configs/x.toml:2:8): unknown value \"resnet\"; expected one of \"cnn\", \"gpt\", \"mlp\"",
         ),
         (
             "[data]\ndataset = \"cifar\"\n",

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use super::custom::CustomParts;
 use super::error::ConfigError;
 use super::raw::RawConfig;
 use super::source::Source;
@@ -11,6 +12,7 @@ use super::spec::{
     Expectation, GptSpec, JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
     ScheduleSpec, SyntheticSpec, TextSpec, TokenDtype, TokenizerKind, TokensSpec, TrainSpec,
 };
+use crate::registry::Registry;
 
 /// How to get GPU workers, for messages of a build without them.
 const GPU_BUILD: &str = "this ddpjob was built without GPU support; build it with `cargo build \
@@ -81,10 +83,13 @@ impl Checker<'_> {
 
 impl JobSpec {
     /// Validates `raw`; `default_name` (the config file's stem) is used when `name` is absent.
+    /// `custom` holds the options of a registered model or dataset, already read.
     pub fn from_raw(
         raw: &RawConfig,
         source: &Source,
         default_name: &str,
+        custom: CustomParts,
+        registry: &Registry,
     ) -> Result<Self, ConfigError> {
         let mut c = Checker {
             source,
@@ -101,17 +106,18 @@ impl JobSpec {
         }
         let seed = c.at_least("seed", raw.seed, 0) as u64;
 
-        c.one_of("model.arch", &raw.model.arch, &["mlp", "cnn", "gpt"]);
+        c.one_of("model.arch", &raw.model.arch, &registry.model_names());
         let hidden = raw
             .model
             .hidden
             .iter()
             .map(|&h| c.at_least("model.hidden", h, 1))
             .collect();
-        let model = match raw.model.arch.as_str() {
-            "cnn" => ModelSpec::Cnn,
-            "gpt" => ModelSpec::Gpt(check_gpt(&mut c, raw)),
-            _ => ModelSpec::Mlp { hidden },
+        let model = match (custom.model, raw.model.arch.as_str()) {
+            (Some((arch, options)), _) => ModelSpec::Custom { arch, options },
+            (None, "cnn") => ModelSpec::Cnn,
+            (None, "gpt") => ModelSpec::Gpt(check_gpt(&mut c, raw)),
+            (None, _) => ModelSpec::Mlp { hidden },
         };
         if !matches!(model, ModelSpec::Gpt(_)) {
             let m = &raw.model;
@@ -135,7 +141,7 @@ impl JobSpec {
             }
         }
 
-        let data = check_data(&mut c, raw, &model);
+        let data = check_data(&mut c, raw, &model, custom.data, registry);
         let train = check_train(&mut c, raw);
 
         let ck = &raw.checkpoint;
@@ -263,6 +269,8 @@ fn check_text_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> Optio
     let d = &raw.data;
     let is_text = matches!(d.dataset.as_str(), "text" | "tokens");
     let is_gpt = matches!(model, ModelSpec::Gpt(_));
+    // A registered model may learn from any data; its builder checks what it gets.
+    let is_custom = matches!(model, ModelSpec::Custom { .. });
     if is_gpt && !is_text {
         c.fail(
             "data.dataset",
@@ -271,7 +279,7 @@ fn check_text_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> Optio
                 d.dataset
             ),
         );
-    } else if is_text && !is_gpt {
+    } else if is_text && !is_gpt && !is_custom {
         c.fail(
             "model.arch",
             format!(
@@ -375,13 +383,28 @@ fn check_text_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> Optio
     }
 }
 
-fn check_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> DataSpec {
+fn check_data(
+    c: &mut Checker,
+    raw: &RawConfig,
+    model: &ModelSpec,
+    custom: Option<(String, toml::Table)>,
+    registry: &Registry,
+) -> DataSpec {
     let d = &raw.data;
-    c.one_of(
-        "data.dataset",
-        &d.dataset,
-        &["mnist", "fashion-mnist", "synthetic", "text", "tokens"],
-    );
+    if let Some((name, options)) = custom {
+        // A registered dataset's own keys were read by its options struct; a gpt on it is
+        // checked when the model is built (the dataset says what it yields).
+        return DataSpec {
+            dataset: DatasetKind::Custom { name, options },
+            root: PathBuf::from("."),
+            download: false,
+            drop_last: d.drop_last,
+            mirrors: Vec::new(),
+            checksums: Default::default(),
+            normalize: None,
+        };
+    }
+    c.one_of("data.dataset", &d.dataset, &registry.dataset_names());
     let text = check_text_data(c, raw, model);
     let s = &d.synthetic;
     let shape: Vec<usize> = s

@@ -6,6 +6,7 @@ pub mod download;
 pub mod idx;
 pub mod sampler;
 mod synthetic;
+mod tensors;
 pub mod text;
 pub mod vocab;
 
@@ -18,6 +19,10 @@ use crate::config::{DataSpec, DatasetKind};
 pub use batches::{Batches, DeviceSplit, MAX_RESIDENT_BYTES};
 pub use catalog::{FILES, Locate};
 pub use sampler::DistributedSampler;
+pub use tensors::TensorDataset;
+
+/// The `data.dataset` values ddpjob itself knows.
+pub const BUILTIN_DATASETS: [&str; 5] = ["mnist", "fashion-mnist", "synthetic", "text", "tokens"];
 
 #[derive(Debug, Error)]
 pub enum DataError {
@@ -132,12 +137,12 @@ impl Dataset {
             }
             DatasetKind::Mnist => &catalog::MNIST,
             DatasetKind::FashionMnist => &catalog::FASHION_MNIST,
-            DatasetKind::Text(_) | DatasetKind::Tokens(_) => {
-                return Err(DataError::Mismatch(
-                    "text and tokens data are token sequences, not images: load them with \
-                     task::load"
-                        .into(),
-                ));
+            DatasetKind::Text(_) | DatasetKind::Tokens(_) | DatasetKind::Custom { .. } => {
+                return Err(DataError::Mismatch(format!(
+                    "data.dataset = \"{}\" is not an image set read from IDX files: load it \
+                     with task::load",
+                    spec.dataset.name()
+                )));
             }
         };
         let paths = locate_in(catalog, spec)?;
@@ -152,6 +157,8 @@ impl Dataset {
             DatasetKind::Mnist => locate_in(&catalog::MNIST, spec).map(drop),
             DatasetKind::FashionMnist => locate_in(&catalog::FASHION_MNIST, spec).map(drop),
             DatasetKind::Text(_) | DatasetKind::Tokens(_) => text::ensure_present(spec),
+            // A registered dataset finds its own files when a worker opens it.
+            DatasetKind::Custom { .. } => Ok(()),
         }
     }
 

@@ -1,20 +1,25 @@
 //! The networks, with parameters named as a PyTorch user names them (`fc1.weight`) and
 //! initialised like torch's defaults from our own seeded RNG.
 
+mod builtin;
 mod cnn;
 mod gpt;
 mod mlp;
+mod store;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use crate::config::{ModelSpec, Precision};
 use crate::kernels::{self, ConvGeometry, Pooling};
+use crate::registry::{ModelContext, Registry};
 use crate::rng::Mt19937;
 use crate::task::ModelInput;
 
+pub(crate) use builtin::register_builtin;
 pub use cnn::Cnn;
 pub use gpt::{Gpt, GptConfig, KvCache};
 pub use mlp::Mlp;
+pub use store::ParamStore;
 
 /// A network mapping a batch of inputs to logits whose last dimension is the classes (or the
 /// vocabulary): images [n, c, h, w] → [n, classes], token windows [n, t] → [n, t, vocab].
@@ -40,6 +45,13 @@ pub trait Model: Send + Sync {
     /// peak. `None`: not known for this model.
     fn train_flops_per_sample(&self) -> Option<f64> {
         None
+    }
+
+    /// Whether each row of a batch is computed independently of the others, so a CPU worker
+    /// may cut a micro-batch into row shards that run side by side. Not so for BatchNorm
+    /// (batch statistics); the default says no for any model with buffers.
+    fn rows_independent(&self) -> bool {
+        self.params().buffers().next().is_none()
     }
 }
 
@@ -79,11 +91,19 @@ pub struct Params {
     /// written into `model.safetensors` as a PyTorch `state_dict()` holds them, never trained
     /// twice.
     aliases: Vec<(String, usize)>,
+    /// State that is not trained but checkpointed, restored and broadcast from rank 0 with the
+    /// parameters (BatchNorm's running statistics), as a PyTorch module's buffers.
+    buffers: Vec<(String, Var)>,
 }
 
 impl Params {
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Var)> {
         self.entries.iter().map(|(n, v)| (n.as_str(), v))
+    }
+
+    /// The buffers (non-trained state) by name.
+    pub fn buffers(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.buffers.iter().map(|(n, v)| (n.as_str(), v))
     }
 
     pub fn vars(&self) -> impl Iterator<Item = &Var> {
@@ -125,7 +145,7 @@ impl Params {
         self.entries.is_empty()
     }
 
-    /// The current values by name, aliases of tied parameters included: what
+    /// The current values by name, aliases of tied parameters and buffers included: what
     /// `model.safetensors` and checkpoints hold.
     pub fn named_tensors(&self) -> std::collections::HashMap<String, Tensor> {
         let aliased = self
@@ -133,14 +153,15 @@ impl Params {
             .iter()
             .map(|(a, i)| (a.clone(), self.entries[*i].1.as_tensor().clone()));
         self.iter()
+            .chain(self.buffers())
             .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
             .chain(aliased)
             .collect()
     }
 
-    /// Entries of `named_tensors`: parameters plus aliases.
+    /// Entries of `named_tensors`: parameters, buffers and aliases.
     pub fn named_len(&self) -> usize {
-        self.entries.len() + self.aliases.len()
+        self.entries.len() + self.buffers.len() + self.aliases.len()
     }
 
     pub fn element_count(&self) -> usize {
@@ -158,6 +179,10 @@ impl Params {
     fn push(&mut self, name: String, var: Var) -> Var {
         self.entries.push((name, var.clone()));
         var
+    }
+
+    fn push_buffer(&mut self, name: String, var: Var) {
+        self.buffers.push((name, var));
     }
 }
 
@@ -299,6 +324,14 @@ impl Model for Autocast {
     fn params(&self) -> &Params {
         self.inner.params()
     }
+
+    fn train_flops_per_sample(&self) -> Option<f64> {
+        self.inner.train_flops_per_sample()
+    }
+
+    fn rows_independent(&self) -> bool {
+        self.inner.rows_independent()
+    }
 }
 
 /// `model` computing in `precision` (f32: unchanged).
@@ -312,9 +345,9 @@ fn with_precision(model: Box<dyn Model>, precision: Precision) -> Box<dyn Model>
     }
 }
 
-/// Builds the model of `spec` for `input`, computing in `precision` (f32 master weights
-/// either way). A mismatch of model and data (a gpt on images) is an error; validation
-/// refuses such configs first.
+/// Builds the model of `spec` for `input` through the installed [`Registry`], computing in
+/// `precision` (f32 master weights either way). A mismatch of model and data (a gpt on images)
+/// is an error; validation refuses such configs first.
 pub fn build(
     spec: &ModelSpec,
     input: ModelInput,
@@ -322,40 +355,35 @@ pub fn build(
     device: &Device,
     precision: Precision,
 ) -> Result<Box<dyn Model>> {
-    let model: Box<dyn Model> = match (spec, input) {
-        (ModelSpec::Mlp { hidden }, ModelInput::Image { shape, classes }) => {
-            Box::new(Mlp::new(shape, hidden, classes, seed, device)?)
-        }
-        (ModelSpec::Cnn, ModelInput::Image { shape, classes }) => {
-            Box::new(Cnn::new(shape, classes, seed, device)?)
-        }
-        (
-            ModelSpec::Gpt(g),
-            ModelInput::Tokens {
-                vocab_size,
-                block_size,
-            },
-        ) => {
-            let config = GptConfig {
-                vocab_size,
-                block_size,
-                n_layer: g.n_layer,
-                n_head: g.n_head,
-                n_embd: g.n_embd,
-                dropout: g.dropout,
-                bias: g.bias,
-            };
-            let compute = match precision {
-                Precision::F32 => DType::F32,
-                Precision::Bf16 => DType::BF16,
-            };
-            // The gpt does its own autocast: its inputs are token ids, not values to cast.
-            return Ok(Box::new(Gpt::new(&config, seed, device, compute)?));
-        }
-        (spec, input) => candle_core::bail!(
-            "model.arch = \"{}\" cannot learn from this data ({input:?})",
-            spec.arch()
-        ),
-    };
-    Ok(with_precision(model, precision))
+    let cx = ModelContext::new(input, seed, device, precision);
+    Registry::current()
+        .build_model(spec.arch(), &spec.options(), &cx)
+        .map_err(|e| candle_core::Error::Msg(format!("model.arch = \"{}\": {e}", spec.arch())))
+}
+
+/// A boxed model is a model (what a builder returns when it picks among several).
+impl Model for Box<dyn Model> {
+    fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
+        self.as_ref().forward(xs, mode)
+    }
+
+    fn params(&self) -> &Params {
+        self.as_ref().params()
+    }
+
+    fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
+        self.as_ref().loss(xs, targets, mode)
+    }
+
+    fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
+        self.as_ref().score(xs, targets)
+    }
+
+    fn train_flops_per_sample(&self) -> Option<f64> {
+        self.as_ref().train_flops_per_sample()
+    }
+
+    fn rows_independent(&self) -> bool {
+        self.as_ref().rows_independent()
+    }
 }

@@ -114,6 +114,7 @@ impl JobView {
             }
             Some(DatasetKind::Text(t)) => format!("text {}", t.path.display()),
             Some(DatasetKind::Tokens(t)) => format!("tokens {}", t.train_path.display()),
+            Some(DatasetKind::Custom { name, .. }) => name.clone(),
             None => "?".into(),
         }
     }

@@ -376,7 +376,9 @@ impl Trainer<'_> {
             device: &self.device,
             grad_clip_norm: self.spec.train.grad_clip_norm,
             bucket_bytes: self.spec.distributed.bucket_bytes,
-            shards: shards::ShardPool::for_device(&self.device),
+            // Row shards would split a BatchNorm's batch statistics.
+            shards: shards::ShardPool::for_device(&self.device)
+                .filter(|_| self.model.rows_independent()),
         };
         let r = step::optimizer_step(&cx, optimizer, &batches, lr, stop_vote, None)?;
         Ok((r.loss_sum, r.samples, r.stop))
@@ -387,6 +389,8 @@ impl Trainer<'_> {
     /// `limit_val_batches`: a large corpus's split is never scored whole unless asked).
     fn evaluate(&self, batches: &dyn BatchSource) -> Result<EvalResult, TrainError> {
         let t = &self.spec.train;
+        // Every rank scores its share with rank 0's buffers (BatchNorm statistics).
+        crate::comm::broadcast_buffers(self.comm, self.model.params())?;
         evaluate(
             self.model.as_ref(),
             batches,

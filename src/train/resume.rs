@@ -101,11 +101,11 @@ pub fn restore(
         dir: restored.dir.clone(),
         problem,
     };
-    for (name, var) in params.iter() {
+    for (name, var) in params.iter().chain(params.buffers()) {
         let saved: &Tensor = restored
             .model
             .get(name)
-            .ok_or_else(|| mismatch(format!("it has no parameter `{name}`")))?;
+            .ok_or_else(|| mismatch(format!("it has no parameter or buffer `{name}`")))?;
         if saved.dims() != var.dims() {
             return Err(mismatch(format!(
                 "`{name}` has shape {:?} there but {:?} in this model",

@@ -63,6 +63,7 @@ pub fn optimizer_step(
     mut phases: Option<&mut Phases>,
 ) -> Result<StepResult, StepError> {
     let params = cx.model.params();
+    crate::comm::broadcast_buffers(cx.comm, params)?;
     // Samples (rows) weight the micro-batches; a language model's rows all hold block_size
     // targets, so this is also the weighting by targets.
     let rows = |b: &MicroBatch| b.targets.dims().first().copied().unwrap_or(1);

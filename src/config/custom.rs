@@ -1,0 +1,279 @@
+//! The `[model]` and `[data]` keys of a model or dataset the binary's author registered: taken
+//! out of the document before the schema check (they are not ddpjob's keys), checked against
+//! the fields of the registered options struct (unknown keys get the file, line and a
+//! did-you-mean), and deserialised once so their errors surface at `validate`, not in a worker.
+
+use super::error::{ConfigError, Origin};
+use super::schema;
+use super::source::Source;
+use crate::registry::{Known, Registry};
+
+/// A registered model's or dataset's name and its resolved options (defaults written out).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CustomParts {
+    pub model: Option<(String, toml::Table)>,
+    pub data: Option<(String, toml::Table)>,
+}
+
+/// One section a registered builder owns part of.
+struct Section {
+    name: &'static str,
+    /// The key that picks the builder, and its default.
+    selector: &'static str,
+    default: &'static str,
+    /// ddpjob's own keys in the section, kept for the schema.
+    own: &'static [&'static str],
+}
+
+const MODEL: Section = Section {
+    name: "model",
+    selector: "arch",
+    default: "mlp",
+    own: &["arch"],
+};
+
+const DATA: Section = Section {
+    name: "data",
+    selector: "dataset",
+    default: "mnist",
+    own: &["dataset", "drop_last"],
+};
+
+/// Takes the registered builders' options out of `source`; see the module docs.
+pub fn extract(source: &mut Source, registry: &Registry) -> Result<CustomParts, ConfigError> {
+    let mut errors = Vec::new();
+    let model = take(source, &MODEL, registry, &mut errors);
+    let data = take(source, &DATA, registry, &mut errors);
+    ConfigError::collect(errors)?;
+    Ok(CustomParts { model, data })
+}
+
+fn take(
+    source: &mut Source,
+    section: &Section,
+    registry: &Registry,
+    errors: &mut Vec<ConfigError>,
+) -> Option<(String, toml::Table)> {
+    let table = source
+        .table
+        .get(section.name)
+        .and_then(toml::Value::as_table);
+    let chosen = table
+        .and_then(|t| t.get(section.selector))
+        .and_then(toml::Value::as_str)
+        .unwrap_or(section.default)
+        .to_string();
+    let known = if section.name == "model" {
+        registry.model_kind(&chosen)
+    } else {
+        registry.dataset_kind(&chosen)
+    };
+    let Known::Custom { fields } = known else {
+        return None;
+    };
+    let mut options = toml::Table::new();
+    if let Some(toml::Value::Table(table)) = source.table.get_mut(section.name) {
+        let theirs: Vec<String> = table
+            .keys()
+            .filter(|k| !section.own.contains(&k.as_str()))
+            .cloned()
+            .collect();
+        for key in theirs {
+            if let Some(value) = table.remove(&key) {
+                options.insert(key, value);
+            }
+        }
+    }
+    let what = format!("[{}] ({} = \"{chosen}\")", section.name, section.selector);
+    for key in options.keys() {
+        if !fields.is_empty() && !fields.contains(&key.as_str()) {
+            let candidates = fields.iter().chain(section.own).copied();
+            errors.push(ConfigError::UnknownKey {
+                key: key.clone(),
+                table: what.clone(),
+                at: source.key_origin(&format!("{}.{key}", section.name)),
+                suggestion: schema::closest(key, candidates).map(String::from),
+            });
+        }
+    }
+    let resolved = if section.name == "model" {
+        registry.resolve_model(&chosen, &options)
+    } else {
+        registry.resolve_dataset(&chosen, &options)
+    };
+    match resolved {
+        Ok(resolved) => Some((chosen, resolved)),
+        Err(problem) => {
+            // serde names the key it stopped at in backticks; point at it when it is there.
+            let key = fields
+                .iter()
+                .find(|f| problem.contains(&format!("`{f}`")))
+                .map(|f| format!("{}.{f}", section.name));
+            let at = match &key {
+                Some(k) if options.contains_key(&k[section.name.len() + 1..]) => {
+                    source.value_origin(k)
+                }
+                _ => source.key_origin(section.name),
+            };
+            let at = match at {
+                Origin::Defaulted(_) => {
+                    source.key_origin(&format!("{}.{}", section.name, section.selector))
+                }
+                other => other,
+            };
+            errors.push(ConfigError::Invalid {
+                key: key.unwrap_or_else(|| what.clone()),
+                at,
+                problem: format!("the options of {what} do not read: {}", problem.trim()),
+            });
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use serde::{Deserialize, Serialize};
+
+    use crate::config::{DatasetKind, ModelSpec, load_str_with};
+    use crate::data::TensorDataset;
+    use crate::models::{Mlp, Model};
+    use crate::registry::{BuildError, DataContext, ModelContext, Registry};
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Tiny {
+        width: usize,
+        #[serde(default = "three")]
+        depth: usize,
+    }
+
+    fn three() -> usize {
+        3
+    }
+
+    #[derive(Serialize, Deserialize)]
+    struct Csv {
+        path: String,
+    }
+
+    fn tiny(o: &Tiny, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
+        Ok(Box::new(Mlp::new(
+            [1, 1, 2],
+            &[o.width; 1],
+            2,
+            cx.seed,
+            &cx.device,
+        )?))
+    }
+
+    fn csv(_: &Csv, _: &DataContext) -> Result<TensorDataset, BuildError> {
+        Ok(TensorDataset::classification(
+            [1, 1, 1],
+            2,
+            vec![0.0],
+            vec![0],
+            vec![1.0],
+            vec![1],
+        )?)
+    }
+
+    fn registry() -> Registry {
+        Registry::builtin()
+            .model("tiny", tiny)
+            .dataset("my-csv", csv)
+    }
+
+    fn load(text: &str, overrides: &[&str]) -> Result<crate::config::LoadedConfig, String> {
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        load_str_with(Path::new("job.toml"), text.into(), &overrides, &registry())
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_registered_models_options_are_read_with_their_defaults() {
+        let loaded = load(
+            "[model]\narch = \"tiny\"\nwidth = 8\n[data]\ndataset = \"my-csv\"\npath = \"x.csv\"\ndrop_last = true\n",
+            &[],
+        )
+        .unwrap();
+        let ModelSpec::Custom { arch, options } = &loaded.spec.model else {
+            panic!("{:?}", loaded.spec.model)
+        };
+        assert_eq!(arch, "tiny");
+        assert_eq!(options.get("width").and_then(|v| v.as_integer()), Some(8));
+        assert_eq!(options.get("depth").and_then(|v| v.as_integer()), Some(3));
+        let DatasetKind::Custom { name, options } = &loaded.spec.data.dataset else {
+            panic!("{:?}", loaded.spec.data.dataset)
+        };
+        assert_eq!(name, "my-csv");
+        assert_eq!(options.get("path").and_then(|v| v.as_str()), Some("x.csv"));
+        assert!(loaded.spec.data.drop_last);
+
+        // What `validate` prints and job.toml freezes: the options and nothing of mlp's or
+        // of the image sets', and it reads back to the same spec.
+        let text = loaded.resolved_toml();
+        assert!(
+            text.contains("width = 8") && text.contains("depth = 3"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("hidden") && !text.contains("mirrors"),
+            "{text}"
+        );
+        assert_eq!(load(&text, &[]).unwrap().spec, loaded.spec);
+    }
+
+    #[test]
+    fn unknown_and_mistyped_options_name_the_key_and_line() {
+        let err = load("[model]\narch = \"tiny\"\nwidht = 8\n", &[]).unwrap_err();
+        assert!(
+            err.contains("unknown key `widht` in [model] (arch = \"tiny\") (job.toml:3:1)")
+                && err.contains("did you mean `width`?"),
+            "{err}"
+        );
+        let err = load("[model]\narch = \"tiny\"\nwidth = \"wide\"\n", &[]).unwrap_err();
+        assert!(err.contains("`model.width` (job.toml:3:9)"), "{err}");
+        let err = load("[model]\narch = \"tiny\"\n", &[]).unwrap_err();
+        assert!(err.contains("missing field `width`"), "{err}");
+        // Without deny_unknown_fields on the struct too: its fields are all it takes.
+        let err = load(
+            "[data]\ndataset = \"my-csv\"\npath = \"a\"\nroot = \"b\"\n",
+            &[],
+        );
+        let err = err.unwrap_err();
+        assert!(
+            err.contains("unknown key `root` in [data] (dataset = \"my-csv\") (job.toml:4:1)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn set_overrides_options_and_unknown_names_list_the_registered_ones() {
+        let loaded = load("[model]\narch = \"tiny\"\nwidth = 8\n", &["model.width=16"]).unwrap();
+        assert_eq!(
+            loaded
+                .spec
+                .model
+                .options()
+                .get("width")
+                .and_then(|v| v.as_integer()),
+            Some(16)
+        );
+        let err = load("[model]\narch = \"tiny\"\nwidth = 8\n", &["model.depht=2"]).unwrap_err();
+        assert!(
+            err.contains("--set model.depht=2") && err.contains("did you mean `depth`?"),
+            "{err}"
+        );
+        let err = load("[model]\narch = \"tinny\"\n", &[]).unwrap_err();
+        assert!(
+            err.contains("expected one of \"cnn\", \"gpt\", \"mlp\", \"tiny\""),
+            "{err}"
+        );
+        // A built-in arch still refuses keys that are not its own.
+        let err = load("[model]\narch = \"mlp\"\nwidth = 8\n", &[]).unwrap_err();
+        assert!(err.contains("unknown key `width` in [model]"), "{err}");
+    }
+}

@@ -1,0 +1,87 @@
+//! ddpjob's own networks, registered through the same [`Registry::model`] a user's binary
+//! calls: each builder takes its options struct and the [`ModelContext`].
+
+use candle_core::DType;
+use serde::{Deserialize, Serialize};
+
+use super::{Cnn, Gpt, GptConfig, Mlp, Model, with_precision};
+use crate::config::{GptSpec, Precision};
+use crate::registry::{BuildError, ModelContext, Registry};
+use crate::task::ModelInput;
+
+/// `model.arch = "mlp"`: the hidden layers' widths.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MlpOptions {
+    pub hidden: Vec<usize>,
+}
+
+/// `model.arch = "cnn"` has no options.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CnnOptions {}
+
+/// Adds `mlp`, `cnn` and `gpt`, marked as built in (their keys are checked by the config
+/// schema).
+pub(crate) fn register_builtin(registry: Registry) -> Registry {
+    registry
+        .model("mlp", build_mlp)
+        .model("cnn", build_cnn)
+        .model("gpt", build_gpt)
+        .as_builtin()
+}
+
+fn precision(cx: &ModelContext) -> Precision {
+    if cx.compute_dtype == DType::BF16 {
+        Precision::Bf16
+    } else {
+        Precision::F32
+    }
+}
+
+fn images(arch: &str, cx: &ModelContext) -> Result<([usize; 3], usize), BuildError> {
+    match cx.input {
+        ModelInput::Image { shape, classes } => Ok((shape, classes)),
+        other => Err(format!("model.arch = \"{arch}\" learns from images, not {other:?}").into()),
+    }
+}
+
+fn build_mlp(o: &MlpOptions, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
+    let (shape, classes) = images("mlp", cx)?;
+    let mlp = Mlp::new(shape, &o.hidden, classes, cx.seed, &cx.device)?;
+    Ok(with_precision(Box::new(mlp), precision(cx)))
+}
+
+fn build_cnn(_: &CnnOptions, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
+    let (shape, classes) = images("cnn", cx)?;
+    let cnn = Cnn::new(shape, classes, cx.seed, &cx.device)?;
+    Ok(with_precision(Box::new(cnn), precision(cx)))
+}
+
+fn build_gpt(o: &GptSpec, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
+    let ModelInput::Tokens {
+        vocab_size,
+        block_size,
+    } = cx.input
+    else {
+        return Err(format!(
+            "model.arch = \"gpt\" learns from token windows, not {:?}",
+            cx.input
+        )
+        .into());
+    };
+    let config = GptConfig {
+        vocab_size,
+        block_size,
+        n_layer: o.n_layer,
+        n_head: o.n_head,
+        n_embd: o.n_embd,
+        dropout: o.dropout,
+        bias: o.bias,
+    };
+    // The gpt does its own autocast: its inputs are token ids, not values to cast.
+    Ok(Box::new(Gpt::new(
+        &config,
+        cx.seed,
+        &cx.device,
+        cx.compute_dtype,
+    )?))
+}

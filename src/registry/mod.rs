@@ -1,0 +1,304 @@
+//! The models and datasets a binary can train, by name. `ddpjob` itself is built with
+//! [`Registry::builtin`]; a user's own binary adds its networks and data sets to it and hands it
+//! to [`crate::cli::main_with`], which installs it for the launcher and every worker (workers
+//! re-execute the same binary, so they see the same registry).
+//!
+//! A builder receives its own sub-table of the job file (`[model]` without `arch`, or `[data]`
+//! without `dataset` and `drop_last`) deserialised into the user's serde struct. The struct's
+//! field names are read from its `Deserialize` impl, so unknown keys are refused with the file,
+//! line and a did-you-mean, as built-in keys are.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+
+use candle_core::{DType, Device};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::config::Precision;
+use crate::data::DataError;
+use crate::models::Model;
+use crate::task::{ModelInput, Task};
+
+mod fields;
+pub use fields::struct_fields;
+
+/// An error a user's builder returned (any error type converts into it).
+pub type BuildError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a model builder gets besides its options.
+#[derive(Debug, Clone)]
+pub struct ModelContext {
+    /// The shape of the data the model learns from (images and classes, or token windows).
+    pub input: ModelInput,
+    /// The job's seed: initialise from it (see [`crate::models::ParamStore`]) so every run
+    /// and every rank starts from the same weights.
+    pub seed: u64,
+    pub device: Device,
+    /// `train.precision`: the dtype the forward pass should compute in (the parameters stay
+    /// f32; casting is the model's business).
+    pub compute_dtype: DType,
+}
+
+impl ModelContext {
+    pub(crate) fn new(input: ModelInput, seed: u64, device: &Device, precision: Precision) -> Self {
+        ModelContext {
+            input,
+            seed,
+            device: device.clone(),
+            compute_dtype: match precision {
+                Precision::F32 => DType::F32,
+                Precision::Bf16 => DType::BF16,
+            },
+        }
+    }
+}
+
+/// What a dataset opener gets besides its options. Relative paths in the options are read
+/// from the working directory, as `data.root` and `data.path` are.
+#[derive(Debug, Clone)]
+pub struct DataContext {
+    /// The job's seed (for data made up or split at random).
+    pub seed: u64,
+}
+
+type ModelFn =
+    dyn Fn(&toml::Table, &ModelContext) -> Result<Box<dyn Model>, BuildError> + Send + Sync;
+type DataFn = dyn Fn(&toml::Table, &DataContext) -> Result<Box<dyn Task>, BuildError> + Send + Sync;
+type ResolveFn = fn(&toml::Table) -> Result<toml::Table, String>;
+
+/// One registered name: its option keys, how to read them, and how to build it.
+struct Entry<F: ?Sized> {
+    fields: &'static [&'static str],
+    resolve: ResolveFn,
+    /// `None` for the built-in datasets, which the data module loads from the validated spec.
+    build: Option<Arc<F>>,
+    builtin: bool,
+}
+
+impl<F: ?Sized> Clone for Entry<F> {
+    fn clone(&self) -> Self {
+        Entry {
+            fields: self.fields,
+            resolve: self.resolve,
+            build: self.build.clone(),
+            builtin: self.builtin,
+        }
+    }
+}
+
+/// The models and datasets a binary knows, by name.
+#[derive(Clone, Default)]
+pub struct Registry {
+    models: BTreeMap<String, Entry<ModelFn>>,
+    datasets: BTreeMap<String, Entry<DataFn>>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("models", &self.model_names())
+            .field("datasets", &self.dataset_names())
+            .finish()
+    }
+}
+
+/// What a name refers to, for the config's checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Known {
+    /// Built into ddpjob: its keys are the config schema's.
+    Builtin,
+    /// Registered by the binary's author: its keys are its options struct's fields.
+    Custom {
+        fields: &'static [&'static str],
+    },
+    Unknown,
+}
+
+impl Registry {
+    /// No models and no datasets.
+    pub fn empty() -> Self {
+        Registry::default()
+    }
+
+    /// ddpjob's own models (`mlp`, `cnn`, `gpt`) and datasets (`mnist`, `fashion-mnist`,
+    /// `synthetic`, `text`, `tokens`).
+    pub fn builtin() -> Self {
+        let mut registry = crate::models::register_builtin(Registry::empty());
+        for name in crate::data::BUILTIN_DATASETS {
+            registry.datasets.insert(
+                name.to_string(),
+                Entry {
+                    fields: &[],
+                    resolve: |t| Ok(t.clone()),
+                    build: None,
+                    builtin: true,
+                },
+            );
+        }
+        registry
+    }
+
+    /// Registers the model `name` (`model.arch = "name"`): `build` receives the rest of
+    /// `[model]` deserialised into `O` (serde defaults apply) and the [`ModelContext`].
+    pub fn model<O, M, E, F>(mut self, name: &str, build: F) -> Self
+    where
+        O: DeserializeOwned + Serialize + 'static,
+        M: Model + 'static,
+        E: Into<BuildError>,
+        F: Fn(&O, &ModelContext) -> Result<M, E> + Send + Sync + 'static,
+    {
+        let entry = Entry {
+            fields: struct_fields::<O>(),
+            resolve: resolve::<O>,
+            build: Some(Arc::new(move |table: &toml::Table, cx: &ModelContext| {
+                let options: O = parse(table).map_err(BuildError::from)?;
+                build(&options, cx)
+                    .map(|m| Box::new(m) as Box<dyn Model>)
+                    .map_err(Into::into)
+            }) as Arc<ModelFn>),
+            builtin: false,
+        };
+        self.models.insert(name.to_string(), entry);
+        self
+    }
+
+    /// Marks the models registered so far as built in (their keys live in the config schema).
+    pub(crate) fn as_builtin(mut self) -> Self {
+        for entry in self.models.values_mut() {
+            entry.builtin = true;
+        }
+        self
+    }
+
+    /// Registers the dataset `name` (`data.dataset = "name"`): `open` receives the rest of
+    /// `[data]` (all but `dataset` and `drop_last`) deserialised into `O`.
+    pub fn dataset<O, T, E, F>(mut self, name: &str, open: F) -> Self
+    where
+        O: DeserializeOwned + Serialize + 'static,
+        T: Task + 'static,
+        E: Into<BuildError>,
+        F: Fn(&O, &DataContext) -> Result<T, E> + Send + Sync + 'static,
+    {
+        let entry = Entry {
+            fields: struct_fields::<O>(),
+            resolve: resolve::<O>,
+            build: Some(Arc::new(move |table: &toml::Table, cx: &DataContext| {
+                let options: O = parse(table).map_err(BuildError::from)?;
+                open(&options, cx)
+                    .map(|t| Box::new(t) as Box<dyn Task>)
+                    .map_err(Into::into)
+            }) as Arc<DataFn>),
+            builtin: false,
+        };
+        self.datasets.insert(name.to_string(), entry);
+        self
+    }
+
+    pub fn model_names(&self) -> Vec<&str> {
+        self.models.keys().map(String::as_str).collect()
+    }
+
+    pub fn dataset_names(&self) -> Vec<&str> {
+        self.datasets.keys().map(String::as_str).collect()
+    }
+
+    pub(crate) fn model_kind(&self, name: &str) -> Known {
+        known(self.models.get(name))
+    }
+
+    pub(crate) fn dataset_kind(&self, name: &str) -> Known {
+        known(self.datasets.get(name))
+    }
+
+    /// `options` with the defaults of the model's options struct written out, or why they
+    /// do not deserialise.
+    pub(crate) fn resolve_model(
+        &self,
+        name: &str,
+        options: &toml::Table,
+    ) -> Result<toml::Table, String> {
+        match self.models.get(name) {
+            Some(e) => (e.resolve)(options),
+            None => Err(format!("no model is registered as \"{name}\"")),
+        }
+    }
+
+    pub(crate) fn resolve_dataset(
+        &self,
+        name: &str,
+        options: &toml::Table,
+    ) -> Result<toml::Table, String> {
+        match self.datasets.get(name) {
+            Some(e) => (e.resolve)(options),
+            None => Err(format!("no dataset is registered as \"{name}\"")),
+        }
+    }
+
+    pub(crate) fn build_model(
+        &self,
+        name: &str,
+        options: &toml::Table,
+        cx: &ModelContext,
+    ) -> Result<Box<dyn Model>, BuildError> {
+        let build = self.models.get(name).and_then(|e| e.build.as_ref());
+        let build = build.ok_or_else(|| {
+            format!(
+                "no model is registered as \"{name}\"; this binary has {}",
+                self.model_names().join(", ")
+            )
+        })?;
+        build(options, cx)
+    }
+
+    pub(crate) fn open_dataset(
+        &self,
+        name: &str,
+        options: &toml::Table,
+        cx: &DataContext,
+    ) -> Result<Box<dyn Task>, DataError> {
+        let build = self.datasets.get(name).and_then(|e| e.build.as_ref());
+        let build = build.ok_or_else(|| {
+            DataError::Mismatch(format!(
+                "no dataset is registered as \"{name}\" with an opener; this binary has {}",
+                self.dataset_names().join(", ")
+            ))
+        })?;
+        build(options, cx)
+            .map_err(|e| DataError::Mismatch(format!("data.dataset = \"{name}\": {e}")))
+    }
+
+    /// Makes `self` the registry of this process (first call wins): what the config, the
+    /// launcher and the workers consult.
+    pub fn install(self) {
+        let _ = INSTALLED.set(self);
+    }
+
+    /// The installed registry, or the built-in one when none was installed.
+    pub fn current() -> &'static Registry {
+        INSTALLED.get_or_init(Registry::builtin)
+    }
+}
+
+static INSTALLED: OnceLock<Registry> = OnceLock::new();
+
+fn known<F: ?Sized>(entry: Option<&Entry<F>>) -> Known {
+    match entry {
+        None => Known::Unknown,
+        Some(e) if e.builtin => Known::Builtin,
+        Some(e) => Known::Custom { fields: e.fields },
+    }
+}
+
+fn parse<O: DeserializeOwned>(table: &toml::Table) -> Result<O, String> {
+    O::deserialize(toml::Value::Table(table.clone())).map_err(|e| e.to_string())
+}
+
+fn resolve<O: DeserializeOwned + Serialize>(table: &toml::Table) -> Result<toml::Table, String> {
+    let options: O = parse(table)?;
+    match toml::Value::try_from(&options) {
+        Ok(toml::Value::Table(t)) => Ok(t),
+        Ok(other) => Err(format!("the options serialise to {other}, not a table")),
+        Err(e) => Err(format!("the options cannot be written back as TOML: {e}")),
+    }
+}

@@ -68,8 +68,30 @@ fn take(
     } else {
         registry.dataset_kind(&chosen)
     };
-    let Known::Custom { fields } = known else {
-        return None;
+    let fields = match known {
+        Known::Custom { fields } => fields,
+        Known::Builtin => return None,
+        Known::Unknown => {
+            // Said first: the section's other keys would otherwise read as unknown keys.
+            let key = format!("{}.{}", section.name, section.selector);
+            let names = if section.name == "model" {
+                registry.model_names()
+            } else {
+                registry.dataset_names()
+            };
+            let quoted: Vec<String> = names.iter().map(|n| format!("\"{n}\"")).collect();
+            let hint = schema::closest(&chosen, names.iter().copied())
+                .map_or(String::new(), |n| format!("; did you mean \"{n}\"?"));
+            errors.push(ConfigError::Invalid {
+                at: source.value_origin(&key),
+                key,
+                problem: format!(
+                    "unknown value \"{chosen}\"; expected one of {}{hint}",
+                    quoted.join(", ")
+                ),
+            });
+            return None;
+        }
     };
     let mut options = toml::Table::new();
     if let Some(toml::Value::Table(table)) = source.table.get_mut(section.name) {

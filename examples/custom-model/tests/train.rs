@@ -1,0 +1,220 @@
+//! The example trainer end to end, as its user runs it: its own binary validates, trains with 2
+//! worker processes (re-executions of itself), is stopped by SIGTERM and resumed bit for bit,
+//! and meets its `[expect]` threshold; bad options are refused with the file and line.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_custom-model");
+
+/// Three classes of 8×8 images (a bright row, a bright column, the diagonal) in noise, as
+/// `label,v1,...,v64` lines with a header; deterministic.
+fn write_images(path: &Path, samples: usize, mut seed: u64) {
+    let mut next = || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((seed >> 33) as f64 / (1u64 << 31) as f64) as f32
+    };
+    let mut text = String::from("label");
+    (0..64).for_each(|i| text.push_str(&format!(",p{i}")));
+    text.push('\n');
+    for i in 0..samples {
+        let class = i % 3;
+        let k = (next() * 8.0) as usize % 8;
+        let mut pixels: Vec<f32> = (0..64).map(|_| (next() - 0.5) * 0.6).collect();
+        for j in 0..8 {
+            let at = match class {
+                0 => k * 8 + j,
+                1 => j * 8 + k,
+                _ => j * 8 + j,
+            };
+            pixels[at] += 1.0;
+        }
+        text.push_str(&class.to_string());
+        pixels
+            .iter()
+            .for_each(|p| text.push_str(&format!(",{p:.4}")));
+        text.push('\n');
+    }
+    std::fs::write(path, text).unwrap();
+}
+
+const JOB: &str = r#"
+seed = 1
+
+[model]
+arch = "tiny-resnet"
+channels = 8
+
+[data]
+dataset = "csv"
+train_path = "train.csv"
+test_path = "test.csv"
+shape = [1, 8, 8]
+
+[train]
+epochs = 3
+batch_size = 16
+lr = 0.01
+log_every = 5
+
+[checkpoint]
+every_steps = 5
+
+[expect]
+min_test_accuracy = 0.8
+"#;
+
+struct Dir {
+    dir: tempfile::TempDir,
+}
+
+impl Dir {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        write_images(&dir.path().join("train.csv"), 480, 1);
+        write_images(&dir.path().join("test.csv"), 120, 2);
+        std::fs::write(dir.path().join("job.toml"), JOB).unwrap();
+        Dir { dir }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn run(&self, args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+        let mut cmd = Command::new(BIN);
+        cmd.args(args).current_dir(self.path());
+        // Scheduler variables of an outer job must not make this a multi-node run.
+        for (key, _) in std::env::vars() {
+            if key.starts_with("SLURM_") || key.starts_with("PET_") || key == "WORLD_SIZE" {
+                cmd.env_remove(key);
+            }
+        }
+        cmd.envs(env.iter().copied());
+        let Output {
+            status,
+            stdout,
+            stderr,
+        } = cmd.output().unwrap();
+        let text = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
+        (status.code().unwrap_or(-1), text(stdout), text(stderr))
+    }
+
+    fn weights(&self, job: &str) -> Vec<(String, Vec<f32>)> {
+        let path: PathBuf = self.path().join("jobs").join(job).join("model.safetensors");
+        let tensors = candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap();
+        let mut named: Vec<(String, Vec<f32>)> = tensors
+            .into_iter()
+            .map(|(name, t)| (name, t.flatten_all().unwrap().to_vec1().unwrap()))
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    }
+}
+
+#[test]
+fn trains_on_two_workers_and_resumes_after_sigterm_bit_for_bit() {
+    let d = Dir::new();
+    let (code, out, err) = d.run(&["validate", "job.toml"], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("channels = 8") && out.contains("blocks = 1"),
+        "{out}"
+    );
+    assert!(
+        out.contains("train_samples     = 480  (csv, opened)"),
+        "{out}"
+    );
+
+    let two = ["--nproc-per-node", "2"];
+    let (code, out, err) = d.run(
+        &[&["run", "job.toml", "--name", "whole"], &two[..]].concat(),
+        &[],
+    );
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("expect met   min_test_accuracy"), "{out}");
+    let whole = d.weights("whole");
+    let names: Vec<&str> = whole.iter().map(|(n, _)| n.as_str()).collect();
+    for name in [
+        "stem.conv.weight",
+        "stem.bn.running_mean",
+        "layer1.b.bn.running_var",
+        "fc.bias",
+    ] {
+        assert!(names.contains(&name), "{name} missing from {names:?}");
+    }
+    let mean = &whole
+        .iter()
+        .find(|(n, _)| n == "stem.bn.running_mean")
+        .unwrap()
+        .1;
+    assert!(
+        mean.iter().any(|&v| v != 0.0),
+        "BatchNorm statistics never updated"
+    );
+
+    // SIGTERM to the launcher as step 12 begins (mid-epoch 2; 10 steps per epoch): the job
+    // stops after checkpointing step 12 and `resume` finishes it.
+    let (code, _, err) = d.run(
+        &[&["run", "job.toml", "--name", "cut"], &two[..]].concat(),
+        &[("DDPJOB_FAULT", "rank=0,step=12,kind=preempt")],
+    );
+    assert_eq!(code, 143, "{err}");
+    assert!(err.contains("interrupted by SIGTERM"), "{err}");
+    let (code, out, err) = d.run(&["resume", "cut"], &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("resuming job `cut`"), "{out}");
+    assert_eq!(
+        d.weights("cut"),
+        whole,
+        "resumed weights and buffers differ"
+    );
+}
+
+#[test]
+fn bad_options_and_names_are_refused_before_training() {
+    let d = Dir::new();
+    let typo = JOB.replace("channels = 8", "chanels = 8");
+    std::fs::write(d.path().join("typo.toml"), typo).unwrap();
+    let (code, _, err) = d.run(&["run", "typo.toml"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("unknown key `chanels` in [model] (arch = \"tiny-resnet\") (typo.toml:6:1)")
+            && err.contains("did you mean `channels`?"),
+        "{err}"
+    );
+
+    let unknown = JOB.replace("\"tiny-resnet\"", "\"resnet50\"");
+    std::fs::write(d.path().join("unknown.toml"), unknown).unwrap();
+    let (code, _, err) = d.run(&["validate", "unknown.toml"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("\"resnet50\"; expected one of \"cnn\", \"gpt\", \"mlp\", \"tiny-resnet\""),
+        "{err}"
+    );
+
+    // The builder's own refusal reaches the user with the arch it came from.
+    let zero = JOB.replace("channels = 8", "channels = 0");
+    std::fs::write(d.path().join("zero.toml"), zero).unwrap();
+    let (code, _, err) = d.run(&["run", "zero.toml"], &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("model.arch = \"tiny-resnet\": model.channels must be at least 1"),
+        "{err}"
+    );
+    assert!(!d.path().join("jobs/zero/model.safetensors").exists());
+
+    let (code, _, err) = d.run(
+        &[
+            "validate",
+            "job.toml",
+            "--set",
+            "data.train_path=missing.csv",
+        ],
+        &[],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("cannot read `missing.csv`"), "{err}");
+}

@@ -105,10 +105,6 @@ impl Generator {
         })
     }
 
-    pub fn vocab(&self) -> &Vocab {
-        &self.vocab
-    }
-
     /// Generates `tokens` tokens after `prompt`, calling `emit` with each one's text as it
     /// comes; returns the generated ids.
     pub fn generate(

@@ -1,39 +1,107 @@
 //! ddpjob: data-parallel training jobs for Candle, driven by TOML job files — what torchrun and
 //! DistributedDataParallel do for PyTorch, in one binary.
 //!
-//! `ddpjob run job.toml` is the launcher ([`launch`]): it validates the config into a
-//! [`config::JobSpec`], creates the job directory ([`jobdir`]), hosts the rendezvous [`store`]
-//! and spawns one [`worker`] process per slot. Each worker loads the data ([`data`]) and trains
-//! ([`train`]) with gradients averaged through a [`comm::Communicator`] once per optimizer step:
-//! `local` for one worker, the `tcp` ring between CPU worker processes.
+//! `ddpjob run job.toml` validates the config, creates the job directory, hosts the rendezvous
+//! store and spawns one worker process per slot; each worker trains with gradients averaged
+//! over the ranks once per optimizer step (a [`Communicator`]: NCCL on GPUs, a TCP ring between
+//! CPU workers), checkpoints, and resumes.
+//!
+//! # Your own model
+//!
+//! The library's surface is what a trainer of your own needs: implement [`Model`] for your
+//! network (built with `candle_nn` through a [`ParamStore`]), optionally [`Task`] for your data
+//! (or return a [`TensorDataset`]), register both in a [`Registry`] and hand it to
+//! [`cli::main_with`], which gives your binary the whole command line (`run`, `resume`,
+//! `validate`, `show`, `list`, `bench step`). Workers re-execute your binary, so they use the
+//! same registry.
+//!
+//! ```
+//! use candle_core::{Result, Tensor};
+//! use candle_nn::{Linear, Module};
+//! use ddpjob::{BuildError, Mode, Model, ModelContext, ModelInput, ParamStore, Params, Registry};
+//! use serde::{Deserialize, Serialize};
+//!
+//! /// `[model]` keys besides `arch = "linear"`.
+//! #[derive(Serialize, Deserialize)]
+//! struct Options {
+//!     #[serde(default)]
+//!     bias: bool,
+//! }
+//!
+//! struct LinearClassifier {
+//!     fc: Linear,
+//!     params: Params,
+//! }
+//!
+//! impl LinearClassifier {
+//!     fn build(o: &Options, cx: &ModelContext) -> std::result::Result<Self, BuildError> {
+//!         let ModelInput::Image { shape, classes } = cx.input else {
+//!             return Err("this model learns from images".into());
+//!         };
+//!         let store = ParamStore::new(cx);
+//!         let inputs = shape.iter().product();
+//!         let vb = store.var_builder().pp("fc");
+//!         let fc = if o.bias {
+//!             candle_nn::linear(inputs, classes, vb)?
+//!         } else {
+//!             candle_nn::linear_no_bias(inputs, classes, vb)?
+//!         };
+//!         Ok(LinearClassifier { fc, params: store.finish() })
+//!     }
+//! }
+//!
+//! impl Model for LinearClassifier {
+//!     fn forward(&self, xs: &Tensor, _: &Mode) -> Result<Tensor> {
+//!         self.fc.forward(&xs.flatten_from(1)?)
+//!     }
+//!     fn params(&self) -> &Params {
+//!         &self.params
+//!     }
+//! }
+//!
+//! let registry = Registry::builtin().model("linear", LinearClassifier::build);
+//! assert_eq!(registry.model_names(), ["cnn", "gpt", "linear", "mlp"]);
+//! // fn main() -> ddpjob::ExitCode { ddpjob::cli::main_with(registry) }
+//! ```
 
-pub mod bench;
-pub mod checkpoint;
+#![warn(missing_docs)]
+
+mod bench;
+mod checkpoint;
 pub mod cli;
-pub mod comm;
-pub mod config;
-pub mod data;
-pub mod device;
-pub mod fault;
-pub mod generate;
-pub mod heartbeat;
-pub mod jobdir;
-pub mod kernels;
-pub mod launch;
-pub mod models;
-pub mod numerics;
-pub mod optim;
-pub mod progress;
-pub mod registry;
-pub mod report;
-pub mod rng;
-pub mod store;
-pub mod task;
-pub mod train;
-pub mod worker;
+mod comm;
+mod config;
+mod data;
+mod device;
+mod fault;
+mod generate;
+mod heartbeat;
+mod jobdir;
+mod kernels;
+mod launch;
+mod models;
+mod numerics;
+mod optim;
+mod progress;
+mod registry;
+mod report;
+mod rng;
+mod store;
+mod task;
+mod train;
+mod worker;
 
 pub use std::process::ExitCode;
+
+pub use comm::{CommError, Communicator};
+pub use data::{DataError, TensorDataset};
 
 pub use models::{Mode, Model, ParamStore, Params};
 pub use registry::{BuildError, DataContext, ModelContext, Registry};
 pub use task::{BatchSource, ModelInput, Task};
+
+/// What the end-to-end tests compare against; not part of the API.
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::report::curves::{ACCURACY_COLOR, LR_COLOR, TEST_COLOR, TRAIN_COLOR};
+}

@@ -18,10 +18,17 @@ use crate::jobdir::JobDir;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelInput {
     /// Images [c, h, w] → one of `classes` labels.
-    Image { shape: [usize; 3], classes: usize },
+    Image {
+        /// [channels, height, width] of one sample.
+        shape: [usize; 3],
+        /// The number of labels.
+        classes: usize,
+    },
     /// Token windows of `block_size` → a distribution over `vocab_size` for every position.
     Tokens {
+        /// Distinct tokens.
         vocab_size: usize,
+        /// Positions per window.
         block_size: usize,
     },
 }
@@ -34,6 +41,7 @@ pub trait Task: Send + Sync {
     fn eval_len(&self) -> usize;
     /// Targets per sample: 1 for a classifier, the window length for a language model.
     fn targets_per_sample(&self) -> usize;
+    /// What a model of this task takes and predicts.
     fn input(&self) -> ModelInput;
     /// Where batches come from on `device`.
     fn batches<'a>(&'a self, device: &Device) -> Result<Box<dyn BatchSource + 'a>, DataError>;

@@ -9,8 +9,8 @@ use thiserror::Error;
 use crate::comm::CommError;
 use crate::store::StoreError;
 
-pub use allreduce::{AllReduceRow, allreduce, parse_sizes, table, worker};
-pub use step::{StepBench, StepOptions, step, step_table};
+pub use allreduce::{allreduce, parse_sizes, table, worker};
+pub use step::{StepOptions, step, step_table};
 
 #[derive(Debug, Error)]
 pub enum BenchError {

@@ -15,10 +15,14 @@ use crate::models::Params;
 pub use local::LocalCommunicator;
 #[cfg(feature = "cuda")]
 pub use nccl::NcclCommunicator;
-pub use tcp::{TcpCommunicator, ring_key, spin_for};
+pub use tcp::{TcpCommunicator, spin_for};
 
+/// Why a collective failed. `op` is the collective (`all_reduce`, `broadcast`, ...), `rank`
+/// the rank that saw the failure, `problem` what it saw.
+#[allow(missing_docs)] // the fields are named by the type's doc above
 #[derive(Debug, Error)]
 pub enum CommError {
+    /// The backend reported an error.
     #[error("collective `{op}` failed: {problem}")]
     Failed {
         op: &'static str,
@@ -32,7 +36,8 @@ pub enum CommError {
         rank: usize,
         problem: String,
     },
-    /// No progress within `distributed.timeout_s`: some rank never arrived (see `heartbeat`).
+    /// No progress within `distributed.timeout_s`: some rank never arrived (see `heartbeat`);
+    /// `seq` counts the collectives, `waited_s` is how long this one waited.
     #[error(
         "collective `{op}` #{seq} did not complete within {waited_s} s (distributed.timeout_s): {problem}"
     )]
@@ -43,17 +48,22 @@ pub enum CommError {
         waited_s: u64,
         problem: String,
     },
+    /// The ranks could not connect to each other.
     #[error("rank {rank} could not join the worker ring: {problem}")]
     Setup { rank: usize, problem: String },
+    /// The rendezvous store failed.
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
+    /// A tensor operation failed.
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),
 }
 
 /// What every backend provides. Every rank must call the same collectives in the same order.
 pub trait Communicator {
+    /// This process's rank, 0..world_size.
     fn rank(&self) -> usize;
+    /// The number of ranks.
     fn world_size(&self) -> usize;
     /// Replaces `flat` (1-D) with the element-wise mean over ranks.
     fn all_reduce_mean(&self, flat: &mut Tensor) -> Result<(), CommError>;
@@ -61,6 +71,7 @@ pub trait Communicator {
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError>;
     /// Replaces `t` on every rank with `root`'s.
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
+    /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), CommError>;
 }
 

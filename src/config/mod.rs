@@ -18,10 +18,12 @@ use crate::registry::Registry;
 pub use error::{ConfigError, Origin};
 pub use raw::RawConfig;
 pub use source::Source;
+#[cfg(test)]
+pub(crate) use spec::Backend;
 pub use spec::{
-    Backend, Check, CheckpointSpec, DataSpec, DatasetKind, DeviceChoice, DistributedSpec,
-    Expectation, GptSpec, JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
-    ScheduleSpec, SyntheticSpec, TextSpec, TokenDtype, TokenizerKind, TokensSpec, TrainSpec,
+    Check, CheckpointSpec, DataSpec, DatasetKind, DeviceChoice, DistributedSpec, Expectation,
+    GptSpec, JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
+    ScheduleSpec, SyntheticSpec, TextSpec, TokenDtype, TokenizerKind,
 };
 
 /// A validated job and the fully resolved config it came from (every default written out).

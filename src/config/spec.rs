@@ -135,11 +135,6 @@ impl DatasetKind {
             DatasetKind::Text(_) | DatasetKind::Tokens(_) | DatasetKind::Custom { .. } => None,
         }
     }
-
-    /// Whether the samples are token windows (a language model's data).
-    pub fn is_text(&self) -> bool {
-        matches!(self, DatasetKind::Text(_) | DatasetKind::Tokens(_))
-    }
 }
 
 /// `data.dataset = "text"`: a UTF-8 file, tokenised at load time.

@@ -67,6 +67,7 @@ impl<'a> Batches<'a> {
         })
     }
 
+    #[cfg(test)]
     pub fn is_resident(&self) -> bool {
         matches!(self, Batches::Resident { .. })
     }

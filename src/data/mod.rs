@@ -16,23 +16,28 @@ use candle_core::{Device, Tensor};
 use thiserror::Error;
 
 use crate::config::{DataSpec, DatasetKind};
-pub use batches::{Batches, DeviceSplit, MAX_RESIDENT_BYTES};
-pub use catalog::{FILES, Locate};
+pub use batches::Batches;
+pub use catalog::Locate;
 pub use sampler::DistributedSampler;
 pub use tensors::TensorDataset;
 
 /// The `data.dataset` values ddpjob itself knows.
 pub const BUILTIN_DATASETS: [&str; 5] = ["mnist", "fashion-mnist", "synthetic", "text", "tokens"];
 
+/// Why data could not be found, read or batched; each names the file and the fix.
+#[allow(missing_docs)] // fields: the file, and what went wrong with it
 #[derive(Debug, Error)]
 pub enum DataError {
+    /// A file could not be read.
     #[error("cannot read `{}`: {cause}", path.display())]
     Io {
         path: PathBuf,
         cause: std::io::Error,
     },
+    /// A file's contents are not what its format says.
     #[error("`{}` is damaged: {problem}", path.display())]
     Corrupt { path: PathBuf, problem: String },
+    /// A built-in dataset's files are not on disk and may not be downloaded.
     #[error(
         "{dataset}: missing {} (looked in {}); put the IDX files (.gz or raw) in data.root, \
          install Debian's dataset-{dataset} package if there is one, or set data.download = true",
@@ -44,6 +49,7 @@ pub enum DataError {
         missing: Vec<String>,
         searched: Vec<PathBuf>,
     },
+    /// Every mirror failed for a file.
     #[error("could not download {file} to `{}`; every mirror failed:\n  {}\n\
              check the network, set data.mirrors, or copy the file there by hand",
             dest.display(), failures.join("\n  "))]
@@ -52,8 +58,11 @@ pub enum DataError {
         dest: PathBuf,
         failures: Vec<String>,
     },
+    /// Data that does not fit the job (shapes, vocabularies, labels), or a dataset opener's
+    /// error.
     #[error("{0}")]
     Mismatch(String),
+    /// A tensor operation failed.
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),
 }
@@ -69,10 +78,6 @@ pub struct Split {
 impl Split {
     pub fn len(&self) -> usize {
         self.labels.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.labels.is_empty()
     }
 
     fn sample_len(&self) -> usize {

@@ -38,6 +38,7 @@ impl DistributedSampler {
         }
     }
 
+    #[cfg(test)]
     pub fn with_shuffle(mut self, shuffle: bool) -> Self {
         self.shuffle = shuffle;
         self
@@ -54,6 +55,7 @@ impl DistributedSampler {
     }
 
     /// Samples this rank sees per epoch.
+    #[cfg(test)]
     pub fn num_samples(&self) -> usize {
         samples_per_rank(self.len, self.world, self.drop_last)
     }

@@ -10,7 +10,7 @@ use crate::task::{BatchSource, ModelInput, Task};
 /// Labelled samples of one shape, a training and an evaluation split.
 ///
 /// ```
-/// use ddpjob::{Task, data::TensorDataset};
+/// use ddpjob::{Task, TensorDataset};
 ///
 /// // Four samples of 2 features (shape [1, 1, 2]), two classes; one evaluation sample.
 /// let data = TensorDataset::classification(
@@ -19,7 +19,7 @@ use crate::task::{BatchSource, ModelInput, Task};
 ///     vec![0.1, 0.8], vec![0],
 /// )?;
 /// assert_eq!((data.train_len(), data.eval_len()), (4, 1));
-/// # Ok::<(), ddpjob::data::DataError>(())
+/// # Ok::<(), ddpjob::DataError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct TensorDataset {

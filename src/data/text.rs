@@ -72,10 +72,6 @@ impl Tokens {
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Appends tokens `start..start + len` to `out`, each checked against `vocab`.
     fn read(
         &self,

@@ -26,6 +26,7 @@ impl SchedulerEnv {
         SchedulerEnv(std::env::vars().filter(|(k, _)| wanted(k)).collect())
     }
 
+    #[cfg(test)]
     pub fn from_pairs(pairs: &[(&str, &str)]) -> Self {
         SchedulerEnv(
             pairs

@@ -26,7 +26,7 @@ pub(crate) fn register_builtin(registry: Registry) -> Registry {
         .model("mlp", build_mlp)
         .model("cnn", build_cnn)
         .model("gpt", build_gpt)
-        .as_builtin()
+        .into_builtin()
 }
 
 fn precision(cx: &ModelContext) -> Precision {

@@ -64,12 +64,13 @@ impl KvCache {
         self.layers.first().map_or(0, |(k, _)| k.dims()[2])
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     pub fn clear(&mut self) {
         self.layers.clear();
+    }
+
+    #[cfg(test)]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

@@ -24,7 +24,10 @@ pub use store::ParamStore;
 /// A network mapping a batch of inputs to logits whose last dimension is the classes (or the
 /// vocabulary): images [n, c, h, w] → [n, classes], token windows [n, t] → [n, t, vocab].
 pub trait Model: Send + Sync {
+    /// The logits for the batch `xs`; `mode` says whether this is training (and with which
+    /// seeds for dropout) or evaluation (BatchNorm then uses its running statistics).
     fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor>;
+    /// The trainable parameters (and buffers), in a fixed order.
     fn params(&self) -> &Params;
 
     /// Mean cross-entropy of the logits for `xs` against integer `targets`, differentiable.
@@ -65,17 +68,20 @@ pub fn chain_train_flops(forward: &[f64]) -> f64 {
 /// How a forward pass runs: evaluation, or training with the seeds of its random choices.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Mode {
+    /// Evaluation: no dropout, running statistics.
     Eval,
     /// One seed per batch row, derived from (job seed, epoch, sample index): a row's dropout
     /// masks depend on which sample it is, never on the rank or the batch it landed in, so
     /// 2 workers × B/2 draw exactly the masks 1 worker × B draws, and a resumed run redraws
     /// them bit for bit.
     Train {
+        /// The seed of each row of the batch, in order.
         row_seeds: Vec<u64>,
     },
 }
 
 impl Mode {
+    /// Whether this is a training pass.
     pub fn is_train(&self) -> bool {
         matches!(self, Mode::Train { .. })
     }
@@ -97,6 +103,7 @@ pub struct Params {
 }
 
 impl Params {
+    /// The trainable parameters by name, in order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Var)> {
         self.entries.iter().map(|(n, v)| (n.as_str(), v))
     }
@@ -106,6 +113,7 @@ impl Params {
         self.buffers.iter().map(|(n, v)| (n.as_str(), v))
     }
 
+    /// The trainable parameters, in order.
     pub fn vars(&self) -> impl Iterator<Item = &Var> {
         self.entries.iter().map(|(_, v)| v)
     }
@@ -137,10 +145,12 @@ impl Params {
             .map(|(a, i)| (a.as_str(), self.entries[*i].0.as_str()))
     }
 
+    /// The number of trainable parameters (tensors).
     pub fn len(&self) -> usize {
         self.entries.len()
     }
 
+    /// Whether there are no trainable parameters.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
@@ -164,6 +174,7 @@ impl Params {
         self.entries.len() + self.buffers.len() + self.aliases.len()
     }
 
+    /// The number of trainable values (elements of every parameter).
     pub fn element_count(&self) -> usize {
         self.entries.iter().map(|(_, v)| v.elem_count()).sum()
     }

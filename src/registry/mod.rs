@@ -34,6 +34,7 @@ pub struct ModelContext {
     /// The job's seed: initialise from it (see [`crate::models::ParamStore`]) so every run
     /// and every rank starts from the same weights.
     pub seed: u64,
+    /// Where the parameters live (the worker's CPU or GPU).
     pub device: Device,
     /// `train.precision`: the dtype the forward pass should compute in (the parameters stay
     /// f32; casting is the model's business).
@@ -164,7 +165,7 @@ impl Registry {
     }
 
     /// Marks the models registered so far as built in (their keys live in the config schema).
-    pub(crate) fn as_builtin(mut self) -> Self {
+    pub(crate) fn into_builtin(mut self) -> Self {
         for entry in self.models.values_mut() {
             entry.builtin = true;
         }
@@ -195,10 +196,12 @@ impl Registry {
         self
     }
 
+    /// The registered model names (`model.arch` values), sorted.
     pub fn model_names(&self) -> Vec<&str> {
         self.models.keys().map(String::as_str).collect()
     }
 
+    /// The registered dataset names (`data.dataset` values), sorted.
     pub fn dataset_names(&self) -> Vec<&str> {
         self.datasets.keys().map(String::as_str).collect()
     }

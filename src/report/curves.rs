@@ -16,9 +16,13 @@ const SIZE: (u32, u32) = (960, 900);
 /// A long job logs many intervals; more points than this add bytes, not information.
 const MAX_POINTS: usize = 1500;
 const FONT: &str = "sans-serif";
+/// The train loss line's colour (matplotlib's tab:blue).
 pub const TRAIN_COLOR: RGBColor = RGBColor(31, 119, 180);
+/// The test loss line's colour (tab:red).
 pub const TEST_COLOR: RGBColor = RGBColor(214, 39, 40);
+/// The test accuracy line's colour (tab:green).
 pub const ACCURACY_COLOR: RGBColor = RGBColor(44, 160, 44);
+/// The learning-rate line's colour (tab:purple).
 pub const LR_COLOR: RGBColor = RGBColor(148, 103, 189);
 const RESUME_COLOR: RGBColor = RGBColor(150, 150, 150);
 

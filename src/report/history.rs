@@ -88,10 +88,6 @@ impl History {
         h
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.train.is_empty() && self.epochs.is_empty()
-    }
-
     pub fn last_epoch(&self) -> Option<&EpochPoint> {
         self.epochs.last()
     }

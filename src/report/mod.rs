@@ -9,5 +9,4 @@ pub mod show;
 pub mod view;
 
 pub use expect::{ExpectationResult, check, unmet_report};
-pub use history::{History, sparkline};
 pub use view::JobView;

@@ -392,7 +392,10 @@ fn train(
     };
     let summary = match trainer.run()? {
         Ending::Completed(summary) => summary,
-        Ending::Stopped { .. } => return Ok(true),
+        Ending::Stopped { step } => {
+            eprintln!("rank {}: stopped after step {step}", env.rank);
+            return Ok(true);
+        }
     };
     if let Some(leader) = &trainer.leader {
         leader.finish(trainer.model.params(), &summary)?;

@@ -242,7 +242,7 @@ fn junit_reports_completion_and_each_expectation() {
 
 #[test]
 fn curves_svg_holds_the_three_series_point_for_point() {
-    use ddpjob::report::curves::{ACCURACY_COLOR, LR_COLOR, TEST_COLOR, TRAIN_COLOR};
+    use ddpjob::testing::{ACCURACY_COLOR, LR_COLOR, TEST_COLOR, TRAIN_COLOR};
     let t = TestJob::new();
     let cfg = t.config("smoke", TINY);
     t.run(&cfg, &[]).success();

@@ -3,8 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ddpjob::data::TensorDataset;
-use ddpjob::{BuildError, DataContext};
+use ddpjob::{BuildError, DataContext, TensorDataset};
 use serde::{Deserialize, Serialize};
 
 /// `[data]` keys besides `dataset = "csv"` and `drop_last`.

@@ -199,6 +199,10 @@ impl JobDir {
     pub fn metrics_path(&self) -> PathBuf {
         self.root.join("metrics.jsonl")
     }
+    /// Where `[logging] tensorboard = true` writes its event files.
+    pub fn tensorboard_dir(&self) -> PathBuf {
+        self.root.join("tensorboard")
+    }
     pub fn logs_dir(&self) -> PathBuf {
         self.root.join("logs")
     }
@@ -241,7 +245,8 @@ impl JobDir {
     }
 
     /// Appends one JSON object as a line to `metrics.jsonl`.
-    pub fn append_metrics(&self, line: &serde_json::Value) -> Result<(), JobDirError> {
+    /// Appends one line (a [`crate::report::Record`]'s JSON) to `metrics.jsonl`.
+    pub fn append_metrics_line(&self, line: &str) -> Result<(), JobDirError> {
         let path = self.metrics_path();
         let mut f = OpenOptions::new()
             .create(true)
@@ -300,14 +305,14 @@ impl JobDir {
         let kept: String = text
             .lines()
             .filter(|line| {
-                let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                let Some(record) = crate::report::Record::parse(line) else {
                     return false;
                 };
-                let at = v["step"].as_u64().unwrap_or(u64::MAX) as usize;
-                let of_epoch = v["epoch"].as_u64().unwrap_or(u64::MAX) as usize;
+                let (at, of_epoch) = (record.step(), record.epoch());
+                let is_epoch = matches!(record, crate::report::Record::Epoch { .. });
                 // An epoch line at the checkpoint's step belongs to it only if that epoch ended
                 // before the checkpoint (an epoch-boundary one).
-                at < step || (at == step && (v["kind"] != "epoch" || of_epoch < epoch))
+                at < step || (at == step && (!is_epoch || of_epoch < epoch))
             })
             .map(|l| format!("{l}\n"))
             .collect();

@@ -15,6 +15,7 @@ pub struct RawConfig {
     pub train: RawTrain,
     pub checkpoint: RawCheckpoint,
     pub distributed: RawDistributed,
+    pub logging: RawLogging,
     #[serde(skip_serializing_if = "RawExpect::is_empty")]
     pub expect: RawExpect,
 }
@@ -259,6 +260,13 @@ impl Default for RawDistributed {
             devices: None,
         }
     }
+}
+
+/// `[logging]`: where rank 0's metrics go besides `metrics.jsonl`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLogging {
+    pub tensorboard: bool,
 }
 
 /// `[expect]`: thresholds checked after the run; absent keys are not checked.

@@ -352,6 +352,16 @@ pub const KEYS: &[KeySpec] = &[
         "GPU ordinals to use, one per worker on each node (default: every visible GPU)",
     ),
     key(
+        "logging",
+        Kind::Table,
+        "where metrics go besides metrics.jsonl",
+    ),
+    key(
+        "logging.tensorboard",
+        Kind::Bool,
+        "also write TensorBoard event files under <job>/tensorboard/ (default false)",
+    ),
+    key(
         "expect",
         Kind::Table,
         "checks after the run (CI smoke jobs): any unmet one makes the run exit 1",

@@ -13,8 +13,16 @@ pub struct JobSpec {
     pub train: TrainSpec,
     pub checkpoint: CheckpointSpec,
     pub distributed: DistributedSpec,
+    pub logging: LoggingSpec,
     /// `[expect]`, in the order of [`Check::ALL`].
     pub expect: Vec<Expectation>,
+}
+
+/// `[logging]`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoggingSpec {
+    /// Write TensorBoard event files under `<job>/tensorboard/`.
+    pub tensorboard: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]

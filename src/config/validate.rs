@@ -9,8 +9,9 @@ use super::raw::RawConfig;
 use super::source::Source;
 use super::spec::{
     Backend, Check, CheckpointSpec, DataSpec, DatasetKind, DeviceChoice, DistributedSpec,
-    Expectation, GptSpec, JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
-    ScheduleSpec, SyntheticSpec, TextSpec, TokenDtype, TokenizerKind, TokensSpec, TrainSpec,
+    Expectation, GptSpec, JobSpec, LoggingSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision,
+    ScheduleKind, ScheduleSpec, SyntheticSpec, TextSpec, TokenDtype, TokenizerKind, TokensSpec,
+    TrainSpec,
 };
 use crate::registry::Registry;
 
@@ -193,6 +194,9 @@ impl JobSpec {
             train,
             checkpoint,
             distributed,
+            logging: LoggingSpec {
+                tensorboard: raw.logging.tensorboard,
+            },
             expect,
         })
     }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use serde_json::Value;
+use super::record::{self, Record};
 
 /// One log-interval line (`"kind": "train"`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -54,35 +54,41 @@ impl History {
     }
 
     pub fn parse(text: &str) -> History {
-        let mut h = History::default();
-        for line in text.lines().filter(|l| !l.trim().is_empty()) {
-            let Ok(v) = serde_json::from_str::<Value>(line) else {
-                h.skipped += 1;
-                continue;
-            };
-            let step = v["step"].as_u64().map(|s| s as usize);
-            let num = |key: &str| v[key].as_f64().unwrap_or(f64::NAN);
-            match (v["kind"].as_str(), step) {
-                (Some("train"), Some(step)) => h.train.push(TrainPoint {
+        let (records, skipped) = record::parse_all(text);
+        let mut h = History {
+            skipped,
+            ..History::default()
+        };
+        for r in records {
+            match r {
+                Record::Train { step, loss, lr, .. } => h.train.push(TrainPoint { step, loss, lr }),
+                Record::Epoch {
+                    epoch,
                     step,
-                    loss: num("loss"),
-                    lr: num("lr"),
-                }),
-                (Some("epoch"), Some(step)) => h.epochs.push(EpochPoint {
-                    epoch: v["epoch"].as_u64().unwrap_or(0) as usize,
+                    loss,
+                    lr,
+                    test_loss,
+                    test_accuracy,
+                    ..
+                } => h.epochs.push(EpochPoint {
+                    epoch,
                     step,
-                    train_loss: num("loss"),
-                    test_loss: num("test_loss"),
-                    test_accuracy: num("test_accuracy"),
-                    lr: num("lr"),
+                    train_loss: loss,
+                    test_loss,
+                    test_accuracy,
+                    lr,
                 }),
-                (Some("eval"), Some(step)) => h.evals.push(EvalPoint {
+                Record::Eval {
                     step,
-                    test_loss: num("test_loss"),
-                    test_accuracy: num("test_accuracy"),
+                    test_loss,
+                    test_accuracy,
+                    ..
+                } => h.evals.push(EvalPoint {
+                    step,
+                    test_loss,
+                    test_accuracy,
                 }),
-                (Some("resume"), Some(step)) => h.resumes.push(step),
-                _ => h.skipped += 1,
+                Record::Resume { step, .. } => h.resumes.push(step),
             }
         }
         h

@@ -5,8 +5,12 @@ pub mod curves;
 pub mod expect;
 pub mod history;
 pub mod junit;
+pub mod record;
 pub mod show;
+pub mod sink;
+pub mod tensorboard;
 pub mod view;
 
 pub use expect::{ExpectationResult, check, unmet_report};
+pub use record::Record;
 pub use view::JobView;

@@ -2,13 +2,14 @@
 //! type with no collectives, so a collective that only rank 0 would call cannot be written here.
 
 use std::path::PathBuf;
-
-use serde_json::json;
+use std::sync::Mutex;
 
 use crate::checkpoint::{Checkpointer, Restored, TrainPosition};
 use crate::jobdir::{JobDir, JobDirError, JobState, now_unix};
 use crate::models::Params;
 use crate::optim::Optimizer;
+use crate::report::Record;
+use crate::report::sink::{JsonlSink, MetricsSink, TensorBoardSink};
 
 use super::{EvalResult, Summary, TrainError};
 
@@ -17,6 +18,9 @@ pub struct Leader {
     checkpointer: Checkpointer,
     world_size: usize,
     restart_count: usize,
+    /// `[logging] tensorboard`: add a TensorBoard sink when training starts.
+    tensorboard: bool,
+    sinks: Mutex<Vec<Box<dyn MetricsSink>>>,
 }
 
 impl Leader {
@@ -25,18 +29,42 @@ impl Leader {
         keep_last: Option<usize>,
         world_size: usize,
         restart_count: usize,
+        tensorboard: bool,
     ) -> Self {
         let checkpointer = Checkpointer::new(job.checkpoints_dir(), keep_last);
+        let sinks: Vec<Box<dyn MetricsSink>> = vec![Box::new(JsonlSink::new(job.clone()))];
         Leader {
             job,
             checkpointer,
             world_size,
             restart_count,
+            tensorboard,
+            sinks: Mutex::new(sinks),
         }
+    }
+
+    /// Sends `record` to every sink.
+    fn record(&self, record: &Record) -> Result<(), TrainError> {
+        let mut sinks = self.sinks.lock().unwrap_or_else(|e| e.into_inner());
+        for sink in sinks.iter_mut() {
+            sink.write(record)?;
+        }
+        Ok(())
+    }
+
+    /// Opens the TensorBoard sink, replaying the (rewound) history into a fresh event file.
+    fn start_sinks(&self) -> Result<(), TrainError> {
+        if self.tensorboard {
+            let sink = TensorBoardSink::start(&self.job)?;
+            let mut sinks = self.sinks.lock().unwrap_or_else(|e| e.into_inner());
+            sinks.push(Box::new(sink));
+        }
+        Ok(())
     }
 
     /// Records the plan in `state.json` as training starts.
     pub fn start(&self, world_size: usize, total_steps: usize) -> Result<(), TrainError> {
+        self.start_sinks()?;
         let state = JobState {
             restarts: self.restarts(),
             ..JobState::running(world_size, total_steps)
@@ -53,13 +81,19 @@ impl Leader {
         total_steps: usize,
     ) -> Result<(), TrainError> {
         let p = &from.position;
-        let line = json!({
-            "kind": "resume", "epoch": p.epoch, "step": p.step,
-            "checkpoint": from.dir.file_name().map(|n| n.to_string_lossy().into_owned()),
-            "world_size": world_size, "previous_world_size": p.world_size,
-            "restart": self.restart_count, "time": now_unix(),
-        });
-        self.job.append_metrics(&line)?;
+        self.start_sinks()?;
+        self.record(&Record::Resume {
+            epoch: p.epoch,
+            step: p.step,
+            checkpoint: from
+                .dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned()),
+            world_size,
+            previous_world_size: p.world_size,
+            restart: self.restart_count,
+            time: now_unix(),
+        })?;
         let state = JobState {
             epoch: p.epoch,
             step: p.step,
@@ -83,11 +117,14 @@ impl Leader {
         lr: f64,
         samples_per_s: f64,
     ) -> Result<(), TrainError> {
-        let line = json!({
-            "kind": "train", "epoch": epoch, "step": step, "loss": loss, "lr": lr,
-            "samples_per_s": round(samples_per_s), "time": now_unix(),
-        });
-        Ok(self.job.append_metrics(&line)?)
+        self.record(&Record::Train {
+            epoch,
+            step,
+            loss,
+            lr,
+            samples_per_s: round(samples_per_s),
+            time: now_unix(),
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -102,12 +139,17 @@ impl Leader {
         epoch_train_s: f64,
         total_steps: usize,
     ) -> Result<(), TrainError> {
-        let line = json!({
-            "kind": "epoch", "epoch": epoch, "step": step, "loss": train_loss, "lr": lr,
-            "samples_per_s": round(samples_per_s), "test_loss": eval.loss, "test_accuracy": eval.accuracy,
-            "train_s": epoch_train_s, "time": now_unix(),
-        });
-        self.job.append_metrics(&line)?;
+        self.record(&Record::Epoch {
+            epoch,
+            step,
+            loss: train_loss,
+            lr,
+            samples_per_s: round(samples_per_s),
+            test_loss: eval.loss,
+            test_accuracy: eval.accuracy,
+            train_s: epoch_train_s,
+            time: now_unix(),
+        })?;
         let state = JobState {
             epoch: epoch + 1,
             step,
@@ -120,11 +162,13 @@ impl Leader {
 
     /// A mid-epoch evaluation (`train.eval_every`).
     pub fn log_eval(&self, epoch: usize, step: usize, eval: &EvalResult) -> Result<(), TrainError> {
-        let line = json!({
-            "kind": "eval", "epoch": epoch, "step": step, "test_loss": eval.loss,
-            "test_accuracy": eval.accuracy, "time": now_unix(),
-        });
-        Ok(self.job.append_metrics(&line)?)
+        self.record(&Record::Eval {
+            epoch,
+            step,
+            test_loss: eval.loss,
+            test_accuracy: eval.accuracy,
+            time: now_unix(),
+        })
     }
 
     /// Replaces `checkpoints/best` with the current weights.

@@ -79,7 +79,13 @@ fn a_checkpoint_that_cannot_be_written_fails_or_warns_as_configured() {
         // A file where the checkpoint directory should be: no checkpoint can be made in it,
         // whoever runs the test.
         std::fs::write(root.join("checkpoints"), b"not a directory").unwrap();
-        let leader = Leader::new(crate::jobdir::JobDir { root: root.clone() }, None, 1, 0);
+        let leader = Leader::new(
+            crate::jobdir::JobDir { root: root.clone() },
+            None,
+            1,
+            0,
+            false,
+        );
         let set = format!("checkpoint.on_write_error=\"{policy}\"");
         let spec = spec(&["checkpoint.every_steps=2", &set]);
         let result = train_with(&spec, Some(leader));

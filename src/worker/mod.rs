@@ -384,6 +384,7 @@ fn train(
                 spec.checkpoint.keep_last,
                 env.world_size,
                 env.restart_count,
+                spec.logging.tensorboard,
             )
         }),
         started: env.since_launch(started),

@@ -15,4 +15,5 @@ mod resume;
 mod run;
 mod shell;
 mod show;
+mod tensorboard;
 mod validate;

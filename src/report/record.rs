@@ -1,0 +1,170 @@
+//! One `metrics.jsonl` line as a type: what rank 0's writer emits and what every reader
+//! (`show`, `list`, the curves, resume's rewind, the TensorBoard replay) parses, so a field can
+//! no longer be renamed on one side only.
+
+use std::path::Path;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// A line of `metrics.jsonl` (**contract**: `kind`, `epoch`, `step` and the named metrics).
+/// Metrics that were not finite are written as `null` and read back as NaN, as are metrics a
+/// line lacks (files of older versions).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Record {
+    /// The mean training loss over a log interval (`train.log_every` steps), over all ranks.
+    Train {
+        epoch: usize,
+        step: usize,
+        #[serde(default = "nan", deserialize_with = "nan_if_null")]
+        loss: f64,
+        #[serde(default = "nan", deserialize_with = "nan_if_null")]
+        lr: f64,
+        #[serde(default = "nan", deserialize_with = "nan_if_null")]
+        samples_per_s: f64,
+        #[serde(default)]
+        time: u64,
+    },
+    /// The end of an epoch: its training loss and the evaluation after it.
+    Epoch {
+        epoch: usize,
+        step: usize,
+        #[serde(default = "nan", deserialize_with = "nan_if_null")]
+        loss: f64,
+        #[serde(default = "nan", deserialize_with = "nan_if_null")]
+        lr: f64,
+        #[serde(default = "nan", deserialize_with = "nan_if_null")]
+        samples_per_s: f64,
+        #[serde(default = "nan", deserialize_with = "nan_if_null")]
+        test_loss: f64,
+        #[serde(default = "nan", deserialize_with = "nan_if_null")]
+        test_accuracy: f64,
+        #[serde(default = "nan", deserialize_with = "nan_if_null")]
+        train_s: f64,
+        #[serde(default)]
+        time: u64,
+    },
+    /// An evaluation every `train.eval_every` steps.
+    Eval {
+        epoch: usize,
+        step: usize,
+        #[serde(default = "nan", deserialize_with = "nan_if_null")]
+        test_loss: f64,
+        #[serde(default = "nan", deserialize_with = "nan_if_null")]
+        test_accuracy: f64,
+        #[serde(default)]
+        time: u64,
+    },
+    /// A resumed start, from the checkpoint of (`epoch`, `step`).
+    Resume {
+        epoch: usize,
+        step: usize,
+        #[serde(default)]
+        checkpoint: Option<String>,
+        #[serde(default)]
+        world_size: usize,
+        #[serde(default)]
+        previous_world_size: usize,
+        #[serde(default)]
+        restart: usize,
+        #[serde(default)]
+        time: u64,
+    },
+}
+
+fn nan() -> f64 {
+    f64::NAN
+}
+
+fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+impl Record {
+    /// The optimizer step the record was taken after.
+    pub fn step(&self) -> usize {
+        match self {
+            Record::Train { step, .. }
+            | Record::Epoch { step, .. }
+            | Record::Eval { step, .. }
+            | Record::Resume { step, .. } => *step,
+        }
+    }
+
+    /// The (0-based) epoch it belongs to.
+    pub fn epoch(&self) -> usize {
+        match self {
+            Record::Train { epoch, .. }
+            | Record::Epoch { epoch, .. }
+            | Record::Eval { epoch, .. }
+            | Record::Resume { epoch, .. } => *epoch,
+        }
+    }
+
+    /// The record as one JSON line (no newline).
+    pub fn to_line(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+
+    /// The record of a line; `None` for a line that is not one (a torn last line after a crash).
+    pub fn parse(line: &str) -> Option<Record> {
+        serde_json::from_str(line).ok()
+    }
+}
+
+/// The records of `metrics.jsonl` text and how many lines were not records.
+pub fn parse_all(text: &str) -> (Vec<Record>, usize) {
+    let mut skipped = 0;
+    let records = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .filter_map(|line| {
+            let record = Record::parse(line);
+            skipped += usize::from(record.is_none());
+            record
+        })
+        .collect();
+    (records, skipped)
+}
+
+/// The records of the file at `path`; a missing file has none.
+pub fn read_all(path: &Path) -> std::io::Result<(Vec<Record>, usize)> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(parse_all(&text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((Vec::new(), 0)),
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_round_trip_and_null_metrics_read_as_nan() {
+        let train = Record::Train {
+            epoch: 0,
+            step: 4,
+            loss: 2.5,
+            lr: 0.01,
+            samples_per_s: 1000.0,
+            time: 7,
+        };
+        let line = train.to_line();
+        assert!(
+            line.starts_with(r#"{"kind":"train","epoch":0,"step":4,"loss":2.5"#),
+            "{line}"
+        );
+        assert_eq!(Record::parse(&line), Some(train));
+
+        let eval =
+            r#"{"kind":"eval","epoch":1,"step":9,"test_loss":null,"test_accuracy":0.5,"time":3}"#;
+        let Some(Record::Eval { test_loss, .. }) = Record::parse(eval) else {
+            panic!("not an eval record")
+        };
+        assert!(test_loss.is_nan());
+        let (records, skipped) = parse_all(&format!("{line}\n{eval}\n{{\"kind\":\"tra"));
+        assert_eq!((records.len(), skipped), (2, 1));
+        assert_eq!(records[1].step(), 9);
+    }
+}

@@ -16,6 +16,8 @@ pub enum FaultKind {
     Kill,
     /// abort(): a crash (SIGABRT).
     Crash,
+    /// A Rust panic in the training loop (as a model's `forward` might panic).
+    Panic,
     /// Returns an error: a worker that fails with a message and exit status 1.
     Exit,
     /// The training thread sleeps forever; heartbeats go on (a deadlock in user code).
@@ -64,6 +66,7 @@ impl Fault {
                     kind = Some(match value {
                         "kill" => FaultKind::Kill,
                         "crash" => FaultKind::Crash,
+                        "panic" => FaultKind::Panic,
                         "exit" => FaultKind::Exit,
                         "hang" => FaultKind::Hang,
                         "freeze" => FaultKind::Freeze,
@@ -71,7 +74,7 @@ impl Fault {
                         "usr1" => FaultKind::Warn,
                         other => {
                             return Err(format!(
-                                "kind={other} is unknown; use kill, crash, exit, hang, freeze, preempt or usr1"
+                                "kind={other} is unknown; use kill, crash, panic, exit, hang, freeze, preempt or usr1"
                             ));
                         }
                     })
@@ -115,6 +118,7 @@ impl Fault {
                     libc::raise(libc::SIGKILL);
                 }
                 FaultKind::Crash => libc::abort(),
+                FaultKind::Panic => panic!("{ENV}: injected panic at step {step}"),
                 FaultKind::Freeze => {
                     libc::raise(libc::SIGSTOP);
                 }

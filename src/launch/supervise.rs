@@ -231,12 +231,10 @@ fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String) {
         .last_step(w.rank)
         .map_or(String::new(), |s| format!(" (last seen at step {s})"));
     let tail = log_tail(&w.log, 12);
-    // Its own error line says why (a hang names the ranks that never arrived).
-    let why = tail
-        .iter()
-        .rev()
-        .find_map(|l| l.strip_prefix("error: "))
-        .map_or(String::new(), |e| format!(": {}", shorten(e, 400)));
+    // Its failure record says why (a hang names the ranks that never arrived; a panic its
+    // message and where).
+    let why = crate::worker::failure::read_beside(&w.log)
+        .map_or(String::new(), |r| format!(": {}", shorten(&r.message, 400)));
     let head = format!(
         "rank {} (pid {}) {}{step}",
         w.rank,
@@ -244,7 +242,7 @@ fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String) {
         describe(w.status)
     );
     let summary = format!("{head}{why}");
-    let mut text = format!("{head}; the other workers were stopped");
+    let mut text = format!("{summary}; the other workers were stopped");
     let others: Vec<String> = failed[1..]
         .iter()
         .map(|o| format!("rank {}", o.rank))

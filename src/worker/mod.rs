@@ -3,6 +3,7 @@
 //! joins the ring and trains. Rank 0 also writes the job directory.
 
 mod environment;
+pub mod failure;
 
 pub use environment::{WorkerEnv, env};
 
@@ -98,6 +99,8 @@ pub fn run() -> Result<bool, WorkerError> {
     crate::kernels::keep_freed_memory();
     install_stop_handler();
     let env = WorkerEnv::from_env()?;
+    failure::clear(&env.job_dir, env.rank);
+    failure::record_panics(env.job_dir.clone(), env.rank);
     let fault = Fault::from_env(env.rank, env.restart_count).map_err(WorkerError::Env)?;
     let job = JobDir {
         root: env.job_dir.clone(),
@@ -248,6 +251,14 @@ fn announce(env: Option<&WorkerEnv>, error: &WorkerError) {
         None => format!("error: {error}"),
     };
     eprintln!("{text}");
+    if let Some(env) = env {
+        let record = failure::FailureRecord {
+            rank: env.rank,
+            kind: failure::FailureKind::Error,
+            message: error.to_string(),
+        };
+        failure::write(&env.job_dir, &record);
+    }
     if let Some(env) = env.filter(|env| env.rank == 0) {
         let log = log_path(&env.job_dir, 0);
         if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(log) {

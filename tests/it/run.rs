@@ -226,3 +226,31 @@ fn cpu_workers_flush_subnormals_unless_the_config_says_not_to() {
         );
     }
 }
+
+/// A panic in a worker (as a user model's `forward` might panic) reaches the user as the
+/// rank's failure with the panic's message and place, from the worker's failure record; the
+/// other worker is stopped and no process is left behind.
+#[test]
+fn a_panicking_worker_is_reported_with_its_message_and_leaves_no_process() {
+    let t = TestJob::new();
+    let cfg = t.config("job", TINY);
+    let run = t.run_env(
+        &cfg,
+        &["--nproc-per-node", "2", "--name", "panicky"],
+        &[("DDPJOB_FAULT", "rank=1,step=3,kind=panic")],
+    );
+    run.fails_with(1, "rank 1 (pid")
+        .fails_with(1, "exited with status 101")
+        .fails_with(1, "panicked at src/fault.rs:")
+        .fails_with(1, "DDPJOB_FAULT: injected panic at step 3");
+    let record = t.json(&t.job("panicky").join("logs/rank-1.failure.json"));
+    assert_eq!(
+        (record["rank"].as_u64(), record["kind"].as_str()),
+        (Some(1), Some("panic"))
+    );
+    assert!(crate::common::workers_under(&t.job("panicky")).is_empty());
+    assert_eq!(
+        t.json(&t.job("panicky").join("state.json"))["status"],
+        "failed"
+    );
+}

@@ -86,6 +86,7 @@ mod progress;
 mod registry;
 mod report;
 mod rng;
+mod signals;
 mod store;
 mod task;
 mod train;

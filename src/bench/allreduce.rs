@@ -109,7 +109,7 @@ pub fn allreduce(nproc: usize, sizes: &[usize]) -> Result<Vec<AllReduceRow>, Ben
         })?;
         workers.push(w);
     }
-    supervise::install_signal_handlers();
+    crate::signals::install();
     // Benchmark workers publish no heartbeats and have nothing to checkpoint.
     let mut watch = Watchdog::none();
     match supervise::supervise(&mut workers, &mut watch, Duration::ZERO) {

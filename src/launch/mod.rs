@@ -29,7 +29,7 @@ use crate::store::{self, StoreClient, StoreError, StoreServer};
 use crate::train::Summary;
 
 use group::Group;
-use supervise::{install_signal_handlers, signal_name};
+use supervise::signal_name;
 
 /// torchrun's default rendezvous port for multi-node jobs.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -228,7 +228,7 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
     };
 
     // From here on, Ctrl-C stops the workers in order instead of killing the launcher.
-    install_signal_handlers();
+    crate::signals::install();
     let group = Group {
         job: &job,
         spec,

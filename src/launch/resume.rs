@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use super::group::{Group, rewind_to};
-use super::supervise::install_signal_handlers;
+
 use super::{Layout, NodeOptions, RunError, meet, record_outcome};
 use crate::checkpoint;
 use crate::config;
@@ -117,7 +117,7 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     state.updated_unix = now_unix();
     job.write_state(&state)?;
 
-    install_signal_handlers();
+    crate::signals::install();
     let group = Group {
         job: &job,
         spec,

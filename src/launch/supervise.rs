@@ -8,7 +8,6 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use super::watch::Watchdog;
@@ -17,26 +16,6 @@ use crate::worker::{EXIT_PEER_LOST, EXIT_STOPPED};
 const POLL: Duration = Duration::from_millis(50);
 /// After the first failure, how long to let the others fail on their own before stopping them.
 const SETTLE: Duration = Duration::from_millis(500);
-
-static INTERRUPTS: AtomicUsize = AtomicUsize::new(0);
-static LAST_SIGNAL: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn on_signal(sig: libc::c_int) {
-    LAST_SIGNAL.store(sig, Ordering::SeqCst);
-    INTERRUPTS.fetch_add(1, Ordering::SeqCst);
-}
-
-/// Routes SIGINT, SIGTERM and SIGUSR1 (what Slurm's `--signal=USR1@N` sends before a time
-/// limit) to a counter the supervision loop reads.
-pub fn install_signal_handlers() {
-    let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-    // SAFETY: the handler only touches atomics, which is async-signal-safe.
-    unsafe {
-        libc::signal(libc::SIGINT, handler);
-        libc::signal(libc::SIGTERM, handler);
-        libc::signal(libc::SIGUSR1, handler);
-    }
-}
 
 /// One spawned worker.
 pub struct Worker {
@@ -101,8 +80,8 @@ pub fn spawn(
 /// waiting up to `grace`; a second signal kills them at once.
 pub fn supervise(workers: &mut [Worker], watch: &mut Watchdog, grace: Duration) -> Outcome {
     loop {
-        if INTERRUPTS.load(Ordering::SeqCst) > 0 {
-            let signal = LAST_SIGNAL.load(Ordering::SeqCst);
+        if crate::signals::received() > 0 {
+            let signal = crate::signals::last();
             let clean = stop_gracefully(workers, grace);
             // Workers that all completed before the request reached them finished the job.
             if workers
@@ -158,7 +137,7 @@ fn stop_gracefully(workers: &mut [Worker], grace: Duration) -> bool {
     let deadline = Instant::now() + grace;
     while workers.iter().any(|w| w.status.is_none()) {
         reap(workers);
-        if Instant::now() >= deadline || INTERRUPTS.load(Ordering::SeqCst) > 1 {
+        if Instant::now() >= deadline || crate::signals::received() > 1 {
             stop(workers, true);
         }
         std::thread::sleep(POLL);

@@ -11,7 +11,6 @@ use std::io::Write;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
@@ -29,24 +28,6 @@ use crate::progress::{self, Logged, Reporter};
 use crate::store::{StoreClient, StoreError};
 use crate::task::{self, Task};
 use crate::train::{Ending, Hooks, Leader, TrainError, Trainer};
-
-/// Set by SIGTERM or SIGINT: finish the current optimizer step, checkpoint, exit.
-static STOP_REQUESTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_stop_signal(_sig: libc::c_int) {
-    STOP_REQUESTED.store(true, Ordering::SeqCst);
-}
-
-fn install_stop_handler() {
-    let handler = on_stop_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-    unsafe {
-        libc::signal(libc::SIGTERM, handler);
-        libc::signal(libc::SIGINT, handler);
-        // Slurm's `--signal=USR1@N` without `B:` reaches every process of the step.
-        libc::signal(libc::SIGUSR1, handler);
-    }
-}
 
 /// How long non-zero local ranks wait for local rank 0 to have the data (it may be
 /// downloading); the launcher stops everyone at once if local rank 0 fails.
@@ -97,7 +78,9 @@ fn data_key(node: usize) -> String {
 pub fn run() -> Result<bool, WorkerError> {
     let started = Instant::now();
     crate::kernels::keep_freed_memory();
-    install_stop_handler();
+    // SIGTERM, SIGINT, and SIGUSR1 (Slurm's `--signal=USR1@N` without `B:` reaches every
+    // process of the step): finish the current optimizer step, checkpoint, exit.
+    crate::signals::install();
     let env = WorkerEnv::from_env()?;
     failure::clear(&env.job_dir, env.rank);
     failure::record_panics(env.job_dir.clone(), env.rank);
@@ -125,7 +108,7 @@ pub fn run() -> Result<bool, WorkerError> {
     let device = crate::device::open(Some(&env.device))?;
     let hooks = Hooks {
         vote_every: crate::train::vote_every(&device),
-        stop: &STOP_REQUESTED,
+        stop: crate::signals::stop_flag(),
         fault,
         beacon: beacon.clone(),
         trace_samples: std::env::var_os(env::TRACE_SAMPLES).map(|_| {

@@ -1,0 +1,63 @@
+//! The signals that stop a job, handled in one place for the launcher and the workers: SIGINT,
+//! SIGTERM and SIGUSR1 (Slurm's `--signal=USR1@N` warning before a time limit). The handler,
+//! installed with `sigaction`, only stores to atomics (async-signal-safe); the supervision loop
+//! and the training loop read them.
+
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+
+static RECEIVED: AtomicUsize = AtomicUsize::new(0);
+static LAST: AtomicI32 = AtomicI32::new(0);
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    LAST.store(sig, Ordering::SeqCst);
+    RECEIVED.fetch_add(1, Ordering::SeqCst);
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// Routes SIGINT, SIGTERM and SIGUSR1 to this module's counters. Interrupted system calls are
+/// restarted (SA_RESTART), as with BSD `signal`.
+pub fn install() {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGUSR1] {
+        // SAFETY: a zeroed sigaction with a handler that only touches atomics; sigaction is
+        // called with valid pointers.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(sig, &action, std::ptr::null_mut());
+        }
+    }
+}
+
+/// How many stop signals arrived so far (a second one means "now").
+pub fn received() -> usize {
+    RECEIVED.load(Ordering::SeqCst)
+}
+
+/// The last one that arrived (0: none).
+pub fn last() -> libc::c_int {
+    LAST.load(Ordering::SeqCst)
+}
+
+/// Set by the first stop signal: a worker finishes its step, checkpoints and exits.
+pub fn stop_flag() -> &'static AtomicBool {
+    &STOP
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_signal_sets_the_flag_and_the_count() {
+        install();
+        let before = received();
+        // SAFETY: raising a signal whose handler is installed above.
+        unsafe { libc::raise(libc::SIGUSR1) };
+        assert_eq!(received(), before + 1);
+        assert_eq!(last(), libc::SIGUSR1);
+        assert!(stop_flag().load(Ordering::SeqCst));
+    }
+}

@@ -186,7 +186,13 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     let (train_samples, source) = match &spec.data.dataset {
         DatasetKind::Synthetic(s) => (s.train_samples, "synthetic".to_string()),
         DatasetKind::Mnist | DatasetKind::FashionMnist => {
-            (60_000, "standard split; not read".to_string())
+            match crate::data::train_samples_on_disk(&spec.data) {
+                Some(n) => (n, "counted in the files".to_string()),
+                None => (
+                    60_000,
+                    "the standard split; its files are not on disk yet".to_string(),
+                ),
+            }
         }
         DatasetKind::Text(_) | DatasetKind::Tokens(_) => match text_windows(spec) {
             Ok(found) => found,

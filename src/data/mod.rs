@@ -220,6 +220,26 @@ impl Dataset {
     }
 }
 
+/// How many training samples a built-in image set's files hold, read from the labels file
+/// (never downloading); `None` when the files are not on disk or the set is not read from files.
+pub fn train_samples_on_disk(spec: &DataSpec) -> Option<usize> {
+    let catalog = match spec.dataset {
+        DatasetKind::Mnist => &catalog::MNIST,
+        DatasetKind::FashionMnist => &catalog::FASHION_MNIST,
+        _ => return None,
+    };
+    let local = DataSpec {
+        download: false,
+        ..spec.clone()
+    };
+    let paths = locate_in(catalog, &local).ok()?;
+    idx::read_idx(&paths[1])
+        .ok()?
+        .dims
+        .first()
+        .map(|&n| n as usize)
+}
+
 fn locate_in(catalog: &catalog::Catalog, spec: &DataSpec) -> Result<[PathBuf; 4], DataError> {
     catalog.locate(&Locate {
         root: &spec.root,

@@ -253,3 +253,43 @@ fn a_truncated_idx_file_is_named() {
     t.run(&cfg, &[])
         .fails_with(1, "t10k-images-idx3-ubyte` is damaged: truncated");
 }
+
+/// `validate` counts the training samples in the files it finds (never downloading), and says
+/// when it assumes the standard split because they are not there yet.
+#[test]
+fn validate_counts_the_samples_of_the_files_on_disk() {
+    let t = TestJob::new();
+    let root = t.path("data/mnist");
+    std::fs::create_dir_all(&root).unwrap();
+    for (name, bytes) in tiny_mnist() {
+        std::fs::write(root.join(name), bytes).unwrap();
+    }
+    let text = format!(
+        "[data]\ndataset = \"mnist\"\nroot = \"{}\"\n",
+        root.display()
+    );
+    let cfg = t.config("job", &text);
+    let out = t.ddpjob(&["validate", &cfg.to_string_lossy()]);
+    out.success();
+    assert!(
+        out.stdout
+            .contains("train_samples     = 64  (counted in the files)"),
+        "{}",
+        out.stdout
+    );
+
+    let empty = t.path("nothing");
+    let text = format!(
+        "[data]\ndataset = \"mnist\"\nroot = \"{}\"\ndownload = true\n",
+        empty.display()
+    );
+    let out = t.ddpjob(&["validate", &t.config("absent", &text).to_string_lossy()]);
+    out.success();
+    assert!(
+        out.stdout
+            .contains("60000  (the standard split; its files are not on disk yet)"),
+        "{}",
+        out.stdout
+    );
+    assert!(!empty.exists(), "validate downloaded or created something");
+}

@@ -233,11 +233,7 @@ pub fn train_samples_on_disk(spec: &DataSpec) -> Option<usize> {
         ..spec.clone()
     };
     let paths = locate_in(catalog, &local).ok()?;
-    idx::read_idx(&paths[1])
-        .ok()?
-        .dims
-        .first()
-        .map(|&n| n as usize)
+    idx::read_idx(&paths[1]).ok()?.dims.first().copied()
 }
 
 fn locate_in(catalog: &catalog::Catalog, spec: &DataSpec) -> Result<[PathBuf; 4], DataError> {

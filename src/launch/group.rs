@@ -35,7 +35,10 @@ impl Group<'_> {
 
     /// Runs attempts until the workers finish, are interrupted, or fail more often than
     /// `distributed.max_restarts` allows. `resume_from`: the first attempt's checkpoint.
+    /// From here on Ctrl-C (and SIGTERM, SIGUSR1) stops the workers in order instead of
+    /// killing the launcher.
     pub fn execute(&self, mut resume_from: Option<PathBuf>) -> Result<(), RunError> {
+        crate::signals::install();
         let max_restarts = self.spec.distributed.max_restarts;
         let grace = Duration::from_secs(self.spec.distributed.timeout_s) + Duration::from_secs(10);
         let mut failures: Vec<String> = Vec::new();

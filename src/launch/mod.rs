@@ -227,8 +227,6 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
         None
     };
 
-    // From here on, Ctrl-C stops the workers in order instead of killing the launcher.
-    crate::signals::install();
     let group = Group {
         job: &job,
         spec,
@@ -240,7 +238,6 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
         client: &client,
     };
     let outcome = group.execute(None);
-    drop(client);
     if state.is_none() {
         return outcome.map(|()| (job, None));
     }

@@ -117,7 +117,6 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     state.updated_unix = now_unix();
     job.write_state(&state)?;
 
-    crate::signals::install();
     let group = Group {
         job: &job,
         spec,
@@ -129,7 +128,6 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
         client: &client,
     };
     let outcome = group.execute(choice.usable.clone());
-    drop(client);
     let summary = record_outcome(&job, spec, opts.started, outcome)?;
     Ok(Resumed::Finished(job, summary))
 }

@@ -2,6 +2,7 @@
 //! accumulation, one gradient average per step through the [`Communicator`], clipping, the
 //! schedule, evaluation, metrics and checkpoints. The same code for one worker or many.
 
+mod epoch;
 mod eval;
 mod leader;
 mod metrics;
@@ -10,13 +11,13 @@ pub mod shards;
 pub mod step;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use thiserror::Error;
 
-use crate::checkpoint::{self, CheckpointError, MetricState, Restored, TrainPosition};
+use crate::checkpoint::{CheckpointError, MetricState, Restored, TrainPosition};
 use crate::comm::{CommError, Communicator, StopVote, broadcast_params};
 use crate::config::{JobSpec, OnWriteError, Plan};
 use crate::data::{DataError, DistributedSampler};
@@ -31,7 +32,6 @@ use crate::task::{BatchSource, ModelInput, Task, sample_seed};
 pub use eval::{EvalResult, evaluate};
 pub use leader::Leader;
 pub use metrics::Summary;
-use metrics::{LossTally, trace_samples};
 pub use resume::Start;
 use step::{MicroBatch, StepContext, StepError};
 
@@ -126,11 +126,25 @@ pub struct Trainer<'a> {
     pub hooks: Hooks<'a>,
 }
 
+/// What a run carries from epoch to epoch.
+struct RunState {
+    /// Optimizer steps done.
+    step: usize,
+    metrics: MetricState,
+    optimizer: Optimizer,
+    schedule: Schedule,
+    total_steps: usize,
+    last_eval: Option<EvalResult>,
+    epochs_done: usize,
+}
+
 /// One epoch's shard of steps, as this run takes it.
 struct EpochRun {
     epoch: usize,
     /// Steps of the epoch already done before this run reached it.
     skip: usize,
+    /// Steps of the epoch done when its training steps end (`skip` plus this run's).
+    done: usize,
     /// Steps in the epoch (on this world size, from its start or its re-shard).
     groups: usize,
     /// Samples of the epoch consumed by all ranks so far.
@@ -143,18 +157,78 @@ impl Trainer<'_> {
             .plan(self.data.train_len(), self.comm.world_size())
     }
 
-    /// Trains to the end of the plan, or until every rank agrees to stop.
+    /// Trains to the end of the plan, or until every rank agrees to stop: the start (restored
+    /// or fresh), the epochs (each its steps, then its evaluation and checkpoint), the summary.
     pub fn run(&mut self) -> Result<Ending, TrainError> {
         let spec = self.spec;
         let t = &spec.train;
-        let plan = self.plan();
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
-        let position = self.resume.as_ref().map(|r| r.position.clone());
+        let world = self.comm.world_size();
         let train_len = self.data.train_len();
-        let start = Start::new(spec, train_len, world, plan.total_steps, position.as_ref());
-        let total_steps = start.total_steps;
-        let schedule = Schedule::new(t.lr, t.schedule, total_steps);
-        let mut optimizer = Optimizer::new(t.optimizer, self.model.params().len());
+        let position = self.resume.as_ref().map(|r| r.position.clone());
+        let start = Start::new(
+            spec,
+            train_len,
+            world,
+            self.plan().total_steps,
+            position.as_ref(),
+        );
+        let mut run = RunState {
+            step: start.step,
+            metrics: start.metrics.clone(),
+            optimizer: self.begin(&start)?,
+            schedule: Schedule::new(t.lr, t.schedule, start.total_steps),
+            total_steps: start.total_steps,
+            last_eval: None,
+            epochs_done: start.epoch,
+        };
+        let data = self.data;
+        let batches = data.batches(&self.device)?;
+        let batches = batches.as_ref();
+        if let Some(note) = batches.note() {
+            self.reporter.line(&note);
+        }
+        let mut sampler = DistributedSampler::new(train_len, world, self.comm.rank(), spec.seed)
+            .with_drop_last(spec.data.drop_last);
+        for epoch in start.epoch..t.epochs {
+            if run.step >= run.total_steps {
+                break;
+            }
+            sampler.set_epoch(epoch as u64);
+            let resumed_here = position.is_some() && epoch == start.epoch;
+            let indices = if resumed_here && start.reshard {
+                sampler.indices_after(start.consumed)
+            } else {
+                sampler.indices()
+            };
+            let micro: Vec<&[usize]> = indices.chunks(t.batch_size).collect();
+            let groups: Vec<&[&[usize]]> = micro.chunks(t.accumulation).collect();
+            let mut epoch_run = EpochRun {
+                epoch,
+                skip: if resumed_here { start.skip_in_epoch } else { 0 },
+                done: 0,
+                groups: groups.len(),
+                consumed: if resumed_here { start.consumed } else { 0 },
+            };
+            if !resumed_here {
+                run.metrics.start_epoch();
+            }
+            if let Some(stopped) = self.train_epoch(&mut run, &mut epoch_run, &groups, batches)? {
+                return Ok(stopped);
+            }
+            self.end_epoch(&mut run, &epoch_run, batches)?;
+        }
+        let eval = match run.last_eval.take() {
+            Some(e) => e,
+            None => self.evaluate(batches)?,
+        };
+        Ok(Ending::Completed(self.summary(&run, &eval)))
+    }
+
+    /// The optimizer, restored from the checkpoint (with a line and a `resume` record) or
+    /// fresh; every rank then starts from rank 0's parameters.
+    fn begin(&mut self, start: &Start) -> Result<Optimizer, TrainError> {
+        let (spec, world) = (self.spec, self.comm.world_size());
+        let mut optimizer = Optimizer::new(spec.train.optimizer, self.model.params().len());
         if let Some(restored) = self.resume.take() {
             resume::restore(self.model.params(), &mut optimizer, &restored)?;
             let note = start.describe(spec, &restored.position, world);
@@ -163,187 +237,39 @@ impl Trainer<'_> {
                 restored.dir.display()
             ));
             if let Some(leader) = &self.leader {
-                leader.log_resume(&restored, world, total_steps)?;
+                leader.log_resume(&restored, world, start.total_steps)?;
             }
         } else if let Some(leader) = &self.leader {
-            leader.start(world, total_steps)?;
+            leader.start(world, start.total_steps)?;
         }
         broadcast_params(self.comm, self.model.params())?;
-        let data = self.data;
-        let batches = data.batches(&self.device)?;
-        let batches = batches.as_ref();
-        if let Some(note) = batches.note() {
-            self.reporter.line(&note);
-        }
-        let mut sampler = DistributedSampler::new(train_len, world, rank, spec.seed)
-            .with_drop_last(spec.data.drop_last);
+        Ok(optimizer)
+    }
 
-        let mut step = start.step;
-        let mut metrics = start.metrics.clone();
-        let mut last_eval = None;
-        let mut epochs_done = start.epoch;
-        for epoch in start.epoch..t.epochs {
-            if step >= total_steps {
-                break;
-            }
-            sampler.set_epoch(epoch as u64);
-            let here = position.is_some() && epoch == start.epoch;
-            let indices = if here && start.reshard {
-                sampler.indices_after(start.consumed)
-            } else {
-                sampler.indices()
-            };
-            let micro: Vec<&[usize]> = indices.chunks(t.batch_size).collect();
-            let groups: Vec<&[&[usize]]> = micro.chunks(t.accumulation).collect();
-            let mut run = EpochRun {
-                epoch,
-                skip: if here { start.skip_in_epoch } else { 0 },
-                groups: groups.len(),
-                consumed: if here { start.consumed } else { 0 },
-            };
-            if !here {
-                metrics.start_epoch();
-            }
-            let steps_now = groups
-                .len()
-                .saturating_sub(run.skip)
-                .min(total_steps - step);
-            self.reporter.epoch_start(epoch, t.epochs, steps_now);
-            let mut interval = LossTally::default();
-            let mut interval_first_step = step + 1;
-            for (i, group) in groups[run.skip..].iter().take(steps_now).enumerate() {
-                let started = Instant::now();
-                let lr = schedule.lr(step, epoch);
-                self.hooks.beacon.set_step(step + 1);
-                if let Some(fault) = &self.hooks.fault {
-                    fault
-                        .before_step(step + 1, self.hooks.stop)
-                        .map_err(TrainError::Injected)?;
-                }
-                if let Some(path) = &self.hooks.trace_samples {
-                    trace_samples(path, epoch, step + 1, group)?;
-                }
-                let vote = self.hooks.stop.load(Ordering::SeqCst);
-                let (loss_sum, samples, votes) =
-                    self.optimizer_step(batches, &mut optimizer, epoch, group, lr, vote)?;
-                step += 1;
-                run.consumed += samples * world;
-                interval.add(loss_sum, samples, started.elapsed())?;
-                let in_epoch = run.skip + i + 1;
-                let checkpoint_due =
-                    checkpoint::due_after_step(&spec.checkpoint, step) && i + 1 < steps_now;
-                let at_log = step % t.log_every == 0 || i + 1 == steps_now || checkpoint_due;
-                // Every rank reads the vote after the same steps (the schedule depends on the
-                // step alone), so all stop after the same one. A rank's vote stays up once cast.
-                let stop = (at_log || step % self.hooks.vote_every.max(1) == 0) && votes.read()?;
-                let at_log = at_log || stop;
-                let mut status = None;
-                if at_log {
-                    let (loss, n, secs) = interval.reduce(self.comm)?;
-                    if !loss.is_finite() {
-                        return Err(TrainError::NonFinite {
-                            value: loss,
-                            epoch,
-                            first_step: interval_first_step,
-                            last_step: step,
-                        });
-                    }
-                    metrics.add_interval(loss, n, secs);
-                    let rate = n / secs.max(1e-9);
-                    let text = format!("loss {loss:.4}  lr {lr:.2e}  {rate:.0} samples/s");
-                    self.reporter.interval(&format!(
-                        "epoch {}/{} step {step}/{total_steps}  {text}",
-                        epoch + 1,
-                        t.epochs,
-                    ));
-                    if let Some(leader) = &self.leader {
-                        leader.log_step(epoch, step, loss, lr, rate)?;
-                    }
-                    status = Some(text);
-                    interval_first_step = step + 1;
-                }
-                self.reporter.step(i + 1, status.as_deref());
-                if stop {
-                    self.reporter.epoch_end();
-                    let position = self.position(&run, in_epoch, step, &optimizer, lr, &metrics);
-                    self.save_checkpoint(&optimizer, &position)?;
-                    self.reporter.line(&format!(
-                        "stopped on request after step {step}; continue with `ddpjob resume`"
-                    ));
-                    return Ok(Ending::Stopped { step });
-                }
-                let eval_due = t.eval_every.is_some_and(|n| step % n == 0);
-                if eval_due && i + 1 < steps_now {
-                    let eval = self.evaluate(batches)?;
-                    self.reporter.line(&format!(
-                        "step {step}/{total_steps}: {}",
-                        self.describe_eval(&eval)
-                    ));
-                    let position = self.position(&run, in_epoch, step, &optimizer, lr, &metrics);
-                    self.record_eval(&eval, &mut metrics, &optimizer, position, true)?;
-                }
-                if checkpoint_due {
-                    let position = self.position(&run, in_epoch, step, &optimizer, lr, &metrics);
-                    self.save_checkpoint(&optimizer, &position)?;
-                }
-            }
-            self.reporter.epoch_end();
-            let (n, secs) = (metrics.epoch_samples, metrics.epoch_secs);
-            let train_loss = metrics.finish_epoch();
-            epochs_done = epoch + 1;
-
-            let eval = self.evaluate(batches)?;
-            let lr = schedule.lr(step.saturating_sub(1), epoch);
-            let rate = n / secs.max(1e-9);
-            self.reporter.line(&format!(
-                "epoch {}/{} done: train loss {train_loss:.4}, {}, {rate:.0} samples/s, {secs:.1} s",
-                epoch + 1,
-                t.epochs,
-                self.describe_eval(&eval),
-            ));
-            if let Some(leader) = &self.leader {
-                leader.log_epoch(epoch, step, train_loss, lr, rate, &eval, secs, total_steps)?;
-                if let Err(warning) = leader.draw_curves() {
-                    self.reporter.line(&format!("warning: {warning}"));
-                }
-            }
-            last_eval = Some(eval);
-            let done = run.skip + steps_now;
-            let at = self.epoch_end_position(&run, done, step, &optimizer, lr, &metrics);
-            self.record_eval(&eval, &mut metrics, &optimizer, at, false)?;
-            // The last step's mid-epoch checkpoint is taken here, after evaluation, as an epoch one.
-            if checkpoint::due_after_epoch(&spec.checkpoint, epoch)
-                || checkpoint::due_after_step(&spec.checkpoint, step)
-            {
-                let position = self.epoch_end_position(&run, done, step, &optimizer, lr, &metrics);
-                self.save_checkpoint(&optimizer, &position)?;
-            }
-        }
-
-        let eval = match last_eval {
-            Some(e) => e,
-            None => self.evaluate(batches)?,
-        };
+    /// `summary.json` of a completed run, its final evaluation `eval`.
+    fn summary(&self, run: &RunState, eval: &EvalResult) -> Summary {
+        let metrics = &run.metrics;
         let train_s = metrics.train_s;
         let samples_per_s = metrics.total_samples / train_s.max(1e-9);
-        let tokens = matches!(data.input(), ModelInput::Tokens { .. });
-        Ok(Ending::Completed(Summary {
+        let tokens = matches!(self.data.input(), ModelInput::Tokens { .. });
+        Summary {
             best_test_loss: metrics.best_eval.map(|b| b.0),
             best_step: metrics.best_eval.map(|b| b.1),
-            train_tokens_per_s: tokens.then(|| samples_per_s * data.targets_per_sample() as f64),
+            train_tokens_per_s: tokens
+                .then(|| samples_per_s * self.data.targets_per_sample() as f64),
             test_accuracy: eval.accuracy,
             test_loss: eval.loss,
             final_train_loss: metrics.last_epoch_loss.unwrap_or(f64::NAN),
-            epochs: epochs_done,
-            steps: step,
+            epochs: run.epochs_done,
+            steps: run.step,
             train_samples_per_s: samples_per_s,
             wall_s: self.started.elapsed().as_secs_f64(),
             train_s,
             samples: metrics.total_samples as u64,
-            world_size: world,
+            world_size: self.comm.world_size(),
             parameters: self.model.params().element_count(),
             expectations: Vec::new(),
-        }))
+        }
     }
 
     /// One optimizer step over the micro-batches of `group` (indices into the training split).
@@ -485,6 +411,7 @@ impl Trainer<'_> {
         let next = EpochRun {
             epoch: run.epoch + 1,
             skip: 0,
+            done: 0,
             groups: 0,
             consumed: 0,
         };

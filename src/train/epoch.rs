@@ -1,0 +1,166 @@
+//! One epoch of a run: its optimizer steps (with their log lines, stop vote, mid-epoch
+//! evaluations and checkpoints), then its evaluation, record and checkpoint.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::metrics::{LossTally, trace_samples};
+use super::{Ending, EpochRun, RunState, TrainError, Trainer};
+use crate::checkpoint;
+use crate::task::BatchSource;
+
+impl Trainer<'_> {
+    /// The steps of one epoch (its `groups` of micro-batches, past those already done): log
+    /// lines, mid-epoch evaluations and checkpoints, and the stop vote. `Some` when every rank
+    /// agreed to stop (the checkpoint is written).
+    pub(super) fn train_epoch(
+        &mut self,
+        run: &mut RunState,
+        epoch_run: &mut EpochRun,
+        groups: &[&[&[usize]]],
+        batches: &dyn BatchSource,
+    ) -> Result<Option<Ending>, TrainError> {
+        let (spec, t, world) = (self.spec, &self.spec.train, self.comm.world_size());
+        let epoch = epoch_run.epoch;
+        let steps_now = groups
+            .len()
+            .saturating_sub(epoch_run.skip)
+            .min(run.total_steps - run.step);
+        self.reporter.epoch_start(epoch, t.epochs, steps_now);
+        let mut interval = LossTally::default();
+        let mut interval_first_step = run.step + 1;
+        for (i, group) in groups[epoch_run.skip..].iter().take(steps_now).enumerate() {
+            let started = Instant::now();
+            let lr = run.schedule.lr(run.step, epoch);
+            self.hooks.beacon.set_step(run.step + 1);
+            if let Some(fault) = &self.hooks.fault {
+                fault
+                    .before_step(run.step + 1, self.hooks.stop)
+                    .map_err(TrainError::Injected)?;
+            }
+            if let Some(path) = &self.hooks.trace_samples {
+                trace_samples(path, epoch, run.step + 1, group)?;
+            }
+            let vote = self.hooks.stop.load(Ordering::SeqCst);
+            let (loss_sum, samples, votes) =
+                self.optimizer_step(batches, &mut run.optimizer, epoch, group, lr, vote)?;
+            run.step += 1;
+            let step = run.step;
+            epoch_run.consumed += samples * world;
+            interval.add(loss_sum, samples, started.elapsed())?;
+            let in_epoch = epoch_run.skip + i + 1;
+            let checkpoint_due =
+                checkpoint::due_after_step(&spec.checkpoint, step) && i + 1 < steps_now;
+            let at_log = step % t.log_every == 0 || i + 1 == steps_now || checkpoint_due;
+            // Every rank reads the vote after the same steps (the schedule depends on the
+            // step alone), so all stop after the same one. A rank's vote stays up once cast.
+            let stop = (at_log || step % self.hooks.vote_every.max(1) == 0) && votes.read()?;
+            let mut status = None;
+            if at_log || stop {
+                let (loss, n, secs) = interval.reduce(self.comm)?;
+                if !loss.is_finite() {
+                    return Err(TrainError::NonFinite {
+                        value: loss,
+                        epoch,
+                        first_step: interval_first_step,
+                        last_step: step,
+                    });
+                }
+                run.metrics.add_interval(loss, n, secs);
+                let rate = n / secs.max(1e-9);
+                let text = format!("loss {loss:.4}  lr {lr:.2e}  {rate:.0} samples/s");
+                self.reporter.interval(&format!(
+                    "epoch {}/{} step {step}/{}  {text}",
+                    epoch + 1,
+                    t.epochs,
+                    run.total_steps,
+                ));
+                if let Some(leader) = &self.leader {
+                    leader.log_step(epoch, step, loss, lr, rate)?;
+                }
+                status = Some(text);
+                interval_first_step = step + 1;
+            }
+            self.reporter.step(i + 1, status.as_deref());
+            let at = |me: &Self, run: &RunState| {
+                me.position(epoch_run, in_epoch, step, &run.optimizer, lr, &run.metrics)
+            };
+            if stop {
+                self.reporter.epoch_end();
+                self.save_checkpoint(&run.optimizer, &at(self, run))?;
+                self.reporter.line(&format!(
+                    "stopped on request after step {step}; continue with `ddpjob resume`"
+                ));
+                return Ok(Some(Ending::Stopped { step }));
+            }
+            let eval_due = t.eval_every.is_some_and(|n| step % n == 0);
+            if eval_due && i + 1 < steps_now {
+                let eval = self.evaluate(batches)?;
+                self.reporter.line(&format!(
+                    "step {step}/{}: {}",
+                    run.total_steps,
+                    self.describe_eval(&eval)
+                ));
+                let position = at(self, run);
+                self.record_eval(&eval, &mut run.metrics, &run.optimizer, position, true)?;
+            }
+            if checkpoint_due {
+                self.save_checkpoint(&run.optimizer, &at(self, run))?;
+            }
+        }
+        epoch_run.done = epoch_run.skip + steps_now;
+        Ok(None)
+    }
+
+    /// After an epoch's steps: its evaluation, its line and record, and its checkpoint.
+    pub(super) fn end_epoch(
+        &mut self,
+        run: &mut RunState,
+        epoch_run: &EpochRun,
+        batches: &dyn BatchSource,
+    ) -> Result<(), TrainError> {
+        let (spec, t, epoch, step) = (self.spec, &self.spec.train, epoch_run.epoch, run.step);
+        self.reporter.epoch_end();
+        let (n, secs) = (run.metrics.epoch_samples, run.metrics.epoch_secs);
+        let train_loss = run.metrics.finish_epoch();
+        run.epochs_done = epoch + 1;
+
+        let eval = self.evaluate(batches)?;
+        let lr = run.schedule.lr(step.saturating_sub(1), epoch);
+        let rate = n / secs.max(1e-9);
+        self.reporter.line(&format!(
+            "epoch {}/{} done: train loss {train_loss:.4}, {}, {rate:.0} samples/s, {secs:.1} s",
+            epoch + 1,
+            t.epochs,
+            self.describe_eval(&eval),
+        ));
+        if let Some(leader) = &self.leader {
+            leader.log_epoch(
+                epoch,
+                step,
+                train_loss,
+                lr,
+                rate,
+                &eval,
+                secs,
+                run.total_steps,
+            )?;
+            if let Err(warning) = leader.draw_curves() {
+                self.reporter.line(&format!("warning: {warning}"));
+            }
+        }
+        run.last_eval = Some(eval);
+        let done = epoch_run.done;
+        let at = self.epoch_end_position(epoch_run, done, step, &run.optimizer, lr, &run.metrics);
+        self.record_eval(&eval, &mut run.metrics, &run.optimizer, at, false)?;
+        // The last step's mid-epoch checkpoint is taken here, after evaluation, as an epoch one.
+        if checkpoint::due_after_epoch(&spec.checkpoint, epoch)
+            || checkpoint::due_after_step(&spec.checkpoint, step)
+        {
+            let position =
+                self.epoch_end_position(epoch_run, done, step, &run.optimizer, lr, &run.metrics);
+            self.save_checkpoint(&run.optimizer, &position)?;
+        }
+        Ok(())
+    }
+}

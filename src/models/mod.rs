@@ -169,6 +169,18 @@ impl Params {
             .collect()
     }
 
+    /// A name given to more than one parameter, buffer or alias, if any.
+    pub fn repeated_name(&self) -> Option<&str> {
+        let mut seen = std::collections::HashSet::new();
+        let aliases = self.aliases.iter().map(|(a, _)| a.as_str());
+        let mut names = self
+            .iter()
+            .chain(self.buffers())
+            .map(|(n, _)| n)
+            .chain(aliases);
+        names.find(|n| !seen.insert(*n))
+    }
+
     /// Entries of `named_tensors`: parameters, buffers and aliases.
     pub fn named_len(&self) -> usize {
         self.entries.len() + self.buffers.len() + self.aliases.len()
@@ -367,9 +379,19 @@ pub fn build(
     precision: Precision,
 ) -> Result<Box<dyn Model>> {
     let cx = ModelContext::new(input, seed, device, precision);
-    Registry::current()
+    let fail =
+        |e: String| candle_core::Error::Msg(format!("model.arch = \"{}\": {e}", spec.arch()));
+    let model = Registry::current()
         .build_model(spec.arch(), &spec.options(), &cx)
-        .map_err(|e| candle_core::Error::Msg(format!("model.arch = \"{}\": {e}", spec.arch())))
+        .map_err(|e| fail(e.to_string()))?;
+    if let Some(name) = model.params().repeated_name() {
+        return Err(fail(format!(
+            "two parameters or buffers are both named `{name}`; checkpoints and \
+             model.safetensors hold them by name, so give each layer its own prefix \
+             (VarBuilder::pp)"
+        )));
+    }
+    Ok(model)
 }
 
 /// A boxed model is a model (what a builder returns when it picks among several).

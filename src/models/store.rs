@@ -212,3 +212,21 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod name_tests {
+    use candle_core::{DType, Device, Tensor, Var};
+
+    use crate::models::Params;
+
+    #[test]
+    fn a_repeated_parameter_name_is_found() {
+        let var =
+            || Var::from_tensor(&Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap()).unwrap();
+        let unique =
+            Params::from_vars(vec![("a.weight".into(), var()), ("b.weight".into(), var())]);
+        assert_eq!(unique.repeated_name(), None);
+        let twice = Params::from_vars(vec![("a.weight".into(), var()), ("a.weight".into(), var())]);
+        assert_eq!(twice.repeated_name(), Some("a.weight"));
+    }
+}

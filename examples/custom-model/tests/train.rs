@@ -163,6 +163,18 @@ fn trains_on_two_workers_and_resumes_after_sigterm_bit_for_bit() {
     );
     assert_eq!(code, 143, "{err}");
     assert!(err.contains("interrupted by SIGTERM"), "{err}");
+    // A model that no longer matches its checkpoint is refused, naming what differs.
+    let frozen = d.path().join("jobs/cut/job.toml");
+    let text = std::fs::read_to_string(&frozen).unwrap();
+    std::fs::write(&frozen, text.replace("channels = 8", "channels = 16")).unwrap();
+    let (code, _, err) = d.run(&["resume", "cut"], &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("`stem.conv.weight` has shape [8, 1, 3, 3] there but [16, 1, 3, 3]"),
+        "{err}"
+    );
+    std::fs::write(&frozen, text).unwrap();
+
     let (code, out, err) = d.run(&["resume", "cut"], &[]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("resuming job `cut`"), "{out}");

@@ -14,7 +14,7 @@ use crate::store::StoreClient;
 
 /// Store key of `rank`'s heartbeat.
 pub fn heartbeat_key(rank: usize) -> String {
-    format!("heartbeat/{rank}")
+    crate::store::Key::Heartbeat { rank }.to_string()
 }
 
 /// Publishing interval for a job with `timeout`: often enough that a stall is seen well within

@@ -22,7 +22,7 @@ pub struct NcclCommunicator {
 
 /// The store key of the NCCL id of a restart attempt (each attempt forms a new communicator).
 fn id_key(restart: usize) -> String {
-    format!("nccl/id/{restart}")
+    crate::store::Key::NcclId { attempt: restart }.to_string()
 }
 
 impl NcclCommunicator {

@@ -78,8 +78,8 @@ pub fn spin_for(local_workers: usize) -> Duration {
 }
 
 /// Store key under which `rank` publishes its ring address.
-pub fn ring_key(rank: usize) -> String {
-    format!("ring/addr/{rank}")
+fn ring_key(rank: usize) -> String {
+    crate::store::Key::RingAddr { rank }.to_string()
 }
 
 impl TcpCommunicator {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::supervise::{self, Outcome};
 use super::watch::Watchdog;
-use super::{JOB_READY_KEY, Layout, RunError};
+use super::{Layout, RunError, job_ready_key};
 use crate::checkpoint;
 use crate::config::JobSpec;
 use crate::jobdir::{JobDir, JobDirError, now_unix, now_unix_ms};
@@ -99,7 +99,7 @@ impl Group<'_> {
         })?;
         rewind_to(self.job, &choice)?;
         if let Some(server) = self.server {
-            server.clear_except(JOB_READY_KEY);
+            server.clear_except(&job_ready_key());
         }
         Ok(choice.usable)
     }

@@ -33,7 +33,10 @@ use supervise::signal_name;
 
 /// torchrun's default rendezvous port for multi-node jobs.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
-const JOB_READY_KEY: &str = "job/ready";
+/// `Key::JobReady`, as the store spells it.
+fn job_ready_key() -> String {
+    crate::store::Key::JobReady.to_string()
+}
 
 #[derive(Debug, Error)]
 pub enum RunError {
@@ -206,12 +209,12 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
         let vocab = text_vocab(spec, None)?;
         let state = create_job(&job, opts, &layout, vocab.as_ref())?;
         _lock = Some(job.lock(&spec.name)?);
-        client.set(JOB_READY_KEY, b"1")?;
+        client.set(&job_ready_key(), b"1")?;
         Some(state)
     } else {
         let patience = Duration::from_secs(spec.distributed.timeout_s);
         client
-            .wait(&[JOB_READY_KEY.to_string()], patience)
+            .wait(&[job_ready_key()], patience)
             .map_err(|e| match e {
                 StoreError::Timeout { .. } => RunError::Failed {
                     name: spec.name.clone(),

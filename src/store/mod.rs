@@ -3,6 +3,7 @@
 //! each other; every wait has a deadline whose error names what never arrived.
 
 mod client;
+mod keys;
 mod protocol;
 mod server;
 
@@ -11,6 +12,7 @@ use std::net::SocketAddr;
 use thiserror::Error;
 
 pub use client::StoreClient;
+pub use keys::Key;
 pub use server::StoreServer;
 
 #[derive(Debug, Error)]

@@ -25,7 +25,7 @@ use crate::heartbeat::{self, Beacon, Heartbeat};
 use crate::jobdir::{JobDir, JobDirError};
 use crate::models;
 use crate::progress::{self, Logged, Reporter};
-use crate::store::{StoreClient, StoreError};
+use crate::store::{Key, StoreClient, StoreError};
 use crate::task::{self, Task};
 use crate::train::{Ending, Hooks, Leader, TrainError, Trainer};
 
@@ -65,13 +65,8 @@ pub enum WorkerError {
     Announced(Box<WorkerError>),
 }
 
-/// Store keys that workers use to meet.
-pub fn registered_key(rank: usize) -> String {
-    format!("worker/{rank}")
-}
-
-fn data_key(node: usize) -> String {
-    format!("data/node{node}")
+fn registered_key(rank: usize) -> String {
+    Key::Registered { rank }.to_string()
 }
 
 /// The `worker` subcommand's body; `Ok(true)` if it stopped on request after a checkpoint.
@@ -282,7 +277,10 @@ fn load_data(
     spec: &JobSpec,
     job: &JobDir,
 ) -> Result<Box<dyn Task>, WorkerError> {
-    let key = data_key(env.node_rank);
+    let key = Key::DataReady {
+        node: env.node_rank,
+    }
+    .to_string();
     if env.local_rank == 0 {
         let loaded = task::load(spec, Some(job));
         let note = match &loaded {

@@ -40,31 +40,8 @@ fn write_images(path: &Path, samples: usize, mut seed: u64) {
     std::fs::write(path, text).unwrap();
 }
 
-const JOB: &str = r#"
-seed = 1
-
-[model]
-arch = "tiny-resnet"
-channels = 8
-
-[data]
-dataset = "csv"
-train_path = "train.csv"
-test_path = "test.csv"
-shape = [1, 8, 8]
-
-[train]
-epochs = 3
-batch_size = 16
-lr = 0.01
-log_every = 5
-
-[checkpoint]
-every_steps = 5
-
-[expect]
-min_test_accuracy = 0.8
-"#;
+/// The job file the example ships, as its README tells a user to run it.
+const JOB: &str = include_str!("../job.toml");
 
 struct Dir {
     dir: tempfile::TempDir,
@@ -155,7 +132,17 @@ fn trains_on_two_workers_and_resumes_after_sigterm_bit_for_bit() {
         "BatchNorm statistics never updated"
     );
 
-    // SIGTERM to the launcher as step 12 begins (mid-epoch 2; 10 steps per epoch): the job
+    // `[logging] tensorboard = true` in the shipped job: its event file is there.
+    let events = std::fs::read_dir(d.path().join("jobs/whole/tensorboard")).unwrap();
+    let names: Vec<String> = events
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        names.iter().any(|n| n.starts_with("events.out.tfevents.")),
+        "{names:?}"
+    );
+
+    // SIGTERM to the launcher as step 12 begins (mid-epoch 1 of 15 steps on 2 workers): the job
     // stops after checkpointing step 12 and `resume` finishes it.
     let (code, _, err) = d.run(
         &[&["run", "job.toml", "--name", "cut"], &two[..]].concat(),
@@ -193,7 +180,7 @@ fn bad_options_and_names_are_refused_before_training() {
     let (code, _, err) = d.run(&["run", "typo.toml"], &[]);
     assert_eq!(code, 2, "{err}");
     assert!(
-        err.contains("unknown key `chanels` in [model] (arch = \"tiny-resnet\") (typo.toml:6:1)")
+        err.contains("unknown key `chanels` in [model] (arch = \"tiny-resnet\") (typo.toml:7:1)")
             && err.contains("did you mean `channels`?"),
         "{err}"
     );
@@ -216,7 +203,7 @@ fn bad_options_and_names_are_refused_before_training() {
         err.contains("model.arch = \"tiny-resnet\": model.channels must be at least 1"),
         "{err}"
     );
-    assert!(!d.path().join("jobs/zero/model.safetensors").exists());
+    assert!(!d.path().join("jobs/tiny-resnet/model.safetensors").exists());
 
     let (code, _, err) = d.run(
         &[

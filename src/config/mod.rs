@@ -18,7 +18,7 @@ use crate::registry::Registry;
 pub use error::{ConfigError, Origin};
 pub use raw::RawConfig;
 pub use source::Source;
-#[cfg(test)]
+#[cfg(any(test, feature = "cuda"))]
 pub(crate) use spec::Backend;
 pub use spec::{
     Check, CheckpointSpec, DataSpec, DatasetKind, DeviceChoice, DistributedSpec, Expectation,

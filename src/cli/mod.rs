@@ -42,6 +42,11 @@ enum Command {
     /// One job in full: status, config digest, progress, best and last metrics, checkpoints,
     /// expectation results and a loss sparkline.
     Show(ShowArgs),
+    /// Every config key with its type, default and meaning (those under PREFIX, e.g. `train`).
+    Keys {
+        /// A section or key: `train`, `model.arch`.
+        prefix: Option<String>,
+    },
     /// Generate text with a trained gpt job's weights, streamed as it is generated.
     Sample(sample::SampleArgs),
     /// Print a shell completion script: `ddpjob completions bash > /etc/bash_completion.d/ddpjob`.
@@ -242,6 +247,7 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
         Command::List(args) => inspect::list(&args.jobs_dir),
         Command::Show(args) => inspect::show(&args.jobs_dir, &args.name),
         Command::Sample(args) => sample::sample(&args),
+        Command::Keys { prefix } => keys(prefix.as_deref()),
         Command::Completions { shell } => shell::completions(shell),
         Command::Man { dir } => shell::man(dir.as_deref()),
         Command::Worker => return ExitCode::from(worker::main()),
@@ -272,3 +278,20 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
 }
 
 type CliResult = Result<(), (u8, anyhow::Error)>;
+
+/// `ddpjob keys [PREFIX]`.
+fn keys(prefix: Option<&str>) -> CliResult {
+    match crate::config::schema::reference(prefix) {
+        Some(text) => {
+            print!("{text}");
+            Ok(())
+        }
+        None => Err((
+            2,
+            anyhow::anyhow!(
+                "no config key is `{}` or under it; `ddpjob keys` lists them all",
+                prefix.unwrap_or_default()
+            ),
+        )),
+    }
+}

@@ -37,20 +37,32 @@ impl Kind {
     }
 }
 
-/// One known key: dotted path from the document root, its kind, and a one-line meaning.
+/// One known key: dotted path from the document root, its kind, its default as the README
+/// shows it, and what it does. The README's config table is generated from these (a test
+/// fails when it differs), and the defaults that are TOML values are checked against the raw
+/// config's serde defaults.
 #[derive(Debug, Clone, Copy)]
 pub struct KeySpec {
     pub path: &'static str,
     pub kind: Kind,
-    #[expect(
-        dead_code,
-        reason = "each key's reference text, kept beside it for the generated README table"
-    )]
+    /// Markdown: a TOML value in backticks (`` `"mlp"` ``), possibly with a remark, or words.
+    pub default: &'static str,
+    /// Markdown, one line.
     pub doc: &'static str,
 }
 
-const fn key(path: &'static str, kind: Kind, doc: &'static str) -> KeySpec {
-    KeySpec { path, kind, doc }
+const fn key(path: &'static str, kind: Kind, default: &'static str, doc: &'static str) -> KeySpec {
+    KeySpec {
+        path,
+        kind,
+        default,
+        doc,
+    }
+}
+
+/// A `[section]`: no default, described where its keys are.
+const fn table(path: &'static str, doc: &'static str) -> KeySpec {
+    key(path, Kind::Table, "", doc)
 }
 
 /// Every key a job file may contain. Defaults live in `raw.rs` (serde `Default`s).
@@ -58,340 +70,454 @@ pub const KEYS: &[KeySpec] = &[
     key(
         "name",
         Kind::Str,
-        "job name: the run lives in <jobs-dir>/<name>/ (default: the config file's stem)",
+        "file stem",
+        "job name: the run lives in `<jobs-dir>/<name>/`",
     ),
     key(
         "seed",
         Kind::Int,
-        "seeds initialisation, synthetic data and the sampler's shuffle",
+        "`0`",
+        "initialisation, sampler shuffle, synthetic data",
     ),
-    key("model", Kind::Table, "the network"),
+    table("model", "the network"),
     key(
         "model.arch",
         Kind::Str,
-        "\"mlp\", \"cnn\" (the pytorch/examples MNIST net without dropout) or \"gpt\" (a GPT-2-style decoder, nanoGPT's parameter names)",
+        "`\"mlp\"`",
+        "`\"mlp\"`, `\"cnn\"` or `\"gpt\"`, or a model your own binary registers (see \"Your own model\"; its keys are its options struct's)",
     ),
-    key("model.hidden", Kind::IntList, "mlp hidden layer sizes"),
     key(
-        "model.n_layer",
-        Kind::Int,
-        "gpt: transformer blocks (default 4)",
+        "model.hidden",
+        Kind::IntList,
+        "`[256, 256]`",
+        "mlp hidden widths",
     ),
+    key("model.n_layer", Kind::Int, "`4`", "gpt: transformer blocks"),
     key(
         "model.n_head",
         Kind::Int,
-        "gpt: attention heads; must divide n_embd (default 4)",
+        "`4`",
+        "gpt: attention heads; must divide `n_embd`",
     ),
-    key("model.n_embd", Kind::Int, "gpt: channels (default 128)"),
+    key("model.n_embd", Kind::Int, "`128`", "gpt: channels"),
     key(
         "model.block_size",
         Kind::Int,
-        "gpt: context length in tokens (default 64)",
+        "`64`",
+        "gpt: context length in tokens (the window length of the data)",
     ),
     key(
         "model.dropout",
         Kind::Float,
-        "gpt: dropout on embeddings, attention and MLP outputs, in [0, 1) (default 0)",
+        "`0.0`",
+        "gpt: dropout after the embeddings, the attention projection and the MLP, in [0, 1)",
     ),
     key(
         "model.bias",
         Kind::Bool,
-        "gpt: biases in Linear and LayerNorm layers (default true)",
+        "`true`",
+        "gpt: biases in Linear and LayerNorm layers",
     ),
     key(
         "model.vocab_size",
         Kind::Int,
-        "gpt: vocabulary size; required for \"tokens\" data (e.g. 50304), \"text\" data knows its own",
+        "from the data",
+        "gpt: vocabulary size; required for `tokens` data (e.g. `50304`); `text` data knows its own",
     ),
-    key("data", Kind::Table, "where the samples come from"),
+    table("data", "where the samples come from"),
     key(
         "data.dataset",
         Kind::Str,
-        "\"mnist\", \"fashion-mnist\", \"synthetic\", \"text\" (a UTF-8 file) or \"tokens\" (pre-tokenised .bin files)",
+        "`\"mnist\"`",
+        "`\"mnist\"`, `\"fashion-mnist\"`, `\"synthetic\"`, `\"text\"` (a UTF-8 file) or `\"tokens\"` (pre-tokenised `.bin` files), or a dataset your own binary registers",
     ),
     key(
         "data.path",
         Kind::Str,
-        "text: the text file (downloaded from data.mirrors if missing and data.download is set)",
+        "none",
+        "text: the UTF-8 file; relative to the working directory; fetched from `data.mirrors` when missing and `data.download = true`",
     ),
     key(
         "data.tokenizer",
         Kind::Str,
-        "text: \"char\" (the file's distinct characters, sorted, as nanoGPT) or \"byte\" (256 symbols)",
+        "`\"char\"`",
+        "text: `\"char\"` (the file's distinct characters, sorted, as nanoGPT's `prepare.py`) or `\"byte\"` (256 symbols)",
     ),
     key(
         "data.val_fraction",
         Kind::Float,
-        "text: the last fraction of the tokens kept for validation (default 0.1)",
+        "`0.1`",
+        "text: the last fraction of the tokens is the validation split",
     ),
     key(
         "data.train_path",
         Kind::Str,
-        "tokens: training tokens, flat little-endian (memory-mapped)",
+        "none",
+        "tokens: training tokens, flat little-endian, memory-mapped",
     ),
     key(
         "data.val_path",
         Kind::Str,
+        "none",
         "tokens: validation tokens, same format",
     ),
     key(
         "data.token_dtype",
         Kind::Str,
-        "tokens: \"u16\" (nanoGPT, llm.c; default) or \"u32\"",
+        "`\"u16\"`",
+        "tokens: `\"u16\"` (nanoGPT, llm.c) or `\"u32\"`",
     ),
     key(
         "data.root",
         Kind::Str,
-        "directory holding the IDX files (default data/<dataset>); searched first",
+        "`\"data/<dataset>\"`",
+        "directory with the IDX files; searched first, downloads go here (text: the directory of `data.path`)",
     ),
     key(
         "data.download",
         Kind::Bool,
-        "download missing files from data.mirrors (SHA-256 checked)",
+        "`false`",
+        "download missing files",
     ),
     key(
         "data.drop_last",
         Kind::Bool,
-        "drop the tail that does not divide among the workers instead of padding (DistributedSampler's drop_last)",
+        "`false`",
+        "drop the tail that does not divide among the workers instead of padding it",
     ),
     key(
         "data.mirrors",
         Kind::StrList,
-        "base URLs tried in order for downloads (default: the dataset's known mirrors)",
+        "known mirrors",
+        "base URLs tried in order",
     ),
     key(
         "data.checksums",
         Kind::StrMap,
-        "SHA-256 per file name, overriding the built-in ones (for private mirrors)",
+        "built in",
+        "table: SHA-256 per file name (for private mirrors)",
     ),
     key(
         "data.mean",
         Kind::FloatList,
-        "per-channel mean for normalisation after scaling to [0,1] (empty: none)",
+        "none",
+        "per-channel normalisation after scaling to [0, 1]",
     ),
     key(
         "data.std",
         Kind::FloatList,
-        "per-channel std for normalisation (same length as data.mean)",
+        "none",
+        "per-channel normalisation after scaling to [0, 1]",
     ),
-    key(
-        "data.synthetic",
-        Kind::Table,
-        "shape of the synthetic dataset",
-    ),
+    table("data.synthetic", "shape of the synthetic dataset"),
     key(
         "data.synthetic.train_samples",
         Kind::Int,
-        "training samples",
+        "`4096`",
+        "synthetic training samples",
     ),
-    key("data.synthetic.test_samples", Kind::Int, "test samples"),
+    key(
+        "data.synthetic.test_samples",
+        Kind::Int,
+        "`1024`",
+        "synthetic test samples",
+    ),
     key(
         "data.synthetic.shape",
         Kind::IntList,
-        "image shape [channels, height, width]",
+        "`[1, 28, 28]`",
+        "[channels, height, width]",
     ),
-    key("data.synthetic.classes", Kind::Int, "number of classes"),
+    key(
+        "data.synthetic.classes",
+        Kind::Int,
+        "`10`",
+        "number of classes",
+    ),
     key(
         "data.synthetic.noise",
         Kind::Float,
-        "std of the Gaussian noise added to each class pattern",
+        "`0.5`",
+        "noise std on each class pattern",
     ),
-    key("train", Kind::Table, "the optimisation"),
-    key("train.epochs", Kind::Int, "passes over the training set"),
+    table("train", "the optimisation"),
+    key(
+        "train.epochs",
+        Kind::Int,
+        "`1`",
+        "passes over the training set",
+    ),
     key(
         "train.batch_size",
         Kind::Int,
+        "`64`",
         "samples per worker per micro-batch",
     ),
     key(
         "train.accumulation",
         Kind::Int,
+        "`1`",
         "micro-batches per optimizer step",
     ),
-    key("train.lr", Kind::Float, "peak learning rate"),
+    key("train.lr", Kind::Float, "`0.001`", "peak learning rate"),
     key(
         "train.optimizer",
         Kind::Str,
-        "\"sgd\", \"adam\" or \"adamw\"",
+        "`\"adam\"`",
+        "`\"sgd\"`, `\"adam\"` or `\"adamw\"`",
     ),
-    key("train.momentum", Kind::Float, "sgd momentum"),
+    key("train.momentum", Kind::Float, "`0.0`", "sgd momentum"),
     key(
         "train.nesterov",
         Kind::Bool,
-        "sgd Nesterov momentum (needs momentum > 0)",
+        "`false`",
+        "sgd Nesterov momentum",
     ),
-    key("train.betas", Kind::FloatList, "adam/adamw [beta1, beta2]"),
-    key("train.eps", Kind::Float, "adam/adamw epsilon"),
+    key(
+        "train.betas",
+        Kind::FloatList,
+        "`[0.9, 0.999]`",
+        "adam/adamw betas",
+    ),
+    key("train.eps", Kind::Float, "`1e-8`", "adam/adamw epsilon"),
     key(
         "train.weight_decay",
         Kind::Float,
-        "L2 penalty (sgd, adam) or decoupled decay (adamw)",
+        "`0.0`",
+        "L2 (sgd, adam) or decoupled (adamw)",
     ),
     key(
         "train.grad_clip_norm",
         Kind::Float,
-        "clip the global L2 norm of the gradients to this (0: off)",
+        "`0` (off)",
+        "global gradient norm limit",
     ),
     key(
         "train.max_steps",
         Kind::Int,
-        "stop after this many optimizer steps (0: no cap)",
+        "`0` (none)",
+        "stop after this many optimizer steps",
     ),
     key(
         "train.eval_batch_size",
         Kind::Int,
-        "batch size for evaluation on the test split",
+        "`1000`",
+        "evaluation batch size",
     ),
     key(
         "train.eval_every",
         Kind::Int,
-        "also evaluate every N optimizer steps (0: at the end of each epoch only)",
+        "`0` (off)",
+        "also evaluate every N optimizer steps (logged as `\"kind\":\"eval\"` lines); epoch ends always evaluate",
     ),
     key(
         "train.eval_batches",
         Kind::Int,
-        "every evaluation uses this many batches of train.eval_batch_size, spread evenly over the split, the same ones each time (0: the whole split)",
+        "`0` (all)",
+        "every evaluation (periodic, epoch end, final) uses this many batches of `eval_batch_size`, spread evenly over the split, the same ones each time; for large corpora",
     ),
     key(
         "train.log_every",
         Kind::Int,
+        "`50`",
         "optimizer steps between metric lines",
     ),
     key(
         "train.precision",
         Kind::Str,
-        "\"f32\" or \"bf16\" (bf16 forward and backward, f32 weights, optimizer and all-reduce)",
+        "`\"f32\"`",
+        "`\"bf16\"`: forward and backward in bfloat16 (autocast-style), with f32 weights, optimizer state, loss and gradient averaging",
     ),
     key(
         "train.flush_denormals",
         Kind::Bool,
-        "CPU workers flush subnormal floats to zero (FTZ/DAZ), as torch.set_flush_denormal(True); false keeps IEEE subnormals, which x86 computes many times slower",
+        "`true`",
+        "CPU workers flush subnormal floats to zero (FTZ and DAZ on every thread that computes), as `torch.set_flush_denormal(True)`; `false` keeps IEEE subnormals (see \"Subnormal floats\")",
     ),
-    key("train.scheduler", Kind::Table, "learning-rate schedule"),
+    table("train.scheduler", "learning-rate schedule"),
     key(
         "train.scheduler.kind",
         Kind::Str,
-        "\"constant\", \"step\" or \"cosine\"",
+        "`\"constant\"`",
+        "`\"constant\"`, `\"step\"` or `\"cosine\"`",
     ),
     key(
         "train.scheduler.step_size",
         Kind::Int,
+        "`1`",
         "step: epochs between decays",
     ),
-    key("train.scheduler.gamma", Kind::Float, "step: decay factor"),
+    key(
+        "train.scheduler.gamma",
+        Kind::Float,
+        "`0.1`",
+        "step: decay factor",
+    ),
     key(
         "train.scheduler.min_lr",
         Kind::Float,
-        "cosine: learning rate at the last step",
+        "`0.0`",
+        "cosine: final learning rate",
     ),
     key(
         "train.scheduler.warmup_steps",
         Kind::Int,
-        "linear warm-up from 0 over this many optimizer steps",
+        "`0`",
+        "linear warm-up steps",
     ),
-    key("checkpoint", Kind::Table, "when checkpoints are written"),
+    table("checkpoint", "when checkpoints are written"),
     key(
         "checkpoint.every_epochs",
         Kind::Int,
+        "`1`",
         "checkpoint every N epochs (0: off)",
     ),
     key(
         "checkpoint.every_steps",
         Kind::Int,
-        "also every N optimizer steps, mid-epoch (0: off)",
+        "`0` (off)",
+        "also every N optimizer steps, mid-epoch",
     ),
     key(
         "checkpoint.keep_last",
         Kind::Int,
-        "checkpoints kept; older ones are pruned (0: keep all)",
+        "`3`",
+        "checkpoints kept (0: all)",
     ),
     key(
         "checkpoint.keep_best",
         Kind::Bool,
-        "keep the weights with the lowest evaluation loss as checkpoints/best (never pruned)",
+        "`false`",
+        "keep the weights with the lowest evaluation loss as `checkpoints/best` (never pruned)",
     ),
     key(
         "checkpoint.on_write_error",
         Kind::Str,
-        "\"fail\" (stop the job, previous checkpoint intact) or \"warn\" (log and train on)",
+        "`\"fail\"`",
+        "a failed checkpoint write stops the job (`\"fail\"`, previous checkpoint intact) or is logged and training goes on (`\"warn\"`)",
     ),
-    key("distributed", Kind::Table, "workers and gradient averaging"),
+    table("distributed", "workers and gradient averaging"),
     key(
         "distributed.nproc_per_node",
         Kind::AutoOrInt,
-        "workers on this node: \"auto\" or a number",
+        "`\"auto\"`",
+        "workers per node; `\"auto\"` is one per GPU in use (see `device`), 1 on CPU; more workers than GPUs is an error",
     ),
     key(
         "distributed.backend",
         Kind::Str,
-        "\"auto\" (nccl for GPU workers, tcp for CPU ones), \"tcp\" or \"nccl\"",
+        "`\"auto\"`",
+        "`\"auto\"` (NCCL for GPU workers, the tcp ring for CPU ones), `\"tcp\"`, or `\"nccl\"` (GPU builds only)",
     ),
     key(
         "distributed.max_restarts",
         Kind::Int,
-        "restarts of the worker group after a failure",
+        "`0`",
+        "restarts of the whole worker group from the newest good checkpoint after a worker dies or hangs (single-node jobs)",
     ),
     key(
         "distributed.timeout_s",
         Kind::Int,
-        "seconds a collective may wait before the job fails",
+        "`300`",
+        "seconds a collective, a rendezvous or a store wait may stall before the job fails (at most a week)",
     ),
     key(
         "distributed.bucket_mb",
         Kind::Float,
-        "gradient bucket size in MB for all-reduce",
+        "`25`",
+        "gradient bucket size for all-reduce",
     ),
     key(
         "distributed.device",
         Kind::Str,
-        "\"auto\" (a GPU per worker if the build has CUDA and one is visible), \"cpu\" or \"cuda\"",
+        "`\"auto\"`",
+        "`\"auto\"`: a GPU per worker in a `--features cuda` build when the driver shows one, else the CPU (with a note in a cuda build); `\"cpu\"`; `\"cuda\"`: GPUs or fail",
     ),
     key(
         "distributed.devices",
         Kind::IntList,
-        "GPU ordinals to use, one per worker on each node (default: every visible GPU)",
+        "all visible",
+        "GPU ordinals (among those `CUDA_VISIBLE_DEVICES` leaves), one per local rank: `[0, 2]`",
     ),
-    key(
-        "logging",
-        Kind::Table,
-        "where metrics go besides metrics.jsonl",
-    ),
+    table("logging", "where metrics go besides metrics.jsonl"),
     key(
         "logging.tensorboard",
         Kind::Bool,
-        "also write TensorBoard event files under <job>/tensorboard/ (default false)",
+        "`false`",
+        "also write TensorBoard event files (train loss, lr, throughput, test loss and accuracy by step) under `<job>/tensorboard/`; a resumed job continues the same curves",
     ),
-    key(
+    table(
         "expect",
-        Kind::Table,
         "checks after the run (CI smoke jobs): any unmet one makes the run exit 1",
     ),
     key(
         "expect.min_test_accuracy",
         Kind::Float,
-        "lowest acceptable final test accuracy, a fraction in [0, 1]",
+        "none",
+        "lowest acceptable final test accuracy, a fraction (`0.9`, not `90`)",
     ),
     key(
         "expect.max_test_loss",
         Kind::Float,
+        "none",
         "highest acceptable final test loss",
     ),
     key(
         "expect.max_final_loss",
         Kind::Float,
-        "highest acceptable training loss of the last epoch",
+        "none",
+        "highest acceptable training loss of the last epoch (`final_train_loss`)",
     ),
     key(
         "expect.max_wall_s",
         Kind::Float,
-        "longest acceptable wall time of the command, in seconds",
+        "none",
+        "longest acceptable wall time of the `run` (or `resume`) command, seconds",
     ),
     key(
         "expect.min_train_samples_per_s",
         Kind::Float,
-        "lowest acceptable training throughput (samples of all workers per second)",
+        "none",
+        "lowest acceptable throughput, samples of all workers per second of training loop",
     ),
 ];
+
+/// The README's config table: every key that is not a section, in this table's order.
+#[cfg(test)]
+pub fn markdown_table() -> String {
+    let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
+    for k in KEYS.iter().filter(|k| k.kind != Kind::Table) {
+        out += &format!("| `{}` | {} | {} |\n", k.path, k.default, k.doc);
+    }
+    out
+}
+
+/// `ddpjob keys [PREFIX]`: the keys under `prefix` (all without one) with their type, default
+/// and meaning, as plain text (backticks dropped). `None` when no key matches.
+pub fn reference(prefix: Option<&str>) -> Option<String> {
+    let plain = |s: &str| s.replace('`', "");
+    let matches =
+        |k: &&KeySpec| prefix.is_none_or(|p| k.path == p || k.path.starts_with(&format!("{p}.")));
+    let keys: Vec<&KeySpec> = KEYS.iter().filter(matches).collect();
+    if keys.is_empty() {
+        return None;
+    }
+    let mut out = String::new();
+    for k in keys {
+        if k.kind == Kind::Table {
+            out += &format!("[{}]  {}\n", k.path, plain(k.doc));
+        } else {
+            out += &format!(
+                "  {}  ({}, default {})\n      {}\n",
+                k.path,
+                k.kind.describe(),
+                plain(k.default),
+                plain(k.doc)
+            );
+        }
+    }
+    Some(out)
+}
 
 /// The spec of a dotted key path, if known.
 pub fn lookup(path: &str) -> Option<&'static KeySpec> {

@@ -1,5 +1,6 @@
 use std::path::Path;
 
+use super::raw::RawConfig;
 use super::*;
 
 fn load_text(text: &str, overrides: &[&str]) -> Result<LoadedConfig, ConfigError> {
@@ -268,18 +269,73 @@ fn plan_derives_global_batch_and_steps() {
     assert_eq!(capped.plan(1000, 1).total_steps, 7);
 }
 
+/// The README's config table is generated from the schema: it can never drift. After
+/// changing a key, `DDPJOB_BLESS=1 cargo test readme_config_table` rewrites it.
 #[test]
-fn every_key_is_documented_in_the_readme() {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    for key in schema::KEYS
+fn readme_config_table_is_the_schemas() {
+    const START: &str = "<!-- config table: generated from src/config/schema.rs -->\n";
+    const END: &str = "<!-- end of config table -->";
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
+    let readme = std::fs::read_to_string(path).unwrap();
+    let start = readme
+        .find(START)
+        .expect("README.md lacks the config table's start marker")
+        + START.len();
+    let end = readme[start..]
+        .find(END)
+        .expect("README.md lacks the config table's end marker")
+        + start;
+    let table = schema::markdown_table();
+    if readme[start..end] != table {
+        if std::env::var_os("DDPJOB_BLESS").is_some() {
+            std::fs::write(
+                path,
+                format!("{}{table}{}", &readme[..start], &readme[end..]),
+            )
+            .unwrap();
+        } else {
+            panic!(
+                "README.md's config table differs from src/config/schema.rs; run \
+                 `DDPJOB_BLESS=1 cargo test readme_config_table` to regenerate it"
+            );
+        }
+    }
+}
+
+/// A default the schema shows as a TOML value is the raw config's serde default.
+#[test]
+fn schema_defaults_are_the_raw_configs() {
+    let defaults = toml::Value::try_from(RawConfig::default()).unwrap();
+    let mut checked = 0;
+    for k in schema::KEYS
         .iter()
         .filter(|k| k.kind != schema::Kind::Table)
     {
+        let Some(literal) = k
+            .default
+            .strip_prefix('`')
+            .and_then(|d| d.split('`').next())
+        else {
+            continue;
+        };
+        let Ok(mut doc) = toml::from_str::<toml::Table>(&format!("v = {literal}")) else {
+            continue;
+        };
+        let shown = doc.remove("v").unwrap();
+        let actual = k.path.split('.').try_fold(&defaults, |v, part| v.get(part));
+        let Some(actual) = actual else {
+            continue; // an optional key, absent by default
+        };
+        let same = match (&shown, actual) {
+            (toml::Value::Integer(a), toml::Value::Float(b)) => *a as f64 == *b,
+            (a, b) => a == b,
+        };
         assert!(
-            readme.contains(&format!("`{}`", key.path)),
-            "README.md lacks config key `{}`",
-            key.path
+            same,
+            "`{}`: the schema shows {literal}, the raw default is {actual}",
+            k.path
         );
+        checked += 1;
     }
+    assert!(checked > 40, "only {checked} defaults were comparable");
 }

@@ -118,3 +118,18 @@ fn bad_configs_exit_2_with_their_specific_error() {
     t.ddpjob(&["frobnicate"])
         .fails_with(2, "unrecognized subcommand");
 }
+
+#[test]
+fn keys_prints_the_reference_of_a_section_and_refuses_an_unknown_one() {
+    let t = TestJob::new();
+    let out = t.ddpjob(&["keys", "train.scheduler"]);
+    out.success();
+    assert!(
+        out.stdout.contains("train.scheduler.kind  (a string, default \"constant\")"),
+        "{}",
+        out.stdout
+    );
+    assert!(!out.stdout.contains("model.arch"), "{}", out.stdout);
+    t.ddpjob(&["keys", "trian"])
+        .fails_with(2, "no config key is `trian` or under it");
+}

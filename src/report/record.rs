@@ -81,24 +81,37 @@ fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
 }
 
 impl Record {
+    /// (epoch, step, time): what every record has.
+    fn header(&self) -> (usize, usize, u64) {
+        match self {
+            Record::Train {
+                epoch, step, time, ..
+            }
+            | Record::Epoch {
+                epoch, step, time, ..
+            }
+            | Record::Eval {
+                epoch, step, time, ..
+            }
+            | Record::Resume {
+                epoch, step, time, ..
+            } => (*epoch, *step, *time),
+        }
+    }
+
     /// The optimizer step the record was taken after.
     pub fn step(&self) -> usize {
-        match self {
-            Record::Train { step, .. }
-            | Record::Epoch { step, .. }
-            | Record::Eval { step, .. }
-            | Record::Resume { step, .. } => *step,
-        }
+        self.header().1
     }
 
     /// The (0-based) epoch it belongs to.
     pub fn epoch(&self) -> usize {
-        match self {
-            Record::Train { epoch, .. }
-            | Record::Epoch { epoch, .. }
-            | Record::Eval { epoch, .. }
-            | Record::Resume { epoch, .. } => *epoch,
-        }
+        self.header().0
+    }
+
+    /// When it was written (Unix seconds).
+    pub fn time(&self) -> u64 {
+        self.header().2
     }
 
     /// The record as one JSON line (no newline).

@@ -82,7 +82,7 @@ impl TensorBoardSink {
         let (records, _) =
             super::record::read_all(&job.metrics_path()).map_err(io(&job.metrics_path()))?;
         for record in &records {
-            sink.append(record, record_time(record))?;
+            sink.append(record, record.time() as f64)?;
         }
         sink.flush()?;
         Ok(sink)
@@ -117,17 +117,6 @@ impl MetricsSink for TensorBoardSink {
         self.append(record, now())?;
         self.flush()
     }
-}
-
-/// A replayed record's wall time: when it was written.
-fn record_time(record: &Record) -> f64 {
-    let time = match record {
-        Record::Train { time, .. }
-        | Record::Epoch { time, .. }
-        | Record::Eval { time, .. }
-        | Record::Resume { time, .. } => *time,
-    };
-    time as f64
 }
 
 fn now() -> f64 {

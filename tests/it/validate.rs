@@ -125,7 +125,8 @@ fn keys_prints_the_reference_of_a_section_and_refuses_an_unknown_one() {
     let out = t.ddpjob(&["keys", "train.scheduler"]);
     out.success();
     assert!(
-        out.stdout.contains("train.scheduler.kind  (a string, default \"constant\")"),
+        out.stdout
+            .contains("train.scheduler.kind  (a string, default \"constant\")"),
         "{}",
         out.stdout
     );

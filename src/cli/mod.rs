@@ -231,7 +231,13 @@ pub fn main() -> ExitCode {
 /// }
 /// ```
 pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
-    registry.install();
+    if registry.install().is_err() {
+        eprintln!(
+            "error: a registry was already in use when ddpjob::cli::main_with was called \
+             (Registry::current or install ran first); call main_with first in main"
+        );
+        return ExitCode::from(1);
+    }
     let started = Instant::now();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,

@@ -294,6 +294,16 @@ mod tests {
             err.contains("expected one of \"cnn\", \"gpt\", \"mlp\", \"tiny\""),
             "{err}"
         );
+        // The built-in text data is cut into windows of the gpt's block_size: gpt only.
+        let err = load(
+            "[model]\narch = \"tiny\"\nwidth = 8\n[data]\ndataset = \"text\"\npath = \"a.txt\"\n",
+            &[],
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("it needs model.arch = \"gpt\", not \"tiny\""),
+            "{err}"
+        );
         // A built-in arch still refuses keys that are not its own.
         let err = load("[model]\narch = \"mlp\"\nwidth = 8\n", &[]).unwrap_err();
         assert!(err.contains("unknown key `width` in [model]"), "{err}");

@@ -273,8 +273,6 @@ fn check_text_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> Optio
     let d = &raw.data;
     let is_text = matches!(d.dataset.as_str(), "text" | "tokens");
     let is_gpt = matches!(model, ModelSpec::Gpt(_));
-    // A registered model may learn from any data; its builder checks what it gets.
-    let is_custom = matches!(model, ModelSpec::Custom { .. });
     if is_gpt && !is_text {
         c.fail(
             "data.dataset",
@@ -283,7 +281,7 @@ fn check_text_data(c: &mut Checker, raw: &RawConfig, model: &ModelSpec) -> Optio
                 d.dataset
             ),
         );
-    } else if is_text && !is_gpt && !is_custom {
+    } else if is_text && !is_gpt {
         c.fail(
             "model.arch",
             format!(

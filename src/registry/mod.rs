@@ -271,10 +271,11 @@ impl Registry {
             .map_err(|e| DataError::Mismatch(format!("data.dataset = \"{name}\": {e}")))
     }
 
-    /// Makes `self` the registry of this process (first call wins): what the config, the
-    /// launcher and the workers consult.
-    pub fn install(self) {
-        let _ = INSTALLED.set(self);
+    /// Makes `self` the registry of this process: what the config, the launcher and the
+    /// workers consult. Only once, before anything reads it ([`Registry::current`] installs
+    /// the built-in one); a later call returns `self` back as the error.
+    pub fn install(self) -> Result<(), Registry> {
+        INSTALLED.set(self)
     }
 
     /// The installed registry, or the built-in one when none was installed.

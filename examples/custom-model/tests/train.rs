@@ -6,39 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 const BIN: &str = env!("CARGO_BIN_EXE_custom-model");
-
-/// Three classes of 8×8 images (a bright row, a bright column, the diagonal) in noise, as
-/// `label,v1,...,v64` lines with a header; deterministic.
-fn write_images(path: &Path, samples: usize, mut seed: u64) {
-    let mut next = || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((seed >> 33) as f64 / (1u64 << 31) as f64) as f32
-    };
-    let mut text = String::from("label");
-    (0..64).for_each(|i| text.push_str(&format!(",p{i}")));
-    text.push('\n');
-    for i in 0..samples {
-        let class = i % 3;
-        let k = (next() * 8.0) as usize % 8;
-        let mut pixels: Vec<f32> = (0..64).map(|_| (next() - 0.5) * 0.6).collect();
-        for j in 0..8 {
-            let at = match class {
-                0 => k * 8 + j,
-                1 => j * 8 + k,
-                _ => j * 8 + j,
-            };
-            pixels[at] += 1.0;
-        }
-        text.push_str(&class.to_string());
-        pixels
-            .iter()
-            .for_each(|p| text.push_str(&format!(",{p:.4}")));
-        text.push('\n');
-    }
-    std::fs::write(path, text).unwrap();
-}
+/// The example's data maker, as its README tells a user to run it.
+const MAKE_DATA: &str = env!("CARGO_BIN_EXE_make-data");
 
 /// The job file the example ships, as its README tells a user to run it.
 const JOB: &str = include_str!("../job.toml");
@@ -50,8 +19,8 @@ struct Dir {
 impl Dir {
     fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        write_images(&dir.path().join("train.csv"), 480, 1);
-        write_images(&dir.path().join("test.csv"), 120, 2);
+        let made = Command::new(MAKE_DATA).arg(dir.path()).status().unwrap();
+        assert!(made.success());
         std::fs::write(dir.path().join("job.toml"), JOB).unwrap();
         Dir { dir }
     }

@@ -12,11 +12,6 @@ use serde::{Deserialize, Serialize};
 use crate::jobdir::now_unix_ms;
 use crate::store::StoreClient;
 
-/// Store key of `rank`'s heartbeat.
-pub fn heartbeat_key(rank: usize) -> String {
-    crate::store::Key::Heartbeat { rank }.to_string()
-}
-
 /// Publishing interval for a job with `timeout`: often enough that a stall is seen well within
 /// it, never more than once a second.
 pub fn interval_for(timeout: Duration) -> Duration {
@@ -117,7 +112,7 @@ impl Heartbeat {
         std::thread::Builder::new()
             .name("ddpjob-heartbeat".into())
             .spawn(move || {
-                let key = heartbeat_key(rank);
+                let key = crate::store::Key::Heartbeat { rank }.to_string();
                 let mut beats = 0u64;
                 while !flag.load(Ordering::Relaxed) {
                     beats += 1;
@@ -143,7 +138,9 @@ impl Drop for Heartbeat {
 pub fn read_all(store: &StoreClient, world: usize) -> Vec<Option<Beat>> {
     (0..world)
         .map(|r| {
-            let bytes = store.get(&heartbeat_key(r)).ok()??;
+            let bytes = store
+                .get(&crate::store::Key::Heartbeat { rank: r }.to_string())
+                .ok()??;
             serde_json::from_slice(&bytes).ok()
         })
         .collect()

@@ -39,7 +39,8 @@ pub enum JobDirError {
     },
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JobDirError + '_ {
+/// Maps an I/O error on `path` to [`JobDirError::Io`].
+pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JobDirError + '_ {
     move |cause| JobDirError::Io {
         path: path.to_path_buf(),
         cause,

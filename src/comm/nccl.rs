@@ -20,11 +20,6 @@ pub struct NcclCommunicator {
     world_size: usize,
 }
 
-/// The store key of the NCCL id of a restart attempt (each attempt forms a new communicator).
-fn id_key(restart: usize) -> String {
-    crate::store::Key::NcclId { attempt: restart }.to_string()
-}
-
 impl NcclCommunicator {
     /// Joins the job's NCCL communicator on `device` (a GPU); every rank calls this together.
     pub fn connect(
@@ -40,7 +35,7 @@ impl NcclCommunicator {
             .as_cuda_device()
             .map_err(|e| setup(format!("NCCL needs a GPU device: {e}")))?
             .cuda_stream();
-        let key = id_key(restart);
+        let key = crate::store::Key::NcclId { attempt: restart }.to_string();
         let id = if rank == 0 {
             let id = Id::new()
                 .map_err(|e| setup(format!("cannot create the NCCL id: {}", explain(e))))?;

@@ -14,7 +14,7 @@ use candle_core::Tensor;
 use super::ring::{Element, LinkError, RingLinks};
 use super::{CommError, Communicator};
 use crate::heartbeat::Beacon;
-use crate::store::StoreClient;
+use crate::store::{Key, StoreClient};
 
 const HELLO: &[u8] = b"DDPJOB-RING/1\n";
 
@@ -77,11 +77,6 @@ pub fn spin_for(local_workers: usize) -> Duration {
     }
 }
 
-/// Store key under which `rank` publishes its ring address.
-fn ring_key(rank: usize) -> String {
-    crate::store::Key::RingAddr { rank }.to_string()
-}
-
 impl TcpCommunicator {
     /// Joins the ring: listens on `bind_ip`, publishes the address, connects to rank+1 and
     /// accepts rank-1 (checking the job token), all within `timeout`. `spin`: see
@@ -101,19 +96,24 @@ impl TcpCommunicator {
         let addr = listener
             .local_addr()
             .map_err(|e| setup(format!("no local address: {e}")))?;
-        store.set(&ring_key(rank), addr.to_string().as_bytes())?;
+        store.set(
+            &Key::RingAddr { rank }.to_string(),
+            addr.to_string().as_bytes(),
+        )?;
         let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
-        let next_addr = store.wait_get(&ring_key(next), timeout).map_err(|e| {
-            match e.missing_ranks("ring/addr/").as_slice() {
-                [] => CommError::from(e),
-                missing => setup(format!(
-                    "rank {} never joined the ring within {} s (distributed.timeout_s); \
+        let next_addr = store
+            .wait_get(&Key::RingAddr { rank: next }.to_string(), timeout)
+            .map_err(
+                |e| match e.missing_ranks(crate::store::RING_ADDR_PREFIX).as_slice() {
+                    [] => CommError::from(e),
+                    missing => setup(format!(
+                        "rank {} never joined the ring within {} s (distributed.timeout_s); \
                      it may have failed to start: see its log",
-                    missing[0],
-                    timeout.as_secs()
-                )),
-            }
-        })?;
+                        missing[0],
+                        timeout.as_secs()
+                    )),
+                },
+            )?;
         let next_addr = String::from_utf8_lossy(&next_addr).into_owned();
         let mut send = TcpStream::connect(&next_addr)
             .map_err(|e| setup(format!("cannot connect to rank {next} at {next_addr}: {e}")))?;

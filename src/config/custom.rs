@@ -23,6 +23,10 @@ struct Section {
     default: &'static str,
     /// ddpjob's own keys in the section, kept for the schema.
     own: &'static [&'static str],
+    /// The registry's side of it: what a name is, the names, and how options resolve.
+    kind: fn(&Registry, &str) -> Known,
+    names: fn(&Registry) -> Vec<&str>,
+    resolve: fn(&Registry, &str, &toml::Table) -> Result<toml::Table, String>,
 }
 
 const MODEL: Section = Section {
@@ -30,6 +34,9 @@ const MODEL: Section = Section {
     selector: "arch",
     default: "mlp",
     own: &["arch"],
+    kind: Registry::model_kind,
+    names: Registry::model_names,
+    resolve: Registry::resolve_model,
 };
 
 const DATA: Section = Section {
@@ -37,6 +44,9 @@ const DATA: Section = Section {
     selector: "dataset",
     default: "mnist",
     own: &["dataset", "drop_last"],
+    kind: Registry::dataset_kind,
+    names: Registry::dataset_names,
+    resolve: Registry::resolve_dataset,
 };
 
 /// Takes the registered builders' options out of `source`; see the module docs.
@@ -63,22 +73,13 @@ fn take(
         .and_then(toml::Value::as_str)
         .unwrap_or(section.default)
         .to_string();
-    let known = if section.name == "model" {
-        registry.model_kind(&chosen)
-    } else {
-        registry.dataset_kind(&chosen)
-    };
-    let fields = match known {
+    let fields = match (section.kind)(registry, &chosen) {
         Known::Custom { fields } => fields,
         Known::Builtin => return None,
         Known::Unknown => {
             // Said first: the section's other keys would otherwise read as unknown keys.
             let key = format!("{}.{}", section.name, section.selector);
-            let names = if section.name == "model" {
-                registry.model_names()
-            } else {
-                registry.dataset_names()
-            };
+            let names = (section.names)(registry);
             let quoted: Vec<String> = names.iter().map(|n| format!("\"{n}\"")).collect();
             let hint = schema::closest(&chosen, names.iter().copied())
                 .map_or(String::new(), |n| format!("; did you mean \"{n}\"?"));
@@ -118,12 +119,7 @@ fn take(
             });
         }
     }
-    let resolved = if section.name == "model" {
-        registry.resolve_model(&chosen, &options)
-    } else {
-        registry.resolve_dataset(&chosen, &options)
-    };
-    match resolved {
+    match (section.resolve)(registry, &chosen, &options) {
         Ok(resolved) => Some((chosen, resolved)),
         Err(problem) => {
             // serde names the key it stopped at in backticks; point at it when it is there.

@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 
 use super::supervise::{self, Outcome};
 use super::watch::Watchdog;
-use super::{Layout, RunError, job_ready_key};
+use super::{Layout, RunError};
 use crate::checkpoint;
 use crate::config::JobSpec;
 use crate::jobdir::{JobDir, JobDirError, now_unix, now_unix_ms};
-use crate::store::{StoreClient, StoreServer};
+use crate::store::{Key, StoreClient, StoreServer};
 use crate::worker::{self, WorkerEnv};
 
 /// Everything needed to start this node's workers, attempt after attempt.
@@ -99,7 +99,7 @@ impl Group<'_> {
         })?;
         rewind_to(self.job, &choice)?;
         if let Some(server) = self.server {
-            server.clear_except(&job_ready_key());
+            server.clear_except(&Key::JobReady.to_string());
         }
         Ok(choice.usable)
     }

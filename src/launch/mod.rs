@@ -25,7 +25,7 @@ use crate::data::vocab::Vocab;
 use crate::data::{DataError, Dataset};
 use crate::device::{self, DeviceError, Placement};
 use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
-use crate::store::{self, StoreClient, StoreError, StoreServer};
+use crate::store::{self, Key, StoreClient, StoreError, StoreServer};
 use crate::train::Summary;
 
 use group::Group;
@@ -33,10 +33,6 @@ use supervise::signal_name;
 
 /// torchrun's default rendezvous port for multi-node jobs.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
-/// `Key::JobReady`, as the store spells it.
-fn job_ready_key() -> String {
-    crate::store::Key::JobReady.to_string()
-}
 
 #[derive(Debug, Error)]
 pub enum RunError {
@@ -209,12 +205,12 @@ pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
         let vocab = text_vocab(spec, None)?;
         let state = create_job(&job, opts, &layout, vocab.as_ref())?;
         _lock = Some(job.lock(&spec.name)?);
-        client.set(&job_ready_key(), b"1")?;
+        client.set(&Key::JobReady.to_string(), b"1")?;
         Some(state)
     } else {
         let patience = Duration::from_secs(spec.distributed.timeout_s);
         client
-            .wait(&[job_ready_key()], patience)
+            .wait(&[Key::JobReady.to_string()], patience)
             .map_err(|e| match e {
                 StoreError::Timeout { .. } => RunError::Failed {
                     name: spec.name.clone(),

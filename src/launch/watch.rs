@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::heartbeat::{Beat, heartbeat_key};
+use crate::heartbeat::Beat;
+use crate::store::Key;
 use crate::store::StoreClient;
 
 /// How often the launcher reads heartbeats.
@@ -50,7 +51,7 @@ impl<'a> Watchdog<'a> {
         }
         self.next_check = now + CHECK_EVERY;
         for &(rank, pid) in ranks {
-            let Ok(Some(bytes)) = store.get(&heartbeat_key(rank)) else {
+            let Ok(Some(bytes)) = store.get(&Key::Heartbeat { rank }.to_string()) else {
                 continue;
             };
             let Ok(beat) = serde_json::from_slice::<Beat>(&bytes) else {

@@ -3,12 +3,12 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::Record;
 use super::tensorboard;
-use crate::jobdir::{JobDir, JobDirError};
+use crate::jobdir::{JobDir, JobDirError, io};
 
 /// A destination of metric records.
 pub trait MetricsSink: Send {
@@ -46,10 +46,6 @@ impl TensorBoardSink {
     /// replayed, so a resumed job continues the same curves without repeating a step.
     pub fn start(job: &JobDir) -> Result<Self, JobDirError> {
         let dir = job.tensorboard_dir();
-        let io = |path: &Path| {
-            let path = path.to_path_buf();
-            move |cause| JobDirError::Io { path, cause }
-        };
         if dir.exists() {
             for entry in fs::read_dir(&dir).map_err(io(&dir))? {
                 let path = entry.map_err(io(&dir))?.path();

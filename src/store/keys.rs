@@ -3,6 +3,11 @@
 
 use std::fmt;
 
+/// What `Key::Registered` keys start with (a timeout lists the ranks missing under it).
+pub const REGISTERED_PREFIX: &str = "worker/";
+/// What `Key::RingAddr` keys start with.
+pub const RING_ADDR_PREFIX: &str = "ring/addr/";
+
 /// A rendezvous-store key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Key {
@@ -27,10 +32,10 @@ impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Key::JobReady => f.write_str("job/ready"),
-            Key::Registered { rank } => write!(f, "worker/{rank}"),
+            Key::Registered { rank } => write!(f, "{REGISTERED_PREFIX}{rank}"),
             Key::DataReady { node } => write!(f, "data/node{node}"),
             Key::Heartbeat { rank } => write!(f, "heartbeat/{rank}"),
-            Key::RingAddr { rank } => write!(f, "ring/addr/{rank}"),
+            Key::RingAddr { rank } => write!(f, "{RING_ADDR_PREFIX}{rank}"),
             Key::NcclId { attempt } => write!(f, "nccl/id/{attempt}"),
         }
     }

@@ -25,18 +25,19 @@ pub enum FailureKind {
     Panic,
 }
 
-/// Where rank `rank`'s record goes, beside its log.
-pub fn path(job_dir: &Path, rank: usize) -> PathBuf {
-    job_dir
-        .join("logs")
-        .join(format!("rank-{rank}.failure.json"))
+/// Where the record of the rank whose log is `log` goes: beside it (`rank-N.failure.json`).
+fn beside(log: &Path) -> PathBuf {
+    log.with_extension("failure.json")
 }
 
-/// The record beside the log file `log` (`rank-N.log` → `rank-N.failure.json`), if any.
+/// Where rank `rank`'s record goes.
+pub fn path(job_dir: &Path, rank: usize) -> PathBuf {
+    beside(&super::log_path(job_dir, rank))
+}
+
+/// The record beside the log file `log`, if any.
 pub fn read_beside(log: &Path) -> Option<FailureRecord> {
-    let stem = log.file_stem()?.to_string_lossy().into_owned();
-    let path = log.with_file_name(format!("{stem}.failure.json"));
-    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+    serde_json::from_slice(&std::fs::read(beside(log)).ok()?).ok()
 }
 
 /// Writes the record (best effort: a worker that cannot write it still fails, with its log).

@@ -65,10 +65,6 @@ pub enum WorkerError {
     Announced(Box<WorkerError>),
 }
 
-fn registered_key(rank: usize) -> String {
-    Key::Registered { rank }.to_string()
-}
-
 /// The `worker` subcommand's body; `Ok(true)` if it stopped on request after a checkpoint.
 pub fn run() -> Result<bool, WorkerError> {
     let started = Instant::now();
@@ -248,12 +244,14 @@ fn announce(env: Option<&WorkerEnv>, error: &WorkerError) {
 /// Registers this rank and waits for every other; a timeout names the ranks (and nodes) missing.
 fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result<(), WorkerError> {
     store.set(
-        &registered_key(env.rank),
+        &Key::Registered { rank: env.rank }.to_string(),
         format!("pid {} node {}", std::process::id(), env.node_rank).as_bytes(),
     )?;
-    let keys: Vec<String> = (0..env.world_size).map(registered_key).collect();
+    let keys: Vec<String> = (0..env.world_size)
+        .map(|rank| Key::Registered { rank }.to_string())
+        .collect();
     store.wait(&keys, timeout).map_err(|e| {
-        let missing = e.missing_ranks("worker/");
+        let missing = e.missing_ranks(crate::store::REGISTERED_PREFIX);
         if missing.is_empty() {
             return WorkerError::Store(e);
         }

@@ -112,9 +112,11 @@ pub fn allreduce(nproc: usize, sizes: &[usize]) -> Result<Vec<AllReduceRow>, Ben
     crate::signals::install();
     // Benchmark workers publish no heartbeats and have nothing to checkpoint.
     let mut watch = Watchdog::none();
-    match supervise::supervise(&mut workers, &mut watch, Duration::ZERO) {
+    // One node: no other node's failure to hear of.
+    match supervise::supervise(&mut workers, &mut watch, Duration::ZERO, &|| None) {
         Outcome::Finished => {}
         Outcome::Failed { report, .. } => return Err(BenchError::Worker(report)),
+        Outcome::PeerFailed { summary } => return Err(BenchError::Worker(summary)),
         Outcome::Interrupted { .. } => return Err(BenchError::Worker("interrupted".into())),
     }
     let text = std::fs::read(&out).map_err(|cause| BenchError::Io {

@@ -9,9 +9,9 @@ use super::output::{Done, Ending, Reporting};
 use super::{CliResult, ConfigArgs, ResumeArgs, RunArgs};
 use crate::config::{self, DatasetKind, Expectation};
 use crate::jobdir::JobDir;
-use crate::launch::auto::{self, Decision, ResumeMode};
+use crate::launch::auto::ResumeMode;
 use crate::launch::cluster::{self, NodeFlags, SchedulerEnv};
-use crate::launch::{self, ResumeOptions, Resumed, RunOptions};
+use crate::launch::{self, Ended, ResumeOptions, Resumed, RunOptions};
 
 pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
     let loaded = config::load(&args.config.config, &args.config.overrides());
@@ -50,20 +50,17 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
         }
         (None, None) => ResumeMode::Never,
     };
-    if mode == ResumeMode::Auto {
-        if let Some(ending) = continue_existing(&args.jobs_dir, &loaded, node.nnodes, started) {
-            return reporting.finish(ending);
-        }
-    }
     let opts = RunOptions {
         config: args.config.config.clone(),
         loaded,
         jobs_dir: args.jobs_dir,
         node,
+        resume: mode,
         started,
     };
     let ending: Ending = match launch::run(&opts) {
-        Ok((job, summary)) => Ok(Done {
+        Ok(Ended::AlreadyFinished(job, message)) => already_finished(job, message),
+        Ok(Ended::Finished(job, summary)) => Ok(Done {
             note: summary.is_none().then(|| {
                 format!(
                     "node {}: workers finished; node 0 holds the results\njob directory: {}",
@@ -94,45 +91,6 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
         }
     };
     reporting.finish(ending)
-}
-
-/// `run --resume auto` for a job that may already exist: continues it, says it finished, or
-/// refuses it; `None` when there is no such job, and `run` starts it.
-fn continue_existing(
-    jobs_dir: &std::path::Path,
-    loaded: &config::LoadedConfig,
-    nnodes: usize,
-    started: Instant,
-) -> Option<Ending> {
-    match auto::decide(jobs_dir, loaded) {
-        Ok(Decision::Start) => None,
-        Ok(Decision::AlreadyFinished(message)) => Some(already_finished(
-            JobDir::open(jobs_dir, &loaded.spec.name),
-            message,
-        )),
-        Ok(Decision::Continue(name)) if nnodes > 1 => Some(Err((
-            2,
-            anyhow!(
-                "job `{name}` exists unfinished; --resume auto continues single-node jobs only \
-                 so far: continue it on one node with `ddpjob resume {name}`"
-            ),
-        ))),
-        Ok(Decision::Continue(name)) => {
-            let opts = ResumeOptions {
-                name: Some(name.clone()),
-                jobs_dir: jobs_dir.to_path_buf(),
-                nproc_per_node: None,
-                // A job stopped before its first checkpoint starts again.
-                from_scratch: true,
-                started,
-            };
-            Some(resumed(
-                launch::resume(&opts),
-                JobDir::open(jobs_dir, &name),
-            ))
-        }
-        Err(e) => Some(Err((e.exit_code(), anyhow::Error::new(e)))),
-    }
 }
 
 pub(super) fn resume(args: ResumeArgs, started: Instant) -> CliResult {

@@ -413,7 +413,7 @@ pub const KEYS: &[KeySpec] = &[
         "distributed.max_restarts",
         Kind::Int,
         "`0`",
-        "restarts of the whole worker group from the newest good checkpoint after a worker dies or hangs (single-node jobs)",
+        "restarts of the whole worker group (every node's) from the newest good checkpoint after a worker dies or hangs",
     ),
     key(
         "distributed.timeout_s",

@@ -6,13 +6,14 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use super::nodes::{self, Nodes};
 use super::supervise::{self, Outcome};
 use super::watch::Watchdog;
 use super::{Layout, RunError};
 use crate::checkpoint;
 use crate::config::JobSpec;
 use crate::jobdir::{JobDir, JobDirError, now_unix, now_unix_ms};
-use crate::store::{Key, StoreClient, StoreServer};
+use crate::store::{LAUNCH_PREFIX, StoreClient, StoreServer};
 use crate::worker::{self, WorkerEnv};
 
 /// Everything needed to start this node's workers, attempt after attempt.
@@ -26,6 +27,18 @@ pub(super) struct Group<'a> {
     /// Node 0's store (cleared between attempts); `None` on other nodes.
     pub server: Option<&'a StoreServer>,
     pub client: &'a StoreClient,
+    /// The other nodes' launchers, on a multi-node job.
+    pub nodes: Option<Nodes<'a>>,
+}
+
+/// How an attempt failed, as every node reports it.
+struct AttemptFailure {
+    /// One line, naming the node and rank where it began.
+    summary: String,
+    /// The error of a job that fails here: the summary, this node's ranks and log tail.
+    report: String,
+    /// Not worth a restart (another node cannot read the checkpoints).
+    fatal: bool,
 }
 
 impl Group<'_> {
@@ -36,7 +49,7 @@ impl Group<'_> {
     /// Runs attempts until the workers finish, are interrupted, or fail more often than
     /// `distributed.max_restarts` allows. `resume_from`: the first attempt's checkpoint.
     /// From here on Ctrl-C (and SIGTERM, SIGUSR1) stops the workers in order instead of
-    /// killing the launcher.
+    /// killing the launcher. On several nodes every node's launcher runs this loop, in step.
     pub fn execute(&self, mut resume_from: Option<PathBuf>) -> Result<(), RunError> {
         crate::signals::install();
         let max_restarts = self.spec.distributed.max_restarts;
@@ -46,7 +59,9 @@ impl Group<'_> {
             let mut workers = self.spawn(attempt, resume_from.as_ref())?;
             let stale_after = Duration::from_secs(self.spec.distributed.timeout_s);
             let mut watch = Watchdog::new(self.client, stale_after);
-            let (summary, report) = match supervise::supervise(&mut workers, &mut watch, grace) {
+            let peer_failure = || self.peer_failure(attempt);
+            let failed = match supervise::supervise(&mut workers, &mut watch, grace, &peer_failure)
+            {
                 Outcome::Finished => return Ok(()),
                 Outcome::Interrupted { signal, clean } => {
                     return Err(RunError::Interrupted {
@@ -55,38 +70,164 @@ impl Group<'_> {
                         after: self.after_interrupt(clean),
                     });
                 }
-                Outcome::Failed { summary, report } => (summary, report),
+                Outcome::Failed {
+                    summary,
+                    report,
+                    lost_peer,
+                } => self.agree_on_failure(attempt, summary, report, lost_peer)?,
+                Outcome::PeerFailed { summary } => self.peer_failed(attempt, summary)?,
             };
-            failures.push(format!("  attempt {}: {summary}", attempt + 1));
-            if attempt >= max_restarts {
-                if max_restarts == 0 {
+            failures.push(format!("  attempt {}: {}", attempt + 1, failed.summary));
+            if attempt >= max_restarts || failed.fatal {
+                if max_restarts == 0 || failed.fatal {
                     return Err(RunError::Failed {
                         name: self.name(),
-                        report,
+                        report: failed.report,
                     });
                 }
                 return Err(RunError::GaveUp {
                     name: self.name(),
                     restarts: max_restarts,
                     failures: failures.join("\n"),
-                    report,
+                    report: failed.report,
                 });
             }
-            resume_from = self.restart_point()?;
+            resume_from = self.next_start(attempt, &failed)?;
             let from = resume_from
                 .as_ref()
                 .map_or("the start (no checkpoint yet)".into(), |d| {
                     format!("checkpoint `{}`", d.display())
                 });
             let line = format!(
-                "restart {}/{max_restarts} of job `{}` from {from} after: {summary}",
+                "restart {}/{max_restarts} of job `{}` from {from} after: {}",
                 attempt + 1,
-                self.name()
+                self.name(),
+                failed.summary
             );
             eprintln!("{line}");
             self.record_restart(attempt + 1, &line)?;
         }
         unreachable!("the attempts loop returns")
+    }
+
+    /// Another node's failure of `attempt`, once one is recorded (multi-node jobs).
+    fn peer_failure(&self, attempt: usize) -> Option<String> {
+        let nodes = self.nodes.as_ref()?;
+        // A store that does not answer means node 0 is gone; the workers notice that too.
+        let failure = nodes.failure(attempt).ok().flatten()?;
+        (failure.node != self.layout.node_rank).then(|| failure.describe())
+    }
+
+    /// This node's workers failed: on several nodes, tell the others (unless another node's
+    /// failure came first, which is then the one every node reports) and say the workers are
+    /// gone.
+    fn agree_on_failure(
+        &self,
+        attempt: usize,
+        summary: String,
+        report: String,
+        lost_peer: bool,
+    ) -> Result<AttemptFailure, RunError> {
+        let Some(nodes) = &self.nodes else {
+            return Ok(AttemptFailure {
+                summary,
+                report,
+                fatal: false,
+            });
+        };
+        let unreachable = |e| self.node0_gone(e, &report);
+        if lost_peer {
+            // A rank that only lost its peer points elsewhere: give the node where the cause
+            // is a moment to say so first.
+            nodes.settled_failure(attempt).map_err(unreachable)?;
+        }
+        nodes
+            .report_failure(attempt, &summary, false)
+            .map_err(unreachable)?;
+        nodes.stopped(attempt).map_err(unreachable)?;
+        match nodes.failure(attempt).map_err(unreachable)? {
+            Some(first) if first.node != self.layout.node_rank => Ok(AttemptFailure {
+                summary: first.describe(),
+                report: format!(
+                    "{}; the workers of every node were stopped\non this node: {report}",
+                    first.describe()
+                ),
+                fatal: first.fatal,
+            }),
+            _ => Ok(AttemptFailure {
+                summary: format!("node {}: {summary}", self.layout.node_rank),
+                report,
+                fatal: false,
+            }),
+        }
+    }
+
+    /// Another node's workers failed first and this node's were stopped.
+    fn peer_failed(&self, attempt: usize, summary: String) -> Result<AttemptFailure, RunError> {
+        let nodes = self
+            .nodes
+            .as_ref()
+            .expect("a peer failure on several nodes");
+        let report = format!("{summary}; the workers of every node were stopped");
+        nodes
+            .stopped(attempt)
+            .map_err(|e| self.node0_gone(e, &report))?;
+        let fatal = nodes
+            .failure(attempt)
+            .ok()
+            .flatten()
+            .is_some_and(|f| f.fatal);
+        Ok(AttemptFailure {
+            summary,
+            report,
+            fatal,
+        })
+    }
+
+    fn node0_gone(&self, e: crate::store::StoreError, report: &str) -> RunError {
+        RunError::Failed {
+            name: self.name(),
+            report: format!(
+                "node 0's launcher cannot be reached any more ({e}), so the nodes cannot agree \
+                 on a restart; this node's workers were stopped after: {report}"
+            ),
+        }
+    }
+
+    /// The checkpoint the next attempt starts from: node 0 chooses it (once every node's
+    /// workers are gone) and tells the other nodes; a single node just chooses it.
+    fn next_start(
+        &self,
+        attempt: usize,
+        failed: &AttemptFailure,
+    ) -> Result<Option<PathBuf>, RunError> {
+        let Some(nodes) = &self.nodes else {
+            return self.restart_point();
+        };
+        let cannot_restart = |why: String| RunError::Failed {
+            name: self.name(),
+            report: format!("{why}\nthe failure: {}", failed.report),
+        };
+        if self.layout.node_rank == 0 {
+            nodes.await_stopped(attempt).map_err(cannot_restart)?;
+            // Absolute: the other nodes' launchers may run in other directories.
+            let from = self
+                .restart_point()?
+                .map(|d| std::path::absolute(&d).unwrap_or(d));
+            nodes
+                .publish_next(attempt, from.as_deref())
+                .map_err(|e| cannot_restart(e.to_string()))?;
+            return Ok(from);
+        }
+        let from = nodes.await_next(attempt).map_err(cannot_restart)?;
+        if let Some(dir) = &from
+            && let Err(why) = nodes::check_shared(dir, self.layout.node_rank, "checkpoint")
+        {
+            // Node 0 has started its next attempt: stop it too, for good.
+            let _ = nodes.report_failure(attempt + 1, &why, true);
+            return Err(RunError::Usage(why));
+        }
+        Ok(from)
     }
 
     /// Node 0 after a failure: the newest checkpoint that verifies (damaged newer ones named),
@@ -99,12 +240,17 @@ impl Group<'_> {
         })?;
         rewind_to(self.job, &choice)?;
         if let Some(server) = self.server {
-            server.clear_except(&Key::JobReady.to_string());
+            server.clear_except(LAUNCH_PREFIX);
         }
         Ok(choice.usable)
     }
 
+    /// Node 0 counts the restarts in `state.json` (the other nodes' view of the job directory
+    /// is node 0's on a shared file system, or has no state).
     fn record_restart(&self, restarts: usize, line: &str) -> Result<(), RunError> {
+        if self.layout.node_rank != 0 {
+            return Ok(());
+        }
         if let Some(mut state) = self.job.read_state() {
             state.restarts = restarts;
             state.updated_unix = now_unix();
@@ -116,7 +262,14 @@ impl Group<'_> {
 
     /// What an interrupted job left behind, for the message.
     fn after_interrupt(&self, clean: bool) -> String {
-        let resume = format!("continue with `ddpjob resume {}`", self.name());
+        let resume = match self.layout.nnodes {
+            1 => format!("continue with `ddpjob resume {}`", self.name()),
+            n => format!(
+                "continue on {n} nodes with the same `ddpjob run` command and `--resume auto` \
+                 (or on one node with `ddpjob resume {}`)",
+                self.name()
+            ),
+        };
         let latest = std::fs::read_to_string(self.job.checkpoints_dir().join("latest"))
             .map(|s| s.trim().to_string())
             .unwrap_or_default();

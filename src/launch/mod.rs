@@ -6,6 +6,7 @@
 pub mod auto;
 pub mod cluster;
 mod group;
+mod nodes;
 mod resume;
 pub mod supervise;
 pub mod watch;
@@ -25,10 +26,12 @@ use crate::data::vocab::Vocab;
 use crate::data::{DataError, Dataset};
 use crate::device::{self, DeviceError, Placement};
 use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
-use crate::store::{self, Key, StoreClient, StoreError, StoreServer};
+use crate::store::{self, StoreClient, StoreError, StoreServer};
 use crate::train::Summary;
 
+use auto::{Decision, ResumeMode};
 use group::Group;
+use nodes::{Nodes, Plan};
 use supervise::signal_name;
 
 /// torchrun's default rendezvous port for multi-node jobs.
@@ -100,6 +103,8 @@ pub struct RunOptions {
     pub loaded: LoadedConfig,
     pub jobs_dir: PathBuf,
     pub node: NodeOptions,
+    /// Whether an existing job of this name is continued (`--resume auto`).
+    pub resume: ResumeMode,
     pub started: Instant,
 }
 
@@ -136,14 +141,6 @@ impl Layout {
                 )));
             }
         };
-        if nnodes > 1 && spec.distributed.max_restarts > 0 {
-            return Err(RunError::Usage(format!(
-                "distributed.max_restarts = {} needs a single-node job: restarting workers \
-                 across nodes is not implemented; set it to 0 for --nnodes {nnodes} (a failed \
-                 job can still be continued with `ddpjob resume` on one node)",
-                spec.distributed.max_restarts
-            )));
-        }
         let master_port = match (opts.master_port, nnodes) {
             (Some(p), _) => Some(p),
             (None, 1) => None,
@@ -186,61 +183,161 @@ impl Layout {
     }
 }
 
-/// Runs a job from its config file to the end; on node 0 returns its summary.
-pub fn run(opts: &RunOptions) -> Result<(JobDir, Option<Summary>), RunError> {
+/// How `run` ended without an error.
+pub enum Ended {
+    /// The workers finished; node 0 has the summary.
+    Finished(JobDir, Option<Summary>),
+    /// `--resume auto` found the job finished already; the message says so.
+    AlreadyFinished(JobDir, String),
+}
+
+/// Runs a job from its config file to the end (or, with `--resume auto`, continues it).
+pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
     let spec = &opts.loaded.spec;
     let layout = Layout::new(&opts.node, spec)?;
     let token = layout.token(&opts.loaded);
     let job = JobDir::open(&opts.jobs_dir, &spec.name);
-    // Node 0 binds the store before anything is created, so a taken port costs nothing.
-    if layout.node_rank == 0 {
-        job.ensure_new(&spec.name)?;
+    // Node 0 decides, and binds the store, before anything is created or changed, so a
+    // refusal or a taken port costs nothing.
+    let decision = match (layout.node_rank, opts.resume) {
+        (0, ResumeMode::Never) => {
+            job.ensure_new(&spec.name)?;
+            Decision::Start
+        }
+        (0, ResumeMode::Auto) => auto::decide(&opts.jobs_dir, &opts.loaded)?,
+        // Other nodes do what node 0 decides.
+        _ => Decision::Start,
+    };
+    if let (Decision::AlreadyFinished(message), 1) = (&decision, layout.nnodes) {
+        return Ok(Ended::AlreadyFinished(job, message.clone()));
     }
+    let _lock = match decision {
+        Decision::Continue(_) => Some(job.lock(&spec.name)?),
+        _ => None,
+    };
     let (server, client, port) = meet(&layout, &token, spec)?;
+    let nodes = (layout.nnodes > 1).then(|| Nodes {
+        client: &client,
+        node_rank: layout.node_rank,
+        nnodes: layout.nnodes,
+        patience: Duration::from_secs(spec.distributed.timeout_s),
+    });
+    let group = |resume_from: Option<PathBuf>, nodes| {
+        Group {
+            job: &job,
+            spec,
+            layout: &layout,
+            token: &token,
+            port,
+            started: opts.started,
+            server: server.as_ref(),
+            client: &client,
+            nodes,
+        }
+        .execute(resume_from)
+    };
+    if layout.node_rank > 0 {
+        let nodes = nodes.expect("several nodes");
+        return match follow_node0(&job, opts, &nodes)? {
+            Followed::Finished(message) => Ok(Ended::AlreadyFinished(job, message)),
+            Followed::Train(from) => {
+                group(from, Some(nodes))?;
+                Ok(Ended::Finished(job, None))
+            }
+        };
+    }
 
     Dataset::ensure_present(&spec.data)?;
-    let mut _lock = None;
-    let state = if layout.node_rank == 0 {
-        // Text data is read (and checked) before the job exists, so bad data creates nothing.
-        let vocab = text_vocab(spec, None)?;
-        let state = create_job(&job, opts, &layout, vocab.as_ref())?;
-        _lock = Some(job.lock(&spec.name)?);
-        client.set(&Key::JobReady.to_string(), b"1")?;
-        Some(state)
-    } else {
-        let patience = Duration::from_secs(spec.distributed.timeout_s);
-        client
-            .wait(&[Key::JobReady.to_string()], patience)
-            .map_err(|e| match e {
-                StoreError::Timeout { .. } => RunError::Failed {
-                    name: spec.name.clone(),
-                    report: format!(
-                        "node 0 did not finish preparing it (data download, job directory) \
-                         within {} s (distributed.timeout_s); see node 0's output",
-                        patience.as_secs()
-                    ),
+    let (plan, _lock) = match decision {
+        Decision::Start => {
+            // Text data is read (and checked) before the job exists, so bad data creates nothing.
+            let vocab = text_vocab(spec, None)?;
+            create_job(&job, opts, &layout, vocab.as_ref())?;
+            (Plan::Start, Some(job.lock(&spec.name)?))
+        }
+        Decision::Continue(_) => {
+            // A job stopped before its first checkpoint starts again from the beginning.
+            let choice = resume::choose_checkpoint(&job, &spec.name, true)?;
+            resume::start_continuing(&job, spec, &choice, layout.world_size())?;
+            let from = choice.usable.map(|d| std::path::absolute(&d).unwrap_or(d));
+            (Plan::Continue { from }, _lock)
+        }
+        Decision::AlreadyFinished(message) => {
+            let nodes = nodes.expect("several nodes");
+            nodes.publish_plan(
+                &absolute(&job.root),
+                Plan::Finished {
+                    message: message.clone(),
                 },
-                other => other.into(),
-            })?;
-        join_job(&job, opts)?;
-        None
+            )?;
+            if let Err(why) = nodes.await_plan_seen() {
+                eprintln!("warning: job `{}` finished already, but {why}", spec.name);
+            }
+            return Ok(Ended::AlreadyFinished(job, message));
+        }
     };
-
-    let group = Group {
-        job: &job,
-        spec,
-        layout: &layout,
-        token: &token,
-        port,
-        started: opts.started,
-        server: server.as_ref(),
-        client: &client,
+    let from = match &plan {
+        Plan::Continue { from } => from.clone(),
+        _ => None,
     };
-    let outcome = group.execute(None);
-    if state.is_none() {
-        return outcome.map(|()| (job, None));
+    if let Some(nodes) = &nodes {
+        nodes.publish_plan(&absolute(&job.root), plan)?;
     }
-    record_outcome(&job, spec, opts.started, outcome).map(|s| (job, Some(s)))
+    let outcome = group(from, nodes);
+    record_outcome(&job, spec, opts.started, outcome).map(|s| Ended::Finished(job, Some(s)))
+}
+
+/// What a node other than 0 does, as node 0 decided it.
+enum Followed {
+    /// Train, from this checkpoint (node 0's, read through a shared file system).
+    Train(Option<PathBuf>),
+    /// Nothing: the job finished already.
+    Finished(String),
+}
+
+/// Nodes > 0: waits for node 0's plan and checks this node can follow it.
+fn follow_node0(job: &JobDir, opts: &RunOptions, nodes: &Nodes) -> Result<Followed, RunError> {
+    let spec = &opts.loaded.spec;
+    let (node0_dir, plan) = nodes.await_plan().map_err(|e| match e {
+        StoreError::Timeout { .. } => RunError::Failed {
+            name: spec.name.clone(),
+            report: format!(
+                "node 0 did not finish preparing it (data download, job directory, checkpoint) \
+                 within {} s (distributed.timeout_s); see node 0's output",
+                nodes.patience.as_secs()
+            ),
+        },
+        other => other.into(),
+    })?;
+    // Workers of a restarted or continued job read node 0's checkpoints.
+    let must_read = match &plan {
+        Plan::Finished { message } => {
+            nodes.plan_seen()?;
+            return Ok(Followed::Finished(format!("{message} (node 0 says)")));
+        }
+        Plan::Continue { from: Some(dir) } => Some((dir.clone(), "checkpoint")),
+        _ if spec.distributed.max_restarts > 0 => {
+            Some((node0_dir.join("state.json"), "the job's state.json"))
+        }
+        _ => None,
+    };
+    if let Some((path, what)) = must_read
+        && let Err(why) = nodes::check_shared(&path, nodes.node_rank, what)
+    {
+        // Node 0 is starting its workers: they stop at once.
+        let _ = nodes.report_failure(0, &why, true);
+        return Err(RunError::Usage(why));
+    }
+    Dataset::ensure_present(&spec.data)?;
+    join_job(job, opts)?;
+    Ok(Followed::Train(match plan {
+        Plan::Continue { from } => from,
+        _ => None,
+    }))
+}
+
+fn absolute(path: &std::path::Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
 /// Node 0: writes the final `state.json` (finished, failed or interrupted) and returns the
@@ -327,7 +424,7 @@ fn create_job(
     opts: &RunOptions,
     layout: &Layout,
     vocab: Option<&Vocab>,
-) -> Result<JobState, RunError> {
+) -> Result<(), RunError> {
     let spec = &opts.loaded.spec;
     job.create(&spec.name)?;
     write_job_toml(job, opts)?;
@@ -335,9 +432,8 @@ fn create_job(
         job.write_file(&Vocab::path_in(&job.root), vocab.to_json().as_bytes())?;
     }
     // Rank 0 fills in total_steps once it has read the data.
-    let state = JobState::running(layout.world_size(), 0);
-    job.write_state(&state)?;
-    Ok(state)
+    job.write_state(&JobState::running(layout.world_size(), 0))?;
+    Ok(())
 }
 
 /// Nodes > 0: their own job directory (or node 0's, on a shared file system) for their logs.

@@ -10,7 +10,7 @@ use super::{Layout, NodeOptions, RunError, meet, record_outcome};
 use crate::checkpoint;
 use crate::config;
 use crate::data::Dataset;
-use crate::jobdir::{self, JobDir, JobDirError, Status, now_unix};
+use crate::jobdir::{self, JobDir, JobDirError, JobState, Status, now_unix};
 use crate::store;
 use crate::train::Summary;
 
@@ -35,7 +35,7 @@ pub enum Resumed {
 pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     let name = target(opts)?;
     let job = JobDir::open(&opts.jobs_dir, &name);
-    let Some(mut state) = job.read_state() else {
+    let Some(state) = job.read_state() else {
         return Err(RunError::Usage(if job.root.exists() {
             format!(
                 "`{}` has no readable state.json, so it is not a ddpjob job",
@@ -59,13 +59,51 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
         )));
     }
     let _lock = job.lock(&name)?;
+    let choice = choose_checkpoint(&job, &name, opts.from_scratch)?;
+    // Same world size as the checkpoint unless asked otherwise, so a resume is exact.
+    let nproc = opts
+        .nproc_per_node
+        .or(choice.position.as_ref().map(|p| p.world_size));
+    let overrides: Vec<String> = nproc
+        .map(|n| format!("distributed.nproc_per_node={n}"))
+        .into_iter()
+        .collect();
+    let loaded = config::load(&job.job_toml(), &overrides)?;
+    let spec = &loaded.spec;
+    let layout = Layout::new(&NodeOptions::default(), spec)?;
+    let token = store::random_token();
+    let (server, client, port) = meet(&layout, &token, spec)?;
+    Dataset::ensure_present(&spec.data)?;
+    start_continuing(&job, spec, &choice, layout.world_size())?;
 
+    let group = Group {
+        job: &job,
+        spec,
+        layout: &layout,
+        token: &token,
+        port,
+        started: opts.started,
+        server: server.as_ref(),
+        client: &client,
+        nodes: None,
+    };
+    let outcome = group.execute(choice.usable.clone());
+    let summary = record_outcome(&job, spec, opts.started, outcome)?;
+    Ok(Resumed::Finished(job, summary))
+}
+
+/// The newest checkpoint of job `name` that verifies; none is an error unless `from_scratch`.
+pub(super) fn choose_checkpoint(
+    job: &JobDir,
+    name: &str,
+    from_scratch: bool,
+) -> Result<checkpoint::Choice, RunError> {
     let checkpoints = job.checkpoints_dir();
     let choice = checkpoint::choose(&checkpoints).map_err(|cause| JobDirError::Io {
         path: checkpoints.clone(),
         cause,
     })?;
-    if choice.usable.is_none() && !opts.from_scratch {
+    if choice.usable.is_none() && !from_scratch {
         let damaged: Vec<String> = choice
             .skipped
             .iter()
@@ -82,54 +120,39 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
             checkpoints.display()
         )));
     }
-    let position = choice.position.clone();
-    // Same world size as the checkpoint unless asked otherwise, so a resume is exact.
-    let nproc = opts
-        .nproc_per_node
-        .or(position.as_ref().map(|p| p.world_size));
-    let overrides: Vec<String> = nproc
-        .map(|n| format!("distributed.nproc_per_node={n}"))
-        .into_iter()
-        .collect();
-    let loaded = config::load(&job.job_toml(), &overrides)?;
-    let spec = &loaded.spec;
-    let layout = Layout::new(&NodeOptions::default(), spec)?;
-    let token = store::random_token();
-    let (server, client, port) = meet(&layout, &token, spec)?;
-    Dataset::ensure_present(&spec.data)?;
-    // The text must still encode with the vocabulary the job trained with.
-    super::text_vocab(spec, Some(&job))?;
+    Ok(choice)
+}
 
-    rewind_to(&job, &choice)?;
-    match (&choice.usable, &position) {
+/// Checks the job's data still fits it, sets damaged checkpoints aside, rewinds the metrics to
+/// `choice` and marks the job running on `world_size` workers.
+pub(super) fn start_continuing(
+    job: &JobDir,
+    spec: &config::JobSpec,
+    choice: &checkpoint::Choice,
+    world_size: usize,
+) -> Result<(), RunError> {
+    let name = &spec.name;
+    // The text must still encode with the vocabulary the job trained with.
+    super::text_vocab(spec, Some(job))?;
+    rewind_to(job, choice)?;
+    match (&choice.usable, &choice.position) {
         (Some(dir), Some(p)) => println!(
-            "resuming job `{name}` from `{}` (epoch {}, step {}) on {} worker(s)",
+            "resuming job `{name}` from `{}` (epoch {}, step {}) on {world_size} worker(s)",
             dir.display(),
             p.epoch + 1,
             p.step,
-            layout.world_size()
         ),
         _ => println!("job `{name}`: no usable checkpoint; training again from the start"),
     }
+    let mut state = job
+        .read_state()
+        .unwrap_or_else(|| JobState::running(world_size, 0));
     state.status = Status::Running;
     state.error = None;
-    state.world_size = layout.world_size();
+    state.world_size = world_size;
     state.updated_unix = now_unix();
     job.write_state(&state)?;
-
-    let group = Group {
-        job: &job,
-        spec,
-        layout: &layout,
-        token: &token,
-        port,
-        started: opts.started,
-        server: server.as_ref(),
-        client: &client,
-    };
-    let outcome = group.execute(choice.usable.clone());
-    let summary = record_outcome(&job, spec, opts.started, outcome)?;
-    Ok(Resumed::Finished(job, summary))
+    Ok(())
 }
 
 /// The job `resume` continues: the one named, else the most recently updated unfinished one.

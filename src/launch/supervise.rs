@@ -16,6 +16,8 @@ use crate::worker::{EXIT_PEER_LOST, EXIT_STOPPED};
 const POLL: Duration = Duration::from_millis(50);
 /// After the first failure, how long to let the others fail on their own before stopping them.
 const SETTLE: Duration = Duration::from_millis(500);
+/// How often a launcher asks the store whether another node's workers failed.
+const PEER_POLL: Duration = Duration::from_millis(250);
 
 /// One spawned worker.
 pub struct Worker {
@@ -33,12 +35,19 @@ pub enum Outcome {
     Failed {
         summary: String,
         report: String,
+        /// The rank blamed only lost a peer: the cause is elsewhere (another node, perhaps).
+        lost_peer: bool,
     },
     /// The launcher got SIGINT or SIGTERM (`signal`), or the workers were told to stop by
     /// someone else; `clean`: every worker stopped after its checkpoint.
     Interrupted {
         signal: i32,
         clean: bool,
+    },
+    /// Another node's workers failed first (`summary` says where and how); this node's were
+    /// stopped.
+    PeerFailed {
+        summary: String,
     },
 }
 
@@ -77,8 +86,15 @@ pub fn spawn(
 
 /// Waits for every worker. On the first failure, or a rank whose heartbeats stop, kills the
 /// others. On SIGINT or SIGTERM, asks every worker to finish its step and checkpoint (SIGTERM),
-/// waiting up to `grace`; a second signal kills them at once.
-pub fn supervise(workers: &mut [Worker], watch: &mut Watchdog, grace: Duration) -> Outcome {
+/// waiting up to `grace`; a second signal kills them at once. `peer_failure` is asked now and
+/// then whether another node's workers failed (multi-node jobs), which stops these at once.
+pub fn supervise(
+    workers: &mut [Worker],
+    watch: &mut Watchdog,
+    grace: Duration,
+    peer_failure: &dyn Fn() -> Option<String>,
+) -> Outcome {
+    let mut asked_peers = Instant::now();
     loop {
         if crate::signals::received() > 0 {
             let signal = crate::signals::last();
@@ -109,9 +125,13 @@ pub fn supervise(workers: &mut [Worker], watch: &mut Watchdog, grace: Duration) 
                 reap(workers);
             }
             // Reported before the stop, whose kills would count as failures of their own.
-            let (summary, report) = failure_report(workers, watch);
+            let (summary, report, lost_peer) = failure_report(workers, watch);
             stop(workers, true);
-            return Outcome::Failed { summary, report };
+            return Outcome::Failed {
+                summary,
+                report,
+                lost_peer,
+            };
         }
         if workers.iter().all(|w| w.status.is_some()) {
             return Outcome::Finished;
@@ -124,7 +144,18 @@ pub fn supervise(workers: &mut [Worker], watch: &mut Watchdog, grace: Duration) 
         if let Some(report) = watch.check(&running) {
             stop(workers, true);
             let summary = report.clone();
-            return Outcome::Failed { summary, report };
+            return Outcome::Failed {
+                summary,
+                report,
+                lost_peer: false,
+            };
+        }
+        if asked_peers.elapsed() >= PEER_POLL {
+            asked_peers = Instant::now();
+            if let Some(summary) = peer_failure() {
+                stop(workers, true);
+                return Outcome::PeerFailed { summary };
+            }
         }
         std::thread::sleep(POLL);
     }
@@ -199,12 +230,13 @@ pub fn stop(workers: &mut [Worker], at_once: bool) {
     }
 }
 
-/// A one-line summary (rank, pid, status, step) and the full report with the log tail.
-fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String) {
+/// A one-line summary (rank, pid, status, step), the full report with the log tail, and
+/// whether the rank blamed only lost a peer.
+fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String, bool) {
     let mut failed: Vec<&Worker> = workers.iter().filter(|w| w.failed()).collect();
     failed.sort_by_key(|w| (w.blame_order(), w.rank));
     let Some(w) = failed.first() else {
-        return ("a worker failed".into(), "a worker failed".into());
+        return ("a worker failed".into(), "a worker failed".into(), false);
     };
     let step = watch
         .last_step(w.rank)
@@ -238,7 +270,7 @@ fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String) {
             tail.join("\n    ")
         );
     }
-    (summary, text)
+    (summary, text, w.blame_order() == 2)
 }
 
 fn shorten(text: &str, max: usize) -> String {

@@ -6,9 +6,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::StoreError;
-#[cfg(test)]
-use super::protocol::OP_ADD;
-use super::protocol::{Decoder, Encoder, MAGIC, OP_GET, OP_SET, OP_WAIT, read_frame, write_frame};
+use super::protocol::{
+    Decoder, Encoder, MAGIC, OP_ADD, OP_GET, OP_SET, OP_WAIT, read_frame, write_frame,
+};
 
 /// Extra time a reply may take beyond a wait's own deadline before the store counts as gone.
 const REPLY_MARGIN: Duration = Duration::from_secs(30);
@@ -128,7 +128,6 @@ impl StoreClient {
     }
 
     /// Adds `delta` to the counter `key` (0 if unset) and returns the new value.
-    #[cfg(test)]
     pub fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         let req = Encoder::op(OP_ADD).bytes(key.as_bytes()).i64(delta);
         let reply = self.call("add", &req.0, REPLY_MARGIN)?;

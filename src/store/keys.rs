@@ -7,13 +7,29 @@ use std::fmt;
 pub const REGISTERED_PREFIX: &str = "worker/";
 /// What `Key::RingAddr` keys start with.
 pub const RING_ADDR_PREFIX: &str = "ring/addr/";
+/// What the launchers' own keys start with (`JobReady` and the restart protocol's): the keys
+/// kept when the store is cleared between restart attempts.
+pub const LAUNCH_PREFIX: &str = "launch/";
 
 /// A rendezvous-store key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Key {
-    /// Node 0's launcher has created the job directory; other nodes' launchers wait for it.
-    /// The only key kept when the store is cleared between restart attempts.
+    /// Node 0's launcher has prepared the job (created it, or chosen the checkpoint it
+    /// continues from, or found it finished): its plan, which other nodes' launchers wait for.
     JobReady,
+    /// How many other nodes' launchers have read a plan that says the job already finished
+    /// (node 0 keeps its store up until they all have).
+    PlanSeen,
+    /// The first failure of restart attempt `attempt` on any node (a `nodes::Failure`); every
+    /// node's launcher stops its workers when it appears.
+    AttemptFailed { attempt: usize },
+    /// Counter electing the node whose failure of `attempt` is recorded (the first to add).
+    AttemptFailures { attempt: usize },
+    /// Node `node` has stopped its workers of `attempt`; node 0 waits for every node.
+    AttemptStopped { attempt: usize, node: usize },
+    /// Node 0's decision after `attempt` failed: the checkpoint the next attempt starts from,
+    /// or that the job is given up.
+    AttemptNext { attempt: usize },
     /// A worker is up (`pid P node N`); every worker waits for all of them.
     Registered { rank: usize },
     /// A node's local rank 0 has the data on disk (or says why not); the node's other ranks
@@ -31,7 +47,14 @@ pub enum Key {
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Key::JobReady => f.write_str("job/ready"),
+            Key::JobReady => write!(f, "{LAUNCH_PREFIX}plan"),
+            Key::PlanSeen => write!(f, "{LAUNCH_PREFIX}plan-seen"),
+            Key::AttemptFailed { attempt } => write!(f, "{LAUNCH_PREFIX}{attempt}/failed"),
+            Key::AttemptFailures { attempt } => write!(f, "{LAUNCH_PREFIX}{attempt}/failures"),
+            Key::AttemptStopped { attempt, node } => {
+                write!(f, "{LAUNCH_PREFIX}{attempt}/stopped/{node}")
+            }
+            Key::AttemptNext { attempt } => write!(f, "{LAUNCH_PREFIX}{attempt}/next"),
             Key::Registered { rank } => write!(f, "{REGISTERED_PREFIX}{rank}"),
             Key::DataReady { node } => write!(f, "data/node{node}"),
             Key::Heartbeat { rank } => write!(f, "heartbeat/{rank}"),
@@ -49,6 +72,14 @@ mod tests {
     fn keys_are_distinct_and_none_is_a_prefix_of_another() {
         let keys: Vec<String> = [
             Key::JobReady,
+            Key::PlanSeen,
+            Key::AttemptFailed { attempt: 1 },
+            Key::AttemptFailures { attempt: 1 },
+            Key::AttemptStopped {
+                attempt: 1,
+                node: 1,
+            },
+            Key::AttemptNext { attempt: 1 },
             Key::Registered { rank: 1 },
             Key::Registered { rank: 12 },
             Key::DataReady { node: 1 },
@@ -63,8 +94,8 @@ mod tests {
             for b in &keys[i + 1..] {
                 assert_ne!(a, b);
             }
-            // Clearing the store keeps keys that start with JobReady's.
-            assert!(i == 0 || !a.starts_with(&keys[0]), "{a}");
+            // Clearing the store between attempts keeps the launchers' keys, and only them.
+            assert_eq!(a.starts_with(LAUNCH_PREFIX), i < 6, "{a}");
         }
     }
 }

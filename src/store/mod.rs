@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use thiserror::Error;
 
 pub use client::StoreClient;
-pub use keys::{Key, REGISTERED_PREFIX, RING_ADDR_PREFIX};
+pub use keys::{Key, LAUNCH_PREFIX, REGISTERED_PREFIX, RING_ADDR_PREFIX};
 pub use server::StoreServer;
 
 #[derive(Debug, Error)]

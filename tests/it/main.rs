@@ -11,6 +11,7 @@ mod distributed;
 mod download;
 mod hangs;
 mod language;
+mod nodes;
 mod resume;
 mod run;
 mod shell;

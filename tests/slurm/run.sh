@@ -113,16 +113,19 @@ if [ "$status" = 138 ] && grep -q "interrupted by SIGUSR1" usr1.out \
   pass "scancel --signal=USR1: both nodes checkpoint and stop (exit 138), resume finishes"
 else fail "SIGUSR1 (srun exit $status)"; tail -5 usr1.out resume.out 2>/dev/null; fi
 
-# 5. `scontrol requeue` in the middle of a (one-node) batch job: the job stops after a
-#    checkpoint, Slurm starts the same script again with SLURM_RESTART_COUNT=1, and `run`
-#    continues the job (--resume auto) to weights bit-identical to an uninterrupted run.
-# interrupt_and_requeue NAME HOW...: submits a one-node --requeue batch job training NAME,
-# runs HOW (with $jid set) once the job is 40 steps in, and waits until the job has finished
-# (in its second allocation); its output is NAME.out.
+# 5. `scontrol requeue` in the middle of a batch job, on one node and on two: the job stops
+#    after a checkpoint, Slurm starts the same script again with SLURM_RESTART_COUNT=1, and
+#    `run` (on every node) continues the job (--resume auto) to weights bit-identical to an
+#    uninterrupted run.
+# interrupt_and_requeue NAME NODES HOW...: submits a --requeue batch job training NAME on NODES
+# nodes (one worker each when two), runs HOW (with $jid set) once the job is 40 steps in, and
+# waits until the job has finished (in its second allocation); its output is NAME.out.
 interrupt_and_requeue() {
-  local name=$1; shift
-  printf '#!/bin/bash\nsrun ./ddpjob run tiny.toml --name %s --set train.epochs=800\n' "$name" > "$name.sh"
-  jid=$(sbatch --parsable -N1 --requeue --open-mode=append -o "$name.out" "$name.sh")
+  local name=$1 nodes=$2; shift 2
+  local per_node=""
+  [ "$nodes" = 1 ] || per_node="--nproc-per-node 1"
+  printf '#!/bin/bash\nsrun ./ddpjob run tiny.toml --name %s %s --set train.epochs=800\n' "$name" "$per_node" > "$name.sh"
+  jid=$(sbatch --parsable -N"$nodes" --ntasks-per-node=1 --requeue --open-mode=append -o "$name.out" "$name.sh")
   for _ in $(seq 150); do grep -qs '"step":40,' "jobs/$name/metrics.jsonl" && break; sleep 0.2; done
   "$@" || echo "$* failed"
   # A requeued job waits about two minutes before it may start again; not here.
@@ -135,7 +138,7 @@ interrupt_and_requeue() {
 requeue_it() { scontrol requeue "$jid"; }
 warn_it() { scancel --signal=USR1 "$jid"; }
 
-interrupt_and_requeue requeued requeue_it
+interrupt_and_requeue requeued 1 requeue_it
 if grep -qs '"status": *"finished"' jobs/requeued/state.json \
    && grep -q "interrupted by SIGTERM" requeued.out \
    && grep -q "note: --resume auto: Slurm requeued this job (SLURM_RESTART_COUNT=1)" requeued.out \
@@ -144,10 +147,23 @@ if grep -qs '"status": *"finished"' jobs/requeued/state.json \
   pass "scontrol requeue: the requeued allocation resumes, weights bit-identical"
 else fail "scontrol requeue"; tail -8 requeued.out 2>/dev/null; fi
 
+# The same job on two nodes, uninterrupted: what the two-node scenarios below must reach.
+timeout 300 srun -N2 --ntasks-per-node=1 ./ddpjob run tiny.toml --name straight2 \
+  --nproc-per-node 1 --set train.epochs=800 > straight2.out 2>&1 || { echo "two-node reference failed"; tail -5 straight2.out; }
+
+interrupt_and_requeue requeued2 2 requeue_it
+if grep -qs '"status": *"finished"' jobs/requeued2/state.json \
+   && [ "$(grep -c "interrupted by SIGTERM" requeued2.out)" = 2 ] \
+   && [ "$(grep -c "note: --resume auto: Slurm requeued this job" requeued2.out)" = 2 ] \
+   && grep -q "resuming job \`requeued2\` from" requeued2.out \
+   && compare jobs/requeued2/model.safetensors jobs/straight2/model.safetensors 0; then
+  pass "scontrol requeue of a two-node job: both nodes resume, weights bit-identical"
+else fail "scontrol requeue (two nodes)"; tail -12 requeued2.out 2>/dev/null; fi
+
 # 6. The time-limit warning (SIGUSR1 to the steps) in a job submitted with --requeue: ddpjob
 #    checkpoints, stops, requeues the job itself (scontrol requeue, as Lightning does), and the
 #    next allocation continues it to the same weights.
-interrupt_and_requeue warned warn_it
+interrupt_and_requeue warned 1 warn_it
 if grep -qs '"status": *"finished"' jobs/warned/state.json \
    && grep -q "interrupted by SIGUSR1" warned.out \
    && grep -q "Slurm job $jid requeued" warned.out \
@@ -176,6 +192,40 @@ if [ "$took" -le 30 ] && grep -q "rank 1 (node 1) closed its connection" killed.
    && grep -q '"status": *"failed"' jobs/killed/state.json; then
   pass "node 1's launcher killed: node 0 fails within ${took} s naming rank 1 (node 1)"
 else fail "launcher killed on node 1 (${took} s)"; grep -E "error" killed.out | head -5; fi
+
+# 8. A worker killed on node 2 (rank 1) with distributed.max_restarts = 1: both nodes stop
+#    their workers and start again from the same checkpoint, to the uninterrupted weights.
+DDPJOB_FAULT=rank=1,step=60,kind=kill timeout 300 srun -N2 --ntasks-per-node=1 ./ddpjob run \
+  tiny.toml --name restarted --nproc-per-node 1 --set train.epochs=800 \
+  --set distributed.max_restarts=1 > restarted.out 2>&1 || echo "srun exit $?" >> restarted.out
+if grep -qs '"status": *"finished"' jobs/restarted/state.json \
+   && [ "$(grep -c "restart 1/1 of job \`restarted\` from checkpoint .* after: node 1: rank 1 (pid [0-9]*) was killed by signal 9" restarted.out)" = 2 ] \
+   && grep -qs '"restarts": *1' jobs/restarted/state.json \
+   && compare jobs/restarted/model.safetensors jobs/straight2/model.safetensors 0; then
+  pass "worker killed on node 2, max_restarts = 1: both nodes restart, weights bit-identical"
+else fail "restart across nodes"; tail -8 restarted.out 2>/dev/null; fi
+
+# 9. Node 1's launcher killed while restarts are allowed: node 0 cannot restart without it and
+#    fails within distributed.timeout_s, naming the node.
+timeout 300 srun -N2 --ntasks-per-node=1 -J killed2 ./ddpjob run tiny.toml --nproc-per-node 1 \
+  --name killed2 --set train.epochs=3000 --set distributed.max_restarts=1 \
+  --set distributed.timeout_s=10 > killed2.out 2>&1 &
+srun_pid=$!
+for _ in $(seq 100); do grep -qs '"step":40,' jobs/killed2/metrics.jsonl && break; sleep 0.2; done
+for p in $(pgrep -f "name killed2"); do
+  tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx 'SLURM_NODEID=1' \
+    && tr '\0' '\n' < "/proc/$p/environ" | grep -qx 'SLURM_PROCID=1' \
+    && ! tr '\0' '\n' < "/proc/$p/environ" | grep -q '^DDPJOB_JOB_DIR=' && kill -9 "$p"
+done
+started=$(date +%s)
+set +e
+wait "$srun_pid"
+set -e
+took=$(( $(date +%s) - started ))
+if [ "$took" -le 25 ] && grep -q "node 1 did not stop its workers within 10 s" killed2.out \
+   && grep -q '"status": *"failed"' jobs/killed2/state.json; then
+  pass "node 1's launcher killed with restarts allowed: node 0 fails within ${took} s naming node 1"
+else fail "launcher killed on node 1 with max_restarts (${took} s)"; grep -E "error" killed2.out | head -5; fi
 
 echo "slurm tests: $failures failure(s)"
 [ "$failures" = 0 ]

@@ -1,9 +1,11 @@
 //! Job files: TOML → raw serde structs (unknown keys rejected) → a validated [`JobSpec`].
 //! Errors name the file, line and column (or the `--set` argument), the key, and the fix.
 
+mod checks;
 mod custom;
+mod declare;
 mod error;
-mod raw;
+mod keys;
 pub mod schema;
 mod source;
 mod spec;
@@ -16,7 +18,7 @@ use serde::Deserialize;
 use crate::registry::Registry;
 
 pub use error::{ConfigError, Origin};
-pub use raw::RawConfig;
+pub use keys::RawConfig;
 pub use source::Source;
 #[cfg(any(test, feature = "cuda"))]
 pub(crate) use spec::Backend;

@@ -4,6 +4,11 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+// The sections whose checked keys are the spec itself, declared in `keys.rs`.
+pub use super::keys::{
+    CheckpointSpec, DistributedSpec, LoggingSpec, ScheduleSpec, SyntheticSpec, TrainSpec,
+};
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobSpec {
     pub name: String,
@@ -16,13 +21,6 @@ pub struct JobSpec {
     pub logging: LoggingSpec,
     /// `[expect]`, in the order of [`Check::ALL`].
     pub expect: Vec<Expectation>,
-}
-
-/// `[logging]`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LoggingSpec {
-    /// Write TensorBoard event files under `<job>/tensorboard/`.
-    pub tensorboard: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -186,16 +184,6 @@ impl TokenDtype {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub struct SyntheticSpec {
-    pub train_samples: usize,
-    pub test_samples: usize,
-    /// [channels, height, width]
-    pub shape: [usize; 3],
-    pub classes: usize,
-    pub noise: f32,
-}
-
-#[derive(Debug, Clone, PartialEq)]
 pub struct DataSpec {
     pub dataset: DatasetKind,
     pub root: PathBuf,
@@ -285,44 +273,6 @@ pub enum ScheduleKind {
     },
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ScheduleSpec {
-    pub kind: ScheduleKind,
-    pub warmup_steps: usize,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct TrainSpec {
-    pub epochs: usize,
-    pub batch_size: usize,
-    pub accumulation: usize,
-    pub lr: f64,
-    pub optimizer: OptimizerSpec,
-    pub grad_clip_norm: Option<f64>,
-    pub max_steps: Option<usize>,
-    pub eval_batch_size: usize,
-    /// Evaluate every N optimizer steps as well as at each epoch's end.
-    pub eval_every: Option<usize>,
-    /// Evaluate on this many batches (spread over the split) instead of all of it.
-    pub eval_batches: Option<usize>,
-    pub log_every: usize,
-    pub schedule: ScheduleSpec,
-    pub precision: Precision,
-    /// CPU threads flush subnormal results and inputs to zero (`train.flush_denormals`).
-    pub flush_denormals: bool,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct CheckpointSpec {
-    pub every_epochs: Option<usize>,
-    pub every_steps: Option<usize>,
-    /// `None`: keep all.
-    pub keep_last: Option<usize>,
-    /// Keep the weights of the lowest evaluation loss as `checkpoints/best`.
-    pub keep_best: bool,
-    pub on_write_error: OnWriteError,
-}
-
 /// What a failed checkpoint write does to the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnWriteError {
@@ -330,20 +280,6 @@ pub enum OnWriteError {
     Fail,
     /// Log the error and keep training; the previous checkpoint stays the newest.
     Warn,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct DistributedSpec {
-    /// `None` = "auto".
-    pub nproc_per_node: Option<usize>,
-    pub timeout_s: u64,
-    pub max_restarts: usize,
-    pub bucket_bytes: usize,
-    /// Where workers train (`distributed.device`).
-    pub device: DeviceChoice,
-    /// GPU ordinals to use, one per local rank (`distributed.devices`); `None`: all visible.
-    pub devices: Option<Vec<usize>>,
-    pub backend: Backend,
 }
 
 /// `distributed.device`.

@@ -1,6 +1,6 @@
 use std::path::Path;
 
-use super::raw::RawConfig;
+use super::keys::RawConfig;
 use super::*;
 
 fn load_text(text: &str, overrides: &[&str]) -> Result<LoadedConfig, ConfigError> {
@@ -273,7 +273,7 @@ fn plan_derives_global_batch_and_steps() {
 /// changing a key, `DDPJOB_BLESS=1 cargo test readme_config_table` rewrites it.
 #[test]
 fn readme_config_table_is_the_schemas() {
-    const START: &str = "<!-- config table: generated from src/config/schema.rs -->\n";
+    const START: &str = "<!-- config table: generated from src/config/keys.rs -->\n";
     const END: &str = "<!-- end of config table -->";
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
     let readme = std::fs::read_to_string(path).unwrap();
@@ -295,17 +295,20 @@ fn readme_config_table_is_the_schemas() {
             .unwrap();
         } else {
             panic!(
-                "README.md's config table differs from src/config/schema.rs; run \
+                "README.md's config table differs from the key declarations in src/config/keys.rs; run \
                  `DDPJOB_BLESS=1 cargo test readme_config_table` to regenerate it"
             );
         }
     }
 }
 
-/// A default the schema shows as a TOML value is the raw config's serde default.
+/// A default a declaration words itself (`shown`) is the key's serde default, or for a gpt's
+/// keys the one `resolve_gpt` writes.
 #[test]
-fn schema_defaults_are_the_raw_configs() {
-    let defaults = toml::Value::try_from(RawConfig::default()).unwrap();
+fn shown_defaults_are_the_real_ones() {
+    let mut raw = RawConfig::default();
+    raw.model.resolve_gpt();
+    let defaults = toml::Value::try_from(raw).unwrap();
     let mut checked = 0;
     for k in schema::KEYS
         .iter()

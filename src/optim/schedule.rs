@@ -50,7 +50,14 @@ mod tests {
     use super::*;
 
     fn spec(kind: ScheduleKind, warmup_steps: usize) -> ScheduleSpec {
-        ScheduleSpec { kind, warmup_steps }
+        // The parameters the schedule reads are in `kind`.
+        ScheduleSpec {
+            kind,
+            warmup_steps,
+            step_size: 1,
+            gamma: 0.1,
+            min_lr: 0.0,
+        }
     }
 
     #[test]

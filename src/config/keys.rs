@@ -1,0 +1,532 @@
+//! Every key of a job file, declared once: what it means (the doc comment, which is also its
+//! line in the README's config table and in `ddpjob keys`), its TOML type and default, and its
+//! check, which makes the typed value the program sees. Checks that relate keys of different
+//! sections (a gpt's data, devices and build) are in `validate.rs`.
+//!
+//! To add a key: one declaration here, then `DDPJOB_BLESS=1 cargo test readme_config_table`.
+
+// A check takes a reference to its key's declared type (`&String`, `&Vec<i64>`).
+#![allow(clippy::ptr_arg)]
+
+use std::collections::BTreeMap;
+
+use super::checks::{
+    Checker, any, at_least, choice, each, in_range, int_range, non_negative, optional, positive,
+    zero_is_off, zero_is_off_f64,
+};
+use super::declare::section;
+use super::spec::{
+    Backend, DeviceChoice, OnWriteError, OptimizerSpec, Precision, ScheduleKind, TokenDtype,
+    TokenizerKind,
+};
+
+/// A week: longer than any collective should stall, and safe to add to a clock.
+const MAX_TIMEOUT_S: i64 = 7 * 24 * 3600;
+
+/// How to get GPU workers, for messages of a build without them.
+pub(super) const GPU_BUILD: &str = "this ddpjob was built without GPU support; build it with \
+     `cargo build --release --features cuda` (needs the CUDA toolkit; see the README's GPU section)";
+
+section! {
+    /// A job file.
+    RawConfig at "", checked into RootKeys {
+        /// job name: the run lives in `<jobs-dir>/<name>/`
+        name: Option<String> = None, shown "file stem" => name: Option<String> = any();
+        /// initialisation, sampler shuffle, synthetic data
+        seed: i64 = 0 => seed: usize = at_least(0);
+        /// the network
+        model: RawModel = RawModel::default() => model: ModelKeys = nested();
+        /// where the samples come from
+        data: RawData = RawData::default() => data: DataKeys = nested();
+        /// the optimisation
+        train: RawTrain = RawTrain::default() => train: TrainSpec = nested();
+        /// when checkpoints are written
+        checkpoint: RawCheckpoint = RawCheckpoint::default()
+            => checkpoint: CheckpointSpec = nested();
+        /// workers and gradient averaging
+        distributed: RawDistributed = RawDistributed::default()
+            => distributed: DistributedSpec = nested();
+        /// where metrics go besides metrics.jsonl
+        logging: RawLogging = RawLogging::default() => logging: LoggingSpec = nested();
+        /// checks after the run (CI smoke jobs): any unmet one makes the run exit 1
+        #[serde(skip_serializing_if = "RawExpect::is_empty")]
+        expect: RawExpect = RawExpect::default() => expect: ExpectKeys = nested();
+    }
+}
+
+section! {
+    /// `[model]`: the network; a gpt's keys are absent for other archs.
+    RawModel at "model", checked into ModelKeys {
+        /// `"mlp"`, `"cnn"` or `"gpt"`, or a model your own binary registers (see "Your own
+        /// model"; its keys are its options struct's)
+        arch: String = "mlp".into() => arch: String = any();
+        /// mlp hidden widths
+        hidden: Vec<i64> = vec![256, 256] => hidden: Vec<usize> = each(at_least(1));
+        /// gpt: transformer blocks
+        #[serde(skip_serializing_if = "Option::is_none")]
+        n_layer: Option<i64> = None, shown "`4`"
+            => n_layer: Option<usize> = optional(at_least(1));
+        /// gpt: attention heads; must divide `n_embd`
+        #[serde(skip_serializing_if = "Option::is_none")]
+        n_head: Option<i64> = None, shown "`4`" => n_head: Option<usize> = optional(at_least(1));
+        /// gpt: channels
+        #[serde(skip_serializing_if = "Option::is_none")]
+        n_embd: Option<i64> = None, shown "`128`"
+            => n_embd: Option<usize> = optional(at_least(1));
+        /// gpt: context length in tokens (the window length of the data)
+        #[serde(skip_serializing_if = "Option::is_none")]
+        block_size: Option<i64> = None, shown "`64`"
+            => block_size: Option<usize> = optional(at_least(1));
+        /// gpt: dropout after the embeddings, the attention projection and the MLP, in [0, 1)
+        #[serde(skip_serializing_if = "Option::is_none")]
+        dropout: Option<f64> = None, shown "`0.0`"
+            => dropout: Option<f64> = optional(in_range(0.0, 1.0));
+        /// gpt: biases in Linear and LayerNorm layers
+        #[serde(skip_serializing_if = "Option::is_none")]
+        bias: Option<bool> = None, shown "`true`" => bias: Option<bool> = any();
+        /// gpt: vocabulary size; required for `tokens` data (e.g. `50304`); `text` data knows
+        /// its own
+        #[serde(skip_serializing_if = "Option::is_none")]
+        vocab_size: Option<i64> = None, shown "from the data"
+            => vocab_size: Option<usize> = optional(int_range(1, 1 << 31));
+    }
+}
+
+impl RawModel {
+    /// The `gpt` keys with their defaults written out (nanoGPT's CPU recipe's shape), so a gpt
+    /// job's `job.toml` says what it trained; other archs leave them out.
+    pub fn resolve_gpt(&mut self) {
+        self.n_layer.get_or_insert(4);
+        self.n_head.get_or_insert(4);
+        self.n_embd.get_or_insert(128);
+        self.block_size.get_or_insert(64);
+        self.dropout.get_or_insert(0.0);
+        self.bias.get_or_insert(true);
+    }
+}
+
+section! {
+    /// `[data]`: the dataset and where its files are.
+    RawData at "data", checked into DataKeys {
+        /// `"mnist"`, `"fashion-mnist"`, `"synthetic"`, `"text"` (a UTF-8 file) or `"tokens"`
+        /// (pre-tokenised `.bin` files), or a dataset your own binary registers
+        dataset: String = "mnist".into() => dataset: String = any();
+        /// text: the UTF-8 file; relative to the working directory; fetched from
+        /// `data.mirrors` when missing and `data.download = true`
+        #[serde(skip_serializing_if = "Option::is_none")]
+        path: Option<String> = None => path: Option<String> = any();
+        /// text: `"char"` (the file's distinct characters, sorted, as nanoGPT's `prepare.py`)
+        /// or `"byte"` (256 symbols)
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tokenizer: Option<String> = None, shown "`\"char\"`"
+            => tokenizer: Option<TokenizerKind> = optional(choice(&[("char", TokenizerKind::Char), ("byte", TokenizerKind::Byte)]));
+        /// text: the last fraction of the tokens is the validation split
+        #[serde(skip_serializing_if = "Option::is_none")]
+        val_fraction: Option<f64> = None, shown "`0.1`"
+            => val_fraction: Option<f64> = optional(open_fraction);
+        /// tokens: training tokens, flat little-endian, memory-mapped
+        #[serde(skip_serializing_if = "Option::is_none")]
+        train_path: Option<String> = None => train_path: Option<String> = any();
+        /// tokens: validation tokens, same format
+        #[serde(skip_serializing_if = "Option::is_none")]
+        val_path: Option<String> = None => val_path: Option<String> = any();
+        /// tokens: `"u16"` (nanoGPT, llm.c) or `"u32"`
+        #[serde(skip_serializing_if = "Option::is_none")]
+        token_dtype: Option<String> = None, shown "`\"u16\"`"
+            => token_dtype: Option<TokenDtype> = optional(choice(&[("u16", TokenDtype::U16), ("u32", TokenDtype::U32)]));
+        /// directory with the IDX files; searched first, downloads go here (text: the
+        /// directory of `data.path`)
+        root: Option<String> = None, shown "`\"data/<dataset>\"`" => root: Option<String> = any();
+        /// download missing files
+        download: bool = false => download: bool = any();
+        /// drop the tail that does not divide among the workers instead of padding it
+        drop_last: bool = false => drop_last: bool = any();
+        /// base URLs tried in order
+        mirrors: Vec<String> = Vec::new(), shown "known mirrors" => mirrors: Vec<String> = any();
+        /// table: SHA-256 per file name (for private mirrors)
+        checksums: BTreeMap<String, String> = BTreeMap::new(), shown "built in"
+            => checksums: BTreeMap<String, String> = sha256_digests;
+        /// per-channel normalisation after scaling to [0, 1]
+        mean: Vec<f64> = Vec::new(), shown "none" => mean: Vec<f64> = any();
+        /// per-channel normalisation after scaling to [0, 1]
+        std: Vec<f64> = Vec::new(), shown "none" => std: Vec<f64> = each(positive());
+        /// shape of the synthetic dataset
+        synthetic: RawSynthetic = RawSynthetic::default()
+            => synthetic: SyntheticSpec = nested();
+    }
+}
+
+section! {
+    /// `data.dataset = "synthetic"`: class patterns plus noise, made from the seed.
+    RawSynthetic at "data.synthetic", checked into SyntheticSpec {
+        /// synthetic training samples
+        train_samples: i64 = 4096 => train_samples: usize = at_least(1);
+        /// synthetic test samples
+        test_samples: i64 = 1024 => test_samples: usize = at_least(1);
+        /// [channels, height, width]
+        shape: Vec<i64> = vec![1, 28, 28] => shape: [usize; 3] = image_shape;
+        /// number of classes
+        classes: i64 = 10 => classes: usize = at_least(2);
+        /// noise std on each class pattern
+        noise: f64 = 0.5 => noise: f32 = |c: &mut Checker, key: &str, &v: &f64, _: &RawSynthetic| {
+            c.non_negative(key, v, "") as f32
+        };
+    }
+}
+
+section! {
+    /// `[train]`: the optimisation.
+    RawTrain at "train", checked into TrainSpec {
+        /// passes over the training set
+        epochs: i64 = 1 => epochs: usize = at_least(1);
+        /// samples per worker per micro-batch
+        batch_size: i64 = 64 => batch_size: usize = at_least(1);
+        /// micro-batches per optimizer step
+        accumulation: i64 = 1 => accumulation: usize = at_least(1);
+        /// peak learning rate
+        lr: f64 = 1e-3 => lr: f64 = positive();
+        /// `"sgd"`, `"adam"` or `"adamw"`
+        optimizer: String = "adam".into() => optimizer: OptimizerSpec = optimizer_spec;
+        /// sgd momentum
+        momentum: f64 = 0.0 => momentum: f64 = in_range(0.0, 1.0);
+        /// sgd Nesterov momentum
+        nesterov: bool = false => nesterov: bool = nesterov_needs_momentum;
+        /// adam/adamw betas
+        betas: Vec<f64> = vec![0.9, 0.999] => betas: (f64, f64) = two_betas;
+        /// adam/adamw epsilon
+        eps: f64 = 1e-8, shown "`1e-8`" => eps: f64 = positive();
+        /// L2 (sgd, adam) or decoupled (adamw)
+        weight_decay: f64 = 0.0 => weight_decay: f64 = non_negative();
+        /// global gradient norm limit
+        grad_clip_norm: f64 = 0.0, shown "`0` (off)"
+            => grad_clip_norm: Option<f64> = zero_is_off_f64();
+        /// stop after this many optimizer steps
+        max_steps: i64 = 0, shown "`0` (none)" => max_steps: Option<usize> = zero_is_off();
+        /// evaluation batch size
+        eval_batch_size: i64 = 1000 => eval_batch_size: usize = at_least(1);
+        /// also evaluate every N optimizer steps (logged as `"kind":"eval"` lines); epoch ends
+        /// always evaluate
+        eval_every: i64 = 0, shown "`0` (off)" => eval_every: Option<usize> = zero_is_off();
+        /// every evaluation (periodic, epoch end, final) uses this many batches of
+        /// `eval_batch_size`, spread evenly over the split, the same ones each time; for large
+        /// corpora
+        eval_batches: i64 = 0, shown "`0` (all)" => eval_batches: Option<usize> = zero_is_off();
+        /// optimizer steps between metric lines
+        log_every: i64 = 50 => log_every: usize = at_least(1);
+        /// `"bf16"`: forward and backward in bfloat16 (autocast-style), with f32 weights,
+        /// optimizer state, loss and gradient averaging
+        precision: String = "f32".into()
+            => precision: Precision = choice(&[("f32", Precision::F32), ("bf16", Precision::Bf16)]);
+        /// CPU workers flush subnormal floats to zero (FTZ and DAZ on every thread that
+        /// computes), as `torch.set_flush_denormal(True)`; `false` keeps IEEE subnormals (see
+        /// "Subnormal floats")
+        flush_denormals: bool = true => flush_denormals: bool = any();
+        /// learning-rate schedule
+        scheduler: RawScheduler = RawScheduler::default() => schedule: ScheduleSpec = nested();
+    }
+}
+
+section! {
+    /// `[train.scheduler]`: the learning rate over the run.
+    RawScheduler at "train.scheduler", checked into ScheduleSpec + Copy {
+        /// `"constant"`, `"step"` or `"cosine"`
+        kind: String = "constant".into() => kind: ScheduleKind = schedule_kind;
+        /// step: epochs between decays
+        step_size: i64 = 1 => step_size: usize = at_least(1);
+        /// step: decay factor
+        gamma: f64 = 0.1 => gamma: f64 = positive();
+        /// cosine: final learning rate
+        min_lr: f64 = 0.0 => min_lr: f64 = non_negative();
+        /// linear warm-up steps
+        warmup_steps: i64 = 0 => warmup_steps: usize = at_least(0);
+    }
+}
+
+section! {
+    /// `[checkpoint]`: when checkpoints are written and how many are kept.
+    RawCheckpoint at "checkpoint", checked into CheckpointSpec {
+        /// checkpoint every N epochs (0: off)
+        every_epochs: i64 = 1 => every_epochs: Option<usize> = zero_is_off();
+        /// also every N optimizer steps, mid-epoch
+        every_steps: i64 = 0, shown "`0` (off)" => every_steps: Option<usize> = zero_is_off();
+        /// checkpoints kept (0: all)
+        keep_last: i64 = 3 => keep_last: Option<usize> = zero_is_off();
+        /// keep the weights with the lowest evaluation loss as `checkpoints/best` (never
+        /// pruned)
+        keep_best: bool = false => keep_best: bool = any();
+        /// a failed checkpoint write stops the job (`"fail"`, previous checkpoint intact) or
+        /// is logged and training goes on (`"warn"`)
+        on_write_error: String = "fail".into() => on_write_error: OnWriteError = choice(&[("fail", OnWriteError::Fail), ("warn", OnWriteError::Warn)]);
+    }
+}
+
+section! {
+    /// `[distributed]`: workers, devices and gradient averaging.
+    RawDistributed at "distributed", checked into DistributedSpec {
+        /// workers per node; `"auto"` is one per GPU in use (see `device`), 1 on CPU; more
+        /// workers than GPUs is an error
+        nproc_per_node: toml::Value = toml::Value::String("auto".into())
+            => nproc_per_node: Option<usize> = auto_or_count;
+        /// `"auto"` (NCCL for GPU workers, the tcp ring for CPU ones), `"tcp"`, or `"nccl"`
+        /// (GPU builds only)
+        backend: String = "auto".into() => backend: Backend = backend_choice;
+        /// restarts of the whole worker group (every node's) from the newest good checkpoint
+        /// after a worker dies or hangs
+        max_restarts: i64 = 0 => max_restarts: usize = at_least(0);
+        /// seconds a collective, a rendezvous or a store wait may stall before the job fails
+        /// (at most a week)
+        timeout_s: i64 = 300 => timeout_s: u64 = |c: &mut Checker, key: &str, &v: &i64, _: &RawDistributed| {
+            c.in_int_range(key, v, 1, MAX_TIMEOUT_S) as u64
+        };
+        /// gradient bucket size for all-reduce
+        bucket_mb: f64 = 25.0, shown "`25`"
+            => bucket_bytes: usize = |c: &mut Checker, key: &str, &v: &f64, _: &RawDistributed| {
+                (c.positive(key, v) * 1e6) as usize
+            };
+        /// `"auto"`: a GPU per worker in a `--features cuda` build when the driver shows one,
+        /// else the CPU (with a note in a cuda build); `"cpu"`; `"cuda"`: GPUs or fail
+        device: String = "auto".into() => device: DeviceChoice = device_choice;
+        /// GPU ordinals (among those `CUDA_VISIBLE_DEVICES` leaves), one per local rank:
+        /// `[0, 2]`
+        #[serde(skip_serializing_if = "Option::is_none")]
+        devices: Option<Vec<i64>> = None, shown "all visible"
+            => devices: Option<Vec<usize>> = optional(gpu_ordinals);
+    }
+}
+
+section! {
+    /// `[logging]`: where rank 0's metrics go besides `metrics.jsonl`.
+    RawLogging at "logging", checked into LoggingSpec + Copy + Eq {
+        /// also write TensorBoard event files (train loss, lr, throughput, test loss and
+        /// accuracy by step) under `<job>/tensorboard/`; a resumed job continues the same
+        /// curves
+        tensorboard: bool = false => tensorboard: bool = any();
+    }
+}
+
+section! {
+    /// `[expect]`: thresholds checked after the run; absent keys are not checked.
+    RawExpect at "expect", checked into ExpectKeys {
+        /// lowest acceptable final test accuracy, a fraction (`0.9`, not `90`)
+        #[serde(skip_serializing_if = "Option::is_none")]
+        min_test_accuracy: Option<f64> = None
+            => min_test_accuracy: Option<f64> = optional(accuracy_fraction);
+        /// highest acceptable final test loss
+        #[serde(skip_serializing_if = "Option::is_none")]
+        max_test_loss: Option<f64> = None => max_test_loss: Option<f64> = optional(positive());
+        /// highest acceptable training loss of the last epoch (`final_train_loss`)
+        #[serde(skip_serializing_if = "Option::is_none")]
+        max_final_loss: Option<f64> = None => max_final_loss: Option<f64> = optional(positive());
+        /// longest acceptable wall time of the `run` (or `resume`) command, seconds
+        #[serde(skip_serializing_if = "Option::is_none")]
+        max_wall_s: Option<f64> = None => max_wall_s: Option<f64> = optional(positive());
+        /// lowest acceptable throughput, samples of all workers per second of training loop
+        #[serde(skip_serializing_if = "Option::is_none")]
+        min_train_samples_per_s: Option<f64> = None
+            => min_train_samples_per_s: Option<f64> = optional(positive());
+    }
+}
+
+impl RawExpect {
+    pub fn is_empty(&self) -> bool {
+        *self == RawExpect::default()
+    }
+}
+
+/// A `[section]` key: the section's own checks.
+fn nested<R: super::declare::Section, S>() -> impl Fn(&mut Checker, &str, &R, &S) -> R::Checked {
+    |c, _, section, _| section.check(c)
+}
+
+fn open_fraction(c: &mut Checker, key: &str, &v: &f64, _: &RawData) -> f64 {
+    if !(v > 0.0 && v < 1.0) {
+        c.fail(
+            key,
+            format!("must be in (0, 1), got {v}; 0.1 keeps the last 10% for validation"),
+        );
+    }
+    v
+}
+
+fn sha256_digests(
+    c: &mut Checker,
+    key: &str,
+    sums: &BTreeMap<String, String>,
+    _: &RawData,
+) -> BTreeMap<String, String> {
+    for (file, digest) in sums {
+        if digest.len() != 64 || !digest.chars().all(|ch| ch.is_ascii_hexdigit()) {
+            c.fail(
+                &format!("{key}.{file}"),
+                "must be a SHA-256 digest: 64 hex digits",
+            );
+        }
+    }
+    sums.clone()
+}
+
+fn image_shape(c: &mut Checker, key: &str, shape: &Vec<i64>, _: &RawSynthetic) -> [usize; 3] {
+    let dims: Vec<usize> = shape.iter().map(|&v| c.at_least(key, v, 1)).collect();
+    match dims.as_slice() {
+        &[ch, h, w] => [ch, h, w],
+        _ => {
+            c.fail(
+                key,
+                format!(
+                    "must have 3 entries [channels, height, width], got {}",
+                    dims.len()
+                ),
+            );
+            [1, 28, 28]
+        }
+    }
+}
+
+fn optimizer_spec(c: &mut Checker, key: &str, name: &String, t: &RawTrain) -> OptimizerSpec {
+    c.one_of(key, name, &["sgd", "adam", "adamw"]);
+    let (beta1, beta2) = match t.betas.as_slice() {
+        &[b1, b2] => (b1, b2),
+        _ => (0.9, 0.999),
+    };
+    let (eps, weight_decay) = (t.eps, t.weight_decay);
+    match name.as_str() {
+        "sgd" => OptimizerSpec::Sgd {
+            momentum: t.momentum,
+            nesterov: t.nesterov,
+            weight_decay,
+        },
+        "adamw" => OptimizerSpec::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        },
+        _ => OptimizerSpec::Adam {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        },
+    }
+}
+
+fn nesterov_needs_momentum(c: &mut Checker, key: &str, &on: &bool, t: &RawTrain) -> bool {
+    if on && t.momentum == 0.0 {
+        c.fail(key, "Nesterov momentum needs train.momentum > 0");
+    }
+    on
+}
+
+fn two_betas(c: &mut Checker, key: &str, betas: &Vec<f64>, _: &RawTrain) -> (f64, f64) {
+    match betas.as_slice() {
+        &[b1, b2] => (c.in_range(key, b1, 0.0, 1.0), c.in_range(key, b2, 0.0, 1.0)),
+        other => {
+            c.fail(
+                key,
+                format!("must be two numbers [beta1, beta2], got {}", other.len()),
+            );
+            (0.9, 0.999)
+        }
+    }
+}
+
+fn schedule_kind(c: &mut Checker, key: &str, kind: &String, s: &RawScheduler) -> ScheduleKind {
+    c.one_of(key, kind, &["constant", "step", "cosine"]);
+    match kind.as_str() {
+        "step" => ScheduleKind::Step {
+            step_size: s.step_size.max(1) as usize,
+            gamma: s.gamma,
+        },
+        "cosine" => ScheduleKind::Cosine { min_lr: s.min_lr },
+        _ => ScheduleKind::Constant,
+    }
+}
+
+fn auto_or_count(
+    c: &mut Checker,
+    key: &str,
+    value: &toml::Value,
+    _: &RawDistributed,
+) -> Option<usize> {
+    // The file's type was checked when it was read: "auto" or an integer.
+    match value {
+        toml::Value::Integer(n) => Some(c.at_least(key, *n, 1)),
+        _ => None,
+    }
+}
+
+fn device_choice(c: &mut Checker, key: &str, name: &String, _: &RawDistributed) -> DeviceChoice {
+    let device = choice(&[
+        ("auto", DeviceChoice::Auto),
+        ("cpu", DeviceChoice::Cpu),
+        ("cuda", DeviceChoice::Cuda),
+    ])(c, key, name, &());
+    if device == DeviceChoice::Cuda && !cfg!(feature = "cuda") {
+        c.fail(key, format!("\"cuda\" needs GPU workers: {GPU_BUILD}"));
+    }
+    device
+}
+
+fn backend_choice(c: &mut Checker, key: &str, name: &String, d: &RawDistributed) -> Backend {
+    let backend = choice(&[
+        ("auto", Backend::Auto),
+        ("tcp", Backend::Tcp),
+        ("nccl", Backend::Nccl),
+    ])(c, key, name, &());
+    if backend == Backend::Nccl && !cfg!(feature = "cuda") {
+        c.fail(
+            key,
+            format!("\"nccl\" needs GPU workers: {GPU_BUILD}; or use \"auto\""),
+        );
+    } else if backend == Backend::Nccl && d.device == "cpu" {
+        c.fail(
+            key,
+            "\"nccl\" reduces on GPUs, but distributed.device = \"cpu\"; use backend \"tcp\" (or \"auto\") for CPU workers",
+        );
+    }
+    backend
+}
+
+fn gpu_ordinals(c: &mut Checker, key: &str, list: &Vec<i64>, d: &RawDistributed) -> Vec<usize> {
+    let ordinals: Vec<usize> = list.iter().map(|&v| c.at_least(key, v, 0)).collect();
+    if ordinals.is_empty() {
+        c.fail(
+            key,
+            "must name at least one GPU, e.g. [0]; leave it out to use every visible GPU",
+        );
+    }
+    let mut sorted = ordinals.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    if sorted.len() != ordinals.len() {
+        c.fail(
+            key,
+            format!("names a GPU twice: {list:?}; one worker per GPU"),
+        );
+    }
+    if !cfg!(feature = "cuda") {
+        c.fail(key, format!("picks GPUs: {GPU_BUILD}"));
+    } else if d.device == "cpu" {
+        c.fail(
+            key,
+            "picks GPUs, but distributed.device = \"cpu\"; remove one of them",
+        );
+    }
+    ordinals
+}
+
+fn accuracy_fraction(c: &mut Checker, key: &str, &threshold: &f64, _: &RawExpect) -> f64 {
+    if threshold > 1.0 && threshold <= 100.0 {
+        let fraction = threshold / 100.0;
+        c.fail(
+            key,
+            format!("is a fraction in [0, 1], got {threshold}; write {fraction} for {threshold}%"),
+        );
+    } else if !(0.0..=1.0).contains(&threshold) {
+        c.fail(
+            key,
+            format!("must be a fraction in [0, 1], got {threshold}"),
+        );
+    }
+    threshold
+}

@@ -308,3 +308,19 @@ pub fn free_port() -> u16 {
         .expect("free port")
         .port()
 }
+
+/// torchrun's multi-node flags for node `rank` of two, on 127.0.0.1.
+pub fn two_node_flags(rank: &str, port: &str) -> Vec<String> {
+    [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        rank,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+    ]
+    .map(String::from)
+    .to_vec()
+}

@@ -2,7 +2,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{TINY, TestJob, free_port, load_weights, max_abs_diff, workers_under};
+use crate::common::{
+    TINY, TestJob, free_port, load_weights, max_abs_diff, two_node_flags, workers_under,
+};
 
 /// 2 workers × batch B and 1 worker × batch 2B see the same samples step by step (torch's
 /// DistributedSampler) and average to the same gradient, so they end at the same weights.
@@ -230,22 +232,6 @@ fn a_taken_master_port_is_a_clear_error_and_creates_nothing() {
         .fails_with(2, &format!("127.0.0.1:{port}"))
         .fails_with(2, "--master-port");
     assert!(!t.job("port").exists());
-}
-
-/// torchrun's multi-node flags for node `rank` of two, on 127.0.0.1.
-fn two_node_flags(rank: &str, port: &str) -> Vec<String> {
-    [
-        "--nnodes",
-        "2",
-        "--node-rank",
-        rank,
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        port,
-    ]
-    .map(String::from)
-    .to_vec()
 }
 
 fn strs(args: &[String]) -> Vec<&str> {

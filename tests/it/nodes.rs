@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{Background, Run, TINY, TestJob, free_port, load_weights, max_abs_diff};
+use crate::common::{
+    Background, Run, TINY, TestJob, free_port, load_weights, max_abs_diff, two_node_flags,
+};
 
 /// 32 optimizer steps on two workers, a checkpoint every 4.
 fn job(t: &TestJob) -> std::path::PathBuf {
@@ -22,19 +24,10 @@ fn node(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> Background {
-    let mut flags = vec![
-        "--nnodes",
-        "2",
-        "--node-rank",
-        rank,
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        port,
-        "--nproc-per-node",
-        "1",
-    ];
-    flags.extend_from_slice(extra);
+    let mut flags = two_node_flags(rank, port);
+    flags.extend(["--nproc-per-node", "1"].map(String::from));
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     t.spawn_run_env(cfg, "jobs", &flags, env)
 }
 

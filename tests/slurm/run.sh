@@ -172,22 +172,30 @@ if grep -qs '"status": *"finished"' jobs/warned/state.json \
   pass "SIGUSR1 in a --requeue job: checkpoint, requeued by ddpjob, resumed, bit-identical"
 else fail "SIGUSR1 requeue"; tail -8 warned.out 2>/dev/null; fi
 
-# 7. Node 1's launcher killed (SIGKILL; its workers die with it): node 0 fails at once, naming
-#    the rank and the node that went away.
-timeout 300 srun -N2 --ntasks-per-node=1 -J killed ./ddpjob run tiny.toml --nproc-per-node 1 \
-  --name killed --set train.epochs=3000 > killed.out 2>&1 &
-srun_pid=$!
-for _ in $(seq 100); do grep -qs '"step":40,' jobs/killed/metrics.jsonl && break; sleep 0.2; done
-for p in $(pgrep -f "name killed"); do
-  tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx 'SLURM_NODEID=1' \
-    && tr '\0' '\n' < "/proc/$p/environ" | grep -qx 'SLURM_PROCID=1' \
-    && ! tr '\0' '\n' < "/proc/$p/environ" | grep -q '^DDPJOB_JOB_DIR=' && kill -9 "$p"
-done
-started=$(date +%s)
-set +e
-wait "$srun_pid"
-set -e
-took=$(( $(date +%s) - started ))
+# kill_node1_launcher NAME FLAGS...: a two-node srun job NAME; once it is 40 steps in, node 1's
+# launcher is killed (SIGKILL; its workers die with it). Sets $took: the seconds srun took
+# after the kill; the output is NAME.out.
+kill_node1_launcher() {
+  local name=$1; shift
+  timeout 300 srun -N2 --ntasks-per-node=1 -J "$name" ./ddpjob run tiny.toml --nproc-per-node 1 \
+    --name "$name" --set train.epochs=3000 "$@" > "$name.out" 2>&1 &
+  local srun_pid=$!
+  for _ in $(seq 100); do grep -qs '"step":40,' "jobs/$name/metrics.jsonl" && break; sleep 0.2; done
+  for p in $(pgrep -f "name $name"); do
+    tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx 'SLURM_NODEID=1' \
+      && tr '\0' '\n' < "/proc/$p/environ" | grep -qx 'SLURM_PROCID=1' \
+      && ! tr '\0' '\n' < "/proc/$p/environ" | grep -q '^DDPJOB_JOB_DIR=' && kill -9 "$p"
+  done
+  local started
+  started=$(date +%s)
+  set +e
+  wait "$srun_pid"
+  set -e
+  took=$(( $(date +%s) - started ))
+}
+
+# 7. Node 1's launcher killed: node 0 fails at once, naming the rank and the node that went away.
+kill_node1_launcher killed
 if [ "$took" -le 30 ] && grep -q "rank 1 (node 1) closed its connection" killed.out \
    && grep -q '"status": *"failed"' jobs/killed/state.json; then
   pass "node 1's launcher killed: node 0 fails within ${took} s naming rank 1 (node 1)"
@@ -207,21 +215,7 @@ else fail "restart across nodes"; tail -8 restarted.out 2>/dev/null; fi
 
 # 9. Node 1's launcher killed while restarts are allowed: node 0 cannot restart without it and
 #    fails within distributed.timeout_s, naming the node.
-timeout 300 srun -N2 --ntasks-per-node=1 -J killed2 ./ddpjob run tiny.toml --nproc-per-node 1 \
-  --name killed2 --set train.epochs=3000 --set distributed.max_restarts=1 \
-  --set distributed.timeout_s=10 > killed2.out 2>&1 &
-srun_pid=$!
-for _ in $(seq 100); do grep -qs '"step":40,' jobs/killed2/metrics.jsonl && break; sleep 0.2; done
-for p in $(pgrep -f "name killed2"); do
-  tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx 'SLURM_NODEID=1' \
-    && tr '\0' '\n' < "/proc/$p/environ" | grep -qx 'SLURM_PROCID=1' \
-    && ! tr '\0' '\n' < "/proc/$p/environ" | grep -q '^DDPJOB_JOB_DIR=' && kill -9 "$p"
-done
-started=$(date +%s)
-set +e
-wait "$srun_pid"
-set -e
-took=$(( $(date +%s) - started ))
+kill_node1_launcher killed2 --set distributed.max_restarts=1 --set distributed.timeout_s=10
 if [ "$took" -le 25 ] && grep -q "node 1 did not stop its workers within 10 s" killed2.out \
    && grep -q '"status": *"failed"' jobs/killed2/state.json; then
   pass "node 1's launcher killed with restarts allowed: node 0 fails within ${took} s naming node 1"

@@ -31,7 +31,7 @@ use crate::train::Summary;
 
 use auto::{Decision, ResumeMode};
 use group::Group;
-use nodes::{Nodes, Plan};
+use nodes::{Followed, Nodes, Plan, follow_node0};
 use supervise::signal_name;
 
 /// torchrun's default rendezvous port for multi-node jobs.
@@ -287,55 +287,6 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
     record_outcome(&job, spec, opts.started, outcome).map(|s| Ended::Finished(job, Some(s)))
 }
 
-/// What a node other than 0 does, as node 0 decided it.
-enum Followed {
-    /// Train, from this checkpoint (node 0's, read through a shared file system).
-    Train(Option<PathBuf>),
-    /// Nothing: the job finished already.
-    Finished(String),
-}
-
-/// Nodes > 0: waits for node 0's plan and checks this node can follow it.
-fn follow_node0(job: &JobDir, opts: &RunOptions, nodes: &Nodes) -> Result<Followed, RunError> {
-    let spec = &opts.loaded.spec;
-    let (node0_dir, plan) = nodes.await_plan().map_err(|e| match e {
-        StoreError::Timeout { .. } => RunError::Failed {
-            name: spec.name.clone(),
-            report: format!(
-                "node 0 did not finish preparing it (data download, job directory, checkpoint) \
-                 within {} s (distributed.timeout_s); see node 0's output",
-                nodes.patience.as_secs()
-            ),
-        },
-        other => other.into(),
-    })?;
-    // Workers of a restarted or continued job read node 0's checkpoints.
-    let must_read = match &plan {
-        Plan::Finished { message } => {
-            nodes.plan_seen()?;
-            return Ok(Followed::Finished(format!("{message} (node 0 says)")));
-        }
-        Plan::Continue { from: Some(dir) } => Some((dir.clone(), "checkpoint")),
-        _ if spec.distributed.max_restarts > 0 => {
-            Some((node0_dir.join("state.json"), "the job's state.json"))
-        }
-        _ => None,
-    };
-    if let Some((path, what)) = must_read
-        && let Err(why) = nodes::check_shared(&path, nodes.node_rank, what)
-    {
-        // Node 0 is starting its workers: they stop at once.
-        let _ = nodes.report_failure(0, &why, true);
-        return Err(RunError::Usage(why));
-    }
-    Dataset::ensure_present(&spec.data)?;
-    join_job(job, opts)?;
-    Ok(Followed::Train(match plan {
-        Plan::Continue { from } => from,
-        _ => None,
-    }))
-}
-
 fn absolute(path: &std::path::Path) -> PathBuf {
     std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }
@@ -409,7 +360,6 @@ fn meet(
     Ok((None, client, port))
 }
 
-/// Node 0: the job directory, the frozen config and the first `state.json`.
 /// The vocabulary of a `text` job (checking the data on the way): the one stored in `job`
 /// when given, else the one the text makes. `None` for other data.
 pub(crate) fn text_vocab(spec: &JobSpec, job: Option<&JobDir>) -> Result<Option<Vocab>, RunError> {
@@ -419,6 +369,7 @@ pub(crate) fn text_vocab(spec: &JobSpec, job: Option<&JobDir>) -> Result<Option<
     Ok(TextTask::load(spec, job)?.vocab)
 }
 
+/// Node 0: the job directory, the frozen config and the first `state.json`.
 fn create_job(
     job: &JobDir,
     opts: &RunOptions,
@@ -437,7 +388,7 @@ fn create_job(
 }
 
 /// Nodes > 0: their own job directory (or node 0's, on a shared file system) for their logs.
-fn join_job(job: &JobDir, opts: &RunOptions) -> Result<(), RunError> {
+pub(super) fn join_job(job: &JobDir, opts: &RunOptions) -> Result<(), RunError> {
     let logs = job.logs_dir();
     std::fs::create_dir_all(&logs).map_err(|cause| JobDirError::Io { path: logs, cause })?;
     // Always rewritten: a job.toml left by an earlier run must not configure these workers

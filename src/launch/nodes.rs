@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::{RunError, RunOptions, join_job};
+use crate::data::Dataset;
+use crate::jobdir::JobDir;
 use crate::store::{Key, StoreClient, StoreError};
 
 /// How the job goes on, as node 0 decided it.
@@ -231,6 +234,59 @@ impl Nodes<'_> {
             }
         }
     }
+}
+
+/// What a node other than 0 does, as node 0 decided it.
+pub(super) enum Followed {
+    /// Train, from this checkpoint (node 0's, read through a shared file system).
+    Train(Option<PathBuf>),
+    /// Nothing: the job finished already.
+    Finished(String),
+}
+
+/// Nodes > 0: waits for node 0's plan and checks this node can follow it.
+pub(super) fn follow_node0(
+    job: &JobDir,
+    opts: &RunOptions,
+    nodes: &Nodes,
+) -> Result<Followed, RunError> {
+    let spec = &opts.loaded.spec;
+    let (node0_dir, plan) = nodes.await_plan().map_err(|e| match e {
+        StoreError::Timeout { .. } => RunError::Failed {
+            name: spec.name.clone(),
+            report: format!(
+                "node 0 did not finish preparing it (data download, job directory, checkpoint) \
+                 within {} s (distributed.timeout_s); see node 0's output",
+                nodes.patience.as_secs()
+            ),
+        },
+        other => other.into(),
+    })?;
+    // Workers of a restarted or continued job read node 0's checkpoints.
+    let must_read = match &plan {
+        Plan::Finished { message } => {
+            nodes.plan_seen()?;
+            return Ok(Followed::Finished(format!("{message} (node 0 says)")));
+        }
+        Plan::Continue { from: Some(dir) } => Some((dir.clone(), "checkpoint")),
+        _ if spec.distributed.max_restarts > 0 => {
+            Some((node0_dir.join("state.json"), "the job's state.json"))
+        }
+        _ => None,
+    };
+    if let Some((path, what)) = must_read
+        && let Err(why) = check_shared(&path, nodes.node_rank, what)
+    {
+        // Node 0 is starting its workers: they stop at once.
+        let _ = nodes.report_failure(0, &why, true);
+        return Err(RunError::Usage(why));
+    }
+    Dataset::ensure_present(&spec.data)?;
+    join_job(job, opts)?;
+    Ok(Followed::Train(match plan {
+        Plan::Continue { from } => from,
+        _ => None,
+    }))
 }
 
 /// What another node needs to read from node 0's job directory (`what`), checked before it

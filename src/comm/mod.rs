@@ -7,6 +7,7 @@ mod local;
 mod nccl;
 pub mod ring;
 mod tcp;
+pub(crate) mod watchdog;
 
 use candle_core::Tensor;
 use thiserror::Error;

@@ -1,27 +1,85 @@
 //! The GPU backend (`--features cuda`): NCCL through cudarc, on the CUDA stream candle computes
 //! on, so gradient buckets are averaged in place where they live and never cross to the host.
-//! Rank 0 creates the NCCL unique id and shares its 128 bytes through the store.
+//! Rank 0 creates the NCCL unique id and shares its 128 bytes through the store. Every
+//! collective is numbered (heartbeats say who arrived) and watched (`watchdog.rs`): one that
+//! does not complete within `distributed.timeout_s` aborts the communicator and fails the rank.
 
 use std::ffi::{CStr, c_char};
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Tensor};
-use cudarc::nccl::result::NcclError;
-use cudarc::nccl::safe::{Comm, Id, ReduceOp};
+use cudarc::driver::{CudaStream, DevicePtrMut};
+use cudarc::nccl::result::{self, NcclError, NcclStatus};
 use cudarc::nccl::sys;
 
+use super::watchdog::{CollectiveWatch, DeviceComm, Verdict, Watchdog};
 use super::{CommError, Communicator};
+use crate::heartbeat::Beacon;
 use crate::store::StoreClient;
 
+/// The NCCL communicator itself, shared with the watchdog thread: NCCL allows
+/// `ncclCommGetAsyncError` and `ncclCommAbort` from another thread than the one that queues.
+struct RawComm {
+    comm: sys::ncclComm_t,
+    aborted: AtomicBool,
+}
+
+// SAFETY: an NCCL communicator is a handle NCCL synchronises itself for the calls made from
+// the watchdog (async error query, abort); collectives are queued from one thread only.
+unsafe impl Send for RawComm {}
+unsafe impl Sync for RawComm {}
+
+impl DeviceComm for RawComm {
+    fn async_error(&self) -> Option<String> {
+        if self.aborted.load(Ordering::SeqCst) {
+            return None;
+        }
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator and a valid out-pointer.
+        let asked = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+        match (asked, state) {
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess)
+            | (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => None,
+            (sys::ncclResult_t::ncclSuccess, error) | (error, _) => Some(explain(NcclError(error))),
+        }
+    }
+
+    fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
+            // SAFETY: aborted once; nothing uses the communicator afterwards but this flag.
+            let _ = unsafe { result::comm_abort(self.comm) };
+        }
+    }
+}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        // As cudarc does: abort rather than destroy, which would wait for a peer that is gone.
+        self.abort();
+    }
+}
+
 pub struct NcclCommunicator {
-    comm: Comm,
+    raw: Arc<RawComm>,
+    stream: Arc<CudaStream>,
     rank: usize,
     world_size: usize,
+    /// Collectives queued so far (their sequence numbers, as the tcp ring's).
+    seq: AtomicU64,
+    beacon: Arc<Beacon>,
+    watch: Arc<CollectiveWatch>,
+    _watchdog: Watchdog,
 }
 
 impl NcclCommunicator {
     /// Joins the job's NCCL communicator on `device` (a GPU); every rank calls this together.
+    /// A collective still queued after `timeout` (or an NCCL error) aborts the communicator and
+    /// goes to `on_failure`, which ends the worker.
+    #[allow(clippy::too_many_arguments)]
     pub fn connect(
         store: &StoreClient,
         rank: usize,
@@ -29,6 +87,8 @@ impl NcclCommunicator {
         restart: usize,
         device: &Device,
         timeout: Duration,
+        beacon: Arc<Beacon>,
+        on_failure: impl FnOnce(Verdict) + Send + 'static,
     ) -> Result<Self, CommError> {
         let setup = |problem: String| CommError::Setup { rank, problem };
         let stream = device
@@ -37,9 +97,9 @@ impl NcclCommunicator {
             .cuda_stream();
         let key = crate::store::Key::NcclId { attempt: restart }.to_string();
         let id = if rank == 0 {
-            let id = Id::new()
+            let id = result::get_uniqueid()
                 .map_err(|e| setup(format!("cannot create the NCCL id: {}", explain(e))))?;
-            let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
+            let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
             store.set(&key, &bytes)?;
             id
         } else {
@@ -54,18 +114,38 @@ impl NcclCommunicator {
             for (dst, &src) in internal.iter_mut().zip(&bytes) {
                 *dst = src as c_char;
             }
-            Id::uninit(internal)
+            sys::ncclUniqueId { internal }
         };
-        let comm = Comm::from_rank(stream, rank, world_size, id).map_err(|e| {
-            setup(format!(
-                "cannot join the NCCL communicator of {world_size} rank(s): {}",
-                explain(e)
-            ))
-        })?;
-        Ok(NcclCommunicator {
+        let mut comm = MaybeUninit::uninit();
+        // SAFETY: a valid out-pointer; every rank passes the same id and world size.
+        let comm = unsafe {
+            result::comm_init_rank(comm.as_mut_ptr(), world_size as i32, id, rank as i32).map_err(
+                |e| {
+                    setup(format!(
+                        "cannot join the NCCL communicator of {world_size} rank(s): {}",
+                        explain(e)
+                    ))
+                },
+            )?;
+            comm.assume_init()
+        };
+        let raw = Arc::new(RawComm {
             comm,
+            aborted: AtomicBool::new(false),
+        });
+        let watch = Arc::new(CollectiveWatch::default());
+        let interval = crate::heartbeat::interval_for(timeout);
+        let watchdog = Watchdog::spawn(watch.clone(), raw.clone(), timeout, interval, on_failure)
+            .map_err(|e| setup(format!("cannot start the NCCL watchdog thread: {e}")))?;
+        Ok(NcclCommunicator {
+            raw,
+            stream,
             rank,
             world_size,
+            seq: AtomicU64::new(0),
+            beacon,
+            watch,
+            _watchdog: watchdog,
         })
     }
 
@@ -77,11 +157,32 @@ impl NcclCommunicator {
         }
     }
 
+    /// Queues one collective with `call(comm, stream)`, numbered for the heartbeats, and hands
+    /// its completion to the watchdog.
+    fn queue(
+        &self,
+        op: &'static str,
+        call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<NcclStatus, NcclError>,
+    ) -> Result<(), CommError> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        self.beacon.enter(seq, op);
+        let queued = call(self.raw.comm, self.stream.cu_stream() as _);
+        self.beacon.leave();
+        queued.map_err(|e| self.failed(op, explain(e)))?;
+        let done = self
+            .stream
+            .record_event(None)
+            .map_err(|e| self.failed(op, format!("cannot record its completion event: {e:?}")))?;
+        self.watch.queued(seq, op, move || done.is_complete());
+        Ok(())
+    }
+
     /// Runs `what` in place on `t`'s GPU memory.
     fn in_place(&self, t: &Tensor, what: Collective, op: &'static str) -> Result<(), CommError> {
         let t_op = InPlace {
-            comm: &self.comm,
+            comm: self,
             what,
+            op,
         };
         t.inplace_op1(&t_op)
             .map_err(|e| self.failed(op, e.to_string()))
@@ -95,8 +196,9 @@ enum Collective {
 }
 
 struct InPlace<'a> {
-    comm: &'a Comm,
+    comm: &'a NcclCommunicator,
     what: Collective,
+    op: &'static str,
 }
 
 impl InplaceOp1 for InPlace<'_> {
@@ -115,14 +217,31 @@ impl InplaceOp1 for InPlace<'_> {
         if storage.dtype() != DType::F32 {
             candle_core::bail!("NCCL collectives here take f32, got {:?}", storage.dtype());
         }
+        let stream = self.comm.stream.clone();
         let slice = storage.as_cuda_slice_mut::<f32>()?;
         let mut view = slice.slice_mut(start..end);
-        let done = match self.what {
-            Collective::Mean => self.comm.all_reduce_in_place(&mut view, &ReduceOp::Avg),
-            Collective::Broadcast(root) => self.comm.broadcast_in_place(&mut view, root as i32),
-        };
-        done.map(|_| ())
-            .map_err(|e| candle_core::Error::Msg(explain(e)))
+        let count = end - start;
+        let (ptr, _in_use) = view.device_ptr_mut(&stream);
+        let f32_type = sys::ncclDataType_t::ncclFloat32;
+        let queued = self.comm.queue(self.op, |comm, s| match self.what {
+            // SAFETY: `ptr` is `count` f32 on this communicator's GPU, alive while queued
+            // (`_in_use` orders later use of the buffer after the collective).
+            Collective::Mean => unsafe {
+                result::all_reduce(
+                    ptr as _,
+                    ptr as _,
+                    count,
+                    f32_type,
+                    sys::ncclRedOp_t::ncclAvg,
+                    comm,
+                    s,
+                )
+            },
+            Collective::Broadcast(root) => unsafe {
+                result::broadcast(ptr as _, ptr as _, count, f32_type, root as i32, comm, s)
+            },
+        });
+        queued.map_err(|e| candle_core::Error::Msg(e.to_string()))
     }
 }
 
@@ -145,16 +264,30 @@ impl Communicator for NcclCommunicator {
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError> {
         // A few host numbers (loss sums, counts): a round trip through the GPU is the way NCCL
         // reduces them.
-        let stream = self.comm.stream();
+        let op = "all_reduce_sum";
+        let stream = self.stream.clone();
         let mut buf = stream
             .clone_htod(&values[..])
-            .map_err(|e| self.failed("all_reduce_sum", format!("{e:?}")))?;
-        self.comm
-            .all_reduce_in_place(&mut buf, &ReduceOp::Sum)
-            .map_err(|e| self.failed("all_reduce_sum", explain(e)))?;
+            .map_err(|e| self.failed(op, format!("{e:?}")))?;
+        {
+            let (ptr, _in_use) = buf.device_ptr_mut(&stream);
+            let count = values.len();
+            // SAFETY: `ptr` is `count` f64 on this communicator's GPU.
+            self.queue(op, |comm, s| unsafe {
+                result::all_reduce(
+                    ptr as _,
+                    ptr as _,
+                    count,
+                    sys::ncclDataType_t::ncclFloat64,
+                    sys::ncclRedOp_t::ncclSum,
+                    comm,
+                    s,
+                )
+            })?;
+        }
         let out = stream
             .clone_dtoh(&buf)
-            .map_err(|e| self.failed("all_reduce_sum", format!("{e:?}")))?;
+            .map_err(|e| self.failed(op, format!("{e:?}")))?;
         values.copy_from_slice(&out);
         Ok(())
     }

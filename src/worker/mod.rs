@@ -148,6 +148,8 @@ fn connect(
             env.restart_count,
             device,
             timeout,
+            beacon,
+            nccl_failure(env.clone(), timeout),
         )?;
         return Ok(Box::new(comm));
     }
@@ -168,6 +170,41 @@ fn connect(
     .with_beacon(beacon)
     .with_ranks_per_node(env.local_world_size);
     Ok(Box::new(comm))
+}
+
+/// What the NCCL watchdog does when a collective hangs or NCCL reports an error (it has
+/// aborted the communicator already): say which collective and, from the heartbeats, who never
+/// arrived, leave the failure record for the launcher, and end this worker, whose main thread
+/// may be blocked in a GPU synchronisation.
+#[cfg(feature = "cuda")]
+fn nccl_failure(
+    env: WorkerEnv,
+    timeout: Duration,
+) -> impl FnOnce(crate::comm::watchdog::Verdict) + Send + 'static {
+    move |verdict| {
+        let mut message = verdict.describe(env.rank, timeout);
+        if let Some(seq) = verdict.hung_seq()
+            && let Ok(store) =
+                StoreClient::connect(&env.master(), &env.token, Duration::from_secs(5))
+        {
+            let beats = heartbeat::read_all(&store, env.world_size);
+            let stale_after = 3 * heartbeat::interval_for(timeout) + Duration::from_secs(1);
+            message += &format!(
+                "; ranks that {}",
+                heartbeat::diagnose(&beats, seq, stale_after)
+            );
+        }
+        failure::write(
+            &env.job_dir,
+            &failure::FailureRecord {
+                rank: env.rank,
+                kind: failure::FailureKind::Error,
+                message: message.clone(),
+            },
+        );
+        eprintln!("error: {message}");
+        std::process::exit(1);
+    }
 }
 
 /// A collective that timed out gets what the heartbeats say: who never arrived, and where.

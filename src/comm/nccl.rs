@@ -171,7 +171,9 @@ impl NcclCommunicator {
         queued.map_err(|e| self.failed(op, explain(e)))?;
         let done = self
             .stream
-            .record_event(None)
+            .record_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            ))
             .map_err(|e| self.failed(op, format!("cannot record its completion event: {e:?}")))?;
         self.watch.queued(seq, op, move || done.is_complete());
         Ok(())

@@ -120,8 +120,24 @@ elif [ -f "$text" ]; then
   else record "GPT recipe vs gpt_ref.py" FAIL "$(tail -2 "$out/gpt.err" | tr '\n' ' ')"; fi
 else record "GPT recipe vs gpt_ref.py" FAIL "no text at $text (carry tiny Shakespeare)"; fi
 
-# `bench step` and `bench allreduce` time the CPU path only so far (issue 16, part 4).
-record "bench step / allreduce on GPU" skipped "not implemented yet: both run on the CPU"
+# `bench step`: the cnn's training step on the device, against the device's measured GEMM rate.
+steps=300
+[ -n "${QUICK:-}" ] && steps=30
+if ddpjob bench step --config configs/fashion-mnist.toml "${gpu[@]}" --steps "$steps" --json \
+     > "$out/bench-step.json" 2> "$out/bench-step.err" \
+   && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms, %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$out/bench-step.json"); then
+  record "bench step (cnn)" ok "$detail"
+else record "bench step (cnn)" FAIL "$(tail -2 "$out/bench-step.err" | tr '\n' ' ')"; fi
+
+# `bench allreduce`: NCCL between GPUs (one per worker), the tcp ring on the CPU.
+gpus=2
+[ "$device" = cuda ] && gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+if [ "$gpus" -lt 2 ]; then
+  record "bench allreduce" skipped "$gpus GPU: NCCL needs a GPU per worker, two at least"
+elif ddpjob bench allreduce --device "$device" --nproc-per-node "$gpus" --sizes 1M,10M,100M \
+       > "$out/bench-allreduce.txt" 2>&1; then
+  record "bench allreduce" ok "$(tail -1 "$out/bench-allreduce.txt" | tr -s ' ')"
+else record "bench allreduce" FAIL "$(tail -2 "$out/bench-allreduce.txt" | tr '\n' ' ')"; fi
 
 # SIGTERM in the middle of a run, then `resume`, against the same job uninterrupted.
 long=(--set train.epochs=300 --set checkpoint.every_epochs=0)

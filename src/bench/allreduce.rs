@@ -1,5 +1,6 @@
-//! `ddpjob bench allreduce`: the all-reduce of the backend `run` uses, timed between real worker
-//! processes, reported as nccl-tests does (time, algorithm and bus bandwidth per size).
+//! `ddpjob bench allreduce`: the all-reduce of the backend `run` uses (the tcp ring between CPU
+//! workers, NCCL between GPUs), timed between real worker processes, reported as nccl-tests
+//! does (time, algorithm and bus bandwidth per size).
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -62,8 +63,28 @@ fn iterations(floats: usize) -> usize {
     (200_000_000 / floats.max(1)).clamp(5, 200)
 }
 
-/// The parent: a store, `nproc` bench workers, their results.
-pub fn allreduce(nproc: usize, sizes: &[usize]) -> Result<Vec<AllReduceRow>, BenchError> {
+/// Whether `--device` (`auto`, `cpu`, `cuda`) means GPUs for `nproc` workers.
+pub fn allreduce_on_gpus(device: &str, nproc: usize) -> Result<bool, BenchError> {
+    let gpus = crate::device::visible_gpus();
+    match (device, gpus) {
+        ("cpu", _) => Ok(false),
+        ("auto", Ok(n)) => Ok(n >= nproc),
+        ("auto", Err(_)) => Ok(false),
+        (_, Ok(n)) if n >= nproc => Ok(true),
+        (_, Ok(n)) => Err(BenchError::Usage(format!(
+            "--device cuda needs one GPU per worker: {nproc} workers, {n} GPU(s) visible; \
+             use --nproc-per-node {n}"
+        ))),
+        (_, Err(why)) => Err(BenchError::Usage(format!("--device cuda: {why}"))),
+    }
+}
+
+/// The parent: a store, `nproc` bench workers (one per GPU when `on_gpus`), their results.
+pub fn allreduce(
+    nproc: usize,
+    on_gpus: bool,
+    sizes: &[usize],
+) -> Result<Vec<AllReduceRow>, BenchError> {
     if nproc < 2 {
         return Err(BenchError::Usage(
             "--nproc-per-node must be at least 2 for an all-reduce benchmark".into(),
@@ -99,7 +120,11 @@ pub fn allreduce(nproc: usize, sizes: &[usize]) -> Result<Vec<AllReduceRow>, Ben
             token: token.clone(),
             started_unix_ms: None,
             resume_from: None,
-            device: "cpu".into(),
+            device: if on_gpus {
+                format!("cuda:{rank}")
+            } else {
+                "cpu".into()
+            },
         }
         .apply(&mut cmd);
         let log = PathBuf::from("/dev/null");
@@ -127,10 +152,20 @@ pub fn allreduce(nproc: usize, sizes: &[usize]) -> Result<Vec<AllReduceRow>, Ben
     serde_json::from_slice(&text).map_err(|e| BenchError::Worker(format!("bad results: {e}")))
 }
 
-/// The hidden `bench-worker` subcommand: join the ring, time each size, rank 0 reports.
+/// The hidden `bench-worker` subcommand: join the ring (or NCCL), time each size, rank 0
+/// reports.
 pub fn worker(sizes: &[usize]) -> Result<(), BenchError> {
     let env = WorkerEnv::from_env().map_err(|e| BenchError::Usage(e.to_string()))?;
     let store = StoreClient::connect(&env.master(), &env.token, TIMEOUT)?;
+    if env.device != "cpu" {
+        #[cfg(feature = "cuda")]
+        return gpu::worker(&env, &store, sizes);
+        #[cfg(not(feature = "cuda"))]
+        return Err(BenchError::Usage(format!(
+            "{} needs a `--features cuda` build",
+            env.device
+        )));
+    }
     let bind = store.local_addr().ip();
     let spin = spin_for(env.local_world_size);
     let comm = TcpCommunicator::connect(
@@ -159,44 +194,132 @@ pub fn worker(sizes: &[usize]) -> Result<(), BenchError> {
             }
         }
         let want = (world * (world + 1) / 2) as f32;
-        if let Some(bad) = buf.iter().position(|&x| x != want) {
-            return Err(BenchError::Worker(format!(
-                "wrong sum at element {bad}: {} instead of {want}",
-                buf[bad]
-            )));
-        }
-        let mut slowest = vec![0f64; world];
-        slowest[env.rank] = elapsed.as_secs_f64();
-        comm.all_reduce_sum_f64(&mut slowest)?;
-        let secs = slowest.iter().copied().fold(0.0, f64::max) / iters as f64;
-        let bytes = floats * 4;
-        let algbw = bytes as f64 / secs.max(1e-12) / 1e9;
-        rows.push(AllReduceRow {
-            floats,
-            bytes,
-            iters,
-            time_ms: secs * 1e3,
-            algbw_gbs: algbw,
-            busbw_gbs: algbw * 2.0 * (world - 1) as f64 / world as f64,
-        });
+        check_result(&buf, want)?;
+        rows.push(row(&comm, env.rank, world, floats, iters, elapsed)?);
     }
-    if env.rank == 0 {
-        let out =
-            std::env::var(OUT_ENV).map_err(|_| BenchError::Usage(format!("{OUT_ENV} unset")))?;
-        let text = serde_json::to_vec(&rows).unwrap_or_default();
-        std::fs::write(&out, text).map_err(|cause| BenchError::Io {
-            what: format!("cannot write {out}"),
-            cause,
-        })?;
-    }
+    report(&env, &rows)?;
     comm.barrier()?;
     Ok(())
 }
 
+/// Every element of an all-reduced buffer is `want`.
+fn check_result(values: &[f32], want: f32) -> Result<(), BenchError> {
+    match values.iter().position(|&x| x != want) {
+        Some(bad) => Err(BenchError::Worker(format!(
+            "wrong result at element {bad}: {} instead of {want}",
+            values[bad]
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// One size's row: the slowest rank's time (agreed with an all-reduce), nccl-tests' bandwidths.
+fn row(
+    comm: &dyn Communicator,
+    rank: usize,
+    world: usize,
+    floats: usize,
+    iters: usize,
+    elapsed: Duration,
+) -> Result<AllReduceRow, BenchError> {
+    let mut slowest = vec![0f64; world];
+    slowest[rank] = elapsed.as_secs_f64();
+    comm.all_reduce_sum_f64(&mut slowest)?;
+    let secs = slowest.iter().copied().fold(0.0, f64::max) / iters as f64;
+    let bytes = floats * 4;
+    let algbw = bytes as f64 / secs.max(1e-12) / 1e9;
+    Ok(AllReduceRow {
+        floats,
+        bytes,
+        iters,
+        time_ms: secs * 1e3,
+        algbw_gbs: algbw,
+        busbw_gbs: algbw * 2.0 * (world - 1) as f64 / world as f64,
+    })
+}
+
+/// Rank 0 leaves the rows for the parent.
+fn report(env: &WorkerEnv, rows: &[AllReduceRow]) -> Result<(), BenchError> {
+    if env.rank != 0 {
+        return Ok(());
+    }
+    let out = std::env::var(OUT_ENV).map_err(|_| BenchError::Usage(format!("{OUT_ENV} unset")))?;
+    let text = serde_json::to_vec(rows).unwrap_or_default();
+    std::fs::write(&out, text).map_err(|cause| BenchError::Io {
+        what: format!("cannot write {out}"),
+        cause,
+    })
+}
+
+/// The GPU side: NCCL's all-reduce on device buffers, each iteration timed to the end of the
+/// GPU's queue.
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use candle_core::Tensor;
+
+    use super::{AllReduceRow, BenchError, TIMEOUT, check_result, iterations, report, row};
+    use crate::comm::{Communicator, NcclCommunicator};
+    use crate::store::StoreClient;
+    use crate::worker::WorkerEnv;
+
+    pub fn worker(env: &WorkerEnv, store: &StoreClient, sizes: &[usize]) -> Result<(), BenchError> {
+        let device =
+            crate::device::open(Some(&env.device)).map_err(|e| BenchError::Usage(e.to_string()))?;
+        let rank = env.rank;
+        let comm = NcclCommunicator::connect(
+            store,
+            rank,
+            env.world_size,
+            0,
+            &device,
+            TIMEOUT,
+            Arc::default(),
+            move |verdict| {
+                eprintln!("error: {}", verdict.describe(rank, TIMEOUT));
+                std::process::exit(1);
+            },
+        )?;
+        let gpu = |e: candle_core::Error| BenchError::Comm(e.into());
+        let world = env.world_size;
+        let mut rows: Vec<AllReduceRow> = Vec::new();
+        for &floats in sizes {
+            let iters = iterations(floats);
+            let mut elapsed = Duration::ZERO;
+            let mut buf = Tensor::zeros(floats, candle_core::DType::F32, &device).map_err(gpu)?;
+            for i in 0..=iters {
+                buf = Tensor::full((rank + 1) as f32, floats, &device).map_err(gpu)?;
+                device.synchronize().map_err(gpu)?;
+                comm.barrier()?;
+                let started = Instant::now();
+                comm.all_reduce_mean(&mut buf)?;
+                device.synchronize().map_err(gpu)?;
+                if i > 0 {
+                    elapsed += started.elapsed();
+                }
+            }
+            // NCCL averages in place (ncclAvg, as training does): every element is the mean.
+            let values: Vec<f32> = buf.to_vec1().map_err(gpu)?;
+            check_result(&values, (world + 1) as f32 / 2.0)?;
+            rows.push(row(&comm, rank, world, floats, iters, elapsed)?);
+        }
+        report(env, &rows)?;
+        comm.barrier()?;
+        Ok(())
+    }
+}
+
 /// A table like nccl-tests' for a terminal.
-pub fn table(world: usize, rows: &[AllReduceRow]) -> String {
+pub fn table(world: usize, on_gpus: bool, rows: &[AllReduceRow]) -> String {
+    let backend = if on_gpus {
+        "(average, f32), NCCL between GPUs"
+    } else {
+        "(sum, f32), tcp ring backend"
+    };
     let mut s = format!(
-        "# all-reduce (sum, f32), tcp ring backend, {world} worker processes on this node\n\
+        "# all-reduce {backend}, {world} worker processes on this node\n\
          {:>12} {:>12} {:>6} {:>10} {:>12} {:>12}\n",
         "floats", "bytes", "iters", "time ms", "algbw GB/s", "busbw GB/s"
     );

@@ -1,7 +1,9 @@
 //! `ddpjob bench step`: samples/s of the configured model's training step (forward, backward,
 //! optimizer; accumulation and clipping as configured) on this machine, in this process, with
 //! batches prepared beforehand so that data loading is not counted. It calls the very step
-//! function training uses.
+//! function training uses, on the device one worker of `run` would get (the first GPU in a
+//! `--features cuda` build that sees one, else the CPU), and compares it with that device's
+//! measured matrix-product rate.
 
 use std::time::{Duration, Instant};
 
@@ -10,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::BenchError;
 use crate::comm::LocalCommunicator;
-use crate::config::JobSpec;
+use crate::config::{JobSpec, Precision};
 use crate::models::{self, Mode};
 use crate::optim::Optimizer;
 use crate::rng::Mt19937;
@@ -67,7 +69,14 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     crate::numerics::set_for_this_thread(spec.train.flush_denormals);
     use_threads(options.threads)?;
     crate::kernels::keep_freed_memory();
-    let device = Device::Cpu;
+    let placement =
+        crate::device::place(&spec.distributed).map_err(|e| BenchError::Usage(e.to_string()))?;
+    if let Some(notice) = &placement.notice {
+        eprintln!("note: {notice}");
+    }
+    let device_name = placement.device_of(0);
+    let device =
+        crate::device::open(Some(&device_name)).map_err(|e| BenchError::Usage(e.to_string()))?;
     let input = match spec.data.dataset.image_shape() {
         Some((shape, classes)) => ModelInput::Image { shape, classes },
         // A language model's vocabulary comes from its data: read (or map) it.
@@ -101,10 +110,18 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     for _ in 0..options.warmup {
         run(&mut optimizer, None)?;
     }
+    let sync = || {
+        device
+            .synchronize()
+            .map_err(|e| BenchError::Train(crate::train::TrainError::from(e)))
+    };
+    sync()?;
     let mut times = Vec::with_capacity(options.steps);
     for _ in 0..options.steps {
         let started = Instant::now();
         run(&mut optimizer, None)?;
+        // A GPU queues the step: it has taken its time once the queue is done.
+        sync()?;
         times.push(started.elapsed());
     }
     // The phase split is a separate, shorter pass: timing phases costs a little itself.
@@ -119,7 +136,10 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     let samples_per_s = (samples * options.steps) as f64 / total.as_secs_f64().max(1e-12);
     let flops = model.train_flops_per_sample();
     let achieved_gflops = flops.map(|f| f * samples_per_s / 1e9);
-    let gemm_peak_gflops = crate::kernels::gemm_rate(PEAK_SIZE, PEAK_REPS) / 1e9;
+    let gemm_peak_gflops = match &device {
+        Device::Cpu => crate::kernels::gemm_rate(PEAK_SIZE, PEAK_REPS),
+        gpu => device_gemm_rate(gpu, spec.train.precision)?,
+    } / 1e9;
     let per_step = |d: Duration| d.as_secs_f64() * 1e3 / phase_steps as f64;
     Ok(StepBench {
         model: spec.model.describe(),
@@ -128,8 +148,10 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         accumulation: t.accumulation,
         optimizer: t.optimizer.name().to_string(),
         threads: options.threads,
-        flush_denormals: spec.train.flush_denormals && crate::numerics::flushing(),
-        device: "cpu".into(),
+        flush_denormals: device.is_cpu()
+            && spec.train.flush_denormals
+            && crate::numerics::flushing(),
+        device: device_name,
         steps: options.steps,
         warmup: options.warmup,
         step_ms_median: times[times.len() / 2].as_secs_f64() * 1e3,
@@ -149,6 +171,33 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
 /// GFLOP) to take a few tenths of a second in all.
 const PEAK_SIZE: usize = 1024;
 const PEAK_REPS: usize = 8;
+
+/// A GPU's matrix-product rate in the step's precision (f32, or bf16 under autocast): the best
+/// of a few 4096³ products, each timed to the end of the GPU's queue.
+fn device_gemm_rate(device: &Device, precision: Precision) -> Result<f64, BenchError> {
+    let fail = |e: candle_core::Error| BenchError::Train(crate::train::TrainError::from(e));
+    let dtype = match precision {
+        Precision::F32 => candle_core::DType::F32,
+        Precision::Bf16 => candle_core::DType::BF16,
+    };
+    let n = GPU_PEAK_SIZE;
+    let a = Tensor::ones((n, n), dtype, device).map_err(fail)?;
+    let b = Tensor::ones((n, n), dtype, device).map_err(fail)?;
+    a.matmul(&b).map_err(fail)?;
+    device.synchronize().map_err(fail)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..PEAK_REPS {
+        let started = Instant::now();
+        let c = a.matmul(&b).map_err(fail)?;
+        device.synchronize().map_err(fail)?;
+        best = best.min(started.elapsed().as_secs_f64());
+        drop(c);
+    }
+    Ok(2.0 * (n as f64).powi(3) / best.max(1e-9))
+}
+
+/// A GPU's product: about 137 GFLOP, a few milliseconds on a large GPU.
+const GPU_PEAK_SIZE: usize = 4096;
 
 /// Sizes rayon's pool (which the kernels and candle's matrix products share) and tells candle.
 fn use_threads(threads: usize) -> Result<(), BenchError> {
@@ -217,6 +266,15 @@ fn random_batch(
     })
 }
 
+/// Where the peak was measured: "cuda:0" (the step's precision), or the CPU's threads.
+fn peak_on(r: &StepBench) -> String {
+    if r.device == "cpu" {
+        format!("the CPU with {} thread(s), f32", r.threads)
+    } else {
+        r.device.clone()
+    }
+}
+
 /// A table for a terminal.
 pub fn step_table(r: &StepBench) -> String {
     let arithmetic = match (
@@ -226,18 +284,18 @@ pub fn step_table(r: &StepBench) -> String {
     ) {
         (Some(flops), Some(achieved), Some(fraction)) => format!(
             "# arithmetic: {:.1} MFLOP per sample -> {achieved:.1} GFLOP/s of this machine's \
-             measured f32 GEMM peak, {:.1} GFLOP/s with {} thread(s): {:.1}% (limit {:.0} \
-             samples/s)\n",
+             measured GEMM peak, {:.1} GFLOP/s on {}: {:.1}% (limit {:.0} samples/s)\n",
             flops / 1e6,
             r.gemm_peak_gflops,
-            r.threads,
+            peak_on(r),
             100.0 * fraction,
             r.gemm_peak_gflops * 1e9 / flops,
         ),
         _ => format!(
-            "# arithmetic: this model's FLOPs are not known; measured f32 GEMM peak {:.1} \
-             GFLOP/s with {} thread(s)\n",
-            r.gemm_peak_gflops, r.threads
+            "# arithmetic: this model's FLOPs are not known; measured GEMM peak {:.1} GFLOP/s \
+             on {}\n",
+            r.gemm_peak_gflops,
+            peak_on(r)
         ),
     };
     let table = format!(

@@ -6,13 +6,14 @@ use super::CliResult;
 use crate::bench;
 use crate::config;
 
-pub(super) fn bench_allreduce(nproc: usize, sizes: &str, json: bool) -> CliResult {
+pub(super) fn bench_allreduce(nproc: usize, device: &str, sizes: &str, json: bool) -> CliResult {
     let sizes = bench::parse_sizes(sizes).map_err(bench_failure)?;
-    let rows = bench::allreduce(nproc, &sizes).map_err(bench_failure)?;
+    let on_gpus = bench::allreduce_on_gpus(device, nproc).map_err(bench_failure)?;
+    let rows = bench::allreduce(nproc, on_gpus, &sizes).map_err(bench_failure)?;
     if json {
         println!("{}", serde_json::to_string(&rows).unwrap_or_default());
     } else {
-        print!("{}", bench::table(nproc, &rows));
+        print!("{}", bench::table(nproc, on_gpus, &rows));
     }
     Ok(())
 }

@@ -76,12 +76,17 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
-    /// Time the all-reduce `run` uses (tcp ring between CPU worker processes), per size:
-    /// time, algorithm bandwidth and bus bandwidth as nccl-tests defines them.
+    /// Time the all-reduce `run` uses (the tcp ring between CPU worker processes, or NCCL
+    /// between GPUs), per size: time, algorithm bandwidth and bus bandwidth as nccl-tests
+    /// defines them.
     Allreduce {
-        /// Worker processes (at least 2).
+        /// Worker processes (at least 2); on GPUs, one per GPU.
         #[arg(long, default_value_t = 2, value_name = "N")]
         nproc_per_node: usize,
+        /// `cpu` (tcp ring), `cuda` (NCCL, one GPU per worker; `--features cuda` builds), or
+        /// `auto`: GPUs when this build and the driver show enough of them.
+        #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "cuda"])]
+        device: String,
         /// Buffer sizes in floats (K = 10^3, M = 10^6, G = 10^9).
         #[arg(long, default_value = "1M,10M,100M")]
         sizes: String,
@@ -259,9 +264,10 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
         Command::Worker => return ExitCode::from(worker::main()),
         Command::Bench(BenchCommand::Allreduce {
             nproc_per_node,
+            device,
             sizes,
             json,
-        }) => bench::bench_allreduce(nproc_per_node, &sizes, json),
+        }) => bench::bench_allreduce(nproc_per_node, &device, &sizes, json),
         Command::Bench(BenchCommand::Step {
             config,
             set,

@@ -72,6 +72,12 @@ fn bench_step_times_the_configured_model_and_reports_json() {
         table.stdout
     );
     assert!(table.stdout.contains("samples/s"), "{}", table.stdout);
+    // A build without GPUs (or a job that says cpu) times the step on the CPU.
+    assert!(
+        table.stdout.contains("measured GEMM peak") && table.stdout.contains("on the CPU with"),
+        "{}",
+        table.stdout
+    );
     assert!(
         table.stdout.contains("# arithmetic: 2.0 MFLOP per sample"),
         "{}",
@@ -122,4 +128,12 @@ fn bench_allreduce_reports_bandwidth_per_size() {
     }
     t.ddpjob(&["bench", "allreduce", "--nproc-per-node", "1"])
         .fails_with(2, "at least 2");
+    // NCCL needs GPUs: a build without them says how to get them.
+    if !cfg!(feature = "cuda") {
+        t.ddpjob(&["bench", "allreduce", "--device", "cuda"])
+            .fails_with(
+                2,
+                "--device cuda: this build has no GPU support (`--features cuda`)",
+            );
+    }
 }

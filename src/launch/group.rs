@@ -37,7 +37,8 @@ struct AttemptFailure {
     summary: String,
     /// The error of a job that fails here: the summary, this node's ranks and log tail.
     report: String,
-    /// Not worth a restart (another node cannot read the checkpoints).
+    /// Not worth a restart: a failure before training that would repeat (a data or model
+    /// error), or another node that cannot read the checkpoints.
     fatal: bool,
 }
 
@@ -74,15 +75,24 @@ impl Group<'_> {
                     summary,
                     report,
                     lost_peer,
-                } => self.agree_on_failure(attempt, summary, report, lost_peer)?,
+                    repeats,
+                } => self.agree_on_failure(attempt, summary, report, lost_peer, repeats)?,
                 Outcome::PeerFailed { summary } => self.peer_failed(attempt, summary)?,
             };
             failures.push(format!("  attempt {}: {}", attempt + 1, failed.summary));
             if attempt >= max_restarts || failed.fatal {
                 if max_restarts == 0 || failed.fatal {
+                    let not_restarted = match (failed.fatal, max_restarts) {
+                        (true, 1..) => format!(
+                            "\nnot restarted (distributed.max_restarts = {max_restarts}): the \
+                             failure came before training and a restart would meet it again; \
+                             fix it, then run the job again (`--resume auto` continues it)"
+                        ),
+                        _ => String::new(),
+                    };
                     return Err(RunError::Failed {
                         name: self.name(),
-                        report: failed.report,
+                        report: failed.report + &not_restarted,
                     });
                 }
                 return Err(RunError::GaveUp {
@@ -127,12 +137,13 @@ impl Group<'_> {
         summary: String,
         report: String,
         lost_peer: bool,
+        repeats: bool,
     ) -> Result<AttemptFailure, RunError> {
         let Some(nodes) = &self.nodes else {
             return Ok(AttemptFailure {
                 summary,
                 report,
-                fatal: false,
+                fatal: repeats,
             });
         };
         let unreachable = |e| self.node0_gone(e, &report);
@@ -142,7 +153,7 @@ impl Group<'_> {
             nodes.settled_failure(attempt).map_err(unreachable)?;
         }
         nodes
-            .report_failure(attempt, &summary, false)
+            .report_failure(attempt, &summary, repeats)
             .map_err(unreachable)?;
         nodes.stopped(attempt).map_err(unreachable)?;
         match nodes.failure(attempt).map_err(unreachable)? {
@@ -157,7 +168,7 @@ impl Group<'_> {
             _ => Ok(AttemptFailure {
                 summary: format!("node {}: {summary}", self.layout.node_rank),
                 report,
-                fatal: false,
+                fatal: repeats,
             }),
         }
     }

@@ -37,6 +37,8 @@ pub enum Outcome {
         report: String,
         /// The rank blamed only lost a peer: the cause is elsewhere (another node, perhaps).
         lost_peer: bool,
+        /// The rank blamed failed before training with an error a restart would meet again.
+        repeats: bool,
     },
     /// The launcher got SIGINT or SIGTERM (`signal`), or the workers were told to stop by
     /// someone else; `clean`: every worker stopped after its checkpoint.
@@ -125,12 +127,13 @@ pub fn supervise(
                 reap(workers);
             }
             // Reported before the stop, whose kills would count as failures of their own.
-            let (summary, report, lost_peer) = failure_report(workers, watch);
+            let (summary, report, lost_peer, repeats) = failure_report(workers, watch);
             stop(workers, true);
             return Outcome::Failed {
                 summary,
                 report,
                 lost_peer,
+                repeats,
             };
         }
         if workers.iter().all(|w| w.status.is_some()) {
@@ -148,6 +151,7 @@ pub fn supervise(
                 summary,
                 report,
                 lost_peer: false,
+                repeats: false,
             };
         }
         if asked_peers.elapsed() >= PEER_POLL {
@@ -230,13 +234,18 @@ pub fn stop(workers: &mut [Worker], at_once: bool) {
     }
 }
 
-/// A one-line summary (rank, pid, status, step), the full report with the log tail, and
-/// whether the rank blamed only lost a peer.
-fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String, bool) {
+/// A one-line summary (rank, pid, status, step), the full report with the log tail, whether
+/// the rank blamed only lost a peer, and whether its error would repeat on a restart.
+fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String, bool, bool) {
     let mut failed: Vec<&Worker> = workers.iter().filter(|w| w.failed()).collect();
     failed.sort_by_key(|w| (w.blame_order(), w.rank));
     let Some(w) = failed.first() else {
-        return ("a worker failed".into(), "a worker failed".into(), false);
+        return (
+            "a worker failed".into(),
+            "a worker failed".into(),
+            false,
+            false,
+        );
     };
     let step = watch
         .last_step(w.rank)
@@ -244,8 +253,11 @@ fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String, bool
     let tail = log_tail(&w.log, 12);
     // Its failure record says why (a hang names the ranks that never arrived; a panic its
     // message and where).
-    let why = crate::worker::failure::read_beside(&w.log)
-        .map_or(String::new(), |r| format!(": {}", shorten(&r.message, 400)));
+    let record = crate::worker::failure::read_beside(&w.log);
+    let repeats = record
+        .as_ref()
+        .is_some_and(|r| r.kind == crate::worker::failure::FailureKind::Setup);
+    let why = record.map_or(String::new(), |r| format!(": {}", shorten(&r.message, 400)));
     let head = format!(
         "rank {} (pid {}) {}{step}",
         w.rank,
@@ -270,7 +282,7 @@ fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String, bool
             tail.join("\n    ")
         );
     }
-    (summary, text, w.blame_order() == 2)
+    (summary, text, w.blame_order() == 2, repeats)
 }
 
 fn shorten(text: &str, max: usize) -> String {

@@ -23,6 +23,9 @@ pub enum FailureKind {
     Error,
     /// A thread of the worker panicked.
     Panic,
+    /// The worker returned an error before training that a restart would meet again (the
+    /// job's config, data, model, device or checkpoint); the launcher does not restart for it.
+    Setup,
 }
 
 /// Where the record of the rank whose log is `log` goes: beside it (`rank-N.failure.json`).

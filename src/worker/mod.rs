@@ -65,6 +65,23 @@ pub enum WorkerError {
     Announced(Box<WorkerError>),
 }
 
+impl WorkerError {
+    /// Whether a restart would only meet this error again: what the worker reads and builds
+    /// before training (its config, data, model, device, checkpoint), unlike a lost peer, a
+    /// hang or a failure during training.
+    pub fn repeats_on_restart(&self) -> bool {
+        match self {
+            WorkerError::Config(_)
+            | WorkerError::Data(_)
+            | WorkerError::Model(_)
+            | WorkerError::Device(_)
+            | WorkerError::Checkpoint(_) => true,
+            WorkerError::Announced(inner) => inner.repeats_on_restart(),
+            _ => false,
+        }
+    }
+}
+
 /// The `worker` subcommand's body; `Ok(true)` if it stopped on request after a checkpoint.
 pub fn run() -> Result<bool, WorkerError> {
     let started = Instant::now();
@@ -263,9 +280,13 @@ fn announce(env: Option<&WorkerEnv>, error: &WorkerError) {
     };
     eprintln!("{text}");
     if let Some(env) = env {
+        let kind = match error.repeats_on_restart() {
+            true => failure::FailureKind::Setup,
+            false => failure::FailureKind::Error,
+        };
         let record = failure::FailureRecord {
             rank: env.rank,
-            kind: failure::FailureKind::Error,
+            kind,
             message: error.to_string(),
         };
         failure::write(&env.job_dir, &record);

@@ -172,6 +172,17 @@ if grep -qs '"status": *"finished"' jobs/warned/state.json \
   pass "SIGUSR1 in a --requeue job: checkpoint, requeued by ddpjob, resumed, bit-identical"
 else fail "SIGUSR1 requeue"; tail -8 warned.out 2>/dev/null; fi
 
+# The same on two nodes: node 0 requeues the job, and both nodes of the next allocation
+# continue it.
+interrupt_and_requeue warned2 2 warn_it
+if grep -qs '"status": *"finished"' jobs/warned2/state.json \
+   && [ "$(grep -c "interrupted by SIGUSR1" warned2.out)" = 2 ] \
+   && grep -q "Slurm job $jid requeued" warned2.out \
+   && [ "$(grep -c "note: --resume auto: Slurm requeued this job" warned2.out)" = 2 ] \
+   && compare jobs/warned2/model.safetensors jobs/straight2/model.safetensors 0; then
+  pass "SIGUSR1 in a two-node --requeue job: requeued by node 0, both nodes resume, bit-identical"
+else fail "SIGUSR1 requeue (two nodes)"; tail -12 warned2.out 2>/dev/null; fi
+
 # kill_node1_launcher NAME FLAGS...: a two-node srun job NAME; once it is 40 steps in, node 1's
 # launcher is killed (SIGKILL; its workers die with it). Sets $took: the seconds srun took
 # after the kill; the output is NAME.out.

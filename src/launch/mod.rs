@@ -361,12 +361,19 @@ fn meet(
 }
 
 /// The vocabulary of a `text` job (checking the data on the way): the one stored in `job`
-/// when given, else the one the text makes. `None` for other data.
+/// when given, else the one the text makes. `None` for other data; `tokens` files are mapped
+/// (cheap: their tokens are checked as they are read) so a damaged one is refused here, before
+/// the job exists, rather than by every worker.
 pub(crate) fn text_vocab(spec: &JobSpec, job: Option<&JobDir>) -> Result<Option<Vocab>, RunError> {
-    if !matches!(spec.data.dataset, crate::config::DatasetKind::Text(_)) {
-        return Ok(None);
+    use crate::config::DatasetKind;
+    match spec.data.dataset {
+        DatasetKind::Text(_) => Ok(TextTask::load(spec, job)?.vocab),
+        DatasetKind::Tokens(_) => {
+            TextTask::load(spec, job)?;
+            Ok(None)
+        }
+        _ => Ok(None),
     }
-    Ok(TextTask::load(spec, job)?.vocab)
 }
 
 /// Node 0: the job directory, the frozen config and the first `state.json`.

@@ -75,7 +75,8 @@ impl WorkerError {
             | WorkerError::Data(_)
             | WorkerError::Model(_)
             | WorkerError::Device(_)
-            | WorkerError::Checkpoint(_) => true,
+            | WorkerError::Checkpoint(_)
+            | WorkerError::Train(TrainError::Restore { .. }) => true,
             WorkerError::Announced(inner) => inner.repeats_on_restart(),
             _ => false,
         }

@@ -368,6 +368,33 @@ fn a_worker_that_fails_on_every_attempt_is_given_up_with_each_failure_listed() {
     );
 }
 
+#[test]
+fn a_failure_a_restart_would_repeat_is_not_restarted() {
+    let t = TestJob::new();
+    let cfg = t.config("job", &job("adam", "every_steps = 5"));
+    run_with_fault(
+        &t,
+        &cfg,
+        "rank=0,step=7,kind=preempt",
+        &["--name", "edited"],
+    )
+    .fails_with(143, "interrupted by SIGTERM");
+    // Someone edits the frozen config: the checkpoint no longer fits the model, which every
+    // attempt would find again.
+    let frozen = t.job("edited").join("job.toml");
+    let text = std::fs::read_to_string(&frozen).unwrap();
+    let edited = text
+        .replace("hidden = [32]", "hidden = [16]")
+        .replace("max_restarts = 0", "max_restarts = 2");
+    assert_ne!(edited, text);
+    std::fs::write(&frozen, edited).unwrap();
+    let run = resume(&t, &["edited"]);
+    run.fails_with(1, "does not fit this job")
+        .fails_with(1, "not restarted (distributed.max_restarts = 2)");
+    assert!(!run.stderr.contains("restart 1/2"), "{}", run.stderr);
+    assert_eq!(t.json(&t.job("edited").join("state.json"))["restarts"], 0);
+}
+
 /// `run --resume auto`, what a requeued scheduler job runs again: continue, leave, or refuse.
 #[test]
 fn run_resume_auto_continues_leaves_or_refuses_an_existing_job() {

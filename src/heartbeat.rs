@@ -146,6 +146,13 @@ pub fn read_all(store: &StoreClient, world: usize) -> Vec<Option<Beat>> {
         .collect()
 }
 
+/// Every rank's heartbeat read from `store`, then [`diagnose`]d for collective `#seq` of a job
+/// whose collectives may stall for `timeout`: "did not arrive: rank 1 ..." and such.
+pub fn diagnose_in(store: &StoreClient, world: usize, seq: u64, timeout: Duration) -> String {
+    let stale_after = 3 * interval_for(timeout) + Duration::from_secs(1);
+    diagnose(&read_all(store, world), seq, stale_after)
+}
+
 /// Why collective `#seq` could not complete, from the heartbeats: the ranks that never
 /// arrived and where each was. `stale_after`: a heartbeat older than this means the process
 /// itself stalled or died.

@@ -16,8 +16,8 @@ use super::checks::{
 };
 use super::declare::section;
 use super::spec::{
-    Backend, DeviceChoice, OnWriteError, OptimizerSpec, Precision, ScheduleKind, TokenDtype,
-    TokenizerKind,
+    Backend, DeviceChoice, GptSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
+    TokenDtype, TokenizerKind,
 };
 
 /// A week: longer than any collective should stall, and safe to add to a clock.
@@ -92,16 +92,29 @@ section! {
     }
 }
 
+/// A gpt's shape for the keys a job leaves out (nanoGPT's CPU recipe's): what `resolve_gpt`
+/// writes and what the checks assume.
+pub const GPT_DEFAULTS: GptSpec = GptSpec {
+    n_layer: 4,
+    n_head: 4,
+    n_embd: 128,
+    block_size: 64,
+    dropout: 0.0,
+    bias: true,
+    vocab_size: None,
+};
+
 impl RawModel {
-    /// The `gpt` keys with their defaults written out (nanoGPT's CPU recipe's shape), so a gpt
-    /// job's `job.toml` says what it trained; other archs leave them out.
+    /// The `gpt` keys with their defaults written out, so a gpt job's `job.toml` says what it
+    /// trained; other archs leave them out.
     pub fn resolve_gpt(&mut self) {
-        self.n_layer.get_or_insert(4);
-        self.n_head.get_or_insert(4);
-        self.n_embd.get_or_insert(128);
-        self.block_size.get_or_insert(64);
-        self.dropout.get_or_insert(0.0);
-        self.bias.get_or_insert(true);
+        let d = GPT_DEFAULTS;
+        self.n_layer.get_or_insert(d.n_layer as i64);
+        self.n_head.get_or_insert(d.n_head as i64);
+        self.n_embd.get_or_insert(d.n_embd as i64);
+        self.block_size.get_or_insert(d.block_size as i64);
+        self.dropout.get_or_insert(d.dropout);
+        self.bias.get_or_insert(d.bias);
     }
 }
 

@@ -9,7 +9,7 @@ use super::checks::Checker;
 use super::custom::CustomParts;
 use super::declare::Section;
 use super::error::ConfigError;
-use super::keys::{DataKeys, ExpectKeys, ModelKeys, RawConfig};
+use super::keys::{DataKeys, ExpectKeys, GPT_DEFAULTS, ModelKeys, RawConfig};
 use super::source::Source;
 use super::spec::{
     Check, DataSpec, DatasetKind, Expectation, GptSpec, JobSpec, ModelSpec, ScheduleKind, TextSpec,
@@ -127,10 +127,11 @@ fn expectations(e: &ExpectKeys) -> Vec<Expectation> {
         .collect()
 }
 
-/// `model.*` of a gpt: the defaults `RawModel::resolve_gpt` writes, and how the shape fits.
+/// `model.*` of a gpt (the keys left out take [`GPT_DEFAULTS`]), and how the shape fits.
 fn check_gpt(c: &mut Checker, m: &ModelKeys) -> GptSpec {
-    let n_head = m.n_head.unwrap_or(4);
-    let n_embd = m.n_embd.unwrap_or(128);
+    let d = GPT_DEFAULTS;
+    let n_head = m.n_head.unwrap_or(d.n_head);
+    let n_embd = m.n_embd.unwrap_or(d.n_embd);
     if n_head > 0 && n_embd % n_head != 0 {
         c.fail(
             "model.n_embd",
@@ -142,12 +143,12 @@ fn check_gpt(c: &mut Checker, m: &ModelKeys) -> GptSpec {
         );
     }
     GptSpec {
-        n_layer: m.n_layer.unwrap_or(4),
+        n_layer: m.n_layer.unwrap_or(d.n_layer),
         n_head,
         n_embd,
-        block_size: m.block_size.unwrap_or(64),
-        dropout: m.dropout.unwrap_or(0.0),
-        bias: m.bias.unwrap_or(true),
+        block_size: m.block_size.unwrap_or(d.block_size),
+        dropout: m.dropout.unwrap_or(d.dropout),
+        bias: m.bias.unwrap_or(d.bias),
         vocab_size: m.vocab_size,
     }
 }

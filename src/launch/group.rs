@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use super::nodes::{self, Nodes};
 use super::supervise::{self, Outcome};
 use super::watch::Watchdog;
-use super::{Layout, RunError};
+use super::{Layout, RunError, absolute};
 use crate::checkpoint;
 use crate::config::JobSpec;
 use crate::jobdir::{JobDir, JobDirError, now_unix, now_unix_ms};
@@ -222,9 +222,7 @@ impl Group<'_> {
         if self.layout.node_rank == 0 {
             nodes.await_stopped(attempt).map_err(cannot_restart)?;
             // Absolute: the other nodes' launchers may run in other directories.
-            let from = self
-                .restart_point()?
-                .map(|d| std::path::absolute(&d).unwrap_or(d));
+            let from = self.restart_point()?.map(|d| absolute(&d));
             nodes
                 .publish_next(attempt, from.as_deref())
                 .map_err(|e| cannot_restart(e.to_string()))?;
@@ -305,8 +303,8 @@ impl Group<'_> {
         let exe = std::env::current_exe().map_err(|cause| RunError::Spawn { rank: 0, cause })?;
         let threads = threads_per_worker(layout.nproc).to_string();
         let started_ms = now_unix_ms().saturating_sub(self.started.elapsed().as_millis());
-        let job_dir = std::path::absolute(&self.job.root).unwrap_or_else(|_| self.job.root.clone());
-        let resume_from = resume_from.map(|d| std::path::absolute(d).unwrap_or_else(|_| d.clone()));
+        let job_dir = absolute(&self.job.root);
+        let resume_from = resume_from.map(|d| absolute(d));
         let mut workers = Vec::new();
         for local_rank in 0..layout.nproc {
             let rank = layout.node_rank * layout.nproc + local_rank;

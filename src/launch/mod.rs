@@ -211,7 +211,9 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
     if let (Decision::AlreadyFinished(message), 1) = (&decision, layout.nnodes) {
         return Ok(Ended::AlreadyFinished(job, message.clone()));
     }
-    let _lock = match decision {
+    // Held to the end: a continued job is locked before the store binds, a new one once it
+    // exists.
+    let mut _lock = match decision {
         Decision::Continue(_) => Some(job.lock(&spec.name)?),
         _ => None,
     };
@@ -248,19 +250,21 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
     }
 
     Dataset::ensure_present(&spec.data)?;
-    let (plan, _lock) = match decision {
+    let plan = match decision {
         Decision::Start => {
             // Text data is read (and checked) before the job exists, so bad data creates nothing.
             let vocab = text_vocab(spec, None)?;
             create_job(&job, opts, &layout, vocab.as_ref())?;
-            (Plan::Start, Some(job.lock(&spec.name)?))
+            _lock = Some(job.lock(&spec.name)?);
+            Plan::Start
         }
         Decision::Continue(_) => {
             // A job stopped before its first checkpoint starts again from the beginning.
             let choice = resume::choose_checkpoint(&job, &spec.name, true)?;
             resume::start_continuing(&job, spec, &choice, layout.world_size())?;
-            let from = choice.usable.map(|d| std::path::absolute(&d).unwrap_or(d));
-            (Plan::Continue { from }, _lock)
+            Plan::Continue {
+                from: choice.usable.map(|d| absolute(&d)),
+            }
         }
         Decision::AlreadyFinished(message) => {
             let nodes = nodes.expect("several nodes");
@@ -287,6 +291,7 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
     record_outcome(&job, spec, opts.started, outcome).map(|s| Ended::Finished(job, Some(s)))
 }
 
+/// `path` made absolute (as it is when that fails): what other processes and nodes are told.
 fn absolute(path: &std::path::Path) -> PathBuf {
     std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }

@@ -205,12 +205,8 @@ fn nccl_failure(
             && let Ok(store) =
                 StoreClient::connect(&env.master(), &env.token, Duration::from_secs(5))
         {
-            let beats = heartbeat::read_all(&store, env.world_size);
-            let stale_after = 3 * heartbeat::interval_for(timeout) + Duration::from_secs(1);
-            message += &format!(
-                "; ranks that {}",
-                heartbeat::diagnose(&beats, seq, stale_after)
-            );
+            let arrivals = heartbeat::diagnose_in(&store, env.world_size, seq, timeout);
+            message += &format!("; ranks that {arrivals}");
         }
         failure::write(
             &env.job_dir,
@@ -237,12 +233,8 @@ fn explain_timeout(
         | WorkerError::Train(TrainError::Comm(CommError::Timeout { seq, .. })) => *seq,
         _ => return error,
     };
-    let beats = heartbeat::read_all(store, env.world_size);
-    let stale_after = 3 * heartbeat::interval_for(timeout) + Duration::from_secs(1);
-    WorkerError::Hang(format!(
-        "{error}; ranks that {}",
-        heartbeat::diagnose(&beats, seq, stale_after)
-    ))
+    let arrivals = heartbeat::diagnose_in(store, env.world_size, seq, timeout);
+    WorkerError::Hang(format!("{error}; ranks that {arrivals}"))
 }
 
 /// Exit status of a failed worker: 2 if it was started by hand, 3 if it only failed because a

@@ -97,7 +97,7 @@ pub use std::process::ExitCode;
 pub use comm::{CommError, Communicator};
 pub use data::{DataError, TensorDataset};
 
-pub use models::{Mode, Model, ParamStore, Params};
+pub use models::{Mode, Model, ParamStore, Params, TrainPass};
 pub use registry::{BuildError, DataContext, ModelContext, Registry};
 pub use task::{BatchSource, ModelInput, Task};
 

@@ -44,38 +44,7 @@ impl CustomOp3 for LinearOp {
             values(w, w_layout)?,
             values(b, b_layout)?,
         );
-        // gemm copies (packs) the weight before multiplying it into a row-major y. For a few
-        // rows against a large weight (the cnn's fc1: 32 rows, 9216 × 128 weights) it is
-        // cheaper to form yᵀ = W·xᵀ, where it copies x instead, and transpose the small yᵀ.
-        let y = if n * (inputs + outputs) < outputs * inputs {
-            let mut yt = vec![0f32; outputs * n];
-            gemm(
-                &mut yt,
-                Mat::new(w, outputs, inputs),
-                Mat::new(x, n, inputs).t(),
-                false,
-                threads(),
-            );
-            let mut y = Vec::with_capacity(n * outputs);
-            for i in 0..n {
-                y.extend(b.iter().enumerate().map(|(j, b)| yt[j * n + i] + b));
-            }
-            y
-        } else {
-            let mut y = Vec::with_capacity(n * outputs);
-            for _ in 0..n {
-                y.extend_from_slice(b);
-            }
-            gemm(
-                &mut y,
-                Mat::new(x, n, inputs),
-                Mat::new(w, outputs, inputs).t(),
-                true,
-                threads(),
-            );
-            y
-        };
-        let mut y = y;
+        let mut y = forward(x, w, b, n);
         if self.relu {
             relu_in_place(&mut y);
         }
@@ -100,44 +69,16 @@ impl CustomOp3 for LinearOp {
             })?),
             false => None,
         };
-        let (gw, gb) = with_gz(grad, masked.as_deref(), |gz| {
-            let mut gw = vec![0f32; outputs * inputs];
+        let want_gx = x.track_op();
+        let (gx, gw, gb) = with_gz(grad, masked.as_deref(), |gz| {
             with_values(x, |x| {
-                gemm(
-                    &mut gw,
-                    Mat::new(gz, n, outputs).t(),
-                    Mat::new(x, n, inputs),
-                    false,
-                    threads(),
-                );
-                Ok(())
-            })?;
-            let mut gb = vec![0f32; outputs];
-            for row in gz.chunks_exact(outputs) {
-                for (acc, g) in gb.iter_mut().zip(row) {
-                    *acc += g;
-                }
-            }
-            Ok((gw, gb))
+                with_values(w, |w| Ok(backward(x, w, gz, outputs, want_gx)))
+            })
         })?;
         // The first layer's input is data: nothing needs its gradient.
-        let gx = if x.track_op() {
-            let mut gx = vec![0f32; n * inputs];
-            with_gz(grad, masked.as_deref(), |gz| {
-                with_values(w, |w| {
-                    gemm(
-                        &mut gx,
-                        Mat::new(gz, n, outputs),
-                        Mat::new(w, outputs, inputs),
-                        false,
-                        threads(),
-                    );
-                    Ok(())
-                })
-            })?;
-            Some(Tensor::from_vec(gx, (n, inputs), device)?)
-        } else {
-            None
+        let gx = match gx {
+            Some(gx) => Some(Tensor::from_vec(gx, (n, inputs), device)?),
+            None => None,
         };
         Ok((
             gx,
@@ -145,6 +86,83 @@ impl CustomOp3 for LinearOp {
             Some(Tensor::from_vec(gb, outputs, device)?),
         ))
     }
+}
+
+/// `x·Wᵀ + b` for the rows `x` (`n` of them), `w` [out, in], `b` [out]: [n, out].
+pub(crate) fn forward(x: &[f32], w: &[f32], b: &[f32], n: usize) -> Vec<f32> {
+    let outputs = b.len();
+    let inputs = w.len() / outputs.max(1);
+    // gemm copies (packs) the weight before multiplying it into a row-major y. For a few
+    // rows against a large weight (the cnn's fc1: 32 rows, 9216 × 128 weights) it is
+    // cheaper to form yᵀ = W·xᵀ, where it copies x instead, and transpose the small yᵀ.
+    if n * (inputs + outputs) < outputs * inputs {
+        let mut yt = vec![0f32; outputs * n];
+        gemm(
+            &mut yt,
+            Mat::new(w, outputs, inputs),
+            Mat::new(x, n, inputs).t(),
+            false,
+            threads(),
+        );
+        let mut y = Vec::with_capacity(n * outputs);
+        for i in 0..n {
+            y.extend(b.iter().enumerate().map(|(j, b)| yt[j * n + i] + b));
+        }
+        y
+    } else {
+        let mut y = Vec::with_capacity(n * outputs);
+        for _ in 0..n {
+            y.extend_from_slice(b);
+        }
+        gemm(
+            &mut y,
+            Mat::new(x, n, inputs),
+            Mat::new(w, outputs, inputs).t(),
+            true,
+            threads(),
+        );
+        y
+    }
+}
+
+/// The gradients of [`forward`] given `gz`, the output's gradient [n, out] (`outputs` =
+/// out): the input's (gz·W, when `want_gx`), the weight's (gzᵀ·x) and the bias's (Σ gz over
+/// the rows).
+pub(crate) fn backward(
+    x: &[f32],
+    w: &[f32],
+    gz: &[f32],
+    outputs: usize,
+    want_gx: bool,
+) -> (Option<Vec<f32>>, Vec<f32>, Vec<f32>) {
+    let n = gz.len() / outputs.max(1);
+    let inputs = w.len() / outputs.max(1);
+    let mut gw = vec![0f32; outputs * inputs];
+    gemm(
+        &mut gw,
+        Mat::new(gz, n, outputs).t(),
+        Mat::new(x, n, inputs),
+        false,
+        threads(),
+    );
+    let mut gb = vec![0f32; outputs];
+    for row in gz.chunks_exact(outputs) {
+        for (acc, g) in gb.iter_mut().zip(row) {
+            *acc += g;
+        }
+    }
+    let gx = want_gx.then(|| {
+        let mut gx = vec![0f32; n * inputs];
+        gemm(
+            &mut gx,
+            Mat::new(gz, n, outputs),
+            Mat::new(w, outputs, inputs),
+            false,
+            threads(),
+        );
+        gx
+    });
+    (gx, gw, gb)
 }
 
 /// Runs `f` on the gradient of the pre-activation: `masked` when the ReLU masked it, else the

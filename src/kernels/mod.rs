@@ -16,6 +16,7 @@ use rayon::prelude::*;
 
 pub use conv::{ConvGeometry, Pooling, conv2d};
 pub use linear::linear;
+pub(crate) use linear::{backward as linear_backward, forward as linear_forward};
 pub use optim::{AdamStep, SgdStep, adam_step, sgd_step};
 
 /// Keeps freed memory in the process. A training step frees and allocates the same large

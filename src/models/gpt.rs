@@ -11,13 +11,14 @@
 mod attention;
 mod dropout;
 mod head;
+mod manual;
 mod ops;
 #[cfg(test)]
 mod tests;
 
 use candle_core::{DType, Device, Error, Result, Tensor, Var};
 
-use super::{Mode, Model, Params};
+use super::{Mode, Model, Params, TrainPass};
 use crate::kernels;
 use crate::rng::Mt19937;
 use dropout::Dropout;
@@ -245,6 +246,19 @@ impl Model for Gpt {
         &self.params
     }
 
+    /// On the CPU in f32, a hand-written forward and backward (see `manual`).
+    fn train_pass(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        mode: &Mode,
+    ) -> Result<Option<Box<dyn TrainPass + '_>>> {
+        if !manual::applies(self) {
+            return Ok(None);
+        }
+        Ok(Some(Box::new(manual::forward(self, xs, targets, mode)?)))
+    }
+
     /// nanoGPT's `estimate_mfu` count (the PaLM paper's): 6 operations per parameter per
     /// token, position embeddings excepted, plus 12·n_layer·n_embd·block_size per token for
     /// attention's two products (the masked half counted, as there); times block_size tokens.
@@ -334,8 +348,12 @@ struct Linear {
 }
 
 impl Linear {
+    fn bias_or_zeros(&self) -> &Tensor {
+        self.bias.as_ref().map_or(&self.zeros, |b| b.as_tensor())
+    }
+
     fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
-        let bias = self.bias.as_ref().map_or(&self.zeros, |b| b.as_tensor());
+        let bias = self.bias_or_zeros();
         if compute == DType::F32 && kernels::applies(x) {
             return kernels::linear(x, self.weight.as_tensor(), bias, false);
         }
@@ -357,9 +375,12 @@ struct LayerNorm {
 }
 
 impl LayerNorm {
+    fn bias_or_zeros(&self) -> &Tensor {
+        self.bias.as_ref().map_or(&self.zeros, |b| b.as_tensor())
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let bias = self.bias.as_ref().map_or(&self.zeros, |b| b.as_tensor());
-        ops::layer_norm(x, self.weight.as_tensor(), bias, 1e-5)
+        ops::layer_norm(x, self.weight.as_tensor(), self.bias_or_zeros(), 1e-5)
     }
 }
 

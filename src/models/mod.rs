@@ -50,12 +50,35 @@ pub trait Model: Send + Sync {
         None
     }
 
+    /// A training forward pass that computes its own gradients: for a model with a
+    /// hand-written backward where that beats autograd (the `gpt` on the CPU in f32).
+    /// `None` (the default): the trainer differentiates [`Model::loss`] with autograd.
+    /// The pass's gradients must be those autograd would give for the same loss.
+    fn train_pass(
+        &self,
+        _xs: &Tensor,
+        _targets: &Tensor,
+        _mode: &Mode,
+    ) -> Result<Option<Box<dyn TrainPass + '_>>> {
+        Ok(None)
+    }
+
     /// Whether each row of a batch is computed independently of the others, so a CPU worker
     /// may cut a micro-batch into row shards that run side by side. Not so for BatchNorm
     /// (batch statistics); the default says no for any model with buffers.
     fn rows_independent(&self) -> bool {
         self.params().buffers().next().is_none()
     }
+}
+
+/// The forward half of a training step whose backward the model computes itself (see
+/// [`Model::train_pass`]).
+pub trait TrainPass {
+    /// The mean loss of the pass (a scalar, as [`Model::loss`] returns it).
+    fn loss(&self) -> &Tensor;
+    /// The gradient of `scale` · loss for each parameter, in [`Model::params`] order (`None`
+    /// for one the loss does not depend on).
+    fn backward(self: Box<Self>, scale: f64) -> Result<Vec<Option<Tensor>>>;
 }
 
 /// [`Model::train_flops_per_sample`] of a chain of products whose forward passes cost
@@ -418,5 +441,14 @@ impl Model for Box<dyn Model> {
 
     fn rows_independent(&self) -> bool {
         self.as_ref().rows_independent()
+    }
+
+    fn train_pass(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        mode: &Mode,
+    ) -> Result<Option<Box<dyn TrainPass + '_>>> {
+        self.as_ref().train_pass(xs, targets, mode)
     }
 }

@@ -136,14 +136,21 @@ fn shard_forward_backward(
     n_step: usize,
 ) -> Result<ShardResult, StepError> {
     let started = Instant::now();
-    let loss = model.loss(&batch.inputs, &batch.targets, &batch.mode)?;
-    let forward = started.elapsed();
-    let store = (&loss * (n as f64 / n_step as f64))?.backward()?;
-    let grads = model
-        .params()
-        .vars()
-        .map(|v| store.get(v).cloned())
-        .collect();
+    let scale = n as f64 / n_step as f64;
+    let (loss, grads, forward) =
+        match model.train_pass(&batch.inputs, &batch.targets, &batch.mode)? {
+            Some(pass) => {
+                let (loss, forward) = (pass.loss().clone(), started.elapsed());
+                (loss, pass.backward(scale)?, forward)
+            }
+            None => {
+                let loss = model.loss(&batch.inputs, &batch.targets, &batch.mode)?;
+                let forward = started.elapsed();
+                let store = (&loss * scale)?.backward()?;
+                let grads = model.params().vars().map(|v| store.get(v).cloned());
+                (loss, grads.collect(), forward)
+            }
+        };
     Ok(ShardResult {
         grads,
         loss_sum: (loss.detach() * n as f64)?,

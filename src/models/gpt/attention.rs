@@ -162,18 +162,71 @@ fn probabilities(p: &mut [f32], q: View, k: View, scale: f32) {
 }
 
 impl AttentionOp {
-    /// (n, t, C, head_dim) of `qkv` [n·t, 3C].
-    fn dims(&self, shape: &Shape) -> Result<(usize, usize, usize, usize)> {
+    /// (n, t, C) of `qkv` [n·t, 3C].
+    fn dims(&self, shape: &Shape) -> Result<(usize, usize, usize)> {
         let (rows, c3) = shape.dims2()?;
         let (c, h, t) = (c3 / 3, self.heads, self.t);
         if c3 % 3 != 0 || h == 0 || c % h != 0 || t == 0 || rows % t != 0 {
             bail!("attention: qkv {shape:?} does not split into sequences of {t}, 3 × {h} heads");
         }
-        Ok((rows / t, t, c, c / h))
+        Ok((rows / t, t, c))
     }
+}
 
-    fn scale(hd: usize) -> f32 {
-        1.0 / (hd as f32).sqrt()
+/// 1/√head_dim, the scale of the attention scores.
+fn scale(hd: usize) -> f32 {
+    1.0 / (hd as f32).sqrt()
+}
+
+/// Causal attention of one sequence of `t` positions: `x` its [t, 3C] rows of q, k and v
+/// (`heads` heads of C / heads columns each), `y` its [t, C] output; `p`: t × t values of
+/// scratch.
+pub(super) fn sequence(x: &[f32], y: &mut [f32], t: usize, heads: usize, p: &mut [f32]) {
+    let c = y.len() / t;
+    let hd = c / heads;
+    for h in 0..heads {
+        let q = View::rows(x, h * hd, t, hd, 3 * c);
+        let k = View::rows(x, c + h * hd, t, hd, 3 * c);
+        let v = View::rows(x, 2 * c + h * hd, t, hd, 3 * c);
+        probabilities(p, q, k, scale(hd));
+        matmul(&mut y[h * hd..], c, View::rows(p, 0, t, t, t), v);
+    }
+}
+
+/// The backward of [`sequence`]: `dy` [t, C] the output's gradient, `dx` [t, 3C] written with
+/// the gradient of q, k and v; `scratch`: 2 · t × t values. With P the probabilities of a
+/// head: dV = Pᵀ·dY, dP = dY·Vᵀ, dS = P ⊙ (dP - rowsum(dP ⊙ P)) · scale, dQ = dS·K,
+/// dK = dSᵀ·Q (P recomputed, not kept).
+pub(super) fn sequence_bwd(
+    x: &[f32],
+    dy: &[f32],
+    dx: &mut [f32],
+    t: usize,
+    heads: usize,
+    scratch: &mut [f32],
+) {
+    let c = dy.len() / t;
+    let hd = c / heads;
+    let scale = scale(hd);
+    let (p, ds) = scratch.split_at_mut(t * t);
+    for h in 0..heads {
+        let q = View::rows(x, h * hd, t, hd, 3 * c);
+        let k = View::rows(x, c + h * hd, t, hd, 3 * c);
+        let v = View::rows(x, 2 * c + h * hd, t, hd, 3 * c);
+        let dyh = View::rows(dy, h * hd, t, hd, c);
+        probabilities(p, q, k, scale);
+        let pv = View::rows(p, 0, t, t, t);
+        matmul(&mut dx[2 * c + h * hd..], 3 * c, pv.t(), dyh);
+        matmul(ds, t, dyh, v.t());
+        for (ds, p) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+            let dot = dot(ds, p);
+            for (d, p) in ds.iter_mut().zip(p) {
+                *d = p * (*d - dot) * scale;
+            }
+        }
+        let dsv = View::rows(ds, 0, t, t, t);
+        matmul(&mut dx[h * hd..], 3 * c, dsv, k);
+        matmul(&mut dx[c + h * hd..], 3 * c, dsv.t(), q);
     }
 }
 
@@ -183,31 +236,20 @@ impl CustomOp1 for AttentionOp {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (n, t, c, hd) = self.dims(layout.shape())?;
+        let (n, t, c) = self.dims(layout.shape())?;
         let qkv = values(storage, layout)?;
         let mut y = vec![0f32; n * t * c];
         if c > 0 {
             y.par_chunks_mut(t * c)
                 .zip(qkv.par_chunks(t * 3 * c))
-                .for_each(|(y, x)| {
-                    let mut p = vec![0f32; t * t];
-                    for h in 0..self.heads {
-                        let q = View::rows(x, h * hd, t, hd, 3 * c);
-                        let k = View::rows(x, c + h * hd, t, hd, 3 * c);
-                        let v = View::rows(x, 2 * c + h * hd, t, hd, 3 * c);
-                        probabilities(&mut p, q, k, Self::scale(hd));
-                        matmul(&mut y[h * hd..], c, View::rows(&p, 0, t, t, t), v);
-                    }
-                });
+                .for_each(|(y, x)| sequence(x, y, t, self.heads, &mut vec![0f32; t * t]));
         }
         Ok((CpuStorage::F32(y), Shape::from((n * t, c))))
     }
 
-    /// With P the probabilities and dY the gradient of one head's output: dV = Pᵀ·dY,
-    /// dP = dY·Vᵀ, dS = P ⊙ (dP - rowsum(dP ⊙ P)) · scale, dQ = dS·K, dK = dSᵀ·Q.
+    /// See [`sequence_bwd`].
     fn bwd(&self, qkv: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let (_, t, c, hd) = self.dims(qkv.shape())?;
-        let scale = Self::scale(hd);
+        let (_, t, c) = self.dims(qkv.shape())?;
         let mut dqkv = vec![0f32; qkv.elem_count()];
         if c > 0 {
             with_values(qkv, |qkv| {
@@ -216,26 +258,8 @@ impl CustomOp1 for AttentionOp {
                         .zip(qkv.par_chunks(t * 3 * c))
                         .zip(grad.par_chunks(t * c))
                         .for_each(|((dx, x), dy)| {
-                            let (mut p, mut ds) = (vec![0f32; t * t], vec![0f32; t * t]);
-                            for h in 0..self.heads {
-                                let q = View::rows(x, h * hd, t, hd, 3 * c);
-                                let k = View::rows(x, c + h * hd, t, hd, 3 * c);
-                                let v = View::rows(x, 2 * c + h * hd, t, hd, 3 * c);
-                                let dyh = View::rows(dy, h * hd, t, hd, c);
-                                probabilities(&mut p, q, k, scale);
-                                let pv = View::rows(&p, 0, t, t, t);
-                                matmul(&mut dx[2 * c + h * hd..], 3 * c, pv.t(), dyh);
-                                matmul(&mut ds, t, dyh, v.t());
-                                for (ds, p) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-                                    let dot = dot(ds, p);
-                                    for (d, p) in ds.iter_mut().zip(p) {
-                                        *d = p * (*d - dot) * scale;
-                                    }
-                                }
-                                let dsv = View::rows(&ds, 0, t, t, t);
-                                matmul(&mut dx[h * hd..], 3 * c, dsv, k);
-                                matmul(&mut dx[c + h * hd..], 3 * c, dsv.t(), q);
-                            }
+                            let mut scratch = vec![0f32; 2 * t * t];
+                            sequence_bwd(x, dy, dx, t, self.heads, &mut scratch)
                         });
                     Ok(())
                 })

@@ -99,7 +99,7 @@ fn log_sum_exp(row: &[f32]) -> f32 {
 }
 
 /// The target ids as indices.
-fn ids(targets: &Tensor) -> Result<Vec<usize>> {
+pub(super) fn ids(targets: &Tensor) -> Result<Vec<usize>> {
     let t = targets.flatten_all()?.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
@@ -138,18 +138,7 @@ impl CustomOp3 for HeadLossOp {
             values(w, w_layout)?,
             ids_of(t, t_layout)?,
         );
-        let dims = Dims::of(x.len(), w.len(), ids.len())?;
-        check_targets(&ids, dims.vocab)?;
-        let parts: Vec<f32> = (0..dims.rows.div_ceil(CHUNK))
-            .into_par_iter()
-            .map(|c| {
-                let (rows, logits) = dims.logits(x, w, c);
-                let rows = logits.chunks_exact(dims.vocab).zip(&ids[rows]);
-                rows.map(|(row, &t)| log_sum_exp(row) - row[t]).sum::<f32>()
-            })
-            .collect();
-        // Chunk sums added in order: the same loss whatever the number of threads.
-        let mean = parts.iter().sum::<f32>() / dims.rows as f32;
+        let mean = mean_loss(x, w, &ids)?;
         Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
     }
 
@@ -166,50 +155,8 @@ impl CustomOp3 for HeadLossOp {
         let g = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
         let (dx, dw) = with_values(x, |xv| {
             with_values(w, |wv| {
-                let dims = Dims::of(xv.len(), wv.len(), ids.len())?;
-                let scale = g / dims.rows as f32;
                 let mut dx = vec![0f32; xv.len()];
-                // One dw per contiguous group of chunks (one per thread), added in order.
-                let chunks = dims.rows.div_ceil(CHUNK);
-                let groups = rayon::current_num_threads().min(chunks).max(1);
-                let per_group = chunks.div_ceil(groups);
-                let partial_dw: Vec<Vec<f32>> = dx
-                    .par_chunks_mut(per_group * CHUNK * dims.channels)
-                    .enumerate()
-                    .map(|(gi, dx)| {
-                        let mut dw = vec![0f32; wv.len()];
-                        let first = gi * per_group;
-                        for c in first..(first + per_group).min(chunks) {
-                            let (rows, mut dl) = dims.logits(xv, wv, c);
-                            for (row, &t) in dl.chunks_exact_mut(dims.vocab).zip(&ids[rows.clone()])
-                            {
-                                let lse = log_sum_exp(row);
-                                row.iter_mut().for_each(|v| *v = exp(*v - lse) * scale);
-                                row[t] -= scale;
-                            }
-                            let n = rows.len();
-                            let dl_view = View::rows(&dl, 0, n, dims.vocab, dims.vocab);
-                            let local = (rows.start - first * CHUNK) * dims.channels;
-                            let w_view =
-                                View::rows(wv, 0, dims.vocab, dims.channels, dims.channels);
-                            gemm_into(&mut dx[local..], dims.channels, dl_view, w_view, false);
-                            let x_view = View::rows(
-                                xv,
-                                rows.start * dims.channels,
-                                n,
-                                dims.channels,
-                                dims.channels,
-                            );
-                            gemm_into(&mut dw, dims.channels, dl_view.t(), x_view, true);
-                        }
-                        dw
-                    })
-                    .collect();
-                let mut parts = partial_dw.into_iter();
-                let mut dw = parts.next().unwrap_or_else(|| vec![0f32; wv.len()]);
-                for part in parts {
-                    dw.iter_mut().zip(part).for_each(|(d, p)| *d += p);
-                }
+                let dw = loss_bwd(xv, wv, &ids, g, &mut dx)?;
                 Ok((dx, dw))
             })
         })?;
@@ -219,6 +166,76 @@ impl CustomOp3 for HeadLossOp {
             None,
         ))
     }
+}
+
+/// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C] values) against `ids`.
+pub(super) fn mean_loss(x: &[f32], w: &[f32], ids: &[usize]) -> Result<f32> {
+    let dims = Dims::of(x.len(), w.len(), ids.len())?;
+    check_targets(ids, dims.vocab)?;
+    let parts: Vec<f32> = (0..dims.rows.div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|c| {
+            let (rows, logits) = dims.logits(x, w, c);
+            let rows = logits.chunks_exact(dims.vocab).zip(&ids[rows]);
+            rows.map(|(row, &t)| log_sum_exp(row) - row[t]).sum::<f32>()
+        })
+        .collect();
+    // Chunk sums added in order: the same loss whatever the number of threads.
+    Ok(parts.iter().sum::<f32>() / dims.rows as f32)
+}
+
+/// The backward of `g` · [`mean_loss`]: d logits = (softmax - one-hot(target)) · g / n;
+/// dx = d logits · w written into `dx`; returns dw = d logitsᵀ · x.
+pub(super) fn loss_bwd(
+    xv: &[f32],
+    wv: &[f32],
+    ids: &[usize],
+    g: f32,
+    dx: &mut [f32],
+) -> Result<Vec<f32>> {
+    let dims = Dims::of(xv.len(), wv.len(), ids.len())?;
+    check_targets(ids, dims.vocab)?;
+    let scale = g / dims.rows as f32;
+    // One dw per contiguous group of chunks (one per thread), added in order.
+    let chunks = dims.rows.div_ceil(CHUNK);
+    let groups = rayon::current_num_threads().min(chunks).max(1);
+    let per_group = chunks.div_ceil(groups);
+    let partial_dw: Vec<Vec<f32>> = dx
+        .par_chunks_mut(per_group * CHUNK * dims.channels)
+        .enumerate()
+        .map(|(gi, dx)| {
+            let mut dw = vec![0f32; wv.len()];
+            let first = gi * per_group;
+            for c in first..(first + per_group).min(chunks) {
+                let (rows, mut dl) = dims.logits(xv, wv, c);
+                for (row, &t) in dl.chunks_exact_mut(dims.vocab).zip(&ids[rows.clone()]) {
+                    let lse = log_sum_exp(row);
+                    row.iter_mut().for_each(|v| *v = exp(*v - lse) * scale);
+                    row[t] -= scale;
+                }
+                let n = rows.len();
+                let dl_view = View::rows(&dl, 0, n, dims.vocab, dims.vocab);
+                let local = (rows.start - first * CHUNK) * dims.channels;
+                let w_view = View::rows(wv, 0, dims.vocab, dims.channels, dims.channels);
+                gemm_into(&mut dx[local..], dims.channels, dl_view, w_view, false);
+                let x_view = View::rows(
+                    xv,
+                    rows.start * dims.channels,
+                    n,
+                    dims.channels,
+                    dims.channels,
+                );
+                gemm_into(&mut dw, dims.channels, dl_view.t(), x_view, true);
+            }
+            dw
+        })
+        .collect();
+    let mut parts = partial_dw.into_iter();
+    let mut dw = parts.next().unwrap_or_else(|| vec![0f32; wv.len()]);
+    for part in parts {
+        dw.iter_mut().zip(part).for_each(|(d, p)| *d += p);
+    }
+    Ok(dw)
 }
 
 fn check_targets(ids: &[usize], vocab: usize) -> Result<()> {

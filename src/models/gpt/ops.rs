@@ -123,39 +123,57 @@ pub(super) fn max(v: &[f32]) -> f32 {
     lanes.iter().fold(tail, |m, &x| m.max(x))
 }
 
-impl LayerNormOp {
-    /// The backward of the rows `x` (gradient `gy`) into `dx`: returns their sums of dgain and
-    /// dbias.
-    fn rows_bwd(
-        &self,
-        x: &[f32],
-        gy: &[f32],
-        gain: &[f32],
-        dx: &mut [f32],
-    ) -> (Vec<f32>, Vec<f32>) {
-        let c = gain.len();
-        let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
-        let (mut xhat, mut gh) = (vec![0f32; c], vec![0f32; c]);
-        let rows = x.chunks_exact(c).zip(gy.chunks_exact(c));
-        for ((x, gy), dx) in rows.zip(dx.chunks_exact_mut(c)) {
-            let (mean, rstd) = moments(x, self.eps);
-            for (xh, x) in xhat.iter_mut().zip(x) {
-                *xh = (x - mean) * rstd;
-            }
-            for (((gh, gy), gain), db) in gh.iter_mut().zip(gy).zip(gain).zip(&mut db) {
-                *gh = gy * gain;
-                *db += gy;
-            }
-            for ((dg, gy), xh) in dg.iter_mut().zip(gy).zip(&xhat) {
-                *dg += gy * xh;
-            }
-            let mean_g = sum_map(&gh, |v| v) / c as f32;
-            let mean_gx = dot(&gh, &xhat) / c as f32;
-            for ((dx, gh), xh) in dx.iter_mut().zip(&gh).zip(&xhat) {
-                *dx = rstd * (gh - mean_g - xh * mean_gx);
-            }
+/// LayerNorm of the rows `x` (`gain.len()` values each) into `y`.
+pub(super) fn layer_norm_rows(x: &[f32], gain: &[f32], bias: &[f32], eps: f32, y: &mut [f32]) {
+    let c = gain.len();
+    for (y, x) in y.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
+        let (mean, rstd) = moments(x, eps);
+        for (((y, x), g), b) in y.iter_mut().zip(x).zip(gain).zip(bias) {
+            *y = (x - mean) * rstd * g + b;
         }
-        (dg, db)
+    }
+}
+
+/// The backward of LayerNorm over the rows `x` (output gradient `gy`): the input gradient into
+/// `dx` (added to it when `accumulate`), and Σ gy · x̂ and Σ gy added to `dgain` and `dbias`.
+/// dx = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂)) with ĝ = gy · gain.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn layer_norm_rows_bwd(
+    x: &[f32],
+    gy: &[f32],
+    gain: &[f32],
+    eps: f32,
+    dx: &mut [f32],
+    accumulate: bool,
+    dgain: &mut [f32],
+    dbias: &mut [f32],
+) {
+    let c = gain.len();
+    let (mut xhat, mut gh) = (vec![0f32; c], vec![0f32; c]);
+    let rows = x.chunks_exact(c).zip(gy.chunks_exact(c));
+    for ((x, gy), dx) in rows.zip(dx.chunks_exact_mut(c)) {
+        let (mean, rstd) = moments(x, eps);
+        for (xh, x) in xhat.iter_mut().zip(x) {
+            *xh = (x - mean) * rstd;
+        }
+        for (((gh, gy), gain), db) in gh.iter_mut().zip(gy).zip(gain).zip(&mut *dbias) {
+            *gh = gy * gain;
+            *db += gy;
+        }
+        for ((dg, gy), xh) in dgain.iter_mut().zip(gy).zip(&xhat) {
+            *dg += gy * xh;
+        }
+        let mean_g = sum_map(&gh, |v| v) / c as f32;
+        let mean_gx = dot(&gh, &xhat) / c as f32;
+        let grads = gh
+            .iter()
+            .zip(&xhat)
+            .map(|(gh, xh)| rstd * (gh - mean_g - xh * mean_gx));
+        if accumulate {
+            dx.iter_mut().zip(grads).for_each(|(d, g)| *d += g);
+        } else {
+            dx.iter_mut().zip(grads).for_each(|(d, g)| *d = g);
+        }
     }
 }
 
@@ -189,19 +207,11 @@ impl CustomOp3 for LayerNormOp {
         let mut y = vec![0f32; x.len()];
         y.par_chunks_mut(c * ROWS_PER_TASK)
             .zip(x.par_chunks(c * ROWS_PER_TASK))
-            .for_each(|(y, x)| {
-                for (y, x) in y.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
-                    let (mean, rstd) = moments(x, self.eps);
-                    for (((y, x), g), b) in y.iter_mut().zip(x).zip(g).zip(b) {
-                        *y = (x - mean) * rstd * g + b;
-                    }
-                }
-            });
+            .for_each(|(y, x)| layer_norm_rows(x, g, b, self.eps, y));
         Ok((CpuStorage::F32(y), x_layout.shape().clone()))
     }
 
-    /// dx = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂)) with ĝ = grad · gain; dgain = Σ grad · x̂,
-    /// dbias = Σ grad over the rows.
+    /// See [`layer_norm_rows_bwd`].
     fn bwd(
         &self,
         x: &Tensor,
@@ -222,7 +232,11 @@ impl CustomOp3 for LayerNormOp {
                         .par_chunks_mut(c * ROWS_PER_TASK)
                         .zip(x.par_chunks(c * ROWS_PER_TASK))
                         .zip(grad.par_chunks(c * ROWS_PER_TASK))
-                        .map(|((dx, x), gy)| self.rows_bwd(x, gy, gain, dx))
+                        .map(|((dx, x), gy)| {
+                            let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
+                            layer_norm_rows_bwd(x, gy, gain, self.eps, dx, false, &mut dg, &mut db);
+                            (dg, db)
+                        })
                         .collect();
                     for (pg, pb) in partials {
                         dg.iter_mut().zip(pg).for_each(|(d, p)| *d += p);
@@ -265,7 +279,7 @@ fn gelu_grad_rows(x: &[f32], g: &[f32], dx: &mut [f32]) {
 
 /// The elementwise loops, compiled for AVX2 (8-wide vectors instead of the baseline's 4) and
 /// run so where the CPU has it. The operations per element are the same, and so the results.
-mod simd {
+pub(super) mod simd {
     pub fn gelu(x: &[f32], y: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {

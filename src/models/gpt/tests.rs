@@ -451,3 +451,60 @@ fn fused_head_loss_matches_logits_and_cross_entropy_with_gradients() {
     let err = head::loss(&two, w.as_tensor(), &outside).unwrap_err();
     assert!(err.to_string().contains("target 37 is outside"), "{err}");
 }
+
+#[test]
+fn the_hand_written_pass_matches_autograd() {
+    for (bias, dropout) in [(true, 0.0), (false, 0.0), (true, 0.3)] {
+        let model = gpt(&config(bias, dropout));
+        // Gains and biases away from 1 and 0, so their gradients are exercised too.
+        let mut rng = crate::rng::Mt19937::new(9);
+        for var in model.params().vars() {
+            let values: Vec<f32> = (0..var.elem_count())
+                .map(|_| 0.5 + 0.3 * rng.normal())
+                .collect();
+            let noisy = Tensor::from_vec(values, var.shape(), &Device::Cpu).unwrap();
+            var.set(&(var.as_tensor() * &noisy).unwrap()).unwrap();
+        }
+        // 6 of 8 positions: the position embeddings of the last two get no gradient.
+        let x = ids(&[
+            &[1, 2, 3, 4, 5, 6],
+            &[7, 8, 9, 10, 0, 1],
+            &[3, 3, 3, 3, 3, 3],
+        ]);
+        let y = ids(&[
+            &[2, 3, 4, 5, 6, 7],
+            &[8, 9, 10, 0, 1, 2],
+            &[3, 4, 5, 6, 7, 8],
+        ]);
+        let mode = Mode::Train {
+            row_seeds: vec![11, 12, 13],
+        };
+        let loss = model.loss(&x, &y, &mode).unwrap();
+        let store = (&loss * 0.7).unwrap().backward().unwrap();
+        let pass = model
+            .train_pass(&x, &y, &mode)
+            .unwrap()
+            .expect("f32 on the CPU");
+        let (hand_loss, hand) = (pass.loss().clone(), pass.backward(0.7).unwrap());
+        let case = format!("bias {bias}, dropout {dropout}");
+        let (l1, l2) = (
+            loss.to_scalar::<f32>().unwrap(),
+            hand_loss.to_scalar::<f32>().unwrap(),
+        );
+        assert!((l1 - l2).abs() < 1e-5, "{case}: loss {l1} vs {l2}");
+        assert_eq!(hand.len(), model.params().len());
+        for ((name, var), grad) in model.params().iter().zip(&hand) {
+            let auto = values(store.get(var.as_tensor()).unwrap());
+            let hand = values(grad.as_ref().unwrap_or_else(|| panic!("{case}: no {name}")));
+            let scale = auto.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+            let diff = max_diff(&auto, &hand);
+            assert!(
+                diff < 1e-5 * scale.max(1.0),
+                "{case}: {name} differs by {diff}"
+            );
+        }
+    }
+    let bf16 = Gpt::new(&config(true, 0.0), 3, &Device::Cpu, DType::BF16).unwrap();
+    let x = ids(&[&[1, 2]]);
+    assert!(bf16.train_pass(&x, &x, &Mode::Eval).unwrap().is_none());
+}

@@ -1,0 +1,419 @@
+//! The GPT's training pass written out by hand for f32 on the CPU, as llm.c's `train_gpt2.c`
+//! does it: the forward keeps the activations the backward needs, the backward writes each
+//! parameter's gradient once and adds the residual stream's gradient in place. Candle's
+//! autograd, which this replaces there, allocates a zeroed gradient for every intermediate
+//! tensor and adds each contribution into a new one (measured: 7% of this model's step, and as
+//! much again in allocation). The layers are the fused kernels the autograd path runs, so both
+//! paths compute the same values up to the order of a few sums (tests compare them).
+
+use std::ops::Deref;
+
+use candle_core::{DType, Layout, Result, Storage, Tensor, bail};
+use rayon::prelude::*;
+
+use super::ops::{layer_norm_rows, layer_norm_rows_bwd, simd};
+use super::{Gpt, attention, dropout, head};
+use crate::kernels::{self, linear_backward, linear_forward, values};
+use crate::models::{Mode, TrainPass};
+
+const EPS: f32 = 1e-5;
+
+/// The forward of one training pass and what its backward needs.
+pub(super) struct Pass<'a> {
+    gpt: &'a Gpt,
+    /// Sequences and their length.
+    n: usize,
+    t: usize,
+    ids: Vec<usize>,
+    targets: Vec<usize>,
+    /// Dropout masks by site (embeddings, then each block's two residual branches); empty
+    /// when nothing is dropped.
+    masks: Vec<Vec<f32>>,
+    blocks: Vec<Activations>,
+    /// The last block's output (ln_f's input) and ln_f's output.
+    last: Vec<f32>,
+    normed: Vec<f32>,
+    loss: Tensor,
+}
+
+/// One block's activations, each [n·t, width] row-major.
+struct Activations {
+    /// The residual stream entering the block, and after the attention branch is added.
+    input: Vec<f32>,
+    mid: Vec<f32>,
+    ln_1: Vec<f32>,
+    qkv: Vec<f32>,
+    attended: Vec<f32>,
+    ln_2: Vec<f32>,
+    /// c_fc's output (GELU's input) and GELU's output.
+    hidden: Vec<f32>,
+    activated: Vec<f32>,
+}
+
+/// Whether the hand-written pass runs for `gpt`: f32 on the CPU (else autograd does).
+pub(super) fn applies(gpt: &Gpt) -> bool {
+    gpt.compute == DType::F32 && kernels::applies(gpt.wte.as_tensor())
+}
+
+/// The forward pass of token windows `xs` [n, t] against `targets` [n, t].
+pub(super) fn forward<'a>(
+    gpt: &'a Gpt,
+    xs: &Tensor,
+    targets: &Tensor,
+    mode: &Mode,
+) -> Result<Pass<'a>> {
+    let (n, t) = xs.dims2()?;
+    let cfg = &gpt.config;
+    if t == 0 || t > cfg.block_size {
+        bail!("gpt: {t} positions, block_size is {}", cfg.block_size);
+    }
+    let (ids, target_ids) = (head::ids(xs)?, head::ids(targets)?);
+    if let Some(&bad) = ids.iter().find(|&&i| i >= cfg.vocab_size) {
+        bail!(
+            "gpt: token {bad} is outside the vocabulary of {}",
+            cfg.vocab_size
+        );
+    }
+    if target_ids.len() != ids.len() {
+        bail!("gpt: {} targets for {} tokens", target_ids.len(), ids.len());
+    }
+    let (c, rows) = (cfg.n_embd, n * t);
+    let masks = match mode {
+        Mode::Train { row_seeds } if cfg.dropout > 0.0 => {
+            if row_seeds.len() != n {
+                bail!("gpt: {} row seeds for {n} rows", row_seeds.len());
+            }
+            (0..1 + 2 * gpt.blocks.len())
+                .map(|site| dropout::mask(row_seeds, site, t * c, cfg.dropout))
+                .collect()
+        }
+        _ => Vec::new(),
+    };
+    let weights = Weights::lock(gpt)?;
+    let (wte, wpe) = (weights.get(0)?, weights.get(1)?);
+    let mut x = vec![0f32; rows * c];
+    for ((row, &id), out) in (0..rows).zip(&ids).zip(x.chunks_exact_mut(c)) {
+        let (token, position) = (&wte[id * c..][..c], &wpe[(row % t) * c..][..c]);
+        for ((o, a), b) in out.iter_mut().zip(token).zip(position) {
+            *o = a + b;
+        }
+    }
+    drop_in_place(&mut x, masks.first());
+    let mut blocks = Vec::with_capacity(gpt.blocks.len());
+    for i in 0..gpt.blocks.len() {
+        let w = weights.block(i)?;
+        let ln_1 = layer_norm(&x, w.ln_1, w.ln_1_bias);
+        let qkv = linear_forward(&ln_1, w.c_attn, w.c_attn_bias, rows);
+        let mut attended = vec![0f32; rows * c];
+        attended
+            .par_chunks_mut(t * c)
+            .zip(qkv.par_chunks(t * 3 * c))
+            .for_each(|(y, x)| {
+                attention::sequence(x, y, t, cfg.n_head, &mut vec![0f32; t * t]);
+            });
+        let mut branch = linear_forward(&attended, w.attn_proj, w.attn_proj_bias, rows);
+        drop_in_place(&mut branch, masks.get(1 + 2 * i));
+        let mid = add(&x, &branch);
+        let ln_2 = layer_norm(&mid, w.ln_2, w.ln_2_bias);
+        let hidden = linear_forward(&ln_2, w.c_fc, w.c_fc_bias, rows);
+        let mut activated = vec![0f32; hidden.len()];
+        activated
+            .par_chunks_mut(ELEMENTS_PER_TASK)
+            .zip(hidden.par_chunks(ELEMENTS_PER_TASK))
+            .for_each(|(y, x)| simd::gelu(x, y));
+        let mut branch = linear_forward(&activated, w.mlp_proj, w.mlp_proj_bias, rows);
+        drop_in_place(&mut branch, masks.get(2 + 2 * i));
+        let next = add(&mid, &branch);
+        blocks.push(Activations {
+            input: std::mem::replace(&mut x, next),
+            mid,
+            ln_1,
+            qkv,
+            attended,
+            ln_2,
+            hidden,
+            activated,
+        });
+    }
+    let (ln_f, ln_f_bias) = weights.ln_f()?;
+    let normed = layer_norm(&x, ln_f, ln_f_bias);
+    let loss = head::mean_loss(&normed, wte, &target_ids)?;
+    Ok(Pass {
+        gpt,
+        n,
+        t,
+        ids,
+        targets: target_ids,
+        masks,
+        blocks,
+        last: x,
+        normed,
+        loss: Tensor::new(loss, xs.device())?,
+    })
+}
+
+impl TrainPass for Pass<'_> {
+    fn loss(&self) -> &Tensor {
+        &self.loss
+    }
+
+    fn backward(self: Box<Self>, scale: f64) -> Result<Vec<Option<Tensor>>> {
+        let gpt = self.gpt;
+        let (cfg, t) = (&gpt.config, self.t);
+        let (c, rows) = (cfg.n_embd, self.n * t);
+        let weights = Weights::lock(gpt)?;
+        let mut grads = Grads::default();
+        let wte = weights.get(0)?;
+        let mut d_normed = vec![0f32; rows * c];
+        let mut d_wte = head::loss_bwd(
+            &self.normed,
+            wte,
+            &self.targets,
+            scale as f32,
+            &mut d_normed,
+        )?;
+        // The gradient of the residual stream, from the top down.
+        let mut d_res = vec![0f32; rows * c];
+        let (ln_f, _) = weights.ln_f()?;
+        let (d_gain, d_bias) = layer_norm_bwd(&self.last, &d_normed, ln_f, &mut d_res, false);
+        grads.push_ln(&gpt.ln_f, d_gain, d_bias);
+        let mut block_grads = Vec::with_capacity(self.blocks.len());
+        for (i, a) in self.blocks.iter().enumerate().rev() {
+            let w = weights.block(i)?;
+            let mut g = Grads::default();
+            let block = &gpt.blocks[i];
+            let d_branch = masked(&d_res, self.masks.get(2 + 2 * i));
+            let (d_act, d_w, d_b) = linear_backward(&a.activated, w.mlp_proj, &d_branch, c, true);
+            g.push_linear(&block.mlp_proj, d_w, d_b);
+            let d_act = d_act.unwrap_or_default();
+            let mut d_hidden = vec![0f32; d_act.len()];
+            d_hidden
+                .par_chunks_mut(ELEMENTS_PER_TASK)
+                .zip(a.hidden.par_chunks(ELEMENTS_PER_TASK))
+                .zip(d_act.par_chunks(ELEMENTS_PER_TASK))
+                .for_each(|((dx, x), g)| simd::gelu_grad(x, g, dx));
+            let (d_ln_2, d_w, d_b) = linear_backward(&a.ln_2, w.c_fc, &d_hidden, 4 * c, true);
+            g.push_linear(&block.c_fc, d_w, d_b);
+            let d_ln_2 = d_ln_2.unwrap_or_default();
+            let (d_gain, d_bias) = layer_norm_bwd(&a.mid, &d_ln_2, w.ln_2, &mut d_res, true);
+            g.push_ln(&block.ln_2, d_gain, d_bias);
+            let d_branch = masked(&d_res, self.masks.get(1 + 2 * i));
+            let (d_att, d_w, d_b) = linear_backward(&a.attended, w.attn_proj, &d_branch, c, true);
+            g.push_linear(&block.attn_proj, d_w, d_b);
+            let d_att = d_att.unwrap_or_default();
+            let mut d_qkv = vec![0f32; a.qkv.len()];
+            d_qkv
+                .par_chunks_mut(t * 3 * c)
+                .zip(a.qkv.par_chunks(t * 3 * c))
+                .zip(d_att.par_chunks(t * c))
+                .for_each(|((dx, x), dy)| {
+                    let mut scratch = vec![0f32; 2 * t * t];
+                    attention::sequence_bwd(x, dy, dx, t, cfg.n_head, &mut scratch);
+                });
+            let (d_ln_1, d_w, d_b) = linear_backward(&a.ln_1, w.c_attn, &d_qkv, 3 * c, true);
+            g.push_linear(&block.c_attn, d_w, d_b);
+            let d_ln_1 = d_ln_1.unwrap_or_default();
+            let (d_gain, d_bias) = layer_norm_bwd(&a.input, &d_ln_1, w.ln_1, &mut d_res, true);
+            g.push_ln(&block.ln_1, d_gain, d_bias);
+            block_grads.push(g);
+        }
+        let d_embed = masked(&d_res, self.masks.first());
+        let mut d_wpe = vec![0f32; cfg.block_size * c];
+        for ((row, &id), d) in (0..rows).zip(&self.ids).zip(d_embed.chunks_exact(c)) {
+            let token = &mut d_wte[id * c..][..c];
+            token.iter_mut().zip(d).for_each(|(a, b)| *a += b);
+            let position = &mut d_wpe[(row % t) * c..][..c];
+            position.iter_mut().zip(d).for_each(|(a, b)| *a += b);
+        }
+        drop(weights);
+        grads.push(gpt.wte.as_tensor(), d_wte);
+        grads.push(gpt.wpe.as_tensor(), d_wpe);
+        block_grads.into_iter().for_each(|g| grads.0.extend(g.0));
+        grads.in_order_of(gpt)
+    }
+}
+
+/// Elements handed to one rayon task by the element-wise loops.
+const ELEMENTS_PER_TASK: usize = 1 << 14;
+
+/// LayerNorm of the rows of `x` (as many as fit `gain`'s width).
+fn layer_norm(x: &[f32], gain: &[f32], bias: &[f32]) -> Vec<f32> {
+    let mut y = vec![0f32; x.len()];
+    let chunk = gain.len() * super::ops::ROWS_PER_TASK;
+    y.par_chunks_mut(chunk)
+        .zip(x.par_chunks(chunk))
+        .for_each(|(y, x)| layer_norm_rows(x, gain, bias, EPS, y));
+    y
+}
+
+/// The backward of [`layer_norm`] into `dx` (added to it when `accumulate`): the gain's and
+/// the bias's gradients, summed per block of rows and then in block order (the same values
+/// whatever the number of threads).
+fn layer_norm_bwd(
+    x: &[f32],
+    gy: &[f32],
+    gain: &[f32],
+    dx: &mut [f32],
+    accumulate: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    let c = gain.len();
+    let chunk = c * super::ops::ROWS_PER_TASK;
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = dx
+        .par_chunks_mut(chunk)
+        .zip(x.par_chunks(chunk))
+        .zip(gy.par_chunks(chunk))
+        .map(|((dx, x), gy)| {
+            let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
+            layer_norm_rows_bwd(x, gy, gain, EPS, dx, accumulate, &mut dg, &mut db);
+            (dg, db)
+        })
+        .collect();
+    let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
+    for (pg, pb) in parts {
+        dg.iter_mut().zip(pg).for_each(|(d, p)| *d += p);
+        db.iter_mut().zip(pb).for_each(|(d, p)| *d += p);
+    }
+    (dg, db)
+}
+
+fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
+    a.iter().zip(b).map(|(a, b)| a + b).collect()
+}
+
+/// `x` times the dropout mask, if there is one.
+fn drop_in_place(x: &mut [f32], mask: Option<&Vec<f32>>) {
+    if let Some(mask) = mask {
+        x.iter_mut().zip(mask).for_each(|(v, m)| *v *= m);
+    }
+}
+
+/// The gradient through a dropout mask (the mask again); borrowed as is without one.
+fn masked<'g>(grad: &'g [f32], mask: Option<&Vec<f32>>) -> std::borrow::Cow<'g, [f32]> {
+    match mask {
+        Some(mask) => grad.iter().zip(mask).map(|(g, m)| g * m).collect(),
+        None => std::borrow::Cow::Borrowed(grad),
+    }
+}
+
+/// The f32 values of the model's tensors, read-locked while a pass reads them: the token and
+/// position embeddings, each block's twelve (LayerNorm gains, weights, and their biases or the
+/// zeros standing in for them), then ln_f's two.
+struct Weights<'a> {
+    locked: Vec<(Box<dyn Deref<Target = Storage> + 'a>, &'a Layout)>,
+}
+
+/// One block's weights, named as in [`super::Block`].
+struct BlockWeights<'w> {
+    ln_1: &'w [f32],
+    ln_1_bias: &'w [f32],
+    c_attn: &'w [f32],
+    c_attn_bias: &'w [f32],
+    attn_proj: &'w [f32],
+    attn_proj_bias: &'w [f32],
+    ln_2: &'w [f32],
+    ln_2_bias: &'w [f32],
+    c_fc: &'w [f32],
+    c_fc_bias: &'w [f32],
+    mlp_proj: &'w [f32],
+    mlp_proj_bias: &'w [f32],
+}
+
+const PER_BLOCK: usize = 12;
+
+impl<'a> Weights<'a> {
+    fn lock(gpt: &'a Gpt) -> Result<Self> {
+        let mut tensors = vec![gpt.wte.as_tensor(), gpt.wpe.as_tensor()];
+        for b in &gpt.blocks {
+            tensors.extend([b.ln_1.weight.as_tensor(), b.ln_1.bias_or_zeros()]);
+            tensors.extend([b.c_attn.weight.as_tensor(), b.c_attn.bias_or_zeros()]);
+            tensors.extend([b.attn_proj.weight.as_tensor(), b.attn_proj.bias_or_zeros()]);
+            tensors.extend([b.ln_2.weight.as_tensor(), b.ln_2.bias_or_zeros()]);
+            tensors.extend([b.c_fc.weight.as_tensor(), b.c_fc.bias_or_zeros()]);
+            tensors.extend([b.mlp_proj.weight.as_tensor(), b.mlp_proj.bias_or_zeros()]);
+        }
+        tensors.extend([gpt.ln_f.weight.as_tensor(), gpt.ln_f.bias_or_zeros()]);
+        Ok(Weights {
+            locked: tensors
+                .into_iter()
+                .map(|t| {
+                    let (storage, layout) = t.storage_and_layout();
+                    (
+                        Box::new(storage) as Box<dyn Deref<Target = Storage>>,
+                        layout,
+                    )
+                })
+                .collect(),
+        })
+    }
+
+    fn get(&self, i: usize) -> Result<&[f32]> {
+        let (storage, layout) = &self.locked[i];
+        match &***storage {
+            Storage::Cpu(cpu) => values(cpu, layout),
+            _ => bail!("gpt: the hand-written pass runs on the CPU only"),
+        }
+    }
+
+    fn block(&self, i: usize) -> Result<BlockWeights<'_>> {
+        let at = |k: usize| self.get(2 + PER_BLOCK * i + k);
+        Ok(BlockWeights {
+            ln_1: at(0)?,
+            ln_1_bias: at(1)?,
+            c_attn: at(2)?,
+            c_attn_bias: at(3)?,
+            attn_proj: at(4)?,
+            attn_proj_bias: at(5)?,
+            ln_2: at(6)?,
+            ln_2_bias: at(7)?,
+            c_fc: at(8)?,
+            c_fc_bias: at(9)?,
+            mlp_proj: at(10)?,
+            mlp_proj_bias: at(11)?,
+        })
+    }
+
+    /// ln_f's gain and bias.
+    fn ln_f(&self) -> Result<(&[f32], &[f32])> {
+        let first = self.locked.len() - 2;
+        Ok((self.get(first)?, self.get(first + 1)?))
+    }
+}
+
+/// Gradients by parameter, as they are computed.
+#[derive(Default)]
+struct Grads(Vec<(candle_core::TensorId, Vec<f32>)>);
+
+impl Grads {
+    fn push(&mut self, param: &Tensor, grad: Vec<f32>) {
+        self.0.push((param.id(), grad));
+    }
+
+    fn push_linear(&mut self, layer: &super::Linear, d_weight: Vec<f32>, d_bias: Vec<f32>) {
+        self.push(layer.weight.as_tensor(), d_weight);
+        if let Some(bias) = &layer.bias {
+            self.push(bias.as_tensor(), d_bias);
+        }
+    }
+
+    fn push_ln(&mut self, layer: &super::LayerNorm, d_gain: Vec<f32>, d_bias: Vec<f32>) {
+        self.push(layer.weight.as_tensor(), d_gain);
+        if let Some(bias) = &layer.bias {
+            self.push(bias.as_tensor(), d_bias);
+        }
+    }
+
+    /// The gradients as tensors in the order of the model's parameters.
+    fn in_order_of(self, gpt: &Gpt) -> Result<Vec<Option<Tensor>>> {
+        let mut by_id: std::collections::HashMap<_, _> = self.0.into_iter().collect();
+        gpt.params
+            .vars()
+            .map(|var| {
+                let param = var.as_tensor();
+                by_id
+                    .remove(&param.id())
+                    .map(|g| Tensor::from_vec(g, param.shape(), param.device()))
+                    .transpose()
+            })
+            .collect()
+    }
+}

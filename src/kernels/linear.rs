@@ -152,7 +152,7 @@ pub(crate) fn backward(
         }
     }
     let gx = want_gx.then(|| {
-        let mut gx = vec![0f32; n * inputs];
+        let mut gx = super::scratch::take(n * inputs);
         gemm(
             &mut gx,
             Mat::new(gz, n, outputs),

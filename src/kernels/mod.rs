@@ -7,6 +7,7 @@
 mod conv;
 mod linear;
 mod optim;
+pub(crate) mod scratch;
 
 use std::ops::Range;
 

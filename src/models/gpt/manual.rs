@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use super::ops::{layer_norm_rows, layer_norm_rows_bwd, simd};
 use super::{Gpt, attention, dropout, head};
-use crate::kernels::{self, linear_backward, linear_forward, values};
+use crate::kernels::{self, linear_backward, linear_forward, scratch, values};
 use crate::models::{Mode, TrainPass};
 
 const EPS: f32 = 1e-5;
@@ -91,7 +91,7 @@ pub(super) fn forward<'a>(
     };
     let weights = Weights::lock(gpt)?;
     let (wte, wpe) = (weights.get(0)?, weights.get(1)?);
-    let mut x = vec![0f32; rows * c];
+    let mut x = scratch::take(rows * c);
     for ((row, &id), out) in (0..rows).zip(&ids).zip(x.chunks_exact_mut(c)) {
         let (token, position) = (&wte[id * c..][..c], &wpe[(row % t) * c..][..c]);
         for ((o, a), b) in out.iter_mut().zip(token).zip(position) {
@@ -104,19 +104,21 @@ pub(super) fn forward<'a>(
         let w = weights.block(i)?;
         let ln_1 = layer_norm(&x, w.ln_1, w.ln_1_bias);
         let qkv = linear_forward(&ln_1, w.c_attn, w.c_attn_bias, rows);
-        let mut attended = vec![0f32; rows * c];
+        let mut attended = scratch::take(rows * c);
         attended
             .par_chunks_mut(t * c)
             .zip(qkv.par_chunks(t * 3 * c))
             .for_each(|(y, x)| {
-                attention::sequence(x, y, t, cfg.n_head, &mut vec![0f32; t * t]);
+                let mut p = scratch::take(t * t);
+                attention::sequence(x, y, t, cfg.n_head, &mut p);
+                scratch::give([p]);
             });
         let mut branch = linear_forward(&attended, w.attn_proj, w.attn_proj_bias, rows);
         drop_in_place(&mut branch, masks.get(1 + 2 * i));
         let mid = add(&x, &branch);
         let ln_2 = layer_norm(&mid, w.ln_2, w.ln_2_bias);
         let hidden = linear_forward(&ln_2, w.c_fc, w.c_fc_bias, rows);
-        let mut activated = vec![0f32; hidden.len()];
+        let mut activated = scratch::take(hidden.len());
         activated
             .par_chunks_mut(ELEMENTS_PER_TASK)
             .zip(hidden.par_chunks(ELEMENTS_PER_TASK))
@@ -158,35 +160,41 @@ impl TrainPass for Pass<'_> {
     }
 
     fn backward(self: Box<Self>, scale: f64) -> Result<Vec<Option<Tensor>>> {
-        let gpt = self.gpt;
-        let (cfg, t) = (&gpt.config, self.t);
-        let (c, rows) = (cfg.n_embd, self.n * t);
+        let Pass {
+            gpt,
+            n,
+            t,
+            ids,
+            targets,
+            masks,
+            blocks,
+            last,
+            normed,
+            loss: _,
+        } = *self;
+        let cfg = &gpt.config;
+        let (c, rows) = (cfg.n_embd, n * t);
         let weights = Weights::lock(gpt)?;
         let mut grads = Grads::default();
         let wte = weights.get(0)?;
-        let mut d_normed = vec![0f32; rows * c];
-        let mut d_wte = head::loss_bwd(
-            &self.normed,
-            wte,
-            &self.targets,
-            scale as f32,
-            &mut d_normed,
-        )?;
+        let mut d_normed = scratch::take(rows * c);
+        let mut d_wte = head::loss_bwd(&normed, wte, &targets, scale as f32, &mut d_normed)?;
         // The gradient of the residual stream, from the top down.
-        let mut d_res = vec![0f32; rows * c];
+        let mut d_res = scratch::take(rows * c);
         let (ln_f, _) = weights.ln_f()?;
-        let (d_gain, d_bias) = layer_norm_bwd(&self.last, &d_normed, ln_f, &mut d_res, false);
+        let (d_gain, d_bias) = layer_norm_bwd(&last, &d_normed, ln_f, &mut d_res, false);
+        scratch::give([d_normed, last, normed]);
         grads.push_ln(&gpt.ln_f, d_gain, d_bias);
-        let mut block_grads = Vec::with_capacity(self.blocks.len());
-        for (i, a) in self.blocks.iter().enumerate().rev() {
+        let mut block_grads = Vec::with_capacity(blocks.len());
+        for (i, a) in blocks.into_iter().enumerate().rev() {
             let w = weights.block(i)?;
             let mut g = Grads::default();
             let block = &gpt.blocks[i];
-            let d_branch = masked(&d_res, self.masks.get(2 + 2 * i));
+            let d_branch = masked(&d_res, masks.get(2 + 2 * i));
             let (d_act, d_w, d_b) = linear_backward(&a.activated, w.mlp_proj, &d_branch, c, true);
             g.push_linear(&block.mlp_proj, d_w, d_b);
             let d_act = d_act.unwrap_or_default();
-            let mut d_hidden = vec![0f32; d_act.len()];
+            let mut d_hidden = scratch::take(d_act.len());
             d_hidden
                 .par_chunks_mut(ELEMENTS_PER_TASK)
                 .zip(a.hidden.par_chunks(ELEMENTS_PER_TASK))
@@ -197,18 +205,20 @@ impl TrainPass for Pass<'_> {
             let d_ln_2 = d_ln_2.unwrap_or_default();
             let (d_gain, d_bias) = layer_norm_bwd(&a.mid, &d_ln_2, w.ln_2, &mut d_res, true);
             g.push_ln(&block.ln_2, d_gain, d_bias);
-            let d_branch = masked(&d_res, self.masks.get(1 + 2 * i));
+            scratch::give([d_act, d_hidden, d_ln_2]);
+            let d_branch = masked(&d_res, masks.get(1 + 2 * i));
             let (d_att, d_w, d_b) = linear_backward(&a.attended, w.attn_proj, &d_branch, c, true);
             g.push_linear(&block.attn_proj, d_w, d_b);
             let d_att = d_att.unwrap_or_default();
-            let mut d_qkv = vec![0f32; a.qkv.len()];
+            let mut d_qkv = scratch::take(a.qkv.len());
             d_qkv
                 .par_chunks_mut(t * 3 * c)
                 .zip(a.qkv.par_chunks(t * 3 * c))
                 .zip(d_att.par_chunks(t * c))
                 .for_each(|((dx, x), dy)| {
-                    let mut scratch = vec![0f32; 2 * t * t];
-                    attention::sequence_bwd(x, dy, dx, t, cfg.n_head, &mut scratch);
+                    let mut work = scratch::take(2 * t * t);
+                    attention::sequence_bwd(x, dy, dx, t, cfg.n_head, &mut work);
+                    scratch::give([work]);
                 });
             let (d_ln_1, d_w, d_b) = linear_backward(&a.ln_1, w.c_attn, &d_qkv, 3 * c, true);
             g.push_linear(&block.c_attn, d_w, d_b);
@@ -216,20 +226,40 @@ impl TrainPass for Pass<'_> {
             let (d_gain, d_bias) = layer_norm_bwd(&a.input, &d_ln_1, w.ln_1, &mut d_res, true);
             g.push_ln(&block.ln_1, d_gain, d_bias);
             block_grads.push(g);
+            scratch::give([d_att, d_qkv, d_ln_1]);
+            scratch::give(a.buffers());
         }
-        let d_embed = masked(&d_res, self.masks.first());
+        let d_embed = masked(&d_res, masks.first());
         let mut d_wpe = vec![0f32; cfg.block_size * c];
-        for ((row, &id), d) in (0..rows).zip(&self.ids).zip(d_embed.chunks_exact(c)) {
+        for ((row, &id), d) in (0..rows).zip(&ids).zip(d_embed.chunks_exact(c)) {
             let token = &mut d_wte[id * c..][..c];
             token.iter_mut().zip(d).for_each(|(a, b)| *a += b);
             let position = &mut d_wpe[(row % t) * c..][..c];
             position.iter_mut().zip(d).for_each(|(a, b)| *a += b);
         }
         drop(weights);
+        drop(d_embed);
+        scratch::give([d_res]);
         grads.push(gpt.wte.as_tensor(), d_wte);
         grads.push(gpt.wpe.as_tensor(), d_wpe);
         block_grads.into_iter().for_each(|g| grads.0.extend(g.0));
         grads.in_order_of(gpt)
+    }
+}
+
+impl Activations {
+    fn buffers(self) -> [Vec<f32>; 8] {
+        let Activations {
+            input,
+            mid,
+            ln_1,
+            qkv,
+            attended,
+            ln_2,
+            hidden,
+            activated,
+        } = self;
+        [input, mid, ln_1, qkv, attended, ln_2, hidden, activated]
     }
 }
 
@@ -238,7 +268,7 @@ const ELEMENTS_PER_TASK: usize = 1 << 14;
 
 /// LayerNorm of the rows of `x` (as many as fit `gain`'s width).
 fn layer_norm(x: &[f32], gain: &[f32], bias: &[f32]) -> Vec<f32> {
-    let mut y = vec![0f32; x.len()];
+    let mut y = scratch::take(x.len());
     let chunk = gain.len() * super::ops::ROWS_PER_TASK;
     y.par_chunks_mut(chunk)
         .zip(x.par_chunks(chunk))

@@ -6,6 +6,8 @@
 //! disjoint rows. [`with_ops`] does the same with candle's ops, for other devices and dtypes
 //! and for generation with a KV cache.
 
+use std::ops::Range;
+
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -96,6 +98,20 @@ impl<'a> View<'a> {
         }
     }
 
+    /// Rows `range` of the view.
+    fn row_range(self, range: Range<usize>) -> Self {
+        View {
+            data: &self.data[range.start * self.rs..],
+            rows: range.len(),
+            ..self
+        }
+    }
+
+    /// The first `rows` rows of the view.
+    fn first_rows(self, rows: usize) -> Self {
+        View { rows, ..self }
+    }
+
     fn fits(&self, len: usize) -> bool {
         self.rows == 0
             || self.cols == 0
@@ -147,18 +163,32 @@ pub(super) fn gemm_into(dst: &mut [f32], rs: usize, a: View, b: View, accumulate
     }
 }
 
-/// `p` [t, t] = causal softmax(q·kᵀ·scale) of one head: rows sum to 1, zeros above the diagonal.
-fn probabilities(p: &mut [f32], q: View, k: View, scale: f32) {
-    let t = q.rows;
-    matmul(p, t, q, k.t());
-    for (i, row) in p.chunks_exact_mut(t).enumerate() {
-        let (seen, future) = row.split_at_mut(i + 1);
+/// Rows `rows` of `p` [t, t] (row stride t) = causal softmax(q·kᵀ·scale) of one head, over
+/// the keys 0..rows.end: each row sums to 1, zeros above the diagonal. `q`: the block's query
+/// rows; `k`: all t keys.
+fn probabilities(p: &mut [f32], rows: Range<usize>, q: View, k: View, scale: f32) {
+    let t = k.rows;
+    let seen_keys = k.first_rows(rows.end);
+    let block = &mut p[rows.start * t..];
+    matmul(block, t, q, seen_keys.t());
+    for (i, row) in rows.clone().zip(block.chunks_mut(t)) {
+        let (seen, future) = row[..rows.end].split_at_mut(i + 1);
         let max = max(seen);
         seen.iter_mut().for_each(|v| *v = exp((*v - max) * scale));
         let inv = 1.0 / ops::sum_map(seen, |v| v);
         seen.iter_mut().for_each(|v| *v *= inv);
         future.fill(0.0);
     }
+}
+
+/// Query rows per block of the causal products: a block of rows attends to the keys up to its
+/// last row only, so the products skip what the mask would zero (with 2 blocks, a quarter of
+/// the work; more for longer contexts), while each product stays large enough for gemm.
+const QUERY_BLOCK: usize = 32;
+
+/// The row blocks of a sequence of `t`, first to last.
+fn query_blocks(t: usize) -> impl DoubleEndedIterator<Item = Range<usize>> {
+    (0..t.div_ceil(QUERY_BLOCK)).map(move |b| b * QUERY_BLOCK..((b + 1) * QUERY_BLOCK).min(t))
 }
 
 impl AttentionOp {
@@ -188,8 +218,12 @@ pub(super) fn sequence(x: &[f32], y: &mut [f32], t: usize, heads: usize, p: &mut
         let q = View::rows(x, h * hd, t, hd, 3 * c);
         let k = View::rows(x, c + h * hd, t, hd, 3 * c);
         let v = View::rows(x, 2 * c + h * hd, t, hd, 3 * c);
-        probabilities(p, q, k, scale(hd));
-        matmul(&mut y[h * hd..], c, View::rows(p, 0, t, t, t), v);
+        for rows in query_blocks(t) {
+            let (r0, n) = (rows.start, rows.len());
+            probabilities(p, rows.clone(), q.row_range(rows.clone()), k, scale(hd));
+            let pb = View::rows(p, r0 * t, n, rows.end, t);
+            matmul(&mut y[r0 * c + h * hd..], c, pb, v.first_rows(rows.end));
+        }
     }
 }
 
@@ -214,19 +248,34 @@ pub(super) fn sequence_bwd(
         let k = View::rows(x, c + h * hd, t, hd, 3 * c);
         let v = View::rows(x, 2 * c + h * hd, t, hd, 3 * c);
         let dyh = View::rows(dy, h * hd, t, hd, c);
-        probabilities(p, q, k, scale);
-        let pv = View::rows(p, 0, t, t, t);
-        matmul(&mut dx[2 * c + h * hd..], 3 * c, pv.t(), dyh);
-        matmul(ds, t, dyh, v.t());
-        for (ds, p) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-            let dot = dot(ds, p);
-            for (d, p) in ds.iter_mut().zip(p) {
-                *d = p * (*d - dot) * scale;
+        // Last block first: it reaches every key, so it writes all of dK and dV and the
+        // blocks before it add to their first rows.
+        for rows in query_blocks(t).rev() {
+            let (r0, n, seen) = (rows.start, rows.len(), rows.end);
+            let accumulate = seen < t;
+            let (qb, dyb) = (q.row_range(rows.clone()), dyh.row_range(rows.clone()));
+            probabilities(p, rows.clone(), qb, k, scale);
+            let pb = View::rows(p, r0 * t, n, seen, t);
+            let dv = &mut dx[2 * c + h * hd..];
+            gemm_into(dv, 3 * c, pb.t(), dyb, accumulate);
+            let dsb = &mut ds[r0 * t..];
+            matmul(dsb, t, dyb, v.first_rows(seen).t());
+            for (ds, p) in dsb.chunks_mut(t).zip(p[r0 * t..].chunks(t)).take(n) {
+                let (ds, p) = (&mut ds[..seen], &p[..seen]);
+                let dot = dot(ds, p);
+                for (d, p) in ds.iter_mut().zip(p) {
+                    *d = p * (*d - dot) * scale;
+                }
             }
+            let dsv = View::rows(ds, r0 * t, n, seen, t);
+            matmul(
+                &mut dx[r0 * 3 * c + h * hd..],
+                3 * c,
+                dsv,
+                k.first_rows(seen),
+            );
+            gemm_into(&mut dx[c + h * hd..], 3 * c, dsv.t(), qb, accumulate);
         }
-        let dsv = View::rows(ds, 0, t, t, t);
-        matmul(&mut dx[h * hd..], 3 * c, dsv, k);
-        matmul(&mut dx[c + h * hd..], 3 * c, dsv.t(), q);
     }
 }
 

@@ -239,6 +239,24 @@ fn fused_cpu_ops_match_candle_ops_with_gradients() {
                 .0
         },
     );
+    // 70 positions: query blocks of 32, 32 and 6 rows, each attending to the keys up to its end.
+    let long = gpt(&GptConfig {
+        block_size: 70,
+        ..config(true, 0.0)
+    });
+    compare_with_ops(
+        &[2, 70, 24],
+        &[],
+        |x| {
+            let y = attention::causal_attention(&x.reshape((140, 24)).unwrap(), 2, 70).unwrap();
+            y.reshape((2, 70, 8)).unwrap()
+        },
+        |x| {
+            attention::with_ops(x, 2, None, &long.causal_mask)
+                .unwrap()
+                .0
+        },
+    );
     // The exponential the fused ops use, against the standard library's.
     for i in -8_000..=8_000 {
         let x = i as f32 / 100.0;

@@ -260,59 +260,89 @@ struct GeluOp;
 /// Elements handed to one rayon task by the elementwise ops.
 const ELEMENTS_PER_TASK: usize = 1 << 14;
 
-/// y = x·Φ(x).
+/// y = x·Φ(x); with `FMA`, multiply-adds fused (one rounding instead of two).
 #[inline(always)]
-fn gelu_rows(x: &[f32], y: &mut [f32]) {
+fn gelu_rows<const FMA: bool>(x: &[f32], y: &mut [f32]) {
     for (y, &x) in y.iter_mut().zip(x) {
-        *y = x * cdf_pdf(x).0;
+        *y = x * cdf_pdf::<FMA>(x).0;
     }
 }
 
 /// dx = g·(Φ(x) + x·φ(x)).
 #[inline(always)]
-fn gelu_grad_rows(x: &[f32], g: &[f32], dx: &mut [f32]) {
+fn gelu_grad_rows<const FMA: bool>(x: &[f32], g: &[f32], dx: &mut [f32]) {
     for ((dx, &x), g) in dx.iter_mut().zip(x).zip(g) {
-        let (cdf, pdf) = cdf_pdf(x);
-        *dx = g * (cdf + x * pdf);
+        let (cdf, pdf) = cdf_pdf::<FMA>(x);
+        *dx = g * madd::<FMA>(x, pdf, cdf);
     }
 }
 
-/// The elementwise loops, compiled for AVX2 (8-wide vectors instead of the baseline's 4) and
-/// run so where the CPU has it. The operations per element are the same, and so the results.
+/// a·b + c, fused when `FMA` (only instantiated inside functions compiled for FMA, where it is
+/// one instruction; elsewhere `mul_add` would be a slow library call).
+#[inline(always)]
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA { a.mul_add(b, c) } else { a * b + c }
+}
+
+/// The elementwise loops, compiled for AVX2 and FMA (8-wide vectors, fused multiply-adds)
+/// where the CPU has them, else for AVX2 alone, else for the baseline. The FMA build rounds
+/// once where the others round twice, so its last bits differ; the others agree exactly.
 pub(super) mod simd {
     pub fn gelu(x: &[f32], y: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn fused(x: &[f32], y: &mut [f32]) {
+                super::gelu_rows::<true>(x, y)
+            }
             #[target_feature(enable = "avx2")]
             unsafe fn run(x: &[f32], y: &mut [f32]) {
-                super::gelu_rows(x, y)
+                super::gelu_rows::<false>(x, y)
             }
-            // SAFETY: the CPU has AVX2 (checked above).
-            return unsafe { run(x, y) };
+            // SAFETY: the CPU has AVX2 (checked above), and FMA where `fused` runs.
+            return unsafe {
+                match std::arch::is_x86_feature_detected!("fma") {
+                    true => fused(x, y),
+                    false => run(x, y),
+                }
+            };
         }
-        super::gelu_rows(x, y)
+        super::gelu_rows::<false>(x, y)
     }
 
     pub fn gelu_grad(x: &[f32], g: &[f32], dx: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn fused(x: &[f32], g: &[f32], dx: &mut [f32]) {
+                super::gelu_grad_rows::<true>(x, g, dx)
+            }
             #[target_feature(enable = "avx2")]
             unsafe fn run(x: &[f32], g: &[f32], dx: &mut [f32]) {
-                super::gelu_grad_rows(x, g, dx)
+                super::gelu_grad_rows::<false>(x, g, dx)
             }
-            // SAFETY: the CPU has AVX2 (checked above).
-            return unsafe { run(x, g, dx) };
+            // SAFETY: the CPU has AVX2 (checked above), and FMA where `fused` runs.
+            return unsafe {
+                match std::arch::is_x86_feature_detected!("fma") {
+                    true => fused(x, g, dx),
+                    false => run(x, g, dx),
+                }
+            };
         }
-        super::gelu_grad_rows(x, g, dx)
+        super::gelu_grad_rows::<false>(x, g, dx)
     }
 }
 
 /// Φ(x) and φ(x) = exp(-x²/2)/√(2π), sharing the one exponential.
 #[inline(always)]
-fn cdf_pdf(x: f32) -> (f32, f32) {
-    let e = exp(-0.5 * x * x);
+fn cdf_pdf<const FMA: bool>(x: f32) -> (f32, f32) {
+    let e = exp_with::<FMA>(-0.5 * x * x);
     (
-        0.5 + 0.5 * erf_with_exp(x * std::f32::consts::FRAC_1_SQRT_2, e),
+        madd::<FMA>(
+            0.5,
+            erf_with_exp::<FMA>(x * std::f32::consts::FRAC_1_SQRT_2, e),
+            0.5,
+        ),
         e * 0.398_942_3,
     )
 }
@@ -350,13 +380,14 @@ impl CustomOp1 for GeluOp {
 /// erf(z) given e = exp(-z²): Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7), the
 /// formula torch's vectorised CPU `erf` uses. Branch-free, so loops over it vectorise.
 #[inline(always)]
-fn erf_with_exp(z: f32, e: f32) -> f32 {
+fn erf_with_exp<const FMA: bool>(z: f32, e: f32) -> f32 {
     let a = z.abs();
-    let t = 1.0 / (1.0 + 0.327_591_1 * a);
-    let poly = t
-        * (0.254_829_6
-            + t * (-0.284_496_74 + t * (1.421_413_8 + t * (-1.453_152 + t * 1.061_405_4))));
-    (1.0 - poly * e).copysign(z)
+    let t = 1.0 / madd::<FMA>(0.327_591_1, a, 1.0);
+    let poly = madd::<FMA>(t, 1.061_405_4, -1.453_152);
+    let poly = madd::<FMA>(t, poly, 1.421_413_8);
+    let poly = madd::<FMA>(t, poly, -0.284_496_74);
+    let poly = madd::<FMA>(t, poly, 0.254_829_6);
+    (1.0 - t * poly * e).copysign(z)
 }
 
 /// e^x to about 1 ulp (Cephes' `expf`: x = n·ln2 + r, a degree-6 polynomial for e^r, 2^n from
@@ -364,20 +395,26 @@ fn erf_with_exp(z: f32, e: f32) -> f32 {
 /// Inputs are clamped to [-87, 88]: below, the result flushes to about 1.6e-38, not 0.
 #[inline(always)]
 pub(super) fn exp(x: f32) -> f32 {
+    exp_with::<false>(x)
+}
+
+/// [`exp`], its multiply-adds fused when `FMA`.
+#[inline(always)]
+fn exp_with<const FMA: bool>(x: f32) -> f32 {
     // Adding 1.5 · 2^23 rounds to an integer, which then sits in the low mantissa bits: read
     // from there, not with `as i32` (a saturating conversion that does not vectorise).
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let shifted = x * std::f32::consts::LOG2_E + ROUND;
+    let shifted = madd::<FMA>(x, std::f32::consts::LOG2_E, ROUND);
     let n = shifted - ROUND;
-    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
+    let r = madd::<FMA>(n, 2.121_944_4e-4, madd::<FMA>(-n, 0.693_359_4, x));
     let p = 1.987_569_1e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 0.166_666_65;
-    let p = p * r + 0.5;
-    let er = p * r * r + r + 1.0;
+    let p = madd::<FMA>(p, r, 1.398_199_9e-3);
+    let p = madd::<FMA>(p, r, 8.333_452e-3);
+    let p = madd::<FMA>(p, r, 4.166_579_6e-2);
+    let p = madd::<FMA>(p, r, 0.166_666_65);
+    let p = madd::<FMA>(p, r, 0.5);
+    let er = madd::<FMA>(p * r, r, r) + 1.0;
     let two_n = (shifted
         .to_bits()
         .wrapping_sub(ROUND.to_bits())

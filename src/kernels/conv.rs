@@ -43,6 +43,94 @@ pub fn conv2d(
         .apply_op3(&weight.contiguous()?, &bias.contiguous()?, op)
 }
 
+/// One convolution layer (with its ReLU and pooling) on f32 values, for hand-written
+/// training passes (`models::chain`): the same computation as [`conv2d`]'s op.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConvLayer {
+    pub geometry: ConvGeometry,
+    pub relu: bool,
+    pub pooling: Pooling,
+}
+
+/// A [`ConvLayer`]'s output and what its backward needs besides.
+pub(crate) struct ConvOutput {
+    pub values: Vec<f32>,
+    /// [n, o, oh, ow] (after pooling).
+    pub dims: [usize; 4],
+    argmax: Vec<u8>,
+}
+
+impl ConvLayer {
+    fn op(&self) -> ConvOp {
+        ConvOp {
+            geometry: self.geometry,
+            relu: self.relu,
+            pooling: self.pooling,
+            argmax: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The layer on `x` [n, c, h, w] (`x_dims`) with `w` [o, c, k, k] (`w_dims`) and `b` [o].
+    pub(crate) fn forward(
+        &self,
+        x: &[f32],
+        x_dims: [usize; 4],
+        (w, w_dims): (&[f32], [usize; 4]),
+        b: &[f32],
+    ) -> Result<ConvOutput> {
+        let d = Dims::new(
+            &Shape::from(&x_dims),
+            &Shape::from(&w_dims),
+            self.geometry,
+            self.pooling,
+        )?;
+        if x.len() != d.n * d.input() || w.len() != d.o * d.ckk || b.len() != d.o {
+            bail!(
+                "conv2d: {} inputs, {} weights, {} biases for {d:?}",
+                x.len(),
+                w.len(),
+                b.len()
+            );
+        }
+        let (values, argmax) = self.op().forward_values(x, w, b, &d);
+        let dims = d.out_shape(self.pooling).dims4()?;
+        Ok(ConvOutput {
+            values,
+            dims: [dims.0, dims.1, dims.2, dims.3],
+            argmax,
+        })
+    }
+
+    /// The backward of [`ConvLayer::forward`] given the output's gradient `g`: the input's
+    /// (when `need_gx`), the weight's and the bias's gradients.
+    pub(crate) fn backward(
+        &self,
+        x: &[f32],
+        x_dims: [usize; 4],
+        (w, w_dims): (&[f32], [usize; 4]),
+        out: &ConvOutput,
+        g: &[f32],
+        need_gx: bool,
+    ) -> Result<super::LayerGrads> {
+        let d = Dims::new(
+            &Shape::from(&x_dims),
+            &Shape::from(&w_dims),
+            self.geometry,
+            self.pooling,
+        )?;
+        if g.len() != out.values.len() {
+            bail!(
+                "conv2d backward: {} gradients for {} outputs",
+                g.len(),
+                out.values.len()
+            );
+        }
+        Ok(self
+            .op()
+            .backward_values(x, w, g, &out.values, &out.argmax, &d, need_gx))
+    }
+}
+
 struct ConvOp {
     geometry: ConvGeometry,
     relu: bool,
@@ -260,6 +348,94 @@ fn unpooled(q: usize, arg: u8, d: &Dims) -> usize {
 }
 
 impl ConvOp {
+    /// The forward of `n` samples `x` (see [`Dims`]): the outputs and, when pooled, which
+    /// place of its window each output came from.
+    fn forward_values(&self, x: &[f32], w: &[f32], b: &[f32], d: &Dims) -> (Vec<f32>, Vec<u8>) {
+        let d = *d;
+        let mut out = vec![0f32; d.n * d.out];
+        let pooled = self.pooling == Pooling::Max2;
+        let mut argmax = vec![0u8; if pooled { d.n * d.out } else { 0 }];
+        let per_arg = if pooled { d.out } else { 0 };
+        per_sample(
+            d.n,
+            ((&mut out, d.out), (&mut argmax, per_arg)),
+            |range, out, argmax| {
+                let mut cols = vec![0f32; d.ckk * d.l];
+                let mut z = vec![0f32; if pooled { d.o * d.l } else { 0 }];
+                for (i, s) in range.enumerate() {
+                    let xs = &x[s * d.input()..][..d.input()];
+                    let dst = &mut out[i * d.out..][..d.out];
+                    if pooled {
+                        self.conv_one(xs, w, b, &d, &mut cols, &mut z);
+                        max_pool2(&z, &d, dst, &mut argmax[i * d.out..][..d.out]);
+                    } else {
+                        self.conv_one(xs, w, b, &d, &mut cols, dst);
+                    }
+                }
+            },
+        );
+        (out, argmax)
+    }
+
+    /// The backward of [`ConvOp::forward_values`] given the outputs `y`, their gradient `g`
+    /// and the pooling record: the input's gradient (when `need_gx`), the weight's and the
+    /// bias's.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_values(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        g: &[f32],
+        y: &[f32],
+        argmax: &[u8],
+        d: &Dims,
+        need_gx: bool,
+    ) -> super::LayerGrads {
+        let d = *d;
+        let mut gx = vec![0f32; if need_gx { d.n * d.input() } else { 0 }];
+        let per_gx = if need_gx { d.input() } else { 0 };
+        let parts = per_sample(
+            d.n,
+            ((&mut gx, per_gx), (&mut [0u8; 0][..], 0)),
+            |range, gx, _| {
+                let mut cols = vec![0f32; d.ckk * d.l];
+                let mut gcols = vec![0f32; if need_gx { d.ckk * d.l } else { 0 }];
+                let mut gz = vec![0f32; d.o * d.l];
+                let mut gw = vec![0f32; d.o * d.ckk];
+                let mut gb = vec![0f32; d.o];
+                for (i, s) in range.enumerate() {
+                    let at = s * d.out..(s + 1) * d.out;
+                    let arg = argmax.get(at.clone()).unwrap_or_default();
+                    self.grad_at_conv(&g[at.clone()], &y[at], arg, &d, &mut gz);
+                    for (acc, row) in gb.iter_mut().zip(gz.chunks_exact(d.l)) {
+                        *acc += sum_lanes(row);
+                    }
+                    im2col(&x[s * d.input()..][..d.input()], &d, &mut cols);
+                    gemm(
+                        &mut gw,
+                        Mat::new(&gz, d.o, d.l),
+                        Mat::new(&cols, d.ckk, d.l).t(),
+                        true,
+                        1,
+                    );
+                    if need_gx {
+                        gemm(
+                            &mut gcols,
+                            Mat::new(w, d.o, d.ckk).t(),
+                            Mat::new(&gz, d.o, d.l),
+                            false,
+                            1,
+                        );
+                        col2im(&gcols, &d, &mut gx[i * d.input()..][..d.input()]);
+                    }
+                }
+                (gw, gb)
+            },
+        );
+        let (gws, gbs): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
+        (need_gx.then_some(gx), sum_parts(gws), sum_parts(gbs))
+    }
+
     /// relu(W·cols + b) for one sample into `z` [o, l].
     fn conv_one(&self, x: &[f32], w: &[f32], b: &[f32], d: &Dims, cols: &mut [f32], z: &mut [f32]) {
         im2col(x, d, cols);
@@ -340,28 +516,7 @@ impl CustomOp3 for ConvOp {
             values(w, w_layout)?,
             values(b, b_layout)?,
         );
-        let mut out = vec![0f32; d.n * d.out];
-        let pooled = self.pooling == Pooling::Max2;
-        let mut argmax = vec![0u8; if pooled { d.n * d.out } else { 0 }];
-        let per_arg = if pooled { d.out } else { 0 };
-        per_sample(
-            d.n,
-            ((&mut out, d.out), (&mut argmax, per_arg)),
-            |range, out, argmax| {
-                let mut cols = vec![0f32; d.ckk * d.l];
-                let mut z = vec![0f32; if pooled { d.o * d.l } else { 0 }];
-                for (i, s) in range.enumerate() {
-                    let xs = &x[s * d.input()..][..d.input()];
-                    let dst = &mut out[i * d.out..][..d.out];
-                    if pooled {
-                        self.conv_one(xs, w, b, &d, &mut cols, &mut z);
-                        max_pool2(&z, &d, dst, &mut argmax[i * d.out..][..d.out]);
-                    } else {
-                        self.conv_one(xs, w, b, &d, &mut cols, dst);
-                    }
-                }
-            },
-        );
+        let (out, argmax) = self.forward_values(x, w, b, &d);
         *self.argmax.lock().unwrap_or_else(|e| e.into_inner()) = argmax;
         Ok((CpuStorage::F32(out), d.out_shape(self.pooling)))
     }
@@ -380,65 +535,24 @@ impl CustomOp3 for ConvOp {
         if self.pooling == Pooling::Max2 && argmax.len() != d.n * d.out {
             bail!("conv2d backward: the forward's pooling record is missing");
         }
-        let mut gx = vec![0f32; if need_gx { d.n * d.input() } else { 0 }];
-        let per_gx = if need_gx { d.input() } else { 0 };
-        let parts = with_values(x, |x| {
+        let (gx, gw, gb) = with_values(x, |x| {
             with_values(w, |w| {
                 with_values(grad, |g| {
                     with_values(out, |y| {
-                        Ok(per_sample(
-                            d.n,
-                            ((&mut gx, per_gx), (&mut [0u8; 0][..], 0)),
-                            |range, gx, _| {
-                                let mut cols = vec![0f32; d.ckk * d.l];
-                                let mut gcols = vec![0f32; if need_gx { d.ckk * d.l } else { 0 }];
-                                let mut gz = vec![0f32; d.o * d.l];
-                                let mut gw = vec![0f32; d.o * d.ckk];
-                                let mut gb = vec![0f32; d.o];
-                                for (i, s) in range.enumerate() {
-                                    let at = s * d.out..(s + 1) * d.out;
-                                    let arg = argmax.get(at.clone()).unwrap_or_default();
-                                    self.grad_at_conv(&g[at.clone()], &y[at], arg, &d, &mut gz);
-                                    for (acc, row) in gb.iter_mut().zip(gz.chunks_exact(d.l)) {
-                                        *acc += sum_lanes(row);
-                                    }
-                                    im2col(&x[s * d.input()..][..d.input()], &d, &mut cols);
-                                    gemm(
-                                        &mut gw,
-                                        Mat::new(&gz, d.o, d.l),
-                                        Mat::new(&cols, d.ckk, d.l).t(),
-                                        true,
-                                        1,
-                                    );
-                                    if need_gx {
-                                        gemm(
-                                            &mut gcols,
-                                            Mat::new(w, d.o, d.ckk).t(),
-                                            Mat::new(&gz, d.o, d.l),
-                                            false,
-                                            1,
-                                        );
-                                        col2im(&gcols, &d, &mut gx[i * d.input()..][..d.input()]);
-                                    }
-                                }
-                                (gw, gb)
-                            },
-                        ))
+                        Ok(self.backward_values(x, w, g, y, &argmax, &d, need_gx))
                     })
                 })
             })
         })?;
-        let (gws, gbs): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
         let device = x.device();
-        let gx = if need_gx {
-            Some(Tensor::from_vec(gx, x.shape(), device)?)
-        } else {
-            None
+        let gx = match gx {
+            Some(gx) => Some(Tensor::from_vec(gx, x.shape(), device)?),
+            None => None,
         };
         Ok((
             gx,
-            Some(Tensor::from_vec(sum_parts(gws), w.shape(), device)?),
-            Some(Tensor::from_vec(sum_parts(gbs), d.o, device)?),
+            Some(Tensor::from_vec(gw, w.shape(), device)?),
+            Some(Tensor::from_vec(gb, d.o, device)?),
         ))
     }
 }

@@ -134,7 +134,7 @@ pub(crate) fn backward(
     gz: &[f32],
     outputs: usize,
     want_gx: bool,
-) -> (Option<Vec<f32>>, Vec<f32>, Vec<f32>) {
+) -> super::LayerGrads {
     let n = gz.len() / outputs.max(1);
     let inputs = w.len() / outputs.max(1);
     let mut gw = vec![0f32; outputs * inputs];
@@ -179,14 +179,14 @@ fn with_gz<R>(
 }
 
 /// max(0, v), keeping NaN (so a diverging loss is still seen as one).
-pub(super) fn relu_in_place(values: &mut [f32]) {
+pub(crate) fn relu_in_place(values: &mut [f32]) {
     for v in values {
         *v = if *v < 0.0 { 0.0 } else { *v };
     }
 }
 
 /// The gradient through a ReLU whose output was `y`: `g` where `y > 0`, else 0 (as torch).
-pub(super) fn relu_grad(g: &[f32], y: &[f32]) -> Vec<f32> {
+pub(crate) fn relu_grad(g: &[f32], y: &[f32]) -> Vec<f32> {
     g.iter()
         .zip(y)
         .map(|(&g, &y)| if y > 0.0 { g } else { 0.0 })

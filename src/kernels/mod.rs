@@ -16,8 +16,11 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 pub use conv::{ConvGeometry, Pooling, conv2d};
+pub(crate) use conv::{ConvLayer, ConvOutput};
 pub use linear::linear;
-pub(crate) use linear::{backward as linear_backward, forward as linear_forward};
+pub(crate) use linear::{
+    backward as linear_backward, forward as linear_forward, relu_grad, relu_in_place,
+};
 pub use optim::{AdamStep, SgdStep, adam_step, sgd_step};
 
 /// Keeps freed memory in the process. A training step frees and allocates the same large
@@ -70,6 +73,27 @@ pub(crate) fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) ->
         Storage::Cpu(cpu) => f(values(cpu, layout)?),
         _ => bail!("ddpjob kernels run on the CPU only"),
     }
+}
+
+/// A layer's gradients: of its input (`None` when not wanted), its weight and its bias.
+pub(crate) type LayerGrads = (Option<Vec<f32>>, Vec<f32>, Vec<f32>);
+
+/// Runs `f` on the f32 values of CPU tensors (each contiguous, as parameters are), holding
+/// their storage read-locked meanwhile: the hand-written training passes read every parameter
+/// this way without copying any.
+pub(crate) fn with_all_values<R>(
+    tensors: &[&Tensor],
+    f: impl FnOnce(&[&[f32]]) -> Result<R>,
+) -> Result<R> {
+    let locked: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+    let slices = locked
+        .iter()
+        .map(|(storage, layout)| match &**storage {
+            Storage::Cpu(cpu) => values(cpu, layout),
+            _ => bail!("ddpjob kernels run on the CPU only"),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    f(&slices)
 }
 
 /// A matrix operand for [`gemm`]: `rows × cols` elements at the given row and column strides.

@@ -3,7 +3,8 @@
 
 use candle_core::{Device, Result, Tensor};
 
-use super::{Conv2d, Init, Linear, Mode, Model, Params};
+use super::chain::{self, Layer};
+use super::{Conv2d, Init, Linear, Mode, Model, Params, TrainPass};
 use crate::kernels::Pooling;
 
 pub struct Cnn {
@@ -55,6 +56,23 @@ impl Model for Cnn {
 
     fn params(&self) -> &Params {
         &self.params
+    }
+
+    /// On the CPU in f32, the layers differentiated by hand (see `chain`).
+    fn train_pass(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        _mode: &Mode,
+    ) -> Result<Option<Box<dyn TrainPass + '_>>> {
+        let layers = vec![
+            Layer::Conv(&self.conv1, Pooling::None),
+            Layer::Conv(&self.conv2, Pooling::Max2),
+            Layer::Linear(&self.fc1, true),
+            Layer::Linear(&self.fc2, false),
+        ];
+        let pass = chain::forward(layers, &self.params, xs, targets)?;
+        Ok(pass.map(|p| Box::new(p) as Box<dyn TrainPass>))
     }
 
     fn train_flops_per_sample(&self) -> Option<f64> {

@@ -3,7 +3,8 @@
 
 use candle_core::{Device, Result, Tensor};
 
-use super::{Init, Linear, Mode, Model, Params};
+use super::chain::{self, Layer};
+use super::{Init, Linear, Mode, Model, Params, TrainPass};
 
 pub struct Mlp {
     layers: Vec<Linear>,
@@ -47,6 +48,21 @@ impl Model for Mlp {
 
     fn params(&self) -> &Params {
         &self.params
+    }
+
+    /// On the CPU in f32, the layers differentiated by hand (see `chain`).
+    fn train_pass(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        _mode: &Mode,
+    ) -> Result<Option<Box<dyn TrainPass + '_>>> {
+        let last = self.layers.len() - 1;
+        let layers = (self.layers.iter().enumerate())
+            .map(|(i, layer)| Layer::Linear(layer, i < last))
+            .collect();
+        let pass = chain::forward(layers, &self.params, xs, targets)?;
+        Ok(pass.map(|p| Box::new(p) as Box<dyn TrainPass>))
     }
 
     fn train_flops_per_sample(&self) -> Option<f64> {

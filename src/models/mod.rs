@@ -2,6 +2,7 @@
 //! initialised like torch's defaults from our own seeded RNG.
 
 mod builtin;
+mod chain;
 mod cnn;
 mod gpt;
 mod mlp;

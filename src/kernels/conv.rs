@@ -61,6 +61,11 @@ pub(crate) struct ConvOutput {
 }
 
 impl ConvLayer {
+    fn dims(&self, x_dims: [usize; 4], w_dims: [usize; 4]) -> Result<Dims> {
+        let (x, w) = (Shape::from(&x_dims), Shape::from(&w_dims));
+        Dims::new(&x, &w, self.geometry, self.pooling)
+    }
+
     fn op(&self) -> ConvOp {
         ConvOp {
             geometry: self.geometry,
@@ -78,12 +83,7 @@ impl ConvLayer {
         (w, w_dims): (&[f32], [usize; 4]),
         b: &[f32],
     ) -> Result<ConvOutput> {
-        let d = Dims::new(
-            &Shape::from(&x_dims),
-            &Shape::from(&w_dims),
-            self.geometry,
-            self.pooling,
-        )?;
+        let d = self.dims(x_dims, w_dims)?;
         if x.len() != d.n * d.input() || w.len() != d.o * d.ckk || b.len() != d.o {
             bail!(
                 "conv2d: {} inputs, {} weights, {} biases for {d:?}",
@@ -112,12 +112,7 @@ impl ConvLayer {
         g: &[f32],
         need_gx: bool,
     ) -> Result<super::LayerGrads> {
-        let d = Dims::new(
-            &Shape::from(&x_dims),
-            &Shape::from(&w_dims),
-            self.geometry,
-            self.pooling,
-        )?;
+        let d = self.dims(x_dims, w_dims)?;
         if g.len() != out.values.len() {
             bail!(
                 "conv2d backward: {} gradients for {} outputs",

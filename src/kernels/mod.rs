@@ -75,6 +75,28 @@ pub(crate) fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) ->
     }
 }
 
+/// Integer ids (u32 or i64 values: tokens, targets) as indices.
+pub(crate) fn indices(t: &Tensor) -> Result<Vec<usize>> {
+    let t = t.flatten_all()?.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        bail!("ddpjob kernels run on the CPU only")
+    };
+    indices_of(cpu, layout)
+}
+
+/// [`indices`] of a contiguous CPU storage.
+pub(crate) fn indices_of(storage: &CpuStorage, layout: &Layout) -> Result<Vec<usize>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("ddpjob kernels need contiguous ids")
+    };
+    Ok(match storage {
+        CpuStorage::U32(v) => v[start..end].iter().map(|&i| i as usize).collect(),
+        CpuStorage::I64(v) => v[start..end].iter().map(|&i| i.max(0) as usize).collect(),
+        _ => bail!("ids (tokens, targets) must be u32 or i64"),
+    })
+}
+
 /// A layer's gradients: of its input (`None` when not wanted), its weight and its bias.
 pub(crate) type LayerGrads = (Option<Vec<f32>>, Vec<f32>, Vec<f32>);
 

@@ -54,25 +54,24 @@ const STRIDE_1: ConvGeometry = ConvGeometry {
 };
 
 /// The forward pass of `layers` on images `xs` [n, c, h, w] against class `targets`; `None`
-/// off the CPU or in another dtype than f32 (autograd runs there).
+/// off the CPU, in another dtype than f32, or for targets other than u32 or i64 (autograd runs
+/// there).
 pub(super) fn forward<'a>(
     layers: Vec<Layer<'a>>,
     params: &'a Params,
     xs: &Tensor,
     targets: &Tensor,
-) -> Result<Option<ChainPass<'a>>> {
+) -> Result<Option<Box<dyn TrainPass + 'a>>> {
     let f32_cpu = |t: &Tensor| kernels::applies(t);
-    if !f32_cpu(xs) || !params.vars().all(|v| f32_cpu(v.as_tensor())) {
+    let integer_targets = matches!(targets.dtype(), DType::U32 | DType::I64);
+    if !f32_cpu(xs) || !integer_targets || !params.vars().all(|v| f32_cpu(v.as_tensor())) {
         return Ok(None);
     }
     let n = xs.dim(0)?;
     let targets = class_ids(targets, n)?;
     let mut outputs: Vec<Output> = Vec::with_capacity(layers.len());
     with_values(xs, |images| {
-        let mut dims = match xs.dims() {
-            &[n, c, h, w] => [n, c, h, w],
-            other => [other[0], 1, 1, other[1..].iter().product()],
-        };
+        let mut dims = image_dims(xs);
         for layer in &layers {
             let input = outputs.last().map_or(images, Output::values);
             let output = match layer {
@@ -103,7 +102,7 @@ pub(super) fn forward<'a>(
     })?;
     let logits = outputs.last().map_or(&[][..], Output::values);
     let (loss, probabilities) = cross_entropy(logits, &targets)?;
-    Ok(Some(ChainPass {
+    Ok(Some(Box::new(ChainPass {
         layers,
         params,
         xs: xs.clone(),
@@ -111,7 +110,15 @@ pub(super) fn forward<'a>(
         targets,
         probabilities,
         loss: Tensor::new(loss, xs.device())?,
-    }))
+    })))
+}
+
+/// [n, c, h, w] of the input batch (other shapes: one channel of one row of features).
+fn image_dims(xs: &Tensor) -> [usize; 4] {
+    match xs.dims() {
+        &[n, c, h, w] => [n, c, h, w],
+        other => [other[0], 1, 1, other[1..].iter().product()],
+    }
 }
 
 fn into_array((a, b, c, d): (usize, usize, usize, usize)) -> [usize; 4] {
@@ -155,22 +162,7 @@ fn cross_entropy(logits: &[f32], targets: &[usize]) -> Result<(f32, Vec<f32>)> {
 
 /// The class of each sample, checked against the batch size.
 fn class_ids(targets: &Tensor, n: usize) -> Result<Vec<usize>> {
-    let ids: Vec<usize> = match targets.dtype() {
-        DType::U32 | DType::U8 => targets
-            .flatten_all()?
-            .to_dtype(DType::U32)?
-            .to_vec1::<u32>()?
-            .into_iter()
-            .map(|i| i as usize)
-            .collect(),
-        DType::I64 => targets
-            .flatten_all()?
-            .to_vec1::<i64>()?
-            .into_iter()
-            .map(|i| i.max(0) as usize)
-            .collect(),
-        other => bail!("cross-entropy: targets must be integers, not {other:?}"),
-    };
+    let ids = kernels::indices(targets)?;
     if ids.len() != n {
         bail!("cross-entropy: {} targets for {n} samples", ids.len());
     }
@@ -195,10 +187,7 @@ impl TrainPass for ChainPass<'_> {
         with_values(&self.xs, |images| {
             let dims_of = |i: usize| -> Result<[usize; 4]> {
                 if i == 0 {
-                    return Ok(match self.xs.dims() {
-                        &[n, c, h, w] => [n, c, h, w],
-                        other => [other[0], 1, 1, other[1..].iter().product()],
-                    });
+                    return Ok(image_dims(&self.xs));
                 }
                 Ok(match &self.outputs[i - 1] {
                     Output::Conv(out) => out.dims,

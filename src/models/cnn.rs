@@ -71,8 +71,7 @@ impl Model for Cnn {
             Layer::Linear(&self.fc1, true),
             Layer::Linear(&self.fc2, false),
         ];
-        let pass = chain::forward(layers, &self.params, xs, targets)?;
-        Ok(pass.map(|p| Box::new(p) as Box<dyn TrainPass>))
+        chain::forward(layers, &self.params, xs, targets)
     }
 
     fn train_flops_per_sample(&self) -> Option<f64> {

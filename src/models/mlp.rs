@@ -61,8 +61,7 @@ impl Model for Mlp {
         let layers = (self.layers.iter().enumerate())
             .map(|(i, layer)| Layer::Linear(layer, i < last))
             .collect();
-        let pass = chain::forward(layers, &self.params, xs, targets)?;
-        Ok(pass.map(|p| Box::new(p) as Box<dyn TrainPass>))
+        chain::forward(layers, &self.params, xs, targets)
     }
 
     fn train_flops_per_sample(&self) -> Option<f64> {

@@ -4,11 +4,12 @@
 //! tokens, 1,024 positions would otherwise hold 206 MB of logits, and as much again for each
 //! intermediate of the softmax and its gradient (Liger-Kernel's "fused linear cross-entropy").
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor, bail};
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
 use super::attention::{View, gemm_into};
 use super::ops::{exp, max, sum_map, values, with_values};
+use crate::kernels::{indices, indices_of};
 
 /// Rows whose logits are made at once: 32 × 50,304 floats is 6 MB.
 const CHUNK: usize = 32;
@@ -22,7 +23,7 @@ pub fn loss(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
 
 /// Σ cross-entropy and the number of targets that are the logits' argmax (evaluation).
 pub fn score(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
-    let ids = ids(targets)?;
+    let ids = indices(targets)?;
     with_values(x, |x| {
         with_values(w, |w| {
             let dims = Dims::of(x.len(), w.len(), ids.len())?;
@@ -98,27 +99,6 @@ fn log_sum_exp(row: &[f32]) -> f32 {
     m + sum_map(row, |v| exp(v - m)).ln()
 }
 
-/// The target ids as indices.
-pub(super) fn ids(targets: &Tensor) -> Result<Vec<usize>> {
-    let t = targets.flatten_all()?.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        bail!("head loss runs on the CPU only")
-    };
-    ids_of(cpu, layout)
-}
-
-fn ids_of(storage: &CpuStorage, layout: &Layout) -> Result<Vec<usize>> {
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        bail!("head loss needs contiguous targets")
-    };
-    Ok(match storage {
-        CpuStorage::U32(v) => v[start..end].iter().map(|&i| i as usize).collect(),
-        CpuStorage::I64(v) => v[start..end].iter().map(|&i| i.max(0) as usize).collect(),
-        _ => bail!("head loss: targets must be u32 or i64"),
-    })
-}
-
 impl CustomOp3 for HeadLossOp {
     fn name(&self) -> &'static str {
         "ddpjob-gpt-head-loss"
@@ -136,7 +116,7 @@ impl CustomOp3 for HeadLossOp {
         let (x, w, ids) = (
             values(x, x_layout)?,
             values(w, w_layout)?,
-            ids_of(t, t_layout)?,
+            indices_of(t, t_layout)?,
         );
         let mean = mean_loss(x, w, &ids)?;
         Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
@@ -151,7 +131,7 @@ impl CustomOp3 for HeadLossOp {
         _loss: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let ids = ids(targets)?;
+        let ids = indices(targets)?;
         let g = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
         let (dx, dw) = with_values(x, |xv| {
             with_values(w, |wv| {

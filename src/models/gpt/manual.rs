@@ -6,14 +6,12 @@
 //! much again in allocation). The layers are the fused kernels the autograd path runs, so both
 //! paths compute the same values up to the order of a few sums (tests compare them).
 
-use std::ops::Deref;
-
-use candle_core::{DType, Layout, Result, Storage, Tensor, bail};
+use candle_core::{DType, Result, Tensor, bail};
 use rayon::prelude::*;
 
 use super::ops::{layer_norm_rows, layer_norm_rows_bwd, simd};
 use super::{Gpt, attention, dropout, head};
-use crate::kernels::{self, linear_backward, linear_forward, scratch, values};
+use crate::kernels::{self, linear_backward, linear_forward, scratch, with_all_values};
 use crate::models::{Mode, TrainPass};
 
 const EPS: f32 = 1e-5;
@@ -67,7 +65,7 @@ pub(super) fn forward<'a>(
     if t == 0 || t > cfg.block_size {
         bail!("gpt: {t} positions, block_size is {}", cfg.block_size);
     }
-    let (ids, target_ids) = (head::ids(xs)?, head::ids(targets)?);
+    let (ids, target_ids) = (kernels::indices(xs)?, kernels::indices(targets)?);
     if let Some(&bad) = ids.iter().find(|&&i| i >= cfg.vocab_size) {
         bail!(
             "gpt: token {bad} is outside the vocabulary of {}",
@@ -89,57 +87,60 @@ pub(super) fn forward<'a>(
         }
         _ => Vec::new(),
     };
-    let weights = Weights::lock(gpt)?;
-    let (wte, wpe) = (weights.get(0)?, weights.get(1)?);
-    let mut x = scratch::take(rows * c);
-    for ((row, &id), out) in (0..rows).zip(&ids).zip(x.chunks_exact_mut(c)) {
-        let (token, position) = (&wte[id * c..][..c], &wpe[(row % t) * c..][..c]);
-        for ((o, a), b) in out.iter_mut().zip(token).zip(position) {
-            *o = a + b;
+    let (blocks, x, normed, loss) = with_all_values(&weight_tensors(gpt), |all| {
+        let weights = Weights(all);
+        let (wte, wpe) = (weights.get(0), weights.get(1));
+        let mut x = scratch::take(rows * c);
+        for ((row, &id), out) in (0..rows).zip(&ids).zip(x.chunks_exact_mut(c)) {
+            let (token, position) = (&wte[id * c..][..c], &wpe[(row % t) * c..][..c]);
+            for ((o, a), b) in out.iter_mut().zip(token).zip(position) {
+                *o = a + b;
+            }
         }
-    }
-    drop_in_place(&mut x, masks.first());
-    let mut blocks = Vec::with_capacity(gpt.blocks.len());
-    for i in 0..gpt.blocks.len() {
-        let w = weights.block(i)?;
-        let ln_1 = layer_norm(&x, w.ln_1, w.ln_1_bias);
-        let qkv = linear_forward(&ln_1, w.c_attn, w.c_attn_bias, rows);
-        let mut attended = scratch::take(rows * c);
-        attended
-            .par_chunks_mut(t * c)
-            .zip(qkv.par_chunks(t * 3 * c))
-            .for_each(|(y, x)| {
-                let mut p = scratch::take(t * t);
-                attention::sequence(x, y, t, cfg.n_head, &mut p);
-                scratch::give([p]);
+        drop_in_place(&mut x, masks.first());
+        let mut blocks = Vec::with_capacity(gpt.blocks.len());
+        for i in 0..gpt.blocks.len() {
+            let w = weights.block(i);
+            let ln_1 = layer_norm(&x, w.ln_1, w.ln_1_bias);
+            let qkv = linear_forward(&ln_1, w.c_attn, w.c_attn_bias, rows);
+            let mut attended = scratch::take(rows * c);
+            attended
+                .par_chunks_mut(t * c)
+                .zip(qkv.par_chunks(t * 3 * c))
+                .for_each(|(y, x)| {
+                    let mut p = scratch::take(t * t);
+                    attention::sequence(x, y, t, cfg.n_head, &mut p);
+                    scratch::give([p]);
+                });
+            let mut branch = linear_forward(&attended, w.attn_proj, w.attn_proj_bias, rows);
+            drop_in_place(&mut branch, masks.get(1 + 2 * i));
+            let mid = add(&x, &branch);
+            let ln_2 = layer_norm(&mid, w.ln_2, w.ln_2_bias);
+            let hidden = linear_forward(&ln_2, w.c_fc, w.c_fc_bias, rows);
+            let mut activated = scratch::take(hidden.len());
+            activated
+                .par_chunks_mut(ELEMENTS_PER_TASK)
+                .zip(hidden.par_chunks(ELEMENTS_PER_TASK))
+                .for_each(|(y, x)| simd::gelu(x, y));
+            let mut branch = linear_forward(&activated, w.mlp_proj, w.mlp_proj_bias, rows);
+            drop_in_place(&mut branch, masks.get(2 + 2 * i));
+            let next = add(&mid, &branch);
+            blocks.push(Activations {
+                input: std::mem::replace(&mut x, next),
+                mid,
+                ln_1,
+                qkv,
+                attended,
+                ln_2,
+                hidden,
+                activated,
             });
-        let mut branch = linear_forward(&attended, w.attn_proj, w.attn_proj_bias, rows);
-        drop_in_place(&mut branch, masks.get(1 + 2 * i));
-        let mid = add(&x, &branch);
-        let ln_2 = layer_norm(&mid, w.ln_2, w.ln_2_bias);
-        let hidden = linear_forward(&ln_2, w.c_fc, w.c_fc_bias, rows);
-        let mut activated = scratch::take(hidden.len());
-        activated
-            .par_chunks_mut(ELEMENTS_PER_TASK)
-            .zip(hidden.par_chunks(ELEMENTS_PER_TASK))
-            .for_each(|(y, x)| simd::gelu(x, y));
-        let mut branch = linear_forward(&activated, w.mlp_proj, w.mlp_proj_bias, rows);
-        drop_in_place(&mut branch, masks.get(2 + 2 * i));
-        let next = add(&mid, &branch);
-        blocks.push(Activations {
-            input: std::mem::replace(&mut x, next),
-            mid,
-            ln_1,
-            qkv,
-            attended,
-            ln_2,
-            hidden,
-            activated,
-        });
-    }
-    let (ln_f, ln_f_bias) = weights.ln_f()?;
-    let normed = layer_norm(&x, ln_f, ln_f_bias);
-    let loss = head::mean_loss(&normed, wte, &target_ids)?;
+        }
+        let (ln_f, ln_f_bias) = weights.ln_f();
+        let normed = layer_norm(&x, ln_f, ln_f_bias);
+        let loss = head::mean_loss(&normed, wte, &target_ids)?;
+        Ok((blocks, x, normed, loss))
+    })?;
     Ok(Pass {
         gpt,
         n,
@@ -174,72 +175,76 @@ impl TrainPass for Pass<'_> {
         } = *self;
         let cfg = &gpt.config;
         let (c, rows) = (cfg.n_embd, n * t);
-        let weights = Weights::lock(gpt)?;
         let mut grads = Grads::default();
-        let wte = weights.get(0)?;
-        let mut d_normed = scratch::take(rows * c);
-        let mut d_wte = head::loss_bwd(&normed, wte, &targets, scale as f32, &mut d_normed)?;
-        // The gradient of the residual stream, from the top down.
-        let mut d_res = scratch::take(rows * c);
-        let (ln_f, _) = weights.ln_f()?;
-        let (d_gain, d_bias) = layer_norm_bwd(&last, &d_normed, ln_f, &mut d_res, false);
-        scratch::give([d_normed, last, normed]);
-        grads.push_ln(&gpt.ln_f, d_gain, d_bias);
-        let mut block_grads = Vec::with_capacity(blocks.len());
-        for (i, a) in blocks.into_iter().enumerate().rev() {
-            let w = weights.block(i)?;
-            let mut g = Grads::default();
-            let block = &gpt.blocks[i];
-            let d_branch = masked(&d_res, masks.get(2 + 2 * i));
-            let (d_act, d_w, d_b) = linear_backward(&a.activated, w.mlp_proj, &d_branch, c, true);
-            g.push_linear(&block.mlp_proj, d_w, d_b);
-            let d_act = d_act.unwrap_or_default();
-            let mut d_hidden = scratch::take(d_act.len());
-            d_hidden
-                .par_chunks_mut(ELEMENTS_PER_TASK)
-                .zip(a.hidden.par_chunks(ELEMENTS_PER_TASK))
-                .zip(d_act.par_chunks(ELEMENTS_PER_TASK))
-                .for_each(|((dx, x), g)| simd::gelu_grad(x, g, dx));
-            let (d_ln_2, d_w, d_b) = linear_backward(&a.ln_2, w.c_fc, &d_hidden, 4 * c, true);
-            g.push_linear(&block.c_fc, d_w, d_b);
-            let d_ln_2 = d_ln_2.unwrap_or_default();
-            let (d_gain, d_bias) = layer_norm_bwd(&a.mid, &d_ln_2, w.ln_2, &mut d_res, true);
-            g.push_ln(&block.ln_2, d_gain, d_bias);
-            scratch::give([d_act, d_hidden, d_ln_2]);
-            let d_branch = masked(&d_res, masks.get(1 + 2 * i));
-            let (d_att, d_w, d_b) = linear_backward(&a.attended, w.attn_proj, &d_branch, c, true);
-            g.push_linear(&block.attn_proj, d_w, d_b);
-            let d_att = d_att.unwrap_or_default();
-            let mut d_qkv = scratch::take(a.qkv.len());
-            d_qkv
-                .par_chunks_mut(t * 3 * c)
-                .zip(a.qkv.par_chunks(t * 3 * c))
-                .zip(d_att.par_chunks(t * c))
-                .for_each(|((dx, x), dy)| {
-                    let mut work = scratch::take(2 * t * t);
-                    attention::sequence_bwd(x, dy, dx, t, cfg.n_head, &mut work);
-                    scratch::give([work]);
-                });
-            let (d_ln_1, d_w, d_b) = linear_backward(&a.ln_1, w.c_attn, &d_qkv, 3 * c, true);
-            g.push_linear(&block.c_attn, d_w, d_b);
-            let d_ln_1 = d_ln_1.unwrap_or_default();
-            let (d_gain, d_bias) = layer_norm_bwd(&a.input, &d_ln_1, w.ln_1, &mut d_res, true);
-            g.push_ln(&block.ln_1, d_gain, d_bias);
-            block_grads.push(g);
-            scratch::give([d_att, d_qkv, d_ln_1]);
-            scratch::give(a.buffers());
-        }
-        let d_embed = masked(&d_res, masks.first());
-        let mut d_wpe = vec![0f32; cfg.block_size * c];
-        for ((row, &id), d) in (0..rows).zip(&ids).zip(d_embed.chunks_exact(c)) {
-            let token = &mut d_wte[id * c..][..c];
-            token.iter_mut().zip(d).for_each(|(a, b)| *a += b);
-            let position = &mut d_wpe[(row % t) * c..][..c];
-            position.iter_mut().zip(d).for_each(|(a, b)| *a += b);
-        }
-        drop(weights);
-        drop(d_embed);
-        scratch::give([d_res]);
+        let (d_wte, d_wpe, block_grads) = with_all_values(&weight_tensors(gpt), |all| {
+            let weights = Weights(all);
+            let wte = weights.get(0);
+            let mut d_normed = scratch::take(rows * c);
+            let mut d_wte = head::loss_bwd(&normed, wte, &targets, scale as f32, &mut d_normed)?;
+            // The gradient of the residual stream, from the top down.
+            let mut d_res = scratch::take(rows * c);
+            let (ln_f, _) = weights.ln_f();
+            let (d_gain, d_bias) = layer_norm_bwd(&last, &d_normed, ln_f, &mut d_res, false);
+            scratch::give([d_normed, last, normed]);
+            grads.push_ln(&gpt.ln_f, d_gain, d_bias);
+            let mut block_grads = Vec::with_capacity(blocks.len());
+            for (i, a) in blocks.into_iter().enumerate().rev() {
+                let w = weights.block(i);
+                let mut g = Grads::default();
+                let block = &gpt.blocks[i];
+                let d_branch = masked(&d_res, masks.get(2 + 2 * i));
+                let (d_act, d_w, d_b) =
+                    linear_backward(&a.activated, w.mlp_proj, &d_branch, c, true);
+                g.push_linear(&block.mlp_proj, d_w, d_b);
+                let d_act = d_act.unwrap_or_default();
+                let mut d_hidden = scratch::take(d_act.len());
+                d_hidden
+                    .par_chunks_mut(ELEMENTS_PER_TASK)
+                    .zip(a.hidden.par_chunks(ELEMENTS_PER_TASK))
+                    .zip(d_act.par_chunks(ELEMENTS_PER_TASK))
+                    .for_each(|((dx, x), g)| simd::gelu_grad(x, g, dx));
+                let (d_ln_2, d_w, d_b) = linear_backward(&a.ln_2, w.c_fc, &d_hidden, 4 * c, true);
+                g.push_linear(&block.c_fc, d_w, d_b);
+                let d_ln_2 = d_ln_2.unwrap_or_default();
+                let (d_gain, d_bias) = layer_norm_bwd(&a.mid, &d_ln_2, w.ln_2, &mut d_res, true);
+                g.push_ln(&block.ln_2, d_gain, d_bias);
+                scratch::give([d_act, d_hidden, d_ln_2]);
+                let d_branch = masked(&d_res, masks.get(1 + 2 * i));
+                let (d_att, d_w, d_b) =
+                    linear_backward(&a.attended, w.attn_proj, &d_branch, c, true);
+                g.push_linear(&block.attn_proj, d_w, d_b);
+                let d_att = d_att.unwrap_or_default();
+                let mut d_qkv = scratch::take(a.qkv.len());
+                d_qkv
+                    .par_chunks_mut(t * 3 * c)
+                    .zip(a.qkv.par_chunks(t * 3 * c))
+                    .zip(d_att.par_chunks(t * c))
+                    .for_each(|((dx, x), dy)| {
+                        let mut work = scratch::take(2 * t * t);
+                        attention::sequence_bwd(x, dy, dx, t, cfg.n_head, &mut work);
+                        scratch::give([work]);
+                    });
+                let (d_ln_1, d_w, d_b) = linear_backward(&a.ln_1, w.c_attn, &d_qkv, 3 * c, true);
+                g.push_linear(&block.c_attn, d_w, d_b);
+                let d_ln_1 = d_ln_1.unwrap_or_default();
+                let (d_gain, d_bias) = layer_norm_bwd(&a.input, &d_ln_1, w.ln_1, &mut d_res, true);
+                g.push_ln(&block.ln_1, d_gain, d_bias);
+                block_grads.push(g);
+                scratch::give([d_att, d_qkv, d_ln_1]);
+                scratch::give(a.buffers());
+            }
+            let d_embed = masked(&d_res, masks.first());
+            let mut d_wpe = vec![0f32; cfg.block_size * c];
+            for ((row, &id), d) in (0..rows).zip(&ids).zip(d_embed.chunks_exact(c)) {
+                let token = &mut d_wte[id * c..][..c];
+                token.iter_mut().zip(d).for_each(|(a, b)| *a += b);
+                let position = &mut d_wpe[(row % t) * c..][..c];
+                position.iter_mut().zip(d).for_each(|(a, b)| *a += b);
+            }
+            drop(d_embed);
+            scratch::give([d_res]);
+            Ok((d_wte, d_wpe, block_grads))
+        })?;
         grads.push(gpt.wte.as_tensor(), d_wte);
         grads.push(gpt.wpe.as_tensor(), d_wpe);
         block_grads.into_iter().for_each(|g| grads.0.extend(g.0));
@@ -325,12 +330,8 @@ fn masked<'g>(grad: &'g [f32], mask: Option<&Vec<f32>>) -> std::borrow::Cow<'g, 
     }
 }
 
-/// The f32 values of the model's tensors, read-locked while a pass reads them: the token and
-/// position embeddings, each block's twelve (LayerNorm gains, weights, and their biases or the
-/// zeros standing in for them), then ln_f's two.
-struct Weights<'a> {
-    locked: Vec<(Box<dyn Deref<Target = Storage> + 'a>, &'a Layout)>,
-}
+/// The f32 values of the model's tensors, in the order of [`weight_tensors`].
+struct Weights<'w>(&'w [&'w [f32]]);
 
 /// One block's weights, named as in [`super::Block`].
 struct BlockWeights<'w> {
@@ -350,62 +351,49 @@ struct BlockWeights<'w> {
 
 const PER_BLOCK: usize = 12;
 
-impl<'a> Weights<'a> {
-    fn lock(gpt: &'a Gpt) -> Result<Self> {
-        let mut tensors = vec![gpt.wte.as_tensor(), gpt.wpe.as_tensor()];
-        for b in &gpt.blocks {
-            tensors.extend([b.ln_1.weight.as_tensor(), b.ln_1.bias_or_zeros()]);
-            tensors.extend([b.c_attn.weight.as_tensor(), b.c_attn.bias_or_zeros()]);
-            tensors.extend([b.attn_proj.weight.as_tensor(), b.attn_proj.bias_or_zeros()]);
-            tensors.extend([b.ln_2.weight.as_tensor(), b.ln_2.bias_or_zeros()]);
-            tensors.extend([b.c_fc.weight.as_tensor(), b.c_fc.bias_or_zeros()]);
-            tensors.extend([b.mlp_proj.weight.as_tensor(), b.mlp_proj.bias_or_zeros()]);
-        }
-        tensors.extend([gpt.ln_f.weight.as_tensor(), gpt.ln_f.bias_or_zeros()]);
-        Ok(Weights {
-            locked: tensors
-                .into_iter()
-                .map(|t| {
-                    let (storage, layout) = t.storage_and_layout();
-                    (
-                        Box::new(storage) as Box<dyn Deref<Target = Storage>>,
-                        layout,
-                    )
-                })
-                .collect(),
-        })
+/// The token and position embeddings, each block's twelve (LayerNorm gains, weights, and
+/// their biases or the zeros standing in for them), then ln_f's two.
+fn weight_tensors(gpt: &Gpt) -> Vec<&Tensor> {
+    let mut tensors = vec![gpt.wte.as_tensor(), gpt.wpe.as_tensor()];
+    for b in &gpt.blocks {
+        tensors.extend([b.ln_1.weight.as_tensor(), b.ln_1.bias_or_zeros()]);
+        tensors.extend([b.c_attn.weight.as_tensor(), b.c_attn.bias_or_zeros()]);
+        tensors.extend([b.attn_proj.weight.as_tensor(), b.attn_proj.bias_or_zeros()]);
+        tensors.extend([b.ln_2.weight.as_tensor(), b.ln_2.bias_or_zeros()]);
+        tensors.extend([b.c_fc.weight.as_tensor(), b.c_fc.bias_or_zeros()]);
+        tensors.extend([b.mlp_proj.weight.as_tensor(), b.mlp_proj.bias_or_zeros()]);
+    }
+    tensors.extend([gpt.ln_f.weight.as_tensor(), gpt.ln_f.bias_or_zeros()]);
+    tensors
+}
+
+impl<'w> Weights<'w> {
+    fn get(&self, i: usize) -> &'w [f32] {
+        self.0[i]
     }
 
-    fn get(&self, i: usize) -> Result<&[f32]> {
-        let (storage, layout) = &self.locked[i];
-        match &***storage {
-            Storage::Cpu(cpu) => values(cpu, layout),
-            _ => bail!("gpt: the hand-written pass runs on the CPU only"),
-        }
-    }
-
-    fn block(&self, i: usize) -> Result<BlockWeights<'_>> {
+    fn block(&self, i: usize) -> BlockWeights<'w> {
         let at = |k: usize| self.get(2 + PER_BLOCK * i + k);
-        Ok(BlockWeights {
-            ln_1: at(0)?,
-            ln_1_bias: at(1)?,
-            c_attn: at(2)?,
-            c_attn_bias: at(3)?,
-            attn_proj: at(4)?,
-            attn_proj_bias: at(5)?,
-            ln_2: at(6)?,
-            ln_2_bias: at(7)?,
-            c_fc: at(8)?,
-            c_fc_bias: at(9)?,
-            mlp_proj: at(10)?,
-            mlp_proj_bias: at(11)?,
-        })
+        BlockWeights {
+            ln_1: at(0),
+            ln_1_bias: at(1),
+            c_attn: at(2),
+            c_attn_bias: at(3),
+            attn_proj: at(4),
+            attn_proj_bias: at(5),
+            ln_2: at(6),
+            ln_2_bias: at(7),
+            c_fc: at(8),
+            c_fc_bias: at(9),
+            mlp_proj: at(10),
+            mlp_proj_bias: at(11),
+        }
     }
 
     /// ln_f's gain and bias.
-    fn ln_f(&self) -> Result<(&[f32], &[f32])> {
-        let first = self.locked.len() - 2;
-        Ok((self.get(first)?, self.get(first + 1)?))
+    fn ln_f(&self) -> (&'w [f32], &'w [f32]) {
+        let first = self.0.len() - 2;
+        (self.get(first), self.get(first + 1))
     }
 }
 

@@ -72,7 +72,13 @@ impl CustomOp3 for LinearOp {
         let want_gx = x.track_op();
         let (gx, gw, gb) = with_gz(grad, masked.as_deref(), |gz| {
             with_values(x, |x| {
-                with_values(w, |w| Ok(backward(x, w, gz, outputs, want_gx)))
+                with_values(w, |w| {
+                    let wanted = Wanted {
+                        input: want_gx,
+                        bias: true,
+                    };
+                    Ok(backward(x, w, gz, outputs, wanted))
+                })
             })
         })?;
         // The first layer's input is data: nothing needs its gradient.
@@ -110,30 +116,42 @@ pub(crate) fn forward(x: &[f32], w: &[f32], b: &[f32], n: usize) -> Vec<f32> {
         }
         y
     } else {
-        let mut y = Vec::with_capacity(n * outputs);
-        for _ in 0..n {
-            y.extend_from_slice(b);
-        }
+        // A layer without a bias (the GPT's with `bias = false`) is given zeros: its product
+        // is written as it is, not added to a copy of them.
+        let has_bias = b.iter().any(|&v| v != 0.0);
+        let mut y = match has_bias {
+            true => b.repeat(n),
+            false => super::scratch::take(n * outputs),
+        };
         gemm(
             &mut y,
             Mat::new(x, n, inputs),
             Mat::new(w, outputs, inputs).t(),
-            true,
+            has_bias,
             threads(),
         );
         y
     }
 }
 
+/// Which gradients of a layer [`backward`] computes besides its weight's.
+#[derive(Clone, Copy)]
+pub(crate) struct Wanted {
+    /// The input's: not for a layer whose input is data.
+    pub input: bool,
+    /// The bias's: not for a layer without one.
+    pub bias: bool,
+}
+
 /// The gradients of [`forward`] given `gz`, the output's gradient [n, out] (`outputs` =
-/// out): the input's (gz·W, when `want_gx`), the weight's (gzᵀ·x) and the bias's (Σ gz over
-/// the rows).
+/// out): the input's (gz·W, when wanted), the weight's (gzᵀ·x) and the bias's (Σ gz over the
+/// rows, when wanted; else empty).
 pub(crate) fn backward(
     x: &[f32],
     w: &[f32],
     gz: &[f32],
     outputs: usize,
-    want_gx: bool,
+    wanted: Wanted,
 ) -> super::LayerGrads {
     let n = gz.len() / outputs.max(1);
     let inputs = w.len() / outputs.max(1);
@@ -145,13 +163,15 @@ pub(crate) fn backward(
         false,
         threads(),
     );
-    let mut gb = vec![0f32; outputs];
-    for row in gz.chunks_exact(outputs) {
-        for (acc, g) in gb.iter_mut().zip(row) {
-            *acc += g;
+    let mut gb = vec![0f32; if wanted.bias { outputs } else { 0 }];
+    if wanted.bias {
+        for row in gz.chunks_exact(outputs) {
+            for (acc, g) in gb.iter_mut().zip(row) {
+                *acc += g;
+            }
         }
     }
-    let gx = want_gx.then(|| {
+    let gx = wanted.input.then(|| {
         let mut gx = super::scratch::take(n * inputs);
         gemm(
             &mut gx,

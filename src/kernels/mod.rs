@@ -19,7 +19,7 @@ pub use conv::{ConvGeometry, Pooling, conv2d};
 pub(crate) use conv::{ConvLayer, ConvOutput};
 pub use linear::linear;
 pub(crate) use linear::{
-    backward as linear_backward, forward as linear_forward, relu_grad, relu_in_place,
+    Wanted, backward as linear_backward, forward as linear_forward, relu_grad, relu_in_place,
 };
 pub use optim::{AdamStep, SgdStep, adam_step, sgd_step};
 

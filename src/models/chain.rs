@@ -9,8 +9,8 @@ use candle_core::{DType, Result, Tensor, bail};
 
 use super::{Conv2d, Linear, Params, TrainPass};
 use crate::kernels::{
-    self, ConvGeometry, ConvLayer, ConvOutput, Pooling, linear_backward, linear_forward, relu_grad,
-    relu_in_place, with_all_values, with_values,
+    self, ConvGeometry, ConvLayer, ConvOutput, Pooling, Wanted, linear_backward, linear_forward,
+    relu_grad, relu_in_place, with_all_values, with_values,
 };
 
 /// One layer of a chain.
@@ -221,7 +221,11 @@ impl TrainPass for ChainPass<'_> {
                         };
                         let outputs = linear.bias.dim(0)?;
                         with_all_values(&[linear.weight.as_tensor()], |w| {
-                            Ok(linear_backward(input, w[0], &gz, outputs, need_gx))
+                            let wanted = Wanted {
+                                input: need_gx,
+                                bias: true,
+                            };
+                            Ok(linear_backward(input, w[0], &gz, outputs, wanted))
                         })?
                     }
                     _ => bail!("chain: layer {i}'s output is of another kind"),

@@ -24,29 +24,30 @@ pub fn loss(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// Σ cross-entropy and the number of targets that are the logits' argmax (evaluation).
 pub fn score(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
     let ids = indices(targets)?;
-    with_values(x, |x| {
-        with_values(w, |w| {
-            let dims = Dims::of(x.len(), w.len(), ids.len())?;
-            check_targets(&ids, dims.vocab)?;
-            let parts: Vec<(f64, usize)> = (0..ids.len().div_ceil(CHUNK))
-                .into_par_iter()
-                .map(|c| {
-                    let (rows, logits) = dims.logits(x, w, c);
-                    let mut sums = (0.0, 0);
-                    for (row, &target) in logits.chunks_exact(dims.vocab).zip(&ids[rows]) {
-                        sums.0 += (log_sum_exp(row) - row[target]) as f64;
-                        let best = row
-                            .iter()
-                            .enumerate()
-                            .fold(0, |b, (i, &v)| if v > row[b] { i } else { b });
-                        sums.1 += usize::from(best == target);
-                    }
-                    sums
-                })
-                .collect();
-            Ok(parts.iter().fold((0.0, 0), |a, p| (a.0 + p.0, a.1 + p.1)))
+    with_values(x, |x| with_values(w, |w| score_values(x, w, &ids)))
+}
+
+/// [`score`] of the values `x` [n, C] and `w` [vocab, C] against `ids`.
+pub(super) fn score_values(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f64, usize)> {
+    let dims = Dims::of(x.len(), w.len(), ids.len())?;
+    check_targets(ids, dims.vocab)?;
+    let parts: Vec<(f64, usize)> = (0..ids.len().div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|c| {
+            let (rows, logits) = dims.logits(x, w, c);
+            let mut sums = (0.0, 0);
+            for (row, &target) in logits.chunks_exact(dims.vocab).zip(&ids[rows]) {
+                sums.0 += (log_sum_exp(row) - row[target]) as f64;
+                let best = row
+                    .iter()
+                    .enumerate()
+                    .fold(0, |b, (i, &v)| if v > row[b] { i } else { b });
+                sums.1 += usize::from(best == target);
+            }
+            sums
         })
-    })
+        .collect();
+    Ok(parts.iter().fold((0.0, 0), |a, p| (a.0 + p.0, a.1 + p.1)))
 }
 
 /// Whether the fused op can run: f32 values on the CPU.

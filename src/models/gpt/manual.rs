@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::ops::{layer_norm_rows, layer_norm_rows_bwd, simd};
 use super::{Gpt, attention, dropout, head};
-use crate::kernels::{self, linear_backward, linear_forward, scratch, with_all_values};
+use crate::kernels::{self, Wanted, linear_backward, linear_forward, scratch, with_all_values};
 use crate::models::{Mode, TrainPass};
 
 const EPS: f32 = 1e-5;
@@ -61,21 +61,9 @@ pub(super) fn forward<'a>(
     mode: &Mode,
 ) -> Result<Pass<'a>> {
     let (n, t) = xs.dims2()?;
+    let (ids, target_ids) = checked_ids(gpt, xs, targets)?;
     let cfg = &gpt.config;
-    if t == 0 || t > cfg.block_size {
-        bail!("gpt: {t} positions, block_size is {}", cfg.block_size);
-    }
-    let (ids, target_ids) = (kernels::indices(xs)?, kernels::indices(targets)?);
-    if let Some(&bad) = ids.iter().find(|&&i| i >= cfg.vocab_size) {
-        bail!(
-            "gpt: token {bad} is outside the vocabulary of {}",
-            cfg.vocab_size
-        );
-    }
-    if target_ids.len() != ids.len() {
-        bail!("gpt: {} targets for {} tokens", target_ids.len(), ids.len());
-    }
-    let (c, rows) = (cfg.n_embd, n * t);
+    let c = cfg.n_embd;
     let masks = match mode {
         Mode::Train { row_seeds } if cfg.dropout > 0.0 => {
             if row_seeds.len() != n {
@@ -89,56 +77,8 @@ pub(super) fn forward<'a>(
     };
     let (blocks, x, normed, loss) = with_all_values(&weight_tensors(gpt), |all| {
         let weights = Weights(all);
-        let (wte, wpe) = (weights.get(0), weights.get(1));
-        let mut x = scratch::take(rows * c);
-        for ((row, &id), out) in (0..rows).zip(&ids).zip(x.chunks_exact_mut(c)) {
-            let (token, position) = (&wte[id * c..][..c], &wpe[(row % t) * c..][..c]);
-            for ((o, a), b) in out.iter_mut().zip(token).zip(position) {
-                *o = a + b;
-            }
-        }
-        drop_in_place(&mut x, masks.first());
-        let mut blocks = Vec::with_capacity(gpt.blocks.len());
-        for i in 0..gpt.blocks.len() {
-            let w = weights.block(i);
-            let ln_1 = layer_norm(&x, w.ln_1, w.ln_1_bias);
-            let qkv = linear_forward(&ln_1, w.c_attn, w.c_attn_bias, rows);
-            let mut attended = scratch::take(rows * c);
-            attended
-                .par_chunks_mut(t * c)
-                .zip(qkv.par_chunks(t * 3 * c))
-                .for_each(|(y, x)| {
-                    let mut p = scratch::take(t * t);
-                    attention::sequence(x, y, t, cfg.n_head, &mut p);
-                    scratch::give([p]);
-                });
-            let mut branch = linear_forward(&attended, w.attn_proj, w.attn_proj_bias, rows);
-            drop_in_place(&mut branch, masks.get(1 + 2 * i));
-            let mid = add(&x, &branch);
-            let ln_2 = layer_norm(&mid, w.ln_2, w.ln_2_bias);
-            let hidden = linear_forward(&ln_2, w.c_fc, w.c_fc_bias, rows);
-            let mut activated = scratch::take(hidden.len());
-            activated
-                .par_chunks_mut(ELEMENTS_PER_TASK)
-                .zip(hidden.par_chunks(ELEMENTS_PER_TASK))
-                .for_each(|(y, x)| simd::gelu(x, y));
-            let mut branch = linear_forward(&activated, w.mlp_proj, w.mlp_proj_bias, rows);
-            drop_in_place(&mut branch, masks.get(2 + 2 * i));
-            let next = add(&mid, &branch);
-            blocks.push(Activations {
-                input: std::mem::replace(&mut x, next),
-                mid,
-                ln_1,
-                qkv,
-                attended,
-                ln_2,
-                hidden,
-                activated,
-            });
-        }
-        let (ln_f, ln_f_bias) = weights.ln_f();
-        let normed = layer_norm(&x, ln_f, ln_f_bias);
-        let loss = head::mean_loss(&normed, wte, &target_ids)?;
+        let (blocks, x, normed) = trunk(gpt, &weights, &ids, t, &masks, true);
+        let loss = head::mean_loss(&normed, weights.get(0), &target_ids)?;
         Ok((blocks, x, normed, loss))
     })?;
     Ok(Pass {
@@ -153,6 +93,119 @@ pub(super) fn forward<'a>(
         normed,
         loss: Tensor::new(loss, xs.device())?,
     })
+}
+
+/// Windows evaluated at once by [`score`]: about 512 positions, so a block's activations stay
+/// in the core's caches instead of streaming a whole evaluation batch through memory.
+pub(super) const SCORE_POSITIONS: usize = 512;
+
+/// Σ cross-entropy and the number of targets predicted exactly (evaluation, no dropout): the
+/// forward of [`forward`] a few windows at a time, each block's activations handed back as
+/// soon as the next block has read them.
+pub(super) fn score(gpt: &Gpt, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
+    let (_, t) = xs.dims2()?;
+    let (ids, target_ids) = checked_ids(gpt, xs, targets)?;
+    with_all_values(&weight_tensors(gpt), |all| {
+        let weights = Weights(all);
+        let window_rows = t * (SCORE_POSITIONS / t).max(1);
+        let mut sums = (0.0, 0);
+        for (ids, targets) in ids.chunks(window_rows).zip(target_ids.chunks(window_rows)) {
+            let (_, x, normed) = trunk(gpt, &weights, ids, t, &[], false);
+            let (loss, correct) = head::score_values(&normed, weights.get(0), targets)?;
+            scratch::give([x, normed]);
+            sums = (sums.0 + loss, sums.1 + correct);
+        }
+        Ok(sums)
+    })
+}
+
+/// The token ids of `xs` [n, t] and of `targets`, checked against the model.
+fn checked_ids(gpt: &Gpt, xs: &Tensor, targets: &Tensor) -> Result<(Vec<usize>, Vec<usize>)> {
+    let (_, t) = xs.dims2()?;
+    let cfg = &gpt.config;
+    if t == 0 || t > cfg.block_size {
+        bail!("gpt: {t} positions, block_size is {}", cfg.block_size);
+    }
+    let (ids, target_ids) = (kernels::indices(xs)?, kernels::indices(targets)?);
+    if let Some(&bad) = ids.iter().find(|&&i| i >= cfg.vocab_size) {
+        bail!(
+            "gpt: token {bad} is outside the vocabulary of {}",
+            cfg.vocab_size
+        );
+    }
+    if target_ids.len() != ids.len() {
+        bail!("gpt: {} targets for {} tokens", target_ids.len(), ids.len());
+    }
+    Ok((ids, target_ids))
+}
+
+/// The embeddings and blocks of windows of `t` tokens `ids` (dropout `masks` by site, or
+/// none): each block's activations when `keep` (else none: their buffers go back to
+/// [`scratch`] at once), the last block's output and ln_f's output.
+fn trunk(
+    gpt: &Gpt,
+    weights: &Weights,
+    ids: &[usize],
+    t: usize,
+    masks: &[Vec<f32>],
+    keep: bool,
+) -> (Vec<Activations>, Vec<f32>, Vec<f32>) {
+    let (c, rows) = (gpt.config.n_embd, ids.len());
+    let n_head = gpt.config.n_head;
+    let (wte, wpe) = (weights.get(0), weights.get(1));
+    let mut x = scratch::take(rows * c);
+    for ((row, &id), out) in (0..rows).zip(ids).zip(x.chunks_exact_mut(c)) {
+        let (token, position) = (&wte[id * c..][..c], &wpe[(row % t) * c..][..c]);
+        for ((o, a), b) in out.iter_mut().zip(token).zip(position) {
+            *o = a + b;
+        }
+    }
+    drop_in_place(&mut x, masks.first());
+    let mut blocks = Vec::with_capacity(gpt.blocks.len());
+    for i in 0..gpt.blocks.len() {
+        let w = weights.block(i);
+        let ln_1 = layer_norm(&x, w.ln_1, w.ln_1_bias);
+        let qkv = linear_forward(&ln_1, w.c_attn, w.c_attn_bias, rows);
+        let mut attended = scratch::take(rows * c);
+        attended
+            .par_chunks_mut(t * c)
+            .zip(qkv.par_chunks(t * 3 * c))
+            .for_each(|(y, x)| {
+                let mut p = scratch::take(t * t);
+                attention::sequence(x, y, t, n_head, &mut p);
+                scratch::give([p]);
+            });
+        let mut branch = linear_forward(&attended, w.attn_proj, w.attn_proj_bias, rows);
+        drop_in_place(&mut branch, masks.get(1 + 2 * i));
+        let mid = add_to(branch, &x);
+        let ln_2 = layer_norm(&mid, w.ln_2, w.ln_2_bias);
+        let hidden = linear_forward(&ln_2, w.c_fc, w.c_fc_bias, rows);
+        let mut activated = scratch::take(hidden.len());
+        activated
+            .par_chunks_mut(ELEMENTS_PER_TASK)
+            .zip(hidden.par_chunks(ELEMENTS_PER_TASK))
+            .for_each(|(y, x)| simd::gelu(x, y));
+        let mut branch = linear_forward(&activated, w.mlp_proj, w.mlp_proj_bias, rows);
+        drop_in_place(&mut branch, masks.get(2 + 2 * i));
+        let next = add_to(branch, &mid);
+        let a = Activations {
+            input: std::mem::replace(&mut x, next),
+            mid,
+            ln_1,
+            qkv,
+            attended,
+            ln_2,
+            hidden,
+            activated,
+        };
+        match keep {
+            true => blocks.push(a),
+            false => scratch::give(a.buffers()),
+        }
+    }
+    let (ln_f, ln_f_bias) = weights.ln_f();
+    let normed = layer_norm(&x, ln_f, ln_f_bias);
+    (blocks, x, normed)
 }
 
 impl TrainPass for Pass<'_> {
@@ -193,8 +246,13 @@ impl TrainPass for Pass<'_> {
                 let mut g = Grads::default();
                 let block = &gpt.blocks[i];
                 let d_branch = masked(&d_res, masks.get(2 + 2 * i));
-                let (d_act, d_w, d_b) =
-                    linear_backward(&a.activated, w.mlp_proj, &d_branch, c, true);
+                let (d_act, d_w, d_b) = linear_backward(
+                    &a.activated,
+                    w.mlp_proj,
+                    &d_branch,
+                    c,
+                    wanted(&block.mlp_proj),
+                );
                 g.push_linear(&block.mlp_proj, d_w, d_b);
                 let d_act = d_act.unwrap_or_default();
                 let mut d_hidden = scratch::take(d_act.len());
@@ -203,15 +261,21 @@ impl TrainPass for Pass<'_> {
                     .zip(a.hidden.par_chunks(ELEMENTS_PER_TASK))
                     .zip(d_act.par_chunks(ELEMENTS_PER_TASK))
                     .for_each(|((dx, x), g)| simd::gelu_grad(x, g, dx));
-                let (d_ln_2, d_w, d_b) = linear_backward(&a.ln_2, w.c_fc, &d_hidden, 4 * c, true);
+                let (d_ln_2, d_w, d_b) =
+                    linear_backward(&a.ln_2, w.c_fc, &d_hidden, 4 * c, wanted(&block.c_fc));
                 g.push_linear(&block.c_fc, d_w, d_b);
                 let d_ln_2 = d_ln_2.unwrap_or_default();
                 let (d_gain, d_bias) = layer_norm_bwd(&a.mid, &d_ln_2, w.ln_2, &mut d_res, true);
                 g.push_ln(&block.ln_2, d_gain, d_bias);
                 scratch::give([d_act, d_hidden, d_ln_2]);
                 let d_branch = masked(&d_res, masks.get(1 + 2 * i));
-                let (d_att, d_w, d_b) =
-                    linear_backward(&a.attended, w.attn_proj, &d_branch, c, true);
+                let (d_att, d_w, d_b) = linear_backward(
+                    &a.attended,
+                    w.attn_proj,
+                    &d_branch,
+                    c,
+                    wanted(&block.attn_proj),
+                );
                 g.push_linear(&block.attn_proj, d_w, d_b);
                 let d_att = d_att.unwrap_or_default();
                 let mut d_qkv = scratch::take(a.qkv.len());
@@ -224,7 +288,8 @@ impl TrainPass for Pass<'_> {
                         attention::sequence_bwd(x, dy, dx, t, cfg.n_head, &mut work);
                         scratch::give([work]);
                     });
-                let (d_ln_1, d_w, d_b) = linear_backward(&a.ln_1, w.c_attn, &d_qkv, 3 * c, true);
+                let (d_ln_1, d_w, d_b) =
+                    linear_backward(&a.ln_1, w.c_attn, &d_qkv, 3 * c, wanted(&block.c_attn));
                 g.push_linear(&block.c_attn, d_w, d_b);
                 let d_ln_1 = d_ln_1.unwrap_or_default();
                 let (d_gain, d_bias) = layer_norm_bwd(&a.input, &d_ln_1, w.ln_1, &mut d_res, true);
@@ -265,6 +330,14 @@ impl Activations {
             activated,
         } = self;
         [input, mid, ln_1, qkv, attended, ln_2, hidden, activated]
+    }
+}
+
+/// A block's linear layer needs its input's gradient, and its bias's when it has one.
+fn wanted(layer: &super::Linear) -> Wanted {
+    Wanted {
+        input: true,
+        bias: layer.bias.is_some(),
     }
 }
 
@@ -311,8 +384,10 @@ fn layer_norm_bwd(
     (dg, db)
 }
 
-fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
-    a.iter().zip(b).map(|(a, b)| a + b).collect()
+/// `sum` + `x`, in `sum`'s buffer.
+fn add_to(mut sum: Vec<f32>, x: &[f32]) -> Vec<f32> {
+    sum.iter_mut().zip(x).for_each(|(s, x)| *s += x);
+    sum
 }
 
 /// `x` times the dropout mask, if there is one.

@@ -526,3 +526,27 @@ fn the_hand_written_pass_matches_autograd() {
     let x = ids(&[&[1, 2]]);
     assert!(bf16.train_pass(&x, &x, &Mode::Eval).unwrap().is_none());
 }
+
+#[test]
+fn the_hand_written_score_matches_the_logits_of_the_ops_forward() {
+    for bias in [true, false] {
+        let model = gpt(&config(bias, 0.0));
+        // 150 windows of 7: more positions than one piece of the hand-written score holds, the
+        // last piece a partial one.
+        let mut rng = crate::rng::Mt19937::new(4);
+        let mut draw = || (rng.normal().abs() * 4.0) as u32 % 11;
+        let (xs, ys): (Vec<u32>, Vec<u32>) = (0..150 * 7).map(|_| (draw(), draw())).unzip();
+        let x = Tensor::from_vec(xs, (150, 7), &Device::Cpu).unwrap();
+        let y = Tensor::from_vec(ys, (150, 7), &Device::Cpu).unwrap();
+        const { assert!(150 * 7 > 2 * super::manual::SCORE_POSITIONS) };
+        let (sum, correct) = model.score(&x, &y).unwrap();
+        let logits = model.forward(&x, &Mode::Eval).unwrap();
+        let (want_sum, want_correct) = crate::task::loss_sum_and_correct(&logits, &y).unwrap();
+        assert!(
+            (sum - want_sum).abs() < 1e-4 * want_sum,
+            "bias {bias}: loss sum {sum} vs {want_sum}"
+        );
+        assert_eq!(correct, want_correct, "bias {bias}");
+        assert!(correct > 0 && correct < 150 * 7, "a non-trivial count");
+    }
+}

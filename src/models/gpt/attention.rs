@@ -209,12 +209,15 @@ fn scale(hd: usize) -> f32 {
 }
 
 /// Causal attention of one sequence of `t` positions: `x` its [t, 3C] rows of q, k and v
-/// (`heads` heads of C / heads columns each), `y` its [t, C] output; `p`: t × t values of
-/// scratch.
+/// (`heads` heads of C / heads columns each), `y` its [t, C] output. `p` receives the
+/// probabilities: t × t values of scratch that each head overwrites, or `heads` · t × t, where
+/// every head's are left for [`sequence_bwd`] to read instead of recomputing them.
 pub(super) fn sequence(x: &[f32], y: &mut [f32], t: usize, heads: usize, p: &mut [f32]) {
     let c = y.len() / t;
     let hd = c / heads;
+    let per_head = if p.len() >= heads * t * t { t * t } else { 0 };
     for h in 0..heads {
+        let p = &mut p[h * per_head..];
         let q = View::rows(x, h * hd, t, hd, 3 * c);
         let k = View::rows(x, c + h * hd, t, hd, 3 * c);
         let v = View::rows(x, 2 * c + h * hd, t, hd, 3 * c);
@@ -230,19 +233,20 @@ pub(super) fn sequence(x: &[f32], y: &mut [f32], t: usize, heads: usize, p: &mut
 /// The backward of [`sequence`]: `dy` [t, C] the output's gradient, `dx` [t, 3C] written with
 /// the gradient of q, k and v; `scratch`: 2 · t × t values. With P the probabilities of a
 /// head: dV = Pᵀ·dY, dP = dY·Vᵀ, dS = P ⊙ (dP - rowsum(dP ⊙ P)) · scale, dQ = dS·K,
-/// dK = dSᵀ·Q (P recomputed, not kept).
+/// dK = dSᵀ·Q. P is read from `kept` (every head's, as [`sequence`] left them) or recomputed.
 pub(super) fn sequence_bwd(
     x: &[f32],
     dy: &[f32],
     dx: &mut [f32],
     t: usize,
     heads: usize,
+    kept: Option<&[f32]>,
     scratch: &mut [f32],
 ) {
     let c = dy.len() / t;
     let hd = c / heads;
     let scale = scale(hd);
-    let (p, ds) = scratch.split_at_mut(t * t);
+    let (recomputed, ds) = scratch.split_at_mut(t * t);
     for h in 0..heads {
         let q = View::rows(x, h * hd, t, hd, 3 * c);
         let k = View::rows(x, c + h * hd, t, hd, 3 * c);
@@ -254,7 +258,13 @@ pub(super) fn sequence_bwd(
             let (r0, n, seen) = (rows.start, rows.len(), rows.end);
             let accumulate = seen < t;
             let (qb, dyb) = (q.row_range(rows.clone()), dyh.row_range(rows.clone()));
-            probabilities(p, rows.clone(), qb, k, scale);
+            let p: &[f32] = match kept {
+                Some(kept) => &kept[h * t * t..][..t * t],
+                None => {
+                    probabilities(recomputed, rows.clone(), qb, k, scale);
+                    recomputed
+                }
+            };
             let pb = View::rows(p, r0 * t, n, seen, t);
             let dv = &mut dx[2 * c + h * hd..];
             gemm_into(dv, 3 * c, pb.t(), dyb, accumulate);
@@ -308,7 +318,7 @@ impl CustomOp1 for AttentionOp {
                         .zip(grad.par_chunks(t * c))
                         .for_each(|((dx, x), dy)| {
                             let mut scratch = vec![0f32; 2 * t * t];
-                            sequence_bwd(x, dy, dx, t, self.heads, &mut scratch)
+                            sequence_bwd(x, dy, dx, t, self.heads, None, &mut scratch)
                         });
                     Ok(())
                 })

@@ -41,6 +41,9 @@ struct Activations {
     mid: Vec<f32>,
     ln_1: Vec<f32>,
     qkv: Vec<f32>,
+    /// Every head's attention probabilities, [n, heads, t, t]; empty where the backward
+    /// recomputes them instead (see [`keeps_probabilities`]).
+    probabilities: Vec<f32>,
     attended: Vec<f32>,
     ln_2: Vec<f32>,
     /// c_fc's output (GELU's input) and GELU's output.
@@ -167,14 +170,24 @@ fn trunk(
         let ln_1 = layer_norm(&x, w.ln_1, w.ln_1_bias);
         let qkv = linear_forward(&ln_1, w.c_attn, w.c_attn_bias, rows);
         let mut attended = scratch::take(rows * c);
-        attended
+        let per_sequence = n_head * t * t;
+        let mut probabilities = match keep && keeps_probabilities(n_head, t, c) {
+            true => scratch::take(rows / t * per_sequence),
+            false => Vec::new(),
+        };
+        let sequences = attended
             .par_chunks_mut(t * c)
-            .zip(qkv.par_chunks(t * 3 * c))
-            .for_each(|(y, x)| {
+            .zip(qkv.par_chunks(t * 3 * c));
+        match probabilities.is_empty() {
+            true => sequences.for_each(|(y, x)| {
                 let mut p = scratch::take(t * t);
                 attention::sequence(x, y, t, n_head, &mut p);
                 scratch::give([p]);
-            });
+            }),
+            false => sequences
+                .zip(probabilities.par_chunks_mut(per_sequence))
+                .for_each(|((y, x), p)| attention::sequence(x, y, t, n_head, p)),
+        }
         let mut branch = linear_forward(&attended, w.attn_proj, w.attn_proj_bias, rows);
         drop_in_place(&mut branch, masks.get(1 + 2 * i));
         let mid = add_to(branch, &x);
@@ -193,6 +206,7 @@ fn trunk(
             mid,
             ln_1,
             qkv,
+            probabilities,
             attended,
             ln_2,
             hidden,
@@ -279,13 +293,17 @@ impl TrainPass for Pass<'_> {
                 g.push_linear(&block.attn_proj, d_w, d_b);
                 let d_att = d_att.unwrap_or_default();
                 let mut d_qkv = scratch::take(a.qkv.len());
+                let per_sequence = cfg.n_head * t * t;
                 d_qkv
                     .par_chunks_mut(t * 3 * c)
                     .zip(a.qkv.par_chunks(t * 3 * c))
                     .zip(d_att.par_chunks(t * c))
-                    .for_each(|((dx, x), dy)| {
+                    .enumerate()
+                    .for_each(|(s, ((dx, x), dy))| {
+                        let kept = (!a.probabilities.is_empty())
+                            .then(|| &a.probabilities[s * per_sequence..][..per_sequence]);
                         let mut work = scratch::take(2 * t * t);
-                        attention::sequence_bwd(x, dy, dx, t, cfg.n_head, &mut work);
+                        attention::sequence_bwd(x, dy, dx, t, cfg.n_head, kept, &mut work);
                         scratch::give([work]);
                     });
                 let (d_ln_1, d_w, d_b) =
@@ -318,19 +336,38 @@ impl TrainPass for Pass<'_> {
 }
 
 impl Activations {
-    fn buffers(self) -> [Vec<f32>; 8] {
+    fn buffers(self) -> [Vec<f32>; 9] {
         let Activations {
             input,
             mid,
             ln_1,
             qkv,
+            probabilities,
             attended,
             ln_2,
             hidden,
             activated,
         } = self;
-        [input, mid, ln_1, qkv, attended, ln_2, hidden, activated]
+        [
+            input,
+            mid,
+            ln_1,
+            qkv,
+            probabilities,
+            attended,
+            ln_2,
+            hidden,
+            activated,
+        ]
     }
+}
+
+/// Whether a training forward keeps the attention probabilities for the backward: when they
+/// add at most a quarter to a block's activations (`heads` · t ≤ 4·C values per position, as in
+/// nanoGPT's shakespeare recipes). Longer contexts recompute them (their t² would dominate
+/// memory), as flash attention does.
+fn keeps_probabilities(heads: usize, t: usize, c: usize) -> bool {
+    heads * t <= 4 * c
 }
 
 /// A block's linear layer needs its input's gradient, and its bias's when it has one.

@@ -472,13 +472,30 @@ fn fused_head_loss_matches_logits_and_cross_entropy_with_gradients() {
 
 #[test]
 fn the_hand_written_pass_matches_autograd() {
-    for (bias, dropout) in [(true, 0.0), (false, 0.0), (true, 0.3)] {
-        let model = gpt(&config(bias, dropout));
-        // Gains and biases away from 1 and 0, so their gradients are exercised too.
+    // 8 channels keep the attention probabilities for the backward (2 heads × 6 positions ≤
+    // 4 × 8); 2 channels make it recompute them.
+    for (bias, dropout, n_embd) in [
+        (true, 0.0, 8),
+        (false, 0.0, 8),
+        (true, 0.3, 8),
+        (true, 0.0, 2),
+    ] {
+        let model = gpt(&GptConfig {
+            n_embd,
+            ..config(bias, dropout)
+        });
+        // Gains and biases away from 1 and 0, so their gradients are exercised too; q, k and
+        // v 40 times GPT-2's scale, so each head's probabilities are far from uniform (and a
+        // backward that used the wrong head's would be seen).
         let mut rng = crate::rng::Mt19937::new(9);
-        for var in model.params().vars() {
+        for (name, var) in model.params().iter() {
+            let gain = if name.ends_with("c_attn.weight") {
+                40.0
+            } else {
+                1.0
+            };
             let values: Vec<f32> = (0..var.elem_count())
-                .map(|_| 0.5 + 0.3 * rng.normal())
+                .map(|_| gain * (0.5 + 0.3 * rng.normal()))
                 .collect();
             let noisy = Tensor::from_vec(values, var.shape(), &Device::Cpu).unwrap();
             var.set(&(var.as_tensor() * &noisy).unwrap()).unwrap();
@@ -504,7 +521,7 @@ fn the_hand_written_pass_matches_autograd() {
             .unwrap()
             .expect("f32 on the CPU");
         let (hand_loss, hand) = (pass.loss().clone(), pass.backward(0.7).unwrap());
-        let case = format!("bias {bias}, dropout {dropout}");
+        let case = format!("bias {bias}, dropout {dropout}, {n_embd} channels");
         let (l1, l2) = (
             loss.to_scalar::<f32>().unwrap(),
             hand_loss.to_scalar::<f32>().unwrap(),

@@ -46,8 +46,9 @@ struct Activations {
     probabilities: Vec<f32>,
     attended: Vec<f32>,
     ln_2: Vec<f32>,
-    /// c_fc's output (GELU's input) and GELU's output.
-    hidden: Vec<f32>,
+    /// GELU's slope at c_fc's output (all the backward needs of that output), and GELU's
+    /// output.
+    gelu_slope: Vec<f32>,
     activated: Vec<f32>,
 }
 
@@ -192,12 +193,16 @@ fn trunk(
         drop_in_place(&mut branch, masks.get(1 + 2 * i));
         let mid = add_to(branch, &x);
         let ln_2 = layer_norm(&mid, w.ln_2, w.ln_2_bias);
-        let hidden = linear_forward(&ln_2, w.c_fc, w.c_fc_bias, rows);
-        let mut activated = scratch::take(hidden.len());
-        activated
+        // c_fc's output, replaced by GELU's slope there when a backward will follow.
+        let mut gelu_slope = linear_forward(&ln_2, w.c_fc, w.c_fc_bias, rows);
+        let mut activated = scratch::take(gelu_slope.len());
+        let elementwise = activated
             .par_chunks_mut(ELEMENTS_PER_TASK)
-            .zip(hidden.par_chunks(ELEMENTS_PER_TASK))
-            .for_each(|(y, x)| simd::gelu(x, y));
+            .zip(gelu_slope.par_chunks_mut(ELEMENTS_PER_TASK));
+        match keep {
+            true => elementwise.for_each(|(y, x)| simd::gelu_and_slope(x, y)),
+            false => elementwise.for_each(|(y, x)| simd::gelu(x, y)),
+        }
         let mut branch = linear_forward(&activated, w.mlp_proj, w.mlp_proj_bias, rows);
         drop_in_place(&mut branch, masks.get(2 + 2 * i));
         let next = add_to(branch, &mid);
@@ -209,7 +214,7 @@ fn trunk(
             probabilities,
             attended,
             ln_2,
-            hidden,
+            gelu_slope,
             activated,
         };
         match keep {
@@ -268,20 +273,19 @@ impl TrainPass for Pass<'_> {
                     wanted(&block.mlp_proj),
                 );
                 g.push_linear(&block.mlp_proj, d_w, d_b);
-                let d_act = d_act.unwrap_or_default();
-                let mut d_hidden = scratch::take(d_act.len());
+                // GELU's input gradient, in place of its output's.
+                let mut d_hidden = d_act.unwrap_or_default();
                 d_hidden
                     .par_chunks_mut(ELEMENTS_PER_TASK)
-                    .zip(a.hidden.par_chunks(ELEMENTS_PER_TASK))
-                    .zip(d_act.par_chunks(ELEMENTS_PER_TASK))
-                    .for_each(|((dx, x), g)| simd::gelu_grad(x, g, dx));
+                    .zip(a.gelu_slope.par_chunks(ELEMENTS_PER_TASK))
+                    .for_each(|(d, slope)| d.iter_mut().zip(slope).for_each(|(d, s)| *d *= s));
                 let (d_ln_2, d_w, d_b) =
                     linear_backward(&a.ln_2, w.c_fc, &d_hidden, 4 * c, wanted(&block.c_fc));
                 g.push_linear(&block.c_fc, d_w, d_b);
                 let d_ln_2 = d_ln_2.unwrap_or_default();
                 let (d_gain, d_bias) = layer_norm_bwd(&a.mid, &d_ln_2, w.ln_2, &mut d_res, true);
                 g.push_ln(&block.ln_2, d_gain, d_bias);
-                scratch::give([d_act, d_hidden, d_ln_2]);
+                scratch::give([d_hidden, d_ln_2]);
                 let d_branch = masked(&d_res, masks.get(1 + 2 * i));
                 let (d_att, d_w, d_b) = linear_backward(
                     &a.attended,
@@ -345,7 +349,7 @@ impl Activations {
             probabilities,
             attended,
             ln_2,
-            hidden,
+            gelu_slope,
             activated,
         } = self;
         [
@@ -356,7 +360,7 @@ impl Activations {
             probabilities,
             attended,
             ln_2,
-            hidden,
+            gelu_slope,
             activated,
         ]
     }

@@ -268,6 +268,17 @@ fn gelu_rows<const FMA: bool>(x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// y = x·Φ(x), and x replaced by GELU's slope there, Φ(x) + x·φ(x): a backward that keeps the
+/// slope multiplies by it instead of computing Φ and φ again.
+#[inline(always)]
+fn gelu_slope_rows<const FMA: bool>(x: &mut [f32], y: &mut [f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        let (cdf, pdf) = cdf_pdf::<FMA>(*x);
+        *y = *x * cdf;
+        *x = madd::<FMA>(*x, pdf, cdf);
+    }
+}
+
 /// dx = g·(Φ(x) + x·φ(x)).
 #[inline(always)]
 fn gelu_grad_rows<const FMA: bool>(x: &[f32], g: &[f32], dx: &mut [f32]) {
@@ -308,6 +319,28 @@ pub(super) mod simd {
             };
         }
         super::gelu_rows::<false>(x, y)
+    }
+
+    pub fn gelu_and_slope(x: &mut [f32], y: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn fused(x: &mut [f32], y: &mut [f32]) {
+                super::gelu_slope_rows::<true>(x, y)
+            }
+            #[target_feature(enable = "avx2")]
+            unsafe fn run(x: &mut [f32], y: &mut [f32]) {
+                super::gelu_slope_rows::<false>(x, y)
+            }
+            // SAFETY: the CPU has AVX2 (checked above), and FMA where `fused` runs.
+            return unsafe {
+                match std::arch::is_x86_feature_detected!("fma") {
+                    true => fused(x, y),
+                    false => run(x, y),
+                }
+            };
+        }
+        super::gelu_slope_rows::<false>(x, y)
     }
 
     pub fn gelu_grad(x: &[f32], g: &[f32], dx: &mut [f32]) {

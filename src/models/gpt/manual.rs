@@ -341,27 +341,16 @@ impl TrainPass for Pass<'_> {
 
 impl Activations {
     fn buffers(self) -> [Vec<f32>; 9] {
-        let Activations {
-            input,
-            mid,
-            ln_1,
-            qkv,
-            probabilities,
-            attended,
-            ln_2,
-            gelu_slope,
-            activated,
-        } = self;
         [
-            input,
-            mid,
-            ln_1,
-            qkv,
-            probabilities,
-            attended,
-            ln_2,
-            gelu_slope,
-            activated,
+            self.input,
+            self.mid,
+            self.ln_1,
+            self.qkv,
+            self.probabilities,
+            self.attended,
+            self.ln_2,
+            self.gelu_slope,
+            self.activated,
         ]
     }
 }

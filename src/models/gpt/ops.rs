@@ -299,71 +299,47 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
 /// where the CPU has them, else for AVX2 alone, else for the baseline. The FMA build rounds
 /// once where the others round twice, so its last bits differ; the others agree exactly.
 pub(super) mod simd {
-    pub fn gelu(x: &[f32], y: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            #[target_feature(enable = "avx2,fma")]
-            unsafe fn fused(x: &[f32], y: &mut [f32]) {
-                super::gelu_rows::<true>(x, y)
-            }
-            #[target_feature(enable = "avx2")]
-            unsafe fn run(x: &[f32], y: &mut [f32]) {
-                super::gelu_rows::<false>(x, y)
-            }
-            // SAFETY: the CPU has AVX2 (checked above), and FMA where `fused` runs.
-            return unsafe {
-                match std::arch::is_x86_feature_detected!("fma") {
-                    true => fused(x, y),
-                    false => run(x, y),
+    /// `pub fn $name(args)` running `super::$rows::<FMA>(args)` built for the best of the
+    /// three targets this CPU has.
+    macro_rules! dispatched {
+        ($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),*) => $rows:ident) => {
+            $(#[$doc])*
+            pub fn $name($($arg: $ty),*) {
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    #[target_feature(enable = "avx2,fma")]
+                    unsafe fn fused($($arg: $ty),*) {
+                        super::$rows::<true>($($arg),*)
+                    }
+                    #[target_feature(enable = "avx2")]
+                    unsafe fn run($($arg: $ty),*) {
+                        super::$rows::<false>($($arg),*)
+                    }
+                    // SAFETY: the CPU has AVX2 (checked above), and FMA where `fused` runs.
+                    return unsafe {
+                        match std::arch::is_x86_feature_detected!("fma") {
+                            true => fused($($arg),*),
+                            false => run($($arg),*),
+                        }
+                    };
                 }
-            };
-        }
-        super::gelu_rows::<false>(x, y)
+                super::$rows::<false>($($arg),*)
+            }
+        };
     }
 
-    pub fn gelu_and_slope(x: &mut [f32], y: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            #[target_feature(enable = "avx2,fma")]
-            unsafe fn fused(x: &mut [f32], y: &mut [f32]) {
-                super::gelu_slope_rows::<true>(x, y)
-            }
-            #[target_feature(enable = "avx2")]
-            unsafe fn run(x: &mut [f32], y: &mut [f32]) {
-                super::gelu_slope_rows::<false>(x, y)
-            }
-            // SAFETY: the CPU has AVX2 (checked above), and FMA where `fused` runs.
-            return unsafe {
-                match std::arch::is_x86_feature_detected!("fma") {
-                    true => fused(x, y),
-                    false => run(x, y),
-                }
-            };
-        }
-        super::gelu_slope_rows::<false>(x, y)
-    }
-
-    pub fn gelu_grad(x: &[f32], g: &[f32], dx: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            #[target_feature(enable = "avx2,fma")]
-            unsafe fn fused(x: &[f32], g: &[f32], dx: &mut [f32]) {
-                super::gelu_grad_rows::<true>(x, g, dx)
-            }
-            #[target_feature(enable = "avx2")]
-            unsafe fn run(x: &[f32], g: &[f32], dx: &mut [f32]) {
-                super::gelu_grad_rows::<false>(x, g, dx)
-            }
-            // SAFETY: the CPU has AVX2 (checked above), and FMA where `fused` runs.
-            return unsafe {
-                match std::arch::is_x86_feature_detected!("fma") {
-                    true => fused(x, g, dx),
-                    false => run(x, g, dx),
-                }
-            };
-        }
-        super::gelu_grad_rows::<false>(x, g, dx)
-    }
+    dispatched!(
+        /// y = GELU(x).
+        gelu(x: &[f32], y: &mut [f32]) => gelu_rows
+    );
+    dispatched!(
+        /// y = GELU(x), and x replaced by GELU's slope there.
+        gelu_and_slope(x: &mut [f32], y: &mut [f32]) => gelu_slope_rows
+    );
+    dispatched!(
+        /// dx = g · GELU'(x).
+        gelu_grad(x: &[f32], g: &[f32], dx: &mut [f32]) => gelu_grad_rows
+    );
 }
 
 /// Φ(x) and φ(x) = exp(-x²/2)/√(2π), sharing the one exponential.

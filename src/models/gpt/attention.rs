@@ -2,7 +2,8 @@
 //! per sequence and head, softmax(q·kᵀ·scale + causal mask)·v as GEMMs that read q, k and v in
 //! place (strided) and write each head's columns of the output, so no permute, transpose or
 //! split is copied, in the forward or the backward. The backward recomputes the [t, t]
-//! probabilities instead of keeping them. Sequences run in parallel; their outputs are
+//! probabilities, or reads the ones a caller kept from the forward (the GPT's hand-written
+//! pass does for short contexts). Sequences run in parallel; their outputs are
 //! disjoint rows. [`with_ops`] does the same with candle's ops, for other devices and dtypes
 //! and for generation with a KV cache.
 

@@ -13,7 +13,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::ops::{self, dot, exp, max, values, with_values};
+use super::ops::{self, values, with_values};
 
 /// Causal attention of `qkv` [n·t, 3C] (sequences of `t` rows; q, k, v side by side, heads of
 /// `C / heads` columns each): the attended values [n·t, C], heads side by side, before the
@@ -172,14 +172,7 @@ fn probabilities(p: &mut [f32], rows: Range<usize>, q: View, k: View, scale: f32
     let seen_keys = k.first_rows(rows.end);
     let block = &mut p[rows.start * t..];
     matmul(block, t, q, seen_keys.t());
-    for (i, row) in rows.clone().zip(block.chunks_mut(t)) {
-        let (seen, future) = row[..rows.end].split_at_mut(i + 1);
-        let max = max(seen);
-        seen.iter_mut().for_each(|v| *v = exp((*v - max) * scale));
-        let inv = 1.0 / ops::sum_map(seen, |v| v);
-        seen.iter_mut().for_each(|v| *v *= inv);
-        future.fill(0.0);
-    }
+    ops::simd::causal_softmax(block, rows, t, scale);
 }
 
 /// Query rows per block of the causal products: a block of rows attends to the keys up to its
@@ -271,13 +264,7 @@ pub(super) fn sequence_bwd(
             gemm_into(dv, 3 * c, pb.t(), dyb, accumulate);
             let dsb = &mut ds[r0 * t..];
             matmul(dsb, t, dyb, v.first_rows(seen).t());
-            for (ds, p) in dsb.chunks_mut(t).zip(p[r0 * t..].chunks(t)).take(n) {
-                let (ds, p) = (&mut ds[..seen], &p[..seen]);
-                let dot = dot(ds, p);
-                for (d, p) in ds.iter_mut().zip(p) {
-                    *d = p * (*d - dot) * scale;
-                }
-            }
+            ops::simd::causal_softmax_bwd(dsb, &p[r0 * t..], n, seen, t, scale);
             let dsv = View::rows(ds, r0 * t, n, seen, t);
             matmul(
                 &mut dx[r0 * 3 * c + h * hd..],

@@ -9,7 +9,7 @@
 use candle_core::{DType, Result, Tensor, bail};
 use rayon::prelude::*;
 
-use super::ops::{layer_norm_rows, layer_norm_rows_bwd, simd};
+use super::ops::simd;
 use super::{Gpt, attention, dropout, head};
 use crate::kernels::{self, Wanted, linear_backward, linear_forward, scratch, with_all_values};
 use crate::models::{Mode, TrainPass};
@@ -380,7 +380,7 @@ fn layer_norm(x: &[f32], gain: &[f32], bias: &[f32]) -> Vec<f32> {
     let chunk = gain.len() * super::ops::ROWS_PER_TASK;
     y.par_chunks_mut(chunk)
         .zip(x.par_chunks(chunk))
-        .for_each(|(y, x)| layer_norm_rows(x, gain, bias, EPS, y));
+        .for_each(|(y, x)| simd::layer_norm(x, gain, bias, EPS, y));
     y
 }
 
@@ -402,7 +402,7 @@ fn layer_norm_bwd(
         .zip(gy.par_chunks(chunk))
         .map(|((dx, x), gy)| {
             let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
-            layer_norm_rows_bwd(x, gy, gain, EPS, dx, accumulate, &mut dg, &mut db);
+            simd::layer_norm_bwd(x, gy, gain, EPS, dx, accumulate, (&mut dg, &mut db));
             (dg, db)
         })
         .collect();

@@ -8,6 +8,7 @@ use candle_core::{
     CpuStorage, CustomOp1, CustomOp3, D, DType, Layout, Result, Shape, Tensor, bail,
 };
 use rayon::prelude::*;
+use std::ops::Range;
 
 use crate::kernels;
 
@@ -68,6 +69,7 @@ struct LayerNormOp {
 }
 
 /// Mean and 1/std of one row (two passes, as torch).
+#[inline(always)]
 fn moments(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len() as f32;
     let mean = sum_map(row, |v| v) / n;
@@ -76,7 +78,9 @@ fn moments(row: &[f32], eps: f32) -> (f32, f32) {
 }
 
 /// Σ f(v) in eight interleaved partial sums: the compiler may not reorder a sequential f32
-/// sum, so without the lanes these reductions would run one element at a time.
+/// sum, so without the lanes these reductions would run one element at a time. Inlined, so
+/// that inside the [`simd`] loops they run as 8-wide vectors.
+#[inline(always)]
 pub(super) fn sum_map(v: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     let mut lanes = [0f32; 8];
     let chunks = v.chunks_exact(8);
@@ -90,6 +94,7 @@ pub(super) fn sum_map(v: &[f32], f: impl Fn(f32) -> f32) -> f32 {
 }
 
 /// Σ a·b, in lanes as [`sum_map`].
+#[inline(always)]
 pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -108,6 +113,7 @@ pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// The largest value (-inf for none), in lanes as [`sum_map`].
+#[inline(always)]
 pub(super) fn max(v: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 8];
     let chunks = v.chunks_exact(8);
@@ -124,30 +130,37 @@ pub(super) fn max(v: &[f32]) -> f32 {
 }
 
 /// LayerNorm of the rows `x` (`gain.len()` values each) into `y`.
-pub(super) fn layer_norm_rows(x: &[f32], gain: &[f32], bias: &[f32], eps: f32, y: &mut [f32]) {
+#[inline(always)]
+fn layer_norm_rows<const FMA: bool>(
+    x: &[f32],
+    gain: &[f32],
+    bias: &[f32],
+    eps: f32,
+    y: &mut [f32],
+) {
     let c = gain.len();
     for (y, x) in y.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
         let (mean, rstd) = moments(x, eps);
         for (((y, x), g), b) in y.iter_mut().zip(x).zip(gain).zip(bias) {
-            *y = (x - mean) * rstd * g + b;
+            *y = madd::<FMA>((x - mean) * rstd, *g, *b);
         }
     }
 }
 
 /// The backward of LayerNorm over the rows `x` (output gradient `gy`): the input gradient into
-/// `dx` (added to it when `accumulate`), and Σ gy · x̂ and Σ gy added to `dgain` and `dbias`.
-/// dx = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂)) with ĝ = gy · gain.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn layer_norm_rows_bwd(
+/// `dx` (added to it when `accumulate`), and Σ gy · x̂ and Σ gy added to `sums` (the gain's
+/// and the bias's gradients). dx = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂)) with ĝ = gy · gain.
+#[inline(always)]
+fn layer_norm_rows_bwd<const FMA: bool>(
     x: &[f32],
     gy: &[f32],
     gain: &[f32],
     eps: f32,
     dx: &mut [f32],
     accumulate: bool,
-    dgain: &mut [f32],
-    dbias: &mut [f32],
+    sums: (&mut [f32], &mut [f32]),
 ) {
+    let (dgain, dbias) = sums;
     let c = gain.len();
     let (mut xhat, mut gh) = (vec![0f32; c], vec![0f32; c]);
     let rows = x.chunks_exact(c).zip(gy.chunks_exact(c));
@@ -161,7 +174,7 @@ pub(super) fn layer_norm_rows_bwd(
             *db += gy;
         }
         for ((dg, gy), xh) in dgain.iter_mut().zip(gy).zip(&xhat) {
-            *dg += gy * xh;
+            *dg = madd::<FMA>(*gy, *xh, *dg);
         }
         let mean_g = sum_map(&gh, |v| v) / c as f32;
         let mean_gx = dot(&gh, &xhat) / c as f32;
@@ -173,6 +186,47 @@ pub(super) fn layer_norm_rows_bwd(
             dx.iter_mut().zip(grads).for_each(|(d, g)| *d += g);
         } else {
             dx.iter_mut().zip(grads).for_each(|(d, g)| *d = g);
+        }
+    }
+}
+
+/// The rows `rows` of one head's scores, `t` values apart in `block`, made causal softmax
+/// probabilities in place: row i's keys 0..=i scaled by `scale` and normalised to sum to 1,
+/// its keys after i (up to `rows.end`) zeroed.
+#[inline(always)]
+fn causal_softmax_rows<const FMA: bool>(
+    block: &mut [f32],
+    rows: Range<usize>,
+    t: usize,
+    scale: f32,
+) {
+    for (i, row) in rows.clone().zip(block.chunks_mut(t)) {
+        let (seen, future) = row[..rows.end].split_at_mut(i + 1);
+        let max = max(seen);
+        seen.iter_mut()
+            .for_each(|v| *v = exp_with::<FMA>((*v - max) * scale));
+        let inv = 1.0 / sum_map(seen, |v| v);
+        seen.iter_mut().for_each(|v| *v *= inv);
+        future.fill(0.0);
+    }
+}
+
+/// The scores' gradient from the probabilities' for `rows` rows of `seen` keys, `t` values
+/// apart: ds = p ⊙ (dp - Σ dp ⊙ p) · `scale`, in place of dp in `ds`.
+#[inline(always)]
+fn causal_softmax_bwd_rows<const FMA: bool>(
+    ds: &mut [f32],
+    p: &[f32],
+    rows: usize,
+    seen: usize,
+    t: usize,
+    scale: f32,
+) {
+    for (ds, p) in ds.chunks_mut(t).zip(p.chunks(t)).take(rows) {
+        let (ds, p) = (&mut ds[..seen], &p[..seen]);
+        let dot = dot(ds, p);
+        for (d, p) in ds.iter_mut().zip(p) {
+            *d = p * (*d - dot) * scale;
         }
     }
 }
@@ -207,7 +261,7 @@ impl CustomOp3 for LayerNormOp {
         let mut y = vec![0f32; x.len()];
         y.par_chunks_mut(c * ROWS_PER_TASK)
             .zip(x.par_chunks(c * ROWS_PER_TASK))
-            .for_each(|(y, x)| layer_norm_rows(x, g, b, self.eps, y));
+            .for_each(|(y, x)| simd::layer_norm(x, g, b, self.eps, y));
         Ok((CpuStorage::F32(y), x_layout.shape().clone()))
     }
 
@@ -234,7 +288,15 @@ impl CustomOp3 for LayerNormOp {
                         .zip(grad.par_chunks(c * ROWS_PER_TASK))
                         .map(|((dx, x), gy)| {
                             let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
-                            layer_norm_rows_bwd(x, gy, gain, self.eps, dx, false, &mut dg, &mut db);
+                            simd::layer_norm_bwd(
+                                x,
+                                gy,
+                                gain,
+                                self.eps,
+                                dx,
+                                false,
+                                (&mut dg, &mut db),
+                            );
                             (dg, db)
                         })
                         .collect();
@@ -299,6 +361,8 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
 /// where the CPU has them, else for AVX2 alone, else for the baseline. The FMA build rounds
 /// once where the others round twice, so its last bits differ; the others agree exactly.
 pub(super) mod simd {
+    use std::ops::Range;
+
     /// `pub fn $name(args)` running `super::$rows::<FMA>(args)` built for the best of the
     /// three targets this CPU has.
     macro_rules! dispatched {
@@ -339,6 +403,34 @@ pub(super) mod simd {
     dispatched!(
         /// dx = g · GELU'(x).
         gelu_grad(x: &[f32], g: &[f32], dx: &mut [f32]) => gelu_grad_rows
+    );
+    dispatched!(
+        /// LayerNorm of the rows `x` into `y`.
+        layer_norm(x: &[f32], gain: &[f32], bias: &[f32], eps: f32, y: &mut [f32])
+            => layer_norm_rows
+    );
+    dispatched!(
+        /// LayerNorm's backward over the rows `x`: dx, and the gain's and bias's gradients
+        /// added to `sums`.
+        layer_norm_bwd(
+            x: &[f32],
+            gy: &[f32],
+            gain: &[f32],
+            eps: f32,
+            dx: &mut [f32],
+            accumulate: bool,
+            sums: (&mut [f32], &mut [f32])
+        ) => layer_norm_rows_bwd
+    );
+    dispatched!(
+        /// Rows `rows` of one head's scores made causal softmax probabilities, in place.
+        causal_softmax(block: &mut [f32], rows: Range<usize>, t: usize, scale: f32)
+            => causal_softmax_rows
+    );
+    dispatched!(
+        /// The scores' gradient in place of the probabilities' (`ds`), for `rows` rows.
+        causal_softmax_bwd(ds: &mut [f32], p: &[f32], rows: usize, seen: usize, t: usize, scale: f32)
+            => causal_softmax_bwd_rows
     );
 }
 

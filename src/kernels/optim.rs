@@ -67,6 +67,36 @@ pub fn sgd_step(param: &Tensor, grad: &Tensor, buffer: &mut Vec<f32>, h: SgdStep
     param.inplace_op2(&grad.contiguous()?, &op)
 }
 
+/// Σ g² over a CPU f32 tensor: f32 sums in eight lanes per chunk, the chunks added in f64 (as
+/// accurate as torch's f32 norm, and the same value whatever the number of threads).
+pub fn sum_of_squares(g: &Tensor) -> Result<f64> {
+    super::with_values(g, |g| {
+        Ok(g.chunks(CHUNK)
+            .map(|chunk| {
+                let mut lanes = [0f32; 8];
+                let blocks = chunk.chunks_exact(8);
+                let tail: f32 = blocks.remainder().iter().map(|v| v * v).sum();
+                for block in blocks {
+                    for (lane, v) in lanes.iter_mut().zip(block) {
+                        *lane += v * v;
+                    }
+                }
+                (lanes.iter().sum::<f32>() + tail) as f64
+            })
+            .sum())
+    })
+}
+
+/// `g` · `factor` as a new CPU f32 tensor, one parallel pass.
+pub fn scaled(g: &Tensor, factor: f32) -> Result<Tensor> {
+    let values = super::with_values(g, |g| {
+        Ok(g.par_chunks(CHUNK)
+            .flat_map_iter(|chunk| chunk.iter().map(move |v| v * factor))
+            .collect::<Vec<f32>>())
+    })?;
+    Tensor::from_vec(values, g.shape(), g.device())
+}
+
 /// The parameter's values, mutable, for an in-place op (which candle hands over contiguous).
 fn param_values<'a>(storage: &'a mut CpuStorage, layout: &Layout) -> Result<&'a mut [f32]> {
     let Some((start, end)) = layout.contiguous_offsets() else {

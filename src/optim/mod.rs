@@ -299,8 +299,37 @@ fn l2(grad: &Tensor, p: &Tensor, weight_decay: f64) -> Result<Tensor> {
 
 /// Scales `grads` in place so their global L2 norm is at most `max_norm`, as
 /// `torch.nn.utils.clip_grad_norm_`: coefficient min(1, max_norm / (norm + 1e-6)), computed as
-/// tensors so the step needs no host round trip. Returns the norm before clipping (a scalar).
+/// tensors so the step needs no host round trip (on the CPU, on the host: see
+/// [`clip_on_host`]). Returns the norm before clipping (a scalar).
 pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<Tensor> {
+    if !grads.is_empty() && grads.iter().all(kernels::applies) {
+        return clip_on_host(grads, max_norm);
+    }
+    clip_with_tensors(grads, max_norm)
+}
+
+/// [`clip_grad_norm`] for CPU f32 gradients: the squares summed in one parallel pass over each
+/// gradient, and the gradients rewritten only when the coefficient is below 1 (torch multiplies
+/// by 1.0 then, which changes nothing). The tensor ops' way costs a squared copy and a scaled
+/// copy of every gradient, every step (measured: about 2% of a small GPT's step).
+fn clip_on_host(grads: &mut [Tensor], max_norm: f64) -> Result<Tensor> {
+    use rayon::prelude::*;
+    let squares = grads
+        .par_iter()
+        .map(kernels::sum_of_squares)
+        .collect::<Result<Vec<f64>>>()?;
+    let norm = squares.iter().sum::<f64>().sqrt();
+    let coef = (max_norm / (norm + 1e-6)).min(1.0) as f32;
+    if coef < 1.0 {
+        for g in grads.iter_mut() {
+            *g = kernels::scaled(g, coef)?;
+        }
+    }
+    Tensor::new(norm as f32, grads[0].device())
+}
+
+/// [`clip_grad_norm`] as candle tensor ops, for any device and dtype.
+fn clip_with_tensors(grads: &mut [Tensor], max_norm: f64) -> Result<Tensor> {
     let squares = grads
         .iter()
         .map(|g| g.sqr()?.sum_all())

@@ -253,3 +253,51 @@ fn clipping_scales_to_the_global_norm() {
     clip_grad_norm(&mut small, 1.0).unwrap();
     assert!((small[0].to_vec1::<f32>().unwrap()[0] - 0.1).abs() < 1e-9);
 }
+
+#[test]
+fn clipping_on_the_host_agrees_with_the_tensor_ops() {
+    // Sizes over and under a chunk of the host's sum, values of both signs and scales.
+    let grads = |scale: f32| -> Vec<Tensor> {
+        [100_003usize, 7, 4_096]
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                let values: Vec<f32> = (0..n)
+                    .map(|i| ((i * 7919 + k * 31) % 1000) as f32 / 500.0 - 1.0)
+                    .map(|v| v * scale * (k + 1) as f32)
+                    .collect();
+                Tensor::from_vec(values, n, &Device::Cpu).unwrap()
+            })
+            .collect()
+    };
+    for (scale, clips) in [(1.0, true), (1e-5, false)] {
+        let (mut host, mut ops) = (grads(scale), grads(scale));
+        let host_norm = clip_on_host(&mut host, 1.0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let ops_norm = clip_with_tensors(&mut ops, 1.0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(
+            (host_norm - ops_norm).abs() <= 1e-5 * ops_norm,
+            "norms {host_norm} and {ops_norm}"
+        );
+        assert_eq!(host_norm > 1.0, clips);
+        let original = grads(scale);
+        for ((h, o), g) in host.iter().zip(&ops).zip(&original) {
+            let (h, o, g) = (
+                h.to_vec1::<f32>().unwrap(),
+                o.to_vec1::<f32>().unwrap(),
+                g.to_vec1::<f32>().unwrap(),
+            );
+            for ((h, o), g) in h.iter().zip(&o).zip(&g) {
+                assert!((h - o).abs() <= 1e-5 * o.abs().max(1e-6), "{h} vs {o}");
+                if !clips {
+                    assert_eq!(h, g, "under the limit the gradients stay as they were");
+                }
+            }
+        }
+    }
+}

@@ -3,7 +3,7 @@
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{Mat, gemm, threads, values, with_values};
+use super::{Mat, gemm, product, threads, values, with_values};
 
 /// `relu(x·Wᵀ + b)` (or without the ReLU) for `x` [n, in], `weight` [out, in], `bias` [out].
 pub fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor, relu: bool) -> Result<Tensor> {
@@ -102,12 +102,9 @@ pub(crate) fn forward(x: &[f32], w: &[f32], b: &[f32], n: usize) -> Vec<f32> {
     // rows against a large weight (the cnn's fc1: 32 rows, 9216 × 128 weights) it is
     // cheaper to form yᵀ = W·xᵀ, where it copies x instead, and transpose the small yᵀ.
     if n * (inputs + outputs) < outputs * inputs {
-        let mut yt = vec![0f32; outputs * n];
-        gemm(
-            &mut yt,
+        let yt = product(
             Mat::new(w, outputs, inputs),
             Mat::new(x, n, inputs).t(),
-            false,
             threads(),
         );
         let mut y = Vec::with_capacity(n * outputs);
@@ -155,12 +152,9 @@ pub(crate) fn backward(
 ) -> super::LayerGrads {
     let n = gz.len() / outputs.max(1);
     let inputs = w.len() / outputs.max(1);
-    let mut gw = vec![0f32; outputs * inputs];
-    gemm(
-        &mut gw,
+    let gw = product(
         Mat::new(gz, n, outputs).t(),
         Mat::new(x, n, inputs),
-        false,
         threads(),
     );
     let mut gb = vec![0f32; if wanted.bias { outputs } else { 0 }];

@@ -13,6 +13,7 @@ mod dropout;
 mod head;
 mod manual;
 mod ops;
+mod rows;
 #[cfg(test)]
 mod tests;
 

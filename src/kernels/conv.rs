@@ -293,21 +293,6 @@ fn col2im(cols: &[f32], d: &Dims, gx: &mut [f32]) {
     }
 }
 
-/// Σ `xs` in 8 independent running sums (which the compiler keeps in one vector register),
-/// added up at the end: a single running sum waits for each addition to finish before the
-/// next, which made the bias gradient 3% of a cnn step.
-fn sum_lanes(xs: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let chunks = xs.chunks_exact(8);
-    let tail: f32 = chunks.remainder().iter().sum();
-    for chunk in chunks {
-        for (lane, x) in lanes.iter_mut().zip(chunk) {
-            *lane += x;
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
 /// 2×2 max-pool of `z` [o, oh, ow] into `out`, recording the winner's place in each window
 /// (the first maximum, as torch; unlike torch, a NaN loses to any number).
 fn max_pool2(z: &[f32], d: &Dims, out: &mut [f32], argmax: &mut [u8]) {
@@ -403,7 +388,7 @@ impl ConvOp {
                     let arg = argmax.get(at.clone()).unwrap_or_default();
                     self.grad_at_conv(&g[at.clone()], &y[at], arg, &d, &mut gz);
                     for (acc, row) in gb.iter_mut().zip(gz.chunks_exact(d.l)) {
-                        *acc += sum_lanes(row);
+                        *acc += super::sum_map(row, |v| v);
                     }
                     im2col(&x[s * d.input()..][..d.input()], &d, &mut cols);
                     gemm(

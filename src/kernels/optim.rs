@@ -72,17 +72,7 @@ pub fn sgd_step(param: &Tensor, grad: &Tensor, buffer: &mut Vec<f32>, h: SgdStep
 pub fn sum_of_squares(g: &Tensor) -> Result<f64> {
     super::with_values(g, |g| {
         Ok(g.chunks(CHUNK)
-            .map(|chunk| {
-                let mut lanes = [0f32; 8];
-                let blocks = chunk.chunks_exact(8);
-                let tail: f32 = blocks.remainder().iter().map(|v| v * v).sum();
-                for block in blocks {
-                    for (lane, v) in lanes.iter_mut().zip(block) {
-                        *lane += v * v;
-                    }
-                }
-                (lanes.iter().sum::<f32>() + tail) as f64
-            })
+            .map(|chunk| super::sum_map(chunk, |v| v * v) as f64)
             .sum())
     })
 }

@@ -9,7 +9,7 @@
 use candle_core::{DType, Result, Tensor, bail};
 use rayon::prelude::*;
 
-use super::ops::simd;
+use super::ops::{self, simd};
 use super::{Gpt, attention, dropout, head};
 use crate::kernels::{self, Wanted, linear_backward, linear_forward, scratch, with_all_values};
 use crate::models::{Mode, TrainPass};
@@ -374,19 +374,15 @@ fn wanted(layer: &super::Linear) -> Wanted {
 /// Elements handed to one rayon task by the element-wise loops.
 const ELEMENTS_PER_TASK: usize = 1 << 14;
 
-/// LayerNorm of the rows of `x` (as many as fit `gain`'s width).
+/// LayerNorm of the rows of `x` (as many as fit `gain`'s width), into a reused buffer.
 fn layer_norm(x: &[f32], gain: &[f32], bias: &[f32]) -> Vec<f32> {
     let mut y = scratch::take(x.len());
-    let chunk = gain.len() * super::ops::ROWS_PER_TASK;
-    y.par_chunks_mut(chunk)
-        .zip(x.par_chunks(chunk))
-        .for_each(|(y, x)| simd::layer_norm(x, gain, bias, EPS, y));
+    ops::layer_norm_into(x, gain, bias, EPS, &mut y);
     y
 }
 
 /// The backward of [`layer_norm`] into `dx` (added to it when `accumulate`): the gain's and
-/// the bias's gradients, summed per block of rows and then in block order (the same values
-/// whatever the number of threads).
+/// the bias's gradients.
 fn layer_norm_bwd(
     x: &[f32],
     gy: &[f32],
@@ -394,24 +390,7 @@ fn layer_norm_bwd(
     dx: &mut [f32],
     accumulate: bool,
 ) -> (Vec<f32>, Vec<f32>) {
-    let c = gain.len();
-    let chunk = c * super::ops::ROWS_PER_TASK;
-    let parts: Vec<(Vec<f32>, Vec<f32>)> = dx
-        .par_chunks_mut(chunk)
-        .zip(x.par_chunks(chunk))
-        .zip(gy.par_chunks(chunk))
-        .map(|((dx, x), gy)| {
-            let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
-            simd::layer_norm_bwd(x, gy, gain, EPS, dx, accumulate, (&mut dg, &mut db));
-            (dg, db)
-        })
-        .collect();
-    let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
-    for (pg, pb) in parts {
-        dg.iter_mut().zip(pg).for_each(|(d, p)| *d += p);
-        db.iter_mut().zip(pb).for_each(|(d, p)| *d += p);
-    }
-    (dg, db)
+    ops::layer_norm_bwd_into(x, gy, gain, EPS, dx, accumulate)
 }
 
 /// `sum` + `x`, in `sum`'s buffer.

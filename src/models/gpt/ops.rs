@@ -63,7 +63,47 @@ pub(super) use super::rows::{exp, max, simd, sum_map};
 pub(super) use crate::kernels::{values, with_values};
 
 /// Rows handed to one rayon task: below this a fork costs more than it saves.
-pub(super) const ROWS_PER_TASK: usize = 64;
+const ROWS_PER_TASK: usize = 64;
+
+/// LayerNorm of the rows of `x` (`gain.len()` values each) into `y`, [`ROWS_PER_TASK`] rows
+/// to a rayon task.
+pub(super) fn layer_norm_into(x: &[f32], gain: &[f32], bias: &[f32], eps: f32, y: &mut [f32]) {
+    let chunk = gain.len() * ROWS_PER_TASK;
+    y.par_chunks_mut(chunk)
+        .zip(x.par_chunks(chunk))
+        .for_each(|(y, x)| simd::layer_norm(x, gain, bias, eps, y));
+}
+
+/// The backward of [`layer_norm_into`] (output gradient `gy`) into `dx`, added to it when
+/// `accumulate`; returns the gain's and the bias's gradients, summed per block of rows and
+/// then in block order (the same values whatever the number of threads).
+pub(super) fn layer_norm_bwd_into(
+    x: &[f32],
+    gy: &[f32],
+    gain: &[f32],
+    eps: f32,
+    dx: &mut [f32],
+    accumulate: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    let c = gain.len();
+    let chunk = c * ROWS_PER_TASK;
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = dx
+        .par_chunks_mut(chunk)
+        .zip(x.par_chunks(chunk))
+        .zip(gy.par_chunks(chunk))
+        .map(|((dx, x), gy)| {
+            let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
+            simd::layer_norm_bwd(x, gy, gain, eps, dx, accumulate, (&mut dg, &mut db));
+            (dg, db)
+        })
+        .collect();
+    let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
+    for (pg, pb) in parts {
+        dg.iter_mut().zip(pg).for_each(|(d, p)| *d += p);
+        db.iter_mut().zip(pb).for_each(|(d, p)| *d += p);
+    }
+    (dg, db)
+}
 
 struct LayerNormOp {
     eps: f32,
@@ -97,13 +137,11 @@ impl CustomOp3 for LayerNormOp {
             values(b, b_layout)?,
         );
         let mut y = vec![0f32; x.len()];
-        y.par_chunks_mut(c * ROWS_PER_TASK)
-            .zip(x.par_chunks(c * ROWS_PER_TASK))
-            .for_each(|(y, x)| simd::layer_norm(x, g, b, self.eps, y));
+        layer_norm_into(x, g, b, self.eps, &mut y);
         Ok((CpuStorage::F32(y), x_layout.shape().clone()))
     }
 
-    /// See `rows::layer_norm_rows_bwd`.
+    /// See [`layer_norm_bwd_into`].
     fn bwd(
         &self,
         x: &Tensor,
@@ -114,35 +152,10 @@ impl CustomOp3 for LayerNormOp {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let c = gain.dim(0)?;
         let mut dx = vec![0f32; x.elem_count()];
-        let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
-        with_values(x, |x| {
+        let (dg, db) = with_values(x, |x| {
             with_values(gain, |gain| {
-                with_values(grad, |grad| {
-                    // Per-block partial sums of dgain and dbias, added up in block order: the
-                    // same result whatever the number of threads.
-                    let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
-                        .par_chunks_mut(c * ROWS_PER_TASK)
-                        .zip(x.par_chunks(c * ROWS_PER_TASK))
-                        .zip(grad.par_chunks(c * ROWS_PER_TASK))
-                        .map(|((dx, x), gy)| {
-                            let (mut dg, mut db) = (vec![0f32; c], vec![0f32; c]);
-                            simd::layer_norm_bwd(
-                                x,
-                                gy,
-                                gain,
-                                self.eps,
-                                dx,
-                                false,
-                                (&mut dg, &mut db),
-                            );
-                            (dg, db)
-                        })
-                        .collect();
-                    for (pg, pb) in partials {
-                        dg.iter_mut().zip(pg).for_each(|(d, p)| *d += p);
-                        db.iter_mut().zip(pb).for_each(|(d, p)| *d += p);
-                    }
-                    Ok(())
+                with_values(grad, |gy| {
+                    Ok(layer_norm_bwd_into(x, gy, gain, self.eps, &mut dx, false))
                 })
             })
         })?;

@@ -6,6 +6,8 @@
 
 use std::ops::Range;
 
+pub(super) use crate::kernels::sum_map;
+
 /// Mean and 1/std of one row (two passes, as torch).
 #[inline(always)]
 fn moments(row: &[f32], eps: f32) -> (f32, f32) {
@@ -13,22 +15,6 @@ fn moments(row: &[f32], eps: f32) -> (f32, f32) {
     let mean = sum_map(row, |v| v) / n;
     let var = sum_map(row, |v| (v - mean) * (v - mean)) / n;
     (mean, 1.0 / (var + eps).sqrt())
-}
-
-/// Σ f(v) in eight interleaved partial sums: the compiler may not reorder a sequential f32
-/// sum, so without the lanes these reductions would run one element at a time. Inlined, so
-/// that inside the [`simd`] loops they run as 8-wide vectors.
-#[inline(always)]
-pub(super) fn sum_map(v: &[f32], f: impl Fn(f32) -> f32) -> f32 {
-    let mut lanes = [0f32; 8];
-    let chunks = v.chunks_exact(8);
-    let tail: f32 = chunks.remainder().iter().map(|&x| f(x)).sum();
-    for chunk in chunks {
-        for (lane, &x) in lanes.iter_mut().zip(chunk) {
-            *lane += f(x);
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
 }
 
 /// Σ a·b, in lanes as [`sum_map`].

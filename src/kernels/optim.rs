@@ -87,6 +87,50 @@ pub fn scaled(g: &Tensor, factor: f32) -> Result<Tensor> {
     Tensor::from_vec(values, g.shape(), g.device())
 }
 
+/// `a + b` for every pair of equally long CPU f32 tensors (one gradient of two shards or
+/// micro-batches each), as new tensors shaped like `a`, in one parallel pass over all pairs:
+/// candle's `+` per gradient ran on one thread while the shards' threads waited (about 1% of a
+/// GPT step, 3% of a cnn step with accumulation).
+pub fn add_pairs(pairs: &[(&Tensor, &Tensor)]) -> Result<Vec<Tensor>> {
+    let operands: Vec<&Tensor> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
+    let sums = super::with_all_values(&operands, |values| {
+        let mut sums: Vec<Vec<f32>> = Vec::with_capacity(pairs.len());
+        let mut tasks = Vec::new();
+        for pair in values.chunks_exact(2) {
+            let (a, b) = (pair[0], pair[1]);
+            if a.len() != b.len() {
+                candle_core::bail!("add_pairs: {} and {} values", a.len(), b.len());
+            }
+            sums.push(Vec::with_capacity(a.len()));
+        }
+        for (sum, pair) in sums.iter_mut().zip(values.chunks_exact(2)) {
+            let out = &mut sum.spare_capacity_mut()[..pair[0].len()];
+            for ((out, a), b) in out
+                .chunks_mut(CHUNK)
+                .zip(pair[0].chunks(CHUNK))
+                .zip(pair[1].chunks(CHUNK))
+            {
+                tasks.push((out, a, b));
+            }
+        }
+        tasks.into_par_iter().for_each(|(out, a, b)| {
+            for ((o, a), b) in out.iter_mut().zip(a).zip(b) {
+                o.write(a + b);
+            }
+        });
+        for (sum, pair) in sums.iter_mut().zip(values.chunks_exact(2)) {
+            // SAFETY: the tasks above wrote each of the first `len` values of every sum (its
+            // chunks cover them), and the capacity is `len`.
+            unsafe { sum.set_len(pair[0].len()) };
+        }
+        Ok(sums)
+    })?;
+    sums.into_iter()
+        .zip(pairs)
+        .map(|(sum, (a, _))| Tensor::from_vec(sum, a.shape(), a.device()))
+        .collect()
+}
+
 /// The parameter's values, mutable, for an in-place op (which candle hands over contiguous).
 fn param_values<'a>(storage: &'a mut CpuStorage, layout: &Layout) -> Result<&'a mut [f32]> {
     let Some((start, end)) = layout.contiguous_offsets() else {

@@ -202,3 +202,26 @@ fn gemm_split_over_threads_matches_one_thread() {
         assert!(worst < 1e-4, "{m}x{n}x{k}: split differs by {worst}");
     }
 }
+
+#[test]
+fn add_pairs_matches_candle_for_large_small_and_shaped_gradients() {
+    let mut rng = Mt19937::new(7);
+    // Over several parallel chunks, a tail, one value, and a matrix (shape kept).
+    let shapes: [&[usize]; 4] = [&[100_003], &[7], &[1], &[33, 65]];
+    let a: Vec<Tensor> = shapes.iter().map(|s| random(&mut rng, s)).collect();
+    let b: Vec<Tensor> = shapes.iter().map(|s| random(&mut rng, s)).collect();
+    let pairs: Vec<(&Tensor, &Tensor)> = a.iter().zip(&b).collect();
+    let sums = add_pairs(&pairs).unwrap();
+    for ((sum, a), b) in sums.iter().zip(&a).zip(&b) {
+        let expected = (a + b).unwrap();
+        assert_eq!(sum.dims(), expected.dims());
+        let (ours, theirs) = (
+            sum.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            expected.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert_eq!(ours, theirs, "shape {:?}", a.dims());
+    }
+    let short = random(&mut rng, &[6]);
+    let err = add_pairs(&[(&a[1], &short)]).unwrap_err().to_string();
+    assert!(err.contains("7 and 6 values"), "{err}");
+}

@@ -16,6 +16,8 @@ mod ops;
 mod rows;
 #[cfg(test)]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+mod tiles;
 
 use candle_core::{DType, Device, Error, Result, Tensor, Var};
 

@@ -14,6 +14,8 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::ops::{self, values, with_values};
+#[cfg(target_arch = "x86_64")]
+use super::tiles;
 
 /// Causal attention of `qkv` [n·t, 3C] (sequences of `t` rows; q, k, v side by side, heads of
 /// `C / heads` columns each): the attended values [n·t, C], heads side by side, before the
@@ -210,6 +212,13 @@ pub(super) fn sequence(x: &[f32], y: &mut [f32], t: usize, heads: usize, p: &mut
     let c = y.len() / t;
     let hd = c / heads;
     let per_head = if p.len() >= heads * t * t { t * t } else { 0 };
+    #[cfg(target_arch = "x86_64")]
+    if tiles::applies(t, hd) {
+        for h in 0..heads {
+            tiles::forward(x, y, &mut p[h * per_head..], tiles::Head { t, c, h, hd });
+        }
+        return;
+    }
     for h in 0..heads {
         let p = &mut p[h * per_head..];
         let q = View::rows(x, h * hd, t, hd, 3 * c);
@@ -241,6 +250,21 @@ pub(super) fn sequence_bwd(
     let hd = c / heads;
     let scale = scale(hd);
     let (recomputed, ds) = scratch.split_at_mut(t * t);
+    #[cfg(target_arch = "x86_64")]
+    if tiles::applies(t, hd) {
+        for h in 0..heads {
+            let head = tiles::Head { t, c, h, hd };
+            let p: &[f32] = match kept {
+                Some(kept) => &kept[h * t * t..][..t * t],
+                None => {
+                    tiles::probabilities(x, recomputed, head);
+                    recomputed
+                }
+            };
+            tiles::backward(x, dy, dx, p, ds, head);
+        }
+        return;
+    }
     for h in 0..heads {
         let q = View::rows(x, h * hd, t, hd, 3 * c);
         let k = View::rows(x, c + h * hd, t, hd, 3 * c);

@@ -564,3 +564,52 @@ fn the_hand_written_score_matches_the_logits_of_the_ops_forward() {
         assert!(correct > 0 && correct < 150 * 7, "a non-trivial count");
     }
 }
+
+#[test]
+fn attention_tiles_match_candle_ops_and_kept_or_recomputed_probabilities_alike() {
+    // Contexts and head sizes that are multiples of 8 take the register tiles where the CPU
+    // has AVX2 and FMA (the others, above, take gemm).
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        assert!(tiles::applies(64, 32) && tiles::applies(16, 8));
+        assert!(!tiles::applies(70, 32) && !tiles::applies(64, 4));
+    }
+    for (t, c, heads) in [(16, 16, 2), (64, 64, 2), (24, 96, 3)] {
+        let model = gpt(&GptConfig {
+            block_size: t,
+            n_embd: c,
+            n_head: heads,
+            ..config(true, 0.0)
+        });
+        compare_with_ops(
+            &[2, t, 3 * c],
+            &[],
+            |x| {
+                let y = attention::causal_attention(&x.reshape((2 * t, 3 * c)).unwrap(), heads, t);
+                y.unwrap().reshape((2, t, c)).unwrap()
+            },
+            |x| {
+                attention::with_ops(x, heads, None, &model.causal_mask)
+                    .unwrap()
+                    .0
+            },
+        );
+        let dev = Device::Cpu;
+        let x = values(&Tensor::randn(0f32, 1., t * 3 * c, &dev).unwrap());
+        let dy = values(&Tensor::randn(0f32, 1., t * c, &dev).unwrap());
+        let (mut y, mut kept) = (vec![0f32; t * c], vec![0f32; heads * t * t]);
+        attention::sequence(&x, &mut y, t, heads, &mut kept);
+        let backward = |kept: Option<&[f32]>| {
+            let mut dx = vec![f32::NAN; t * 3 * c];
+            let mut work = vec![f32::NAN; 2 * t * t];
+            attention::sequence_bwd(&x, &dy, &mut dx, t, heads, kept, &mut work);
+            dx
+        };
+        let (from_kept, recomputed) = (backward(Some(&kept)), backward(None));
+        assert!(
+            from_kept.iter().all(|v| v.is_finite()),
+            "t {t}: every gradient written"
+        );
+        assert_eq!(from_kept, recomputed, "t {t}, C {c}");
+    }
+}

@@ -8,6 +8,7 @@ mod conv;
 mod linear;
 mod optim;
 pub(crate) mod scratch;
+mod transpose;
 
 use std::ops::Range;
 
@@ -22,6 +23,7 @@ pub(crate) use linear::{
     Wanted, backward as linear_backward, forward as linear_forward, relu_grad, relu_in_place,
 };
 pub use optim::{AdamStep, SgdStep, adam_step, add_pairs, scaled, sgd_step, sum_of_squares};
+pub(crate) use transpose::transpose;
 
 /// Keeps freed memory in the process. A training step frees and allocates the same large
 /// buffers every time; glibc's defaults hand blocks over 128 KiB back to the kernel (mmap

@@ -3,7 +3,7 @@
 //! multiply-adds, too small for gemm's packing and blocking, which are made for large
 //! matrices. Here every product is C = A·B with B's rows contiguous, computed 4 rows × 16
 //! columns at a time in eight vector registers, A read by broadcasts at whatever strides it
-//! has; the only copies are kᵀ and vᵀ, one 8 × 8 transpose at a time. Measured on one core
+//! has; the only copies are kᵀ and vᵀ. Measured on one core
 //! (AMD EPYC, AVX2): a sequence of 64 positions with 4 heads of 32 channels took 80 µs
 //! forward and 107 µs backward through gemm, 31 and 33 µs here. Used when the CPU has AVX2
 //! and FMA and the context and head size are multiples of 8; otherwise attention keeps its
@@ -13,7 +13,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::ops::simd;
-use crate::kernels::scratch;
+use crate::kernels::{scratch, transpose};
 
 /// Rows of C per tile; the context length is a multiple of 8, so row tiles never run over.
 const ROWS: usize = 4;
@@ -114,10 +114,10 @@ pub(super) fn backward(
     let Head { t, c, hd, .. } = head;
     let (q, k, v) = head.columns();
     let mut vt = scratch::take(hd * t);
+    transpose(&x[v..], 3 * c, t, hd, &mut vt, t);
     // SAFETY: as in `forward`; `check` covered dx and ds too.
     unsafe {
         let (x, dx, dyh) = (x.as_ptr(), dx.as_mut_ptr(), dy.as_ptr().add(head.h * hd));
-        transpose(x.add(v), 3 * c, t, hd, vt.as_mut_ptr());
         for i0 in (0..t).step_by(ROWS) {
             // dP for the tile's rows, over whole 8-column groups up to its last row.
             let dyi = Operand::new(dyh.add(i0 * c), c, 1);
@@ -170,11 +170,11 @@ pub(super) fn backward(
 unsafe fn softmax_scores(x: &[f32], p: &mut [f32], head: Head) {
     let Head { t, c, hd, .. } = head;
     let (q, k, _) = head.columns();
-    let x = x.as_ptr();
     let mut kt = scratch::take(hd * t);
+    transpose(&x[k..], 3 * c, t, hd, &mut kt, t);
+    let x = x.as_ptr();
     // SAFETY (all below): the caller's bounds on x (t rows of 3C) and p (t × t); kt is hd × t.
     unsafe {
-        transpose(x.add(k), 3 * c, t, hd, kt.as_mut_ptr());
         for i0 in (0..t).step_by(ROWS) {
             let qi = Operand::new(x.add(i0 * 3 * c + q), 3 * c, 1);
             let kti = Operand::new(kt.as_ptr(), t, 1);
@@ -286,48 +286,6 @@ unsafe fn tile<const V: usize>(
         for (r, acc) in acc.iter().enumerate() {
             for (v, acc) in acc.iter().enumerate() {
                 _mm256_storeu_ps(c.add(r * c_rs + 8 * v), *acc);
-            }
-        }
-    }
-}
-
-/// `dst` (cols × rows, row-major) = the transpose of the rows × cols matrix at `src` (rows
-/// `src_rs` apart); both dimensions multiples of 8.
-///
-/// # Safety
-/// AVX; `src` valid for the matrix, `dst` for rows · cols values.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn transpose(src: *const f32, src_rs: usize, rows: usize, cols: usize, dst: *mut f32) {
-    // SAFETY: the caller's; every block lies inside both matrices.
-    unsafe {
-        for c in (0..cols).step_by(8) {
-            for r in (0..rows).step_by(8) {
-                let a: [__m256; 8] =
-                    std::array::from_fn(|i| _mm256_loadu_ps(src.add((r + i) * src_rs + c)));
-                let t0 = _mm256_unpacklo_ps(a[0], a[1]);
-                let t1 = _mm256_unpackhi_ps(a[0], a[1]);
-                let t2 = _mm256_unpacklo_ps(a[2], a[3]);
-                let t3 = _mm256_unpackhi_ps(a[2], a[3]);
-                let t4 = _mm256_unpacklo_ps(a[4], a[5]);
-                let t5 = _mm256_unpackhi_ps(a[4], a[5]);
-                let t6 = _mm256_unpacklo_ps(a[6], a[7]);
-                let t7 = _mm256_unpackhi_ps(a[6], a[7]);
-                let u = [
-                    _mm256_shuffle_ps::<0x44>(t0, t2),
-                    _mm256_shuffle_ps::<0xEE>(t0, t2),
-                    _mm256_shuffle_ps::<0x44>(t1, t3),
-                    _mm256_shuffle_ps::<0xEE>(t1, t3),
-                    _mm256_shuffle_ps::<0x44>(t4, t6),
-                    _mm256_shuffle_ps::<0xEE>(t4, t6),
-                    _mm256_shuffle_ps::<0x44>(t5, t7),
-                    _mm256_shuffle_ps::<0xEE>(t5, t7),
-                ];
-                for i in 0..4 {
-                    let lo = _mm256_permute2f128_ps::<0x20>(u[i], u[i + 4]);
-                    let hi = _mm256_permute2f128_ps::<0x31>(u[i], u[i + 4]);
-                    _mm256_storeu_ps(dst.add((c + i) * rows + r), lo);
-                    _mm256_storeu_ps(dst.add((c + i + 4) * rows + r), hi);
-                }
             }
         }
     }

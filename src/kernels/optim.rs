@@ -89,8 +89,8 @@ pub fn scaled(g: &Tensor, factor: f32) -> Result<Tensor> {
 
 /// `a + b` for every pair of equally long CPU f32 tensors (one gradient of two shards or
 /// micro-batches each), as new tensors shaped like `a`, in one parallel pass over all pairs:
-/// candle's `+` per gradient ran on one thread while the shards' threads waited (about 1% of a
-/// GPT step, 3% of a cnn step with accumulation).
+/// candle's `+` per gradient ran on one thread while the shards' threads waited (measured:
+/// about 1% of a GPT step).
 pub fn add_pairs(pairs: &[(&Tensor, &Tensor)]) -> Result<Vec<Tensor>> {
     let operands: Vec<&Tensor> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
     let sums = super::with_all_values(&operands, |values| {

@@ -4,8 +4,10 @@
 //! split is copied, in the forward or the backward. The backward recomputes the [t, t]
 //! probabilities, or reads the ones a caller kept from the forward (the GPT's hand-written
 //! pass does for short contexts). Sequences run in parallel; their outputs are
-//! disjoint rows. [`with_ops`] does the same with candle's ops, for other devices and dtypes
-//! and for generation with a KV cache.
+//! disjoint rows. Where the CPU has AVX2 and FMA and the context and head size are multiples
+//! of 8, each head's products run on register tiles instead of gemm (`tiles`). [`with_ops`]
+//! does the same with candle's ops, for other devices and dtypes and for generation with a KV
+//! cache.
 
 use std::ops::Range;
 

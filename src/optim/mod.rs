@@ -78,75 +78,36 @@ impl Optimizer {
     /// Updates every parameter from its gradient (same order as `params`) with learning rate `lr`.
     pub fn step(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
         self.steps += 1;
+        // Biases and LayerNorm gains are exempt from weight decay where the model says so
+        // (nanoGPT's two parameter groups); a parameter either decays at the configured rate
+        // or not at all.
+        let base = self.spec;
+        let spec_of = |i: usize| match params.decays(i) {
+            true => base,
+            false => base.without_weight_decay(),
+        };
+        if params.vars().all(|v| kernels::applies(v.as_tensor())) {
+            // All on the CPU: one task per parameter, so the small ones (gains, biases,
+            // embeddings) do not wait their turn on one thread while the others split.
+            use rayon::prelude::*;
+            let steps = self.steps;
+            let states = self.first.iter_mut().zip(self.second.iter_mut());
+            let work: Vec<_> = params.vars().zip(grads).zip(states).enumerate().collect();
+            return work
+                .into_par_iter()
+                .try_for_each(|(i, ((var, grad), (first, second)))| {
+                    let state = (first, second);
+                    fused_step(spec_of(i), steps, var.as_tensor(), grad, state, lr)
+                });
+        }
         for (i, (var, grad)) in params.vars().zip(grads).enumerate() {
-            // Biases and LayerNorm gains are exempt from weight decay where the model says so
-            // (nanoGPT's two parameter groups); a parameter either decays at the configured rate
-            // or not at all.
-            let spec = match params.decays(i) {
-                true => self.spec,
-                false => self.spec.without_weight_decay(),
-            };
+            let spec = spec_of(i);
             if kernels::applies(var.as_tensor()) {
-                self.fused_step(spec, i, var.as_tensor(), grad, lr)?;
+                let state = (&mut self.first[i], &mut self.second[i]);
+                fused_step(spec, self.steps, var.as_tensor(), grad, state, lr)?;
             } else {
                 let updated = self.tensor_step(spec, i, var.as_tensor(), grad, lr)?;
                 var.set(&updated)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The update as one pass over the parameter (CPU, f32), in place.
-    fn fused_step(
-        &mut self,
-        spec: OptimizerSpec,
-        i: usize,
-        p: &Tensor,
-        grad: &Tensor,
-        lr: f64,
-    ) -> Result<()> {
-        match spec {
-            OptimizerSpec::Sgd {
-                momentum,
-                nesterov,
-                weight_decay,
-            } => {
-                let h = SgdStep {
-                    lr,
-                    momentum,
-                    nesterov,
-                    weight_decay,
-                };
-                if momentum > 0.0 {
-                    kernels::sgd_step(p, grad, host(&mut self.first[i])?, h)?;
-                } else {
-                    kernels::sgd_step(p, grad, &mut Vec::new(), h)?;
-                }
-            }
-            OptimizerSpec::Adam {
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-            }
-            | OptimizerSpec::AdamW {
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-            } => {
-                let h = AdamStep {
-                    lr,
-                    beta1,
-                    beta2,
-                    eps,
-                    weight_decay,
-                    decoupled: matches!(spec, OptimizerSpec::AdamW { .. }),
-                    t: self.steps as i32,
-                };
-                let m = host(&mut self.first[i])?;
-                let v = host(&mut self.second[i])?;
-                kernels::adam_step(p, grad, m, v, h)?;
             }
         }
         Ok(())
@@ -287,6 +248,63 @@ impl Optimizer {
         }
         self.steps = steps;
     }
+}
+
+/// The update as one pass over the parameter (CPU, f32), in place, with its state (first
+/// and second buffers) after `steps` steps.
+fn fused_step(
+    spec: OptimizerSpec,
+    steps: u64,
+    p: &Tensor,
+    grad: &Tensor,
+    (first, second): (&mut Option<Buffer>, &mut Option<Buffer>),
+    lr: f64,
+) -> Result<()> {
+    match spec {
+        OptimizerSpec::Sgd {
+            momentum,
+            nesterov,
+            weight_decay,
+        } => {
+            let h = SgdStep {
+                lr,
+                momentum,
+                nesterov,
+                weight_decay,
+            };
+            if momentum > 0.0 {
+                kernels::sgd_step(p, grad, host(first)?, h)?;
+            } else {
+                kernels::sgd_step(p, grad, &mut Vec::new(), h)?;
+            }
+        }
+        OptimizerSpec::Adam {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        }
+        | OptimizerSpec::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => {
+            let h = AdamStep {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                decoupled: matches!(spec, OptimizerSpec::AdamW { .. }),
+                t: steps as i32,
+            };
+            let m = host(first)?;
+            let v = host(second)?;
+            kernels::adam_step(p, grad, m, v, h)?;
+        }
+    }
+    Ok(())
 }
 
 fn l2(grad: &Tensor, p: &Tensor, weight_decay: f64) -> Result<Tensor> {

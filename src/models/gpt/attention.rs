@@ -202,7 +202,7 @@ impl AttentionOp {
 }
 
 /// 1/√head_dim, the scale of the attention scores.
-fn scale(hd: usize) -> f32 {
+pub(super) fn scale(hd: usize) -> f32 {
     1.0 / (hd as f32).sqrt()
 }
 

@@ -45,7 +45,7 @@ impl Head {
     }
 
     fn scale(&self) -> f32 {
-        1.0 / (self.hd as f32).sqrt()
+        super::attention::scale(self.hd)
     }
 
     /// Checks a pass's input (`x`, [t, 3C]) and probabilities or scores (`p`, [t, t]) against

@@ -11,8 +11,13 @@ use super::attention::{View, gemm_into};
 use super::ops::{exp, max, sum_map, values, with_values};
 use crate::kernels::{indices, indices_of};
 
-/// Rows whose logits are made at once: 32 × 50,304 floats is 6 MB.
-const CHUNK: usize = 32;
+/// Logits made at once, about: 128 KB, so a chunk's logits stay in the core's L2 cache from
+/// the product that makes them to the softmax that reads them.
+const LOGITS_PER_CHUNK: usize = 32 * 1024;
+
+/// The fewest rows made at once, whatever the vocabulary (32 × 50,304 floats is 6 MB): fewer
+/// would leave the product too thin for gemm.
+const MIN_CHUNK: usize = 32;
 
 /// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C]) against `targets` [n] (u32),
 /// differentiable in `x` and `w`. CPU f32 only (see [`applies`]).
@@ -31,7 +36,7 @@ pub fn score(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
 pub(super) fn score_values(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f64, usize)> {
     let dims = Dims::of(x.len(), w.len(), ids.len())?;
     check_targets(ids, dims.vocab)?;
-    let parts: Vec<(f64, usize)> = (0..ids.len().div_ceil(CHUNK))
+    let parts: Vec<(f64, usize)> = (0..dims.chunks())
         .into_par_iter()
         .map(|c| {
             let (rows, logits) = dims.logits(x, w, c);
@@ -78,8 +83,25 @@ impl Dims {
     }
 
     /// The rows of chunk `c` and their logits [rows, vocab].
+    /// Rows per chunk: [`LOGITS_PER_CHUNK`] logits' worth, at least [`MIN_CHUNK`], and at most
+    /// a thread's share of the rows, so the chunks still spread over the pool. Every chunk
+    /// multiplies by the whole weight (gemm copies it each time): with a small vocabulary
+    /// (65 characters) fixed chunks of 32 rows spent as long copying it as multiplying.
+    fn chunk_rows(&self) -> usize {
+        let per_thread = self.rows.div_ceil(rayon::current_num_threads().max(1));
+        (LOGITS_PER_CHUNK / self.vocab)
+            .max(MIN_CHUNK)
+            .min(per_thread)
+            .max(1)
+    }
+
+    fn chunks(&self) -> usize {
+        self.rows.div_ceil(self.chunk_rows())
+    }
+
     fn logits(&self, x: &[f32], w: &[f32], c: usize) -> (std::ops::Range<usize>, Vec<f32>) {
-        let (start, end) = (c * CHUNK, ((c + 1) * CHUNK).min(self.rows));
+        let chunk = self.chunk_rows();
+        let (start, end) = (c * chunk, ((c + 1) * chunk).min(self.rows));
         let mut logits = vec![0f32; (end - start) * self.vocab];
         let xs = View::rows(
             x,
@@ -153,7 +175,7 @@ impl CustomOp3 for HeadLossOp {
 pub(super) fn mean_loss(x: &[f32], w: &[f32], ids: &[usize]) -> Result<f32> {
     let dims = Dims::of(x.len(), w.len(), ids.len())?;
     check_targets(ids, dims.vocab)?;
-    let parts: Vec<f32> = (0..dims.rows.div_ceil(CHUNK))
+    let parts: Vec<f32> = (0..dims.chunks())
         .into_par_iter()
         .map(|c| {
             let (rows, logits) = dims.logits(x, w, c);
@@ -178,11 +200,11 @@ pub(super) fn loss_bwd(
     check_targets(ids, dims.vocab)?;
     let scale = g / dims.rows as f32;
     // One dw per contiguous group of chunks (one per thread), added in order.
-    let chunks = dims.rows.div_ceil(CHUNK);
+    let (chunk, chunks) = (dims.chunk_rows(), dims.chunks());
     let groups = rayon::current_num_threads().min(chunks).max(1);
     let per_group = chunks.div_ceil(groups);
     let partial_dw: Vec<Vec<f32>> = dx
-        .par_chunks_mut(per_group * CHUNK * dims.channels)
+        .par_chunks_mut(per_group * chunk * dims.channels)
         .enumerate()
         .map(|(gi, dx)| {
             let mut dw = vec![0f32; wv.len()];
@@ -196,7 +218,7 @@ pub(super) fn loss_bwd(
                 }
                 let n = rows.len();
                 let dl_view = View::rows(&dl, 0, n, dims.vocab, dims.vocab);
-                let local = (rows.start - first * CHUNK) * dims.channels;
+                let local = (rows.start - first * chunk) * dims.channels;
                 let w_view = View::rows(wv, 0, dims.vocab, dims.channels, dims.channels);
                 gemm_into(&mut dx[local..], dims.channels, dl_view, w_view, false);
                 let x_view = View::rows(

@@ -1,8 +1,9 @@
 //! The tied output projection and the cross-entropy over the vocabulary as one op (CPU, f32):
-//! logits are made and consumed a few rows at a time, never held as a whole [n, vocab] tensor,
-//! and the backward recomputes each chunk's logits instead of keeping them. With GPT-2's 50,304
-//! tokens, 1,024 positions would otherwise hold 206 MB of logits, and as much again for each
-//! intermediate of the softmax and its gradient (Liger-Kernel's "fused linear cross-entropy").
+//! logits are made and consumed a chunk of rows at a time, never held as a whole [n, vocab]
+//! tensor, and the backward recomputes each chunk's logits instead of keeping them. With GPT-2's
+//! 50,304 tokens, 1,024 positions would otherwise hold 206 MB of logits, and as much again for
+//! each intermediate of the softmax and its gradient (Liger-Kernel's "fused linear
+//! cross-entropy").
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
@@ -82,11 +83,11 @@ impl Dims {
         })
     }
 
-    /// The rows of chunk `c` and their logits [rows, vocab].
     /// Rows per chunk: [`LOGITS_PER_CHUNK`] logits' worth, at least [`MIN_CHUNK`], and at most
     /// a thread's share of the rows, so the chunks still spread over the pool. Every chunk
-    /// multiplies by the whole weight (gemm copies it each time): with a small vocabulary
-    /// (65 characters) fixed chunks of 32 rows spent as long copying it as multiplying.
+    /// multiplies by the whole weight (gemm copies it each time): with 65 characters, one chunk
+    /// per shard instead of twelve of 32 rows took the head's forward from 200 to 160 µs and
+    /// its backward from 420 to 367 µs (384 rows, one core).
     fn chunk_rows(&self) -> usize {
         let per_thread = self.rows.div_ceil(rayon::current_num_threads().max(1));
         (LOGITS_PER_CHUNK / self.vocab)
@@ -95,10 +96,12 @@ impl Dims {
             .max(1)
     }
 
+    /// How many chunks the rows make.
     fn chunks(&self) -> usize {
         self.rows.div_ceil(self.chunk_rows())
     }
 
+    /// The rows of chunk `c` and their logits [rows, vocab].
     fn logits(&self, x: &[f32], w: &[f32], c: usize) -> (std::ops::Range<usize>, Vec<f32>) {
         let chunk = self.chunk_rows();
         let (start, end) = (c * chunk, ((c + 1) * chunk).min(self.rows));

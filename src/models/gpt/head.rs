@@ -68,6 +68,8 @@ struct Dims {
     rows: usize,
     channels: usize,
     vocab: usize,
+    /// Rows whose logits are made at once (see [`Dims::chunk_rows`]).
+    chunk: usize,
 }
 
 impl Dims {
@@ -76,10 +78,12 @@ impl Dims {
         if rows == 0 || channels == 0 || x_len != rows * channels || w_len % channels != 0 {
             bail!("head loss: {x_len} inputs for {rows} targets and {w_len} weights do not fit");
         }
+        let vocab = w_len / channels;
         Ok(Dims {
             rows,
             channels,
-            vocab: w_len / channels,
+            vocab,
+            chunk: Self::chunk_rows(rows, vocab),
         })
     }
 
@@ -88,9 +92,9 @@ impl Dims {
     /// multiplies by the whole weight (gemm copies it each time): with 65 characters, one chunk
     /// per shard instead of twelve of 32 rows took the head's forward from 200 to 160 µs and
     /// its backward from 420 to 367 µs (384 rows, one core).
-    fn chunk_rows(&self) -> usize {
-        let per_thread = self.rows.div_ceil(rayon::current_num_threads().max(1));
-        (LOGITS_PER_CHUNK / self.vocab)
+    fn chunk_rows(rows: usize, vocab: usize) -> usize {
+        let per_thread = rows.div_ceil(rayon::current_num_threads().max(1));
+        (LOGITS_PER_CHUNK / vocab)
             .max(MIN_CHUNK)
             .min(per_thread)
             .max(1)
@@ -98,13 +102,12 @@ impl Dims {
 
     /// How many chunks the rows make.
     fn chunks(&self) -> usize {
-        self.rows.div_ceil(self.chunk_rows())
+        self.rows.div_ceil(self.chunk)
     }
 
     /// The rows of chunk `c` and their logits [rows, vocab].
     fn logits(&self, x: &[f32], w: &[f32], c: usize) -> (std::ops::Range<usize>, Vec<f32>) {
-        let chunk = self.chunk_rows();
-        let (start, end) = (c * chunk, ((c + 1) * chunk).min(self.rows));
+        let (start, end) = (c * self.chunk, ((c + 1) * self.chunk).min(self.rows));
         let mut logits = vec![0f32; (end - start) * self.vocab];
         let xs = View::rows(
             x,
@@ -203,7 +206,7 @@ pub(super) fn loss_bwd(
     check_targets(ids, dims.vocab)?;
     let scale = g / dims.rows as f32;
     // One dw per contiguous group of chunks (one per thread), added in order.
-    let (chunk, chunks) = (dims.chunk_rows(), dims.chunks());
+    let (chunk, chunks) = (dims.chunk, dims.chunks());
     let groups = rayon::current_num_threads().min(chunks).max(1);
     let per_group = chunks.div_ceil(groups);
     let partial_dw: Vec<Vec<f32>> = dx

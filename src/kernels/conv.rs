@@ -7,7 +7,8 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
 
-use super::{Mat, gemm, per_sample, sum_parts, values, with_values};
+use super::pool::{Maps, bias_relu_pool, pool_grad};
+use super::{Mat, gemm, per_sample, scratch, sum_parts, values, with_values};
 
 /// Stride and zero padding, the same along both spatial axes (dilation 1, one group).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,6 +191,15 @@ impl Dims {
         self.c * self.h * self.w
     }
 
+    /// The output maps of one sample before pooling.
+    fn maps(&self) -> Maps {
+        Maps {
+            channels: self.o,
+            rows: self.oh,
+            cols: self.ow,
+        }
+    }
+
     fn out_shape(&self, pooling: Pooling) -> Shape {
         match pooling {
             Pooling::None => (self.n, self.o, self.oh, self.ow).into(),
@@ -293,46 +303,13 @@ fn col2im(cols: &[f32], d: &Dims, gx: &mut [f32]) {
     }
 }
 
-/// 2×2 max-pool of `z` [o, oh, ow] into `out`, recording the winner's place in each window
-/// (the first maximum, as torch; unlike torch, a NaN loses to any number).
-fn max_pool2(z: &[f32], d: &Dims, out: &mut [f32], argmax: &mut [u8]) {
-    let pw = d.ow / 2;
-    let rows = out.chunks_exact_mut(pw).zip(argmax.chunks_exact_mut(pw));
-    for (r, (out, argmax)) in rows.enumerate() {
-        let (top, bottom) = window_rows(z, d, r);
-        for (px, (dst, arg)) in out.iter_mut().zip(argmax.iter_mut()).enumerate() {
-            let (a, b) = (top[2 * px], top[2 * px + 1]);
-            let (c, e) = (bottom[2 * px], bottom[2 * px + 1]);
-            let max = a.max(b).max(c.max(e));
-            // The first place holding the maximum, as arithmetic rather than branches.
-            let (na, nb, nc) = (a != max, b != max, c != max);
-            *dst = max;
-            *arg = u8::from(na) * (1 + u8::from(nb) * (1 + u8::from(nc)));
-        }
-    }
-}
-
-/// The two rows of `z` [o, oh, ow] that pooled row `r` (over all channels) is taken from.
-fn window_rows<'a>(z: &'a [f32], d: &Dims, r: usize) -> (&'a [f32], &'a [f32]) {
-    let ph = d.oh / 2;
-    let top = (r / ph) * d.l + 2 * (r % ph) * d.ow;
-    (&z[top..][..d.ow], &z[top + d.ow..][..d.ow])
-}
-
-/// Where pooled output `q` came from in the [o, oh, ow] map.
-#[cfg(test)]
-fn unpooled(q: usize, arg: u8, d: &Dims) -> usize {
-    let (ph, pw) = (d.oh / 2, d.ow / 2);
-    let (o, py, px) = (q / (ph * pw), q / pw % ph, q % pw);
-    o * d.l + (2 * py + usize::from(arg / 2)) * d.ow + 2 * px + usize::from(arg % 2)
-}
-
 impl ConvOp {
     /// The forward of `n` samples `x` (see [`Dims`]): the outputs and, when pooled, which
     /// place of its window each output came from.
     fn forward_values(&self, x: &[f32], w: &[f32], b: &[f32], d: &Dims) -> (Vec<f32>, Vec<u8>) {
         let d = *d;
-        let mut out = vec![0f32; d.n * d.out];
+        // Every output is written: by the product, or by the pooling.
+        let mut out = scratch::take(d.n * d.out);
         let pooled = self.pooling == Pooling::Max2;
         let mut argmax = vec![0u8; if pooled { d.n * d.out } else { 0 }];
         let per_arg = if pooled { d.out } else { 0 };
@@ -340,18 +317,21 @@ impl ConvOp {
             d.n,
             ((&mut out, d.out), (&mut argmax, per_arg)),
             |range, out, argmax| {
-                let mut cols = vec![0f32; d.ckk * d.l];
-                let mut z = vec![0f32; if pooled { d.o * d.l } else { 0 }];
+                let mut cols = scratch::take(d.ckk * d.l);
+                let mut z = scratch::take(if pooled { d.o * d.l } else { 0 });
                 for (i, s) in range.enumerate() {
                     let xs = &x[s * d.input()..][..d.input()];
                     let dst = &mut out[i * d.out..][..d.out];
                     if pooled {
-                        self.conv_one(xs, w, b, &d, &mut cols, &mut z);
-                        max_pool2(&z, &d, dst, &mut argmax[i * d.out..][..d.out]);
+                        self.product(xs, w, &d, &mut cols, &mut z);
+                        let argmax = &mut argmax[i * d.out..][..d.out];
+                        bias_relu_pool(&z, b, self.relu, d.maps(), dst, argmax);
                     } else {
-                        self.conv_one(xs, w, b, &d, &mut cols, dst);
+                        self.product(xs, w, &d, &mut cols, dst);
+                        self.bias_relu(b, &d, dst);
                     }
                 }
+                scratch::give([cols, z]);
             },
         );
         (out, argmax)
@@ -378,9 +358,9 @@ impl ConvOp {
             d.n,
             ((&mut gx, per_gx), (&mut [0u8; 0][..], 0)),
             |range, gx, _| {
-                let mut cols = vec![0f32; d.ckk * d.l];
-                let mut gcols = vec![0f32; if need_gx { d.ckk * d.l } else { 0 }];
-                let mut gz = vec![0f32; d.o * d.l];
+                let mut cols = scratch::take(d.ckk * d.l);
+                let mut gcols = scratch::take(if need_gx { d.ckk * d.l } else { 0 });
+                let mut gz = scratch::take(d.o * d.l);
                 let mut gw = vec![0f32; d.o * d.ckk];
                 let mut gb = vec![0f32; d.o];
                 for (i, s) in range.enumerate() {
@@ -409,6 +389,7 @@ impl ConvOp {
                         col2im(&gcols, &d, &mut gx[i * d.input()..][..d.input()]);
                     }
                 }
+                scratch::give([cols, gcols, gz]);
                 (gw, gb)
             },
         );
@@ -416,8 +397,8 @@ impl ConvOp {
         (need_gx.then_some(gx), sum_parts(gws), sum_parts(gbs))
     }
 
-    /// relu(W·cols + b) for one sample into `z` [o, l].
-    fn conv_one(&self, x: &[f32], w: &[f32], b: &[f32], d: &Dims, cols: &mut [f32], z: &mut [f32]) {
+    /// W·cols for one sample `x` into `z` [o, l].
+    fn product(&self, x: &[f32], w: &[f32], d: &Dims, cols: &mut [f32], z: &mut [f32]) {
         im2col(x, d, cols);
         gemm(
             z,
@@ -426,7 +407,10 @@ impl ConvOp {
             false,
             1,
         );
-        // Bias and ReLU in one pass over the product (NaN kept, as `relu_in_place`).
+    }
+
+    /// z = relu(z + b) for one sample's `z` [o, l] (NaN kept, as `relu_in_place`).
+    fn bias_relu(&self, b: &[f32], d: &Dims, z: &mut [f32]) {
         for (row, &bias) in z.chunks_exact_mut(d.l).zip(b) {
             if self.relu {
                 for v in row {
@@ -450,20 +434,7 @@ impl ConvOp {
                     *dst = if passes(y) { g } else { 0.0 };
                 }
             }
-            Pooling::Max2 => {
-                gz.fill(0.0);
-                let (ph, pw) = (d.oh / 2, d.ow / 2);
-                let rows = g.chunks_exact(pw).zip(y.chunks_exact(pw));
-                for (r, ((g, y), argmax)) in rows.zip(argmax.chunks_exact(pw)).enumerate() {
-                    let top = (r / ph) * d.l + 2 * (r % ph) * d.ow;
-                    for (px, ((&g, &y), &arg)) in g.iter().zip(y).zip(argmax).enumerate() {
-                        if passes(y) {
-                            let at = top + usize::from(arg / 2) * d.ow + 2 * px;
-                            gz[at + usize::from(arg % 2)] = g;
-                        }
-                    }
-                }
-            }
+            Pooling::Max2 => pool_grad(g, y, argmax, self.relu, d.maps(), gz),
         }
     }
 }
@@ -534,34 +505,5 @@ impl CustomOp3 for ConvOp {
             Some(Tensor::from_vec(gw, w.shape(), device)?),
             Some(Tensor::from_vec(gb, d.o, device)?),
         ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn max_pool_takes_the_first_maximum() {
-        let d = Dims::new(
-            &Shape::from((1, 1, 2, 4)),
-            &Shape::from((1, 1, 1, 1)),
-            ConvGeometry {
-                stride: 1,
-                padding: 0,
-            },
-            Pooling::Max2,
-        )
-        .unwrap();
-        let z = [1.0, 3.0, 5.0, 0.0, 3.0, 2.0, 5.0, 9.0];
-        let (mut out, mut arg) = ([0f32; 2], [0u8; 2]);
-        max_pool2(&z, &d, &mut out, &mut arg);
-        assert_eq!((out[0], arg[0]), (3.0, 1));
-        assert_eq!((out[1], arg[1]), (9.0, 3));
-        let z = [7.0, 7.0, 1.0, 2.0, 7.0, 0.0, 2.0, 2.0];
-        max_pool2(&z, &d, &mut out, &mut arg);
-        assert_eq!((out, arg), ([7.0, 2.0], [0, 1]));
-        assert_eq!(unpooled(0, 1, &d), 1);
-        assert_eq!(unpooled(1, 3, &d), 7);
     }
 }

@@ -7,6 +7,7 @@
 mod conv;
 mod linear;
 mod optim;
+mod pool;
 pub(crate) mod scratch;
 mod transpose;
 

@@ -10,7 +10,7 @@ use candle_core::{DType, Result, Tensor, bail};
 use super::{Conv2d, Linear, Params, TrainPass};
 use crate::kernels::{
     self, ConvGeometry, ConvLayer, ConvOutput, Pooling, Wanted, linear_backward, linear_forward,
-    relu_grad, relu_in_place, with_all_values, with_values,
+    relu_grad, relu_in_place, scratch, with_all_values, with_values,
 };
 
 /// One layer of a chain.
@@ -236,13 +236,15 @@ impl TrainPass for ChainPass<'_> {
                 };
                 grads.push((weight.as_tensor(), gw));
                 grads.push((bias.as_tensor(), gb));
-                grad = gx.unwrap_or_default();
+                let used = std::mem::replace(&mut grad, gx.unwrap_or_default());
+                scratch::give([used]);
             }
             Ok(())
         })?;
         let mut by_id: std::collections::HashMap<_, _> =
             grads.into_iter().map(|(t, g)| (t.id(), (t, g))).collect();
-        self.params
+        let grads = self
+            .params
             .vars()
             .map(|var| {
                 by_id
@@ -250,7 +252,13 @@ impl TrainPass for ChainPass<'_> {
                     .map(|(t, g)| Tensor::from_vec(g, t.shape(), t.device()))
                     .transpose()
             })
-            .collect()
+            .collect();
+        // The next step's forward writes its outputs in full: it takes these again.
+        scratch::give(self.outputs.into_iter().map(|output| match output {
+            Output::Conv(out) => out.values,
+            Output::Linear(values) => values,
+        }));
+        grads
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
 
 use super::pool::{Maps, bias_relu_pool, pool_grad};
-use super::{Mat, gemm, per_sample, scratch, sum_parts, values, with_values};
+use super::{Mat, gemm, per_sample, scratch, sum_parts, transpose, values, with_values};
 
 /// Stride and zero padding, the same along both spatial axes (dilation 1, one group).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -361,7 +361,9 @@ impl ConvOp {
                 let mut cols = scratch::take(d.ckk * d.l);
                 let mut gcols = scratch::take(if need_gx { d.ckk * d.l } else { 0 });
                 let mut gz = scratch::take(d.o * d.l);
-                let mut gw = vec![0f32; d.o * d.ckk];
+                // Its transpose [c·k·k, o]: gemm then reads the columns in place instead of
+                // copying them for every sample.
+                let mut gw_t = vec![0f32; d.ckk * d.o];
                 let mut gb = vec![0f32; d.o];
                 for (i, s) in range.enumerate() {
                     let at = s * d.out..(s + 1) * d.out;
@@ -372,9 +374,9 @@ impl ConvOp {
                     }
                     im2col(&x[s * d.input()..][..d.input()], &d, &mut cols);
                     gemm(
-                        &mut gw,
-                        Mat::new(&gz, d.o, d.l),
-                        Mat::new(&cols, d.ckk, d.l).t(),
+                        &mut gw_t,
+                        Mat::new(&cols, d.ckk, d.l),
+                        Mat::new(&gz, d.o, d.l).t(),
                         true,
                         1,
                     );
@@ -390,6 +392,8 @@ impl ConvOp {
                     }
                 }
                 scratch::give([cols, gcols, gz]);
+                let mut gw = vec![0f32; d.o * d.ckk];
+                transpose(&gw_t, d.o, d.ckk, d.o, &mut gw, d.ckk);
                 (gw, gb)
             },
         );

@@ -45,8 +45,16 @@ pub fn on_pool_threads(pools: &[&rayon::ThreadPool]) -> (usize, usize) {
 /// rayon's global pool and `pools`) have it.
 pub fn report(asked: bool, pools: &[&rayon::ThreadPool]) -> String {
     let (pooled, pool_threads) = on_pool_threads(pools);
-    let (yes, all) = (pooled + usize::from(flushing()), pool_threads + 1);
+    // The calling thread, unless it is one of the global pool's (a worker with one thread).
+    let caller = usize::from(rayon::current_thread_index().is_none());
+    let (yes, all) = (
+        pooled + caller * usize::from(flushing()),
+        pool_threads + caller,
+    );
     match (asked, SUPPORTED) {
+        (true, true) if yes == all && all == 1 => {
+            "subnormal floats flushed to zero on all threads (one) (train.flush_denormals)".into()
+        }
         (true, true) if yes == all => {
             format!("subnormal floats flushed to zero on all {all} threads (train.flush_denormals)")
         }

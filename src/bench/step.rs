@@ -210,9 +210,7 @@ fn use_threads(threads: usize) -> Result<(), BenchError> {
     // As a worker has it (see launch::group): shards call candle's ops single-threaded.
     // SAFETY: as above.
     unsafe { std::env::set_var("CANDLE_NUM_THREADS", "1") };
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build_global()
+    crate::train::shards::start_global_pool(Some(threads))
         .map_err(|e| BenchError::Usage(format!("cannot start {threads} threads: {e}")))
 }
 

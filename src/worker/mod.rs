@@ -37,6 +37,8 @@ const DATA_PATIENCE: Duration = Duration::from_secs(3600);
 pub enum WorkerError {
     #[error("`ddpjob worker` is started by `ddpjob run`, not by hand: {0}")]
     Env(String),
+    #[error("cannot start the worker's threads ({0}); lower RAYON_NUM_THREADS or free some memory")]
+    Threads(rayon::ThreadPoolBuildError),
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error(transparent)]
@@ -100,6 +102,7 @@ pub fn run() -> Result<bool, WorkerError> {
     let spec = config::load(&job.job_toml(), &[])?.spec;
     // Before this process starts any thread: threads inherit the mode of their creator.
     crate::numerics::set_for_this_thread(spec.train.flush_denormals);
+    crate::train::shards::start_global_pool(None).map_err(WorkerError::Threads)?;
     let timeout = Duration::from_secs(spec.distributed.timeout_s);
 
     let store = StoreClient::connect(&env.master(), &env.token, timeout)?;

@@ -101,8 +101,8 @@ impl ShardPool {
 /// on it, instead of being handed to a pool thread while it sleeps, a wake-up and a switch
 /// per loop, with that thread spinning between loops beside the job's other workers
 /// (measured: a GPT step on one thread 107, 107, 94 → 85, 87, 69 ms). Called once, before
-/// anything else uses rayon, from the thread that runs the training loop. (No other thread of a worker
-/// uses the global pool, which with one thread only runs when this one is inside it.)
+/// anything else uses rayon, from the thread that runs the training loop. (No other thread of
+/// a worker uses the global pool, which with one thread only runs when this one is inside it.)
 pub fn start_global_pool(threads: Option<usize>) -> Result<(), rayon::ThreadPoolBuildError> {
     let from_env = || {
         std::env::var("RAYON_NUM_THREADS")

@@ -128,17 +128,13 @@ impl Generator {
         let mut cache = KvCache::default();
         let mut logits = self.model.forward_cached(&context, &mut cache)?;
         let mut out = Vec::with_capacity(tokens);
-        let mut pending = Vec::new();
+        let mut text = self.vocab.stream();
         for _ in 0..tokens {
             let next = pick(&logits, how, &mut rng)?;
             out.push(next);
             context.push(next);
-            pending.push(next);
-            let text = self.vocab.decode(&pending);
-            // A byte vocabulary may need more bytes to finish a character.
-            if !text.ends_with('\u{FFFD}') || pending.len() >= 4 {
-                emit(&text);
-                pending.clear();
+            if let Some(piece) = text.push(next) {
+                emit(&piece);
             }
             if cache.len() >= block {
                 // The context window is full: keep its newer half and go on from there, so
@@ -152,8 +148,8 @@ impl Generator {
                 logits = self.model.forward_cached(&[next], &mut cache)?;
             }
         }
-        if !pending.is_empty() {
-            emit(&self.vocab.decode(&pending));
+        if let Some(rest) = text.finish() {
+            emit(&rest);
         }
         Ok(out)
     }

@@ -5,6 +5,7 @@
 
 use super::error::ConfigError;
 use super::source::Source;
+use super::spec::TokenizerKind;
 
 /// Collects every invalid value, each with the key and where it was written.
 pub struct Checker<'a> {
@@ -126,6 +127,25 @@ pub fn choice<T: Copy, S>(
             .find(|(n, _)| n == v)
             .unwrap_or(&choices[0])
             .1
+    }
+}
+
+/// `data.tokenizer`: `"char"`, `"byte"`, or the path of a Hugging Face `tokenizer.json`.
+pub fn tokenizer<S>() -> impl Fn(&mut Checker, &str, &String, &S) -> TokenizerKind {
+    |c, key, v, _| match v.as_str() {
+        "char" => TokenizerKind::Char,
+        "byte" => TokenizerKind::Byte,
+        path if path.ends_with(".json") => TokenizerKind::HuggingFace(path.into()),
+        other => {
+            c.fail(
+                key,
+                format!(
+                    "unknown value \"{other}\"; expected \"char\", \"byte\" or the path of a \
+                     Hugging Face tokenizer file ending in .json (e.g. \"data/gpt2/tokenizer.json\")"
+                ),
+            );
+            TokenizerKind::Char
+        }
     }
 }
 

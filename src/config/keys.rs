@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use super::checks::{
     Checker, any, at_least, choice, each, in_range, int_range, non_negative, optional, positive,
-    zero_is_off, zero_is_off_f64,
+    tokenizer, zero_is_off, zero_is_off_f64,
 };
 use super::declare::section;
 use super::spec::{
@@ -128,11 +128,12 @@ section! {
         /// `data.mirrors` when missing and `data.download = true`
         #[serde(skip_serializing_if = "Option::is_none")]
         path: Option<String> = None => path: Option<String> = any();
-        /// text: `"char"` (the file's distinct characters, sorted, as nanoGPT's `prepare.py`)
-        /// or `"byte"` (256 symbols)
+        /// text: `"char"` (the file's distinct characters, sorted, as nanoGPT's `prepare.py`),
+        /// `"byte"` (256 symbols) or the path of a Hugging Face `tokenizer.json` (GPT-2's BPE,
+        /// a WordPiece, a Unigram...; relative to the working directory)
         #[serde(skip_serializing_if = "Option::is_none")]
         tokenizer: Option<String> = None, shown "`\"char\"`"
-            => tokenizer: Option<TokenizerKind> = optional(choice(&[("char", TokenizerKind::Char), ("byte", TokenizerKind::Byte)]));
+            => tokenizer: Option<TokenizerKind> = optional(tokenizer());
         /// text: the last fraction of the tokens is the validation split
         #[serde(skip_serializing_if = "Option::is_none")]
         val_fraction: Option<f64> = None, shown "`0.1`"

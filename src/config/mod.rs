@@ -110,13 +110,11 @@ pub fn load_str_with(
     }
     match &spec.data.dataset {
         DatasetKind::Text(t) => {
-            resolved.data.tokenizer = Some(
-                match t.tokenizer {
-                    TokenizerKind::Char => "char",
-                    TokenizerKind::Byte => "byte",
-                }
-                .into(),
-            );
+            resolved.data.tokenizer = Some(match &t.tokenizer {
+                TokenizerKind::Char => "char".into(),
+                TokenizerKind::Byte => "byte".into(),
+                TokenizerKind::HuggingFace(path) => path.display().to_string(),
+            });
             resolved.data.val_fraction = Some(t.val_fraction);
         }
         DatasetKind::Tokens(t) => {

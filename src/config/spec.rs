@@ -152,12 +152,14 @@ pub struct TextSpec {
     pub val_fraction: f64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TokenizerKind {
     /// The file's distinct characters in sorted order (nanoGPT's `prepare.py`).
     Char,
     /// The 256 byte values.
     Byte,
+    /// A Hugging Face `tokenizer.json` (BPE, WordPiece, Unigram...): the file's path.
+    HuggingFace(PathBuf),
 }
 
 /// `data.dataset = "tokens"`: pre-tokenised files, memory-mapped.

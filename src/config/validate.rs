@@ -215,7 +215,7 @@ fn check_text_data(c: &mut Checker, d: &DataKeys, model: &ModelSpec) -> Option<D
             let path = required(c, "data.path", &d.path, "data/shakespeare/input.txt");
             Some(DatasetKind::Text(TextSpec {
                 path,
-                tokenizer: d.tokenizer.unwrap_or(TokenizerKind::Char),
+                tokenizer: d.tokenizer.clone().unwrap_or(TokenizerKind::Char),
                 val_fraction: d.val_fraction.unwrap_or(0.1),
             }))
         }

@@ -3,6 +3,7 @@
 mod batches;
 mod catalog;
 pub mod download;
+mod hf_tokenizer;
 pub mod idx;
 pub mod sampler;
 mod synthetic;

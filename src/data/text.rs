@@ -303,20 +303,35 @@ impl BatchSource for TextBatches<'_> {
 
 /// Reads and encodes a text file with the stored vocabulary (resume, sample) or a new one.
 fn encode_file(t: &TextSpec, stored: Option<&Path>) -> Result<(Vec<u32>, Vocab), DataError> {
-    let built_fresh = stored.is_none();
-    let vocab_of = |text: &str| match stored {
-        Some(path) => Vocab::load(path),
-        None => Ok(Vocab::build(t.tokenizer, text)),
+    let vocab = match stored {
+        Some(path) => {
+            let vocab = Vocab::load(path)?;
+            if !vocab.is_kind(&t.tokenizer) {
+                return Err(DataError::Mismatch(format!(
+                    "the job's vocabulary (`{}`) is {}, but data.tokenizer names another kind; \
+                     a job keeps the tokenizer it started with: put data.tokenizer back, or \
+                     start a new job",
+                    path.display(),
+                    vocab.kind_name()
+                )));
+            }
+            Some(vocab)
+        }
+        None => None,
     };
     if t.tokenizer == crate::config::TokenizerKind::Byte {
         let bytes = std::fs::read(&t.path).map_err(|cause| DataError::Io {
             path: t.path.clone(),
             cause,
         })?;
-        return Ok((bytes.into_iter().map(u32::from).collect(), vocab_of("")?));
+        return Ok((bytes.into_iter().map(u32::from).collect(), Vocab::Byte));
     }
     let text = read_text(&t.path)?;
-    let vocab = vocab_of(&text)?;
+    let built_fresh = vocab.is_none();
+    let vocab = match vocab {
+        Some(vocab) => vocab,
+        None => Vocab::build(&t.tokenizer, &text)?,
+    };
     let what = format!("`{}`", t.path.display());
     let ids = vocab.encode(&text, &what).map_err(|e| match built_fresh {
         true => e,

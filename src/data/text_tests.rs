@@ -130,7 +130,7 @@ fn a_stored_vocabulary_that_no_longer_covers_the_text_is_an_error() {
         root: dir.path().join("job"),
     };
     std::fs::create_dir_all(&job.root).unwrap();
-    let vocab = Vocab::build(crate::config::TokenizerKind::Char, "ab");
+    let vocab = Vocab::build(&crate::config::TokenizerKind::Char, "ab").unwrap();
     std::fs::write(Vocab::path_in(&job.root), vocab.to_json()).unwrap();
     let data = format!("dataset = \"text\"\npath = \"{}\"\n", path.display());
     let err = TextTask::load(&spec_for(dir.path(), &data, 2), Some(&job))
@@ -138,4 +138,30 @@ fn a_stored_vocabulary_that_no_longer_covers_the_text_is_an_error() {
         .unwrap()
         .to_string();
     assert!(err.contains("'c'") && err.contains("vocab.json"), "{err}");
+}
+
+#[test]
+fn a_job_keeps_the_kind_of_tokenizer_it_started_with() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("in.txt");
+    std::fs::write(&path, "ab".repeat(40)).unwrap();
+    let job = JobDir {
+        root: dir.path().join("job"),
+    };
+    std::fs::create_dir_all(&job.root).unwrap();
+    let vocab = Vocab::build(&crate::config::TokenizerKind::Char, "ab").unwrap();
+    std::fs::write(Vocab::path_in(&job.root), vocab.to_json()).unwrap();
+    let data = |tokenizer: &str| {
+        let text = format!(
+            "dataset = \"text\"\npath = \"{}\"\ntokenizer = \"{tokenizer}\"\n",
+            path.display()
+        );
+        TextTask::load(&spec_for(dir.path(), &text, 2), Some(&job))
+    };
+    let err = data("byte").err().unwrap().to_string();
+    assert!(
+        err.contains("is \"char\"") && err.contains("vocab.json"),
+        "{err}"
+    );
+    assert_eq!(data("char").unwrap().vocab, Some(vocab));
 }

@@ -1,12 +1,13 @@
-//! Character and byte vocabularies for `text` data: how text becomes token ids and back. The
-//! vocabulary a job trained with is stored in its directory (`vocab.json`), so `sample` and
-//! `resume` encode and decode exactly as training did.
+//! Vocabularies for `text` data: how text becomes token ids and back (characters, bytes, or a
+//! Hugging Face tokenizer). The vocabulary a job trained with is stored in its directory
+//! (`vocab.json`), so `sample` and `resume` encode and decode exactly as training did.
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use super::DataError;
+use super::hf_tokenizer::HfTokenizer;
 use crate::config::TokenizerKind;
 
 /// A vocabulary: token id ↔ symbol.
@@ -18,12 +19,16 @@ pub enum Vocab {
     Char { chars: String },
     /// The 256 byte values: id = byte. Decoding is lossy where a multi-byte character is split.
     Byte,
+    /// A Hugging Face tokenizer, its whole `tokenizer.json` kept.
+    #[serde(rename = "huggingface")]
+    HuggingFace(Box<HfTokenizer>),
 }
 
 impl Vocab {
-    /// The vocabulary `kind` builds from `text`.
-    pub fn build(kind: TokenizerKind, text: &str) -> Vocab {
-        match kind {
+    /// The vocabulary `kind` builds from `text` (a Hugging Face tokenizer is read from its
+    /// file instead).
+    pub fn build(kind: &TokenizerKind, text: &str) -> Result<Vocab, DataError> {
+        Ok(match kind {
             TokenizerKind::Byte => Vocab::Byte,
             TokenizerKind::Char => {
                 let mut chars: Vec<char> = text.chars().collect();
@@ -33,6 +38,29 @@ impl Vocab {
                     chars: chars.into_iter().collect(),
                 }
             }
+            TokenizerKind::HuggingFace(path) => {
+                Vocab::HuggingFace(Box::new(HfTokenizer::load(path)?))
+            }
+        })
+    }
+
+    /// Whether this vocabulary is of the kind `data.tokenizer` names (a Hugging Face one
+    /// matches any path: the stored definition is the one that counts).
+    pub fn is_kind(&self, kind: &TokenizerKind) -> bool {
+        matches!(
+            (self, kind),
+            (Vocab::Char { .. }, TokenizerKind::Char)
+                | (Vocab::Byte, TokenizerKind::Byte)
+                | (Vocab::HuggingFace(_), TokenizerKind::HuggingFace(_))
+        )
+    }
+
+    /// How `data.tokenizer` names this kind of vocabulary.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Vocab::Char { .. } => "\"char\"",
+            Vocab::Byte => "\"byte\"",
+            Vocab::HuggingFace(_) => "a Hugging Face tokenizer.json",
         }
     }
 
@@ -40,6 +68,7 @@ impl Vocab {
         match self {
             Vocab::Char { chars } => chars.chars().count(),
             Vocab::Byte => 256,
+            Vocab::HuggingFace(t) => t.size(),
         }
     }
 
@@ -48,6 +77,7 @@ impl Vocab {
     pub fn encode(&self, text: &str, what: &str) -> Result<Vec<u32>, DataError> {
         match self {
             Vocab::Byte => Ok(text.bytes().map(u32::from).collect()),
+            Vocab::HuggingFace(t) => t.encode(text, what),
             Vocab::Char { chars } => {
                 let table: Vec<char> = chars.chars().collect();
                 let mut ids = Vec::with_capacity(text.len());
@@ -70,19 +100,31 @@ impl Vocab {
         }
     }
 
-    /// The text of `ids` (ids outside the vocabulary become U+FFFD).
+    /// The text of `ids` (ids outside a character vocabulary become U+FFFD; a tokenizer's
+    /// unknown ids are left out).
     pub fn decode(&self, ids: &[u32]) -> String {
         match self {
             Vocab::Byte => {
                 let bytes: Vec<u8> = ids.iter().map(|&i| i as u8).collect();
                 String::from_utf8_lossy(&bytes).into_owned()
             }
+            Vocab::HuggingFace(t) => t.decode(ids),
             Vocab::Char { chars } => {
                 let table: Vec<char> = chars.chars().collect();
                 ids.iter()
                     .map(|&i| table.get(i as usize).copied().unwrap_or('\u{FFFD}'))
                     .collect()
             }
+        }
+    }
+
+    /// Text of ids as they come, for printing generated tokens one by one.
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream {
+            vocab: self,
+            ids: Vec::new(),
+            shown: 0,
+            context: 0,
         }
     }
 
@@ -104,6 +146,51 @@ impl Vocab {
 
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// Decodes ids one at a time into the text they add. A token's text can depend on the one
+/// before it (a tokenizer that drops a word's leading space at the start of a text) and a
+/// character can span tokens (bytes), so each step decodes the tokens since the last shown
+/// one together with that one, and shows what it adds once it no longer ends in a partial
+/// character (or after 4 tokens that never complete one).
+pub struct TextStream<'v> {
+    vocab: &'v Vocab,
+    ids: Vec<u32>,
+    /// Ids before this index have been shown.
+    shown: usize,
+    /// Where the decoded context starts: the last shown token.
+    context: usize,
+}
+
+impl TextStream<'_> {
+    /// The text `id` completes, if any yet.
+    pub fn push(&mut self, id: u32) -> Option<String> {
+        self.ids.push(id);
+        let text = self.added();
+        let waiting = self.ids.len() - self.shown;
+        if text.ends_with('\u{FFFD}') && waiting < 4 {
+            return None;
+        }
+        self.context = self.ids.len() - 1;
+        self.shown = self.ids.len();
+        Some(text)
+    }
+
+    /// The text of ids still waiting for the rest of a character.
+    pub fn finish(self) -> Option<String> {
+        (self.shown < self.ids.len()).then(|| self.added())
+    }
+
+    /// The text the ids after `shown` add to those from `context` on.
+    fn added(&self) -> String {
+        let before = self.vocab.decode(&self.ids[self.context..self.shown]);
+        let now = self.vocab.decode(&self.ids[self.context..]);
+        match now.strip_prefix(before.as_str()) {
+            Some(rest) => rest.to_string(),
+            // A decoder that rewrites earlier text: show the new tokens on their own.
+            None => self.vocab.decode(&self.ids[self.shown..]),
+        }
     }
 }
 
@@ -129,7 +216,7 @@ mod tests {
 
     #[test]
     fn char_vocabulary_is_sorted_distinct_characters_as_nanogpt() {
-        let v = Vocab::build(TokenizerKind::Char, "hello, wörld\n");
+        let v = Vocab::build(&TokenizerKind::Char, "hello, wörld\n").unwrap();
         // Python: ''.join(sorted(set("hello, wörld\n"))) == '\n ,dehlorwö'
         assert_eq!(
             v,
@@ -146,13 +233,56 @@ mod tests {
 
     #[test]
     fn byte_vocabulary_round_trips_and_saves() {
-        let v = Vocab::build(TokenizerKind::Byte, "");
+        let v = Vocab::build(&TokenizerKind::Byte, "").unwrap();
         assert_eq!(v.size(), 256);
         assert_eq!(v.decode(&v.encode("é!", "x").unwrap()), "é!");
-        let json = Vocab::build(TokenizerKind::Char, "ba").to_json();
+        let json = Vocab::build(&TokenizerKind::Char, "ba").unwrap().to_json();
         assert!(json.contains("\"tokenizer\": \"char\""), "{json}");
         let back: Vocab = serde_json::from_str(&json).unwrap();
         assert_eq!(back.size(), 2);
+    }
+
+    #[test]
+    fn a_stream_shows_whole_characters_as_they_complete() {
+        let v = Vocab::Byte;
+        let mut s = v.stream();
+        let shown: Vec<Option<String>> = "aé!".bytes().map(|b| s.push(b.into())).collect();
+        let expect = [Some("a"), None, Some("é"), Some("!")];
+        assert_eq!(shown, expect.map(|e| e.map(String::from)));
+        assert_eq!(s.finish(), None);
+        // Bytes that never make a character are shown after 4 tokens, replaced.
+        let mut s = v.stream();
+        assert!((0..3).all(|_| s.push(0xC3).is_none()));
+        assert_eq!(
+            s.push(0xC3).as_deref(),
+            Some("\u{FFFD}\u{FFFD}\u{FFFD}\u{FFFD}")
+        );
+        let mut s = v.stream();
+        assert_eq!(s.push(0xE2), None);
+        assert_eq!(s.finish().as_deref(), Some("\u{FFFD}"));
+    }
+
+    #[test]
+    fn a_hugging_face_vocabulary_streams_what_it_decodes_and_is_stored_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let text = "the cat sat on the mat. the dog sat on the log.\n".repeat(20);
+        crate::data::hf_tokenizer::tests::train_bpe(&text, 280, &path);
+        let v = Vocab::build(&TokenizerKind::HuggingFace(path.clone()), "").unwrap();
+        assert!(v.is_kind(&TokenizerKind::HuggingFace("elsewhere.json".into())));
+        assert!(!v.is_kind(&TokenizerKind::Char));
+        let ids = v.encode("the dog sat on the mat, é\n", "x").unwrap();
+        let mut s = v.stream();
+        let mut streamed: String = ids.iter().filter_map(|&i| s.push(i)).collect();
+        streamed.extend(s.finish());
+        assert_eq!(streamed, "the dog sat on the mat, é\n");
+        std::fs::remove_file(&path).unwrap();
+        let stored = dir.path().join("vocab.json");
+        std::fs::write(&stored, v.to_json()).unwrap();
+        let back = Vocab::load(&stored).unwrap();
+        assert_eq!(back, v);
+        assert_eq!(back.size(), v.size());
+        assert!(v.to_json().contains("\"tokenizer\": \"huggingface\""));
     }
 
     #[test]

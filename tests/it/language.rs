@@ -145,6 +145,89 @@ fn a_tiny_gpt_learns_text_and_samples_from_it() {
     sample(&["--checkpoint", "step-999"]).fails_with(2, "no weights");
 }
 
+/// A byte-level BPE (GPT-2's kind of tokenizer) of about `size` tokens learned from `text`,
+/// saved as `path` the way the tokenizers library saves one.
+fn train_bpe(text: &str, size: usize, path: &Path) {
+    use tokenizers::decoders::byte_level::ByteLevel as Decoder;
+    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    let mut trainer: tokenizers::models::TrainerWrapper = BpeTrainerBuilder::new()
+        .vocab_size(size)
+        .show_progress(false)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build()
+        .into();
+    let mut tokenizer = tokenizers::Tokenizer::new(BPE::default());
+    tokenizer
+        .with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)))
+        .with_decoder(Some(Decoder::default()));
+    let file = path.with_extension("txt");
+    std::fs::write(&file, text).unwrap();
+    let files = vec![file.display().to_string()];
+    tokenizer.train_from_files(&mut trainer, files).unwrap();
+    tokenizer.save(path, false).unwrap();
+}
+
+#[test]
+fn a_gpt_trains_and_samples_with_a_hugging_face_tokenizer() {
+    let t = TestJob::new();
+    let text = write_corpus(&t);
+    let tokenizer = t.path("tokenizer.json");
+    train_bpe(&corpus(), 300, &tokenizer);
+    let job = gpt_job(&text, "")
+        .replace(
+            "dataset = \"text\"",
+            &format!(
+                "dataset = \"text\"\ntokenizer = \"{}\"",
+                tokenizer.display()
+            ),
+        )
+        .replace("epochs = 3", "epochs = 40")
+        .replace("max_steps = 60", "max_steps = 150");
+    t.run(&t.config("bpe", &job), &[]).success();
+    let dir = t.job("bpe");
+    let vocab = t.json(&dir.join("vocab.json"));
+    assert_eq!(vocab["tokenizer"], "huggingface", "{vocab}");
+    let size = vocab["definition"]["model"]["vocab"]
+        .as_object()
+        .unwrap()
+        .len();
+    let summary = t.json(&dir.join("summary.json"));
+    let val = summary["test_loss"].as_f64().unwrap();
+    assert!(
+        val < 0.5 * (size as f64).ln(),
+        "validation loss {val}, {size} tokens"
+    );
+    // The job keeps the whole tokenizer: sampling needs nothing else.
+    std::fs::remove_file(&tokenizer).unwrap();
+    let jobs = t.jobs_dir().to_string_lossy().into_owned();
+    let sample = |seed: &str| {
+        let args = [
+            "sample",
+            "bpe",
+            "--jobs-dir",
+            jobs.as_str(),
+            "--tokens",
+            "40",
+        ];
+        t.ddpjob(&[&args[..], &["--prompt", "the cat", "--seed", seed]].concat())
+    };
+    let a = sample("5");
+    a.success();
+    assert_eq!(a.stdout, sample("5").stdout, "same seed, same text");
+    assert!(a.stdout.starts_with("the cat "), "{}", a.stdout);
+    // 40 tokens of a word-level BPE are several words of the corpus's.
+    let words = a.stdout.split_whitespace().count();
+    assert!(words > 12, "{}", a.stdout);
+    assert!(
+        a.stdout
+            .split_whitespace()
+            .any(|w| ["mat.", "tree.", "door.", "hat."].contains(&w)),
+        "{}",
+        a.stdout
+    );
+}
+
 #[test]
 fn two_workers_with_half_the_batch_match_one_with_dropout() {
     let t = TestJob::new();
@@ -296,4 +379,18 @@ fn bad_text_jobs_are_refused_before_anything_is_created() {
     std::fs::write(t.path("short.txt"), "tiny text").unwrap();
     run("short", gpt_job(&t.path("short.txt"), "")).fails_with(1, "fewer than one window");
     run("missing", gpt_job(&t.path("nowhere.txt"), "")).fails_with(1, "does not exist");
+    let with_tokenizer = |tokenizer: &str| {
+        gpt_job(&text, "").replace(
+            "dataset = \"text\"",
+            &format!("dataset = \"text\"\ntokenizer = \"{tokenizer}\""),
+        )
+    };
+    run("gpt2", with_tokenizer("gpt2"))
+        .fails_with(2, "`data.tokenizer`")
+        .fails_with(2, "ending in .json");
+    std::fs::write(t.path("vocab.json"), "{\"a\": 0, \"b\": 1}").unwrap();
+    let not_one = t.path("vocab.json").display().to_string();
+    run("not-hf", with_tokenizer(&not_one))
+        .fails_with(1, "vocab.json")
+        .fails_with(1, "not a Hugging Face tokenizer");
 }

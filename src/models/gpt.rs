@@ -18,6 +18,7 @@ mod rows;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod tiles;
+mod vocab_blocks;
 
 use candle_core::{DType, Device, Error, Result, Tensor, Var};
 

@@ -1,6 +1,7 @@
 //! The tied output projection and the cross-entropy over the vocabulary as one op (CPU, f32):
-//! logits are made and consumed a chunk of rows at a time, never held as a whole [n, vocab]
-//! tensor, and the backward recomputes each chunk's logits instead of keeping them. With GPT-2's
+//! logits are made and consumed a chunk of rows at a time (for a large vocabulary, a block of
+//! columns at a time too: `vocab_blocks`), never held as a whole [n, vocab] tensor, and the
+//! backward recomputes each chunk's logits instead of keeping them. With GPT-2's
 //! 50,304 tokens, 1,024 positions would otherwise hold 206 MB of logits, and as much again for
 //! each intermediate of the softmax and its gradient (Liger-Kernel's "fused linear
 //! cross-entropy").
@@ -10,18 +11,19 @@ use rayon::prelude::*;
 
 use super::attention::{View, gemm_into};
 use super::ops::{exp, max, sum_map, values, with_values};
+use super::vocab_blocks;
 use crate::kernels::{indices, indices_of};
 
 /// Logits made at once, about: 128 KB, so a chunk's logits stay in the core's L2 cache from
 /// the product that makes them to the softmax that reads them.
 const LOGITS_PER_CHUNK: usize = 32 * 1024;
 
-/// The fewest rows made at once, whatever the vocabulary (128 × 50,304 floats is 26 MB per
-/// thread). Every chunk's product copies (packs) the whole weight again, which for a large
-/// vocabulary costs more than the logits leaving the cache: with GPT-2's 50,304 tokens (4
-/// layers of 128 channels, 12 windows of 64, 2 threads), 128 rows instead of 32 took a step
-/// from 789, 756, 784, 702 ms to 624, 563, 601, 490 (alternating pairs); 192 and 384 rows were
-/// slower again.
+/// The fewest rows made at once (128 × 2,048 floats is 1 MB; larger vocabularies are made in
+/// blocks of columns, see `vocab_blocks`). Every chunk's product copies (packs) the whole
+/// weight again, which costs more than the logits leaving the cache: with GPT-2's 50,304
+/// tokens (4 layers of 128 channels, 12 windows of 64, 2 threads), before `vocab_blocks`, 128
+/// rows instead of 32 took a step from 789, 756, 784, 702 ms to 624, 563, 601, 490 ms
+/// (alternating pairs); 192 and 384 rows were slower again.
 const MIN_CHUNK: usize = 128;
 
 /// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C]) against `targets` [n] (u32),
@@ -41,6 +43,9 @@ pub fn score(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
 pub(super) fn score_values(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f64, usize)> {
     let dims = Dims::of(x.len(), w.len(), ids.len())?;
     check_targets(ids, dims.vocab)?;
+    if vocab_blocks::applies(dims.vocab) {
+        return Ok(vocab_blocks::loss_sum_and_correct(x, w, ids, dims.shape()));
+    }
     let parts: Vec<(f64, usize)> = (0..dims.chunks())
         .into_par_iter()
         .map(|c| {
@@ -104,6 +109,14 @@ impl Dims {
             .max(1)
     }
 
+    fn shape(&self) -> vocab_blocks::Shape {
+        vocab_blocks::Shape {
+            rows: self.rows,
+            channels: self.channels,
+            vocab: self.vocab,
+        }
+    }
+
     /// How many chunks the rows make.
     fn chunks(&self) -> usize {
         self.rows.div_ceil(self.chunk)
@@ -151,7 +164,7 @@ impl CustomOp3 for HeadLossOp {
             values(w, w_layout)?,
             indices_of(t, t_layout)?,
         );
-        let mean = mean_loss(x, w, &ids)?;
+        let (mean, _) = mean_loss(x, w, &ids)?;
         Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
     }
 
@@ -169,7 +182,7 @@ impl CustomOp3 for HeadLossOp {
         let (dx, dw) = with_values(x, |xv| {
             with_values(w, |wv| {
                 let mut dx = vec![0f32; xv.len()];
-                let dw = loss_bwd(xv, wv, &ids, g, &mut dx)?;
+                let dw = loss_bwd(xv, wv, &ids, g, &mut dx, &[])?;
                 Ok((dx, dw))
             })
         })?;
@@ -181,10 +194,16 @@ impl CustomOp3 for HeadLossOp {
     }
 }
 
-/// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C] values) against `ids`.
-pub(super) fn mean_loss(x: &[f32], w: &[f32], ids: &[usize]) -> Result<f32> {
+/// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C] values) against `ids`, and
+/// for a vocabulary made in blocks each row's log-sum-exp, which [`loss_bwd`] then need not
+/// make again (empty otherwise).
+pub(super) fn mean_loss(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f32, Vec<f32>)> {
     let dims = Dims::of(x.len(), w.len(), ids.len())?;
     check_targets(ids, dims.vocab)?;
+    if vocab_blocks::applies(dims.vocab) {
+        let (sum, lse) = vocab_blocks::loss_sum(x, w, ids, dims.shape());
+        return Ok((sum / dims.rows as f32, lse));
+    }
     let parts: Vec<f32> = (0..dims.chunks())
         .into_par_iter()
         .map(|c| {
@@ -194,21 +213,34 @@ pub(super) fn mean_loss(x: &[f32], w: &[f32], ids: &[usize]) -> Result<f32> {
         })
         .collect();
     // Chunk sums added in order: the same loss whatever the number of threads.
-    Ok(parts.iter().sum::<f32>() / dims.rows as f32)
+    Ok((parts.iter().sum::<f32>() / dims.rows as f32, Vec::new()))
 }
 
 /// The backward of `g` · [`mean_loss`]: d logits = (softmax - one-hot(target)) · g / n;
-/// dx = d logits · w written into `dx`; returns dw = d logitsᵀ · x.
+/// dx = d logits · w written into `dx`; returns dw = d logitsᵀ · x. `lse`: what
+/// [`mean_loss`] returned besides the loss, or nothing.
 pub(super) fn loss_bwd(
     xv: &[f32],
     wv: &[f32],
     ids: &[usize],
     g: f32,
     dx: &mut [f32],
+    lse: &[f32],
 ) -> Result<Vec<f32>> {
     let dims = Dims::of(xv.len(), wv.len(), ids.len())?;
     check_targets(ids, dims.vocab)?;
     let scale = g / dims.rows as f32;
+    if vocab_blocks::applies(dims.vocab) {
+        return Ok(vocab_blocks::loss_bwd(
+            xv,
+            wv,
+            ids,
+            scale,
+            dx,
+            dims.shape(),
+            lse,
+        ));
+    }
     // One dw per contiguous group of chunks (one per thread), added in order.
     let (chunk, chunks) = (dims.chunk, dims.chunks());
     let groups = rayon::current_num_threads().min(chunks).max(1);

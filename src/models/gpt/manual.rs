@@ -31,6 +31,8 @@ pub(super) struct Pass<'a> {
     /// The last block's output (ln_f's input) and ln_f's output.
     last: Vec<f32>,
     normed: Vec<f32>,
+    /// The head's log-sum-exp per row, when it keeps them (see `head::mean_loss`).
+    lse: Vec<f32>,
     loss: Tensor,
 }
 
@@ -82,9 +84,10 @@ pub(super) fn forward<'a>(
     let (blocks, x, normed, loss) = with_all_values(&weight_tensors(gpt), |all| {
         let weights = Weights(all);
         let (blocks, x, normed) = trunk(gpt, &weights, &ids, t, &masks, true);
-        let loss = head::mean_loss(&normed, weights.get(0), &target_ids)?;
-        Ok((blocks, x, normed, loss))
+        let (loss, lse) = head::mean_loss(&normed, weights.get(0), &target_ids)?;
+        Ok((blocks, x, normed, (loss, lse)))
     })?;
+    let (loss, lse) = loss;
     Ok(Pass {
         gpt,
         n,
@@ -95,6 +98,7 @@ pub(super) fn forward<'a>(
         blocks,
         last: x,
         normed,
+        lse,
         loss: Tensor::new(loss, xs.device())?,
     })
 }
@@ -243,6 +247,7 @@ impl TrainPass for Pass<'_> {
             blocks,
             last,
             normed,
+            lse,
             loss: _,
         } = *self;
         let cfg = &gpt.config;
@@ -252,7 +257,8 @@ impl TrainPass for Pass<'_> {
             let weights = Weights(all);
             let wte = weights.get(0);
             let mut d_normed = scratch::take(rows * c);
-            let mut d_wte = head::loss_bwd(&normed, wte, &targets, scale as f32, &mut d_normed)?;
+            let mut d_wte =
+                head::loss_bwd(&normed, wte, &targets, scale as f32, &mut d_normed, &lse)?;
             // The gradient of the residual stream, from the top down.
             let mut d_res = scratch::take(rows * c);
             let (ln_f, _) = weights.ln_f();

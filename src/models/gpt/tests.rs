@@ -433,10 +433,16 @@ fn a_tiny_gpt_learns_a_repeating_sequence() {
 
 #[test]
 fn fused_head_loss_matches_logits_and_cross_entropy_with_gradients() {
-    let dev = Device::Cpu;
     // 300 rows against 1,100 symbols: logits in chunks of 128 rows (fewer on a pool of more
-    // than two threads) and a partial one.
-    let (rows, channels, vocab) = (300, 16, 1100);
+    // than two threads) and a partial one. 2,100 symbols: made in blocks of vocabulary
+    // columns (`vocab_blocks`), the last one partial.
+    for (rows, vocab) in [(300, 1100), (150, 2100)] {
+        fused_head_matches_composed(rows, 16, vocab);
+    }
+}
+
+fn fused_head_matches_composed(rows: usize, channels: usize, vocab: usize) {
+    let dev = Device::Cpu;
     let x = Var::from_tensor(&Tensor::randn(0f32, 1., (rows, channels), &dev).unwrap()).unwrap();
     let w = Var::from_tensor(&Tensor::randn(0f32, 0.5, (vocab, channels), &dev).unwrap()).unwrap();
     let ids: Vec<u32> = (0..rows as u32)
@@ -458,17 +464,50 @@ fn fused_head_loss_matches_logits_and_cross_entropy_with_gradients() {
         let diff = max_diff(a, b);
         assert!(
             diff < 1e-5,
-            "output {i} (0: loss, 1: dx, 2: dw) differs by {diff}"
+            "vocabulary {vocab}: output {i} (0: loss, 1: dx, 2: dw) differs by {diff}"
         );
     }
     let (sum, correct) = head::score(x.as_tensor(), w.as_tensor(), &targets).unwrap();
     let (sum2, correct2) = crate::task::loss_sum_and_correct(&composed_logits, &targets).unwrap();
     assert!((sum - sum2).abs() < 1e-3, "{sum} vs {sum2}");
     assert_eq!(correct, correct2);
+    // The hand-written pass hands the forward's log-sum-exps (kept for a vocabulary made in
+    // blocks) to the backward: the same gradients as making them again.
+    let (xv, wv) = (values(x.as_tensor()), values(w.as_tensor()));
+    let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+    let (loss, lse) = head::mean_loss(&xv, &wv, &ids).unwrap();
+    assert!(
+        (loss - fused[0][0]).abs() < 1e-6,
+        "{loss} vs {}",
+        fused[0][0]
+    );
+    assert_eq!(
+        lse.len(),
+        if vocab_blocks::applies(vocab) {
+            rows
+        } else {
+            0
+        }
+    );
+    let backward = |lse: &[f32]| {
+        let mut dx = vec![0f32; xv.len()];
+        let dw = head::loss_bwd(&xv, &wv, &ids, 3.0, &mut dx, lse).unwrap();
+        (dx, dw)
+    };
+    let (known, again) = (backward(&lse), backward(&[]));
+    assert!(
+        known == again,
+        "vocabulary {vocab}: kept log-sum-exps change the gradients"
+    );
+    assert!(max_diff(&known.0, &fused[1]) < 1e-5 && max_diff(&known.1, &fused[2]) < 1e-5);
     let outside = Tensor::new(&[0u32, vocab as u32], &dev).unwrap();
     let two = x.as_tensor().narrow(0, 0, 2).unwrap();
     let err = head::loss(&two, w.as_tensor(), &outside).unwrap_err();
-    assert!(err.to_string().contains("target 1100 is outside"), "{err}");
+    assert!(
+        err.to_string()
+            .contains(&format!("target {vocab} is outside")),
+        "{err}"
+    );
 }
 
 #[test]

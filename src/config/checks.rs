@@ -141,7 +141,8 @@ pub fn tokenizer<S>() -> impl Fn(&mut Checker, &str, &String, &S) -> TokenizerKi
                 key,
                 format!(
                     "unknown value \"{other}\"; expected \"char\", \"byte\" or the path of a \
-                     Hugging Face tokenizer file ending in .json (e.g. \"data/gpt2/tokenizer.json\")"
+                     Hugging Face tokenizer file ending in .json \
+                     (e.g. \"data/gpt2/tokenizer.json\")"
                 ),
             );
             TokenizerKind::Char

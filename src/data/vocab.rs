@@ -124,7 +124,6 @@ impl Vocab {
             vocab: self,
             ids: Vec::new(),
             shown: 0,
-            context: 0,
         }
     }
 
@@ -159,8 +158,6 @@ pub struct TextStream<'v> {
     ids: Vec<u32>,
     /// Ids before this index have been shown.
     shown: usize,
-    /// Where the decoded context starts: the last shown token.
-    context: usize,
 }
 
 impl TextStream<'_> {
@@ -172,7 +169,6 @@ impl TextStream<'_> {
         if text.ends_with('\u{FFFD}') && waiting < 4 {
             return None;
         }
-        self.context = self.ids.len() - 1;
         self.shown = self.ids.len();
         Some(text)
     }
@@ -182,10 +178,11 @@ impl TextStream<'_> {
         (self.shown < self.ids.len()).then(|| self.added())
     }
 
-    /// The text the ids after `shown` add to those from `context` on.
+    /// The text the ids after `shown` add to the last shown one (their decoding context).
     fn added(&self) -> String {
-        let before = self.vocab.decode(&self.ids[self.context..self.shown]);
-        let now = self.vocab.decode(&self.ids[self.context..]);
+        let context = self.shown.saturating_sub(1);
+        let before = self.vocab.decode(&self.ids[context..self.shown]);
+        let now = self.vocab.decode(&self.ids[context..]);
         match now.strip_prefix(before.as_str()) {
             Some(rest) => rest.to_string(),
             // A decoder that rewrites earlier text: show the new tokens on their own.

@@ -81,13 +81,12 @@ pub(super) fn forward<'a>(
         }
         _ => Vec::new(),
     };
-    let (blocks, x, normed, loss) = with_all_values(&weight_tensors(gpt), |all| {
+    let (blocks, x, normed, (loss, lse)) = with_all_values(&weight_tensors(gpt), |all| {
         let weights = Weights(all);
         let (blocks, x, normed) = trunk(gpt, &weights, &ids, t, &masks, true);
         let (loss, lse) = head::mean_loss(&normed, weights.get(0), &target_ids)?;
         Ok((blocks, x, normed, (loss, lse)))
     })?;
-    let (loss, lse) = loss;
     Ok(Pass {
         gpt,
         n,

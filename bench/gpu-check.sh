@@ -1,155 +1,224 @@
 #!/usr/bin/env bash
-# One command that checks ddpjob on a GPU machine (no network, no Rust there): the CUDA binary
-# from ../shared/gpu/build-cuda.sh and data carried in the tree. Prints a table and writes a
-# JSON report (gpu-check.json) to $OUT (the device tool brings $OUT back), else a temp folder.
+# Checks ddpjob on a GPU machine (no network, no Rust there): the CUDA binary from
+# ../shared/gpu/build-cuda.sh and data carried in the tree. Prints a table and writes, after
+# every step, gpu-check.json (steps, status, details) and logs.tar.gz (every step's output) to
+# $OUT (the device tool brings $OUT back: at most 8 files; this writes 4), else a temp folder.
 #
-#   bench/gpu-check.sh                      on the GPU machine, from the repository root, with
+#   bench/gpu-check.sh [STEP...]            on the GPU machine, from the repository root, with
 #                                           target/gpu-carry/ from bench/gpu-pack.sh carried
 #                                           (device tool: carry ["target/gpu-carry"])
 #   DEVICE=cpu bench/gpu-check.sh           the same steps on this machine's CPU (a dry run of
 #                                           the script itself; GPU-only steps are skipped)
 #
+# STEPs (default: all, in this order): driver (nvidia-smi, the libraries the binary loads),
+# smoke (configs/smoke.toml in f32 and bf16 with --junit), nccl (NCCL at world size 1 against
+# the same job on the CPU), cnn (a Fashion-MNIST cnn epoch against torch_ref.py), gpt (the GPT
+# GPU recipe against gpt_ref.py), bench (`bench step`, `bench allreduce`), resume (SIGTERM in
+# the middle of a run, then `resume`, against the same job uninterrupted). The device tool
+# stops a command after 10 minutes: run `driver smoke nccl cnn bench resume` in one call and
+# `gpt` (5000 steps of each program) in another.
+#
 # env: BIN (default: target/gpu-carry's binary, else "target/gpu-dist/run-gpu.sh
 #      target/gpu-dist/ddpjob"), DATA (the four Fashion-MNIST .gz files; default
 #      target/gpu-carry/fashion-mnist), TEXT (default target/gpu-carry/input.txt), PYTHON (with
-#      torch), QUICK=1 (a 200-step GPT run instead of the recipe's), SMOKE_ONLY=1 (skip the
-#      comparisons with PyTorch, which need its data and torch: what CI's GPU job runs).
-# Steps: the driver and GPU; the smoke job in f32 and bf16 with --junit; NCCL at world size 1
-# against the same job on the CPU; a Fashion-MNIST cnn epoch against torch_ref.py; the GPT GPU
-# recipe against gpt_ref.py; SIGTERM during a run, then resume, against an uninterrupted run.
+#      torch), QUICK=1 (200 GPT steps instead of the recipe's), GPT_STEPS=N (N GPT steps),
+#      STEP_TIMEOUT (seconds one step may take, default 540), SMOKE_ONLY=1 (skip cnn and gpt,
+#      which need PyTorch and data: what CI's GPU job runs).
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
+all_steps=(driver smoke nccl cnn gpt bench resume)
+wanted=("$@")
+[ $# -gt 0 ] || wanted=("${all_steps[@]}")
+for s in "${wanted[@]}"; do
+  case " ${all_steps[*]} " in *" $s "*) ;;
+    *) echo "gpu-check: unknown step '$s'; steps: ${all_steps[*]}" >&2; exit 2 ;; esac
+done
+wants() {
+  case " ${wanted[*]} " in *" $1 "*) ;; *) return 1 ;; esac
+  if [ -n "${SMOKE_ONLY:-}" ] && { [ "$1" = cnn ] || [ "$1" = gpt ]; }; then
+    record "$1" skipped "SMOKE_ONLY"; return 1
+  fi
+}
 device=${DEVICE:-cuda}
 python=${PYTHON:-python3}
+limit=${STEP_TIMEOUT:-540}
 carry=target/gpu-carry
-default_bin="target/gpu-dist/run-gpu.sh target/gpu-dist/ddpjob"
-if [ -z "${BIN:-}" ] && [ -f "$carry/ddpjob.xz" ]; then
-  # Unpacked with Python's lzma: the GPU machine has Python (for PyTorch), maybe not xz.
-  unpacked=$(mktemp -d)/ddpjob
-  "$python" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-    "$carry/ddpjob.xz" "$unpacked" && chmod +x "$unpacked"
-  default_bin="$carry/run-gpu.sh $unpacked"
-fi
-read -r -a bin <<< "${BIN:-$default_bin}"
-[ "$device" = cpu ] && [ -z "${BIN:-}" ] && bin=(target/release/ddpjob)
 data=${DATA:-$carry/fashion-mnist}
 text=${TEXT:-$carry/input.txt}
-ref() { for p in "$carry/ref/$1" "../shared/bench/$1"; do [ -f "$p" ] && { echo "$p"; return; }; done; echo "$carry/ref/$1"; }
 out=${OUT:-$(mktemp -d)}
-mkdir -p "$out"
-jobs=$(mktemp -d)
-trap 'rm -rf "$jobs"' EXIT
-report=$out/gpu-check.json
-: > "$out/steps.jsonl"
-ddpjob() { "${bin[@]}" "$@"; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+jobs=$work/jobs logs=$work/logs
+mkdir -p "$out" "$jobs" "$logs"
+: > "$work/steps.jsonl"
+failed=0
 
-# record NAME ok|FAIL|skipped DETAIL
+# record STEP ok|FAIL|skipped DETAIL: one table row, then the report and logs rewritten, so a
+# command stopped at its time limit still leaves everything done so far in $OUT.
 record() {
   printf '%-34s %-8s %s\n' "$1" "$2" "$3"
-  "$python" -c 'import json,sys; print(json.dumps({"step":sys.argv[1],"status":sys.argv[2],"detail":sys.argv[3]}))' \
-    "$1" "$2" "$3" >> "$out/steps.jsonl" 2>/dev/null || true
+  [ "$2" = FAIL ] && failed=$((failed + 1))
+  "$python" - "$@" "$work/steps.jsonl" "$out/gpu-check.json" "$device" "$failed" <<'PY' \
+    || echo "gpu-check: $python could not write the JSON report" >&2
+import json, sys
+step, status, detail, steps_path, report, device, failed = sys.argv[1:8]
+with open(steps_path, "a") as f:
+    f.write(json.dumps({"step": step, "status": status, "detail": detail}) + "\n")
+steps = [json.loads(l) for l in open(steps_path) if l.strip()]
+json.dump({"device": device, "steps": steps, "failed": int(failed)}, open(report, "w"), indent=1)
+PY
+  tar -czf "$out/logs.tar.gz" -C "$work" logs 2>/dev/null || true
 }
+tail_of() { tail -n "${2:-3}" "$1" 2>/dev/null | tr '\n' ' '; }
 summary() { "$python" -c 'import json,sys; s=json.load(open(sys.argv[1])); print(" ".join(f"{k}={s.get(k)}" for k in sys.argv[2:]))' "$@"; }
+
+# The binary: target/gpu-carry's, unpacked with Python's lzma (the GPU machine has Python for
+# PyTorch, maybe not xz), run through run-gpu.sh (the CUDA libraries of that Python's wheels).
+# `bash` runs the wrapper in case the carry lost its mode; the wrapper execs the binary, so a
+# signal sent to the pid reaches ddpjob.
+if [ -n "${BIN:-}" ]; then read -r -a bin <<< "$BIN"
+elif [ "$device" = cpu ]; then bin=(target/release/ddpjob)
+elif [ -f "$carry/ddpjob.xz" ]; then
+  "$python" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+    "$carry/ddpjob.xz" "$work/ddpjob" && chmod +x "$work/ddpjob" \
+    || { echo "gpu-check: cannot unpack $carry/ddpjob.xz with $python" >&2; exit 1; }
+  bin=(bash "$carry/run-gpu.sh" "$work/ddpjob")
+else bin=(bash target/gpu-dist/run-gpu.sh target/gpu-dist/ddpjob); fi
+[ -x "${bin[-1]}" ] || { echo "gpu-check: no binary at ${bin[-1]} (build-cuda.sh, then gpu-pack.sh)" >&2; exit 1; }
+wrapper=("${bin[@]:0:${#bin[@]}-1}")   # what runs the binary: run-gpu.sh, or nothing
+ddpjob() { timeout -k 10 "$limit" "${bin[@]}" "$@"; }
 gpu=(--set "distributed.device=$device")
 
-echo "# ddpjob GPU check on $(hostname), device $device"
-if [ "$device" = cuda ]; then
-  if smi=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1); then
-    record "driver and GPU" ok "$smi"
-  else record "driver and GPU" FAIL "$smi"; fi
-  # run-gpu.sh puts the CUDA libraries of the machine's Python (its nvidia-* wheels) on the path.
-  site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null)
-  nccl=$(find "$site/nvidia" -name 'libnccl.so*' 2>/dev/null | head -1)
-  record "NCCL library ddpjob loads" "$([ -n "$nccl" ] && echo ok || echo FAIL)" "${nccl:-no libnccl.so under $site/nvidia}"
-else
-  record "driver and GPU" skipped "DEVICE=cpu dry run"
+echo "# ddpjob GPU check on $(uname -n), device $device, steps: ${wanted[*]}"
+if wants driver; then
+  if [ "$device" = cuda ]; then
+    if smi=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1); then
+      record "driver and GPU" ok "$smi"
+    else record "driver and GPU" FAIL "$smi"; fi
+  else record "driver and GPU" skipped "DEVICE=cpu dry run"
+  fi
+  # The libraries as the loader finds them for the binary, with the wrapper's library path.
+  if libs=$("${wrapper[@]}" ldd "${bin[-1]}" 2>&1); then
+    missing=$(grep 'not found' <<< "$libs" | awk '{print $1}' | paste -sd' ')
+    nccl=$(awk '/libnccl/ {print $3}' <<< "$libs")
+    if [ -n "$missing" ]; then record "libraries ddpjob loads" FAIL "not found: $missing"
+    else record "libraries ddpjob loads" ok "NCCL: ${nccl:-not linked (a CPU build)}"; fi
+  else record "libraries ddpjob loads" FAIL "ldd: $(head -c 300 <<< "$libs")"; fi
 fi
 
 # The smoke job, f32 and bf16, with its [expect] checks and a JUnit report each.
-for precision in f32 bf16; do
-  if ddpjob run configs/smoke.toml --jobs-dir "$jobs" --name "smoke-$precision" "${gpu[@]}" \
-       --set "train.precision=$precision" --junit "$out/smoke-$precision.xml" > "$out/smoke-$precision.log" 2>&1; then
-    record "smoke $precision (--junit)" ok "$(summary "$jobs/smoke-$precision/summary.json" test_accuracy final_train_loss train_samples_per_s)"
-  else record "smoke $precision (--junit)" FAIL "$(tail -3 "$out/smoke-$precision.log" | tr '\n' ' ')"; fi
-done
+if wants smoke; then
+  for precision in f32 bf16; do
+    log=$logs/smoke-$precision.log
+    if ddpjob run configs/smoke.toml --jobs-dir "$jobs" --name "smoke-$precision" "${gpu[@]}" \
+         --set "train.precision=$precision" --junit "$out/smoke-$precision.xml" > "$log" 2>&1; then
+      record "smoke $precision (--junit)" ok "$(summary "$jobs/smoke-$precision/summary.json" test_accuracy final_train_loss train_samples_per_s)"
+    else record "smoke $precision (--junit)" FAIL "$(tail_of "$log")"; fi
+  done
+fi
 
 # NCCL at world size 1 against the same job on the CPU: the same data, order and steps, so only
 # the arithmetic differs (GPU kernels sum in other orders): final losses within 1e-3.
-if [ "$device" = cuda ]; then
-  ok=1
-  ddpjob run configs/smoke.toml --jobs-dir "$jobs" --name nccl1 "${gpu[@]}" --set distributed.backend=nccl --nproc-per-node 1 > "$out/nccl1.log" 2>&1 || ok=0
-  ddpjob run configs/smoke.toml --jobs-dir "$jobs" --name cpu1 --set distributed.device=cpu --nproc-per-node 1 > "$out/cpu1.log" 2>&1 || ok=0
-  if [ "$ok" = 1 ] && detail=$("$python" - "$jobs/nccl1/summary.json" "$jobs/cpu1/summary.json" <<'PY'
+if wants nccl; then
+  if [ "$device" = cuda ]; then
+    ok=1
+    ddpjob run configs/smoke.toml --jobs-dir "$jobs" --name nccl1 "${gpu[@]}" --set distributed.backend=nccl \
+      --nproc-per-node 1 > "$logs/nccl1.log" 2>&1 || ok=0
+    ddpjob run configs/smoke.toml --jobs-dir "$jobs" --name cpu1 --set distributed.device=cpu \
+      --nproc-per-node 1 > "$logs/cpu1.log" 2>&1 || ok=0
+    if [ "$ok" = 1 ] && detail=$("$python" - "$jobs/nccl1/summary.json" "$jobs/cpu1/summary.json" <<'PY'
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 d = abs(a["final_train_loss"] - b["final_train_loss"])
 print(f"final loss nccl {a['final_train_loss']:.5f} cpu {b['final_train_loss']:.5f} (|diff| {d:.2e}, tolerance 1e-3); accuracy {a['test_accuracy']:.4f} vs {b['test_accuracy']:.4f}")
 sys.exit(0 if d <= 1e-3 else 1)
 PY
-  ); then record "NCCL world 1 vs CPU" ok "$detail"
-  else record "NCCL world 1 vs CPU" FAIL "${detail:-$(tail -2 "$out/nccl1.log" "$out/cpu1.log" | tr '\n' ' ')}"; fi
-else
-  record "NCCL world 1 vs CPU" skipped "DEVICE=cpu dry run"
+    ); then record "NCCL world 1 vs CPU" ok "$detail"
+    else record "NCCL world 1 vs CPU" FAIL "${detail:-$(tail_of "$logs/nccl1.log" 2) $(tail_of "$logs/cpu1.log" 2)}"; fi
+  else
+    record "NCCL world 1 vs CPU" skipped "DEVICE=cpu dry run"
+  fi
 fi
 
 # A Fashion-MNIST cnn epoch against torch_ref.py on the same device (the machine's PyTorch).
-if [ -n "${SMOKE_ONLY:-}" ]; then
-  record "cnn epoch vs torch_ref.py" skipped "SMOKE_ONLY"
-elif [ -f "$data/train-images-idx3-ubyte.gz" ]; then
-  rounds=1
-  if line=$(DEVICE=$device DATA=$data BIN="${bin[*]}" PYTHON=$python TORCH_REF=$(ref torch_ref.py) \
-        bench/vs-torch.sh cnn "$rounds" 2>"$out/cnn.err" | tail -1) && [ -n "$line" ]; then
-    record "cnn epoch vs torch_ref.py" ok "$line"
-  else record "cnn epoch vs torch_ref.py" FAIL "$(tail -2 "$out/cnn.err" | tr '\n' ' ')"; fi
-else record "cnn epoch vs torch_ref.py" FAIL "no Fashion-MNIST in $data (carry its four .gz files)"; fi
+ref() { for p in "$carry/ref/$1" "../shared/bench/$1"; do [ -f "$p" ] && { echo "$p"; return; }; done; echo "$carry/ref/$1"; }
+if wants cnn; then
+  if [ -f "$data/train-images-idx3-ubyte.gz" ]; then
+    if line=$(DEVICE=$device DATA=$data BIN="${bin[*]}" PYTHON=$python TORCH_REF=$(ref torch_ref.py) \
+          timeout -k 10 "$limit" bench/vs-torch.sh cnn 1 2> "$logs/cnn.err" | tail -1) && [ -n "$line" ]; then
+      record "cnn epoch vs torch_ref.py" ok "$line"
+    else record "cnn epoch vs torch_ref.py" FAIL "$(tail_of "$logs/cnn.err" 2)"; fi
+  else record "cnn epoch vs torch_ref.py" FAIL "no Fashion-MNIST in $data (carry its four .gz files)"; fi
+fi
 
-# The GPT recipe against gpt_ref.py.
-if [ -n "${SMOKE_ONLY:-}" ]; then
-  record "GPT recipe vs gpt_ref.py" skipped "SMOKE_ONLY"
-elif [ -f "$text" ]; then
-  config=configs/shakespeare-char-gpu.toml
-  [ "$device" = cpu ] && config=configs/shakespeare-char.toml
-  if [ -n "${QUICK:-}" ]; then
-    sed 's/^max_steps *=.*/max_steps = 200/' "$config" > "$jobs/gpt-quick.toml"
-    config=$jobs/gpt-quick.toml
-  fi
-  if line=$(DEVICE=$device TEXT=$text BIN="${bin[*]}" PYTHON=$python GPT_REF=$(ref gpt_ref.py) CONFIG=$config \
-        bench/gpt-vs-torch.sh 1 2>"$out/gpt.err" | tail -1) && [ -n "$line" ]; then
-    record "GPT recipe vs gpt_ref.py" ok "$line"
-  else record "GPT recipe vs gpt_ref.py" FAIL "$(tail -2 "$out/gpt.err" | tr '\n' ' ')"; fi
-else record "GPT recipe vs gpt_ref.py" FAIL "no text at $text (carry tiny Shakespeare)"; fi
+# The GPT recipe against gpt_ref.py, each for the same number of steps.
+if wants gpt; then
+  if [ -f "$text" ]; then
+    config=configs/shakespeare-char-gpu.toml
+    [ "$device" = cpu ] && config=configs/shakespeare-char.toml
+    steps=${GPT_STEPS:-}
+    [ -n "${QUICK:-}" ] && steps=${steps:-200}
+    if [ -n "$steps" ]; then
+      sed "s/^max_steps *=.*/max_steps = $steps/" "$config" > "$work/gpt.toml"
+      config=$work/gpt.toml
+    fi
+    if line=$(DEVICE=$device TEXT=$text BIN="${bin[*]}" PYTHON=$python GPT_REF=$(ref gpt_ref.py) CONFIG=$config \
+          timeout -k 10 "$limit" bench/gpt-vs-torch.sh 1 2> "$logs/gpt.err" | tail -1) && [ -n "$line" ]; then
+      record "GPT recipe vs gpt_ref.py" ok "${steps:-all} steps: $line"
+    else record "GPT recipe vs gpt_ref.py" FAIL "$(tail_of "$logs/gpt.err" 2)"; fi
+  else record "GPT recipe vs gpt_ref.py" FAIL "no text at $text (carry tiny Shakespeare)"; fi
+fi
 
-# `bench step`: the cnn's training step on the device, against the device's measured GEMM rate.
-steps=300
-[ -n "${QUICK:-}" ] && steps=30
-if ddpjob bench step --config configs/fashion-mnist.toml "${gpu[@]}" --steps "$steps" --json \
-     > "$out/bench-step.json" 2> "$out/bench-step.err" \
-   && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms, %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$out/bench-step.json"); then
-  record "bench step (cnn)" ok "$detail"
-else record "bench step (cnn)" FAIL "$(tail -2 "$out/bench-step.err" | tr '\n' ' ')"; fi
+if wants bench; then
+  # `bench step`: the cnn's training step on the device, against the device's measured GEMM rate.
+  steps=300
+  [ -n "${QUICK:-}" ] && steps=30
+  if ddpjob bench step --config configs/fashion-mnist.toml "${gpu[@]}" --steps "$steps" --json \
+       > "$logs/bench-step.json" 2> "$logs/bench-step.err" \
+     && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms, %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$logs/bench-step.json"); then
+    record "bench step (cnn)" ok "$detail"
+  else record "bench step (cnn)" FAIL "$(tail_of "$logs/bench-step.err" 2)"; fi
 
-# `bench allreduce`: NCCL between GPUs (one per worker), the tcp ring on the CPU.
-gpus=2
-[ "$device" = cuda ] && gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
-if [ "$gpus" -lt 2 ]; then
-  record "bench allreduce" skipped "$gpus GPU: NCCL needs a GPU per worker, two at least"
-elif ddpjob bench allreduce --device "$device" --nproc-per-node "$gpus" --sizes 1M,10M,100M \
-       > "$out/bench-allreduce.txt" 2>&1; then
-  record "bench allreduce" ok "$(tail -1 "$out/bench-allreduce.txt" | tr -s ' ')"
-else record "bench allreduce" FAIL "$(tail -2 "$out/bench-allreduce.txt" | tr '\n' ' ')"; fi
+  # `bench allreduce`: NCCL between GPUs (one per worker), the tcp ring on the CPU.
+  gpus=2
+  [ "$device" = cuda ] && gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+  if [ "$gpus" -lt 2 ]; then
+    record "bench allreduce" skipped "$gpus GPU: NCCL needs a GPU per worker, two at least"
+  elif ddpjob bench allreduce --device "$device" --nproc-per-node "$gpus" --sizes 1M,10M,100M \
+         > "$logs/bench-allreduce.txt" 2>&1; then
+    record "bench allreduce" ok "$(tail -1 "$logs/bench-allreduce.txt" | tr -s ' ')"
+  else record "bench allreduce" FAIL "$(tail_of "$logs/bench-allreduce.txt" 2)"; fi
+fi
 
-# SIGTERM in the middle of a run, then `resume`, against the same job uninterrupted.
-long=(--set train.epochs=300 --set checkpoint.every_epochs=0)
-ddpjob run configs/smoke.toml --jobs-dir "$jobs" --name whole "${gpu[@]}" "${long[@]}" > "$out/whole.log" 2>&1
-# The binary itself in the background (run-gpu.sh execs it), so the signal reaches the launcher.
-"${bin[@]}" run configs/smoke.toml --jobs-dir "$jobs" --name cut "${gpu[@]}" "${long[@]}" > "$out/cut.log" 2>&1 &
-pid=$!
-for _ in $(seq 600); do grep -qs "\"step\":200," "$jobs/cut/metrics.jsonl" && break; sleep 0.05; done
-kill -TERM "$pid" 2>/dev/null
-wait "$pid"; status=$?
-if [ "$status" = 143 ] && ddpjob resume cut --jobs-dir "$jobs" > "$out/resume.log" 2>&1 \
-   && detail=$("$python" - "$jobs/whole/model.safetensors" "$jobs/cut/model.safetensors" <<'PY'
+# SIGTERM in the middle of a run, then `resume`, against the same job uninterrupted: the final
+# weights must be bit-identical (the same device, the same kernels, the same order).
+if wants resume; then
+  long=(--set train.epochs=300 --set checkpoint.every_epochs=0 --set expect.max_wall_s=3600)
+  whole_ok=1
+  ddpjob run configs/smoke.toml --jobs-dir "$jobs" --name whole "${gpu[@]}" "${long[@]}" \
+    > "$logs/whole.log" 2>&1 || whole_ok=0
+  # The binary itself in the background (run-gpu.sh execs it), so the signal reaches the launcher.
+  "${bin[@]}" run configs/smoke.toml --jobs-dir "$jobs" --name cut "${gpu[@]}" "${long[@]}" \
+    > "$logs/cut.log" 2>&1 &
+  pid=$!
+  reached=0
+  for _ in $(seq 2400); do   # up to 120 s for the start (CUDA's) and 200 steps
+    grep -qs '"step":200,' "$jobs/cut/metrics.jsonl" && { reached=1; break; }
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  kill -TERM "$pid" 2>/dev/null
+  wait "$pid"; status=$?
+  if [ "$whole_ok" = 0 ]; then
+    record "SIGTERM, resume vs uninterrupted" FAIL "the uninterrupted run failed: $(tail_of "$logs/whole.log" 2)"
+  elif [ "$reached" = 0 ]; then
+    record "SIGTERM, resume vs uninterrupted" FAIL "the run to cut never reached step 200 (exit $status): $(tail_of "$logs/cut.log" 2)"
+  elif [ "$status" != 143 ]; then
+    record "SIGTERM, resume vs uninterrupted" FAIL "SIGTERM gave exit $status, not 143: $(tail_of "$logs/cut.log" 2)"
+  elif ! ddpjob resume cut --jobs-dir "$jobs" > "$logs/resume.log" 2>&1; then
+    record "SIGTERM, resume vs uninterrupted" FAIL "resume failed: $(tail_of "$logs/resume.log" 2)"
+  elif detail=$("$python" - "$jobs/whole/model.safetensors" "$jobs/cut/model.safetensors" <<'PY'
 import array, json, struct, sys
 def load(path):
     b = open(path, "rb").read()
@@ -163,18 +232,15 @@ def load(path):
             out[k] = a
     return out
 a, b = load(sys.argv[1]), load(sys.argv[2])
-diff = max(max(abs(x - y) for x, y in zip(a[k], b[k])) for k in a)
-print("bit-identical" if diff == 0 else f"max |difference| {diff:g} (not bit-identical)")
+if a.keys() != b.keys() or any(len(a[k]) != len(b[k]) for k in a):
+    print("the two runs' weights differ in names or sizes"); sys.exit(1)
+diff = max(max((abs(x - y) for x, y in zip(a[k], b[k])), default=0.0) for k in a)
+print("bit-identical" if diff == 0 else f"max |difference| {diff:g}: not bit-identical")
+sys.exit(0 if diff == 0 else 1)
 PY
-   ); then record "SIGTERM, resume vs uninterrupted" ok "exit 143, resumed; $detail"
-else record "SIGTERM, resume vs uninterrupted" FAIL "exit $status; $(tail -2 "$out/cut.log" "$out/resume.log" 2>/dev/null | tr '\n' ' ')"; fi
+  ); then record "SIGTERM, resume vs uninterrupted" ok "exit 143, resumed; $detail"
+  else record "SIGTERM, resume vs uninterrupted" FAIL "exit 143, resumed; $detail"; fi
+fi
 
-"$python" - "$out/steps.jsonl" "$report" "$device" <<'PY'
-import json, sys
-steps = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-json.dump({"device": sys.argv[3], "steps": steps,
-           "failed": sum(s["status"] == "FAIL" for s in steps)}, open(sys.argv[2], "w"), indent=1)
-PY
-failed=$(grep -c '"status": "FAIL"' "$out/steps.jsonl" || true)
-echo "report: $report; $failed step(s) failed"
+echo "report: $out/gpu-check.json, logs: $out/logs.tar.gz; $failed step(s) failed"
 [ "$failed" = 0 ]

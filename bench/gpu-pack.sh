@@ -5,7 +5,8 @@
 # Shakespeare text and the two PyTorch reference scripts.
 #
 #   bash ../shared/gpu/build-cuda.sh && bench/gpu-pack.sh
-#   then, with the device tool: carry ["target/gpu-carry"], command "bench/gpu-check.sh"
+#   then, with the device tool: carry ["target/gpu-carry"], two calls (10 minutes each at most):
+#   "bench/gpu-check.sh driver smoke nccl cnn bench resume", then "bench/gpu-check.sh gpt"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dist=${DIST:-target/gpu-dist}

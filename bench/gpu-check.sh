@@ -23,7 +23,8 @@
 #      target/gpu-carry/fashion-mnist), TEXT (default target/gpu-carry/input.txt), PYTHON (with
 #      torch), QUICK=1 (200 GPT steps instead of the recipe's), GPT_STEPS=N (N GPT steps),
 #      STEP_TIMEOUT (seconds one step may take, default 540), SMOKE_ONLY=1 (skip cnn and gpt,
-#      which need PyTorch and data: what CI's GPU job runs).
+#      which need PyTorch and data: what CI's GPU job runs), BENCH_CONFIG (the job file `bench
+#      step` times, default configs/fashion-mnist.toml), ALLREDUCE_SIZES (default 1M,10M,100M).
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
@@ -171,21 +172,21 @@ if wants gpt; then
 fi
 
 if wants bench; then
-  # `bench step`: the cnn's training step on the device, against the device's measured GEMM rate.
+  # `bench step`: the cnn's (BENCH_CONFIG's) training step on the device, against the device's measured GEMM rate.
   steps=300
   [ -n "${QUICK:-}" ] && steps=30
-  if ddpjob bench step --config configs/fashion-mnist.toml "${gpu[@]}" --steps "$steps" --json \
+  if ddpjob bench step --config "${BENCH_CONFIG:-configs/fashion-mnist.toml}" "${gpu[@]}" --steps "$steps" --json \
        > "$logs/bench-step.json" 2> "$logs/bench-step.err" \
      && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms, %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$logs/bench-step.json"); then
-    record "bench step (cnn)" ok "$detail"
-  else record "bench step (cnn)" FAIL "$(tail_of "$logs/bench-step.err" 2)"; fi
+    record "bench step" ok "$detail"
+  else record "bench step" FAIL "$(tail_of "$logs/bench-step.err" 2)"; fi
 
   # `bench allreduce`: NCCL between GPUs (one per worker), the tcp ring on the CPU.
   gpus=2
   [ "$device" = cuda ] && gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
   if [ "$gpus" -lt 2 ]; then
     record "bench allreduce" skipped "$gpus GPU: NCCL needs a GPU per worker, two at least"
-  elif ddpjob bench allreduce --device "$device" --nproc-per-node "$gpus" --sizes 1M,10M,100M \
+  elif ddpjob bench allreduce --device "$device" --nproc-per-node "$gpus" --sizes "${ALLREDUCE_SIZES:-1M,10M,100M}" \
          > "$logs/bench-allreduce.txt" 2>&1; then
     record "bench allreduce" ok "$(tail -1 "$logs/bench-allreduce.txt" | tr -s ' ')"
   else record "bench allreduce" FAIL "$(tail_of "$logs/bench-allreduce.txt" 2)"; fi

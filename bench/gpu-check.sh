@@ -199,9 +199,10 @@ if wants resume; then
   whole_ok=1
   ddpjob run configs/smoke.toml --jobs-dir "$jobs" --name whole "${gpu[@]}" "${long[@]}" \
     > "$logs/whole.log" 2>&1 || whole_ok=0
-  # The binary itself in the background (run-gpu.sh execs it), so the signal reaches the launcher.
-  "${bin[@]}" run configs/smoke.toml --jobs-dir "$jobs" --name cut "${gpu[@]}" "${long[@]}" \
-    > "$logs/cut.log" 2>&1 &
+  # In the background under `timeout`, which passes a SIGTERM on to the binary (run-gpu.sh
+  # execs it) and returns its exit status.
+  timeout -k 10 "$limit" "${bin[@]}" run configs/smoke.toml --jobs-dir "$jobs" --name cut \
+    "${gpu[@]}" "${long[@]}" > "$logs/cut.log" 2>&1 &
   pid=$!
   reached=0
   for _ in $(seq 2400); do   # up to 120 s for the start (CUDA's) and 200 steps

@@ -243,7 +243,7 @@ impl TestJob {
 
 /// Removes the variables a scheduler sets (Slurm's, torchrun's, a PyTorchJob's), which
 /// `ddpjob run` reads: a test run under Slurm or in a pod must not pick up its host's.
-fn without_scheduler(cmd: &mut Command) {
+pub fn without_scheduler(cmd: &mut Command) {
     for (key, _) in std::env::vars() {
         let pod = ["MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"].contains(&key.as_str());
         if key.starts_with("SLURM_") || key.starts_with("PET_") || pod {

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::common::{Run, TestJob};
+use crate::common::{Run, TestJob, without_scheduler};
 
 /// `bash bench/gpu-check.sh <steps>` from the repository root, on the CPU, writing to `out`;
 /// `None` without a `python3` (the script writes its report with it).
@@ -16,8 +16,9 @@ fn gpu_check(out: &Path, steps: &[&str], env: &[(&str, &str)]) -> Option<Run> {
         return None;
     }
     let mut cmd = Command::new("bash");
+    without_scheduler(&mut cmd);
     // The script's own knobs from the caller's environment would change what it runs.
-    let knobs = [
+    for knob in [
         "QUICK",
         "SMOKE_ONLY",
         "GPT_STEPS",
@@ -26,11 +27,8 @@ fn gpu_check(out: &Path, steps: &[&str], env: &[(&str, &str)]) -> Option<Run> {
         "TEXT",
         "BENCH_CONFIG",
         "ALLREDUCE_SIZES",
-    ];
-    for (key, _) in std::env::vars() {
-        if key.starts_with("SLURM_") || knobs.contains(&&*key) {
-            cmd.env_remove(key);
-        }
+    ] {
+        cmd.env_remove(knob);
     }
     let output = cmd
         .arg("bench/gpu-check.sh")

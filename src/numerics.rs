@@ -29,22 +29,18 @@ pub fn flushing() -> bool {
     arch::get()
 }
 
-/// How many threads of rayon's global pool, and of each extra pool given, flush subnormals,
-/// out of how many; `(flushing, total)`. Every pool thread is asked (rayon's broadcast).
-pub fn on_pool_threads(pools: &[&rayon::ThreadPool]) -> (usize, usize) {
-    let count = |modes: Vec<bool>| (modes.iter().filter(|&&m| m).count(), modes.len());
-    let mut totals = count(rayon::broadcast(|_| flushing()));
-    for pool in pools {
-        let (yes, all) = count(pool.broadcast(|_| flushing()));
-        totals = (totals.0 + yes, totals.1 + all);
-    }
-    totals
+/// How many threads of rayon's global pool (which runs every kernel and row shard) flush
+/// subnormals, out of how many; `(flushing, total)`. Every pool thread is asked (rayon's
+/// broadcast).
+pub fn on_pool_threads() -> (usize, usize) {
+    let modes = rayon::broadcast(|_| flushing());
+    (modes.iter().filter(|&&m| m).count(), modes.len())
 }
 
-/// A line for a worker's log: the mode asked for and how many of its threads (the calling one,
-/// rayon's global pool and `pools`) have it.
-pub fn report(asked: bool, pools: &[&rayon::ThreadPool]) -> String {
-    let (pooled, pool_threads) = on_pool_threads(pools);
+/// A line for a worker's log: the mode asked for and how many of its threads (the calling one
+/// and rayon's global pool) have it.
+pub fn report(asked: bool) -> String {
+    let (pooled, pool_threads) = on_pool_threads();
     // The calling thread, unless it is one of the global pool's (a worker with one thread).
     let caller = usize::from(rayon::current_thread_index().is_none());
     let (yes, all) = (

@@ -1,27 +1,32 @@
 //! Data parallelism inside one CPU worker: each micro-batch is cut into row shards that run
-//! forward and backward side by side, one thread each, with single-threaded kernels.
+//! forward and backward side by side, one per thread of rayon's global pool.
 //!
 //! Splitting every matrix product and element-wise op over the threads (intra-op parallelism)
 //! costs a synchronisation per op; a small model's ops are too short for that to pay (a GPT of
 //! 128 channels ran 1.25× faster on 2 threads than on 1). Shards synchronise once per
-//! micro-batch, as the workers of a job do once per step.
+//! micro-batch, as the workers of a job do once per step. Inside a shard the kernels still cut
+//! their loops for the pool's threads, but a thread runs its own pieces unless another thread
+//! is idle: a shard that finishes first then takes work from the one still running, instead of
+//! waiting for it (the pieces are fixed by the thread count, never by timing, so the sums are
+//! the same whoever runs them).
 
 use std::ops::Range;
 use std::sync::{Mutex, OnceLock};
 
 use candle_core::Device;
 
-use rayon::{ThreadPool, ThreadPoolBuilder};
+use rayon::ThreadPoolBuilder;
 
-/// One single-threaded rayon pool per shard: inside a shard, `rayon::current_num_threads()` is
-/// 1, so the kernels run their work inline instead of splitting it again.
+/// How a micro-batch's rows are cut into shards, and the pool that runs them: rayon's global
+/// pool (the kernels' own, so a worker has one set of threads; separate shard threads measured
+/// 5–8% slower, their idle spinning taking cores from the other set's work).
 pub struct ShardPool {
-    pools: Vec<ThreadPool>,
+    shards: usize,
 }
 
 impl ShardPool {
-    /// The process's pool for steps on `device`: one shard per thread of rayon's global pool
-    /// (the worker's share of the cores) on the CPU; none on an accelerator, or with 1 thread.
+    /// The process's shards for steps on `device`: one per thread of rayon's global pool (the
+    /// worker's share of the cores) on the CPU; none on an accelerator, or with 1 thread.
     pub fn for_device(device: &Device) -> Option<&'static ShardPool> {
         static POOL: OnceLock<Option<ShardPool>> = OnceLock::new();
         match device {
@@ -32,33 +37,15 @@ impl ShardPool {
         }
     }
 
-    /// Pools for `threads` shards; `None` below 2 threads (nothing to run side by side) or
-    /// when the threads cannot be started (the step then runs unsharded).
-    pub fn new(threads: usize) -> Option<ShardPool> {
-        if threads < 2 {
-            return None;
-        }
-        let pools = (0..threads)
-            .map(|i| {
-                ThreadPoolBuilder::new()
-                    .num_threads(1)
-                    .thread_name(move |_| format!("ddpjob-shard-{i}"))
-                    .build()
-                    .ok()
-            })
-            .collect::<Option<Vec<_>>>()?;
-        Some(ShardPool { pools })
-    }
-
-    /// The pools, one per shard.
-    pub fn pools(&self) -> impl Iterator<Item = &ThreadPool> {
-        self.pools.iter()
+    /// `shards` shards on the global pool; `None` below 2 (nothing to run side by side).
+    pub fn new(shards: usize) -> Option<ShardPool> {
+        (shards >= 2).then_some(ShardPool { shards })
     }
 
     /// The shards `rows` rows are cut into: as many as there are threads (at most one per
     /// row), contiguous, the first ones one row longer when they do not divide evenly.
     pub fn split(&self, rows: usize) -> Vec<Range<usize>> {
-        let parts = self.pools.len().min(rows).max(1);
+        let parts = self.shards.min(rows).max(1);
         let mut start = 0;
         (0..parts)
             .map(|part| {
@@ -70,20 +57,19 @@ impl ShardPool {
             .collect()
     }
 
-    /// Runs `f(0..parts)` side by side, shard i on pool i, and returns the results in order.
-    /// A panic in a shard is re-raised here.
+    /// Runs `f(0..parts)` side by side on the current rayon pool (the global one, outside any
+    /// pool), shard i on its thread i (and i + n, i + 2n, ... when there are more shards than
+    /// its n threads), and returns the results in order. A panic in a shard is re-raised here,
+    /// once every shard has ended.
     pub fn run<R: Send>(&self, parts: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
-        assert!(
-            parts <= self.pools.len(),
-            "{parts} shards, {} pools",
-            self.pools.len()
-        );
         let slots: Vec<Mutex<Option<R>>> = (0..parts).map(|_| Mutex::new(None)).collect();
-        let work = |i: usize| {
-            let r = f(i);
-            *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        let work = |ctx: rayon::BroadcastContext<'_>| {
+            for i in (ctx.index()..parts).step_by(ctx.num_threads()) {
+                let r = f(i);
+                *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            }
         };
-        run_from(&self.pools[..parts], 0, &work);
+        rayon::broadcast(work);
         slots
             .into_iter()
             .map(|s| {
@@ -133,19 +119,6 @@ pub fn ranges(pool: Option<&ShardPool>, rows: usize) -> Vec<Range<usize>> {
     }
 }
 
-/// Hands shard `first` to `pools[0]`, `first + 1` to `pools[1]`, ..., and returns when all are
-/// done; the calling thread only waits.
-fn run_from(pools: &[ThreadPool], first: usize, work: &(dyn Fn(usize) + Sync)) {
-    match pools {
-        [] => {}
-        [last] => last.install(|| work(first)),
-        [head, rest @ ..] => head.in_place_scope(|scope| {
-            scope.spawn(move |_| work(first));
-            run_from(rest, first + 1, work);
-        }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,16 +165,36 @@ mod tests {
     }
 
     #[test]
-    fn runs_every_shard_on_its_own_single_threaded_pool() {
-        let pool = ShardPool::new(3).unwrap();
-        let seen = pool.run(3, |i| {
-            let name = std::thread::current().name().map(str::to_owned);
-            (i, rayon::current_num_threads(), name)
-        });
-        for (i, (shard, threads, name)) in seen.into_iter().enumerate() {
-            assert_eq!((shard, threads), (i, 1));
-            assert_eq!(name.as_deref(), Some(format!("ddpjob-shard-{i}").as_str()));
-        }
-        assert_eq!(pool.run(2, |i| i * 10), vec![0, 10]);
+    fn runs_shard_i_on_thread_i_and_returns_the_results_in_order() {
+        let pool = pool_builder(3).build().unwrap();
+        let shards = ShardPool::new(3).unwrap();
+        let seen = pool.install(|| shards.run(3, |i| (i, rayon::current_thread_index())));
+        assert_eq!(seen, vec![(0, Some(0)), (1, Some(1)), (2, Some(2))]);
+        // More shards than threads: thread i also runs i + 3, i + 6.
+        let seen = pool.install(|| shards.run(7, |i| (i, rayon::current_thread_index())));
+        let expected: Vec<_> = (0..7).map(|i| (i, Some(i % 3))).collect();
+        assert_eq!(seen, expected);
+        // Fewer: the other threads have nothing to do.
+        assert_eq!(pool.install(|| shards.run(2, |i| i * 10)), vec![0, 10]);
+    }
+
+    #[test]
+    fn a_panicking_shard_panics_the_caller_after_the_others_end() {
+        let pool = pool_builder(2).build().unwrap();
+        let shards = ShardPool::new(2).unwrap();
+        let finished = std::sync::atomic::AtomicBool::new(false);
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.install(|| {
+                shards.run(2, |i| {
+                    if i == 0 {
+                        panic!("shard 0 failed");
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    finished.store(true, std::sync::atomic::Ordering::SeqCst);
+                })
+            })
+        }));
+        assert!(outcome.is_err());
+        assert!(finished.load(std::sync::atomic::Ordering::SeqCst));
     }
 }

@@ -411,9 +411,7 @@ fn train(
         data.eval_len()
     ));
     if device.is_cpu() {
-        let shards = crate::train::shards::ShardPool::for_device(&device);
-        let pools: Vec<_> = shards.into_iter().flat_map(|s| s.pools()).collect();
-        reporter.line(&crate::numerics::report(spec.train.flush_denormals, &pools));
+        reporter.line(&crate::numerics::report(spec.train.flush_denormals));
     }
     let mut trainer = Trainer {
         spec,

@@ -22,9 +22,10 @@
 #      target/gpu-dist/ddpjob"), DATA (the four Fashion-MNIST .gz files; default
 #      target/gpu-carry/fashion-mnist), TEXT (default target/gpu-carry/input.txt), PYTHON (with
 #      torch), QUICK=1 (200 GPT steps instead of the recipe's), GPT_STEPS=N (N GPT steps),
-#      STEP_TIMEOUT (seconds each command of a step may take, default 540), SMOKE_ONLY=1 (skip cnn and gpt,
-#      which need PyTorch and data: what CI's GPU job runs), BENCH_CONFIG (the job file `bench
-#      step` times, default configs/fashion-mnist.toml), ALLREDUCE_SIZES (default 1M,10M,100M).
+#      STEP_TIMEOUT (seconds each command of a step may take, default 540), SMOKE_ONLY=1 (skip
+#      cnn and gpt, which need PyTorch and data: what CI's GPU job runs), BENCH_CONFIG (the job
+#      file `bench step` times, default configs/fashion-mnist.toml), ALLREDUCE_SIZES (default
+#      1M,10M,100M).
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
@@ -210,8 +211,8 @@ if wants resume; then
   # alone (run-gpu.sh execs it), once (without --foreground it signals its process group too,
   # and a second SIGTERM tells ddpjob to stop at once), and returns its exit status; -k gives
   # the graceful stop time to checkpoint.
-  timeout --foreground -k 120 "$limit" "${bin[@]}" run configs/smoke.toml --jobs-dir "$jobs" --name cut \
-    "${gpu[@]}" "${long[@]}" > "$logs/cut.log" 2>&1 &
+  timeout --foreground -k 120 "$limit" "${bin[@]}" run configs/smoke.toml --jobs-dir "$jobs" \
+    --name cut "${gpu[@]}" "${long[@]}" > "$logs/cut.log" 2>&1 &
   pid=$!
   reached=0
   for _ in $(seq 2400); do   # up to 120 s for the start (CUDA's) and 200 steps

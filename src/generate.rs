@@ -156,7 +156,7 @@ impl Generator {
 }
 
 /// The file holding the weights `checkpoint` names.
-fn weights_path(job: &JobDir, checkpoint: Option<&str>) -> Result<PathBuf, SampleError> {
+pub(crate) fn weights_path(job: &JobDir, checkpoint: Option<&str>) -> Result<PathBuf, SampleError> {
     let dir = job.checkpoints_dir();
     let latest = || -> Option<PathBuf> {
         let name = std::fs::read_to_string(dir.join("latest")).ok()?;

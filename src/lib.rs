@@ -76,6 +76,7 @@ mod device;
 mod fault;
 mod generate;
 mod heartbeat;
+mod hf;
 mod jobdir;
 mod kernels;
 mod launch;
@@ -98,7 +99,9 @@ pub use comm::{CommError, Communicator};
 pub use data::{DataError, TensorDataset};
 
 pub use models::{Mode, Model, ParamStore, Params, TrainPass};
-pub use registry::{BuildError, DataContext, ModelContext, Registry};
+pub use registry::{
+    BuildError, DataContext, LanguageModelOptions, LanguageModelSpec, ModelContext, Registry,
+};
 pub use task::{BatchSource, ModelInput, Task};
 
 /// What the end-to-end tests compare against; not part of the API.

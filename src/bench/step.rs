@@ -84,8 +84,15 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
             .map_err(crate::train::TrainError::from)?
             .input(),
     };
-    let model = models::build(&spec.model, input, spec.seed, &device, spec.train.precision)
-        .map_err(crate::train::TrainError::from)?;
+    let model = models::build(
+        &spec.model,
+        input,
+        spec.seed,
+        &device,
+        spec.train.precision,
+        false,
+    )
+    .map_err(crate::train::TrainError::from)?;
     let mut optimizer = Optimizer::new(spec.train.optimizer, model.params().len());
     let t = &spec.train;
     let mut rng = Mt19937::new(spec.seed);

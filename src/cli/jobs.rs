@@ -203,11 +203,11 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         plan.steps_per_epoch
     );
     println!("total_steps       = {}", plan.total_steps);
-    if let crate::config::ModelSpec::Gpt(g) = &spec.model {
+    if let Some(language) = spec.model.language() {
         println!(
             "tokens_per_step   = {}  (global_batch x block_size {})",
-            plan.global_batch * g.block_size,
-            g.block_size
+            plan.global_batch * language.block_size,
+            language.block_size
         );
     }
     eprintln!("{}: ok", args.config.display());

@@ -2,6 +2,7 @@
 //! cause chain, and maps failures to exit codes (0 ok, 1 job failed, 2 usage or config error).
 
 mod bench;
+mod export;
 mod inspect;
 mod jobs;
 mod output;
@@ -49,6 +50,9 @@ enum Command {
     },
     /// Generate text with a trained gpt job's weights, streamed as it is generated.
     Sample(sample::SampleArgs),
+    /// Write a job's weights as a Hugging Face model directory (`--hf DIR`) that
+    /// `transformers` loads: config.json, model.safetensors and the tokenizer.
+    Export(export::ExportArgs),
     /// Print a shell completion script: `ddpjob completions bash > /etc/bash_completion.d/ddpjob`.
     Completions {
         /// The shell to complete for.
@@ -258,6 +262,7 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
         Command::List(args) => inspect::list(&args.jobs_dir),
         Command::Show(args) => inspect::show(&args.jobs_dir, &args.name),
         Command::Sample(args) => sample::sample(&args),
+        Command::Export(args) => export::export(&args),
         Command::Keys { prefix } => keys(prefix.as_deref()),
         Command::Completions { shell } => shell::completions(shell),
         Command::Man { dir } => shell::man(dir.as_deref()),

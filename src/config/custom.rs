@@ -217,7 +217,7 @@ mod tests {
             &[],
         )
         .unwrap();
-        let ModelSpec::Custom { arch, options } = &loaded.spec.model else {
+        let ModelSpec::Custom { arch, options, .. } = &loaded.spec.model else {
             panic!("{:?}", loaded.spec.model)
         };
         assert_eq!(arch, "tiny");

@@ -44,7 +44,7 @@ impl LoadedConfig {
                 toml::Value::Table(t) => t,
                 _ => toml::Table::new(),
             };
-            if let ModelSpec::Custom { arch, options } = &self.spec.model {
+            if let ModelSpec::Custom { arch, options, .. } = &self.spec.model {
                 let mut model = toml::Table::new();
                 model.insert("arch".into(), arch.clone().into());
                 model.extend(options.clone());
@@ -61,6 +61,43 @@ impl LoadedConfig {
         };
         render().unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
     }
+}
+
+/// `model.arch` from `model.init_from`'s `config.json` when the job leaves it out: a
+/// pretrained checkpoint says what it is.
+fn arch_from_init(source: &mut Source) -> Result<(), ConfigError> {
+    let Some(toml::Value::Table(model)) = source.table.get("model") else {
+        return Ok(());
+    };
+    let Some(dir) = model.get("init_from").and_then(toml::Value::as_str) else {
+        return Ok(());
+    };
+    if model.contains_key("arch") {
+        return Ok(());
+    }
+    let fail = |source: &Source, problem: String| ConfigError::Invalid {
+        key: "model.init_from".into(),
+        at: source.value_origin("model.init_from"),
+        problem,
+    };
+    let hf = crate::hf::HfDir::open(Path::new(dir)).map_err(|e| fail(source, e.to_string()))?;
+    let model_type = hf.model_type().map_err(|e| fail(source, e.to_string()))?;
+    let arch = match model_type {
+        "llama" | "mistral" | "qwen2" => "llama",
+        other => {
+            return Err(fail(
+                source,
+                format!(
+                    "`{dir}` holds a \"{other}\" model; ddpjob reads \"llama\", \"mistral\" \
+                     and \"qwen2\" checkpoints (model.arch = \"llama\")"
+                ),
+            ));
+        }
+    };
+    if let Some(toml::Value::Table(model)) = source.table.get_mut("model") {
+        model.insert("arch".into(), arch.into());
+    }
+    Ok(())
 }
 
 /// Reads and validates the job file at `path`, with `--set key.path=value` overrides applied.
@@ -89,6 +126,7 @@ pub fn load_str_with(
     registry: &Registry,
 ) -> Result<LoadedConfig, ConfigError> {
     let mut source = Source::parse(path, text, overrides)?;
+    arch_from_init(&mut source)?;
     let custom = custom::extract(&mut source, registry)?;
     source.check_keys()?;
     let mut resolved =

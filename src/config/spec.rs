@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+pub use crate::registry::LanguageModelSpec;
+
 // The sections whose checked keys are the spec itself, declared in `keys.rs`.
 pub use super::keys::{
     CheckpointSpec, DistributedSpec, LoggingSpec, ScheduleSpec, SyntheticSpec, TrainSpec,
@@ -30,11 +32,13 @@ pub enum ModelSpec {
     },
     Cnn,
     Gpt(GptSpec),
-    /// A model the binary's author registered: its `[model]` keys but `arch`, with the
-    /// defaults of its options struct written out.
+    /// A registered model (`llama`, or one the binary's author registered): its `[model]`
+    /// keys but `arch`, with the defaults of its options struct written out.
     Custom {
         arch: String,
         options: toml::Table,
+        /// For a language model: its window and tokenizer.
+        language: Option<LanguageModelSpec>,
     },
 }
 
@@ -48,7 +52,7 @@ impl ModelSpec {
                 "gpt {} layers x {} heads x {} channels, context {}",
                 g.n_layer, g.n_head, g.n_embd, g.block_size
             ),
-            ModelSpec::Custom { arch, options } => {
+            ModelSpec::Custom { arch, options, .. } => {
                 let pairs: Vec<String> =
                     options.iter().map(|(k, v)| format!("{k} = {v}")).collect();
                 if pairs.is_empty() {
@@ -67,6 +71,20 @@ impl ModelSpec {
             ModelSpec::Cnn => "cnn",
             ModelSpec::Gpt(_) => "gpt",
             ModelSpec::Custom { arch, .. } => arch,
+        }
+    }
+
+    /// The window and tokenizer of a language model (`gpt`, `llama`, a registered one);
+    /// `None` for a classifier.
+    pub fn language(&self) -> Option<LanguageModelSpec> {
+        match self {
+            ModelSpec::Gpt(g) => Some(LanguageModelSpec {
+                block_size: g.block_size,
+                vocab_size: g.vocab_size,
+                tokenizer: None,
+            }),
+            ModelSpec::Custom { language, .. } => language.clone(),
+            ModelSpec::Mlp { .. } | ModelSpec::Cnn => None,
         }
     }
 

@@ -76,7 +76,21 @@ fn check_model(
 ) -> ModelSpec {
     c.one_of("model.arch", &m.arch, &registry.model_names());
     let model = match (custom, m.arch.as_str()) {
-        (Some((arch, options)), _) => ModelSpec::Custom { arch, options },
+        (Some((arch, options)), _) => {
+            let language = match registry.language(&arch, &options) {
+                Some(Ok(language)) => Some(language),
+                Some(Err(problem)) => {
+                    c.fail("model", problem);
+                    None
+                }
+                None => None,
+            };
+            ModelSpec::Custom {
+                arch,
+                options,
+                language,
+            }
+        }
         (None, "cnn") => ModelSpec::Cnn,
         (None, "gpt") => ModelSpec::Gpt(check_gpt(c, m)),
         (None, _) => ModelSpec::Mlp {
@@ -156,20 +170,23 @@ fn check_gpt(c: &mut Checker, m: &ModelKeys) -> GptSpec {
 /// `data.*` of `text` and `tokens` data, and how they fit the model.
 fn check_text_data(c: &mut Checker, d: &DataKeys, model: &ModelSpec) -> Option<DatasetKind> {
     let is_text = matches!(d.dataset.as_str(), "text" | "tokens");
-    let is_gpt = matches!(model, ModelSpec::Gpt(_));
-    if is_gpt && !is_text {
+    let language = model.language();
+    if language.is_some() && !is_text {
         c.fail(
             "data.dataset",
             format!(
-                "model.arch = \"gpt\" learns from token sequences: use \"text\" or \"tokens\", not \"{}\"",
+                "model.arch = \"{}\" learns from token sequences: use \"text\" or \"tokens\", \
+                 not \"{}\"",
+                model.arch(),
                 d.dataset
             ),
         );
-    } else if is_text && !is_gpt {
+    } else if is_text && language.is_none() {
         c.fail(
             "model.arch",
             format!(
-                "data.dataset = \"{}\" is token sequences: it needs model.arch = \"gpt\", not \"{}\"",
+                "data.dataset = \"{}\" is token sequences: it needs a language model \
+                 (model.arch = \"gpt\" or \"llama\"), not \"{}\"",
                 d.dataset,
                 model.arch()
             ),
@@ -215,7 +232,13 @@ fn check_text_data(c: &mut Checker, d: &DataKeys, model: &ModelSpec) -> Option<D
             let path = required(c, "data.path", &d.path, "data/shakespeare/input.txt");
             Some(DatasetKind::Text(TextSpec {
                 path,
-                tokenizer: d.tokenizer.clone().unwrap_or(TokenizerKind::Char),
+                // A pretrained model's own tokenizer unless the job names another.
+                tokenizer: d.tokenizer.clone().unwrap_or_else(|| {
+                    match language.as_ref().and_then(|l| l.tokenizer.clone()) {
+                        Some(path) => TokenizerKind::HuggingFace(path),
+                        None => TokenizerKind::Char,
+                    }
+                }),
                 val_fraction: d.val_fraction.unwrap_or(0.1),
             }))
         }
@@ -223,8 +246,8 @@ fn check_text_data(c: &mut Checker, d: &DataKeys, model: &ModelSpec) -> Option<D
             let train_path = required(c, "data.train_path", &d.train_path, "data/owt/train.bin");
             let val_path = required(c, "data.val_path", &d.val_path, "data/owt/val.bin");
             let dtype = d.token_dtype.unwrap_or(TokenDtype::U16);
-            if let ModelSpec::Gpt(g) = model {
-                match g.vocab_size {
+            if let Some(language) = &language {
+                match language.vocab_size {
                     None => c.fail(
                         "model.vocab_size",
                         "is required for data.dataset = \"tokens\": the files do not say their \

@@ -18,7 +18,7 @@ use memmap2::Mmap;
 use super::DataError;
 use super::download::download;
 use super::vocab::{Vocab, read_text};
-use crate::config::{DataSpec, DatasetKind, JobSpec, ModelSpec, TextSpec, TokenDtype};
+use crate::config::{DataSpec, DatasetKind, JobSpec, TextSpec, TokenDtype};
 use crate::jobdir::JobDir;
 use crate::task::{BatchSource, ModelInput, Task};
 
@@ -142,19 +142,22 @@ pub struct TextTask {
 }
 
 impl TextTask {
-    /// Loads the splits of a gpt job; `job`'s stored vocabulary is used when there is one.
+    /// Loads the splits of a language model's job; `job`'s stored vocabulary is used when
+    /// there is one.
     pub fn load(spec: &JobSpec, job: Option<&JobDir>) -> Result<TextTask, DataError> {
-        let ModelSpec::Gpt(gpt) = &spec.model else {
-            return Err(DataError::Mismatch(
-                "text and tokens data need model.arch = \"gpt\"".into(),
-            ));
+        let Some(lm) = spec.model.language() else {
+            return Err(DataError::Mismatch(format!(
+                "text and tokens data need a language model (model.arch = \"gpt\" or \"llama\"), \
+                 not \"{}\"",
+                spec.model.arch()
+            )));
         };
         let (train, val, vocab, vocab_size) = match &spec.data.dataset {
             DatasetKind::Text(t) => {
                 let stored = job.map(|j| Vocab::path_in(&j.root)).filter(|p| p.is_file());
                 let (ids, vocab) = encode_file(t, stored.as_deref())?;
                 let size = vocab.size();
-                if let Some(v) = gpt.vocab_size.filter(|&v| v < size) {
+                if let Some(v) = lm.vocab_size.filter(|&v| v < size) {
                     return Err(DataError::Mismatch(format!(
                         "model.vocab_size = {v} is smaller than the vocabulary of `{}` ({size} \
                          symbols); leave it out for text data, or make it at least {size}",
@@ -165,25 +168,26 @@ impl TextTask {
                 let val = ids[split..].to_vec();
                 let mut train = ids;
                 train.truncate(split);
-                let size = gpt.vocab_size.unwrap_or(size);
+                let size = lm.vocab_size.unwrap_or(size);
                 (Tokens::Owned(train), Tokens::Owned(val), Some(vocab), size)
             }
             DatasetKind::Tokens(t) => {
-                let size = gpt.vocab_size.unwrap_or(0);
+                let size = lm.vocab_size.unwrap_or(0);
                 let train = Tokens::map(&t.train_path, t.dtype)?;
                 let val = Tokens::map(&t.val_path, t.dtype)?;
                 (train, val, None, size)
             }
             _ => {
-                return Err(DataError::Mismatch(
-                    "model.arch = \"gpt\" needs data.dataset = \"text\" or \"tokens\"".into(),
-                ));
+                return Err(DataError::Mismatch(format!(
+                    "model.arch = \"{}\" needs data.dataset = \"text\" or \"tokens\"",
+                    spec.model.arch()
+                )));
             }
         };
         let task = TextTask {
             train,
             val,
-            block: gpt.block_size,
+            block: lm.block_size,
             vocab_size,
             seed: spec.seed,
             vocab,

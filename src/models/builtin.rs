@@ -20,13 +20,16 @@ pub struct MlpOptions {
 pub struct CnnOptions {}
 
 /// Adds `mlp`, `cnn` and `gpt`, marked as built in (their keys are checked by the config
-/// schema).
+/// schema), and `llama`, whose keys its options struct declares.
 pub(crate) fn register_builtin(registry: Registry) -> Registry {
     registry
         .model("mlp", build_mlp)
         .model("cnn", build_cnn)
         .model("gpt", build_gpt)
         .into_builtin()
+        // Its `[model]` keys are its options struct's (`transformers`' config names), read
+        // as a registered model's are.
+        .language_model("llama", super::llama::build_llama)
 }
 
 fn precision(cx: &ModelContext) -> Precision {

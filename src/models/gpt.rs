@@ -8,9 +8,9 @@
 //! the host so they depend only on each row's seed (see `dropout`), and an [n, heads, t, t]
 //! host mask per layer would cost more to draw and upload than the attention itself.
 
-mod attention;
+pub(super) mod attention;
 mod dropout;
-mod head;
+pub(super) mod head;
 mod manual;
 mod ops;
 mod rows;
@@ -349,9 +349,9 @@ impl Block {
 
 /// `y = x·Wᵀ + b` for x [m, in], W [out, in] as torch's `nn.Linear`; without bias, `b` is a
 /// constant zero vector (so the fused CPU kernel applies either way).
-struct Linear {
-    weight: Var,
-    bias: Option<Var>,
+pub(super) struct Linear {
+    pub(super) weight: Var,
+    pub(super) bias: Option<Var>,
     zeros: Tensor,
 }
 
@@ -360,7 +360,7 @@ impl Linear {
         self.bias.as_ref().map_or(&self.zeros, |b| b.as_tensor())
     }
 
-    fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
+    pub(super) fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
         let bias = self.bias_or_zeros();
         if compute == DType::F32 && kernels::applies(x) {
             return kernels::linear(x, self.weight.as_tensor(), bias, false);
@@ -395,15 +395,15 @@ impl LayerNorm {
 /// Creates parameters in registration order, weights drawn N(0, std) from `Mt19937(seed)` as
 /// nanoGPT's `_init_weights` (biases 0, gains 1, which draw nothing), and records which ones
 /// are exempt from weight decay (fewer than 2 dimensions).
-struct GptInit<'a> {
+pub(super) struct GptInit<'a> {
     rng: Mt19937,
     device: &'a Device,
-    entries: Vec<(String, Var)>,
-    no_decay: Vec<usize>,
+    pub(super) entries: Vec<(String, Var)>,
+    pub(super) no_decay: Vec<usize>,
 }
 
 impl<'a> GptInit<'a> {
-    fn new(seed: u64, device: &'a Device) -> Self {
+    pub(super) fn new(seed: u64, device: &'a Device) -> Self {
         GptInit {
             rng: Mt19937::new(seed),
             device,
@@ -421,17 +421,17 @@ impl<'a> GptInit<'a> {
         Ok(var)
     }
 
-    fn normal(&mut self, name: &str, shape: &[usize], std: f32) -> Result<Var> {
+    pub(super) fn normal(&mut self, name: &str, shape: &[usize], std: f32) -> Result<Var> {
         let count = shape.iter().product();
         let values = (0..count).map(|_| self.rng.normal() * std).collect();
         self.push(name.to_string(), shape, values)
     }
 
-    fn constant(&mut self, name: String, size: usize, value: f32) -> Result<Var> {
+    pub(super) fn constant(&mut self, name: String, size: usize, value: f32) -> Result<Var> {
         self.push(name, &[size], vec![value; size])
     }
 
-    fn linear(
+    pub(super) fn linear(
         &mut self,
         name: &str,
         inputs: usize,

@@ -5,6 +5,7 @@ mod builtin;
 mod chain;
 mod cnn;
 mod gpt;
+mod llama;
 mod mlp;
 mod store;
 
@@ -393,16 +394,18 @@ fn with_precision(model: Box<dyn Model>, precision: Precision) -> Box<dyn Model>
 }
 
 /// Builds the model of `spec` for `input` through the installed [`Registry`], computing in
-/// `precision` (f32 master weights either way). A mismatch of model and data (a gpt on images)
-/// is an error; validation refuses such configs first.
+/// `precision` (f32 master weights either way). `restoring`: a checkpoint will replace the
+/// weights, so pretrained ones need not be loaded. A mismatch of model and data (a gpt on
+/// images) is an error; validation refuses such configs first.
 pub fn build(
     spec: &ModelSpec,
     input: ModelInput,
     seed: u64,
     device: &Device,
     precision: Precision,
+    restoring: bool,
 ) -> Result<Box<dyn Model>> {
-    let cx = ModelContext::new(input, seed, device, precision);
+    let cx = ModelContext::new(input, seed, device, precision, restoring);
     let fail =
         |e: String| candle_core::Error::Msg(format!("model.arch = \"{}\": {e}", spec.arch()));
     let model = Registry::current()
@@ -416,6 +419,31 @@ pub fn build(
         )));
     }
     Ok(model)
+}
+
+/// `config.json` and tensors of a Hugging Face export of a job's model: `spec`'s options and
+/// its trained `tensors` (as `model.safetensors` holds them). Llama-family jobs export as
+/// their `model_type`; other archs are refused with the reason.
+pub(crate) fn hf_export_parts(
+    spec: &ModelSpec,
+    tensors: std::collections::HashMap<String, Tensor>,
+) -> std::result::Result<
+    (
+        serde_json::Map<String, serde_json::Value>,
+        std::collections::HashMap<String, Tensor>,
+    ),
+    String,
+> {
+    match spec {
+        ModelSpec::Custom { arch, options, .. } if arch == "llama" => {
+            llama::hf_parts(options, tensors)
+        }
+        other => Err(format!(
+            "export --hf writes Llama-family jobs (model.arch = \"llama\"); this job's model is \
+             \"{}\", which has no Hugging Face export yet",
+            other.arch()
+        )),
+    }
 }
 
 /// A boxed model is a model (what a builder returns when it picks among several).

@@ -26,6 +26,7 @@ const BUFFER_NAMES: &[&str] = &["running_mean", "running_var"];
 ///     seed: 7,
 ///     device: Device::Cpu,
 ///     compute_dtype: DType::F32,
+///     restoring: false,
 /// };
 /// let store = ParamStore::new(&cx);
 /// let vb = store.var_builder();
@@ -161,6 +162,7 @@ mod tests {
             seed,
             device: Device::Cpu,
             compute_dtype: DType::F32,
+            restoring: false,
         }
     }
 

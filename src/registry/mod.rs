@@ -39,10 +39,19 @@ pub struct ModelContext {
     /// `train.precision`: the dtype the forward pass should compute in (the parameters stay
     /// f32; casting is the model's business).
     pub compute_dtype: DType,
+    /// A checkpoint's weights will replace the ones built (resume, restart): a builder may
+    /// skip loading pretrained weights, and must not fail because they are gone.
+    pub restoring: bool,
 }
 
 impl ModelContext {
-    pub(crate) fn new(input: ModelInput, seed: u64, device: &Device, precision: Precision) -> Self {
+    pub(crate) fn new(
+        input: ModelInput,
+        seed: u64,
+        device: &Device,
+        precision: Precision,
+        restoring: bool,
+    ) -> Self {
         ModelContext {
             input,
             seed,
@@ -51,6 +60,7 @@ impl ModelContext {
                 Precision::F32 => DType::F32,
                 Precision::Bf16 => DType::BF16,
             },
+            restoring,
         }
     }
 }
@@ -67,11 +77,45 @@ type ModelFn =
     dyn Fn(&toml::Table, &ModelContext) -> Result<Box<dyn Model>, BuildError> + Send + Sync;
 type DataFn = dyn Fn(&toml::Table, &DataContext) -> Result<Box<dyn Task>, BuildError> + Send + Sync;
 type ResolveFn = fn(&toml::Table) -> Result<toml::Table, String>;
+type LanguageFn = fn(&toml::Table) -> Result<LanguageModelSpec, String>;
+
+/// The options of a model that learns from token windows: registered with
+/// [`Registry::language_model`], it trains on the built-in `text` and `tokens` data, which cut
+/// windows of its `block_size` and tokenise with its tokenizer unless the job names another.
+pub trait LanguageModelOptions: DeserializeOwned + Serialize + 'static {
+    /// The options with what they leave to be derived filled in (sizes read from a pretrained
+    /// checkpoint's config, defaults), or why that fails: `job.toml` holds the result, so a
+    /// resumed job builds the same model.
+    fn complete(self) -> Result<Self, String> {
+        Ok(self)
+    }
+    /// Tokens per window.
+    fn block_size(&self) -> usize;
+    /// The vocabulary size, when the model fixes it (`None`: the data's).
+    fn vocab_size(&self) -> Option<usize>;
+    /// A `tokenizer.json` that comes with the model (a pretrained checkpoint's).
+    fn tokenizer(&self) -> Option<std::path::PathBuf> {
+        None
+    }
+}
+
+/// What token data needs to know of a language model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LanguageModelSpec {
+    /// Tokens per window.
+    pub block_size: usize,
+    /// The model's vocabulary size, when it fixes one.
+    pub vocab_size: Option<usize>,
+    /// The model's own `tokenizer.json`, the default of `data.tokenizer`.
+    pub tokenizer: Option<std::path::PathBuf>,
+}
 
 /// One registered name: its option keys, how to read them, and how to build it.
 struct Entry<F: ?Sized> {
     fields: &'static [&'static str],
     resolve: ResolveFn,
+    /// For a language model: its window and tokenizer, from its resolved options.
+    language: Option<LanguageFn>,
     /// `None` for the built-in datasets, which the data module loads from the validated spec.
     build: Option<Arc<F>>,
     builtin: bool,
@@ -82,6 +126,7 @@ impl<F: ?Sized> Clone for Entry<F> {
         Entry {
             fields: self.fields,
             resolve: self.resolve,
+            language: self.language,
             build: self.build.clone(),
             builtin: self.builtin,
         }
@@ -132,6 +177,7 @@ impl Registry {
                 Entry {
                     fields: &[],
                     resolve: |t| Ok(t.clone()),
+                    language: None,
                     build: None,
                     builtin: true,
                 },
@@ -152,6 +198,7 @@ impl Registry {
         let entry = Entry {
             fields: struct_fields::<O>(),
             resolve: resolve::<O>,
+            language: None,
             build: Some(Arc::new(move |table: &toml::Table, cx: &ModelContext| {
                 let options: O = parse(table).map_err(BuildError::from)?;
                 build(&options, cx)
@@ -162,6 +209,24 @@ impl Registry {
         };
         self.models.insert(name.to_string(), entry);
         self
+    }
+
+    /// Registers the language model `name`: as [`Registry::model`], and its options say its
+    /// window and tokenizer (see [`LanguageModelOptions`]), so jobs train it on the built-in
+    /// `text` and `tokens` data. The options are completed once, at `validate`/`run`.
+    pub fn language_model<O, M, E, F>(self, name: &str, build: F) -> Self
+    where
+        O: LanguageModelOptions,
+        M: Model + 'static,
+        E: Into<BuildError>,
+        F: Fn(&O, &ModelContext) -> Result<M, E> + Send + Sync + 'static,
+    {
+        let mut registry = self.model(name, build);
+        if let Some(entry) = registry.models.get_mut(name) {
+            entry.resolve = resolve_language::<O>;
+            entry.language = Some(language_of::<O>);
+        }
+        registry
     }
 
     /// Marks the models registered so far as built in (their keys live in the config schema).
@@ -184,6 +249,7 @@ impl Registry {
         let entry = Entry {
             fields: struct_fields::<O>(),
             resolve: resolve::<O>,
+            language: None,
             build: Some(Arc::new(move |table: &toml::Table, cx: &DataContext| {
                 let options: O = parse(table).map_err(BuildError::from)?;
                 open(&options, cx)
@@ -225,6 +291,17 @@ impl Registry {
             Some(e) => (e.resolve)(options),
             None => Err(format!("no model is registered as \"{name}\"")),
         }
+    }
+
+    /// The window and tokenizer of the language model `name` with resolved `options`; `None`
+    /// for a model that is not one (or not registered).
+    pub(crate) fn language(
+        &self,
+        name: &str,
+        options: &toml::Table,
+    ) -> Option<Result<LanguageModelSpec, String>> {
+        let language = self.models.get(name)?.language?;
+        Some(language(options))
     }
 
     pub(crate) fn resolve_dataset(
@@ -299,8 +376,24 @@ fn parse<O: DeserializeOwned>(table: &toml::Table) -> Result<O, String> {
 }
 
 fn resolve<O: DeserializeOwned + Serialize>(table: &toml::Table) -> Result<toml::Table, String> {
+    write_back(&parse::<O>(table)?)
+}
+
+fn resolve_language<O: LanguageModelOptions>(table: &toml::Table) -> Result<toml::Table, String> {
+    write_back(&parse::<O>(table)?.complete()?)
+}
+
+fn language_of<O: LanguageModelOptions>(table: &toml::Table) -> Result<LanguageModelSpec, String> {
     let options: O = parse(table)?;
-    match toml::Value::try_from(&options) {
+    Ok(LanguageModelSpec {
+        block_size: options.block_size(),
+        vocab_size: options.vocab_size(),
+        tokenizer: options.tokenizer(),
+    })
+}
+
+fn write_back<O: Serialize>(options: &O) -> Result<toml::Table, String> {
+    match toml::Value::try_from(options) {
         Ok(toml::Value::Table(t)) => Ok(t),
         Ok(other) => Err(format!("the options serialise to {other}, not a table")),
         Err(e) => Err(format!("the options cannot be written back as TOML: {e}")),

@@ -45,6 +45,7 @@ fn train_hooked(
         spec.seed,
         &Device::Cpu,
         spec.train.precision,
+        false,
     )
     .unwrap();
     let mut reporter = Silent;
@@ -147,6 +148,7 @@ fn evaluation_counts_every_test_sample_once() {
         0,
         &Device::Cpu,
         spec.train.precision,
+        false,
     )
     .unwrap();
     let batches = data.batches(&Device::Cpu).unwrap();

@@ -370,6 +370,7 @@ fn train(
         spec.seed,
         &device,
         spec.train.precision,
+        env.resume_from.is_some(),
     )
     .map_err(WorkerError::Model)?;
     let resume = match &env.resume_from {

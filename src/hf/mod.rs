@@ -1,0 +1,274 @@
+//! Hugging Face model directories, in and out: `config.json`, `model.safetensors` (or the
+//! shards a `model.safetensors.index.json` lists) and `tokenizer.json`. What a field of
+//! `config.json` means is the architecture's business (`models::llama::options`); this module
+//! finds the files, reads the fields with errors that name them, memory-maps the weights into
+//! a model's parameters, and writes an export that `transformers` loads.
+
+mod export;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device};
+use serde_json::{Map, Value};
+use thiserror::Error;
+
+use crate::models::Params;
+pub use export::{ExportDtype, export};
+
+#[derive(Debug, Error)]
+pub enum HfError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("cannot read `{}`: {cause}", path.display())]
+    Io {
+        path: PathBuf,
+        cause: std::io::Error,
+    },
+    #[error("`{}` is not valid JSON: {cause}", path.display())]
+    Json {
+        path: PathBuf,
+        cause: serde_json::Error,
+    },
+    #[error("cannot read the weights in `{}`: {cause}", path.display())]
+    Weights {
+        path: PathBuf,
+        cause: candle_core::Error,
+    },
+}
+
+/// A model directory in the Hugging Face layout, its `config.json` parsed.
+#[derive(Debug, Clone)]
+pub struct HfDir {
+    pub root: PathBuf,
+    pub config: Map<String, Value>,
+    /// The safetensors files holding the weights (one, or the index's shards).
+    pub weight_files: Vec<PathBuf>,
+}
+
+impl HfDir {
+    /// Opens `root`: it must be a directory with a `config.json` and safetensors weights.
+    pub fn open(root: &Path) -> Result<HfDir, HfError> {
+        let config = read_config(root)?;
+        let weight_files = weight_files(root)?;
+        Ok(HfDir {
+            root: root.to_path_buf(),
+            config,
+            weight_files,
+        })
+    }
+
+    /// `model_type`, or an error naming the file.
+    pub fn model_type(&self) -> Result<&str, HfError> {
+        self.config
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| self.invalid("has no \"model_type\"; is it a transformers config?"))
+    }
+
+    fn invalid(&self, what: &str) -> HfError {
+        HfError::Invalid(format!(
+            "`{}` {what}",
+            self.root.join("config.json").display()
+        ))
+    }
+
+    /// The positive integer `key`, `default` when absent.
+    pub fn usize_or(&self, key: &str, default: Option<usize>) -> Result<usize, HfError> {
+        match self.config.get(key) {
+            None | Some(Value::Null) => {
+                default.ok_or_else(|| self.invalid(&format!("has no \"{key}\", which is required")))
+            }
+            Some(v) => v
+                .as_u64()
+                .map(|n| n as usize)
+                .ok_or_else(|| self.invalid(&format!("has \"{key}\": {v}, not an integer"))),
+        }
+    }
+
+    pub fn f64_or(&self, key: &str, default: f64) -> Result<f64, HfError> {
+        match self.config.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| self.invalid(&format!("has \"{key}\": {v}, not a number"))),
+        }
+    }
+
+    pub fn bool_or(&self, key: &str, default: bool) -> Result<bool, HfError> {
+        match self.config.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.invalid(&format!("has \"{key}\": {v}, not true or false"))),
+        }
+    }
+
+    pub fn str_or<'a>(&'a self, key: &str, default: &'a str) -> Result<&'a str, HfError> {
+        match self.config.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(v) => v
+                .as_str()
+                .ok_or_else(|| self.invalid(&format!("has \"{key}\": {v}, not a string"))),
+        }
+    }
+
+    /// Sets every parameter of `params` from the directory's weights, converted to f32.
+    /// `ignored` names tensors the file may hold that the model does not use (buffers such as
+    /// `rotary_emb.inv_freq`). Any parameter missing, any shape that differs, or any other
+    /// tensor left over is an error naming it.
+    pub fn load_into(
+        &self,
+        params: &Params,
+        ignored: impl Fn(&str) -> bool,
+    ) -> Result<(), HfError> {
+        // SAFETY: the files are mapped read-only and only read while `tensors` lives; a file
+        // changed underneath a running job is the same hazard as for any memory-mapped input.
+        let tensors = unsafe { MmapedSafetensors::multi(&self.weight_files) }.map_err(|cause| {
+            HfError::Weights {
+                path: self.root.clone(),
+                cause,
+            }
+        })?;
+        let present: HashSet<String> = tensors.tensors().into_iter().map(|(n, _)| n).collect();
+        let aliases: HashSet<&str> = params.aliases().map(|(a, _)| a).collect();
+        for (name, var) in params.iter() {
+            if !present.contains(name) {
+                return Err(HfError::Invalid(format!(
+                    "`{}` has no tensor `{name}`, which the model described by its config.json \
+                     needs; the weights do not belong to this config",
+                    self.root.display()
+                )));
+            }
+            let tensor = tensors
+                .load(name, &Device::Cpu)
+                .map_err(|cause| HfError::Weights {
+                    path: self.root.clone(),
+                    cause,
+                })?;
+            if tensor.dims() != var.dims() {
+                return Err(HfError::Invalid(format!(
+                    "`{}`: tensor `{name}` has shape {:?}, the model expects {:?}",
+                    self.root.display(),
+                    tensor.dims(),
+                    var.dims()
+                )));
+            }
+            let value = tensor
+                .to_dtype(DType::F32)
+                .and_then(|t| t.to_device(var.device()))
+                .and_then(|t| var.set(&t))
+                .map_err(|cause| HfError::Weights {
+                    path: self.root.clone(),
+                    cause,
+                });
+            value?;
+        }
+        let known: HashSet<&str> = params.iter().map(|(n, _)| n).collect();
+        let mut extra: Vec<&String> = present
+            .iter()
+            .filter(|n| !known.contains(n.as_str()) && !aliases.contains(n.as_str()))
+            .filter(|n| !ignored(n))
+            .collect();
+        extra.sort();
+        if let Some(first) = extra.first() {
+            return Err(HfError::Invalid(format!(
+                "`{}` holds {} tensor(s) the model described by its config.json does not have, \
+                 e.g. `{first}`; the weights do not belong to this config",
+                self.root.display(),
+                extra.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn read_config(root: &Path) -> Result<Map<String, Value>, HfError> {
+    if root.is_file() {
+        return Err(HfError::Invalid(format!(
+            "`{}` is a file; model.init_from names a model directory (with config.json and \
+             model.safetensors), e.g. the one `huggingface-cli download gpt2 --local-dir \
+             models/gpt2` makes",
+            root.display()
+        )));
+    }
+    if !root.is_dir() {
+        return Err(HfError::Invalid(format!(
+            "the model directory `{}` does not exist; download one, e.g. `huggingface-cli \
+             download HuggingFaceTB/SmolLM2-135M --local-dir {}`",
+            root.display(),
+            root.display()
+        )));
+    }
+    let path = root.join("config.json");
+    if !path.is_file() {
+        return Err(HfError::Invalid(format!(
+            "`{}` has no config.json: it is not a Hugging Face model directory",
+            root.display()
+        )));
+    }
+    let text = std::fs::read_to_string(&path).map_err(|cause| HfError::Io {
+        path: path.clone(),
+        cause,
+    })?;
+    match serde_json::from_str(&text) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(HfError::Invalid(format!(
+            "`{}` is not a JSON object",
+            path.display()
+        ))),
+        Err(cause) => Err(HfError::Json { path, cause }),
+    }
+}
+
+fn weight_files(root: &Path) -> Result<Vec<PathBuf>, HfError> {
+    let single = root.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = root.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return Err(HfError::Invalid(format!(
+            "`{}` has neither model.safetensors nor model.safetensors.index.json (PyTorch \
+             `.bin` weights are not read: save them with `save_pretrained(dir, \
+             safe_serialization=True)`)",
+            root.display()
+        )));
+    }
+    let text = std::fs::read_to_string(&index).map_err(|cause| HfError::Io {
+        path: index.clone(),
+        cause,
+    })?;
+    let parsed: Value = serde_json::from_str(&text).map_err(|cause| HfError::Json {
+        path: index.clone(),
+        cause,
+    })?;
+    let map = parsed
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| {
+            HfError::Invalid(format!(
+                "`{}` has no \"weight_map\" object",
+                index.display()
+            ))
+        })?;
+    let files: BTreeMap<&str, ()> = map
+        .values()
+        .filter_map(Value::as_str)
+        .map(|f| (f, ()))
+        .collect();
+    let mut paths = Vec::new();
+    for file in files.keys() {
+        let path = root.join(file);
+        if !path.is_file() {
+            return Err(HfError::Invalid(format!(
+                "`{}` lists `{file}`, which is missing from `{}`",
+                index.display(),
+                root.display()
+            )));
+        }
+        paths.push(path);
+    }
+    Ok(paths)
+}

@@ -1,0 +1,327 @@
+//! `llama`: the decoder of the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) as
+//! `transformers`' `LlamaForCausalLM` computes it: RMSNorm → grouped-query causal attention
+//! with rotary positions → residual → RMSNorm → SwiGLU MLP → residual; final RMSNorm; output
+//! projection tied to the embedding or not. Parameter names are `transformers`' own
+//! (`model.layers.0.self_attn.q_proj.weight`), so a `model.safetensors` is a Hugging Face
+//! checkpoint as is.
+//!
+//! On the CPU in f32 the attention and the output projection with its cross-entropy run as
+//! the GPT's fused ops (`gpt::attention`, `gpt::head`); elsewhere candle's ops compute it.
+
+mod options;
+pub(crate) mod rope;
+#[cfg(test)]
+mod tests;
+
+use candle_core::{D, DType, Device, Error, Result, Tensor, Var};
+
+use super::gpt::{GptInit, Linear, attention, head};
+use super::{Mode, Model, Params};
+use crate::kernels;
+pub(crate) use options::{build_llama, hf_parts};
+use rope::{Llama3Scaling, RopeTables};
+
+/// The shape of a Llama-family model, in `transformers`' `config.json` names.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    /// The longest window trained or generated (the rotary tables' length).
+    pub block_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<Llama3Scaling>,
+    pub tie_word_embeddings: bool,
+    /// Biases on q, k and v (Qwen2), on o too (Llama's `attention_bias`).
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    /// Std of the normal initial weights (`initializer_range`).
+    pub initializer_range: f64,
+}
+
+impl LlamaConfig {
+    fn validate(&self) -> Result<()> {
+        let fail = |why: String| Err(Error::Msg(format!("llama config: {why}")));
+        let sizes = [
+            self.vocab_size,
+            self.block_size,
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+        ];
+        if sizes.contains(&0) {
+            return fail(format!("every size must be positive: {self:?}"));
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
+            return fail(format!(
+                "num_attention_heads {h} is not a multiple of num_key_value_heads {kv}"
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return fail(format!(
+                "head_dim {} is odd; rotary embeddings need pairs",
+                self.head_dim
+            ));
+        }
+        Ok(())
+    }
+}
+
+pub struct Llama {
+    config: LlamaConfig,
+    embed: Var,
+    layers: Vec<Layer>,
+    norm: Var,
+    /// `lm_head.weight` when not tied to the embedding.
+    lm_head: Option<Var>,
+    rope: RopeTables,
+    compute: DType,
+    params: Params,
+}
+
+struct Layer {
+    input_norm: Var,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    post_norm: Var,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Llama {
+    /// Random weights as `transformers`' `_init_weights` draws them (normal with std
+    /// `initializer_range`, biases 0, norms 1), from `seed`. `compute`: F32 or BF16.
+    pub fn new(config: &LlamaConfig, seed: u64, device: &Device, compute: DType) -> Result<Self> {
+        config.validate()?;
+        if !matches!(compute, DType::F32 | DType::BF16) {
+            return Err(Error::Msg(format!(
+                "llama computes in f32 or bf16, not {compute:?}"
+            )));
+        }
+        let c = config;
+        let (hidden, hd) = (c.hidden_size, c.head_dim);
+        let std = c.initializer_range as f32;
+        let mut init = GptInit::new(seed, device);
+        let embed = init.normal("model.embed_tokens.weight", &[c.vocab_size, hidden], std)?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+            let attn = |init: &mut GptInit, name: &str, i: usize, o: usize, bias: bool| {
+                init.linear(&format!("{p}.self_attn.{name}"), i, o, std, bias)
+            };
+            let q = attn(&mut init, "q_proj", hidden, q_out, c.qkv_bias)?;
+            let k = attn(&mut init, "k_proj", hidden, kv_out, c.qkv_bias)?;
+            let v = attn(&mut init, "v_proj", hidden, kv_out, c.qkv_bias)?;
+            let o = attn(&mut init, "o_proj", q_out, hidden, c.o_bias)?;
+            let mlp = |init: &mut GptInit, name: &str, i: usize, o: usize| {
+                init.linear(&format!("{p}.mlp.{name}"), i, o, std, false)
+            };
+            let gate = mlp(&mut init, "gate_proj", hidden, c.intermediate_size)?;
+            let up = mlp(&mut init, "up_proj", hidden, c.intermediate_size)?;
+            let down = mlp(&mut init, "down_proj", c.intermediate_size, hidden)?;
+            let input_norm = init.constant(format!("{p}.input_layernorm.weight"), hidden, 1.0)?;
+            let post_norm =
+                init.constant(format!("{p}.post_attention_layernorm.weight"), hidden, 1.0)?;
+            layers.push(Layer {
+                input_norm,
+                q,
+                k,
+                v,
+                o,
+                post_norm,
+                gate,
+                up,
+                down,
+            });
+        }
+        let norm = init.constant("model.norm.weight".into(), hidden, 1.0)?;
+        let lm_head = match c.tie_word_embeddings {
+            true => None,
+            false => Some(init.normal("lm_head.weight", &[c.vocab_size, hidden], std)?),
+        };
+        let mut params = Params::from_vars(std::mem::take(&mut init.entries));
+        for &i in &init.no_decay {
+            params.exempt_from_decay(i);
+        }
+        if c.tie_word_embeddings {
+            params.tie("lm_head.weight", "model.embed_tokens.weight");
+        }
+        let inv_freq = rope::inverse_frequencies(hd, c.rope_theta, c.rope_scaling);
+        Ok(Llama {
+            config: config.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope: RopeTables::new(&inv_freq, c.block_size, device)?,
+            compute,
+            params,
+        })
+    }
+
+    /// The output projection's weight [vocab, hidden] (the embedding's when tied).
+    fn head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed).as_tensor()
+    }
+
+    /// Token ids [n, t] → the final RMSNorm's output [n·t, hidden], f32.
+    fn trunk(&self, xs: &Tensor) -> Result<Tensor> {
+        let (n, t) = xs.dims2()?;
+        if t == 0 || t > self.config.block_size {
+            let block = self.config.block_size;
+            return Err(Error::Msg(format!(
+                "llama: {t} positions, block_size is {block}"
+            )));
+        }
+        let mut x = self.embed.as_tensor().embedding(&xs.flatten_all()?)?;
+        for layer in &self.layers {
+            let h = rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
+            let y = self.attention(layer, &h, n, t)?;
+            x = (x + y.to_dtype(DType::F32)?)?;
+            let h = rms_norm(&x, &layer.post_norm, self.config.rms_norm_eps)?;
+            let y = self.mlp(layer, &h)?;
+            x = (x + y.to_dtype(DType::F32)?)?;
+        }
+        rms_norm(&x, &self.norm, self.config.rms_norm_eps)
+    }
+
+    /// Grouped-query causal self-attention of `h` [n·t, hidden], projected: [n·t, hidden].
+    fn attention(&self, layer: &Layer, h: &Tensor, n: usize, t: usize) -> Result<Tensor> {
+        let c = &self.config;
+        let (heads, kv_heads, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let q = layer
+            .q
+            .forward(h, self.compute)?
+            .reshape((n, t, heads, hd))?;
+        let k = layer
+            .k
+            .forward(h, self.compute)?
+            .reshape((n, t, kv_heads, hd))?;
+        let v = layer
+            .v
+            .forward(h, self.compute)?
+            .reshape((n, t, kv_heads, hd))?;
+        let q = self.rope.apply(&q, 0)?;
+        let k = repeat_kv(&self.rope.apply(&k, 0)?, heads / kv_heads)?;
+        let v = repeat_kv(&v, heads / kv_heads)?;
+        let width = heads * hd;
+        let qkv = Tensor::cat(&[&q, &k, &v], 2)?.reshape((n * t, 3 * width))?;
+        let y = if kernels::applies(&qkv) {
+            attention::causal_attention(&qkv, heads, t)?
+        } else {
+            let qkv = qkv.reshape((n, t, 3 * width))?;
+            attention::with_ops(&qkv, heads, None, &causal_mask(t, qkv.device())?)?
+                .0
+                .reshape((n * t, width))?
+        };
+        layer.o.forward(&y, self.compute)
+    }
+
+    /// `down(silu(gate(h)) · up(h))`.
+    fn mlp(&self, layer: &Layer, h: &Tensor) -> Result<Tensor> {
+        let gate = layer.gate.forward(h, self.compute)?.silu()?;
+        let up = layer.up.forward(h, self.compute)?;
+        layer.down.forward(&(gate * up)?, self.compute)
+    }
+
+    /// Logits [rows, vocab] in f32 of the final norm's output `x`.
+    fn project(&self, x: &Tensor) -> Result<Tensor> {
+        let dt = self.compute;
+        x.to_dtype(dt)?
+            .matmul(&self.head_weight().to_dtype(dt)?.t()?)?
+            .to_dtype(DType::F32)
+    }
+}
+
+impl Model for Llama {
+    /// Token ids [n, t] (t ≤ block_size) → f32 logits [n, t, vocab].
+    fn forward(&self, xs: &Tensor, _mode: &Mode) -> Result<Tensor> {
+        let (n, t) = xs.dims2()?;
+        self.project(&self.trunk(xs)?)?
+            .reshape((n, t, self.config.vocab_size))
+    }
+
+    /// On the CPU in f32 the output projection and the cross-entropy are one op that never
+    /// holds all the logits (see `gpt::head`).
+    fn loss(&self, xs: &Tensor, targets: &Tensor, _mode: &Mode) -> Result<Tensor> {
+        let x = self.trunk(xs)?;
+        let w = self.head_weight();
+        if self.compute == DType::F32 && head::applies(&x, w) {
+            return head::loss(&x, w, &targets.flatten_all()?);
+        }
+        crate::task::cross_entropy(&self.project(&x)?, targets)
+    }
+
+    fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
+        let x = self.trunk(xs)?;
+        let w = self.head_weight();
+        if self.compute == DType::F32 && head::applies(&x, w) {
+            return head::score(&x, w, &targets.flatten_all()?);
+        }
+        crate::task::loss_sum_and_correct(&self.project(&x)?, targets)
+    }
+
+    fn params(&self) -> &Params {
+        &self.params
+    }
+
+    /// 6 operations per parameter per token (the embedding's lookup excepted when tied, as
+    /// nanoGPT counts), plus attention's two products: 12·layers·heads·head_dim·t per token.
+    fn train_flops_per_sample(&self) -> Option<f64> {
+        let c = &self.config;
+        let mut n = self.params.element_count() as f64;
+        if !c.tie_word_embeddings {
+            n -= (c.vocab_size * c.hidden_size) as f64;
+        }
+        let t = c.block_size as f64;
+        let width = (c.num_attention_heads * c.head_dim) as f64;
+        Some((6.0 * n + 12.0 * c.num_hidden_layers as f64 * width * t) * t)
+    }
+}
+
+/// `x * rsqrt(mean(x²) + eps) * weight` over the last dimension, in f32 (`LlamaRMSNorm`).
+pub fn rms_norm(x: &Tensor, weight: &Var, eps: f64) -> Result<Tensor> {
+    let x = x.to_dtype(DType::F32)?;
+    let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(mean_square + eps)?.sqrt()?)?
+        .broadcast_mul(weight.as_tensor())
+}
+
+/// [t, t]: 0 on and below the diagonal, -inf above. Made per call: a checkpoint's context
+/// (8k to 128k positions) would make a [block, block] mask of gigabytes.
+fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(mask, (t, t), device)
+}
+
+/// Each of `kv` [n, t, kv_heads, hd]'s heads repeated `groups` times in place: [n, t,
+/// kv_heads·groups, hd], query head h reading key head h / groups (`repeat_kv`).
+fn repeat_kv(kv: &Tensor, groups: usize) -> Result<Tensor> {
+    if groups == 1 {
+        return Ok(kv.clone());
+    }
+    let (n, t, kv_heads, hd) = kv.dims4()?;
+    kv.unsqueeze(3)?
+        .broadcast_as((n, t, kv_heads, groups, hd))?
+        .reshape((n, t, kv_heads * groups, hd))
+}

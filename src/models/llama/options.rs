@@ -1,0 +1,530 @@
+//! `[model]` of `arch = "llama"`: the keys are `transformers`' `config.json` names, so a job
+//! file reads like the config of the checkpoint it starts from. With `init_from`, every size
+//! comes from the directory's `config.json` (a key the job restates must agree); without it,
+//! the defaults make a small model that trains from scratch in minutes on a CPU.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::rope::Llama3Scaling;
+use super::{Llama, LlamaConfig};
+use crate::hf::HfDir;
+use crate::models::Model;
+use crate::registry::{BuildError, LanguageModelOptions, ModelContext};
+use crate::task::ModelInput;
+
+/// The `model_type`s read as `arch = "llama"`.
+pub const MODEL_TYPES: [&str; 3] = ["llama", "mistral", "qwen2"];
+
+/// `model.arch = "llama"`. Every key but `init_from` has a default or comes from
+/// `init_from`'s `config.json`; `job.toml` holds them all written out.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LlamaOptions {
+    /// A Hugging Face model directory (`config.json`, `model.safetensors`, `tokenizer.json`)
+    /// whose weights the job starts from, e.g. `"models/SmolLM2-135M"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<String>,
+    /// `"llama"`, `"mistral"` or `"qwen2"` (q/k/v biases): what `export --hf` writes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_type: Option<String>,
+    /// Context length in tokens (the window length of the data); at most
+    /// `max_position_embeddings`, which it defaults to with `init_from`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_position_embeddings: Option<usize>,
+    /// Required for `tokens` data; `text` data knows its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab_size: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_size: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intermediate_size: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_hidden_layers: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_attention_heads: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_key_value_heads: Option<usize>,
+    /// Default `hidden_size / num_attention_heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rms_norm_eps: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// `rope_type = "llama3"` with `factor`, `low_freq_factor`, `high_freq_factor`,
+    /// `original_max_position_embeddings` (Llama 3.1/3.2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScalingOptions>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tie_word_embeddings: Option<bool>,
+    /// Biases on q, k, v and o (Llama's `attention_bias`; Qwen2 has q/k/v biases always).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_bias: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initializer_range: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RopeScalingOptions {
+    pub rope_type: RopeType,
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RopeType {
+    Llama3,
+}
+
+/// The defaults of a model trained from scratch: 4 layers of 128 channels, 4 query and 2
+/// key/value heads, SwiGLU of 384, context 64 (the size of the `gpt` recipe's model).
+fn scratch_defaults() -> LlamaOptions {
+    LlamaOptions {
+        model_type: Some("llama".into()),
+        block_size: Some(64),
+        hidden_size: Some(128),
+        intermediate_size: Some(384),
+        num_hidden_layers: Some(4),
+        num_attention_heads: Some(4),
+        num_key_value_heads: Some(2),
+        rms_norm_eps: Some(1e-5),
+        rope_theta: Some(10_000.0),
+        tie_word_embeddings: Some(true),
+        attention_bias: Some(false),
+        initializer_range: Some(0.02),
+        ..LlamaOptions::default()
+    }
+}
+
+impl LanguageModelOptions for LlamaOptions {
+    /// Fills every key: from `init_from`'s `config.json` (refusing one the job restates
+    /// differently), else from the scratch defaults. A resumed job's `job.toml` has them all
+    /// already; its `init_from` is then not read again when it is gone.
+    fn complete(self) -> Result<Self, String> {
+        let base = match &self.init_from {
+            Some(dir) if self.is_complete() && !Path::new(dir).join("config.json").is_file() => {
+                return Ok(self);
+            }
+            Some(dir) => {
+                let hf = HfDir::open(Path::new(dir)).map_err(|e| e.to_string())?;
+                from_hf(&hf, self.block_size)?
+            }
+            None => scratch_defaults(),
+        };
+        let merged = merge(self, base)?;
+        check(&merged)?;
+        Ok(merged)
+    }
+
+    fn block_size(&self) -> usize {
+        self.block_size.unwrap_or(64)
+    }
+
+    fn vocab_size(&self) -> Option<usize> {
+        self.vocab_size
+    }
+
+    fn tokenizer(&self) -> Option<PathBuf> {
+        let dir = Path::new(self.init_from.as_deref()?);
+        Some(dir.join("tokenizer.json")).filter(|p| p.is_file())
+    }
+}
+
+impl LlamaOptions {
+    fn is_complete(&self) -> bool {
+        let sizes = [
+            self.block_size,
+            self.max_position_embeddings,
+            self.vocab_size,
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_hidden_layers,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+        ];
+        sizes.iter().all(Option::is_some) && self.model_type.is_some()
+    }
+
+    /// The model's shape; `vocab_size` and `block_size` are the data's when not set.
+    pub fn config(&self, vocab_size: usize, block_size: usize) -> LlamaConfig {
+        let d = scratch_defaults();
+        let pick = |a: Option<usize>, b: Option<usize>| a.or(b).unwrap_or(1);
+        let hidden = pick(self.hidden_size, d.hidden_size);
+        let heads = pick(self.num_attention_heads, d.num_attention_heads);
+        let qwen = self.model_type.as_deref() == Some("qwen2");
+        let attention_bias = self.attention_bias.unwrap_or(false);
+        LlamaConfig {
+            vocab_size: self.vocab_size.unwrap_or(vocab_size),
+            block_size,
+            hidden_size: hidden,
+            intermediate_size: pick(self.intermediate_size, d.intermediate_size),
+            num_hidden_layers: pick(self.num_hidden_layers, d.num_hidden_layers),
+            num_attention_heads: heads,
+            num_key_value_heads: pick(self.num_key_value_heads, d.num_key_value_heads),
+            head_dim: self.head_dim.unwrap_or(hidden / heads.max(1)),
+            rms_norm_eps: self.rms_norm_eps.unwrap_or(1e-5),
+            rope_theta: self.rope_theta.unwrap_or(10_000.0),
+            rope_scaling: self.rope_scaling.map(|s| Llama3Scaling {
+                factor: s.factor,
+                low_freq_factor: s.low_freq_factor,
+                high_freq_factor: s.high_freq_factor,
+                original_max_position_embeddings: s.original_max_position_embeddings,
+            }),
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(true),
+            qkv_bias: qwen || attention_bias,
+            o_bias: !qwen && attention_bias,
+            initializer_range: self.initializer_range.unwrap_or(0.02),
+        }
+    }
+
+    /// `config.json` for `transformers`, as its `LlamaConfig` / `MistralConfig` /
+    /// `Qwen2Config` writes it, for a model of `config`.
+    pub fn hf_config(&self, config: &LlamaConfig) -> Map<String, Value> {
+        let model_type = self.model_type.as_deref().unwrap_or("llama");
+        let architecture = match model_type {
+            "mistral" => "MistralForCausalLM",
+            "qwen2" => "Qwen2ForCausalLM",
+            _ => "LlamaForCausalLM",
+        };
+        let c = config;
+        let mut m = Map::new();
+        m.insert("architectures".into(), serde_json::json!([architecture]));
+        m.insert("model_type".into(), model_type.into());
+        m.insert("vocab_size".into(), c.vocab_size.into());
+        m.insert("hidden_size".into(), c.hidden_size.into());
+        m.insert("intermediate_size".into(), c.intermediate_size.into());
+        m.insert("num_hidden_layers".into(), c.num_hidden_layers.into());
+        m.insert("num_attention_heads".into(), c.num_attention_heads.into());
+        m.insert("num_key_value_heads".into(), c.num_key_value_heads.into());
+        m.insert("head_dim".into(), c.head_dim.into());
+        m.insert("hidden_act".into(), "silu".into());
+        let max_positions = self
+            .max_position_embeddings
+            .unwrap_or(c.block_size)
+            .max(c.block_size);
+        m.insert("max_position_embeddings".into(), max_positions.into());
+        m.insert("rms_norm_eps".into(), c.rms_norm_eps.into());
+        m.insert("rope_theta".into(), c.rope_theta.into());
+        let scaling = self.rope_scaling.map(|s| {
+            serde_json::json!({
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            })
+        });
+        m.insert("rope_scaling".into(), scaling.unwrap_or(Value::Null));
+        m.insert("tie_word_embeddings".into(), c.tie_word_embeddings.into());
+        m.insert("initializer_range".into(), c.initializer_range.into());
+        m.insert("use_cache".into(), true.into());
+        match model_type {
+            "qwen2" => {
+                m.insert("use_sliding_window".into(), false.into());
+            }
+            "mistral" => {
+                m.insert("sliding_window".into(), Value::Null);
+            }
+            _ => {
+                m.insert("attention_bias".into(), c.o_bias.into());
+                m.insert("mlp_bias".into(), false.into());
+            }
+        }
+        m
+    }
+}
+
+/// The options `config.json` of `dir` describes (`block_size` = its maximum context).
+fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, String> {
+    let s = |e: crate::hf::HfError| e.to_string();
+    let model_type = dir.model_type().map_err(s)?;
+    if !MODEL_TYPES.contains(&model_type) {
+        return Err(format!(
+            "`{}`: model_type \"{model_type}\" is not supported by model.arch = \"llama\"; \
+             it reads {}",
+            dir.root.display(),
+            MODEL_TYPES.map(|t| format!("\"{t}\"")).join(", ")
+        ));
+    }
+    let act = dir.str_or("hidden_act", "silu").map_err(s)?;
+    if act != "silu" {
+        return Err(format!(
+            "`{}`: hidden_act \"{act}\" is not supported (the Llama family's MLP is SwiGLU: \
+             \"silu\")",
+            dir.root.display()
+        ));
+    }
+    if dir.bool_or("mlp_bias", false).map_err(s)? {
+        return Err(format!(
+            "`{}`: mlp_bias = true is not supported",
+            dir.root.display()
+        ));
+    }
+    let max_positions = dir.usize_or("max_position_embeddings", None).map_err(s)?;
+    let sliding = match model_type {
+        "qwen2" if !dir.bool_or("use_sliding_window", false).map_err(s)? => None,
+        _ => match dir.config.get("sliding_window") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v.as_u64().unwrap_or(0) as usize),
+        },
+    };
+    let hidden = dir.usize_or("hidden_size", None).map_err(s)?;
+    let heads = dir.usize_or("num_attention_heads", None).map_err(s)?;
+    let (theta, scaling) = rope_parameters(dir)?;
+    let options = LlamaOptions {
+        init_from: None,
+        model_type: Some(model_type.into()),
+        block_size: Some(max_positions),
+        max_position_embeddings: Some(max_positions),
+        vocab_size: Some(dir.usize_or("vocab_size", None).map_err(s)?),
+        hidden_size: Some(hidden),
+        intermediate_size: Some(dir.usize_or("intermediate_size", None).map_err(s)?),
+        num_hidden_layers: Some(dir.usize_or("num_hidden_layers", None).map_err(s)?),
+        num_attention_heads: Some(heads),
+        num_key_value_heads: Some(
+            dir.usize_or("num_key_value_heads", Some(heads))
+                .map_err(s)?,
+        ),
+        head_dim: Some(
+            dir.usize_or("head_dim", Some(hidden / heads.max(1)))
+                .map_err(s)?,
+        ),
+        rms_norm_eps: Some(dir.f64_or("rms_norm_eps", 1e-6).map_err(s)?),
+        rope_theta: Some(theta),
+        rope_scaling: scaling,
+        tie_word_embeddings: Some(dir.bool_or("tie_word_embeddings", false).map_err(s)?),
+        attention_bias: Some(dir.bool_or("attention_bias", false).map_err(s)?),
+        initializer_range: Some(dir.f64_or("initializer_range", 0.02).map_err(s)?),
+    };
+    let block = wanted_block.unwrap_or(max_positions);
+    if let Some(window) = sliding.filter(|&w| w < block) {
+        return Err(format!(
+            "`{}`: a sliding attention window of {window} positions is in effect for \
+             model.block_size = {block}, and ddpjob attends to the whole window; set \
+             model.block_size to at most {window}",
+            dir.root.display()
+        ));
+    }
+    Ok(options)
+}
+
+/// `rope_theta` and `rope_scaling` at the top level (transformers 4.x) or inside
+/// `rope_parameters` (5.x).
+fn rope_parameters(dir: &HfDir) -> Result<(f64, Option<RopeScalingOptions>), String> {
+    let where_ = dir.root.join("config.json");
+    let nested = dir.config.get("rope_parameters").and_then(Value::as_object);
+    let theta = nested
+        .and_then(|p| p.get("rope_theta"))
+        .and_then(Value::as_f64)
+        .map_or_else(
+            || {
+                dir.f64_or("rope_theta", 10_000.0)
+                    .map_err(|e| e.to_string())
+            },
+            Ok,
+        )?;
+    let scaling = match nested {
+        Some(p) => Some(p),
+        None => dir.config.get("rope_scaling").and_then(Value::as_object),
+    };
+    let Some(scaling) = scaling else {
+        return Ok((theta, None));
+    };
+    let kind = scaling
+        .get("rope_type")
+        .or_else(|| scaling.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok((theta, None)),
+        "llama3" => {
+            let num = |k: &str| {
+                scaling.get(k).and_then(Value::as_f64).ok_or_else(|| {
+                    format!(
+                        "`{}`: rope scaling \"llama3\" has no number \"{k}\"",
+                        where_.display()
+                    )
+                })
+            };
+            Ok((
+                theta,
+                Some(RopeScalingOptions {
+                    rope_type: RopeType::Llama3,
+                    factor: num("factor")?,
+                    low_freq_factor: num("low_freq_factor")?,
+                    high_freq_factor: num("high_freq_factor")?,
+                    original_max_position_embeddings: num("original_max_position_embeddings")?
+                        as usize,
+                }),
+            ))
+        }
+        other => Err(format!(
+            "`{}`: rope scaling of type \"{other}\" is not supported (\"default\" and \"llama3\" \
+             are)",
+            where_.display()
+        )),
+    }
+}
+
+/// `given` with the keys it leaves out taken from `base`; a key both set differently is an
+/// error naming both values.
+fn merge(given: LlamaOptions, base: LlamaOptions) -> Result<LlamaOptions, String> {
+    let source = match &given.init_from {
+        Some(dir) => format!("{dir}/config.json"),
+        None => "the default".into(),
+    };
+    let restated = given.init_from.is_some();
+    let mut conflicts = Vec::new();
+    macro_rules! take {
+        ($field:ident) => {{
+            match (&given.$field, &base.$field) {
+                (Some(g), Some(b)) if restated && g != b => {
+                    conflicts.push(format!(
+                        "model.{} = {:?}, but {source} says {:?}",
+                        stringify!($field),
+                        g,
+                        b
+                    ));
+                    given.$field.clone()
+                }
+                (Some(_), _) => given.$field.clone(),
+                (None, _) => base.$field.clone(),
+            }
+        }};
+    }
+    let block_size = given.block_size.or(base.block_size);
+    let merged = LlamaOptions {
+        init_from: given.init_from.clone(),
+        model_type: take!(model_type),
+        block_size,
+        max_position_embeddings: take!(max_position_embeddings),
+        vocab_size: take!(vocab_size),
+        hidden_size: take!(hidden_size),
+        intermediate_size: take!(intermediate_size),
+        num_hidden_layers: take!(num_hidden_layers),
+        num_attention_heads: take!(num_attention_heads),
+        num_key_value_heads: take!(num_key_value_heads),
+        head_dim: take!(head_dim),
+        rms_norm_eps: take!(rms_norm_eps),
+        rope_theta: take!(rope_theta),
+        rope_scaling: take!(rope_scaling),
+        tie_word_embeddings: take!(tie_word_embeddings),
+        attention_bias: take!(attention_bias),
+        initializer_range: take!(initializer_range),
+    };
+    if !conflicts.is_empty() {
+        return Err(format!(
+            "{}; leave the key out to take the checkpoint's value",
+            conflicts.join("; ")
+        ));
+    }
+    let (hidden, heads) = (
+        merged.hidden_size.unwrap_or(1),
+        merged.num_attention_heads.unwrap_or(1),
+    );
+    Ok(LlamaOptions {
+        head_dim: merged.head_dim.or(Some(hidden / heads.max(1))),
+        max_position_embeddings: merged.max_position_embeddings.or(merged.block_size),
+        ..merged
+    })
+}
+
+/// How the filled-in keys fit together.
+fn check(o: &LlamaOptions) -> Result<(), String> {
+    let get = |v: Option<usize>| v.unwrap_or(0);
+    let (heads, kv) = (get(o.num_attention_heads), get(o.num_key_value_heads));
+    if heads == 0 || kv == 0 || heads % kv != 0 {
+        return Err(format!(
+            "model.num_attention_heads = {heads} must be a positive multiple of \
+             model.num_key_value_heads = {kv} (each key/value head serves a group of query heads)"
+        ));
+    }
+    if let Some(t) = &o.model_type
+        && !MODEL_TYPES.contains(&t.as_str())
+    {
+        return Err(format!(
+            "model.model_type = \"{t}\" is not one of {}",
+            MODEL_TYPES.map(|t| format!("\"{t}\"")).join(", ")
+        ));
+    }
+    let (block, max) = (get(o.block_size), get(o.max_position_embeddings));
+    if block > max {
+        let why = match &o.init_from {
+            Some(dir) => format!("what `{dir}` was trained for (or its sliding window)"),
+            None => "model.max_position_embeddings".into(),
+        };
+        return Err(format!(
+            "model.block_size = {block} is longer than {why}: {max}; use at most {max}"
+        ));
+    }
+    if get(o.head_dim) % 2 != 0 {
+        return Err(format!(
+            "model.head_dim = {} must be even (rotary pairs)",
+            get(o.head_dim)
+        ));
+    }
+    Ok(())
+}
+
+/// The registry's builder of `arch = "llama"`: random weights from the job's seed, or
+/// `init_from`'s weights (unless a checkpoint will replace them).
+pub(crate) fn build_llama(
+    o: &LlamaOptions,
+    cx: &ModelContext,
+) -> Result<Box<dyn Model>, BuildError> {
+    let ModelInput::Tokens {
+        vocab_size,
+        block_size,
+    } = cx.input
+    else {
+        return Err(format!(
+            "model.arch = \"llama\" learns from token windows, not {:?}",
+            cx.input
+        )
+        .into());
+    };
+    let config = o.config(vocab_size, block_size);
+    let model = Llama::new(&config, cx.seed, &cx.device, cx.compute_dtype)?;
+    if let Some(dir) = &o.init_from
+        && !cx.restoring
+    {
+        let dir = HfDir::open(Path::new(dir))?;
+        // Buffers older files carry: rotary inverse frequencies, recomputed here.
+        dir.load_into(model.params(), |name| name.ends_with("rotary_emb.inv_freq"))?;
+    }
+    Ok(Box::new(model))
+}
+
+/// `config.json` and the tensors of a Hugging Face export of a llama job whose resolved
+/// `[model]` options are `options` and whose weights are `tensors` (named as trained; the
+/// tied `lm_head.weight` left out, as `save_pretrained` leaves it).
+pub(crate) fn hf_parts(
+    options: &toml::Table,
+    mut tensors: std::collections::HashMap<String, candle_core::Tensor>,
+) -> Result<
+    (
+        Map<String, Value>,
+        std::collections::HashMap<String, candle_core::Tensor>,
+    ),
+    String,
+> {
+    let o: LlamaOptions = LlamaOptions::deserialize(toml::Value::Table(options.clone()))
+        .map_err(|e| format!("the job's [model] does not read as llama options: {e}"))?;
+    let embed = tensors
+        .get("model.embed_tokens.weight")
+        .ok_or("the weights have no `model.embed_tokens.weight`: not a llama job's")?;
+    let vocab = embed.dims().first().copied().unwrap_or(0);
+    let config = o.config(vocab, o.block_size());
+    if config.tie_word_embeddings {
+        tensors.remove("lm_head.weight");
+    }
+    Ok((o.hf_config(&config), tensors))
+}

@@ -1,0 +1,348 @@
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::options::{LlamaOptions, build_llama};
+use super::{repeat_kv, rms_norm};
+use crate::models::{Mode, Model};
+use crate::registry::{LanguageModelOptions, ModelContext};
+use crate::task::ModelInput;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+}
+
+fn options_from(name: &str) -> LlamaOptions {
+    let dir = fixture(name).display().to_string();
+    LlamaOptions {
+        init_from: Some(dir),
+        ..LlamaOptions::default()
+    }
+    .complete()
+    .unwrap()
+}
+
+fn context(vocab_size: usize, block_size: usize, dtype: DType) -> ModelContext {
+    ModelContext {
+        input: ModelInput::Tokens {
+            vocab_size,
+            block_size,
+        },
+        seed: 1,
+        device: Device::Cpu,
+        compute_dtype: dtype,
+        restoring: false,
+    }
+}
+
+fn pretrained(name: &str) -> Box<dyn Model> {
+    let o = options_from(name);
+    build_llama(&o, &context(320, o.block_size(), DType::F32)).unwrap()
+}
+
+/// `transformers`' inputs, targets, logits and loss for a fixture (see make_fixtures.py).
+fn reference(name: &str) -> (Tensor, Tensor, Tensor, f32) {
+    let path = fixture(name).join("reference.safetensors");
+    let r = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+    let ids = |k: &str| r[k].to_dtype(DType::U32).unwrap();
+    let loss = r["loss"].to_vec1::<f32>().unwrap()[0];
+    (ids("input_ids"), ids("targets"), r["logits"].clone(), loss)
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn logits_and_loss_equal_transformers_for_every_model_type() {
+    // llama: rope_scaling llama3, untied head; llama-v4: the same in transformers 4.x's
+    // config layout; qwen2: q/k/v biases, tied head, rope_theta 1e6; mistral.
+    for name in ["llama", "llama-v4", "qwen2", "mistral"] {
+        let reference_name = if name == "llama-v4" { "llama" } else { name };
+        let (x, y, logits, loss) = reference(reference_name);
+        let model = pretrained(name);
+        let ours = model.forward(&x, &Mode::Eval).unwrap();
+        let diff = max_abs_diff(&ours, &logits);
+        assert!(diff < 1e-4, "{name}: logits differ by {diff}");
+        let mean = model.loss(&x, &y, &Mode::Eval).unwrap();
+        let mean = mean.to_scalar::<f32>().unwrap();
+        assert!((mean - loss).abs() < 1e-4, "{name}: loss {mean} vs {loss}");
+        let (sum, _) = model.score(&x, &y).unwrap();
+        let per_token = sum / y.elem_count() as f64;
+        assert!(
+            (per_token - loss as f64).abs() < 1e-4,
+            "{name}: score {per_token}"
+        );
+    }
+}
+
+#[test]
+fn sizes_come_from_config_json_and_a_restated_size_must_agree() {
+    let o = options_from("qwen2");
+    assert_eq!(o.model_type.as_deref(), Some("qwen2"));
+    assert_eq!((o.hidden_size, o.num_key_value_heads), (Some(32), Some(2)));
+    assert_eq!(
+        o.block_size,
+        Some(64),
+        "the default window is max_position_embeddings"
+    );
+    assert_eq!(o.tie_word_embeddings, Some(true));
+    let restated = LlamaOptions {
+        init_from: Some(fixture("qwen2").display().to_string()),
+        hidden_size: Some(64),
+        ..LlamaOptions::default()
+    };
+    let err = restated.complete().unwrap_err();
+    assert!(
+        err.contains("model.hidden_size = 64") && err.contains("32"),
+        "{err}"
+    );
+    let too_long = LlamaOptions {
+        init_from: Some(fixture("llama").display().to_string()),
+        block_size: Some(65),
+        ..LlamaOptions::default()
+    };
+    let err = too_long.complete().unwrap_err();
+    assert!(
+        err.contains("model.block_size = 65") && err.contains("64"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_shorter_window_gives_the_same_logits_for_its_positions() {
+    // nanoGPT's crop_block_size: a pretrained model trained on shorter windows.
+    let (x, _, logits, _) = reference("llama");
+    let mut o = options_from("llama");
+    o.block_size = Some(12);
+    let model = build_llama(&o, &context(320, 12, DType::F32)).unwrap();
+    let ours = model.forward(&x, &Mode::Eval).unwrap();
+    assert!(max_abs_diff(&ours, &logits) < 1e-4);
+}
+
+#[test]
+fn rms_norm_by_hand() {
+    // x = [1, 2, 3, 4]: mean(x²) = 7.5; x / sqrt(7.5 + 1e-5) · [1, 1, 2, 0.5]
+    let x = Tensor::new(&[[1f32, 2., 3., 4.]], &Device::Cpu).unwrap();
+    let w = Var::new(&[1f32, 1., 2., 0.5], &Device::Cpu).unwrap();
+    let got: Vec<f32> = rms_norm(&x, &w, 1e-5)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let r = 1.0 / (7.5f32 + 1e-5).sqrt();
+    let want = [r, 2. * r, 6. * r, 2. * r];
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() < 1e-6, "{got:?}");
+    }
+}
+
+#[test]
+fn each_key_value_head_serves_its_group_of_query_heads() {
+    // 2 key/value heads of 1 channel each, 3 query heads per group: query heads 0-2 read
+    // head 0, 3-5 head 1 (transformers' repeat_kv).
+    let kv = Tensor::new(&[10f32, 20.], &Device::Cpu)
+        .unwrap()
+        .reshape((1, 1, 2, 1))
+        .unwrap();
+    let got: Vec<f32> = repeat_kv(&kv, 3)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(got, vec![10., 10., 10., 20., 20., 20.]);
+}
+
+#[test]
+fn a_position_never_sees_later_ones() {
+    let model = pretrained("mistral");
+    let a = Tensor::new(&[[5u32, 17, 42, 7, 99, 3]], &Device::Cpu).unwrap();
+    let b = Tensor::new(&[[5u32, 17, 42, 8, 1, 250]], &Device::Cpu).unwrap();
+    let la = model
+        .forward(&a, &Mode::Eval)
+        .unwrap()
+        .narrow(1, 0, 3)
+        .unwrap();
+    let lb = model
+        .forward(&b, &Mode::Eval)
+        .unwrap()
+        .narrow(1, 0, 3)
+        .unwrap();
+    assert_eq!(max_abs_diff(&la, &lb), 0.0);
+}
+
+#[test]
+fn bf16_computes_close_to_transformers_f32() {
+    let (x, y, logits, loss) = reference("qwen2");
+    let o = options_from("qwen2");
+    let bf16 = build_llama(&o, &context(320, 64, DType::BF16)).unwrap();
+    let l = bf16
+        .loss(&x, &y, &Mode::Eval)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!((l - loss).abs() < 0.05, "bf16 loss {l} vs {loss}");
+    let diff = max_abs_diff(&bf16.forward(&x, &Mode::Eval).unwrap(), &logits);
+    assert!(diff < 0.1, "bf16 logits differ by {diff}");
+}
+
+#[test]
+fn scratch_models_start_from_the_seed_and_train() {
+    let o = LlamaOptions::default().complete().unwrap();
+    assert_eq!(o.num_key_value_heads, Some(2));
+    let cx = context(65, 16, DType::F32);
+    let a = build_llama(&o, &cx).unwrap();
+    let b = build_llama(&o, &cx).unwrap();
+    let names: Vec<&str> = a.params().iter().map(|(n, _)| n).collect();
+    assert!(
+        names.contains(&"model.layers.3.mlp.gate_proj.weight"),
+        "{names:?}"
+    );
+    assert_eq!(
+        a.params().aliases().next(),
+        Some(("lm_head.weight", "model.embed_tokens.weight"))
+    );
+    for ((_, va), (_, vb)) in a.params().iter().zip(b.params().iter()) {
+        assert_eq!(max_abs_diff(va.as_tensor(), vb.as_tensor()), 0.0);
+    }
+    // A few steps of plain gradient descent on one window lower its loss.
+    let x = Tensor::new(&[[1u32, 2, 3, 4, 5, 6, 7, 8]], &Device::Cpu).unwrap();
+    let y = Tensor::new(&[[2u32, 3, 4, 5, 6, 7, 8, 9]], &Device::Cpu).unwrap();
+    let first = a
+        .loss(&x, &y, &Mode::Eval)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    for _ in 0..20 {
+        let loss = a.loss(&x, &y, &Mode::Eval).unwrap();
+        let grads = loss.backward().unwrap();
+        for (_, v) in a.params().iter() {
+            let g = grads
+                .get(v.as_tensor())
+                .expect("every parameter gets a gradient");
+            v.set(&(v.as_tensor() - (g * 0.5).unwrap()).unwrap())
+                .unwrap();
+        }
+    }
+    let last = a
+        .loss(&x, &y, &Mode::Eval)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(last < first - 1.0, "{first} → {last}");
+}
+
+#[test]
+fn bad_checkpoints_are_named_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    std::fs::create_dir(&dir).unwrap();
+    let complete = |dir: &std::path::Path| {
+        LlamaOptions {
+            init_from: Some(dir.display().to_string()),
+            ..LlamaOptions::default()
+        }
+        .complete()
+        .unwrap_err()
+    };
+    assert!(complete(&dir).contains("has no config.json"));
+    assert!(complete(&tmp.path().join("absent")).contains("does not exist"));
+    std::fs::write(tmp.path().join("file"), "x").unwrap();
+    assert!(complete(&tmp.path().join("file")).contains("is a file"));
+    let config = std::fs::read_to_string(fixture("llama").join("config.json")).unwrap();
+    std::fs::write(dir.join("config.json"), &config).unwrap();
+    assert!(complete(&dir).contains("neither model.safetensors"));
+    std::fs::copy(
+        fixture("qwen2").join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let edit = |from: &str, to: &str| {
+        std::fs::write(dir.join("config.json"), config.replace(from, to)).unwrap();
+        complete(&dir)
+    };
+    let err = edit("\"model_type\": \"llama\"", "\"model_type\": \"falcon\"");
+    assert!(
+        err.contains("\"falcon\"") && err.contains("\"qwen2\""),
+        "{err}"
+    );
+    let err = edit("\"rope_type\": \"llama3\"", "\"rope_type\": \"yarn\"");
+    assert!(err.contains("\"yarn\" is not supported"), "{err}");
+    let err = edit("\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"");
+    assert!(err.contains("hidden_act \"gelu\""), "{err}");
+    // A llama config over qwen2's weights: the biases are left over, lm_head is missing.
+    std::fs::write(dir.join("config.json"), &config).unwrap();
+    let o = complete_ok(&dir);
+    let err = build_llama(&o, &context(320, 64, DType::F32))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("lm_head.weight") || err.contains("bias"),
+        "{err}"
+    );
+    // The right names with a wrong shape.
+    let wide = config.replace("\"intermediate_size\": 64", "\"intermediate_size\": 96");
+    std::fs::write(dir.join("config.json"), wide).unwrap();
+    std::fs::copy(
+        fixture("llama").join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let o = complete_ok(&dir);
+    let err = build_llama(&o, &context(320, 64, DType::F32))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("gate_proj.weight` has shape [64, 32], the model expects [96, 32]"),
+        "{err}"
+    );
+}
+
+fn complete_ok(dir: &std::path::Path) -> LlamaOptions {
+    LlamaOptions {
+        init_from: Some(dir.display().to_string()),
+        ..LlamaOptions::default()
+    }
+    .complete()
+    .unwrap()
+}
+
+#[test]
+fn a_sliding_window_shorter_than_the_context_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("mistral").join(file), tmp.path().join(file)).unwrap();
+    }
+    let config = std::fs::read_to_string(tmp.path().join("config.json")).unwrap();
+    let windowed = config.replace("\"sliding_window\": null", "\"sliding_window\": 16");
+    assert_ne!(config, windowed, "the fixture has a sliding_window key");
+    std::fs::write(tmp.path().join("config.json"), windowed).unwrap();
+    let err = LlamaOptions {
+        init_from: Some(tmp.path().display().to_string()),
+        ..LlamaOptions::default()
+    }
+    .complete()
+    .unwrap_err();
+    assert!(err.contains("sliding attention window of 16"), "{err}");
+    let ok = LlamaOptions {
+        init_from: Some(tmp.path().display().to_string()),
+        block_size: Some(16),
+        ..LlamaOptions::default()
+    };
+    assert!(ok.complete().is_ok());
+}

@@ -78,6 +78,9 @@ impl RunError {
     pub fn exit_code(&self) -> u8 {
         match self {
             RunError::Config(_) | RunError::Usage(_) | RunError::Device(_) => 2,
+            // The config and its data disagree (a tokenizer larger than the model, text data
+            // for an image model): fixed in the job file.
+            RunError::Data(DataError::Mismatch(_)) => 2,
             RunError::JobDir(JobDirError::Io { .. }) => 1,
             RunError::JobDir(_) => 2,
             RunError::Store(StoreError::Bind { .. } | StoreError::Refused { .. }) => 2,

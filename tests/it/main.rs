@@ -13,6 +13,7 @@ mod gpu_check;
 mod hangs;
 mod language;
 mod nodes;
+mod open_models;
 mod resume;
 mod run;
 mod shell;

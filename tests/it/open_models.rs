@@ -1,0 +1,210 @@
+//! Open models end to end: a Llama-family job from a Hugging Face directory (the tiny
+//! checkpoints of `tests/fixtures/hf`, made by `transformers`), trained by the real binary
+//! and exported back; a llama from scratch resumed bit for bit and matched across world
+//! sizes; the bad inputs refused before anything is created.
+
+use std::path::{Path, PathBuf};
+
+use crate::common::{TestJob, load_weights, max_abs_diff};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+}
+
+fn text(t: &TestJob) -> PathBuf {
+    let path = t.path("corpus.txt");
+    let shakespeare = include_str!("../fixtures/hf/sample.txt");
+    std::fs::write(&path, shakespeare).unwrap();
+    path
+}
+
+fn job(text: &Path, model: &str, extra: &str) -> String {
+    format!(
+        r#"
+seed = 5
+[model]
+{model}
+[data]
+dataset = "text"
+path = "{}"
+[train]
+epochs = 2
+max_steps = 30
+batch_size = 8
+lr = 3e-3
+optimizer = "adamw"
+grad_clip_norm = 1.0
+log_every = 1
+eval_batch_size = 32
+[checkpoint]
+every_epochs = 1
+keep_last = 0
+{extra}
+"#,
+        text.display()
+    )
+}
+
+fn scratch() -> &'static str {
+    "arch = \"llama\"\nhidden_size = 32\nintermediate_size = 64\nnum_hidden_layers = 2\n\
+     num_attention_heads = 4\nnum_key_value_heads = 2\nblock_size = 16"
+}
+
+#[test]
+fn a_qwen2_checkpoint_fine_tunes_and_exports_back_to_hugging_face() {
+    let t = TestJob::new();
+    let text = text(&t);
+    let dir = fixture("qwen2");
+    // No arch: config.json says qwen2; the tokenizer is the directory's.
+    let model = format!("init_from = \"{}\"\nblock_size = 16", dir.display());
+    let cfg = t.config("ft", &job(&text, &model, ""));
+    t.run(&cfg, &[]).success();
+    let frozen = std::fs::read_to_string(t.job("ft").join("job.toml")).unwrap();
+    for line in [
+        "arch = \"llama\"",
+        "model_type = \"qwen2\"",
+        "hidden_size = 32",
+    ] {
+        assert!(frozen.contains(line), "job.toml lacks `{line}`:\n{frozen}");
+    }
+    assert!(frozen.contains("tokenizer.json"), "{frozen}");
+    let losses: Vec<f64> = t
+        .metrics("ft")
+        .iter()
+        .filter_map(|m| m["loss"].as_f64())
+        .collect();
+    let (first, last) = (losses[0], *losses.last().unwrap());
+    // The fixture's random weights start near ln(320) = 5.77 nats.
+    assert!(first > 5.0 && last < first - 0.5, "loss {first} → {last}");
+
+    let jobs = t.jobs_dir().display().to_string();
+    let out = t.path("out");
+    let out_s = out.display().to_string();
+    t.ddpjob(&["export", "ft", "--hf", &out_s, "--jobs-dir", &jobs])
+        .success();
+    for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+        assert!(out.join(file).is_file(), "no {file} in the export");
+    }
+    let config = t.json(&out.join("config.json"));
+    assert_eq!(config["model_type"], "qwen2");
+    assert_eq!(config["architectures"][0], "Qwen2ForCausalLM");
+    assert_eq!(config["tie_word_embeddings"], true);
+    // The weights are the job's, bit for bit; the tied head is left out as transformers does.
+    let mut trained = load_weights(&t.job("ft").join("model.safetensors"));
+    trained.remove("lm_head.weight");
+    let exported = load_weights(&out.join("model.safetensors"));
+    assert_eq!(max_abs_diff(&trained, &exported), 0.0);
+    t.ddpjob(&["export", "ft", "--hf", &out_s, "--jobs-dir", &jobs])
+        .fails_with(2, "is not empty");
+    t.ddpjob(&[
+        "export",
+        "ft",
+        "--hf",
+        &out_s,
+        "--jobs-dir",
+        &jobs,
+        "--force",
+    ])
+    .success();
+
+    // The export is an HF directory in turn: a job continues from it.
+    let again = format!("init_from = \"{out_s}\"\nblock_size = 16");
+    let cfg = t.config(
+        "again",
+        &job(&text, &again, "").replace("max_steps = 30", "max_steps = 2"),
+    );
+    t.run(&cfg, &[]).success();
+}
+
+#[test]
+fn a_llama_from_scratch_resumes_bit_for_bit_and_two_workers_match_one() {
+    let t = TestJob::new();
+    let text = text(&t);
+    let cfg = t.config(
+        "job",
+        &job(&text, scratch(), "").replace("log_every = 1", "log_every = 5"),
+    );
+    t.run(&cfg, &["--name", "whole"]).success();
+    let cut = t.run_env(
+        &cfg,
+        &["--name", "cut"],
+        &[("DDPJOB_FAULT", "rank=0,step=17,kind=preempt")],
+    );
+    cut.fails_with(143, "interrupted by SIGTERM");
+    let jobs = t.jobs_dir().display().to_string();
+    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
+    let (a, b) = (
+        load_weights(&t.job("whole").join("model.safetensors")),
+        load_weights(&t.job("cut").join("model.safetensors")),
+    );
+    for (name, va) in &a {
+        let same = va
+            .iter()
+            .zip(&b[name])
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "`{name}` differs after resume");
+    }
+
+    let half = job(&text, scratch(), "")
+        .replace("batch_size = 8", "batch_size = 4")
+        .replace("max_steps = 30", "max_steps = 10");
+    let full = job(&text, scratch(), "").replace("max_steps = 30", "max_steps = 10");
+    t.run(&t.config("one", &full), &["--nproc-per-node", "1"])
+        .success();
+    t.run(&t.config("two", &half), &["--nproc-per-node", "2"])
+        .success();
+    let diff = max_abs_diff(
+        &load_weights(&t.job("one").join("model.safetensors")),
+        &load_weights(&t.job("two").join("model.safetensors")),
+    );
+    assert!(diff < 1e-5, "1 x 8 and 2 x 4 differ by {diff}");
+}
+
+#[test]
+fn bad_open_model_jobs_exit_2_before_anything_is_created() {
+    let t = TestJob::new();
+    let text = text(&t);
+    let run = |name: &str, model: &str| {
+        let cfg = t.config(name, &job(&text, model, ""));
+        t.run(&cfg, &[])
+    };
+    run("missing", "init_from = \"models/SmolLM2-135M\"").fails_with(
+        2,
+        "the model directory `models/SmolLM2-135M` does not exist",
+    );
+    let llama = fixture("llama").display().to_string();
+    run(
+        "restated",
+        &format!("init_from = \"{llama}\"\nnum_hidden_layers = 4"),
+    )
+    .fails_with(2, "model.num_hidden_layers = 4, but");
+    run(
+        "too-long",
+        &format!("init_from = \"{llama}\"\nblock_size = 128"),
+    )
+    .fails_with(2, "model.block_size = 128 is longer than");
+    run("unknown", &format!("{}\nnum_layers = 2", scratch())).fails_with(2, "num_layers");
+    let gpt2 = t.path("gpt2");
+    std::fs::create_dir(&gpt2).unwrap();
+    std::fs::write(gpt2.join("config.json"), r#"{"model_type": "gpt2"}"#).unwrap();
+    std::fs::write(gpt2.join("model.safetensors"), b"").unwrap();
+    run("gpt2", &format!("init_from = \"{}\"", gpt2.display()))
+        .fails_with(2, "holds a \"gpt2\" model");
+    // A tokenizer with more tokens than the model has rows.
+    let small = format!("{}\nvocab_size = 100", scratch());
+    let cfg = t.config(
+        "vocab",
+        &job(&text, &small, "").replace(
+            "dataset = \"text\"",
+            &format!(
+                "dataset = \"text\"\ntokenizer = \"{}\"",
+                fixture("llama").join("tokenizer.json").display()
+            ),
+        ),
+    );
+    t.run(&cfg, &[])
+        .fails_with(2, "model.vocab_size = 100 is smaller than the vocabulary");
+    assert!(!t.jobs_dir().exists() || std::fs::read_dir(t.jobs_dir()).unwrap().next().is_none());
+}

@@ -17,6 +17,12 @@ use thiserror::Error;
 use crate::models::Params;
 pub use export::{ExportDtype, export};
 
+/// What an export writes: `config.json`'s fields and the tensors of `model.safetensors` by name.
+pub type HfParts = (
+    Map<String, Value>,
+    std::collections::HashMap<String, candle_core::Tensor>,
+);
+
 #[derive(Debug, Error)]
 pub enum HfError {
     #[error("{0}")]

@@ -427,13 +427,7 @@ pub fn build(
 pub(crate) fn hf_export_parts(
     spec: &ModelSpec,
     tensors: std::collections::HashMap<String, Tensor>,
-) -> std::result::Result<
-    (
-        serde_json::Map<String, serde_json::Value>,
-        std::collections::HashMap<String, Tensor>,
-    ),
-    String,
-> {
+) -> std::result::Result<crate::hf::HfParts, String> {
     match spec {
         ModelSpec::Custom { arch, options, .. } if arch == "llama" => {
             llama::hf_parts(options, tensors)

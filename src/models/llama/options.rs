@@ -509,13 +509,7 @@ pub(crate) fn build_llama(
 pub(crate) fn hf_parts(
     options: &toml::Table,
     mut tensors: std::collections::HashMap<String, candle_core::Tensor>,
-) -> Result<
-    (
-        Map<String, Value>,
-        std::collections::HashMap<String, candle_core::Tensor>,
-    ),
-    String,
-> {
+) -> Result<crate::hf::HfParts, String> {
     let o: LlamaOptions = LlamaOptions::deserialize(toml::Value::Table(options.clone()))
         .map_err(|e| format!("the job's [model] does not read as llama options: {e}"))?;
     let embed = tensors

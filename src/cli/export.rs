@@ -10,7 +10,6 @@ use super::CliResult;
 use crate::config::{self, DatasetKind, ModelSpec, TokenizerKind};
 use crate::generate::{SampleError, weights_path};
 use crate::hf::{self, ExportDtype};
-use crate::jobdir::JobDir;
 
 #[derive(Debug, Args)]
 pub(super) struct ExportArgs {
@@ -41,19 +40,7 @@ enum Dtype {
 }
 
 pub(super) fn export(args: &ExportArgs) -> CliResult {
-    let root = args.jobs_dir.join(&args.name);
-    if !root.join("job.toml").is_file() {
-        return Err((
-            2,
-            anyhow!(
-                "no job `{}` in `{}`; `ddpjob list --jobs-dir {}` shows the jobs there",
-                args.name,
-                args.jobs_dir.display(),
-                args.jobs_dir.display()
-            ),
-        ));
-    }
-    let job = JobDir { root };
+    let job = super::existing_job(&args.jobs_dir, &args.name)?;
     let spec = config::load(&job.job_toml(), &[])
         .map_err(|e| (2, anyhow!(e)))?
         .spec;

@@ -296,6 +296,25 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
 
 type CliResult = Result<(), (u8, anyhow::Error)>;
 
+/// The job `name` under `jobs_dir`, or a usage error (exit 2) saying where to look.
+fn existing_job(
+    jobs_dir: &std::path::Path,
+    name: &str,
+) -> Result<crate::jobdir::JobDir, (u8, anyhow::Error)> {
+    let root = jobs_dir.join(name);
+    if !root.join("job.toml").is_file() {
+        return Err((
+            2,
+            anyhow::anyhow!(
+                "no job `{name}` in `{}`; `ddpjob list --jobs-dir {}` shows the jobs there",
+                jobs_dir.display(),
+                jobs_dir.display()
+            ),
+        ));
+    }
+    Ok(crate::jobdir::JobDir { root })
+}
+
 /// `ddpjob keys [PREFIX]`.
 fn keys(prefix: Option<&str>) -> CliResult {
     match crate::config::schema::reference(prefix) {

@@ -9,7 +9,6 @@ use clap::Args;
 
 use super::CliResult;
 use crate::generate::{Generator, SampleError, Sampling};
-use crate::jobdir::JobDir;
 
 #[derive(Debug, Args)]
 pub(super) struct SampleArgs {
@@ -44,25 +43,13 @@ pub(super) struct SampleArgs {
 }
 
 pub(super) fn sample(args: &SampleArgs) -> CliResult {
-    let root = args.jobs_dir.join(&args.name);
-    if !root.join("job.toml").is_file() {
-        return Err((
-            2,
-            anyhow!(
-                "no job `{}` in `{}`; `ddpjob list --jobs-dir {}` shows the jobs there",
-                args.name,
-                args.jobs_dir.display(),
-                args.jobs_dir.display()
-            ),
-        ));
-    }
+    let job = super::existing_job(&args.jobs_dir, &args.name)?;
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
         return Err((
             2,
             anyhow!("--temperature must be 0 or more, got {}", args.temperature),
         ));
     }
-    let job = JobDir { root };
     let exit = |e: SampleError| {
         let code = match e {
             SampleError::Usage(_) | SampleError::Config(_) => 2,

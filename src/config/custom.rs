@@ -287,17 +287,20 @@ mod tests {
         );
         let err = load("[model]\narch = \"tinny\"\n", &[]).unwrap_err();
         assert!(
-            err.contains("expected one of \"cnn\", \"gpt\", \"mlp\", \"tiny\""),
+            err.contains("expected one of \"cnn\", \"gpt\", \"llama\", \"mlp\", \"tiny\""),
             "{err}"
         );
-        // The built-in text data is cut into windows of the gpt's block_size: gpt only.
+        // The built-in text data is cut into windows of a language model's block_size: a
+        // model registered with `model` (not `language_model`) has none.
         let err = load(
             "[model]\narch = \"tiny\"\nwidth = 8\n[data]\ndataset = \"text\"\npath = \"a.txt\"\n",
             &[],
         )
         .unwrap_err();
         assert!(
-            err.contains("it needs model.arch = \"gpt\", not \"tiny\""),
+            err.contains(
+                "it needs a language model (model.arch = \"gpt\" or \"llama\"), not \"tiny\""
+            ),
             "{err}"
         );
         // A built-in arch still refuses keys that are not its own.

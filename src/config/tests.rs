@@ -98,7 +98,7 @@ fn bad_values_are_each_named() {
         ),
         (
             "[model]\narch = \"resnet\"\n",
-            "`model.arch` (configs/x.toml:2:8): unknown value \"resnet\"; expected one of \"cnn\", \"gpt\", \"mlp\"",
+            "`model.arch` (configs/x.toml:2:8): unknown value \"resnet\"; expected one of \"cnn\", \"gpt\", \"llama\", \"mlp\"",
         ),
         (
             "[data]\ndataset = \"cifar\"\n",

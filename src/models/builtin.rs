@@ -59,18 +59,21 @@ fn build_cnn(_: &CnnOptions, cx: &ModelContext) -> Result<Box<dyn Model>, BuildE
     Ok(with_precision(Box::new(cnn), precision(cx)))
 }
 
+/// (vocab_size, block_size) of a language model's input.
+pub(super) fn token_windows(arch: &str, cx: &ModelContext) -> Result<(usize, usize), BuildError> {
+    match cx.input {
+        ModelInput::Tokens {
+            vocab_size,
+            block_size,
+        } => Ok((vocab_size, block_size)),
+        other => {
+            Err(format!("model.arch = \"{arch}\" learns from token windows, not {other:?}").into())
+        }
+    }
+}
+
 fn build_gpt(o: &GptSpec, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
-    let ModelInput::Tokens {
-        vocab_size,
-        block_size,
-    } = cx.input
-    else {
-        return Err(format!(
-            "model.arch = \"gpt\" learns from token windows, not {:?}",
-            cx.input
-        )
-        .into());
-    };
+    let (vocab_size, block_size) = token_windows("gpt", cx)?;
     let config = GptConfig {
         vocab_size,
         block_size,

@@ -1,7 +1,7 @@
 //! The networks, with parameters named as a PyTorch user names them (`fc1.weight`) and
 //! initialised like torch's defaults from our own seeded RNG.
 
-mod builtin;
+pub(crate) mod builtin;
 mod chain;
 mod cnn;
 mod gpt;

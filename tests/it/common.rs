@@ -286,6 +286,18 @@ pub fn workers_under(dir: &Path) -> Vec<(u32, usize)> {
     found
 }
 
+/// Panics naming the first tensor whose bits differ between the weight files `a` and `b`.
+pub fn assert_same_bits(a: &Path, b: &Path) {
+    let (a, b) = (load_weights(a), load_weights(b));
+    for (name, va) in &a {
+        let same = va
+            .iter()
+            .zip(&b[name])
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "`{name}` differs after resume");
+    }
+}
+
 /// Largest absolute difference between two sets of weights with the same names.
 pub fn max_abs_diff(
     a: &std::collections::BTreeMap<String, Vec<f32>>,

@@ -159,7 +159,9 @@ fn bad_options_and_names_are_refused_before_training() {
     let (code, _, err) = d.run(&["validate", "unknown.toml"], &[]);
     assert_eq!(code, 2, "{err}");
     assert!(
-        err.contains("\"resnet50\"; expected one of \"cnn\", \"gpt\", \"mlp\", \"tiny-resnet\""),
+        err.contains(
+            "\"resnet50\"; expected one of \"cnn\", \"gpt\", \"llama\", \"mlp\", \"tiny-resnet\""
+        ),
         "{err}"
     );
 

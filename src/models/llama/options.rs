@@ -13,7 +13,6 @@ use super::{Llama, LlamaConfig};
 use crate::hf::HfDir;
 use crate::models::Model;
 use crate::registry::{BuildError, LanguageModelOptions, ModelContext};
-use crate::task::ModelInput;
 
 /// The `model_type`s read as `arch = "llama"`.
 pub const MODEL_TYPES: [&str; 3] = ["llama", "mistral", "qwen2"];
@@ -480,17 +479,7 @@ pub(crate) fn build_llama(
     o: &LlamaOptions,
     cx: &ModelContext,
 ) -> Result<Box<dyn Model>, BuildError> {
-    let ModelInput::Tokens {
-        vocab_size,
-        block_size,
-    } = cx.input
-    else {
-        return Err(format!(
-            "model.arch = \"llama\" learns from token windows, not {:?}",
-            cx.input
-        )
-        .into());
-    };
+    let (vocab_size, block_size) = crate::models::builtin::token_windows("llama", cx)?;
     let config = o.config(vocab_size, block_size);
     let model = Llama::new(&config, cx.seed, &cx.device, cx.compute_dtype)?;
     if let Some(dir) = &o.init_from

@@ -60,7 +60,7 @@
 //! }
 //!
 //! let registry = Registry::builtin().model("linear", LinearClassifier::build);
-//! assert_eq!(registry.model_names(), ["cnn", "gpt", "linear", "mlp"]);
+//! assert_eq!(registry.model_names(), ["cnn", "gpt", "linear", "llama", "mlp"]);
 //! // fn main() -> ddpjob::ExitCode { ddpjob::cli::main_with(registry) }
 //! ```
 

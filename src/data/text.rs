@@ -356,6 +356,13 @@ pub fn ensure_present(spec: &DataSpec) -> Result<(), DataError> {
     if t.path.is_file() {
         return Ok(());
     }
+    if t.path.is_dir() {
+        return Err(DataError::Mismatch(format!(
+            "data.path `{}` is a directory; name the text file in it (e.g. `{}`)",
+            t.path.display(),
+            t.path.join("input.txt").display()
+        )));
+    }
     let file = t
         .path
         .file_name()

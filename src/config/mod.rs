@@ -82,18 +82,18 @@ fn arch_from_init(source: &mut Source) -> Result<(), ConfigError> {
     };
     let hf = crate::hf::HfDir::open(Path::new(dir)).map_err(|e| fail(source, e.to_string()))?;
     let model_type = hf.model_type().map_err(|e| fail(source, e.to_string()))?;
-    let arch = match model_type {
-        "llama" | "mistral" | "qwen2" => "llama",
-        other => {
-            return Err(fail(
-                source,
-                format!(
-                    "`{dir}` holds a \"{other}\" model; ddpjob reads \"llama\", \"mistral\" \
-                     and \"qwen2\" checkpoints (model.arch = \"llama\")"
-                ),
-            ));
-        }
-    };
+    if !crate::models::LLAMA_MODEL_TYPES.contains(&model_type) {
+        let readable = crate::models::LLAMA_MODEL_TYPES.map(|t| format!("\"{t}\""));
+        return Err(fail(
+            source,
+            format!(
+                "`{dir}` holds a \"{model_type}\" model; ddpjob reads {} checkpoints \
+                 (model.arch = \"llama\")",
+                readable.join(", ")
+            ),
+        ));
+    }
+    let arch = "llama";
     if let Some(toml::Value::Table(model)) = source.table.get_mut("model") {
         model.insert("arch".into(), arch.into());
     }

@@ -161,15 +161,14 @@ impl HfDir {
                     var.dims()
                 )));
             }
-            let value = tensor
+            tensor
                 .to_dtype(DType::F32)
                 .and_then(|t| t.to_device(var.device()))
                 .and_then(|t| var.set(&t))
                 .map_err(|cause| HfError::Weights {
                     path: self.root.clone(),
                     cause,
-                });
-            value?;
+                })?;
         }
         let known: HashSet<&str> = params.iter().map(|(n, _)| n).collect();
         let mut extra: Vec<&String> = present

@@ -20,6 +20,7 @@ use crate::task::ModelInput;
 pub(crate) use builtin::register_builtin;
 pub use cnn::Cnn;
 pub use gpt::{Gpt, GptConfig, KvCache};
+pub(crate) use llama::MODEL_TYPES as LLAMA_MODEL_TYPES;
 pub use mlp::Mlp;
 pub use store::ParamStore;
 

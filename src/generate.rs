@@ -82,6 +82,7 @@ impl Generator {
             n_embd: g.n_embd,
             dropout: 0.0,
             bias: g.bias,
+            activation: g.activation,
         };
         let device = Device::Cpu;
         let model = Gpt::new(&config, 0, &device, DType::F32)?;

@@ -16,8 +16,8 @@ use super::checks::{
 };
 use super::declare::section;
 use super::spec::{
-    Backend, DeviceChoice, GptSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
-    TokenDtype, TokenizerKind,
+    Backend, DeviceChoice, GptActivation, GptSpec, OnWriteError, OptimizerSpec, Precision,
+    ScheduleKind, TokenDtype, TokenizerKind,
 };
 
 /// A week: longer than any collective should stall, and safe to add to a clock.
@@ -89,6 +89,17 @@ section! {
         #[serde(skip_serializing_if = "Option::is_none")]
         vocab_size: Option<i64> = None, shown "from the data"
             => vocab_size: Option<usize> = optional(int_range(1, 1 << 31));
+        /// gpt: the MLP's GELU, `"gelu"` (exact, as nanoGPT) or `"gelu_new"` (GPT-2's tanh
+        /// approximation)
+        #[serde(skip_serializing_if = "Option::is_none")]
+        activation: Option<String> = None, shown "`\"gelu\"`; a checkpoint's own"
+            => activation: Option<GptActivation> = optional(choice(&[("gelu", GptActivation::Gelu), ("gelu_new", GptActivation::GeluNew)]));
+        /// gpt: a Hugging Face GPT-2 directory (`config.json`, `model.safetensors`,
+        /// `tokenizer.json`) to start from, e.g. `"models/gpt2"`; the shape comes from it, and
+        /// `"llama"`, `"mistral"` and `"qwen2"` directories pick `arch = "llama"`
+        #[serde(skip_serializing_if = "Option::is_none")]
+        init_from: Option<String> = None, shown "none (random weights)"
+            => init_from: Option<String> = any();
     }
 }
 
@@ -102,19 +113,23 @@ pub const GPT_DEFAULTS: GptSpec = GptSpec {
     dropout: 0.0,
     bias: true,
     vocab_size: None,
+    activation: GptActivation::Gelu,
+    init_from: None,
 };
 
 impl RawModel {
-    /// The `gpt` keys with their defaults written out, so a gpt job's `job.toml` says what it
-    /// trained; other archs leave them out.
-    pub fn resolve_gpt(&mut self) {
-        let d = GPT_DEFAULTS;
-        self.n_layer.get_or_insert(d.n_layer as i64);
-        self.n_head.get_or_insert(d.n_head as i64);
-        self.n_embd.get_or_insert(d.n_embd as i64);
-        self.block_size.get_or_insert(d.block_size as i64);
-        self.dropout.get_or_insert(d.dropout);
-        self.bias.get_or_insert(d.bias);
+    /// The `gpt` keys as validated into `gpt` (defaults and a checkpoint's shape written
+    /// out), so a gpt job's `job.toml` says what it trained; other archs leave them out.
+    pub fn resolve_gpt(&mut self, gpt: &GptSpec) {
+        self.n_layer = Some(gpt.n_layer as i64);
+        self.n_head = Some(gpt.n_head as i64);
+        self.n_embd = Some(gpt.n_embd as i64);
+        self.block_size = Some(gpt.block_size as i64);
+        self.dropout = Some(gpt.dropout);
+        self.bias = Some(gpt.bias);
+        self.vocab_size = gpt.vocab_size.map(|v| v as i64);
+        self.activation = Some(gpt.activation.name().into());
+        self.init_from = gpt.init_from.clone();
     }
 }
 

@@ -82,18 +82,21 @@ fn arch_from_init(source: &mut Source) -> Result<(), ConfigError> {
     };
     let hf = crate::hf::HfDir::open(Path::new(dir)).map_err(|e| fail(source, e.to_string()))?;
     let model_type = hf.model_type().map_err(|e| fail(source, e.to_string()))?;
-    if !crate::models::LLAMA_MODEL_TYPES.contains(&model_type) {
+    let arch = if model_type == "gpt2" {
+        "gpt"
+    } else if crate::models::LLAMA_MODEL_TYPES.contains(&model_type) {
+        "llama"
+    } else {
         let readable = crate::models::LLAMA_MODEL_TYPES.map(|t| format!("\"{t}\""));
         return Err(fail(
             source,
             format!(
-                "`{dir}` holds a \"{model_type}\" model; ddpjob reads {} checkpoints \
-                 (model.arch = \"llama\")",
+                "`{dir}` holds a \"{model_type}\" model; ddpjob reads \"gpt2\" (model.arch = \
+                 \"gpt\") and {} checkpoints (model.arch = \"llama\")",
                 readable.join(", ")
             ),
         ));
-    }
-    let arch = "llama";
+    };
     if let Some(toml::Value::Table(model)) = source.table.get_mut("model") {
         model.insert("arch".into(), arch.into());
     }
@@ -143,8 +146,8 @@ pub fn load_str_with(
     let spec = JobSpec::from_raw(&resolved, &source, &default_name, custom, registry)?;
     resolved.name = Some(spec.name.clone());
     resolved.data.root = Some(spec.data.root.display().to_string());
-    if let ModelSpec::Gpt(_) = spec.model {
-        resolved.model.resolve_gpt();
+    if let ModelSpec::Gpt(gpt) = &spec.model {
+        resolved.model.resolve_gpt(gpt);
     }
     match &spec.data.dataset {
         DatasetKind::Text(t) => {

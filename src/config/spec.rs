@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+pub use crate::models::GptActivation;
 pub use crate::registry::LanguageModelSpec;
 
 // The sections whose checked keys are the spec itself, declared in `keys.rs`.
@@ -81,7 +82,11 @@ impl ModelSpec {
             ModelSpec::Gpt(g) => Some(LanguageModelSpec {
                 block_size: g.block_size,
                 vocab_size: g.vocab_size,
-                tokenizer: None,
+                tokenizer: g
+                    .init_from
+                    .as_ref()
+                    .map(|dir| std::path::Path::new(dir).join("tokenizer.json"))
+                    .filter(|p| p.is_file()),
             }),
             ModelSpec::Custom { language, .. } => language.clone(),
             ModelSpec::Mlp { .. } | ModelSpec::Cnn => None,
@@ -120,6 +125,12 @@ pub struct GptSpec {
     /// Required for `tokens` data; `text` data brings its own vocabulary.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vocab_size: Option<usize>,
+    /// The MLP's GELU.
+    #[serde(default)]
+    pub activation: GptActivation,
+    /// A Hugging Face GPT-2 directory whose weights the job starts from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

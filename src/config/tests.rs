@@ -307,7 +307,7 @@ fn readme_config_table_is_the_schemas() {
 #[test]
 fn shown_defaults_are_the_real_ones() {
     let mut raw = RawConfig::default();
-    raw.model.resolve_gpt();
+    raw.model.resolve_gpt(&super::keys::GPT_DEFAULTS);
     let defaults = toml::Value::try_from(raw).unwrap();
     let mut checked = 0;
     for k in schema::KEYS

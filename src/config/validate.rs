@@ -106,6 +106,8 @@ fn check_model(
             ("dropout", m.dropout.is_some()),
             ("bias", m.bias.is_some()),
             ("vocab_size", m.vocab_size.is_some()),
+            ("activation", m.activation.is_some()),
+            ("init_from", m.init_from.is_some()),
         ];
         for (key, _) in given.iter().filter(|(_, set)| *set) {
             c.fail(
@@ -141,9 +143,16 @@ fn expectations(e: &ExpectKeys) -> Vec<Expectation> {
         .collect()
 }
 
-/// `model.*` of a gpt (the keys left out take [`GPT_DEFAULTS`]), and how the shape fits.
+/// `model.*` of a gpt (the keys left out take [`GPT_DEFAULTS`], or with `init_from` the
+/// checkpoint's shape, which a key the job restates must agree with), and how the shape fits.
 fn check_gpt(c: &mut Checker, m: &ModelKeys) -> GptSpec {
-    let d = GPT_DEFAULTS;
+    let d = match &m.init_from {
+        Some(dir) => match pretrained_gpt(c, m, dir) {
+            Some(pretrained) => pretrained,
+            None => GPT_DEFAULTS,
+        },
+        None => GPT_DEFAULTS,
+    };
     let n_head = m.n_head.unwrap_or(d.n_head);
     let n_embd = m.n_embd.unwrap_or(d.n_embd);
     if n_head > 0 && n_embd % n_head != 0 {
@@ -163,8 +172,78 @@ fn check_gpt(c: &mut Checker, m: &ModelKeys) -> GptSpec {
         block_size: m.block_size.unwrap_or(d.block_size),
         dropout: m.dropout.unwrap_or(d.dropout),
         bias: m.bias.unwrap_or(d.bias),
-        vocab_size: m.vocab_size,
+        vocab_size: m.vocab_size.or(d.vocab_size),
+        activation: m.activation.unwrap_or(d.activation),
+        init_from: m.init_from.clone(),
     }
+}
+
+/// The shape of the GPT-2 checkpoint in `dir` as a gpt's defaults (its weights need biases;
+/// `dropout` stays the job's), each key the job restates checked against it. `None` after
+/// an error, or when `dir` is gone but the keys say everything (a resumed job's `job.toml`:
+/// its checkpoint replaces the weights).
+fn pretrained_gpt(c: &mut Checker, m: &ModelKeys, dir: &str) -> Option<GptSpec> {
+    let complete = m.n_layer.is_some()
+        && m.n_head.is_some()
+        && m.n_embd.is_some()
+        && m.block_size.is_some()
+        && m.vocab_size.is_some()
+        && m.activation.is_some();
+    let path = std::path::Path::new(dir);
+    if complete && !path.join("config.json").is_file() {
+        return None;
+    }
+    let shape = crate::hf::HfDir::open(path)
+        .and_then(|hf| crate::models::read_gpt2_shape(&hf))
+        .map_err(|e| c.fail("model.init_from", e.to_string()))
+        .ok()?;
+    let source = format!("{dir}/config.json");
+    let mut agree = |key: &str, given: Option<String>, theirs: String| {
+        if let Some(given) = given.filter(|g| *g != theirs) {
+            c.fail(
+                &format!("model.{key}"),
+                format!(
+                    "is {given}, but {source} says {theirs}; leave the key out to take the \
+                     checkpoint's"
+                ),
+            );
+        }
+    };
+    let text = |v: Option<usize>| v.map(|v| v.to_string());
+    agree("n_layer", text(m.n_layer), shape.n_layer.to_string());
+    agree("n_head", text(m.n_head), shape.n_head.to_string());
+    agree("n_embd", text(m.n_embd), shape.n_embd.to_string());
+    agree(
+        "vocab_size",
+        text(m.vocab_size),
+        shape.vocab_size.to_string(),
+    );
+    agree(
+        "activation",
+        m.activation.map(|a| format!("\"{}\"", a.name())),
+        format!("\"{}\"", shape.activation.name()),
+    );
+    agree("bias", m.bias.map(|b| b.to_string()), "true".into());
+    if let Some(block) = m.block_size.filter(|&b| b > shape.n_positions) {
+        c.fail(
+            "model.block_size",
+            format!(
+                "is {block}, but {source} has position embeddings for {} tokens; use at most {}",
+                shape.n_positions, shape.n_positions
+            ),
+        );
+    }
+    Some(GptSpec {
+        n_layer: shape.n_layer,
+        n_head: shape.n_head,
+        n_embd: shape.n_embd,
+        block_size: shape.n_positions,
+        dropout: GPT_DEFAULTS.dropout,
+        bias: true,
+        vocab_size: Some(shape.vocab_size),
+        activation: shape.activation,
+        init_from: None,
+    })
 }
 
 /// `data.*` of `text` and `tokens` data, and how they fit the model.

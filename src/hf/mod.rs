@@ -129,33 +129,36 @@ impl HfDir {
         params: &Params,
         ignored: impl Fn(&str) -> bool,
     ) -> Result<(), HfError> {
+        self.load_with(params, &SameLayout(ignored))
+    }
+
+    /// [`HfDir::load_into`] for an architecture whose files name or lay out some tensors
+    /// unlike the model does (GPT-2's `[in, out]` Conv1D weights): `layout` says where each
+    /// parameter is in the file and how to turn it into the parameter's layout.
+    pub fn load_with(&self, params: &Params, layout: &dyn FileLayout) -> Result<(), HfError> {
+        let weights = |cause| HfError::Weights {
+            path: self.root.clone(),
+            cause,
+        };
         // SAFETY: the files are mapped read-only and only read while `tensors` lives; a file
         // changed underneath a running job is the same hazard as for any memory-mapped input.
-        let tensors = unsafe { MmapedSafetensors::multi(&self.weight_files) }.map_err(|cause| {
-            HfError::Weights {
-                path: self.root.clone(),
-                cause,
-            }
-        })?;
+        let tensors = unsafe { MmapedSafetensors::multi(&self.weight_files) }.map_err(weights)?;
         let present: HashSet<String> = tensors.tensors().into_iter().map(|(n, _)| n).collect();
         let aliases: HashSet<&str> = params.aliases().map(|(a, _)| a).collect();
+        let mut used = HashSet::new();
         for (name, var) in params.iter() {
-            if !present.contains(name) {
+            let Some(file_name) = layout.file_name(name, &present) else {
                 return Err(HfError::Invalid(format!(
                     "`{}` has no tensor `{name}`, which the model described by its config.json \
                      needs; the weights do not belong to this config",
                     self.root.display()
                 )));
-            }
-            let tensor = tensors
-                .load(name, &Device::Cpu)
-                .map_err(|cause| HfError::Weights {
-                    path: self.root.clone(),
-                    cause,
-                })?;
+            };
+            let stored = tensors.load(&file_name, &Device::Cpu).map_err(weights)?;
+            let tensor = layout.to_model(name, stored, var.dims()).map_err(weights)?;
             if tensor.dims() != var.dims() {
                 return Err(HfError::Invalid(format!(
-                    "`{}`: tensor `{name}` has shape {:?}, the model expects {:?}",
+                    "`{}`: tensor `{file_name}` has shape {:?}, the model expects {:?}",
                     self.root.display(),
                     tensor.dims(),
                     var.dims()
@@ -165,16 +168,13 @@ impl HfDir {
                 .to_dtype(DType::F32)
                 .and_then(|t| t.to_device(var.device()))
                 .and_then(|t| var.set(&t))
-                .map_err(|cause| HfError::Weights {
-                    path: self.root.clone(),
-                    cause,
-                })?;
+                .map_err(weights)?;
+            used.insert(file_name);
         }
-        let known: HashSet<&str> = params.iter().map(|(n, _)| n).collect();
         let mut extra: Vec<&String> = present
             .iter()
-            .filter(|n| !known.contains(n.as_str()) && !aliases.contains(n.as_str()))
-            .filter(|n| !ignored(n))
+            .filter(|n| !used.contains(*n) && !aliases.contains(n.as_str()))
+            .filter(|n| !layout.ignored(n))
             .collect();
         extra.sort();
         if let Some(first) = extra.first() {
@@ -186,6 +186,34 @@ impl HfDir {
             )));
         }
         Ok(())
+    }
+}
+
+/// How an architecture's files hold its parameters (see [`HfDir::load_with`]).
+pub trait FileLayout {
+    /// The name under which the file holds parameter `name`, among the `present` ones.
+    fn file_name(&self, name: &str, present: &HashSet<String>) -> Option<String> {
+        present.contains(name).then(|| name.to_string())
+    }
+    /// The stored tensor of parameter `name` in the model's layout (whose shape is `dims`).
+    fn to_model(
+        &self,
+        _name: &str,
+        stored: candle_core::Tensor,
+        _dims: &[usize],
+    ) -> candle_core::Result<candle_core::Tensor> {
+        Ok(stored)
+    }
+    /// A tensor of the file the model has no use for (a buffer), not an error.
+    fn ignored(&self, file_name: &str) -> bool;
+}
+
+/// Names and layouts as the model's, some tensors ignored.
+struct SameLayout<F>(F);
+
+impl<F: Fn(&str) -> bool> FileLayout for SameLayout<F> {
+    fn ignored(&self, file_name: &str) -> bool {
+        (self.0)(file_name)
     }
 }
 

@@ -82,12 +82,14 @@ fn build_gpt(o: &GptSpec, cx: &ModelContext) -> Result<Box<dyn Model>, BuildErro
         n_embd: o.n_embd,
         dropout: o.dropout,
         bias: o.bias,
+        activation: o.activation,
     };
     // The gpt does its own autocast: its inputs are token ids, not values to cast.
-    Ok(Box::new(Gpt::new(
-        &config,
-        cx.seed,
-        &cx.device,
-        cx.compute_dtype,
-    )?))
+    let gpt = Gpt::new(&config, cx.seed, &cx.device, cx.compute_dtype)?;
+    if let Some(dir) = &o.init_from
+        && !cx.restoring
+    {
+        super::gpt::hf::load(&gpt, &crate::hf::HfDir::open(std::path::Path::new(dir))?)?;
+    }
+    Ok(Box::new(gpt))
 }

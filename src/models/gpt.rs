@@ -11,6 +11,7 @@
 pub(super) mod attention;
 mod dropout;
 pub(super) mod head;
+pub(crate) mod hf;
 mod manual;
 mod ops;
 mod rows;
@@ -26,6 +27,7 @@ use super::{Mode, Model, Params, TrainPass};
 use crate::kernels;
 use crate::rng::Mt19937;
 use dropout::Dropout;
+pub use ops::Activation;
 
 /// nanoGPT's `GPTConfig`.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,6 +39,8 @@ pub struct GptConfig {
     pub n_embd: usize,
     pub dropout: f64,
     pub bias: bool,
+    /// The MLP's GELU: exact (nanoGPT) or GPT-2's tanh form (`gelu_new`).
+    pub activation: Activation,
 }
 
 impl GptConfig {
@@ -186,7 +190,10 @@ impl Gpt {
             }
             let y = block.attn_proj.forward(&y.reshape((t, c))?, self.compute)?;
             x = (x + y.to_dtype(DType::F32)?)?;
-            x = (&x + block.mlp(&x, self.compute)?.to_dtype(DType::F32)?)?;
+            x = (&x
+                + block
+                    .mlp(&x, self.compute, self.config.activation)?
+                    .to_dtype(DType::F32)?)?;
         }
         let last = x.narrow(0, t - 1, 1)?;
         Ok(self.head(&last)?.squeeze(0)?.detach())
@@ -308,7 +315,9 @@ impl Gpt {
         for (i, block) in self.blocks.iter().enumerate() {
             let y = block.attention(&x, n, t, self)?;
             x = (&x + drop(y.to_dtype(DType::F32)?, 1 + 2 * i)?)?;
-            let y = block.mlp(&x, self.compute)?.to_dtype(DType::F32)?;
+            let y = block
+                .mlp(&x, self.compute, self.config.activation)?
+                .to_dtype(DType::F32)?;
             x = (&x + drop(y, 2 + 2 * i)?)?;
         }
         Ok(x)
@@ -341,9 +350,10 @@ impl Block {
     }
 
     /// c_proj(gelu(c_fc(ln_2(x)))), in the compute dtype.
-    fn mlp(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
+    fn mlp(&self, x: &Tensor, compute: DType, activation: Activation) -> Result<Tensor> {
         let hidden = self.c_fc.forward(&self.ln_2.forward(x)?, compute)?;
-        self.mlp_proj.forward(&ops::gelu(&hidden)?, compute)
+        self.mlp_proj
+            .forward(&ops::gelu(&hidden, activation)?, compute)
     }
 }
 

@@ -19,7 +19,8 @@ use crate::task::ModelInput;
 
 pub(crate) use builtin::register_builtin;
 pub use cnn::Cnn;
-pub use gpt::{Gpt, GptConfig, KvCache};
+pub(crate) use gpt::hf::read_shape as read_gpt2_shape;
+pub use gpt::{Activation as GptActivation, Gpt, GptConfig, KvCache};
 pub(crate) use llama::MODEL_TYPES as LLAMA_MODEL_TYPES;
 pub use mlp::Mlp;
 pub use store::ParamStore;
@@ -433,9 +434,18 @@ pub(crate) fn hf_export_parts(
         ModelSpec::Custom { arch, options, .. } if arch == "llama" => {
             llama::hf_parts(options, tensors)
         }
+        ModelSpec::Gpt(g) => {
+            let export = gpt::hf::Gpt2Export {
+                n_head: g.n_head,
+                block_size: g.block_size,
+                dropout: g.dropout,
+                activation: g.activation,
+            };
+            gpt::hf::hf_parts(&export, tensors)
+        }
         other => Err(format!(
-            "export --hf writes Llama-family jobs (model.arch = \"llama\"); this job's model is \
-             \"{}\", which has no Hugging Face export yet",
+            "export --hf writes language models (model.arch = \"gpt\" or \"llama\"); this \
+             job's model is \"{}\", which has no Hugging Face export",
             other.arch()
         )),
     }

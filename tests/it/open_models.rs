@@ -179,12 +179,15 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
     )
     .fails_with(2, "model.block_size = 128 is longer than");
     run("unknown", &format!("{}\nnum_layers = 2", scratch())).fails_with(2, "num_layers");
-    let gpt2 = t.path("gpt2");
-    std::fs::create_dir(&gpt2).unwrap();
-    std::fs::write(gpt2.join("config.json"), r#"{"model_type": "gpt2"}"#).unwrap();
-    std::fs::write(gpt2.join("model.safetensors"), b"").unwrap();
-    run("gpt2", &format!("init_from = \"{}\"", gpt2.display()))
-        .fails_with(2, "holds a \"gpt2\" model");
+    let other = t.path("falcon");
+    std::fs::create_dir(&other).unwrap();
+    std::fs::write(other.join("config.json"), r#"{"model_type": "falcon"}"#).unwrap();
+    std::fs::write(other.join("model.safetensors"), b"").unwrap();
+    run("falcon", &format!("init_from = \"{}\"", other.display()))
+        .fails_with(2, "holds a \"falcon\" model; ddpjob reads \"gpt2\"");
+    std::fs::write(other.join("config.json"), r#"{"model_type": "gpt2"}"#).unwrap();
+    run("gpt2", &format!("init_from = \"{}\"", other.display()))
+        .fails_with(2, "has no \"n_embd\", which is required");
     // A tokenizer with more tokens than the model has rows.
     let small = format!("{}\nvocab_size = 100", scratch());
     let cfg = t.config(

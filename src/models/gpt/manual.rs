@@ -9,7 +9,7 @@
 use candle_core::{DType, Result, Tensor, bail};
 use rayon::prelude::*;
 
-use super::ops::{self, simd};
+use super::ops;
 use super::{Gpt, attention, dropout, head};
 use crate::kernels::{self, Wanted, linear_backward, linear_forward, scratch, with_all_values};
 use crate::models::{Mode, TrainPass};
@@ -158,7 +158,7 @@ fn trunk(
     keep: bool,
 ) -> (Vec<Activations>, Vec<f32>, Vec<f32>) {
     let (c, rows) = (gpt.config.n_embd, ids.len());
-    let n_head = gpt.config.n_head;
+    let (n_head, activation) = (gpt.config.n_head, gpt.config.activation);
     let (wte, wpe) = (weights.get(0), weights.get(1));
     let mut x = scratch::take(rows * c);
     for ((row, &id), out) in (0..rows).zip(ids).zip(x.chunks_exact_mut(c)) {
@@ -203,8 +203,8 @@ fn trunk(
             .par_chunks_mut(ELEMENTS_PER_TASK)
             .zip(gelu_slope.par_chunks_mut(ELEMENTS_PER_TASK));
         match keep {
-            true => elementwise.for_each(|(y, x)| simd::gelu_and_slope(x, y)),
-            false => elementwise.for_each(|(y, x)| simd::gelu(x, y)),
+            true => elementwise.for_each(|(y, x)| activation.apply_keeping_slope(x, y)),
+            false => elementwise.for_each(|(y, x)| activation.apply(x, y)),
         }
         let mut branch = linear_forward(&activated, w.mlp_proj, w.mlp_proj_bias, rows);
         drop_in_place(&mut branch, masks.get(2 + 2 * i));

@@ -49,12 +49,61 @@ pub fn causal_softmax_with_ops(
     candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(att.dtype())
 }
 
-/// Exact (erf) GELU, `x · Φ(x)`: fused on the CPU for f32, candle's `gelu_erf` elsewhere.
-pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if kernels::applies(x) {
-        return x.contiguous()?.apply_op1(GeluOp);
+/// The MLP's GELU: nanoGPT's exact one (`transformers`' `"gelu"`) or GPT-2's tanh
+/// approximation (`"gelu_new"`, what OpenAI's weights were trained with).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum Activation {
+    #[default]
+    #[serde(rename = "gelu")]
+    Gelu,
+    #[serde(rename = "gelu_new")]
+    GeluNew,
+}
+
+impl Activation {
+    /// Its name in job files and `config.json`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::Gelu => "gelu",
+            Activation::GeluNew => "gelu_new",
+        }
     }
-    x.gelu_erf()
+
+    /// y = GELU(x) over rows of f32 values.
+    pub(super) fn apply(self, x: &[f32], y: &mut [f32]) {
+        match self {
+            Activation::Gelu => simd::gelu(x, y),
+            Activation::GeluNew => simd::gelu_tanh(x, y),
+        }
+    }
+
+    /// y = GELU(x), and x replaced by GELU's slope there.
+    pub(super) fn apply_keeping_slope(self, x: &mut [f32], y: &mut [f32]) {
+        match self {
+            Activation::Gelu => simd::gelu_and_slope(x, y),
+            Activation::GeluNew => simd::gelu_tanh_and_slope(x, y),
+        }
+    }
+
+    /// dx = g · GELU'(x).
+    fn grad(self, x: &[f32], g: &[f32], dx: &mut [f32]) {
+        match self {
+            Activation::Gelu => simd::gelu_grad(x, g, dx),
+            Activation::GeluNew => simd::gelu_tanh_grad(x, g, dx),
+        }
+    }
+}
+
+/// GELU of `activation`'s form: fused on the CPU for f32, candle's `gelu_erf` / `gelu` (its
+/// tanh form) elsewhere.
+pub fn gelu(x: &Tensor, activation: Activation) -> Result<Tensor> {
+    if kernels::applies(x) {
+        return x.contiguous()?.apply_op1(GeluOp(activation));
+    }
+    match activation {
+        Activation::Gelu => x.gelu_erf(),
+        Activation::GeluNew => x.gelu(),
+    }
 }
 
 /// The row loops, where the GPT's ops and layers reach them.
@@ -168,14 +217,17 @@ impl CustomOp3 for LayerNormOp {
     }
 }
 
-struct GeluOp;
+struct GeluOp(Activation);
 
 /// Elements handed to one rayon task by the elementwise ops.
 const ELEMENTS_PER_TASK: usize = 1 << 14;
 
 impl CustomOp1 for GeluOp {
     fn name(&self) -> &'static str {
-        "ddpjob-gpt-gelu"
+        match self.0 {
+            Activation::Gelu => "ddpjob-gpt-gelu",
+            Activation::GeluNew => "ddpjob-gpt-gelu-new",
+        }
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
@@ -183,11 +235,11 @@ impl CustomOp1 for GeluOp {
         let mut y = vec![0f32; x.len()];
         y.par_chunks_mut(ELEMENTS_PER_TASK)
             .zip(x.par_chunks(ELEMENTS_PER_TASK))
-            .for_each(|(y, x)| simd::gelu(x, y));
+            .for_each(|(y, x)| self.0.apply(x, y));
         Ok((CpuStorage::F32(y), layout.shape().clone()))
     }
 
-    /// d(x·Φ(x))/dx = Φ(x) + x·φ(x).
+    /// dx = g · GELU'(x).
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let mut dx = vec![0f32; x.elem_count()];
         with_values(x, |x| {
@@ -195,7 +247,7 @@ impl CustomOp1 for GeluOp {
                 dx.par_chunks_mut(ELEMENTS_PER_TASK)
                     .zip(x.par_chunks(ELEMENTS_PER_TASK))
                     .zip(g.par_chunks(ELEMENTS_PER_TASK))
-                    .for_each(|((dx, x), g)| simd::gelu_grad(x, g, dx));
+                    .for_each(|((dx, x), g)| self.0.grad(x, g, dx));
                 Ok(())
             })
         })?;

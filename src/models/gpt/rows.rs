@@ -155,32 +155,74 @@ fn causal_softmax_bwd_rows<const FMA: bool>(
     }
 }
 
-/// y = x·Φ(x); with `FMA`, multiply-adds fused (one rounding instead of two).
+/// GELU(x) and its slope GELU'(x): the exact x·Φ(x) (slope Φ(x) + x·φ(x)), or with `TANH`
+/// GPT-2's approximation ½x(1 + tanh u), u = √(2/π)(x + 0.044715x³) (`transformers`'
+/// `gelu_new`). Only inlined uses that keep the slope compute it.
 #[inline(always)]
-fn gelu_rows<const FMA: bool>(x: &[f32], y: &mut [f32]) {
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y = x * cdf_pdf::<FMA>(x).0;
-    }
-}
-
-/// y = x·Φ(x), and x replaced by GELU's slope there, Φ(x) + x·φ(x): a backward that keeps the
-/// slope multiplies by it instead of computing Φ and φ again.
-#[inline(always)]
-fn gelu_slope_rows<const FMA: bool>(x: &mut [f32], y: &mut [f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        let (cdf, pdf) = cdf_pdf::<FMA>(*x);
-        *y = *x * cdf;
-        *x = madd::<FMA>(*x, pdf, cdf);
-    }
-}
-
-/// dx = g·(Φ(x) + x·φ(x)).
-#[inline(always)]
-fn gelu_grad_rows<const FMA: bool>(x: &[f32], g: &[f32], dx: &mut [f32]) {
-    for ((dx, &x), g) in dx.iter_mut().zip(x).zip(g) {
+fn gelu_and_slope_of<const FMA: bool, const TANH: bool>(x: f32) -> (f32, f32) {
+    if TANH {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        let x2 = x * x;
+        let u = SQRT_2_OVER_PI * madd::<FMA>(0.044_715 * x2, x, x);
+        // tanh u = 1 - 2/(e^{2u} + 1): one exponential, exact at both tails.
+        let th = 1.0 - 2.0 / (exp_with::<FMA>(2.0 * u) + 1.0);
+        let half_x = 0.5 * x;
+        let du = SQRT_2_OVER_PI * madd::<FMA>(3.0 * 0.044_715, x2, 1.0);
+        let value = madd::<FMA>(half_x, th, half_x);
+        let slope = madd::<FMA>(
+            half_x * madd::<FMA>(-th, th, 1.0),
+            du,
+            madd::<FMA>(0.5, th, 0.5),
+        );
+        (value, slope)
+    } else {
         let (cdf, pdf) = cdf_pdf::<FMA>(x);
-        *dx = g * madd::<FMA>(x, pdf, cdf);
+        (x * cdf, madd::<FMA>(x, pdf, cdf))
     }
+}
+
+/// y = GELU(x); with `FMA`, multiply-adds fused (one rounding instead of two).
+#[inline(always)]
+fn gelu_rows<const FMA: bool, const TANH: bool>(x: &[f32], y: &mut [f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = gelu_and_slope_of::<FMA, TANH>(x).0;
+    }
+}
+
+/// y = GELU(x), and x replaced by GELU's slope there: a backward that keeps the slope
+/// multiplies by it instead of computing it again.
+#[inline(always)]
+fn gelu_slope_rows<const FMA: bool, const TANH: bool>(x: &mut [f32], y: &mut [f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        (*y, *x) = gelu_and_slope_of::<FMA, TANH>(*x);
+    }
+}
+
+/// dx = g·GELU'(x).
+#[inline(always)]
+fn gelu_grad_rows<const FMA: bool, const TANH: bool>(x: &[f32], g: &[f32], dx: &mut [f32]) {
+    for ((dx, &x), g) in dx.iter_mut().zip(x).zip(g) {
+        *dx = g * gelu_and_slope_of::<FMA, TANH>(x).1;
+    }
+}
+
+/// The exact and the tanh forms of the three loops, as the dispatcher names them.
+macro_rules! gelu_forms {
+    ($($name:ident = $rows:ident::<$tanh:literal>($($arg:ident: $ty:ty),*);)*) => {$(
+        #[inline(always)]
+        fn $name<const FMA: bool>($($arg: $ty),*) {
+            $rows::<FMA, $tanh>($($arg),*)
+        }
+    )*};
+}
+
+gelu_forms! {
+    gelu_erf_rows = gelu_rows::<false>(x: &[f32], y: &mut [f32]);
+    gelu_tanh_rows = gelu_rows::<true>(x: &[f32], y: &mut [f32]);
+    gelu_erf_slope_rows = gelu_slope_rows::<false>(x: &mut [f32], y: &mut [f32]);
+    gelu_tanh_slope_rows = gelu_slope_rows::<true>(x: &mut [f32], y: &mut [f32]);
+    gelu_erf_grad_rows = gelu_grad_rows::<false>(x: &[f32], g: &[f32], dx: &mut [f32]);
+    gelu_tanh_grad_rows = gelu_grad_rows::<true>(x: &[f32], g: &[f32], dx: &mut [f32]);
 }
 
 /// a·b + c, fused when `FMA` (only instantiated inside functions compiled for FMA, where it is
@@ -226,16 +268,28 @@ pub(super) mod simd {
     }
 
     dispatched!(
-        /// y = GELU(x).
-        gelu(x: &[f32], y: &mut [f32]) => gelu_rows
+        /// y = GELU(x), exact.
+        gelu(x: &[f32], y: &mut [f32]) => gelu_erf_rows
     );
     dispatched!(
-        /// y = GELU(x), and x replaced by GELU's slope there.
-        gelu_and_slope(x: &mut [f32], y: &mut [f32]) => gelu_slope_rows
+        /// y = GELU(x), exact, and x replaced by GELU's slope there.
+        gelu_and_slope(x: &mut [f32], y: &mut [f32]) => gelu_erf_slope_rows
     );
     dispatched!(
-        /// dx = g · GELU'(x).
-        gelu_grad(x: &[f32], g: &[f32], dx: &mut [f32]) => gelu_grad_rows
+        /// dx = g · GELU'(x), exact.
+        gelu_grad(x: &[f32], g: &[f32], dx: &mut [f32]) => gelu_erf_grad_rows
+    );
+    dispatched!(
+        /// y = GELU(x), GPT-2's tanh form.
+        gelu_tanh(x: &[f32], y: &mut [f32]) => gelu_tanh_rows
+    );
+    dispatched!(
+        /// y = GELU(x), tanh form, and x replaced by its slope there.
+        gelu_tanh_and_slope(x: &mut [f32], y: &mut [f32]) => gelu_tanh_slope_rows
+    );
+    dispatched!(
+        /// dx = g · GELU'(x), tanh form.
+        gelu_tanh_grad(x: &[f32], g: &[f32], dx: &mut [f32]) => gelu_tanh_grad_rows
     );
     dispatched!(
         /// LayerNorm of the rows `x` into `y`.

@@ -12,6 +12,7 @@ fn config(bias: bool, dropout: f64) -> GptConfig {
         n_embd: 8,
         dropout,
         bias,
+        activation: Activation::Gelu,
     }
 }
 
@@ -167,6 +168,12 @@ fn layer_norm_and_gelu_match_torch() {
     );
     let gelu = values(&Tensor::new(&[1f32, -1.], &dev).unwrap().gelu_erf().unwrap());
     assert!(max_diff(&gelu, &[0.841_344_7, -0.158_655_3]) < 1e-6);
+    // torch.nn.functional.gelu(x, approximate="tanh") (transformers' gelu_new), torch 2.15:
+    // both far tails, the middle, and the fused op against it.
+    let x = Tensor::new(&[1f32, -1., 3., -0.1, -12., 12.], &dev).unwrap();
+    let want = [0.841_192, -0.158_808, 2.996_363_7, -0.046_017_2, 0.0, 12.0];
+    let fused = values(&ops::gelu(&x, Activation::GeluNew).unwrap());
+    assert!(max_diff(&fused, &want) < 1e-6, "{fused:?}");
 }
 
 /// Values and gradients (of the input and of `params`) of `f` (fused) and `g` (composed) on
@@ -222,8 +229,14 @@ fn fused_cpu_ops_match_candle_ops_with_gradients() {
     compare_with_ops(
         &[3, 700],
         &[],
-        |x| ops::gelu(x).unwrap(),
+        |x| ops::gelu(x, Activation::Gelu).unwrap(),
         |x| x.gelu_erf().unwrap(),
+    );
+    compare_with_ops(
+        &[3, 700],
+        &[],
+        |x| ops::gelu(x, Activation::GeluNew).unwrap(),
+        |x| x.gelu().unwrap(),
     );
     let model = gpt(&config(true, 0.0));
     compare_with_ops(
@@ -515,15 +528,18 @@ fn the_hand_written_pass_matches_autograd() {
     // 8 channels keep the attention probabilities for the backward (2 heads × 6 positions ≤
     // 4 × 8); 2 channels make it recompute them. 16 channels over 8 positions take the
     // attention's register tiles where the CPU has AVX2 and FMA.
-    for (bias, dropout, n_embd, positions) in [
-        (true, 0.0, 8, 6),
-        (false, 0.0, 8, 6),
-        (true, 0.3, 8, 6),
-        (true, 0.0, 2, 6),
-        (true, 0.3, 16, 8),
+    use Activation::{Gelu, GeluNew};
+    for (bias, dropout, n_embd, positions, activation) in [
+        (true, 0.0, 8, 6, Gelu),
+        (false, 0.0, 8, 6, Gelu),
+        (true, 0.3, 8, 6, Gelu),
+        (true, 0.0, 2, 6, Gelu),
+        (true, 0.3, 16, 8, Gelu),
+        (true, 0.3, 8, 6, GeluNew),
     ] {
         let model = gpt(&GptConfig {
             n_embd,
+            activation,
             ..config(bias, dropout)
         });
         // Gains and biases away from 1 and 0, so their gradients are exercised too; q, k and
@@ -563,7 +579,7 @@ fn the_hand_written_pass_matches_autograd() {
             .unwrap()
             .expect("f32 on the CPU");
         let (hand_loss, hand) = (pass.loss().clone(), pass.backward(0.7).unwrap());
-        let case = format!("bias {bias}, dropout {dropout}, {n_embd} channels");
+        let case = format!("bias {bias}, dropout {dropout}, {n_embd} channels, {activation:?}");
         let (l1, l2) = (
             loss.to_scalar::<f32>().unwrap(),
             hand_loss.to_scalar::<f32>().unwrap(),

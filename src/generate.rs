@@ -11,7 +11,7 @@ use crate::config::{self, ModelSpec};
 use crate::data::DataError;
 use crate::data::vocab::Vocab;
 use crate::jobdir::JobDir;
-use crate::models::{Gpt, GptConfig, KvCache, Model};
+use crate::models::{Gpt, GptConfig, KvCache, Model, Params};
 use crate::rng::Mt19937;
 
 #[derive(Debug, Error)]
@@ -84,21 +84,8 @@ impl Generator {
             bias: g.bias,
             activation: g.activation,
         };
-        let device = Device::Cpu;
-        let model = Gpt::new(&config, 0, &device, DType::F32)?;
-        let fail = |cause| SampleError::Weights {
-            path: weights.clone(),
-            cause,
-        };
-        let saved = candle_core::safetensors::load(&weights, &device).map_err(fail)?;
-        for (name, var) in model.params().iter() {
-            let t = saved.get(name).ok_or_else(|| {
-                fail(candle_core::Error::Msg(format!(
-                    "no tensor `{name}`; the file does not belong to this job's model"
-                )))
-            })?;
-            var.set(&t.to_dtype(DType::F32)?).map_err(fail)?;
-        }
+        let model = Gpt::new(&config, 0, &Device::Cpu, DType::F32)?;
+        load_weights(model.params(), &weights)?;
         Ok(Generator {
             model,
             vocab,
@@ -154,6 +141,28 @@ impl Generator {
         }
         Ok(out)
     }
+}
+
+/// Sets every parameter of `params` from the `model.safetensors` at `path` (a job's final
+/// weights or a checkpoint's), converted to the parameter's dtype and device.
+pub(crate) fn load_weights(params: &Params, path: &Path) -> Result<(), SampleError> {
+    let fail = |cause| SampleError::Weights {
+        path: path.to_path_buf(),
+        cause,
+    };
+    let saved = candle_core::safetensors::load(path, &Device::Cpu).map_err(fail)?;
+    for (name, var) in params.iter() {
+        let t = saved.get(name).ok_or_else(|| {
+            fail(candle_core::Error::Msg(format!(
+                "no tensor `{name}`; the file does not belong to this job's model"
+            )))
+        })?;
+        t.to_dtype(var.dtype())
+            .and_then(|t| t.to_device(var.device()))
+            .and_then(|t| var.set(&t))
+            .map_err(fail)?;
+    }
+    Ok(())
 }
 
 /// The file holding the weights `checkpoint` names.

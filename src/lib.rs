@@ -73,6 +73,7 @@ mod comm;
 mod config;
 mod data;
 mod device;
+mod evaluate;
 mod fault;
 mod generate;
 mod heartbeat;

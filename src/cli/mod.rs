@@ -2,6 +2,7 @@
 //! cause chain, and maps failures to exit codes (0 ok, 1 job failed, 2 usage or config error).
 
 mod bench;
+mod eval;
 mod export;
 mod inspect;
 mod jobs;
@@ -50,6 +51,9 @@ enum Command {
     },
     /// Generate text with a trained gpt job's weights, streamed as it is generated.
     Sample(sample::SampleArgs),
+    /// Validation loss and perplexity (a classifier's loss and accuracy) of a job's weights
+    /// or a Hugging Face model directory, scored as a run's evaluation scores them.
+    Eval(eval::EvalArgs),
     /// Write a job's weights as a Hugging Face model directory (`--hf DIR`) that
     /// `transformers` loads: config.json, model.safetensors and the tokenizer.
     Export(export::ExportArgs),
@@ -263,6 +267,7 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
         Command::Show(args) => inspect::show(&args.jobs_dir, &args.name),
         Command::Sample(args) => sample::sample(&args),
         Command::Export(args) => export::export(&args),
+        Command::Eval(args) => eval::eval(&args),
         Command::Keys { prefix } => keys(prefix.as_deref()),
         Command::Completions { shell } => shell::completions(shell),
         Command::Man { dir } => shell::man(dir.as_deref()),

@@ -187,6 +187,16 @@ impl Trainer<'_> {
         if let Some(note) = batches.note() {
             self.reporter.line(&note);
         }
+        if t.eval_every.is_some() && position.is_none() {
+            // As nanoGPT: where the run starts from (a fine-tune's pretrained weights). Not a
+            // candidate for `best`, whose weights are the training's.
+            let eval = self.evaluate(batches)?;
+            let line = format!("step 0/{}: {}", run.total_steps, self.describe_eval(&eval));
+            self.reporter.line(&line);
+            if let Some(leader) = &self.leader {
+                leader.log_eval(start.epoch, 0, &eval)?;
+            }
+        }
         let mut sampler = DistributedSampler::new(train_len, world, self.comm.rank(), spec.seed)
             .with_drop_last(spec.data.drop_last);
         for epoch in start.epoch..t.epochs {

@@ -1,0 +1,87 @@
+//! `ddpjob eval MODEL`: validation loss and perplexity (a classifier's loss and accuracy) of a
+//! job's weights or a Hugging Face model directory, scored as a run's evaluation scores them.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::anyhow;
+use clap::Args;
+
+use super::CliResult;
+use crate::evaluate::{self, EvalModel};
+
+#[derive(Debug, Args)]
+pub(super) struct EvalArgs {
+    /// A job's name (its directory under --jobs-dir) or a Hugging Face model directory.
+    model: String,
+    /// A job's weights to score: best, latest, step-N (default: the final weights, else the
+    /// newest checkpoint).
+    #[arg(long, value_name = "WHICH")]
+    checkpoint: Option<String>,
+    /// Score on this job file's `[data]` (default: the job's own; required for a model
+    /// directory unless --set gives data.* keys).
+    #[arg(long, value_name = "JOBFILE")]
+    data: Option<PathBuf>,
+    /// Override a key: --set data.path=other.txt (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Print one JSON object (loss, perplexity, tokens, accuracy, weights).
+    #[arg(long)]
+    json: bool,
+    /// Where jobs live.
+    #[arg(long, default_value = "jobs")]
+    jobs_dir: PathBuf,
+}
+
+pub(super) fn eval(args: &EvalArgs) -> CliResult {
+    let model = which_model(args)?;
+    let fail = |e: evaluate::EvalError| (e.exit_code(), anyhow!(e));
+    let spec = evaluate::spec_for(&model, args.data.as_deref(), &args.set).map_err(fail)?;
+    let report = evaluate::run(&model, &spec).map_err(fail)?;
+    if args.json {
+        println!("{}", report.json());
+    } else {
+        println!("{}", report.describe());
+    }
+    Ok(())
+}
+
+/// A job when `--jobs-dir` has one of that name, else a model directory.
+fn which_model(args: &EvalArgs) -> Result<EvalModel, (u8, anyhow::Error)> {
+    if args.jobs_dir.join(&args.model).join("job.toml").is_file() {
+        let job = super::existing_job(&args.jobs_dir, &args.model)?;
+        return Ok(EvalModel::Job {
+            job,
+            checkpoint: args.checkpoint.clone(),
+        });
+    }
+    let dir = Path::new(&args.model);
+    if dir.join("config.json").is_file() {
+        if args.checkpoint.is_some() {
+            return Err((
+                2,
+                anyhow!("--checkpoint picks a job's weights; `{}` is a model directory", dir.display()),
+            ));
+        }
+        if args.data.is_none() && !args.set.iter().any(|s| s.starts_with("data.")) {
+            return Err((
+                2,
+                anyhow!(
+                    "say what to score `{}` on: --data JOBFILE (a job file's [data]) or --set \
+                     data.dataset=text --set data.path=FILE",
+                    dir.display()
+                ),
+            ));
+        }
+        return Ok(EvalModel::Pretrained(dir.to_path_buf()));
+    }
+    Err((
+        2,
+        anyhow!(
+            "`{}` is neither a job in `{}` (`ddpjob list --jobs-dir {}` shows them) nor a \
+             Hugging Face model directory (with config.json)",
+            args.model,
+            args.jobs_dir.display(),
+            args.jobs_dir.display()
+        ),
+    ))
+}

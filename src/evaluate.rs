@@ -1,0 +1,222 @@
+//! `ddpjob eval`: scores a model on an evaluation split outside a run, exactly as a training
+//! job's evaluation does (the same windows, `train.eval_batches` limit and batch size, the
+//! same `score`), so its figure can be set beside a run's `val loss`. The model is a job's
+//! trained weights or a Hugging Face directory; the data is the job's own or another job
+//! file's `[data]`.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use thiserror::Error;
+
+use crate::comm::LocalCommunicator;
+use crate::config::{self, ConfigError, JobSpec};
+use crate::data::DataError;
+use crate::generate::{SampleError, load_weights, weights_path};
+use crate::jobdir::JobDir;
+use crate::task::ModelInput;
+use crate::train::{EvalResult, evaluate, shards::ShardPool};
+
+#[derive(Debug, Error)]
+pub enum EvalError {
+    /// Something asked for that cannot be done (exit 2).
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Weights(#[from] SampleError),
+    #[error(transparent)]
+    Train(#[from] crate::train::TrainError),
+    #[error(transparent)]
+    Tensor(#[from] candle_core::Error),
+}
+
+impl EvalError {
+    /// 2 for what the user can fix in the command or the files it names, 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            EvalError::Usage(_) | EvalError::Config(_) => 2,
+            EvalError::Data(DataError::Mismatch(_)) => 2,
+            EvalError::Weights(SampleError::Usage(_) | SampleError::Config(_)) => 2,
+            _ => 1,
+        }
+    }
+}
+
+/// The model to score.
+pub enum EvalModel {
+    /// A job's weights: its final ones, or a checkpoint's (`best`, `latest`, `step-N`).
+    Job {
+        job: JobDir,
+        checkpoint: Option<String>,
+    },
+    /// A Hugging Face model directory (`config.json`, `model.safetensors`).
+    Pretrained(PathBuf),
+}
+
+/// What `eval` measured.
+#[derive(Debug, Clone)]
+pub struct EvalReport {
+    pub result: EvalResult,
+    /// Next-token scoring (loss per token, perplexity) rather than classification.
+    pub language: bool,
+    /// Where the weights came from.
+    pub weights: PathBuf,
+}
+
+impl EvalReport {
+    /// e^loss, for a language model.
+    pub fn perplexity(&self) -> Option<f64> {
+        self.language.then(|| self.result.loss.exp())
+    }
+
+    /// One JSON object: `loss`, `perplexity` and `tokens` for a language model, `loss`,
+    /// `accuracy` and `samples` for a classifier, and where the weights came from.
+    pub fn json(&self) -> serde_json::Value {
+        let r = &self.result;
+        let mut line = serde_json::json!({
+            "loss": r.loss,
+            "accuracy": r.accuracy,
+            "weights": self.weights.display().to_string(),
+        });
+        if let Some(perplexity) = self.perplexity() {
+            line["perplexity"] = perplexity.into();
+            line["tokens"] = r.samples.into();
+        } else {
+            line["samples"] = r.samples.into();
+        }
+        line
+    }
+
+    /// The line `eval` prints.
+    pub fn describe(&self) -> String {
+        let r = &self.result;
+        match self.perplexity() {
+            Some(perplexity) => format!(
+                "val loss {:.4} nats/token, perplexity {perplexity:.3}, next-token accuracy \
+                 {:.2}% over {} tokens ({})",
+                r.loss,
+                r.accuracy * 100.0,
+                r.samples,
+                self.weights.display()
+            ),
+            None => format!(
+                "test loss {:.4}, test accuracy {:.2}% over {} samples ({})",
+                r.loss,
+                r.accuracy * 100.0,
+                r.samples,
+                self.weights.display()
+            ),
+        }
+    }
+}
+
+/// The job spec to score with: the model's (a job's `job.toml`, or `[model] init_from` the
+/// directory), its `[data]` (and evaluation batch keys) replaced by `data_from`'s when given,
+/// `overrides` applied last.
+pub fn spec_for(
+    model: &EvalModel,
+    data_from: Option<&Path>,
+    overrides: &[String],
+) -> Result<JobSpec, EvalError> {
+    let (path, mut doc) = match model {
+        EvalModel::Job { job, .. } => (job.job_toml(), read_table(&job.job_toml())?),
+        EvalModel::Pretrained(dir) => {
+            let mut model = toml::Table::new();
+            model.insert("init_from".into(), dir.display().to_string().into());
+            let mut doc = toml::Table::new();
+            doc.insert("model".into(), model.into());
+            (dir.join("config.json"), doc)
+        }
+    };
+    if let Some(file) = data_from {
+        let other = read_table(file)?;
+        if let Some(data) = other.get("data") {
+            doc.insert("data".into(), data.clone());
+        }
+        let train = doc
+            .entry("train")
+            .or_insert_with(|| toml::Table::new().into());
+        if let (Some(train), Some(theirs)) = (
+            train.as_table_mut(),
+            other.get("train").and_then(toml::Value::as_table),
+        ) {
+            for key in ["eval_batch_size", "eval_batches"] {
+                if let Some(v) = theirs.get(key) {
+                    train.insert(key.into(), v.clone());
+                }
+            }
+        }
+        // A pretrained model scores the windows the job trains on.
+        let block = other.get("model").and_then(|m| m.get("block_size"));
+        if let (EvalModel::Pretrained(_), Some(block)) = (model, block)
+            && let Some(m) = doc.get_mut("model").and_then(toml::Value::as_table_mut)
+        {
+            m.insert("block_size".into(), block.clone());
+        }
+    }
+    let text = toml::to_string(&doc).map_err(|e| EvalError::Usage(e.to_string()))?;
+    let origin = data_from.map_or(path, Path::to_path_buf);
+    Ok(config::load_str(&origin, text, overrides)?.spec)
+}
+
+fn read_table(path: &Path) -> Result<toml::Table, EvalError> {
+    let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
+        path: path.into(),
+        cause,
+    })?;
+    text.parse::<toml::Table>()
+        .map_err(|e| EvalError::Usage(format!("`{}` is not valid TOML: {e}", path.display())))
+}
+
+/// Scores `model` on `spec`'s evaluation split, on this machine's CPU in one process.
+pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
+    let job = match model {
+        EvalModel::Job { job, .. } => Some(job),
+        EvalModel::Pretrained(_) => None,
+    };
+    let task = crate::task::load(spec, job)?;
+    let device = Device::Cpu;
+    let built = crate::models::build(
+        &spec.model,
+        task.input(),
+        spec.seed,
+        &device,
+        spec.train.precision,
+        job.is_some(),
+    )?;
+    let weights = match model {
+        EvalModel::Job { job, checkpoint } => {
+            let path = weights_path(job, checkpoint.as_deref())?;
+            load_weights(built.params(), &path)?;
+            path
+        }
+        EvalModel::Pretrained(dir) => dir.clone(),
+    };
+    if task.eval_len() == 0 {
+        return Err(EvalError::Usage(
+            "the evaluation split is empty; give the data a validation split (data.val_path, \
+             data.val_fraction)"
+                .into(),
+        ));
+    }
+    let batches = task.batches(&device)?;
+    let t = &spec.train;
+    let result = evaluate(
+        built.as_ref(),
+        batches.as_ref(),
+        task.eval_len(),
+        &LocalCommunicator,
+        t.eval_batch_size,
+        t.eval_batches,
+        ShardPool::for_device(&device),
+    )?;
+    Ok(EvalReport {
+        result,
+        language: matches!(task.input(), ModelInput::Tokens { .. }),
+        weights,
+    })
+}

@@ -23,15 +23,27 @@ pub enum EvalError {
     #[error("{0}")]
     Usage(String),
     #[error(transparent)]
-    Config(#[from] ConfigError),
+    Config(Box<ConfigError>),
     #[error(transparent)]
     Data(#[from] DataError),
     #[error(transparent)]
-    Weights(#[from] SampleError),
+    Weights(Box<SampleError>),
     #[error(transparent)]
     Train(#[from] crate::train::TrainError),
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),
+}
+
+impl From<ConfigError> for EvalError {
+    fn from(e: ConfigError) -> Self {
+        EvalError::Config(Box::new(e))
+    }
+}
+
+impl From<SampleError> for EvalError {
+    fn from(e: SampleError) -> Self {
+        EvalError::Weights(Box::new(e))
+    }
 }
 
 impl EvalError {
@@ -40,7 +52,11 @@ impl EvalError {
         match self {
             EvalError::Usage(_) | EvalError::Config(_) => 2,
             EvalError::Data(DataError::Mismatch(_)) => 2,
-            EvalError::Weights(SampleError::Usage(_) | SampleError::Config(_)) => 2,
+            EvalError::Weights(e)
+                if matches!(**e, SampleError::Usage(_) | SampleError::Config(_)) =>
+            {
+                2
+            }
             _ => 1,
         }
     }

@@ -59,7 +59,10 @@ fn which_model(args: &EvalArgs) -> Result<EvalModel, (u8, anyhow::Error)> {
         if args.checkpoint.is_some() {
             return Err((
                 2,
-                anyhow!("--checkpoint picks a job's weights; `{}` is a model directory", dir.display()),
+                anyhow!(
+                    "--checkpoint picks a job's weights; `{}` is a model directory",
+                    dir.display()
+                ),
             ));
         }
         if args.data.is_none() && !args.set.iter().any(|s| s.starts_with("data.")) {

@@ -223,7 +223,12 @@ fn pretrained_gpt(c: &mut Checker, m: &ModelKeys, dir: &str) -> Option<GptSpec> 
         m.activation.map(|a| format!("\"{}\"", a.name())),
         format!("\"{}\"", shape.activation.name()),
     );
-    agree("bias", m.bias.map(|b| b.to_string()), "true".into());
+    if m.bias == Some(false) {
+        c.fail(
+            "model.bias",
+            format!("is false, but the GPT-2 weights in {dir} have biases; leave the key out"),
+        );
+    }
     if let Some(block) = m.block_size.filter(|&b| b > shape.n_positions) {
         c.fail(
             "model.block_size",

@@ -1,6 +1,6 @@
-//! Open models end to end: a Llama-family job from a Hugging Face directory (the tiny
-//! checkpoints of `tests/fixtures/hf`, made by `transformers`), trained by the real binary
-//! and exported back; a llama from scratch resumed bit for bit and matched across world
+//! Open models end to end: GPT-2 and Llama-family jobs from Hugging Face directories (the
+//! tiny checkpoints of `tests/fixtures/hf`, made by `transformers`), trained by the real
+//! binary, scored by `eval` and exported back; a llama from scratch resumed bit for bit and matched across world
 //! sizes; the bad inputs refused before anything is created.
 
 use std::path::{Path, PathBuf};
@@ -118,6 +118,88 @@ fn a_qwen2_checkpoint_fine_tunes_and_exports_back_to_hugging_face() {
     t.run(&cfg, &[]).success();
 }
 
+/// `ddpjob eval ... --json`'s object.
+fn eval_json(t: &TestJob, args: &[&str]) -> serde_json::Value {
+    let jobs = t.jobs_dir().display().to_string();
+    let mut all = vec!["eval"];
+    all.extend(args);
+    all.extend(["--json", "--jobs-dir", &jobs]);
+    let run = t.ddpjob(&all);
+    run.success();
+    serde_json::from_str(run.stdout.trim()).unwrap()
+}
+
+#[test]
+fn a_gpt2_checkpoint_fine_tunes_evaluates_and_exports_back() {
+    let t = TestJob::new();
+    let text = text(&t);
+    // The Hub's layout (no `transformer.` prefix, mask buffers); dropout on, as fine-tunes do.
+    let dir = fixture("gpt2-hub");
+    let model = format!(
+        "init_from = \"{}\"\nblock_size = 32\ndropout = 0.1",
+        dir.display()
+    );
+    let file = job(&text, &model, "").replace("log_every = 1", "log_every = 1\neval_every = 10");
+    let cfg = t.config("ft", &file);
+    let run = t.run(&cfg, &[]);
+    run.success();
+    assert!(run.stdout.contains("step 0/30: val loss"), "{}", run.stdout);
+    let frozen = std::fs::read_to_string(t.job("ft").join("job.toml")).unwrap();
+    for line in [
+        "arch = \"gpt\"",
+        "activation = \"gelu_new\"",
+        "n_embd = 32",
+        "vocab_size = 320",
+    ] {
+        assert!(frozen.contains(line), "job.toml lacks `{line}`:\n{frozen}");
+    }
+    let evals: Vec<(u64, f64)> = t
+        .metrics("ft")
+        .iter()
+        .filter(|m| m["kind"] == "eval" || m["kind"] == "epoch")
+        .filter_map(|m| Some((m["step"].as_u64()?, m["test_loss"].as_f64()?)))
+        .collect();
+    let (start, end) = (evals[0], *evals.last().unwrap());
+    assert_eq!(start.0, 0, "{evals:?}");
+    assert!(end.1 < start.1 - 0.3, "val loss {start:?} → {end:?}");
+
+    // eval scores as the run did: the pretrained directory on the job file's data gives the
+    // step-0 figure, the job's final weights the last one, bit for bit.
+    let cfg_s = cfg.display().to_string();
+    let pretrained = eval_json(&t, &[dir.to_str().unwrap(), "--data", &cfg_s]);
+    assert_eq!(pretrained["loss"].as_f64(), Some(start.1));
+    let trained = eval_json(&t, &["ft"]);
+    assert_eq!(trained["loss"].as_f64(), Some(end.1));
+    let tokens = trained["tokens"].as_u64().unwrap();
+    let perplexity = trained["perplexity"].as_f64().unwrap();
+    assert!(tokens > 100 && (perplexity - end.1.exp()).abs() < 1e-9);
+
+    // Exported as GPT2LMHeadModel (Conv1D weights transposed back) and read in again: the
+    // same loss, so load → export → load lost nothing.
+    let out = t.path("out");
+    let out_s = out.display().to_string();
+    let jobs = t.jobs_dir().display().to_string();
+    t.ddpjob(&["export", "ft", "--hf", &out_s, "--jobs-dir", &jobs])
+        .success();
+    let config = t.json(&out.join("config.json"));
+    assert_eq!(config["architectures"][0], "GPT2LMHeadModel");
+    assert_eq!(config["activation_function"], "gelu_new");
+    assert_eq!(config["n_positions"], 32);
+    assert!(out.join("tokenizer.json").is_file());
+    let exported = eval_json(&t, &[&out_s, "--data", &cfg_s]);
+    assert_eq!(exported["loss"], trained["loss"]);
+    let sample = t.ddpjob(&[
+        "sample",
+        "ft",
+        "--tokens",
+        "5",
+        "--json",
+        "--jobs-dir",
+        &jobs,
+    ]);
+    sample.success();
+}
+
 #[test]
 fn a_llama_from_scratch_resumes_bit_for_bit_and_two_workers_match_one() {
     let t = TestJob::new();
@@ -179,6 +261,20 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
     )
     .fails_with(2, "model.block_size = 128 is longer than");
     run("unknown", &format!("{}\nnum_layers = 2", scratch())).fails_with(2, "num_layers");
+    let gpt2 = fixture("gpt2").display().to_string();
+    run(
+        "gpt2-restated",
+        &format!("init_from = \"{gpt2}\"\nn_embd = 64\nblock_size = 128"),
+    )
+    .fails_with(2, "is 64, but")
+    .fails_with(2, "has position embeddings for 64 tokens; use at most 64");
+    let jobs = t.jobs_dir().display().to_string();
+    t.ddpjob(&["eval", "nothing", "--jobs-dir", &jobs])
+        .fails_with(2, "is neither a job in");
+    t.ddpjob(&["eval", &gpt2, "--jobs-dir", &jobs])
+        .fails_with(2, "say what to score");
+    t.ddpjob(&["eval", &gpt2, "--checkpoint", "best", "--jobs-dir", &jobs])
+        .fails_with(2, "--checkpoint picks a job's weights");
     let other = t.path("falcon");
     std::fs::create_dir(&other).unwrap();
     std::fs::write(other.join("config.json"), r#"{"model_type": "falcon"}"#).unwrap();

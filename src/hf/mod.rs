@@ -227,9 +227,17 @@ fn read_config(root: &Path) -> Result<Map<String, Value>, HfError> {
         )));
     }
     if !root.is_dir() {
+        // The Hub repository of the directory's usual name, else a placeholder.
+        let name = root.file_name().map(|n| n.to_string_lossy().into_owned());
+        let repo = match name.as_deref() {
+            Some(n @ ("gpt2" | "gpt2-medium" | "gpt2-large" | "gpt2-xl")) => n.to_string(),
+            Some(n) if n.starts_with("SmolLM2") => format!("HuggingFaceTB/{n}"),
+            Some(n) if n.starts_with("Qwen") => format!("Qwen/{n}"),
+            _ => "<repository id>".into(),
+        };
         return Err(HfError::Invalid(format!(
-            "the model directory `{}` does not exist; download one, e.g. `huggingface-cli \
-             download HuggingFaceTB/SmolLM2-135M --local-dir {}`",
+            "the model directory `{}` does not exist; download it, e.g. `huggingface-cli \
+             download {repo} --local-dir {}`",
             root.display(),
             root.display()
         )));

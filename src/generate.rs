@@ -1,18 +1,22 @@
-//! Text generation from a trained gpt job (`ddpjob sample`): loads the job's weights and
-//! vocabulary, then samples token by token with a KV cache, so a token costs the same however
-//! long the prompt. Sampling is deterministic for a seed (our own Mersenne Twister).
+//! Text generation from a trained language-model job (`ddpjob sample`): loads the job's weights
+//! and vocabulary, then samples token by token. A `gpt` keeps a KV cache, so a token costs the
+//! same however long the prompt; any other language model (`llama`, a registered one) runs its
+//! forward pass over the last `block_size` tokens for each token. Sampling is deterministic for
+//! a seed (our own Mersenne Twister).
 
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use thiserror::Error;
 
+use crate::config::Precision;
 use crate::config::{self, ModelSpec};
 use crate::data::DataError;
 use crate::data::vocab::Vocab;
 use crate::jobdir::JobDir;
-use crate::models::{Gpt, GptConfig, KvCache, Model, Params};
+use crate::models::{Gpt, GptConfig, KvCache, Mode, Model, Params};
 use crate::rng::Mt19937;
+use crate::task::ModelInput;
 
 #[derive(Debug, Error)]
 pub enum SampleError {
@@ -42,9 +46,9 @@ pub struct Sampling {
     pub seed: u64,
 }
 
-/// A trained gpt and its vocabulary, ready to generate.
+/// A trained language model and its vocabulary, ready to generate.
 pub struct Generator {
-    model: Gpt,
+    engine: Engine,
     vocab: Vocab,
     /// Where the weights came from, for messages.
     pub weights: PathBuf,
@@ -56,9 +60,10 @@ impl Generator {
     /// finished).
     pub fn load(job: &JobDir, checkpoint: Option<&str>) -> Result<Generator, SampleError> {
         let spec = config::load(&job.job_toml(), &[])?.spec;
-        let ModelSpec::Gpt(g) = &spec.model else {
+        let Some(language) = spec.model.language() else {
             return Err(SampleError::Usage(format!(
-                "job `{}` trains a {} model; `sample` generates text from model.arch = \"gpt\" jobs",
+                "job `{}` trains a {} classifier; `sample` generates text from language-model \
+                 jobs (model.arch = \"gpt\", \"llama\", or a registered language model)",
                 job.name(),
                 spec.model.arch()
             )));
@@ -74,20 +79,39 @@ impl Generator {
         }
         let vocab = Vocab::load(&vocab_path)?;
         let weights = weights_path(job, checkpoint)?;
-        let config = GptConfig {
-            vocab_size: g.vocab_size.unwrap_or(vocab.size()),
-            block_size: g.block_size,
-            n_layer: g.n_layer,
-            n_head: g.n_head,
-            n_embd: g.n_embd,
-            dropout: 0.0,
-            bias: g.bias,
-            activation: g.activation,
+        let vocab_size = language.vocab_size.unwrap_or(vocab.size());
+        let engine = match &spec.model {
+            ModelSpec::Gpt(g) => {
+                let config = GptConfig {
+                    vocab_size,
+                    block_size: g.block_size,
+                    n_layer: g.n_layer,
+                    n_head: g.n_head,
+                    n_embd: g.n_embd,
+                    dropout: 0.0,
+                    bias: g.bias,
+                    activation: g.activation,
+                };
+                let model = Gpt::new(&config, 0, &Device::Cpu, DType::F32)?;
+                load_weights(model.params(), &weights)?;
+                Engine::Cached(Box::new(model))
+            }
+            other => {
+                let input = ModelInput::Tokens {
+                    vocab_size,
+                    block_size: language.block_size,
+                };
+                let model =
+                    crate::models::build(other, input, 0, &Device::Cpu, Precision::F32, true)?;
+                load_weights(model.params(), &weights)?;
+                Engine::Windowed {
+                    model,
+                    block_size: language.block_size,
+                }
+            }
         };
-        let model = Gpt::new(&config, 0, &Device::Cpu, DType::F32)?;
-        load_weights(model.params(), &weights)?;
         Ok(Generator {
-            model,
+            engine,
             vocab,
             weights,
         })
@@ -108,13 +132,13 @@ impl Generator {
         } else {
             self.vocab.encode(prompt, "the prompt")?
         };
-        let block = self.model.config().block_size;
+        let block = self.engine.block_size();
         if context.len() > block {
             context.drain(..context.len() - block);
         }
         let mut rng = Mt19937::new(how.seed);
         let mut cache = KvCache::default();
-        let mut logits = self.model.forward_cached(&context, &mut cache)?;
+        let mut logits = self.engine.start(&context, &mut cache)?;
         let mut out = Vec::with_capacity(tokens);
         let mut text = self.vocab.stream();
         for _ in 0..tokens {
@@ -124,22 +148,61 @@ impl Generator {
             if let Some(piece) = text.push(next) {
                 emit(&piece);
             }
-            if cache.len() >= block {
-                // The context window is full: keep its newer half and go on from there, so
-                // the cost stays bounded by the window, not the text so far.
-                let keep = (block / 2).max(1);
-                cache.clear();
-                logits = self
-                    .model
-                    .forward_cached(&context[context.len() - keep..], &mut cache)?;
-            } else {
-                logits = self.model.forward_cached(&[next], &mut cache)?;
-            }
+            logits = self.engine.advance(&context, &mut cache)?;
         }
         if let Some(rest) = text.finish() {
             emit(&rest);
         }
         Ok(out)
+    }
+}
+
+/// How next-token logits are computed.
+enum Engine {
+    /// A gpt with a KV cache.
+    Cached(Box<Gpt>),
+    /// Any language model: its forward pass over the last `block_size` tokens.
+    Windowed {
+        model: Box<dyn Model>,
+        block_size: usize,
+    },
+}
+
+impl Engine {
+    fn block_size(&self) -> usize {
+        match self {
+            Engine::Cached(gpt) => gpt.config().block_size,
+            Engine::Windowed { block_size, .. } => *block_size,
+        }
+    }
+
+    /// The logits [vocab] after `context` (at most a window long), the cache filled with it.
+    fn start(&self, context: &[u32], cache: &mut KvCache) -> Result<Tensor, SampleError> {
+        match self {
+            Engine::Cached(gpt) => Ok(gpt.forward_cached(context, cache)?),
+            Engine::Windowed { .. } => self.advance(context, cache),
+        }
+    }
+
+    /// The logits after `context`, whose last token is new since the last call.
+    fn advance(&self, context: &[u32], cache: &mut KvCache) -> Result<Tensor, SampleError> {
+        let block = self.block_size();
+        match self {
+            // The window is full: keep its newer half and go on from there, so the cost
+            // stays bounded by the window, not the text so far.
+            Engine::Cached(gpt) if cache.len() >= block => {
+                cache.clear();
+                let keep = (block / 2).max(1);
+                Ok(gpt.forward_cached(&context[context.len() - keep..], cache)?)
+            }
+            Engine::Cached(gpt) => Ok(gpt.forward_cached(&context[context.len() - 1..], cache)?),
+            Engine::Windowed { model, .. } => {
+                let window = &context[context.len().saturating_sub(block)..];
+                let ids = Tensor::new(window, &Device::Cpu)?.unsqueeze(0)?;
+                let logits = model.forward(&ids, &Mode::Eval)?;
+                Ok(logits.squeeze(0)?.get(window.len() - 1)?)
+            }
+        }
     }
 }
 
@@ -259,6 +322,51 @@ fn pick(logits: &Tensor, how: Sampling, rng: &mut Mt19937) -> Result<u32, Sample
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_windowed_engine_gives_the_cached_engines_logits_while_the_context_fits() {
+        let config = GptConfig {
+            vocab_size: 13,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            dropout: 0.0,
+            bias: true,
+            activation: crate::models::GptActivation::GeluNew,
+        };
+        let gpt = |seed| Gpt::new(&config, seed, &Device::Cpu, DType::F32).unwrap();
+        let cached = Engine::Cached(Box::new(gpt(4)));
+        let windowed = Engine::Windowed {
+            model: Box::new(gpt(4)),
+            block_size: 8,
+        };
+        let other = Engine::Windowed {
+            model: Box::new(gpt(5)),
+            block_size: 8,
+        };
+        let (mut a, mut b, mut c) = Default::default();
+        let mut context = vec![3u32, 1, 4];
+        let diff = |x: &Tensor, y: &Tensor| {
+            let d = (x - y).unwrap().abs().unwrap().max(0).unwrap();
+            d.to_scalar::<f32>().unwrap()
+        };
+        let (x, y) = (
+            cached.start(&context, &mut a).unwrap(),
+            windowed.start(&context, &mut b).unwrap(),
+        );
+        assert_eq!(x.dims(), [13]);
+        assert!(diff(&x, &y) < 1e-5);
+        assert!(diff(&x, &other.start(&context, &mut c).unwrap()) > 1e-4);
+        for next in [1u32, 5, 9, 2, 6] {
+            context.push(next);
+            let (x, y) = (
+                cached.advance(&context, &mut a).unwrap(),
+                windowed.advance(&context, &mut b).unwrap(),
+            );
+            assert!(diff(&x, &y) < 1e-5, "after {} tokens", context.len());
+        }
+    }
 
     #[test]
     fn picking_follows_temperature_and_top_k() {

@@ -49,7 +49,8 @@ enum Command {
         /// A section or key: `train`, `model.arch`.
         prefix: Option<String>,
     },
-    /// Generate text with a trained gpt job's weights, streamed as it is generated.
+    /// Generate text with a trained language-model job's weights (gpt, llama), streamed as it
+    /// is generated.
     Sample(sample::SampleArgs),
     /// Validation loss and perplexity (a classifier's loss and accuracy) of a job's weights
     /// or a Hugging Face model directory, scored as a run's evaluation scores them.

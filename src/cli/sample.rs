@@ -1,4 +1,4 @@
-//! `ddpjob sample NAME`: text from a trained gpt job, streamed to stdout as it is generated.
+//! `ddpjob sample NAME`: text from a trained language-model job, streamed to stdout as it is generated.
 
 use std::io::Write;
 use std::path::PathBuf;

@@ -109,6 +109,20 @@ fn a_qwen2_checkpoint_fine_tunes_and_exports_back_to_hugging_face() {
     ])
     .success();
 
+    // `sample` generates from the job with the model's own tokenizer.
+    let sample = t.ddpjob(&[
+        "sample",
+        "ft",
+        "--tokens",
+        "7",
+        "--json",
+        "--jobs-dir",
+        &jobs,
+    ]);
+    sample.success();
+    let line: serde_json::Value = serde_json::from_str(sample.stdout.trim()).unwrap();
+    assert_eq!(line["tokens"], 7);
+
     // The export is an HF directory in turn: a job continues from it.
     let again = format!("init_from = \"{out_s}\"\nblock_size = 16");
     let cfg = t.config(

@@ -13,7 +13,11 @@ fn every_shipped_config_validates() {
             // A fine-tuning recipe names a checkpoint the tests never download: validate it
             // against the tiny fixture of the same architecture instead.
             if text.contains("init_from = \"models/") {
-                let arch = if text.contains("models/gpt2") { "gpt2" } else { "llama" };
+                let arch = if text.contains("models/gpt2") {
+                    "gpt2"
+                } else {
+                    "llama"
+                };
                 let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                     .join("tests/fixtures/hf")
                     .join(arch);

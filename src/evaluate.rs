@@ -5,6 +5,7 @@
 //! file's `[data]`.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use candle_core::Device;
 use thiserror::Error;
@@ -81,6 +82,10 @@ pub struct EvalReport {
     pub language: bool,
     /// Where the weights came from.
     pub weights: PathBuf,
+    /// Seconds to build the model and load its weights (the data's loading excluded).
+    pub load_s: f64,
+    /// Seconds the scoring took.
+    pub eval_s: f64,
 }
 
 impl EvalReport {
@@ -90,13 +95,17 @@ impl EvalReport {
     }
 
     /// One JSON object: `loss`, `perplexity` and `tokens` for a language model, `loss`,
-    /// `accuracy` and `samples` for a classifier, and where the weights came from.
+    /// `accuracy` and `samples` for a classifier; where the weights came from, the seconds
+    /// loading them and scoring took, and the tokens (samples) scored per second.
     pub fn json(&self) -> serde_json::Value {
         let r = &self.result;
         let mut line = serde_json::json!({
             "loss": r.loss,
             "accuracy": r.accuracy,
             "weights": self.weights.display().to_string(),
+            "load_s": self.load_s,
+            "eval_s": self.eval_s,
+            "per_s": r.samples as f64 / self.eval_s.max(1e-9),
         });
         if let Some(perplexity) = self.perplexity() {
             line["perplexity"] = perplexity.into();
@@ -196,6 +205,7 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
     };
     let task = crate::task::load(spec, job)?;
     let device = Device::Cpu;
+    let started = Instant::now();
     let built = crate::models::build(
         &spec.model,
         task.input(),
@@ -212,6 +222,7 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
         }
         EvalModel::Pretrained(dir) => dir.clone(),
     };
+    let load_s = started.elapsed().as_secs_f64();
     if task.eval_len() == 0 {
         return Err(EvalError::Usage(
             "the evaluation split is empty; give the data a validation split (data.val_path, \
@@ -221,6 +232,7 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
     }
     let batches = task.batches(&device)?;
     let t = &spec.train;
+    let started = Instant::now();
     let result = evaluate(
         built.as_ref(),
         batches.as_ref(),
@@ -234,5 +246,7 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
         result,
         language: matches!(task.input(), ModelInput::Tokens { .. }),
         weights,
+        load_s,
+        eval_s: started.elapsed().as_secs_f64(),
     })
 }

@@ -92,7 +92,7 @@ impl Generator {
                     bias: g.bias,
                     activation: g.activation,
                 };
-                let model = Gpt::new(&config, 0, &Device::Cpu, DType::F32)?;
+                let model = Gpt::for_loading(&config, &Device::Cpu, DType::F32)?;
                 load_weights(model.params(), &weights)?;
                 Engine::Cached(Box::new(model))
             }

@@ -85,11 +85,15 @@ fn build_gpt(o: &GptSpec, cx: &ModelContext) -> Result<Box<dyn Model>, BuildErro
         activation: o.activation,
     };
     // The gpt does its own autocast: its inputs are token ids, not values to cast.
-    let gpt = Gpt::new(&config, cx.seed, &cx.device, cx.compute_dtype)?;
-    if let Some(dir) = &o.init_from
-        && !cx.restoring
-    {
-        super::gpt::hf::load(&gpt, &crate::hf::HfDir::open(std::path::Path::new(dir))?)?;
+    let (device, dtype) = (&cx.device, cx.compute_dtype);
+    if cx.restoring {
+        // A checkpoint's weights replace these: nothing to draw or read.
+        return Ok(Box::new(Gpt::for_loading(&config, device, dtype)?));
     }
+    let Some(dir) = &o.init_from else {
+        return Ok(Box::new(Gpt::new(&config, cx.seed, device, dtype)?));
+    };
+    let gpt = Gpt::for_loading(&config, device, dtype)?;
+    super::gpt::hf::load(&gpt, &crate::hf::HfDir::open(std::path::Path::new(dir))?)?;
     Ok(Box::new(gpt))
 }

@@ -102,6 +102,17 @@ pub struct Gpt {
 impl Gpt {
     /// `compute`: DType::F32 or DType::BF16 (f32 master weights cast per use, f32 logits).
     pub fn new(config: &GptConfig, seed: u64, device: &Device, compute: DType) -> Result<Self> {
+        Self::build(config, GptInit::new(seed, device), compute)
+    }
+
+    /// A gpt whose weights are about to be loaded (a checkpoint, a pretrained model): zeros,
+    /// nothing drawn, so a 124M-parameter model costs no random draws.
+    pub fn for_loading(config: &GptConfig, device: &Device, compute: DType) -> Result<Self> {
+        Self::build(config, GptInit::blank(device), compute)
+    }
+
+    fn build(config: &GptConfig, mut init: GptInit, compute: DType) -> Result<Self> {
+        let device = init.device;
         config.validate()?;
         if !matches!(compute, DType::F32 | DType::BF16) {
             return Err(Error::Msg(format!(
@@ -111,7 +122,6 @@ impl Gpt {
         let (c, bias) = (config.n_embd, config.bias);
         let std = 0.02;
         let proj_std = 0.02 / (2.0 * config.n_layer.max(1) as f32).sqrt();
-        let mut init = GptInit::new(seed, device);
         let wte = init.normal("transformer.wte.weight", &[config.vocab_size, c], std)?;
         let wpe = init.normal("transformer.wpe.weight", &[config.block_size, c], std)?;
         let mut blocks = Vec::with_capacity(config.n_layer);
@@ -406,8 +416,9 @@ impl LayerNorm {
 /// nanoGPT's `_init_weights` (biases 0, gains 1, which draw nothing), and records which ones
 /// are exempt from weight decay (fewer than 2 dimensions).
 pub(super) struct GptInit<'a> {
-    rng: Mt19937,
-    device: &'a Device,
+    /// `None`: weights are zeros, to be loaded (see [`GptInit::blank`]).
+    rng: Option<Mt19937>,
+    pub(super) device: &'a Device,
     pub(super) entries: Vec<(String, Var)>,
     pub(super) no_decay: Vec<usize>,
 }
@@ -415,10 +426,18 @@ pub(super) struct GptInit<'a> {
 impl<'a> GptInit<'a> {
     pub(super) fn new(seed: u64, device: &'a Device) -> Self {
         GptInit {
-            rng: Mt19937::new(seed),
+            rng: Some(Mt19937::new(seed)),
             device,
             entries: Vec::new(),
             no_decay: Vec::new(),
+        }
+    }
+
+    /// Parameters of the right names and shapes whose values will be loaded: nothing drawn.
+    pub(super) fn blank(device: &'a Device) -> Self {
+        GptInit {
+            rng: None,
+            ..GptInit::new(0, device)
         }
     }
 
@@ -433,7 +452,10 @@ impl<'a> GptInit<'a> {
 
     pub(super) fn normal(&mut self, name: &str, shape: &[usize], std: f32) -> Result<Var> {
         let count = shape.iter().product();
-        let values = (0..count).map(|_| self.rng.normal() * std).collect();
+        let values = match &mut self.rng {
+            Some(rng) => (0..count).map(|_| rng.normal() * std).collect(),
+            None => vec![0.0; count],
+        };
         self.push(name.to_string(), shape, values)
     }
 

@@ -103,6 +103,17 @@ impl Llama {
     /// Random weights as `transformers`' `_init_weights` draws them (normal with std
     /// `initializer_range`, biases 0, norms 1), from `seed`. `compute`: F32 or BF16.
     pub fn new(config: &LlamaConfig, seed: u64, device: &Device, compute: DType) -> Result<Self> {
+        Self::build(config, GptInit::new(seed, device), compute)
+    }
+
+    /// A llama whose weights are about to be loaded (a checkpoint, a pretrained model): zeros,
+    /// nothing drawn.
+    pub fn for_loading(config: &LlamaConfig, device: &Device, compute: DType) -> Result<Self> {
+        Self::build(config, GptInit::blank(device), compute)
+    }
+
+    fn build(config: &LlamaConfig, mut init: GptInit, compute: DType) -> Result<Self> {
+        let device = init.device;
         config.validate()?;
         if !matches!(compute, DType::F32 | DType::BF16) {
             return Err(Error::Msg(format!(
@@ -112,7 +123,6 @@ impl Llama {
         let c = config;
         let (hidden, hd) = (c.hidden_size, c.head_dim);
         let std = c.initializer_range as f32;
-        let mut init = GptInit::new(seed, device);
         let embed = init.normal("model.embed_tokens.weight", &[c.vocab_size, hidden], std)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {

@@ -481,10 +481,19 @@ pub(crate) fn build_llama(
 ) -> Result<Box<dyn Model>, BuildError> {
     let (vocab_size, block_size) = crate::models::builtin::token_windows("llama", cx)?;
     let config = o.config(vocab_size, block_size);
-    let model = Llama::new(&config, cx.seed, &cx.device, cx.compute_dtype)?;
-    if let Some(dir) = &o.init_from
-        && !cx.restoring
-    {
+    if cx.restoring {
+        // A checkpoint's weights replace these: nothing to draw or read.
+        return Ok(Box::new(Llama::for_loading(
+            &config,
+            &cx.device,
+            cx.compute_dtype,
+        )?));
+    }
+    let model = match o.init_from {
+        Some(_) => Llama::for_loading(&config, &cx.device, cx.compute_dtype)?,
+        None => Llama::new(&config, cx.seed, &cx.device, cx.compute_dtype)?,
+    };
+    if let Some(dir) = &o.init_from {
         let dir = HfDir::open(Path::new(dir))?;
         // Buffers older files carry: rotary inverse frequencies, recomputed here.
         dir.load_into(model.params(), |name| name.ends_with("rotary_emb.inv_freq"))?;

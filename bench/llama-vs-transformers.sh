@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# ddpjob's `llama` beside transformers' LlamaForCausalLM on SmolLM2-135M's shape (random weights,
+# the same directory for both), 1 process x all cores: the loss of each of the first STEPS
+# training steps from the same weights on the same windows, training tokens/s (median step
+# after two), `eval` tokens/s of the validation split (ddpjob eval vs torch.no_grad()), and the
+# seconds to load the checkpoint. Alternates the two programs ROUNDS times; prints medians and
+# the ratios ddpjob / transformers.
+#
+#   bench/llama-vs-transformers.sh [ROUNDS]        LAYERS=2 for a quick check of the set-up
+#
+# Needs: a release build (cargo build --release) and a Python with torch, transformers and
+# tokenizers (PYTHON; see ../shared/bench/README.md). The model directory and the tokenised
+# text are made once under WORK (default /tmp/llama-bench-$LAYERS).
+set -euo pipefail
+rounds=${1:-1}
+here=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-python3}
+layers=${LAYERS:-30}
+steps=${STEPS:-10}
+text=${TEXT:-$here/../shared/data/tinyshakespeare/input.txt}
+work=${WORK:-/tmp/llama-bench-$layers}
+bin=$here/target/release/ddpjob
+[ -x "$bin" ] || { echo "no $bin: run cargo build --release first" >&2; exit 2; }
+[ -f "$text" ] || { echo "no $text: set TEXT" >&2; exit 2; }
+threads=$(nproc)
+if [ ! -f "$work/job.toml" ]; then
+  "$python" "$here/bench/llama_ref.py" prepare "$work" "$text" --layers "$layers" > /dev/null 2>&1
+fi
+lscpu | sed -n 's/^Model name: *//p'
+jobs=$(mktemp -d); trap 'rm -rf "$jobs"' EXIT
+for r in $(seq 1 "$rounds"); do
+  "$bin" run "$work/job.toml" --jobs-dir "$jobs" --name "bench-$r" --set train.max_steps="$steps" > /dev/null 2>&1
+  # The trained weights, as transformers scores its own; then the directory's load alone.
+  "$bin" eval "bench-$r" --jobs-dir "$jobs" --json > "$jobs/eval-$r.json"
+  "$bin" eval "$work/model" --data "$work/job.toml" --set train.eval_batches=1 --json > "$jobs/load-$r.json"
+  OMP_NUM_THREADS=$threads "$python" "$here/bench/llama_ref.py" train "$work" --steps "$steps" \
+    --threads "$threads" 2> /dev/null | tail -1 > "$jobs/ref-$r.json"
+done
+"$python" - "$jobs" "$rounds" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+jobs, rounds = Path(sys.argv[1]), int(sys.argv[2])
+rows = []
+for r in range(1, rounds + 1):
+    job = jobs / f"bench-{r}"
+    block = 256
+    steps = [json.loads(l) for l in open(job / "metrics.jsonl") if '"kind":"train"' in l]
+    ours_losses = [s["loss"] for s in steps]
+    ours_rate = statistics.median(s["samples_per_s"] for s in steps[2:]) * block
+    ev = json.load(open(jobs / f"eval-{r}.json"))
+    ev["load_s"] = json.load(open(jobs / f"load-{r}.json"))["load_s"]
+    ref = json.load(open(jobs / f"ref-{r}.json"))
+    diff = max(abs(a - b) for a, b in zip(ours_losses, ref["losses"]))
+    rows.append((ours_rate, ref["train_tokens_per_s"], ev["per_s"], ref["eval_tokens_per_s"],
+                 ev["load_s"], ref["load_s"], diff, ev["loss"], ref["eval_loss"]))
+    print(f"round {r}: losses ddpjob {[round(x, 5) for x in ours_losses]}")
+    print(f"         transformers {[round(x, 5) for x in ref['losses']]}  max |diff| {diff:.2e}")
+med = [statistics.median(c) for c in zip(*rows)]
+print(f"{'':22}{'ddpjob':>12}{'transformers':>14}{'ratio':>8}")
+print(f"{'train tokens/s':22}{med[0]:12.0f}{med[1]:14.0f}{med[0] / med[1]:8.2f}")
+print(f"{'eval tokens/s':22}{med[2]:12.0f}{med[3]:14.0f}{med[2] / med[3]:8.2f}")
+print(f"{'load dir s':22}{med[4]:12.2f}{med[5]:14.2f}")
+print(f"{'eval loss':22}{med[7]:12.5f}{med[8]:14.5f}")
+print(f"max |loss diff| over the first steps: {med[6]:.2e}")
+EOF

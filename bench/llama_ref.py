@@ -1,0 +1,202 @@
+"""The transformers side of bench/llama-vs-transformers.sh: a LlamaForCausalLM of SmolLM2-135M's
+shape (30 layers, hidden 576, 9 heads, 3 key/value heads, intermediate 1536, vocabulary 49152),
+trained and evaluated as ddpjob's job does, from the same weights on the same windows.
+
+    python bench/llama_ref.py prepare DIR TEXT [--layers 30]   # DIR/model, DIR/{train,val}.bin, DIR/job.toml
+    python bench/llama_ref.py train DIR --steps 10 --threads 2  # one JSON line
+
+`prepare` writes random weights of that shape with `save_pretrained` (the directory ddpjob's
+job starts from), trains a byte-level BPE of 8,000 tokens on TEXT and writes the tokenised
+text as ddpjob's `tokens` data (u16), and the job file. `train` replays ddpjob's batches:
+`tokens` data cuts an epoch's windows every `block_size` tokens from a phase drawn from (seed,
+epoch), and the sampler orders them as torch's DistributedSampler (randperm seeded with seed +
+epoch). AdamW (no weight decay), gradient clipping at 1.0, eager attention, f32, the loss of
+each step, then the validation split scored under `torch.no_grad()` as ddpjob's `eval` scores it.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MASK = (1 << 64) - 1
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+BLOCK, BATCH, LR, SEED = 256, 4, 3e-4, 0
+
+
+def sample_seed(seed, epoch, index):
+    """ddpjob's `task::sample_seed` (splitmix64's finaliser over seed, epoch and index)."""
+    z = (seed * 0x9E3779B97F4A7C15) & MASK
+    z = (z + (epoch << 40)) & MASK
+    z = (z + index) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def train_windows(n, block):
+    return 0 if n < block + 1 else max((n - block) // block, 1)
+
+
+def phase(n, block, seed, epoch):
+    """The offset of an epoch's windows (`TextTask::phase`)."""
+    windows = train_windows(n, block)
+    slack = n - 1 - windows * block
+    phases = min(slack, block - 1) + 1
+    return sample_seed(seed ^ 0x0070_6861_7365, epoch, MASK) % phases
+
+
+def prepare(args):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = Path(args.text).read_text()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=8000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text], trainer)
+    ids = np.array(tok.encode(text).ids, dtype=np.uint16)
+    split = int(len(ids) * 0.9)
+    ids[:split].tofile(out / "train.bin")
+    # The validation split: 64 windows, scored whole.
+    ids[split : split + 64 * BLOCK + 1].tofile(out / "val.bin")
+    torch.manual_seed(SEED)
+    config = LlamaConfig(**{**SMOLLM2, "num_hidden_layers": args.layers})
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out / "model", safe_serialization=True)
+    tok.save(str(out / "model" / "tokenizer.json"))
+    (out / "job.toml").write_text(
+        f"""# made by bench/llama_ref.py prepare
+name = "llama-bench"
+seed = {SEED}
+[model]
+init_from = "{out / 'model'}"
+block_size = {BLOCK}
+[data]
+dataset = "tokens"
+train_path = "{out / 'train.bin'}"
+val_path = "{out / 'val.bin'}"
+[train]
+epochs = 1
+max_steps = 10
+batch_size = {BATCH}
+lr = {LR}
+optimizer = "adamw"
+weight_decay = 0.0
+betas = [0.9, 0.95]
+grad_clip_norm = 1.0
+log_every = 1
+eval_batch_size = 8
+[checkpoint]
+every_epochs = 0
+keep_last = 0
+"""
+    )
+    print(json.dumps({"train_tokens": split, "parameters": sum(p.numel() for p in model.parameters())}))
+
+
+def train(args):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    d = Path(args.dir)
+    train_ids = torch.from_numpy(np.fromfile(d / "train.bin", dtype=np.uint16).astype(np.int64))
+    val_ids = torch.from_numpy(np.fromfile(d / "val.bin", dtype=np.uint16).astype(np.int64))
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        d / "model", attn_implementation="eager", dtype=torch.float32
+    )
+    load_s = time.perf_counter() - started
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    n = len(train_ids)
+    windows = train_windows(n, BLOCK)
+    losses, times = [], []
+    model.train()
+    step, epoch = 0, 0
+    while step < args.steps:
+        g = torch.Generator()
+        g.manual_seed(SEED + epoch)
+        order = torch.randperm(windows, generator=g).tolist()
+        start0 = phase(n, BLOCK, SEED, epoch)
+        for b in range(0, windows - BATCH + 1, BATCH):
+            if step >= args.steps:
+                break
+            starts = [start0 + i * BLOCK for i in order[b : b + BATCH]]
+            rows = torch.stack([train_ids[s : s + BLOCK + 1] for s in starts])
+            x, y = rows[:, :-1], rows[:, 1:]
+            t0 = time.perf_counter()
+            logits = model(x).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+            step += 1
+        epoch += 1
+    model.eval()
+    # ddpjob's validation windows: from 0, every BLOCK tokens, each BLOCK + 1 long.
+    starts = list(range(0, len(val_ids) - BLOCK, BLOCK))
+    started = time.perf_counter()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in range(0, len(starts), 8):
+            rows = torch.stack([val_ids[s : s + BLOCK + 1] for s in starts[b : b + 8]])
+            logits = model(rows[:, :-1]).logits
+            total += torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1), reduction="sum"
+            ).item()
+            count += rows[:, 1:].numel()
+    eval_s = time.perf_counter() - started
+    timed = times[2:] or times
+    print(
+        json.dumps(
+            {
+                "losses": losses,
+                "train_tokens_per_s": BATCH * BLOCK / statistics.median(timed),
+                "eval_loss": total / count,
+                "eval_tokens": count,
+                "eval_tokens_per_s": count / eval_s,
+                "load_s": load_s,
+            }
+        )
+    )
+
+
+def main():
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("prepare")
+    a.add_argument("dir")
+    a.add_argument("text")
+    a.add_argument("--layers", type=int, default=30)
+    b = sub.add_parser("train")
+    b.add_argument("dir")
+    b.add_argument("--steps", type=int, default=10)
+    b.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    {"prepare": prepare, "train": train}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

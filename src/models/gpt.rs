@@ -14,7 +14,7 @@ pub(super) mod head;
 pub(crate) mod hf;
 mod manual;
 mod ops;
-mod rows;
+pub(super) mod rows;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]

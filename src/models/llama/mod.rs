@@ -6,8 +6,10 @@
 //! checkpoint as is.
 //!
 //! On the CPU in f32 the attention and the output projection with its cross-entropy run as
-//! the GPT's fused ops (`gpt::attention`, `gpt::head`); elsewhere candle's ops compute it.
+//! the GPT's fused ops (`gpt::attention`, `gpt::head`), and RMSNorm, RoPE and SwiGLU as this
+//! module's (`ops`); elsewhere candle's ops compute it.
 
+mod ops;
 mod options;
 pub(crate) mod rope;
 #[cfg(test)]
@@ -241,9 +243,13 @@ impl Llama {
 
     /// `down(silu(gate(h)) · up(h))`.
     fn mlp(&self, layer: &Layer, h: &Tensor) -> Result<Tensor> {
-        let gate = layer.gate.forward(h, self.compute)?.silu()?;
+        let gate = layer.gate.forward(h, self.compute)?;
         let up = layer.up.forward(h, self.compute)?;
-        layer.down.forward(&(gate * up)?, self.compute)
+        let hidden = match ops::swiglu(&gate, &up) {
+            Some(fused) => fused?,
+            None => (gate.silu()? * up)?,
+        };
+        layer.down.forward(&hidden, self.compute)
     }
 
     /// Logits [rows, vocab] in f32 of the final norm's output `x`.
@@ -303,10 +309,18 @@ impl Model for Llama {
 
 /// `x * rsqrt(mean(x²) + eps) * weight` over the last dimension, in f32 (`LlamaRMSNorm`).
 pub fn rms_norm(x: &Tensor, weight: &Var, eps: f64) -> Result<Tensor> {
+    if let Some(fused) = ops::rms_norm(x, weight.as_tensor(), eps) {
+        return fused;
+    }
+    rms_norm_with_ops(x, weight.as_tensor(), eps)
+}
+
+/// [`rms_norm`] composed from candle's ops (GPU, bf16; the fused op's reference).
+pub fn rms_norm_with_ops(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let x = x.to_dtype(DType::F32)?;
     let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
     x.broadcast_div(&(mean_square + eps)?.sqrt()?)?
-        .broadcast_mul(weight.as_tensor())
+        .broadcast_mul(weight)
 }
 
 /// [t, t]: 0 on and below the diagonal, -inf above. Made per call: a checkpoint's context

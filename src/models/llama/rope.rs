@@ -78,6 +78,14 @@ impl RopeTables {
     /// Rotates `x` [n, t, heads, head_dim] whose positions start at `offset`, in f32 (the
     /// result has the dtype of `x`). Differentiable: composed from candle's ops.
     pub fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
+        if let Some(fused) = super::ops::rope(x, &self.cos, &self.sin, offset) {
+            return fused;
+        }
+        self.apply_with_ops(x, offset)
+    }
+
+    /// [`RopeTables::apply`] composed from candle's ops (GPU, bf16; the fused op's reference).
+    pub fn apply_with_ops(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
         let (_, t, _, hd) = x.dims4()?;
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;

@@ -2,6 +2,9 @@
 //! MANIFEST (sha256 per file), renamed to `step-NNNNNNNN`, then `latest` is replaced; older ones
 //! are pruned only after the new one is in place.
 
+mod trained;
+pub use trained::Trained;
+
 use std::collections::HashMap;
 use std::fs;
 use std::io::Read;

@@ -95,8 +95,9 @@ section! {
         activation: Option<String> = None, shown "`\"gelu\"`; a checkpoint's own"
             => activation: Option<GptActivation> = optional(choice(&[("gelu", GptActivation::Gelu), ("gelu_new", GptActivation::GeluNew)]));
         /// gpt: a Hugging Face GPT-2 directory (`config.json`, `model.safetensors`,
-        /// `tokenizer.json`) to start from, e.g. `"models/gpt2"`; the shape comes from it, and
-        /// `"llama"`, `"mistral"` and `"qwen2"` directories pick `arch = "llama"`
+        /// `tokenizer.json`) to start from, e.g. `"models/gpt2"`, or another job (`"jobs/NAME"`,
+        /// or a checkpoint directory of it); the shape comes from it, and `"llama"`,
+        /// `"mistral"` and `"qwen2"` directories (or llama jobs) pick `arch = "llama"`
         #[serde(skip_serializing_if = "Option::is_none")]
         init_from: Option<String> = None, shown "none (random weights)"
             => init_from: Option<String> = any();

@@ -63,8 +63,8 @@ impl LoadedConfig {
     }
 }
 
-/// `model.arch` from `model.init_from`'s `config.json` when the job leaves it out: a
-/// pretrained checkpoint says what it is.
+/// `model.arch` from `model.init_from` when the job leaves it out: a pretrained checkpoint's
+/// `config.json`, or the `job.toml` of the ddpjob job whose weights it names, says what it is.
 fn arch_from_init(source: &mut Source) -> Result<(), ConfigError> {
     let Some(toml::Value::Table(model)) = source.table.get("model") else {
         return Ok(());
@@ -80,6 +80,19 @@ fn arch_from_init(source: &mut Source) -> Result<(), ConfigError> {
         at: source.value_origin("model.init_from"),
         problem,
     };
+    if let Some(trained) = crate::checkpoint::Trained::find(Path::new(dir)) {
+        let arch = trained.and_then(|t| t.model_table()).and_then(|m| {
+            m.get("arch")
+                .and_then(toml::Value::as_str)
+                .map(String::from)
+                .ok_or_else(|| format!("`{dir}`'s job.toml has no model.arch"))
+        });
+        let arch = arch.map_err(|e| fail(source, e))?;
+        if let Some(toml::Value::Table(model)) = source.table.get_mut("model") {
+            model.insert("arch".into(), arch.into());
+        }
+        return Ok(());
+    }
     let hf = crate::hf::HfDir::open(Path::new(dir)).map_err(|e| fail(source, e.to_string()))?;
     let model_type = hf.model_type().map_err(|e| fail(source, e.to_string()))?;
     let arch = if model_type == "gpt2" {

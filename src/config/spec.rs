@@ -79,15 +79,22 @@ impl ModelSpec {
     /// `None` for a classifier.
     pub fn language(&self) -> Option<LanguageModelSpec> {
         match self {
-            ModelSpec::Gpt(g) => Some(LanguageModelSpec {
-                block_size: g.block_size,
-                vocab_size: g.vocab_size,
-                tokenizer: g
-                    .init_from
-                    .as_ref()
-                    .map(|dir| std::path::Path::new(dir).join("tokenizer.json"))
-                    .filter(|p| p.is_file()),
-            }),
+            ModelSpec::Gpt(g) => {
+                let init = g.init_from.as_deref().map(std::path::Path::new);
+                let trained = init.and_then(crate::checkpoint::Trained::find);
+                let trained = trained.and_then(Result::ok);
+                Some(LanguageModelSpec {
+                    block_size: g.block_size,
+                    vocab_size: g.vocab_size,
+                    tokenizer: match &trained {
+                        Some(t) => t.tokenizer(),
+                        None => init
+                            .map(|dir| dir.join("tokenizer.json"))
+                            .filter(|p| p.is_file()),
+                    },
+                    vocabulary: trained.and_then(|t| t.vocabulary()),
+                })
+            }
             ModelSpec::Custom { language, .. } => language.clone(),
             ModelSpec::Mlp { .. } | ModelSpec::Cnn => None,
         }

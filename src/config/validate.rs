@@ -193,11 +193,17 @@ fn pretrained_gpt(c: &mut Checker, m: &ModelKeys, dir: &str) -> Option<GptSpec> 
     if complete && !path.join("config.json").is_file() {
         return None;
     }
-    let shape = crate::hf::HfDir::open(path)
-        .and_then(|hf| crate::models::read_gpt2_shape(&hf))
-        .map_err(|e| c.fail("model.init_from", e.to_string()))
-        .ok()?;
-    let source = format!("{dir}/config.json");
+    let (shape, source) = match crate::checkpoint::Trained::find(path) {
+        Some(trained) => (trained.and_then(|t| trained_gpt_shape(&t)), "job.toml"),
+        None => (
+            crate::hf::HfDir::open(path)
+                .and_then(|hf| crate::models::read_gpt2_shape(&hf))
+                .map_err(|e| e.to_string()),
+            "config.json",
+        ),
+    };
+    let shape = shape.map_err(|e| c.fail("model.init_from", e)).ok()?;
+    let source = format!("{dir}/{source}");
     let mut agree = |key: &str, given: Option<String>, theirs: String| {
         if let Some(given) = given.filter(|g| *g != theirs) {
             c.fail(
@@ -223,10 +229,10 @@ fn pretrained_gpt(c: &mut Checker, m: &ModelKeys, dir: &str) -> Option<GptSpec> 
         m.activation.map(|a| format!("\"{}\"", a.name())),
         format!("\"{}\"", shape.activation.name()),
     );
-    if m.bias == Some(false) {
+    if let Some(bias) = m.bias.filter(|&b| b != shape.bias) {
         c.fail(
             "model.bias",
-            format!("is false, but the GPT-2 weights in {dir} have biases; leave the key out"),
+            format!("is {bias}, but the weights in {dir} were trained with bias = {}; leave the key out", shape.bias),
         );
     }
     if let Some(block) = m.block_size.filter(|&b| b > shape.n_positions) {
@@ -244,10 +250,47 @@ fn pretrained_gpt(c: &mut Checker, m: &ModelKeys, dir: &str) -> Option<GptSpec> 
         n_embd: shape.n_embd,
         block_size: shape.n_positions,
         dropout: GPT_DEFAULTS.dropout,
-        bias: true,
+        bias: shape.bias,
         vocab_size: Some(shape.vocab_size),
         activation: shape.activation,
         init_from: None,
+    })
+}
+
+/// The shape of the gpt another job trained, from its `job.toml` (its vocabulary's size when
+/// the data fixed it).
+fn trained_gpt_shape(t: &crate::checkpoint::Trained) -> Result<crate::models::Gpt2Shape, String> {
+    let model = t.model_table()?;
+    let file = t.job.job_toml();
+    if model.get("arch").and_then(toml::Value::as_str) != Some("gpt") {
+        return Err(format!("`{}` is not a gpt job's", file.display()));
+    }
+    let int = |key: &str| {
+        model
+            .get(key)
+            .and_then(toml::Value::as_integer)
+            .map(|v| v as usize)
+            .ok_or_else(|| format!("`{}` has no model.{key}", file.display()))
+    };
+    let activation = match model.get("activation").and_then(toml::Value::as_str) {
+        Some("gelu_new") => crate::models::GptActivation::GeluNew,
+        _ => crate::models::GptActivation::Gelu,
+    };
+    let vocab_size = match int("vocab_size") {
+        Ok(v) => v,
+        Err(e) => t.vocabulary_size().ok_or(e)?,
+    };
+    Ok(crate::models::Gpt2Shape {
+        n_layer: int("n_layer")?,
+        n_head: int("n_head")?,
+        n_embd: int("n_embd")?,
+        n_positions: int("block_size")?,
+        vocab_size,
+        activation,
+        bias: model
+            .get("bias")
+            .and_then(toml::Value::as_bool)
+            .unwrap_or(true),
     })
 }
 

@@ -154,7 +154,12 @@ impl TextTask {
         };
         let (train, val, vocab, vocab_size) = match &spec.data.dataset {
             DatasetKind::Text(t) => {
-                let stored = job.map(|j| Vocab::path_in(&j.root)).filter(|p| p.is_file());
+                // The job's own vocabulary once it has one, else the one the model's weights
+                // were trained with (`init_from` another job).
+                let stored = job
+                    .map(|j| Vocab::path_in(&j.root))
+                    .filter(|p| p.is_file())
+                    .or_else(|| lm.vocabulary.clone());
                 let (ids, vocab) = encode_file(t, stored.as_deref())?;
                 let size = vocab.size();
                 if let Some(v) = lm.vocab_size.filter(|&v| v < size) {

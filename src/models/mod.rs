@@ -19,7 +19,7 @@ use crate::task::ModelInput;
 
 pub(crate) use builtin::register_builtin;
 pub use cnn::Cnn;
-pub(crate) use gpt::hf::read_shape as read_gpt2_shape;
+pub(crate) use gpt::hf::{Gpt2Shape, read_shape as read_gpt2_shape};
 pub use gpt::{Activation as GptActivation, Gpt, GptConfig, KvCache};
 pub(crate) use llama::MODEL_TYPES as LLAMA_MODEL_TYPES;
 pub use mlp::Mlp;

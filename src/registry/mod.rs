@@ -97,6 +97,11 @@ pub trait LanguageModelOptions: DeserializeOwned + Serialize + 'static {
     fn tokenizer(&self) -> Option<std::path::PathBuf> {
         None
     }
+    /// A ddpjob `vocab.json` the weights were trained with (another job's, when the model
+    /// starts from it): text is encoded with it rather than with a vocabulary of its own.
+    fn vocabulary(&self) -> Option<std::path::PathBuf> {
+        None
+    }
 }
 
 /// What token data needs to know of a language model.
@@ -108,6 +113,8 @@ pub struct LanguageModelSpec {
     pub vocab_size: Option<usize>,
     /// The model's own `tokenizer.json`, the default of `data.tokenizer`.
     pub tokenizer: Option<std::path::PathBuf>,
+    /// The `vocab.json` the model's weights were trained with, if another job trained them.
+    pub vocabulary: Option<std::path::PathBuf>,
 }
 
 /// One registered name: its option keys, how to read them, and how to build it.
@@ -389,6 +396,7 @@ fn language_of<O: LanguageModelOptions>(table: &toml::Table) -> Result<LanguageM
         block_size: options.block_size(),
         vocab_size: options.vocab_size(),
         tokenizer: options.tokenizer(),
+        vocabulary: options.vocabulary(),
     })
 }
 

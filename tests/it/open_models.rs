@@ -215,6 +215,69 @@ fn a_gpt2_checkpoint_fine_tunes_evaluates_and_exports_back() {
 }
 
 #[test]
+fn a_job_starts_from_another_jobs_weights_its_model_and_vocabulary() {
+    let t = TestJob::new();
+    let text = text(&t);
+    let jobs = t.jobs_dir().display().to_string();
+    let gpt = "arch = \"gpt\"\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32";
+    for (pre, model) in [("gpt-pre", gpt), ("llama-pre", scratch())] {
+        let cfg = t.config(
+            pre,
+            &job(&text, model, "").replace("max_steps = 30", "max_steps = 12"),
+        );
+        t.run(&cfg, &[]).success();
+        let last_val = |name: &str| {
+            let evals: Vec<f64> = t
+                .metrics(name)
+                .iter()
+                .filter_map(|m| m["test_loss"].as_f64())
+                .collect();
+            *evals.last().unwrap()
+        };
+        // The whole job: its model (arch and sizes from its job.toml) and its char vocabulary,
+        // so the first evaluation is where the source ended, bit for bit.
+        let source = t.job(pre).display().to_string();
+        let follow = format!("{pre}-ft");
+        let model = format!("init_from = \"{source}\"");
+        let file = job(&text, &model, "").replace("log_every = 1", "log_every = 1\neval_every = 4");
+        let cfg = t.config(&follow, &file.replace("max_steps = 30", "max_steps = 4"));
+        t.run(&cfg, &[]).success();
+        let first = t
+            .metrics(&follow)
+            .iter()
+            .find_map(|m| m["test_loss"].as_f64());
+        assert_eq!(first, Some(last_val(pre)), "{follow}");
+        assert_eq!(
+            std::fs::read(t.job(pre).join("vocab.json")).unwrap(),
+            std::fs::read(t.job(&follow).join("vocab.json")).unwrap()
+        );
+        t.ddpjob(&["sample", &follow, "--tokens", "3", "--jobs-dir", &jobs])
+            .success();
+    }
+    // A checkpoint directory, with a shorter window (the gpt's position table is cut).
+    let step = t.job("gpt-pre").join("checkpoints/step-00000012");
+    let model = format!("init_from = \"{}\"\nblock_size = 16", step.display());
+    let cfg = t.config(
+        "from-step",
+        &job(&text, &model, "").replace("max_steps = 30", "max_steps = 2"),
+    );
+    t.run(&cfg, &[]).success();
+    let frozen = std::fs::read_to_string(t.job("from-step").join("job.toml")).unwrap();
+    assert!(
+        frozen.contains("n_embd = 32") && frozen.contains("block_size = 16"),
+        "{frozen}"
+    );
+    // A size restated differently, and a model of another arch, are named.
+    let source = t.job("gpt-pre").display().to_string();
+    let bad = format!("init_from = \"{source}\"\nn_embd = 64");
+    t.run(&t.config("bad", &job(&text, &bad, "")), &[])
+        .fails_with(2, "is 64, but");
+    let bad = format!("arch = \"llama\"\ninit_from = \"{source}\"");
+    t.run(&t.config("bad2", &job(&text, &bad, "")), &[])
+        .fails_with(2, "is not a llama job's");
+}
+
+#[test]
 fn a_llama_from_scratch_resumes_bit_for_bit_and_two_workers_match_one() {
     let t = TestJob::new();
     let text = text(&t);

@@ -23,6 +23,8 @@ pub struct Gpt2Shape {
     pub n_positions: usize,
     pub vocab_size: usize,
     pub activation: Activation,
+    /// Biases in the linear and norm layers (GPT-2 always has them).
+    pub bias: bool,
 }
 
 /// The `Conv1D` layers, whose weights GPT-2 stores transposed.
@@ -88,6 +90,7 @@ pub fn read_shape(dir: &HfDir) -> Result<Gpt2Shape, HfError> {
         n_positions,
         vocab_size: dir.usize_or("vocab_size", None)?,
         activation,
+        bias: true,
     })
 }
 

@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 
 use super::rope::Llama3Scaling;
 use super::{Llama, LlamaConfig};
+use crate::checkpoint::Trained;
 use crate::hf::HfDir;
 use crate::models::Model;
 use crate::registry::{BuildError, LanguageModelOptions, ModelContext};
@@ -108,13 +109,16 @@ impl LanguageModelOptions for LlamaOptions {
     /// already; its `init_from` is then not read again when it is gone.
     fn complete(self) -> Result<Self, String> {
         let base = match &self.init_from {
-            Some(dir) if self.is_complete() && !Path::new(dir).join("config.json").is_file() => {
-                return Ok(self);
-            }
-            Some(dir) => {
-                let hf = HfDir::open(Path::new(dir)).map_err(|e| e.to_string())?;
-                from_hf(&hf, self.block_size)?
-            }
+            Some(dir) => match Trained::find(Path::new(dir)) {
+                Some(trained) => from_trained(&trained?)?,
+                None if self.is_complete() && !Path::new(dir).join("config.json").is_file() => {
+                    return Ok(self);
+                }
+                None => {
+                    let hf = HfDir::open(Path::new(dir)).map_err(|e| e.to_string())?;
+                    from_hf(&hf, self.block_size)?
+                }
+            },
             None => scratch_defaults(),
         };
         let merged = merge(self, base)?;
@@ -132,7 +136,16 @@ impl LanguageModelOptions for LlamaOptions {
 
     fn tokenizer(&self) -> Option<PathBuf> {
         let dir = Path::new(self.init_from.as_deref()?);
-        Some(dir.join("tokenizer.json")).filter(|p| p.is_file())
+        match Trained::find(dir) {
+            Some(trained) => trained.ok()?.tokenizer(),
+            None => Some(dir.join("tokenizer.json")).filter(|p| p.is_file()),
+        }
+    }
+
+    fn vocabulary(&self) -> Option<PathBuf> {
+        Trained::find(Path::new(self.init_from.as_deref()?))?
+            .ok()?
+            .vocabulary()
     }
 }
 
@@ -239,6 +252,28 @@ impl LlamaOptions {
         }
         m
     }
+}
+
+/// The options of the llama another job trained, from its `job.toml` (its vocabulary's size
+/// when the data fixed it).
+fn from_trained(trained: &Trained) -> Result<LlamaOptions, String> {
+    let mut model = trained.model_table()?;
+    let file = trained.job.job_toml();
+    if model
+        .remove("arch")
+        .and_then(|a| a.as_str().map(String::from))
+        .as_deref()
+        != Some("llama")
+    {
+        return Err(format!("`{}` is not a llama job's", file.display()));
+    }
+    let mut options = LlamaOptions::deserialize(toml::Value::Table(model))
+        .map_err(|e| format!("`{}`: {e}", file.display()))?;
+    options.init_from = None;
+    if options.vocab_size.is_none() {
+        options.vocab_size = trained.vocabulary_size();
+    }
+    Ok(options)
 }
 
 /// The options `config.json` of `dir` describes (`block_size` = its maximum context).
@@ -377,6 +412,7 @@ fn rope_parameters(dir: &HfDir) -> Result<(f64, Option<RopeScalingOptions>), Str
 /// error naming both values.
 fn merge(given: LlamaOptions, base: LlamaOptions) -> Result<LlamaOptions, String> {
     let source = match &given.init_from {
+        Some(dir) if Trained::find(Path::new(dir)).is_some() => format!("{dir}/job.toml"),
         Some(dir) => format!("{dir}/config.json"),
         None => "the default".into(),
     };
@@ -493,7 +529,13 @@ pub(crate) fn build_llama(
         Some(_) => Llama::for_loading(&config, &cx.device, cx.compute_dtype)?,
         None => Llama::new(&config, cx.seed, &cx.device, cx.compute_dtype)?,
     };
-    if let Some(dir) = &o.init_from {
+    if let Some(trained) = o
+        .init_from
+        .as_deref()
+        .and_then(|d| Trained::find(Path::new(d)))
+    {
+        trained?.load_into(model.params(), None)?;
+    } else if let Some(dir) = &o.init_from {
         let dir = HfDir::open(Path::new(dir))?;
         // Buffers older files carry: rotary inverse frequencies, recomputed here.
         dir.load_into(model.params(), |name| name.ends_with("rotary_emb.inv_freq"))?;

@@ -1,0 +1,153 @@
+//! Weights another ddpjob job trained, named by a path as `model.init_from` names them:
+//! `jobs/NAME` (its final weights, else its newest checkpoint) or one of its checkpoint
+//! directories (`jobs/NAME/checkpoints/best`, `.../step-00000200`). The new job takes the
+//! source's model (its `job.toml`'s `[model]`) and its vocabulary (`vocab.json`), so the
+//! weights mean what they meant.
+
+use std::path::{Path, PathBuf};
+
+use crate::generate::weights_path;
+use crate::jobdir::JobDir;
+
+/// A job's trained weights, and the job they come from.
+#[derive(Debug, Clone)]
+pub struct Trained {
+    pub job: JobDir,
+    /// The `model.safetensors` to load.
+    pub weights: PathBuf,
+}
+
+impl Trained {
+    /// The weights `path` names, when it is a job directory or a checkpoint directory of one
+    /// (an error when such a job has none yet); `None` for any other path.
+    pub fn find(path: &Path) -> Option<Result<Trained, String>> {
+        if path.join("job.toml").is_file() {
+            let job = JobDir {
+                root: path.to_path_buf(),
+            };
+            return Some(
+                weights_path(&job, None)
+                    .map(|weights| Trained { job, weights })
+                    .map_err(|e| format!("model.init_from: {e}")),
+            );
+        }
+        let weights = path.join("model.safetensors");
+        let checkpoints = path.parent()?;
+        let root = checkpoints.parent()?;
+        let is_checkpoint = checkpoints.file_name()? == "checkpoints"
+            && root.join("job.toml").is_file()
+            && weights.is_file();
+        is_checkpoint.then(|| {
+            Ok(Trained {
+                job: JobDir {
+                    root: root.to_path_buf(),
+                },
+                weights,
+            })
+        })
+    }
+
+    /// Sets `params` from the weights (names, shapes and layouts as trained), the rows of
+    /// `crop` cut to the parameter's (a shorter window's position table).
+    pub fn load_into(
+        &self,
+        params: &crate::models::Params,
+        crop: Option<&str>,
+    ) -> Result<(), crate::hf::HfError> {
+        let file = crate::hf::HfDir {
+            root: self.job.root.clone(),
+            config: Default::default(),
+            weight_files: vec![self.weights.clone()],
+        };
+        file.load_with(params, &Cropped(crop))
+    }
+
+    /// The source job's `[model]`, as its `job.toml` froze it (every key written out).
+    pub fn model_table(&self) -> Result<toml::Table, String> {
+        let path = self.job.job_toml();
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+        let doc: toml::Table = text
+            .parse()
+            .map_err(|e| format!("`{}` is not valid TOML: {e}", path.display()))?;
+        match doc.get("model") {
+            Some(toml::Value::Table(model)) => Ok(model.clone()),
+            _ => Err(format!("`{}` has no [model]", path.display())),
+        }
+    }
+
+    /// The Hugging Face `tokenizer.json` the source job's text data named, if any: the new
+    /// job's default `data.tokenizer`.
+    pub fn tokenizer(&self) -> Option<PathBuf> {
+        let text = std::fs::read_to_string(self.job.job_toml()).ok()?;
+        let doc: toml::Table = text.parse().ok()?;
+        let named = doc.get("data")?.get("tokenizer")?.as_str()?;
+        named.ends_with(".json").then(|| PathBuf::from(named))
+    }
+
+    /// The number of symbols of the source job's vocabulary, if it has one.
+    pub fn vocabulary_size(&self) -> Option<usize> {
+        let vocab = crate::data::vocab::Vocab::load(&self.vocabulary()?).ok()?;
+        Some(vocab.size())
+    }
+
+    /// The source job's vocabulary (`vocab.json`), which the new job's text is encoded with.
+    pub fn vocabulary(&self) -> Option<PathBuf> {
+        Some(crate::data::vocab::Vocab::path_in(&self.job.root)).filter(|p| p.is_file())
+    }
+}
+
+/// A job's own layout, one tensor's rows cut to the model's.
+struct Cropped<'a>(Option<&'a str>);
+
+impl crate::hf::FileLayout for Cropped<'_> {
+    fn to_model(
+        &self,
+        name: &str,
+        stored: candle_core::Tensor,
+        dims: &[usize],
+    ) -> candle_core::Result<candle_core::Tensor> {
+        match dims.first() {
+            Some(&rows) if Some(name) == self.0 && stored.dims().first() > Some(&rows) => {
+                stored.narrow(0, 0, rows)
+            }
+            _ => Ok(stored),
+        }
+    }
+
+    fn ignored(&self, _file_name: &str) -> bool {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jobs_and_their_checkpoints_are_found_other_paths_are_not() {
+        let tmp = tempfile::tempdir().unwrap();
+        let job = tmp.path().join("jobs/pre");
+        let step = job.join("checkpoints/step-00000010");
+        std::fs::create_dir_all(&step).unwrap();
+        std::fs::write(job.join("job.toml"), "[model]\narch = \"gpt\"\n").unwrap();
+        // A job without weights yet is named as such.
+        let err = Trained::find(&job).unwrap().unwrap_err();
+        assert!(err.contains("has no weights"), "{err}");
+        std::fs::write(step.join("model.safetensors"), b"x").unwrap();
+        std::fs::write(job.join("checkpoints/latest"), "step-00000010").unwrap();
+        let found = Trained::find(&job).unwrap().unwrap();
+        assert_eq!(found.weights, step.join("model.safetensors"));
+        assert_eq!(found.model_table().unwrap()["arch"].as_str(), Some("gpt"));
+        std::fs::write(job.join("model.safetensors"), b"x").unwrap();
+        let found = Trained::find(&job).unwrap().unwrap();
+        assert_eq!(found.weights, job.join("model.safetensors"));
+        let found = Trained::find(&step).unwrap().unwrap();
+        assert_eq!(
+            (found.job.root, found.weights),
+            (job.clone(), step.join("model.safetensors"))
+        );
+        assert!(Trained::find(tmp.path()).is_none());
+        assert!(Trained::find(&tmp.path().join("models/gpt2")).is_none());
+    }
+}

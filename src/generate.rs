@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use thiserror::Error;
 
+use crate::checkpoint::Checkpoints;
 use crate::config::Precision;
 use crate::config::{self, ModelSpec};
 use crate::data::DataError;
@@ -228,61 +229,11 @@ pub(crate) fn load_weights(params: &Params, path: &Path) -> Result<(), SampleErr
     Ok(())
 }
 
-/// The file holding the weights `checkpoint` names.
+/// The file holding the weights `checkpoint` names (see [`Checkpoints::weights`]).
 pub(crate) fn weights_path(job: &JobDir, checkpoint: Option<&str>) -> Result<PathBuf, SampleError> {
-    let dir = job.checkpoints_dir();
-    let latest = || -> Option<PathBuf> {
-        let name = std::fs::read_to_string(dir.join("latest")).ok()?;
-        Some(dir.join(name.trim()).join("model.safetensors"))
-    };
-    let path = match checkpoint {
-        None => Some(job.model_path())
-            .filter(|p| p.is_file())
-            .or_else(latest),
-        Some("latest") => latest(),
-        Some(name) if name == "best" || name.starts_with("step-") => {
-            let name = match name.strip_prefix("step-").map(str::parse::<usize>) {
-                Some(Ok(step)) => crate::checkpoint::step_dir_name(step),
-                _ => name.to_string(),
-            };
-            Some(dir.join(name).join("model.safetensors"))
-        }
-        Some(other) => {
-            return Err(SampleError::Usage(format!(
-                "--checkpoint {other}: expected best, latest or step-N"
-            )));
-        }
-    };
-    match path.filter(|p| p.is_file()) {
-        Some(p) => Ok(p),
-        None => Err(SampleError::Usage(format!(
-            "job `{}` has no weights {}in `{}`; train it first (`ddpjob run`), or pick another \
-             with --checkpoint ({})",
-            job.name(),
-            checkpoint.map_or(String::new(), |c| format!("for --checkpoint {c} ")),
-            job.root.display(),
-            available(&dir)
-        ))),
-    }
-}
-
-/// The checkpoints there are, for messages.
-fn available(dir: &Path) -> String {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n == "best" || n.starts_with("step-"))
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
-    if names.is_empty() {
-        "there are no checkpoints".into()
-    } else {
-        format!("there are: {}", names.join(", "))
-    }
+    Checkpoints::of(job)
+        .weights(checkpoint)
+        .map_err(SampleError::Usage)
 }
 
 /// Draws the next token from `logits` [vocab].

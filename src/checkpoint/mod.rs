@@ -2,7 +2,9 @@
 //! MANIFEST (sha256 per file), renamed to `step-NNNNNNNN`, then `latest` is replaced; older ones
 //! are pruned only after the new one is in place.
 
+mod dir;
 mod trained;
+pub use dir::{Checkpoints, FORMAT, read_position};
 pub use trained::Trained;
 
 use std::collections::HashMap;
@@ -59,6 +61,9 @@ pub struct TrainPosition {
     /// The metric history a resumed run continues.
     #[serde(default)]
     pub metrics: MetricState,
+    /// The checkpoint format ([`FORMAT`] when written by this build).
+    #[serde(default = "dir::first_format")]
+    pub format: u32,
 }
 
 /// Running sums behind the epoch's train loss and the summary's throughput.
@@ -321,6 +326,7 @@ mod tests {
             lr: 0.1,
             consumed_in_epoch: step * 8,
             metrics: MetricState::default(),
+            format: FORMAT,
         }
     }
 

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
+use super::dir::{check_format, read_position};
 use super::{CheckpointError, TrainPosition, list_checkpoints, verify};
 
 /// A checkpoint loaded into memory.
@@ -55,6 +56,8 @@ pub fn choose(dir: &Path) -> std::io::Result<Choice> {
         Err(e) => return Err(e),
     };
     for candidate in all.into_iter().rev() {
+        // A newer build's checkpoint is not damaged: stop rather than set it aside.
+        check_format(&candidate).map_err(std::io::Error::other)?;
         match verify(&candidate).and_then(|()| read_position(&candidate)) {
             Ok(position) => {
                 choice.usable = Some(candidate);
@@ -65,12 +68,6 @@ pub fn choose(dir: &Path) -> std::io::Result<Choice> {
         }
     }
     Ok(choice)
-}
-
-/// A checkpoint's position (`state.json`).
-fn read_position(dir: &Path) -> Result<TrainPosition, String> {
-    let bytes = std::fs::read(dir.join("state.json")).map_err(|e| format!("state.json: {e}"))?;
-    serde_json::from_slice(&bytes).map_err(|e| format!("state.json: {e}"))
 }
 
 /// Loads a checkpoint's model and optimizer tensors and its position onto `device`.

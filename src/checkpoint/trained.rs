@@ -6,7 +6,6 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::generate::weights_path;
 use crate::jobdir::JobDir;
 
 /// A job's trained weights, and the job they come from.
@@ -26,7 +25,8 @@ impl Trained {
                 root: path.to_path_buf(),
             };
             return Some(
-                weights_path(&job, None)
+                super::Checkpoints::of(&job)
+                    .weights(None)
                     .map(|weights| Trained { job, weights })
                     .map_err(|e| format!("model.init_from: {e}")),
             );

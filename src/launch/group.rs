@@ -243,10 +243,12 @@ impl Group<'_> {
     /// the metrics rewound to it, and a fresh store for the next group.
     fn restart_point(&self) -> Result<Option<PathBuf>, RunError> {
         let dir = self.job.checkpoints_dir();
-        let choice = checkpoint::choose(&dir).map_err(|cause| JobDirError::Io {
-            path: dir.clone(),
-            cause,
-        })?;
+        let choice = checkpoint::Checkpoints::of(self.job)
+            .newest_good()
+            .map_err(|cause| JobDirError::Io {
+                path: dir.clone(),
+                cause,
+            })?;
         rewind_to(self.job, &choice)?;
         if let Some(server) = self.server {
             server.clear_except(LAUNCH_PREFIX);

@@ -99,10 +99,12 @@ pub(super) fn choose_checkpoint(
     from_scratch: bool,
 ) -> Result<checkpoint::Choice, RunError> {
     let checkpoints = job.checkpoints_dir();
-    let choice = checkpoint::choose(&checkpoints).map_err(|cause| JobDirError::Io {
-        path: checkpoints.clone(),
-        cause,
-    })?;
+    let choice = checkpoint::Checkpoints::of(job)
+        .newest_good()
+        .map_err(|cause| JobDirError::Io {
+            path: checkpoints.clone(),
+            cause,
+        })?;
     if choice.usable.is_none() && !from_scratch {
         let damaged: Vec<String> = choice
             .skipped

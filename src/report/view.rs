@@ -51,22 +51,19 @@ impl JobView {
         let summary = std::fs::read(job.summary_path())
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok());
-        let checkpoints = checkpoint::list_checkpoints(&job.checkpoints_dir())
-            .unwrap_or_default()
+        let stored = checkpoint::Checkpoints::of(&job);
+        let checkpoints = stored
+            .steps()
             .into_iter()
             .map(|dir| CheckpointInfo {
                 name: dir
                     .file_name()
                     .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
-                position: std::fs::read(dir.join("state.json"))
-                    .ok()
-                    .and_then(|b| serde_json::from_slice(&b).ok()),
+                position: checkpoint::read_position(&dir).ok(),
                 bytes: dir_size(&dir),
             })
             .collect();
-        let latest = std::fs::read_to_string(job.checkpoints_dir().join("latest"))
-            .ok()
-            .map(|s| s.trim().to_string());
+        let latest = stored.latest_name();
         JobView {
             name: name.to_string(),
             history: History::read(&job.metrics_path()).unwrap_or_default(),

@@ -449,6 +449,7 @@ impl Trainer<'_> {
             lr,
             consumed_in_epoch: run.consumed,
             metrics: metrics.clone(),
+            format: crate::checkpoint::FORMAT,
         }
     }
 

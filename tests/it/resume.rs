@@ -248,6 +248,14 @@ fn damaged_copy(t: &TestJob, how: &str) -> std::path::PathBuf {
             let bytes = std::fs::read(&model).unwrap();
             std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
         }
+        // Not damaged: written by a ddpjob whose checkpoint format is newer.
+        "newer" => {
+            let path = newest.join("state.json");
+            let mut state: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+            state["format"] = 2.into();
+            std::fs::write(&path, state.to_string()).unwrap();
+        }
         _ => unreachable!(),
     }
     jobs
@@ -299,6 +307,12 @@ fn a_damaged_newest_checkpoint_is_named_and_the_previous_one_used() {
         let whole = load_weights(&t.job("whole").join("model.safetensors"));
         assert_eq!(weights(&jobs), whole, "{how}: not bit-identical");
     }
+    // A newer format is refused, not mistaken for damage and set aside.
+    let jobs = damaged_copy(&t, "newer");
+    let jobs_arg = jobs.to_string_lossy().into_owned();
+    t.ddpjob(&["resume", "broken", "--jobs-dir", &jobs_arg])
+        .fails_with(1, "written by a newer ddpjob (checkpoint format 2");
+    assert!(jobs.join("broken/checkpoints/step-00000020").is_dir());
 }
 
 #[test]

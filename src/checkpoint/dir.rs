@@ -149,23 +149,9 @@ mod tests {
 
     use candle_core::{DType, Device, Tensor};
 
-    use super::super::{Checkpointer, MetricState};
+    use super::super::Checkpointer;
+    use super::super::tests::position;
     use super::*;
-
-    fn position(step: usize) -> TrainPosition {
-        TrainPosition {
-            epoch: 0,
-            step_in_epoch: step,
-            step,
-            optimizer_steps: step as u64,
-            world_size: 1,
-            seed: 0,
-            lr: 0.1,
-            consumed_in_epoch: step,
-            metrics: MetricState::default(),
-            format: FORMAT,
-        }
-    }
 
     /// A job directory with checkpoints of steps 10 and 20.
     fn job_with_checkpoints() -> (tempfile::TempDir, JobDir) {

@@ -315,7 +315,8 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    fn position(step: usize) -> TrainPosition {
+    /// A position after `step` steps of epoch 0, 8 samples a step.
+    pub(super) fn position(step: usize) -> TrainPosition {
         TrainPosition {
             epoch: 0,
             step_in_epoch: step,

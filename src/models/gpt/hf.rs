@@ -227,10 +227,9 @@ mod tests {
             .join(name)
     }
 
-    /// The gpt `dir` describes, its window cut to `block_size`, with the weights loaded.
-    fn pretrained(dir: &Path, block_size: usize) -> Gpt {
-        let hf = HfDir::open(dir).unwrap();
-        let s = read_shape(&hf).unwrap();
+    /// A gpt of the shape `dir`'s config.json describes, its window `block_size`.
+    fn shaped_as(hf: &HfDir, block_size: usize) -> Gpt {
+        let s = read_shape(hf).unwrap();
         let config = GptConfig {
             vocab_size: s.vocab_size,
             block_size,
@@ -241,7 +240,13 @@ mod tests {
             bias: true,
             activation: s.activation,
         };
-        let gpt = Gpt::new(&config, 5, &Device::Cpu, DType::F32).unwrap();
+        Gpt::for_loading(&config, &Device::Cpu, DType::F32).unwrap()
+    }
+
+    /// The gpt `dir` describes, its window cut to `block_size`, with the weights loaded.
+    fn pretrained(dir: &Path, block_size: usize) -> Gpt {
+        let hf = HfDir::open(dir).unwrap();
+        let gpt = shaped_as(&hf, block_size);
         load(&gpt, &hf).unwrap();
         gpt
     }
@@ -386,23 +391,7 @@ mod tests {
             )
             .unwrap();
             let hf = HfDir::open(tmp.path()).unwrap();
-            let s = read_shape(&hf).unwrap();
-            let gpt = Gpt::new(
-                &GptConfig {
-                    vocab_size: s.vocab_size,
-                    block_size: 64,
-                    n_layer: s.n_layer,
-                    n_head: s.n_head,
-                    n_embd: s.n_embd,
-                    dropout: 0.0,
-                    bias: true,
-                    activation: s.activation,
-                },
-                0,
-                &Device::Cpu,
-                DType::F32,
-            )
-            .unwrap();
+            let gpt = shaped_as(&hf, 64);
             load(&gpt, &hf).unwrap_err().to_string()
         };
         assert!(

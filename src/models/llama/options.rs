@@ -23,7 +23,8 @@ pub const MODEL_TYPES: [&str; 3] = ["llama", "mistral", "qwen2"];
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LlamaOptions {
     /// A Hugging Face model directory (`config.json`, `model.safetensors`, `tokenizer.json`)
-    /// whose weights the job starts from, e.g. `"models/SmolLM2-135M"`.
+    /// whose weights the job starts from, e.g. `"models/SmolLM2-135M"`, or another llama job
+    /// (`"jobs/NAME"`, or a checkpoint directory of it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_from: Option<String>,
     /// `"llama"`, `"mistral"` or `"qwen2"` (q/k/v biases): what `export --hf` writes.

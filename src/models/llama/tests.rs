@@ -346,3 +346,68 @@ fn a_sliding_window_shorter_than_the_context_is_refused() {
     };
     assert!(ok.complete().is_ok());
 }
+
+#[test]
+fn a_checkpoint_sharded_by_an_index_loads_as_the_single_file_does() {
+    // The llama fixture split into two shards with the index `save_pretrained` writes for
+    // large models (`model.safetensors.index.json`'s `weight_map`), in f32 and then in bf16.
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixture("llama");
+    for file in ["config.json", "tokenizer.json"] {
+        std::fs::copy(src.join(file), tmp.path().join(file)).unwrap();
+    }
+    let all = candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut names: Vec<&String> = all.keys().collect();
+    names.sort();
+    let (first, second) = names.split_at(names.len() / 2);
+    let shards = [
+        ("model-00001-of-00002.safetensors", first),
+        ("model-00002-of-00002.safetensors", second),
+    ];
+    let write_shards = |dtype: DType| {
+        let mut weight_map = serde_json::Map::new();
+        for (file, part) in shards {
+            let tensors: std::collections::HashMap<String, Tensor> = part
+                .iter()
+                .map(|n| ((*n).clone(), all[*n].to_dtype(dtype).unwrap()))
+                .collect();
+            candle_core::safetensors::save(&tensors, tmp.path().join(file)).unwrap();
+            for n in part {
+                weight_map.insert((*n).clone(), file.into());
+            }
+        }
+        let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+        std::fs::write(
+            tmp.path().join("model.safetensors.index.json"),
+            index.to_string(),
+        )
+        .unwrap();
+    };
+    let options = || {
+        LlamaOptions {
+            init_from: Some(tmp.path().display().to_string()),
+            ..LlamaOptions::default()
+        }
+        .complete()
+    };
+    let (x, _, logits, _) = reference("llama");
+    let logits_diff = || {
+        let o = options().unwrap();
+        let model = build_llama(&o, &context(320, o.block_size(), DType::F32)).unwrap();
+        max_abs_diff(&model.forward(&x, &Mode::Eval).unwrap(), &logits)
+    };
+    write_shards(DType::F32);
+    let diff = logits_diff();
+    assert!(diff < 1e-4, "sharded f32 logits differ by {diff}");
+    // bf16 on disk, f32 master weights: close to transformers' f32 logits, not equal.
+    write_shards(DType::BF16);
+    let diff = logits_diff();
+    assert!(
+        diff < 0.05 && diff > 1e-6,
+        "sharded bf16 logits differ by {diff}"
+    );
+    // A shard the index names but the directory lacks is named.
+    std::fs::remove_file(tmp.path().join(shards[1].0)).unwrap();
+    let err = options().unwrap_err();
+    assert!(err.contains(shards[1].0), "{err}");
+}

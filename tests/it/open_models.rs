@@ -215,6 +215,19 @@ fn a_gpt2_checkpoint_fine_tunes_evaluates_and_exports_back() {
 }
 
 #[test]
+fn eval_scores_a_classifier_as_its_run_did() {
+    let t = TestJob::new();
+    let cfg = t.config("tiny", crate::common::TINY);
+    t.run(&cfg, &[]).success();
+    let summary = t.json(&t.job("tiny").join("summary.json"));
+    let line = eval_json(&t, &["tiny"]);
+    assert_eq!(line["loss"], summary["test_loss"]);
+    assert_eq!(line["accuracy"], summary["test_accuracy"]);
+    assert_eq!(line["samples"], 256);
+    assert!(line.get("perplexity").is_none(), "{line}");
+}
+
+#[test]
 fn a_job_starts_from_another_jobs_weights_its_model_and_vocabulary() {
     let t = TestJob::new();
     let text = text(&t);

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::attention::{View, gemm_into};
 use super::ops::{exp, max, sum_map, values, with_values};
-use super::vocab_blocks;
+use super::vocab_blocks::{self, Kept};
 use crate::kernels::{indices, indices_of};
 
 /// Logits made at once, about: 128 KB, so a chunk's logits stay in the core's L2 cache from
@@ -78,7 +78,7 @@ pub fn applies(x: &Tensor, w: &Tensor) -> bool {
 /// 49,152 tokens that pass is a fifth matrix product of the head's size, 5% of a step).
 #[derive(Default)]
 struct HeadLossOp {
-    lse: std::sync::Mutex<Vec<f32>>,
+    kept: std::sync::Mutex<Kept>,
 }
 
 #[derive(Clone, Copy)]
@@ -173,9 +173,9 @@ impl CustomOp3 for HeadLossOp {
             values(w, w_layout)?,
             indices_of(t, t_layout)?,
         );
-        let (mean, lse) = mean_loss(x, w, &ids)?;
-        if let Ok(mut kept) = self.lse.lock() {
-            *kept = lse;
+        let (mean, kept) = mean_loss(x, w, &ids)?;
+        if let Ok(mut slot) = self.kept.lock() {
+            *slot = kept;
         }
         Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
     }
@@ -191,17 +191,21 @@ impl CustomOp3 for HeadLossOp {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let ids = indices(targets)?;
         let g = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
-        // The forward's, when it made one per row of these targets.
-        let lse = self.lse.lock().map(|l| l.clone()).unwrap_or_default();
-        let lse = if lse.len() == ids.len() {
-            lse
+        // The forward's, when it kept one per row of these targets (taken: used once).
+        let kept = self
+            .kept
+            .lock()
+            .map(|mut k| std::mem::take(&mut *k))
+            .unwrap_or_default();
+        let kept = if kept.lse.len() == ids.len() {
+            kept
         } else {
-            Vec::new()
+            Kept::default()
         };
         let (dx, dw) = with_values(x, |xv| {
             with_values(w, |wv| {
                 let mut dx = vec![0f32; xv.len()];
-                let dw = loss_bwd(xv, wv, &ids, g, &mut dx, &lse)?;
+                let dw = loss_bwd(xv, wv, &ids, g, &mut dx, &kept)?;
                 Ok((dx, dw))
             })
         })?;
@@ -216,12 +220,12 @@ impl CustomOp3 for HeadLossOp {
 /// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C] values) against `ids`, and
 /// for a vocabulary made in blocks each row's log-sum-exp, which [`loss_bwd`] then need not
 /// make again (empty otherwise).
-pub(super) fn mean_loss(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f32, Vec<f32>)> {
+pub(super) fn mean_loss(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f32, Kept)> {
     let dims = Dims::of(x.len(), w.len(), ids.len())?;
     check_targets(ids, dims.vocab)?;
     if vocab_blocks::applies(dims.vocab) {
-        let (sum, lse) = vocab_blocks::loss_sum(x, w, ids, dims.shape());
-        return Ok((sum / dims.rows as f32, lse));
+        let (sum, kept) = vocab_blocks::loss_sum(x, w, ids, dims.shape());
+        return Ok((sum / dims.rows as f32, kept));
     }
     let parts: Vec<f32> = (0..dims.chunks())
         .into_par_iter()
@@ -232,7 +236,10 @@ pub(super) fn mean_loss(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f32, Vec
         })
         .collect();
     // Chunk sums added in order: the same loss whatever the number of threads.
-    Ok((parts.iter().sum::<f32>() / dims.rows as f32, Vec::new()))
+    Ok((
+        parts.iter().sum::<f32>() / dims.rows as f32,
+        Kept::default(),
+    ))
 }
 
 /// The backward of `g` · [`mean_loss`]: d logits = (softmax - one-hot(target)) · g / n;
@@ -244,7 +251,7 @@ pub(super) fn loss_bwd(
     ids: &[usize],
     g: f32,
     dx: &mut [f32],
-    lse: &[f32],
+    kept: &Kept,
 ) -> Result<Vec<f32>> {
     let dims = Dims::of(xv.len(), wv.len(), ids.len())?;
     check_targets(ids, dims.vocab)?;
@@ -257,7 +264,7 @@ pub(super) fn loss_bwd(
             scale,
             dx,
             dims.shape(),
-            lse,
+            kept,
         ));
     }
     // One dw per contiguous group of chunks (one per thread), added in order.

@@ -31,8 +31,8 @@ pub(super) struct Pass<'a> {
     /// The last block's output (ln_f's input) and ln_f's output.
     last: Vec<f32>,
     normed: Vec<f32>,
-    /// The head's log-sum-exp per row, when it keeps them (see `head::mean_loss`).
-    lse: Vec<f32>,
+    /// What the head kept for its backward (see `head::mean_loss`).
+    kept: super::vocab_blocks::Kept,
     loss: Tensor,
 }
 
@@ -81,11 +81,11 @@ pub(super) fn forward<'a>(
         }
         _ => Vec::new(),
     };
-    let (blocks, x, normed, (loss, lse)) = with_all_values(&weight_tensors(gpt), |all| {
+    let (blocks, x, normed, (loss, kept)) = with_all_values(&weight_tensors(gpt), |all| {
         let weights = Weights(all);
         let (blocks, x, normed) = trunk(gpt, &weights, &ids, t, &masks, true);
-        let (loss, lse) = head::mean_loss(&normed, weights.get(0), &target_ids)?;
-        Ok((blocks, x, normed, (loss, lse)))
+        let (loss, kept) = head::mean_loss(&normed, weights.get(0), &target_ids)?;
+        Ok((blocks, x, normed, (loss, kept)))
     })?;
     Ok(Pass {
         gpt,
@@ -97,7 +97,7 @@ pub(super) fn forward<'a>(
         blocks,
         last: x,
         normed,
-        lse,
+        kept,
         loss: Tensor::new(loss, xs.device())?,
     })
 }
@@ -246,7 +246,7 @@ impl TrainPass for Pass<'_> {
             blocks,
             last,
             normed,
-            lse,
+            kept,
             loss: _,
         } = *self;
         let cfg = &gpt.config;
@@ -257,7 +257,7 @@ impl TrainPass for Pass<'_> {
             let wte = weights.get(0);
             let mut d_normed = scratch::take(rows * c);
             let mut d_wte =
-                head::loss_bwd(&normed, wte, &targets, scale as f32, &mut d_normed, &lse)?;
+                head::loss_bwd(&normed, wte, &targets, scale as f32, &mut d_normed, &kept)?;
             // The gradient of the residual stream, from the top down.
             let mut d_res = scratch::take(rows * c);
             let (ln_f, _) = weights.ln_f();

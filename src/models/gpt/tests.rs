@@ -484,34 +484,38 @@ fn fused_head_matches_composed(rows: usize, channels: usize, vocab: usize) {
     let (sum2, correct2) = crate::task::loss_sum_and_correct(&composed_logits, &targets).unwrap();
     assert!((sum - sum2).abs() < 1e-3, "{sum} vs {sum2}");
     assert_eq!(correct, correct2);
-    // The hand-written pass hands the forward's log-sum-exps (kept for a vocabulary made in
-    // blocks) to the backward: the same gradients as making them again.
+    // The forward keeps its log-sum-exps and logits (for a vocabulary made in blocks) for the
+    // backward: the same gradients, bit for bit, as making them again.
     let (xv, wv) = (values(x.as_tensor()), values(w.as_tensor()));
     let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
-    let (loss, lse) = head::mean_loss(&xv, &wv, &ids).unwrap();
+    let (loss, kept) = head::mean_loss(&xv, &wv, &ids).unwrap();
     assert!(
         (loss - fused[0][0]).abs() < 1e-6,
         "{loss} vs {}",
         fused[0][0]
     );
-    assert_eq!(
-        lse.len(),
-        if vocab_blocks::applies(vocab) {
-            rows
-        } else {
-            0
-        }
-    );
-    let backward = |lse: &[f32]| {
+    let blocked = vocab_blocks::applies(vocab);
+    assert_eq!(kept.lse.len(), if blocked { rows } else { 0 });
+    assert_eq!(kept.logits.len(), if blocked { rows * vocab } else { 0 });
+    let backward = |kept: &vocab_blocks::Kept| {
         let mut dx = vec![0f32; xv.len()];
-        let dw = head::loss_bwd(&xv, &wv, &ids, 3.0, &mut dx, lse).unwrap();
+        let dw = head::loss_bwd(&xv, &wv, &ids, 3.0, &mut dx, kept).unwrap();
         (dx, dw)
     };
-    let (known, again) = (backward(&lse), backward(&[]));
-    assert!(
-        known == again,
-        "vocabulary {vocab}: kept log-sum-exps change the gradients"
-    );
+    let lse_only = vocab_blocks::Kept {
+        lse: kept.lse.clone(),
+        logits: Vec::new(),
+    };
+    let known = backward(&kept);
+    for (what, other) in [
+        ("log-sum-exps", &lse_only),
+        ("nothing", &Default::default()),
+    ] {
+        assert!(
+            known == backward(other),
+            "vocabulary {vocab}: kept logits and {what} give other gradients"
+        );
+    }
     assert!(max_diff(&known.0, &fused[1]) < 1e-5 && max_diff(&known.1, &fused[2]) < 1e-5);
     let outside = Tensor::new(&[0u32, vocab as u32], &dev).unwrap();
     let two = x.as_tensor().narrow(0, 0, 2).unwrap();

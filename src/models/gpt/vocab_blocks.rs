@@ -2,8 +2,10 @@
 //! block of vocabulary columns at a time, with the log-sum-exp carried across blocks (online
 //! softmax). Each block's logits stay in the core's cache from the product to the softmax, and
 //! each block of the weight is copied into gemm's layout once per pass instead of the whole
-//! weight once per chunk of rows. The backward makes each block's logits again rather than
-//! keeping them, with the forward's log-sum-exp per row. GPT-2's 50,304 tokens on a model of
+//! weight once per chunk of rows. The backward reuses the forward's log-sum-exp per row and,
+//! up to `KEEP_BYTES` (256 MB), its logits; beyond that it makes each block's logits again
+//! rather than holding gigabytes (SmolLM2's 49,152 tokens over 2 × 256 positions: the kept
+//! logits took about 0.7 s off a 5 s backward of the 135M model on 2 cores). GPT-2's 50,304 tokens on a model of
 //! 4 layers of 128 channels, 12 windows of 64, 2 threads (AMD EPYC, AVX2): a step took 625,
 //! 536, 483, 524 ms with chunks of 128 rows × the whole vocabulary and 459, 384, 344, 338 ms
 //! here (alternating pairs); without the kept log-sum-exp, about 7% less was gained.
@@ -21,6 +23,19 @@ const BLOCK: usize = 512;
 
 /// Rows per chunk at most (a thread's share of the rows otherwise).
 const MAX_ROWS: usize = 512;
+
+/// Logits a loss keeps for its backward, at most (beyond, the backward makes them again):
+/// SmolLM2's 49,152 tokens over 2 × 256 positions are 100 MB, and keeping them saves the
+/// backward a product as large as the forward's.
+const KEEP_BYTES: usize = 256 << 20;
+
+/// What a loss's forward keeps for its backward: each row's log-sum-exp, and every logit
+/// [rows, vocab] when they fit in [`KEEP_BYTES`] (else empty).
+#[derive(Debug, Clone, Default)]
+pub(super) struct Kept {
+    pub lse: Vec<f32>,
+    pub logits: Vec<f32>,
+}
 
 /// Whether a vocabulary of `vocab` symbols is made block by block here.
 pub(super) fn applies(vocab: usize) -> bool {
@@ -86,8 +101,16 @@ impl Shape {
         gemm_into(out, cols.len(), xs, wt, false);
     }
 
-    /// Every row's statistics over the whole vocabulary.
-    fn stats(&self, x: &[f32], w: &[f32], ids: &[usize], rows: &Range<usize>) -> Vec<Row> {
+    /// Every row's statistics over the whole vocabulary; the logits copied into `keep`
+    /// ([rows, vocab]) when given.
+    fn stats(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        ids: &[usize],
+        rows: &Range<usize>,
+        mut keep: Option<&mut [f32]>,
+    ) -> Vec<Row> {
         let start = Row {
             max: f32::NEG_INFINITY,
             sum: 0.0,
@@ -100,6 +123,14 @@ impl Shape {
             let width = cols.len();
             let logits = &mut logits[..rows.len() * width];
             self.logits(x, w, rows, &cols, logits);
+            if let Some(keep) = keep.as_deref_mut() {
+                for (row, kept) in logits
+                    .chunks_exact(width)
+                    .zip(keep.chunks_exact_mut(self.vocab))
+                {
+                    kept[cols.clone()].copy_from_slice(row);
+                }
+            }
             let targets = &ids[rows.clone()];
             for ((row, s), &t) in logits.chunks_exact(width).zip(&mut stats).zip(targets) {
                 let m = max(row);
@@ -130,7 +161,7 @@ pub(super) fn loss_sum_and_correct(
         .chunks()
         .into_par_iter()
         .map(|rows| {
-            let stats = shape.stats(x, w, ids, &rows);
+            let stats = shape.stats(x, w, ids, &rows, None);
             stats
                 .iter()
                 .zip(&ids[rows])
@@ -145,25 +176,37 @@ pub(super) fn loss_sum_and_correct(
     parts.iter().fold((0.0, 0), |a, p| (a.0 + p.0, a.1 + p.1))
 }
 
-/// Σ over rows of the cross-entropy (chunk sums added in order), and each row's log-sum-exp
-/// for [`loss_bwd`].
-pub(super) fn loss_sum(x: &[f32], w: &[f32], ids: &[usize], shape: Shape) -> (f32, Vec<f32>) {
-    let parts: Vec<(f32, Vec<f32>)> = shape
-        .chunks()
+/// Σ over rows of the cross-entropy (chunk sums added in order), and what [`loss_bwd`] can
+/// use of the forward ([`Kept`]).
+pub(super) fn loss_sum(x: &[f32], w: &[f32], ids: &[usize], shape: Shape) -> (f32, Kept) {
+    let keep = shape.rows * shape.vocab * std::mem::size_of::<f32>() <= KEEP_BYTES;
+    let mut logits = vec![0f32; if keep { shape.rows * shape.vocab } else { 0 }];
+    let chunks = shape.chunks();
+    let slots: Vec<Option<&mut [f32]>> = match keep {
+        true => logits
+            .chunks_mut(shape.chunk() * shape.vocab)
+            .map(Some)
+            .collect(),
+        false => chunks.iter().map(|_| None).collect(),
+    };
+    let parts: Vec<(f32, Vec<f32>)> = slots
         .into_par_iter()
-        .map(|rows| {
-            let stats = shape.stats(x, w, ids, &rows);
+        .zip(chunks)
+        .map(|(slot, rows)| {
+            let stats = shape.stats(x, w, ids, &rows, slot);
             let loss = stats.iter().map(|s| s.lse() - s.target).sum::<f32>();
             (loss, stats.iter().map(Row::lse).collect())
         })
         .collect();
     let loss = parts.iter().map(|p| p.0).sum();
-    (loss, parts.into_iter().flat_map(|p| p.1).collect())
+    let lse = parts.into_iter().flat_map(|p| p.1).collect();
+    (loss, Kept { lse, logits })
 }
 
 /// d logits = (softmax - one-hot(target)) · `scale`; dx = d logits · w into `dx`; returns
-/// dw = d logitsᵀ · x (one partial per thread, added in order). `known_lse` (from
-/// [`loss_sum`], one per row) saves making the logits once more; empty, it is computed.
+/// dw = d logitsᵀ · x (one partial per thread, added in order). What [`loss_sum`] kept saves
+/// making the logits once (its log-sum-exp) or twice (its logits) more; what it did not keep
+/// is made here.
 pub(super) fn loss_bwd(
     x: &[f32],
     w: &[f32],
@@ -171,7 +214,7 @@ pub(super) fn loss_bwd(
     scale: f32,
     dx: &mut [f32],
     shape: Shape,
-    known_lse: &[f32],
+    kept: &Kept,
 ) -> Vec<f32> {
     let c = shape.channels;
     let (chunk, chunks) = (shape.chunk(), shape.chunks());
@@ -184,16 +227,33 @@ pub(super) fn loss_bwd(
             let mut dw = vec![0f32; w.len()];
             let mut dl = vec![0f32; chunk * BLOCK];
             for (k, rows) in group.iter().enumerate() {
-                let lse: Cow<[f32]> = match known_lse.get(rows.clone()) {
+                let lse: Cow<[f32]> = match kept.lse.get(rows.clone()) {
                     Some(known) => Cow::Borrowed(known),
-                    None => shape.stats(x, w, ids, rows).iter().map(Row::lse).collect(),
+                    None => shape
+                        .stats(x, w, ids, rows, None)
+                        .iter()
+                        .map(Row::lse)
+                        .collect(),
                 };
+                let logits = kept
+                    .logits
+                    .get(rows.start * shape.vocab..rows.end * shape.vocab);
                 let local = (rows.start - group[0].start) * c;
                 let xs = View::rows(x, rows.start * c, rows.len(), c, c);
                 for (b, cols) in shape.blocks().enumerate() {
                     let width = cols.len();
                     let dl = &mut dl[..rows.len() * width];
-                    shape.logits(x, w, rows, &cols, dl);
+                    match logits {
+                        Some(kept) => {
+                            for (out, row) in dl
+                                .chunks_exact_mut(width)
+                                .zip(kept.chunks_exact(shape.vocab))
+                            {
+                                out.copy_from_slice(&row[cols.clone()]);
+                            }
+                        }
+                        None => shape.logits(x, w, rows, &cols, dl),
+                    }
                     let targets = &ids[rows.clone()];
                     for ((row, &lse), &t) in dl.chunks_exact_mut(width).zip(lse.iter()).zip(targets)
                     {

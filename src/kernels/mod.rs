@@ -44,6 +44,20 @@ pub fn keep_freed_memory() {
     }
 }
 
+/// Σ y·sin(i) over the elements of `y`: a fixed, uneven weighting of the outputs, so every
+/// output's gradient differs (the tests of the fused ops' backward).
+#[cfg(test)]
+pub(crate) fn uneven_sum(y: &Tensor) -> Tensor {
+    let weights = Tensor::arange(0u32, y.elem_count() as u32, y.device())
+        .and_then(|i| i.to_dtype(DType::F32))
+        .and_then(|i| i.sin())
+        .and_then(|w| w.reshape(y.shape()))
+        .expect("weights of the outputs");
+    (y * weights)
+        .and_then(|p| p.sum_all())
+        .expect("the weighted sum")
+}
+
 /// Whether the fused kernels run for `t`: f32 on the CPU.
 pub fn applies(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32

@@ -80,44 +80,45 @@ impl HfDir {
         ))
     }
 
-    /// The positive integer `key`, `default` when absent.
-    pub fn usize_or(&self, key: &str, default: Option<usize>) -> Result<usize, HfError> {
+    /// `key` read by `read` (`what` names the type for the error), `default` when absent
+    /// (absent with no default: an error saying it is required).
+    fn typed<'a, T>(
+        &'a self,
+        key: &str,
+        default: Option<T>,
+        read: impl FnOnce(&'a Value) -> Option<T>,
+        what: &str,
+    ) -> Result<T, HfError> {
         match self.config.get(key) {
             None | Some(Value::Null) => {
                 default.ok_or_else(|| self.invalid(&format!("has no \"{key}\", which is required")))
             }
-            Some(v) => v
-                .as_u64()
-                .map(|n| n as usize)
-                .ok_or_else(|| self.invalid(&format!("has \"{key}\": {v}, not an integer"))),
+            Some(v) => {
+                read(v).ok_or_else(|| self.invalid(&format!("has \"{key}\": {v}, not {what}")))
+            }
         }
+    }
+
+    /// The positive integer `key`, `default` when absent.
+    pub fn usize_or(&self, key: &str, default: Option<usize>) -> Result<usize, HfError> {
+        self.typed(
+            key,
+            default,
+            |v| v.as_u64().map(|n| n as usize),
+            "an integer",
+        )
     }
 
     pub fn f64_or(&self, key: &str, default: f64) -> Result<f64, HfError> {
-        match self.config.get(key) {
-            None | Some(Value::Null) => Ok(default),
-            Some(v) => v
-                .as_f64()
-                .ok_or_else(|| self.invalid(&format!("has \"{key}\": {v}, not a number"))),
-        }
+        self.typed(key, Some(default), Value::as_f64, "a number")
     }
 
     pub fn bool_or(&self, key: &str, default: bool) -> Result<bool, HfError> {
-        match self.config.get(key) {
-            None | Some(Value::Null) => Ok(default),
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| self.invalid(&format!("has \"{key}\": {v}, not true or false"))),
-        }
+        self.typed(key, Some(default), Value::as_bool, "true or false")
     }
 
     pub fn str_or<'a>(&'a self, key: &str, default: &'a str) -> Result<&'a str, HfError> {
-        match self.config.get(key) {
-            None | Some(Value::Null) => Ok(default),
-            Some(v) => v
-                .as_str()
-                .ok_or_else(|| self.invalid(&format!("has \"{key}\": {v}, not a string"))),
-        }
+        self.typed(key, Some(default), Value::as_str, "a string")
     }
 
     /// Sets every parameter of `params` from the directory's weights, converted to f32.

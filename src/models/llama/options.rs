@@ -109,20 +109,21 @@ impl LanguageModelOptions for LlamaOptions {
     /// differently), else from the scratch defaults. A resumed job's `job.toml` has them all
     /// already; its `init_from` is then not read again when it is gone.
     fn complete(self) -> Result<Self, String> {
-        let base = match &self.init_from {
+        // The base options, and what to call their source in a conflict's message.
+        let (base, source) = match &self.init_from {
             Some(dir) => match Trained::find(Path::new(dir)) {
-                Some(trained) => from_trained(&trained?)?,
+                Some(trained) => (from_trained(&trained?)?, format!("{dir}/job.toml")),
                 None if self.is_complete() && !Path::new(dir).join("config.json").is_file() => {
                     return Ok(self);
                 }
                 None => {
                     let hf = HfDir::open(Path::new(dir)).map_err(|e| e.to_string())?;
-                    from_hf(&hf, self.block_size)?
+                    (from_hf(&hf, self.block_size)?, format!("{dir}/config.json"))
                 }
             },
-            None => scratch_defaults(),
+            None => (scratch_defaults(), "the default".into()),
         };
-        let merged = merge(self, base)?;
+        let merged = merge(self, base, &source)?;
         check(&merged)?;
         Ok(merged)
     }
@@ -411,12 +412,7 @@ fn rope_parameters(dir: &HfDir) -> Result<(f64, Option<RopeScalingOptions>), Str
 
 /// `given` with the keys it leaves out taken from `base`; a key both set differently is an
 /// error naming both values.
-fn merge(given: LlamaOptions, base: LlamaOptions) -> Result<LlamaOptions, String> {
-    let source = match &given.init_from {
-        Some(dir) if Trained::find(Path::new(dir)).is_some() => format!("{dir}/job.toml"),
-        Some(dir) => format!("{dir}/config.json"),
-        None => "the default".into(),
-    };
+fn merge(given: LlamaOptions, base: LlamaOptions, source: &str) -> Result<LlamaOptions, String> {
     let restated = given.init_from.is_some();
     let mut conflicts = Vec::new();
     macro_rules! take {

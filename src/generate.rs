@@ -10,12 +10,12 @@ use candle_core::{DType, Device, Tensor};
 use thiserror::Error;
 
 use crate::checkpoint::Checkpoints;
+use crate::config;
 use crate::config::Precision;
-use crate::config::{self, ModelSpec};
 use crate::data::DataError;
 use crate::data::vocab::Vocab;
 use crate::jobdir::JobDir;
-use crate::models::{Gpt, GptConfig, KvCache, Mode, Model, Params};
+use crate::models::{KvCache, Mode, Model, Params};
 use crate::rng::Mt19937;
 use crate::task::ModelInput;
 
@@ -81,35 +81,16 @@ impl Generator {
         let vocab = Vocab::load(&vocab_path)?;
         let weights = weights_path(job, checkpoint)?;
         let vocab_size = language.vocab_size.unwrap_or(vocab.size());
-        let engine = match &spec.model {
-            ModelSpec::Gpt(g) => {
-                let config = GptConfig {
-                    vocab_size,
-                    block_size: g.block_size,
-                    n_layer: g.n_layer,
-                    n_head: g.n_head,
-                    n_embd: g.n_embd,
-                    dropout: 0.0,
-                    bias: g.bias,
-                    activation: g.activation,
-                };
-                let model = Gpt::for_loading(&config, &Device::Cpu, DType::F32)?;
-                load_weights(model.params(), &weights)?;
-                Engine::Cached(Box::new(model))
-            }
-            other => {
-                let input = ModelInput::Tokens {
-                    vocab_size,
-                    block_size: language.block_size,
-                };
-                let model =
-                    crate::models::build(other, input, 0, &Device::Cpu, Precision::F32, true)?;
-                load_weights(model.params(), &weights)?;
-                Engine::Windowed {
-                    model,
-                    block_size: language.block_size,
-                }
-            }
+        let input = ModelInput::Tokens {
+            vocab_size,
+            block_size: language.block_size,
+        };
+        let model =
+            crate::models::build(&spec.model, input, 0, &Device::Cpu, Precision::F32, true)?;
+        load_weights(model.params(), &weights)?;
+        let engine = Engine {
+            model,
+            block_size: language.block_size,
         };
         Ok(Generator {
             engine,
@@ -158,49 +139,42 @@ impl Generator {
     }
 }
 
-/// How next-token logits are computed.
-enum Engine {
-    /// A gpt with a KV cache.
-    Cached(Box<Gpt>),
-    /// Any language model: its forward pass over the last `block_size` tokens.
-    Windowed {
-        model: Box<dyn Model>,
-        block_size: usize,
-    },
+/// How next-token logits are computed: with the model's KV cache when it has one, else by its
+/// forward pass over the last `block_size` tokens.
+struct Engine {
+    model: Box<dyn Model>,
+    block_size: usize,
 }
 
 impl Engine {
     fn block_size(&self) -> usize {
-        match self {
-            Engine::Cached(gpt) => gpt.config().block_size,
-            Engine::Windowed { block_size, .. } => *block_size,
-        }
+        self.block_size
     }
 
     /// The logits [vocab] after `context` (at most a window long), the cache filled with it.
     fn start(&self, context: &[u32], cache: &mut KvCache) -> Result<Tensor, SampleError> {
-        match self {
-            Engine::Cached(gpt) => Ok(gpt.forward_cached(context, cache)?),
-            Engine::Windowed { .. } => self.advance(context, cache),
+        match self.model.kv_decoder() {
+            Some(decoder) => Ok(decoder.forward_cached(context, cache)?),
+            None => self.advance(context, cache),
         }
     }
 
     /// The logits after `context`, whose last token is new since the last call.
     fn advance(&self, context: &[u32], cache: &mut KvCache) -> Result<Tensor, SampleError> {
-        let block = self.block_size();
-        match self {
+        let block = self.block_size;
+        match self.model.kv_decoder() {
             // The window is full: keep its newer half and go on from there, so the cost
             // stays bounded by the window, not the text so far.
-            Engine::Cached(gpt) if cache.len() >= block => {
+            Some(decoder) if cache.len() >= block => {
                 cache.clear();
                 let keep = (block / 2).max(1);
-                Ok(gpt.forward_cached(&context[context.len() - keep..], cache)?)
+                Ok(decoder.forward_cached(&context[context.len() - keep..], cache)?)
             }
-            Engine::Cached(gpt) => Ok(gpt.forward_cached(&context[context.len() - 1..], cache)?),
-            Engine::Windowed { model, .. } => {
+            Some(decoder) => Ok(decoder.forward_cached(&context[context.len() - 1..], cache)?),
+            None => {
                 let window = &context[context.len().saturating_sub(block)..];
                 let ids = Tensor::new(window, &Device::Cpu)?.unsqueeze(0)?;
-                let logits = model.forward(&ids, &Mode::Eval)?;
+                let logits = self.model.forward(&ids, &Mode::Eval)?;
                 Ok(logits.squeeze(0)?.get(window.len() - 1)?)
             }
         }
@@ -273,6 +247,20 @@ fn pick(logits: &Tensor, how: Sampling, rng: &mut Mt19937) -> Result<u32, Sample
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::{Gpt, GptConfig};
+
+    /// A gpt that does not offer its KV cache.
+    struct Uncached(Gpt);
+
+    impl Model for Uncached {
+        fn forward(&self, xs: &Tensor, mode: &Mode) -> candle_core::Result<Tensor> {
+            self.0.forward(xs, mode)
+        }
+
+        fn params(&self) -> &Params {
+            self.0.params()
+        }
+    }
 
     #[test]
     fn the_windowed_engine_gives_the_cached_engines_logits_while_the_context_fits() {
@@ -287,13 +275,16 @@ mod tests {
             activation: crate::models::GptActivation::GeluNew,
         };
         let gpt = |seed| Gpt::new(&config, seed, &Device::Cpu, DType::F32).unwrap();
-        let cached = Engine::Cached(Box::new(gpt(4)));
-        let windowed = Engine::Windowed {
+        let cached = Engine {
             model: Box::new(gpt(4)),
             block_size: 8,
         };
-        let other = Engine::Windowed {
-            model: Box::new(gpt(5)),
+        let windowed = Engine {
+            model: Box::new(Uncached(gpt(4))),
+            block_size: 8,
+        };
+        let other = Engine {
+            model: Box::new(Uncached(gpt(5))),
             block_size: 8,
         };
         let (mut a, mut b, mut c) = Default::default();

@@ -7,7 +7,7 @@ use anyhow::anyhow;
 use clap::{Args, ValueEnum};
 
 use super::CliResult;
-use crate::config::{self, DatasetKind, ModelSpec, TokenizerKind};
+use crate::config::{self, DatasetKind, TokenizerKind};
 use crate::generate::{SampleError, weights_path};
 use crate::hf::{self, ExportDtype};
 
@@ -94,10 +94,7 @@ fn tokenizer_files(spec: &config::JobSpec) -> Vec<PathBuf> {
 }
 
 fn pretrained_dir(spec: &config::JobSpec) -> Option<PathBuf> {
-    let ModelSpec::Custom { options, .. } = &spec.model else {
-        return None;
-    };
-    options.get("init_from")?.as_str().map(PathBuf::from)
+    spec.model.init_from().map(PathBuf::from)
 }
 
 /// `tokenizer` (or `dir/tokenizer.json`) and the tokenizer's companions found in `dir`.

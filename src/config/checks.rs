@@ -84,11 +84,6 @@ pub fn at_least<S>(min: i64) -> impl Fn(&mut Checker, &str, &i64, &S) -> usize {
     move |c, key, &v, _| c.at_least(key, v, min)
 }
 
-/// An integer in `min..=max`.
-pub fn int_range<S>(min: i64, max: i64) -> impl Fn(&mut Checker, &str, &i64, &S) -> usize {
-    move |c, key, &v, _| c.in_int_range(key, v, min, max)
-}
-
 /// 0 (off: `None`) or a positive count.
 pub fn zero_is_off<S>() -> impl Fn(&mut Checker, &str, &i64, &S) -> Option<usize> {
     |c, key, &v, _| Some(c.at_least(key, v, 0)).filter(|&n| n > 0)

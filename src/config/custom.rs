@@ -23,6 +23,10 @@ struct Section {
     default: &'static str,
     /// ddpjob's own keys in the section, kept for the schema.
     own: &'static [&'static str],
+    /// Keys dropped when the chosen builder does not read them: the default builder's, which
+    /// ddpjob has always accepted beside any other (job files switch `arch` and keep them, and
+    /// the `job.toml` of older versions writes them for every arch).
+    tolerated: &'static [&'static str],
     /// The registry's side of it: what a name is, the names, and how options resolve.
     kind: fn(&Registry, &str) -> Known,
     names: fn(&Registry) -> Vec<&str>,
@@ -34,6 +38,7 @@ const MODEL: Section = Section {
     selector: "arch",
     default: "mlp",
     own: &["arch"],
+    tolerated: &["hidden"],
     kind: Registry::model_kind,
     names: Registry::model_names,
     resolve: Registry::resolve_model,
@@ -44,6 +49,7 @@ const DATA: Section = Section {
     selector: "dataset",
     default: "mnist",
     own: &["dataset", "drop_last"],
+    tolerated: &[],
     kind: Registry::dataset_kind,
     names: Registry::dataset_names,
     resolve: Registry::resolve_dataset,
@@ -102,14 +108,17 @@ fn take(
             .cloned()
             .collect();
         for key in theirs {
-            if let Some(value) = table.remove(&key) {
+            let read = fields.is_none_or(|f| f.contains(&key.as_str()));
+            if let Some(value) = table.remove(&key)
+                && (read || !section.tolerated.contains(&key.as_str()))
+            {
                 options.insert(key, value);
             }
         }
     }
     let what = format!("[{}] ({} = \"{chosen}\")", section.name, section.selector);
     for key in options.keys() {
-        if !fields.is_empty() && !fields.contains(&key.as_str()) {
+        if let Some(fields) = fields.filter(|f| !f.contains(&key.as_str())) {
             let candidates = fields.iter().chain(section.own).copied();
             errors.push(ConfigError::UnknownKey {
                 key: key.clone(),
@@ -122,11 +131,21 @@ fn take(
     match (section.resolve)(registry, &chosen, &options) {
         Ok(resolved) => Some((chosen, resolved)),
         Err(problem) => {
-            // serde names the key it stopped at in backticks; point at it when it is there.
+            // serde names the key it stopped at in backticks, and an options struct's checks
+            // as `model.KEY`: point at the key named first.
             let key = fields
+                .unwrap_or_default()
                 .iter()
-                .find(|f| problem.contains(&format!("`{f}`")))
-                .map(|f| format!("{}.{f}", section.name));
+                .filter_map(|f| {
+                    let named = [format!("`{f}`"), format!("{}.{f}", section.name)];
+                    named
+                        .iter()
+                        .filter_map(|n| problem.find(n.as_str()))
+                        .min()
+                        .map(|at| (at, f))
+                })
+                .min()
+                .map(|(_, f)| format!("{}.{f}", section.name));
             let at = match &key {
                 Some(k) if options.contains_key(&k[section.name.len() + 1..]) => {
                     source.value_origin(k)
@@ -142,7 +161,7 @@ fn take(
             errors.push(ConfigError::Invalid {
                 key: key.unwrap_or_else(|| what.clone()),
                 at,
-                problem: format!("the options of {what} do not read: {}", problem.trim()),
+                problem: format!("{what}: {}", problem.trim()),
             });
             None
         }
@@ -217,9 +236,7 @@ mod tests {
             &[],
         )
         .unwrap();
-        let ModelSpec::Custom { arch, options, .. } = &loaded.spec.model else {
-            panic!("{:?}", loaded.spec.model)
-        };
+        let ModelSpec { arch, options, .. } = &loaded.spec.model;
         assert_eq!(arch, "tiny");
         assert_eq!(options.get("width").and_then(|v| v.as_integer()), Some(8));
         assert_eq!(options.get("depth").and_then(|v| v.as_integer()), Some(3));

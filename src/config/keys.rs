@@ -11,13 +11,13 @@
 use std::collections::BTreeMap;
 
 use super::checks::{
-    Checker, any, at_least, choice, each, in_range, int_range, non_negative, optional, positive,
-    tokenizer, zero_is_off, zero_is_off_f64,
+    Checker, any, at_least, choice, each, in_range, non_negative, optional, positive, tokenizer,
+    zero_is_off, zero_is_off_f64,
 };
 use super::declare::section;
 use super::spec::{
-    Backend, DeviceChoice, GptActivation, GptSpec, OnWriteError, OptimizerSpec, Precision,
-    ScheduleKind, TokenDtype, TokenizerKind,
+    Backend, DeviceChoice, OnWriteError, OptimizerSpec, Precision, ScheduleKind, TokenDtype,
+    TokenizerKind,
 };
 
 /// A week: longer than any collective should stall, and safe to add to a clock.
@@ -55,82 +55,12 @@ section! {
 }
 
 section! {
-    /// `[model]`: the network; a gpt's keys are absent for other archs.
+    /// `[model]`: the network. Its other keys are the arch's own (its options struct's
+    /// fields; `ddpjob keys model.<arch>` lists them).
     RawModel at "model", checked into ModelKeys {
-        /// `"mlp"`, `"cnn"` or `"gpt"`, or a model your own binary registers (see "Your own
-        /// model"; its keys are its options struct's)
+        /// `"mlp"`, `"cnn"`, `"gpt"` or `"llama"`, or a model your own binary registers (see
+        /// "Your own model"); with `init_from` a checkpoint's `config.json` picks it
         arch: String = "mlp".into() => arch: String = any();
-        /// mlp hidden widths
-        hidden: Vec<i64> = vec![256, 256] => hidden: Vec<usize> = each(at_least(1));
-        /// gpt: transformer blocks
-        #[serde(skip_serializing_if = "Option::is_none")]
-        n_layer: Option<i64> = None, shown "`4`"
-            => n_layer: Option<usize> = optional(at_least(1));
-        /// gpt: attention heads; must divide `n_embd`
-        #[serde(skip_serializing_if = "Option::is_none")]
-        n_head: Option<i64> = None, shown "`4`" => n_head: Option<usize> = optional(at_least(1));
-        /// gpt: channels
-        #[serde(skip_serializing_if = "Option::is_none")]
-        n_embd: Option<i64> = None, shown "`128`"
-            => n_embd: Option<usize> = optional(at_least(1));
-        /// gpt: context length in tokens (the window length of the data)
-        #[serde(skip_serializing_if = "Option::is_none")]
-        block_size: Option<i64> = None, shown "`64`"
-            => block_size: Option<usize> = optional(at_least(1));
-        /// gpt: dropout after the embeddings, the attention projection and the MLP, in [0, 1)
-        #[serde(skip_serializing_if = "Option::is_none")]
-        dropout: Option<f64> = None, shown "`0.0`"
-            => dropout: Option<f64> = optional(in_range(0.0, 1.0));
-        /// gpt: biases in Linear and LayerNorm layers
-        #[serde(skip_serializing_if = "Option::is_none")]
-        bias: Option<bool> = None, shown "`true`" => bias: Option<bool> = any();
-        /// gpt: vocabulary size; required for `tokens` data (e.g. `50304`); `text` data knows
-        /// its own
-        #[serde(skip_serializing_if = "Option::is_none")]
-        vocab_size: Option<i64> = None, shown "from the data"
-            => vocab_size: Option<usize> = optional(int_range(1, 1 << 31));
-        /// gpt: the MLP's GELU, `"gelu"` (exact, as nanoGPT) or `"gelu_new"` (GPT-2's tanh
-        /// approximation)
-        #[serde(skip_serializing_if = "Option::is_none")]
-        activation: Option<String> = None, shown "`\"gelu\"`; a checkpoint's own"
-            => activation: Option<GptActivation> = optional(choice(&[("gelu", GptActivation::Gelu), ("gelu_new", GptActivation::GeluNew)]));
-        /// gpt: a Hugging Face GPT-2 directory (`config.json`, `model.safetensors`,
-        /// `tokenizer.json`) to start from, e.g. `"models/gpt2"`, or another job (`"jobs/NAME"`,
-        /// or a checkpoint directory of it); the shape comes from it, and `"llama"`,
-        /// `"mistral"` and `"qwen2"` directories (or llama jobs) pick `arch = "llama"`
-        #[serde(skip_serializing_if = "Option::is_none")]
-        init_from: Option<String> = None, shown "none (random weights)"
-            => init_from: Option<String> = any();
-    }
-}
-
-/// A gpt's shape for the keys a job leaves out (nanoGPT's CPU recipe's): what `resolve_gpt`
-/// writes and what the checks assume.
-pub const GPT_DEFAULTS: GptSpec = GptSpec {
-    n_layer: 4,
-    n_head: 4,
-    n_embd: 128,
-    block_size: 64,
-    dropout: 0.0,
-    bias: true,
-    vocab_size: None,
-    activation: GptActivation::Gelu,
-    init_from: None,
-};
-
-impl RawModel {
-    /// The `gpt` keys as validated into `gpt` (defaults and a checkpoint's shape written
-    /// out), so a gpt job's `job.toml` says what it trained; other archs leave them out.
-    pub fn resolve_gpt(&mut self, gpt: &GptSpec) {
-        self.n_layer = Some(gpt.n_layer as i64);
-        self.n_head = Some(gpt.n_head as i64);
-        self.n_embd = Some(gpt.n_embd as i64);
-        self.block_size = Some(gpt.block_size as i64);
-        self.dropout = Some(gpt.dropout);
-        self.bias = Some(gpt.bias);
-        self.vocab_size = gpt.vocab_size.map(|v| v as i64);
-        self.activation = Some(gpt.activation.name().into());
-        self.init_from = gpt.init_from.clone();
     }
 }
 

@@ -24,8 +24,8 @@ pub use source::Source;
 pub(crate) use spec::Backend;
 pub use spec::{
     Check, CheckpointSpec, DataSpec, DatasetKind, DeviceChoice, DistributedSpec, Expectation,
-    GptSpec, JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
-    ScheduleSpec, SyntheticSpec, TextSpec, TokenDtype, TokenizerKind,
+    JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind, ScheduleSpec,
+    SyntheticSpec, TextSpec, TokenDtype, TokenizerKind,
 };
 
 /// A validated job and the fully resolved config it came from (every default written out).
@@ -44,12 +44,10 @@ impl LoadedConfig {
                 toml::Value::Table(t) => t,
                 _ => toml::Table::new(),
             };
-            if let ModelSpec::Custom { arch, options, .. } = &self.spec.model {
-                let mut model = toml::Table::new();
-                model.insert("arch".into(), arch.clone().into());
-                model.extend(options.clone());
-                doc.insert("model".into(), model.into());
-            }
+            let mut model = toml::Table::new();
+            model.insert("arch".into(), self.spec.model.arch().into());
+            model.extend(self.spec.model.options().clone());
+            doc.insert("model".into(), model.into());
             if let DatasetKind::Custom { name, options } = &self.spec.data.dataset {
                 let mut data = toml::Table::new();
                 data.insert("dataset".into(), name.clone().into());
@@ -65,7 +63,7 @@ impl LoadedConfig {
 
 /// `model.arch` from `model.init_from` when the job leaves it out: a pretrained checkpoint's
 /// `config.json`, or the `job.toml` of the ddpjob job whose weights it names, says what it is.
-fn arch_from_init(source: &mut Source) -> Result<(), ConfigError> {
+fn arch_from_init(source: &mut Source, registry: &Registry) -> Result<(), ConfigError> {
     let Some(toml::Value::Table(model)) = source.table.get("model") else {
         return Ok(());
     };
@@ -95,21 +93,21 @@ fn arch_from_init(source: &mut Source) -> Result<(), ConfigError> {
     }
     let hf = crate::hf::HfDir::open(Path::new(dir)).map_err(|e| fail(source, e.to_string()))?;
     let model_type = hf.model_type().map_err(|e| fail(source, e.to_string()))?;
-    let arch = if model_type == "gpt2" {
-        "gpt"
-    } else if crate::models::LLAMA_MODEL_TYPES.contains(&model_type) {
-        "llama"
-    } else {
-        let readable = crate::models::LLAMA_MODEL_TYPES.map(|t| format!("\"{t}\""));
+    let Some(arch) = registry.arch_for_model_type(model_type) else {
+        let readable: Vec<String> = registry
+            .hf_model_types()
+            .iter()
+            .map(|(t, arch)| format!("\"{t}\" (model.arch = \"{arch}\")"))
+            .collect();
         return Err(fail(
             source,
             format!(
-                "`{dir}` holds a \"{model_type}\" model; ddpjob reads \"gpt2\" (model.arch = \
-                 \"gpt\") and {} checkpoints (model.arch = \"llama\")",
+                "`{dir}` holds a \"{model_type}\" model; this ddpjob reads {}",
                 readable.join(", ")
             ),
         ));
     };
+    let arch = arch.to_string();
     if let Some(toml::Value::Table(model)) = source.table.get_mut("model") {
         model.insert("arch".into(), arch.into());
     }
@@ -142,7 +140,7 @@ pub fn load_str_with(
     registry: &Registry,
 ) -> Result<LoadedConfig, ConfigError> {
     let mut source = Source::parse(path, text, overrides)?;
-    arch_from_init(&mut source)?;
+    arch_from_init(&mut source, registry)?;
     let custom = custom::extract(&mut source, registry)?;
     source.check_keys()?;
     let mut resolved =
@@ -159,9 +157,6 @@ pub fn load_str_with(
     let spec = JobSpec::from_raw(&resolved, &source, &default_name, custom, registry)?;
     resolved.name = Some(spec.name.clone());
     resolved.data.root = Some(spec.data.root.display().to_string());
-    if let ModelSpec::Gpt(gpt) = &spec.model {
-        resolved.model.resolve_gpt(gpt);
-    }
     match &spec.data.dataset {
         DatasetKind::Text(t) => {
             resolved.data.tokenizer = Some(match &t.tokenizer {

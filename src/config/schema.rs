@@ -5,6 +5,7 @@
 use std::sync::LazyLock;
 
 use super::declare::ValueKind;
+use crate::registry::KeyDoc;
 
 /// What a key's value must look like.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,14 +60,40 @@ pub struct KeySpec {
 pub static KEYS: LazyLock<Vec<KeySpec>> =
     LazyLock::new(|| <super::keys::RawConfig as ValueKind>::keys_under(""));
 
-/// The README's config table: every key that is not a section, in this table's order.
+/// The README's config table: every key that is not a section, in this table's order, with
+/// each built-in model's own keys after `model.arch`.
 #[cfg(test)]
 pub fn markdown_table() -> String {
     let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
     for k in KEYS.iter().filter(|k| k.kind != Kind::Table) {
         out += &format!("| `{}` | {} | {} |\n", k.path, k.default, k.doc);
+        if k.path == "model.arch" {
+            for (arch, key) in model_keys(&crate::registry::Registry::builtin()) {
+                out += &format!(
+                    "| `model.{}` | {} | {arch}: {} |\n",
+                    key.key, key.default, key.doc
+                );
+            }
+        }
     }
     out
+}
+
+/// Every model's option keys, by arch (a registered model's undocumented fields included).
+fn model_keys(registry: &crate::registry::Registry) -> Vec<(String, KeyDoc)> {
+    let mut keys = Vec::new();
+    for m in registry.model_docs() {
+        for field in m.fields {
+            let doc = m.keys.iter().find(|k| k.key == *field).copied();
+            let doc = doc.unwrap_or(KeyDoc {
+                key: field,
+                default: "its options struct's",
+                doc: "an option of this registered model",
+            });
+            keys.push((m.arch.to_string(), doc));
+        }
+    }
+    keys
 }
 
 /// `ddpjob keys [PREFIX]`: the keys under `prefix` (all without one) with their type, default
@@ -76,10 +103,36 @@ pub fn reference(prefix: Option<&str>) -> Option<String> {
     let matches =
         |k: &&KeySpec| prefix.is_none_or(|p| k.path == p || k.path.starts_with(&format!("{p}.")));
     let keys: Vec<&KeySpec> = KEYS.iter().filter(matches).collect();
-    if keys.is_empty() {
+    // `model.gpt` (or `model.gpt.n_layer`) picks one arch's keys.
+    let model_keys = model_keys(crate::registry::Registry::current());
+    let model_keys: Vec<&(String, KeyDoc)> = model_keys
+        .iter()
+        .filter(|(arch, k)| {
+            let (plain_path, arch_path) = (format!("model.{}", k.key), format!("model.{arch}"));
+            prefix.is_none_or(|p| {
+                p == "model"
+                    || p == plain_path
+                    || p == arch_path
+                    || p == format!("{arch_path}.{}", k.key)
+            })
+        })
+        .collect();
+    if keys.is_empty() && model_keys.is_empty() {
         return None;
     }
+    let model_lines = || {
+        let lines = model_keys.iter().map(|(arch, key)| {
+            format!(
+                "  model.{}  ({arch}, default {})\n      {}\n",
+                key.key,
+                plain(key.default),
+                plain(key.doc)
+            )
+        });
+        lines.collect::<String>()
+    };
     let mut out = String::new();
+    let mut models_listed = false;
     for k in keys {
         if k.kind == Kind::Table {
             out += &format!("[{}]  {}\n", k.path, plain(&k.doc));
@@ -92,6 +145,13 @@ pub fn reference(prefix: Option<&str>) -> Option<String> {
                 plain(&k.doc)
             );
         }
+        if k.path == "model.arch" {
+            out += &model_lines();
+            models_listed = true;
+        }
+    }
+    if !models_listed {
+        out += &model_lines();
     }
     Some(out)
 }

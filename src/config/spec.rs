@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-pub use crate::models::GptActivation;
 pub use crate::registry::LanguageModelSpec;
 
 // The sections whose checked keys are the spec itself, declared in `keys.rs`.
@@ -26,118 +25,51 @@ pub struct JobSpec {
     pub expect: Vec<Expectation>,
 }
 
+/// `[model]`: a registered model (ddpjob's own `mlp`, `cnn`, `gpt`, `llama`, or one the
+/// binary's author registered) and its keys but `arch`, with the defaults of its options
+/// struct written out.
 #[derive(Debug, Clone, PartialEq)]
-pub enum ModelSpec {
-    Mlp {
-        hidden: Vec<usize>,
-    },
-    Cnn,
-    Gpt(GptSpec),
-    /// A registered model (`llama`, or one the binary's author registered): its `[model]`
-    /// keys but `arch`, with the defaults of its options struct written out.
-    Custom {
-        arch: String,
-        options: toml::Table,
-        /// For a language model: its window and tokenizer.
-        language: Option<LanguageModelSpec>,
-    },
+pub struct ModelSpec {
+    pub arch: String,
+    pub options: toml::Table,
+    /// For a language model: its window and tokenizer.
+    pub language: Option<LanguageModelSpec>,
 }
 
 impl ModelSpec {
-    /// `cnn`, `mlp [256, 256]`, or `gpt 4x4x128 ctx 64`.
+    /// `cnn`, `mlp (hidden = [256, 256])`, `gpt (n_layer = 4, ...)`.
     pub fn describe(&self) -> String {
-        match self {
-            ModelSpec::Mlp { hidden } => format!("mlp {hidden:?}"),
-            ModelSpec::Cnn => "cnn".into(),
-            ModelSpec::Gpt(g) => format!(
-                "gpt {} layers x {} heads x {} channels, context {}",
-                g.n_layer, g.n_head, g.n_embd, g.block_size
-            ),
-            ModelSpec::Custom { arch, options, .. } => {
-                let pairs: Vec<String> =
-                    options.iter().map(|(k, v)| format!("{k} = {v}")).collect();
-                if pairs.is_empty() {
-                    arch.clone()
-                } else {
-                    format!("{arch} ({})", pairs.join(", "))
-                }
-            }
+        let pairs: Vec<String> = self
+            .options
+            .iter()
+            .map(|(k, v)| format!("{k} = {v}"))
+            .collect();
+        if pairs.is_empty() {
+            self.arch.clone()
+        } else {
+            format!("{} ({})", self.arch, pairs.join(", "))
         }
     }
 
     /// The `model.arch` value.
     pub fn arch(&self) -> &str {
-        match self {
-            ModelSpec::Mlp { .. } => "mlp",
-            ModelSpec::Cnn => "cnn",
-            ModelSpec::Gpt(_) => "gpt",
-            ModelSpec::Custom { arch, .. } => arch,
-        }
+        &self.arch
     }
 
-    /// The window and tokenizer of a language model (`gpt`, `llama`, a registered one);
-    /// `None` for a classifier.
+    /// The window and tokenizer of a language model; `None` for a classifier.
     pub fn language(&self) -> Option<LanguageModelSpec> {
-        match self {
-            ModelSpec::Gpt(g) => {
-                let init = g.init_from.as_deref().map(std::path::Path::new);
-                let trained = init.and_then(crate::checkpoint::Trained::find);
-                let trained = trained.and_then(Result::ok);
-                Some(LanguageModelSpec {
-                    block_size: g.block_size,
-                    vocab_size: g.vocab_size,
-                    tokenizer: match &trained {
-                        Some(t) => t.tokenizer(),
-                        None => init
-                            .map(|dir| dir.join("tokenizer.json"))
-                            .filter(|p| p.is_file()),
-                    },
-                    vocabulary: trained.and_then(|t| t.vocabulary()),
-                })
-            }
-            ModelSpec::Custom { language, .. } => language.clone(),
-            ModelSpec::Mlp { .. } | ModelSpec::Cnn => None,
-        }
+        self.language.clone()
     }
 
     /// The options its registered builder receives: `[model]` without `arch`.
-    pub fn options(&self) -> toml::Table {
-        let mut table = toml::Table::new();
-        match self {
-            ModelSpec::Mlp { hidden } => {
-                let widths = hidden.iter().map(|&h| toml::Value::Integer(h as i64));
-                table.insert("hidden".into(), toml::Value::Array(widths.collect()));
-            }
-            ModelSpec::Cnn => {}
-            ModelSpec::Gpt(g) => {
-                if let Ok(toml::Value::Table(t)) = toml::Value::try_from(g) {
-                    table = t;
-                }
-            }
-            ModelSpec::Custom { options, .. } => table = options.clone(),
-        }
-        table
+    pub fn options(&self) -> &toml::Table {
+        &self.options
     }
-}
 
-/// `model.arch = "gpt"`: a GPT-2-style decoder.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct GptSpec {
-    pub n_layer: usize,
-    pub n_head: usize,
-    pub n_embd: usize,
-    pub block_size: usize,
-    pub dropout: f64,
-    pub bias: bool,
-    /// Required for `tokens` data; `text` data brings its own vocabulary.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vocab_size: Option<usize>,
-    /// The MLP's GELU.
-    #[serde(default)]
-    pub activation: GptActivation,
-    /// A Hugging Face GPT-2 directory whose weights the job starts from.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub init_from: Option<String>,
+    /// `model.init_from`, for a model that starts from another checkpoint.
+    pub fn init_from(&self) -> Option<&str> {
+        self.options.get("init_from")?.as_str()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -8,6 +8,18 @@ fn load_text(text: &str, overrides: &[&str]) -> Result<LoadedConfig, ConfigError
     load_str(Path::new("configs/x.toml"), text.to_string(), &overrides)
 }
 
+/// The spec of `arch = "mlp"` with these hidden widths.
+fn mlp(hidden: &[i64]) -> ModelSpec {
+    let widths = hidden.iter().map(|&w| toml::Value::Integer(w)).collect();
+    let mut options = toml::Table::new();
+    options.insert("hidden".into(), toml::Value::Array(widths));
+    ModelSpec {
+        arch: "mlp".into(),
+        options,
+        language: None,
+    }
+}
+
 fn error(text: &str) -> String {
     load_text(text, &[]).unwrap_err().to_string()
 }
@@ -16,12 +28,7 @@ fn error(text: &str) -> String {
 fn an_empty_file_gives_documented_defaults() {
     let spec = load_text("", &[]).unwrap().spec;
     assert_eq!(spec.name, "x");
-    assert_eq!(
-        spec.model,
-        ModelSpec::Mlp {
-            hidden: vec![256, 256]
-        }
-    );
+    assert_eq!(spec.model, mlp(&[256, 256]));
     assert_eq!(spec.train.batch_size, 64);
     assert_eq!(
         spec.train.optimizer,
@@ -154,7 +161,7 @@ fn overrides_are_typed_by_the_schema() {
     .unwrap();
     assert_eq!(loaded.spec.train.lr, 0.02);
     assert_eq!(loaded.spec.data.root, Path::new("/tmp/d"));
-    assert_eq!(loaded.spec.model, ModelSpec::Mlp { hidden: vec![8, 4] });
+    assert_eq!(loaded.spec.model, mlp(&[8, 4]));
     assert_eq!(loaded.spec.name, "other");
     let msg = load_text("", &["train.epochs=zero"])
         .unwrap_err()
@@ -302,12 +309,10 @@ fn readme_config_table_is_the_schemas() {
     }
 }
 
-/// A default a declaration words itself (`shown`) is the key's serde default, or for a gpt's
-/// keys the one `resolve_gpt` writes.
+/// A default a declaration words itself (`shown`) is the key's serde default.
 #[test]
 fn shown_defaults_are_the_real_ones() {
-    let mut raw = RawConfig::default();
-    raw.model.resolve_gpt(&super::keys::GPT_DEFAULTS);
+    let raw = RawConfig::default();
     let defaults = toml::Value::try_from(raw).unwrap();
     let mut checked = 0;
     for k in schema::KEYS
@@ -341,4 +346,33 @@ fn shown_defaults_are_the_real_ones() {
         checked += 1;
     }
     assert!(checked > 40, "only {checked} defaults were comparable");
+}
+
+/// Every model owns its keys: another arch's key is refused with the arch named, but the
+/// default arch's `hidden` is dropped as it always was (older `job.toml` files write it for
+/// every arch, so their jobs still resume).
+#[test]
+fn a_models_keys_are_its_own_and_mlps_hidden_is_tolerated_beside_any_arch() {
+    let cnn = load_text("[model]\narch = \"cnn\"\nhidden = [256, 256]\n", &[])
+        .unwrap()
+        .spec;
+    assert_eq!((cnn.model.arch(), cnn.model.options().len()), ("cnn", 0));
+    let msg = error("[model]\narch = \"cnn\"\nn_layer = 2\n");
+    assert!(
+        msg.contains("unknown key `n_layer` in [model] (arch = \"cnn\")"),
+        "{msg}"
+    );
+    let msg = error("[model]\narch = \"mlp\"\nhidden = [0]\n");
+    assert!(
+        msg.contains("`model.hidden`") && msg.contains("every width must be at least 1"),
+        "{msg}"
+    );
+    let msg = error(
+        "[model]\narch = \"gpt\"\nn_embd = 48\nn_head = 5\n[data]\ndataset = \"text\"\npath = \"x.txt\"\n",
+    );
+    assert!(
+        msg.contains("`model.n_embd` (configs/x.toml:3:10)")
+            && msg.contains("divisible by model.n_head = 5"),
+        "{msg}"
+    );
 }

@@ -9,10 +9,10 @@ use super::checks::Checker;
 use super::custom::CustomParts;
 use super::declare::Section;
 use super::error::ConfigError;
-use super::keys::{DataKeys, ExpectKeys, GPT_DEFAULTS, ModelKeys, RawConfig};
+use super::keys::{DataKeys, ExpectKeys, ModelKeys, RawConfig};
 use super::source::Source;
 use super::spec::{
-    Check, DataSpec, DatasetKind, Expectation, GptSpec, JobSpec, ModelSpec, ScheduleKind, TextSpec,
+    Check, DataSpec, DatasetKind, Expectation, JobSpec, ModelSpec, ScheduleKind, TextSpec,
     TokenDtype, TokenizerKind, TokensSpec,
 };
 use crate::registry::Registry;
@@ -67,7 +67,8 @@ impl JobSpec {
     }
 }
 
-/// The model: a registered one (its options already read), or a built-in arch.
+/// The model: its registered options, already read, and for a language model its window and
+/// tokenizer.
 fn check_model(
     c: &mut Checker,
     m: &ModelKeys,
@@ -75,51 +76,20 @@ fn check_model(
     registry: &Registry,
 ) -> ModelSpec {
     c.one_of("model.arch", &m.arch, &registry.model_names());
-    let model = match (custom, m.arch.as_str()) {
-        (Some((arch, options)), _) => {
-            let language = match registry.language(&arch, &options) {
-                Some(Ok(language)) => Some(language),
-                Some(Err(problem)) => {
-                    c.fail("model", problem);
-                    None
-                }
-                None => None,
-            };
-            ModelSpec::Custom {
-                arch,
-                options,
-                language,
-            }
+    let (arch, options) = custom.unwrap_or_else(|| (m.arch.clone(), toml::Table::new()));
+    let language = match registry.language(&arch, &options) {
+        Some(Ok(language)) => Some(language),
+        Some(Err(problem)) => {
+            c.fail("model", problem);
+            None
         }
-        (None, "cnn") => ModelSpec::Cnn,
-        (None, "gpt") => ModelSpec::Gpt(check_gpt(c, m)),
-        (None, _) => ModelSpec::Mlp {
-            hidden: m.hidden.clone(),
-        },
+        None => None,
     };
-    if !matches!(model, ModelSpec::Gpt(_)) {
-        let given = [
-            ("n_layer", m.n_layer.is_some()),
-            ("n_head", m.n_head.is_some()),
-            ("n_embd", m.n_embd.is_some()),
-            ("block_size", m.block_size.is_some()),
-            ("dropout", m.dropout.is_some()),
-            ("bias", m.bias.is_some()),
-            ("vocab_size", m.vocab_size.is_some()),
-            ("activation", m.activation.is_some()),
-            ("init_from", m.init_from.is_some()),
-        ];
-        for (key, _) in given.iter().filter(|(_, set)| *set) {
-            c.fail(
-                &format!("model.{key}"),
-                format!(
-                    "applies to model.arch = \"gpt\" only, but the arch is \"{}\"; remove it",
-                    m.arch
-                ),
-            );
-        }
+    ModelSpec {
+        arch,
+        options,
+        language,
     }
-    model
 }
 
 /// The expectations that are set, in the order of [`Check::ALL`].
@@ -141,157 +111,6 @@ fn expectations(e: &ExpectKeys) -> Vec<Expectation> {
             })
         })
         .collect()
-}
-
-/// `model.*` of a gpt (the keys left out take [`GPT_DEFAULTS`], or with `init_from` the
-/// checkpoint's shape, which a key the job restates must agree with), and how the shape fits.
-fn check_gpt(c: &mut Checker, m: &ModelKeys) -> GptSpec {
-    let d = match &m.init_from {
-        Some(dir) => match pretrained_gpt(c, m, dir) {
-            Some(pretrained) => pretrained,
-            None => GPT_DEFAULTS,
-        },
-        None => GPT_DEFAULTS,
-    };
-    let n_head = m.n_head.unwrap_or(d.n_head);
-    let n_embd = m.n_embd.unwrap_or(d.n_embd);
-    if n_head > 0 && n_embd % n_head != 0 {
-        c.fail(
-            "model.n_embd",
-            format!(
-                "must be divisible by model.n_head = {n_head} (each head takes n_embd / n_head \
-                 channels), got {n_embd}; e.g. {}",
-                (n_embd / n_head).max(1) * n_head
-            ),
-        );
-    }
-    GptSpec {
-        n_layer: m.n_layer.unwrap_or(d.n_layer),
-        n_head,
-        n_embd,
-        block_size: m.block_size.unwrap_or(d.block_size),
-        dropout: m.dropout.unwrap_or(d.dropout),
-        bias: m.bias.unwrap_or(d.bias),
-        vocab_size: m.vocab_size.or(d.vocab_size),
-        activation: m.activation.unwrap_or(d.activation),
-        init_from: m.init_from.clone(),
-    }
-}
-
-/// The shape of the GPT-2 checkpoint in `dir` as a gpt's defaults (its weights need biases;
-/// `dropout` stays the job's), each key the job restates checked against it. `None` after
-/// an error, or when `dir` is gone but the keys say everything (a resumed job's `job.toml`:
-/// its checkpoint replaces the weights).
-fn pretrained_gpt(c: &mut Checker, m: &ModelKeys, dir: &str) -> Option<GptSpec> {
-    let complete = m.n_layer.is_some()
-        && m.n_head.is_some()
-        && m.n_embd.is_some()
-        && m.block_size.is_some()
-        && m.vocab_size.is_some()
-        && m.activation.is_some();
-    let path = std::path::Path::new(dir);
-    if complete && !path.join("config.json").is_file() {
-        return None;
-    }
-    let (shape, source) = match crate::checkpoint::Trained::find(path) {
-        Some(trained) => (trained.and_then(|t| trained_gpt_shape(&t)), "job.toml"),
-        None => (
-            crate::hf::HfDir::open(path)
-                .and_then(|hf| crate::models::read_gpt2_shape(&hf))
-                .map_err(|e| e.to_string()),
-            "config.json",
-        ),
-    };
-    let shape = shape.map_err(|e| c.fail("model.init_from", e)).ok()?;
-    let source = format!("{dir}/{source}");
-    let mut agree = |key: &str, given: Option<String>, theirs: String| {
-        if let Some(given) = given.filter(|g| *g != theirs) {
-            c.fail(
-                &format!("model.{key}"),
-                format!(
-                    "is {given}, but {source} says {theirs}; leave the key out to take the \
-                     checkpoint's"
-                ),
-            );
-        }
-    };
-    let text = |v: Option<usize>| v.map(|v| v.to_string());
-    agree("n_layer", text(m.n_layer), shape.n_layer.to_string());
-    agree("n_head", text(m.n_head), shape.n_head.to_string());
-    agree("n_embd", text(m.n_embd), shape.n_embd.to_string());
-    agree(
-        "vocab_size",
-        text(m.vocab_size),
-        shape.vocab_size.to_string(),
-    );
-    agree(
-        "activation",
-        m.activation.map(|a| format!("\"{}\"", a.name())),
-        format!("\"{}\"", shape.activation.name()),
-    );
-    if let Some(bias) = m.bias.filter(|&b| b != shape.bias) {
-        c.fail(
-            "model.bias",
-            format!("is {bias}, but the weights in {dir} were trained with bias = {}; leave the key out", shape.bias),
-        );
-    }
-    if let Some(block) = m.block_size.filter(|&b| b > shape.n_positions) {
-        c.fail(
-            "model.block_size",
-            format!(
-                "is {block}, but {source} has position embeddings for {} tokens; use at most {}",
-                shape.n_positions, shape.n_positions
-            ),
-        );
-    }
-    Some(GptSpec {
-        n_layer: shape.n_layer,
-        n_head: shape.n_head,
-        n_embd: shape.n_embd,
-        block_size: shape.n_positions,
-        dropout: GPT_DEFAULTS.dropout,
-        bias: shape.bias,
-        vocab_size: Some(shape.vocab_size),
-        activation: shape.activation,
-        init_from: None,
-    })
-}
-
-/// The shape of the gpt another job trained, from its `job.toml` (its vocabulary's size when
-/// the data fixed it).
-fn trained_gpt_shape(t: &crate::checkpoint::Trained) -> Result<crate::models::Gpt2Shape, String> {
-    let model = t.model_table()?;
-    let file = t.job.job_toml();
-    if model.get("arch").and_then(toml::Value::as_str) != Some("gpt") {
-        return Err(format!("`{}` is not a gpt job's", file.display()));
-    }
-    let int = |key: &str| {
-        model
-            .get(key)
-            .and_then(toml::Value::as_integer)
-            .map(|v| v as usize)
-            .ok_or_else(|| format!("`{}` has no model.{key}", file.display()))
-    };
-    let activation = match model.get("activation").and_then(toml::Value::as_str) {
-        Some("gelu_new") => crate::models::GptActivation::GeluNew,
-        _ => crate::models::GptActivation::Gelu,
-    };
-    let vocab_size = match int("vocab_size") {
-        Ok(v) => v,
-        Err(e) => t.vocabulary_size().ok_or(e)?,
-    };
-    Ok(crate::models::Gpt2Shape {
-        n_layer: int("n_layer")?,
-        n_head: int("n_head")?,
-        n_embd: int("n_embd")?,
-        n_positions: int("block_size")?,
-        vocab_size,
-        activation,
-        bias: model
-            .get("bias")
-            .and_then(toml::Value::as_bool)
-            .unwrap_or(true),
-    })
 }
 
 /// `data.*` of `text` and `tokens` data, and how they fit the model.
@@ -436,7 +255,7 @@ fn check_data(
     } else {
         (28, 28)
     };
-    if *model == ModelSpec::Cnn && (height < 6 || width < 6) {
+    if model.arch() == "cnn" && (height < 6 || width < 6) {
         c.fail(
             "data.synthetic.shape",
             format!("the cnn needs images of at least 6x6, got {height}x{width}"),

@@ -4,32 +4,61 @@
 use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
-use super::{Cnn, Gpt, GptConfig, Mlp, Model, with_precision};
-use crate::config::{GptSpec, Precision};
-use crate::registry::{BuildError, ModelContext, Registry};
+use super::{Cnn, Mlp, Model, with_precision};
+use crate::config::Precision;
+use crate::registry::{BuildError, KeyDoc, ModelContext, Registry};
 use crate::task::ModelInput;
 
 /// `model.arch = "mlp"`: the hidden layers' widths.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MlpOptions {
+    /// The hidden layers' widths, each at least 1.
+    #[serde(default = "two_layers_of_256", deserialize_with = "widths")]
     pub hidden: Vec<usize>,
 }
+
+fn two_layers_of_256() -> Vec<usize> {
+    vec![256, 256]
+}
+
+fn widths<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<usize>, D::Error> {
+    let widths = Vec::<usize>::deserialize(d)?;
+    if widths.contains(&0) {
+        return Err(serde::de::Error::custom(format!(
+            "`hidden` = {widths:?}: every width must be at least 1"
+        )));
+    }
+    Ok(widths)
+}
+
+const MLP_KEYS: &[KeyDoc] = &[KeyDoc {
+    key: "hidden",
+    default: "`[256, 256]`",
+    doc: "the hidden layers' widths",
+}];
 
 /// `model.arch = "cnn"` has no options.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct CnnOptions {}
 
-/// Adds `mlp`, `cnn` and `gpt`, marked as built in (their keys are checked by the config
-/// schema), and `llama`, whose keys its options struct declares.
+/// ddpjob's own models, registered as a user's binary registers its own: each owns its
+/// `[model]` keys (its options struct's fields), and the language models their Hugging Face
+/// `model_type`s and export.
 pub(crate) fn register_builtin(registry: Registry) -> Registry {
     registry
         .model("mlp", build_mlp)
         .model("cnn", build_cnn)
-        .model("gpt", build_gpt)
-        .into_builtin()
-        // Its `[model]` keys are its options struct's (`transformers`' config names), read
-        // as a registered model's are.
+        .language_model("gpt", super::gpt::options::build_gpt)
+        .hf_family(
+            "gpt",
+            &super::gpt::options::MODEL_TYPES,
+            super::gpt::options::hf_parts,
+        )
         .language_model("llama", super::llama::build_llama)
+        .hf_family("llama", &super::llama::MODEL_TYPES, super::llama::hf_parts)
+        .documented("mlp", MLP_KEYS)
+        .documented("gpt", super::gpt::options::KEYS)
+        .documented("llama", super::llama::KEYS)
 }
 
 fn precision(cx: &ModelContext) -> Precision {
@@ -72,33 +101,21 @@ pub(super) fn token_windows(arch: &str, cx: &ModelContext) -> Result<(usize, usi
     }
 }
 
-fn build_gpt(o: &GptSpec, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
-    let (vocab_size, block_size) = token_windows("gpt", cx)?;
-    let config = GptConfig {
-        vocab_size,
-        block_size,
-        n_layer: o.n_layer,
-        n_head: o.n_head,
-        n_embd: o.n_embd,
-        dropout: o.dropout,
-        bias: o.bias,
-        activation: o.activation,
-    };
-    // The gpt does its own autocast: its inputs are token ids, not values to cast.
-    let (device, dtype) = (&cx.device, cx.compute_dtype);
-    if cx.restoring {
-        // A checkpoint's weights replace these: nothing to draw or read.
-        return Ok(Box::new(Gpt::for_loading(&config, device, dtype)?));
+#[cfg(test)]
+mod tests {
+    use crate::registry::Registry;
+
+    /// `ddpjob keys` and the README list what each built-in model's options struct reads: a
+    /// field added without its line, or a line for a field that is gone, fails here.
+    #[test]
+    fn every_builtin_models_keys_are_documented_in_field_order() {
+        let registry = Registry::builtin();
+        let docs = registry.model_docs();
+        let archs: Vec<&str> = docs.iter().map(|m| m.arch).collect();
+        assert_eq!(archs, ["cnn", "gpt", "llama", "mlp"]);
+        for m in docs {
+            let documented: Vec<&str> = m.keys.iter().map(|k| k.key).collect();
+            assert_eq!(documented, m.fields, "model.arch = \"{}\"", m.arch);
+        }
     }
-    let Some(dir) = &o.init_from else {
-        return Ok(Box::new(Gpt::new(&config, cx.seed, device, dtype)?));
-    };
-    let gpt = Gpt::for_loading(&config, device, dtype)?;
-    let dir = std::path::Path::new(dir);
-    match crate::checkpoint::Trained::find(dir) {
-        // Another job's gpt: its position table cut to this job's window.
-        Some(trained) => trained?.load_into(gpt.params(), Some("transformer.wpe.weight"))?,
-        None => super::gpt::hf::load(&gpt, &crate::hf::HfDir::open(dir)?)?,
-    }
-    Ok(Box::new(gpt))
 }

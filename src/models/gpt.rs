@@ -14,6 +14,7 @@ pub(super) mod head;
 pub(crate) mod hf;
 mod manual;
 mod ops;
+pub(crate) mod options;
 pub(super) mod rows;
 #[cfg(test)]
 mod tests;
@@ -165,6 +166,7 @@ impl Gpt {
         })
     }
 
+    #[cfg(test)]
     pub fn config(&self) -> &GptConfig {
         &self.config
     }
@@ -293,6 +295,16 @@ impl Model for Gpt {
         let t = c.block_size as f64;
         let per_token = 6.0 * n + 12.0 * (c.n_layer * c.n_embd) as f64 * t;
         Some(per_token * t)
+    }
+
+    fn kv_decoder(&self) -> Option<&dyn super::KvDecoder> {
+        Some(self)
+    }
+}
+
+impl super::KvDecoder for Gpt {
+    fn forward_cached(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
+        Gpt::forward_cached(self, tokens, cache)
     }
 }
 

@@ -19,9 +19,9 @@ use crate::task::ModelInput;
 
 pub(crate) use builtin::register_builtin;
 pub use cnn::Cnn;
-pub(crate) use gpt::hf::{Gpt2Shape, read_shape as read_gpt2_shape};
-pub use gpt::{Activation as GptActivation, Gpt, GptConfig, KvCache};
-pub(crate) use llama::MODEL_TYPES as LLAMA_MODEL_TYPES;
+pub use gpt::KvCache;
+#[cfg(test)]
+pub use gpt::{Activation as GptActivation, Gpt, GptConfig};
 pub use mlp::Mlp;
 pub use store::ParamStore;
 
@@ -73,6 +73,22 @@ pub trait Model: Send + Sync {
     fn rows_independent(&self) -> bool {
         self.params().buffers().next().is_none()
     }
+
+    /// Next-token logits that reuse the keys and values of the positions fed before, for
+    /// `sample`. `None` (the default): `sample` runs [`Model::forward`] over the window for
+    /// each new token.
+    #[doc(hidden)]
+    fn kv_decoder(&self) -> Option<&dyn KvDecoder> {
+        None
+    }
+}
+
+/// A language model that generates with a KV cache (see [`Model::kv_decoder`]).
+#[doc(hidden)]
+pub trait KvDecoder {
+    /// Feeds `tokens` after the positions in `cache` and returns the f32 logits [vocab] of the
+    /// last one, without dropout; an error past the window (the caller starts a new cache).
+    fn forward_cached(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor>;
 }
 
 /// The forward half of a training step whose backward the model computes itself (see
@@ -411,7 +427,7 @@ pub fn build(
     let fail =
         |e: String| candle_core::Error::Msg(format!("model.arch = \"{}\": {e}", spec.arch()));
     let model = Registry::current()
-        .build_model(spec.arch(), &spec.options(), &cx)
+        .build_model(spec.arch(), spec.options(), &cx)
         .map_err(|e| fail(e.to_string()))?;
     if let Some(name) = model.params().repeated_name() {
         return Err(fail(format!(
@@ -424,31 +440,13 @@ pub fn build(
 }
 
 /// `config.json` and tensors of a Hugging Face export of a job's model: `spec`'s options and
-/// its trained `tensors` (as `model.safetensors` holds them). Llama-family jobs export as
-/// their `model_type`; other archs are refused with the reason.
+/// its trained `tensors` (as `model.safetensors` holds them), as the model's family writes
+/// them; a model without a Hugging Face format is refused with the reason.
 pub(crate) fn hf_export_parts(
     spec: &ModelSpec,
     tensors: std::collections::HashMap<String, Tensor>,
 ) -> std::result::Result<crate::hf::HfParts, String> {
-    match spec {
-        ModelSpec::Custom { arch, options, .. } if arch == "llama" => {
-            llama::hf_parts(options, tensors)
-        }
-        ModelSpec::Gpt(g) => {
-            let export = gpt::hf::Gpt2Export {
-                n_head: g.n_head,
-                block_size: g.block_size,
-                dropout: g.dropout,
-                activation: g.activation,
-            };
-            gpt::hf::hf_parts(&export, tensors)
-        }
-        other => Err(format!(
-            "export --hf writes language models (model.arch = \"gpt\" or \"llama\"); this \
-             job's model is \"{}\", which has no Hugging Face export",
-            other.arch()
-        )),
-    }
+    Registry::current().export_hf(spec.arch(), spec.options(), tensors)
 }
 
 /// A boxed model is a model (what a builder returns when it picks among several).
@@ -484,5 +482,9 @@ impl Model for Box<dyn Model> {
         mode: &Mode,
     ) -> Result<Option<Box<dyn TrainPass + '_>>> {
         self.as_ref().train_pass(xs, targets, mode)
+    }
+
+    fn kv_decoder(&self) -> Option<&dyn KvDecoder> {
+        self.as_ref().kv_decoder()
     }
 }

@@ -4,10 +4,10 @@
 
 use serde::de::{self, Deserialize, Deserializer, Visitor};
 
-/// The fields `T` deserialises from when it is a struct (renames applied); empty otherwise
-/// (a map takes any key, so nothing is refused).
-pub fn struct_fields<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
-    let mut fields: &'static [&'static str] = &[];
+/// The fields `T` deserialises from when it is a struct (renames applied; a struct without
+/// fields has none); `None` otherwise (a map takes any key, so nothing is refused).
+pub fn struct_fields<'de, T: Deserialize<'de>>() -> Option<&'static [&'static str]> {
+    let mut fields = None;
     let _ = T::deserialize(FieldsOnly {
         fields: &mut fields,
     });
@@ -15,7 +15,7 @@ pub fn struct_fields<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
 }
 
 struct FieldsOnly<'a> {
-    fields: &'a mut &'static [&'static str],
+    fields: &'a mut Option<&'static [&'static str]>,
 }
 
 #[derive(Debug)]
@@ -48,7 +48,7 @@ impl<'de> Deserializer<'de> for FieldsOnly<'_> {
         fields: &'static [&'static str],
         _visitor: V,
     ) -> Result<V::Value, Stop> {
-        *self.fields = fields;
+        *self.fields = Some(fields);
         Err(Stop)
     }
 
@@ -78,12 +78,16 @@ mod tests {
     fn reads_a_structs_field_names_with_renames() {
         assert_eq!(
             struct_fields::<Options>(),
-            &["width", "depth_of_net", "dropout"]
+            Some(&["width", "depth_of_net", "dropout"][..])
         );
     }
 
+    #[derive(Deserialize)]
+    struct Nothing {}
+
     #[test]
-    fn a_map_has_no_fixed_fields() {
-        assert!(struct_fields::<std::collections::BTreeMap<String, i64>>().is_empty());
+    fn a_map_has_no_fixed_fields_and_an_empty_struct_has_none() {
+        assert!(struct_fields::<std::collections::BTreeMap<String, i64>>().is_none());
+        assert_eq!(struct_fields::<Nothing>(), Some(&[][..]));
     }
 }

@@ -78,6 +78,36 @@ type ModelFn =
 type DataFn = dyn Fn(&toml::Table, &DataContext) -> Result<Box<dyn Task>, BuildError> + Send + Sync;
 type ResolveFn = fn(&toml::Table) -> Result<toml::Table, String>;
 type LanguageFn = fn(&toml::Table) -> Result<LanguageModelSpec, String>;
+type HfExportFn = fn(
+    &toml::Table,
+    std::collections::HashMap<String, candle_core::Tensor>,
+) -> Result<crate::hf::HfParts, String>;
+
+/// One documented option key of a built-in model: what `ddpjob keys` and the README's config
+/// table show (a test keeps the list equal to the options struct's fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyDoc {
+    pub key: &'static str,
+    /// Markdown, as the schema's defaults are shown.
+    pub default: &'static str,
+    /// Markdown, one line.
+    pub doc: &'static str,
+}
+
+/// What [`Registry::model_docs`] says of one model.
+pub(crate) struct ModelDocs<'a> {
+    pub arch: &'a str,
+    pub keys: &'static [KeyDoc],
+    pub fields: &'static [&'static str],
+}
+
+/// How a model family meets Hugging Face checkpoints: the `model_type`s of `config.json` it
+/// reads (`init_from` of such a directory picks this arch), and how `export --hf` writes it.
+#[derive(Clone, Copy)]
+struct HfFamily {
+    model_types: &'static [&'static str],
+    export: HfExportFn,
+}
 
 /// The options of a model that learns from token windows: registered with
 /// [`Registry::language_model`], it trains on the built-in `text` and `tokens` data, which cut
@@ -119,13 +149,16 @@ pub struct LanguageModelSpec {
 
 /// One registered name: its option keys, how to read them, and how to build it.
 struct Entry<F: ?Sized> {
-    fields: &'static [&'static str],
+    /// The option keys; `None` when the options are not a struct (any key is taken).
+    fields: Option<&'static [&'static str]>,
     resolve: ResolveFn,
     /// For a language model: its window and tokenizer, from its resolved options.
     language: Option<LanguageFn>,
     /// `None` for the built-in datasets, which the data module loads from the validated spec.
     build: Option<Arc<F>>,
     builtin: bool,
+    hf: Option<HfFamily>,
+    docs: &'static [KeyDoc],
 }
 
 impl<F: ?Sized> Clone for Entry<F> {
@@ -136,6 +169,8 @@ impl<F: ?Sized> Clone for Entry<F> {
             language: self.language,
             build: self.build.clone(),
             builtin: self.builtin,
+            hf: self.hf,
+            docs: self.docs,
         }
     }
 }
@@ -161,9 +196,10 @@ impl std::fmt::Debug for Registry {
 pub enum Known {
     /// Built into ddpjob: its keys are the config schema's.
     Builtin,
-    /// Registered by the binary's author: its keys are its options struct's fields.
+    /// Registered (ddpjob's own models, or the binary's author's): its keys are its options
+    /// struct's fields (`None`: not a struct, any key is taken).
     Custom {
-        fields: &'static [&'static str],
+        fields: Option<&'static [&'static str]>,
     },
     Unknown,
 }
@@ -174,19 +210,21 @@ impl Registry {
         Registry::default()
     }
 
-    /// ddpjob's own models (`mlp`, `cnn`, `gpt`) and datasets (`mnist`, `fashion-mnist`,
-    /// `synthetic`, `text`, `tokens`).
+    /// ddpjob's own models (`mlp`, `cnn`, `gpt`, `llama`) and datasets (`mnist`,
+    /// `fashion-mnist`, `synthetic`, `text`, `tokens`).
     pub fn builtin() -> Self {
         let mut registry = crate::models::register_builtin(Registry::empty());
         for name in crate::data::BUILTIN_DATASETS {
             registry.datasets.insert(
                 name.to_string(),
                 Entry {
-                    fields: &[],
+                    fields: None,
                     resolve: |t| Ok(t.clone()),
                     language: None,
                     build: None,
                     builtin: true,
+                    hf: None,
+                    docs: &[],
                 },
             );
         }
@@ -213,6 +251,8 @@ impl Registry {
                     .map_err(Into::into)
             }) as Arc<ModelFn>),
             builtin: false,
+            hf: None,
+            docs: &[],
         };
         self.models.insert(name.to_string(), entry);
         self
@@ -236,12 +276,84 @@ impl Registry {
         registry
     }
 
-    /// Marks the models registered so far as built in (their keys live in the config schema).
-    pub(crate) fn into_builtin(mut self) -> Self {
-        for entry in self.models.values_mut() {
-            entry.builtin = true;
+    /// Says that the model `name` reads Hugging Face directories of `model_types` and
+    /// exports as one of them.
+    pub(crate) fn hf_family(
+        mut self,
+        name: &str,
+        model_types: &'static [&'static str],
+        export: HfExportFn,
+    ) -> Self {
+        if let Some(entry) = self.models.get_mut(name) {
+            entry.hf = Some(HfFamily {
+                model_types,
+                export,
+            });
         }
         self
+    }
+
+    /// Documents the option keys of the model `name`.
+    pub(crate) fn documented(mut self, name: &str, docs: &'static [KeyDoc]) -> Self {
+        if let Some(entry) = self.models.get_mut(name) {
+            entry.docs = docs;
+        }
+        self
+    }
+
+    /// Each model's documented keys and its options struct's fields, by arch.
+    pub(crate) fn model_docs(&self) -> Vec<ModelDocs<'_>> {
+        let docs = self.models.iter().map(|(name, e)| ModelDocs {
+            arch: name,
+            keys: e.docs,
+            fields: e.fields.unwrap_or_default(),
+        });
+        docs.collect()
+    }
+
+    /// The arch that reads Hugging Face checkpoints of `model_type`.
+    pub(crate) fn arch_for_model_type(&self, model_type: &str) -> Option<&str> {
+        self.models
+            .iter()
+            .find(|(_, e)| e.hf.is_some_and(|hf| hf.model_types.contains(&model_type)))
+            .map(|(name, _)| name.as_str())
+    }
+
+    /// Every (`model_type`, arch) this binary reads, for messages.
+    pub(crate) fn hf_model_types(&self) -> Vec<(&'static str, &str)> {
+        let mut types = Vec::new();
+        for (name, entry) in &self.models {
+            for t in entry.hf.map_or(&[][..], |hf| hf.model_types) {
+                types.push((*t, name.as_str()));
+            }
+        }
+        types
+    }
+
+    /// `config.json` and tensors of a Hugging Face export of the model `name` with resolved
+    /// `options` and trained `tensors`.
+    pub(crate) fn export_hf(
+        &self,
+        name: &str,
+        options: &toml::Table,
+        tensors: std::collections::HashMap<String, candle_core::Tensor>,
+    ) -> Result<crate::hf::HfParts, String> {
+        match self.models.get(name).and_then(|e| e.hf) {
+            Some(hf) => (hf.export)(options, tensors),
+            None => {
+                let archs: Vec<String> = self
+                    .models
+                    .iter()
+                    .filter(|(_, e)| e.hf.is_some())
+                    .map(|(n, _)| format!("\"{n}\""))
+                    .collect();
+                Err(format!(
+                    "export --hf writes the models that have a Hugging Face format \
+                     (model.arch = {}); this job's model is \"{name}\", which has none",
+                    archs.join(" or ")
+                ))
+            }
+        }
     }
 
     /// Registers the dataset `name` (`data.dataset = "name"`): `open` receives the rest of
@@ -264,6 +376,8 @@ impl Registry {
                     .map_err(Into::into)
             }) as Arc<DataFn>),
             builtin: false,
+            hf: None,
+            docs: &[],
         };
         self.datasets.insert(name.to_string(), entry);
         self

@@ -94,7 +94,7 @@ impl JobView {
             .collect())
     }
 
-    /// `mlp [64]`, or `?` without a readable config.
+    /// `mlp (hidden = [64])`, or `?` without a readable config.
     pub fn model(&self) -> String {
         self.spec
             .as_ref()

@@ -25,9 +25,9 @@ fn bench_step_times_the_configured_model_and_reports_json() {
     ]);
     run.success();
     let r: serde_json::Value = serde_json::from_str(run.stdout.trim()).expect("one JSON line");
-    // mlp [32] on 1×8×8 inputs with 4 classes: 64·32 + 32 + 32·4 + 4 parameters.
+    // An mlp of one hidden layer of 32 on 1×8×8 inputs with 4 classes: 64·32 + 32 + 32·4 + 4 parameters.
     assert_eq!(r["parameters"], 64 * 32 + 32 + 32 * 4 + 4);
-    assert_eq!(r["model"], "mlp [32]");
+    assert_eq!(r["model"], "mlp (hidden = [32])");
     assert_eq!(r["batch_size"], 32);
     assert_eq!(r["accumulation"], 2);
     assert_eq!(r["steps"], 12);

@@ -284,7 +284,7 @@ fn a_job_starts_from_another_jobs_weights_its_model_and_vocabulary() {
     let source = t.job("gpt-pre").display().to_string();
     let bad = format!("init_from = \"{source}\"\nn_embd = 64");
     t.run(&t.config("bad", &job(&text, &bad, "")), &[])
-        .fails_with(2, "is 64, but");
+        .fails_with(2, "model.n_embd = 64, but");
     let bad = format!("arch = \"llama\"\ninit_from = \"{source}\"");
     t.run(&t.config("bad2", &job(&text, &bad, "")), &[])
         .fails_with(2, "is not a llama job's");
@@ -356,7 +356,7 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
         "gpt2-restated",
         &format!("init_from = \"{gpt2}\"\nn_embd = 64\nblock_size = 128"),
     )
-    .fails_with(2, "is 64, but")
+    .fails_with(2, "model.n_embd = 64, but")
     .fails_with(2, "has position embeddings for 64 tokens; use at most 64");
     let jobs = t.jobs_dir().display().to_string();
     t.ddpjob(&["eval", "nothing", "--jobs-dir", &jobs])
@@ -369,8 +369,10 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
     std::fs::create_dir(&other).unwrap();
     std::fs::write(other.join("config.json"), r#"{"model_type": "falcon"}"#).unwrap();
     std::fs::write(other.join("model.safetensors"), b"").unwrap();
-    run("falcon", &format!("init_from = \"{}\"", other.display()))
-        .fails_with(2, "holds a \"falcon\" model; ddpjob reads \"gpt2\"");
+    run("falcon", &format!("init_from = \"{}\"", other.display())).fails_with(
+        2,
+        "holds a \"falcon\" model; this ddpjob reads \"gpt2\" (model.arch = \"gpt\")",
+    );
     std::fs::write(other.join("config.json"), r#"{"model_type": "gpt2"}"#).unwrap();
     run("gpt2", &format!("init_from = \"{}\"", other.display()))
         .fails_with(2, "has no \"n_embd\", which is required");

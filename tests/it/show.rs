@@ -57,7 +57,7 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
     let out = &show.stdout;
     for expected in [
         "job done: finished",
-        "model       mlp [32]",
+        "model       mlp (hidden = [32])",
         "data        synthetic 512/256",
         "batch       global 32 = 32 per worker x 1 accumulation x 1 worker(s)",
         "progress    epoch 2/2 done, step 32/32 (100%)",

@@ -148,6 +148,20 @@ fn keys_prints_the_reference_of_a_section_and_refuses_an_unknown_one() {
         out.stdout
     );
     assert!(!out.stdout.contains("model.arch"), "{}", out.stdout);
+    // A model's own keys: every arch's under `model`, one arch's under `model.<arch>`.
+    let model = t.ddpjob(&["keys", "model"]);
+    model.success();
+    for line in [
+        "model.n_layer  (gpt, default 4; a checkpoint's own)",
+        "model.hidden  (mlp, default [256, 256])",
+        "model.num_key_value_heads  (llama, default 2)",
+    ] {
+        assert!(model.stdout.contains(line), "{line}\n{}", model.stdout);
+    }
+    let gpt = t.ddpjob(&["keys", "model.gpt"]);
+    gpt.success();
+    assert!(gpt.stdout.contains("model.n_embd  (gpt"), "{}", gpt.stdout);
+    assert!(!gpt.stdout.contains("llama"), "{}", gpt.stdout);
     t.ddpjob(&["keys", "trian"])
         .fails_with(2, "no config key is `trian` or under it");
 }

@@ -20,7 +20,7 @@ use candle_core::{D, DType, Device, Error, Result, Tensor, Var};
 use super::gpt::{GptInit, Linear, attention, head};
 use super::{Mode, Model, Params};
 use crate::kernels;
-pub(crate) use options::{MODEL_TYPES, build_llama, hf_parts};
+pub(crate) use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
 use rope::{Llama3Scaling, RopeTables};
 
 /// The shape of a Llama-family model, in `transformers`' `config.json` names.

@@ -13,7 +13,7 @@ use super::{Llama, LlamaConfig};
 use crate::checkpoint::Trained;
 use crate::hf::HfDir;
 use crate::models::Model;
-use crate::registry::{BuildError, LanguageModelOptions, ModelContext};
+use crate::registry::{BuildError, KeyDoc, LanguageModelOptions, ModelContext};
 
 /// The `model_type`s read as `arch = "llama"`.
 pub const MODEL_TYPES: [&str; 3] = ["llama", "mistral", "qwen2"];
@@ -83,6 +83,98 @@ pub struct RopeScalingOptions {
 pub enum RopeType {
     Llama3,
 }
+
+/// The keys as `ddpjob keys` and the README show them, in the struct's order. Their names and
+/// meanings are `config.json`'s; with `init_from` each defaults to the checkpoint's.
+pub(crate) const KEYS: &[KeyDoc] = &[
+    KeyDoc {
+        key: "init_from",
+        default: "none (random weights)",
+        doc: "a Hugging Face `llama`, `mistral` or `qwen2` directory (`config.json`, \
+              `model.safetensors` or an index's shards, `tokenizer.json`), or another llama job",
+    },
+    KeyDoc {
+        key: "model_type",
+        default: "`\"llama\"`",
+        doc: "`\"llama\"`, `\"mistral\"` or `\"qwen2\"` (q/k/v biases): what `export --hf` writes",
+    },
+    KeyDoc {
+        key: "block_size",
+        default: "`64`; `max_position_embeddings`",
+        doc: "context length in tokens (the window length of the data)",
+    },
+    KeyDoc {
+        key: "max_position_embeddings",
+        default: "`block_size`",
+        doc: "the longest context the model is for (`block_size` at most this)",
+    },
+    KeyDoc {
+        key: "vocab_size",
+        default: "from the data",
+        doc: "vocabulary size; required for `tokens` data",
+    },
+    KeyDoc {
+        key: "hidden_size",
+        default: "`128`",
+        doc: "channels",
+    },
+    KeyDoc {
+        key: "intermediate_size",
+        default: "`384`",
+        doc: "the SwiGLU MLP's width",
+    },
+    KeyDoc {
+        key: "num_hidden_layers",
+        default: "`4`",
+        doc: "decoder layers",
+    },
+    KeyDoc {
+        key: "num_attention_heads",
+        default: "`4`",
+        doc: "query heads",
+    },
+    KeyDoc {
+        key: "num_key_value_heads",
+        default: "`2`",
+        doc: "key/value heads; must divide `num_attention_heads` (grouped-query attention)",
+    },
+    KeyDoc {
+        key: "head_dim",
+        default: "`hidden_size / num_attention_heads`",
+        doc: "channels per head (even)",
+    },
+    KeyDoc {
+        key: "rms_norm_eps",
+        default: "`1e-5`",
+        doc: "RMSNorm's epsilon",
+    },
+    KeyDoc {
+        key: "rope_theta",
+        default: "`10000.0`",
+        doc: "the rotary embeddings' base",
+    },
+    KeyDoc {
+        key: "rope_scaling",
+        default: "none",
+        doc: "`{ rope_type = \"llama3\", factor, low_freq_factor, high_freq_factor, \
+              original_max_position_embeddings }` (Llama 3.1/3.2)",
+    },
+    KeyDoc {
+        key: "tie_word_embeddings",
+        default: "`true`",
+        doc: "the output projection is the token embedding",
+    },
+    KeyDoc {
+        key: "attention_bias",
+        default: "`false`",
+        doc: "biases on q, k, v and o",
+    },
+    KeyDoc {
+        key: "initializer_range",
+        default: "`0.02`",
+        doc: "std of the normal initialisation from scratch",
+    },
+];
 
 /// The defaults of a model trained from scratch: 4 layers of 128 channels, 4 query and 2
 /// key/value heads, SwiGLU of 384, context 64 (the size of the `gpt` recipe's model).

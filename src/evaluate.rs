@@ -15,7 +15,6 @@ use crate::config::{self, ConfigError, JobSpec};
 use crate::data::DataError;
 use crate::generate::{SampleError, load_weights, weights_path};
 use crate::jobdir::JobDir;
-use crate::task::ModelInput;
 use crate::train::{EvalResult, evaluate, shards::ShardPool};
 
 #[derive(Debug, Error)]
@@ -78,8 +77,6 @@ pub enum EvalModel {
 #[derive(Debug, Clone)]
 pub struct EvalReport {
     pub result: EvalResult,
-    /// Next-token scoring (loss per token, perplexity) rather than classification.
-    pub language: bool,
     /// Where the weights came from.
     pub weights: PathBuf,
     /// Seconds to build the model and load its weights (the data's loading excluded).
@@ -91,7 +88,7 @@ pub struct EvalReport {
 impl EvalReport {
     /// e^loss, for a language model.
     pub fn perplexity(&self) -> Option<f64> {
-        self.language.then(|| self.result.loss.exp())
+        self.result.perplexity()
     }
 
     /// One JSON object: `loss`, `perplexity` and `tokens` for a language model, `loss`,
@@ -116,26 +113,20 @@ impl EvalReport {
         line
     }
 
-    /// The line `eval` prints.
+    /// The line `eval` prints: the task's metrics, what they were taken over, and the weights.
     pub fn describe(&self) -> String {
         let r = &self.result;
-        match self.perplexity() {
-            Some(perplexity) => format!(
-                "val loss {:.4} nats/token, perplexity {perplexity:.3}, next-token accuracy \
-                 {:.2}% over {} tokens ({})",
-                r.loss,
-                r.accuracy * 100.0,
-                r.samples,
-                self.weights.display()
-            ),
-            None => format!(
-                "test loss {:.4}, test accuracy {:.2}% over {} samples ({})",
-                r.loss,
-                r.accuracy * 100.0,
-                r.samples,
-                self.weights.display()
-            ),
-        }
+        let unit = if self.perplexity().is_some() {
+            "tokens"
+        } else {
+            "samples"
+        };
+        format!(
+            "{} over {} {unit} ({})",
+            r.describe(),
+            r.samples,
+            self.weights.display()
+        )
     }
 }
 
@@ -235,8 +226,8 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
     let started = Instant::now();
     let result = evaluate(
         built.as_ref(),
+        task.as_ref(),
         batches.as_ref(),
-        task.eval_len(),
         &LocalCommunicator,
         t.eval_batch_size,
         t.eval_batches,
@@ -244,7 +235,6 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
     )?;
     Ok(EvalReport {
         result,
-        language: matches!(task.input(), ModelInput::Tokens { .. }),
         weights,
         load_s,
         eval_s: started.elapsed().as_secs_f64(),

@@ -176,9 +176,8 @@ fn divert_stdout() -> std::io::Result<File> {
 
 pub(super) fn print_finished(job: &JobDir, s: &Summary) {
     println!(
-        "finished: test accuracy {:.2}%, test loss {:.4}, final train loss {:.4}, {} steps, {:.0} samples/s, {:.1} s",
-        s.test_accuracy * 100.0,
-        s.test_loss,
+        "finished: {}, final train loss {:.4}, {} steps, {:.0} samples/s, {:.1} s",
+        s.describe_eval(),
         s.final_train_loss,
         s.steps,
         s.train_samples_per_s,

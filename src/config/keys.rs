@@ -274,6 +274,10 @@ section! {
         /// highest acceptable final test loss
         #[serde(skip_serializing_if = "Option::is_none")]
         max_test_loss: Option<f64> = None => max_test_loss: Option<f64> = optional(positive());
+        /// language models: highest acceptable final validation perplexity (e^test_loss)
+        #[serde(skip_serializing_if = "Option::is_none")]
+        max_test_perplexity: Option<f64> = None
+            => max_test_perplexity: Option<f64> = optional(positive());
         /// highest acceptable training loss of the last epoch (`final_train_loss`)
         #[serde(skip_serializing_if = "Option::is_none")]
         max_final_loss: Option<f64> = None => max_final_loss: Option<f64> = optional(positive());

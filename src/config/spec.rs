@@ -291,15 +291,18 @@ pub struct Expectation {
 pub enum Check {
     MinTestAccuracy,
     MaxTestLoss,
+    /// A language model's: its task declares perplexity.
+    MaxTestPerplexity,
     MaxFinalLoss,
     MaxWallS,
     MinTrainSamplesPerS,
 }
 
 impl Check {
-    pub const ALL: [Check; 5] = [
+    pub const ALL: [Check; 6] = [
         Check::MinTestAccuracy,
         Check::MaxTestLoss,
+        Check::MaxTestPerplexity,
         Check::MaxFinalLoss,
         Check::MaxWallS,
         Check::MinTrainSamplesPerS,
@@ -310,6 +313,7 @@ impl Check {
         match self {
             Check::MinTestAccuracy => "min_test_accuracy",
             Check::MaxTestLoss => "max_test_loss",
+            Check::MaxTestPerplexity => "max_test_perplexity",
             Check::MaxFinalLoss => "max_final_loss",
             Check::MaxWallS => "max_wall_s",
             Check::MinTrainSamplesPerS => "min_train_samples_per_s",
@@ -321,6 +325,7 @@ impl Check {
         match self {
             Check::MinTestAccuracy => "test_accuracy",
             Check::MaxTestLoss => "test_loss",
+            Check::MaxTestPerplexity => "test_perplexity",
             Check::MaxFinalLoss => "final_train_loss",
             Check::MaxWallS => "wall_s",
             Check::MinTrainSamplesPerS => "train_samples_per_s",

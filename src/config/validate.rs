@@ -43,6 +43,17 @@ impl JobSpec {
         }
         let model = check_model(&mut c, &keys.model, custom.model, registry);
         let data = check_data(&mut c, &keys.data, &model, custom.data, registry);
+        if keys.expect.max_test_perplexity.is_some() && data.dataset.image_shape().is_some() {
+            c.fail(
+                "expect.max_test_perplexity",
+                format!(
+                    "applies to language models, whose evaluations report perplexity; \
+                     data.dataset = \"{}\" is classified (use min_test_accuracy or \
+                     max_test_loss)",
+                    data.dataset.name()
+                ),
+            );
+        }
         let train = keys.train;
         if let ScheduleKind::Cosine { min_lr } = train.schedule.kind
             && min_lr > train.lr
@@ -97,6 +108,7 @@ fn expectations(e: &ExpectKeys) -> Vec<Expectation> {
     let values = [
         e.min_test_accuracy,
         e.max_test_loss,
+        e.max_test_perplexity,
         e.max_final_loss,
         e.max_wall_s,
         e.min_train_samples_per_s,

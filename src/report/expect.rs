@@ -54,6 +54,7 @@ pub fn check(expect: &[Expectation], summary: &Summary) -> Vec<ExpectationResult
             let value = match e.check {
                 Check::MinTestAccuracy => summary.test_accuracy,
                 Check::MaxTestLoss => summary.test_loss,
+                Check::MaxTestPerplexity => summary.test_perplexity.unwrap_or(f64::NAN),
                 Check::MaxFinalLoss => summary.final_train_loss,
                 Check::MaxWallS => summary.wall_s,
                 Check::MinTrainSamplesPerS => summary.train_samples_per_s,
@@ -100,6 +101,7 @@ mod tests {
         Summary {
             test_accuracy: 0.85,
             test_loss: 0.4,
+            test_perplexity: None,
             final_train_loss: f64::NAN,
             epochs: 1,
             steps: 10,
@@ -151,5 +153,22 @@ mod tests {
         );
         assert!(report.contains("expect.min_test_accuracy"), "{report}");
         assert!(unmet_report(&results[1..2]).is_none());
+    }
+
+    #[test]
+    fn perplexity_is_checked_when_the_task_reports_it() {
+        let limit = [expect(Check::MaxTestPerplexity, 1.5)];
+        // A classifier's summary has none: never met.
+        assert_eq!(check(&limit, &summary())[0].value, None);
+        let language = Summary {
+            test_perplexity: Some(0.4f64.exp()),
+            ..summary()
+        };
+        let result = &check(&limit, &language)[0];
+        assert!(result.met, "{}", result.describe());
+        assert_eq!(
+            result.describe(),
+            "max_test_perplexity: test_perplexity 1.4918 is at most the maximum 1.5"
+        );
     }
 }

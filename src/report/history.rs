@@ -41,6 +41,8 @@ pub struct History {
     pub resumes: Vec<usize>,
     /// Lines that were not JSON objects of a known kind (a torn last line after a crash).
     pub skipped: usize,
+    /// Whether its evaluations carry perplexity (their task is a language model's).
+    pub perplexity: bool,
 }
 
 impl History {
@@ -69,29 +71,42 @@ impl History {
                     lr,
                     test_loss,
                     test_accuracy,
+                    test_perplexity,
                     ..
-                } => h.epochs.push(EpochPoint {
-                    epoch,
-                    step,
-                    train_loss: loss,
-                    test_loss,
-                    test_accuracy,
-                    lr,
+                } => h.epochs.push({
+                    h.perplexity |= test_perplexity.is_some();
+                    EpochPoint {
+                        epoch,
+                        step,
+                        train_loss: loss,
+                        test_loss,
+                        test_accuracy,
+                        lr,
+                    }
                 }),
                 Record::Eval {
                     step,
                     test_loss,
                     test_accuracy,
+                    test_perplexity,
                     ..
-                } => h.evals.push(EvalPoint {
-                    step,
-                    test_loss,
-                    test_accuracy,
+                } => h.evals.push({
+                    h.perplexity |= test_perplexity.is_some();
+                    EvalPoint {
+                        step,
+                        test_loss,
+                        test_accuracy,
+                    }
                 }),
                 Record::Resume { step, .. } => h.resumes.push(step),
             }
         }
         h
+    }
+
+    /// Whether its evaluations carry perplexity (their task is a language model's).
+    pub fn reports_perplexity(&self) -> bool {
+        self.perplexity
     }
 
     pub fn last_epoch(&self) -> Option<&EpochPoint> {

@@ -70,10 +70,14 @@ pub fn render(job: &str, expect: &[Expectation], completion: &Completion, wall_s
         for (name, value) in [
             ("test_accuracy", s.test_accuracy),
             ("test_loss", s.test_loss),
+            ("test_perplexity", s.test_perplexity.unwrap_or(f64::NAN)),
             ("final_train_loss", s.final_train_loss),
             ("train_samples_per_s", s.train_samples_per_s),
             ("wall_s", s.wall_s),
-        ] {
+        ]
+        .into_iter()
+        .filter(|(name, value)| *name != "test_perplexity" || value.is_finite())
+        {
             let _ = writeln!(xml, "      <property name=\"{name}\" value=\"{value}\"/>");
         }
         xml.push_str("    </properties>\n");

@@ -6,7 +6,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-/// A line of `metrics.jsonl` (**contract**: `kind`, `epoch`, `step` and the named metrics).
+/// A line of `metrics.jsonl` (**contract**: `kind`, `epoch`, `step` and the named metrics; an
+/// evaluation's are those its task declares, see [`crate::task::Metric`]).
 /// Metrics that were not finite are written as `null` and read back as NaN, as are metrics a
 /// line lacks (files of older versions).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -39,6 +40,9 @@ pub enum Record {
         test_loss: f64,
         #[serde(default = "nan", deserialize_with = "nan_if_null")]
         test_accuracy: f64,
+        /// e^test_loss, when the task declares it (a language model's).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        test_perplexity: Option<f64>,
         #[serde(default = "nan", deserialize_with = "nan_if_null")]
         train_s: f64,
         #[serde(default)]
@@ -52,6 +56,9 @@ pub enum Record {
         test_loss: f64,
         #[serde(default = "nan", deserialize_with = "nan_if_null")]
         test_accuracy: f64,
+        /// e^test_loss, when the task declares it (a language model's).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        test_perplexity: Option<f64>,
         #[serde(default)]
         time: u64,
     },

@@ -5,6 +5,7 @@ use std::fmt::Write;
 use super::history::sparkline;
 use super::view::JobView;
 use crate::jobdir::Status;
+use crate::task::Metric;
 
 const ERROR_LINES: usize = 12;
 
@@ -63,30 +64,33 @@ pub fn show(v: &JobView, now: u64) -> String {
         );
     }
     line("progress", progress(v));
+    let metrics = v.metrics();
+    let eval = |loss: f64, accuracy: f64| Metric::describe_all(metrics, loss, accuracy);
     if let Some(e) = v.history.last_epoch() {
         line(
             "last epoch",
             format!(
-                "{}: train loss {:.4}, test loss {:.4}, test accuracy {:.2}%",
+                "{}: train loss {:.4}, {}",
                 e.epoch + 1,
                 e.train_loss,
-                e.test_loss,
-                e.test_accuracy * 100.0
+                eval(e.test_loss, e.test_accuracy)
             ),
         );
     }
-    if let Some(b) = v.history.best_epoch() {
+    if let Some(b) = v.best() {
+        let at = match b.epoch {
+            Some(epoch) => format!("epoch {} (step {})", epoch + 1, b.step),
+            None => format!("step {}", b.step),
+        };
+        let headline = metrics[0];
+        let value = headline.value(b.loss, b.accuracy);
         line(
             "best",
-            format!(
-                "test accuracy {:.2}% at epoch {} (step {})",
-                b.test_accuracy * 100.0,
-                b.epoch + 1,
-                b.step
-            ),
+            format!("{} at {at}", headline.describe(value, metrics)),
         );
     }
-    if !v.history.evals.is_empty()
+    if metrics[0] == Metric::Accuracy
+        && !v.history.evals.is_empty()
         && let Some((step, loss)) = v.history.lowest_test_loss()
     {
         line("lowest test loss", format!("{loss:.4} at step {step}"));
@@ -95,9 +99,8 @@ pub fn show(v: &JobView, now: u64) -> String {
         line(
             "final",
             format!(
-                "test accuracy {:.2}%, test loss {:.4}, train loss {:.4}; {:.0} samples/s, {:.1} s",
-                sum.test_accuracy * 100.0,
-                sum.test_loss,
+                "{}, train loss {:.4}; {:.0} samples/s, {:.1} s",
+                sum.describe_eval(),
                 sum.final_train_loss,
                 sum.train_samples_per_s,
                 sum.wall_s
@@ -214,7 +217,8 @@ const COLUMNS: [(&str, i32); 12] = [
     ("EPOCH", 7),
     ("STEP", 13),
     ("LOSS", 8),
-    ("BEST ACC", 8),
+    // The most accurate epoch's accuracy, or a language model's lowest validation loss.
+    ("BEST", 8),
     ("EXPECT", -7),
     ("LOSS CURVE", -12),
     ("UPDATED", 0),
@@ -249,10 +253,10 @@ pub fn list(views: &[JobView], now: u64) -> String {
             .last_train_loss()
             .or(s.last_loss)
             .map_or("-".into(), |l| format!("{l:.4}"));
-        let best = v
-            .history
-            .best_epoch()
-            .map_or("-".into(), |b| format!("{:.2}%", b.test_accuracy * 100.0));
+        let best = v.best().map_or("-".into(), |b| match v.metrics()[0] {
+            Metric::Accuracy => format!("{:.2}%", b.accuracy * 100.0),
+            _ => format!("{:.4}", b.loss),
+        });
         let expect = match v.expectations_met() {
             Some((met, total)) if met == total => format!("{met} met"),
             Some((met, total)) => format!("{} unmet", total - met),

@@ -23,17 +23,24 @@ pub fn scalars(record: &super::Record) -> Vec<(&'static str, f64)> {
             loss,
             test_loss,
             test_accuracy,
+            test_perplexity,
             ..
         } => vec![
             ("train/epoch_loss", *loss),
             ("test/loss", *test_loss),
             ("test/accuracy", *test_accuracy),
+            ("test/perplexity", test_perplexity.unwrap_or(f64::NAN)),
         ],
         Record::Eval {
             test_loss,
             test_accuracy,
+            test_perplexity,
             ..
-        } => vec![("test/loss", *test_loss), ("test/accuracy", *test_accuracy)],
+        } => vec![
+            ("test/loss", *test_loss),
+            ("test/accuracy", *test_accuracy),
+            ("test/perplexity", test_perplexity.unwrap_or(f64::NAN)),
+        ],
         Record::Resume { .. } => Vec::new(),
     }
     .into_iter()

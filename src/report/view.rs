@@ -116,6 +116,60 @@ impl JobView {
         }
     }
 
+    /// What the job's evaluations report (see [`crate::task::Metric`]): a language model's
+    /// when its records or summary carry perplexity, or its config is one.
+    pub fn metrics(&self) -> &'static [crate::task::Metric] {
+        let recorded = self.history.reports_perplexity()
+            || self
+                .summary
+                .as_ref()
+                .is_some_and(|s| s.test_perplexity.is_some());
+        let language = self
+            .spec
+            .as_ref()
+            .is_some_and(|s| s.model.language().is_some());
+        if recorded || language {
+            crate::task::LANGUAGE_METRICS
+        } else {
+            crate::task::CLASSIFIER_METRICS
+        }
+    }
+
+    /// The best evaluation by the headline metric: (step, epoch if an epoch's, loss,
+    /// accuracy). A classifier's is its most accurate epoch; a language model's its lowest
+    /// loss, periodic evaluations included.
+    pub fn best(&self) -> Option<Best> {
+        let h = &self.history;
+        if self.metrics()[0] == crate::task::Metric::Accuracy {
+            let e = h.best_epoch()?;
+            return Some(Best {
+                step: e.step,
+                epoch: Some(e.epoch),
+                loss: e.test_loss,
+                accuracy: e.test_accuracy,
+            });
+        }
+        let (step, loss) = h.lowest_test_loss()?;
+        let epoch = h
+            .epochs
+            .iter()
+            .find(|e| e.step == step && e.test_loss == loss);
+        let eval = h
+            .evals
+            .iter()
+            .find(|e| e.step == step && e.test_loss == loss);
+        let accuracy = epoch
+            .map(|e| e.test_accuracy)
+            .or(eval.map(|e| e.test_accuracy))
+            .unwrap_or(f64::NAN);
+        Some(Best {
+            step,
+            epoch: epoch.map(|e| e.epoch),
+            loss,
+            accuracy,
+        })
+    }
+
     /// Samples per optimizer step over all workers: batch × accumulation × world size.
     pub fn global_batch(&self) -> Option<usize> {
         let t = &self.spec.as_ref()?.train;
@@ -139,6 +193,16 @@ impl JobView {
 }
 
 /// The pid in `.lock` and whether that process still exists.
+/// The best evaluation of a job (see [`JobView::best`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Best {
+    pub step: usize,
+    /// The 0-based epoch, for an end-of-epoch evaluation.
+    pub epoch: Option<usize>,
+    pub loss: f64,
+    pub accuracy: f64,
+}
+
 fn launcher_of(job: &JobDir) -> Option<(u32, bool)> {
     let text = std::fs::read_to_string(job.root.join(".lock")).ok()?;
     let pid: u32 = text.trim().parse().ok()?;

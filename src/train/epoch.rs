@@ -99,7 +99,7 @@ impl Trainer<'_> {
                 self.reporter.line(&format!(
                     "step {step}/{}: {}",
                     run.total_steps,
-                    self.describe_eval(&eval)
+                    eval.describe()
                 ));
                 let position = at(self, run);
                 self.record_eval(&eval, &mut run.metrics, &run.optimizer, position, true)?;
@@ -132,7 +132,7 @@ impl Trainer<'_> {
             "epoch {}/{} done: train loss {train_loss:.4}, {}, {rate:.0} samples/s, {secs:.1} s",
             epoch + 1,
             t.epochs,
-            self.describe_eval(&eval),
+            eval.describe(),
         ));
         if let Some(leader) = &self.leader {
             leader.log_epoch(

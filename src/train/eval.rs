@@ -3,7 +3,7 @@
 
 use crate::comm::Communicator;
 use crate::models::Model;
-use crate::task::BatchSource;
+use crate::task::{BatchSource, Metric, Task};
 
 use super::TrainError;
 use super::shards::ShardPool;
@@ -14,20 +14,41 @@ pub struct EvalResult {
     pub accuracy: f64,
     /// Targets scored (samples for a classifier, tokens for a language model).
     pub samples: usize,
+    /// What the task reports of it (see [`Task::metrics`]).
+    pub metrics: &'static [Metric],
 }
 
-/// Evaluates on the `eval_len` samples of the evaluation split that `batches` serves, or on
+impl EvalResult {
+    /// The value of `metric` when the task declares it.
+    pub fn get(&self, metric: Metric) -> Option<f64> {
+        self.metrics
+            .contains(&metric)
+            .then(|| metric.value(self.loss, self.accuracy))
+    }
+
+    pub fn perplexity(&self) -> Option<f64> {
+        self.get(Metric::Perplexity)
+    }
+
+    /// `val loss 1.6527, perplexity 5.221, next-token accuracy 45.12%`.
+    pub fn describe(&self) -> String {
+        Metric::describe_all(self.metrics, self.loss, self.accuracy)
+    }
+}
+
+/// Evaluates on the samples of `task`'s evaluation split that `batches` serves, or on
 /// `batches_limit` batches of them spread evenly over it (the same ones every time).
 pub fn evaluate(
     model: &dyn Model,
+    task: &dyn Task,
     batches: &dyn BatchSource,
-    eval_len: usize,
     comm: &dyn Communicator,
     batch_size: usize,
     batches_limit: Option<usize>,
     shards: Option<&ShardPool>,
 ) -> Result<EvalResult, TrainError> {
     let (rank, world) = (comm.rank(), comm.world_size());
+    let eval_len = task.eval_len();
     let picked = batches_limit.map_or(eval_len, |b| (b * batch_size).min(eval_len));
     let index = |j: usize| j * eval_len / picked.max(1);
     let shard: Vec<usize> = (rank..picked).step_by(world).map(index).collect();
@@ -60,5 +81,6 @@ pub fn evaluate(
         loss: sums[0] / samples,
         accuracy: sums[1] / samples,
         samples: sums[2] as usize,
+        metrics: task.metrics(),
     })
 }

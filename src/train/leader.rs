@@ -147,6 +147,7 @@ impl Leader {
             samples_per_s: round(samples_per_s),
             test_loss: eval.loss,
             test_accuracy: eval.accuracy,
+            test_perplexity: eval.perplexity(),
             train_s: epoch_train_s,
             time: now_unix(),
         })?;
@@ -167,6 +168,7 @@ impl Leader {
             step,
             test_loss: eval.loss,
             test_accuracy: eval.accuracy,
+            test_perplexity: eval.perplexity(),
             time: now_unix(),
         })
     }
@@ -223,6 +225,25 @@ impl Leader {
     }
 }
 
+/// `x` to four significant digits, and at least one decimal: 48612.3, 312.5, 0.6836 (a large
+/// model's samples/s is below 1, where one decimal would say little).
 fn round(x: f64) -> f64 {
-    (x * 10.0).round() / 10.0
+    if !x.is_finite() || x == 0.0 {
+        return x;
+    }
+    let decimals = (4 - x.abs().log10().ceil() as i32).max(1);
+    let scale = 10f64.powi(decimals);
+    (x * scale).round() / scale
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rates_keep_four_significant_digits_and_at_least_one_decimal() {
+        assert_eq!(super::round(48612.34), 48612.3);
+        assert_eq!(super::round(312.54), 312.5);
+        assert_eq!(super::round(0.683_649), 0.6836);
+        assert_eq!(super::round(0.0), 0.0);
+        assert!(super::round(f64::NAN).is_nan());
+    }
 }

@@ -15,6 +15,9 @@ use crate::jobdir::JobDirError;
 pub struct Summary {
     pub test_accuracy: f64,
     pub test_loss: f64,
+    /// e^test_loss, when the task declares it (a language model's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_perplexity: Option<f64>,
     /// Mean training loss over the last epoch (sample-weighted, all ranks).
     pub final_train_loss: f64,
     pub epochs: usize,
@@ -38,6 +41,22 @@ pub struct Summary {
     /// `[expect]` results, filled in by the launcher when the run ends.
     #[serde(default)]
     pub expectations: Vec<crate::report::ExpectationResult>,
+}
+
+impl Summary {
+    /// The metrics its run's task declared: a language model's when it reports perplexity.
+    pub fn metrics(&self) -> &'static [crate::task::Metric] {
+        match self.test_perplexity {
+            Some(_) => crate::task::LANGUAGE_METRICS,
+            None => crate::task::CLASSIFIER_METRICS,
+        }
+    }
+
+    /// `test accuracy 87.50%, test loss 0.4099` or `val loss 1.6527, perplexity 5.221,
+    /// next-token accuracy 45.12%`.
+    pub fn describe_eval(&self) -> String {
+        crate::task::Metric::describe_all(self.metrics(), self.test_loss, self.test_accuracy)
+    }
 }
 
 /// Sum of loss × samples and the sample count, over some steps.

@@ -191,7 +191,7 @@ impl Trainer<'_> {
             // As nanoGPT: where the run starts from (a fine-tune's pretrained weights). Not a
             // candidate for `best`, whose weights are the training's.
             let eval = self.evaluate(batches)?;
-            let line = format!("step 0/{}: {}", run.total_steps, self.describe_eval(&eval));
+            let line = format!("step 0/{}: {}", run.total_steps, eval.describe());
             self.reporter.line(&line);
             if let Some(leader) = &self.leader {
                 leader.log_eval(start.epoch, 0, &eval)?;
@@ -269,6 +269,7 @@ impl Trainer<'_> {
                 .then(|| samples_per_s * self.data.targets_per_sample() as f64),
             test_accuracy: eval.accuracy,
             test_loss: eval.loss,
+            test_perplexity: eval.perplexity(),
             final_train_loss: metrics.last_epoch_loss.unwrap_or(f64::NAN),
             epochs: run.epochs_done,
             steps: run.step,
@@ -329,28 +330,13 @@ impl Trainer<'_> {
         crate::comm::broadcast_buffers(self.comm, self.model.params())?;
         evaluate(
             self.model.as_ref(),
+            self.data,
             batches,
-            self.data.eval_len(),
             self.comm,
             t.eval_batch_size,
             t.eval_batches,
             shards::ShardPool::for_device(&self.device),
         )
-    }
-
-    fn describe_eval(&self, eval: &EvalResult) -> String {
-        match self.data.input() {
-            ModelInput::Tokens { .. } => format!(
-                "val loss {:.4}, next-token accuracy {:.2}%",
-                eval.loss,
-                eval.accuracy * 100.0
-            ),
-            ModelInput::Image { .. } => format!(
-                "test loss {:.4}, test accuracy {:.2}%",
-                eval.loss,
-                eval.accuracy * 100.0
-            ),
-        }
     }
 
     /// Records an evaluation: a metrics line for a mid-epoch one (epoch lines carry their own),

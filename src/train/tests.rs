@@ -155,8 +155,8 @@ fn evaluation_counts_every_test_sample_once() {
     let eval = |limit| {
         evaluate(
             model.as_ref(),
+            data.as_ref(),
             batches.as_ref(),
-            data.eval_len(),
             &LocalCommunicator,
             10,
             limit,

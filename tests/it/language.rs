@@ -97,6 +97,38 @@ fn a_tiny_gpt_learns_text_and_samples_from_it() {
         .map(|l| l["step"].as_u64().unwrap())
         .collect();
     assert!(mid.contains(&20) && mid.contains(&40), "{mid:?}");
+    // The task reports perplexity: every evaluation line and the summary carry e^loss, and
+    // `show` and `list` judge the job by its lowest validation loss.
+    for l in evals
+        .iter()
+        .filter(|l| l["kind"] == "eval" || l["kind"] == "epoch")
+    {
+        let (loss, ppl) = (
+            l["test_loss"].as_f64().unwrap(),
+            l["test_perplexity"].as_f64(),
+        );
+        assert!((ppl.unwrap() - loss.exp()).abs() < 1e-9 * loss.exp(), "{l}");
+    }
+    let ppl = summary["test_perplexity"].as_f64().unwrap();
+    assert!((ppl - val.exp()).abs() < 1e-9 * ppl, "{summary}");
+    let jobs = t.jobs_dir().to_string_lossy().into_owned();
+    let show = t.ddpjob(&["show", "lm", "--jobs-dir", &jobs]);
+    show.success();
+    let best_line = format!("best        val loss {best:.4} at ");
+    assert!(show.stdout.contains(&best_line), "{}", show.stdout);
+    assert!(
+        show.stdout.contains(&format!(
+            "val loss {val:.4}, perplexity {ppl:.3}, next-token accuracy"
+        )),
+        "{}",
+        show.stdout
+    );
+    let list = t.ddpjob(&["list", "--jobs-dir", &jobs]);
+    assert!(
+        list.stdout.contains(&format!(" {best:.4} ")),
+        "{}",
+        list.stdout
+    );
     // nanoGPT's parameter names; the tied head is there under its own name too.
     let weights = load_weights(&job.join("model.safetensors"));
     for name in [

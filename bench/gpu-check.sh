@@ -11,17 +11,21 @@
 #                                           the script itself; GPU-only steps are skipped)
 #
 # STEPs (default: all, in this order): driver (nvidia-smi, the libraries the binary loads),
+# warmup (the kernels each job below uses, loaded once before anything is timed: the driver
+# compiles candle's PTX at first load and caches it; its seconds are reported),
 # smoke (configs/smoke.toml in f32 and bf16 with --junit), nccl (NCCL at world size 1 against
 # the same job on the CPU), cnn (a Fashion-MNIST cnn epoch against torch_ref.py), gpt (the GPT
 # GPU recipe against gpt_ref.py), bench (`bench step`, `bench allreduce`), resume (SIGTERM in
 # the middle of a run, then `resume`, against the same job uninterrupted). The device tool
-# stops a command after 10 minutes: run `driver smoke nccl cnn bench resume` in one call and
-# `gpt` (5000 steps of each program) in another.
+# stops a command after 10 minutes: run `driver warmup smoke nccl cnn bench resume` in one call
+# and `warmup gpt` in another (500 steps of each program by default; GPT_STEPS=all runs the
+# recipe's 5000, which fits STEP_TIMEOUT only if a step of each takes under ~50 ms).
 #
 # env: BIN (default: target/gpu-carry's binary, else "target/gpu-dist/run-gpu.sh
 #      target/gpu-dist/ddpjob"), DATA (the four Fashion-MNIST .gz files; default
 #      target/gpu-carry/fashion-mnist), TEXT (default target/gpu-carry/input.txt), PYTHON (with
-#      torch), QUICK=1 (200 GPT steps instead of the recipe's), GPT_STEPS=N (N GPT steps),
+#      torch), QUICK=1 (200 GPT steps), GPT_STEPS=N (N GPT steps, default 500; "all": the
+#      recipe's),
 #      STEP_TIMEOUT (seconds each command of a step may take, default 540), SMOKE_ONLY=1 (skip
 #      cnn and gpt, which need PyTorch and data: what CI's GPU job runs), BENCH_CONFIG (the job
 #      file `bench step` times, default configs/fashion-mnist.toml), ALLREDUCE_SIZES (default
@@ -29,7 +33,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-all_steps=(driver smoke nccl cnn gpt bench resume)
+all_steps=(driver warmup smoke nccl cnn gpt bench resume)
 wanted=("$@")
 [ $# -gt 0 ] || wanted=("${all_steps[@]}")
 for s in "${wanted[@]}"; do
@@ -111,6 +115,26 @@ if wants driver; then
   else record "libraries ddpjob loads" FAIL "ldd: $(head -c 300 <<< "$libs")"; fi
 fi
 
+# Every kernel the jobs below use, loaded once untimed: on a GPU the driver compiles candle's
+# PTX for the device at first load (and caches it), which would otherwise land in the first
+# timed steps. Two steps each of the smoke job's model and of the GPT recipe's, in f32 and bf16.
+if wants warmup; then
+  started=$SECONDS
+  ok=1
+  for precision in f32 bf16; do
+    ddpjob bench step --config configs/smoke.toml "${gpu[@]}" --set "train.precision=$precision" \
+      --steps 1 --warmup 1 >> "$logs/warmup.log" 2>&1 || ok=0
+    if [ -f "$text" ]; then
+      gpt_config=configs/shakespeare-char-gpu.toml
+      [ "$device" = cpu ] && gpt_config=configs/shakespeare-char.toml
+      ddpjob bench step --config "$gpt_config" "${gpu[@]}" --set "data.path=$text" \
+        --set "train.precision=$precision" --steps 1 --warmup 1 >> "$logs/warmup.log" 2>&1 || ok=0
+    fi
+  done
+  if [ "$ok" = 1 ]; then record "warm-up (kernels loaded)" ok "$((SECONDS - started)) s"
+  else record "warm-up (kernels loaded)" FAIL "$(tail_of "$logs/warmup.log")"; fi
+fi
+
 # The smoke job, f32 and bf16, with its [expect] checks and a JUnit report each.
 if wants smoke; then
   for precision in f32 bf16; do
@@ -164,6 +188,8 @@ if wants gpt; then
     [ "$device" = cpu ] && config=configs/shakespeare-char.toml
     steps=${GPT_STEPS:-}
     [ -n "${QUICK:-}" ] && steps=${steps:-200}
+    steps=${steps:-500}
+    [ "$steps" = all ] && steps=
     if [ -n "$steps" ]; then
       sed "s/^max_steps *=.*/max_steps = $steps/" "$config" > "$work/gpt.toml"
       config=$work/gpt.toml

@@ -6,7 +6,8 @@
 #
 #   bash ../shared/gpu/build-cuda.sh && bench/gpu-pack.sh
 #   then, with the device tool: carry ["target/gpu-carry"], two calls (10 minutes each at most):
-#   "bench/gpu-check.sh driver smoke nccl cnn bench resume", then "bench/gpu-check.sh gpt"
+#   "bench/gpu-check.sh driver warmup smoke nccl cnn bench resume", then
+#   "bench/gpu-check.sh warmup gpt"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dist=${DIST:-target/gpu-dist}

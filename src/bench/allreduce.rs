@@ -277,10 +277,8 @@ mod gpu {
             &device,
             TIMEOUT,
             Arc::default(),
-            move |verdict| {
-                eprintln!("error: {}", verdict.describe(rank, TIMEOUT));
-                std::process::exit(1);
-            },
+            move |verdict| eprintln!("error: {}", verdict.describe(rank, TIMEOUT)),
+            || std::process::exit(1),
         )?;
         let gpu = |e: candle_core::Error| BenchError::Comm(e.into());
         let world = env.world_size;

@@ -77,8 +77,8 @@ pub struct NcclCommunicator {
 
 impl NcclCommunicator {
     /// Joins the job's NCCL communicator on `device` (a GPU); every rank calls this together.
-    /// A collective still queued after `timeout` (or an NCCL error) aborts the communicator and
-    /// goes to `on_failure`, which ends the worker.
+    /// A collective still queued after `timeout` (or an NCCL or CUDA error) goes to `report`
+    /// (the failure record), then aborts the communicator, then `end` ends the worker.
     #[allow(clippy::too_many_arguments)]
     pub fn connect(
         store: &StoreClient,
@@ -88,7 +88,8 @@ impl NcclCommunicator {
         device: &Device,
         timeout: Duration,
         beacon: Arc<Beacon>,
-        on_failure: impl FnOnce(Verdict) + Send + 'static,
+        report: impl FnOnce(&Verdict) + Send + 'static,
+        end: impl FnOnce() + Send + 'static,
     ) -> Result<Self, CommError> {
         let setup = |problem: String| CommError::Setup { rank, problem };
         let stream = device
@@ -135,7 +136,7 @@ impl NcclCommunicator {
         });
         let watch = Arc::new(CollectiveWatch::default());
         let interval = crate::heartbeat::interval_for(timeout);
-        let watchdog = Watchdog::spawn(watch.clone(), raw.clone(), timeout, interval, on_failure)
+        let watchdog = Watchdog::spawn(watch.clone(), raw.clone(), timeout, interval, report, end)
             .map_err(|e| setup(format!("cannot start the NCCL watchdog thread: {e}")))?;
         Ok(NcclCommunicator {
             raw,
@@ -164,6 +165,15 @@ impl NcclCommunicator {
         op: &'static str,
         call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<NcclStatus, NcclError>,
     ) -> Result<(), CommError> {
+        if self.raw.aborted.load(Ordering::SeqCst) {
+            // The watchdog gave up on this communicator; queueing on it would be undefined.
+            return Err(self.failed(
+                op,
+                "the communicator was aborted (a collective hung or failed; see this rank's \
+                 error); this worker is ending"
+                    .into(),
+            ));
+        }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         self.beacon.enter(seq, op);
         let queued = call(self.raw.comm, self.stream.cu_stream() as _);
@@ -175,7 +185,13 @@ impl NcclCommunicator {
                 cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
             ))
             .map_err(|e| self.failed(op, format!("cannot record its completion event: {e:?}")))?;
-        self.watch.queued(seq, op, move || done.is_complete());
+        // A CUDA error is the device's verdict, not "still running": named at once.
+        self.watch.queued(seq, op, move || {
+            done.try_is_complete().map_err(|e| match e.error_name() {
+                Ok(name) => name.to_string_lossy().into_owned(),
+                Err(_) => format!("{e:?}"),
+            })
+        });
         Ok(())
     }
 

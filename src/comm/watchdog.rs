@@ -2,9 +2,11 @@
 //! return at once, so a rank that never joins leaves the others' kernels waiting forever and
 //! their host blocked at its next synchronisation, where no timeout of ours runs. A thread per
 //! worker watches every queued collective's completion and NCCL's asynchronous error; one
-//! still pending after `distributed.timeout_s`, or an error, aborts the communicator (which
-//! ends the waiting kernels) and fails the worker with a message naming the collective, so the
-//! launcher's restart logic applies. The decisions are here, apart from CUDA, and tested on the
+//! still pending after `distributed.timeout_s`, or an error (NCCL's asynchronous one, or a CUDA
+//! error its completion event reports), fails the worker with a message naming the collective,
+//! so the launcher's restart logic applies: the failure record is written first, then the
+//! communicator is aborted (which ends the waiting kernels, and may itself block), then the
+//! worker ends. The decisions are here, apart from CUDA, and tested on the
 //! CPU; `nccl.rs` supplies the completion events, the error query and the abort.
 
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))] // used by GPU builds and the tests
@@ -19,8 +21,8 @@ struct Pending {
     seq: u64,
     op: &'static str,
     since: Instant,
-    /// Whether its work (and everything queued before it) has finished.
-    done: Box<dyn Fn() -> bool + Send>,
+    /// Whether its work (and everything queued before it) has finished, or the device's error.
+    done: Box<dyn Fn() -> Result<bool, String> + Send>,
 }
 
 /// What the watchdog concludes.
@@ -35,6 +37,13 @@ pub enum Verdict {
     },
     /// The communicator reported an error (a peer died, a network failure).
     Failed(String),
+    /// The completion event of collective `#seq` reported a CUDA error (a fault in it or in
+    /// work queued before it): failed at once, not taken for a hang `timeout_s` later.
+    DeviceError {
+        seq: u64,
+        op: &'static str,
+        error: String,
+    },
 }
 
 impl Verdict {
@@ -44,13 +53,17 @@ impl Verdict {
             Verdict::Fine => String::new(),
             Verdict::Hung { seq, op, waited } => format!(
                 "rank {rank}: NCCL collective `{op}` #{seq} did not complete within {} s \
-                 (distributed.timeout_s; waited {:.1} s); the communicator was aborted",
+                 (distributed.timeout_s; waited {:.1} s); the communicator is aborted",
                 timeout.as_secs(),
                 waited.as_secs_f64()
             ),
             Verdict::Failed(why) => {
-                format!("rank {rank}: NCCL reported an error: {why}; the communicator was aborted")
+                format!("rank {rank}: NCCL reported an error: {why}; the communicator is aborted")
             }
+            Verdict::DeviceError { seq, op, error } => format!(
+                "rank {rank}: the GPU reported {error} while NCCL collective `{op}` #{seq} (or \
+                 work queued before it) ran; the communicator is aborted"
+            ),
         }
     }
 
@@ -70,8 +83,14 @@ pub struct CollectiveWatch {
 }
 
 impl CollectiveWatch {
-    /// Collective `#seq` (`op`) was queued; `done` says when its work has finished.
-    pub fn queued(&self, seq: u64, op: &'static str, done: impl Fn() -> bool + Send + 'static) {
+    /// Collective `#seq` (`op`) was queued; `done` says when its work has finished, or the
+    /// error the device reported instead.
+    pub fn queued(
+        &self,
+        seq: u64,
+        op: &'static str,
+        done: impl Fn() -> Result<bool, String> + Send + 'static,
+    ) {
         self.queued_at(seq, op, Instant::now(), done);
     }
 
@@ -80,7 +99,7 @@ impl CollectiveWatch {
         seq: u64,
         op: &'static str,
         since: Instant,
-        done: impl Fn() -> bool + Send + 'static,
+        done: impl Fn() -> Result<bool, String> + Send + 'static,
     ) {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         pending.push_back(Pending {
@@ -92,14 +111,27 @@ impl CollectiveWatch {
     }
 
     /// Forgets what has completed (the device finishes its queue in order) and judges the
-    /// oldest collective still pending at `now`; an `async_error` fails at once.
+    /// oldest collective still pending at `now`; an `async_error`, or a device error from a
+    /// completion event, fails at once.
     pub fn check(&self, now: Instant, timeout: Duration, async_error: Option<String>) -> Verdict {
         if let Some(error) = async_error {
             return Verdict::Failed(error);
         }
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        while pending.front().is_some_and(|p| (p.done)()) {
-            pending.pop_front();
+        while let Some(p) = pending.front() {
+            match (p.done)() {
+                Ok(true) => {
+                    pending.pop_front();
+                }
+                Ok(false) => break,
+                Err(error) => {
+                    return Verdict::DeviceError {
+                        seq: p.seq,
+                        op: p.op,
+                        error,
+                    };
+                }
+            }
         }
         match pending.front() {
             Some(p) if now.duration_since(p.since) > timeout => Verdict::Hung {
@@ -131,14 +163,15 @@ pub struct Watchdog {
 }
 
 impl Watchdog {
-    /// Checks `watch` every `interval`; on a hang or an error, aborts `comm` and hands the
-    /// verdict to `fail`, which ends the worker.
+    /// Checks `watch` every `interval`; on a hang or an error, hands the verdict to `report`
+    /// (the failure record), then aborts `comm`, then calls `end` (which ends the worker).
     pub fn spawn(
         watch: Arc<CollectiveWatch>,
         comm: Arc<dyn DeviceComm>,
         timeout: Duration,
         interval: Duration,
-        fail: impl FnOnce(Verdict) + Send + 'static,
+        report: impl FnOnce(&Verdict) + Send + 'static,
+        end: impl FnOnce() + Send + 'static,
     ) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
@@ -148,8 +181,9 @@ impl Watchdog {
                 while !stopped.load(Ordering::Relaxed) {
                     let verdict = watch.check(Instant::now(), timeout, comm.async_error());
                     if verdict != Verdict::Fine {
+                        report(&verdict);
                         comm.abort();
-                        fail(verdict);
+                        end();
                         return;
                     }
                     std::thread::sleep(interval);
@@ -177,9 +211,9 @@ mod tests {
         let t0 = Instant::now();
         let second_done = Arc::new(AtomicBool::new(false));
         let flag = second_done.clone();
-        watch.queued_at(0, "all_reduce", t0, || true);
-        watch.queued_at(1, "broadcast", t0, move || flag.load(Ordering::Relaxed));
-        watch.queued_at(2, "all_reduce", t0 + Duration::from_secs(5), || false);
+        watch.queued_at(0, "all_reduce", t0, || Ok(true));
+        watch.queued_at(1, "broadcast", t0, move || Ok(flag.load(Ordering::Relaxed)));
+        watch.queued_at(2, "all_reduce", t0 + Duration::from_secs(5), || Ok(false));
         let timeout = Duration::from_secs(3);
         assert_eq!(
             watch.check(t0 + Duration::from_secs(2), timeout, None),
@@ -225,6 +259,34 @@ mod tests {
         assert_eq!(verdict, Verdict::Failed("a remote rank failed".into()));
     }
 
+    #[test]
+    fn a_device_error_fails_at_once_naming_the_collective() {
+        let watch = CollectiveWatch::default();
+        let t0 = Instant::now();
+        watch.queued_at(3, "all_reduce", t0, || Ok(true));
+        watch.queued_at(4, "broadcast", t0, || {
+            Err("CUDA_ERROR_ILLEGAL_ADDRESS".into())
+        });
+        watch.queued_at(5, "all_reduce", t0, || Ok(false));
+        let verdict = watch.check(t0, Duration::from_secs(300), None);
+        assert_eq!(
+            verdict,
+            Verdict::DeviceError {
+                seq: 4,
+                op: "broadcast",
+                error: "CUDA_ERROR_ILLEGAL_ADDRESS".into()
+            }
+        );
+        assert!(
+            verdict.describe(1, Duration::from_secs(300)).starts_with(
+                "rank 1: the GPU reported CUDA_ERROR_ILLEGAL_ADDRESS while NCCL collective \
+                 `broadcast` #4"
+            ),
+            "{}",
+            verdict.describe(1, Duration::from_secs(300))
+        );
+    }
+
     struct FakeComm {
         aborts: AtomicUsize,
         error: Mutex<Option<String>>,
@@ -240,27 +302,38 @@ mod tests {
     }
 
     #[test]
-    fn the_thread_aborts_the_communicator_once_and_reports_a_hang() {
+    fn the_thread_reports_then_aborts_the_communicator_once_then_ends() {
         let watch = Arc::new(CollectiveWatch::default());
         let comm = Arc::new(FakeComm {
             aborts: AtomicUsize::new(0),
             error: Mutex::new(None),
         });
         let (tx, rx) = mpsc::channel();
+        let (ended_tx, ended) = mpsc::channel();
+        let seen = comm.clone();
         let _dog = Watchdog::spawn(
             watch.clone(),
             comm.clone(),
             Duration::from_millis(100),
             Duration::from_millis(10),
-            move |v| tx.send(v).unwrap(),
+            // The record is written before the abort, which may block or crash.
+            move |v| {
+                let aborts = seen.aborts.load(Ordering::SeqCst);
+                tx.send((v.clone(), aborts)).unwrap()
+            },
+            move || ended_tx.send(()).unwrap(),
         )
         .unwrap();
-        watch.queued(7, "all_reduce", || true);
-        watch.queued(8, "all_reduce", || false);
+        watch.queued(7, "all_reduce", || Ok(true));
+        watch.queued(8, "all_reduce", || Ok(false));
         let started = Instant::now();
-        let verdict = rx.recv_timeout(Duration::from_secs(5)).expect("no verdict");
+        let (verdict, aborts_then) = rx.recv_timeout(Duration::from_secs(5)).expect("no verdict");
         assert_eq!(verdict.hung_seq(), Some(8));
+        assert_eq!(aborts_then, 0, "reported before the abort");
         assert!(started.elapsed() >= Duration::from_millis(100));
+        ended
+            .recv_timeout(Duration::from_secs(5))
+            .expect("never ended");
         assert!(
             rx.recv_timeout(Duration::from_millis(100)).is_err(),
             "one verdict only"
@@ -281,12 +354,13 @@ mod tests {
             comm.clone(),
             Duration::from_millis(50),
             Duration::from_millis(10),
-            move |v| tx.send(v).unwrap(),
+            move |v| tx.send(v.clone()).unwrap(),
+            || {},
         )
         .unwrap();
         drop(dog);
         std::thread::sleep(Duration::from_millis(30));
-        watch.queued(1, "all_reduce", || false);
+        watch.queued(1, "all_reduce", || Ok(false));
         assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
         assert_eq!(comm.aborts.load(Ordering::SeqCst), 0);
     }

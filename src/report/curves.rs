@@ -199,10 +199,16 @@ fn accuracy_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
     let ys = y_range(acc.iter(), None);
     let ys = ys.start.max(0.0)..ys.end.min(100.0).max(ys.start.max(0.0) + 1.0);
     let percent = |y: &f64| format!("{y:.1}");
-    let mut chart = axes(area, "Test accuracy", "accuracy (%)", &percent, steps, ys)?;
+    // A language model's task reports next-token accuracy.
+    let (title, label) = if h.reports_perplexity() {
+        ("Next-token accuracy", "next-token accuracy (per epoch)")
+    } else {
+        ("Test accuracy", "test accuracy (per epoch)")
+    };
+    let mut chart = axes(area, title, "accuracy (%)", &percent, steps, ys)?;
     chart
         .draw_series(LineSeries::new(acc.clone(), ACCURACY_COLOR.stroke_width(2)))?
-        .label("test accuracy (per epoch)")
+        .label(label)
         .legend(legend(ACCURACY_COLOR));
     chart.draw_series(
         acc.iter()

@@ -171,6 +171,7 @@ fn connect(
             timeout,
             beacon,
             nccl_failure(env.clone(), timeout),
+            || std::process::exit(1),
         )?;
         return Ok(Box::new(comm));
     }
@@ -193,15 +194,15 @@ fn connect(
     Ok(Box::new(comm))
 }
 
-/// What the NCCL watchdog does when a collective hangs or NCCL reports an error (it has
-/// aborted the communicator already): say which collective and, from the heartbeats, who never
-/// arrived, leave the failure record for the launcher, and end this worker, whose main thread
-/// may be blocked in a GPU synchronisation.
+/// What the NCCL watchdog reports when a collective hangs or fails, before it aborts the
+/// communicator (which may block) and ends this worker, whose main thread may be blocked in a
+/// GPU synchronisation: which collective and, from the heartbeats, who never arrived, as the
+/// failure record the launcher reads.
 #[cfg(feature = "cuda")]
 fn nccl_failure(
     env: WorkerEnv,
     timeout: Duration,
-) -> impl FnOnce(crate::comm::watchdog::Verdict) + Send + 'static {
+) -> impl FnOnce(&crate::comm::watchdog::Verdict) + Send + 'static {
     move |verdict| {
         let mut message = verdict.describe(env.rank, timeout);
         if let Some(seq) = verdict.hung_seq()
@@ -220,7 +221,6 @@ fn nccl_failure(
             },
         );
         eprintln!("error: {message}");
-        std::process::exit(1);
     }
 }
 

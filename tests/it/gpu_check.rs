@@ -69,7 +69,8 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
         ("BENCH_CONFIG", "configs/smoke.toml"),
         ("ALLREDUCE_SIZES", "64K"),
     ];
-    let Some(run) = gpu_check(&out, &["driver", "smoke", "bench", "resume"], &quick) else {
+    let steps_run = ["driver", "warmup", "smoke", "bench", "resume"];
+    let Some(run) = gpu_check(&out, &steps_run, &quick) else {
         return;
     };
     run.success();
@@ -77,6 +78,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
     let expected = [
         ("driver and GPU", "skipped"),
         ("libraries ddpjob loads", "ok"),
+        ("warm-up (kernels loaded)", "ok"),
         ("smoke f32 (--junit)", "ok"),
         ("smoke bf16 (--junit)", "ok"),
         ("bench step", "ok"),
@@ -90,7 +92,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
     assert_eq!(steps(&report), expected, "{}", run.stdout);
     assert_eq!(report["failed"], 0);
     assert_eq!(report["device"], "cpu");
-    let resume = &report["steps"][6]["detail"];
+    let resume = &report["steps"][7]["detail"];
     assert!(
         resume.as_str().unwrap().ends_with("resumed; bit-identical"),
         "{resume}"

@@ -47,7 +47,6 @@ impl Trainer<'_> {
             run.step += 1;
             let step = run.step;
             epoch_run.consumed += samples * world;
-            interval.add(loss_sum, samples, started.elapsed())?;
             let in_epoch = epoch_run.skip + i + 1;
             let checkpoint_due =
                 checkpoint::due_after_step(&spec.checkpoint, step) && i + 1 < steps_now;
@@ -55,6 +54,9 @@ impl Trainer<'_> {
             // Every rank reads the vote after the same steps (the schedule depends on the
             // step alone), so all stop after the same one. A rank's vote stays up once cast.
             let stop = (at_log || step % self.hooks.vote_every.max(1) == 0) && votes.read()?;
+            // The step's time includes reading the vote, which on a GPU waits for the device
+            // to finish the step's work so far (the rest is waited for with the loss).
+            interval.add(loss_sum, samples, started.elapsed())?;
             let mut status = None;
             if at_log || stop {
                 let (loss, n, secs) = interval.reduce(self.comm)?;

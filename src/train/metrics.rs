@@ -1,7 +1,7 @@
 //! What the training loop measures: loss sums over log intervals (reduced over ranks), the
 //! run's `summary.json`, and the test-only trace of the samples each step took.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
@@ -83,18 +83,22 @@ impl LossTally {
         Ok(())
     }
 
-    /// (mean loss over all ranks, samples of all ranks, seconds) — a collective.
+    /// (mean loss over all ranks, samples of all ranks, seconds) — a collective. The seconds
+    /// are the steps' own plus the wait for the loss: on a GPU the steps return once their
+    /// work is queued, and reading the loss waits until the device has done it, so the
+    /// interval's rate is the device's, not the queueing's (on the CPU the wait is nil).
     pub(super) fn reduce(
         &mut self,
         comm: &dyn Communicator,
     ) -> Result<(f64, f64, f64), TrainError> {
+        let waited = Instant::now();
         let local = match self.loss_sum.take() {
             Some(t) => t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
             None => 0.0,
         };
+        let secs = (self.time + waited.elapsed()).as_secs_f64();
         let mut v = [local, self.samples as f64];
         comm.all_reduce_sum_f64(&mut v)?;
-        let secs = self.time.as_secs_f64();
         *self = LossTally::default();
         Ok((v[0] / v[1].max(1.0), v[1], secs))
     }

@@ -168,10 +168,45 @@ pub fn open(value: Option<&str>) -> Result<Device, DeviceError> {
 
 #[cfg(feature = "cuda")]
 fn open_gpu(ordinal: usize) -> Result<Device, DeviceError> {
-    Device::new_cuda(ordinal).map_err(|e| DeviceError::Open {
-        ordinal,
-        problem: e.to_string(),
-    })
+    let fail = |problem: String| DeviceError::Open { ordinal, problem };
+    let device = Device::new_cuda(ordinal).map_err(|e| fail(e.to_string()))?;
+    let cuda = device.as_cuda_device().map_err(|e| fail(e.to_string()))?;
+    let context = cuda.cuda_stream().context().clone();
+    // SAFETY: a worker queues everything on this device's one stream (candle's ops, the
+    // uploads, NCCL's collectives and the watchdog's events), so no buffer is used by two
+    // streams and cudarc's per-allocation events (two created and destroyed for every op's
+    // output) guard nothing.
+    unsafe { context.disable_event_tracking() };
+    keep_freed_memory(&context)
+        .map_err(|e| fail(format!("cannot configure its memory pool: {e}")))?;
+    Ok(device)
+}
+
+/// Lets the device's memory pool keep what is freed instead of handing it back to the driver
+/// at every synchronisation (its release threshold is 0 by default), so a training step's
+/// buffers are reused step after step rather than allocated from the driver again.
+#[cfg(feature = "cuda")]
+fn keep_freed_memory(context: &cudarc::driver::CudaContext) -> Result<(), String> {
+    use cudarc::driver::sys;
+    context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    // SAFETY: a valid out-pointer and the context's own device.
+    unsafe { sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), context.cu_device()) }
+        .result()
+        .map_err(|e| format!("cuDeviceGetDefaultMemPool: {e:?}"))?;
+    // SAFETY: initialised by the successful call above.
+    let pool = unsafe { pool.assume_init() };
+    let mut threshold = u64::MAX;
+    // SAFETY: the release threshold is a cuuint64_t, passed by pointer.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .result()
+    .map_err(|e| format!("cuMemPoolSetAttribute(RELEASE_THRESHOLD): {e:?}"))
 }
 
 #[cfg(not(feature = "cuda"))]

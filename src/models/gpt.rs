@@ -4,12 +4,14 @@
 //! `GPT` as is. The language-model jobs train it; `forward_cached` generates from it.
 //!
 //! Dropout follows nanoGPT at the embedding sum and after both residual projections, but
-//! attention-probability dropout (nanoGPT's `attn_dropout`) is not applied: masks are drawn on
-//! the host so they depend only on each row's seed (see `dropout`), and an [n, heads, t, t]
-//! host mask per layer would cost more to draw and upload than the attention itself.
+//! attention-probability dropout (nanoGPT's `attn_dropout`) is not applied: masks depend only
+//! on each row's seed (see `dropout`), and an [n, heads, t, t] mask per layer would cost more
+//! to draw than the attention itself.
 
 pub(super) mod attention;
 mod dropout;
+#[cfg(feature = "cuda")]
+mod dropout_cuda;
 pub(super) mod head;
 pub(crate) mod hf;
 mod manual;

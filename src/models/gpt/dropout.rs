@@ -1,9 +1,11 @@
-//! Dropout masks drawn on the host from a counter-based generator, so a mask element depends
-//! only on (row seed, dropout site, element position in the row): never on the batch a row
-//! landed in, the rank that ran it, or the device. This is what makes 2 workers × B/2 train
-//! exactly as 1 worker × B does, and a resumed run redraw its masks bit for bit.
+//! Dropout masks from a counter-based generator, so a mask element depends only on (row seed,
+//! dropout site, element position in the row): never on the batch a row landed in, the rank
+//! that ran it, or the device. This is what makes 2 workers × B/2 train exactly as 1 worker ×
+//! B does, and a resumed run redraw its masks bit for bit. On the CPU the mask is drawn in
+//! place; on a GPU a kernel draws it there from the rows' keys (`cuda_mask`), bit for bit the
+//! same, so a step uploads a few bytes per row instead of the whole mask.
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{CpuStorage, CustomOp1, Device, Layout, Result, Shape, Tensor};
 
 /// The inverted-dropout masks of one forward pass: rows `n` of `row_len` elements each.
 pub(super) struct Dropout<'a> {
@@ -31,20 +33,25 @@ impl<'a> Dropout<'a> {
 
     /// `x` (any shape holding the rows one after another) with the mask of `site` applied.
     pub(super) fn apply(&self, x: &Tensor, site: usize) -> Result<Tensor> {
-        let values = mask(self.row_seeds, site, self.row_len, self.p);
-        let mask = Tensor::from_vec(values, x.shape(), self.device)?.to_dtype(x.dtype())?;
-        x.mul(&mask)
+        let mask = match self.device {
+            Device::Cpu => {
+                let values = mask(self.row_seeds, site, self.row_len, self.p);
+                Tensor::from_vec(values, x.shape(), self.device)?
+            }
+            // Drawn where `x` is, from its shape (the values are not read).
+            _ => x.apply_op1_no_bwd(&MaskOp::new(self.row_seeds, site, self.row_len, self.p))?,
+        };
+        x.mul(&mask.to_dtype(x.dtype())?)
     }
 }
 
 /// The masks of `site` for every row, concatenated: 0 with probability `p`, else `1/(1-p)`.
 /// Each 64-bit output of the generator gives four 16-bit draws (p is resolved to 1/65536).
 pub(super) fn mask(row_seeds: &[u64], site: usize, row_len: usize, p: f64) -> Vec<f32> {
-    let threshold = (p * 65536.0).round() as u64;
-    let keep = (1.0 / (1.0 - p)) as f32;
+    let (threshold, keep) = (threshold(p), keep(p));
     let mut out = Vec::with_capacity(row_seeds.len() * row_len);
     for &seed in row_seeds {
-        let key = splitmix64(seed ^ (site as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03));
+        let key = row_key(seed, site);
         let start = out.len();
         for word in 0..row_len.div_ceil(4) as u64 {
             let bits = splitmix64(key.wrapping_add(word));
@@ -58,9 +65,90 @@ pub(super) fn mask(row_seeds: &[u64], site: usize, row_len: usize, p: f64) -> Ve
     out
 }
 
+/// The generator's key of one row at one dropout site.
+fn row_key(seed: u64, site: usize) -> u64 {
+    splitmix64(seed ^ (site as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03))
+}
+
+/// Draws (of 65536) below which an element is dropped.
+fn threshold(p: f64) -> u64 {
+    (p * 65536.0).round() as u64
+}
+
+/// The scale of a kept element.
+fn keep(p: f64) -> f32 {
+    (1.0 / (1.0 - p)) as f32
+}
+
+/// The mask of `site` as an op on the tensor it will scale: its output is the f32 mask of the
+/// input's shape, computed on the input's device (the input's values are not read).
+pub(super) struct MaskOp {
+    /// [`row_key`] of each row.
+    keys: Vec<u64>,
+    row_len: usize,
+    p: f64,
+}
+
+impl MaskOp {
+    pub(super) fn new(row_seeds: &[u64], site: usize, row_len: usize, p: f64) -> Self {
+        let keys = row_seeds.iter().map(|&s| row_key(s, site)).collect();
+        MaskOp { keys, row_len, p }
+    }
+
+    fn check(&self, shape: &Shape) -> Result<usize> {
+        let n = shape.elem_count();
+        if n != self.keys.len() * self.row_len {
+            candle_core::bail!(
+                "dropout mask: {} rows of {} for a tensor of {n} elements",
+                self.keys.len(),
+                self.row_len
+            );
+        }
+        Ok(n)
+    }
+}
+
+impl CustomOp1 for MaskOp {
+    fn name(&self) -> &'static str {
+        "dropout-mask"
+    }
+
+    /// The host mask, as [`mask`] draws it (what a GPU's must equal).
+    fn cpu_fwd(&self, _: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.check(layout.shape())?;
+        let (threshold, keep) = (threshold(self.p), keep(self.p));
+        let mut out = Vec::with_capacity(self.keys.len() * self.row_len);
+        for &key in &self.keys {
+            for i in 0..self.row_len as u64 {
+                let draw = (splitmix64(key.wrapping_add(i / 4)) >> (16 * (i % 4))) & 0xffff;
+                out.push(if draw < threshold { 0.0 } else { keep });
+            }
+        }
+        Ok((CpuStorage::F32(out), layout.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let n = self.check(layout.shape())?;
+        let mask = super::dropout_cuda::draw(
+            &storage.device,
+            &self.keys,
+            self.row_len,
+            threshold(self.p),
+            keep(self.p),
+            n,
+        )?;
+        Ok((mask, layout.shape().clone()))
+    }
+}
+
 /// SplitMix64 (Steele, Lea, Flood 2014): a bijective mix of a 64-bit counter, good enough
 /// to be used as a random stream indexed by position.
-fn splitmix64(x: u64) -> u64 {
+pub(super) fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -81,5 +169,23 @@ mod tests {
         // Row 8's mask is the same whether or not row 7 comes before it.
         assert_eq!(mask(&[8], 3, 10_001, 0.2)[..], m[10_001..]);
         assert_ne!(mask(&[8], 4, 10_001, 0.2)[..], m[10_001..]);
+    }
+
+    /// The op a GPU runs draws, on the host, exactly the host mask: the CUDA kernel ports the
+    /// op's per-element formula, and `dropout_cuda`'s test holds it to this same mask.
+    #[test]
+    fn the_mask_op_draws_the_host_mask_element_by_element() {
+        let (seeds, row_len, p) = ([7u64, 8, 1 << 40], 1_001, 0.1);
+        let x = Tensor::zeros((3, 7, 143), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let op = x
+            .apply_op1_no_bwd(&MaskOp::new(&seeds, 5, row_len, p))
+            .unwrap();
+        let drawn: Vec<f32> = op.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(drawn, mask(&seeds, 5, row_len, p));
+        let wrong = Tensor::zeros(10, candle_core::DType::F32, &Device::Cpu).unwrap();
+        let err = wrong
+            .apply_op1_no_bwd(&MaskOp::new(&seeds, 5, row_len, p))
+            .unwrap_err();
+        assert!(err.to_string().contains("3 rows of 1001"), "{err}");
     }
 }

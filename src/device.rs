@@ -166,6 +166,19 @@ pub fn open(value: Option<&str>) -> Result<Device, DeviceError> {
     }
 }
 
+/// Lets the process's f32 matrix products on a GPU use TF32 tensor cores when `precision`
+/// asks for it (candle's switch is per process, as torch's `allow_tf32`); nothing on the CPU.
+pub fn set_matmul_precision(device: &Device, precision: crate::config::Precision) {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        candle_core::cuda_backend::set_gemm_reduced_precision_f32(
+            precision == crate::config::Precision::Tf32,
+        );
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (device, precision);
+}
+
 #[cfg(feature = "cuda")]
 fn open_gpu(ordinal: usize) -> Result<Device, DeviceError> {
     let fail = |problem: String| DeviceError::Open { ordinal, problem };

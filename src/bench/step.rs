@@ -77,6 +77,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     let device_name = placement.device_of(0);
     let device =
         crate::device::open(Some(&device_name)).map_err(|e| BenchError::Usage(e.to_string()))?;
+    crate::device::set_matmul_precision(&device, spec.train.precision);
     let input = match spec.data.dataset.image_shape() {
         Some((shape, classes)) => ModelInput::Image { shape, classes },
         // A language model's vocabulary comes from its data: read (or map) it.
@@ -183,10 +184,7 @@ const PEAK_REPS: usize = 8;
 /// of a few 4096³ products, each timed to the end of the GPU's queue.
 fn device_gemm_rate(device: &Device, precision: Precision) -> Result<f64, BenchError> {
     let fail = |e: candle_core::Error| BenchError::Train(crate::train::TrainError::from(e));
-    let dtype = match precision {
-        Precision::F32 => candle_core::DType::F32,
-        Precision::Bf16 => candle_core::DType::BF16,
-    };
+    let dtype = precision.compute_dtype();
     let n = GPU_PEAK_SIZE;
     let a = Tensor::ones((n, n), dtype, device).map_err(fail)?;
     let b = Tensor::ones((n, n), dtype, device).map_err(fail)?;

@@ -174,9 +174,10 @@ section! {
         /// optimizer steps between metric lines
         log_every: i64 = 50 => log_every: usize = at_least(1);
         /// `"bf16"`: forward and backward in bfloat16 (autocast-style), with f32 weights,
-        /// optimizer state, loss and gradient averaging
+        /// optimizer state, loss and gradient averaging; `"tf32"`: f32, with a GPU's f32 matrix
+        /// products on TF32 tensor cores (as torch's `allow_tf32`; f32 on the CPU)
         precision: String = "f32".into()
-            => precision: Precision = choice(&[("f32", Precision::F32), ("bf16", Precision::Bf16)]);
+            => precision: Precision = choice(&[("f32", Precision::F32), ("bf16", Precision::Bf16), ("tf32", Precision::Tf32)]);
         /// CPU workers flush subnormal floats to zero (FTZ and DAZ on every thread that
         /// computes), as `torch.set_flush_denormal(True)`; `false` keeps IEEE subnormals (see
         /// "Subnormal floats")

@@ -277,6 +277,19 @@ pub enum Backend {
 pub enum Precision {
     F32,
     Bf16,
+    /// f32 everywhere, with a GPU's f32 matrix products on TF32 tensor cores (torch's
+    /// `allow_tf32`); the same as f32 on the CPU, which has no TF32.
+    Tf32,
+}
+
+impl Precision {
+    /// The dtype the forward and backward passes compute in.
+    pub fn compute_dtype(self) -> candle_core::DType {
+        match self {
+            Precision::F32 | Precision::Tf32 => candle_core::DType::F32,
+            Precision::Bf16 => candle_core::DType::BF16,
+        }
+    }
 }
 
 /// One `[expect]` threshold, checked against the run's summary when it ends.

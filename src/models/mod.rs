@@ -403,7 +403,7 @@ impl Model for Autocast {
 /// `model` computing in `precision` (f32: unchanged).
 fn with_precision(model: Box<dyn Model>, precision: Precision) -> Box<dyn Model> {
     match precision {
-        Precision::F32 => model,
+        Precision::F32 | Precision::Tf32 => model,
         Precision::Bf16 => Box::new(Autocast {
             inner: model,
             dtype: DType::BF16,

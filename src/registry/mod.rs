@@ -56,10 +56,7 @@ impl ModelContext {
             input,
             seed,
             device: device.clone(),
-            compute_dtype: match precision {
-                Precision::F32 => DType::F32,
-                Precision::Bf16 => DType::BF16,
-            },
+            compute_dtype: precision.compute_dtype(),
             restoring,
         }
     }

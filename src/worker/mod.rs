@@ -118,6 +118,7 @@ pub fn run() -> Result<bool, WorkerError> {
     rendezvous(&store, &env, timeout)?;
     let data = load_data(&store, &env, &spec, &job)?;
     let device = crate::device::open(Some(&env.device))?;
+    crate::device::set_matmul_precision(&device, spec.train.precision);
     let hooks = Hooks {
         vote_every: crate::train::vote_every(&device),
         stop: crate::signals::stop_flag(),
@@ -406,6 +407,8 @@ fn train(
         match spec.train.precision {
             crate::config::Precision::F32 => "",
             crate::config::Precision::Bf16 => " in bf16 autocast",
+            crate::config::Precision::Tf32 if device.is_cuda() => " with TF32 matrix products",
+            crate::config::Precision::Tf32 => " in f32 (the CPU has no TF32)",
         },
         model.params().element_count(),
         data.train_len(),

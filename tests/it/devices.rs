@@ -52,6 +52,23 @@ fn bf16_autocast_trains_like_f32_and_keeps_f32_weights() {
     }
 }
 
+/// The CPU has no TF32: `train.precision = "tf32"` trains exactly as f32 there, and says so.
+#[test]
+fn tf32_on_the_cpu_is_f32_bit_for_bit() {
+    let t = TestJob::new();
+    let cfg = t.config("tiny", TINY);
+    t.run(&cfg, &["--name", "f32"]).success();
+    let tf32 = t.run(&cfg, &["--name", "tf32", "--set", "train.precision=tf32"]);
+    tf32.success();
+    let log = std::fs::read_to_string(t.job("tf32").join("logs/rank-0.log")).unwrap();
+    assert!(log.contains("in f32 (the CPU has no TF32)"), "{log}");
+    let weights = |name: &str| std::fs::read(t.job(name).join("model.safetensors")).unwrap();
+    assert!(
+        weights("f32") == weights("tf32"),
+        "tf32 changed the CPU's weights"
+    );
+}
+
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn gpu_settings_in_a_cpu_build_name_the_build_that_has_them() {

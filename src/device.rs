@@ -247,6 +247,7 @@ mod tests {
             device,
             devices,
             backend: crate::config::Backend::Auto,
+            always_collectives: false,
         }
     }
 

@@ -39,3 +39,39 @@ impl Communicator for LocalCommunicator {
         Ok(())
     }
 }
+
+/// A communicator whose collectives run even at world size 1 (`distributed.collectives =
+/// "always"`): the trainer then buckets, reduces and broadcasts through `C` as a multi-rank job
+/// does, so one device checks the path (NCCL's, on a GPU) that skipping would leave unrun.
+#[derive(Debug, Clone, Copy)]
+pub struct Exercised<C>(pub C);
+
+impl<C: Communicator> Communicator for Exercised<C> {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+
+    fn all_reduce_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
+        self.0.all_reduce_mean(flat)
+    }
+
+    fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError> {
+        self.0.all_reduce_sum_f64(values)
+    }
+
+    fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), CommError> {
+        self.0.broadcast(t, root)
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.0.barrier()
+    }
+
+    fn skips_collectives(&self) -> bool {
+        false
+    }
+}

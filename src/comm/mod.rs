@@ -13,7 +13,7 @@ use candle_core::Tensor;
 use thiserror::Error;
 
 use crate::models::Params;
-pub use local::LocalCommunicator;
+pub use local::{Exercised, LocalCommunicator};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclCommunicator;
 pub use tcp::{TcpCommunicator, spin_for};
@@ -74,15 +74,20 @@ pub trait Communicator {
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), CommError>;
+    /// Whether the trainer may skip the collectives because they would change nothing (a
+    /// single rank), as it does unless the job asks for them (`distributed.collectives`).
+    fn skips_collectives(&self) -> bool {
+        self.world_size() == 1
+    }
 }
 
 /// Makes every rank start from rank 0's parameters, as DDP does at construction.
 pub fn broadcast_params(comm: &dyn Communicator, params: &Params) -> Result<(), CommError> {
-    if comm.world_size() == 1 {
+    if comm.skips_collectives() {
         return Ok(());
     }
     for var in params.vars() {
-        let mut t = var.as_tensor().clone();
+        let mut t = detached(var.as_tensor())?;
         comm.broadcast(&mut t, 0)?;
         var.set(&t)?;
     }
@@ -93,15 +98,22 @@ pub fn broadcast_params(comm: &dyn Communicator, params: &Params) -> Result<(), 
 /// does before each forward pass: every rank then trains and evaluates with the same state,
 /// and the state rank 0 checkpoints is the one every rank used.
 pub fn broadcast_buffers(comm: &dyn Communicator, params: &Params) -> Result<(), CommError> {
-    if comm.world_size() == 1 {
+    if comm.skips_collectives() {
         return Ok(());
     }
     for (_, var) in params.buffers() {
-        let mut t = var.as_tensor().clone();
+        let mut t = detached(var.as_tensor())?;
         comm.broadcast(&mut t, 0)?;
         var.set(&t)?;
     }
     Ok(())
+}
+
+/// A copy of a variable's value in storage of its own: a backend that broadcasts in place
+/// (NCCL) would otherwise write the variable's own storage, which `Var::set` then refuses
+/// ("derived from its value"), failing every multi-GPU job at its first broadcast.
+fn detached(value: &Tensor) -> Result<Tensor, CommError> {
+    Ok(value.copy()?)
 }
 
 /// Whether any rank voted to stop in a step's gradient average.
@@ -139,7 +151,7 @@ pub fn average_gradients(
     bucket_bytes: usize,
     stop: bool,
 ) -> Result<StopVote, CommError> {
-    if comm.world_size() == 1 {
+    if comm.skips_collectives() {
         return Ok(StopVote::Known(stop));
     }
     let mut verdict = StopVote::Known(false);
@@ -244,5 +256,50 @@ mod tests {
         let vote = average_gradients(&comm, &mut grads, 4, false).unwrap();
         assert!(!vote.read().unwrap());
         assert_eq!(*comm.buckets.borrow(), vec![6, 2, 6]);
+    }
+
+    /// A single rank's collectives are skipped, unless exercised: then the gradients go
+    /// through the buckets and come back unchanged, the vote through the device, and the
+    /// parameters through a broadcast.
+    #[test]
+    fn a_single_rank_skips_its_collectives_unless_they_are_exercised() {
+        let grads = || {
+            vec![
+                Tensor::new(&[1.5f32, -2.0, 3.25], &Device::Cpu).unwrap(),
+                Tensor::new(&[[0.5f32, 7.0]], &Device::Cpu).unwrap(),
+            ]
+        };
+        let values = |g: &[Tensor]| -> Vec<f32> {
+            g.iter()
+                .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .collect()
+        };
+        let mut skipped = grads();
+        let vote = average_gradients(&LocalCommunicator, &mut skipped, 8, true).unwrap();
+        assert!(matches!(vote, StopVote::Known(true)));
+        let mut exercised = grads();
+        let comm = Exercised(LocalCommunicator);
+        assert!(LocalCommunicator.skips_collectives() && !comm.skips_collectives());
+        let vote = average_gradients(&comm, &mut exercised, 8, true).unwrap();
+        assert!(matches!(vote, StopVote::Reduced(_)), "{vote:?}");
+        assert!(vote.read().unwrap());
+        assert_eq!(values(&exercised), values(&grads()));
+    }
+
+    /// A backend that broadcasts in place (NCCL, or the identity of a single rank) leaves the
+    /// parameters as they were; before, `Var::set` refused its own storage back.
+    #[test]
+    fn parameters_survive_a_broadcast_made_in_place() {
+        use crate::models::Model;
+        let mlp = crate::models::Mlp::new([1, 2, 2], &[3], 2, 5, &Device::Cpu).unwrap();
+        let values = |p: &Params| -> Vec<Vec<f32>> {
+            p.vars()
+                .map(|v| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
+                .collect()
+        };
+        let before = values(mlp.params());
+        broadcast_params(&Exercised(LocalCommunicator), mlp.params()).unwrap();
+        broadcast_buffers(&Exercised(LocalCommunicator), mlp.params()).unwrap();
+        assert_eq!(values(mlp.params()), before);
     }
 }

@@ -239,6 +239,11 @@ section! {
         timeout_s: i64 = 300 => timeout_s: u64 = |c: &mut Checker, key: &str, &v: &i64, _: &RawDistributed| {
             c.in_int_range(key, v, 1, MAX_TIMEOUT_S) as u64
         };
+        /// `"auto"`: a single worker skips collectives (they would change nothing; a GPU job
+        /// sets up no NCCL); `"always"`: it runs every all-reduce, broadcast and barrier through
+        /// the real backend anyway (NCCL on a GPU), to check that path on one device
+        collectives: String = "auto".into()
+            => always_collectives: bool = choice(&[("auto", false), ("always", true)]);
         /// gradient bucket size for all-reduce
         bucket_mb: f64 = 25.0, shown "`25`"
             => bucket_bytes: usize = |c: &mut Checker, key: &str, &v: &f64, _: &RawDistributed| {

@@ -151,7 +151,9 @@ pub fn run() -> Result<bool, WorkerError> {
 }
 
 /// This rank's collectives: NCCL for GPU workers (unless `backend = "tcp"`), the tcp ring
-/// between CPU workers, nothing to connect for a single one.
+/// between CPU workers, nothing to connect for a single one unless its collectives are to run
+/// anyway (`distributed.collectives = "always"`: NCCL on a GPU, the identity on the CPU; the
+/// trainer then goes through its buckets and broadcasts as a multi-rank job does).
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
 fn connect(
     store: &StoreClient,
@@ -161,8 +163,13 @@ fn connect(
     beacon: Arc<Beacon>,
     timeout: Duration,
 ) -> Result<Box<dyn Communicator>, WorkerError> {
+    let always = spec.distributed.always_collectives;
+    let alone = env.world_size == 1;
     #[cfg(feature = "cuda")]
-    if device.is_cuda() && spec.distributed.backend != crate::config::Backend::Tcp {
+    if device.is_cuda()
+        && spec.distributed.backend != crate::config::Backend::Tcp
+        && (!alone || always || spec.distributed.backend == crate::config::Backend::Nccl)
+    {
         let comm = crate::comm::NcclCommunicator::connect(
             store,
             env.rank,
@@ -174,9 +181,15 @@ fn connect(
             nccl_failure(env.clone(), timeout),
             || std::process::exit(1),
         )?;
+        if alone && always {
+            return Ok(Box::new(crate::comm::Exercised(comm)));
+        }
         return Ok(Box::new(comm));
     }
-    if env.world_size == 1 {
+    if alone && always {
+        return Ok(Box::new(crate::comm::Exercised(LocalCommunicator)));
+    }
+    if alone {
         return Ok(Box::new(LocalCommunicator));
     }
     let bind: IpAddr = store.local_addr().ip();

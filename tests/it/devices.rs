@@ -69,6 +69,26 @@ fn tf32_on_the_cpu_is_f32_bit_for_bit() {
     );
 }
 
+/// `distributed.collectives = "always"` runs a single worker's collectives (buckets, the vote,
+/// the broadcasts) instead of skipping them; on the CPU they are the identity, so the weights
+/// are the skipping run's bit for bit (on a GPU, gpu-check compares NCCL's the same way).
+#[test]
+fn exercised_collectives_on_one_worker_change_no_bit() {
+    let t = TestJob::new();
+    let cfg = t.config("tiny", TINY);
+    t.run(&cfg, &["--name", "skipped"]).success();
+    let set = "distributed.collectives=always";
+    t.run(&cfg, &["--name", "exercised", "--set", set])
+        .success();
+    let weights = |name: &str| std::fs::read(t.job(name).join("model.safetensors")).unwrap();
+    assert!(weights("skipped") == weights("exercised"));
+    t.run(
+        &cfg,
+        &["--name", "bad", "--set", "distributed.collectives=never"],
+    )
+    .fails_with(2, "distributed.collectives");
+}
+
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn gpu_settings_in_a_cpu_build_name_the_build_that_has_them() {

@@ -439,6 +439,23 @@ pub fn build(
     Ok(model)
 }
 
+/// The tokenizer that comes with the weights `init_from` names: another job's (the one it
+/// trained with), or a Hugging Face directory's `tokenizer.json`.
+pub(crate) fn pretrained_tokenizer(init_from: &str) -> Option<std::path::PathBuf> {
+    let dir = std::path::Path::new(init_from);
+    match crate::checkpoint::Trained::find(dir) {
+        Some(trained) => trained.ok()?.tokenizer(),
+        None => Some(dir.join("tokenizer.json")).filter(|p| p.is_file()),
+    }
+}
+
+/// The ddpjob `vocab.json` of the job whose weights `init_from` names, if it has one.
+pub(crate) fn pretrained_vocabulary(init_from: &str) -> Option<std::path::PathBuf> {
+    crate::checkpoint::Trained::find(std::path::Path::new(init_from))?
+        .ok()?
+        .vocabulary()
+}
+
 /// `config.json` and tensors of a Hugging Face export of a job's model: `spec`'s options and
 /// its trained `tensors` (as `model.safetensors` holds them), as the model's family writes
 /// them; a model without a Hugging Face format is refused with the reason.

@@ -158,17 +158,11 @@ impl LanguageModelOptions for GptOptions {
     }
 
     fn tokenizer(&self) -> Option<PathBuf> {
-        let dir = Path::new(self.init_from.as_deref()?);
-        match Trained::find(dir) {
-            Some(trained) => trained.ok()?.tokenizer(),
-            None => Some(dir.join("tokenizer.json")).filter(|p| p.is_file()),
-        }
+        crate::models::pretrained_tokenizer(self.init_from.as_deref()?)
     }
 
     fn vocabulary(&self) -> Option<PathBuf> {
-        Trained::find(Path::new(self.init_from.as_deref()?))?
-            .ok()?
-            .vocabulary()
+        crate::models::pretrained_vocabulary(self.init_from.as_deref()?)
     }
 }
 

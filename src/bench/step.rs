@@ -305,7 +305,7 @@ pub fn step_table(r: &StepBench) -> String {
         "# training step: {} ({} parameters), {}, batch {} x accumulation {}, 1 process x {} \
          thread(s), {}, {}; {} steps after {} warm-up\n\
          {:>14} {:>14} {:>12} {:>11} {:>12} {:>10}\n\
-         {:>14.2} {:>14.2} {:>12.0} {:>11.2} {:>12.2} {:>10.2}\n",
+         {:>14.2} {:>14.2} {:>12} {:>11.2} {:>12.2} {:>10.2}\n",
         r.model,
         r.parameters,
         r.optimizer,
@@ -328,7 +328,12 @@ pub fn step_table(r: &StepBench) -> String {
         "update ms",
         r.step_ms_median,
         r.step_ms_mean,
-        r.samples_per_s,
+        // Whole samples/s for small models, three decimals for a large one's few.
+        if r.samples_per_s >= 100.0 {
+            format!("{:.0}", r.samples_per_s)
+        } else {
+            format!("{:.3}", r.samples_per_s)
+        },
         r.forward_ms,
         r.backward_ms,
         r.update_ms,

@@ -190,8 +190,11 @@ fn open_gpu(ordinal: usize) -> Result<Device, DeviceError> {
     // streams and cudarc's per-allocation events (two created and destroyed for every op's
     // output) guard nothing.
     unsafe { context.disable_event_tracking() };
-    keep_freed_memory(&context)
-        .map_err(|e| fail(format!("cannot configure its memory pool: {e}")))?;
+    // Best effort: a device without memory pools (cudarc then allocates synchronously) or a
+    // driver that refuses the setting trains as before.
+    if let Err(e) = keep_freed_memory(&context) {
+        eprintln!("note: cuda:{ordinal}: freed memory goes back to the driver ({e})");
+    }
     Ok(device)
 }
 

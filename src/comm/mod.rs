@@ -70,7 +70,8 @@ pub trait Communicator {
     fn all_reduce_mean(&self, flat: &mut Tensor) -> Result<(), CommError>;
     /// Replaces `values` with their element-wise sum over ranks (metrics: loss sums, counts).
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError>;
-    /// Replaces `t` on every rank with `root`'s.
+    /// Replaces `t` on every rank with `root`'s, in storage of its own (`t` may be a
+    /// variable's value, which is then set from it).
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), CommError>;
@@ -87,7 +88,7 @@ pub fn broadcast_params(comm: &dyn Communicator, params: &Params) -> Result<(), 
         return Ok(());
     }
     for var in params.vars() {
-        let mut t = detached(var.as_tensor())?;
+        let mut t = var.as_tensor().clone();
         comm.broadcast(&mut t, 0)?;
         var.set(&t)?;
     }
@@ -102,18 +103,11 @@ pub fn broadcast_buffers(comm: &dyn Communicator, params: &Params) -> Result<(),
         return Ok(());
     }
     for (_, var) in params.buffers() {
-        let mut t = detached(var.as_tensor())?;
+        let mut t = var.as_tensor().clone();
         comm.broadcast(&mut t, 0)?;
         var.set(&t)?;
     }
     Ok(())
-}
-
-/// A copy of a variable's value in storage of its own: a backend that broadcasts in place
-/// (NCCL) would otherwise write the variable's own storage, which `Var::set` then refuses
-/// ("derived from its value"), failing every multi-GPU job at its first broadcast.
-fn detached(value: &Tensor) -> Result<Tensor, CommError> {
-    Ok(value.copy()?)
 }
 
 /// Whether any rank voted to stop in a step's gradient average.
@@ -286,10 +280,10 @@ mod tests {
         assert_eq!(values(&exercised), values(&grads()));
     }
 
-    /// A backend that broadcasts in place (NCCL, or the identity of a single rank) leaves the
-    /// parameters as they were; before, `Var::set` refused its own storage back.
+    /// A single rank's broadcast, when exercised, hands back a tensor of its own, so the
+    /// parameters are set from it (`Var::set` refuses a variable's own storage).
     #[test]
-    fn parameters_survive_a_broadcast_made_in_place() {
+    fn an_exercised_single_rank_broadcasts_into_storage_of_its_own() {
         use crate::models::Model;
         let mlp = crate::models::Mlp::new([1, 2, 2], &[3], 2, 5, &Device::Cpu).unwrap();
         let values = |p: &Params| -> Vec<Vec<f32>> {

@@ -23,10 +23,10 @@ struct Section {
     default: &'static str,
     /// ddpjob's own keys in the section, kept for the schema.
     own: &'static [&'static str],
-    /// Keys dropped when the chosen builder does not read them: the default builder's, which
-    /// ddpjob has always accepted beside any other (job files switch `arch` and keep them, and
-    /// the `job.toml` of older versions writes them for every arch).
-    tolerated: &'static [&'static str],
+    /// (selector value, key) pairs dropped when the chosen builder does not read the key: the
+    /// default builder's keys beside the archs that always took them (job files switch `arch`
+    /// and keep them, and the `job.toml` of older versions writes them for those archs).
+    tolerated: &'static [(&'static str, &'static str)],
     /// The registry's side of it: what a name is, the names, and how options resolve.
     kind: fn(&Registry, &str) -> Known,
     names: fn(&Registry) -> Vec<&str>,
@@ -38,7 +38,7 @@ const MODEL: Section = Section {
     selector: "arch",
     default: "mlp",
     own: &["arch"],
-    tolerated: &["hidden"],
+    tolerated: &[("cnn", "hidden"), ("gpt", "hidden")],
     kind: Registry::model_kind,
     names: Registry::model_names,
     resolve: Registry::resolve_model,
@@ -109,8 +109,9 @@ fn take(
             .collect();
         for key in theirs {
             let read = fields.is_none_or(|f| f.contains(&key.as_str()));
+            let tolerated = section.tolerated.contains(&(chosen.as_str(), key.as_str()));
             if let Some(value) = table.remove(&key)
-                && (read || !section.tolerated.contains(&key.as_str()))
+                && (read || !tolerated)
             {
                 options.insert(key, value);
             }

@@ -125,9 +125,15 @@ impl History {
     }
 
     /// The lowest test loss of any evaluation, periodic or end of epoch: (step, loss), the
-    /// earliest of equals. Language models are judged by it rather than by accuracy.
+    /// earliest of equals. Language models are judged by it rather than by accuracy. The
+    /// step-0 evaluation (of the starting weights) is no candidate, as for the `best`
+    /// checkpoint.
     pub fn lowest_test_loss(&self) -> Option<(usize, f64)> {
-        let periodic = self.evals.iter().map(|e| (e.step, e.test_loss));
+        let periodic = self
+            .evals
+            .iter()
+            .filter(|e| e.step > 0)
+            .map(|e| (e.step, e.test_loss));
         let epoch_ends = self.epochs.iter().map(|e| (e.step, e.test_loss));
         let mut all: Vec<(usize, f64)> = periodic
             .chain(epoch_ends)
@@ -209,6 +215,23 @@ mod tests {
         assert_eq!(h.last_epoch().unwrap().test_accuracy, 0.55);
         assert_eq!(h.last_train_loss(), Some(0.9));
         assert_eq!(h.train[1].lr, 0.005);
+    }
+
+    /// A language model's records: perplexity marks them; the step-0 evaluation of the
+    /// starting weights is never the lowest loss, however low.
+    #[test]
+    fn perplexity_marks_a_language_model_and_step_0_is_no_candidate() {
+        let text = r#"{"kind":"eval","epoch":0,"step":0,"test_loss":0.5,"test_accuracy":0.1,"test_perplexity":1.6487}
+{"kind":"eval","epoch":0,"step":10,"test_loss":0.9,"test_accuracy":0.1,"test_perplexity":2.4596}"#;
+        let h = History::parse(text);
+        assert!(h.reports_perplexity());
+        assert_eq!(h.lowest_test_loss(), Some((10, 0.9)));
+        assert!(
+            !History::parse(
+                r#"{"kind":"eval","epoch":0,"step":3,"test_loss":1.0,"test_accuracy":0.5}"#
+            )
+            .reports_perplexity()
+        );
     }
 
     #[test]

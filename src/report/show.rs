@@ -100,7 +100,7 @@ pub fn show(v: &JobView, now: u64) -> String {
             "final",
             format!(
                 "{}, train loss {:.4}; {:.0} samples/s, {:.1} s",
-                sum.describe_eval(),
+                eval(sum.test_loss, sum.test_accuracy),
                 sum.final_train_loss,
                 sum.train_samples_per_s,
                 sum.wall_s

@@ -192,7 +192,6 @@ impl JobView {
     }
 }
 
-/// The pid in `.lock` and whether that process still exists.
 /// The best evaluation of a job (see [`JobView::best`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Best {
@@ -203,6 +202,7 @@ pub struct Best {
     pub accuracy: f64,
 }
 
+/// The pid in `.lock` and whether that process still exists.
 fn launcher_of(job: &JobDir) -> Option<(u32, bool)> {
     let text = std::fs::read_to_string(job.root.join(".lock")).ok()?;
     let pid: u32 = text.trim().parse().ok()?;

@@ -430,6 +430,12 @@ fn train(
     if device.is_cpu() {
         reporter.line(&crate::numerics::report(spec.train.flush_denormals));
     }
+    if !comm.skips_collectives() && comm.world_size() == 1 {
+        reporter.line(
+            "collectives: run at world size 1, through the backend (distributed.collectives = \
+             \"always\")",
+        );
+    }
     let mut trainer = Trainer {
         spec,
         data,

@@ -82,6 +82,9 @@ fn exercised_collectives_on_one_worker_change_no_bit() {
         .success();
     let weights = |name: &str| std::fs::read(t.job(name).join("model.safetensors")).unwrap();
     assert!(weights("skipped") == weights("exercised"));
+    let log = |name: &str| std::fs::read_to_string(t.job(name).join("logs/rank-0.log")).unwrap();
+    assert!(log("exercised").contains("collectives: run at world size 1"));
+    assert!(!log("skipped").contains("collectives: run"));
     t.run(
         &cfg,
         &["--name", "bad", "--set", "distributed.collectives=never"],

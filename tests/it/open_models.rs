@@ -335,10 +335,12 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
         let cfg = t.config(name, &job(&text, model, ""));
         t.run(&cfg, &[])
     };
-    run("missing", "init_from = \"models/SmolLM2-135M\"").fails_with(
-        2,
-        "the model directory `models/SmolLM2-135M` does not exist",
-    );
+    run("missing", "init_from = \"models/SmolLM2-135M\"")
+        .fails_with(
+            2,
+            "the model directory `models/SmolLM2-135M` does not exist",
+        )
+        .fails_with(2, "`model.init_from` (");
     let llama = fixture("llama").display().to_string();
     run(
         "restated",

@@ -59,6 +59,13 @@ pub(super) fn draw(
     keep: f32,
     n: usize,
 ) -> Result<CudaStorage> {
+    if n == 0 {
+        // No launch of zero blocks: an empty mask.
+        return Ok(CudaStorage::wrap_cuda_slice(
+            device.alloc::<f32>(0)?,
+            device.clone(),
+        ));
+    }
     let func = device.get_or_load_custom_func(FUNCTION, "ddpjob_dropout", ptx()?)?;
     let keys = device.clone_htod(keys)?;
     // SAFETY: every one of the `n` elements is written by the kernel before any read.

@@ -188,6 +188,12 @@ impl GptOptions {
         if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == Some(0)) {
             return Err(format!("model.{key} = 0: it must be at least 1"));
         }
+        if let Some(v) = self.vocab_size.filter(|&v| v > 1 << 31) {
+            return Err(format!(
+                "model.vocab_size = {v} is more than token ids hold (2^31); use at most {}",
+                1u64 << 31
+            ));
+        }
         let dropout = self.dropout.unwrap_or(0.0);
         if !(0.0..1.0).contains(&dropout) {
             return Err(format!("model.dropout = {dropout} must be in [0, 1)"));
@@ -229,12 +235,20 @@ impl GptOptions {
 /// The shape of the checkpoint in `dir` as the defaults (its weights need biases; `dropout`
 /// stays the job's), each key `given` restates checked against it.
 fn pretrained(given: &GptOptions, dir: &str) -> Result<GptOptions, String> {
+    // What is wrong with the directory is `init_from`'s problem (named first, so the config
+    // error points at it).
+    let unreadable = |e: String| format!("model.init_from = \"{dir}\": {e}");
     let (shape, source) = match Trained::find(Path::new(dir)) {
-        Some(trained) => (trained.and_then(|t| trained_shape(&t))?, "job.toml"),
+        Some(trained) => (
+            trained
+                .and_then(|t| trained_shape(&t))
+                .map_err(unreadable)?,
+            "job.toml",
+        ),
         None => (
             HfDir::open(Path::new(dir))
                 .and_then(|hf| super::hf::read_shape(&hf))
-                .map_err(|e| e.to_string())?,
+                .map_err(|e| unreadable(e.to_string()))?,
             "config.json",
         ),
     };

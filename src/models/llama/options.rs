@@ -203,16 +203,26 @@ impl LanguageModelOptions for LlamaOptions {
     fn complete(self) -> Result<Self, String> {
         // The base options, and what to call their source in a conflict's message.
         let (base, source) = match &self.init_from {
-            Some(dir) => match Trained::find(Path::new(dir)) {
-                Some(trained) => (from_trained(&trained?)?, format!("{dir}/job.toml")),
-                None if self.is_complete() && !Path::new(dir).join("config.json").is_file() => {
-                    return Ok(self);
+            Some(dir) => {
+                // What is wrong with the directory is `init_from`'s problem (named first, so
+                // the config error points at it).
+                let unreadable = |e: String| format!("model.init_from = \"{dir}\": {e}");
+                match Trained::find(Path::new(dir)) {
+                    Some(trained) => (
+                        trained.and_then(|t| from_trained(&t)).map_err(unreadable)?,
+                        format!("{dir}/job.toml"),
+                    ),
+                    None if self.is_complete() && !Path::new(dir).join("config.json").is_file() => {
+                        return Ok(self);
+                    }
+                    None => {
+                        let hf =
+                            HfDir::open(Path::new(dir)).map_err(|e| unreadable(e.to_string()))?;
+                        let options = from_hf(&hf, self.block_size).map_err(unreadable)?;
+                        (options, format!("{dir}/config.json"))
+                    }
                 }
-                None => {
-                    let hf = HfDir::open(Path::new(dir)).map_err(|e| e.to_string())?;
-                    (from_hf(&hf, self.block_size)?, format!("{dir}/config.json"))
-                }
-            },
+            }
             None => (scratch_defaults(), "the default".into()),
         };
         let merged = merge(self, base, &source)?;

@@ -62,7 +62,7 @@ pub(super) fn draw(
     if n == 0 {
         // No launch of zero blocks: an empty mask.
         return Ok(CudaStorage::wrap_cuda_slice(
-            device.alloc::<f32>(0)?,
+            device.alloc_zeros::<f32>(0)?,
             device.clone(),
         ));
     }

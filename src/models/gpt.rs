@@ -327,7 +327,7 @@ impl Gpt {
                     let seeds = row_seeds.len();
                     return Err(Error::Msg(format!("gpt: {seeds} row seeds for {n} rows")));
                 }
-                Dropout::new(row_seeds, self.config.dropout, t * c, xs.device())
+                Dropout::new(row_seeds, self.config.dropout, t * c)
             }
             _ => None,
         };

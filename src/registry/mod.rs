@@ -120,14 +120,20 @@ pub trait LanguageModelOptions: DeserializeOwned + Serialize + 'static {
     fn block_size(&self) -> usize;
     /// The vocabulary size, when the model fixes it (`None`: the data's).
     fn vocab_size(&self) -> Option<usize>;
+    /// The checkpoint the weights start from: a Hugging Face directory, another job, or a
+    /// checkpoint of one (`model.init_from`). Its tokenizer and vocabulary are the defaults of
+    /// [`Self::tokenizer`] and [`Self::vocabulary`].
+    fn init_from(&self) -> Option<&str> {
+        None
+    }
     /// A `tokenizer.json` that comes with the model (a pretrained checkpoint's).
     fn tokenizer(&self) -> Option<std::path::PathBuf> {
-        None
+        crate::models::pretrained_tokenizer(self.init_from()?)
     }
     /// A ddpjob `vocab.json` the weights were trained with (another job's, when the model
     /// starts from it): text is encoded with it rather than with a vocabulary of its own.
     fn vocabulary(&self) -> Option<std::path::PathBuf> {
-        None
+        crate::models::pretrained_vocabulary(self.init_from()?)
     }
 }
 

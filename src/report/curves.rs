@@ -200,7 +200,7 @@ fn accuracy_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
     let ys = ys.start.max(0.0)..ys.end.min(100.0).max(ys.start.max(0.0) + 1.0);
     let percent = |y: &f64| format!("{y:.1}");
     // A language model's task reports next-token accuracy.
-    let (title, label) = if h.reports_perplexity() {
+    let (title, label) = if h.perplexity {
         ("Next-token accuracy", "next-token accuracy (per epoch)")
     } else {
         ("Test accuracy", "test accuracy (per epoch)")

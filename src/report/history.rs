@@ -104,11 +104,6 @@ impl History {
         h
     }
 
-    /// Whether its evaluations carry perplexity (their task is a language model's).
-    pub fn reports_perplexity(&self) -> bool {
-        self.perplexity
-    }
-
     pub fn last_epoch(&self) -> Option<&EpochPoint> {
         self.epochs.last()
     }
@@ -224,13 +219,13 @@ mod tests {
         let text = r#"{"kind":"eval","epoch":0,"step":0,"test_loss":0.5,"test_accuracy":0.1,"test_perplexity":1.6487}
 {"kind":"eval","epoch":0,"step":10,"test_loss":0.9,"test_accuracy":0.1,"test_perplexity":2.4596}"#;
         let h = History::parse(text);
-        assert!(h.reports_perplexity());
+        assert!(h.perplexity);
         assert_eq!(h.lowest_test_loss(), Some((10, 0.9)));
         assert!(
             !History::parse(
                 r#"{"kind":"eval","epoch":0,"step":3,"test_loss":1.0,"test_accuracy":0.5}"#
             )
-            .reports_perplexity()
+            .perplexity
         );
     }
 

@@ -119,7 +119,7 @@ impl JobView {
     /// What the job's evaluations report (see [`crate::task::Metric`]): a language model's
     /// when its records or summary carry perplexity, or its config is one.
     pub fn metrics(&self) -> &'static [crate::task::Metric] {
-        let recorded = self.history.reports_perplexity()
+        let recorded = self.history.perplexity
             || self
                 .summary
                 .as_ref()

@@ -1,46 +1,33 @@
 //! Dropout masks from a counter-based generator, so a mask element depends only on (row seed,
 //! dropout site, element position in the row): never on the batch a row landed in, the rank
 //! that ran it, or the device. This is what makes 2 workers × B/2 train exactly as 1 worker ×
-//! B does, and a resumed run redraw its masks bit for bit. On the CPU the mask is drawn in
-//! place; on a GPU a kernel draws it there from the rows' keys (`cuda_mask`), bit for bit the
-//! same, so a step uploads a few bytes per row instead of the whole mask.
+//! B does, and a resumed run redraw its masks bit for bit. The mask is an op drawn where the
+//! tensor it scales is: on a GPU by a kernel (`dropout_cuda`) from the rows' keys, bit for bit
+//! the host's, so a step uploads a key per row instead of the whole mask.
 
-use candle_core::{CpuStorage, CustomOp1, Device, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 /// The inverted-dropout masks of one forward pass: rows `n` of `row_len` elements each.
 pub(super) struct Dropout<'a> {
     row_seeds: &'a [u64],
     p: f64,
     row_len: usize,
-    device: &'a Device,
 }
 
 impl<'a> Dropout<'a> {
     /// `None` when nothing is dropped (evaluation, or p = 0).
-    pub(super) fn new(
-        row_seeds: &'a [u64],
-        p: f64,
-        row_len: usize,
-        device: &'a Device,
-    ) -> Option<Self> {
+    pub(super) fn new(row_seeds: &'a [u64], p: f64, row_len: usize) -> Option<Self> {
         (p > 0.0).then_some(Dropout {
             row_seeds,
             p,
             row_len,
-            device,
         })
     }
 
-    /// `x` (any shape holding the rows one after another) with the mask of `site` applied.
+    /// `x` (any shape holding the rows one after another) with the mask of `site` applied; the
+    /// mask is drawn where `x` is, from its shape (the values are not read).
     pub(super) fn apply(&self, x: &Tensor, site: usize) -> Result<Tensor> {
-        let mask = match self.device {
-            Device::Cpu => {
-                let values = mask(self.row_seeds, site, self.row_len, self.p);
-                Tensor::from_vec(values, x.shape(), self.device)?
-            }
-            // Drawn where `x` is, from its shape (the values are not read).
-            _ => x.apply_op1_no_bwd(&MaskOp::new(self.row_seeds, site, self.row_len, self.p))?,
-        };
+        let mask = x.apply_op1_no_bwd(&MaskOp::new(self.row_seeds, site, self.row_len, self.p))?;
         x.mul(&mask.to_dtype(x.dtype())?)
     }
 }
@@ -48,10 +35,15 @@ impl<'a> Dropout<'a> {
 /// The masks of `site` for every row, concatenated: 0 with probability `p`, else `1/(1-p)`.
 /// Each 64-bit output of the generator gives four 16-bit draws (p is resolved to 1/65536).
 pub(super) fn mask(row_seeds: &[u64], site: usize, row_len: usize, p: f64) -> Vec<f32> {
+    let keys: Vec<u64> = row_seeds.iter().map(|&s| row_key(s, site)).collect();
+    draw(&keys, row_len, p)
+}
+
+/// The masks of rows with these [`row_key`]s, as [`mask`] describes them.
+fn draw(keys: &[u64], row_len: usize, p: f64) -> Vec<f32> {
     let (threshold, keep) = (threshold(p), keep(p));
-    let mut out = Vec::with_capacity(row_seeds.len() * row_len);
-    for &seed in row_seeds {
-        let key = row_key(seed, site);
+    let mut out = Vec::with_capacity(keys.len() * row_len);
+    for &key in keys {
         let start = out.len();
         for word in 0..row_len.div_ceil(4) as u64 {
             let bits = splitmix64(key.wrapping_add(word));
@@ -116,14 +108,7 @@ impl CustomOp1 for MaskOp {
     /// The host mask, as [`mask`] draws it (what a GPU's must equal).
     fn cpu_fwd(&self, _: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         self.check(layout.shape())?;
-        let (threshold, keep) = (threshold(self.p), keep(self.p));
-        let mut out = Vec::with_capacity(self.keys.len() * self.row_len);
-        for &key in &self.keys {
-            for i in 0..self.row_len as u64 {
-                let draw = (splitmix64(key.wrapping_add(i / 4)) >> (16 * (i % 4))) & 0xffff;
-                out.push(if draw < threshold { 0.0 } else { keep });
-            }
-        }
+        let out = draw(&self.keys, self.row_len, self.p);
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
 
@@ -171,18 +156,23 @@ mod tests {
         assert_ne!(mask(&[8], 4, 10_001, 0.2)[..], m[10_001..]);
     }
 
-    /// The op a GPU runs draws, on the host, exactly the host mask: the CUDA kernel ports the
-    /// op's per-element formula, and `dropout_cuda`'s test holds it to this same mask.
+    /// The op (what every device runs) draws exactly the masks `mask` gives, and refuses a
+    /// tensor of another size; `dropout_cuda`'s test holds the GPU's kernel to this same mask.
     #[test]
     fn the_mask_op_draws_the_host_mask_element_by_element() {
         let (seeds, row_len, p) = ([7u64, 8, 1 << 40], 1_001, 0.1);
-        let x = Tensor::zeros((3, 7, 143), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let x = Tensor::zeros(
+            (3, 7, 143),
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
         let op = x
             .apply_op1_no_bwd(&MaskOp::new(&seeds, 5, row_len, p))
             .unwrap();
         let drawn: Vec<f32> = op.flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(drawn, mask(&seeds, 5, row_len, p));
-        let wrong = Tensor::zeros(10, candle_core::DType::F32, &Device::Cpu).unwrap();
+        let wrong = Tensor::zeros(10, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
         let err = wrong
             .apply_op1_no_bwd(&MaskOp::new(&seeds, 5, row_len, p))
             .unwrap_err();

@@ -4,7 +4,7 @@
 //! Hugging Face as `gpt2`.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
@@ -157,12 +157,8 @@ impl LanguageModelOptions for GptOptions {
         self.vocab_size
     }
 
-    fn tokenizer(&self) -> Option<PathBuf> {
-        crate::models::pretrained_tokenizer(self.init_from.as_deref()?)
-    }
-
-    fn vocabulary(&self) -> Option<PathBuf> {
-        crate::models::pretrained_vocabulary(self.init_from.as_deref()?)
+    fn init_from(&self) -> Option<&str> {
+        self.init_from.as_deref()
     }
 }
 
@@ -366,12 +362,13 @@ pub(crate) fn hf_parts(
     tensors: HashMap<String, Tensor>,
 ) -> Result<crate::hf::HfParts, String> {
     let o = GptOptions::from_table(options)?;
-    let d = scratch_defaults();
+    // The vocabulary is the weights' (`hf_parts` reads it from them).
+    let c = o.config(0, o.block_size());
     let export = Gpt2Export {
-        n_head: o.n_head.or(d.n_head).unwrap_or(1),
-        block_size: o.block_size(),
-        dropout: o.dropout.unwrap_or(0.0),
-        activation: o.activation.unwrap_or_default(),
+        n_head: c.n_head,
+        block_size: c.block_size,
+        dropout: c.dropout,
+        activation: c.activation,
     };
     super::hf::hf_parts(&export, tensors)
 }

@@ -3,7 +3,7 @@
 //! comes from the directory's `config.json` (a key the job restates must agree); without it,
 //! the defaults make a small model that trains from scratch in minutes on a CPU.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -238,12 +238,8 @@ impl LanguageModelOptions for LlamaOptions {
         self.vocab_size
     }
 
-    fn tokenizer(&self) -> Option<PathBuf> {
-        crate::models::pretrained_tokenizer(self.init_from.as_deref()?)
-    }
-
-    fn vocabulary(&self) -> Option<PathBuf> {
-        crate::models::pretrained_vocabulary(self.init_from.as_deref()?)
+    fn init_from(&self) -> Option<&str> {
+        self.init_from.as_deref()
     }
 }
 

@@ -101,7 +101,8 @@ pub use data::{DataError, TensorDataset};
 
 pub use models::{Mode, Model, ParamStore, Params, TrainPass};
 pub use registry::{
-    BuildError, DataContext, LanguageModelOptions, LanguageModelSpec, ModelContext, Registry,
+    BuildError, DataContext, DatasetOptions, JobFile, LanguageModelOptions, LanguageModelSpec,
+    ModelContext, Registry,
 };
 pub use task::{BatchSource, ModelInput, Task};
 

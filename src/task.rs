@@ -11,9 +11,10 @@
 
 use candle_core::{D, DType, Device, Result as TensorResult, Tensor};
 
-use crate::config::{DatasetKind, JobSpec};
-use crate::data::{DataError, Dataset, text};
+use crate::config::JobSpec;
+use crate::data::{DataError, Dataset};
 use crate::jobdir::JobDir;
+use crate::registry::{DataContext, Registry};
 
 /// What a model is built for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,19 +138,12 @@ pub trait BatchSource {
     }
 }
 
-/// Loads the task `spec` names. Text data takes its vocabulary from the job directory when one
-/// was stored there (so a resumed job encodes exactly as it did).
+/// Opens the dataset `spec` names, through the registry. What the data keeps in the job
+/// directory is read from `job` (text data's vocabulary: a resumed job encodes exactly as it
+/// did).
 pub fn load(spec: &JobSpec, job: Option<&JobDir>) -> Result<Box<dyn Task>, DataError> {
-    match &spec.data.dataset {
-        DatasetKind::Text(_) | DatasetKind::Tokens(_) => {
-            Ok(Box::new(text::TextTask::load(spec, job)?))
-        }
-        DatasetKind::Custom { name, options } => {
-            let cx = crate::registry::DataContext { seed: spec.seed };
-            crate::registry::Registry::current().open_dataset(name, options, &cx)
-        }
-        _ => Ok(Box::new(Dataset::load(&spec.data, spec.seed)?)),
-    }
+    let cx = DataContext::of(spec, job.map(|j| j.root.as_path()));
+    Registry::current().open_dataset(&spec.data, &cx)
 }
 
 /// Mean cross-entropy of `logits` [.., classes] against integer `targets` [..].

@@ -78,8 +78,8 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     let device =
         crate::device::open(Some(&device_name)).map_err(|e| BenchError::Usage(e.to_string()))?;
     crate::device::set_matmul_precision(&device, spec.train.precision);
-    let input = match spec.data.dataset.image_shape() {
-        Some((shape, classes)) => ModelInput::Image { shape, classes },
+    let input = match crate::registry::Registry::current().data_input(&spec.data) {
+        Some(input) => input,
         // A language model's vocabulary comes from its data: read (or map) it.
         None => crate::task::load(spec, None)
             .map_err(crate::train::TrainError::from)?

@@ -7,9 +7,11 @@ use anyhow::anyhow;
 use clap::{Args, ValueEnum};
 
 use super::CliResult;
-use crate::config::{self, DatasetKind, TokenizerKind};
+use crate::config;
+use crate::data::vocab::Vocab;
 use crate::generate::{SampleError, weights_path};
 use crate::hf::{self, ExportDtype};
+use crate::jobdir::JobDir;
 
 #[derive(Debug, Args)]
 pub(super) struct ExportArgs {
@@ -52,7 +54,7 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         .map_err(|e| (1, anyhow!("cannot read `{}`: {e}", weights.display())))?;
     let (hf_config, tensors) =
         crate::models::hf_export_parts(&spec.model, tensors).map_err(|e| (2, anyhow!(e)))?;
-    let tokenizer = tokenizer_files(&spec);
+    let tokenizer = tokenizer_files(&spec, &job);
     let dtype = match args.dtype {
         Dtype::F32 => ExportDtype::F32,
         Dtype::Bf16 => ExportDtype::Bf16,
@@ -80,16 +82,16 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
 }
 
 /// The job's `tokenizer.json` and the files that go with it in its model directory.
-fn tokenizer_files(spec: &config::JobSpec) -> Vec<PathBuf> {
-    let DatasetKind::Text(text) = &spec.data.dataset else {
-        return pretrained_dir(spec).map_or_else(Vec::new, |d| companions(&d, None));
-    };
-    match &text.tokenizer {
-        TokenizerKind::HuggingFace(path) => {
+fn tokenizer_files(spec: &config::JobSpec, job: &JobDir) -> Vec<PathBuf> {
+    let data = crate::registry::Registry::current().data_tokenizer(&spec.data);
+    match data {
+        Some(path) => {
             let dir = path.parent().unwrap_or(Path::new("."));
             companions(dir, Some(path.clone()))
         }
-        TokenizerKind::Char | TokenizerKind::Byte => Vec::new(),
+        // Text in ddpjob's own char or byte vocabulary (kept in the job) has no file to write.
+        None if Vocab::path_in(&job.root).is_file() => Vec::new(),
+        None => pretrained_dir(spec).map_or_else(Vec::new, |d| companions(&d, None)),
     }
 }
 

@@ -7,7 +7,7 @@ use anyhow::anyhow;
 
 use super::output::{Done, Ending, Reporting};
 use super::{CliResult, ConfigArgs, ResumeArgs, RunArgs};
-use crate::config::{self, DatasetKind, Expectation};
+use crate::config::{self, Expectation};
 use crate::jobdir::JobDir;
 use crate::launch::auto::ResumeMode;
 use crate::launch::cluster::{self, NodeFlags, SchedulerEnv};
@@ -141,23 +141,11 @@ fn already_finished(job: JobDir, message: String) -> Ending {
 pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     let loaded = config::load(&args.config, &args.overrides()).map_err(|e| (2, anyhow!(e)))?;
     let spec = &loaded.spec;
-    let (train_samples, source) = match &spec.data.dataset {
-        DatasetKind::Synthetic(s) => (s.train_samples, "synthetic".to_string()),
-        DatasetKind::Mnist | DatasetKind::FashionMnist => {
-            match crate::data::train_samples_on_disk(&spec.data) {
-                Some(n) => (n, "counted in the files".to_string()),
-                None => (
-                    60_000,
-                    "the standard split; its files are not on disk yet".to_string(),
-                ),
-            }
-        }
-        DatasetKind::Text(_) | DatasetKind::Tokens(_) => match text_windows(spec) {
-            Ok(found) => found,
-            Err(e) => return Err((2, anyhow!(e))),
-        },
-        DatasetKind::Custom { name, .. } => match crate::task::load(spec, None) {
-            Ok(task) => (task.train_len(), format!("{name}, opened")),
+    let counted = crate::registry::Registry::current().train_samples(&spec.data);
+    let (train_samples, source) = match counted {
+        Some(found) => found,
+        None => match crate::task::load(spec, None) {
+            Ok(task) => (task.train_len(), opened(spec, task.as_ref())),
             Err(e) => return Err((2, anyhow!(e))),
         },
     };
@@ -214,34 +202,13 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     Ok(())
 }
 
-/// Training windows of a language model's data and where the number comes from; a text file
-/// still to be downloaded counts as not read.
-fn text_windows(spec: &config::JobSpec) -> Result<(usize, String), crate::data::DataError> {
-    if let DatasetKind::Text(t) = &spec.data.dataset
-        && !t.path.is_file()
-        && spec.data.download
-    {
-        return Ok((0, format!("`{}` not downloaded yet", t.path.display())));
-    }
-    // Token files are made by the user's own preparation step; the config is still checked.
-    if let DatasetKind::Tokens(t) = &spec.data.dataset
-        && !t.train_path.is_file()
-    {
-        return Ok((
-            0,
-            format!(
-                "`{}` not found: prepare the token files before `run`",
-                t.train_path.display()
-            ),
-        ));
-    }
-    let task = crate::task::load(spec, None)?;
-    let windows = task.train_len();
-    Ok((
-        windows,
-        format!(
+/// Where `validate`'s count of training samples comes from, when it opened the data.
+fn opened(spec: &config::JobSpec, task: &dyn crate::task::Task) -> String {
+    match spec.model.language() {
+        Some(_) => format!(
             "windows of block_size + 1 tokens; {} for evaluation",
             task.eval_len()
         ),
-    ))
+        None => format!("{}, opened", spec.data.name()),
+    }
 }

@@ -5,7 +5,6 @@
 
 use super::error::ConfigError;
 use super::source::Source;
-use super::spec::TokenizerKind;
 
 /// Collects every invalid value, each with the key and where it was written.
 pub struct Checker<'a> {
@@ -125,36 +124,9 @@ pub fn choice<T: Copy, S>(
     }
 }
 
-/// `data.tokenizer`: `"char"`, `"byte"`, or the path of a Hugging Face `tokenizer.json`.
-pub fn tokenizer<S>() -> impl Fn(&mut Checker, &str, &String, &S) -> TokenizerKind {
-    |c, key, v, _| match v.as_str() {
-        "char" => TokenizerKind::Char,
-        "byte" => TokenizerKind::Byte,
-        path if path.ends_with(".json") => TokenizerKind::HuggingFace(path.into()),
-        other => {
-            c.fail(
-                key,
-                format!(
-                    "unknown value \"{other}\"; expected \"char\", \"byte\" or the path of a \
-                     Hugging Face tokenizer file ending in .json \
-                     (e.g. \"data/gpt2/tokenizer.json\")"
-                ),
-            );
-            TokenizerKind::Char
-        }
-    }
-}
-
 /// An optional key: `check` when it is given.
 pub fn optional<R, T, S>(
     check: impl Fn(&mut Checker, &str, &R, &S) -> T,
 ) -> impl Fn(&mut Checker, &str, &Option<R>, &S) -> Option<T> {
     move |c, key, v, section| v.as_ref().map(|v| check(c, key, v, section))
-}
-
-/// A list: `check` on each entry.
-pub fn each<R, T, S>(
-    check: impl Fn(&mut Checker, &str, &R, &S) -> T,
-) -> impl Fn(&mut Checker, &str, &Vec<R>, &S) -> Vec<T> {
-    move |c, key, v, section| v.iter().map(|v| check(c, key, v, section)).collect()
 }

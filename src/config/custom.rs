@@ -1,12 +1,14 @@
-//! The `[model]` and `[data]` keys of a model or dataset the binary's author registered: taken
-//! out of the document before the schema check (they are not ddpjob's keys), checked against
-//! the fields of the registered options struct (unknown keys get the file, line and a
-//! did-you-mean), and deserialised once so their errors surface at `validate`, not in a worker.
+//! The `[model]` and `[data]` keys of the registered model and dataset (ddpjob's own or the
+//! binary's author's): taken out of the document before the schema check (they are not the
+//! schema's keys), checked against the fields of the registered options struct (unknown keys
+//! get the file, line and a did-you-mean, or the model or dataset they belong to), and
+//! deserialised once, the data's completed for the model, so their errors surface at
+//! `validate`, not in a worker.
 
-use super::error::{ConfigError, Origin};
+use super::error::{ConfigError, Hint, Origin};
 use super::schema;
 use super::source::Source;
-use crate::registry::{Known, Registry};
+use crate::registry::{DataContext, Known, Registry};
 
 /// A registered model's or dataset's name and its resolved options (defaults written out).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -27,10 +29,9 @@ struct Section {
     /// default builder's keys beside the archs that always took them (job files switch `arch`
     /// and keep them, and the `job.toml` of older versions writes them for those archs).
     tolerated: &'static [(&'static str, &'static str)],
-    /// The registry's side of it: what a name is, the names, and how options resolve.
+    /// The registry's side of it: what a name is, and the names.
     kind: fn(&Registry, &str) -> Known,
     names: fn(&Registry) -> Vec<&str>,
-    resolve: fn(&Registry, &str, &toml::Table) -> Result<toml::Table, String>,
 }
 
 const MODEL: Section = Section {
@@ -41,7 +42,6 @@ const MODEL: Section = Section {
     tolerated: &[("cnn", "hidden"), ("gpt", "hidden")],
     kind: Registry::model_kind,
     names: Registry::model_names,
-    resolve: Registry::resolve_model,
 };
 
 const DATA: Section = Section {
@@ -49,25 +49,41 @@ const DATA: Section = Section {
     selector: "dataset",
     default: "mnist",
     own: &["dataset", "drop_last"],
-    tolerated: &[],
+    tolerated: crate::data::TOLERATED,
     kind: Registry::dataset_kind,
     names: Registry::dataset_names,
-    resolve: Registry::resolve_dataset,
 };
 
 /// Takes the registered builders' options out of `source`; see the module docs.
 pub fn extract(source: &mut Source, registry: &Registry) -> Result<CustomParts, ConfigError> {
     let mut errors = Vec::new();
-    let model = take(source, &MODEL, registry, &mut errors);
-    let data = take(source, &DATA, registry, &mut errors);
+    let resolve_model = |arch: &str, t: &toml::Table| registry.resolve_model(arch, t);
+    let model = take(source, &MODEL, registry, &resolve_model, &mut errors);
+    // The data is completed for the model it feeds; with no model to fit (its own errors are
+    // reported), only its keys are read.
+    let seed = source.table.get("seed").and_then(toml::Value::as_integer);
+    let cx = model.as_ref().map(|(arch, options)| DataContext {
+        seed: seed.unwrap_or(0) as u64,
+        arch: arch.clone(),
+        language: registry.language(arch, options).and_then(Result::ok),
+        job: None,
+    });
+    let resolve_data = |dataset: &str, t: &toml::Table| match &cx {
+        Some(cx) => registry.resolve_dataset(dataset, t, cx),
+        None => registry.resolve_dataset_keys(dataset, t),
+    };
+    let data = take(source, &DATA, registry, &resolve_data, &mut errors);
     ConfigError::collect(errors)?;
     Ok(CustomParts { model, data })
 }
+
+type Resolve<'a> = dyn Fn(&str, &toml::Table) -> Result<toml::Table, String> + 'a;
 
 fn take(
     source: &mut Source,
     section: &Section,
     registry: &Registry,
+    resolve: &Resolve<'_>,
     errors: &mut Vec<ConfigError>,
 ) -> Option<(String, toml::Table)> {
     let table = source
@@ -80,8 +96,7 @@ fn take(
         .unwrap_or(section.default)
         .to_string();
     let fields = match (section.kind)(registry, &chosen) {
-        Known::Custom { fields } => fields,
-        Known::Builtin => return None,
+        Known::Registered { fields } => fields,
         Known::Unknown => {
             // Said first: the section's other keys would otherwise read as unknown keys.
             let key = format!("{}.{}", section.name, section.selector);
@@ -120,35 +135,68 @@ fn take(
     let what = format!("[{}] ({} = \"{chosen}\")", section.name, section.selector);
     for key in options.keys() {
         if let Some(fields) = fields.filter(|f| !f.contains(&key.as_str())) {
+            let owners = owners_of(registry, section, key);
             let candidates = fields.iter().chain(section.own).copied();
+            let hint = match owners.is_empty() {
+                true => Hint::closest(key, candidates),
+                false => Some(Hint::BelongsTo(format!(
+                    "{}.{} = {}",
+                    section.name,
+                    section.selector,
+                    owners.join(" or ")
+                ))),
+            };
             errors.push(ConfigError::UnknownKey {
                 key: key.clone(),
                 table: what.clone(),
                 at: source.key_origin(&format!("{}.{key}", section.name)),
-                suggestion: schema::closest(key, candidates).map(String::from),
+                hint,
             });
         }
     }
-    match (section.resolve)(registry, &chosen, &options) {
+    match resolve(&chosen, &options) {
         Ok(resolved) => Some((chosen, resolved)),
         Err(problem) => {
             // serde names the key it stopped at in backticks, and an options struct's checks
-            // as `model.KEY`: point at the key named first.
-            let key = fields
+            // as `model.KEY` (or deeper, `data.synthetic.shape`): point at the key named first.
+            let named_first = fields
                 .unwrap_or_default()
                 .iter()
                 .filter_map(|f| {
                     let named = [format!("`{f}`"), format!("{}.{f}", section.name)];
                     named
                         .iter()
-                        .filter_map(|n| problem.find(n.as_str()))
+                        .filter_map(|n| problem.find(n.as_str()).map(|at| (at, n)))
                         .min()
-                        .map(|at| (at, f))
+                        .map(|(at, n)| (at, f, n.starts_with('`')))
                 })
-                .min()
-                .map(|(_, f)| format!("{}.{f}", section.name));
+                .min();
+            let key = named_first.map(|(at, f, quoted)| {
+                let top = format!("{}.{f}", section.name);
+                let deeper = problem[at..]
+                    .split(|c: char| !(c.is_ascii_alphanumeric() || "_-.".contains(c)))
+                    .next()
+                    .map(|p| p.trim_end_matches('.'));
+                match deeper {
+                    Some(path)
+                        if !quoted
+                            && path.len() > top.len()
+                            && !matches!(source.key_origin(path), Origin::Defaulted(_)) =>
+                    {
+                        path.to_string()
+                    }
+                    _ => top,
+                }
+            });
             let at = match &key {
-                Some(k) if options.contains_key(&k[section.name.len() + 1..]) => {
+                Some(k)
+                    if options.contains_key(
+                        k[section.name.len() + 1..]
+                            .split('.')
+                            .next()
+                            .unwrap_or_default(),
+                    ) =>
+                {
                     source.value_origin(k)
                 }
                 _ => source.key_origin(section.name),
@@ -169,13 +217,24 @@ fn take(
     }
 }
 
+/// The other registered names of `section` that read `key`, quoted.
+fn owners_of(registry: &Registry, section: &Section, key: &str) -> Vec<String> {
+    let names = (section.names)(registry);
+    let reads = |name: &str| match (section.kind)(registry, name) {
+        Known::Registered { fields: Some(f) } => f.contains(&key),
+        _ => false,
+    };
+    let owners = names.into_iter().filter(|n| reads(n));
+    owners.map(|n| format!("\"{n}\"")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::Path;
 
     use serde::{Deserialize, Serialize};
 
-    use crate::config::{DatasetKind, ModelSpec, load_str_with};
+    use crate::config::{DataSpec, ModelSpec, load_str_with};
     use crate::data::TensorDataset;
     use crate::models::{Mlp, Model};
     use crate::registry::{BuildError, DataContext, ModelContext, Registry};
@@ -241,10 +300,10 @@ mod tests {
         assert_eq!(arch, "tiny");
         assert_eq!(options.get("width").and_then(|v| v.as_integer()), Some(8));
         assert_eq!(options.get("depth").and_then(|v| v.as_integer()), Some(3));
-        let DatasetKind::Custom { name, options } = &loaded.spec.data.dataset else {
-            panic!("{:?}", loaded.spec.data.dataset)
-        };
-        assert_eq!(name, "my-csv");
+        let DataSpec {
+            dataset, options, ..
+        } = &loaded.spec.data;
+        assert_eq!(dataset, "my-csv");
         assert_eq!(options.get("path").and_then(|v| v.as_str()), Some("x.csv"));
         assert!(loaded.spec.data.drop_last);
 

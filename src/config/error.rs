@@ -40,12 +40,12 @@ pub enum ConfigError {
     #[error("TOML syntax error in {at}: {message}")]
     Syntax { at: Origin, message: String },
 
-    #[error("unknown key `{key}` in {table} ({at}){}", suggestion_text(suggestion))]
+    #[error("unknown key `{key}` in {table} ({at}){}", hint_text(hint))]
     UnknownKey {
         key: String,
         table: String,
         at: Origin,
-        suggestion: Option<String>,
+        hint: Option<Hint>,
     },
 
     #[error("`{key}` ({at}) must be {expected}, found {found}")]
@@ -70,9 +70,27 @@ pub enum ConfigError {
     Many(Vec<ConfigError>),
 }
 
-fn suggestion_text(suggestion: &Option<String>) -> String {
-    match suggestion {
-        Some(s) => format!("; did you mean `{s}`?"),
+/// What an unknown key may have been meant as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Hint {
+    /// The closest known key (a typo).
+    Closest(String),
+    /// The other choice it is a key of (`data.dataset = "text"`): left behind when a job
+    /// switched models or datasets.
+    BelongsTo(String),
+}
+
+impl Hint {
+    /// The closest of `candidates`, if one is close enough to be a typo.
+    pub fn closest<'a>(key: &str, candidates: impl Iterator<Item = &'a str>) -> Option<Hint> {
+        super::schema::closest(key, candidates).map(|c| Hint::Closest(c.to_string()))
+    }
+}
+
+fn hint_text(hint: &Option<Hint>) -> String {
+    match hint {
+        Some(Hint::BelongsTo(owner)) => format!("; it is a key of {owner}: remove it"),
+        Some(Hint::Closest(s)) => format!("; did you mean `{s}`?"),
         None => String::new(),
     }
 }

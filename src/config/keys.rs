@@ -8,17 +8,12 @@
 // A check takes a reference to its key's declared type (`&String`, `&Vec<i64>`).
 #![allow(clippy::ptr_arg)]
 
-use std::collections::BTreeMap;
-
 use super::checks::{
-    Checker, any, at_least, choice, each, in_range, non_negative, optional, positive, tokenizer,
-    zero_is_off, zero_is_off_f64,
+    Checker, any, at_least, choice, in_range, non_negative, optional, positive, zero_is_off,
+    zero_is_off_f64,
 };
 use super::declare::section;
-use super::spec::{
-    Backend, DeviceChoice, OnWriteError, OptimizerSpec, Precision, ScheduleKind, TokenDtype,
-    TokenizerKind,
-};
+use super::spec::{Backend, DeviceChoice, OnWriteError, OptimizerSpec, Precision, ScheduleKind};
 
 /// A week: longer than any collective should stall, and safe to add to a clock.
 const MAX_TIMEOUT_S: i64 = 7 * 24 * 3600;
@@ -65,72 +60,14 @@ section! {
 }
 
 section! {
-    /// `[data]`: the dataset and where its files are.
+    /// `[data]`: the dataset. Its other keys are the dataset's own (its options struct's
+    /// fields; `ddpjob keys data.<dataset>` lists them).
     RawData at "data", checked into DataKeys {
         /// `"mnist"`, `"fashion-mnist"`, `"synthetic"`, `"text"` (a UTF-8 file) or `"tokens"`
         /// (pre-tokenised `.bin` files), or a dataset your own binary registers
         dataset: String = "mnist".into() => dataset: String = any();
-        /// text: the UTF-8 file; relative to the working directory; fetched from
-        /// `data.mirrors` when missing and `data.download = true`
-        #[serde(skip_serializing_if = "Option::is_none")]
-        path: Option<String> = None => path: Option<String> = any();
-        /// text: `"char"` (the file's distinct characters, sorted, as nanoGPT's `prepare.py`),
-        /// `"byte"` (256 symbols) or the path of a Hugging Face `tokenizer.json` (GPT-2's BPE,
-        /// a WordPiece, a Unigram...; relative to the working directory)
-        #[serde(skip_serializing_if = "Option::is_none")]
-        tokenizer: Option<String> = None, shown "`\"char\"`"
-            => tokenizer: Option<TokenizerKind> = optional(tokenizer());
-        /// text: the last fraction of the tokens is the validation split
-        #[serde(skip_serializing_if = "Option::is_none")]
-        val_fraction: Option<f64> = None, shown "`0.1`"
-            => val_fraction: Option<f64> = optional(open_fraction);
-        /// tokens: training tokens, flat little-endian, memory-mapped
-        #[serde(skip_serializing_if = "Option::is_none")]
-        train_path: Option<String> = None => train_path: Option<String> = any();
-        /// tokens: validation tokens, same format
-        #[serde(skip_serializing_if = "Option::is_none")]
-        val_path: Option<String> = None => val_path: Option<String> = any();
-        /// tokens: `"u16"` (nanoGPT, llm.c) or `"u32"`
-        #[serde(skip_serializing_if = "Option::is_none")]
-        token_dtype: Option<String> = None, shown "`\"u16\"`"
-            => token_dtype: Option<TokenDtype> = optional(choice(&[("u16", TokenDtype::U16), ("u32", TokenDtype::U32)]));
-        /// directory with the IDX files; searched first, downloads go here (text: the
-        /// directory of `data.path`)
-        root: Option<String> = None, shown "`\"data/<dataset>\"`" => root: Option<String> = any();
-        /// download missing files
-        download: bool = false => download: bool = any();
         /// drop the tail that does not divide among the workers instead of padding it
         drop_last: bool = false => drop_last: bool = any();
-        /// base URLs tried in order
-        mirrors: Vec<String> = Vec::new(), shown "known mirrors" => mirrors: Vec<String> = any();
-        /// table: SHA-256 per file name (for private mirrors)
-        checksums: BTreeMap<String, String> = BTreeMap::new(), shown "built in"
-            => checksums: BTreeMap<String, String> = sha256_digests;
-        /// per-channel normalisation after scaling to [0, 1]
-        mean: Vec<f64> = Vec::new(), shown "none" => mean: Vec<f64> = any();
-        /// per-channel normalisation after scaling to [0, 1]
-        std: Vec<f64> = Vec::new(), shown "none" => std: Vec<f64> = each(positive());
-        /// shape of the synthetic dataset
-        synthetic: RawSynthetic = RawSynthetic::default()
-            => synthetic: SyntheticSpec = nested();
-    }
-}
-
-section! {
-    /// `data.dataset = "synthetic"`: class patterns plus noise, made from the seed.
-    RawSynthetic at "data.synthetic", checked into SyntheticSpec {
-        /// synthetic training samples
-        train_samples: i64 = 4096 => train_samples: usize = at_least(1);
-        /// synthetic test samples
-        test_samples: i64 = 1024 => test_samples: usize = at_least(1);
-        /// [channels, height, width]
-        shape: Vec<i64> = vec![1, 28, 28] => shape: [usize; 3] = image_shape;
-        /// number of classes
-        classes: i64 = 10 => classes: usize = at_least(2);
-        /// noise std on each class pattern
-        noise: f64 = 0.5 => noise: f32 = |c: &mut Checker, key: &str, &v: &f64, _: &RawSynthetic| {
-            c.non_negative(key, v, "") as f32
-        };
     }
 }
 
@@ -306,50 +243,6 @@ impl RawExpect {
 /// A `[section]` key: the section's own checks.
 fn nested<R: super::declare::Section, S>() -> impl Fn(&mut Checker, &str, &R, &S) -> R::Checked {
     |c, _, section, _| section.check(c)
-}
-
-fn open_fraction(c: &mut Checker, key: &str, &v: &f64, _: &RawData) -> f64 {
-    if !(v > 0.0 && v < 1.0) {
-        c.fail(
-            key,
-            format!("must be in (0, 1), got {v}; 0.1 keeps the last 10% for validation"),
-        );
-    }
-    v
-}
-
-fn sha256_digests(
-    c: &mut Checker,
-    key: &str,
-    sums: &BTreeMap<String, String>,
-    _: &RawData,
-) -> BTreeMap<String, String> {
-    for (file, digest) in sums {
-        if digest.len() != 64 || !digest.chars().all(|ch| ch.is_ascii_hexdigit()) {
-            c.fail(
-                &format!("{key}.{file}"),
-                "must be a SHA-256 digest: 64 hex digits",
-            );
-        }
-    }
-    sums.clone()
-}
-
-fn image_shape(c: &mut Checker, key: &str, shape: &Vec<i64>, _: &RawSynthetic) -> [usize; 3] {
-    let dims: Vec<usize> = shape.iter().map(|&v| c.at_least(key, v, 1)).collect();
-    match dims.as_slice() {
-        &[ch, h, w] => [ch, h, w],
-        _ => {
-            c.fail(
-                key,
-                format!(
-                    "must have 3 entries [channels, height, width], got {}",
-                    dims.len()
-                ),
-            );
-            [1, 28, 28]
-        }
-    }
 }
 
 fn optimizer_spec(c: &mut Checker, key: &str, name: &String, t: &RawTrain) -> OptimizerSpec {

@@ -23,9 +23,9 @@ pub use source::Source;
 #[cfg(any(test, feature = "cuda"))]
 pub(crate) use spec::Backend;
 pub use spec::{
-    Check, CheckpointSpec, DataSpec, DatasetKind, DeviceChoice, DistributedSpec, Expectation,
-    JobSpec, ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind, ScheduleSpec,
-    SyntheticSpec, TextSpec, TokenDtype, TokenizerKind,
+    Check, CheckpointSpec, DataSpec, DeviceChoice, DistributedSpec, Expectation, JobSpec,
+    ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind, ScheduleSpec, TokenDtype,
+    TokenizerKind,
 };
 
 /// A validated job and the fully resolved config it came from (every default written out).
@@ -37,7 +37,7 @@ pub struct LoadedConfig {
 
 impl LoadedConfig {
     /// The resolved config as TOML: what `validate` prints and `run` freezes into `job.toml`.
-    /// A registered model's or dataset's section holds its selector and its options only.
+    /// The model's and the dataset's sections hold their selector and options only.
     pub fn resolved_toml(&self) -> String {
         let render = || -> Result<String, toml::ser::Error> {
             let mut doc = match toml::Value::try_from(&self.resolved)? {
@@ -48,13 +48,11 @@ impl LoadedConfig {
             model.insert("arch".into(), self.spec.model.arch().into());
             model.extend(self.spec.model.options().clone());
             doc.insert("model".into(), model.into());
-            if let DatasetKind::Custom { name, options } = &self.spec.data.dataset {
-                let mut data = toml::Table::new();
-                data.insert("dataset".into(), name.clone().into());
-                data.insert("drop_last".into(), self.spec.data.drop_last.into());
-                data.extend(options.clone());
-                doc.insert("data".into(), data.into());
-            }
+            let mut data = toml::Table::new();
+            data.insert("dataset".into(), self.spec.data.name().into());
+            data.insert("drop_last".into(), self.spec.data.drop_last.into());
+            data.extend(self.spec.data.options().clone());
+            doc.insert("data".into(), data.into());
             toml::to_string_pretty(&doc)
         };
         render().unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
@@ -156,27 +154,6 @@ pub fn load_str_with(
         .map_or("job".into(), |s| s.to_string_lossy().into_owned());
     let spec = JobSpec::from_raw(&resolved, &source, &default_name, custom, registry)?;
     resolved.name = Some(spec.name.clone());
-    resolved.data.root = Some(spec.data.root.display().to_string());
-    match &spec.data.dataset {
-        DatasetKind::Text(t) => {
-            resolved.data.tokenizer = Some(match &t.tokenizer {
-                TokenizerKind::Char => "char".into(),
-                TokenizerKind::Byte => "byte".into(),
-                TokenizerKind::HuggingFace(path) => path.display().to_string(),
-            });
-            resolved.data.val_fraction = Some(t.val_fraction);
-        }
-        DatasetKind::Tokens(t) => {
-            resolved.data.token_dtype = Some(
-                match t.dtype {
-                    TokenDtype::U16 => "u16",
-                    TokenDtype::U32 => "u32",
-                }
-                .into(),
-            );
-        }
-        _ => {}
-    }
     Ok(LoadedConfig { spec, resolved })
 }
 

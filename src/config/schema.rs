@@ -61,17 +61,18 @@ pub static KEYS: LazyLock<Vec<KeySpec>> =
     LazyLock::new(|| <super::keys::RawConfig as ValueKind>::keys_under(""));
 
 /// The README's config table: every key that is not a section, in this table's order, with
-/// each built-in model's own keys after `model.arch`.
+/// each built-in model's own keys after `model.arch` and each dataset's after `data.dataset`.
 #[cfg(test)]
 pub fn markdown_table() -> String {
+    let registry = crate::registry::Registry::builtin();
     let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
     for k in KEYS.iter().filter(|k| k.kind != Kind::Table) {
         out += &format!("| `{}` | {} | {} |\n", k.path, k.default, k.doc);
-        if k.path == "model.arch" {
-            for (arch, key) in model_keys(&crate::registry::Registry::builtin()) {
+        if let Some(section) = OptionSection::selected_by(&k.path) {
+            for (owner, key) in section.keys(&registry) {
                 out += &format!(
-                    "| `model.{}` | {} | {arch}: {} |\n",
-                    key.key, key.default, key.doc
+                    "| `{}.{}` | {} | {owner}: {} |\n",
+                    section.name, key.key, key.default, key.doc
                 );
             }
         }
@@ -79,21 +80,72 @@ pub fn markdown_table() -> String {
     out
 }
 
-/// Every model's option keys, by arch (a registered model's undocumented fields included).
-fn model_keys(registry: &crate::registry::Registry) -> Vec<(String, KeyDoc)> {
-    let mut keys = Vec::new();
-    for m in registry.model_docs() {
-        for field in m.fields {
-            let doc = m.keys.iter().find(|k| k.key == *field).copied();
-            let doc = doc.unwrap_or(KeyDoc {
-                key: field,
-                default: "its options struct's",
-                doc: "an option of this registered model",
-            });
-            keys.push((m.arch.to_string(), doc));
-        }
+/// A section whose other keys belong to the registered name its selector picks.
+#[derive(Clone, Copy)]
+struct OptionSection {
+    name: &'static str,
+    selector: &'static str,
+}
+
+const OPTION_SECTIONS: [OptionSection; 2] = [
+    OptionSection {
+        name: "model",
+        selector: "arch",
+    },
+    OptionSection {
+        name: "data",
+        selector: "dataset",
+    },
+];
+
+impl OptionSection {
+    fn selected_by(path: &str) -> Option<OptionSection> {
+        OPTION_SECTIONS
+            .into_iter()
+            .find(|s| path == format!("{}.{}", s.name, s.selector))
     }
-    keys
+
+    /// Every registered name's option keys, by name (undocumented fields of a user's
+    /// options struct included). Keys several names read alike are listed once, for the names
+    /// together (`mnist, fashion-mnist: root`).
+    fn keys(self, registry: &crate::registry::Registry) -> Vec<(String, KeyDoc)> {
+        let docs: Vec<(&str, &[KeyDoc], &[&str])> = match self.name {
+            "model" => registry
+                .model_docs()
+                .into_iter()
+                .map(|m| (m.arch, m.keys, m.fields))
+                .collect(),
+            _ => registry
+                .dataset_docs()
+                .into_iter()
+                .map(|d| (d.dataset, d.keys, d.fields))
+                .collect(),
+        };
+        let mut keys: Vec<(String, KeyDoc)> = Vec::new();
+        for (owner, documented, fields) in docs {
+            let listed = documented.iter().copied();
+            let undocumented = fields
+                .iter()
+                .filter(|f| {
+                    let nested = format!("{f}.");
+                    !documented
+                        .iter()
+                        .any(|k| k.key == **f || k.key.starts_with(&nested))
+                })
+                .map(|field| KeyDoc {
+                    key: field,
+                    default: "its options struct's",
+                    doc: "an option of this registered name",
+                });
+            for doc in listed.chain(undocumented) {
+                match keys.iter_mut().find(|(_, k)| *k == doc) {
+                    Some((owners, _)) => *owners += &format!(", {owner}"),
+                    None => keys.push((owner.to_string(), doc)),
+                }
+            }
+        }
+        keys
+    }
 }
 
 /// `ddpjob keys [PREFIX]`: the keys under `prefix` (all without one) with their type, default
@@ -103,27 +155,24 @@ pub fn reference(prefix: Option<&str>) -> Option<String> {
     let matches =
         |k: &&KeySpec| prefix.is_none_or(|p| k.path == p || k.path.starts_with(&format!("{p}.")));
     let keys: Vec<&KeySpec> = KEYS.iter().filter(matches).collect();
-    // `model.gpt` (or `model.gpt.n_layer`) picks one arch's keys.
-    let model_keys = model_keys(crate::registry::Registry::current());
-    let model_keys: Vec<&(String, KeyDoc)> = model_keys
-        .iter()
-        .filter(|(arch, k)| {
-            let (plain_path, arch_path) = (format!("model.{}", k.key), format!("model.{arch}"));
+    // `model.gpt` (or `model.gpt.n_layer`) picks one arch's keys, `data.text` one dataset's.
+    let registry = crate::registry::Registry::current();
+    let option_lines = |section: OptionSection| {
+        let name = section.name;
+        let lines = section.keys(registry).into_iter().filter(|(owners, k)| {
+            let plain_path = format!("{name}.{}", k.key);
             prefix.is_none_or(|p| {
-                p == "model"
+                p == name
                     || p == plain_path
-                    || p == arch_path
-                    || p == format!("{arch_path}.{}", k.key)
+                    || owners.split(", ").any(|owner| {
+                        let owner_path = format!("{name}.{owner}");
+                        p == owner_path || p == format!("{owner_path}.{}", k.key)
+                    })
             })
-        })
-        .collect();
-    if keys.is_empty() && model_keys.is_empty() {
-        return None;
-    }
-    let model_lines = || {
-        let lines = model_keys.iter().map(|(arch, key)| {
+        });
+        let lines = lines.map(|(owners, key)| {
             format!(
-                "  model.{}  ({arch}, default {})\n      {}\n",
+                "  {name}.{}  ({owners}, default {})\n      {}\n",
                 key.key,
                 plain(key.default),
                 plain(key.doc)
@@ -131,8 +180,15 @@ pub fn reference(prefix: Option<&str>) -> Option<String> {
         });
         lines.collect::<String>()
     };
+    let options: Vec<(OptionSection, String)> = OPTION_SECTIONS
+        .into_iter()
+        .map(|s| (s, option_lines(s)))
+        .collect();
+    if keys.is_empty() && options.iter().all(|(_, lines)| lines.is_empty()) {
+        return None;
+    }
     let mut out = String::new();
-    let mut models_listed = false;
+    let mut listed = [false; 2];
     for k in keys {
         if k.kind == Kind::Table {
             out += &format!("[{}]  {}\n", k.path, plain(&k.doc));
@@ -145,13 +201,17 @@ pub fn reference(prefix: Option<&str>) -> Option<String> {
                 plain(&k.doc)
             );
         }
-        if k.path == "model.arch" {
-            out += &model_lines();
-            models_listed = true;
+        for (i, (section, lines)) in options.iter().enumerate() {
+            if OptionSection::selected_by(&k.path).is_some_and(|s| s.name == section.name) {
+                out += lines;
+                listed[i] = true;
+            }
         }
     }
-    if !models_listed {
-        out += &model_lines();
+    for (i, (_, lines)) in options.iter().enumerate() {
+        if !listed[i] {
+            out += lines;
+        }
     }
     Some(out)
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use toml_edit::TableLike;
 
-use super::error::{ConfigError, Origin};
+use super::error::{ConfigError, Hint, Origin};
 use super::schema::{self, Kind};
 
 /// The merged config document and where each of its keys came from.
@@ -83,14 +83,7 @@ impl Source {
             // Possibly an option of a registered model or dataset: typed by its own struct
             // later; an unknown key is reported then, naming this argument.
             let value = parse_literal(raw_value.trim());
-            let (section, leaf) = path.split_once('.').unwrap_or(("", path));
-            let table = self
-                .table
-                .entry(section.to_string())
-                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-            if let Some(table) = table.as_table_mut() {
-                table.insert(leaf.to_string(), value);
-            }
+            self.insert_at(path, value).map_err(bad)?;
             self.overrides.insert(path.to_string(), arg.to_string());
             return Ok(());
         }
@@ -106,6 +99,13 @@ impl Source {
                 spec.kind.describe()
             ))
         })?;
+        self.insert_at(path, value).map_err(bad)?;
+        self.overrides.insert(path.to_string(), arg.to_string());
+        Ok(())
+    }
+
+    /// Puts `value` at the dotted `path`, making the tables on the way.
+    fn insert_at(&mut self, path: &str, value: toml::Value) -> Result<(), String> {
         let mut table = &mut self.table;
         let mut segments: Vec<&str> = path.split('.').collect();
         let leaf = segments.pop().unwrap_or(path);
@@ -114,14 +114,13 @@ impl Source {
                 .entry(segment.to_string())
                 .or_insert_with(|| toml::Value::Table(toml::Table::new()));
             table = entry.as_table_mut().ok_or_else(|| {
-                bad(format!(
+                format!(
                     "`{}` is not a table in the config file",
                     segments[..=i].join(".")
-                ))
+                )
             })?;
         }
         table.insert(leaf.to_string(), value);
-        self.overrides.insert(path.to_string(), arg.to_string());
         Ok(())
     }
 
@@ -144,7 +143,7 @@ impl Source {
                         format!("[{prefix}]")
                     },
                     at: self.key_origin(&path),
-                    suggestion: schema::closest(name, schema::children(prefix)).map(String::from),
+                    hint: Hint::closest(name, schema::children(prefix)),
                 });
                 continue;
             };
@@ -164,9 +163,10 @@ impl Source {
     }
 }
 
-/// `model.KEY` or `data.KEY`: a key a registered model's or dataset's options may have.
+/// `model.KEY` or `data.KEY` (or deeper, `data.synthetic.shape`): a key a registered model's
+/// or dataset's options may have.
 fn is_option_key(path: &str) -> bool {
-    matches!(path.split_once('.'), Some(("model" | "data", leaf)) if !leaf.contains('.'))
+    matches!(path.split_once('.'), Some(("model" | "data", leaf)) if !leaf.is_empty())
 }
 
 /// A `--set` value for a key the schema does not type: a TOML value (`8`, `0.5`, `true`,

@@ -1,15 +1,12 @@
 //! The validated job: what the rest of the program sees. Built once from the raw config by
 //! `validate.rs`; nothing here can hold an invalid value.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 pub use crate::registry::LanguageModelSpec;
 
 // The sections whose checked keys are the spec itself, declared in `keys.rs`.
-pub use super::keys::{
-    CheckpointSpec, DistributedSpec, LoggingSpec, ScheduleSpec, SyntheticSpec, TrainSpec,
-};
+pub use super::keys::{CheckpointSpec, DistributedSpec, LoggingSpec, ScheduleSpec, TrainSpec};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobSpec {
@@ -72,54 +69,6 @@ impl ModelSpec {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub enum DatasetKind {
-    Mnist,
-    FashionMnist,
-    Synthetic(SyntheticSpec),
-    Text(TextSpec),
-    Tokens(TokensSpec),
-    /// A dataset the binary's author registered: its `[data]` keys but `dataset` and
-    /// `drop_last`, with the defaults of its options struct written out.
-    Custom {
-        name: String,
-        options: toml::Table,
-    },
-}
-
-impl DatasetKind {
-    /// The `data.dataset` value.
-    pub fn name(&self) -> &str {
-        match self {
-            DatasetKind::Mnist => "mnist",
-            DatasetKind::FashionMnist => "fashion-mnist",
-            DatasetKind::Synthetic(_) => "synthetic",
-            DatasetKind::Text(_) => "text",
-            DatasetKind::Tokens(_) => "tokens",
-            DatasetKind::Custom { name, .. } => name,
-        }
-    }
-
-    /// An image dataset's sample [channels, height, width] and number of classes, known
-    /// without reading any data; `None` for token data.
-    pub fn image_shape(&self) -> Option<([usize; 3], usize)> {
-        match self {
-            DatasetKind::Mnist | DatasetKind::FashionMnist => Some(([1, 28, 28], 10)),
-            DatasetKind::Synthetic(s) => Some((s.shape, s.classes)),
-            DatasetKind::Text(_) | DatasetKind::Tokens(_) | DatasetKind::Custom { .. } => None,
-        }
-    }
-}
-
-/// `data.dataset = "text"`: a UTF-8 file, tokenised at load time.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TextSpec {
-    pub path: PathBuf,
-    pub tokenizer: TokenizerKind,
-    /// The last fraction of the tokens, kept for validation.
-    pub val_fraction: f64,
-}
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TokenizerKind {
     /// The file's distinct characters in sorted order (nanoGPT's `prepare.py`).
@@ -128,14 +77,6 @@ pub enum TokenizerKind {
     Byte,
     /// A Hugging Face `tokenizer.json` (BPE, WordPiece, Unigram...): the file's path.
     HuggingFace(PathBuf),
-}
-
-/// `data.dataset = "tokens"`: pre-tokenised files, memory-mapped.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TokensSpec {
-    pub train_path: PathBuf,
-    pub val_path: PathBuf,
-    pub dtype: TokenDtype,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,17 +94,29 @@ impl TokenDtype {
     }
 }
 
+/// `[data]`: a registered dataset (ddpjob's own `mnist`, `fashion-mnist`, `synthetic`,
+/// `text`, `tokens`, or one the binary's author registered) and its keys but `dataset` and
+/// `drop_last`, with the defaults of its options struct written out and completed for the
+/// model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataSpec {
-    pub dataset: DatasetKind,
-    pub root: PathBuf,
-    pub download: bool,
+    pub dataset: String,
+    pub options: toml::Table,
     /// DistributedSampler's `drop_last`: drop the tail instead of padding it by wrap-around.
     pub drop_last: bool,
-    pub mirrors: Vec<String>,
-    pub checksums: BTreeMap<String, String>,
-    /// Per-channel (mean, std) applied after scaling to [0,1].
-    pub normalize: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl DataSpec {
+    /// The `data.dataset` value.
+    pub fn name(&self) -> &str {
+        &self.dataset
+    }
+
+    /// The options its registered opener receives: `[data]` without `dataset` and
+    /// `drop_last`.
+    pub fn options(&self) -> &toml::Table {
+        &self.options
+    }
 }
 
 impl OptimizerSpec {

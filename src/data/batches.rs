@@ -112,7 +112,7 @@ impl BatchSource for Batches<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::SyntheticSpec;
+    use crate::data::SyntheticSpec;
 
     #[test]
     fn resident_batches_equal_the_host_built_ones() {

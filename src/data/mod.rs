@@ -1,6 +1,7 @@
 //! Datasets held in memory as u8 pixels, and batches assembled from them in one pass.
 
 mod batches;
+mod builtin;
 mod catalog;
 pub mod download;
 mod hf_tokenizer;
@@ -9,6 +10,7 @@ pub mod sampler;
 mod synthetic;
 mod tensors;
 pub mod text;
+mod text_options;
 pub mod vocab;
 
 use std::path::{Path, PathBuf};
@@ -16,14 +18,11 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use thiserror::Error;
 
-use crate::config::{DataSpec, DatasetKind};
 pub use batches::Batches;
-pub use catalog::Locate;
+pub use builtin::SyntheticSpec;
+pub(crate) use builtin::{TOLERATED, register_builtin};
 pub use sampler::DistributedSampler;
 pub use tensors::TensorDataset;
-
-/// The `data.dataset` values ddpjob itself knows.
-pub const BUILTIN_DATASETS: [&str; 5] = ["mnist", "fashion-mnist", "synthetic", "text", "tokens"];
 
 /// Why data could not be found, read or batched; each names the file and the fix.
 #[allow(missing_docs)] // fields: the file, and what went wrong with it
@@ -129,45 +128,6 @@ impl Dataset {
         }
     }
 
-    /// Loads (or generates) the dataset the spec names, downloading missing files if allowed.
-    pub fn load(spec: &DataSpec, seed: u64) -> Result<Self, DataError> {
-        let catalog = match &spec.dataset {
-            DatasetKind::Synthetic(s) => {
-                let (train, test) = synthetic::generate(s, seed);
-                return Ok(Dataset::new(
-                    train,
-                    test,
-                    s.classes,
-                    spec.normalize.as_ref(),
-                ));
-            }
-            DatasetKind::Mnist => &catalog::MNIST,
-            DatasetKind::FashionMnist => &catalog::FASHION_MNIST,
-            DatasetKind::Text(_) | DatasetKind::Tokens(_) | DatasetKind::Custom { .. } => {
-                return Err(DataError::Mismatch(format!(
-                    "data.dataset = \"{}\" is not an image set read from IDX files: load it \
-                     with task::load",
-                    spec.dataset.name()
-                )));
-            }
-        };
-        let paths = locate_in(catalog, spec)?;
-        Self::from_idx_files(&paths, spec.normalize.as_ref())
-    }
-
-    /// Makes sure the files are on disk (found or downloaded, checksums verified) without
-    /// reading them: what a launcher does before it creates a job. Nothing to do for synthetic.
-    pub fn ensure_present(spec: &DataSpec) -> Result<(), DataError> {
-        match &spec.dataset {
-            DatasetKind::Synthetic(_) => Ok(()),
-            DatasetKind::Mnist => locate_in(&catalog::MNIST, spec).map(drop),
-            DatasetKind::FashionMnist => locate_in(&catalog::FASHION_MNIST, spec).map(drop),
-            DatasetKind::Text(_) | DatasetKind::Tokens(_) => text::ensure_present(spec),
-            // A registered dataset finds its own files when a worker opens it.
-            DatasetKind::Custom { .. } => Ok(()),
-        }
-    }
-
     /// Reads train images, train labels, test images, test labels (the `FILES` order).
     pub fn from_idx_files(
         paths: &[PathBuf; 4],
@@ -219,32 +179,6 @@ impl Dataset {
         let ys = Tensor::from_vec(ys, indices.len(), device)?;
         Ok((xs, ys))
     }
-}
-
-/// How many training samples a built-in image set's files hold, read from the labels file
-/// (never downloading); `None` when the files are not on disk or the set is not read from files.
-pub fn train_samples_on_disk(spec: &DataSpec) -> Option<usize> {
-    let catalog = match spec.dataset {
-        DatasetKind::Mnist => &catalog::MNIST,
-        DatasetKind::FashionMnist => &catalog::FASHION_MNIST,
-        _ => return None,
-    };
-    let local = DataSpec {
-        download: false,
-        ..spec.clone()
-    };
-    let paths = locate_in(catalog, &local).ok()?;
-    idx::read_idx(&paths[1]).ok()?.dims.first().copied()
-}
-
-fn locate_in(catalog: &catalog::Catalog, spec: &DataSpec) -> Result<[PathBuf; 4], DataError> {
-    catalog.locate(&Locate {
-        root: &spec.root,
-        system_dir: Path::new("/usr/share/datasets").join(catalog.name),
-        download: spec.download,
-        mirrors: &spec.mirrors,
-        checksums: &spec.checksums,
-    })
 }
 
 fn split_from(images: &Path, labels: &Path) -> Result<Split, DataError> {

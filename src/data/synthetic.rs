@@ -1,7 +1,7 @@
 //! A learnable, seeded dataset for smoke jobs and tests: one random pattern per class plus
 //! Gaussian noise, stored as u8 pixels exactly like MNIST so the same pipeline runs.
 
-use crate::config::SyntheticSpec;
+use super::SyntheticSpec;
 use crate::rng::Mt19937;
 
 use super::Split;

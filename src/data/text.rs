@@ -16,11 +16,19 @@ use candle_core::{Device, Tensor};
 use memmap2::Mmap;
 
 use super::DataError;
-use super::download::download;
+use super::text_options::{TextSpec, TokensSpec};
 use super::vocab::{Vocab, read_text};
-use crate::config::{DataSpec, DatasetKind, JobSpec, TextSpec, TokenDtype};
-use crate::jobdir::JobDir;
+use crate::config::TokenDtype;
+use crate::registry::DataContext;
 use crate::task::{BatchSource, ModelInput, Task};
+
+/// Where a language model's tokens come from.
+pub enum TextSource {
+    /// `data.dataset = "text"`.
+    Text(TextSpec),
+    /// `data.dataset = "tokens"`.
+    Tokens(TokensSpec),
+}
 
 /// One split's tokens: in memory (text data) or mapped from a file (tokens data).
 pub enum Tokens {
@@ -142,22 +150,24 @@ pub struct TextTask {
 }
 
 impl TextTask {
-    /// Loads the splits of a language model's job; `job`'s stored vocabulary is used when
-    /// there is one.
-    pub fn load(spec: &JobSpec, job: Option<&JobDir>) -> Result<TextTask, DataError> {
-        let Some(lm) = spec.model.language() else {
+    /// Loads the splits of `source` for the language model of `cx`; the vocabulary stored in
+    /// `cx.job` is used when there is one.
+    pub fn open(source: &TextSource, cx: &DataContext) -> Result<TextTask, DataError> {
+        let Some(lm) = &cx.language else {
             return Err(DataError::Mismatch(format!(
                 "text and tokens data need a language model (model.arch = \"gpt\" or \"llama\"), \
                  not \"{}\"",
-                spec.model.arch()
+                cx.arch
             )));
         };
-        let (train, val, vocab, vocab_size) = match &spec.data.dataset {
-            DatasetKind::Text(t) => {
+        let (train, val, vocab, vocab_size, names) = match source {
+            TextSource::Text(t) => {
                 // The job's own vocabulary once it has one, else the one the model's weights
                 // were trained with (`init_from` another job).
-                let stored = job
-                    .map(|j| Vocab::path_in(&j.root))
+                let stored = cx
+                    .job
+                    .as_deref()
+                    .map(Vocab::path_in)
                     .filter(|p| p.is_file())
                     .or_else(|| lm.vocabulary.clone());
                 let (ids, vocab) = encode_file(t, stored.as_deref())?;
@@ -174,19 +184,21 @@ impl TextTask {
                 let mut train = ids;
                 train.truncate(split);
                 let size = lm.vocab_size.unwrap_or(size);
-                (Tokens::Owned(train), Tokens::Owned(val), Some(vocab), size)
+                let names = [t.path.clone(), t.path.clone()];
+                (
+                    Tokens::Owned(train),
+                    Tokens::Owned(val),
+                    Some(vocab),
+                    size,
+                    names,
+                )
             }
-            DatasetKind::Tokens(t) => {
+            TextSource::Tokens(t) => {
                 let size = lm.vocab_size.unwrap_or(0);
                 let train = Tokens::map(&t.train_path, t.dtype)?;
                 let val = Tokens::map(&t.val_path, t.dtype)?;
-                (train, val, None, size)
-            }
-            _ => {
-                return Err(DataError::Mismatch(format!(
-                    "model.arch = \"{}\" needs data.dataset = \"text\" or \"tokens\"",
-                    spec.model.arch()
-                )));
+                let names = [t.train_path.clone(), t.val_path.clone()];
+                (train, val, None, size, names)
             }
         };
         let task = TextTask {
@@ -194,23 +206,15 @@ impl TextTask {
             val,
             block: lm.block_size,
             vocab_size,
-            seed: spec.seed,
+            seed: cx.seed,
             vocab,
         };
-        task.check_lengths(&spec.data)?;
+        task.check_lengths(&names)?;
         Ok(task)
     }
 
-    fn check_lengths(&self, data: &DataSpec) -> Result<(), DataError> {
+    fn check_lengths(&self, names: &[PathBuf; 2]) -> Result<(), DataError> {
         let need = self.block + 1;
-        let names = match &data.dataset {
-            DatasetKind::Tokens(t) => [t.train_path.clone(), t.val_path.clone()],
-            DatasetKind::Text(t) => {
-                let p = &t.path;
-                [p.clone(), p.clone()]
-            }
-            _ => return Ok(()),
-        };
         for (split, tokens, path) in [
             ("training", &self.train, &names[0]),
             ("validation", &self.val, &names[1]),
@@ -350,38 +354,6 @@ fn encode_file(t: &TextSpec, stored: Option<&Path>) -> Result<(Vec<u32>, Vocab),
         )),
     })?;
     Ok((ids, vocab))
-}
-
-/// Makes sure a `text` file is on disk (downloading it into place if allowed; SHA-256 checked
-/// when `data.checksums` names it). Nothing to do for `tokens` data, which is never downloaded.
-pub fn ensure_present(spec: &DataSpec) -> Result<(), DataError> {
-    let DatasetKind::Text(t) = &spec.dataset else {
-        return Ok(());
-    };
-    if t.path.is_file() {
-        return Ok(());
-    }
-    if t.path.is_dir() {
-        return Err(DataError::Mismatch(format!(
-            "data.path `{}` is a directory; name the text file in it (e.g. `{}`)",
-            t.path.display(),
-            t.path.join("input.txt").display()
-        )));
-    }
-    let file = t
-        .path
-        .file_name()
-        .map(|f| f.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    if !spec.download || spec.mirrors.is_empty() {
-        return Err(DataError::Mismatch(format!(
-            "data.path `{}` does not exist; put the text there, or set data.download = true and \
-             data.mirrors to where `{file}` can be fetched (with its SHA-256 in data.checksums)",
-            t.path.display()
-        )));
-    }
-    let digest = spec.checksums.get(&file).map(String::as_str);
-    download(&spec.mirrors, &file, digest, &t.path)
 }
 
 #[cfg(test)]

@@ -1,7 +1,22 @@
 use std::path::Path;
 
+use serde::Deserialize;
+
 use super::*;
-use crate::config;
+use crate::config::{self, JobSpec};
+use crate::data::text_options::{TextOptions, TokensOptions};
+use crate::jobdir::JobDir;
+
+/// The `text` or `tokens` data of the job `spec`, with `job`'s stored vocabulary if any.
+fn load(spec: &JobSpec, job: Option<&JobDir>) -> Result<TextTask, DataError> {
+    let cx = DataContext::of(spec, job.map(|j| j.root.as_path()));
+    let options = toml::Value::Table(spec.data.options().clone());
+    let source = match spec.data.name() {
+        "text" => TextSource::Text(TextOptions::deserialize(options).unwrap().spec()),
+        _ => TextSource::Tokens(TokensOptions::deserialize(options).unwrap().spec()),
+    };
+    TextTask::open(&source, &cx)
+}
 
 fn spec_for(dir: &Path, data: &str, block: usize) -> JobSpec {
     let text = format!(
@@ -33,7 +48,7 @@ fn windows_are_inputs_and_targets_shifted_by_one() {
         "dataset = \"text\"\npath = \"{}\"\nval_fraction = 0.2\n",
         dir.path().join("in.txt").display()
     );
-    let task = TextTask::load(&spec_for(dir.path(), &data, 8), None).unwrap();
+    let task = load(&spec_for(dir.path(), &data, 8), None).unwrap();
     // 80 training tokens: (80 - 8) / 8 = 9 windows; 20 validation tokens: 19 / 8 = 2 windows.
     assert_eq!((task.train_len(), task.eval_len()), (9, 2));
     assert_eq!(task.vocab.as_ref().unwrap().size(), 26);
@@ -72,7 +87,7 @@ fn mapped_tokens_are_read_in_place_and_range_checked() {
         "dataset = \"tokens\"\ntrain_path = \"{0}/train.bin\"\nval_path = \"{0}/val.bin\"\n",
         dir.path().display()
     );
-    let task = TextTask::load(&spec_for(dir.path(), &data, 4), None).unwrap();
+    let task = load(&spec_for(dir.path(), &data, 4), None).unwrap();
     assert!(matches!(task.train, Tokens::Mapped { .. }));
     assert_eq!(task.train_len(), 11);
     let batches = task.batches(&Device::Cpu).unwrap();
@@ -97,7 +112,7 @@ fn odd_lengths_and_short_files_are_named() {
         "dataset = \"tokens\"\ntrain_path = \"{0}/train.bin\"\nval_path = \"{0}/val.bin\"\n",
         dir.path().display()
     );
-    let err = TextTask::load(&spec_for(dir.path(), &data, 4), None)
+    let err = load(&spec_for(dir.path(), &data, 4), None)
         .err()
         .unwrap()
         .to_string();
@@ -111,7 +126,7 @@ fn odd_lengths_and_short_files_are_named() {
         "dataset = \"text\"\npath = \"{}/short.txt\"\n",
         dir.path().display()
     );
-    let err = TextTask::load(&spec_for(dir.path(), &data, 16), None)
+    let err = load(&spec_for(dir.path(), &data, 16), None)
         .err()
         .unwrap()
         .to_string();
@@ -133,7 +148,7 @@ fn a_stored_vocabulary_that_no_longer_covers_the_text_is_an_error() {
     let vocab = Vocab::build(&crate::config::TokenizerKind::Char, "ab").unwrap();
     std::fs::write(Vocab::path_in(&job.root), vocab.to_json()).unwrap();
     let data = format!("dataset = \"text\"\npath = \"{}\"\n", path.display());
-    let err = TextTask::load(&spec_for(dir.path(), &data, 2), Some(&job))
+    let err = load(&spec_for(dir.path(), &data, 2), Some(&job))
         .err()
         .unwrap()
         .to_string();
@@ -156,7 +171,7 @@ fn a_job_keeps_the_kind_of_tokenizer_it_started_with() {
             "dataset = \"text\"\npath = \"{}\"\ntokenizer = \"{tokenizer}\"\n",
             path.display()
         );
-        TextTask::load(&spec_for(dir.path(), &text, 2), Some(&job))
+        load(&spec_for(dir.path(), &text, 2), Some(&job))
     };
     let err = data("byte").err().unwrap().to_string();
     assert!(

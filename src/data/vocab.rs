@@ -127,9 +127,12 @@ impl Vocab {
         }
     }
 
+    /// The name of a job's vocabulary in its directory.
+    pub const FILE: &'static str = "vocab.json";
+
     /// Where a job keeps its vocabulary.
     pub fn path_in(job_root: &Path) -> PathBuf {
-        job_root.join("vocab.json")
+        job_root.join(Self::FILE)
     }
 
     pub fn load(path: &Path) -> Result<Vocab, DataError> {

@@ -21,11 +21,10 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 use crate::config::{ConfigError, JobSpec, LoadedConfig};
-use crate::data::text::TextTask;
-use crate::data::vocab::Vocab;
-use crate::data::{DataError, Dataset};
+use crate::data::DataError;
 use crate::device::{self, DeviceError, Placement};
 use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
+use crate::registry::{DataContext, JobFile, Registry};
 use crate::store::{self, StoreClient, StoreError, StoreServer};
 use crate::train::Summary;
 
@@ -252,12 +251,11 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
         };
     }
 
-    Dataset::ensure_present(&spec.data)?;
     let plan = match decision {
         Decision::Start => {
-            // Text data is read (and checked) before the job exists, so bad data creates nothing.
-            let vocab = text_vocab(spec, None)?;
-            create_job(&job, opts, &layout, vocab.as_ref())?;
+            // The data is found and checked before the job exists, so bad data creates nothing.
+            let kept = prepare_data(spec, None)?;
+            create_job(&job, opts, &layout, &kept)?;
             _lock = Some(job.lock(&spec.name)?);
             Plan::Start
         }
@@ -368,20 +366,13 @@ fn meet(
     Ok((None, client, port))
 }
 
-/// The vocabulary of a `text` job (checking the data on the way): the one stored in `job`
-/// when given, else the one the text makes. `None` for other data; `tokens` files are mapped
-/// (cheap: their tokens are checked as they are read) so a damaged one is refused here, before
-/// the job exists, rather than by every worker.
-pub(crate) fn text_vocab(spec: &JobSpec, job: Option<&JobDir>) -> Result<Option<Vocab>, RunError> {
-    use crate::config::DatasetKind;
-    match spec.data.dataset {
-        DatasetKind::Text(_) => Ok(TextTask::load(spec, job)?.vocab),
-        DatasetKind::Tokens(_) => {
-            TextTask::load(spec, job)?;
-            Ok(None)
-        }
-        _ => Ok(None),
-    }
+/// Finds, downloads and checks the job's data in the launcher (see
+/// [`crate::registry::DatasetOptions::prepare`]), so bad data creates no job and fails no
+/// worker; what the data keeps in the job directory (text data's vocabulary, read from `job`
+/// when it has one already).
+pub(crate) fn prepare_data(spec: &JobSpec, job: Option<&JobDir>) -> Result<Vec<JobFile>, RunError> {
+    let cx = DataContext::of(spec, job.map(|j| j.root.as_path()));
+    Ok(Registry::current().prepare_data(&spec.data, &cx)?)
 }
 
 /// Node 0: the job directory, the frozen config and the first `state.json`.
@@ -389,13 +380,13 @@ fn create_job(
     job: &JobDir,
     opts: &RunOptions,
     layout: &Layout,
-    vocab: Option<&Vocab>,
+    kept: &[JobFile],
 ) -> Result<(), RunError> {
     let spec = &opts.loaded.spec;
     job.create(&spec.name)?;
     write_job_toml(job, opts)?;
-    if let Some(vocab) = vocab {
-        job.write_file(&Vocab::path_in(&job.root), vocab.to_json().as_bytes())?;
+    for file in kept {
+        job.write_file(&job.root.join(&file.name), &file.bytes)?;
     }
     // Rank 0 fills in total_steps once it has read the data.
     job.write_state(&JobState::running(layout.world_size(), 0))?;

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::{RunError, RunOptions, join_job};
-use crate::data::Dataset;
 use crate::jobdir::JobDir;
 use crate::store::{Key, StoreClient, StoreError};
 
@@ -281,7 +280,7 @@ pub(super) fn follow_node0(
         let _ = nodes.report_failure(0, &why, true);
         return Err(RunError::Usage(why));
     }
-    Dataset::ensure_present(&spec.data)?;
+    super::prepare_data(spec, Some(job))?;
     join_job(job, opts)?;
     Ok(Followed::Train(match plan {
         Plan::Continue { from } => from,

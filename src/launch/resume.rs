@@ -9,7 +9,6 @@ use super::group::{Group, rewind_to};
 use super::{Layout, NodeOptions, RunError, meet, record_outcome};
 use crate::checkpoint;
 use crate::config;
-use crate::data::Dataset;
 use crate::jobdir::{self, JobDir, JobDirError, JobState, Status, now_unix};
 use crate::store;
 use crate::train::Summary;
@@ -73,7 +72,6 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     let layout = Layout::new(&NodeOptions::default(), spec)?;
     let token = store::random_token();
     let (server, client, port) = meet(&layout, &token, spec)?;
-    Dataset::ensure_present(&spec.data)?;
     start_continuing(&job, spec, &choice, layout.world_size())?;
 
     let group = Group {
@@ -134,8 +132,9 @@ pub(super) fn start_continuing(
     world_size: usize,
 ) -> Result<(), RunError> {
     let name = &spec.name;
-    // The text must still encode with the vocabulary the job trained with.
-    super::text_vocab(spec, Some(job))?;
+    // The data must still be there, and text still encode with the vocabulary the job
+    // trained with.
+    super::prepare_data(spec, Some(job))?;
     rewind_to(job, choice)?;
     match (&choice.usable, &choice.position) {
         (Some(dir), Some(p)) => println!(

@@ -62,18 +62,89 @@ impl ModelContext {
     }
 }
 
-/// What a dataset opener gets besides its options. Relative paths in the options are read
-/// from the working directory, as `data.root` and `data.path` are.
+/// What a dataset opener (and a [`DatasetOptions`] hook) gets besides its options. Relative
+/// paths in the options are read from the working directory, as `data.root` and `data.path`
+/// are.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct DataContext {
     /// The job's seed (for data made up or split at random).
     pub seed: u64,
+    /// `model.arch`: the model the data feeds.
+    pub arch: String,
+    /// The model's window and tokenizer, when it is a language model.
+    pub language: Option<LanguageModelSpec>,
+    /// The job's directory once it exists: where the files [`DatasetOptions::prepare`]
+    /// returned are kept (a resumed job reads its data as it first did).
+    pub job: Option<std::path::PathBuf>,
+}
+
+impl DataContext {
+    /// The context of the job `spec` describes, in its directory `job` when it has one.
+    pub(crate) fn of(spec: &crate::config::JobSpec, job: Option<&std::path::Path>) -> Self {
+        DataContext {
+            seed: spec.seed,
+            arch: spec.model.arch().to_string(),
+            language: spec.model.language(),
+            job: job.map(std::path::Path::to_path_buf),
+        }
+    }
+}
+
+/// A file a dataset keeps in the job directory (text data's `vocab.json`): written when the
+/// job is created, found there by every later open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobFile {
+    /// Its name in the job directory.
+    pub name: String,
+    /// Its contents.
+    pub bytes: Vec<u8>,
+}
+
+/// The options of a dataset that does more than open: registered with
+/// [`Registry::dataset_with`], its hooks run where ddpjob needs them. Every method has a
+/// default, so `impl DatasetOptions for MyOptions {}` is the plain [`Registry::dataset`].
+pub trait DatasetOptions: DeserializeOwned + Serialize + 'static {
+    /// The options with what they derive filled in (from the model: `cx.language`), or why the
+    /// data cannot feed that model; at `validate`/`run`, before anything exists (`job.toml`
+    /// holds the result, so a resumed job opens the same data). `cx.job` is `None` here.
+    fn complete(self, cx: &DataContext) -> Result<Self, String> {
+        let _ = cx;
+        Ok(self)
+    }
+    /// In the launcher, before the workers start (and before a new job's directory exists):
+    /// find or download the files and check them, so bad data creates nothing. Returns the
+    /// files the job keeps (see [`JobFile`]).
+    fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
+        let _ = cx;
+        Ok(Vec::new())
+    }
+    /// The number of training samples and where it comes from, known without opening the data
+    /// (`validate`); `None`: `validate` opens it to count.
+    fn train_samples(&self) -> Option<(usize, String)> {
+        None
+    }
+    /// What a model of this data takes, when known without reading it (`bench step` makes
+    /// random batches of it); `None`: it is opened to find out.
+    fn input(&self) -> Option<ModelInput> {
+        None
+    }
+    /// A few words for `show` and `list` (`text data/input.txt`); `None`: the dataset's name.
+    fn describe(&self) -> Option<String> {
+        None
+    }
+    /// The `tokenizer.json` the data is encoded with, which `export --hf` writes beside the
+    /// weights.
+    fn tokenizer_file(&self) -> Option<std::path::PathBuf> {
+        None
+    }
 }
 
 type ModelFn =
     dyn Fn(&toml::Table, &ModelContext) -> Result<Box<dyn Model>, BuildError> + Send + Sync;
 type DataFn = dyn Fn(&toml::Table, &DataContext) -> Result<Box<dyn Task>, BuildError> + Send + Sync;
 type ResolveFn = fn(&toml::Table) -> Result<toml::Table, String>;
+type DataResolveFn = fn(&toml::Table, &DataContext) -> Result<toml::Table, String>;
 type LanguageFn = fn(&toml::Table) -> Result<LanguageModelSpec, String>;
 type HfExportFn = fn(
     &toml::Table,
@@ -150,6 +221,37 @@ pub struct LanguageModelSpec {
     pub vocabulary: Option<std::path::PathBuf>,
 }
 
+/// One documented option key of a dataset: as [`KeyDoc`], by `data.dataset`.
+pub(crate) struct DatasetDocs<'a> {
+    pub dataset: &'a str,
+    pub keys: &'static [KeyDoc],
+    pub fields: &'static [&'static str],
+}
+
+/// A dataset's [`DatasetOptions`] hooks on its resolved options.
+#[derive(Clone, Copy)]
+struct DataHooks {
+    complete: DataResolveFn,
+    prepare: fn(&toml::Table, &DataContext) -> Result<Vec<JobFile>, BuildError>,
+    train_samples: fn(&toml::Table) -> Option<(usize, String)>,
+    input: fn(&toml::Table) -> Option<ModelInput>,
+    describe: fn(&toml::Table) -> Option<String>,
+    tokenizer_file: fn(&toml::Table) -> Option<std::path::PathBuf>,
+}
+
+impl DataHooks {
+    fn of<O: DatasetOptions>() -> Self {
+        DataHooks {
+            complete: |t, cx| write_back(&parse::<O>(t)?.complete(cx)?),
+            prepare: |t, cx| parse::<O>(t)?.prepare(cx),
+            train_samples: |t| parse::<O>(t).ok()?.train_samples(),
+            input: |t| parse::<O>(t).ok()?.input(),
+            describe: |t| parse::<O>(t).ok()?.describe(),
+            tokenizer_file: |t| parse::<O>(t).ok()?.tokenizer_file(),
+        }
+    }
+}
+
 /// One registered name: its option keys, how to read them, and how to build it.
 struct Entry<F: ?Sized> {
     /// The option keys; `None` when the options are not a struct (any key is taken).
@@ -157,10 +259,10 @@ struct Entry<F: ?Sized> {
     resolve: ResolveFn,
     /// For a language model: its window and tokenizer, from its resolved options.
     language: Option<LanguageFn>,
-    /// `None` for the built-in datasets, which the data module loads from the validated spec.
-    build: Option<Arc<F>>,
-    builtin: bool,
+    build: Arc<F>,
     hf: Option<HfFamily>,
+    /// A dataset's hooks, when registered with [`Registry::dataset_with`].
+    data: Option<DataHooks>,
     docs: &'static [KeyDoc],
 }
 
@@ -171,8 +273,8 @@ impl<F: ?Sized> Clone for Entry<F> {
             resolve: self.resolve,
             language: self.language,
             build: self.build.clone(),
-            builtin: self.builtin,
             hf: self.hf,
+            data: self.data,
             docs: self.docs,
         }
     }
@@ -197,11 +299,9 @@ impl std::fmt::Debug for Registry {
 /// What a name refers to, for the config's checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Known {
-    /// Built into ddpjob: its keys are the config schema's.
-    Builtin,
-    /// Registered (ddpjob's own models, or the binary's author's): its keys are its options
-    /// struct's fields (`None`: not a struct, any key is taken).
-    Custom {
+    /// Registered (ddpjob's own models and datasets, or the binary's author's): its keys are
+    /// its options struct's fields (`None`: not a struct, any key is taken).
+    Registered {
         fields: Option<&'static [&'static str]>,
     },
     Unknown,
@@ -216,22 +316,7 @@ impl Registry {
     /// ddpjob's own models (`mlp`, `cnn`, `gpt`, `llama`) and datasets (`mnist`,
     /// `fashion-mnist`, `synthetic`, `text`, `tokens`).
     pub fn builtin() -> Self {
-        let mut registry = crate::models::register_builtin(Registry::empty());
-        for name in crate::data::BUILTIN_DATASETS {
-            registry.datasets.insert(
-                name.to_string(),
-                Entry {
-                    fields: None,
-                    resolve: |t| Ok(t.clone()),
-                    language: None,
-                    build: None,
-                    builtin: true,
-                    hf: None,
-                    docs: &[],
-                },
-            );
-        }
-        registry
+        crate::data::register_builtin(crate::models::register_builtin(Registry::empty()))
     }
 
     /// Registers the model `name` (`model.arch = "name"`): `build` receives the rest of
@@ -247,14 +332,14 @@ impl Registry {
             fields: struct_fields::<O>(),
             resolve: resolve::<O>,
             language: None,
-            build: Some(Arc::new(move |table: &toml::Table, cx: &ModelContext| {
+            build: Arc::new(move |table: &toml::Table, cx: &ModelContext| {
                 let options: O = parse(table).map_err(BuildError::from)?;
                 build(&options, cx)
                     .map(|m| Box::new(m) as Box<dyn Model>)
                     .map_err(Into::into)
-            }) as Arc<ModelFn>),
-            builtin: false,
+            }) as Arc<ModelFn>,
             hf: None,
+            data: None,
             docs: &[],
         };
         self.models.insert(name.to_string(), entry);
@@ -372,18 +457,53 @@ impl Registry {
             fields: struct_fields::<O>(),
             resolve: resolve::<O>,
             language: None,
-            build: Some(Arc::new(move |table: &toml::Table, cx: &DataContext| {
+            build: Arc::new(move |table: &toml::Table, cx: &DataContext| {
                 let options: O = parse(table).map_err(BuildError::from)?;
                 open(&options, cx)
                     .map(|t| Box::new(t) as Box<dyn Task>)
                     .map_err(Into::into)
-            }) as Arc<DataFn>),
-            builtin: false,
+            }) as Arc<DataFn>,
             hf: None,
+            data: None,
             docs: &[],
         };
         self.datasets.insert(name.to_string(), entry);
         self
+    }
+
+    /// Registers the dataset `name` as [`Registry::dataset`] does, with the hooks of its
+    /// options (see [`DatasetOptions`]): checked against the model at `validate`, prepared
+    /// in the launcher, counted and described without being opened.
+    pub fn dataset_with<O, T, E, F>(self, name: &str, open: F) -> Self
+    where
+        O: DatasetOptions,
+        T: Task + 'static,
+        E: Into<BuildError>,
+        F: Fn(&O, &DataContext) -> Result<T, E> + Send + Sync + 'static,
+    {
+        let mut registry = self.dataset(name, open);
+        if let Some(entry) = registry.datasets.get_mut(name) {
+            entry.data = Some(DataHooks::of::<O>());
+        }
+        registry
+    }
+
+    /// Documents the option keys of the dataset `name`.
+    pub(crate) fn documented_dataset(mut self, name: &str, docs: &'static [KeyDoc]) -> Self {
+        if let Some(entry) = self.datasets.get_mut(name) {
+            entry.docs = docs;
+        }
+        self
+    }
+
+    /// Each dataset's documented keys and its options struct's fields.
+    pub(crate) fn dataset_docs(&self) -> Vec<DatasetDocs<'_>> {
+        let docs = self.datasets.iter().map(|(name, e)| DatasetDocs {
+            dataset: name,
+            keys: e.docs,
+            fields: e.fields.unwrap_or_default(),
+        });
+        docs.collect()
     }
 
     /// The registered model names (`model.arch` values), sorted.
@@ -428,7 +548,27 @@ impl Registry {
         Some(language(options))
     }
 
+    /// As [`Registry::resolve_model`], then completed for the model in `cx` when the dataset
+    /// has [`DatasetOptions`] hooks.
     pub(crate) fn resolve_dataset(
+        &self,
+        name: &str,
+        options: &toml::Table,
+        cx: &DataContext,
+    ) -> Result<toml::Table, String> {
+        let Some(e) = self.datasets.get(name) else {
+            return Err(format!("no dataset is registered as \"{name}\""));
+        };
+        let resolved = (e.resolve)(options)?;
+        match e.data {
+            Some(hooks) => (hooks.complete)(&resolved, cx),
+            None => Ok(resolved),
+        }
+    }
+
+    /// As [`Registry::resolve_model`]: the options read, not completed (when there is no model
+    /// to complete them for).
+    pub(crate) fn resolve_dataset_keys(
         &self,
         name: &str,
         options: &toml::Table,
@@ -439,13 +579,56 @@ impl Registry {
         }
     }
 
+    fn data_hooks(&self, name: &str) -> Option<DataHooks> {
+        self.datasets.get(name)?.data
+    }
+
+    /// Finds, downloads and checks the data of `spec` in the launcher (see
+    /// [`DatasetOptions::prepare`]): the files the job keeps.
+    pub(crate) fn prepare_data(
+        &self,
+        spec: &crate::config::DataSpec,
+        cx: &DataContext,
+    ) -> Result<Vec<JobFile>, DataError> {
+        match self.data_hooks(spec.name()) {
+            Some(hooks) => (hooks.prepare)(spec.options(), cx).map_err(|e| data_error(spec, e)),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// `validate`'s count of `spec`'s training samples, when known without opening it.
+    pub(crate) fn train_samples(&self, spec: &crate::config::DataSpec) -> Option<(usize, String)> {
+        (self.data_hooks(spec.name())?.train_samples)(spec.options())
+    }
+
+    /// What a model of `spec`'s data takes, when known without opening it.
+    pub(crate) fn data_input(&self, spec: &crate::config::DataSpec) -> Option<ModelInput> {
+        (self.data_hooks(spec.name())?.input)(spec.options())
+    }
+
+    /// `show`'s and `list`'s words for `spec`'s data.
+    pub(crate) fn describe_data(&self, spec: &crate::config::DataSpec) -> String {
+        let described = self
+            .data_hooks(spec.name())
+            .and_then(|hooks| (hooks.describe)(spec.options()));
+        described.unwrap_or_else(|| spec.name().to_string())
+    }
+
+    /// The `tokenizer.json` `spec`'s data is encoded with, if any.
+    pub(crate) fn data_tokenizer(
+        &self,
+        spec: &crate::config::DataSpec,
+    ) -> Option<std::path::PathBuf> {
+        (self.data_hooks(spec.name())?.tokenizer_file)(spec.options())
+    }
+
     pub(crate) fn build_model(
         &self,
         name: &str,
         options: &toml::Table,
         cx: &ModelContext,
     ) -> Result<Box<dyn Model>, BuildError> {
-        let build = self.models.get(name).and_then(|e| e.build.as_ref());
+        let build = self.models.get(name).map(|e| &e.build);
         let build = build.ok_or_else(|| {
             format!(
                 "no model is registered as \"{name}\"; this binary has {}",
@@ -457,19 +640,18 @@ impl Registry {
 
     pub(crate) fn open_dataset(
         &self,
-        name: &str,
-        options: &toml::Table,
+        spec: &crate::config::DataSpec,
         cx: &DataContext,
     ) -> Result<Box<dyn Task>, DataError> {
-        let build = self.datasets.get(name).and_then(|e| e.build.as_ref());
+        let name = spec.name();
+        let build = self.datasets.get(name).map(|e| &e.build);
         let build = build.ok_or_else(|| {
             DataError::Mismatch(format!(
-                "no dataset is registered as \"{name}\" with an opener; this binary has {}",
+                "no dataset is registered as \"{name}\"; this binary has {}",
                 self.dataset_names().join(", ")
             ))
         })?;
-        build(options, cx)
-            .map_err(|e| DataError::Mismatch(format!("data.dataset = \"{name}\": {e}")))
+        build(spec.options(), cx).map_err(|e| data_error(spec, e))
     }
 
     /// Makes `self` the registry of this process: what the config, the launcher and the
@@ -490,8 +672,16 @@ static INSTALLED: OnceLock<Registry> = OnceLock::new();
 fn known<F: ?Sized>(entry: Option<&Entry<F>>) -> Known {
     match entry {
         None => Known::Unknown,
-        Some(e) if e.builtin => Known::Builtin,
-        Some(e) => Known::Custom { fields: e.fields },
+        Some(e) => Known::Registered { fields: e.fields },
+    }
+}
+
+/// A dataset's error as the data seam's: ddpjob's own as they are (they name their file and
+/// fix), a user's opener's under its `data.dataset`.
+fn data_error(spec: &crate::config::DataSpec, e: BuildError) -> DataError {
+    match e.downcast::<DataError>() {
+        Ok(own) => *own,
+        Err(e) => DataError::Mismatch(format!("data.dataset = \"{}\": {e}", spec.name())),
     }
 }
 

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::checkpoint::{self, TrainPosition};
-use crate::config::{self, DatasetKind, JobSpec};
+use crate::config::{self, JobSpec};
 use crate::jobdir::{JobDir, JobState, Status};
 use crate::train::Summary;
 
@@ -103,17 +103,10 @@ impl JobView {
 
     /// `fashion-mnist`, `synthetic 2048/512`, or `?`.
     pub fn data(&self) -> String {
-        match self.spec.as_ref().map(|s| &s.data.dataset) {
-            Some(DatasetKind::Mnist) => "mnist".into(),
-            Some(DatasetKind::FashionMnist) => "fashion-mnist".into(),
-            Some(DatasetKind::Synthetic(s)) => {
-                format!("synthetic {}/{}", s.train_samples, s.test_samples)
-            }
-            Some(DatasetKind::Text(t)) => format!("text {}", t.path.display()),
-            Some(DatasetKind::Tokens(t)) => format!("tokens {}", t.train_path.display()),
-            Some(DatasetKind::Custom { name, .. }) => name.clone(),
-            None => "?".into(),
-        }
+        let registry = crate::registry::Registry::current();
+        self.spec
+            .as_ref()
+            .map_or("?".into(), |s| registry.describe_data(&s.data))
     }
 
     /// What the job's evaluations report (see [`crate::task::Metric`]): a language model's

@@ -1,0 +1,462 @@
+//! ddpjob's own data sets, registered through the same [`Registry::dataset_with`] a user's
+//! binary calls: each owns its `[data]` keys (its options struct's fields) and says, through
+//! [`DatasetOptions`], how it is checked against the model, prepared in the launcher, counted
+//! and described. The image sets are here; `text` and `tokens` in `text_options.rs`.
+
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::catalog::{self, Catalog, Locate};
+use super::text_options::{TEXT_KEYS, TOKENS_KEYS, TextOptions, TokensOptions};
+use super::{DataError, Dataset, idx, synthetic};
+use crate::registry::{BuildError, DataContext, DatasetOptions, JobFile, KeyDoc, Registry};
+use crate::task::ModelInput;
+
+/// ddpjob's data sets, registered as a user's binary registers its own.
+pub(crate) fn register_builtin(registry: Registry) -> Registry {
+    registry
+        .dataset_with("mnist", IdxOptions::<Mnist>::open)
+        .dataset_with("fashion-mnist", IdxOptions::<FashionMnist>::open)
+        .dataset_with("synthetic", SyntheticOptions::open)
+        .dataset_with("text", TextOptions::open)
+        .dataset_with("tokens", TokensOptions::open)
+        .documented_dataset("mnist", IDX_KEYS)
+        .documented_dataset("fashion-mnist", IDX_KEYS)
+        .documented_dataset("synthetic", SYNTHETIC_KEYS)
+        .documented_dataset("text", TEXT_KEYS)
+        .documented_dataset("tokens", TOKENS_KEYS)
+}
+
+/// The `[data]` keys older versions wrote into every `job.toml` whatever the dataset: dropped
+/// beside a dataset that does not read them, so those jobs still resume.
+pub(crate) const TOLERATED: &[(&str, &str)] = &[
+    ("mnist", "synthetic"),
+    ("fashion-mnist", "synthetic"),
+    ("synthetic", "root"),
+    ("synthetic", "download"),
+    ("synthetic", "mirrors"),
+    ("synthetic", "checksums"),
+    ("text", "root"),
+    ("text", "mean"),
+    ("text", "std"),
+    ("text", "synthetic"),
+    ("tokens", "root"),
+    ("tokens", "download"),
+    ("tokens", "mirrors"),
+    ("tokens", "checksums"),
+    ("tokens", "mean"),
+    ("tokens", "std"),
+    ("tokens", "synthetic"),
+];
+
+/// An MNIST-format set of IDX files: which one.
+pub trait IdxSet: 'static {
+    const CATALOG: &'static Catalog;
+}
+
+/// `data.dataset = "mnist"`.
+pub struct Mnist;
+impl IdxSet for Mnist {
+    const CATALOG: &'static Catalog = &catalog::MNIST;
+}
+
+/// `data.dataset = "fashion-mnist"`.
+pub struct FashionMnist;
+impl IdxSet for FashionMnist {
+    const CATALOG: &'static Catalog = &catalog::FASHION_MNIST;
+}
+
+fn default_root<S: IdxSet>() -> String {
+    format!("data/{}", S::CATALOG.name)
+}
+
+/// `data.dataset = "mnist"` or `"fashion-mnist"`: the four IDX files, found in `root` or
+/// Debian's `/usr/share/datasets/<name>`, or downloaded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(bound = "")]
+pub struct IdxOptions<S: IdxSet> {
+    #[serde(default = "default_root::<S>")]
+    pub root: String,
+    #[serde(default)]
+    pub download: bool,
+    #[serde(default)]
+    pub mirrors: Vec<String>,
+    #[serde(default)]
+    pub checksums: BTreeMap<String, String>,
+    #[serde(default)]
+    pub mean: Vec<f64>,
+    #[serde(default)]
+    pub std: Vec<f64>,
+    #[serde(skip)]
+    set: PhantomData<S>,
+}
+
+const IDX_KEYS: &[KeyDoc] = &[
+    KeyDoc {
+        key: "root",
+        default: "`\"data/<dataset>\"`",
+        doc: "directory with the IDX files (.gz or raw); searched first, downloads go here",
+    },
+    KeyDoc {
+        key: "download",
+        default: "`false`",
+        doc: "download missing files",
+    },
+    KeyDoc {
+        key: "mirrors",
+        default: "known mirrors",
+        doc: "base URLs tried in order",
+    },
+    KeyDoc {
+        key: "checksums",
+        default: "built in",
+        doc: "table: SHA-256 per file name (for private mirrors)",
+    },
+    KeyDoc {
+        key: "mean",
+        default: "none",
+        doc: "per-channel normalisation after scaling to [0, 1]",
+    },
+    KeyDoc {
+        key: "std",
+        default: "none",
+        doc: "per-channel normalisation after scaling to [0, 1]",
+    },
+];
+
+impl<S: IdxSet> IdxOptions<S> {
+    fn open(&self, _: &DataContext) -> Result<Dataset, DataError> {
+        let paths = self.locate(self.download)?;
+        Dataset::from_idx_files(&paths, normalization(&self.mean, &self.std).as_ref())
+    }
+
+    fn locate(&self, download: bool) -> Result<[PathBuf; 4], DataError> {
+        S::CATALOG.locate(&Locate {
+            root: Path::new(&self.root),
+            system_dir: Path::new("/usr/share/datasets").join(S::CATALOG.name),
+            download,
+            mirrors: &self.mirrors,
+            checksums: &self.checksums,
+        })
+    }
+}
+
+impl<S: IdxSet> DatasetOptions for IdxOptions<S> {
+    fn complete(self, cx: &DataContext) -> Result<Self, String> {
+        images_for(S::CATALOG.name, cx)?;
+        sha256_digests(&self.checksums)?;
+        check_normalization(&self.mean, &self.std, 1)?;
+        Ok(self)
+    }
+
+    fn prepare(&self, _: &DataContext) -> Result<Vec<JobFile>, BuildError> {
+        self.locate(self.download)?;
+        Ok(Vec::new())
+    }
+
+    fn input(&self) -> Option<ModelInput> {
+        Some(ModelInput::Image {
+            shape: [1, 28, 28],
+            classes: 10,
+        })
+    }
+
+    /// Read from the labels file when the files are on disk (never downloading).
+    fn train_samples(&self) -> Option<(usize, String)> {
+        let counted = self
+            .locate(false)
+            .ok()
+            .and_then(|paths| idx::read_idx(&paths[1]).ok()?.dims.first().copied());
+        Some(match counted {
+            Some(n) => (n, "counted in the files".into()),
+            None => (
+                60_000,
+                "the standard split; its files are not on disk yet".into(),
+            ),
+        })
+    }
+}
+
+/// `data.dataset = "synthetic"`: class patterns plus noise, made from the seed (the
+/// `[data.synthetic]` table).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SyntheticSpec {
+    #[serde(default = "synthetic_train")]
+    pub train_samples: usize,
+    #[serde(default = "synthetic_test")]
+    pub test_samples: usize,
+    /// [channels, height, width].
+    #[serde(default = "synthetic_shape")]
+    pub shape: [usize; 3],
+    #[serde(default = "synthetic_classes")]
+    pub classes: usize,
+    /// The std of the noise on each class pattern.
+    #[serde(default = "synthetic_noise")]
+    pub noise: f32,
+}
+
+fn synthetic_train() -> usize {
+    4096
+}
+fn synthetic_test() -> usize {
+    1024
+}
+fn synthetic_shape() -> [usize; 3] {
+    [1, 28, 28]
+}
+fn synthetic_classes() -> usize {
+    10
+}
+fn synthetic_noise() -> f32 {
+    0.5
+}
+
+impl Default for SyntheticSpec {
+    fn default() -> Self {
+        SyntheticSpec {
+            train_samples: synthetic_train(),
+            test_samples: synthetic_test(),
+            shape: synthetic_shape(),
+            classes: synthetic_classes(),
+            noise: synthetic_noise(),
+        }
+    }
+}
+
+/// `data.dataset = "synthetic"`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SyntheticOptions {
+    #[serde(default)]
+    pub synthetic: SyntheticSpec,
+    #[serde(default)]
+    pub mean: Vec<f64>,
+    #[serde(default)]
+    pub std: Vec<f64>,
+}
+
+const SYNTHETIC_KEYS: &[KeyDoc] = &[
+    KeyDoc {
+        key: "synthetic.train_samples",
+        default: "`4096`",
+        doc: "synthetic training samples",
+    },
+    KeyDoc {
+        key: "synthetic.test_samples",
+        default: "`1024`",
+        doc: "synthetic test samples",
+    },
+    KeyDoc {
+        key: "synthetic.shape",
+        default: "`[1, 28, 28]`",
+        doc: "[channels, height, width]",
+    },
+    KeyDoc {
+        key: "synthetic.classes",
+        default: "`10`",
+        doc: "number of classes (2 to 256)",
+    },
+    KeyDoc {
+        key: "synthetic.noise",
+        default: "`0.5`",
+        doc: "noise std on each class pattern",
+    },
+    KeyDoc {
+        key: "mean",
+        default: "none",
+        doc: "per-channel normalisation after scaling to [0, 1]",
+    },
+    KeyDoc {
+        key: "std",
+        default: "none",
+        doc: "per-channel normalisation after scaling to [0, 1]",
+    },
+];
+
+impl SyntheticOptions {
+    fn open(&self, cx: &DataContext) -> Result<Dataset, DataError> {
+        let s = &self.synthetic;
+        let (train, test) = synthetic::generate(s, cx.seed);
+        let normalize = normalization(&self.mean, &self.std);
+        Ok(Dataset::new(train, test, s.classes, normalize.as_ref()))
+    }
+}
+
+impl DatasetOptions for SyntheticOptions {
+    fn complete(self, cx: &DataContext) -> Result<Self, String> {
+        images_for("synthetic", cx)?;
+        let s = &self.synthetic;
+        let problem = if s.train_samples == 0 || s.test_samples == 0 {
+            Some("data.synthetic.train_samples and test_samples must be at least 1".to_string())
+        } else if s.shape.contains(&0) {
+            Some(format!(
+                "data.synthetic.shape = {:?}: every dimension must be at least 1",
+                s.shape
+            ))
+        } else if !(2..=256).contains(&s.classes) {
+            Some(format!(
+                "data.synthetic.classes = {}: must be 2 to 256",
+                s.classes
+            ))
+        } else if s.noise.is_nan() || s.noise < 0.0 {
+            Some(format!(
+                "data.synthetic.noise = {}: must be at least 0",
+                s.noise
+            ))
+        } else if cx.arch == "cnn" && (s.shape[1] < 6 || s.shape[2] < 6) {
+            // The cnn's two 2x2 poolings after 3x3 convolutions need this much.
+            Some(format!(
+                "data.synthetic.shape: the cnn needs images of at least 6x6, got {}x{}",
+                s.shape[1], s.shape[2]
+            ))
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            return Err(problem);
+        }
+        check_normalization(&self.mean, &self.std, s.shape[0])?;
+        Ok(self)
+    }
+
+    fn train_samples(&self) -> Option<(usize, String)> {
+        Some((self.synthetic.train_samples, "synthetic".into()))
+    }
+
+    fn input(&self) -> Option<ModelInput> {
+        Some(ModelInput::Image {
+            shape: self.synthetic.shape,
+            classes: self.synthetic.classes,
+        })
+    }
+
+    fn describe(&self) -> Option<String> {
+        let s = &self.synthetic;
+        Some(format!("synthetic {}/{}", s.train_samples, s.test_samples))
+    }
+}
+
+/// Image data for a language model is refused, naming what it takes.
+fn images_for(dataset: &str, cx: &DataContext) -> Result<(), String> {
+    match cx.language {
+        Some(_) => Err(format!(
+            "data.dataset = \"{dataset}\" is images, but model.arch = \"{}\" learns from token \
+             sequences: use data.dataset = \"text\" or \"tokens\"",
+            cx.arch
+        )),
+        None => Ok(()),
+    }
+}
+
+pub(super) fn sha256_digests(sums: &BTreeMap<String, String>) -> Result<(), String> {
+    for (file, digest) in sums {
+        if digest.len() != 64 || !digest.chars().all(|ch| ch.is_ascii_hexdigit()) {
+            return Err(format!(
+                "data.checksums.{file} = \"{digest}\": must be a SHA-256 digest, 64 hex digits"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_normalization(mean: &[f64], std: &[f64], channels: usize) -> Result<(), String> {
+    if mean.is_empty() && std.is_empty() {
+        return Ok(());
+    }
+    if mean.len() != channels {
+        return Err(format!(
+            "data.mean needs one value per channel ({channels}), got {}",
+            mean.len()
+        ));
+    }
+    if std.len() != mean.len() {
+        return Err(format!(
+            "data.std needs as many values as data.mean ({}), got {}",
+            mean.len(),
+            std.len()
+        ));
+    }
+    match std.iter().find(|&&s| s.is_nan() || s <= 0.0) {
+        Some(s) => Err(format!("data.std: every value must be above 0, got {s}")),
+        None => Ok(()),
+    }
+}
+
+/// Per-channel (mean, std) applied after scaling to [0, 1], when set.
+fn normalization(mean: &[f64], std: &[f64]) -> Option<(Vec<f32>, Vec<f32>)> {
+    if mean.is_empty() {
+        return None;
+    }
+    let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect();
+    Some((f32s(mean), f32s(std)))
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::registry::Registry;
+
+    /// `ddpjob keys` and the README list what each built-in dataset's options struct reads
+    /// (a table's keys as `table.key`), and show its real defaults.
+    #[test]
+    fn every_builtin_datasets_keys_are_documented_with_their_defaults() {
+        let registry = Registry::builtin();
+        let docs = registry.dataset_docs();
+        let names: Vec<&str> = docs.iter().map(|d| d.dataset).collect();
+        assert_eq!(
+            names,
+            ["fashion-mnist", "mnist", "synthetic", "text", "tokens"]
+        );
+        let mut compared = 0;
+        for d in docs {
+            let mut tops: Vec<&str> = Vec::new();
+            for k in d.keys {
+                let top = k.key.split('.').next().unwrap();
+                if tops.last() != Some(&top) {
+                    tops.push(top);
+                }
+            }
+            assert_eq!(tops, d.fields, "data.dataset = \"{}\"", d.dataset);
+            let defaults = registry
+                .resolve_dataset_keys(d.dataset, &toml::Table::new())
+                .unwrap();
+            for k in d.keys {
+                // `"data/<dataset>"` names a pattern, not a value.
+                let literal = k
+                    .default
+                    .strip_prefix('`')
+                    .and_then(|s| s.strip_suffix('`'));
+                let Some(literal) = literal.filter(|l| !l.contains('<')) else {
+                    continue;
+                };
+                let Ok(mut shown) = toml::from_str::<toml::Table>(&format!("v = {literal}")) else {
+                    continue;
+                };
+                let (parent, leaf) = k.key.rsplit_once('.').unwrap_or(("", k.key));
+                let table = if parent.is_empty() {
+                    Some(&defaults)
+                } else {
+                    parent
+                        .split('.')
+                        .try_fold(&defaults, |t, part| t.get(part)?.as_table())
+                };
+                let value = table.and_then(|t| t.get(leaf));
+                let value =
+                    value.unwrap_or_else(|| panic!("{}: no default for {}", d.dataset, k.key));
+                let shown = shown.remove("v").unwrap();
+                let same = match (&shown, value) {
+                    (toml::Value::Integer(a), toml::Value::Float(b)) => *a as f64 == *b,
+                    (a, b) => a == b,
+                };
+                assert!(
+                    same,
+                    "data.{} of {}: shown {shown}, default {value}",
+                    k.key, d.dataset
+                );
+                compared += 1;
+            }
+        }
+        assert!(compared >= 10, "only {compared} defaults compared");
+    }
+}

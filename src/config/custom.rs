@@ -237,7 +237,7 @@ mod tests {
     use crate::config::{DataSpec, ModelSpec, load_str_with};
     use crate::data::TensorDataset;
     use crate::models::{Mlp, Model};
-    use crate::registry::{BuildError, DataContext, ModelContext, Registry};
+    use crate::registry::{BuildError, DataContext, DatasetOptions, ModelContext, Registry};
 
     #[derive(Serialize, Deserialize)]
     #[serde(deny_unknown_fields)]
@@ -277,10 +277,38 @@ mod tests {
         )?)
     }
 
+    /// A dataset with hooks: its `rows` default to the model's width, it refuses a language
+    /// model, and it says what it is without being opened.
+    #[derive(Serialize, Deserialize)]
+    struct Rows {
+        #[serde(default)]
+        rows: Option<usize>,
+    }
+
+    impl DatasetOptions for Rows {
+        fn complete(self, cx: &DataContext) -> Result<Self, String> {
+            if cx.language.is_some() {
+                return Err(format!("data.rows: \"{}\" is a language model", cx.arch));
+            }
+            Ok(Rows {
+                rows: Some(self.rows.unwrap_or(if cx.arch == "tiny" { 8 } else { 4 })),
+            })
+        }
+
+        fn describe(&self) -> Option<String> {
+            Some(format!("{} rows", self.rows.unwrap_or(0)))
+        }
+    }
+
+    fn rows(_: &Rows, _: &DataContext) -> Result<TensorDataset, BuildError> {
+        Err("never opened here".into())
+    }
+
     fn registry() -> Registry {
         Registry::builtin()
             .model("tiny", tiny)
             .dataset("my-csv", csv)
+            .dataset_with("rows", rows)
     }
 
     fn load(text: &str, overrides: &[&str]) -> Result<crate::config::LoadedConfig, String> {
@@ -383,5 +411,30 @@ mod tests {
         // A built-in arch still refuses keys that are not its own.
         let err = load("[model]\narch = \"mlp\"\nwidth = 8\n", &[]).unwrap_err();
         assert!(err.contains("unknown key `width` in [model]"), "{err}");
+    }
+
+    #[test]
+    fn a_dataset_with_hooks_is_completed_for_its_model_and_described() {
+        let loaded = load(
+            "[model]\narch = \"tiny\"\nwidth = 2\n[data]\ndataset = \"rows\"\n",
+            &[],
+        );
+        let loaded = loaded.unwrap();
+        assert_eq!(loaded.spec.data.options()["rows"].as_integer(), Some(8));
+        assert!(loaded.resolved_toml().contains("rows = 8"));
+        let described = registry().describe_data(&loaded.spec.data);
+        assert_eq!(described, "8 rows");
+        let given = load("[data]\ndataset = \"rows\"\nrows = 5\n", &[]).unwrap();
+        assert_eq!(given.spec.data.options()["rows"].as_integer(), Some(5));
+        let err = load(
+            "[model]\narch = \"gpt\"\n[data]\ndataset = \"rows\"\nrows = 5\n",
+            &[],
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("`data.rows` (job.toml:5:8)")
+                && err.contains("\"gpt\" is a language model"),
+            "{err}"
+        );
     }
 }

@@ -149,6 +149,7 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
             Err(e) => return Err((2, anyhow!(e))),
         },
     };
+    let frozen = crate::launch::check_freeze(spec).map_err(|e| (2, anyhow!(e)))?;
     // Where `run` would put the workers on this machine, as it would decide it.
     let placement = crate::device::place(&spec.distributed).map_err(|e| (2, anyhow!(e)))?;
     if let Some(notice) = &placement.notice {
@@ -197,6 +198,9 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
             plan.global_batch * language.block_size,
             language.block_size
         );
+    }
+    if let Some((frozen, all)) = frozen {
+        println!("frozen            = {frozen} of {all} parameter tensors  (model.freeze)");
     }
     eprintln!("{}: ok", args.config.display());
     Ok(())

@@ -56,6 +56,9 @@ section! {
         /// `"mlp"`, `"cnn"`, `"gpt"` or `"llama"`, or a model your own binary registers (see
         /// "Your own model"); with `init_from` a checkpoint's `config.json` picks it
         arch: String = "mlp".into() => arch: String = any();
+        /// parameters that do not train (no gradient is averaged, no optimizer state): names,
+        /// module prefixes (`"model.layers.0"`) or globs (`"model.layers.*.mlp.*"`)
+        freeze: Vec<String> = Vec::new(), shown "none" => freeze: Vec<String> = patterns;
     }
 }
 
@@ -243,6 +246,16 @@ impl RawExpect {
 /// A `[section]` key: the section's own checks.
 fn nested<R: super::declare::Section, S>() -> impl Fn(&mut Checker, &str, &R, &S) -> R::Checked {
     |c, _, section, _| section.check(c)
+}
+
+fn patterns(c: &mut Checker, key: &str, patterns: &Vec<String>, _: &RawModel) -> Vec<String> {
+    if patterns.iter().any(|p| p.trim().is_empty()) {
+        c.fail(
+            key,
+            "has an empty pattern; name parameters, modules or globs",
+        );
+    }
+    patterns.clone()
 }
 
 fn optimizer_spec(c: &mut Checker, key: &str, name: &String, t: &RawTrain) -> OptimizerSpec {

@@ -46,6 +46,9 @@ impl LoadedConfig {
             };
             let mut model = toml::Table::new();
             model.insert("arch".into(), self.spec.model.arch().into());
+            if !self.spec.model.freeze().is_empty() {
+                model.insert("freeze".into(), self.spec.model.freeze().to_vec().into());
+            }
             model.extend(self.spec.model.options().clone());
             doc.insert("model".into(), model.into());
             let mut data = toml::Table::new();

@@ -29,6 +29,8 @@ pub struct JobSpec {
 pub struct ModelSpec {
     pub arch: String,
     pub options: toml::Table,
+    /// `model.freeze`: names, module prefixes or globs of the parameters that do not train.
+    pub freeze: Vec<String>,
     /// For a language model: its window and tokenizer.
     pub language: Option<LanguageModelSpec>,
 }
@@ -51,6 +53,11 @@ impl ModelSpec {
     /// The `model.arch` value.
     pub fn arch(&self) -> &str {
         &self.arch
+    }
+
+    /// `model.freeze`: the patterns of the parameters that do not train.
+    pub fn freeze(&self) -> &[String] {
+        &self.freeze
     }
 
     /// The window and tokenizer of a language model; `None` for a classifier.

@@ -16,6 +16,7 @@ fn mlp(hidden: &[i64]) -> ModelSpec {
     ModelSpec {
         arch: "mlp".into(),
         options,
+        freeze: Vec::new(),
         language: None,
     }
 }

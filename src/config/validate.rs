@@ -95,6 +95,7 @@ fn check_model(
     ModelSpec {
         arch,
         options,
+        freeze: m.freeze.clone(),
         language,
     }
 }

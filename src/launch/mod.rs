@@ -255,6 +255,7 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
         Decision::Start => {
             // The data is found and checked before the job exists, so bad data creates nothing.
             let kept = prepare_data(spec, None)?;
+            check_freeze(spec).map_err(RunError::Usage)?;
             create_job(&job, opts, &layout, &kept)?;
             _lock = Some(job.lock(&spec.name)?);
             Plan::Start
@@ -373,6 +374,28 @@ fn meet(
 pub(crate) fn prepare_data(spec: &JobSpec, job: Option<&JobDir>) -> Result<Vec<JobFile>, RunError> {
     let cx = DataContext::of(spec, job.map(|j| j.root.as_path()));
     Ok(Registry::current().prepare_data(&spec.data, &cx)?)
+}
+
+/// Builds the model once on the CPU, without its pretrained weights, to check that every
+/// `model.freeze` pattern names parameters (and leaves some to train) before anything exists;
+/// nothing to do without patterns. How many tensors are frozen, of how many.
+pub(crate) fn check_freeze(spec: &JobSpec) -> Result<Option<(usize, usize)>, String> {
+    if spec.model.freeze().is_empty() {
+        return Ok(None);
+    }
+    let input = match Registry::current().data_input(&spec.data) {
+        Some(input) => input,
+        None => crate::task::load(spec, None)
+            .map_err(|e| e.to_string())?
+            .input(),
+    };
+    let device = candle_core::Device::Cpu;
+    let precision = crate::config::Precision::F32;
+    let model = crate::models::build(&spec.model, input, spec.seed, &device, precision, true)
+        .map_err(|e| e.to_string())?;
+    let params = model.params();
+    let frozen = (0..params.len()).filter(|&i| params.is_frozen(i)).count();
+    Ok(Some((frozen, params.len())))
 }
 
 /// Node 0: the job directory, the frozen config and the first `state.json`.

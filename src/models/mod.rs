@@ -4,6 +4,7 @@
 pub(crate) mod builtin;
 mod chain;
 mod cnn;
+mod freeze;
 mod gpt;
 mod llama;
 mod mlp;
@@ -143,6 +144,8 @@ pub struct Params {
     /// State that is not trained but checkpointed, restored and broadcast from rank 0 with the
     /// parameters (BatchNorm's running statistics), as a PyTorch module's buffers.
     buffers: Vec<(String, Var)>,
+    /// Parameters that do not train, by position (`model.freeze`; see `freeze.rs`).
+    frozen: Vec<bool>,
 }
 
 impl Params {
@@ -436,6 +439,7 @@ pub fn build(
              (VarBuilder::pp)"
         )));
     }
+    let (model, _) = freeze::with_frozen(model, spec.freeze()).map_err(candle_core::Error::Msg)?;
     Ok(model)
 }
 

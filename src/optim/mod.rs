@@ -75,7 +75,8 @@ impl Optimizer {
         self.steps
     }
 
-    /// Updates every parameter from its gradient (same order as `params`) with learning rate `lr`.
+    /// Updates every trainable parameter from its gradient (`grads` in the order of
+    /// [`Params::trainable`]) with learning rate `lr`. Frozen parameters keep no state.
     pub fn step(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
         self.steps += 1;
         // Biases and LayerNorm gains are exempt from weight decay where the model says so
@@ -91,16 +92,21 @@ impl Optimizer {
             // embeddings) do not wait their turn on one thread while the others split.
             use rayon::prelude::*;
             let steps = self.steps;
-            let states = self.first.iter_mut().zip(self.second.iter_mut());
-            let work: Vec<_> = params.vars().zip(grads).zip(states).enumerate().collect();
-            return work
-                .into_par_iter()
-                .try_for_each(|(i, ((var, grad), (first, second)))| {
+            let states = self
+                .first
+                .iter_mut()
+                .zip(self.second.iter_mut())
+                .enumerate();
+            let states = states.filter(|(i, _)| !params.is_frozen(*i));
+            let work: Vec<_> = params.trainable().zip(grads).zip(states).collect();
+            return work.into_par_iter().try_for_each(
+                |(((i, var), grad), (_, (first, second)))| {
                     let state = (first, second);
                     fused_step(spec_of(i), steps, var.as_tensor(), grad, state, lr)
-                });
+                },
+            );
         }
-        for (i, (var, grad)) in params.vars().zip(grads).enumerate() {
+        for ((i, var), grad) in params.trainable().zip(grads) {
             let spec = spec_of(i);
             if kernels::applies(var.as_tensor()) {
                 let state = (&mut self.first[i], &mut self.second[i]);

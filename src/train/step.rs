@@ -94,10 +94,11 @@ pub fn optimizer_step(
         // Shards interleave their phases: the forward share is the slowest shard's forward.
         clock.split(&mut phases, forward)?;
     }
-    let mut grads = grads
-        .into_iter()
-        .zip(params.vars())
-        .map(|(g, var)| g.map_or_else(|| var.zeros_like(), Ok))
+    // Only what trains is averaged, clipped and applied: a frozen parameter's gradient (when
+    // the pass made one) is dropped here, before it crosses the wire.
+    let mut grads = params
+        .trainable()
+        .map(|(i, var)| grads[i].take().map_or_else(|| var.zeros_like(), Ok))
         .collect::<Result<Vec<_>, _>>()?;
     let stop = average_gradients(cx.comm, &mut grads, cx.bucket_bytes, stop_vote)?;
     clock.lap(&mut phases, |p| &mut p.sync)?;

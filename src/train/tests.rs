@@ -185,3 +185,124 @@ fn training_is_deterministic_for_a_seed() {
     let c = train(&spec(&["train.epochs=2", "seed=1"]));
     assert_ne!(a.final_train_loss, c.final_train_loss);
 }
+
+/// A rank of one that runs its collectives, counting the values it all-reduces.
+#[derive(Default)]
+struct CountingComm {
+    reduced: std::cell::Cell<usize>,
+}
+
+impl crate::comm::Communicator for CountingComm {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_reduce_mean(
+        &self,
+        flat: &mut candle_core::Tensor,
+    ) -> Result<(), crate::comm::CommError> {
+        self.reduced.set(self.reduced.get() + flat.elem_count());
+        Ok(())
+    }
+    fn all_reduce_sum_f64(&self, _: &mut [f64]) -> Result<(), crate::comm::CommError> {
+        Ok(())
+    }
+    fn broadcast(
+        &self,
+        _: &mut candle_core::Tensor,
+        _: usize,
+    ) -> Result<(), crate::comm::CommError> {
+        Ok(())
+    }
+    fn barrier(&self) -> Result<(), crate::comm::CommError> {
+        Ok(())
+    }
+    fn skips_collectives(&self) -> bool {
+        false
+    }
+}
+
+/// `model.freeze`: frozen parameters keep their values, get no optimizer state, and their
+/// gradients never reach the all-reduce; the others train as without it.
+#[test]
+fn frozen_parameters_stay_put_keep_no_state_and_are_not_reduced() {
+    let steps = |freeze: &str| {
+        let spec = spec(&[
+            &format!("model.freeze={freeze}"),
+            "train.grad_clip_norm=0.5",
+        ]);
+        let data = crate::task::load(&spec, None).unwrap();
+        let model = models::build(
+            &spec.model,
+            data.input(),
+            0,
+            &Device::Cpu,
+            spec.train.precision,
+            false,
+        )
+        .unwrap();
+        // Values, not tensors: the update writes the parameters' storage in place.
+        let values = |m: &dyn crate::models::Model| -> std::collections::HashMap<String, Vec<f32>> {
+            let named = m.params().named_tensors();
+            let flat = |t: &candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            named.iter().map(|(n, t)| (n.clone(), flat(t))).collect()
+        };
+        let before = values(model.as_ref());
+        let batches = data.batches(&Device::Cpu).unwrap();
+        let (inputs, targets) = batches.train(0, &[0, 1, 2, 3, 4, 5, 6, 7]).unwrap();
+        let comm = CountingComm::default();
+        let cx = step::StepContext {
+            model: model.as_ref(),
+            comm: &comm,
+            device: &Device::Cpu,
+            grad_clip_norm: spec.train.grad_clip_norm,
+            bucket_bytes: 64,
+            shards: None,
+        };
+        let mut optimizer =
+            crate::optim::Optimizer::new(spec.train.optimizer, model.params().len());
+        for _ in 0..3 {
+            let batch = step::MicroBatch {
+                inputs: inputs.clone(),
+                targets: targets.clone(),
+                mode: crate::models::Mode::Train {
+                    row_seeds: vec![0; 8],
+                },
+            };
+            step::optimizer_step(&cx, &mut optimizer, &[batch], 0.01, false, None).unwrap();
+        }
+        let after = values(model.as_ref());
+        let mut changed: Vec<String> = before
+            .keys()
+            .filter(|n| before[*n] != after[*n])
+            .cloned()
+            .collect();
+        changed.sort();
+        let (state, _) = optimizer.state(model.params()).unwrap();
+        let mut state: Vec<String> = state.into_keys().collect();
+        state.sort();
+        (changed, state, comm.reduced.get())
+    };
+    // mlp [16] -> 8 -> 3: fc1 is 8x16 + 8, fc2 3x8 + 3; one more value is the stop vote.
+    let (changed, state, reduced) = steps("[]");
+    assert_eq!(
+        changed,
+        ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    );
+    assert_eq!(state.len(), 8, "{state:?}");
+    assert_eq!(reduced, 3 * (136 + 27 + 1));
+    let (changed, state, reduced) = steps("[\"fc1\"]");
+    assert_eq!(changed, ["fc2.bias", "fc2.weight"]);
+    assert_eq!(
+        state,
+        [
+            "fc2.bias.exp_avg",
+            "fc2.bias.exp_avg_sq",
+            "fc2.weight.exp_avg",
+            "fc2.weight.exp_avg_sq"
+        ]
+    );
+    assert_eq!(reduced, 3 * (27 + 1));
+}

@@ -430,6 +430,17 @@ fn train(
     if device.is_cpu() {
         reporter.line(&crate::numerics::report(spec.train.flush_denormals));
     }
+    let params = model.params();
+    let frozen = (0..params.len()).filter(|&i| params.is_frozen(i)).count();
+    if frozen > 0 {
+        reporter.line(&format!(
+            "frozen: {frozen} of {} parameter tensors (model.freeze); {} of {} values train, \
+             and only their gradients are averaged",
+            params.len(),
+            params.trainable_element_count(),
+            params.element_count()
+        ));
+    }
     if !comm.skips_collectives() && comm.world_size() == 1 {
         reporter.line(
             "collectives: run at world size 1, through the backend (distributed.collectives = \

@@ -472,3 +472,64 @@ fn run_resume_auto_continues_leaves_or_refuses_an_existing_job() {
     )
     .fails_with(2, "cut");
 }
+
+/// `model.freeze` on two workers: the frozen layer keeps the seed's values (the same in a job
+/// with another learning rate and optimizer, whose other layer ends elsewhere), a kill and
+/// `resume` end bit-identical, and a pattern that names nothing is refused before the job
+/// exists, with the model's parameter names.
+#[test]
+fn frozen_layers_stay_put_and_resume_bit_identical() {
+    let t = TestJob::new();
+    // `model.freeze` sits in [model], which `job()` starts; `{extra}` lands in [checkpoint].
+    let frozen = |optimizer: &str| {
+        job(optimizer, "every_steps = 5")
+            .replace("hidden = [32]", "hidden = [32]\nfreeze = [\"fc1\"]")
+    };
+    let cfg = t.config("frozen", &frozen("adamw"));
+    let two = ["--nproc-per-node", "2"];
+    let whole = t.run(&cfg, &[&two[..], &["--name", "whole"]].concat());
+    whole.success();
+    assert!(
+        whole.stdout.contains("frozen: 2 of 4 parameter tensors"),
+        "{}",
+        whole.stdout
+    );
+    let other = t.config("other", &frozen("sgd").replace("lr = 0.02", "lr = 0.1"));
+    t.run(&other, &[&two[..], &["--name", "other"]].concat())
+        .success();
+    let (a, b) = (
+        load_weights(&t.job("whole").join("model.safetensors")),
+        load_weights(&t.job("other").join("model.safetensors")),
+    );
+    assert_eq!(a["fc1.weight"], b["fc1.weight"]);
+    assert_eq!(a["fc1.bias"], b["fc1.bias"]);
+    assert_ne!(a["fc2.weight"], b["fc2.weight"]);
+    // The optimizer state in a checkpoint holds the trained layer's moments only.
+    let newest = std::fs::read_dir(t.job("whole").join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .max()
+        .unwrap();
+    let state = load_weights(&newest.join("optimizer.safetensors"));
+    assert!(
+        state.keys().all(|k| k.starts_with("fc2.")) && !state.is_empty(),
+        "{:?}",
+        state.keys()
+    );
+
+    run_with_fault(
+        &t,
+        &cfg,
+        "rank=1,step=12,kind=kill",
+        &[&two[..], &["--name", "killed"]].concat(),
+    )
+    .fails_with(1, "killed by signal 9");
+    resume(&t, &["killed"]).success();
+    assert_bit_identical(&t, "whole", "killed");
+
+    let bad = t.config("bad", &frozen("adam").replace("[\"fc1\"]", "[\"fc3\"]"));
+    t.run(&bad, &[])
+        .fails_with(2, "\"fc3\" matches no parameter")
+        .fails_with(2, "fc1.weight, fc1.bias, fc2.weight, fc2.bias");
+    assert!(!t.job("bad").exists());
+}

@@ -55,7 +55,7 @@ impl CustomOp3 for LinearOp {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
@@ -69,16 +69,15 @@ impl CustomOp3 for LinearOp {
             })?),
             false => None,
         };
-        let want_gx = x.track_op();
+        // A frozen weight or bias comes detached (see `models::freeze`): no gradient for it.
+        let wanted = Wanted {
+            input: x.track_op(),
+            weight: w.track_op(),
+            bias: b.track_op(),
+        };
         let (gx, gw, gb) = with_gz(grad, masked.as_deref(), |gz| {
             with_values(x, |x| {
-                with_values(w, |w| {
-                    let wanted = Wanted {
-                        input: want_gx,
-                        bias: true,
-                    };
-                    Ok(backward(x, w, gz, outputs, wanted))
-                })
+                with_values(w, |w| Ok(backward(x, w, gz, outputs, wanted)))
             })
         })?;
         // The first layer's input is data: nothing needs its gradient.
@@ -86,11 +85,15 @@ impl CustomOp3 for LinearOp {
             Some(gx) => Some(Tensor::from_vec(gx, (n, inputs), device)?),
             None => None,
         };
-        Ok((
-            gx,
-            Some(Tensor::from_vec(gw, (outputs, inputs), device)?),
-            Some(Tensor::from_vec(gb, outputs, device)?),
-        ))
+        let gw = match wanted.weight {
+            true => Some(Tensor::from_vec(gw, (outputs, inputs), device)?),
+            false => None,
+        };
+        let gb = match wanted.bias {
+            true => Some(Tensor::from_vec(gb, outputs, device)?),
+            false => None,
+        };
+        Ok((gx, gw, gb))
     }
 }
 
@@ -131,12 +134,14 @@ pub(crate) fn forward(x: &[f32], w: &[f32], b: &[f32], n: usize) -> Vec<f32> {
     }
 }
 
-/// Which gradients of a layer [`backward`] computes besides its weight's.
+/// Which gradients of a layer [`backward`] computes.
 #[derive(Clone, Copy)]
 pub(crate) struct Wanted {
     /// The input's: not for a layer whose input is data.
     pub input: bool,
-    /// The bias's: not for a layer without one.
+    /// The weight's: not for a frozen weight (`model.freeze`).
+    pub weight: bool,
+    /// The bias's: not for a layer without one, or a frozen one.
     pub bias: bool,
 }
 
@@ -152,11 +157,15 @@ pub(crate) fn backward(
 ) -> super::LayerGrads {
     let n = gz.len() / outputs.max(1);
     let inputs = w.len() / outputs.max(1);
-    let gw = product(
-        Mat::new(gz, n, outputs).t(),
-        Mat::new(x, n, inputs),
-        threads(),
-    );
+    // A frozen weight's gradient is never formed: the input's gradient alone flows on.
+    let gw = match wanted.weight {
+        true => product(
+            Mat::new(gz, n, outputs).t(),
+            Mat::new(x, n, inputs),
+            threads(),
+        ),
+        false => Vec::new(),
+    };
     let mut gb = vec![0f32; if wanted.bias { outputs } else { 0 }];
     if wanted.bias {
         for row in gz.chunks_exact(outputs) {

@@ -223,6 +223,7 @@ impl TrainPass for ChainPass<'_> {
                         with_all_values(&[linear.weight.as_tensor()], |w| {
                             let wanted = Wanted {
                                 input: need_gx,
+                                weight: true,
                                 bias: true,
                             };
                             Ok(linear_backward(input, w[0], &gz, outputs, wanted))

@@ -3,16 +3,46 @@
 //! state and never cross the wire: only the trainable parameters' gradients are averaged,
 //! clipped and applied, so a job that trains a small part of a model all-reduces only that part.
 //! Any model, built-in or registered, is frozen the same way: by name, after it is built.
+//!
+//! Which tensors are frozen is a set shared by the model's [`Params`] and the layers built with
+//! them (a [`FrozenSet`]): a built-in layer hands a frozen weight to its op detached, so the op
+//! forms no gradient for it (the weight-gradient product of a frozen linear layer is skipped),
+//! and the hand-written backward passes ask the same set.
 
-use candle_core::{Result, Tensor, Var};
+use std::collections::HashSet;
+use std::sync::{Arc, OnceLock};
 
-use super::{KvDecoder, Mode, Model, Params, TrainPass};
+use candle_core::{Tensor, TensorId, Var};
+
+use super::Params;
+
+/// The tensors of a model that do not train, set once when the model is frozen.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct FrozenSet(Arc<OnceLock<HashSet<TensorId>>>);
+
+impl FrozenSet {
+    /// Whether `var` is frozen.
+    pub(crate) fn contains(&self, var: &Var) -> bool {
+        self.0
+            .get()
+            .is_some_and(|set| set.contains(&var.as_tensor().id()))
+    }
+
+    /// `var` as a layer's op should take it: detached when frozen, so no gradient is formed.
+    pub(crate) fn as_input(&self, var: &Var) -> Tensor {
+        match self.contains(var) {
+            true => var.as_detached_tensor(),
+            false => var.as_tensor().clone(),
+        }
+    }
+}
 
 impl Params {
     /// Freezes every parameter whose name, or the name of one of its aliases, matches one of
     /// `patterns` (see [`name_matches`]); returns how many are frozen. A pattern that matches
-    /// nothing, or patterns that leave nothing to train, are errors naming the fix.
-    pub fn freeze(&mut self, patterns: &[String]) -> std::result::Result<usize, String> {
+    /// nothing, or patterns that leave nothing to train, are errors naming the fix; a model is
+    /// frozen once.
+    pub fn freeze(&self, patterns: &[String]) -> std::result::Result<usize, String> {
         let mut frozen = vec![false; self.entries.len()];
         for pattern in patterns {
             let mut matched = false;
@@ -49,13 +79,27 @@ impl Params {
             ));
         }
         let count = frozen.iter().filter(|&&f| f).count();
-        self.frozen = frozen;
+        let ids = self.entries.iter().zip(&frozen);
+        let ids = ids
+            .filter(|(_, f)| **f)
+            .map(|((_, v), _)| v.as_tensor().id());
+        self.frozen
+            .0
+            .set(ids.collect())
+            .map_err(|_| "model.freeze: the model's parameters are frozen already".to_string())?;
         Ok(count)
     }
 
     /// Whether the parameter at `index` is frozen.
     pub fn is_frozen(&self, index: usize) -> bool {
-        self.frozen.get(index).copied().unwrap_or(false)
+        self.entries
+            .get(index)
+            .is_some_and(|(_, v)| self.frozen.contains(v))
+    }
+
+    /// Shares `frozen` with these parameters (the set their layers were built with).
+    pub(crate) fn share_frozen(&mut self, frozen: FrozenSet) {
+        self.frozen = frozen;
     }
 
     /// The parameters that train, with their positions in [`Params::iter`]'s order: what
@@ -110,71 +154,6 @@ fn glob(pattern: &[char], name: &[char]) -> bool {
     pattern[p..].iter().all(|&c| c == '*')
 }
 
-/// A model with some parameters frozen: the same network, its [`Params`] saying which train.
-struct Frozen {
-    inner: Box<dyn Model>,
-    params: Params,
-}
-
-/// `model` with the parameters `patterns` name frozen, and how many; `model` itself when there
-/// are no patterns.
-pub(super) fn with_frozen(
-    model: Box<dyn Model>,
-    patterns: &[String],
-) -> std::result::Result<(Box<dyn Model>, usize), String> {
-    if patterns.is_empty() {
-        return Ok((model, 0));
-    }
-    let mut params = model.params().clone();
-    let count = params.freeze(patterns)?;
-    Ok((
-        Box::new(Frozen {
-            inner: model,
-            params,
-        }),
-        count,
-    ))
-}
-
-impl Model for Frozen {
-    fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
-        self.inner.forward(xs, mode)
-    }
-
-    fn params(&self) -> &Params {
-        &self.params
-    }
-
-    fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
-        self.inner.loss(xs, targets, mode)
-    }
-
-    fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
-        self.inner.score(xs, targets)
-    }
-
-    fn train_flops_per_sample(&self) -> Option<f64> {
-        self.inner.train_flops_per_sample()
-    }
-
-    fn train_pass(
-        &self,
-        xs: &Tensor,
-        targets: &Tensor,
-        mode: &Mode,
-    ) -> Result<Option<Box<dyn TrainPass + '_>>> {
-        self.inner.train_pass(xs, targets, mode)
-    }
-
-    fn rows_independent(&self) -> bool {
-        self.inner.rows_independent()
-    }
-
-    fn kv_decoder(&self) -> Option<&dyn KvDecoder> {
-        self.inner.kv_decoder()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use candle_core::{DType, Device};
@@ -208,7 +187,7 @@ mod tests {
         assert!(!name_matches("h.?.ln_1", "h.17.ln_1.weight"));
         assert!(!name_matches("fc1", "fc10.weight"));
 
-        let mut p = params(&[
+        let p = params(&[
             "model.embed_tokens.weight",
             "model.norm.weight",
             "fc.weight",
@@ -223,7 +202,7 @@ mod tests {
 
     #[test]
     fn a_pattern_that_matches_nothing_or_everything_is_refused() {
-        let mut p = params(&["a.weight", "b.weight"]);
+        let p = params(&["a.weight", "b.weight"]);
         let err = p.freeze(&["c.*".into()]).unwrap_err();
         assert!(
             err.contains("\"c.*\" matches no parameter") && err.contains("a.weight, b.weight"),
@@ -232,5 +211,8 @@ mod tests {
         let err = p.freeze(&["*".into()]).unwrap_err();
         assert!(err.contains("nothing would train"), "{err}");
         assert!(!p.is_frozen(0), "a refused freeze changes nothing");
+        assert_eq!(p.freeze(&["a".into()]), Ok(1));
+        let err = p.freeze(&["b".into()]).unwrap_err();
+        assert!(err.contains("frozen already"), "{err}");
     }
 }

@@ -26,7 +26,7 @@ mod vocab_blocks;
 
 use candle_core::{DType, Device, Error, Result, Tensor, Var};
 
-use super::{Mode, Model, Params, TrainPass};
+use super::{FrozenSet, Mode, Model, Params, TrainPass};
 use crate::kernels;
 use crate::rng::Mt19937;
 use dropout::Dropout;
@@ -141,6 +141,7 @@ impl Gpt {
         }
         let ln_f = init.layer_norm("transformer.ln_f", c, bias)?;
         let mut params = Params::from_vars(init.entries);
+        params.share_frozen(init.frozen);
         for i in init.no_decay {
             params.exempt_from_decay(i);
         }
@@ -387,6 +388,7 @@ pub(super) struct Linear {
     pub(super) weight: Var,
     pub(super) bias: Option<Var>,
     zeros: Tensor,
+    pub(super) frozen: FrozenSet,
 }
 
 impl Linear {
@@ -395,16 +397,29 @@ impl Linear {
     }
 
     pub(super) fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
-        let bias = self.bias_or_zeros();
+        let bias = self
+            .bias
+            .as_ref()
+            .map_or_else(|| self.zeros.clone(), |b| self.frozen.as_input(b));
+        let weight = self.frozen.as_input(&self.weight);
         if compute == DType::F32 && kernels::applies(x) {
-            return kernels::linear(x, self.weight.as_tensor(), bias, false);
+            return kernels::linear(x, &weight, &bias, false);
         }
         let y = x
             .to_dtype(compute)?
-            .matmul(&self.weight.as_tensor().to_dtype(compute)?.t()?)?;
+            .matmul(&weight.to_dtype(compute)?.t()?)?;
         match &self.bias {
-            Some(b) => y.broadcast_add(&b.as_tensor().to_dtype(compute)?),
+            Some(_) => y.broadcast_add(&bias.to_dtype(compute)?),
             None => Ok(y),
+        }
+    }
+
+    /// Which gradients its backward forms: none for what is frozen.
+    pub(super) fn wanted(&self) -> kernels::Wanted {
+        kernels::Wanted {
+            input: true,
+            weight: !self.frozen.contains(&self.weight),
+            bias: self.bias.as_ref().is_some_and(|b| !self.frozen.contains(b)),
         }
     }
 }
@@ -435,6 +450,8 @@ pub(super) struct GptInit<'a> {
     pub(super) device: &'a Device,
     pub(super) entries: Vec<(String, Var)>,
     pub(super) no_decay: Vec<usize>,
+    /// Shared with the layers made and the [`Params`] they end in (see `models::freeze`).
+    pub(super) frozen: FrozenSet,
 }
 
 impl<'a> GptInit<'a> {
@@ -444,6 +461,7 @@ impl<'a> GptInit<'a> {
             device,
             entries: Vec::new(),
             no_decay: Vec::new(),
+            frozen: FrozenSet::default(),
         }
     }
 
@@ -495,6 +513,7 @@ impl<'a> GptInit<'a> {
             weight,
             bias,
             zeros,
+            frozen: self.frozen.clone(),
         })
     }
 

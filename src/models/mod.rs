@@ -20,6 +20,7 @@ use crate::task::ModelInput;
 
 pub(crate) use builtin::register_builtin;
 pub use cnn::Cnn;
+pub(crate) use freeze::FrozenSet;
 pub use gpt::KvCache;
 #[cfg(test)]
 pub use gpt::{Activation as GptActivation, Gpt, GptConfig};
@@ -144,8 +145,9 @@ pub struct Params {
     /// State that is not trained but checkpointed, restored and broadcast from rank 0 with the
     /// parameters (BatchNorm's running statistics), as a PyTorch module's buffers.
     buffers: Vec<(String, Var)>,
-    /// Parameters that do not train, by position (`model.freeze`; see `freeze.rs`).
-    frozen: Vec<bool>,
+    /// Parameters that do not train (`model.freeze`; see `freeze.rs`), shared with the
+    /// layers that hold them.
+    frozen: FrozenSet,
 }
 
 impl Params {
@@ -439,7 +441,12 @@ pub fn build(
              (VarBuilder::pp)"
         )));
     }
-    let (model, _) = freeze::with_frozen(model, spec.freeze()).map_err(candle_core::Error::Msg)?;
+    if !spec.freeze().is_empty() {
+        model
+            .params()
+            .freeze(spec.freeze())
+            .map_err(candle_core::Error::Msg)?;
+    }
     Ok(model)
 }
 

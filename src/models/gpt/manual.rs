@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::ops;
 use super::{Gpt, attention, dropout, head};
-use crate::kernels::{self, Wanted, linear_backward, linear_forward, scratch, with_all_values};
+use crate::kernels::{self, linear_backward, linear_forward, scratch, with_all_values};
 use crate::models::{Mode, TrainPass};
 
 const EPS: f32 = 1e-5;
@@ -275,7 +275,7 @@ impl TrainPass for Pass<'_> {
                     w.mlp_proj,
                     &d_branch,
                     c,
-                    wanted(&block.mlp_proj),
+                    block.mlp_proj.wanted(),
                 );
                 g.push_linear(&block.mlp_proj, d_w, d_b);
                 // GELU's input gradient, in place of its output's.
@@ -285,7 +285,7 @@ impl TrainPass for Pass<'_> {
                     .zip(a.gelu_slope.par_chunks(ELEMENTS_PER_TASK))
                     .for_each(|(d, slope)| d.iter_mut().zip(slope).for_each(|(d, s)| *d *= s));
                 let (d_ln_2, d_w, d_b) =
-                    linear_backward(&a.ln_2, w.c_fc, &d_hidden, 4 * c, wanted(&block.c_fc));
+                    linear_backward(&a.ln_2, w.c_fc, &d_hidden, 4 * c, block.c_fc.wanted());
                 g.push_linear(&block.c_fc, d_w, d_b);
                 let d_ln_2 = d_ln_2.unwrap_or_default();
                 let (d_gain, d_bias) = layer_norm_bwd(&a.mid, &d_ln_2, w.ln_2, &mut d_res, true);
@@ -297,7 +297,7 @@ impl TrainPass for Pass<'_> {
                     w.attn_proj,
                     &d_branch,
                     c,
-                    wanted(&block.attn_proj),
+                    block.attn_proj.wanted(),
                 );
                 g.push_linear(&block.attn_proj, d_w, d_b);
                 let d_att = d_att.unwrap_or_default();
@@ -316,7 +316,7 @@ impl TrainPass for Pass<'_> {
                         scratch::give([work]);
                     });
                 let (d_ln_1, d_w, d_b) =
-                    linear_backward(&a.ln_1, w.c_attn, &d_qkv, 3 * c, wanted(&block.c_attn));
+                    linear_backward(&a.ln_1, w.c_attn, &d_qkv, 3 * c, block.c_attn.wanted());
                 g.push_linear(&block.c_attn, d_w, d_b);
                 let d_ln_1 = d_ln_1.unwrap_or_default();
                 let (d_gain, d_bias) = layer_norm_bwd(&a.input, &d_ln_1, w.ln_1, &mut d_res, true);
@@ -366,14 +366,6 @@ impl Activations {
 /// memory), as flash attention does.
 fn keeps_probabilities(heads: usize, t: usize, c: usize) -> bool {
     heads * t <= 4 * c
-}
-
-/// A block's linear layer needs its input's gradient, and its bias's when it has one.
-fn wanted(layer: &super::Linear) -> Wanted {
-    Wanted {
-        input: true,
-        bias: layer.bias.is_some(),
-    }
 }
 
 /// Elements handed to one rayon task by the element-wise loops.
@@ -491,8 +483,11 @@ impl<'w> Weights<'w> {
 struct Grads(Vec<(candle_core::TensorId, Vec<f32>)>);
 
 impl Grads {
+    /// Records `grad` for `param`; an empty one (a frozen weight's, never formed) is none.
     fn push(&mut self, param: &Tensor, grad: Vec<f32>) {
-        self.0.push((param.id(), grad));
+        if !grad.is_empty() {
+            self.0.push((param.id(), grad));
+        }
     }
 
     fn push_linear(&mut self, layer: &super::Linear, d_weight: Vec<f32>, d_bias: Vec<f32>) {

@@ -667,3 +667,50 @@ fn attention_tiles_match_candle_ops_and_kept_or_recomputed_probabilities_alike()
         assert_eq!(from_kept, recomputed, "t {t}, C {c}");
     }
 }
+
+/// A frozen linear layer's weight and bias get no gradient from either backward (the
+/// weight-gradient product is never formed), while every other parameter's is unchanged.
+#[test]
+fn frozen_layers_get_no_gradient_from_either_backward() {
+    let x = ids(&[&[1, 2, 3, 4, 5, 6], &[7, 8, 9, 10, 0, 1]]);
+    let y = ids(&[&[2, 3, 4, 5, 6, 7], &[8, 9, 10, 0, 1, 2]]);
+    let mode = Mode::Eval;
+    let grads = |freeze: &[&str]| {
+        let model = gpt(&config(true, 0.0));
+        if !freeze.is_empty() {
+            let patterns: Vec<String> = freeze.iter().map(|p| p.to_string()).collect();
+            model.params().freeze(&patterns).unwrap();
+        }
+        let loss = model.loss(&x, &y, &mode).unwrap();
+        let store = loss.backward().unwrap();
+        let auto: Vec<Option<Vec<f32>>> = model
+            .params()
+            .vars()
+            .map(|v| store.get(v.as_tensor()).map(values))
+            .collect();
+        let pass = model.train_pass(&x, &y, &mode).unwrap().unwrap();
+        let hand: Vec<Option<Vec<f32>>> = pass
+            .backward(1.0)
+            .unwrap()
+            .iter()
+            .map(|g| g.as_ref().map(values))
+            .collect();
+        let names: Vec<String> = model.params().iter().map(|(n, _)| n.to_string()).collect();
+        (names, auto, hand)
+    };
+    let (names, all_auto, all_hand) = grads(&[]);
+    let (_, auto, hand) = grads(&["transformer.h.0.mlp.c_fc", "transformer.h.1.attn.c_attn"]);
+    for (i, name) in names.iter().enumerate() {
+        let frozen = name.starts_with("transformer.h.0.mlp.c_fc.")
+            || name.starts_with("transformer.h.1.attn.c_attn.");
+        if frozen {
+            assert!(
+                auto[i].is_none() && hand[i].is_none(),
+                "{name} got a gradient"
+            );
+        } else {
+            assert_eq!(auto[i], all_auto[i], "{name} (autograd)");
+            assert_eq!(hand[i], all_hand[i], "{name} (hand-written)");
+        }
+    }
+}

@@ -164,6 +164,7 @@ impl Llama {
             false => Some(init.normal("lm_head.weight", &[c.vocab_size, hidden], std)?),
         };
         let mut params = Params::from_vars(std::mem::take(&mut init.entries));
+        params.share_frozen(init.frozen.clone());
         for &i in &init.no_decay {
             params.exempt_from_decay(i);
         }

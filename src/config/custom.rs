@@ -38,7 +38,7 @@ const MODEL: Section = Section {
     name: "model",
     selector: "arch",
     default: "mlp",
-    own: &["arch", "freeze"],
+    own: &["arch", "freeze", "lora"],
     tolerated: &[("cnn", "hidden"), ("gpt", "hidden")],
     kind: Registry::model_kind,
     names: Registry::model_names,

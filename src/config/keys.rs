@@ -59,6 +59,33 @@ section! {
         /// parameters that do not train (no gradient is averaged, no optimizer state): names,
         /// module prefixes (`"model.layers.0"`) or globs (`"model.layers.*.mlp.*"`)
         freeze: Vec<String> = Vec::new(), shown "none" => freeze: Vec<String> = patterns;
+        /// low-rank adapters (LoRA)
+        #[serde(skip_serializing_if = "RawLora::is_off")]
+        lora: RawLora = RawLora::default() => lora: LoraKeys = nested();
+    }
+}
+
+section! {
+    /// `[model.lora]`: low-rank adapters beside `gpt`'s and `llama`'s linear layers, PEFT's
+    /// `LoraConfig` names; only the adapters train.
+    RawLora at "model.lora", checked into LoraKeys {
+        /// the adapters' rank; `0` is off
+        r: i64 = 0, shown "`0` (off)" => r: usize = at_least(0);
+        /// adapters add `alpha / r` times their product
+        alpha: f64 = 8.0 => alpha: f64 = positive();
+        /// dropout on the adapters' input (not implemented yet: `0` only)
+        dropout: f64 = 0.0 => dropout: f64 = in_range(0.0, 1.0);
+        /// the linear layers that get adapters: names or their last dotted parts (`"q_proj"`),
+        /// or `"all-linear"`
+        target_modules: Vec<String> = Vec::new(), shown "PEFT's: `[\"q_proj\", \"v_proj\"]` (llama), `[\"c_attn\"]` (gpt)"
+            => target_modules: Vec<String> = any();
+    }
+}
+
+impl RawLora {
+    /// Whether LoRA is off and nothing else of it is set (left out of `job.toml`).
+    pub fn is_off(&self) -> bool {
+        *self == RawLora::default()
     }
 }
 

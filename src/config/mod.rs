@@ -49,6 +49,11 @@ impl LoadedConfig {
             if !self.spec.model.freeze().is_empty() {
                 model.insert("freeze".into(), self.spec.model.freeze().to_vec().into());
             }
+            if let Some(toml::Value::Table(raw)) = doc.get("model")
+                && let Some(lora) = raw.get("lora")
+            {
+                model.insert("lora".into(), lora.clone());
+            }
             model.extend(self.spec.model.options().clone());
             doc.insert("model".into(), model.into());
             let mut data = toml::Table::new();

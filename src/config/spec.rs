@@ -31,6 +31,8 @@ pub struct ModelSpec {
     pub options: toml::Table,
     /// `model.freeze`: names, module prefixes or globs of the parameters that do not train.
     pub freeze: Vec<String>,
+    /// `[model.lora]`, when `r` > 0.
+    pub lora: Option<crate::models::LoraSpec>,
     /// For a language model: its window and tokenizer.
     pub language: Option<LanguageModelSpec>,
 }
@@ -58,6 +60,11 @@ impl ModelSpec {
     /// `model.freeze`: the patterns of the parameters that do not train.
     pub fn freeze(&self) -> &[String] {
         &self.freeze
+    }
+
+    /// `[model.lora]`, when on.
+    pub fn lora(&self) -> Option<&crate::models::LoraSpec> {
+        self.lora.as_ref()
     }
 
     /// The window and tokenizer of a language model; `None` for a classifier.

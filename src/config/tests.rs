@@ -17,6 +17,7 @@ fn mlp(hidden: &[i64]) -> ModelSpec {
         arch: "mlp".into(),
         options,
         freeze: Vec::new(),
+        lora: None,
         language: None,
     }
 }

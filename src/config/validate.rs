@@ -92,10 +92,31 @@ fn check_model(
         }
         None => None,
     };
+    let l = &m.lora;
+    let lora = (l.r > 0).then(|| crate::models::LoraSpec {
+        r: l.r,
+        alpha: l.alpha,
+        dropout: l.dropout,
+        target_modules: l.target_modules.clone(),
+    });
+    if l.r == 0 && (l.dropout != 0.0 || !l.target_modules.is_empty() || l.alpha != 8.0) {
+        c.fail(
+            "model.lora.r",
+            "is 0 (LoRA off), but other [model.lora] keys are set: give the adapters' rank, \
+             e.g. r = 16",
+        );
+    }
+    if l.dropout > 0.0 {
+        c.fail(
+            "model.lora.dropout",
+            "dropout on the adapters' input is not implemented yet; use 0",
+        );
+    }
     ModelSpec {
         arch,
         options,
         freeze: m.freeze.clone(),
+        lora,
         language,
     }
 }

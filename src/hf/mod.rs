@@ -148,7 +148,12 @@ impl HfDir {
         let aliases: HashSet<&str> = params.aliases().map(|(a, _)| a).collect();
         let mut used = HashSet::new();
         for (name, var) in params.iter() {
-            let Some(file_name) = layout.file_name(name, &present) else {
+            let file_name = layout.file_name(name, &present);
+            if file_name.is_none() && crate::models::is_adapter(name) {
+                // A LoRA adapter the base weights do not have: it stays as drawn (B = 0).
+                continue;
+            }
+            let Some(file_name) = file_name else {
                 return Err(HfError::Invalid(format!(
                     "`{}` has no tensor `{name}`, which the model described by its config.json \
                      needs; the weights do not belong to this config",

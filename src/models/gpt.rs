@@ -26,7 +26,8 @@ mod vocab_blocks;
 
 use candle_core::{DType, Device, Error, Result, Tensor, Var};
 
-use super::{FrozenSet, Mode, Model, Params, TrainPass};
+use super::lora::Adapter;
+use super::{FrozenSet, LoraSpec, Mode, Model, Params, TrainPass, is_adapter};
 use crate::kernels;
 use crate::rng::Mt19937;
 use dropout::Dropout;
@@ -104,17 +105,19 @@ pub struct Gpt {
 
 impl Gpt {
     /// `compute`: DType::F32 or DType::BF16 (f32 master weights cast per use, f32 logits).
+    #[cfg(test)]
     pub fn new(config: &GptConfig, seed: u64, device: &Device, compute: DType) -> Result<Self> {
         Self::build(config, GptInit::new(seed, device), compute)
     }
 
     /// A gpt whose weights are about to be loaded (a checkpoint, a pretrained model): zeros,
     /// nothing drawn, so a 124M-parameter model costs no random draws.
+    #[cfg(test)]
     pub fn for_loading(config: &GptConfig, device: &Device, compute: DType) -> Result<Self> {
         Self::build(config, GptInit::blank(device), compute)
     }
 
-    fn build(config: &GptConfig, mut init: GptInit, compute: DType) -> Result<Self> {
+    pub(super) fn build(config: &GptConfig, mut init: GptInit, compute: DType) -> Result<Self> {
         let device = init.device;
         config.validate()?;
         if !matches!(compute, DType::F32 | DType::BF16) {
@@ -140,6 +143,7 @@ impl Gpt {
             });
         }
         let ln_f = init.layer_norm("transformer.ln_f", c, bias)?;
+        init.check_lora()?;
         let mut params = Params::from_vars(init.entries);
         params.share_frozen(init.frozen);
         for i in init.no_decay {
@@ -389,6 +393,8 @@ pub(super) struct Linear {
     pub(super) bias: Option<Var>,
     zeros: Tensor,
     pub(super) frozen: FrozenSet,
+    /// A LoRA adapter beside it (`[model.lora]`).
+    pub(super) adapter: Option<Adapter>,
 }
 
 impl Linear {
@@ -402,14 +408,19 @@ impl Linear {
             .as_ref()
             .map_or_else(|| self.zeros.clone(), |b| self.frozen.as_input(b));
         let weight = self.frozen.as_input(&self.weight);
-        if compute == DType::F32 && kernels::applies(x) {
-            return kernels::linear(x, &weight, &bias, false);
-        }
-        let y = x
-            .to_dtype(compute)?
-            .matmul(&weight.to_dtype(compute)?.t()?)?;
-        match &self.bias {
-            Some(_) => y.broadcast_add(&bias.to_dtype(compute)?),
+        let y = if compute == DType::F32 && kernels::applies(x) {
+            kernels::linear(x, &weight, &bias, false)?
+        } else {
+            let y = x
+                .to_dtype(compute)?
+                .matmul(&weight.to_dtype(compute)?.t()?)?;
+            match &self.bias {
+                Some(_) => y.broadcast_add(&bias.to_dtype(compute)?)?,
+                None => y,
+            }
+        };
+        match &self.adapter {
+            Some(adapter) => y + adapter.forward(x, compute, &self.frozen)?,
             None => Ok(y),
         }
     }
@@ -452,6 +463,11 @@ pub(super) struct GptInit<'a> {
     pub(super) no_decay: Vec<usize>,
     /// Shared with the layers made and the [`Params`] they end in (see `models::freeze`).
     pub(super) frozen: FrozenSet,
+    /// `[model.lora]`, the arch's default targets, and the generator of the adapters' `A`
+    /// (drawn even when the weights are loaded: a zero `A` would never learn).
+    lora: Option<(LoraSpec, &'static [&'static str], Mt19937)>,
+    /// Every linear layer made, for the message when no adapter target names one.
+    linear_names: Vec<String>,
 }
 
 impl<'a> GptInit<'a> {
@@ -462,7 +478,48 @@ impl<'a> GptInit<'a> {
             entries: Vec::new(),
             no_decay: Vec::new(),
             frozen: FrozenSet::default(),
+            lora: None,
+            linear_names: Vec::new(),
         }
+    }
+
+    /// Adapters beside the linear layers `lora` targets (`defaults`: the arch's targets when
+    /// it names none), their `A` drawn from `seed`.
+    pub(crate) fn with_lora(
+        mut self,
+        lora: Option<&LoraSpec>,
+        defaults: &'static [&'static str],
+        seed: u64,
+    ) -> Self {
+        self.lora = lora.map(|l| (l.clone(), defaults, Mt19937::new(seed ^ 0x4c6f_5241)));
+        self
+    }
+
+    /// An error when LoRA is on and no linear layer took an adapter, listing them.
+    pub(super) fn check_lora(&self) -> Result<()> {
+        let Some((lora, defaults, _)) = &self.lora else {
+            return Ok(());
+        };
+        if self.entries.iter().any(|(n, _)| is_adapter(n)) {
+            return Ok(());
+        }
+        let mut kinds: Vec<&str> = self
+            .linear_names
+            .iter()
+            .map(|n| n.rsplit('.').next().unwrap_or(n))
+            .collect();
+        kinds.sort();
+        kinds.dedup();
+        let targets = match lora.target_modules.is_empty() {
+            true => format!("{defaults:?} (the default)"),
+            false => format!("{:?}", lora.target_modules),
+        };
+        Err(Error::Msg(format!(
+            "model.lora.target_modules = {targets} names none of the model's linear layers: \
+             {} (e.g. {}), or \"all-linear\"",
+            kinds.join(", "),
+            self.linear_names.first().map_or("", String::as_str)
+        )))
     }
 
     /// Parameters of the right names and shapes whose values will be loaded: nothing drawn.
@@ -509,11 +566,28 @@ impl<'a> GptInit<'a> {
             false => None,
         };
         let zeros = Tensor::zeros(outputs, DType::F32, self.device)?;
+        let adapter = match &mut self.lora {
+            Some((lora, defaults, rng)) if lora.targets(name, defaults) => {
+                // PEFT's init: A as torch's kaiming_uniform_(a=sqrt(5)), B zeros.
+                let (r, bound) = (lora.r, 1.0 / (inputs as f32).sqrt());
+                let a: Vec<f32> = (0..r * inputs)
+                    .map(|_| (2.0 * rng.next_f32() - 1.0) * bound)
+                    .collect();
+                let scale = lora.scale();
+                let a = self.push(format!("{name}.lora_A.weight"), &[r, inputs], a)?;
+                let zeros_b = vec![0.0; outputs * r];
+                let b = self.push(format!("{name}.lora_B.weight"), &[outputs, r], zeros_b)?;
+                Some(Adapter { a, b, scale })
+            }
+            _ => None,
+        };
+        self.linear_names.push(name.to_string());
         Ok(Linear {
             weight,
             bias,
             zeros,
             frozen: self.frozen.clone(),
+            adapter,
         })
     }
 

@@ -7,6 +7,7 @@ mod cnn;
 mod freeze;
 mod gpt;
 mod llama;
+mod lora;
 mod mlp;
 mod store;
 
@@ -24,6 +25,7 @@ pub(crate) use freeze::FrozenSet;
 pub use gpt::KvCache;
 #[cfg(test)]
 pub use gpt::{Activation as GptActivation, Gpt, GptConfig};
+pub use lora::{LoraSpec, is_adapter};
 pub use mlp::Mlp;
 pub use store::ParamStore;
 
@@ -428,7 +430,8 @@ pub fn build(
     precision: Precision,
     restoring: bool,
 ) -> Result<Box<dyn Model>> {
-    let cx = ModelContext::new(input, seed, device, precision, restoring);
+    let mut cx = ModelContext::new(input, seed, device, precision, restoring);
+    cx.lora = spec.lora().cloned();
     let fail =
         |e: String| candle_core::Error::Msg(format!("model.arch = \"{}\": {e}", spec.arch()));
     let model = Registry::current()
@@ -441,10 +444,24 @@ pub fn build(
              (VarBuilder::pp)"
         )));
     }
-    if !spec.freeze().is_empty() {
+    let mut frozen = spec.freeze().to_vec();
+    if spec.lora().is_some() {
+        // LoRA trains the adapters only (PEFT's default): every other parameter is frozen.
+        let params = model.params();
+        if !params.iter().any(|(n, _)| is_adapter(n)) {
+            return Err(fail(
+                "model.lora: this model has no linear layers that take adapters (LoRA \
+                 applies to gpt and llama)"
+                    .into(),
+            ));
+        }
+        let base = params.iter().map(|(n, _)| n).filter(|n| !is_adapter(n));
+        frozen.extend(base.map(String::from));
+    }
+    if !frozen.is_empty() {
         model
             .params()
-            .freeze(spec.freeze())
+            .freeze(&frozen)
             .map_err(candle_core::Error::Msg)?;
     }
     Ok(model)

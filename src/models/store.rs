@@ -27,6 +27,7 @@ const BUFFER_NAMES: &[&str] = &["running_mean", "running_var"];
 ///     device: Device::Cpu,
 ///     compute_dtype: DType::F32,
 ///     restoring: false,
+///     lora: None,
 /// };
 /// let store = ParamStore::new(&cx);
 /// let vb = store.var_builder();
@@ -163,6 +164,7 @@ mod tests {
             device: Device::Cpu,
             compute_dtype: DType::F32,
             restoring: false,
+            lora: None,
         }
     }
 

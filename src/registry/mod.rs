@@ -42,6 +42,9 @@ pub struct ModelContext {
     /// A checkpoint's weights will replace the ones built (resume, restart): a builder may
     /// skip loading pretrained weights, and must not fail because they are gone.
     pub restoring: bool,
+    /// `[model.lora]`, when on: the adapters `gpt` and `llama` put beside their linear layers
+    /// (a model of your own without linear layers that take them is refused).
+    pub lora: Option<crate::models::LoraSpec>,
 }
 
 impl ModelContext {
@@ -58,6 +61,7 @@ impl ModelContext {
             device: device.clone(),
             compute_dtype: precision.compute_dtype(),
             restoring,
+            lora: None,
         }
     }
 }

@@ -56,7 +56,10 @@ struct Activations {
 
 /// Whether the hand-written pass runs for `gpt`: f32 on the CPU (else autograd does).
 pub(super) fn applies(gpt: &Gpt) -> bool {
-    gpt.compute == DType::F32 && kernels::applies(gpt.wte.as_tensor())
+    // LoRA's adapters are differentiated by autograd (their own ops), the whole model with
+    // them.
+    let adapters = gpt.params.iter().any(|(n, _)| crate::models::is_adapter(n));
+    gpt.compute == DType::F32 && kernels::applies(gpt.wte.as_tensor()) && !adapters
 }
 
 /// The forward pass of token windows `xs` [n, t] against `targets` [n, t].

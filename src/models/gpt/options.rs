@@ -10,7 +10,7 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use super::hf::{Gpt2Export, Gpt2Shape};
-use super::{Activation, Gpt, GptConfig};
+use super::{Activation, Gpt, GptConfig, GptInit};
 use crate::checkpoint::Trained;
 use crate::hf::HfDir;
 use crate::models::{Model, builtin::token_windows};
@@ -18,6 +18,9 @@ use crate::registry::{BuildError, KeyDoc, LanguageModelOptions, ModelContext};
 
 /// The `model_type` a gpt reads and exports.
 pub const MODEL_TYPES: [&str; 1] = ["gpt2"];
+
+/// The layers that get LoRA adapters when `[model.lora]` names none: PEFT's for gpt2.
+const LORA_TARGETS: [&str; 1] = ["c_attn"];
 
 /// `model.arch = "gpt"`. Every key but `init_from` and `vocab_size` has a default (nanoGPT's
 /// CPU recipe: 4 layers x 4 heads x 128 channels, context 64) or comes from `init_from`.
@@ -338,14 +341,22 @@ pub(crate) fn build_gpt(o: &GptOptions, cx: &ModelContext) -> Result<Box<dyn Mod
     let config = o.config(vocab_size, block_size);
     // The gpt does its own autocast: its inputs are token ids, not values to cast.
     let (device, dtype) = (&cx.device, cx.compute_dtype);
+    // `blank`: weights to be read, nothing drawn (but LoRA's adapters, see `GptInit`).
+    let init = |blank: bool| {
+        let init = match blank {
+            true => GptInit::blank(device),
+            false => GptInit::new(cx.seed, device),
+        };
+        init.with_lora(cx.lora.as_ref(), &LORA_TARGETS, cx.seed)
+    };
     if cx.restoring {
         // A checkpoint's weights replace these: nothing to draw or read.
-        return Ok(Box::new(Gpt::for_loading(&config, device, dtype)?));
+        return Ok(Box::new(Gpt::build(&config, init(true), dtype)?));
     }
     let Some(dir) = &o.init_from else {
-        return Ok(Box::new(Gpt::new(&config, cx.seed, device, dtype)?));
+        return Ok(Box::new(Gpt::build(&config, init(false), dtype)?));
     };
-    let gpt = Gpt::for_loading(&config, device, dtype)?;
+    let gpt = Gpt::build(&config, init(true), dtype)?;
     let dir = Path::new(dir);
     match Trained::find(dir) {
         // Another job's gpt: its position table cut to this job's window.

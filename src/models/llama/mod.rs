@@ -102,19 +102,10 @@ struct Layer {
 }
 
 impl Llama {
-    /// Random weights as `transformers`' `_init_weights` draws them (normal with std
-    /// `initializer_range`, biases 0, norms 1), from `seed`. `compute`: F32 or BF16.
-    pub fn new(config: &LlamaConfig, seed: u64, device: &Device, compute: DType) -> Result<Self> {
-        Self::build(config, GptInit::new(seed, device), compute)
-    }
-
-    /// A llama whose weights are about to be loaded (a checkpoint, a pretrained model): zeros,
-    /// nothing drawn.
-    pub fn for_loading(config: &LlamaConfig, device: &Device, compute: DType) -> Result<Self> {
-        Self::build(config, GptInit::blank(device), compute)
-    }
-
-    fn build(config: &LlamaConfig, mut init: GptInit, compute: DType) -> Result<Self> {
+    /// A llama of `config` whose parameters `init` makes (random weights as `transformers`'
+    /// `_init_weights` draws them: normal with std `initializer_range`, biases 0, norms 1; or
+    /// blank, to be loaded). `compute`: F32 or BF16.
+    pub(super) fn build(config: &LlamaConfig, mut init: GptInit, compute: DType) -> Result<Self> {
         let device = init.device;
         config.validate()?;
         if !matches!(compute, DType::F32 | DType::BF16) {
@@ -163,6 +154,7 @@ impl Llama {
             true => None,
             false => Some(init.normal("lm_head.weight", &[c.vocab_size, hidden], std)?),
         };
+        init.check_lora()?;
         let mut params = Params::from_vars(std::mem::take(&mut init.entries));
         params.share_frozen(init.frozen.clone());
         for &i in &init.no_decay {

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::rope::Llama3Scaling;
-use super::{Llama, LlamaConfig};
+use super::{GptInit, Llama, LlamaConfig};
 use crate::checkpoint::Trained;
 use crate::hf::HfDir;
 use crate::models::Model;
@@ -598,6 +598,9 @@ fn check(o: &LlamaOptions) -> Result<(), String> {
     Ok(())
 }
 
+/// The layers that get LoRA adapters when `[model.lora]` names none: PEFT's for llama.
+const LORA_TARGETS: [&str; 2] = ["q_proj", "v_proj"];
+
 /// The registry's builder of `arch = "llama"`: random weights from the job's seed, or
 /// `init_from`'s weights (unless a checkpoint will replace them).
 pub(crate) fn build_llama(
@@ -606,18 +609,20 @@ pub(crate) fn build_llama(
 ) -> Result<Box<dyn Model>, BuildError> {
     let (vocab_size, block_size) = crate::models::builtin::token_windows("llama", cx)?;
     let config = o.config(vocab_size, block_size);
+    // `blank`: weights to be read, nothing drawn (but LoRA's adapters, see `GptInit`).
+    let build = |blank: bool| {
+        let init = match blank {
+            true => GptInit::blank(&cx.device),
+            false => GptInit::new(cx.seed, &cx.device),
+        };
+        let init = init.with_lora(cx.lora.as_ref(), &LORA_TARGETS, cx.seed);
+        Llama::build(&config, init, cx.compute_dtype)
+    };
     if cx.restoring {
         // A checkpoint's weights replace these: nothing to draw or read.
-        return Ok(Box::new(Llama::for_loading(
-            &config,
-            &cx.device,
-            cx.compute_dtype,
-        )?));
+        return Ok(Box::new(build(true)?));
     }
-    let model = match o.init_from {
-        Some(_) => Llama::for_loading(&config, &cx.device, cx.compute_dtype)?,
-        None => Llama::new(&config, cx.seed, &cx.device, cx.compute_dtype)?,
-    };
+    let model = build(o.init_from.is_some())?;
     if let Some(trained) = o
         .init_from
         .as_deref()

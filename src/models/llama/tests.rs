@@ -34,6 +34,7 @@ fn context(vocab_size: usize, block_size: usize, dtype: DType) -> ModelContext {
         device: Device::Cpu,
         compute_dtype: dtype,
         restoring: false,
+        lora: None,
     }
 }
 

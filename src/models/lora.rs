@@ -1,0 +1,195 @@
+//! LoRA (`[model.lora]`, PEFT's `LoraConfig` names): a low-rank adapter beside each targeted
+//! linear layer of `gpt` and `llama`, `y = x·Wᵀ + b + (alpha / r)·(x·Aᵀ)·Bᵀ`, with `A` [r, in]
+//! drawn as PEFT draws it (Kaiming uniform, bound 1/sqrt(in)) and `B` [out, r] zeros, so a
+//! fresh adapter leaves the model's outputs exactly as they were. Every other parameter is
+//! frozen (PEFT's default, `bias = "none"`): only the adapters train, are all-reduced and
+//! keep optimizer state. The adapters are named as PEFT names them inside the model
+//! (`model.layers.0.self_attn.q_proj.lora_A.weight`).
+
+use candle_core::{Result, Tensor, Var};
+
+use super::FrozenSet;
+use crate::kernels;
+
+/// `[model.lora]` once it is on (`r` > 0).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    /// The adapters' rank.
+    pub r: usize,
+    /// The scale's numerator: adapters add `alpha / r` times their product.
+    pub alpha: f64,
+    /// Dropout on the adapters' input (not implemented yet: 0 only).
+    pub dropout: f64,
+    /// The linear layers that get adapters, by PEFT's rule: a layer's full name, or the last
+    /// dotted components of it (`q_proj` names `model.layers.0.self_attn.q_proj`); `all-linear`
+    /// names every one. Empty: the arch's default (`q_proj`, `v_proj` for llama, `c_attn`
+    /// for gpt, as PEFT's).
+    pub target_modules: Vec<String>,
+}
+
+impl LoraSpec {
+    /// `alpha / r`.
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.r as f64
+    }
+
+    /// Whether the linear layer `name` gets an adapter, given the arch's default targets.
+    pub fn targets(&self, name: &str, defaults: &[&str]) -> bool {
+        let targets: Vec<&str> = match self.target_modules.is_empty() {
+            true => defaults.to_vec(),
+            false => self.target_modules.iter().map(String::as_str).collect(),
+        };
+        targets
+            .iter()
+            .any(|t| *t == "all-linear" || name == *t || name.ends_with(&format!(".{t}")))
+    }
+}
+
+/// Whether the parameter `name` is an adapter's: absent from base checkpoints, never frozen.
+pub fn is_adapter(name: &str) -> bool {
+    name.contains(".lora_A.") || name.contains(".lora_B.")
+}
+
+/// One linear layer's adapter.
+pub(crate) struct Adapter {
+    /// [r, in].
+    pub(crate) a: Var,
+    /// [out, r].
+    pub(crate) b: Var,
+    pub(crate) scale: f64,
+}
+
+impl Adapter {
+    /// `scale · (x·Aᵀ)·Bᵀ` for the rows `x` [m, in], in f32 or `compute`.
+    pub(crate) fn forward(
+        &self,
+        x: &Tensor,
+        compute: candle_core::DType,
+        frozen: &FrozenSet,
+    ) -> Result<Tensor> {
+        let (a, b) = (frozen.as_input(&self.a), frozen.as_input(&self.b));
+        let low = if compute == candle_core::DType::F32 && kernels::applies(x) {
+            let zeros = |n: usize| Tensor::zeros(n, candle_core::DType::F32, x.device());
+            let h = kernels::linear(x, &a, &zeros(a.dim(0)?)?, false)?;
+            kernels::linear(&h, &b, &zeros(b.dim(0)?)?, false)?
+        } else {
+            let h = x.to_dtype(compute)?.matmul(&a.to_dtype(compute)?.t()?)?;
+            h.matmul(&b.to_dtype(compute)?.t()?)?
+        };
+        low.affine(self.scale, 0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_follow_peft_suffix_matching() {
+        let spec = |targets: &[&str]| LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            target_modules: targets.iter().map(|t| t.to_string()).collect(),
+        };
+        let q = "model.layers.0.self_attn.q_proj";
+        assert!(spec(&["q_proj"]).targets(q, &[]));
+        assert!(spec(&["self_attn.q_proj"]).targets(q, &[]));
+        assert!(
+            !spec(&["proj"]).targets(q, &[]),
+            "a suffix is whole components"
+        );
+        assert!(spec(&[]).targets(q, &["q_proj", "v_proj"]));
+        assert!(!spec(&[]).targets("model.layers.0.mlp.up_proj", &["q_proj", "v_proj"]));
+        assert!(spec(&["all-linear"]).targets("model.layers.0.mlp.up_proj", &[]));
+        assert_eq!(spec(&[]).scale(), 2.0);
+        assert!(is_adapter(&format!("{q}.lora_A.weight")));
+        assert!(!is_adapter(&format!("{q}.weight")));
+    }
+
+    fn build(arch: &str, lora: &str) -> Result<Box<dyn crate::models::Model>> {
+        let sizes = match arch {
+            "llama" => {
+                "hidden_size = 16\nintermediate_size = 24\nnum_hidden_layers = 2\n\
+                        num_attention_heads = 2\nnum_key_value_heads = 1\nblock_size = 8\n"
+            }
+            _ => "n_embd = 16\nn_layer = 2\nn_head = 2\nblock_size = 8\n",
+        };
+        let text = format!(
+            "seed = 4\n[model]\narch = \"{arch}\"\n{sizes}{lora}\n[data]\ndataset = \"text\"\npath = \"x.txt\"\n"
+        );
+        let spec = crate::config::load_str(std::path::Path::new("t.toml"), text, &[])
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?
+            .spec;
+        let input = crate::task::ModelInput::Tokens {
+            vocab_size: 11,
+            block_size: 8,
+        };
+        let device = candle_core::Device::Cpu;
+        crate::models::build(&spec.model, input, 4, &device, spec.train.precision, false)
+    }
+
+    /// A fresh adapter (B = 0) leaves the logits exactly the base model's; only the adapters
+    /// train; a target that names no layer lists the model's.
+    #[test]
+    fn adapters_start_as_the_identity_and_alone_train() {
+        let xs = Tensor::new(
+            &[[1u32, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1]],
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let mode = crate::models::Mode::Eval;
+        for (arch, expected) in [("llama", 4 * 2), ("gpt", 2 * 2)] {
+            let base = build(arch, "").unwrap();
+            let lora = build(arch, "[model.lora]\nr = 4\nalpha = 8").unwrap();
+            let logits = |m: &dyn crate::models::Model| {
+                m.forward(&xs, &mode)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            assert_eq!(logits(base.as_ref()), logits(lora.as_ref()), "{arch}");
+            let params = lora.params();
+            let adapters: Vec<&str> = params
+                .iter()
+                .map(|(n, _)| n)
+                .filter(|n| is_adapter(n))
+                .collect();
+            // llama: q_proj and v_proj of 2 layers; gpt: c_attn of 2 layers; A and B each.
+            assert_eq!(adapters.len(), expected, "{arch}: {adapters:?}");
+            let trainable: Vec<&str> = params
+                .trainable()
+                .map(|(i, _)| params.iter().nth(i).unwrap().0)
+                .collect();
+            assert_eq!(trainable, adapters, "{arch}: only the adapters train");
+            // Gradients reach A and B; a frozen linear layer's weight gets none (the
+            // embeddings' and norms' are still formed, then dropped by the step).
+            let ys = xs.clone();
+            let loss = lora.loss(&xs, &ys, &mode).unwrap();
+            let grads = loss.backward().unwrap();
+            for (name, var) in params.iter() {
+                let got = grads.get(var.as_tensor()).is_some();
+                let linear = ["proj.weight", "c_attn.weight", "c_fc.weight"];
+                if is_adapter(name) {
+                    assert!(got, "{arch}: no gradient for {name}");
+                } else if linear.iter().any(|l| name.ends_with(l)) {
+                    assert!(!got, "{arch}: a gradient for the frozen {name}");
+                }
+            }
+        }
+        let err = build(
+            "llama",
+            "[model.lora]\nr = 4\ntarget_modules = [\"c_attn\"]",
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            err.contains("names none of the model's linear layers")
+                && err.contains("down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"),
+            "{err}"
+        );
+    }
+}

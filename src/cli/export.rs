@@ -1,5 +1,7 @@
 //! `ddpjob export NAME --hf DIR`: a job's weights as a Hugging Face model directory that
-//! `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads, with the job's tokenizer.
+//! `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads, with the job's tokenizer
+//! (a LoRA job's with `--merge-lora`); `--peft DIR`: a LoRA job's adapters as
+//! `PeftModel.from_pretrained(base, DIR)` loads them.
 
 use std::path::{Path, PathBuf};
 
@@ -14,12 +16,20 @@ use crate::hf::{self, ExportDtype};
 use crate::jobdir::JobDir;
 
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("format").required(true).args(["hf", "peft"])))]
 pub(super) struct ExportArgs {
     /// The job's name (its directory under --jobs-dir).
     name: String,
     /// Write a Hugging Face model directory here (config.json, model.safetensors, tokenizer).
     #[arg(long, value_name = "DIR")]
-    hf: PathBuf,
+    hf: Option<PathBuf>,
+    /// With --hf, for a LoRA job: fold the adapters into the weights (W + alpha/r · B·A).
+    #[arg(long, requires = "hf")]
+    merge_lora: bool,
+    /// Write a LoRA job's adapters here in PEFT's format (adapter_config.json,
+    /// adapter_model.safetensors).
+    #[arg(long, value_name = "DIR")]
+    peft: Option<PathBuf>,
     /// Which weights: best, latest, step-N (default: the final weights, else the newest
     /// checkpoint).
     #[arg(long, value_name = "WHICH")]
@@ -52,25 +62,66 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
     })?;
     let tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu)
         .map_err(|e| (1, anyhow!("cannot read `{}`: {e}", weights.display())))?;
-    let (hf_config, tensors) =
-        crate::models::hf_export_parts(&spec.model, tensors).map_err(|e| (2, anyhow!(e)))?;
-    let tokenizer = tokenizer_files(&spec, &job);
     let dtype = match args.dtype {
         Dtype::F32 => ExportDtype::F32,
         Dtype::Bf16 => ExportDtype::Bf16,
     };
-    hf::export(&args.hf, hf_config, tensors, &tokenizer, dtype, args.force).map_err(|e| {
-        let code = if matches!(e, hf::HfError::Invalid(_)) {
-            2
-        } else {
-            1
-        };
-        (code, anyhow!(e))
-    })?;
+    let lora = spec.model.lora();
+    if let Some(dir) = &args.peft {
+        let lora = lora.ok_or_else(|| {
+            (
+                2,
+                anyhow!(
+                    "job `{}` has no LoRA adapters ([model.lora] is off); export --hf writes \
+                     its whole model",
+                    args.name
+                ),
+            )
+        })?;
+        // GPT-2's layers are Conv1D, weights stored [in, out]: PEFT's fan_in_fan_out.
+        let fan_in_fan_out = spec.model.arch() == "gpt";
+        let layers = hf::peft::write_adapter(
+            dir,
+            tensors,
+            lora,
+            fan_in_fan_out,
+            spec.model.init_from(),
+            dtype,
+            args.force,
+        )
+        .map_err(export_error)?;
+        println!(
+            "exported the LoRA adapters of {layers} layers of `{}` to `{}`: \
+             PeftModel.from_pretrained(base, \"{}\") loads them",
+            weights.display(),
+            dir.display(),
+            dir.display()
+        );
+        return Ok(());
+    }
+    let hf_dir = args.hf.as_deref().unwrap_or(Path::new("."));
+    let tensors = match (lora, args.merge_lora) {
+        (Some(lora), true) => hf::peft::merge_lora(tensors, lora).map_err(|e| (1, anyhow!(e)))?,
+        (Some(_), false) => {
+            return Err((
+                2,
+                anyhow!(
+                    "job `{}` trained LoRA adapters: pass --merge-lora to fold them into the \
+                     weights, or export them alone with --peft DIR",
+                    args.name
+                ),
+            ));
+        }
+        (None, _) => tensors,
+    };
+    let (hf_config, tensors) =
+        crate::models::hf_export_parts(&spec.model, tensors).map_err(|e| (2, anyhow!(e)))?;
+    let tokenizer = tokenizer_files(&spec, &job);
+    hf::export(hf_dir, hf_config, tensors, &tokenizer, dtype, args.force).map_err(export_error)?;
     println!(
         "exported `{}` to `{}`{}",
         weights.display(),
-        args.hf.display(),
+        hf_dir.display(),
         if tokenizer.is_empty() {
             " (no tokenizer: the job's vocabulary is ddpjob's own char/byte one, which \
              transformers cannot load)"
@@ -79,6 +130,15 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         }
     );
     Ok(())
+}
+
+/// An export's error with its exit code: 2 for what the user can fix (a directory, a flag).
+fn export_error(e: hf::HfError) -> (u8, anyhow::Error) {
+    let code = match e {
+        hf::HfError::Invalid(_) => 2,
+        _ => 1,
+    };
+    (code, anyhow!(e))
 }
 
 /// The job's `tokenizer.json` and the files that go with it in its model directory.

@@ -38,27 +38,58 @@ pub fn export(
     dtype: ExportDtype,
     force: bool,
 ) -> Result<(), HfError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |cause| HfError::Io { path, cause }
-    };
+    prepare_dir(dir, force, "--hf")?;
+    save_weights(dir, "model.safetensors", tensors, dtype)?;
+    for file in tokenizer_files {
+        if let Some(name) = file.file_name() {
+            let to = dir.join(name);
+            std::fs::copy(file, &to).map_err(|cause| HfError::Io {
+                path: file.clone(),
+                cause,
+            })?;
+        }
+    }
+    config.insert("torch_dtype".into(), dtype.torch_name().into());
+    let text = serde_json::to_string_pretty(&Value::Object(config)).unwrap_or_default();
+    write_atomically(&dir.join("config.json"), text.as_bytes())
+}
+
+/// Makes `dir` to write into, refusing a file or (unless `force`) a directory that is not
+/// empty; `flag` is the option that named it.
+pub(super) fn prepare_dir(dir: &Path, force: bool, flag: &str) -> Result<(), HfError> {
     if dir.is_file() {
         return Err(HfError::Invalid(format!(
-            "`{}` is a file; --hf names a directory to write the model into",
+            "`{}` is a file; {flag} names a directory to write into",
             dir.display()
         )));
     }
     if dir.is_dir() {
-        let mut entries = std::fs::read_dir(dir).map_err(io(dir))?;
+        let mut entries = std::fs::read_dir(dir).map_err(|cause| HfError::Io {
+            path: dir.to_path_buf(),
+            cause,
+        })?;
         if entries.next().is_some() && !force {
             return Err(HfError::Invalid(format!(
                 "`{}` is not empty; choose another directory or pass --force to overwrite its \
-                 model files",
+                 files",
                 dir.display()
             )));
         }
     }
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    std::fs::create_dir_all(dir).map_err(|cause| HfError::Io {
+        path: dir.to_path_buf(),
+        cause,
+    })
+}
+
+/// `tensors` in `dtype` as the safetensors file `name` in `dir`, written under a temporary
+/// name and renamed.
+pub(super) fn save_weights(
+    dir: &Path,
+    name: &str,
+    tensors: HashMap<String, Tensor>,
+    dtype: ExportDtype,
+) -> Result<(), HfError> {
     let want = match dtype {
         ExportDtype::F32 => DType::F32,
         ExportDtype::Bf16 => DType::BF16,
@@ -75,25 +106,19 @@ pub fn export(
             })?;
         converted.insert(name, t);
     }
-    let weights = dir.join("model.safetensors");
-    let partial = dir.join(".model.safetensors.partial");
+    let weights = dir.join(name);
+    let partial = dir.join(format!(".{name}.partial"));
     candle_core::safetensors::save(&converted, &partial).map_err(|cause| HfError::Weights {
         path: partial.clone(),
         cause,
     })?;
-    std::fs::rename(&partial, &weights).map_err(io(&weights))?;
-    for file in tokenizer_files {
-        if let Some(name) = file.file_name() {
-            let to = dir.join(name);
-            std::fs::copy(file, &to).map_err(io(file))?;
-        }
-    }
-    config.insert("torch_dtype".into(), dtype.torch_name().into());
-    let text = serde_json::to_string_pretty(&Value::Object(config)).unwrap_or_default();
-    write_atomically(&dir.join("config.json"), text.as_bytes())
+    std::fs::rename(&partial, &weights).map_err(|cause| HfError::Io {
+        path: weights.clone(),
+        cause,
+    })
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), HfError> {
+pub(super) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), HfError> {
     let partial = path.with_extension("partial");
     std::fs::write(&partial, bytes).map_err(|cause| HfError::Io {
         path: partial.clone(),

@@ -5,6 +5,7 @@
 //! a model's parameters, and writes an export that `transformers` loads.
 
 mod export;
+pub mod peft;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};

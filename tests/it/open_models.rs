@@ -394,3 +394,101 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
         .fails_with(2, "model.vocab_size = 100 is smaller than the vocabulary");
     assert!(!t.jobs_dir().exists() || std::fs::read_dir(t.jobs_dir()).unwrap().next().is_none());
 }
+
+/// LoRA on a pretrained checkpoint: only the adapters move (the base stays the checkpoint's,
+/// bit for bit), two workers preempted and resumed end bit-identical, the adapters export in
+/// PEFT's format, and the merged export scores what the job scores.
+#[test]
+fn a_lora_job_trains_its_adapters_resumes_and_exports_for_peft() {
+    let t = TestJob::new();
+    let text = text(&t);
+    let dir = fixture("qwen2");
+    let model = format!(
+        "init_from = \"{}\"\nblock_size = 16\n[model.lora]\nr = 4\nalpha = 8\n\
+         target_modules = [\"q_proj\", \"v_proj\", \"up_proj\"]",
+        dir.display()
+    );
+    let cfg = t.config(
+        "lora",
+        &job(&text, &model, "").replace("log_every = 1", "log_every = 5"),
+    );
+    let two = ["--nproc-per-node", "2"];
+    let whole = t.run(&cfg, &[&two[..], &["--name", "whole"]].concat());
+    whole.success();
+    assert!(whole.stdout.contains("frozen: "), "{}", whole.stdout);
+    let trained = load_weights(&t.job("whole").join("model.safetensors"));
+    let base = load_weights(&dir.join("model.safetensors"));
+    let mut adapters = 0;
+    for (name, values) in &trained {
+        match base.get(name) {
+            Some(b) => assert_eq!(b, values, "{name} moved"),
+            None if name.contains(".lora_B.") => {
+                adapters += 1;
+                assert!(values.iter().any(|&v| v != 0.0), "{name} did not train");
+            }
+            None => assert!(
+                name.contains(".lora_A.") || name == "lm_head.weight",
+                "{name}"
+            ),
+        }
+    }
+    assert_eq!(adapters, 3 * 2, "q, v and up of the fixture's 2 layers");
+
+    let cut = t.run_env(
+        &cfg,
+        &[&two[..], &["--name", "cut"]].concat(),
+        &[("DDPJOB_FAULT", "rank=1,step=17,kind=preempt")],
+    );
+    cut.fails_with(143, "interrupted by SIGTERM");
+    let jobs = t.jobs_dir().display().to_string();
+    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
+    assert_same_bits(
+        &t.job("whole").join("model.safetensors"),
+        &t.job("cut").join("model.safetensors"),
+    );
+
+    let peft = t.path("adapter");
+    let peft_s = peft.display().to_string();
+    t.ddpjob(&["export", "whole", "--peft", &peft_s, "--jobs-dir", &jobs])
+        .success();
+    let config = t.json(&peft.join("adapter_config.json"));
+    assert_eq!(config["peft_type"], "LORA");
+    assert_eq!(config["r"], 4);
+    assert_eq!(config["lora_alpha"], 8.0);
+    assert_eq!(
+        config["target_modules"],
+        serde_json::json!(["q_proj", "up_proj", "v_proj"])
+    );
+    assert_eq!(config["base_model_name_or_path"], dir.display().to_string());
+    let saved = load_weights(&peft.join("adapter_model.safetensors"));
+    assert_eq!(saved.len(), 12);
+    let key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight";
+    assert_eq!(
+        saved[key],
+        trained["model.layers.0.self_attn.q_proj.lora_B.weight"]
+    );
+
+    let merged = t.path("merged");
+    let merged_s = merged.display().to_string();
+    t.ddpjob(&["export", "whole", "--hf", &merged_s, "--jobs-dir", &jobs])
+        .fails_with(2, "pass --merge-lora");
+    t.ddpjob(&[
+        "export",
+        "whole",
+        "--hf",
+        &merged_s,
+        "--merge-lora",
+        "--jobs-dir",
+        &jobs,
+    ])
+    .success();
+    let cfg_s = cfg.display().to_string();
+    let job_loss = eval_json(&t, &["whole"])["loss"].as_f64().unwrap();
+    let merged_loss = eval_json(&t, &[&merged_s, "--data", &cfg_s])["loss"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (job_loss - merged_loss).abs() < 1e-5,
+        "job {job_loss} vs merged {merged_loss}"
+    );
+}

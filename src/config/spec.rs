@@ -45,11 +45,17 @@ impl ModelSpec {
             .iter()
             .map(|(k, v)| format!("{k} = {v}"))
             .collect();
-        if pairs.is_empty() {
-            self.arch.clone()
-        } else {
-            format!("{} ({})", self.arch, pairs.join(", "))
+        let mut described = match pairs.is_empty() {
+            true => self.arch.clone(),
+            false => format!("{} ({})", self.arch, pairs.join(", ")),
+        };
+        if let Some(l) = &self.lora {
+            described += &format!(", LoRA r = {} alpha = {}", l.r, l.alpha);
         }
+        if !self.freeze.is_empty() {
+            described += &format!(", frozen {:?}", self.freeze);
+        }
+        described
     }
 
     /// The `model.arch` value.

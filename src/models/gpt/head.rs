@@ -205,15 +205,16 @@ impl CustomOp3 for HeadLossOp {
         let (dx, dw) = with_values(x, |xv| {
             with_values(w, |wv| {
                 let mut dx = vec![0f32; xv.len()];
-                let dw = loss_bwd(xv, wv, &ids, g, &mut dx, &kept)?;
+                // A frozen head (LoRA's, `model.freeze`) comes detached: no weight gradient.
+                let dw = loss_bwd(xv, wv, &ids, g, &mut dx, &kept, w.track_op())?;
                 Ok((dx, dw))
             })
         })?;
-        Ok((
-            Some(Tensor::from_vec(dx, x.shape(), x.device())?),
-            Some(Tensor::from_vec(dw, w.shape(), w.device())?),
-            None,
-        ))
+        let dw = match dw.is_empty() {
+            true => None,
+            false => Some(Tensor::from_vec(dw, w.shape(), w.device())?),
+        };
+        Ok((Some(Tensor::from_vec(dx, x.shape(), x.device())?), dw, None))
     }
 }
 
@@ -252,6 +253,7 @@ pub(super) fn loss_bwd(
     g: f32,
     dx: &mut [f32],
     kept: &Kept,
+    want_dw: bool,
 ) -> Result<Vec<f32>> {
     let dims = Dims::of(xv.len(), wv.len(), ids.len())?;
     check_targets(ids, dims.vocab)?;
@@ -265,6 +267,7 @@ pub(super) fn loss_bwd(
             dx,
             dims.shape(),
             kept,
+            want_dw,
         ));
     }
     // One dw per contiguous group of chunks (one per thread), added in order.
@@ -275,7 +278,7 @@ pub(super) fn loss_bwd(
         .par_chunks_mut(per_group * chunk * dims.channels)
         .enumerate()
         .map(|(gi, dx)| {
-            let mut dw = vec![0f32; wv.len()];
+            let mut dw = vec![0f32; if want_dw { wv.len() } else { 0 }];
             let first = gi * per_group;
             for c in first..(first + per_group).min(chunks) {
                 let (rows, mut dl) = dims.logits(xv, wv, c);
@@ -296,11 +299,16 @@ pub(super) fn loss_bwd(
                     dims.channels,
                     dims.channels,
                 );
-                gemm_into(&mut dw, dims.channels, dl_view.t(), x_view, true);
+                if want_dw {
+                    gemm_into(&mut dw, dims.channels, dl_view.t(), x_view, true);
+                }
             }
             dw
         })
         .collect();
+    if !want_dw {
+        return Ok(Vec::new());
+    }
     let mut parts = partial_dw.into_iter();
     let mut dw = parts.next().unwrap_or_else(|| vec![0f32; wv.len()]);
     for part in parts {

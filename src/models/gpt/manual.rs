@@ -259,8 +259,15 @@ impl TrainPass for Pass<'_> {
             let weights = Weights(all);
             let wte = weights.get(0);
             let mut d_normed = scratch::take(rows * c);
-            let mut d_wte =
-                head::loss_bwd(&normed, wte, &targets, scale as f32, &mut d_normed, &kept)?;
+            let mut d_wte = head::loss_bwd(
+                &normed,
+                wte,
+                &targets,
+                scale as f32,
+                &mut d_normed,
+                &kept,
+                true,
+            )?;
             // The gradient of the residual stream, from the top down.
             let mut d_res = scratch::take(rows * c);
             let (ln_f, _) = weights.ln_f();

@@ -491,7 +491,7 @@ fn fused_head_matches_composed(rows: usize, channels: usize, vocab: usize) {
     assert_eq!(kept.logits.len(), if blocked { rows * vocab } else { 0 });
     let backward = |kept: &vocab_blocks::Kept| {
         let mut dx = vec![0f32; xv.len()];
-        let dw = head::loss_bwd(&xv, &wv, &ids, 3.0, &mut dx, kept).unwrap();
+        let dw = head::loss_bwd(&xv, &wv, &ids, 3.0, &mut dx, kept, true).unwrap();
         (dx, dw)
     };
     let lse_only = vocab_blocks::Kept {

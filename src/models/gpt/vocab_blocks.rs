@@ -207,6 +207,8 @@ pub(super) fn loss_sum(x: &[f32], w: &[f32], ids: &[usize], shape: Shape) -> (f3
 /// dw = d logitsᵀ · x (one partial per thread, added in order). What [`loss_sum`] kept saves
 /// making the logits once (its log-sum-exp) or twice (its logits) more; what it did not keep
 /// is made here.
+// The head's operands, its shape and what to form: one call site, in `head.rs`.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn loss_bwd(
     x: &[f32],
     w: &[f32],
@@ -215,6 +217,7 @@ pub(super) fn loss_bwd(
     dx: &mut [f32],
     shape: Shape,
     kept: &Kept,
+    want_dw: bool,
 ) -> Vec<f32> {
     let c = shape.channels;
     let (chunk, chunks) = (shape.chunk(), shape.chunks());
@@ -224,7 +227,7 @@ pub(super) fn loss_bwd(
         .par_chunks_mut(per_group * chunk * c)
         .zip(chunks.par_chunks(per_group))
         .map(|(dx, group)| {
-            let mut dw = vec![0f32; w.len()];
+            let mut dw = vec![0f32; if want_dw { w.len() } else { 0 }];
             let mut dl = vec![0f32; chunk * BLOCK];
             for (k, rows) in group.iter().enumerate() {
                 let lse: Cow<[f32]> = match kept.lse.get(rows.clone()) {
@@ -265,12 +268,17 @@ pub(super) fn loss_bwd(
                     let dl = View::rows(dl, 0, rows.len(), width, width);
                     let w_block = View::rows(w, cols.start * c, width, c, c);
                     gemm_into(&mut dx[local..], c, dl, w_block, b > 0);
-                    gemm_into(&mut dw[cols.start * c..], c, dl.t(), xs, k > 0);
+                    if want_dw {
+                        gemm_into(&mut dw[cols.start * c..], c, dl.t(), xs, k > 0);
+                    }
                 }
             }
             dw
         })
         .collect();
+    if !want_dw {
+        return Vec::new();
+    }
     let mut parts = partial_dw.into_iter();
     let mut dw = parts.next().unwrap_or_else(|| vec![0f32; w.len()]);
     for part in parts {

@@ -176,9 +176,15 @@ impl Llama {
         })
     }
 
-    /// The output projection's weight [vocab, hidden] (the embedding's when tied).
-    fn head_weight(&self) -> &Tensor {
-        self.lm_head.as_ref().unwrap_or(&self.embed).as_tensor()
+    /// The output projection's weight [vocab, hidden] (the embedding's when tied), detached
+    /// when frozen (no gradient is formed for it).
+    fn head_weight(&self) -> Tensor {
+        self.input(self.lm_head.as_ref().unwrap_or(&self.embed))
+    }
+
+    /// A parameter as the ops take it: detached when frozen (see `models::freeze`).
+    fn input(&self, var: &Var) -> Tensor {
+        self.params.frozen.as_input(var)
     }
 
     /// Token ids [n, t] → the final RMSNorm's output [n·t, hidden], f32.
@@ -190,16 +196,17 @@ impl Llama {
                 "llama: {t} positions, block_size is {block}"
             )));
         }
-        let mut x = self.embed.as_tensor().embedding(&xs.flatten_all()?)?;
+        let mut x = self.input(&self.embed).embedding(&xs.flatten_all()?)?;
+        let eps = self.config.rms_norm_eps;
         for layer in &self.layers {
-            let h = rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
+            let h = rms_norm(&x, &self.input(&layer.input_norm), eps)?;
             let y = self.attention(layer, &h, n, t)?;
             x = (x + y.to_dtype(DType::F32)?)?;
-            let h = rms_norm(&x, &layer.post_norm, self.config.rms_norm_eps)?;
+            let h = rms_norm(&x, &self.input(&layer.post_norm), eps)?;
             let y = self.mlp(layer, &h)?;
             x = (x + y.to_dtype(DType::F32)?)?;
         }
-        rms_norm(&x, &self.norm, self.config.rms_norm_eps)
+        rms_norm(&x, &self.input(&self.norm), eps)
     }
 
     /// Grouped-query causal self-attention of `h` [n·t, hidden], projected: [n·t, hidden].
@@ -267,8 +274,8 @@ impl Model for Llama {
     fn loss(&self, xs: &Tensor, targets: &Tensor, _mode: &Mode) -> Result<Tensor> {
         let x = self.trunk(xs)?;
         let w = self.head_weight();
-        if self.compute == DType::F32 && head::applies(&x, w) {
-            return head::loss(&x, w, &targets.flatten_all()?);
+        if self.compute == DType::F32 && head::applies(&x, &w) {
+            return head::loss(&x, &w, &targets.flatten_all()?);
         }
         crate::task::cross_entropy(&self.project(&x)?, targets)
     }
@@ -276,8 +283,8 @@ impl Model for Llama {
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
         let x = self.trunk(xs)?;
         let w = self.head_weight();
-        if self.compute == DType::F32 && head::applies(&x, w) {
-            return head::score(&x, w, &targets.flatten_all()?);
+        if self.compute == DType::F32 && head::applies(&x, &w) {
+            return head::score(&x, &w, &targets.flatten_all()?);
         }
         crate::task::loss_sum_and_correct(&self.project(&x)?, targets)
     }
@@ -286,26 +293,35 @@ impl Model for Llama {
         &self.params
     }
 
-    /// 6 operations per parameter per token (the embedding's lookup excepted when tied, as
-    /// nanoGPT counts), plus attention's two products: 12·layers·heads·head_dim·t per token.
+    /// 6 operations per trained parameter per token, 4 per frozen one (no weight gradient),
+    /// the untied embedding's lookup excepted (as nanoGPT counts), plus attention's two
+    /// products: 12·layers·heads·head_dim·t per token.
     fn train_flops_per_sample(&self) -> Option<f64> {
         let c = &self.config;
-        let mut n = self.params.element_count() as f64;
+        let mut trainable = self.params.trainable_element_count() as f64;
+        let mut frozen = self.params.element_count() as f64 - trainable;
         if !c.tie_word_embeddings {
-            n -= (c.vocab_size * c.hidden_size) as f64;
+            // The untied embedding is a lookup, whether it trains or not.
+            let embed = (c.vocab_size * c.hidden_size) as f64;
+            match self.params.frozen.contains(&self.embed) {
+                true => frozen -= embed,
+                false => trainable -= embed,
+            }
         }
+        // A frozen parameter forms no weight gradient: its forward and input gradient only.
         let t = c.block_size as f64;
         let width = (c.num_attention_heads * c.head_dim) as f64;
-        Some((6.0 * n + 12.0 * c.num_hidden_layers as f64 * width * t) * t)
+        let attention = 12.0 * c.num_hidden_layers as f64 * width * t;
+        Some((6.0 * trainable + 4.0 * frozen + attention) * t)
     }
 }
 
 /// `x * rsqrt(mean(x²) + eps) * weight` over the last dimension, in f32 (`LlamaRMSNorm`).
-pub fn rms_norm(x: &Tensor, weight: &Var, eps: f64) -> Result<Tensor> {
-    if let Some(fused) = ops::rms_norm(x, weight.as_tensor(), eps) {
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    if let Some(fused) = ops::rms_norm(x, weight, eps) {
         return fused;
     }
-    rms_norm_with_ops(x, weight.as_tensor(), eps)
+    rms_norm_with_ops(x, weight, eps)
 }
 
 /// [`rms_norm`] composed from candle's ops (GPU, bf16; the fused op's reference).

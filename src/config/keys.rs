@@ -73,7 +73,7 @@ section! {
         r: i64 = 0, shown "`0` (off)" => r: usize = at_least(0);
         /// adapters add `alpha / r` times their product
         alpha: f64 = 8.0 => alpha: f64 = positive();
-        /// dropout on the adapters' input (not implemented yet: `0` only)
+        /// dropout on the adapters' input in training (masks keyed by sample and layer)
         dropout: f64 = 0.0 => dropout: f64 = in_range(0.0, 1.0);
         /// the linear layers that get adapters: names or their last dotted parts (`"q_proj"`),
         /// or `"all-linear"`

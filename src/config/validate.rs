@@ -106,12 +106,6 @@ fn check_model(
              e.g. r = 16",
         );
     }
-    if l.dropout > 0.0 {
-        c.fail(
-            "model.lora.dropout",
-            "dropout on the adapters' input is not implemented yet; use 0",
-        );
-    }
     ModelSpec {
         arch,
         options,

@@ -209,10 +209,7 @@ impl Gpt {
             }
             let y = block.attn_proj.forward(&y.reshape((t, c))?, self.compute)?;
             x = (x + y.to_dtype(DType::F32)?)?;
-            x = (&x
-                + block
-                    .mlp(&x, self.compute, self.config.activation)?
-                    .to_dtype(DType::F32)?)?;
+            x = (&x + block.mlp(&x, self, &Mode::Eval)?.to_dtype(DType::F32)?)?;
         }
         let last = x.narrow(0, t - 1, 1)?;
         Ok(self.head(&last)?.squeeze(0)?.detach())
@@ -342,11 +339,9 @@ impl Gpt {
         };
         let mut x = drop(self.embed(&xs.flatten_all()?, n, t, 0)?, 0)?;
         for (i, block) in self.blocks.iter().enumerate() {
-            let y = block.attention(&x, n, t, self)?;
+            let y = block.attention(&x, n, t, self, mode)?;
             x = (&x + drop(y.to_dtype(DType::F32)?, 1 + 2 * i)?)?;
-            let y = block
-                .mlp(&x, self.compute, self.config.activation)?
-                .to_dtype(DType::F32)?;
+            let y = block.mlp(&x, self, mode)?.to_dtype(DType::F32)?;
             x = (&x + drop(y, 2 + 2 * i)?)?;
         }
         Ok(x)
@@ -364,9 +359,11 @@ struct Block {
 
 impl Block {
     /// Causal self-attention of `ln_1(x)` (x: [n·t, C]), projected: [n·t, C].
-    fn attention(&self, x: &Tensor, n: usize, t: usize, gpt: &Gpt) -> Result<Tensor> {
+    fn attention(&self, x: &Tensor, n: usize, t: usize, gpt: &Gpt, mode: &Mode) -> Result<Tensor> {
         let (c, h) = (gpt.config.n_embd, gpt.config.n_head);
-        let qkv = self.c_attn.forward(&self.ln_1.forward(x)?, gpt.compute)?;
+        let qkv = self
+            .c_attn
+            .forward_mode(&self.ln_1.forward(x)?, gpt.compute, mode)?;
         let y = if kernels::applies(&qkv) {
             attention::causal_attention(&qkv, h, t)?
         } else {
@@ -375,14 +372,17 @@ impl Block {
                 .0
                 .reshape((n * t, c))?
         };
-        self.attn_proj.forward(&y, gpt.compute)
+        self.attn_proj.forward_mode(&y, gpt.compute, mode)
     }
 
     /// c_proj(gelu(c_fc(ln_2(x)))), in the compute dtype.
-    fn mlp(&self, x: &Tensor, compute: DType, activation: Activation) -> Result<Tensor> {
-        let hidden = self.c_fc.forward(&self.ln_2.forward(x)?, compute)?;
+    fn mlp(&self, x: &Tensor, gpt: &Gpt, mode: &Mode) -> Result<Tensor> {
+        let (compute, activation) = (gpt.compute, gpt.config.activation);
+        let hidden = self
+            .c_fc
+            .forward_mode(&self.ln_2.forward(x)?, compute, mode)?;
         self.mlp_proj
-            .forward(&ops::gelu(&hidden, activation)?, compute)
+            .forward_mode(&ops::gelu(&hidden, activation)?, compute, mode)
     }
 }
 
@@ -395,14 +395,26 @@ pub(super) struct Linear {
     pub(super) frozen: FrozenSet,
     /// A LoRA adapter beside it (`[model.lora]`).
     pub(super) adapter: Option<Adapter>,
+    /// Its position among the model's linear layers: its adapter's dropout site.
+    index: usize,
 }
+
+/// The first dropout site of LoRA adapters' inputs, past the model's own sites.
+const LORA_DROPOUT_SITES: usize = 1 << 20;
 
 impl Linear {
     fn bias_or_zeros(&self) -> &Tensor {
         self.bias.as_ref().map_or(&self.zeros, |b| b.as_tensor())
     }
 
+    /// The layer in evaluation (no adapter dropout).
     pub(super) fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
+        self.forward_mode(x, compute, &Mode::Eval)
+    }
+
+    /// The layer, its LoRA adapter's input dropped out in training (masks keyed by each
+    /// row's seed and this layer's own site, as the model's dropout is).
+    pub(super) fn forward_mode(&self, x: &Tensor, compute: DType, mode: &Mode) -> Result<Tensor> {
         let bias = self
             .bias
             .as_ref()
@@ -419,10 +431,21 @@ impl Linear {
                 None => y,
             }
         };
-        match &self.adapter {
-            Some(adapter) => y + adapter.forward(x, compute, &self.frozen)?,
-            None => Ok(y),
-        }
+        let Some(adapter) = &self.adapter else {
+            return Ok(y);
+        };
+        let dropout = match mode {
+            Mode::Train { row_seeds } if adapter.dropout > 0.0 && !row_seeds.is_empty() => {
+                let row_len = x.elem_count() / row_seeds.len();
+                Dropout::new(row_seeds, adapter.dropout, row_len)
+            }
+            _ => None,
+        };
+        let dropped = match dropout {
+            Some(d) => d.apply(x, LORA_DROPOUT_SITES + self.index)?,
+            None => x.clone(),
+        };
+        y + adapter.forward(&dropped, compute, &self.frozen)?
     }
 
     /// Which gradients its backward forms: none for what is frozen.
@@ -573,11 +596,16 @@ impl<'a> GptInit<'a> {
                 let a: Vec<f32> = (0..r * inputs)
                     .map(|_| (2.0 * rng.next_f32() - 1.0) * bound)
                     .collect();
-                let scale = lora.scale();
+                let (scale, dropout) = (lora.scale(), lora.dropout);
                 let a = self.push(format!("{name}.lora_A.weight"), &[r, inputs], a)?;
                 let zeros_b = vec![0.0; outputs * r];
                 let b = self.push(format!("{name}.lora_B.weight"), &[outputs, r], zeros_b)?;
-                Some(Adapter { a, b, scale })
+                Some(Adapter {
+                    a,
+                    b,
+                    scale,
+                    dropout,
+                })
             }
             _ => None,
         };
@@ -588,6 +616,7 @@ impl<'a> GptInit<'a> {
             zeros,
             frozen: self.frozen.clone(),
             adapter,
+            index: self.linear_names.len() - 1,
         })
     }
 

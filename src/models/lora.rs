@@ -18,7 +18,8 @@ pub struct LoraSpec {
     pub r: usize,
     /// The scale's numerator: adapters add `alpha / r` times their product.
     pub alpha: f64,
-    /// Dropout on the adapters' input (not implemented yet: 0 only).
+    /// Dropout on the adapters' input in training, in [0, 1): masks keyed by each sample's
+    /// seed and the layer, never by rank or batch.
     pub dropout: f64,
     /// The linear layers that get adapters, by PEFT's rule: a layer's full name, or the last
     /// dotted components of it (`q_proj` names `model.layers.0.self_attn.q_proj`); `all-linear`
@@ -57,6 +58,8 @@ pub(crate) struct Adapter {
     /// [out, r].
     pub(crate) b: Var,
     pub(crate) scale: f64,
+    /// Dropout on the adapter's input, in training.
+    pub(crate) dropout: f64,
 }
 
 impl Adapter {
@@ -192,5 +195,54 @@ mod tests {
                 && err.contains("down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"),
             "{err}"
         );
+    }
+
+    /// Adapter dropout is a training-only mask drawn from each row's seed and the layer: the
+    /// same seeds give the same output, a row's output does not depend on the rows beside it,
+    /// and evaluation drops nothing.
+    #[test]
+    fn adapter_dropout_follows_the_row_seeds() {
+        use crate::models::Mode;
+        let model = build("llama", "[model.lora]\nr = 4\ndropout = 0.5").unwrap();
+        // B away from zero, so the adapters (and their dropout) change the output.
+        for (name, var) in model.params().iter() {
+            if name.contains(".lora_B.") {
+                let ones = var.ones_like().unwrap().affine(0.3, 0.0).unwrap();
+                var.set(&ones).unwrap();
+            }
+        }
+        let device = candle_core::Device::Cpu;
+        let xs = Tensor::new(
+            &[[1u32, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1]],
+            &device,
+        )
+        .unwrap();
+        let run = |xs: &Tensor, mode: &Mode| -> Vec<Vec<f32>> {
+            let y = model.forward(xs, mode).unwrap();
+            (0..y.dim(0).unwrap())
+                .map(|r| y.get(r).unwrap().flatten_all().unwrap().to_vec1().unwrap())
+                .collect()
+        };
+        let train = |seeds: &[u64]| Mode::Train {
+            row_seeds: seeds.to_vec(),
+        };
+        let a = run(&xs, &train(&[10, 11]));
+        assert_eq!(
+            a,
+            run(&xs, &train(&[10, 11])),
+            "the same seeds, the same masks"
+        );
+        let b = run(&xs, &train(&[10, 12]));
+        assert_eq!(a[0], b[0], "row 0 keeps its seed");
+        assert_ne!(a[1], b[1], "row 1's seed changed");
+        let alone = run(&xs.narrow(0, 0, 1).unwrap(), &train(&[10]));
+        // (The products of one row and of two round apart by an ulp; a mask would not.)
+        let apart = alone[0]
+            .iter()
+            .zip(&a[0])
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(apart < 1e-6, "a row's mask depends on its batch: {apart}");
+        assert_ne!(run(&xs, &Mode::Eval)[0], a[0], "evaluation drops nothing");
     }
 }

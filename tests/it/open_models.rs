@@ -404,7 +404,7 @@ fn a_lora_job_trains_its_adapters_resumes_and_exports_for_peft() {
     let text = text(&t);
     let dir = fixture("qwen2");
     let model = format!(
-        "init_from = \"{}\"\nblock_size = 16\n[model.lora]\nr = 4\nalpha = 8\n\
+        "init_from = \"{}\"\nblock_size = 16\n[model.lora]\nr = 4\nalpha = 8\ndropout = 0.1\n\
          target_modules = [\"q_proj\", \"v_proj\", \"up_proj\"]",
         dir.display()
     );
@@ -447,6 +447,23 @@ fn a_lora_job_trains_its_adapters_resumes_and_exports_for_peft() {
         &t.job("cut").join("model.safetensors"),
     );
 
+    // Adapter dropout keyed by sample: one worker with the whole batch trains as two with
+    // half of it each.
+    let short = |batch: &str| {
+        job(&text, &model, "")
+            .replace("batch_size = 8", batch)
+            .replace("max_steps = 30", "max_steps = 8")
+    };
+    t.run(&t.config("one", &short("batch_size = 8")), &[])
+        .success();
+    t.run(&t.config("two", &short("batch_size = 4")), &two)
+        .success();
+    let diff = max_abs_diff(
+        &load_weights(&t.job("one").join("model.safetensors")),
+        &load_weights(&t.job("two").join("model.safetensors")),
+    );
+    assert!(diff < 1e-5, "1 x 8 and 2 x 4 differ by {diff}");
+
     let peft = t.path("adapter");
     let peft_s = peft.display().to_string();
     t.ddpjob(&["export", "whole", "--peft", &peft_s, "--jobs-dir", &jobs])
@@ -455,6 +472,7 @@ fn a_lora_job_trains_its_adapters_resumes_and_exports_for_peft() {
     assert_eq!(config["peft_type"], "LORA");
     assert_eq!(config["r"], 4);
     assert_eq!(config["lora_alpha"], 8.0);
+    assert_eq!(config["lora_dropout"], 0.1);
     assert_eq!(
         config["target_modules"],
         serde_json::json!(["q_proj", "up_proj", "v_proj"])

@@ -188,7 +188,7 @@ impl Llama {
     }
 
     /// Token ids [n, t] → the final RMSNorm's output [n·t, hidden], f32.
-    fn trunk(&self, xs: &Tensor) -> Result<Tensor> {
+    fn trunk(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
         let (n, t) = xs.dims2()?;
         if t == 0 || t > self.config.block_size {
             let block = self.config.block_size;
@@ -200,30 +200,37 @@ impl Llama {
         let eps = self.config.rms_norm_eps;
         for layer in &self.layers {
             let h = rms_norm(&x, &self.input(&layer.input_norm), eps)?;
-            let y = self.attention(layer, &h, n, t)?;
+            let y = self.attention(layer, &h, n, t, mode)?;
             x = (x + y.to_dtype(DType::F32)?)?;
             let h = rms_norm(&x, &self.input(&layer.post_norm), eps)?;
-            let y = self.mlp(layer, &h)?;
+            let y = self.mlp(layer, &h, mode)?;
             x = (x + y.to_dtype(DType::F32)?)?;
         }
         rms_norm(&x, &self.input(&self.norm), eps)
     }
 
     /// Grouped-query causal self-attention of `h` [n·t, hidden], projected: [n·t, hidden].
-    fn attention(&self, layer: &Layer, h: &Tensor, n: usize, t: usize) -> Result<Tensor> {
+    fn attention(
+        &self,
+        layer: &Layer,
+        h: &Tensor,
+        n: usize,
+        t: usize,
+        mode: &Mode,
+    ) -> Result<Tensor> {
         let c = &self.config;
         let (heads, kv_heads, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let q = layer
             .q
-            .forward(h, self.compute)?
+            .forward_mode(h, self.compute, mode)?
             .reshape((n, t, heads, hd))?;
         let k = layer
             .k
-            .forward(h, self.compute)?
+            .forward_mode(h, self.compute, mode)?
             .reshape((n, t, kv_heads, hd))?;
         let v = layer
             .v
-            .forward(h, self.compute)?
+            .forward_mode(h, self.compute, mode)?
             .reshape((n, t, kv_heads, hd))?;
         let q = self.rope.apply(&q, 0)?;
         let k = repeat_kv(&self.rope.apply(&k, 0)?, heads / kv_heads)?;
@@ -238,18 +245,18 @@ impl Llama {
                 .0
                 .reshape((n * t, width))?
         };
-        layer.o.forward(&y, self.compute)
+        layer.o.forward_mode(&y, self.compute, mode)
     }
 
     /// `down(silu(gate(h)) · up(h))`.
-    fn mlp(&self, layer: &Layer, h: &Tensor) -> Result<Tensor> {
-        let gate = layer.gate.forward(h, self.compute)?;
-        let up = layer.up.forward(h, self.compute)?;
+    fn mlp(&self, layer: &Layer, h: &Tensor, mode: &Mode) -> Result<Tensor> {
+        let gate = layer.gate.forward_mode(h, self.compute, mode)?;
+        let up = layer.up.forward_mode(h, self.compute, mode)?;
         let hidden = match ops::swiglu(&gate, &up) {
             Some(fused) => fused?,
             None => (gate.silu()? * up)?,
         };
-        layer.down.forward(&hidden, self.compute)
+        layer.down.forward_mode(&hidden, self.compute, mode)
     }
 
     /// Logits [rows, vocab] in f32 of the final norm's output `x`.
@@ -263,16 +270,16 @@ impl Llama {
 
 impl Model for Llama {
     /// Token ids [n, t] (t ≤ block_size) → f32 logits [n, t, vocab].
-    fn forward(&self, xs: &Tensor, _mode: &Mode) -> Result<Tensor> {
+    fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
         let (n, t) = xs.dims2()?;
-        self.project(&self.trunk(xs)?)?
+        self.project(&self.trunk(xs, mode)?)?
             .reshape((n, t, self.config.vocab_size))
     }
 
     /// On the CPU in f32 the output projection and the cross-entropy are one op that never
     /// holds all the logits (see `gpt::head`).
-    fn loss(&self, xs: &Tensor, targets: &Tensor, _mode: &Mode) -> Result<Tensor> {
-        let x = self.trunk(xs)?;
+    fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
+        let x = self.trunk(xs, mode)?;
         let w = self.head_weight();
         if self.compute == DType::F32 && head::applies(&x, &w) {
             return head::loss(&x, &w, &targets.flatten_all()?);
@@ -281,7 +288,7 @@ impl Model for Llama {
     }
 
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
-        let x = self.trunk(xs)?;
+        let x = self.trunk(xs, &Mode::Eval)?;
         let w = self.head_weight();
         if self.compute == DType::F32 && head::applies(&x, &w) {
             return head::score(&x, &w, &targets.flatten_all()?);

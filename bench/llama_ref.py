@@ -4,6 +4,7 @@ trained and evaluated as ddpjob's job does, from the same weights on the same wi
 
     python bench/llama_ref.py prepare DIR TEXT [--layers 30]   # DIR/model, DIR/{train,val}.bin, DIR/job.toml
     python bench/llama_ref.py train DIR --steps 10 --threads 2  # one JSON line
+    python bench/llama_ref.py train DIR --lora 16               # peft's LoRA (all 7 projections)
 
 `prepare` writes random weights of that shape with `save_pretrained` (the directory ddpjob's
 job starts from), trains a byte-level BPE of 8,000 tokens on TEXT and writes the tokenised
@@ -12,6 +13,8 @@ text as ddpjob's `tokens` data (u16), and the job file. `train` replays ddpjob's
 epoch), and the sampler orders them as torch's DistributedSampler (randperm seeded with seed +
 epoch). AdamW (no weight decay), gradient clipping at 1.0, eager attention, f32, the loss of
 each step, then the validation split scored under `torch.no_grad()` as ddpjob's `eval` scores it.
+`--lora R`: the model wrapped by peft (`LoraConfig(r=R, lora_alpha=2R)` on the seven projections,
+as ddpjob's `[model.lora]` of bench/lora-vs-peft.sh), only the adapters given to AdamW.
 """
 
 import argparse
@@ -126,7 +129,15 @@ def train(args):
         d / "model", attn_implementation="eager", dtype=torch.float32
     )
     load_s = time.perf_counter() - started
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=targets,
+                            lora_dropout=0.0, task_type="CAUSAL_LM")
+        model = get_peft_model(model, config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     n = len(train_ids)
     windows = train_windows(n, BLOCK)
     losses, times = [], []
@@ -148,7 +159,7 @@ def train(args):
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             opt.step()
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
@@ -194,6 +205,7 @@ def main():
     b.add_argument("dir")
     b.add_argument("--steps", type=int, default=10)
     b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--lora", type=int, default=0)
     args = p.parse_args()
     {"prepare": prepare, "train": train}[args.command](args)
 

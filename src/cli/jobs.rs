@@ -200,7 +200,7 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         );
     }
     if let Some((frozen, all)) = frozen {
-        println!("frozen            = {frozen} of {all} parameter tensors  (model.freeze)");
+        println!("frozen            = {frozen} of {all} parameter tensors  (model.freeze, LoRA)");
     }
     eprintln!("{}: ok", args.config.display());
     Ok(())

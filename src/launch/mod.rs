@@ -377,10 +377,11 @@ pub(crate) fn prepare_data(spec: &JobSpec, job: Option<&JobDir>) -> Result<Vec<J
 }
 
 /// Builds the model once on the CPU, without its pretrained weights, to check that every
-/// `model.freeze` pattern names parameters (and leaves some to train) before anything exists;
-/// nothing to do without patterns. How many tensors are frozen, of how many.
+/// `model.freeze` pattern names parameters (and leaves some to train) and that LoRA's
+/// `target_modules` name layers, before anything exists; nothing to do without either. How
+/// many tensors are frozen, of how many.
 pub(crate) fn check_freeze(spec: &JobSpec) -> Result<Option<(usize, usize)>, String> {
-    if spec.model.freeze().is_empty() {
+    if spec.model.freeze().is_empty() && spec.model.lora().is_none() {
         return Ok(None);
     }
     let input = match Registry::current().data_input(&spec.data) {

@@ -353,6 +353,23 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
     )
     .fails_with(2, "model.block_size = 128 is longer than");
     run("unknown", &format!("{}\nnum_layers = 2", scratch())).fails_with(2, "num_layers");
+    run(
+        "lora-targets",
+        &format!(
+            "{}\n[model.lora]\nr = 4\ntarget_modules = [\"c_attn\"]",
+            scratch()
+        ),
+    )
+    .fails_with(2, "names none of the model's linear layers")
+    .fails_with(
+        2,
+        "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj",
+    );
+    run(
+        "lora-off",
+        &format!("{}\n[model.lora]\nalpha = 16", scratch()),
+    )
+    .fails_with(2, "is 0 (LoRA off)");
     let gpt2 = fixture("gpt2").display().to_string();
     run(
         "gpt2-restated",

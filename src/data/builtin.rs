@@ -94,6 +94,14 @@ pub struct IdxOptions<S: IdxSet> {
     set: PhantomData<S>,
 }
 
+/// The image sets' per-channel normalisation, `mean` and `std`.
+const MEAN: KeyDoc = KeyDoc {
+    key: "mean",
+    default: "none",
+    doc: "per-channel normalisation after scaling to [0, 1]",
+};
+const STD: KeyDoc = KeyDoc { key: "std", ..MEAN };
+
 const IDX_KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "root",
@@ -115,16 +123,8 @@ const IDX_KEYS: &[KeyDoc] = &[
         default: "built in",
         doc: "table: SHA-256 per file name (for private mirrors)",
     },
-    KeyDoc {
-        key: "mean",
-        default: "none",
-        doc: "per-channel normalisation after scaling to [0, 1]",
-    },
-    KeyDoc {
-        key: "std",
-        default: "none",
-        doc: "per-channel normalisation after scaling to [0, 1]",
-    },
+    MEAN,
+    STD,
 ];
 
 impl<S: IdxSet> IdxOptions<S> {
@@ -263,16 +263,8 @@ const SYNTHETIC_KEYS: &[KeyDoc] = &[
         default: "`0.5`",
         doc: "noise std on each class pattern",
     },
-    KeyDoc {
-        key: "mean",
-        default: "none",
-        doc: "per-channel normalisation after scaling to [0, 1]",
-    },
-    KeyDoc {
-        key: "std",
-        default: "none",
-        doc: "per-channel normalisation after scaling to [0, 1]",
-    },
+    MEAN,
+    STD,
 ];
 
 impl SyntheticOptions {

@@ -19,6 +19,21 @@ fn spec(overrides: &[&str]) -> JobSpec {
         .spec
 }
 
+/// The job's data and its model, built from seed 0 on the CPU.
+fn data_and_model(spec: &JobSpec) -> (Box<dyn crate::task::Task>, Box<dyn models::Model>) {
+    let data = crate::task::load(spec, None).unwrap();
+    let input = data.input();
+    let model = models::build(
+        &spec.model,
+        input,
+        0,
+        &Device::Cpu,
+        spec.train.precision,
+        false,
+    );
+    (data, model.unwrap())
+}
+
 fn train(spec: &JobSpec) -> Summary {
     match train_with(spec, None).unwrap() {
         Ending::Completed(summary) => summary,
@@ -141,16 +156,7 @@ fn max_steps_stops_mid_epoch_and_still_evaluates() {
 #[test]
 fn evaluation_counts_every_test_sample_once() {
     let spec = spec(&[]);
-    let data = crate::task::load(&spec, None).unwrap();
-    let model = models::build(
-        &spec.model,
-        data.input(),
-        0,
-        &Device::Cpu,
-        spec.train.precision,
-        false,
-    )
-    .unwrap();
+    let (data, model) = data_and_model(&spec);
     let batches = data.batches(&Device::Cpu).unwrap();
     let eval = |limit| {
         evaluate(
@@ -233,16 +239,7 @@ fn frozen_parameters_stay_put_keep_no_state_and_are_not_reduced() {
             &format!("model.freeze={freeze}"),
             "train.grad_clip_norm=0.5",
         ]);
-        let data = crate::task::load(&spec, None).unwrap();
-        let model = models::build(
-            &spec.model,
-            data.input(),
-            0,
-            &Device::Cpu,
-            spec.train.precision,
-            false,
-        )
-        .unwrap();
+        let (data, model) = data_and_model(&spec);
         // Values, not tensors: the update writes the parameters' storage in place.
         let values = |m: &dyn crate::models::Model| -> std::collections::HashMap<String, Vec<f32>> {
             let named = m.params().named_tensors();

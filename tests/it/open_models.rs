@@ -290,6 +290,23 @@ fn a_job_starts_from_another_jobs_weights_its_model_and_vocabulary() {
         .fails_with(2, "is not a llama job's");
 }
 
+/// Runs `cfg` as job `cut` (with `args`) preempted by `fault`, resumes it, and checks it ends
+/// bit-identical to the uninterrupted job `whole`.
+fn preempt_resume_and_compare(t: &TestJob, cfg: &Path, args: &[&str], fault: &str) {
+    let cut = t.run_env(
+        cfg,
+        &[args, &["--name", "cut"]].concat(),
+        &[("DDPJOB_FAULT", fault)],
+    );
+    cut.fails_with(143, "interrupted by SIGTERM");
+    let jobs = t.jobs_dir().display().to_string();
+    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
+    assert_same_bits(
+        &t.job("whole").join("model.safetensors"),
+        &t.job("cut").join("model.safetensors"),
+    );
+}
+
 #[test]
 fn a_llama_from_scratch_resumes_bit_for_bit_and_two_workers_match_one() {
     let t = TestJob::new();
@@ -299,18 +316,7 @@ fn a_llama_from_scratch_resumes_bit_for_bit_and_two_workers_match_one() {
         &job(&text, scratch(), "").replace("log_every = 1", "log_every = 5"),
     );
     t.run(&cfg, &["--name", "whole"]).success();
-    let cut = t.run_env(
-        &cfg,
-        &["--name", "cut"],
-        &[("DDPJOB_FAULT", "rank=0,step=17,kind=preempt")],
-    );
-    cut.fails_with(143, "interrupted by SIGTERM");
-    let jobs = t.jobs_dir().display().to_string();
-    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
-    assert_same_bits(
-        &t.job("whole").join("model.safetensors"),
-        &t.job("cut").join("model.safetensors"),
-    );
+    preempt_resume_and_compare(&t, &cfg, &[], "rank=0,step=17,kind=preempt");
 
     let half = job(&text, scratch(), "")
         .replace("batch_size = 8", "batch_size = 4")
@@ -451,18 +457,8 @@ fn a_lora_job_trains_its_adapters_resumes_and_exports_for_peft() {
     }
     assert_eq!(adapters, 3 * 2, "q, v and up of the fixture's 2 layers");
 
-    let cut = t.run_env(
-        &cfg,
-        &[&two[..], &["--name", "cut"]].concat(),
-        &[("DDPJOB_FAULT", "rank=1,step=17,kind=preempt")],
-    );
-    cut.fails_with(143, "interrupted by SIGTERM");
+    preempt_resume_and_compare(&t, &cfg, &two, "rank=1,step=17,kind=preempt");
     let jobs = t.jobs_dir().display().to_string();
-    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
-    assert_same_bits(
-        &t.job("whole").join("model.safetensors"),
-        &t.job("cut").join("model.safetensors"),
-    );
 
     // Adapter dropout keyed by sample: one worker with the whole batch trains as two with
     // half of it each.

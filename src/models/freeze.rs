@@ -39,7 +39,8 @@ impl FrozenSet {
 
 impl Params {
     /// Freezes every parameter whose name, or the name of one of its aliases, matches one of
-    /// `patterns` (see [`name_matches`]); returns how many are frozen. A pattern that matches
+    /// `patterns`: the name itself, a dotted prefix of it (a module), or a glob of either with
+    /// `*` and `?`; returns how many are frozen. A pattern that matches
     /// nothing, or patterns that leave nothing to train, are errors naming the fix; a model is
     /// frozen once.
     pub fn freeze(&self, patterns: &[String]) -> std::result::Result<usize, String> {

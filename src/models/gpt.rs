@@ -218,8 +218,12 @@ impl Gpt {
     /// Token plus position embeddings of `ids` ([n·t], positions from `offset`): [n·t, C].
     fn embed(&self, ids: &Tensor, n: usize, t: usize, offset: usize) -> Result<Tensor> {
         let c = self.config.n_embd;
-        let tokens = self.wte.as_tensor().embedding(ids)?.reshape((n, t, c))?;
-        let positions = self.wpe.as_tensor().narrow(0, offset, t)?;
+        let frozen = &self.params.frozen;
+        let tokens = frozen
+            .as_input(&self.wte)
+            .embedding(ids)?
+            .reshape((n, t, c))?;
+        let positions = frozen.as_input(&self.wpe).narrow(0, offset, t)?;
         tokens.broadcast_add(&positions)?.reshape((n * t, c))
     }
 
@@ -230,7 +234,7 @@ impl Gpt {
 
     /// Logits x·wteᵀ in f32 of the final LayerNorm's output `x`.
     fn project(&self, x: &Tensor) -> Result<Tensor> {
-        let wte = self.wte.as_tensor();
+        let wte = &self.params.frozen.as_input(&self.wte);
         if self.compute == DType::F32 && kernels::applies(x) {
             return kernels::linear(x, wte, &self.head_bias, false);
         }
@@ -253,7 +257,7 @@ impl Model for Gpt {
     /// never holds all the logits (see `head`).
     fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
         let x = self.ln_f.forward(&self.trunk(xs, mode)?)?;
-        let wte = self.wte.as_tensor();
+        let wte = &self.params.frozen.as_input(&self.wte);
         if self.compute == DType::F32 && head::applies(&x, wte) {
             return head::loss(&x, wte, &targets.flatten_all()?);
         }
@@ -291,13 +295,21 @@ impl Model for Gpt {
     }
 
     /// nanoGPT's `estimate_mfu` count (the PaLM paper's): 6 operations per parameter per
-    /// token, position embeddings excepted, plus 12·n_layer·n_embd·block_size per token for
+    /// token (4 per frozen one, which forms no weight gradient), position embeddings excepted, plus 12·n_layer·n_embd·block_size per token for
     /// attention's two products (the masked half counted, as there); times block_size tokens.
     fn train_flops_per_sample(&self) -> Option<f64> {
         let c = &self.config;
-        let n = (self.params.element_count() - self.wpe.elem_count()) as f64;
+        // A frozen parameter forms no weight gradient: its forward and input gradient only.
+        let frozen = &self.params.frozen;
+        let (wpe, wpe_frozen) = (self.wpe.elem_count() as f64, frozen.contains(&self.wpe));
+        let mut trainable = self.params.trainable_element_count() as f64;
+        let mut held = self.params.element_count() as f64 - trainable;
+        match wpe_frozen {
+            true => held -= wpe,
+            false => trainable -= wpe,
+        }
         let t = c.block_size as f64;
-        let per_token = 6.0 * n + 12.0 * (c.n_layer * c.n_embd) as f64 * t;
+        let per_token = 6.0 * trainable + 4.0 * held + 12.0 * (c.n_layer * c.n_embd) as f64 * t;
         Some(per_token * t)
     }
 
@@ -463,6 +475,7 @@ struct LayerNorm {
     weight: Var,
     bias: Option<Var>,
     zeros: Tensor,
+    frozen: FrozenSet,
 }
 
 impl LayerNorm {
@@ -471,7 +484,11 @@ impl LayerNorm {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::layer_norm(x, self.weight.as_tensor(), self.bias_or_zeros(), 1e-5)
+        let bias = match &self.bias {
+            Some(b) => self.frozen.as_input(b),
+            None => self.zeros.clone(),
+        };
+        ops::layer_norm(x, &self.frozen.as_input(&self.weight), &bias, 1e-5)
     }
 }
 
@@ -631,6 +648,7 @@ impl<'a> GptInit<'a> {
             weight,
             bias,
             zeros,
+            frozen: self.frozen.clone(),
         })
     }
 }

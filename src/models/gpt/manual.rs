@@ -255,6 +255,8 @@ impl TrainPass for Pass<'_> {
         let cfg = &gpt.config;
         let (c, rows) = (cfg.n_embd, n * t);
         let mut grads = Grads::default();
+        // A frozen (tied) embedding gets no gradient from the head or the lookup.
+        let want_wte = !gpt.params.frozen.contains(&gpt.wte);
         let (d_wte, d_wpe, block_grads) = with_all_values(&weight_tensors(gpt), |all| {
             let weights = Weights(all);
             let wte = weights.get(0);
@@ -266,7 +268,7 @@ impl TrainPass for Pass<'_> {
                 scale as f32,
                 &mut d_normed,
                 &kept,
-                true,
+                want_wte,
             )?;
             // The gradient of the residual stream, from the top down.
             let mut d_res = scratch::take(rows * c);
@@ -338,8 +340,10 @@ impl TrainPass for Pass<'_> {
             let d_embed = masked(&d_res, masks.first());
             let mut d_wpe = vec![0f32; cfg.block_size * c];
             for ((row, &id), d) in (0..rows).zip(&ids).zip(d_embed.chunks_exact(c)) {
-                let token = &mut d_wte[id * c..][..c];
-                token.iter_mut().zip(d).for_each(|(a, b)| *a += b);
+                if want_wte {
+                    let token = &mut d_wte[id * c..][..c];
+                    token.iter_mut().zip(d).for_each(|(a, b)| *a += b);
+                }
                 let position = &mut d_wpe[(row % t) * c..][..c];
                 position.iter_mut().zip(d).for_each(|(a, b)| *a += b);
             }
@@ -514,7 +518,8 @@ impl Grads {
         }
     }
 
-    /// The gradients as tensors in the order of the model's parameters.
+    /// The gradients as tensors in the order of the model's parameters; none for a frozen
+    /// one (a LayerNorm's or position table's, cheap to form, is dropped here).
     fn in_order_of(self, gpt: &Gpt) -> Result<Vec<Option<Tensor>>> {
         let mut by_id: std::collections::HashMap<_, _> = self.0.into_iter().collect();
         gpt.params
@@ -523,6 +528,7 @@ impl Grads {
                 let param = var.as_tensor();
                 by_id
                     .remove(&param.id())
+                    .filter(|_| !gpt.params.frozen.contains(var))
                     .map(|g| Tensor::from_vec(g, param.shape(), param.device()))
                     .transpose()
             })

@@ -668,8 +668,9 @@ fn attention_tiles_match_candle_ops_and_kept_or_recomputed_probabilities_alike()
     }
 }
 
-/// A frozen linear layer's weight and bias get no gradient from either backward (the
-/// weight-gradient product is never formed), while every other parameter's is unchanged.
+/// Frozen linear layers, the (tied) embedding and a LayerNorm get no gradient from either
+/// backward (a frozen weight's product is never formed), while every other parameter's is
+/// unchanged.
 #[test]
 fn frozen_layers_get_no_gradient_from_either_backward() {
     let x = ids(&[&[1, 2, 3, 4, 5, 6], &[7, 8, 9, 10, 0, 1]]);
@@ -699,10 +700,17 @@ fn frozen_layers_get_no_gradient_from_either_backward() {
         (names, auto, hand)
     };
     let (names, all_auto, all_hand) = grads(&[]);
-    let (_, auto, hand) = grads(&["transformer.h.0.mlp.c_fc", "transformer.h.1.attn.c_attn"]);
+    let frozen_layers = [
+        "transformer.h.0.mlp.c_fc",
+        "transformer.h.1.attn.c_attn",
+        "transformer.wte",
+        "transformer.h.0.ln_1",
+    ];
+    let (_, auto, hand) = grads(&frozen_layers);
     for (i, name) in names.iter().enumerate() {
-        let frozen = name.starts_with("transformer.h.0.mlp.c_fc.")
-            || name.starts_with("transformer.h.1.attn.c_attn.");
+        let frozen = frozen_layers
+            .iter()
+            .any(|l| name.starts_with(&format!("{l}.")));
         if frozen {
             assert!(
                 auto[i].is_none() && hand[i].is_none(),

@@ -384,11 +384,22 @@ pub(crate) fn check_freeze(spec: &JobSpec) -> Result<Option<(usize, usize)>, Str
     if spec.model.freeze().is_empty() && spec.model.lora().is_none() {
         return Ok(None);
     }
-    let input = match Registry::current().data_input(&spec.data) {
+    // The model's input without reading the data where it can be known (a pretrained
+    // model's vocabulary); data not on disk yet (`validate` before a download) is the data's
+    // own check to report.
+    let language = spec.model.language();
+    let fixed = language.as_ref().and_then(|l| {
+        Some(crate::task::ModelInput::Tokens {
+            vocab_size: l.vocab_size?,
+            block_size: l.block_size,
+        })
+    });
+    let input = match Registry::current().data_input(&spec.data).or(fixed) {
         Some(input) => input,
-        None => crate::task::load(spec, None)
-            .map_err(|e| e.to_string())?
-            .input(),
+        None => match crate::task::load(spec, None) {
+            Ok(task) => task.input(),
+            Err(_) => return Ok(None),
+        },
     };
     let device = candle_core::Device::Cpu;
     let precision = crate::config::Precision::F32;

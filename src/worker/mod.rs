@@ -434,7 +434,7 @@ fn train(
     let frozen = (0..params.len()).filter(|&i| params.is_frozen(i)).count();
     if frozen > 0 {
         reporter.line(&format!(
-            "frozen: {frozen} of {} parameter tensors (model.freeze); {} of {} values train, \
+            "frozen: {frozen} of {} parameter tensors (model.freeze, [model.lora]); {} of {} values train, \
              and only their gradients are averaged",
             params.len(),
             params.trainable_element_count(),

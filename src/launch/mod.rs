@@ -406,7 +406,7 @@ pub(crate) fn check_freeze(spec: &JobSpec) -> Result<Option<(usize, usize)>, Str
     let model = crate::models::build(&spec.model, input, spec.seed, &device, precision, true)
         .map_err(|e| e.to_string())?;
     let params = model.params();
-    let frozen = (0..params.len()).filter(|&i| params.is_frozen(i)).count();
+    let frozen = params.frozen_count();
     Ok(Some((frozen, params.len())))
 }
 

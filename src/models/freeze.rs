@@ -44,7 +44,17 @@ impl Params {
     /// nothing, or patterns that leave nothing to train, are errors naming the fix; a model is
     /// frozen once.
     pub fn freeze(&self, patterns: &[String]) -> std::result::Result<usize, String> {
-        let mut frozen = vec![false; self.entries.len()];
+        self.freeze_also(patterns, |_| false)
+    }
+
+    /// [`Params::freeze`], freezing too every parameter whose name `also` holds for (LoRA's
+    /// base: everything but the adapters).
+    pub(crate) fn freeze_also(
+        &self,
+        patterns: &[String],
+        also: impl Fn(&str) -> bool,
+    ) -> std::result::Result<usize, String> {
+        let mut frozen: Vec<bool> = self.entries.iter().map(|(n, _)| also(n)).collect();
         for pattern in patterns {
             let mut matched = false;
             for (i, (name, _)) in self.entries.iter().enumerate() {
@@ -89,6 +99,13 @@ impl Params {
             .set(ids.collect())
             .map_err(|_| "model.freeze: the model's parameters are frozen already".to_string())?;
         Ok(count)
+    }
+
+    /// How many parameter tensors are frozen.
+    pub fn frozen_count(&self) -> usize {
+        (0..self.entries.len())
+            .filter(|&i| self.is_frozen(i))
+            .count()
     }
 
     /// Whether the parameter at `index` is frozen.

@@ -617,11 +617,16 @@ impl<'a> GptInit<'a> {
                 let a = self.push(format!("{name}.lora_A.weight"), &[r, inputs], a)?;
                 let zeros_b = vec![0.0; outputs * r];
                 let b = self.push(format!("{name}.lora_B.weight"), &[outputs, r], zeros_b)?;
+                let zeros = (
+                    Tensor::zeros(r, DType::F32, self.device)?,
+                    Tensor::zeros(outputs, DType::F32, self.device)?,
+                );
                 Some(Adapter {
                     a,
                     b,
                     scale,
                     dropout,
+                    zeros,
                 })
             }
             _ => None,

@@ -60,6 +60,8 @@ pub(crate) struct Adapter {
     pub(crate) scale: f64,
     /// Dropout on the adapter's input, in training.
     pub(crate) dropout: f64,
+    /// Zero biases [r] and [out] for the fused linear op, made once.
+    pub(crate) zeros: (Tensor, Tensor),
 }
 
 impl Adapter {
@@ -72,9 +74,8 @@ impl Adapter {
     ) -> Result<Tensor> {
         let (a, b) = (frozen.as_input(&self.a), frozen.as_input(&self.b));
         let low = if compute == candle_core::DType::F32 && kernels::applies(x) {
-            let zeros = |n: usize| Tensor::zeros(n, candle_core::DType::F32, x.device());
-            let h = kernels::linear(x, &a, &zeros(a.dim(0)?)?, false)?;
-            kernels::linear(&h, &b, &zeros(b.dim(0)?)?, false)?
+            let h = kernels::linear(x, &a, &self.zeros.0, false)?;
+            kernels::linear(&h, &b, &self.zeros.1, false)?
         } else {
             let h = x.to_dtype(compute)?.matmul(&a.to_dtype(compute)?.t()?)?;
             h.matmul(&b.to_dtype(compute)?.t()?)?

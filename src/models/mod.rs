@@ -444,24 +444,19 @@ pub fn build(
              (VarBuilder::pp)"
         )));
     }
-    let mut frozen = spec.freeze().to_vec();
-    if spec.lora().is_some() {
-        // LoRA trains the adapters only (PEFT's default): every other parameter is frozen.
-        let params = model.params();
-        if !params.iter().any(|(n, _)| is_adapter(n)) {
-            return Err(fail(
-                "model.lora: this model has no linear layers that take adapters (LoRA \
-                 applies to gpt and llama)"
-                    .into(),
-            ));
-        }
-        let base = params.iter().map(|(n, _)| n).filter(|n| !is_adapter(n));
-        frozen.extend(base.map(String::from));
+    let lora = spec.lora().is_some();
+    if lora && !model.params().iter().any(|(n, _)| is_adapter(n)) {
+        return Err(fail(
+            "model.lora: this model has no linear layers that take adapters (LoRA applies to \
+             gpt and llama)"
+                .into(),
+        ));
     }
-    if !frozen.is_empty() {
+    if lora || !spec.freeze().is_empty() {
+        // LoRA trains the adapters only (PEFT's default): every other parameter is frozen.
         model
             .params()
-            .freeze(&frozen)
+            .freeze_also(spec.freeze(), |name| lora && !is_adapter(name))
             .map_err(candle_core::Error::Msg)?;
     }
     Ok(model)

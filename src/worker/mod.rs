@@ -431,7 +431,7 @@ fn train(
         reporter.line(&crate::numerics::report(spec.train.flush_denormals));
     }
     let params = model.params();
-    let frozen = (0..params.len()).filter(|&i| params.is_frozen(i)).count();
+    let frozen = params.frozen_count();
     if frozen > 0 {
         reporter.line(&format!(
             "frozen: {frozen} of {} parameter tensors (model.freeze, [model.lora]); {} of {} values train, \

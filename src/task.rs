@@ -47,6 +47,13 @@ pub trait Task: Send + Sync {
     fn input(&self) -> ModelInput;
     /// Where batches come from on `device`.
     fn batches<'a>(&'a self, device: &Device) -> Result<Box<dyn BatchSource + 'a>, DataError>;
+    /// Whether some targets are [`IGNORE_TARGET`] (instruction data's prompts, padding): a
+    /// step's loss is then the mean over the targets that score in the whole global batch,
+    /// whose count every step all-reduces. Tasks whose every target scores say no (the
+    /// default) and weigh samples by rows, with no extra collective.
+    fn masks_targets(&self) -> bool {
+        false
+    }
     /// What its evaluations report, the headline one first (`show`'s best, `list`'s column).
     /// The default: a language model's for token windows, a classifier's for images.
     fn metrics(&self) -> &'static [Metric] {
@@ -146,24 +153,76 @@ pub fn load(spec: &JobSpec, job: Option<&JobDir>) -> Result<Box<dyn Task>, DataE
     Registry::current().open_dataset(&spec.data, &cx)
 }
 
-/// Mean cross-entropy of `logits` [.., classes] against integer `targets` [..].
+/// A target that scores nothing: its position has no loss, no gradient, and is not counted in
+/// a mean or an accuracy (a prompt's tokens in instruction data, padding). PyTorch's
+/// `ignore_index = -100` as an unsigned id.
+pub const IGNORE_TARGET: u32 = u32::MAX;
+
+/// Mean cross-entropy of `logits` [.., classes] against integer `targets` [..], over the
+/// targets that are not [`IGNORE_TARGET`] (0 when none is).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> TensorResult<Tensor> {
     let classes = logits.dim(D::Minus1)?;
-    candle_nn::loss::cross_entropy(&logits.reshape(((), classes))?, &targets.flatten_all()?)
+    let (logits, targets) = (logits.reshape(((), classes))?, targets.flatten_all()?);
+    if !may_ignore(&targets)? {
+        return candle_nn::loss::cross_entropy(&logits, &targets);
+    }
+    let (picked, scored) = masked_log_likelihoods(&logits, &targets)?;
+    let count = scored.sum_all()?.maximum(1f64)?;
+    picked.sum_all()?.neg()?.broadcast_div(&count)
 }
 
-/// Σ cross-entropy and the number of exactly predicted targets, for evaluation.
+/// Whether `targets` may hold [`IGNORE_TARGET`]: read on the CPU, assumed on a device (where
+/// reading would wait for it).
+fn may_ignore(targets: &Tensor) -> TensorResult<bool> {
+    if !targets.device().is_cpu() {
+        return Ok(true);
+    }
+    Ok(targets
+        .flatten_all()?
+        .to_dtype(DType::U32)?
+        .to_vec1::<u32>()?
+        .contains(&IGNORE_TARGET))
+}
+
+/// Per target of `targets` [n]: log softmax(`logits` [n, classes]) at the target (0 where
+/// ignored), and 1 where it scores, 0 where ignored (f32).
+fn masked_log_likelihoods(logits: &Tensor, targets: &Tensor) -> TensorResult<(Tensor, Tensor)> {
+    let targets = targets.to_dtype(DType::U32)?;
+    let ignore = Tensor::full(IGNORE_TARGET, targets.shape(), targets.device())?;
+    let kept = targets.ne(&ignore)?;
+    let safe = kept.where_cond(&targets, &targets.zeros_like()?)?;
+    let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let scored = kept.to_dtype(DType::F32)?;
+    let picked = log_probs
+        .gather(&safe.unsqueeze(1)?, 1)?
+        .squeeze(1)?
+        .to_dtype(DType::F32)?
+        .mul(&scored)?;
+    Ok((picked, scored))
+}
+
+/// The targets of `targets` that score (are not [`IGNORE_TARGET`]).
+pub fn scored_targets(targets: &Tensor) -> TensorResult<usize> {
+    if !may_ignore(targets)? {
+        return Ok(targets.elem_count());
+    }
+    let ignore = Tensor::full(IGNORE_TARGET, targets.shape(), targets.device())?;
+    let scored = targets.to_dtype(DType::U32)?.ne(&ignore)?;
+    Ok(scored.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as usize)
+}
+
+/// Σ cross-entropy and the number of exactly predicted targets, for evaluation; targets that
+/// are [`IGNORE_TARGET`] count in neither.
 pub fn loss_sum_and_correct(logits: &Tensor, targets: &Tensor) -> TensorResult<(f64, usize)> {
-    let n = targets.elem_count() as f64;
-    let loss = cross_entropy(logits, targets)?
-        .to_dtype(DType::F64)?
-        .to_scalar::<f64>()?
-        * n;
+    let classes = logits.dim(D::Minus1)?;
+    let (logits, targets) = (logits.reshape(((), classes))?, targets.flatten_all()?);
+    let (picked, scored) = masked_log_likelihoods(&logits, &targets)?;
+    let loss = -picked.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
     let correct = logits
         .argmax(D::Minus1)?
-        .flatten_all()?
-        .eq(&targets.flatten_all()?)?
+        .eq(&targets.to_dtype(DType::U32)?)?
         .to_dtype(DType::F32)?
+        .mul(&scored)?
         .sum_all()?
         .to_scalar::<f32>()?;
     Ok((loss, correct as usize))
@@ -235,6 +294,48 @@ mod tests {
         assert!((sum - 4.0 * mean as f64).abs() < 1e-4);
         // argmax: 0, 1, 2, 0 against 0, 2, 2, 1.
         assert_eq!(correct, 2);
+    }
+
+    #[test]
+    fn ignored_targets_score_nothing_and_change_nothing() {
+        // Four rows over 3 classes; rows 1 and 3 ignored: the loss, its gradient and the
+        // evaluation sums are those of rows 0 and 2 alone.
+        let logits = Tensor::new(
+            &[
+                [2.0f32, 0.0, 0.0],
+                [0.0, 1.0, 0.0],
+                [0.0, 0.0, 3.0],
+                [1.0, 1.0, 1.0],
+            ],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let logits = candle_core::Var::from_tensor(&logits).unwrap();
+        let masked = Tensor::new(&[0u32, IGNORE_TARGET, 2, IGNORE_TARGET], &Device::Cpu).unwrap();
+        let kept_rows = Tensor::new(&[0u32, 2], &Device::Cpu).unwrap();
+        let kept = logits.index_select(&kept_rows, 0).unwrap();
+        let subset = Tensor::new(&[0u32, 2], &Device::Cpu).unwrap();
+        let a = cross_entropy(&logits, &masked).unwrap();
+        let b = cross_entropy(&kept, &subset).unwrap();
+        let (av, bv) = (a.to_scalar::<f32>().unwrap(), b.to_scalar::<f32>().unwrap());
+        assert!((av - bv).abs() < 1e-6, "{av} vs {bv}");
+        let (ga, gb) = (a.backward().unwrap(), b.backward().unwrap());
+        let (ga, gb) = (ga.get(&logits).unwrap(), gb.get(&logits).unwrap());
+        let diff = (ga - gb).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(diff.to_scalar::<f32>().unwrap() < 1e-7);
+        assert_eq!(scored_targets(&masked).unwrap(), 2);
+        let (sum, correct) = loss_sum_and_correct(&logits, &masked).unwrap();
+        assert!((sum - 2.0 * bv as f64).abs() < 1e-5, "{sum}");
+        assert_eq!(correct, 2);
+        // Nothing scored: a zero loss, not a NaN.
+        let none = Tensor::new(&[IGNORE_TARGET; 4], &Device::Cpu).unwrap();
+        assert_eq!(
+            cross_entropy(&logits, &none)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
     }
 
     #[test]

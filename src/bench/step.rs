@@ -110,6 +110,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         bucket_bytes: spec.distributed.bucket_bytes,
         shards: crate::train::shards::ShardPool::for_device(&device)
             .filter(|_| model.rows_independent()),
+        masked_targets: false,
     };
     let run = |optimizer: &mut Optimizer, phases: Option<&mut Phases>| {
         optimizer_step(&cx, optimizer, &batches, t.lr, false, phases)

@@ -1,7 +1,8 @@
 //! ddpjob's own data sets, registered through the same [`Registry::dataset_with`] a user's
 //! binary calls: each owns its `[data]` keys (its options struct's fields) and says, through
 //! [`DatasetOptions`], how it is checked against the model, prepared in the launcher, counted
-//! and described. The image sets are here; `text` and `tokens` in `text_options.rs`.
+//! and described. The image sets are here; `text` and `tokens` in `text_options.rs`, `jsonl`
+//! (instruction data) in `jsonl.rs`.
 
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
@@ -10,6 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::catalog::{self, Catalog, Locate};
+use super::jsonl::{JSONL_KEYS, JsonlOptions};
 use super::text_options::{TEXT_KEYS, TOKENS_KEYS, TextOptions, TokensOptions};
 use super::{DataError, Dataset, idx, synthetic};
 use crate::registry::{BuildError, DataContext, DatasetOptions, JobFile, KeyDoc, Registry};
@@ -23,11 +25,13 @@ pub(crate) fn register_builtin(registry: Registry) -> Registry {
         .dataset_with("synthetic", SyntheticOptions::open)
         .dataset_with("text", TextOptions::open)
         .dataset_with("tokens", TokensOptions::open)
+        .dataset_with("jsonl", JsonlOptions::open)
         .documented_dataset("mnist", IDX_KEYS)
         .documented_dataset("fashion-mnist", IDX_KEYS)
         .documented_dataset("synthetic", SYNTHETIC_KEYS)
         .documented_dataset("text", TEXT_KEYS)
         .documented_dataset("tokens", TOKENS_KEYS)
+        .documented_dataset("jsonl", JSONL_KEYS)
 }
 
 /// The `[data]` keys older versions wrote into every `job.toml` whatever the dataset: dropped
@@ -398,7 +402,14 @@ mod tests {
         let names: Vec<&str> = docs.iter().map(|d| d.dataset).collect();
         assert_eq!(
             names,
-            ["fashion-mnist", "mnist", "synthetic", "text", "tokens"]
+            [
+                "fashion-mnist",
+                "jsonl",
+                "mnist",
+                "synthetic",
+                "text",
+                "tokens"
+            ]
         );
         let mut compared = 0;
         for d in docs {

@@ -111,6 +111,26 @@ impl HfTokenizer {
             .collect())
     }
 
+    /// The ids of one short `text` (an example's prompt or completion), with the special
+    /// tokens the tokenizer's template adds (a Llama's `<s>`) when `special`.
+    pub fn encode_one(&self, text: &str, special: bool) -> Result<Vec<u32>, String> {
+        let encoding = self
+            .tokenizer
+            .encode_fast(text, special)
+            .map_err(|e| format!("the tokenizer cannot encode it: {e}"))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The id of the token written `token` (`</s>`, `<|endoftext|>`), added tokens included.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(token)
+    }
+
+    /// The token written for `id`, if the tokenizer has it.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.tokenizer.id_to_token(id)
+    }
+
     /// The text of `ids`, special tokens included; ids the tokenizer does not have are left
     /// out (a model whose `vocab_size` is padded past the tokenizer's can draw them).
     pub fn decode(&self, ids: &[u32]) -> String {

@@ -6,6 +6,8 @@ mod catalog;
 pub mod download;
 mod hf_tokenizer;
 pub mod idx;
+mod jsonl;
+mod jsonl_index;
 pub mod sampler;
 mod synthetic;
 mod tensors;

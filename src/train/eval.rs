@@ -63,7 +63,8 @@ pub fn evaluate(
                 ys.narrow(0, r.start, r.len())?,
             );
             let (loss, correct) = model.score(&xs, &ys)?;
-            Ok([loss, correct as f64, ys.elem_count() as f64])
+            let scored = crate::task::scored_targets(&ys)?;
+            Ok([loss, correct as f64, scored as f64])
         };
         let parts = match shards {
             Some(pool) if ranges.len() > 1 => pool.run(ranges.len(), part),

@@ -316,6 +316,7 @@ impl Trainer<'_> {
             // Row shards would split a BatchNorm's batch statistics.
             shards: shards::ShardPool::for_device(&self.device)
                 .filter(|_| self.model.rows_independent()),
+            masked_targets: self.data.masks_targets(),
         };
         let r = step::optimizer_step(&cx, optimizer, &batches, lr, stop_vote, None)?;
         Ok((r.loss_sum, r.samples, r.stop))

@@ -30,6 +30,10 @@ pub struct StepContext<'a> {
     /// Row shards run side by side per micro-batch (CPU); `None`: the whole micro-batch at
     /// once, the kernels splitting each op over the threads instead.
     pub shards: Option<&'a ShardPool>,
+    /// The task's targets may be [`crate::task::IGNORE_TARGET`] (instruction data's prompts,
+    /// padding): the step's loss is then the mean over the targets that score in the whole
+    /// global batch, so parts are weighted by those, counted over all ranks.
+    pub masked_targets: bool,
 }
 
 /// What one step produced: Σ loss·n over its samples (a scalar, read only at log intervals),
@@ -68,6 +72,7 @@ pub fn optimizer_step(
     // targets, so this is also the weighting by targets.
     let rows = |b: &MicroBatch| b.targets.dims().first().copied().unwrap_or(1);
     let n_step: usize = micro_batches.iter().map(rows).sum();
+    let weights = PartWeights::of(cx, micro_batches, n_step)?;
     let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
     let mut loss_sum: Option<Tensor> = None;
     let mut clock = PhaseClock::new(cx.device, phases.is_some());
@@ -75,7 +80,8 @@ pub fn optimizer_step(
         let ranges = super::shards::ranges(cx.shards, rows(batch));
         let shard = |i: usize| -> Result<ShardResult, StepError> {
             let part = batch.rows(ranges[i].clone())?;
-            shard_forward_backward(cx.model, &part, ranges[i].len(), n_step)
+            let (scale, loss_weight) = weights.of_part(&part, ranges[i].len())?;
+            shard_forward_backward(cx.model, &part, scale, loss_weight)
         };
         let results = match (cx.shards, ranges.len()) {
             (Some(pool), parts) if parts > 1 => pool.run(parts, shard),
@@ -146,14 +152,62 @@ struct ShardResult {
     forward: Duration,
 }
 
+/// How a part of the step (a shard of a micro-batch) weighs: the factor of its mean loss's
+/// gradient, and of its mean loss in the step's Σ loss·n.
+enum PartWeights {
+    /// Every target scores: a part weighs by its rows (n / n_step; its loss by n).
+    Rows { n_step: usize },
+    /// A part weighs by its scored targets over the step's on all ranks (times the world size,
+    /// which the average over ranks divides out again); its loss so that Σ loss·n over all
+    /// ranks is the global mean times the global rows.
+    Scored { world: f64, scored: f64, rows: f64 },
+}
+
+impl PartWeights {
+    fn of(
+        cx: &StepContext,
+        micro_batches: &[MicroBatch],
+        n_step: usize,
+    ) -> Result<PartWeights, StepError> {
+        if !cx.masked_targets {
+            return Ok(PartWeights::Rows { n_step });
+        }
+        let mut totals = [0.0, n_step as f64];
+        for batch in micro_batches {
+            totals[0] += crate::task::scored_targets(&batch.targets)? as f64;
+        }
+        cx.comm.all_reduce_sum_f64(&mut totals)?;
+        Ok(PartWeights::Scored {
+            world: cx.comm.world_size() as f64,
+            scored: totals[0],
+            rows: totals[1],
+        })
+    }
+
+    /// (gradient scale, loss weight) of `part`, `n` rows.
+    fn of_part(&self, part: &MicroBatch, n: usize) -> Result<(f64, f64), StepError> {
+        match *self {
+            PartWeights::Rows { n_step } => Ok((n as f64 / n_step as f64, n as f64)),
+            PartWeights::Scored { scored: 0.0, .. } => Ok((0.0, 0.0)),
+            PartWeights::Scored {
+                world,
+                scored,
+                rows,
+            } => {
+                let mine = crate::task::scored_targets(&part.targets)? as f64;
+                Ok((mine * world / scored, mine * rows / scored))
+            }
+        }
+    }
+}
+
 fn shard_forward_backward(
     model: &dyn Model,
     batch: &MicroBatch,
-    n: usize,
-    n_step: usize,
+    scale: f64,
+    loss_weight: f64,
 ) -> Result<ShardResult, StepError> {
     let started = Instant::now();
-    let scale = n as f64 / n_step as f64;
     let (loss, grads, forward) =
         match model.train_pass(&batch.inputs, &batch.targets, &batch.mode)? {
             Some(pass) => {
@@ -170,7 +224,7 @@ fn shard_forward_backward(
         };
     Ok(ShardResult {
         grads,
-        loss_sum: (loss.detach() * n as f64)?,
+        loss_sum: (loss.detach() * loss_weight)?,
         forward,
     })
 }

@@ -257,6 +257,7 @@ fn frozen_parameters_stay_put_keep_no_state_and_are_not_reduced() {
             grad_clip_norm: spec.train.grad_clip_norm,
             bucket_bytes: 64,
             shards: None,
+            masked_targets: false,
         };
         let mut optimizer =
             crate::optim::Optimizer::new(spec.train.optimizer, model.params().len());

@@ -9,6 +9,7 @@ mod cluster;
 mod devices;
 mod distributed;
 mod download;
+mod finetune;
 mod gpu_check;
 mod hangs;
 mod language;

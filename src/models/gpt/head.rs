@@ -14,6 +14,15 @@ use super::ops::{exp, max, sum_map, values, with_values};
 use super::vocab_blocks::{self, Kept};
 use crate::kernels::{indices, indices_of};
 
+/// A target that scores nothing (a prompt's tokens, padding): `task::IGNORE_TARGET` as the
+/// kernels read targets. Its row has no loss, no gradient, and is not counted in the mean.
+pub(crate) const IGNORED: usize = crate::task::IGNORE_TARGET as usize;
+
+/// The targets that score, the denominator of the mean (1 when none do: their loss is 0).
+fn scored(ids: &[usize]) -> usize {
+    ids.iter().filter(|&&t| t != IGNORED).count().max(1)
+}
+
 /// Logits made at once, about: 128 KB, so a chunk's logits stay in the core's L2 cache from
 /// the product that makes them to the softmax that reads them.
 const LOGITS_PER_CHUNK: usize = 32 * 1024;
@@ -27,7 +36,8 @@ const LOGITS_PER_CHUNK: usize = 32 * 1024;
 const MIN_CHUNK: usize = 128;
 
 /// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C]) against `targets` [n] (u32),
-/// differentiable in `x` and `w`. CPU f32 only (see [`applies`]).
+/// over the targets that are not [`crate::task::IGNORE_TARGET`]; differentiable in `x` and
+/// `w`. CPU f32 only (see [`applies`]).
 pub fn loss(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op3(
         &w.contiguous()?,
@@ -55,6 +65,9 @@ pub(super) fn score_values(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f64, 
             let (rows, logits) = dims.logits(x, w, c);
             let mut sums = (0.0, 0);
             for (row, &target) in logits.chunks_exact(dims.vocab).zip(&ids[rows]) {
+                if target == IGNORED {
+                    continue;
+                }
                 sums.0 += (log_sum_exp(row) - row[target]) as f64;
                 let best = row
                     .iter()
@@ -226,19 +239,21 @@ pub(super) fn mean_loss(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f32, Kep
     check_targets(ids, dims.vocab)?;
     if vocab_blocks::applies(dims.vocab) {
         let (sum, kept) = vocab_blocks::loss_sum(x, w, ids, dims.shape());
-        return Ok((sum / dims.rows as f32, kept));
+        return Ok((sum / scored(ids) as f32, kept));
     }
     let parts: Vec<f32> = (0..dims.chunks())
         .into_par_iter()
         .map(|c| {
             let (rows, logits) = dims.logits(x, w, c);
             let rows = logits.chunks_exact(dims.vocab).zip(&ids[rows]);
-            rows.map(|(row, &t)| log_sum_exp(row) - row[t]).sum::<f32>()
+            rows.filter(|(_, t)| **t != IGNORED)
+                .map(|(row, &t)| log_sum_exp(row) - row[t])
+                .sum::<f32>()
         })
         .collect();
     // Chunk sums added in order: the same loss whatever the number of threads.
     Ok((
-        parts.iter().sum::<f32>() / dims.rows as f32,
+        parts.iter().sum::<f32>() / scored(ids) as f32,
         Kept::default(),
     ))
 }
@@ -257,7 +272,7 @@ pub(super) fn loss_bwd(
 ) -> Result<Vec<f32>> {
     let dims = Dims::of(xv.len(), wv.len(), ids.len())?;
     check_targets(ids, dims.vocab)?;
-    let scale = g / dims.rows as f32;
+    let scale = g / scored(ids) as f32;
     if vocab_blocks::applies(dims.vocab) {
         return Ok(vocab_blocks::loss_bwd(
             xv,
@@ -283,6 +298,10 @@ pub(super) fn loss_bwd(
             for c in first..(first + per_group).min(chunks) {
                 let (rows, mut dl) = dims.logits(xv, wv, c);
                 for (row, &t) in dl.chunks_exact_mut(dims.vocab).zip(&ids[rows.clone()]) {
+                    if t == IGNORED {
+                        row.fill(0.0);
+                        continue;
+                    }
                     let lse = log_sum_exp(row);
                     row.iter_mut().for_each(|v| *v = exp(*v - lse) * scale);
                     row[t] -= scale;
@@ -318,7 +337,7 @@ pub(super) fn loss_bwd(
 }
 
 fn check_targets(ids: &[usize], vocab: usize) -> Result<()> {
-    match ids.iter().find(|&&t| t >= vocab) {
+    match ids.iter().find(|&&t| t >= vocab && t != IGNORED) {
         Some(t) => bail!("head loss: target {t} is outside the vocabulary of {vocab}"),
         None => Ok(()),
     }

@@ -441,17 +441,23 @@ fn fused_head_loss_matches_logits_and_cross_entropy_with_gradients() {
     // 300 rows against 1,100 symbols: logits in chunks of 128 rows (fewer on a pool of more
     // than two threads) and a partial one. 2,100 symbols: made in blocks of vocabulary
     // columns (`vocab_blocks`), the last one partial.
-    for (rows, vocab) in [(300, 1100), (150, 2100)] {
-        fused_head_matches_composed(rows, 16, vocab);
+    // Masked: every third target ignored (instruction data's prompts and padding).
+    for masked in [false, true] {
+        for (rows, vocab) in [(300, 1100), (150, 2100)] {
+            fused_head_matches_composed(rows, 16, vocab, masked);
+        }
     }
 }
 
-fn fused_head_matches_composed(rows: usize, channels: usize, vocab: usize) {
+fn fused_head_matches_composed(rows: usize, channels: usize, vocab: usize, masked: bool) {
     let dev = Device::Cpu;
     let x = Var::from_tensor(&Tensor::randn(0f32, 1., (rows, channels), &dev).unwrap()).unwrap();
     let w = Var::from_tensor(&Tensor::randn(0f32, 0.5, (vocab, channels), &dev).unwrap()).unwrap();
     let ids: Vec<u32> = (0..rows as u32)
-        .map(|i| (i * 7 + 3) % vocab as u32)
+        .map(|i| match masked && i % 3 == 1 {
+            true => crate::task::IGNORE_TARGET,
+            false => (i * 7 + 3) % vocab as u32,
+        })
         .collect();
     let targets = Tensor::new(ids.as_slice(), &dev).unwrap();
     let composed_logits = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();

@@ -16,6 +16,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::attention::{View, gemm_into};
+use super::head::IGNORED;
 use super::ops::{exp, max, sum_map};
 
 /// Vocabulary columns per block: 512 columns of 384 rows are 768 KB of logits.
@@ -165,6 +166,7 @@ pub(super) fn loss_sum_and_correct(
             stats
                 .iter()
                 .zip(&ids[rows])
+                .filter(|(_, t)| **t != IGNORED)
                 .fold((0.0, 0), |(l, n), (s, &t)| {
                     (
                         l + (s.lse() - s.target) as f64,
@@ -194,7 +196,12 @@ pub(super) fn loss_sum(x: &[f32], w: &[f32], ids: &[usize], shape: Shape) -> (f3
         .zip(chunks)
         .map(|(slot, rows)| {
             let stats = shape.stats(x, w, ids, &rows, slot);
-            let loss = stats.iter().map(|s| s.lse() - s.target).sum::<f32>();
+            let loss = stats
+                .iter()
+                .zip(&ids[rows.clone()])
+                .filter(|(_, t)| **t != IGNORED)
+                .map(|(s, _)| s.lse() - s.target)
+                .sum::<f32>();
             (loss, stats.iter().map(Row::lse).collect())
         })
         .collect();
@@ -260,6 +267,10 @@ pub(super) fn loss_bwd(
                     let targets = &ids[rows.clone()];
                     for ((row, &lse), &t) in dl.chunks_exact_mut(width).zip(lse.iter()).zip(targets)
                     {
+                        if t == IGNORED {
+                            row.fill(0.0);
+                            continue;
+                        }
                         row.iter_mut().for_each(|v| *v = exp(*v - lse) * scale);
                         if cols.contains(&t) {
                             row[t - cols.start] -= scale;

@@ -1,0 +1,495 @@
+//! Instruction data, `data.dataset = "jsonl"`: prompt/completion (or plain text) examples, one
+//! JSON object a line, for supervised fine-tuning. A sample is one example; a batch pads its
+//! examples on the right to the longest of them (causal attention never looks right, so the
+//! padding changes no real position) and its targets are [`IGNORE_TARGET`] where they do not
+//! score: padding, and the prompt's tokens unless `train_on_prompt`. The loss is then the mean
+//! over the scored targets of the whole global batch (see `train::step`), so 2 × B/2 is 1 × B.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::DataError;
+use super::hf_tokenizer::HfTokenizer;
+use super::jsonl_index::{Examples, Indexing, index_file};
+use super::vocab::Vocab;
+use crate::registry::{BuildError, DataContext, DatasetOptions, JobFile, KeyDoc};
+use crate::task::{BatchSource, IGNORE_TARGET, ModelInput, Task};
+
+/// `data.dataset = "jsonl"`: its keys. `tokenizer` and `eos_token` are written out by
+/// `complete` (the model's).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct JsonlOptions {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_path: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_path: Option<String>,
+    pub val_fraction: f64,
+    pub text_field: String,
+    pub prompt_field: String,
+    pub completion_field: String,
+    pub train_on_prompt: bool,
+    pub pack: bool,
+    pub truncate: bool,
+    pub skip_bad_lines: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eos_token: Option<String>,
+}
+
+impl Default for JsonlOptions {
+    fn default() -> Self {
+        JsonlOptions {
+            train_path: None,
+            val_path: None,
+            val_fraction: 0.1,
+            text_field: "text".into(),
+            prompt_field: "prompt".into(),
+            completion_field: "completion".into(),
+            train_on_prompt: false,
+            pack: false,
+            truncate: true,
+            skip_bad_lines: false,
+            tokenizer: None,
+            eos_token: None,
+        }
+    }
+}
+
+pub(super) const JSONL_KEYS: &[KeyDoc] = &[
+    KeyDoc {
+        key: "train_path",
+        default: "required",
+        doc: "JSONL, one object a line: `{\"prompt\": ..., \"completion\": ...}` or \
+              `{\"text\": ...}`; read once, streaming",
+    },
+    KeyDoc {
+        key: "val_path",
+        default: "none",
+        doc: "the validation examples, same format; without it the last `val_fraction` of \
+              `train_path`'s",
+    },
+    KeyDoc {
+        key: "val_fraction",
+        default: "`0.1`",
+        doc: "without `val_path`: this last fraction of the examples is the validation split",
+    },
+    KeyDoc {
+        key: "text_field",
+        default: "`\"text\"`",
+        doc: "a line without a completion: this field is the example, trained on whole",
+    },
+    KeyDoc {
+        key: "prompt_field",
+        default: "`\"prompt\"`",
+        doc: "the prompt of a prompt/completion line",
+    },
+    KeyDoc {
+        key: "completion_field",
+        default: "`\"completion\"`",
+        doc: "the completion; a line that has it is a prompt/completion example",
+    },
+    KeyDoc {
+        key: "train_on_prompt",
+        default: "`false`",
+        doc: "`false`: the loss is on the completion's tokens only (the SFT default)",
+    },
+    KeyDoc {
+        key: "pack",
+        default: "`false`",
+        doc: "`false`: one example a row, padded to the longest in its batch; `true` (several \
+              examples a window) is not available yet",
+    },
+    KeyDoc {
+        key: "truncate",
+        default: "`true`",
+        doc: "cut an example longer than `model.block_size + 1` tokens (counted in the log); \
+              `false`: refuse it",
+    },
+    KeyDoc {
+        key: "skip_bad_lines",
+        default: "`false`",
+        doc: "count and skip lines that are not JSON or lack the fields, instead of refusing \
+              the file",
+    },
+    KeyDoc {
+        key: "tokenizer",
+        default: "the model's `tokenizer.json`",
+        doc: "the Hugging Face `tokenizer.json` the examples are encoded with",
+    },
+    KeyDoc {
+        key: "eos_token",
+        default: "the tokenizer's (`tokenizer_config.json`, else `config.json`)",
+        doc: "appended to every example, e.g. `\"</s>\"`",
+    },
+];
+
+/// The stored examples' names in the job directory.
+const STORED: [&str; 2] = ["jsonl-train.bin", "jsonl-val.bin"];
+
+impl JsonlOptions {
+    fn tokenizer_path(&self) -> PathBuf {
+        PathBuf::from(self.tokenizer.clone().unwrap_or_default())
+    }
+
+    /// The examples of both splits and the end-of-sequence id: the job's stored ones when it
+    /// has them, else read from the files.
+    fn examples(&self, cx: &DataContext) -> Result<(Examples, Examples, u32), DataError> {
+        if let Some(job) = &cx.job
+            && job.join(STORED[0]).is_file()
+        {
+            let read = |name: &str| {
+                let path = job.join(name);
+                let bytes = std::fs::read(&path).map_err(|cause| DataError::Io {
+                    path: path.clone(),
+                    cause,
+                })?;
+                Examples::from_bytes(&bytes, &path)
+            };
+            let ((train, eos), (val, _)) = (read(STORED[0])?, read(STORED[1])?);
+            return Ok((train, val, eos));
+        }
+        let tokenizer = HfTokenizer::load(&self.tokenizer_path())?;
+        let eos = eos_id(&tokenizer, self.eos_token.as_deref().unwrap_or_default())?;
+        let block = cx.language.as_ref().map_or(0, |l| l.block_size);
+        let how = Indexing {
+            tokenizer: &tokenizer,
+            eos,
+            text_field: &self.text_field,
+            prompt_field: &self.prompt_field,
+            completion_field: &self.completion_field,
+            max_tokens: block + 1,
+            truncate: self.truncate,
+            skip_bad_lines: self.skip_bad_lines,
+        };
+        let train_path = PathBuf::from(self.train_path.clone().unwrap_or_default());
+        let mut train = index_file(&train_path, &how)?;
+        let val = match &self.val_path {
+            Some(path) => index_file(Path::new(path), &how)?,
+            None => {
+                let n = ((train.len() as f64) * self.val_fraction).ceil() as usize;
+                if train.len() < 2 {
+                    return Err(DataError::Mismatch(format!(
+                        "`{}` has {} usable example(s): a validation split needs at least 2, \
+                         or data.val_path",
+                        train_path.display(),
+                        train.len()
+                    )));
+                }
+                train.split_off_last(n.clamp(1, train.len() - 1))
+            }
+        };
+        for (split, examples) in [("training", &train), ("validation", &val)] {
+            if examples.len() == 0 {
+                return Err(DataError::Mismatch(format!(
+                    "the {split} split of data.dataset = \"jsonl\" has no usable example"
+                )));
+            }
+        }
+        Ok((train, val, eos))
+    }
+
+    pub(super) fn open(&self, cx: &DataContext) -> Result<JsonlTask, DataError> {
+        let Some(lm) = &cx.language else {
+            return Err(DataError::Mismatch(format!(
+                "jsonl data needs a language model, not \"{}\"",
+                cx.arch
+            )));
+        };
+        let (train, val, eos) = self.examples(cx)?;
+        let vocab_size = lm.vocab_size.unwrap_or(0);
+        for (split, examples) in [("training", &train), ("validation", &val)] {
+            if let Some(&bad) = examples
+                .tokens()
+                .iter()
+                .find(|&&t| t as usize >= vocab_size)
+            {
+                return Err(DataError::Mismatch(format!(
+                    "the {split} examples hold token {bad}, outside the model's vocabulary of \
+                     {vocab_size}: the tokenizer `{}` is not the model's",
+                    self.tokenizer_path().display()
+                )));
+            }
+        }
+        Ok(JsonlTask {
+            train,
+            val,
+            eos,
+            block: lm.block_size,
+            vocab_size,
+            train_on_prompt: self.train_on_prompt,
+        })
+    }
+}
+
+/// The id of `token`, the end-of-sequence token, in `tokenizer`.
+fn eos_id(tokenizer: &HfTokenizer, token: &str) -> Result<u32, DataError> {
+    tokenizer.token_id(token).ok_or_else(|| {
+        DataError::Mismatch(format!(
+            "data.eos_token = \"{token}\" is not a token of the tokenizer; name its \
+             end-of-sequence token (e.g. \"</s>\" or \"<|endoftext|>\")"
+        ))
+    })
+}
+
+/// The end-of-sequence token the files beside `tokenizer` name: `tokenizer_config.json`'s
+/// `eos_token`, else `config.json`'s `eos_token_id` (the first, when a list).
+fn eos_beside(tokenizer: &Path) -> Option<String> {
+    let dir = tokenizer.parent()?;
+    let read = |name: &str| -> Option<serde_json::Value> {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(name)).ok()?).ok()
+    };
+    if let Some(config) = read("tokenizer_config.json") {
+        match config.get("eos_token") {
+            Some(serde_json::Value::String(s)) => return Some(s.clone()),
+            Some(object) => {
+                if let Some(s) = object.get("content").and_then(|c| c.as_str()) {
+                    return Some(s.into());
+                }
+            }
+            None => {}
+        }
+    }
+    let config = read("config.json")?;
+    let id = match config.get("eos_token_id")? {
+        serde_json::Value::Array(ids) => ids.first()?.as_u64()?,
+        other => other.as_u64()?,
+    };
+    let loaded = HfTokenizer::load(tokenizer).ok()?;
+    loaded.id_to_token(u32::try_from(id).ok()?)
+}
+
+impl DatasetOptions for JsonlOptions {
+    fn complete(mut self, cx: &DataContext) -> Result<Self, String> {
+        if cx.language.is_none() {
+            return Err(format!(
+                "data.dataset = \"jsonl\" is token sequences: it needs a language model \
+                 (model.arch = \"gpt\" or \"llama\"), not \"{}\"",
+                cx.arch
+            ));
+        }
+        if self.train_path.as_deref().is_none_or(str::is_empty) {
+            return Err(
+                "data.train_path is required for data.dataset = \"jsonl\", e.g. \
+                        train_path = \"data/sft/train.jsonl\""
+                    .into(),
+            );
+        }
+        if self.pack {
+            return Err(
+                "data.pack = true (several examples a window, attention kept within \
+                        each) is not available yet; use pack = false: one example a row, \
+                        padded to the longest in its batch"
+                    .into(),
+            );
+        }
+        let tokenizer = match self.tokenizer.take() {
+            Some(t) => t,
+            None => match cx.language.as_ref().and_then(|l| l.tokenizer.clone()) {
+                Some(path) => path.display().to_string(),
+                None => {
+                    return Err("data.dataset = \"jsonl\" is encoded with a Hugging Face \
+                                tokenizer: set model.init_from to a model directory that has a \
+                                tokenizer.json, or data.tokenizer = \"path/to/tokenizer.json\""
+                        .into());
+                }
+            },
+        };
+        if !tokenizer.ends_with(".json") {
+            return Err(format!(
+                "data.tokenizer = \"{tokenizer}\": jsonl data needs the path of a Hugging Face \
+                 tokenizer.json"
+            ));
+        }
+        if self.eos_token.is_none() {
+            self.eos_token = Some(eos_beside(Path::new(&tokenizer)).ok_or_else(|| {
+                format!(
+                    "cannot tell the end-of-sequence token of `{tokenizer}`: no \
+                     tokenizer_config.json `eos_token` or config.json `eos_token_id` beside it; \
+                     set data.eos_token (e.g. \"</s>\")"
+                )
+            })?);
+        }
+        self.tokenizer = Some(tokenizer);
+        if !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
+            return Err(format!(
+                "data.val_fraction = {}: must be in (0, 1); 0.1 keeps the last 10% of the \
+                 examples for validation",
+                self.val_fraction
+            ));
+        }
+        for (key, value) in [
+            ("text_field", &self.text_field),
+            ("prompt_field", &self.prompt_field),
+            ("completion_field", &self.completion_field),
+        ] {
+            if value.is_empty() {
+                return Err(format!("data.{key} is empty: name a field of the lines"));
+            }
+        }
+        Ok(self)
+    }
+
+    /// Reads and tokenises both files once (bad lines create no job); the job keeps the
+    /// examples and the tokenizer.
+    fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
+        let task = self.open(cx)?;
+        let tokenizer = HfTokenizer::load(&self.tokenizer_path())?;
+        Ok(vec![
+            JobFile {
+                name: STORED[0].into(),
+                bytes: task.train.to_bytes(task.eos),
+            },
+            JobFile {
+                name: STORED[1].into(),
+                bytes: task.val.to_bytes(task.eos),
+            },
+            JobFile {
+                name: Vocab::FILE.into(),
+                bytes: Vocab::HuggingFace(Box::new(tokenizer))
+                    .to_json()
+                    .into_bytes(),
+            },
+        ])
+    }
+
+    fn describe(&self) -> Option<String> {
+        Some(format!(
+            "jsonl {}",
+            self.train_path.as_deref().unwrap_or_default()
+        ))
+    }
+
+    fn tokenizer_file(&self) -> Option<PathBuf> {
+        Some(self.tokenizer_path())
+    }
+}
+
+/// Instruction examples of both splits, ready to batch.
+pub struct JsonlTask {
+    train: Examples,
+    val: Examples,
+    /// Appended to every example; also the padding's input (its target is ignored).
+    eos: u32,
+    block: usize,
+    vocab_size: usize,
+    train_on_prompt: bool,
+}
+
+impl JsonlTask {
+    /// Inputs [n, t] and targets [n, t] of `examples` `indices`, t the longest's length - 1:
+    /// padded on the right with `eos`, whose targets, and the prompt's, are ignored.
+    fn batch(
+        &self,
+        examples: &Examples,
+        indices: &[usize],
+        device: &Device,
+    ) -> Result<(Tensor, Tensor), DataError> {
+        let longest = indices
+            .iter()
+            .map(|&i| examples.get(i).0.len() - 1)
+            .max()
+            .unwrap_or(1);
+        let n = indices.len();
+        let mut xs = vec![self.eos; n * longest];
+        let mut ys = vec![IGNORE_TARGET; n * longest];
+        for (row, &i) in indices.iter().enumerate() {
+            let (tokens, prompt) = examples.get(i);
+            let (x, y) = (&mut xs[row * longest..], &mut ys[row * longest..]);
+            x[..tokens.len() - 1].copy_from_slice(&tokens[..tokens.len() - 1]);
+            // Target j is token j + 1: a prompt token when j + 1 < prompt.
+            let first = if self.train_on_prompt {
+                0
+            } else {
+                prompt.max(1) - 1
+            };
+            let last = tokens.len() - 1;
+            y[first..last].copy_from_slice(&tokens[first + 1..]);
+        }
+        Ok((
+            Tensor::from_vec(xs, (n, longest), device)?,
+            Tensor::from_vec(ys, (n, longest), device)?,
+        ))
+    }
+}
+
+impl Task for JsonlTask {
+    fn train_len(&self) -> usize {
+        self.train.len()
+    }
+
+    fn eval_len(&self) -> usize {
+        self.val.len()
+    }
+
+    /// The mean example's targets (rows are as long as their batch's longest example, so
+    /// tokens/s figures count padding as a window's would).
+    fn targets_per_sample(&self) -> usize {
+        (self.train.tokens().len() / self.train.len().max(1)).max(2) - 1
+    }
+
+    fn input(&self) -> ModelInput {
+        ModelInput::Tokens {
+            vocab_size: self.vocab_size,
+            block_size: self.block,
+        }
+    }
+
+    fn masks_targets(&self) -> bool {
+        true
+    }
+
+    fn batches<'a>(&'a self, device: &Device) -> Result<Box<dyn BatchSource + 'a>, DataError> {
+        Ok(Box::new(JsonlBatches {
+            task: self,
+            device: device.clone(),
+        }))
+    }
+}
+
+struct JsonlBatches<'a> {
+    task: &'a JsonlTask,
+    device: Device,
+}
+
+impl BatchSource for JsonlBatches<'_> {
+    fn train(&self, _epoch: usize, indices: &[usize]) -> Result<(Tensor, Tensor), DataError> {
+        self.task.batch(&self.task.train, indices, &self.device)
+    }
+
+    fn eval(&self, indices: &[usize]) -> Result<(Tensor, Tensor), DataError> {
+        self.task.batch(&self.task.val, indices, &self.device)
+    }
+
+    fn note(&self) -> Option<String> {
+        let t = self.task;
+        let c = t.train.counts;
+        let mut parts = vec![format!(
+            "jsonl: {} training and {} validation examples, loss on {}",
+            t.train.len(),
+            t.val.len(),
+            if t.train_on_prompt {
+                "prompts and completions"
+            } else {
+                "completions only"
+            }
+        )];
+        for (n, what) in [
+            (c.truncated, "truncated to model.block_size + 1 tokens"),
+            (c.bad_lines, "bad lines skipped"),
+            (c.empty, "empty examples left out"),
+        ] {
+            if n > 0 {
+                parts.push(format!("{n} {what}"));
+            }
+        }
+        Some(parts.join(", "))
+    }
+}
+
+#[cfg(test)]
+#[path = "jsonl_tests.rs"]
+mod tests;

@@ -1,0 +1,201 @@
+use std::path::PathBuf;
+
+use super::*;
+use crate::registry::LanguageModelSpec;
+
+/// The llama fixture's byte-level BPE (300 tokens, `<|endoftext|>` = 0).
+fn tokenizer_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama/tokenizer.json")
+}
+
+fn context(block: usize, job: Option<PathBuf>) -> DataContext {
+    DataContext {
+        seed: 1,
+        arch: "llama".into(),
+        language: Some(LanguageModelSpec {
+            block_size: block,
+            vocab_size: Some(320),
+            tokenizer: Some(tokenizer_path()),
+            vocabulary: None,
+        }),
+        job,
+    }
+}
+
+fn options(dir: &Path, lines: &str) -> JsonlOptions {
+    let path = dir.join("train.jsonl");
+    std::fs::write(&path, lines).unwrap();
+    let options = JsonlOptions {
+        train_path: Some(path.display().to_string()),
+        val_fraction: 0.3,
+        ..JsonlOptions::default()
+    };
+    options.complete(&context(32, None)).unwrap()
+}
+
+fn encode(text: &str, special: bool) -> Vec<u32> {
+    let t = HfTokenizer::load(&tokenizer_path()).unwrap();
+    t.encode_one(text, special).unwrap()
+}
+
+const LINES: &str = r#"{"prompt": "ab", "completion": "cd"}
+
+{"text": "hello world"}
+{"prompt": "x", "completion": "y", "other": 1}
+"#;
+
+#[test]
+fn examples_are_prompt_then_completion_then_eos_and_the_mask_starts_at_the_completion() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = options(dir.path(), LINES);
+    assert_eq!(opts.eos_token.as_deref(), Some("<|endoftext|>"));
+    let task = opts.open(&context(32, None)).unwrap();
+    // Three examples (the blank line skipped): the last third is validation.
+    assert_eq!((task.train_len(), task.eval_len()), (2, 1));
+    let (prompt, completion) = (encode("ab", true), encode("cd", false));
+    let (tokens, p) = task.train.get(0);
+    assert_eq!(p, prompt.len());
+    assert_eq!(tokens, [&prompt[..], &completion[..], &[0]].concat());
+    assert_eq!(task.train.get(1).1, 0, "a text example has no prompt");
+
+    let batches = task.batches(&Device::Cpu).unwrap();
+    let (xs, ys) = batches.train(0, &[0, 1]).unwrap();
+    let text = task.train.get(1).0;
+    let width = (tokens.len() - 1).max(text.len() - 1);
+    assert_eq!(xs.dims(), [2, width]);
+    let (xs, ys) = (xs.to_vec2::<u32>().unwrap(), ys.to_vec2::<u32>().unwrap());
+    // Row 0: targets ignored until the last prompt token predicts the completion's first.
+    for j in 0..width {
+        let want = if j + 1 < p || j + 1 >= tokens.len() {
+            IGNORE_TARGET
+        } else {
+            tokens[j + 1]
+        };
+        assert_eq!(ys[0][j], want, "target {j}");
+        let input = if j < tokens.len() - 1 { tokens[j] } else { 0 };
+        assert_eq!(xs[0][j], input, "input {j}");
+    }
+    // Row 1, plain text: every real target scores, padding none.
+    assert_eq!(&ys[1][..text.len() - 1], &text[1..]);
+    assert!(ys[1][text.len() - 1..].iter().all(|&y| y == IGNORE_TARGET));
+
+    // train_on_prompt: the prompt's targets score too.
+    let all = JsonlOptions {
+        train_on_prompt: true,
+        ..opts
+    };
+    let task = all.open(&context(32, None)).unwrap();
+    let (_, ys) = task.batches(&Device::Cpu).unwrap().train(0, &[0]).unwrap();
+    assert_eq!(ys.to_vec2::<u32>().unwrap()[0], tokens[1..]);
+}
+
+#[test]
+fn bad_lines_name_the_file_and_line_or_are_counted_and_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = "{\"text\": \"one\"}\n{\"text\": \"two\"}\nnot json\n{\"title\": \"x\"}\n\
+                 {\"text\": \"three\"}\n";
+    let opts = options(dir.path(), lines);
+    let err = opts.open(&context(32, None)).err().unwrap().to_string();
+    assert!(err.contains("train.jsonl` line 3"), "{err}");
+    assert!(err.contains("data.skip_bad_lines"), "{err}");
+
+    let skip = JsonlOptions {
+        skip_bad_lines: true,
+        ..opts.clone()
+    };
+    let task = skip.open(&context(32, None)).unwrap();
+    assert_eq!(task.train.counts.bad_lines, 2);
+    assert_eq!(task.train_len() + task.eval_len(), 3);
+    let note = task.batches(&Device::Cpu).unwrap().note().unwrap();
+    assert!(note.contains("2 bad lines skipped"), "{note}");
+
+    let fields = options(dir.path(), "{\"title\": \"x\"}\n");
+    let err = fields.open(&context(32, None)).err().unwrap().to_string();
+    assert!(err.contains("line 1: it has neither \"text\""), "{err}");
+    assert!(err.contains("its fields: title"), "{err}");
+    let no_prompt = options(dir.path(), "{\"completion\": \"x\"}\n");
+    let err = no_prompt
+        .open(&context(32, None))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("no \"prompt\" (data.prompt_field)"), "{err}");
+}
+
+#[test]
+fn long_examples_are_cut_to_the_window_or_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let long = "the quick brown fox jumps over the lazy dog ".repeat(4);
+    let lines = format!("{{\"text\": \"{long}\"}}\n{{\"text\": \"ok\"}}\n{{\"text\": \"fine\"}}\n");
+    let opts = options(dir.path(), &lines);
+    let task = opts.open(&context(8, None)).unwrap();
+    assert_eq!(task.train.counts.truncated, 1);
+    assert_eq!(task.train.get(0).0.len(), 9, "block_size + 1 tokens");
+    let strict = JsonlOptions {
+        truncate: false,
+        ..opts
+    };
+    let err = strict.open(&context(8, None)).err().unwrap().to_string();
+    assert!(err.contains("line 1: the example has"), "{err}");
+    assert!(err.contains("model.block_size + 1 = 9"), "{err}");
+}
+
+#[test]
+fn the_job_keeps_its_examples_and_reads_them_back_whatever_the_file_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = options(dir.path(), LINES);
+    let files = opts.prepare(&context(32, None)).unwrap();
+    let job = dir.path().join("job");
+    std::fs::create_dir(&job).unwrap();
+    for f in &files {
+        std::fs::write(job.join(&f.name), &f.bytes).unwrap();
+    }
+    let names: Vec<&str> = files.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(names, ["jsonl-train.bin", "jsonl-val.bin", "vocab.json"]);
+    let fresh = opts.open(&context(32, None)).unwrap();
+    // The file changes; the job reads what it stored.
+    std::fs::write(dir.path().join("train.jsonl"), "{\"text\": \"zz\"}\n").unwrap();
+    let kept = opts.open(&context(32, Some(job.clone()))).unwrap();
+    assert_eq!(kept.train, fresh.train);
+    assert_eq!(kept.val, fresh.val);
+    assert_eq!(kept.eos, fresh.eos);
+
+    let stored = job.join("jsonl-train.bin");
+    let mut bytes = std::fs::read(&stored).unwrap();
+    bytes.truncate(bytes.len() - 4);
+    let err = Examples::from_bytes(&bytes, &stored)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("jsonl-train.bin"), "{err}");
+    assert!(err.contains("length does not match"), "{err}");
+}
+
+#[test]
+fn options_are_checked_before_anything_is_read() {
+    let cx = context(32, None);
+    let err = |o: JsonlOptions| o.complete(&cx).unwrap_err();
+    assert!(err(JsonlOptions::default()).contains("data.train_path is required"));
+    let with_path = JsonlOptions {
+        train_path: Some("t.jsonl".into()),
+        ..JsonlOptions::default()
+    };
+    let packed = JsonlOptions {
+        pack: true,
+        ..with_path.clone()
+    };
+    assert!(err(packed).contains("not available yet"));
+    let fraction = JsonlOptions {
+        val_fraction: 1.5,
+        ..with_path.clone()
+    };
+    assert!(err(fraction).contains("data.val_fraction = 1.5"));
+    let mut image = context(32, None);
+    image.language = None;
+    image.arch = "cnn".into();
+    assert!(
+        with_path
+            .complete(&image)
+            .unwrap_err()
+            .contains("not \"cnn\"")
+    );
+}

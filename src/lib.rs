@@ -104,7 +104,7 @@ pub use registry::{
     BuildError, DataContext, DatasetOptions, JobFile, LanguageModelOptions, LanguageModelSpec,
     ModelContext, Registry,
 };
-pub use task::{BatchSource, ModelInput, Task};
+pub use task::{BatchSource, IGNORE_TARGET, ModelInput, Task};
 
 /// What the end-to-end tests compare against; not part of the API.
 #[doc(hidden)]

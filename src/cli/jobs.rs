@@ -142,10 +142,14 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     let loaded = config::load(&args.config, &args.overrides()).map_err(|e| (2, anyhow!(e)))?;
     let spec = &loaded.spec;
     let counted = crate::registry::Registry::current().train_samples(&spec.data);
+    let mut examples = false;
     let (train_samples, source) = match counted {
         Some(found) => found,
         None => match crate::task::load(spec, None) {
-            Ok(task) => (task.train_len(), opened(spec, task.as_ref())),
+            Ok(task) => {
+                examples = task.masks_targets();
+                (task.train_len(), opened(spec, task.as_ref()))
+            }
             Err(e) => return Err((2, anyhow!(e))),
         },
     };
@@ -194,7 +198,8 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     println!("total_steps       = {}", plan.total_steps);
     if let Some(language) = spec.model.language() {
         println!(
-            "tokens_per_step   = {}  (global_batch x block_size {})",
+            "tokens_per_step   = {}{}  (global_batch x block_size {})",
+            if examples { "at most " } else { "" },
             plan.global_batch * language.block_size,
             language.block_size
         );
@@ -209,6 +214,10 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
 /// Where `validate`'s count of training samples comes from, when it opened the data.
 fn opened(spec: &config::JobSpec, task: &dyn crate::task::Task) -> String {
     match spec.model.language() {
+        Some(_) if task.masks_targets() => format!(
+            "examples, each up to block_size + 1 tokens; {} for evaluation",
+            task.eval_len()
+        ),
         Some(_) => format!(
             "windows of block_size + 1 tokens; {} for evaluation",
             task.eval_len()

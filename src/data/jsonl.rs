@@ -5,6 +5,7 @@
 //! score: padding, and the prompt's tokens unless `train_on_prompt`. The loss is then the mean
 //! over the scored targets of the whole global batch (see `train::step`), so 2 × B/2 is 1 × B.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
@@ -100,8 +101,9 @@ pub(super) const JSONL_KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "pack",
         default: "`false`",
-        doc: "`false`: one example a row, padded to the longest in its batch; `true` (several \
-              examples a window) is not available yet",
+        doc: "`true`: several examples a row (in file order, up to `block_size` positions), \
+              positions and attention restarted at each; `false`: one example a row, padded to \
+              the longest in its batch",
     },
     KeyDoc {
         key: "truncate",
@@ -126,6 +128,9 @@ pub(super) const JSONL_KEYS: &[KeyDoc] = &[
         doc: "appended to every example, e.g. `\"</s>\"`",
     },
 ];
+
+/// The models that read packed rows (see `models::packed`).
+const PACKS: [&str; 2] = ["gpt", "llama"];
 
 /// The stored examples' names in the job directory.
 const STORED: [&str; 2] = ["jsonl-train.bin", "jsonl-val.bin"];
@@ -214,15 +219,38 @@ impl JsonlOptions {
                 )));
             }
         }
+        let packs = self
+            .pack
+            .then(|| [&train, &val].map(|examples| pack(examples, lm.block_size)));
         Ok(JsonlTask {
             train,
             val,
+            packs,
             eos,
             block: lm.block_size,
             vocab_size,
             train_on_prompt: self.train_on_prompt,
         })
     }
+}
+
+/// `examples` packed in order into rows of at most `block` positions (an example of L tokens
+/// takes L - 1): the next example starts a new row when it does not fit the current one's rest.
+fn pack(examples: &Examples, block: usize) -> Vec<Range<usize>> {
+    let mut packs = Vec::new();
+    let (mut start, mut used) = (0, 0);
+    for i in 0..examples.len() {
+        let positions = examples.get(i).0.len() - 1;
+        if used + positions > block && i > start {
+            packs.push(start..i);
+            (start, used) = (i, 0);
+        }
+        used += positions;
+    }
+    if start < examples.len() {
+        packs.push(start..examples.len());
+    }
+    packs
 }
 
 /// The id of `token`, the end-of-sequence token, in `tokenizer`.
@@ -278,13 +306,13 @@ impl DatasetOptions for JsonlOptions {
                     .into(),
             );
         }
-        if self.pack {
-            return Err(
-                "data.pack = true (several examples a window, attention kept within \
-                        each) is not available yet; use pack = false: one example a row, \
-                        padded to the longest in its batch"
-                    .into(),
-            );
+        if self.pack && !PACKS.contains(&cx.arch.as_str()) {
+            return Err(format!(
+                "data.pack = true needs a model that reads packed rows (restarting positions \
+                 and attention at each example): {}, not \"{}\"; use pack = false",
+                PACKS.join(" or "),
+                cx.arch
+            ));
         }
         let tokenizer = match self.tokenizer.take() {
             Some(t) => t,
@@ -372,6 +400,8 @@ impl DatasetOptions for JsonlOptions {
 pub struct JsonlTask {
     train: Examples,
     val: Examples,
+    /// With `data.pack`: the examples of each training and validation row.
+    packs: Option<[Vec<Range<usize>>; 2]>,
     /// Appended to every example; also the padding's input (its target is ignored).
     eos: u32,
     block: usize,
@@ -380,55 +410,86 @@ pub struct JsonlTask {
 }
 
 impl JsonlTask {
-    /// Inputs [n, t] and targets [n, t] of `examples` `indices`, t the longest's length - 1:
-    /// padded on the right with `eos`, whose targets, and the prompt's, are ignored.
+    /// The examples of each row of `indices` (samples of `split`, 0 training, 1 validation):
+    /// one each, or a packed row's.
+    fn rows(&self, split: usize, indices: &[usize]) -> Vec<Range<usize>> {
+        match &self.packs {
+            Some(packs) => indices.iter().map(|&i| packs[split][i].clone()).collect(),
+            None => indices.iter().map(|&i| i..i + 1).collect(),
+        }
+    }
+
+    /// Inputs and targets [n, t] of rows of `examples`, t the longest row's positions: each
+    /// example's tokens but its last as inputs, all but its first as targets (ignored on its
+    /// prompt unless `train_on_prompt`), the row padded on the right with `eos`, whose targets
+    /// are ignored. Packed rows' inputs are [n, t, 2]: each token and its position within its
+    /// example (the padding counted as one more), see `models::packed`.
     fn batch(
         &self,
         examples: &Examples,
-        indices: &[usize],
+        rows: &[Range<usize>],
         device: &Device,
     ) -> Result<(Tensor, Tensor), DataError> {
-        let longest = indices
-            .iter()
-            .map(|&i| examples.get(i).0.len() - 1)
-            .max()
-            .unwrap_or(1);
-        let n = indices.len();
+        let positions =
+            |r: &Range<usize>| -> usize { r.clone().map(|i| examples.get(i).0.len() - 1).sum() };
+        let longest = rows.iter().map(positions).max().unwrap_or(1);
+        let n = rows.len();
         let mut xs = vec![self.eos; n * longest];
+        let mut at = vec![0u32; n * longest];
         let mut ys = vec![IGNORE_TARGET; n * longest];
-        for (row, &i) in indices.iter().enumerate() {
-            let (tokens, prompt) = examples.get(i);
-            let (x, y) = (&mut xs[row * longest..], &mut ys[row * longest..]);
-            x[..tokens.len() - 1].copy_from_slice(&tokens[..tokens.len() - 1]);
-            // Target j is token j + 1: a prompt token when j + 1 < prompt.
-            let first = if self.train_on_prompt {
-                0
-            } else {
-                prompt.max(1) - 1
-            };
-            let last = tokens.len() - 1;
-            y[first..last].copy_from_slice(&tokens[first + 1..]);
+        let count_from_zero = |a: &mut [u32]| {
+            a.iter_mut().enumerate().for_each(|(p, a)| *a = p as u32);
+        };
+        for (row, examples_of_row) in rows.iter().enumerate() {
+            let mut start = row * longest;
+            for i in examples_of_row.clone() {
+                let (tokens, prompt) = examples.get(i);
+                let len = tokens.len() - 1;
+                xs[start..start + len].copy_from_slice(&tokens[..len]);
+                count_from_zero(&mut at[start..start + len]);
+                // Target j is token j + 1: a prompt token when j + 1 < prompt.
+                let first = if self.train_on_prompt {
+                    0
+                } else {
+                    prompt.max(1) - 1
+                };
+                ys[start + first..start + len].copy_from_slice(&tokens[first + 1..]);
+                start += len;
+            }
+            count_from_zero(&mut at[start..(row + 1) * longest]);
         }
-        Ok((
-            Tensor::from_vec(xs, (n, longest), device)?,
-            Tensor::from_vec(ys, (n, longest), device)?,
-        ))
+        let ys = Tensor::from_vec(ys, (n, longest), device)?;
+        if self.packs.is_none() {
+            return Ok((Tensor::from_vec(xs, (n, longest), device)?, ys));
+        }
+        let pairs: Vec<u32> = xs.iter().zip(&at).flat_map(|(&x, &p)| [x, p]).collect();
+        Ok((Tensor::from_vec(pairs, (n, longest, 2), device)?, ys))
+    }
+
+    /// Training (0) or validation (1) samples: examples, or packed rows.
+    fn samples(&self, split: usize) -> usize {
+        match &self.packs {
+            Some(packs) => packs[split].len(),
+            None if split == 0 => self.train.len(),
+            None => self.val.len(),
+        }
     }
 }
 
 impl Task for JsonlTask {
     fn train_len(&self) -> usize {
-        self.train.len()
+        self.samples(0)
     }
 
     fn eval_len(&self) -> usize {
-        self.val.len()
+        self.samples(1)
     }
 
-    /// The mean example's targets (rows are as long as their batch's longest example, so
-    /// tokens/s figures count padding as a window's would).
+    /// The mean sample's positions (an example's tokens but one, or a packed row's), padding
+    /// not counted.
     fn targets_per_sample(&self) -> usize {
-        (self.train.tokens().len() / self.train.len().max(1)).max(2) - 1
+        let positions = self.train.tokens().len() - self.train.len();
+        (positions / self.train_len().max(1)).max(1)
     }
 
     fn input(&self) -> ModelInput {
@@ -457,11 +518,13 @@ struct JsonlBatches<'a> {
 
 impl BatchSource for JsonlBatches<'_> {
     fn train(&self, _epoch: usize, indices: &[usize]) -> Result<(Tensor, Tensor), DataError> {
-        self.task.batch(&self.task.train, indices, &self.device)
+        let t = self.task;
+        t.batch(&t.train, &t.rows(0, indices), &self.device)
     }
 
     fn eval(&self, indices: &[usize]) -> Result<(Tensor, Tensor), DataError> {
-        self.task.batch(&self.task.val, indices, &self.device)
+        let t = self.task;
+        t.batch(&t.val, &t.rows(1, indices), &self.device)
     }
 
     fn note(&self) -> Option<String> {
@@ -477,6 +540,13 @@ impl BatchSource for JsonlBatches<'_> {
                 "completions only"
             }
         )];
+        if let Some(packs) = &t.packs {
+            parts.push(format!(
+                "packed into {} training and {} validation rows",
+                packs[0].len(),
+                packs[1].len()
+            ));
+        }
         for (n, what) in [
             (c.truncated, "truncated to model.block_size + 1 tokens"),
             (c.bad_lines, "bad lines skipped"),

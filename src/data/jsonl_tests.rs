@@ -183,7 +183,11 @@ fn options_are_checked_before_anything_is_read() {
         pack: true,
         ..with_path.clone()
     };
-    assert!(err(packed).contains("not available yet"));
+    let mut other_lm = context(32, None);
+    other_lm.arch = "my-lm".into();
+    let refused = packed.clone().complete(&other_lm).unwrap_err();
+    assert!(refused.contains("gpt or llama, not \"my-lm\""), "{refused}");
+    assert!(packed.complete(&cx).is_ok());
     let fraction = JsonlOptions {
         val_fraction: 1.5,
         ..with_path.clone()
@@ -198,4 +202,51 @@ fn options_are_checked_before_anything_is_read() {
             .unwrap_err()
             .contains("not \"cnn\"")
     );
+}
+
+#[test]
+fn packed_rows_hold_whole_examples_in_order_with_positions_restarted() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines: String = ["ab", "cde", "fg", "hijk", "lm", "no", "pq"]
+        .iter()
+        .map(|w| format!("{{\"prompt\": \"{w}\", \"completion\": \"{w}\"}}\n"))
+        .collect();
+    let opts = JsonlOptions {
+        pack: true,
+        val_fraction: 0.2,
+        ..options(dir.path(), &lines)
+    };
+    let block = 12;
+    let task = opts.open(&context(block, None)).unwrap();
+    let packs = task.packs.clone().unwrap();
+    // Every training example once, in order, each row within the window.
+    let flat: Vec<usize> = packs[0].iter().flat_map(|r| r.clone()).collect();
+    assert_eq!(flat, (0..task.train.len()).collect::<Vec<_>>());
+    assert_eq!(task.train_len(), packs[0].len());
+    assert!(task.train_len() < task.train.len(), "{packs:?}");
+    let positions =
+        |r: &Range<usize>| -> usize { r.clone().map(|i| task.train.get(i).0.len() - 1).sum() };
+    assert!(packs[0].iter().all(|r| positions(r) <= block));
+
+    let (xs, ys) = task.batches(&Device::Cpu).unwrap().train(0, &[0]).unwrap();
+    let t = positions(&packs[0][0]);
+    assert_eq!(xs.dims(), [1, t, 2]);
+    let xs = xs.to_vec3::<u32>().unwrap().remove(0);
+    let ys = ys.to_vec2::<u32>().unwrap().remove(0);
+    let mut at = 0;
+    for i in packs[0][0].clone() {
+        let (tokens, prompt) = task.train.get(i);
+        for (j, pair) in xs[at..at + tokens.len() - 1].iter().enumerate() {
+            assert_eq!(*pair, [tokens[j], j as u32], "example {i} position {j}");
+            let want = if j + 1 < prompt {
+                IGNORE_TARGET
+            } else {
+                tokens[j + 1]
+            };
+            assert_eq!(ys[at + j], want);
+        }
+        at += tokens.len() - 1;
+    }
+    let note = task.batches(&Device::Cpu).unwrap().note().unwrap();
+    assert!(note.contains("packed into"), "{note}");
 }

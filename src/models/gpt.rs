@@ -227,6 +227,13 @@ impl Gpt {
         tokens.broadcast_add(&positions)?.reshape((n * t, c))
     }
 
+    /// Token plus position embeddings of packed rows: `ids` [n·t] at `positions` [n·t].
+    fn embed_at(&self, ids: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        let frozen = &self.params.frozen;
+        let tokens = frozen.as_input(&self.wte).embedding(ids)?;
+        tokens + frozen.as_input(&self.wpe).embedding(positions)?
+    }
+
     /// Final LayerNorm, then logits x·wteᵀ in f32.
     fn head(&self, x: &Tensor) -> Result<Tensor> {
         self.project(&self.ln_f.forward(x)?)
@@ -246,9 +253,10 @@ impl Gpt {
 }
 
 impl Model for Gpt {
-    /// Token ids [n, t] (t ≤ block_size) → f32 logits [n, t, vocab].
+    /// Token ids [n, t] (t ≤ block_size; [n, t, 2] packed, see `models::packed`) → f32
+    /// logits [n, t, vocab].
     fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
-        let (n, t) = xs.dims2()?;
+        let (n, t) = super::packed::rows(xs)?;
         self.head(&self.trunk(xs, mode)?)?
             .reshape((n, t, self.config.vocab_size))
     }
@@ -266,7 +274,7 @@ impl Model for Gpt {
 
     /// On the CPU in f32, the hand-written forward (see `manual`), a few windows at a time.
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
-        if manual::applies(self) {
+        if manual::applies(self) && xs.rank() == 2 {
             return manual::score(self, xs, targets);
         }
         let x = self.ln_f.forward(&self.trunk(xs, &Mode::Eval)?)?;
@@ -288,7 +296,8 @@ impl Model for Gpt {
         targets: &Tensor,
         mode: &Mode,
     ) -> Result<Option<Box<dyn TrainPass + '_>>> {
-        if !manual::applies(self) {
+        // Packed rows (see `models::packed`) go through autograd.
+        if !manual::applies(self) || xs.rank() != 2 {
             return Ok(None);
         }
         Ok(Some(Box::new(manual::forward(self, xs, targets, mode)?)))
@@ -327,6 +336,7 @@ impl super::KvDecoder for Gpt {
 impl Gpt {
     /// Token ids [n, t] (t ≤ block_size) → the last block's output [n·t, C], before ln_f.
     fn trunk(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
+        let (xs, packing) = super::packed::split(xs)?;
         let (n, t) = xs.dims2()?;
         let c = self.config.n_embd;
         if t == 0 || t > self.config.block_size {
@@ -349,9 +359,14 @@ impl Gpt {
             Some(d) => d.apply(&x, site),
             None => Ok(x),
         };
-        let mut x = drop(self.embed(&xs.flatten_all()?, n, t, 0)?, 0)?;
+        let embedded = match &packing {
+            Some(p) => self.embed_at(&xs.flatten_all()?, &p.positions)?,
+            None => self.embed(&xs.flatten_all()?, n, t, 0)?,
+        };
+        let mut x = drop(embedded, 0)?;
+        let mask = packing.as_ref().map(|p| &p.mask);
         for (i, block) in self.blocks.iter().enumerate() {
-            let y = block.attention(&x, n, t, self, mode)?;
+            let y = block.attention(&x, (n, t), mask, self, mode)?;
             x = (&x + drop(y.to_dtype(DType::F32)?, 1 + 2 * i)?)?;
             let y = block.mlp(&x, self, mode)?.to_dtype(DType::F32)?;
             x = (&x + drop(y, 2 + 2 * i)?)?;
@@ -370,13 +385,23 @@ struct Block {
 }
 
 impl Block {
-    /// Causal self-attention of `ln_1(x)` (x: [n·t, C]), projected: [n·t, C].
-    fn attention(&self, x: &Tensor, n: usize, t: usize, gpt: &Gpt, mode: &Mode) -> Result<Tensor> {
+    /// Causal self-attention of `ln_1(x)` (x: [n·t, C]), projected: [n·t, C]; under a packed
+    /// batch's `mask` (see `models::packed`) when given.
+    fn attention(
+        &self,
+        x: &Tensor,
+        (n, t): (usize, usize),
+        mask: Option<&Tensor>,
+        gpt: &Gpt,
+        mode: &Mode,
+    ) -> Result<Tensor> {
         let (c, h) = (gpt.config.n_embd, gpt.config.n_head);
         let qkv = self
             .c_attn
             .forward_mode(&self.ln_1.forward(x)?, gpt.compute, mode)?;
-        let y = if kernels::applies(&qkv) {
+        let y = if let Some(mask) = mask {
+            super::packed::attention(&qkv.reshape((n, t, 3 * c))?, h, mask)?.reshape((n * t, c))?
+        } else if kernels::applies(&qkv) {
             attention::causal_attention(&qkv, h, t)?
         } else {
             let qkv = qkv.reshape((n, t, 3 * c))?;

@@ -9,6 +9,7 @@ mod gpt;
 mod llama;
 mod lora;
 mod mlp;
+pub(crate) mod packed;
 mod store;
 
 use candle_core::{DType, Device, Result, Tensor, Var};

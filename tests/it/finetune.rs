@@ -2,7 +2,8 @@
 //! (made from the fixture's Shakespeare, each line the prompt for the next) trained with LoRA on
 //! the tiny Qwen2 checkpoint by the real binary: the loss is the mean over completion tokens of
 //! the whole global batch (2 workers × 4 equal 1 × 8), resume is bit-exact, `eval` scores the
-//! validation split, and bad lines are refused before anything is created.
+//! validation split, packed rows train as their examples would, and bad lines are refused
+//! before anything is created.
 
 use std::path::{Path, PathBuf};
 
@@ -137,7 +138,37 @@ fn bad_instruction_data_exits_2_naming_the_line_before_the_job_exists() {
     let run = t.run(&t.config("lenient", &lenient), &[]);
     run.success();
     assert!(run.stdout.contains("1 bad lines skipped"), "{}", run.stdout);
+}
 
-    let packed = t.config("packed", &job(&data, "pack = true", "max_steps = 2"));
-    t.run(&packed, &[]).fails_with(2, "data.pack = true");
+#[test]
+fn a_packed_sft_job_resumes_bit_for_bit_and_two_workers_match_one() {
+    let t = TestJob::new();
+    let data = examples(&t);
+    let cfg = t.config("packed", &job(&data, "pack = true", "max_steps = 12"));
+    let two = ["--nproc-per-node", "2"];
+    let whole = t.run(&cfg, &[&two[..], &["--name", "whole"]].concat());
+    whole.success();
+    assert!(whole.stdout.contains("packed into"), "{}", whole.stdout);
+    let cut = t.run_env(
+        &cfg,
+        &[&two[..], &["--name", "cut"]].concat(),
+        &[("DDPJOB_FAULT", "rank=0,step=7,kind=preempt")],
+    );
+    cut.fails_with(143, "interrupted by SIGTERM");
+    let jobs = t.jobs_dir().display().to_string();
+    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
+    crate::common::assert_same_bits(
+        &t.job("whole").join("model.safetensors"),
+        &t.job("cut").join("model.safetensors"),
+    );
+
+    let one = job(&data, "pack = true", "max_steps = 4");
+    let half = one.replace("batch_size = 8", "batch_size = 4");
+    t.run(&t.config("one", &one), &[]).success();
+    t.run(&t.config("two", &half), &two).success();
+    let diff = max_abs_diff(
+        &load_weights(&t.job("one").join("model.safetensors")),
+        &load_weights(&t.job("two").join("model.safetensors")),
+    );
+    assert!(diff < 1e-5, "1 x 8 and 2 x 4 packed rows differ by {diff}");
 }

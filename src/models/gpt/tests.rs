@@ -124,6 +124,13 @@ fn bad_configs_are_refused() {
 }
 
 #[test]
+fn packed_examples_are_computed_as_if_alone() {
+    let mut c = config(true, 0.0);
+    (c.vocab_size, c.block_size) = (300, 16);
+    crate::models::packed::check_examples_are_computed_alone(&gpt(&c));
+}
+
+#[test]
 fn attention_is_causal() {
     let model = gpt(&config(true, 0.0));
     let a: &[u32] = &[1, 5, 2, 7, 3, 9, 0, 4];

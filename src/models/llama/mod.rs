@@ -18,6 +18,7 @@ mod tests;
 use candle_core::{D, DType, Device, Error, Result, Tensor, Var};
 
 use super::gpt::{GptInit, Linear, attention, head};
+use super::packed::{self, Packing};
 use super::{Mode, Model, Params};
 use crate::kernels;
 pub(crate) use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
@@ -189,6 +190,7 @@ impl Llama {
 
     /// Token ids [n, t] → the final RMSNorm's output [n·t, hidden], f32.
     fn trunk(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
+        let (xs, packing) = packed::split(xs)?;
         let (n, t) = xs.dims2()?;
         if t == 0 || t > self.config.block_size {
             let block = self.config.block_size;
@@ -200,7 +202,7 @@ impl Llama {
         let eps = self.config.rms_norm_eps;
         for layer in &self.layers {
             let h = rms_norm(&x, &self.input(&layer.input_norm), eps)?;
-            let y = self.attention(layer, &h, n, t, mode)?;
+            let y = self.attention(layer, &h, (n, t), packing.as_ref(), mode)?;
             x = (x + y.to_dtype(DType::F32)?)?;
             let h = rms_norm(&x, &self.input(&layer.post_norm), eps)?;
             let y = self.mlp(layer, &h, mode)?;
@@ -209,13 +211,14 @@ impl Llama {
         rms_norm(&x, &self.input(&self.norm), eps)
     }
 
-    /// Grouped-query causal self-attention of `h` [n·t, hidden], projected: [n·t, hidden].
+    /// Grouped-query causal self-attention of `h` [n·t, hidden], projected: [n·t, hidden];
+    /// within each example, at its own positions, when `packing` says the rows are packed.
     fn attention(
         &self,
         layer: &Layer,
         h: &Tensor,
-        n: usize,
-        t: usize,
+        (n, t): (usize, usize),
+        packing: Option<&Packing>,
         mode: &Mode,
     ) -> Result<Tensor> {
         let c = &self.config;
@@ -232,12 +235,19 @@ impl Llama {
             .v
             .forward_mode(h, self.compute, mode)?
             .reshape((n, t, kv_heads, hd))?;
-        let q = self.rope.apply(&q, 0)?;
-        let k = repeat_kv(&self.rope.apply(&k, 0)?, heads / kv_heads)?;
+        let rope = |x: &Tensor| match packing {
+            Some(p) => self.rope.apply_at(x, &p.positions),
+            None => self.rope.apply(x, 0),
+        };
+        let q = rope(&q)?;
+        let k = repeat_kv(&rope(&k)?, heads / kv_heads)?;
         let v = repeat_kv(&v, heads / kv_heads)?;
         let width = heads * hd;
         let qkv = Tensor::cat(&[&q, &k, &v], 2)?.reshape((n * t, 3 * width))?;
-        let y = if kernels::applies(&qkv) {
+        let y = if let Some(p) = packing {
+            let qkv = qkv.reshape((n, t, 3 * width))?;
+            packed::attention(&qkv, heads, &p.mask)?.reshape((n * t, width))?
+        } else if kernels::applies(&qkv) {
             attention::causal_attention(&qkv, heads, t)?
         } else {
             let qkv = qkv.reshape((n, t, 3 * width))?;
@@ -269,9 +279,10 @@ impl Llama {
 }
 
 impl Model for Llama {
-    /// Token ids [n, t] (t ≤ block_size) → f32 logits [n, t, vocab].
+    /// Token ids [n, t] (t ≤ block_size; [n, t, 2] packed, see `models::packed`) → f32
+    /// logits [n, t, vocab].
     fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
-        let (n, t) = xs.dims2()?;
+        let (n, t) = packed::rows(xs)?;
         self.project(&self.trunk(xs, mode)?)?
             .reshape((n, t, self.config.vocab_size))
     }

@@ -84,6 +84,24 @@ impl RopeTables {
         self.apply_with_ops(x, offset)
     }
 
+    /// Rotates `x` [n, t, heads, head_dim] whose positions are `positions` ([n·t] u32, each
+    /// row's own: packed examples restart at 0), in f32. Composed from candle's ops.
+    pub fn apply_at(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        let (n, t, _, hd) = x.dims4()?;
+        let dtype = x.dtype();
+        let x = x.to_dtype(DType::F32)?;
+        let cos = self
+            .cos
+            .index_select(positions, 0)?
+            .reshape((n, t, 1, hd))?;
+        let sin = self
+            .sin
+            .index_select(positions, 0)?
+            .reshape((n, t, 1, hd))?;
+        let rotated = rotate_half(&x)?;
+        (x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?.to_dtype(dtype)
+    }
+
     /// [`RopeTables::apply`] composed from candle's ops (GPU, bf16; the fused op's reference).
     pub fn apply_with_ops(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
         let (_, t, _, hd) = x.dims4()?;

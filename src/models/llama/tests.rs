@@ -168,6 +168,12 @@ fn each_key_value_head_serves_its_group_of_query_heads() {
 }
 
 #[test]
+fn packed_examples_are_computed_as_if_alone() {
+    crate::models::packed::check_examples_are_computed_alone(pretrained("qwen2").as_ref());
+    crate::models::packed::check_examples_are_computed_alone(pretrained("llama").as_ref());
+}
+
+#[test]
 fn a_position_never_sees_later_ones() {
     let model = pretrained("mistral");
     let a = Tensor::new(&[[5u32, 17, 42, 7, 99, 3]], &Device::Cpu).unwrap();

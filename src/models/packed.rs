@@ -1,0 +1,147 @@
+//! Packed token windows: several examples in one row of a batch (instruction data with
+//! `data.pack = true`), as Hugging Face's `position_ids` packing does. A packed batch's inputs
+//! are [n, t, 2]: each position's token id and its position within its example (0 where an
+//! example starts). A language model of ddpjob restarts its positions there and lets no
+//! position attend across the boundary, so each example is computed as if it were alone; an
+//! unpacked batch's inputs stay [n, t] token ids.
+
+use candle_core::{D, DType, Device, Result, Tensor, bail};
+
+/// What a packed batch adds to its token ids.
+pub struct Packing {
+    /// Each position's position within its example, [n·t] u32.
+    pub positions: Tensor,
+    /// [n, 1, t, t]: 0 where a query may see a key (the key is in its example and not after
+    /// it), -inf elsewhere.
+    pub mask: Tensor,
+}
+
+/// (rows, positions per row) of token inputs, packed or not.
+pub fn rows(xs: &Tensor) -> Result<(usize, usize)> {
+    match xs.dims() {
+        &[n, t] => Ok((n, t)),
+        &[n, t, 2] => Ok((n, t)),
+        other => bail!("token inputs: expected [n, t] ids or [n, t, 2] packed, got {other:?}"),
+    }
+}
+
+/// The token ids [n, t] of `xs`, and its [`Packing`] when packed.
+pub fn split(xs: &Tensor) -> Result<(Tensor, Option<Packing>)> {
+    if xs.rank() == 2 {
+        return Ok((xs.clone(), None));
+    }
+    let (n, t) = rows(xs)?;
+    let tokens = xs.narrow(2, 0, 1)?.squeeze(2)?.contiguous()?;
+    let positions = xs.narrow(2, 1, 1)?.flatten_all()?.contiguous()?;
+    // Read on the host (the loader made them there): each row's boundaries make its mask.
+    let host = positions.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+    let mask = mask(&host, n, t, xs.device())?;
+    Ok((tokens, Some(Packing { positions, mask })))
+}
+
+/// The additive mask of rows whose positions are `positions` ([n·t], row-major): query i sees
+/// key j when j ≤ i and j belongs to i's example (j ≥ i - positions[i]).
+fn mask(positions: &[u32], n: usize, t: usize, device: &Device) -> Result<Tensor> {
+    let mut mask = vec![f32::NEG_INFINITY; n * t * t];
+    for (row, pos) in positions.chunks_exact(t).enumerate() {
+        for (i, &p) in pos.iter().enumerate() {
+            let p = p as usize;
+            if p > i {
+                bail!("packed inputs: position {p} at index {i} of a row: before the row starts");
+            }
+            mask[(row * t + i) * t..][i - p..=i].fill(0.0);
+        }
+    }
+    Tensor::from_vec(mask, (n, 1, t, t), device)
+}
+
+/// Self-attention of `qkv` [n, t, 3C] (q, k, v side by side, `heads` heads each) under `mask`
+/// ([`Packing::mask`]): the attended values [n, t, C]. Composed from candle's ops, so it is
+/// differentiable on every device; scores and softmax in f32.
+pub fn attention(qkv: &Tensor, heads: usize, mask: &Tensor) -> Result<Tensor> {
+    let (n, t, c3) = qkv.dims3()?;
+    let (c, h) = (c3 / 3, heads);
+    let hd = c / h;
+    let qkv = qkv
+        .reshape((n, t, 3, h, hd))?
+        .permute((2, 0, 3, 1, 4))?
+        .contiguous()?;
+    let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+    let dtype = q.dtype();
+    let scale = 1.0 / (hd as f64).sqrt();
+    let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?.broadcast_add(mask)?;
+    let att = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(dtype)?;
+    att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, c))
+}
+
+/// Checks that `model` computes each example of a packed row as if it were alone, and that
+/// changing one example leaves the others' logits bit for bit (for each language model's
+/// tests).
+#[cfg(test)]
+pub(crate) fn check_examples_are_computed_alone(model: &dyn crate::models::Model) {
+    use crate::models::Mode;
+    let dev = &Device::Cpu;
+    let packed = |a: &[u32], b: &[u32]| {
+        let pairs: Vec<u32> = a
+            .iter()
+            .enumerate()
+            .chain(b.iter().enumerate())
+            .flat_map(|(p, &id)| [id, p as u32])
+            .collect();
+        let xs = Tensor::from_vec(pairs, (1, a.len() + b.len(), 2), dev).unwrap();
+        model.forward(&xs, &Mode::Eval).unwrap()
+    };
+    let alone = |a: &[u32]| {
+        let xs = Tensor::new(a, dev).unwrap().unsqueeze(0).unwrap();
+        model.forward(&xs, &Mode::Eval).unwrap()
+    };
+    let diff = |x: &Tensor, y: &Tensor| -> f32 {
+        let d = (x - y).unwrap().abs().unwrap().flatten_all().unwrap();
+        d.max(0).unwrap().to_scalar().unwrap()
+    };
+    let (a, b, other) = ([5u32, 17, 42, 7], [9u32, 3, 250, 11, 2], [1u32, 2, 3, 4]);
+    let both = packed(&a, &b);
+    assert!(diff(&both.narrow(1, 0, 4).unwrap(), &alone(&a)) < 1e-5);
+    assert!(diff(&both.narrow(1, 4, 5).unwrap(), &alone(&b)) < 1e-5);
+    let changed = packed(&other, &b);
+    assert_eq!(
+        diff(
+            &both.narrow(1, 4, 5).unwrap(),
+            &changed.narrow(1, 4, 5).unwrap()
+        ),
+        0.0,
+        "the second example's logits moved with the first's tokens"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_query_sees_its_own_example_up_to_itself() {
+        // One row: an example of 2 positions, then one of 3.
+        let (_, packing) = split(
+            &Tensor::new(&[[[7u32, 0], [8, 1], [9, 0], [4, 1], [5, 2]]], &Device::Cpu).unwrap(),
+        )
+        .unwrap();
+        let mask = packing.unwrap().mask.flatten_all().unwrap();
+        let seen: Vec<u8> = mask
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|&v| u8::from(v == 0.0))
+            .collect();
+        #[rustfmt::skip]
+        let expected = [
+            1, 0, 0, 0, 0,
+            1, 1, 0, 0, 0,
+            0, 0, 1, 0, 0,
+            0, 0, 1, 1, 0,
+            0, 0, 1, 1, 1,
+        ];
+        assert_eq!(seen, expected);
+        let bad = Tensor::new(&[[[7u32, 1], [8, 2]]], &Device::Cpu).unwrap();
+        assert!(split(&bad).is_err());
+    }
+}

@@ -197,22 +197,21 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
     let task = crate::task::load(spec, job)?;
     let device = Device::Cpu;
     let started = Instant::now();
+    let weights = match model {
+        EvalModel::Job { job, checkpoint } => weights_path(job, checkpoint.as_deref())?,
+        EvalModel::Pretrained(dir) => dir.clone(),
+    };
     let built = crate::models::build(
         &spec.model,
         task.input(),
         spec.seed,
         &device,
         spec.train.precision,
-        job.is_some(),
+        job.is_some() && crate::generate::restoring(&weights),
     )?;
-    let weights = match model {
-        EvalModel::Job { job, checkpoint } => {
-            let path = weights_path(job, checkpoint.as_deref())?;
-            load_weights(built.params(), &path)?;
-            path
-        }
-        EvalModel::Pretrained(dir) => dir.clone(),
-    };
+    if job.is_some() {
+        load_weights(built.params(), &weights)?;
+    }
     let load_s = started.elapsed().as_secs_f64();
     if task.eval_len() == 0 {
         return Err(EvalError::Usage(

@@ -85,8 +85,15 @@ impl Generator {
             vocab_size,
             block_size: language.block_size,
         };
-        let model =
-            crate::models::build(&spec.model, input, 0, &Device::Cpu, Precision::F32, true)?;
+        let blank = restoring(&weights);
+        let model = crate::models::build(
+            &spec.model,
+            input,
+            spec.seed,
+            &Device::Cpu,
+            Precision::F32,
+            blank,
+        )?;
         load_weights(model.params(), &weights)?;
         let engine = Engine {
             model,
@@ -189,18 +196,18 @@ pub(crate) fn load_weights(params: &Params, path: &Path) -> Result<(), SampleErr
         cause,
     };
     let saved = candle_core::safetensors::load(path, &Device::Cpu).map_err(fail)?;
-    for (name, var) in params.iter() {
-        let t = saved.get(name).ok_or_else(|| {
-            fail(candle_core::Error::Msg(format!(
-                "no tensor `{name}`; the file does not belong to this job's model"
-            )))
-        })?;
-        t.to_dtype(var.dtype())
-            .and_then(|t| t.to_device(var.device()))
-            .and_then(|t| var.set(&t))
-            .map_err(fail)?;
-    }
-    Ok(())
+    let base = crate::checkpoint::base::of_weights(path);
+    crate::checkpoint::base::set_from(params, &saved, base.as_deref()).map_err(|problem| {
+        fail(candle_core::Error::Msg(format!(
+            "{problem}; the file does not fit this job's model"
+        )))
+    })
+}
+
+/// Whether a model for the weights at `path` is built blank (they replace every weight) or
+/// over its base (a checkpoint of what trains only: see `checkpoint::base`).
+pub(crate) fn restoring(path: &Path) -> bool {
+    crate::checkpoint::base::of_weights(path).is_none()
 }
 
 /// The file holding the weights `checkpoint` names (see [`Checkpoints::weights`]).

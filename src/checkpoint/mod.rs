@@ -2,6 +2,7 @@
 //! MANIFEST (sha256 per file), renamed to `step-NNNNNNNN`, then `latest` is replaced; older ones
 //! are pruned only after the new one is in place.
 
+pub mod base;
 mod dir;
 mod trained;
 pub use dir::{Checkpoints, FORMAT, read_position};
@@ -64,6 +65,10 @@ pub struct TrainPosition {
     /// The checkpoint format ([`FORMAT`] when written by this build).
     #[serde(default = "dir::first_format")]
     pub format: u32,
+    /// When parameters are frozen: the checkpoint holds only what trains, and this is the
+    /// SHA-256 of the frozen (base) weights it was trained over (see [`base`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_sha256: Option<String>,
 }
 
 /// Running sums behind the epoch's train loss and the summary's throughput.
@@ -328,6 +333,7 @@ mod tests {
             consumed_in_epoch: step * 8,
             metrics: MetricState::default(),
             format: FORMAT,
+            base_sha256: None,
         }
     }
 

@@ -20,6 +20,25 @@ impl Trained {
     /// The weights `path` names, when it is a job directory or a checkpoint directory of one
     /// (an error when such a job has none yet); `None` for any other path.
     pub fn find(path: &Path) -> Option<Result<Trained, String>> {
+        Some(Self::locate(path)?.and_then(Self::whole))
+    }
+
+    /// A checkpoint that holds only what trains (see `super::base`) needs its base, which a
+    /// new job does not build: refused, naming what to start from instead.
+    fn whole(self) -> Result<Trained, String> {
+        match super::base::of_weights(&self.weights) {
+            None => Ok(self),
+            Some(_) => Err(format!(
+                "model.init_from: `{}` holds only the trainable parameters of a job with frozen \
+                 ones (LoRA, model.freeze); start from the job once it has finished (its \
+                 model.safetensors is whole), or from `ddpjob export {} --hf DIR --merge-lora`",
+                self.weights.display(),
+                self.job.name()
+            )),
+        }
+    }
+
+    fn locate(path: &Path) -> Option<Result<Trained, String>> {
         if path.join("job.toml").is_file() {
             let job = JobDir {
                 root: path.to_path_buf(),

@@ -60,8 +60,11 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         SampleError::Usage(_) => (2, anyhow!(e)),
         other => (1, anyhow!(other)),
     })?;
-    let tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu)
-        .map_err(|e| (1, anyhow!("cannot read `{}`: {e}", weights.display())))?;
+    let tensors = match crate::generate::restoring(&weights) {
+        true => candle_core::safetensors::load(&weights, &candle_core::Device::Cpu)
+            .map_err(|e| (1, anyhow!("cannot read `{}`: {e}", weights.display())))?,
+        false => over_base(&spec, &job, &weights)?,
+    };
     let dtype = match args.dtype {
         Dtype::F32 => ExportDtype::F32,
         Dtype::Bf16 => ExportDtype::Bf16,
@@ -177,4 +180,22 @@ fn companions(dir: &Path, tokenizer: Option<PathBuf>) -> Vec<PathBuf> {
         }
     }
     files
+}
+
+/// The whole model of a checkpoint that holds only what trains (see `checkpoint::base`): the
+/// job's model built over its base, the checkpoint's tensors put in.
+fn over_base(
+    spec: &config::JobSpec,
+    job: &crate::jobdir::JobDir,
+    weights: &Path,
+) -> Result<std::collections::HashMap<String, candle_core::Tensor>, (u8, anyhow::Error)> {
+    let input = crate::task::load(spec, Some(job))
+        .map_err(|e| (1, anyhow!(e)))?
+        .input();
+    let device = candle_core::Device::Cpu;
+    let precision = crate::config::Precision::F32;
+    let model = crate::models::build(&spec.model, input, spec.seed, &device, precision, false)
+        .map_err(|e| (1, anyhow!(e)))?;
+    crate::generate::load_weights(model.params(), weights).map_err(|e| (1, anyhow!(e)))?;
+    Ok(model.params().named_tensors())
 }

@@ -384,6 +384,15 @@ impl DatasetOptions for JsonlOptions {
         ])
     }
 
+    /// A file not there yet is not an error for `validate` (it is for `run`).
+    fn train_samples(&self) -> Option<(usize, String)> {
+        let path = PathBuf::from(self.train_path.clone().unwrap_or_default());
+        (!path.is_file()).then(|| {
+            let why = "not found: put the examples there before `run`";
+            (0, format!("`{}` {why}", path.display()))
+        })
+    }
+
     fn describe(&self) -> Option<String> {
         Some(format!(
             "jsonl {}",

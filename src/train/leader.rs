@@ -183,7 +183,7 @@ impl Leader {
         let (optim, _) = optimizer.state(params)?;
         Ok(self
             .checkpointer
-            .save_best(&params.named_tensors(), &optim, position)?)
+            .save_best(&checkpointed(params, position), &optim, position)?)
     }
 
     /// Redraws `curves.svg`; a failure is only worth a warning (returned as its text).
@@ -197,7 +197,7 @@ impl Leader {
         optimizer: &Optimizer,
         position: &TrainPosition,
     ) -> Result<PathBuf, TrainError> {
-        let model = params.named_tensors();
+        let model = checkpointed(params, position);
         let (optim, _) = optimizer.state(params)?;
         let dir = self.checkpointer.save(&model, &optim, position)?;
         // state.json follows the checkpoints, so it says where a resume would start.
@@ -222,6 +222,18 @@ impl Leader {
             cause,
         })?;
         Ok(self.job.write_json(&self.job.summary_path(), summary)?)
+    }
+}
+
+/// What a checkpoint at `position` holds of `params`: what trains when the position records a
+/// base (see `checkpoint::base`), else everything.
+fn checkpointed(
+    params: &Params,
+    position: &TrainPosition,
+) -> std::collections::HashMap<String, candle_core::Tensor> {
+    match position.base_sha256 {
+        Some(_) => crate::checkpoint::base::checkpointed(params),
+        None => params.named_tensors(),
     }
 }
 

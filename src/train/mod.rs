@@ -124,6 +124,9 @@ pub struct Trainer<'a> {
     /// The checkpoint to continue from.
     pub resume: Option<Restored>,
     pub hooks: Hooks<'a>,
+    /// The frozen parameters' fingerprint when some are (see `checkpoint::base`): checkpoints
+    /// then hold only what trains, and record it.
+    pub base_sha256: Option<String>,
 }
 
 /// What a run carries from epoch to epoch.
@@ -437,6 +440,7 @@ impl Trainer<'_> {
             consumed_in_epoch: run.consumed,
             metrics: metrics.clone(),
             format: crate::checkpoint::FORMAT,
+            base_sha256: self.base_sha256.clone(),
         }
     }
 

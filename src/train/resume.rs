@@ -2,8 +2,6 @@
 //! run repeats exactly what the uninterrupted one would have done; on another, it continues
 //! from the epoch's global sample position and says what changed.
 
-use candle_core::Tensor;
-
 use crate::checkpoint::{MetricState, Restored, TrainPosition};
 use crate::config::JobSpec;
 use crate::models::Params;
@@ -90,38 +88,21 @@ impl Start {
     }
 }
 
-/// Puts a checkpoint's weights into `params` and its state into `optimizer`, after checking
-/// that every parameter is there with its shape.
+/// Puts a checkpoint's weights into `params` (all of them, or what trains over the base the
+/// model was built from: see `checkpoint::base`) and its state into `optimizer`, after
+/// checking that every parameter is there with its shape.
 pub fn restore(
     params: &Params,
     optimizer: &mut Optimizer,
     restored: &Restored,
 ) -> Result<(), TrainError> {
-    let mismatch = |problem: String| TrainError::Restore {
-        dir: restored.dir.clone(),
-        problem,
-    };
-    for (name, var) in params.iter().chain(params.buffers()) {
-        let saved: &Tensor = restored
-            .model
-            .get(name)
-            .ok_or_else(|| mismatch(format!("it has no parameter or buffer `{name}`")))?;
-        if saved.dims() != var.dims() {
-            return Err(mismatch(format!(
-                "`{name}` has shape {:?} there but {:?} in this model",
-                saved.dims(),
-                var.dims()
-            )));
+    let base = restored.position.base_sha256.as_deref();
+    crate::checkpoint::base::set_from(params, &restored.model, base).map_err(|problem| {
+        TrainError::Restore {
+            dir: restored.dir.clone(),
+            problem,
         }
-        var.set(&saved.to_dtype(var.dtype())?)?;
-    }
-    if restored.model.len() != params.named_len() {
-        return Err(mismatch(format!(
-            "it has {} parameters, this model {}",
-            restored.model.len(),
-            params.named_len()
-        )));
-    }
+    })?;
     optimizer.load_state(
         params,
         restored.optimizer.clone(),

@@ -74,6 +74,7 @@ fn train_hooked(
         leader,
         started: Instant::now(),
         resume: None,
+        base_sha256: None,
         hooks: Hooks {
             vote_every,
             stop: &AtomicBool::new(stop),

@@ -378,19 +378,25 @@ fn train(
     started: Instant,
 ) -> Result<bool, WorkerError> {
     let device = device.clone();
+    let resume = match &env.resume_from {
+        Some(dir) => Some(checkpoint::load(dir, &device)?),
+        None => None,
+    };
+    // A checkpoint of what trains only (see `checkpoint::base`) goes over the base, built as
+    // a new job builds it; a whole one replaces every weight, so nothing is drawn or read.
+    let restoring = resume
+        .as_ref()
+        .is_some_and(|r| r.position.base_sha256.is_none());
     let model = models::build(
         &spec.model,
         data.input(),
         spec.seed,
         &device,
         spec.train.precision,
-        env.resume_from.is_some(),
+        restoring,
     )
     .map_err(WorkerError::Model)?;
-    let resume = match &env.resume_from {
-        Some(dir) => Some(checkpoint::load(dir, &device)?),
-        None => None,
-    };
+    let base_sha256 = checkpoint::base::fingerprint(model.params()).map_err(WorkerError::Model)?;
     let leader = env.rank == 0;
     // Rank 0 drives the terminal and mirrors its lines into its log; the others' stdout is
     // their log file already.
@@ -466,6 +472,7 @@ fn train(
         started: env.since_launch(started),
         resume,
         hooks,
+        base_sha256,
     };
     let summary = match trainer.run()? {
         Ending::Completed(summary) => summary,

@@ -172,3 +172,55 @@ fn a_packed_sft_job_resumes_bit_for_bit_and_two_workers_match_one() {
     );
     assert!(diff < 1e-5, "1 x 8 and 2 x 4 packed rows differ by {diff}");
 }
+
+#[test]
+fn lora_checkpoints_hold_the_adapters_and_resume_refuses_a_changed_base() {
+    let t = TestJob::new();
+    let data = examples(&t);
+    // A base of our own, to change under the job.
+    let base = t.path("base");
+    std::fs::create_dir(&base).unwrap();
+    for entry in std::fs::read_dir(qwen2()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), base.join(entry.file_name())).unwrap();
+    }
+    let text = job(&data, "", "max_steps = 12")
+        .replace(&qwen2().display().to_string(), &base.display().to_string());
+    let cfg = t.config("adapters", &text);
+    let cut = t.run_env(
+        &cfg,
+        &[],
+        &[("DDPJOB_FAULT", "rank=0,step=11,kind=preempt")],
+    );
+    cut.fails_with(143, "interrupted by SIGTERM");
+    let jobs = t.jobs_dir().display().to_string();
+    let checkpoints = t.job("adapters").join("checkpoints");
+    let latest = std::fs::read_to_string(checkpoints.join("latest")).unwrap();
+    let step = checkpoints.join(latest.trim());
+    let saved = load_weights(&step.join("model.safetensors"));
+    assert_eq!(saved.len(), 3 * 2 * 2, "q, v, down: A and B of 2 layers");
+    assert!(saved.keys().all(|k| k.contains(".lora_")), "{saved:?}");
+    let state = t.json(&step.join("state.json"));
+    assert_eq!(state["base_sha256"].as_str().unwrap().len(), 64);
+
+    // The checkpoint is whole again over its base: eval scores it.
+    t.ddpjob(&[
+        "eval",
+        "adapters",
+        "--checkpoint",
+        "latest",
+        "--jobs-dir",
+        &jobs,
+    ])
+    .success();
+
+    // The base changes: resume refuses, naming why; the checkpoint stays.
+    let weights = base.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).unwrap();
+    let norm = "model.norm.weight";
+    tensors.insert(norm.into(), (tensors[norm].clone() * 2.0).unwrap());
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    t.ddpjob(&["resume", "adapters", "--jobs-dir", &jobs])
+        .fails_with(1, "the base changed");
+    assert!(step.join("model.safetensors").is_file());
+}

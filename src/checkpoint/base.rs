@@ -26,9 +26,12 @@ pub fn fingerprint(params: &Params) -> candle_core::Result<Option<String>> {
         any = true;
         hasher.update(name.as_bytes());
         let values = var.as_tensor().to_dtype(DType::F32)?.flatten_all()?;
-        for v in values.to_vec1::<f32>()? {
-            hasher.update(v.to_le_bytes());
-        }
+        let bytes: Vec<u8> = values
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        hasher.update(&bytes);
     }
     Ok(any.then(|| hex(&hasher.finalize())))
 }

@@ -55,7 +55,9 @@ fn which_model(args: &EvalArgs) -> Result<EvalModel, (u8, anyhow::Error)> {
         });
     }
     let dir = Path::new(&args.model);
-    if dir.join("config.json").is_file() {
+    // A PEFT adapter directory is scored over its base, as `model.init_from` reads it.
+    let adapter = crate::hf::peft::AdapterConfig::is_adapter_dir(dir);
+    if dir.join("config.json").is_file() || adapter {
         if args.checkpoint.is_some() {
             return Err((
                 2,
@@ -81,7 +83,8 @@ fn which_model(args: &EvalArgs) -> Result<EvalModel, (u8, anyhow::Error)> {
         2,
         anyhow!(
             "`{}` is neither a job in `{}` (`ddpjob list --jobs-dir {}` shows them) nor a \
-             Hugging Face model directory (with config.json)",
+             Hugging Face model directory (with config.json) or PEFT adapter directory (with \
+             adapter_config.json)",
             args.model,
             args.jobs_dir.display(),
             args.jobs_dir.display()

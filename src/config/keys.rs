@@ -79,6 +79,9 @@ section! {
         /// or `"all-linear"`
         target_modules: Vec<String> = Vec::new(), shown "PEFT's: `[\"q_proj\", \"v_proj\"]` (llama), `[\"c_attn\"]` (gpt)"
             => target_modules: Vec<String> = any();
+        /// a PEFT adapter directory the adapters start from (`model.init_from` naming one
+        /// sets it, and the base and the other keys from its `adapter_config.json`)
+        adapter: String = String::new(), shown "none" => adapter: String = any();
     }
 }
 

@@ -1,6 +1,7 @@
 //! Job files: TOML → raw serde structs (unknown keys rejected) → a validated [`JobSpec`].
 //! Errors name the file, line and column (or the `--set` argument), the key, and the fix.
 
+mod adapter;
 mod checks;
 mod custom;
 mod declare;
@@ -146,6 +147,7 @@ pub fn load_str_with(
     registry: &Registry,
 ) -> Result<LoadedConfig, ConfigError> {
     let mut source = Source::parse(path, text, overrides)?;
+    adapter::resolve(&mut source)?;
     arch_from_init(&mut source, registry)?;
     let custom = custom::extract(&mut source, registry)?;
     source.check_keys()?;

@@ -98,8 +98,10 @@ fn check_model(
         alpha: l.alpha,
         dropout: l.dropout,
         target_modules: l.target_modules.clone(),
+        adapter: (!l.adapter.is_empty()).then(|| l.adapter.clone().into()),
     });
-    if l.r == 0 && (l.dropout != 0.0 || !l.target_modules.is_empty() || l.alpha != 8.0) {
+    let others = !l.target_modules.is_empty() || !l.adapter.is_empty();
+    if l.r == 0 && (l.dropout != 0.0 || others || l.alpha != 8.0) {
         c.fail(
             "model.lora.r",
             "is 0 (LoRA off), but other [model.lora] keys are set: give the adapters' rank, \

@@ -339,7 +339,7 @@ fn images_for(dataset: &str, cx: &DataContext) -> Result<(), String> {
     match cx.language {
         Some(_) => Err(format!(
             "data.dataset = \"{dataset}\" is images, but model.arch = \"{}\" learns from token \
-             sequences: use data.dataset = \"text\" or \"tokens\"",
+             sequences: use data.dataset = \"text\", \"tokens\" or \"jsonl\"",
             cx.arch
         )),
         None => Ok(()),

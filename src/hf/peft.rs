@@ -103,6 +103,152 @@ pub fn write_adapter(
     Ok(layers.len())
 }
 
+/// What a PEFT adapter directory's `adapter_config.json` says, once checked to be an adapter
+/// ddpjob trains as PEFT does.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterConfig {
+    /// `base_model_name_or_path`, resolved to a directory here.
+    pub base: std::path::PathBuf,
+    pub r: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    pub target_modules: Vec<String>,
+}
+
+impl AdapterConfig {
+    /// Whether `dir` holds a PEFT adapter (an `adapter_config.json`).
+    pub fn is_adapter_dir(dir: &Path) -> bool {
+        dir.join("adapter_config.json").is_file()
+    }
+
+    /// Reads `dir/adapter_config.json`: a LoRA adapter of plain linear layers (no DoRA,
+    /// rsLoRA, per-layer ranks, extra trained modules or biases), whose base is a directory on
+    /// this machine (`base_model_name_or_path` as written, else relative to the adapter).
+    pub fn read(dir: &Path) -> Result<AdapterConfig, String> {
+        let path = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+        let c: Value = serde_json::from_str(&text)
+            .map_err(|e| format!("`{}` is not JSON: {e}", path.display()))?;
+        let bad = |problem: String| format!("`{}`: {problem}", path.display());
+        if c["peft_type"] != "LORA" {
+            return Err(bad(format!(
+                "peft_type {}: ddpjob continues LoRA adapters only",
+                c["peft_type"]
+            )));
+        }
+        let unsupported = [
+            ("use_dora", c["use_dora"] == true),
+            ("use_rslora", c["use_rslora"] == true),
+            ("lora_bias", c["lora_bias"] == true),
+            ("bias", !c["bias"].is_null() && c["bias"] != "none"),
+            ("modules_to_save", !is_empty(&c["modules_to_save"])),
+            ("rank_pattern", !is_empty(&c["rank_pattern"])),
+            ("alpha_pattern", !is_empty(&c["alpha_pattern"])),
+            ("layers_to_transform", !is_empty(&c["layers_to_transform"])),
+        ];
+        if let Some((key, _)) = unsupported.iter().find(|(_, on)| *on) {
+            return Err(bad(format!(
+                "it sets {key}, which ddpjob's LoRA does not train (it trains PEFT's plain \
+                 LoRA: one r and alpha, linear layers, no biases)"
+            )));
+        }
+        let target_modules = match &c["target_modules"] {
+            Value::Array(names) => names
+                .iter()
+                .map(|n| n.as_str().map(String::from))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| bad("target_modules holds a non-string".into()))?,
+            Value::String(s) if s == "all-linear" => vec![s.clone()],
+            other => {
+                return Err(bad(format!(
+                    "target_modules {other}: a regular expression is not supported yet; \
+                     name the layers (\"q_proj\", ...)"
+                )));
+            }
+        };
+        let number = |key: &str| {
+            c[key]
+                .as_f64()
+                .ok_or_else(|| bad(format!("it has no number {key}")))
+        };
+        let named = c["base_model_name_or_path"].as_str().unwrap_or_default();
+        let base = [Path::new(named).to_path_buf(), dir.join(named)]
+            .into_iter()
+            .find(|p| !named.is_empty() && p.join("config.json").is_file())
+            .ok_or_else(|| {
+                bad(format!(
+                    "its base_model_name_or_path \"{named}\" is not a model directory here \
+                     (neither from the working directory nor from the adapter's); download the \
+                     base and set model.init_from to it and model.lora.adapter to `{}`",
+                    dir.display()
+                ))
+            })?;
+        Ok(AdapterConfig {
+            base,
+            r: number("r")? as usize,
+            alpha: number("lora_alpha")?,
+            dropout: number("lora_dropout").unwrap_or(0.0),
+            target_modules,
+        })
+    }
+}
+
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    }
+}
+
+/// Sets the adapters of `params` from the PEFT adapter in `dir` (`adapter_model.safetensors`,
+/// keys `base_model.model.<layer>.lora_A.weight`): every adapter of the model must be there
+/// with its shape, and nothing else. Returns how many tensors were set.
+pub fn load_adapter(dir: &Path, params: &crate::models::Params) -> Result<usize, String> {
+    let path = dir.join("adapter_model.safetensors");
+    let saved = candle_core::safetensors::load(&path, &candle_core::Device::Cpu)
+        .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+    let mut saved: HashMap<String, Tensor> = saved
+        .into_iter()
+        .map(|(k, t)| (k.strip_prefix(PEFT_PREFIX).unwrap_or(&k).to_string(), t))
+        .collect();
+    let mut set = 0;
+    for (name, var) in params.iter().filter(|(n, _)| is_adapter(n)) {
+        let tensor = saved.remove(name).ok_or_else(|| {
+            format!(
+                "`{}` has no `{PEFT_PREFIX}{name}`: the adapter was not made for this model \
+                 and [model.lora] (its base or target_modules differ)",
+                path.display()
+            )
+        })?;
+        if tensor.dims() != var.dims() {
+            return Err(format!(
+                "`{}`: `{name}` is {:?} there but {:?} in this model: the adapter's base is \
+                 another model",
+                path.display(),
+                tensor.dims(),
+                var.dims()
+            ));
+        }
+        tensor
+            .to_dtype(var.dtype())
+            .and_then(|t| t.to_device(var.device()))
+            .and_then(|t| var.set(&t))
+            .map_err(|e| format!("`{name}`: {e}"))?;
+        set += 1;
+    }
+    if let Some(extra) = saved.keys().min() {
+        return Err(format!(
+            "`{}` holds `{extra}`, which this model has no place for: the adapter was made for \
+             another base or other target_modules",
+            path.display()
+        ));
+    }
+    Ok(set)
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::Device;
@@ -122,6 +268,7 @@ mod tests {
             alpha: 2.0,
             dropout: 0.0,
             target_modules: vec![],
+            adapter: None,
         };
         let merged = merge_lora(tensors, &lora).unwrap();
         assert_eq!(merged.len(), 1);

@@ -406,6 +406,10 @@ pub(crate) fn check_freeze(spec: &JobSpec) -> Result<Option<(usize, usize)>, Str
     let model = crate::models::build(&spec.model, input, spec.seed, &device, precision, true)
         .map_err(|e| e.to_string())?;
     let params = model.params();
+    if let Some(dir) = spec.model.lora().and_then(|l| l.adapter.as_ref()) {
+        crate::hf::peft::load_adapter(dir, params)
+            .map_err(|e| format!("model.lora.adapter: {e}"))?;
+    }
     let frozen = params.frozen_count();
     Ok(Some((frozen, params.len())))
 }

@@ -26,6 +26,9 @@ pub struct LoraSpec {
     /// names every one. Empty: the arch's default (`q_proj`, `v_proj` for llama, `c_attn`
     /// for gpt, as PEFT's).
     pub target_modules: Vec<String>,
+    /// A PEFT adapter directory the adapters start from (`model.lora.adapter`, or
+    /// `model.init_from` naming one) instead of `A` drawn and `B` zeros.
+    pub adapter: Option<std::path::PathBuf>,
 }
 
 impl LoraSpec {
@@ -95,6 +98,7 @@ mod tests {
             alpha: 8.0,
             dropout: 0.0,
             target_modules: targets.iter().map(|t| t.to_string()).collect(),
+            adapter: None,
         };
         let q = "model.layers.0.self_attn.q_proj";
         assert!(spec(&["q_proj"]).targets(q, &[]));

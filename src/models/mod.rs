@@ -460,6 +460,12 @@ pub fn build(
             .freeze_also(spec.freeze(), |name| lora && !is_adapter(name))
             .map_err(candle_core::Error::Msg)?;
     }
+    if let Some(dir) = spec.lora().and_then(|l| l.adapter.as_ref())
+        && !restoring
+    {
+        crate::hf::peft::load_adapter(dir, model.params())
+            .map_err(|e| fail(format!("model.lora.adapter: {e}")))?;
+    }
     Ok(model)
 }
 

@@ -224,3 +224,60 @@ fn lora_checkpoints_hold_the_adapters_and_resume_refuses_a_changed_base() {
         .fails_with(1, "the base changed");
     assert!(step.join("model.safetensors").is_file());
 }
+
+/// `model.init_from` naming a PEFT adapter (`tests/fixtures/hf/qwen2-lora`, saved by `peft`):
+/// the job continues it over its base, scores at step 0 what `eval` of the adapter scores, and
+/// its own `export --peft` continues again.
+#[test]
+fn a_job_continues_a_peft_adapter_and_its_export_continues_again() {
+    let t = TestJob::new();
+    let data = examples(&t);
+    let adapter = qwen2().with_file_name("qwen2-lora");
+    let text = job(&data, "", "max_steps = 6\neval_every = 3\neval_batches = 2").replace(
+        &qwen2().display().to_string(),
+        &adapter.display().to_string(),
+    );
+    // The adapter sets [model.lora]: the job's own keys go.
+    let start = text.find("[model.lora]").unwrap();
+    let end = text.find("[data]").unwrap();
+    let text = format!("{}{}", &text[..start], &text[end..]);
+    let cfg = t.config("continued", &text);
+    t.run(&cfg, &["--nproc-per-node", "2"]).success();
+    let frozen = std::fs::read_to_string(t.job("continued").join("job.toml")).unwrap();
+    assert!(frozen.contains("adapter = "), "{frozen}");
+    assert!(frozen.contains("qwen2-lora/../qwen2"), "{frozen}");
+
+    let metrics = std::fs::read_to_string(t.job("continued").join("metrics.jsonl")).unwrap();
+    let first_eval: serde_json::Value = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|m| m["kind"] == "eval")
+        .unwrap();
+    assert_eq!(first_eval["step"], 0, "{first_eval}");
+    let cfg_s = cfg.display().to_string();
+    let scored = t.ddpjob(&[
+        "eval",
+        &adapter.display().to_string(),
+        "--data",
+        &cfg_s,
+        "--json",
+    ]);
+    scored.success();
+    let scored: serde_json::Value = serde_json::from_str(&scored.stdout).unwrap();
+    let (job_loss, eval_loss) = (
+        first_eval["test_loss"].as_f64().unwrap(),
+        scored["loss"].as_f64().unwrap(),
+    );
+    assert!(
+        (job_loss - eval_loss).abs() < 1e-5,
+        "{job_loss} vs {eval_loss}"
+    );
+
+    let jobs = t.jobs_dir().display().to_string();
+    let out = t.path("exported");
+    let out_s = out.display().to_string();
+    t.ddpjob(&["export", "continued", "--peft", &out_s, "--jobs-dir", &jobs])
+        .success();
+    let again = text.replace(&adapter.display().to_string(), &out_s);
+    t.run(&t.config("again", &again), &[]).success();
+}

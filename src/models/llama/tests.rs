@@ -418,3 +418,101 @@ fn a_checkpoint_sharded_by_an_index_loads_as_the_single_file_does() {
     let err = options().unwrap_err();
     assert!(err.contains(shards[1].0), "{err}");
 }
+
+/// `tests/fixtures/hf/qwen2-lora`: an adapter `peft` saved (make_peft_fixture.py), with
+/// `B` drawn at random so it changes the outputs.
+#[test]
+fn a_peft_adapter_named_by_init_from_gives_peft_logits() {
+    let dir = fixture("qwen2-lora");
+    let text = format!(
+        "[model]\ninit_from = \"{}\"\n[data]\ndataset = \"tokens\"\ntrain_path = \"t.bin\"\nval_path = \"v.bin\"\n",
+        dir.display()
+    );
+    let loaded = crate::config::load_str(std::path::Path::new("j.toml"), text, &[]).unwrap();
+    let spec = &loaded.spec.model;
+    let lora = spec.lora().unwrap();
+    assert_eq!(
+        (lora.r, lora.alpha, lora.adapter.as_ref()),
+        (4, 8.0, Some(&dir))
+    );
+    assert_eq!(
+        spec.init_from(),
+        Some(dir.join("../qwen2").display().to_string().as_str())
+    );
+    let input = ModelInput::Tokens {
+        vocab_size: 320,
+        block_size: 64,
+    };
+    let model = crate::models::build(
+        spec,
+        input,
+        1,
+        &Device::Cpu,
+        crate::config::Precision::F32,
+        false,
+    )
+    .unwrap();
+    let r =
+        candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
+    let logits = model.forward(&ids, &Mode::Eval).unwrap();
+    let diff = max_abs_diff(&logits, &r["logits"]);
+    assert!(diff < 1e-4, "logits differ from peft's by {diff}");
+    // The adapter matters: the base alone is far from them.
+    let base = pretrained("qwen2").forward(&ids, &Mode::Eval).unwrap();
+    assert!(max_abs_diff(&base, &r["logits"]) > 1e-2);
+}
+
+#[test]
+fn an_adapter_that_does_not_fit_its_job_is_refused() {
+    let dir = fixture("qwen2-lora");
+    let load = |extra: &str| {
+        let text = format!(
+            "[model]\ninit_from = \"{}\"\n{extra}\n[data]\ndataset = \"tokens\"\ntrain_path = \"t.bin\"\nval_path = \"v.bin\"\n",
+            dir.display()
+        );
+        crate::config::load_str(std::path::Path::new("j.toml"), text, &[])
+    };
+    let err = load("[model.lora]\nr = 8").unwrap_err().to_string();
+    assert!(
+        err.contains("model.lora.r") && err.contains("has 4"),
+        "{err}"
+    );
+    // Dropout may change; other targets than the adapter's may not.
+    assert!(load("[model.lora]\ndropout = 0.1").is_ok());
+    let err = load("[model.lora]\ntarget_modules = [\"q_proj\"]")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.lora.target_modules"), "{err}");
+
+    // The adapter over another base (a llama of another width): refused when the model is
+    // built, naming the tensor.
+    let text = format!(
+        "[model]\narch = \"llama\"\nhidden_size = 16\nintermediate_size = 24\n\
+         num_hidden_layers = 2\nnum_attention_heads = 2\nnum_key_value_heads = 1\n\
+         block_size = 8\nvocab_size = 320\n[model.lora]\nr = 4\nalpha = 8.0\n\
+         adapter = \"{}\"\ntarget_modules = [\"q_proj\", \"v_proj\", \"down_proj\"]\n\
+         [data]\ndataset = \"tokens\"\ntrain_path = \"t.bin\"\nval_path = \"v.bin\"\n",
+        dir.display()
+    );
+    let spec = crate::config::load_str(std::path::Path::new("j.toml"), text, &[])
+        .unwrap()
+        .spec
+        .model;
+    let input = ModelInput::Tokens {
+        vocab_size: 320,
+        block_size: 64,
+    };
+    let err = crate::models::build(
+        &spec,
+        input,
+        1,
+        &Device::Cpu,
+        crate::config::Precision::F32,
+        false,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("model.lora.adapter"), "{err}");
+}

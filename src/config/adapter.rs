@@ -1,0 +1,89 @@
+//! `model.init_from` naming a PEFT adapter directory (`adapter_config.json` +
+//! `adapter_model.safetensors`, as `PeftModel.save_pretrained` writes it, or `export --peft`):
+//! the job continues that adapter. Read here, before anything else of the config, into what
+//! the rest of ddpjob already knows: `model.init_from` becomes the adapter's base (its
+//! `base_model_name_or_path`), `[model.lora]` takes its `r`, `lora_alpha`, `lora_dropout` and
+//! `target_modules`, and `model.lora.adapter` names the directory its weights come from.
+//! `job.toml` holds the result, so a resumed job reads the same base and adapter.
+
+use std::path::Path;
+
+use super::ConfigError;
+use super::source::Source;
+use crate::hf::peft::AdapterConfig;
+
+/// Rewrites `source`'s `[model]` when `model.init_from` names an adapter directory. Keys the
+/// job sets itself must agree with the adapter's (but `dropout`, which training may change).
+pub(super) fn resolve(source: &mut Source) -> Result<(), ConfigError> {
+    let Some(toml::Value::Table(model)) = source.table.get("model") else {
+        return Ok(());
+    };
+    let Some(dir) = model.get("init_from").and_then(toml::Value::as_str) else {
+        return Ok(());
+    };
+    let dir = dir.to_string();
+    if !AdapterConfig::is_adapter_dir(Path::new(&dir)) {
+        return Ok(());
+    }
+    let fail = |source: &Source, key: &str, problem: String| ConfigError::Invalid {
+        key: key.into(),
+        at: source.value_origin(key),
+        problem,
+    };
+    let adapter =
+        AdapterConfig::read(Path::new(&dir)).map_err(|e| fail(source, "model.init_from", e))?;
+    let set: Vec<(&str, toml::Value)> = vec![
+        ("r", (adapter.r as i64).into()),
+        ("alpha", adapter.alpha.into()),
+        ("target_modules", adapter.target_modules.clone().into()),
+    ];
+    let lora = model
+        .get("lora")
+        .and_then(toml::Value::as_table)
+        .cloned()
+        .unwrap_or_default();
+    for (key, value) in &set {
+        if let Some(given) = lora.get(*key)
+            && !same(given, value)
+        {
+            return Err(fail(
+                source,
+                &format!("model.lora.{key}"),
+                format!(
+                    "is {given}, but the adapter `{dir}` (model.init_from) has {value}; leave \
+                     it out to continue the adapter as it is"
+                ),
+            ));
+        }
+    }
+    let mut lora = lora;
+    for (key, value) in set {
+        lora.insert(key.into(), value);
+    }
+    lora.entry("dropout").or_insert(adapter.dropout.into());
+    lora.insert("adapter".into(), dir.clone().into());
+    if let Some(toml::Value::Table(model)) = source.table.get_mut("model") {
+        model.insert(
+            "init_from".into(),
+            adapter.base.display().to_string().into(),
+        );
+        model.insert("lora".into(), lora.into());
+    }
+    Ok(())
+}
+
+/// Whether a job's value equals the adapter's (integers and floats compared as numbers,
+/// lists of names as sets).
+fn same(given: &toml::Value, adapter: &toml::Value) -> bool {
+    let number = |v: &toml::Value| v.as_float().or(v.as_integer().map(|i| i as f64));
+    let names = |v: &toml::Value| -> Option<std::collections::BTreeSet<String>> {
+        v.as_array()?
+            .iter()
+            .map(|n| n.as_str().map(String::from))
+            .collect()
+    };
+    match (number(given), number(adapter)) {
+        (Some(a), Some(b)) => a == b,
+        _ => names(given).is_some() && names(given) == names(adapter),
+    }
+}

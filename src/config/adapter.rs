@@ -11,6 +11,7 @@ use std::path::Path;
 use super::ConfigError;
 use super::source::Source;
 use crate::hf::peft::AdapterConfig;
+use crate::models::TargetModules;
 
 /// Rewrites `source`'s `[model]` when `model.init_from` names an adapter directory. Keys the
 /// job sets itself must agree with the adapter's (but `dropout`, which training may change).
@@ -35,7 +36,13 @@ pub(super) fn resolve(source: &mut Source) -> Result<(), ConfigError> {
     let set: Vec<(&str, toml::Value)> = vec![
         ("r", (adapter.r as i64).into()),
         ("alpha", adapter.alpha.into()),
-        ("target_modules", adapter.target_modules.clone().into()),
+        (
+            "target_modules",
+            match &adapter.target_modules {
+                TargetModules::Names(names) => names.clone().into(),
+                TargetModules::Regex(p) => p.clone().into(),
+            },
+        ),
     ];
     let lora = model
         .get("lora")
@@ -84,6 +91,7 @@ fn same(given: &toml::Value, adapter: &toml::Value) -> bool {
     };
     match (number(given), number(adapter)) {
         (Some(a), Some(b)) => a == b,
+        _ if given.is_str() => given == adapter,
         _ => names(given).is_some() && names(given) == names(adapter),
     }
 }

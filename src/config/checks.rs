@@ -73,6 +73,17 @@ impl Checker<'_> {
     }
 }
 
+/// LoRA's target modules, a regular expression checked to be one.
+pub fn target_modules<S>()
+-> impl Fn(&mut Checker, &str, &crate::models::TargetModules, &S) -> crate::models::TargetModules {
+    |c, key, v, _| {
+        if let Err(problem) = v.check() {
+            c.fail(key, problem);
+        }
+        v.clone()
+    }
+}
+
 /// The value as it is (checked elsewhere, or nothing to check).
 pub fn any<T: Clone, S>() -> impl Fn(&mut Checker, &str, &T, &S) -> T {
     |_, _, v, _| v.clone()

@@ -9,11 +9,12 @@
 #![allow(clippy::ptr_arg)]
 
 use super::checks::{
-    Checker, any, at_least, choice, in_range, non_negative, optional, positive, zero_is_off,
-    zero_is_off_f64,
+    Checker, any, at_least, choice, in_range, non_negative, optional, positive, target_modules,
+    zero_is_off, zero_is_off_f64,
 };
 use super::declare::section;
 use super::spec::{Backend, DeviceChoice, OnWriteError, OptimizerSpec, Precision, ScheduleKind};
+use crate::models::TargetModules;
 
 /// A week: longer than any collective should stall, and safe to add to a clock.
 const MAX_TIMEOUT_S: i64 = 7 * 24 * 3600;
@@ -76,9 +77,9 @@ section! {
         /// dropout on the adapters' input in training (masks keyed by sample and layer)
         dropout: f64 = 0.0 => dropout: f64 = in_range(0.0, 1.0);
         /// the linear layers that get adapters: names or their last dotted parts (`"q_proj"`),
-        /// or `"all-linear"`
-        target_modules: Vec<String> = Vec::new(), shown "PEFT's: `[\"q_proj\", \"v_proj\"]` (llama), `[\"c_attn\"]` (gpt)"
-            => target_modules: Vec<String> = any();
+        /// or `"all-linear"`; or one string, a regular expression of whole layer names
+        target_modules: TargetModules = TargetModules::default(), shown "PEFT's: `[\"q_proj\", \"v_proj\"]` (llama), `[\"c_attn\"]` (gpt)"
+            => target_modules: TargetModules = target_modules();
         /// a PEFT adapter directory the adapters start from (`model.init_from` naming one
         /// sets it, and the base and the other keys from its `adapter_config.json`)
         adapter: String = String::new(), shown "none" => adapter: String = any();

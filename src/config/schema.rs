@@ -24,6 +24,8 @@ pub enum Kind {
     StrList,
     /// The string `"auto"` or a positive integer.
     AutoOrInt,
+    /// A list of strings, or one string.
+    StrListOrStr,
 }
 
 impl Kind {
@@ -39,6 +41,7 @@ impl Kind {
             Kind::FloatList => "a list of numbers",
             Kind::StrList => "a list of strings",
             Kind::AutoOrInt => "\"auto\" or an integer",
+            Kind::StrListOrStr => "a list of strings, or a string",
         }
     }
 }

@@ -233,6 +233,8 @@ fn kind_matches(kind: Kind, value: &toml::Value) -> bool {
         (Kind::StrList, V::Array(a)) => all(a, |v| v.is_str()),
         (Kind::AutoOrInt, V::Integer(_)) => true,
         (Kind::AutoOrInt, V::String(s)) => s == "auto",
+        (Kind::StrListOrStr, V::String(_)) => true,
+        (Kind::StrListOrStr, V::Array(a)) => all(a, |v| v.is_str()),
         _ => false,
     }
 }
@@ -261,8 +263,11 @@ fn parse_override_value(kind: Kind, raw: &str) -> Result<toml::Value, String> {
         Kind::AutoOrInt => {
             toml::Value::Integer(raw.parse().map_err(|_| format!("`{raw}` is not one"))?)
         }
+        Kind::StrListOrStr if !raw.trim_start().starts_with('[') => {
+            toml::Value::String(unquoted.to_string())
+        }
         Kind::Table => return Err("it is a section; set one of its keys instead".into()),
-        Kind::StrMap | Kind::IntList | Kind::FloatList | Kind::StrList => {
+        Kind::StrMap | Kind::IntList | Kind::FloatList | Kind::StrList | Kind::StrListOrStr => {
             let mut t: toml::Table = toml::from_str(&format!("v = {raw}"))
                 .map_err(|_| format!("`{raw}` is not TOML (e.g. [1, 2])"))?;
             t.remove("v").ok_or("no value")?

@@ -469,3 +469,37 @@ fn nested_dataset_keys_are_set_and_named() {
         "{msg}"
     );
 }
+
+#[test]
+fn lora_target_modules_take_names_or_one_regular_expression() {
+    let load = |targets: &str, set: &[String]| {
+        let text = format!(
+            "[model]\narch = \"gpt\"\nvocab_size = 11\n[model.lora]\nr = 4\n{targets}\n\
+             [data]\ndataset = \"tokens\"\ntrain_path = \"t.bin\"\nval_path = \"v.bin\"\n"
+        );
+        load_str(Path::new("j.toml"), text, set)
+    };
+    let regex = load(r#"target_modules = '.*\.h\.1\..*'"#, &[]).unwrap();
+    let lora = regex.spec.model.lora().unwrap();
+    assert_eq!(
+        lora.target_modules,
+        crate::models::TargetModules::Regex(r".*\.h\.1\..*".into())
+    );
+    let err = load("target_modules = '(unclosed'", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.lora.target_modules"), "{err}");
+    assert!(err.contains("is not a regular expression"), "{err}");
+    // --set takes either form.
+    let set = |v: &str| load("", &[format!("model.lora.target_modules={v}")]).unwrap();
+    let names = set("[\"c_attn\"]");
+    assert_eq!(
+        names.spec.model.lora().unwrap().target_modules,
+        crate::models::TargetModules::Names(vec!["c_attn".into()])
+    );
+    let one = set(".*c_fc");
+    assert_eq!(
+        one.spec.model.lora().unwrap().target_modules,
+        crate::models::TargetModules::Regex(".*c_fc".into())
+    );
+}

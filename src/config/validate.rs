@@ -100,7 +100,7 @@ fn check_model(
         target_modules: l.target_modules.clone(),
         adapter: (!l.adapter.is_empty()).then(|| l.adapter.clone().into()),
     });
-    let others = !l.target_modules.is_empty() || !l.adapter.is_empty();
+    let others = !l.target_modules.is_default() || !l.adapter.is_empty();
     if l.r == 0 && (l.dropout != 0.0 || others || l.alpha != 8.0) {
         c.fail(
             "model.lora.r",

@@ -112,7 +112,7 @@ pub struct AdapterConfig {
     pub r: usize,
     pub alpha: f64,
     pub dropout: f64,
-    pub target_modules: Vec<String>,
+    pub target_modules: crate::models::TargetModules,
 }
 
 impl AdapterConfig {
@@ -153,20 +153,10 @@ impl AdapterConfig {
                  LoRA: one r and alpha, linear layers, no biases)"
             )));
         }
-        let target_modules = match &c["target_modules"] {
-            Value::Array(names) => names
-                .iter()
-                .map(|n| n.as_str().map(String::from))
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| bad("target_modules holds a non-string".into()))?,
-            Value::String(s) if s == "all-linear" => vec![s.clone()],
-            other => {
-                return Err(bad(format!(
-                    "target_modules {other}: a regular expression is not supported yet; \
-                     name the layers (\"q_proj\", ...)"
-                )));
-            }
-        };
+        let target_modules: crate::models::TargetModules =
+            serde_json::from_value(c["target_modules"].clone())
+                .map_err(|_| bad(format!("target_modules {}", c["target_modules"])))?;
+        target_modules.check().map_err(bad)?;
         let number = |key: &str| {
             c[key]
                 .as_f64()
@@ -267,7 +257,7 @@ mod tests {
             r: 1,
             alpha: 2.0,
             dropout: 0.0,
-            target_modules: vec![],
+            target_modules: Default::default(),
             adapter: None,
         };
         let merged = merge_lora(tensors, &lora).unwrap();

@@ -575,9 +575,9 @@ impl<'a> GptInit<'a> {
             .collect();
         kinds.sort();
         kinds.dedup();
-        let targets = match lora.target_modules.is_empty() {
+        let targets = match lora.target_modules.is_default() {
             true => format!("{defaults:?} (the default)"),
-            false => format!("{:?}", lora.target_modules),
+            false => lora.target_modules.to_string(),
         };
         Err(Error::Msg(format!(
             "model.lora.target_modules = {targets} names none of the model's linear layers: \

@@ -21,11 +21,8 @@ pub struct LoraSpec {
     /// Dropout on the adapters' input in training, in [0, 1): masks keyed by each sample's
     /// seed and the layer, never by rank or batch.
     pub dropout: f64,
-    /// The linear layers that get adapters, by PEFT's rule: a layer's full name, or the last
-    /// dotted components of it (`q_proj` names `model.layers.0.self_attn.q_proj`); `all-linear`
-    /// names every one. Empty: the arch's default (`q_proj`, `v_proj` for llama, `c_attn`
-    /// for gpt, as PEFT's).
-    pub target_modules: Vec<String>,
+    /// The linear layers that get adapters, by PEFT's rules (see [`TargetModules`]).
+    pub target_modules: TargetModules,
     /// A PEFT adapter directory the adapters start from (`model.lora.adapter`, or
     /// `model.init_from` naming one) instead of `A` drawn and `B` zeros.
     pub adapter: Option<std::path::PathBuf>,
@@ -39,14 +36,71 @@ impl LoraSpec {
 
     /// Whether the linear layer `name` gets an adapter, given the arch's default targets.
     pub fn targets(&self, name: &str, defaults: &[&str]) -> bool {
-        let targets: Vec<&str> = match self.target_modules.is_empty() {
-            true => defaults.to_vec(),
-            false => self.target_modules.iter().map(String::as_str).collect(),
+        let names: Vec<&str> = match &self.target_modules {
+            TargetModules::Regex(pattern) if pattern == "all-linear" => return true,
+            TargetModules::Regex(pattern) => return full_match(pattern, name),
+            TargetModules::Names(names) if names.is_empty() => defaults.to_vec(),
+            TargetModules::Names(names) => names.iter().map(String::as_str).collect(),
         };
-        targets
+        names
             .iter()
             .any(|t| *t == "all-linear" || name == *t || name.ends_with(&format!(".{t}")))
     }
+}
+
+/// `model.lora.target_modules`, as PEFT's `LoraConfig` takes it: a list of layer names, each
+/// a layer's full name or its last dotted components (`q_proj` names
+/// `model.layers.0.self_attn.q_proj`), or `"all-linear"`; empty, the arch's default
+/// (`q_proj`, `v_proj` for llama, `c_attn` for gpt, as PEFT's). Or one string: a regular
+/// expression the whole layer name must match (`re.fullmatch`), e.g.
+/// `'.*\.(1|3)\.self_attn\.(q|v)_proj'`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+pub enum TargetModules {
+    Names(Vec<String>),
+    Regex(String),
+}
+
+impl Default for TargetModules {
+    fn default() -> Self {
+        TargetModules::Names(Vec::new())
+    }
+}
+
+impl TargetModules {
+    /// Whether it is left to the arch's default.
+    pub fn is_default(&self) -> bool {
+        *self == TargetModules::default()
+    }
+
+    /// Why a regular expression is not one, if it is not.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        match self {
+            TargetModules::Regex(p) => regex::Regex::new(&anchored(p))
+                .map(|_| ())
+                .map_err(|e| format!("\"{p}\" is not a regular expression: {e}")),
+            TargetModules::Names(_) => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Display for TargetModules {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TargetModules::Names(names) => write!(f, "{names:?}"),
+            TargetModules::Regex(p) => write!(f, "\"{p}\""),
+        }
+    }
+}
+
+fn anchored(pattern: &str) -> String {
+    format!("^(?:{pattern})$")
+}
+
+/// Whether all of `name` matches `pattern` (a pattern that is not one matches nothing; the
+/// config refuses it first).
+fn full_match(pattern: &str, name: &str) -> bool {
+    regex::Regex::new(&anchored(pattern)).is_ok_and(|re| re.is_match(name))
 }
 
 /// Whether the parameter `name` is an adapter's: absent from base checkpoints, never frozen.
@@ -97,7 +151,7 @@ mod tests {
             r: 4,
             alpha: 8.0,
             dropout: 0.0,
-            target_modules: targets.iter().map(|t| t.to_string()).collect(),
+            target_modules: TargetModules::Names(targets.iter().map(|t| t.to_string()).collect()),
             adapter: None,
         };
         let q = "model.layers.0.self_attn.q_proj";
@@ -110,6 +164,20 @@ mod tests {
         assert!(spec(&[]).targets(q, &["q_proj", "v_proj"]));
         assert!(!spec(&[]).targets("model.layers.0.mlp.up_proj", &["q_proj", "v_proj"]));
         assert!(spec(&["all-linear"]).targets("model.layers.0.mlp.up_proj", &[]));
+        // One string: a regular expression of the whole name, as PEFT's re.fullmatch.
+        let regex = |p: &str| LoraSpec {
+            target_modules: TargetModules::Regex(p.into()),
+            ..spec(&[])
+        };
+        let layer1 = r".*\.1\.self_attn\.(q|v)_proj";
+        assert!(regex(layer1).targets("model.layers.1.self_attn.v_proj", &[]));
+        assert!(!regex(layer1).targets(q, &[]));
+        assert!(
+            !regex("q_proj").targets(q, &[]),
+            "the whole name must match"
+        );
+        assert!(regex("all-linear").targets(q, &[]));
+        assert!(regex("(").target_modules.check().is_err());
         assert_eq!(spec(&[]).scale(), 2.0);
         assert!(is_adapter(&format!("{q}.lora_A.weight")));
         assert!(!is_adapter(&format!("{q}.weight")));

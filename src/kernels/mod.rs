@@ -6,6 +6,7 @@
 
 mod conv;
 mod linear;
+mod lora_linear;
 mod optim;
 mod pool;
 pub(crate) mod scratch;
@@ -23,6 +24,7 @@ pub use linear::linear;
 pub(crate) use linear::{
     Wanted, backward as linear_backward, forward as linear_forward, relu_grad, relu_in_place,
 };
+pub(crate) use lora_linear::{AdapterDropout, lora_linear};
 pub use optim::{AdamStep, SgdStep, adam_step, add_pairs, scaled, sgd_step, sum_of_squares};
 pub(crate) use transpose::transpose;
 

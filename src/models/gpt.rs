@@ -457,6 +457,29 @@ impl Linear {
             .as_ref()
             .map_or_else(|| self.zeros.clone(), |b| self.frozen.as_input(b));
         let weight = self.frozen.as_input(&self.weight);
+        if let Some(adapter) = &self.adapter
+            && compute == DType::F32
+            && kernels::applies(x)
+            && self.frozen.contains(&self.weight)
+        {
+            // The frozen base and its adapter as one op (see `kernels::lora_linear`).
+            let dropout = match mode {
+                Mode::Train { row_seeds } if adapter.dropout > 0.0 && !row_seeds.is_empty() => {
+                    Some(kernels::AdapterDropout {
+                        row_seeds: row_seeds.clone(),
+                        site: LORA_DROPOUT_SITES + self.index,
+                        p: adapter.dropout,
+                        mask: dropout::mask,
+                    })
+                }
+                _ => None,
+            };
+            let ab = (
+                &self.frozen.as_input(&adapter.a),
+                &self.frozen.as_input(&adapter.b),
+            );
+            return kernels::lora_linear(x, &weight, &bias, ab, adapter.scale, dropout);
+        }
         let y = if compute == DType::F32 && kernels::applies(x) {
             kernels::linear(x, &weight, &bias, false)?
         } else {

@@ -111,6 +111,12 @@ fn set_one(
     let tensor = saved
         .get(name)
         .ok_or_else(|| format!("it has no parameter or buffer `{name}`"))?;
+    put(name, var, tensor)
+}
+
+/// Sets `var` (the parameter `name`) to `tensor`, converted to its dtype and device; `Err` when
+/// the shapes differ.
+pub(crate) fn put(name: &str, var: &candle_core::Var, tensor: &Tensor) -> Result<(), String> {
     if tensor.dims() != var.dims() {
         return Err(format!(
             "`{name}` has shape {:?} there but {:?} in this model",

@@ -213,20 +213,12 @@ pub fn load_adapter(dir: &Path, params: &crate::models::Params) -> Result<usize,
                 path.display()
             )
         })?;
-        if tensor.dims() != var.dims() {
-            return Err(format!(
-                "`{}`: `{name}` is {:?} there but {:?} in this model: the adapter's base is \
-                 another model",
-                path.display(),
-                tensor.dims(),
-                var.dims()
-            ));
-        }
-        tensor
-            .to_dtype(var.dtype())
-            .and_then(|t| t.to_device(var.device()))
-            .and_then(|t| var.set(&t))
-            .map_err(|e| format!("`{name}`: {e}"))?;
+        crate::checkpoint::base::put(name, var, &tensor).map_err(|e| {
+            format!(
+                "`{}`: {e}: the adapter's base is another model",
+                path.display()
+            )
+        })?;
         set += 1;
     }
     if let Some(extra) = saved.keys().min() {

@@ -336,3 +336,20 @@ pub fn two_node_flags(rank: &str, port: &str) -> Vec<String> {
     .map(String::from)
     .to_vec()
 }
+
+/// Runs `cfg` as job `cut` (with `args`) preempted by `fault`, resumes it, and checks it ends
+/// bit-identical to the uninterrupted job `whole`.
+pub fn preempt_resume_and_compare(t: &TestJob, cfg: &Path, args: &[&str], fault: &str) {
+    let cut = t.run_env(
+        cfg,
+        &[args, &["--name", "cut"]].concat(),
+        &[("DDPJOB_FAULT", fault)],
+    );
+    cut.fails_with(143, "interrupted by SIGTERM");
+    let jobs = t.jobs_dir().display().to_string();
+    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
+    assert_same_bits(
+        &t.job("whole").join("model.safetensors"),
+        &t.job("cut").join("model.safetensors"),
+    );
+}

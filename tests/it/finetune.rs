@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::common::{TestJob, load_weights, max_abs_diff};
+use crate::common::{TestJob, load_weights, max_abs_diff, preempt_resume_and_compare};
 
 fn qwen2() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/qwen2")
@@ -67,6 +67,19 @@ keep_last = 0
     )
 }
 
+/// Runs `one` (batch 8) on one worker and as batch 4 on two: the weights must agree.
+fn one_worker_matches_two(t: &TestJob, one: &str) {
+    let half = one.replace("batch_size = 8", "batch_size = 4");
+    t.run(&t.config("one", one), &[]).success();
+    t.run(&t.config("two", &half), &["--nproc-per-node", "2"])
+        .success();
+    let diff = max_abs_diff(
+        &load_weights(&t.job("one").join("model.safetensors")),
+        &load_weights(&t.job("two").join("model.safetensors")),
+    );
+    assert!(diff < 1e-5, "1 x 8 and 2 x 4 differ by {diff}");
+}
+
 #[test]
 fn an_sft_lora_job_trains_on_completions_resumes_and_two_workers_match_one() {
     let t = TestJob::new();
@@ -85,30 +98,12 @@ fn an_sft_lora_job_trains_on_completions_resumes_and_two_workers_match_one() {
         assert!(t.job("whole").join(file).is_file(), "{file}");
     }
 
-    let cut = t.run_env(
-        &cfg,
-        &[&two[..], &["--name", "cut"]].concat(),
-        &[("DDPJOB_FAULT", "rank=1,step=15,kind=preempt")],
-    );
-    cut.fails_with(143, "interrupted by SIGTERM");
+    preempt_resume_and_compare(&t, &cfg, &two, "rank=1,step=15,kind=preempt");
     let jobs = t.jobs_dir().display().to_string();
-    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
-    crate::common::assert_same_bits(
-        &t.job("whole").join("model.safetensors"),
-        &t.job("cut").join("model.safetensors"),
-    );
 
     // Examples differ in length and in completion tokens: a rank's mean weighted by rows
     // instead of by the tokens that score would not give the 1-worker step.
-    let one = job(&data, "", "max_steps = 6");
-    let half = one.replace("batch_size = 8", "batch_size = 4");
-    t.run(&t.config("one", &one), &[]).success();
-    t.run(&t.config("two", &half), &two).success();
-    let diff = max_abs_diff(
-        &load_weights(&t.job("one").join("model.safetensors")),
-        &load_weights(&t.job("two").join("model.safetensors")),
-    );
-    assert!(diff < 1e-5, "1 x 8 and 2 x 4 differ by {diff}");
+    one_worker_matches_two(&t, &job(&data, "", "max_steps = 6"));
 
     let eval = t.ddpjob(&["eval", "whole", "--json", "--jobs-dir", &jobs]);
     eval.success();
@@ -149,28 +144,9 @@ fn a_packed_sft_job_resumes_bit_for_bit_and_two_workers_match_one() {
     let whole = t.run(&cfg, &[&two[..], &["--name", "whole"]].concat());
     whole.success();
     assert!(whole.stdout.contains("packed into"), "{}", whole.stdout);
-    let cut = t.run_env(
-        &cfg,
-        &[&two[..], &["--name", "cut"]].concat(),
-        &[("DDPJOB_FAULT", "rank=0,step=7,kind=preempt")],
-    );
-    cut.fails_with(143, "interrupted by SIGTERM");
-    let jobs = t.jobs_dir().display().to_string();
-    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
-    crate::common::assert_same_bits(
-        &t.job("whole").join("model.safetensors"),
-        &t.job("cut").join("model.safetensors"),
-    );
+    preempt_resume_and_compare(&t, &cfg, &two, "rank=0,step=7,kind=preempt");
 
-    let one = job(&data, "pack = true", "max_steps = 4");
-    let half = one.replace("batch_size = 8", "batch_size = 4");
-    t.run(&t.config("one", &one), &[]).success();
-    t.run(&t.config("two", &half), &two).success();
-    let diff = max_abs_diff(
-        &load_weights(&t.job("one").join("model.safetensors")),
-        &load_weights(&t.job("two").join("model.safetensors")),
-    );
-    assert!(diff < 1e-5, "1 x 8 and 2 x 4 packed rows differ by {diff}");
+    one_worker_matches_two(&t, &job(&data, "pack = true", "max_steps = 4"));
 }
 
 #[test]

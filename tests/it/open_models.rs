@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::common::{TestJob, assert_same_bits, load_weights, max_abs_diff};
+use crate::common::{TestJob, load_weights, max_abs_diff, preempt_resume_and_compare};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -288,23 +288,6 @@ fn a_job_starts_from_another_jobs_weights_its_model_and_vocabulary() {
     let bad = format!("arch = \"llama\"\ninit_from = \"{source}\"");
     t.run(&t.config("bad2", &job(&text, &bad, "")), &[])
         .fails_with(2, "is not a llama job's");
-}
-
-/// Runs `cfg` as job `cut` (with `args`) preempted by `fault`, resumes it, and checks it ends
-/// bit-identical to the uninterrupted job `whole`.
-fn preempt_resume_and_compare(t: &TestJob, cfg: &Path, args: &[&str], fault: &str) {
-    let cut = t.run_env(
-        cfg,
-        &[args, &["--name", "cut"]].concat(),
-        &[("DDPJOB_FAULT", fault)],
-    );
-    cut.fails_with(143, "interrupted by SIGTERM");
-    let jobs = t.jobs_dir().display().to_string();
-    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
-    assert_same_bits(
-        &t.job("whole").join("model.safetensors"),
-        &t.job("cut").join("model.safetensors"),
-    );
 }
 
 #[test]

@@ -146,14 +146,7 @@ impl JsonlOptions {
         if let Some(job) = &cx.job
             && job.join(STORED[0]).is_file()
         {
-            let read = |name: &str| {
-                let path = job.join(name);
-                let bytes = std::fs::read(&path).map_err(|cause| DataError::Io {
-                    path: path.clone(),
-                    cause,
-                })?;
-                Examples::from_bytes(&bytes, &path)
-            };
+            let read = |name: &str| Examples::open(&job.join(name));
             let ((train, eos), (val, _)) = (read(STORED[0])?, read(STORED[1])?);
             return Ok((train, val, eos));
         }

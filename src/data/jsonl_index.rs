@@ -40,12 +40,60 @@ pub struct Counts {
 
 /// One split's examples: all tokens flat, where each ends, and how many of its leading tokens
 /// are its prompt's.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct Examples {
-    tokens: Vec<u32>,
+    tokens: TokenStore,
     ends: Vec<usize>,
     prompts: Vec<u32>,
     pub counts: Counts,
+}
+
+impl PartialEq for Examples {
+    fn eq(&self, other: &Self) -> bool {
+        self.tokens() == other.tokens()
+            && (&self.ends, &self.prompts, self.counts)
+                == (&other.ends, &other.prompts, other.counts)
+    }
+}
+
+/// The flat tokens: made here while indexing, or mapped from the job's stored file (a large
+/// corpus is then never copied into each worker's memory; the workers share the page cache).
+#[derive(Debug)]
+enum TokenStore {
+    Owned(Vec<u32>),
+    Mapped {
+        map: memmap2::Mmap,
+        start: usize,
+        len: usize,
+    },
+}
+
+impl Default for TokenStore {
+    fn default() -> Self {
+        TokenStore::Owned(Vec::new())
+    }
+}
+
+impl TokenStore {
+    fn as_slice(&self) -> &[u32] {
+        match self {
+            TokenStore::Owned(v) => v,
+            TokenStore::Mapped { map, start, len } => {
+                bytemuck::cast_slice(&map[*start..*start + 4 * *len])
+            }
+        }
+    }
+
+    /// The tokens to add to, while indexing.
+    fn owned(&mut self) -> &mut Vec<u32> {
+        if let TokenStore::Mapped { .. } = self {
+            *self = TokenStore::Owned(self.as_slice().to_vec());
+        }
+        match self {
+            TokenStore::Owned(v) => v,
+            TokenStore::Mapped { .. } => unreachable!("made owned above"),
+        }
+    }
 }
 
 /// The stored form's first bytes, and its version.
@@ -60,17 +108,21 @@ impl Examples {
     /// Example `i`'s tokens and its prompt's length.
     pub fn get(&self, i: usize) -> (&[u32], usize) {
         let start = if i == 0 { 0 } else { self.ends[i - 1] };
-        (&self.tokens[start..self.ends[i]], self.prompts[i] as usize)
+        (
+            &self.tokens()[start..self.ends[i]],
+            self.prompts[i] as usize,
+        )
     }
 
     /// All tokens (for range checks against the model).
     pub fn tokens(&self) -> &[u32] {
-        &self.tokens
+        self.tokens.as_slice()
     }
 
     fn push(&mut self, tokens: &[u32], prompt: usize) {
-        self.tokens.extend_from_slice(tokens);
-        self.ends.push(self.tokens.len());
+        let all = self.tokens.owned();
+        all.extend_from_slice(tokens);
+        self.ends.push(all.len());
         self.prompts.push(prompt as u32);
     }
 
@@ -79,7 +131,7 @@ impl Examples {
         let keep = self.len() - n;
         let cut = if keep == 0 { 0 } else { self.ends[keep - 1] };
         Examples {
-            tokens: self.tokens.split_off(cut),
+            tokens: TokenStore::Owned(self.tokens.owned().split_off(cut)),
             ends: self.ends.split_off(keep).iter().map(|e| e - cut).collect(),
             prompts: self.prompts.split_off(keep),
             counts: Counts::default(),
@@ -95,7 +147,7 @@ impl Examples {
             VERSION,
             eos,
             self.len() as u32,
-            self.tokens.len() as u32,
+            self.tokens().len() as u32,
             c.bad_lines as u32,
             c.truncated as u32,
             c.empty as u32,
@@ -107,26 +159,38 @@ impl Examples {
         for v in header
             .into_iter()
             .chain(lens)
-            .chain(self.tokens.iter().copied())
+            .chain(self.tokens().iter().copied())
         {
             out.extend_from_slice(&v.to_le_bytes());
         }
         out
     }
 
-    /// Reads what [`Examples::to_bytes`] wrote: the examples and the end-of-sequence id.
-    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<(Examples, u32), DataError> {
+    /// Maps what [`Examples::to_bytes`] wrote to `path`: the examples (their tokens read in
+    /// place) and the end-of-sequence id.
+    pub fn open(path: &Path) -> Result<(Examples, u32), DataError> {
+        let io = |cause| DataError::Io {
+            path: path.into(),
+            cause,
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: the job's own file, written once when the job began and never again; like
+        // every reader of memory-mapped data, a run assumes nobody truncates it meanwhile.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
         let corrupt = |problem: &str| DataError::Corrupt {
             path: path.into(),
             problem: format!("{problem}; delete the job and run it again"),
         };
-        let body = bytes
-            .strip_prefix(MAGIC.as_slice())
-            .ok_or_else(|| corrupt("it is not ddpjob's stored instruction data"))?;
-        let words: Vec<u32> = body
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        if !map.starts_with(MAGIC) {
+            return Err(corrupt("it is not ddpjob's stored instruction data"));
+        }
+        if map.len() % 4 != 0 || map.len() < MAGIC.len() + 7 * 4 {
+            return Err(corrupt(
+                "it is cut short, or its length does not match its header",
+            ));
+        }
+        // The map starts on a page, so its words past the 8-byte magic are aligned.
+        let words: &[u32] = bytemuck::cast_slice(&map[MAGIC.len()..]);
         let [version, eos, n, total, bad_lines, truncated, empty] = match words.get(..7) {
             Some(&[a, b, c, d, e, f, g]) => [a, b, c, d, e, f, g],
             _ => return Err(corrupt("it is cut short")),
@@ -137,7 +201,7 @@ impl Examples {
             )));
         }
         let (n, total) = (n as usize, total as usize);
-        if body.len() % 4 != 0 || words.len() != 7 + 2 * n + total {
+        if words.len() != 7 + 2 * n + total {
             return Err(corrupt("its length does not match its header"));
         }
         let mut examples = Examples {
@@ -148,7 +212,6 @@ impl Examples {
             },
             ..Examples::default()
         };
-        examples.tokens = words[7 + 2 * n..].to_vec();
         let mut end = 0;
         for pair in words[7..7 + 2 * n].chunks_exact(2) {
             end += pair[0] as usize;
@@ -158,6 +221,12 @@ impl Examples {
         if end != total {
             return Err(corrupt("its examples' lengths do not add up to its tokens"));
         }
+        let start = MAGIC.len() + 4 * (7 + 2 * n);
+        examples.tokens = TokenStore::Mapped {
+            map,
+            start,
+            len: total,
+        };
         Ok((examples, eos))
     }
 }

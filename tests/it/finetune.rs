@@ -67,17 +67,21 @@ keep_last = 0
     )
 }
 
-/// Runs `one` (batch 8) on one worker and as batch 4 on two: the weights must agree.
+/// Runs `one` (batch 8) on one worker, as batch 4 on two, and as batch 4 with 2 accumulated
+/// micro-batches on one: the weights must agree.
 fn one_worker_matches_two(t: &TestJob, one: &str) {
     let half = one.replace("batch_size = 8", "batch_size = 4");
     t.run(&t.config("one", one), &[]).success();
     t.run(&t.config("two", &half), &["--nproc-per-node", "2"])
         .success();
-    let diff = max_abs_diff(
-        &load_weights(&t.job("one").join("model.safetensors")),
-        &load_weights(&t.job("two").join("model.safetensors")),
-    );
-    assert!(diff < 1e-5, "1 x 8 and 2 x 4 differ by {diff}");
+    let accumulated = half.replace("[train]", "[train]\naccumulation = 2");
+    t.run(&t.config("acc", &accumulated), &[]).success();
+    let weights = |name: &str| load_weights(&t.job(name).join("model.safetensors"));
+    let one = weights("one");
+    for (other, what) in [("two", "2 x 4"), ("acc", "1 x 4 x 2 accumulated")] {
+        let diff = max_abs_diff(&one, &weights(other));
+        assert!(diff < 1e-5, "1 x 8 and {what} differ by {diff}");
+    }
 }
 
 #[test]

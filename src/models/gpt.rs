@@ -364,9 +364,8 @@ impl Gpt {
             None => self.embed(&xs.flatten_all()?, n, t, 0)?,
         };
         let mut x = drop(embedded, 0)?;
-        let mask = packing.as_ref().map(|p| &p.mask);
         for (i, block) in self.blocks.iter().enumerate() {
-            let y = block.attention(&x, (n, t), mask, self, mode)?;
+            let y = block.attention(&x, (n, t), packing.as_ref(), self, mode)?;
             x = (&x + drop(y.to_dtype(DType::F32)?, 1 + 2 * i)?)?;
             let y = block.mlp(&x, self, mode)?.to_dtype(DType::F32)?;
             x = (&x + drop(y, 2 + 2 * i)?)?;
@@ -385,13 +384,13 @@ struct Block {
 }
 
 impl Block {
-    /// Causal self-attention of `ln_1(x)` (x: [n·t, C]), projected: [n·t, C]; under a packed
-    /// batch's `mask` (see `models::packed`) when given.
+    /// Causal self-attention of `ln_1(x)` (x: [n·t, C]), projected: [n·t, C]; within each
+    /// example of a packed batch (see `models::packed`) when given.
     fn attention(
         &self,
         x: &Tensor,
         (n, t): (usize, usize),
-        mask: Option<&Tensor>,
+        packing: Option<&super::packed::Packing>,
         gpt: &Gpt,
         mode: &Mode,
     ) -> Result<Tensor> {
@@ -399,8 +398,9 @@ impl Block {
         let qkv = self
             .c_attn
             .forward_mode(&self.ln_1.forward(x)?, gpt.compute, mode)?;
-        let y = if let Some(mask) = mask {
-            super::packed::attention(&qkv.reshape((n, t, 3 * c))?, h, mask)?.reshape((n * t, c))?
+        let y = if let Some(packing) = packing {
+            let qkv = qkv.reshape((n, t, 3 * c))?;
+            super::packed::attention(&qkv, h, packing)?.reshape((n * t, c))?
         } else if kernels::applies(&qkv) {
             attention::causal_attention(&qkv, h, t)?
         } else {

@@ -14,6 +14,9 @@ pub struct Packing {
     /// [n, 1, t, t]: 0 where a query may see a key (the key is in its example and not after
     /// it), -inf elsewhere.
     pub mask: Tensor,
+    /// Each position's first visible key (its example's first position in the row), [n·t]:
+    /// the fused CPU attention's form of the mask.
+    pub starts: std::sync::Arc<Vec<u32>>,
 }
 
 /// (rows, positions per row) of token inputs, packed or not.
@@ -36,7 +39,19 @@ pub fn split(xs: &Tensor) -> Result<(Tensor, Option<Packing>)> {
     // Read on the host (the loader made them there): each row's boundaries make its mask.
     let host = positions.to_dtype(DType::U32)?.to_vec1::<u32>()?;
     let mask = mask(&host, n, t, xs.device())?;
-    Ok((tokens, Some(Packing { positions, mask })))
+    let starts = host
+        .chunks_exact(t)
+        .flat_map(|row| row.iter().enumerate().map(|(i, &p)| i as u32 - p))
+        .collect();
+    let starts = std::sync::Arc::new(starts);
+    Ok((
+        tokens,
+        Some(Packing {
+            positions,
+            mask,
+            starts,
+        }),
+    ))
 }
 
 /// The additive mask of rows whose positions are `positions` ([n·t], row-major): query i sees
@@ -55,10 +70,21 @@ fn mask(positions: &[u32], n: usize, t: usize, device: &Device) -> Result<Tensor
     Tensor::from_vec(mask, (n, 1, t, t), device)
 }
 
-/// Self-attention of `qkv` [n, t, 3C] (q, k, v side by side, `heads` heads each) under `mask`
-/// ([`Packing::mask`]): the attended values [n, t, C]. Composed from candle's ops, so it is
-/// differentiable on every device; scores and softmax in f32.
-pub fn attention(qkv: &Tensor, heads: usize, mask: &Tensor) -> Result<Tensor> {
+/// Self-attention of `qkv` [n, t, 3C] (q, k, v side by side, `heads` heads each) within each
+/// example of `packing`: the attended values [n, t, C]. The fused CPU op for f32 on the CPU,
+/// else composed from candle's ops under [`Packing::mask`] (scores and softmax in f32).
+pub fn attention(qkv: &Tensor, heads: usize, packing: &Packing) -> Result<Tensor> {
+    let (n, t, c3) = qkv.dims3()?;
+    if crate::kernels::applies(qkv) {
+        let rows = qkv.reshape((n * t, c3))?;
+        let y = super::gpt::attention::packed_attention(&rows, heads, t, packing.starts.clone())?;
+        return y.reshape((n, t, c3 / 3));
+    }
+    attention_with_ops(qkv, heads, &packing.mask)
+}
+
+/// [`attention`] composed from candle's ops under `mask` (GPU, bf16; the fused op's reference).
+pub fn attention_with_ops(qkv: &Tensor, heads: usize, mask: &Tensor) -> Result<Tensor> {
     let (n, t, c3) = qkv.dims3()?;
     let (c, h) = (c3 / 3, heads);
     let hd = c / h;
@@ -143,5 +169,29 @@ mod tests {
         assert_eq!(seen, expected);
         let bad = Tensor::new(&[[[7u32, 1], [8, 2]]], &Device::Cpu).unwrap();
         assert!(split(&bad).is_err());
+    }
+
+    #[test]
+    fn the_fused_packed_attention_matches_the_masked_ops_with_gradients() {
+        use candle_core::Var;
+        // 2 rows of 6 positions: examples of 2 + 4, and 3 + 1 + 2; 2 heads of 4 channels.
+        let positions: [u32; 12] = [0, 1, 0, 1, 2, 3, 0, 1, 2, 0, 0, 1];
+        let tokens: Vec<u32> = positions.iter().flat_map(|&p| [1, p]).collect();
+        let xs = Tensor::from_vec(tokens, (2, 6, 2), &Device::Cpu).unwrap();
+        let (_, packing) = split(&xs).unwrap();
+        let packing = packing.unwrap();
+        let values: Vec<f32> = (0..2 * 6 * 24).map(|i| (i as f32 * 0.61).sin()).collect();
+        let qkv =
+            Var::from_tensor(&Tensor::from_vec(values, (2, 6, 24), &Device::Cpu).unwrap()).unwrap();
+        let fused = attention(qkv.as_tensor(), 2, &packing).unwrap();
+        let composed = attention_with_ops(qkv.as_tensor(), 2, &packing.mask).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| -> f32 {
+            let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
+            d.max(0).unwrap().to_scalar().unwrap()
+        };
+        assert!(diff(&fused, &composed) < 1e-5);
+        let gf = crate::kernels::uneven_sum(&fused).backward().unwrap();
+        let gc = crate::kernels::uneven_sum(&composed).backward().unwrap();
+        assert!(diff(gf.get(&qkv).unwrap(), gc.get(&qkv).unwrap()) < 1e-5);
     }
 }

@@ -23,7 +23,26 @@ use super::tiles;
 /// `C / heads` columns each): the attended values [n·t, C], heads side by side, before the
 /// output projection.
 pub fn causal_attention(qkv: &Tensor, heads: usize, t: usize) -> Result<Tensor> {
-    qkv.contiguous()?.apply_op1(AttentionOp { heads, t })
+    qkv.contiguous()?.apply_op1(AttentionOp {
+        heads,
+        t,
+        starts: None,
+    })
+}
+
+/// [`causal_attention`] of packed rows (see `models::packed`): `starts` [n·t] holds, for each
+/// position, the first position of its example in its row, the first key it may see.
+pub fn packed_attention(
+    qkv: &Tensor,
+    heads: usize,
+    t: usize,
+    starts: std::sync::Arc<Vec<u32>>,
+) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op1(AttentionOp {
+        heads,
+        t,
+        starts: Some(starts),
+    })
 }
 
 /// [`causal_attention`] from candle's ops, after the cached keys and values `past` (if any,
@@ -67,6 +86,16 @@ pub fn with_ops(
 struct AttentionOp {
     heads: usize,
     t: usize,
+    /// Packed rows: each position's first visible key (see [`packed_attention`]).
+    starts: Option<std::sync::Arc<Vec<u32>>>,
+}
+
+impl AttentionOp {
+    /// The first visible key of each position of sequence `s`, when packed.
+    fn starts_of(&self, s: usize) -> Option<&[u32]> {
+        let t = self.t;
+        self.starts.as_deref().map(|all| &all[s * t..(s + 1) * t])
+    }
 }
 
 /// A strided matrix inside `data`: element (i, j) at `i · rs + j · cs`.
@@ -171,11 +200,24 @@ pub(super) fn gemm_into(dst: &mut [f32], rs: usize, a: View, b: View, accumulate
 /// Rows `rows` of `p` [t, t] (row stride t) = causal softmax(q·kᵀ·scale) of one head, over
 /// the keys 0..rows.end: each row sums to 1, zeros above the diagonal. `q`: the block's query
 /// rows; `k`: all t keys.
-fn probabilities(p: &mut [f32], rows: Range<usize>, q: View, k: View, scale: f32) {
+fn probabilities(
+    p: &mut [f32],
+    rows: Range<usize>,
+    q: View,
+    k: View,
+    scale: f32,
+    starts: Option<&[u32]>,
+) {
     let t = k.rows;
     let seen_keys = k.first_rows(rows.end);
     let block = &mut p[rows.start * t..];
     matmul(block, t, q, seen_keys.t());
+    // Packed rows: a query sees no key before its example's first, whose probability is 0.
+    if let Some(starts) = starts {
+        for (i, row) in rows.clone().zip(block.chunks_mut(t)) {
+            row[..starts[i] as usize].fill(f32::NEG_INFINITY);
+        }
+    }
     ops::simd::causal_softmax(block, rows, t, scale);
 }
 
@@ -211,11 +253,23 @@ pub(super) fn scale(hd: usize) -> f32 {
 /// probabilities: t × t values of scratch that each head overwrites, or `heads` · t × t, where
 /// every head's are left for [`sequence_bwd`] to read instead of recomputing them.
 pub(super) fn sequence(x: &[f32], y: &mut [f32], t: usize, heads: usize, p: &mut [f32]) {
+    sequence_in(x, y, t, heads, p, None)
+}
+
+/// [`sequence`] of a packed row when `starts` gives each position's first visible key.
+fn sequence_in(
+    x: &[f32],
+    y: &mut [f32],
+    t: usize,
+    heads: usize,
+    p: &mut [f32],
+    starts: Option<&[u32]>,
+) {
     let c = y.len() / t;
     let hd = c / heads;
     let per_head = if p.len() >= heads * t * t { t * t } else { 0 };
     #[cfg(target_arch = "x86_64")]
-    if tiles::applies(t, hd) {
+    if tiles::applies(t, hd) && starts.is_none() {
         for h in 0..heads {
             tiles::forward(x, y, &mut p[h * per_head..], tiles::Head { t, c, h, hd });
         }
@@ -228,7 +282,8 @@ pub(super) fn sequence(x: &[f32], y: &mut [f32], t: usize, heads: usize, p: &mut
         let v = View::rows(x, 2 * c + h * hd, t, hd, 3 * c);
         for rows in query_blocks(t) {
             let (r0, n) = (rows.start, rows.len());
-            probabilities(p, rows.clone(), q.row_range(rows.clone()), k, scale(hd));
+            let qb = q.row_range(rows.clone());
+            probabilities(p, rows.clone(), qb, k, scale(hd), starts);
             let pb = View::rows(p, r0 * t, n, rows.end, t);
             matmul(&mut y[r0 * c + h * hd..], c, pb, v.first_rows(rows.end));
         }
@@ -248,12 +303,25 @@ pub(super) fn sequence_bwd(
     kept: Option<&[f32]>,
     scratch: &mut [f32],
 ) {
+    sequence_bwd_in(x, (dy, dx), t, heads, (kept, None), scratch)
+}
+
+/// [`sequence_bwd`] of a packed row when `starts` gives each position's first visible key (the
+/// probabilities recomputed with them; the masked ones, 0, pass no gradient).
+fn sequence_bwd_in(
+    x: &[f32],
+    (dy, dx): (&[f32], &mut [f32]),
+    t: usize,
+    heads: usize,
+    (kept, starts): (Option<&[f32]>, Option<&[u32]>),
+    scratch: &mut [f32],
+) {
     let c = dy.len() / t;
     let hd = c / heads;
     let scale = scale(hd);
     let (recomputed, ds) = scratch.split_at_mut(t * t);
     #[cfg(target_arch = "x86_64")]
-    if tiles::applies(t, hd) {
+    if tiles::applies(t, hd) && starts.is_none() {
         for h in 0..heads {
             let head = tiles::Head { t, c, h, hd };
             let p: &[f32] = match kept {
@@ -281,7 +349,7 @@ pub(super) fn sequence_bwd(
             let p: &[f32] = match kept {
                 Some(kept) => &kept[h * t * t..][..t * t],
                 None => {
-                    probabilities(recomputed, rows.clone(), qb, k, scale);
+                    probabilities(recomputed, rows.clone(), qb, k, scale, starts);
                     recomputed
                 }
             };
@@ -315,7 +383,11 @@ impl CustomOp1 for AttentionOp {
         if c > 0 {
             y.par_chunks_mut(t * c)
                 .zip(qkv.par_chunks(t * 3 * c))
-                .for_each(|(y, x)| sequence(x, y, t, self.heads, &mut vec![0f32; t * t]));
+                .enumerate()
+                .for_each(|(s, (y, x))| {
+                    let p = &mut vec![0f32; t * t];
+                    sequence_in(x, y, t, self.heads, p, self.starts_of(s))
+                });
         }
         Ok((CpuStorage::F32(y), Shape::from((n * t, c))))
     }
@@ -330,9 +402,11 @@ impl CustomOp1 for AttentionOp {
                     dqkv.par_chunks_mut(t * 3 * c)
                         .zip(qkv.par_chunks(t * 3 * c))
                         .zip(grad.par_chunks(t * c))
-                        .for_each(|((dx, x), dy)| {
+                        .enumerate()
+                        .for_each(|(s, ((dx, x), dy))| {
                             let mut scratch = vec![0f32; 2 * t * t];
-                            sequence_bwd(x, dy, dx, t, self.heads, None, &mut scratch)
+                            let how = (None, self.starts_of(s));
+                            sequence_bwd_in(x, (dy, dx), t, self.heads, how, &mut scratch)
                         });
                     Ok(())
                 })

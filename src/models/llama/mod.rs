@@ -246,7 +246,7 @@ impl Llama {
         let qkv = Tensor::cat(&[&q, &k, &v], 2)?.reshape((n * t, 3 * width))?;
         let y = if let Some(p) = packing {
             let qkv = qkv.reshape((n, t, 3 * width))?;
-            packed::attention(&qkv, heads, &p.mask)?.reshape((n * t, width))?
+            packed::attention(&qkv, heads, p)?.reshape((n * t, width))?
         } else if kernels::applies(&qkv) {
             attention::causal_attention(&qkv, heads, t)?
         } else {

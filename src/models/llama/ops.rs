@@ -218,11 +218,28 @@ impl CustomOp2 for SwiGluOp {
 }
 
 struct RopeOp {
-    /// [t, head_dim] each: the positions' cos and sin.
+    /// [t, head_dim] each: the positions' cos and sin (or one row per token of the input,
+    /// `t` = n·t, for packed rows whose positions restart).
     cos: Vec<f32>,
     sin: Vec<f32>,
     t: usize,
     hd: usize,
+}
+
+/// [`rope`] of `x` [n, t, heads, head_dim] with a table row per token (`cos`, `sin`:
+/// [n·t, head_dim], the rows of each token's own position): packed rows (see
+/// `models::packed`). f32 on the CPU; `None` elsewhere.
+pub fn rope_per_token(x: &Tensor, cos: Vec<f32>, sin: Vec<f32>) -> Option<Result<Tensor>> {
+    kernels::applies(x).then(|| {
+        let (n, t, _, hd) = x.dims4()?;
+        let op = RopeOp {
+            cos,
+            sin,
+            t: n * t,
+            hd,
+        };
+        x.contiguous()?.apply_op1(op)
+    })
 }
 
 impl RopeOp {
@@ -261,7 +278,8 @@ impl CustomOp1 for RopeOp {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let dims = layout.shape().dims();
-        if dims.len() != 4 || dims[1] != self.t || dims[3] != self.hd || self.hd % 2 != 0 {
+        let fits = dims.len() == 4 && (dims[1] == self.t || dims[0] * dims[1] == self.t);
+        if !fits || dims[3] != self.hd || self.hd % 2 != 0 || self.cos.len() != self.t * self.hd {
             bail!(
                 "rope: input {:?}, tables of {} positions x {}",
                 layout.shape(),
@@ -331,6 +349,22 @@ mod tests {
         let n = shape.iter().product();
         let values: Vec<f32> = (0..n).map(|_| mean + rng.normal()).collect();
         Var::from_tensor(&Tensor::from_vec(values, shape, &Device::Cpu).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn rope_at_each_tokens_own_position_matches_candle_ops_with_gradients() {
+        let dev = &Device::Cpu;
+        let tables = RopeTables::new(&inverse_frequencies(8, 10_000.0, None), 16, dev).unwrap();
+        // 2 rows of 5 positions, 3 heads of 8: packed examples restart their positions.
+        let positions = Tensor::new(&[0u32, 1, 2, 0, 1, 0, 1, 2, 3, 4], dev).unwrap();
+        let values: Vec<f32> = (0..2 * 5 * 3 * 8).map(|i| (i as f32 * 0.3).cos()).collect();
+        let x = Var::from_tensor(&Tensor::from_vec(values, (2, 5, 3, 8), dev).unwrap()).unwrap();
+        same_with_gradients(
+            &[x],
+            |v| tables.apply_at(v[0], &positions).unwrap(),
+            |v| tables.apply_at_with_ops(v[0], &positions).unwrap(),
+            1e-6,
+        );
     }
 
     #[test]

@@ -85,19 +85,31 @@ impl RopeTables {
     }
 
     /// Rotates `x` [n, t, heads, head_dim] whose positions are `positions` ([n·t] u32, each
-    /// row's own: packed examples restart at 0), in f32. Composed from candle's ops.
+    /// row's own: packed examples restart at 0), in f32 (the result has the dtype of `x`).
     pub fn apply_at(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        if crate::kernels::applies(x) {
+            let rows = |m: &Tensor| {
+                m.index_select(positions, 0)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()
+            };
+            if let Some(fused) = super::ops::rope_per_token(x, rows(&self.cos)?, rows(&self.sin)?) {
+                return fused;
+            }
+        }
+        self.apply_at_with_ops(x, positions)
+    }
+
+    /// [`RopeTables::apply_at`] composed from candle's ops (GPU, bf16; the fused op's
+    /// reference).
+    pub fn apply_at_with_ops(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
         let (n, t, _, hd) = x.dims4()?;
+        let cos = self.cos.index_select(positions, 0)?;
+        let sin = self.sin.index_select(positions, 0)?;
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;
-        let cos = self
-            .cos
-            .index_select(positions, 0)?
-            .reshape((n, t, 1, hd))?;
-        let sin = self
-            .sin
-            .index_select(positions, 0)?
-            .reshape((n, t, 1, hd))?;
+        let cos = cos.reshape((n, t, 1, hd))?;
+        let sin = sin.reshape((n, t, 1, hd))?;
         let rotated = rotate_half(&x)?;
         (x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?.to_dtype(dtype)
     }

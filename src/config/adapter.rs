@@ -13,26 +13,34 @@ use super::source::Source;
 use crate::hf::peft::AdapterConfig;
 use crate::models::TargetModules;
 
-/// Rewrites `source`'s `[model]` when `model.init_from` names an adapter directory. Keys the
-/// job sets itself must agree with the adapter's (but `dropout`, which training may change).
+/// Rewrites `source`'s `[model]` when `model.init_from` or `model.lora.adapter` names an
+/// adapter directory. Keys the job sets itself must agree with the adapter's (but `dropout`,
+/// which training may change).
 pub(super) fn resolve(source: &mut Source) -> Result<(), ConfigError> {
     let Some(toml::Value::Table(model)) = source.table.get("model") else {
         return Ok(());
     };
-    let Some(dir) = model.get("init_from").and_then(toml::Value::as_str) else {
-        return Ok(());
+    let lora = model
+        .get("lora")
+        .and_then(toml::Value::as_table)
+        .cloned()
+        .unwrap_or_default();
+    // The adapter `model.init_from` names (its base becomes init_from), or the one
+    // `model.lora.adapter` names over the job's own init_from.
+    let init_from = model.get("init_from").and_then(toml::Value::as_str);
+    let (dir, key, from_init) = match (init_from, lora.get("adapter").and_then(|v| v.as_str())) {
+        (Some(d), _) if AdapterConfig::is_adapter_dir(Path::new(d)) => {
+            (d.to_string(), "model.init_from", true)
+        }
+        (_, Some(d)) if !d.is_empty() => (d.to_string(), "model.lora.adapter", false),
+        _ => return Ok(()),
     };
-    let dir = dir.to_string();
-    if !AdapterConfig::is_adapter_dir(Path::new(&dir)) {
-        return Ok(());
-    }
     let fail = |source: &Source, key: &str, problem: String| ConfigError::Invalid {
         key: key.into(),
         at: source.value_origin(key),
         problem,
     };
-    let adapter =
-        AdapterConfig::read(Path::new(&dir)).map_err(|e| fail(source, "model.init_from", e))?;
+    let adapter = AdapterConfig::read(Path::new(&dir)).map_err(|e| fail(source, key, e))?;
     let set: Vec<(&str, toml::Value)> = vec![
         ("r", (adapter.r as i64).into()),
         ("alpha", adapter.alpha.into()),
@@ -44,36 +52,33 @@ pub(super) fn resolve(source: &mut Source) -> Result<(), ConfigError> {
             },
         ),
     ];
-    let lora = model
-        .get("lora")
-        .and_then(toml::Value::as_table)
-        .cloned()
-        .unwrap_or_default();
-    for (key, value) in &set {
-        if let Some(given) = lora.get(*key)
+    for (lora_key, value) in &set {
+        if let Some(given) = lora.get(*lora_key)
             && !same(given, value)
         {
             return Err(fail(
                 source,
-                &format!("model.lora.{key}"),
+                &format!("model.lora.{lora_key}"),
                 format!(
-                    "is {given}, but the adapter `{dir}` (model.init_from) has {value}; leave \
-                     it out to continue the adapter as it is"
+                    "is {given}, but the adapter `{dir}` ({key}) has {value}; leave it out to \
+                     continue the adapter as it is"
                 ),
             ));
         }
     }
     let mut lora = lora;
-    for (key, value) in set {
-        lora.insert(key.into(), value);
+    for (lora_key, value) in set {
+        lora.insert(lora_key.into(), value);
     }
     lora.entry("dropout").or_insert(adapter.dropout.into());
     lora.insert("adapter".into(), dir.clone().into());
     if let Some(toml::Value::Table(model)) = source.table.get_mut("model") {
-        model.insert(
-            "init_from".into(),
-            adapter.base.display().to_string().into(),
-        );
+        if from_init {
+            model.insert(
+                "init_from".into(),
+                adapter.base.display().to_string().into(),
+            );
+        }
         model.insert("lora".into(), lora.into());
     }
     Ok(())

@@ -140,11 +140,33 @@ impl JsonlOptions {
         PathBuf::from(self.tokenizer.clone().unwrap_or_default())
     }
 
+    /// Whether the job in `job` stored its examples from these options (the same files, fields
+    /// and tokenizer; `train_on_prompt` and `pack` act when batching, so they may differ): not
+    /// when `eval --data` names other data.
+    fn stored_in(&self, job: &Path) -> bool {
+        let Some(data) = std::fs::read_to_string(job.join("job.toml"))
+            .ok()
+            .and_then(|t| t.parse::<toml::Table>().ok())
+            .and_then(|mut doc| doc.remove("data"))
+        else {
+            return false;
+        };
+        let Ok(stored) = data.try_into::<JsonlOptions>() else {
+            return false;
+        };
+        let source = |o: &JsonlOptions| JsonlOptions {
+            train_on_prompt: false,
+            pack: false,
+            ..o.clone()
+        };
+        job.join(STORED[0]).is_file() && source(&stored) == source(self)
+    }
+
     /// The examples of both splits and the end-of-sequence id: the job's stored ones when it
-    /// has them, else read from the files.
+    /// has them (for these options), else read from the files.
     fn examples(&self, cx: &DataContext) -> Result<(Examples, Examples, u32), DataError> {
         if let Some(job) = &cx.job
-            && job.join(STORED[0]).is_file()
+            && self.stored_in(job)
         {
             let read = |name: &str| Examples::open(&job.join(name));
             let ((train, eos), (val, _)) = (read(STORED[0])?, read(STORED[1])?);
@@ -198,7 +220,20 @@ impl JsonlOptions {
             )));
         };
         let (train, val, eos) = self.examples(cx)?;
-        let vocab_size = lm.vocab_size.unwrap_or(0);
+        // A model that takes its vocabulary from the data (a gpt without model.vocab_size):
+        // the tokenizer's, as the job stored it or from its file.
+        let vocab_size = match lm.vocab_size {
+            Some(v) => v,
+            None => match cx
+                .job
+                .as_deref()
+                .map(Vocab::path_in)
+                .filter(|p| p.is_file())
+            {
+                Some(stored) => Vocab::load(&stored)?.size(),
+                None => HfTokenizer::load(&self.tokenizer_path())?.size(),
+            },
+        };
         for (split, examples) in [("training", &train), ("validation", &val)] {
             if let Some(&bad) = examples
                 .tokens()
@@ -358,6 +393,18 @@ impl DatasetOptions for JsonlOptions {
     /// examples and the tokenizer.
     fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
         let task = self.open(cx)?;
+        // The stored form counts in u32.
+        for (split, examples) in [("training", &task.train), ("validation", &task.val)] {
+            if examples.tokens().len() > u32::MAX as usize {
+                return Err(format!(
+                    "the {split} examples hold {} tokens, more than the {} a job keeps; split \
+                     the data over several jobs",
+                    examples.tokens().len(),
+                    u32::MAX
+                )
+                .into());
+            }
+        }
         let tokenizer = HfTokenizer::load(&self.tokenizer_path())?;
         Ok(vec![
             JobFile {

@@ -150,6 +150,11 @@ fn the_job_keeps_its_examples_and_reads_them_back_whatever_the_file_does() {
     for f in &files {
         std::fs::write(job.join(&f.name), &f.bytes).unwrap();
     }
+    let mut data = toml::Table::try_from(&opts).unwrap();
+    data.insert("dataset".into(), "jsonl".into());
+    let mut doc = toml::Table::new();
+    doc.insert("data".into(), data.into());
+    std::fs::write(job.join("job.toml"), toml::to_string(&doc).unwrap()).unwrap();
     let names: Vec<&str> = files.iter().map(|f| f.name.as_str()).collect();
     assert_eq!(names, ["jsonl-train.bin", "jsonl-val.bin", "vocab.json"]);
     let fresh = opts.open(&context(32, None)).unwrap();
@@ -159,6 +164,13 @@ fn the_job_keeps_its_examples_and_reads_them_back_whatever_the_file_does() {
     assert_eq!(kept.train, fresh.train);
     assert_eq!(kept.val, fresh.val);
     assert_eq!(kept.eos, fresh.eos);
+    // Other data named for the job (`eval --data`) is read from its files, not the job's.
+    let other = JsonlOptions {
+        val_fraction: 0.5,
+        ..opts.clone()
+    };
+    let read = other.open(&context(32, Some(job.clone()))).err().unwrap();
+    assert!(read.to_string().contains("1 usable example"), "{read}");
 
     let stored = job.join("jsonl-train.bin");
     let mut bytes = std::fs::read(&stored).unwrap();

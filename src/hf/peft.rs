@@ -89,7 +89,11 @@ pub fn write_adapter(
         "r": lora.r,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": modules.into_iter().collect::<Vec<_>>(),
+        // A regular expression names the layers it named; names, by their last parts.
+        "target_modules": match &lora.target_modules {
+            crate::models::TargetModules::Regex(pattern) => json!(pattern),
+            crate::models::TargetModules::Names(_) => json!(modules.into_iter().collect::<Vec<_>>()),
+        },
         "bias": "none",
         "fan_in_fan_out": fan_in_fan_out,
         "inference_mode": true,
@@ -257,5 +261,32 @@ mod tests {
         // W + 2·[[0.5], [-1]]·[[1, 1]] = [[2, 3], [1, 2]].
         let w = merged["l.weight"].to_vec2::<f32>().unwrap();
         assert_eq!(w, vec![vec![2.0, 3.0], vec![1.0, 2.0]]);
+    }
+
+    #[test]
+    fn an_adapter_targeted_by_a_regular_expression_is_exported_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("adapter");
+        let t = |shape: (usize, usize)| Tensor::zeros(shape, candle_core::DType::F32, &Device::Cpu);
+        let mut tensors = HashMap::new();
+        let layer = "model.layers.1.self_attn.q_proj";
+        tensors.insert(format!("{layer}.weight"), t((2, 2)).unwrap());
+        tensors.insert(format!("{layer}.lora_A.weight"), t((1, 2)).unwrap());
+        tensors.insert(format!("{layer}.lora_B.weight"), t((2, 1)).unwrap());
+        let pattern = r".*\.1\.self_attn\.q_proj";
+        let lora = LoraSpec {
+            r: 1,
+            alpha: 2.0,
+            dropout: 0.0,
+            target_modules: crate::models::TargetModules::Regex(pattern.into()),
+            adapter: None,
+        };
+        write_adapter(&out, tensors, &lora, false, None, ExportDtype::F32, false).unwrap();
+        let config = AdapterConfig::read(&out).err().unwrap();
+        // No base here; what it wrote is the pattern itself.
+        assert!(config.contains("base_model_name_or_path"), "{config}");
+        let text = std::fs::read_to_string(out.join("adapter_config.json")).unwrap();
+        let written: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(written["target_modules"], json!(pattern));
     }
 }

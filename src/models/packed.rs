@@ -12,8 +12,12 @@ pub struct Packing {
     /// Each position's position within its example, [n·t] u32.
     pub positions: Tensor,
     /// [n, 1, t, t]: 0 where a query may see a key (the key is in its example and not after
-    /// it), -inf elsewhere.
-    pub mask: Tensor,
+    /// it), -inf elsewhere; made when first asked for (the fused CPU attention needs only
+    /// `starts`), once a forward pass.
+    mask: std::sync::OnceLock<Tensor>,
+    rows: (usize, usize),
+    host_positions: Vec<u32>,
+    device: Device,
     /// Each position's first visible key (its example's first position in the row), [n·t]:
     /// the fused CPU attention's form of the mask.
     pub starts: std::sync::Arc<Vec<u32>>,
@@ -38,20 +42,38 @@ pub fn split(xs: &Tensor) -> Result<(Tensor, Option<Packing>)> {
     let positions = xs.narrow(2, 1, 1)?.flatten_all()?.contiguous()?;
     // Read on the host (the loader made them there): each row's boundaries make its mask.
     let host = positions.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-    let mask = mask(&host, n, t, xs.device())?;
-    let starts = host
-        .chunks_exact(t)
-        .flat_map(|row| row.iter().enumerate().map(|(i, &p)| i as u32 - p))
-        .collect();
-    let starts = std::sync::Arc::new(starts);
+    let mut starts = Vec::with_capacity(n * t);
+    for row in host.chunks_exact(t) {
+        for (i, &p) in row.iter().enumerate() {
+            if p as usize > i {
+                bail!("packed inputs: position {p} at index {i} of a row: before the row starts");
+            }
+            starts.push(i as u32 - p);
+        }
+    }
     Ok((
         tokens,
         Some(Packing {
             positions,
-            mask,
-            starts,
+            mask: std::sync::OnceLock::new(),
+            rows: (n, t),
+            host_positions: host,
+            device: xs.device().clone(),
+            starts: std::sync::Arc::new(starts),
         }),
     ))
+}
+
+impl Packing {
+    /// The additive attention mask (see the field), made on first use.
+    pub fn mask(&self) -> Result<&Tensor> {
+        if let Some(mask) = self.mask.get() {
+            return Ok(mask);
+        }
+        let (n, t) = self.rows;
+        let made = mask(&self.host_positions, n, t, &self.device)?;
+        Ok(self.mask.get_or_init(|| made))
+    }
 }
 
 /// The additive mask of rows whose positions are `positions` ([n·t], row-major): query i sees
@@ -80,7 +102,7 @@ pub fn attention(qkv: &Tensor, heads: usize, packing: &Packing) -> Result<Tensor
         let y = super::gpt::attention::packed_attention(&rows, heads, t, packing.starts.clone())?;
         return y.reshape((n, t, c3 / 3));
     }
-    attention_with_ops(qkv, heads, &packing.mask)
+    attention_with_ops(qkv, heads, packing.mask()?)
 }
 
 /// [`attention`] composed from candle's ops under `mask` (GPU, bf16; the fused op's reference).
@@ -151,7 +173,7 @@ mod tests {
             &Tensor::new(&[[[7u32, 0], [8, 1], [9, 0], [4, 1], [5, 2]]], &Device::Cpu).unwrap(),
         )
         .unwrap();
-        let mask = packing.unwrap().mask.flatten_all().unwrap();
+        let mask = packing.unwrap().mask().unwrap().flatten_all().unwrap();
         let seen: Vec<u8> = mask
             .to_vec1::<f32>()
             .unwrap()
@@ -184,7 +206,7 @@ mod tests {
         let qkv =
             Var::from_tensor(&Tensor::from_vec(values, (2, 6, 24), &Device::Cpu).unwrap()).unwrap();
         let fused = attention(qkv.as_tensor(), 2, &packing).unwrap();
-        let composed = attention_with_ops(qkv.as_tensor(), 2, &packing.mask).unwrap();
+        let composed = attention_with_ops(qkv.as_tensor(), 2, packing.mask().unwrap()).unwrap();
         let diff = |a: &Tensor, b: &Tensor| -> f32 {
             let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
             d.max(0).unwrap().to_scalar().unwrap()

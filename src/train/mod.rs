@@ -125,7 +125,8 @@ pub struct Trainer<'a> {
     pub resume: Option<Restored>,
     pub hooks: Hooks<'a>,
     /// The frozen parameters' fingerprint when some are (see `checkpoint::base`): checkpoints
-    /// then hold only what trains, and record it.
+    /// then hold only what trains, and record it. Taken when the run begins, once the weights
+    /// are in place (a whole checkpoint of an older job sets the frozen ones too).
     pub base_sha256: Option<String>,
 }
 
@@ -256,6 +257,7 @@ impl Trainer<'_> {
             leader.start(world, start.total_steps)?;
         }
         broadcast_params(self.comm, self.model.params())?;
+        self.base_sha256 = crate::checkpoint::base::fingerprint(self.model.params())?;
         Ok(optimizer)
     }
 

@@ -396,7 +396,6 @@ fn train(
         restoring,
     )
     .map_err(WorkerError::Model)?;
-    let base_sha256 = checkpoint::base::fingerprint(model.params()).map_err(WorkerError::Model)?;
     let leader = env.rank == 0;
     // Rank 0 drives the terminal and mirrors its lines into its log; the others' stdout is
     // their log file already.
@@ -472,7 +471,7 @@ fn train(
         started: env.since_launch(started),
         resume,
         hooks,
-        base_sha256,
+        base_sha256: None,
     };
     let summary = match trainer.run()? {
         Ending::Completed(summary) => summary,

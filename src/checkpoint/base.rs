@@ -26,12 +26,8 @@ pub fn fingerprint(params: &Params) -> candle_core::Result<Option<String>> {
         any = true;
         hasher.update(name.as_bytes());
         let values = var.as_tensor().to_dtype(DType::F32)?.flatten_all()?;
-        let bytes: Vec<u8> = values
-            .to_vec1::<f32>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        hasher.update(&bytes);
+        // Little-endian in memory: ddpjob's wire formats build only there (see `comm::ring`).
+        hasher.update(bytemuck::cast_slice::<f32, u8>(&values.to_vec1::<f32>()?));
     }
     Ok(any.then(|| hex(&hasher.finalize())))
 }

@@ -16,7 +16,6 @@ pub struct Packing {
     /// `starts`), once a forward pass.
     mask: std::sync::OnceLock<Tensor>,
     rows: (usize, usize),
-    host_positions: Vec<u32>,
     device: Device,
     /// Each position's first visible key (its example's first position in the row), [n·t]:
     /// the fused CPU attention's form of the mask.
@@ -40,7 +39,7 @@ pub fn split(xs: &Tensor) -> Result<(Tensor, Option<Packing>)> {
     let (n, t) = rows(xs)?;
     let tokens = xs.narrow(2, 0, 1)?.squeeze(2)?.contiguous()?;
     let positions = xs.narrow(2, 1, 1)?.flatten_all()?.contiguous()?;
-    // Read on the host (the loader made them there): each row's boundaries make its mask.
+    // Read on the host (the loader made them there): where each row's examples start.
     let host = positions.to_dtype(DType::U32)?.to_vec1::<u32>()?;
     let mut starts = Vec::with_capacity(n * t);
     for row in host.chunks_exact(t) {
@@ -57,7 +56,6 @@ pub fn split(xs: &Tensor) -> Result<(Tensor, Option<Packing>)> {
             positions,
             mask: std::sync::OnceLock::new(),
             rows: (n, t),
-            host_positions: host,
             device: xs.device().clone(),
             starts: std::sync::Arc::new(starts),
         }),
@@ -70,26 +68,17 @@ impl Packing {
         if let Some(mask) = self.mask.get() {
             return Ok(mask);
         }
+        // Query i sees key j when j ≤ i and j is in i's example (j ≥ its first position).
         let (n, t) = self.rows;
-        let made = mask(&self.host_positions, n, t, &self.device)?;
+        let mut mask = vec![f32::NEG_INFINITY; n * t * t];
+        for (row, starts) in self.starts.chunks_exact(t).enumerate() {
+            for (i, &start) in starts.iter().enumerate() {
+                mask[(row * t + i) * t..][start as usize..=i].fill(0.0);
+            }
+        }
+        let made = Tensor::from_vec(mask, (n, 1, t, t), &self.device)?;
         Ok(self.mask.get_or_init(|| made))
     }
-}
-
-/// The additive mask of rows whose positions are `positions` ([n·t], row-major): query i sees
-/// key j when j ≤ i and j belongs to i's example (j ≥ i - positions[i]).
-fn mask(positions: &[u32], n: usize, t: usize, device: &Device) -> Result<Tensor> {
-    let mut mask = vec![f32::NEG_INFINITY; n * t * t];
-    for (row, pos) in positions.chunks_exact(t).enumerate() {
-        for (i, &p) in pos.iter().enumerate() {
-            let p = p as usize;
-            if p > i {
-                bail!("packed inputs: position {p} at index {i} of a row: before the row starts");
-            }
-            mask[(row * t + i) * t..][i - p..=i].fill(0.0);
-        }
-    }
-    Tensor::from_vec(mask, (n, 1, t, t), device)
 }
 
 /// Self-attention of `qkv` [n, t, 3C] (q, k, v side by side, `heads` heads each) within each
@@ -108,18 +97,13 @@ pub fn attention(qkv: &Tensor, heads: usize, packing: &Packing) -> Result<Tensor
 /// [`attention`] composed from candle's ops under `mask` (GPU, bf16; the fused op's reference).
 pub fn attention_with_ops(qkv: &Tensor, heads: usize, mask: &Tensor) -> Result<Tensor> {
     let (n, t, c3) = qkv.dims3()?;
-    let (c, h) = (c3 / 3, heads);
-    let hd = c / h;
-    let qkv = qkv
-        .reshape((n, t, 3, h, hd))?
-        .permute((2, 0, 3, 1, 4))?
-        .contiguous()?;
-    let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+    let hd = c3 / 3 / heads;
+    let (q, k, v) = super::gpt::attention::split_heads(qkv, heads)?;
     let dtype = q.dtype();
     let scale = 1.0 / (hd as f64).sqrt();
     let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?.broadcast_add(mask)?;
     let att = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(dtype)?;
-    att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, c))
+    att.matmul(&v)?.transpose(1, 2)?.reshape((n, t, c3 / 3))
 }
 
 /// Checks that `model` computes each example of a packed row as if it were alone, and that

@@ -57,11 +57,7 @@ pub fn with_ops(
     let (n, t, c3) = qkv.dims3()?;
     let (c, h) = (c3 / 3, heads);
     let hd = c / h;
-    let qkv = qkv
-        .reshape((n, t, 3, h, hd))?
-        .permute((2, 0, 3, 1, 4))?
-        .contiguous()?;
-    let (q, mut k, mut v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+    let (q, mut k, mut v) = split_heads(qkv, heads)?;
     let offset = match past {
         Some((pk, pv)) => {
             k = Tensor::cat(&[pk, &k], 2)?;
@@ -81,6 +77,17 @@ pub fn with_ops(
         .transpose(1, 2)?
         .reshape((n, t, c))?;
     Ok((y, k, v))
+}
+
+/// q, k and v of `qkv` [n, t, 3C], each [n, heads, t, C / heads].
+pub(crate) fn split_heads(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (n, t, c3) = qkv.dims3()?;
+    let hd = c3 / 3 / heads;
+    let qkv = qkv
+        .reshape((n, t, 3, heads, hd))?
+        .permute((2, 0, 3, 1, 4))?
+        .contiguous()?;
+    Ok((qkv.get(0)?, qkv.get(1)?, qkv.get(2)?))
 }
 
 struct AttentionOp {

@@ -251,6 +251,7 @@ mod tests {
             devices,
             backend: crate::config::Backend::Auto,
             always_collectives: false,
+            sharding: crate::config::Sharding::None,
         }
     }
 

@@ -20,6 +20,14 @@ impl Communicator for LocalCommunicator {
         Ok(())
     }
 
+    fn reduce_scatter_mean(&self, _flat: &mut Tensor) -> Result<(), CommError> {
+        Ok(())
+    }
+
+    fn all_gather(&self, _flat: &mut Tensor) -> Result<(), CommError> {
+        Ok(())
+    }
+
     fn all_reduce_sum_f64(&self, _values: &mut [f64]) -> Result<(), CommError> {
         Ok(())
     }
@@ -60,6 +68,18 @@ impl<C: Communicator> Communicator for Exercised<C> {
 
     fn all_reduce_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
         self.0.all_reduce_mean(flat)
+    }
+
+    fn owned_segment(&self, n: usize) -> std::ops::Range<usize> {
+        self.0.owned_segment(n)
+    }
+
+    fn reduce_scatter_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
+        self.0.reduce_scatter_mean(flat)
+    }
+
+    fn all_gather(&self, flat: &mut Tensor) -> Result<(), CommError> {
+        self.0.all_gather(flat)
     }
 
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError> {

@@ -2,12 +2,15 @@
 //! (`local`), CPU worker processes (`tcp`) and GPUs (`nccl`, with `--features cuda`). Also the DDP pieces built on them: initial
 //! parameter broadcast and bucketed gradient averaging.
 
+pub mod buckets;
 mod local;
 #[cfg(feature = "cuda")]
 mod nccl;
 pub mod ring;
 mod tcp;
 pub(crate) mod watchdog;
+
+use std::ops::Range;
 
 use candle_core::Tensor;
 use thiserror::Error;
@@ -16,6 +19,8 @@ use crate::models::Params;
 pub use local::{Exercised, LocalCommunicator};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclCommunicator;
+#[cfg(test)]
+pub(crate) use tcp::ranks as tcp_ranks;
 pub use tcp::{TcpCommunicator, spin_for};
 
 /// Why a collective failed. `op` is the collective (`all_reduce`, `broadcast`, ...), `rank`
@@ -68,6 +73,21 @@ pub trait Communicator {
     fn world_size(&self) -> usize;
     /// Replaces `flat` (1-D) with the element-wise mean over ranks.
     fn all_reduce_mean(&self, flat: &mut Tensor) -> Result<(), CommError>;
+    /// The part of an `n`-element buffer this rank holds reduced after
+    /// [`Communicator::reduce_scatter_mean`] and gives to the others in
+    /// [`Communicator::all_gather`]: the ranks' parts are disjoint, cover the buffer and
+    /// differ in length by at most one element (the ring's: segment rank+1 of W).
+    fn owned_segment(&self, n: usize) -> Range<usize> {
+        let w = self.world_size();
+        ring::segment(n, w, (self.rank() + 1) % w)
+    }
+    /// Leaves in this rank's [`Communicator::owned_segment`] of `flat` (1-D) the element-wise
+    /// mean over ranks, the same bits there as [`Communicator::all_reduce_mean`] gives; the
+    /// rest of `flat` is left unspecified. Half the all-reduce's traffic.
+    fn reduce_scatter_mean(&self, flat: &mut Tensor) -> Result<(), CommError>;
+    /// Replaces every rank's part of `flat` (1-D) with that rank's
+    /// [`Communicator::owned_segment`]: the other half of an all-reduce.
+    fn all_gather(&self, flat: &mut Tensor) -> Result<(), CommError>;
     /// Replaces `values` with their element-wise sum over ranks (metrics: loss sums, counts).
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError>;
     /// Replaces `t` on every rank with `root`'s, in storage of its own (`t` may be a
@@ -149,39 +169,42 @@ pub fn average_gradients(
         return Ok(StopVote::Known(stop));
     }
     let mut verdict = StopVote::Known(false);
-    let mut start = 0;
-    while start < grads.len() {
-        let mut end = start;
-        let mut bytes = 0;
-        while end < grads.len()
-            && (end == start || bytes + grads[end].elem_count() * 4 <= bucket_bytes)
-        {
-            bytes += grads[end].elem_count() * 4;
-            end += 1;
-        }
-        let mut flats = grads[start..end]
-            .iter()
-            .map(|g| g.flatten_all())
-            .collect::<Result<Vec<_>, _>>()?;
-        let last = end == grads.len();
-        if last {
-            let vote = if stop { 1f32 } else { 0f32 };
-            flats.push(Tensor::new(&[vote], flats[0].device())?.to_dtype(flats[0].dtype())?);
-        }
-        let mut bucket = Tensor::cat(&flats, 0)?;
+    let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
+    let ranges = buckets::bucket_ranges(&sizes, bucket_bytes);
+    let last = ranges.len().saturating_sub(1);
+    for (b, range) in ranges.into_iter().enumerate() {
+        let mut bucket = flat_bucket(&grads[range.clone()], (b == last).then_some(stop))?;
         comm.all_reduce_mean(&mut bucket)?;
-        if last {
+        if b == last {
             verdict = StopVote::Reduced(bucket.narrow(0, bucket.elem_count() - 1, 1)?);
         }
-        let mut offset = 0;
-        for g in &mut grads[start..end] {
-            let n = g.elem_count();
-            *g = bucket.narrow(0, offset, n)?.reshape(g.shape())?;
-            offset += n;
-        }
-        start = end;
+        unflatten_into(&bucket, &mut grads[range])?;
     }
     Ok(verdict)
+}
+
+/// `tensors` flattened into one 1-D bucket, followed by a stop vote when given (1 to stop).
+pub(crate) fn flat_bucket(tensors: &[Tensor], vote: Option<bool>) -> Result<Tensor, CommError> {
+    let mut flats = tensors
+        .iter()
+        .map(|g| g.flatten_all())
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(stop) = vote {
+        let (device, dtype) = (flats[0].device().clone(), flats[0].dtype());
+        flats.push(Tensor::new(&[u8::from(stop) as f32], &device)?.to_dtype(dtype)?);
+    }
+    Ok(Tensor::cat(&flats, 0)?)
+}
+
+/// Replaces each of `tensors` with its part of `bucket` (in order, shapes kept).
+pub(crate) fn unflatten_into(bucket: &Tensor, tensors: &mut [Tensor]) -> Result<(), CommError> {
+    let mut offset = 0;
+    for t in tensors {
+        let n = t.elem_count();
+        *t = bucket.narrow(0, offset, n)?.reshape(t.shape())?;
+        offset += n;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -209,6 +232,12 @@ mod tests {
             self.buckets.borrow_mut().push(flat.elem_count());
             *flat = (&*flat * 0.5)?;
             Ok(())
+        }
+        fn reduce_scatter_mean(&self, _flat: &mut Tensor) -> Result<(), CommError> {
+            unreachable!("not sharded")
+        }
+        fn all_gather(&self, _flat: &mut Tensor) -> Result<(), CommError> {
+            unreachable!("not sharded")
         }
         fn all_reduce_sum_f64(&self, _values: &mut [f64]) -> Result<(), CommError> {
             Ok(())

@@ -195,6 +195,30 @@ impl NcclCommunicator {
         Ok(())
     }
 
+    /// Runs a reduce-scatter or all-gather on `flat`, padded with zeros to W equal chunks
+    /// (NCCL's requirement) and cut back after.
+    fn chunked(
+        &self,
+        flat: &mut Tensor,
+        what: Collective,
+        op: &'static str,
+    ) -> Result<(), CommError> {
+        let n = flat.elem_count();
+        if n == 0 {
+            return Ok(());
+        }
+        let padded_len = n.div_ceil(self.world_size) * self.world_size;
+        let padded = if padded_len > n {
+            let zeros = Tensor::zeros(padded_len - n, flat.dtype(), flat.device())?;
+            Tensor::cat(&[&flat.flatten_all()?, &zeros], 0)?
+        } else {
+            flat.flatten_all()?.contiguous()?
+        };
+        self.in_place(&padded, what, op)?;
+        *flat = padded.narrow(0, 0, n)?.reshape(flat.shape())?;
+        Ok(())
+    }
+
     /// Runs `what` in place on `t`'s GPU memory.
     fn in_place(&self, t: &Tensor, what: Collective, op: &'static str) -> Result<(), CommError> {
         let t_op = InPlace {
@@ -211,6 +235,10 @@ impl NcclCommunicator {
 enum Collective {
     Mean,
     Broadcast(usize),
+    /// In place on a buffer of W equal chunks: chunk `rank` gets the mean.
+    ReduceScatterMean,
+    /// In place on a buffer of W equal chunks: chunk `rank` goes to every rank.
+    AllGather,
 }
 
 struct InPlace<'a> {
@@ -258,6 +286,26 @@ impl InplaceOp1 for InPlace<'_> {
             Collective::Broadcast(root) => unsafe {
                 result::broadcast(ptr as _, ptr as _, count, f32_type, root as i32, comm, s)
             },
+            // NCCL's in-place forms: this rank's chunk is where the result lands (reduce-
+            // scatter) or what it contributes (all-gather), inside the whole buffer.
+            Collective::ReduceScatterMean => unsafe {
+                let chunk = count / self.comm.world_size;
+                let mine = ptr + (self.comm.rank * chunk * 4) as u64;
+                result::reduce_scatter(
+                    ptr as _,
+                    mine as _,
+                    chunk,
+                    f32_type,
+                    sys::ncclRedOp_t::ncclAvg,
+                    comm,
+                    s,
+                )
+            },
+            Collective::AllGather => unsafe {
+                let chunk = count / self.comm.world_size;
+                let mine = ptr + (self.comm.rank * chunk * 4) as u64;
+                result::all_gather(mine as _, ptr as _, chunk, f32_type, comm, s)
+            },
         });
         queued.map_err(|e| candle_core::Error::Msg(e.to_string()))
     }
@@ -277,6 +325,20 @@ impl Communicator for NcclCommunicator {
             *flat = flat.contiguous()?;
         }
         self.in_place(flat, Collective::Mean, "all_reduce")
+    }
+
+    /// NCCL's own split: W equal chunks of the length rounded up, chunk `rank` this rank's.
+    fn owned_segment(&self, n: usize) -> std::ops::Range<usize> {
+        let chunk = n.div_ceil(self.world_size);
+        (self.rank * chunk).min(n)..((self.rank + 1) * chunk).min(n)
+    }
+
+    fn reduce_scatter_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
+        self.chunked(flat, Collective::ReduceScatterMean, "reduce_scatter")
+    }
+
+    fn all_gather(&self, flat: &mut Tensor) -> Result<(), CommError> {
+        self.chunked(flat, Collective::AllGather, "all_gather")
     }
 
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError> {

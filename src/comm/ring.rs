@@ -51,6 +51,9 @@ pub struct RingLinks {
     /// microseconds per hand-off, which adds up over the many hand-offs of one all-reduce.
     /// Zero when workers outnumber cores, where spinning would steal a peer's core.
     spin: Duration,
+    /// Bytes written to the next rank so far (what the sharding tests compare).
+    #[cfg(test)]
+    sent: u64,
 }
 
 /// Where incoming bytes go: straight into place, or through a scratch chunk that is added in.
@@ -134,7 +137,21 @@ impl RingLinks {
             recv,
             timeout,
             spin,
+            #[cfg(test)]
+            sent: 0,
         })
+    }
+
+    /// Bytes sent to the next rank since these links were made.
+    #[cfg(test)]
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// The segment of an `n`-element buffer this rank holds complete after a reduce-scatter
+    /// (segment rank+1 of W: where the ring's reduction order ends).
+    pub fn owned(&self, n: usize) -> Range<usize> {
+        segment(n, self.world, (self.rank + 1) % self.world)
     }
 
     /// Sends all of `out` while feeding incoming bytes to `sink` until it is satisfied.
@@ -147,6 +164,10 @@ impl RingLinks {
                 match self.send.write(&out[sent..]) {
                     Ok(n) => {
                         sent += n;
+                        #[cfg(test)]
+                        {
+                            self.sent += n as u64;
+                        }
                         progressed = n > 0;
                     }
                     Err(e) if retry(&e) => {}
@@ -228,15 +249,32 @@ impl RingLinks {
     /// Mean instead of sum: the owner of each segment divides once before the all-gather, so
     /// every rank ends with the same bits.
     pub fn all_reduce_mean(&mut self, buf: &mut [f32]) -> Result<(), LinkError> {
-        let (w, r, n) = (self.world, self.rank, buf.len());
-        if w == 1 {
+        if self.world == 1 {
+            return Ok(());
+        }
+        self.reduce_scatter_mean(buf)?;
+        self.all_gather_owned(buf)
+    }
+
+    /// The first half of [`RingLinks::all_reduce_mean`]: afterwards this rank's
+    /// [`RingLinks::owned`] segment holds the mean over ranks (the other segments: partial
+    /// sums, to be overwritten). A sharded optimizer updates that segment, then all-gathers.
+    pub fn reduce_scatter_mean(&mut self, buf: &mut [f32]) -> Result<(), LinkError> {
+        if self.world == 1 {
             return Ok(());
         }
         self.reduce_scatter(buf)?;
-        let scale = w as f32;
-        buf[segment(n, w, (r + 1) % w)]
-            .iter_mut()
-            .for_each(|x| *x /= scale);
+        let scale = self.world as f32;
+        let owned = self.owned(buf.len());
+        buf[owned].iter_mut().for_each(|x| *x /= scale);
+        Ok(())
+    }
+
+    /// Gives every rank each rank's [`RingLinks::owned`] segment of `buf`.
+    pub fn all_gather<T: Element>(&mut self, buf: &mut [T]) -> Result<(), LinkError> {
+        if self.world == 1 {
+            return Ok(());
+        }
         self.all_gather_owned(buf)
     }
 

@@ -18,6 +18,9 @@ use crate::store::{Key, StoreClient};
 
 const HELLO: &[u8] = b"DDPJOB-RING/1\n";
 
+/// Operation, sequence number and length, before every collective.
+const HEADER_BYTES: usize = 17;
+
 /// Identifies a collective on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -26,6 +29,8 @@ enum Op {
     AllReduceSum = 2,
     Broadcast = 3,
     Barrier = 4,
+    ReduceScatterMean = 5,
+    AllGather = 6,
 }
 
 impl Op {
@@ -35,6 +40,8 @@ impl Op {
             Op::AllReduceSum => "all_reduce_sum",
             Op::Broadcast => "broadcast",
             Op::Barrier => "barrier",
+            Op::ReduceScatterMean => "reduce_scatter_mean",
+            Op::AllGather => "all_gather",
         }
     }
 
@@ -44,6 +51,8 @@ impl Op {
             Op::AllReduceSum,
             Op::Broadcast,
             Op::Barrier,
+            Op::ReduceScatterMean,
+            Op::AllGather,
         ]
         .into_iter()
         .find(|op| *op as u8 == b)
@@ -185,11 +194,11 @@ impl TcpCommunicator {
         body: impl FnOnce(&mut RingLinks) -> Result<(), LinkError>,
     ) -> Result<(), CommError> {
         let fail = |e: LinkError| self.link_failure(op, seq, e);
-        let mut header = [0u8; 17];
+        let mut header = [0u8; HEADER_BYTES];
         header[0] = op as u8;
         header[1..9].copy_from_slice(&seq.to_le_bytes());
         header[9..].copy_from_slice(&(len as u64).to_le_bytes());
-        let mut theirs = [0u8; 17];
+        let mut theirs = [0u8; HEADER_BYTES];
         links.exchange_bytes(&header, &mut theirs).map_err(fail)?;
         if theirs != header {
             let their_op = Op::from_byte(theirs[0]).map_or("an unknown operation", Op::name);
@@ -213,6 +222,13 @@ impl TcpCommunicator {
     /// Sums a plain buffer in place, with no tensor conversion: what `ddpjob bench` times.
     pub fn all_reduce_sum<T: Element>(&self, buf: &mut [T]) -> Result<(), CommError> {
         self.collective(Op::AllReduceSum, buf.len(), |l| l.all_reduce_sum(buf))
+    }
+
+    /// Payload bytes this rank has sent to the next (collective headers not counted).
+    #[cfg(test)]
+    pub fn bytes_sent(&self) -> u64 {
+        let state = self.state.borrow();
+        state.links.bytes_sent() - state.seq * HEADER_BYTES as u64
     }
 
     fn prev(&self) -> usize {
@@ -343,6 +359,26 @@ impl Communicator for TcpCommunicator {
         Ok(())
     }
 
+    fn owned_segment(&self, n: usize) -> std::ops::Range<usize> {
+        self.state.borrow().links.owned(n)
+    }
+
+    fn reduce_scatter_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
+        let mut buf = flat.flatten_all()?.to_vec1::<f32>()?;
+        self.collective(Op::ReduceScatterMean, buf.len(), |l| {
+            l.reduce_scatter_mean(&mut buf)
+        })?;
+        *flat = Tensor::from_vec(buf, flat.shape(), flat.device())?;
+        Ok(())
+    }
+
+    fn all_gather(&self, flat: &mut Tensor) -> Result<(), CommError> {
+        let mut buf = flat.flatten_all()?.to_vec1::<f32>()?;
+        self.collective(Op::AllGather, buf.len(), |l| l.all_gather(&mut buf))?;
+        *flat = Tensor::from_vec(buf, flat.shape(), flat.device())?;
+        Ok(())
+    }
+
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError> {
         self.all_reduce_sum(values)
     }
@@ -368,42 +404,48 @@ impl Communicator for TcpCommunicator {
     }
 }
 
+/// Runs `f(rank, communicator)` for a `world`-rank ring over a real store and real sockets, a
+/// thread per rank (tests of what sits on top of the collectives).
+#[cfg(test)]
+pub(crate) fn ranks<T: Send>(
+    world: usize,
+    f: impl Fn(usize, TcpCommunicator) -> T + Sync,
+) -> Vec<T> {
+    use std::net::Ipv4Addr;
+    let server = crate::store::StoreServer::bind("127.0.0.1:0".parse().unwrap(), "tok").unwrap();
+    let addr = server.addr().to_string();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (addr, f) = (&addr, &f);
+                s.spawn(move || {
+                    let store = StoreClient::connect(addr, "tok", Duration::from_secs(5)).unwrap();
+                    let ip = IpAddr::from(Ipv4Addr::LOCALHOST);
+                    let timeout = Duration::from_secs(5);
+                    let comm = TcpCommunicator::connect(
+                        &store,
+                        "tok",
+                        rank,
+                        world,
+                        ip,
+                        timeout,
+                        Duration::ZERO,
+                    )
+                    .unwrap();
+                    f(rank, comm)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
-
     use super::*;
-    use crate::store::StoreServer;
 
-    /// Runs `f(rank, communicator)` for a 2-rank ring over a real store, in two threads.
     fn pair<T: Send>(f: impl Fn(usize, TcpCommunicator) -> T + Sync) -> Vec<T> {
-        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "tok").unwrap();
-        let addr = server.addr().to_string();
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (0..2)
-                .map(|rank| {
-                    let (addr, f) = (&addr, &f);
-                    s.spawn(move || {
-                        let store =
-                            StoreClient::connect(addr, "tok", Duration::from_secs(5)).unwrap();
-                        let ip = IpAddr::from(Ipv4Addr::LOCALHOST);
-                        let timeout = Duration::from_secs(5);
-                        let comm = TcpCommunicator::connect(
-                            &store,
-                            "tok",
-                            rank,
-                            2,
-                            ip,
-                            timeout,
-                            Duration::ZERO,
-                        )
-                        .unwrap();
-                        f(rank, comm)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
+        ranks(2, f)
     }
 
     #[test]

@@ -13,7 +13,9 @@ use super::checks::{
     zero_is_off, zero_is_off_f64,
 };
 use super::declare::section;
-use super::spec::{Backend, DeviceChoice, OnWriteError, OptimizerSpec, Precision, ScheduleKind};
+use super::spec::{
+    Backend, DeviceChoice, OnWriteError, OptimizerSpec, Precision, ScheduleKind, Sharding,
+};
 use crate::models::TargetModules;
 
 /// A week: longer than any collective should stall, and safe to add to a clock.
@@ -215,6 +217,11 @@ section! {
         /// the real backend anyway (NCCL on a GPU), to check that path on one device
         collectives: String = "auto".into()
             => always_collectives: bool = choice(&[("auto", false), ("always", true)]);
+        /// `"none"`: every worker keeps the whole optimizer state (DDP); `"optimizer"`
+        /// (ZeRO-1): each keeps the optimizer state of its 1/W of the parameters, gradients are
+        /// reduce-scattered and the updated parameters all-gathered (see "Sharded optimizer
+        /// state")
+        sharding: String = "none".into() => sharding: Sharding = sharding_choice;
         /// gradient bucket size for all-reduce
         bucket_mb: f64 = 25.0, shown "`25`"
             => bucket_bytes: usize = |c: &mut Checker, key: &str, &v: &f64, _: &RawDistributed| {
@@ -392,6 +399,25 @@ fn backend_choice(c: &mut Checker, key: &str, name: &String, d: &RawDistributed)
         );
     }
     backend
+}
+
+fn sharding_choice(c: &mut Checker, key: &str, name: &String, _: &RawDistributed) -> Sharding {
+    if name == "gradients" || name == "full" {
+        let what = match name.as_str() {
+            "gradients" => "ZeRO-2, gradients sharded as backward produces them",
+            _ => "ZeRO-3 / FSDP, parameters sharded too",
+        };
+        c.fail(
+            key,
+            format!(
+                "\"{name}\" ({what}) is not available yet; use \"optimizer\", which shards \
+                 the optimizer state and keeps only each worker's share of the averaged \
+                 gradients once they are reduced"
+            ),
+        );
+        return Sharding::None;
+    }
+    choice(&[("none", Sharding::None), ("optimizer", Sharding::Optimizer)])(c, key, name, &())
 }
 
 fn gpu_ordinals(c: &mut Checker, key: &str, list: &Vec<i64>, d: &RawDistributed) -> Vec<usize> {

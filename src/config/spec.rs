@@ -244,6 +244,15 @@ pub enum Backend {
     Nccl,
 }
 
+/// `distributed.sharding`: what each worker keeps of the training state (ZeRO's stages).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharding {
+    /// Everything, on every worker (DDP).
+    None,
+    /// Each worker keeps the optimizer state of its 1/W of the parameters (ZeRO-1).
+    Optimizer,
+}
+
 /// `train.precision`: the dtype of the forward and backward passes. Weights, optimizer state
 /// and gradient averaging stay f32 either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -67,13 +67,22 @@ pub fn sgd_step(param: &Tensor, grad: &Tensor, buffer: &mut Vec<f32>, h: SgdStep
     param.inplace_op2(&grad.contiguous()?, &op)
 }
 
-/// Σ g² over a CPU f32 tensor: f32 sums in eight lanes per chunk, the chunks added in f64 (as
-/// accurate as torch's f32 norm, and the same value whatever the number of threads).
+/// Σ g² over a CPU f32 tensor, each square and every sum in f64 (four interleaved partial
+/// sums, so the loop vectorises). Squares of f32 are exact in f64, so however the gradient is
+/// cut (a sharded optimizer sums its pieces, then the ranks' sums) the total differs only in
+/// the last digits of an f64, and the clipping coefficient, rounded to f32, almost never.
 pub fn sum_of_squares(g: &Tensor) -> Result<f64> {
     super::with_values(g, |g| {
-        Ok(g.chunks(CHUNK)
-            .map(|chunk| super::sum_map(chunk, |v| v * v) as f64)
-            .sum())
+        let mut lanes = [0f64; 4];
+        let chunks = g.chunks_exact(4);
+        let square = |v: f32| (v as f64) * (v as f64);
+        let tail: f64 = chunks.remainder().iter().map(|&v| square(v)).sum();
+        for chunk in chunks {
+            for (lane, &v) in lanes.iter_mut().zip(chunk) {
+                *lane += square(v);
+            }
+        }
+        Ok(lanes.iter().sum::<f64>() + tail)
     })
 }
 

@@ -2,6 +2,7 @@
 //! exactly (candle-nn keeps its optimizers' state private), plus gradient clipping.
 
 pub mod schedule;
+mod sharded;
 
 use std::collections::HashMap;
 
@@ -13,6 +14,18 @@ use crate::models::Params;
 
 pub use schedule::Schedule;
 
+/// One tensor an update is applied to: its state slot (a parameter's position, or a shard's
+/// piece), whether weight decay applies, its value and its gradient.
+struct Slot<'a> {
+    state: usize,
+    decays: bool,
+    param: &'a Tensor,
+    grad: &'a Tensor,
+}
+
+/// A slot's first and second state buffers.
+type StateRef<'a> = (&'a mut Option<Buffer>, &'a mut Option<Buffer>);
+
 /// One optimizer over a fixed list of parameters; state is per parameter, by position.
 pub struct Optimizer {
     spec: OptimizerSpec,
@@ -22,6 +35,9 @@ pub struct Optimizer {
     first: Vec<Option<Buffer>>,
     /// Adam/AdamW: second moment.
     second: Vec<Option<Buffer>>,
+    /// When the state is sharded: whose pieces the state slots are (else one slot per
+    /// parameter).
+    shards: Option<sharded::Shards>,
 }
 
 /// A state buffer: a tensor for candle's ops, or (f32 on the CPU) a plain vector that the fused
@@ -37,6 +53,13 @@ impl Buffer {
         match self {
             Buffer::Tensor(t) => Ok(t.clone()),
             Buffer::Host(v) => Tensor::from_slice(v, like.shape(), like.device()),
+        }
+    }
+
+    fn values(&self) -> Result<Vec<f32>> {
+        match self {
+            Buffer::Tensor(t) => t.flatten_all()?.to_vec1::<f32>(),
+            Buffer::Host(v) => Ok(v.clone()),
         }
     }
 
@@ -68,6 +91,7 @@ impl Optimizer {
             steps: 0,
             first: vec![None; param_count],
             second: vec![None; param_count],
+            shards: None,
         }
     }
 
@@ -79,44 +103,75 @@ impl Optimizer {
     /// [`Params::trainable`]) with learning rate `lr`. Frozen parameters keep no state.
     pub fn step(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
         self.steps += 1;
+        let slots = params
+            .trainable()
+            .zip(grads)
+            .map(|((i, var), grad)| Slot {
+                state: i,
+                decays: params.decays(i),
+                param: var.as_tensor(),
+                grad,
+            })
+            .collect();
+        let updated = self.update(slots, lr)?;
+        for ((_, var), new) in params.trainable().zip(updated) {
+            if let Some(new) = new {
+                var.set(&new)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Updates each slot's tensor from its gradient: CPU f32 ones in place by the fused
+    /// kernels, the others with candle's tensor ops, whose new values are returned (`None`
+    /// where the update was in place).
+    fn update(&mut self, slots: Vec<Slot>, lr: f64) -> Result<Vec<Option<Tensor>>> {
         // Biases and LayerNorm gains are exempt from weight decay where the model says so
         // (nanoGPT's two parameter groups); a parameter either decays at the configured rate
         // or not at all.
         let base = self.spec;
-        let spec_of = |i: usize| match params.decays(i) {
+        let spec_of = |decays: bool| match decays {
             true => base,
             false => base.without_weight_decay(),
         };
-        if params.vars().all(|v| kernels::applies(v.as_tensor())) {
-            // All on the CPU: one task per parameter, so the small ones (gains, biases,
+        let steps = self.steps;
+        if slots.iter().all(|s| kernels::applies(s.param)) {
+            // All on the CPU: one task per tensor, so the small ones (gains, biases,
             // embeddings) do not wait their turn on one thread while the others split.
             use rayon::prelude::*;
-            let steps = self.steps;
-            let states = self
+            let n = slots.len();
+            let mut states: Vec<Option<StateRef>> = self
                 .first
                 .iter_mut()
                 .zip(self.second.iter_mut())
-                .enumerate();
-            let states = states.filter(|(i, _)| !params.is_frozen(*i));
-            let work: Vec<_> = params.trainable().zip(grads).zip(states).collect();
-            return work.into_par_iter().try_for_each(
-                |(((i, var), grad), (_, (first, second)))| {
-                    let state = (first, second);
-                    fused_step(spec_of(i), steps, var.as_tensor(), grad, state, lr)
-                },
-            );
+                .map(Some)
+                .collect();
+            let work: Vec<_> = slots
+                .into_iter()
+                .map(|s| {
+                    let state = states[s.state]
+                        .take()
+                        .expect("each state slot updated once");
+                    (s, state)
+                })
+                .collect();
+            work.into_par_iter().try_for_each(|(s, state)| {
+                fused_step(spec_of(s.decays), steps, s.param, s.grad, state, lr)
+            })?;
+            return Ok(vec![None; n]);
         }
-        for ((i, var), grad) in params.trainable().zip(grads) {
-            let spec = spec_of(i);
-            if kernels::applies(var.as_tensor()) {
-                let state = (&mut self.first[i], &mut self.second[i]);
-                fused_step(spec, self.steps, var.as_tensor(), grad, state, lr)?;
+        let mut out = Vec::with_capacity(slots.len());
+        for s in slots {
+            let spec = spec_of(s.decays);
+            if kernels::applies(s.param) {
+                let state = (&mut self.first[s.state], &mut self.second[s.state]);
+                fused_step(spec, steps, s.param, s.grad, state, lr)?;
+                out.push(None);
             } else {
-                let updated = self.tensor_step(spec, i, var.as_tensor(), grad, lr)?;
-                var.set(&updated)?;
+                out.push(Some(self.tensor_step(spec, s.state, s.param, s.grad, lr)?));
             }
         }
-        Ok(())
+        Ok(out)
     }
 
     /// The update with candle's tensor ops (any device): the new parameter value.
@@ -223,6 +278,9 @@ impl Optimizer {
     /// State tensors keyed `<param>.<buffer>` (torch's names: `momentum_buffer`, `exp_avg`,
     /// `exp_avg_sq`) and the step count.
     pub fn state(&self, params: &Params) -> Result<(HashMap<String, Tensor>, u64)> {
+        if self.shards.is_some() {
+            candle_core::bail!("a sharded optimizer's state is gathered: see checkpoint_state");
+        }
         let mut out = HashMap::new();
         let (first, second) = self.buffer_names();
         for (i, (name, var)) in params.iter().enumerate() {
@@ -242,7 +300,11 @@ impl Optimizer {
         params: &Params,
         mut tensors: HashMap<String, Tensor>,
         steps: u64,
-    ) {
+    ) -> Result<()> {
+        self.steps = steps;
+        if self.shards.is_some() {
+            return self.load_pieces(params, &tensors);
+        }
         let (first, second) = self.buffer_names();
         for (i, (name, _)) in params.iter().enumerate() {
             self.first[i] = tensors
@@ -252,7 +314,7 @@ impl Optimizer {
                 .remove(&format!("{name}.{second}"))
                 .map(Buffer::Tensor);
         }
-        self.steps = steps;
+        Ok(())
     }
 }
 
@@ -263,7 +325,7 @@ fn fused_step(
     steps: u64,
     p: &Tensor,
     grad: &Tensor,
-    (first, second): (&mut Option<Buffer>, &mut Option<Buffer>),
+    (first, second): StateRef,
     lr: f64,
 ) -> Result<()> {
     match spec {
@@ -350,6 +412,34 @@ fn clip_on_host(grads: &mut [Tensor], max_norm: f64) -> Result<Tensor> {
         }
     }
     Tensor::new(norm as f32, grads[0].device())
+}
+
+/// Σ g² over every element of `grads`, on the host (a device round trip off the CPU): the
+/// local part of a sharded job's global gradient norm.
+pub fn sum_of_squares(grads: &[Tensor]) -> Result<f64> {
+    use rayon::prelude::*;
+    if grads.iter().all(kernels::applies) {
+        let squares = grads
+            .par_iter()
+            .map(kernels::sum_of_squares)
+            .collect::<Result<Vec<f64>>>()?;
+        return Ok(squares.iter().sum());
+    }
+    grads.iter().try_fold(0.0, |acc, g| {
+        let s = g.to_dtype(candle_core::DType::F64)?.sqr()?.sum_all()?;
+        Ok(acc + s.to_scalar::<f64>()?)
+    })
+}
+
+/// Multiplies every gradient by `factor`, in place of the old ones.
+pub fn scale(grads: &mut [Tensor], factor: f64) -> Result<()> {
+    for g in grads.iter_mut() {
+        *g = match kernels::applies(g) {
+            true => kernels::scaled(g, factor as f32)?,
+            false => (&*g * factor)?,
+        };
+    }
+    Ok(())
 }
 
 /// [`clip_grad_norm`] as candle tensor ops, for any device and dtype.

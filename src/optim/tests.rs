@@ -215,7 +215,7 @@ fn state_round_trips_exactly() {
     let (tensors, steps) = a.state(&params).unwrap();
     assert!(tensors.contains_key("w.exp_avg") && tensors.contains_key("w.exp_avg_sq"));
     let mut b = Optimizer::new(spec, 1);
-    b.load_state(&params, tensors, steps);
+    b.load_state(&params, tensors, steps).unwrap();
     assert_eq!(b.steps(), 1);
     let (again, _) = b.state(&params).unwrap();
     let (before, _) = a.state(&params).unwrap();

@@ -1,13 +1,15 @@
 //! What only rank 0 does: write metrics, state and checkpoints into the job directory. A separate
 //! type with no collectives, so a collective that only rank 0 would call cannot be written here.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
+
+use candle_core::Tensor;
 
 use crate::checkpoint::{Checkpointer, Restored, TrainPosition};
 use crate::jobdir::{JobDir, JobDirError, JobState, now_unix};
 use crate::models::Params;
-use crate::optim::Optimizer;
 use crate::report::Record;
 use crate::report::sink::{JsonlSink, MetricsSink, TensorBoardSink};
 
@@ -177,13 +179,12 @@ impl Leader {
     pub fn save_best(
         &self,
         params: &Params,
-        optimizer: &Optimizer,
+        optimizer: &HashMap<String, Tensor>,
         position: &TrainPosition,
     ) -> Result<PathBuf, TrainError> {
-        let (optim, _) = optimizer.state(params)?;
         Ok(self
             .checkpointer
-            .save_best(&checkpointed(params, position), &optim, position)?)
+            .save_best(&checkpointed(params, position), optimizer, position)?)
     }
 
     /// Redraws `curves.svg`; a failure is only worth a warning (returned as its text).
@@ -194,12 +195,11 @@ impl Leader {
     pub fn checkpoint(
         &self,
         params: &Params,
-        optimizer: &Optimizer,
+        optimizer: &HashMap<String, Tensor>,
         position: &TrainPosition,
     ) -> Result<PathBuf, TrainError> {
         let model = checkpointed(params, position);
-        let (optim, _) = optimizer.state(params)?;
-        let dir = self.checkpointer.save(&model, &optim, position)?;
+        let dir = self.checkpointer.save(&model, optimizer, position)?;
         // state.json follows the checkpoints, so it says where a resume would start.
         if let Some(mut state) = self.job.read_state() {
             state.epoch = position.epoch;

@@ -7,6 +7,7 @@ mod eval;
 mod leader;
 mod metrics;
 mod resume;
+mod sharded;
 pub mod shards;
 pub mod step;
 
@@ -18,8 +19,9 @@ use candle_core::{Device, Tensor};
 use thiserror::Error;
 
 use crate::checkpoint::{CheckpointError, MetricState, Restored, TrainPosition};
+use crate::comm::buckets::ShardPlan;
 use crate::comm::{CommError, Communicator, StopVote, broadcast_params};
-use crate::config::{JobSpec, OnWriteError, Plan};
+use crate::config::{JobSpec, OnWriteError, Plan, Sharding};
 use crate::data::{DataError, DistributedSampler};
 use crate::fault::Fault;
 use crate::heartbeat::Beacon;
@@ -242,7 +244,23 @@ impl Trainer<'_> {
     /// fresh; every rank then starts from rank 0's parameters.
     fn begin(&mut self, start: &Start) -> Result<Optimizer, TrainError> {
         let (spec, world) = (self.spec, self.comm.world_size());
-        let mut optimizer = Optimizer::new(spec.train.optimizer, self.model.params().len());
+        let params = self.model.params();
+        let mut optimizer = match spec.distributed.sharding {
+            // A single rank that skips its collectives has nothing to share its state with.
+            Sharding::Optimizer if !self.comm.skips_collectives() => {
+                let sizes: Vec<usize> = params.trainable().map(|(_, v)| v.elem_count()).collect();
+                let bucket_bytes = spec.distributed.bucket_bytes;
+                let plan = ShardPlan::new(&sizes, bucket_bytes, self.comm);
+                self.reporter.line(&format!(
+                    "optimizer state sharded over {world} workers (ZeRO-1): rank 0 keeps the \
+                     state of {} of {} trainable values",
+                    plan.owned_elements(),
+                    sizes.iter().sum::<usize>()
+                ));
+                Optimizer::sharded(spec.train.optimizer, plan, params)
+            }
+            _ => Optimizer::new(spec.train.optimizer, params.len()),
+        };
         if let Some(restored) = self.resume.take() {
             resume::restore(self.model.params(), &mut optimizer, &restored)?;
             let note = start.describe(spec, &restored.position, world);
@@ -370,8 +388,9 @@ impl Trainer<'_> {
         if !self.spec.checkpoint.keep_best {
             return Ok(());
         }
-        if let Some(leader) = &self.leader {
-            match leader.save_best(self.model.params(), optimizer, &at) {
+        let state = optimizer.checkpoint_state(self.comm, self.model.params())?;
+        if let (Some(leader), Some(state)) = (&self.leader, state) {
+            match leader.save_best(self.model.params(), &state, &at) {
                 Ok(dir) => self.reporter.line(&format!(
                     "best {} so far ({:.4}): weights kept in {}",
                     self.loss_name(),
@@ -451,8 +470,9 @@ impl Trainer<'_> {
         optimizer: &Optimizer,
         position: &TrainPosition,
     ) -> Result<(), TrainError> {
-        if let Some(leader) = &self.leader {
-            match leader.checkpoint(self.model.params(), optimizer, position) {
+        let state = optimizer.checkpoint_state(self.comm, self.model.params())?;
+        if let (Some(leader), Some(state)) = (&self.leader, state) {
+            match leader.checkpoint(self.model.params(), &state, position) {
                 Ok(dir) => self
                     .reporter
                     .line(&format!("checkpoint written: {}", dir.display())),

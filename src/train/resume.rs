@@ -107,6 +107,6 @@ pub fn restore(
         params,
         restored.optimizer.clone(),
         restored.position.optimizer_steps,
-    );
+    )?;
     Ok(())
 }

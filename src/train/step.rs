@@ -106,13 +106,29 @@ pub fn optimizer_step(
         .trainable()
         .map(|(i, var)| grads[i].take().map_or_else(|| var.zeros_like(), Ok))
         .collect::<Result<Vec<_>, _>>()?;
-    let stop = average_gradients(cx.comm, &mut grads, cx.bucket_bytes, stop_vote)?;
-    clock.lap(&mut phases, |p| &mut p.sync)?;
-    if let Some(max_norm) = cx.grad_clip_norm {
-        clip_grad_norm(&mut grads, max_norm)?;
-    }
-    optimizer.step(params, &grads, lr)?;
-    clock.lap(&mut phases, |p| &mut p.update)?;
+    let stop = match optimizer.plan().cloned() {
+        Some(plan) => {
+            let (mut pieces, vote) =
+                super::sharded::reduce_scatter_gradients(cx, &plan, grads, stop_vote)?;
+            clock.lap(&mut phases, |p| &mut p.sync)?;
+            if let Some(max_norm) = cx.grad_clip_norm {
+                super::sharded::clip_pieces(cx, &mut pieces, max_norm)?;
+            }
+            let stop = super::sharded::update_and_gather(cx, optimizer, &pieces, lr, vote)?;
+            clock.lap(&mut phases, |p| &mut p.update)?;
+            stop
+        }
+        None => {
+            let stop = average_gradients(cx.comm, &mut grads, cx.bucket_bytes, stop_vote)?;
+            clock.lap(&mut phases, |p| &mut p.sync)?;
+            if let Some(max_norm) = cx.grad_clip_norm {
+                clip_grad_norm(&mut grads, max_norm)?;
+            }
+            optimizer.step(params, &grads, lr)?;
+            clock.lap(&mut phases, |p| &mut p.update)?;
+            stop
+        }
+    };
     let loss_sum = loss_sum.map_or_else(|| Tensor::zeros((), DType::F32, cx.device), Ok)?;
     Ok(StepResult {
         loss_sum,

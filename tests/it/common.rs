@@ -156,6 +156,23 @@ impl TestJob {
     }
 }
 
+/// A few KB of text with structure a one-layer model can learn.
+pub fn corpus() -> String {
+    let subjects = ["the cat", "a dog", "my bird", "our fox"];
+    let verbs = ["sat on", "ran to", "looked at", "slept by"];
+    let objects = ["the mat.", "a tree.", "the door.", "my hat."];
+    let mut text = String::new();
+    for i in 0..240 {
+        text += &format!(
+            "{} {} {}\n",
+            subjects[i % 4],
+            verbs[(i / 4) % 4],
+            objects[(i / 16) % 4]
+        );
+    }
+    text
+}
+
 /// The tensors of a safetensors file, flattened to f32, by name.
 pub fn load_weights(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
     candle_core::safetensors::load(path, &candle_core::Device::Cpu)

@@ -4,24 +4,7 @@
 
 use std::path::Path;
 
-use crate::common::{TestJob, assert_same_bits, load_weights};
-
-/// A few KB of text with structure a one-layer model can learn.
-fn corpus() -> String {
-    let subjects = ["the cat", "a dog", "my bird", "our fox"];
-    let verbs = ["sat on", "ran to", "looked at", "slept by"];
-    let objects = ["the mat.", "a tree.", "the door.", "my hat."];
-    let mut text = String::new();
-    for i in 0..240 {
-        text += &format!(
-            "{} {} {}\n",
-            subjects[i % 4],
-            verbs[(i / 4) % 4],
-            objects[(i / 16) % 4]
-        );
-    }
-    text
-}
+use crate::common::{TestJob, assert_same_bits, corpus, load_weights};
 
 fn gpt_job(text_path: &Path, extra: &str) -> String {
     format!(

@@ -17,6 +17,7 @@ mod nodes;
 mod open_models;
 mod resume;
 mod run;
+mod sharding;
 mod shell;
 mod show;
 mod tensorboard;

@@ -151,3 +151,50 @@ fn segments_cover_the_buffer_in_order() {
         assert_eq!(next, n);
     }
 }
+
+/// A sharded optimizer's halves: reduce-scatter leaves the mean in the owned segment, bit for
+/// bit what the all-reduce gives there; the all-gather of owned segments then rebuilds the
+/// whole buffer; together they send exactly the all-reduce's bytes.
+#[test]
+fn reduce_scatter_then_all_gather_is_the_all_reduce_in_bits_and_bytes() {
+    for world in 1..=4 {
+        for n in [0, 1, 5, 1000, 65_537] {
+            let inputs: Vec<Vec<f32>> = (0..world).map(|r| values(r, n)).collect();
+            let split = run_all(world, |l| {
+                let mut buf = inputs[l.rank].clone();
+                l.reduce_scatter_mean(&mut buf).unwrap();
+                let owned = buf[l.owned(n)].to_vec();
+                // What is not owned is overwritten by its owner's values.
+                let keep = l.owned(n);
+                buf.iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| !keep.contains(i))
+                    .for_each(|(_, x)| *x = f32::NAN);
+                l.all_gather(&mut buf).unwrap();
+                (owned, buf, l.bytes_sent())
+            });
+            let whole = run_all(world, |l| {
+                let mut buf = inputs[l.rank].clone();
+                l.all_reduce_mean(&mut buf).unwrap();
+                (buf, l.bytes_sent())
+            });
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (rank, ((owned, gathered, sent), (reduced, sent_whole))) in
+                split.iter().zip(&whole).enumerate()
+            {
+                let seg = segment(n, world, (rank + 1) % world);
+                assert_eq!(bits(owned), bits(&reduced[seg]), "world {world} n {n}");
+                assert_eq!(
+                    bits(gathered),
+                    bits(reduced),
+                    "world {world} n {n} rank {rank}"
+                );
+                assert_eq!(sent, sent_whole, "world {world} n {n} rank {rank}");
+            }
+            if world > 1 && n >= world {
+                let expected = (2 * (world - 1) * (n / world) * 4) as u64;
+                assert!(whole[0].1 >= expected, "{} < {expected}", whole[0].1);
+            }
+        }
+    }
+}

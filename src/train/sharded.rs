@@ -1,0 +1,116 @@
+//! The end of a step when the optimizer state is sharded (`distributed.sharding =
+//! "optimizer"`, ZeRO-1): each bucket of gradients is reduce-scattered and only this rank's
+//! pieces of it kept (the bucket's full gradients freed at once), clipped by the global norm,
+//! applied to this rank's pieces of the parameters, whose new values are then all-gathered.
+//!
+//! The buckets are those of the unsharded all-reduce and a rank owns exactly the segment its
+//! reduce-scatter completes, so every averaged gradient has the all-reduce's bits and every
+//! parameter is updated by the same element-wise formula: without clipping, the weights are
+//! bit-identical to an unsharded job's. The traffic is the all-reduce's too (its two halves,
+//! with parameters instead of gradients in the second).
+
+use candle_core::Tensor;
+
+use super::step::{StepContext, StepError};
+use crate::comm::buckets::ShardPlan;
+use crate::comm::{StopVote, flat_bucket};
+use crate::optim::Optimizer;
+
+/// This rank's averaged gradient pieces (one per piece of the plan, 1-D) and, when it owns
+/// it, the ranks' mean stop vote. `grads` (one per trainable tensor) are consumed bucket by
+/// bucket, so no full gradient outlives its bucket's reduce-scatter.
+pub(super) fn reduce_scatter_gradients(
+    cx: &StepContext,
+    plan: &ShardPlan,
+    grads: Vec<Tensor>,
+    stop: bool,
+) -> Result<(Vec<Tensor>, Option<f32>), StepError> {
+    let mut grads: Vec<Option<Tensor>> = grads.into_iter().map(Some).collect();
+    let mut pieces = Vec::with_capacity(plan.pieces.len());
+    let mut vote = None;
+    let last = plan.buckets.len().saturating_sub(1);
+    for (b, bucket) in plan.buckets.iter().enumerate() {
+        let parts: Vec<Tensor> = bucket
+            .tensors
+            .clone()
+            .map(|t| grads[t].take().expect("each gradient in one bucket"))
+            .collect();
+        let mut flat = flat_bucket(&parts, (b == last).then_some(stop))?;
+        drop(parts);
+        cx.comm.reduce_scatter_mean(&mut flat)?;
+        for p in plan.pieces.iter().filter(|p| p.bucket == b) {
+            // A copy, so the bucket's storage is freed when this loop moves on.
+            pieces.push(flat.narrow(0, p.at, p.within.len())?.copy()?);
+        }
+        if b == last && plan.owns_vote() {
+            let reduced = flat.narrow(0, bucket.len - 1, 1)?;
+            vote = Some(
+                reduced
+                    .to_dtype(candle_core::DType::F32)?
+                    .to_vec1::<f32>()?[0],
+            );
+        }
+    }
+    Ok((pieces, vote))
+}
+
+/// Scales the pieces so the global gradient norm (over every rank's pieces) is at most
+/// `max_norm`, as `clip_grad_norm_` on the whole gradient would; the norm's squares are
+/// summed in f64 per rank and all-reduced, so the coefficient may differ from an unsharded
+/// job's in its last bits.
+pub(super) fn clip_pieces(
+    cx: &StepContext,
+    pieces: &mut [Tensor],
+    max_norm: f64,
+) -> Result<(), StepError> {
+    let mut squares = [crate::optim::sum_of_squares(pieces)?];
+    cx.comm.all_reduce_sum_f64(&mut squares)?;
+    let norm = squares[0].sqrt();
+    let coef = (max_norm / (norm + 1e-6)).min(1.0);
+    if coef < 1.0 {
+        crate::optim::scale(pieces, coef)?;
+    }
+    Ok(())
+}
+
+/// Updates this rank's pieces, then gives every rank every rank's updated pieces, bucket by
+/// bucket, with the stop vote riding in the last bucket as it does in the all-reduce.
+pub(super) fn update_and_gather(
+    cx: &StepContext,
+    optimizer: &mut Optimizer,
+    pieces: &[Tensor],
+    lr: f64,
+    vote: Option<f32>,
+) -> Result<StopVote, StepError> {
+    let params = cx.model.params();
+    optimizer.step_pieces(params, pieces, lr)?;
+    let plan = optimizer.plan().expect("a sharded optimizer").clone();
+    let vars: Vec<_> = params.trainable().map(|(_, v)| v.clone()).collect();
+    let mut verdict = StopVote::Known(false);
+    let last = plan.buckets.len().saturating_sub(1);
+    for (b, bucket) in plan.buckets.iter().enumerate() {
+        let values: Vec<Tensor> = bucket
+            .tensors
+            .clone()
+            .map(|t| vars[t].as_tensor().clone())
+            .collect();
+        let mut flat = flat_bucket(&values, None)?;
+        drop(values);
+        if b == last {
+            let mine = Tensor::new(&[vote.unwrap_or(0.0)], flat.device())?;
+            flat = Tensor::cat(&[&flat, &mine.to_dtype(flat.dtype())?], 0)?;
+        }
+        cx.comm.all_gather(&mut flat)?;
+        let mut offset = 0;
+        for t in bucket.tensors.clone() {
+            let var = &vars[t];
+            let n = var.elem_count();
+            var.set(&flat.narrow(0, offset, n)?.reshape(var.shape())?)?;
+            offset += n;
+        }
+        if b == last {
+            verdict = StopVote::Reduced(flat.narrow(0, bucket.len - 1, 1)?);
+        }
+    }
+    Ok(verdict)
+}

@@ -81,6 +81,7 @@ mod hf;
 mod jobdir;
 mod kernels;
 mod launch;
+mod memory;
 mod models;
 mod numerics;
 mod optim;

@@ -173,7 +173,8 @@ pub fn average_gradients(
     let ranges = buckets::bucket_ranges(&sizes, bucket_bytes);
     let last = ranges.len().saturating_sub(1);
     for (b, range) in ranges.into_iter().enumerate() {
-        let mut bucket = flat_bucket(&grads[range.clone()], (b == last).then_some(stop))?;
+        let vote = (b == last).then_some(u8::from(stop) as f32);
+        let mut bucket = flat_bucket(&grads[range.clone()], vote)?;
         comm.all_reduce_mean(&mut bucket)?;
         if b == last {
             verdict = StopVote::Reduced(bucket.narrow(0, bucket.elem_count() - 1, 1)?);
@@ -183,15 +184,16 @@ pub fn average_gradients(
     Ok(verdict)
 }
 
-/// `tensors` flattened into one 1-D bucket, followed by a stop vote when given (1 to stop).
-pub(crate) fn flat_bucket(tensors: &[Tensor], vote: Option<bool>) -> Result<Tensor, CommError> {
+/// `tensors` flattened into one 1-D bucket (a new tensor), followed by `vote` when given (the
+/// stop vote: 1 to stop).
+pub(crate) fn flat_bucket(tensors: &[Tensor], vote: Option<f32>) -> Result<Tensor, CommError> {
     let mut flats = tensors
         .iter()
         .map(|g| g.flatten_all())
         .collect::<Result<Vec<_>, _>>()?;
-    if let Some(stop) = vote {
+    if let Some(vote) = vote {
         let (device, dtype) = (flats[0].device().clone(), flats[0].dtype());
-        flats.push(Tensor::new(&[u8::from(stop) as f32], &device)?.to_dtype(dtype)?);
+        flats.push(Tensor::new(&[vote], &device)?.to_dtype(dtype)?);
     }
     Ok(Tensor::cat(&flats, 0)?)
 }

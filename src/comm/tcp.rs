@@ -75,6 +75,35 @@ pub struct TcpCommunicator {
     per_node: usize,
 }
 
+/// A collective run on a CPU tensor's own storage, through candle's in-place op: candle
+/// hands over the values mutably, the collective's outcome is kept for the caller.
+struct InPlace<F> {
+    run: RefCell<Option<F>>,
+    outcome: RefCell<Option<Result<(), CommError>>>,
+}
+
+impl<F: FnOnce(&mut [f32]) -> Result<(), CommError>> candle_core::InplaceOp1 for InPlace<F> {
+    fn name(&self) -> &'static str {
+        "ddpjob-ring"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let (Some((start, end)), candle_core::CpuStorage::F32(values)) =
+            (layout.contiguous_offsets(), storage)
+        else {
+            candle_core::bail!("ring collectives in place need a contiguous f32 tensor");
+        };
+        if let Some(run) = self.run.borrow_mut().take() {
+            *self.outcome.borrow_mut() = Some(run(&mut values[start..end]));
+        }
+        Ok(())
+    }
+}
+
 /// Busy-wait budget for a worker when `local_workers` share this machine: spinning only pays
 /// while every worker has a core of its own.
 pub fn spin_for(local_workers: usize) -> Duration {
@@ -231,6 +260,31 @@ impl TcpCommunicator {
         state.links.bytes_sent() - state.seq * HEADER_BYTES as u64
     }
 
+    /// Runs the collective `op` over `t`'s f32 values: in place when `t` is a contiguous CPU
+    /// f32 tensor (a bucket made for the collective: no copy of it is made, which at 25 MB a
+    /// bucket shows in a worker's peak memory), else on a copy that then replaces `t`.
+    fn on_values(
+        &self,
+        t: &mut Tensor,
+        op: Op,
+        body: impl FnOnce(&mut RingLinks, &mut [f32]) -> Result<(), LinkError>,
+    ) -> Result<(), CommError> {
+        if crate::kernels::applies(t) && t.is_contiguous() {
+            let in_place = InPlace {
+                run: RefCell::new(Some(|buf: &mut [f32]| {
+                    self.collective(op, buf.len(), |l| body(l, buf))
+                })),
+                outcome: RefCell::new(None),
+            };
+            t.inplace_op1(&in_place)?;
+            return in_place.outcome.into_inner().unwrap_or(Ok(()));
+        }
+        let mut buf = t.flatten_all()?.to_vec1::<f32>()?;
+        self.collective(op, buf.len(), |l| body(l, &mut buf))?;
+        *t = Tensor::from_vec(buf, t.shape(), t.device())?;
+        Ok(())
+    }
+
     fn prev(&self) -> usize {
         (self.rank + self.world - 1) % self.world
     }
@@ -351,12 +405,7 @@ impl Communicator for TcpCommunicator {
     }
 
     fn all_reduce_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
-        let mut buf = flat.flatten_all()?.to_vec1::<f32>()?;
-        self.collective(Op::AllReduceMean, buf.len(), |l| {
-            l.all_reduce_mean(&mut buf)
-        })?;
-        *flat = Tensor::from_vec(buf, flat.shape(), flat.device())?;
-        Ok(())
+        self.on_values(flat, Op::AllReduceMean, |l, buf| l.all_reduce_mean(buf))
     }
 
     fn owned_segment(&self, n: usize) -> std::ops::Range<usize> {
@@ -364,19 +413,13 @@ impl Communicator for TcpCommunicator {
     }
 
     fn reduce_scatter_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
-        let mut buf = flat.flatten_all()?.to_vec1::<f32>()?;
-        self.collective(Op::ReduceScatterMean, buf.len(), |l| {
-            l.reduce_scatter_mean(&mut buf)
-        })?;
-        *flat = Tensor::from_vec(buf, flat.shape(), flat.device())?;
-        Ok(())
+        self.on_values(flat, Op::ReduceScatterMean, |l, buf| {
+            l.reduce_scatter_mean(buf)
+        })
     }
 
     fn all_gather(&self, flat: &mut Tensor) -> Result<(), CommError> {
-        let mut buf = flat.flatten_all()?.to_vec1::<f32>()?;
-        self.collective(Op::AllGather, buf.len(), |l| l.all_gather(&mut buf))?;
-        *flat = Tensor::from_vec(buf, flat.shape(), flat.device())?;
-        Ok(())
+        self.on_values(flat, Op::AllGather, |l, buf| l.all_gather(buf))
     }
 
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError> {

@@ -218,9 +218,9 @@ section! {
         collectives: String = "auto".into()
             => always_collectives: bool = choice(&[("auto", false), ("always", true)]);
         /// `"none"`: every worker keeps the whole optimizer state (DDP); `"optimizer"`
-        /// (ZeRO-1): each keeps the optimizer state of its 1/W of the parameters, gradients are
-        /// reduce-scattered and the updated parameters all-gathered (see "Sharded optimizer
-        /// state")
+        /// (ZeRO-1): each keeps the optimizer state of its 1/W of the parameters and of the
+        /// averaged gradients (reduce-scattered), the updated parameters all-gathered (see
+        /// "Sharded optimizer state")
         sharding: String = "none".into() => sharding: Sharding = sharding_choice;
         /// gradient bucket size for all-reduce
         bucket_mb: f64 = 25.0, shown "`25`"
@@ -402,19 +402,20 @@ fn backend_choice(c: &mut Checker, key: &str, name: &String, d: &RawDistributed)
 }
 
 fn sharding_choice(c: &mut Checker, key: &str, name: &String, _: &RawDistributed) -> Sharding {
-    if name == "gradients" || name == "full" {
-        let what = match name.as_str() {
-            "gradients" => "ZeRO-2, gradients sharded as backward produces them",
-            _ => "ZeRO-3 / FSDP, parameters sharded too",
-        };
-        c.fail(
-            key,
-            format!(
-                "\"{name}\" ({what}) is not available yet; use \"optimizer\", which shards \
-                 the optimizer state and keeps only each worker's share of the averaged \
-                 gradients once they are reduced"
-            ),
-        );
+    let not_yet = match name.as_str() {
+        "gradients" => Some(
+            "\"gradients\" (ZeRO-2: gradients reduce-scattered while backward runs, so the \
+             whole gradient never exists at once) is not available yet; \"optimizer\" already \
+             keeps only each worker's share of the averaged gradients once a bucket is reduced",
+        ),
+        "full" => Some(
+            "\"full\" (ZeRO-3 / FSDP: parameters sharded too) is not available yet; use \
+             \"optimizer\", which shards the optimizer state and the averaged gradients",
+        ),
+        _ => None,
+    };
+    if let Some(problem) = not_yet {
+        c.fail(key, problem);
         return Sharding::None;
     }
     choice(&[("none", Sharding::None), ("optimizer", Sharding::Optimizer)])(c, key, name, &())

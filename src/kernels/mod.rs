@@ -25,7 +25,9 @@ pub(crate) use linear::{
     Wanted, backward as linear_backward, forward as linear_forward, relu_grad, relu_in_place,
 };
 pub(crate) use lora_linear::{AdapterDropout, lora_linear};
-pub use optim::{AdamStep, SgdStep, adam_step, add_pairs, scaled, sgd_step, sum_of_squares};
+pub use optim::{
+    AdamStep, SgdStep, adam_step, add_pairs, overwrite_except, scaled, sgd_step, sum_of_squares,
+};
 pub(crate) use transpose::transpose;
 
 /// Keeps freed memory in the process. A training step frees and allocates the same large

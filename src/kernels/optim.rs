@@ -140,6 +140,39 @@ pub fn add_pairs(pairs: &[(&Tensor, &Tensor)]) -> Result<Vec<Tensor>> {
         .collect()
 }
 
+/// Writes `src` into the CPU f32 tensor `param` in place, all but the elements `keep` (of
+/// the flattened tensor): a sharded optimizer's all-gathered parameters, around the piece
+/// this rank updated itself.
+pub fn overwrite_except(param: &Tensor, src: &[f32], keep: std::ops::Range<usize>) -> Result<()> {
+    param.inplace_op1(&Overwrite { src, keep })
+}
+
+struct Overwrite<'a> {
+    src: &'a [f32],
+    keep: std::ops::Range<usize>,
+}
+
+impl candle_core::InplaceOp1 for Overwrite<'_> {
+    fn name(&self) -> &'static str {
+        "ddpjob-overwrite"
+    }
+
+    fn cpu_fwd(&self, p: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        let p = param_values(p, layout)?;
+        if p.len() != self.src.len() || self.keep.end > p.len() {
+            candle_core::bail!(
+                "overwrite: {} values for a tensor of {}",
+                self.src.len(),
+                p.len()
+            );
+        }
+        let (start, end) = (self.keep.start.min(self.keep.end), self.keep.end);
+        p[..start].copy_from_slice(&self.src[..start]);
+        p[end..].copy_from_slice(&self.src[end..]);
+        Ok(())
+    }
+}
+
 /// The parameter's values, mutable, for an in-place op (which candle hands over contiguous).
 fn param_values<'a>(storage: &'a mut CpuStorage, layout: &Layout) -> Result<&'a mut [f32]> {
     let Some((start, end)) = layout.contiguous_offsets() else {

@@ -180,7 +180,7 @@ impl Optimizer {
                     return Ok(None);
                 };
                 let t = t.flatten_all()?.narrow(0, p.within.start, p.within.len())?;
-                Ok(Some(Buffer::Tensor(t.copy()?)))
+                Ok(Some(Buffer::Tensor(t.force_contiguous()?)))
             };
             self.first[k] = part(first)?;
             self.second[k] = part(second)?;

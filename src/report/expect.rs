@@ -114,6 +114,7 @@ mod tests {
             train_tokens_per_s: None,
             best_test_loss: None,
             best_step: None,
+            peak_rss_bytes: Vec::new(),
             expectations: Vec::new(),
         }
     }

@@ -38,6 +38,9 @@ pub struct Summary {
     pub best_test_loss: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub best_step: Option<usize>,
+    /// Each rank's peak resident memory in bytes (the kernel's `ru_maxrss`), in rank order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peak_rss_bytes: Vec<u64>,
     /// `[expect]` results, filled in by the launcher when the run ends.
     #[serde(default)]
     pub expectations: Vec<crate::report::ExpectationResult>,

@@ -237,7 +237,9 @@ impl Trainer<'_> {
             Some(e) => e,
             None => self.evaluate(batches)?,
         };
-        Ok(Ending::Completed(self.summary(&run, &eval)))
+        let mut summary = self.summary(&run, &eval);
+        summary.peak_rss_bytes = self.peak_rss()?;
+        Ok(Ending::Completed(summary))
     }
 
     /// The optimizer, restored from the checkpoint (with a line and a `resume` record) or
@@ -279,6 +281,16 @@ impl Trainer<'_> {
         Ok(optimizer)
     }
 
+    /// Every rank's peak resident memory so far, in rank order (a collective).
+    fn peak_rss(&self) -> Result<Vec<u64>, TrainError> {
+        let mut peaks = vec![0f64; self.comm.world_size()];
+        peaks[self.comm.rank()] = crate::memory::peak_rss_bytes() as f64;
+        if !self.comm.skips_collectives() {
+            self.comm.all_reduce_sum_f64(&mut peaks)?;
+        }
+        Ok(peaks.into_iter().map(|b| b as u64).collect())
+    }
+
     /// `summary.json` of a completed run, its final evaluation `eval`.
     fn summary(&self, run: &RunState, eval: &EvalResult) -> Summary {
         let metrics = &run.metrics;
@@ -302,6 +314,7 @@ impl Trainer<'_> {
             samples: metrics.total_samples as u64,
             world_size: self.comm.world_size(),
             parameters: self.model.params().element_count(),
+            peak_rss_bytes: Vec::new(),
             expectations: Vec::new(),
         }
     }

@@ -1,7 +1,8 @@
 //! The end of a step when the optimizer state is sharded (`distributed.sharding =
 //! "optimizer"`, ZeRO-1): each bucket of gradients is reduce-scattered and only this rank's
-//! pieces of it kept (the bucket's full gradients freed at once), clipped by the global norm,
-//! applied to this rank's pieces of the parameters, whose new values are then all-gathered.
+//! pieces of it kept (the bucket's full gradients freed at once, so the update runs beside
+//! 1/W of the averaged gradient, not all of it), clipped by the global norm, applied to this
+//! rank's pieces of the parameters, whose new values are then all-gathered.
 //!
 //! The buckets are those of the unsharded all-reduce and a rank owns exactly the segment its
 //! reduce-scatter completes, so every averaged gradient has the all-reduce's bits and every
@@ -35,12 +36,14 @@ pub(super) fn reduce_scatter_gradients(
             .clone()
             .map(|t| grads[t].take().expect("each gradient in one bucket"))
             .collect();
-        let mut flat = flat_bucket(&parts, (b == last).then_some(stop))?;
+        let mine = (b == last).then_some(u8::from(stop) as f32);
+        let mut flat = flat_bucket(&parts, mine)?;
         drop(parts);
         cx.comm.reduce_scatter_mean(&mut flat)?;
         for p in plan.pieces.iter().filter(|p| p.bucket == b) {
-            // A copy, so the bucket's storage is freed when this loop moves on.
-            pieces.push(flat.narrow(0, p.at, p.within.len())?.copy()?);
+            // A copy of the piece alone (`copy` would clone the whole bucket), so the
+            // bucket is freed when this loop moves on.
+            pieces.push(flat.narrow(0, p.at, p.within.len())?.force_contiguous()?);
         }
         if b == last && plan.owns_vote() {
             let reduced = flat.narrow(0, bucket.len - 1, 1)?;
@@ -84,33 +87,87 @@ pub(super) fn update_and_gather(
 ) -> Result<StopVote, StepError> {
     let params = cx.model.params();
     optimizer.step_pieces(params, pieces, lr)?;
-    let plan = optimizer.plan().expect("a sharded optimizer").clone();
-    let vars: Vec<_> = params.trainable().map(|(_, v)| v.clone()).collect();
+    let plan = optimizer.plan().expect("a sharded optimizer");
+    let vars: Vec<&Tensor> = params.trainable().map(|(_, v)| v.as_tensor()).collect();
+    let on_host = vars.iter().all(|v| crate::kernels::applies(v));
     let mut verdict = StopVote::Known(false);
     let last = plan.buckets.len().saturating_sub(1);
     for (b, bucket) in plan.buckets.iter().enumerate() {
-        let values: Vec<Tensor> = bucket
-            .tensors
-            .clone()
-            .map(|t| vars[t].as_tensor().clone())
-            .collect();
-        let mut flat = flat_bucket(&values, None)?;
-        drop(values);
-        if b == last {
-            let mine = Tensor::new(&[vote.unwrap_or(0.0)], flat.device())?;
-            flat = Tensor::cat(&[&flat, &mine.to_dtype(flat.dtype())?], 0)?;
-        }
+        let vote = (b == last).then_some(vote.unwrap_or(0.0));
+        let mut flat = match on_host {
+            true => host_bucket(plan, b, &vars, vote)?,
+            false => {
+                let values: Vec<Tensor> = bucket.tensors.clone().map(|t| vars[t].clone()).collect();
+                flat_bucket(&values, vote)?
+            }
+        };
         cx.comm.all_gather(&mut flat)?;
-        let mut offset = 0;
-        for t in bucket.tensors.clone() {
-            let var = &vars[t];
-            let n = var.elem_count();
-            var.set(&flat.narrow(0, offset, n)?.reshape(var.shape())?)?;
-            offset += n;
-        }
+        write_back(plan, b, &vars, &flat, cx.model.params(), on_host)?;
         if b == last {
-            verdict = StopVote::Reduced(flat.narrow(0, bucket.len - 1, 1)?);
+            let reduced = flat.narrow(0, bucket.len - 1, 1)?.force_contiguous()?;
+            verdict = StopVote::Reduced(reduced);
         }
     }
     Ok(verdict)
+}
+
+/// Bucket `b` for the all-gather, on the host: this rank's pieces in place, zeros where the
+/// other ranks' go (the all-gather overwrites them), the vote last.
+fn host_bucket(
+    plan: &ShardPlan,
+    b: usize,
+    vars: &[&Tensor],
+    vote: Option<f32>,
+) -> Result<Tensor, StepError> {
+    let bucket = &plan.buckets[b];
+    let mut flat = vec![0f32; bucket.len];
+    for p in plan.pieces.iter().filter(|p| p.bucket == b) {
+        crate::kernels::with_values(vars[p.tensor], |v| {
+            flat[p.at..p.at + p.within.len()].copy_from_slice(&v[p.within.clone()]);
+            Ok(())
+        })?;
+    }
+    if let Some(vote) = vote {
+        flat[bucket.len - 1] = vote;
+    }
+    Ok(Tensor::from_vec(
+        flat,
+        bucket.len,
+        &candle_core::Device::Cpu,
+    )?)
+}
+
+/// Sets bucket `b`'s parameters from the all-gathered `flat`: on the host in place, around
+/// the piece this rank updated itself; elsewhere whole.
+fn write_back(
+    plan: &ShardPlan,
+    b: usize,
+    vars: &[&Tensor],
+    flat: &Tensor,
+    params: &crate::models::Params,
+    on_host: bool,
+) -> Result<(), StepError> {
+    let bucket = &plan.buckets[b];
+    if on_host {
+        return Ok(crate::kernels::with_values(flat, |all| {
+            let mut offset = 0;
+            for t in bucket.tensors.clone() {
+                let n = vars[t].elem_count();
+                let mine = plan.pieces.iter().find(|p| p.tensor == t);
+                let keep = mine.map_or(0..0, |p| p.within.clone());
+                crate::kernels::overwrite_except(vars[t], &all[offset..offset + n], keep)?;
+                offset += n;
+            }
+            Ok(())
+        })?);
+    }
+    let trainable: Vec<_> = params.trainable().map(|(_, v)| v).collect();
+    let mut offset = 0;
+    for t in bucket.tensors.clone() {
+        let var = trainable[t];
+        let n = var.elem_count();
+        var.set(&flat.narrow(0, offset, n)?.reshape(var.shape())?)?;
+        offset += n;
+    }
+    Ok(())
 }

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Memory that shrinks as workers are added: a GPT of 12 layers x 768 (85 M parameters, context
+# 256, the tiny Shakespeare's characters), AdamW, trained a few steps by W CPU workers with
+# `distributed.sharding` "none" and then "optimizer" (ZeRO-1), side by side in one run. Prints
+# each rank's peak RSS (summary.json's `peak_rss_bytes`), the saving per worker beside the
+# expected (1 - 1/W) x 8 bytes x parameters, and the step time of both.
+#
+#   bench/zero-memory.sh [W ...]        (default: 2 4)   LAYERS=2 for a quick check
+#
+# Checkpoints are off: rank 0 gathers the whole optimizer state to write one (see README,
+# "Sharded optimizer state"), so its peak during a checkpoint is the unsharded one's.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+bin=$here/target/release/ddpjob
+[ -x "$bin" ] || { echo "no $bin: run cargo build --release first" >&2; exit 2; }
+text=${TEXT:-$here/../shared/data/tinyshakespeare/input.txt}
+layers=${LAYERS:-12}
+steps=${STEPS:-4}
+worlds=("${@:-2}")
+[ $# -gt 0 ] || worlds=(2 4)
+lscpu | sed -n 's/^Model name: *//p'
+out=$(mktemp -d); trap 'rm -rf "$out"' EXIT
+cat > "$out/gpt.toml" <<EOF
+seed = 1
+[model]
+arch = "gpt"
+n_layer = $layers
+n_head = 12
+n_embd = 768
+block_size = 256
+bias = false
+[data]
+dataset = "text"
+path = "$text"
+tokenizer = "char"
+[train]
+max_steps = $steps
+batch_size = 1
+lr = 1e-4
+optimizer = "adamw"
+weight_decay = 0.1
+grad_clip_norm = 1.0
+eval_batches = 1
+eval_batch_size = 1
+log_every = 1
+[checkpoint]
+every_epochs = 0
+EOF
+printf '%-3s %-10s %12s %14s %14s %10s\n' W sharding "params" "peak RSS MB" "(per rank)" "s/step"
+for w in "${worlds[@]}"; do
+  for mode in none optimizer; do
+    name=w$w-$mode
+    "$bin" run "$out/gpt.toml" --jobs-dir "$out/jobs" --name "$name" --nproc-per-node "$w" \
+      --set "distributed.sharding=\"$mode\"" > "$out/$name.log" 2>&1 \
+      || { cat "$out/$name.log" >&2; exit 1; }
+    python3 - "$out/jobs/$name/summary.json" "$w" "$mode" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+peaks = [b / 1e6 for b in s["peak_rss_bytes"]]
+per_step = s["train_s"] / s["steps"]
+print(f"{sys.argv[2]:<3} {sys.argv[3]:<10} {s['parameters']:>12} {max(peaks):>14.0f} "
+      f"{' '.join(f'{p:.0f}' for p in peaks):>14} {per_step:>10.2f}")
+PY
+  done
+  python3 - "$out/jobs/w$w-none/summary.json" "$out/jobs/w$w-optimizer/summary.json" "$w" <<'PY'
+import json, sys
+a, b, w = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), int(sys.argv[3])
+saved = [(x - y) / 1e6 for x, y in zip(a["peak_rss_bytes"], b["peak_rss_bytes"])]
+expected = (1 - 1 / w) * 8 * a["parameters"] / 1e6
+mean = sum(saved) / len(saved)
+print(f"    W={w}: saved per worker {' '.join(f'{s:.0f}' for s in saved)} MB (mean {mean:.0f}); "
+      f"expected (1 - 1/W) x 8 B x params = {expected:.0f} MB; ratio {mean / expected:.2f}")
+PY
+done

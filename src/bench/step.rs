@@ -94,6 +94,13 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         false,
     )
     .map_err(crate::train::TrainError::from)?;
+    if spec.train.activation_checkpointing {
+        model.checkpoint_activations().map_err(|why| {
+            crate::train::TrainError::from(candle_core::Error::Msg(format!(
+                "train.activation_checkpointing: {why}"
+            )))
+        })?;
+    }
     let mut optimizer = Optimizer::new(spec.train.optimizer, model.params().len());
     let t = &spec.train;
     let mut rng = Mt19937::new(spec.seed);

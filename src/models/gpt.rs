@@ -101,9 +101,16 @@ pub struct Gpt {
     /// stream and the logits stay f32.
     compute: DType,
     params: Params,
+    /// `train.activation_checkpointing`: the hand-written pass keeps each block's input only.
+    checkpoint: std::sync::atomic::AtomicBool,
 }
 
 impl Gpt {
+    /// Whether training passes keep each block's input only (`train.activation_checkpointing`).
+    fn checkpoints(&self) -> bool {
+        self.checkpoint.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// `compute`: DType::F32 or DType::BF16 (f32 master weights cast per use, f32 logits).
     #[cfg(test)]
     pub fn new(config: &GptConfig, seed: u64, device: &Device, compute: DType) -> Result<Self> {
@@ -170,6 +177,7 @@ impl Gpt {
             causal_mask: Tensor::from_vec(mask, (t, t), device)?,
             compute,
             params,
+            checkpoint: Default::default(),
         })
     }
 
@@ -298,9 +306,30 @@ impl Model for Gpt {
     ) -> Result<Option<Box<dyn TrainPass + '_>>> {
         // Packed rows (see `models::packed`) go through autograd.
         if !manual::applies(self) || xs.rank() != 2 {
+            if self.checkpoints() {
+                candle_core::bail!(
+                    "train.activation_checkpointing: the gpt recomputes activations in its \
+                     hand-written pass only, which does not read packed rows (data.pack); \
+                     turn one of them off"
+                );
+            }
             return Ok(None);
         }
         Ok(Some(Box::new(manual::forward(self, xs, targets, mode)?)))
+    }
+
+    fn checkpoint_activations(&self) -> std::result::Result<(), String> {
+        if !manual::applies(self) {
+            return Err(
+                "the gpt recomputes activations in its hand-written pass, which runs \
+                 on the CPU in f32 without LoRA adapters; this job's gpt runs through autograd \
+                 (a GPU, bf16 or LoRA)"
+                    .into(),
+            );
+        }
+        self.checkpoint
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 
     /// nanoGPT's `estimate_mfu` count (the PaLM paper's): 6 operations per parameter per

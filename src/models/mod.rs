@@ -72,6 +72,14 @@ pub trait Model: Send + Sync {
         Ok(None)
     }
 
+    /// `train.activation_checkpointing`: from now on a training pass keeps only each block's
+    /// input and recomputes the rest of the block in its backward, with the same results bit
+    /// for bit (memory for time). `Err`: why this model cannot (the default: it has no
+    /// blocks to recompute).
+    fn checkpoint_activations(&self) -> std::result::Result<(), String> {
+        Err("this model does not recompute its activations".into())
+    }
+
     /// Whether each row of a batch is computed independently of the others, so a CPU worker
     /// may cut a micro-batch into row shards that run side by side. Not so for BatchNorm
     /// (batch statistics); the default says no for any model with buffers.
@@ -520,6 +528,10 @@ impl Model for Box<dyn Model> {
 
     fn rows_independent(&self) -> bool {
         self.as_ref().rows_independent()
+    }
+
+    fn checkpoint_activations(&self) -> std::result::Result<(), String> {
+        self.as_ref().checkpoint_activations()
     }
 
     fn train_pass(

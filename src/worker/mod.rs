@@ -396,6 +396,15 @@ fn train(
         restoring,
     )
     .map_err(WorkerError::Model)?;
+    if spec.train.activation_checkpointing {
+        model.checkpoint_activations().map_err(|why| {
+            WorkerError::Model(candle_core::Error::Msg(format!(
+                "train.activation_checkpointing: model.arch = \"{}\": {why}; set it to \
+                 false to train without",
+                spec.model.arch()
+            )))
+        })?;
+    }
     let leader = env.rank == 0;
     // Rank 0 drives the terminal and mirrors its lines into its log; the others' stdout is
     // their log file already.

@@ -15,6 +15,7 @@ mod hangs;
 mod language;
 mod nodes;
 mod open_models;
+mod recompute;
 mod resume;
 mod run;
 mod sharding;

@@ -86,7 +86,11 @@ pub(super) fn forward<'a>(
     };
     let (blocks, x, normed, (loss, kept)) = with_all_values(&weight_tensors(gpt), |all| {
         let weights = Weights(all);
-        let (blocks, x, normed) = trunk(gpt, &weights, &ids, t, &masks, true);
+        let keep = match gpt.checkpoints() {
+            true => Keep::Inputs,
+            false => Keep::Everything,
+        };
+        let (blocks, x, normed) = trunk(gpt, &weights, &ids, t, &masks, keep);
         let (loss, kept) = head::mean_loss(&normed, weights.get(0), &target_ids)?;
         Ok((blocks, x, normed, (loss, kept)))
     })?;
@@ -120,7 +124,7 @@ pub(super) fn score(gpt: &Gpt, xs: &Tensor, targets: &Tensor) -> Result<(f64, us
         let window_rows = t * (SCORE_POSITIONS / t).max(1);
         let mut sums = (0.0, 0);
         for (ids, targets) in ids.chunks(window_rows).zip(target_ids.chunks(window_rows)) {
-            let (_, x, normed) = trunk(gpt, &weights, ids, t, &[], false);
+            let (_, x, normed) = trunk(gpt, &weights, ids, t, &[], Keep::Nothing);
             let (loss, correct) = head::score_values(&normed, weights.get(0), targets)?;
             scratch::give([x, normed]);
             sums = (sums.0 + loss, sums.1 + correct);
@@ -149,19 +153,29 @@ fn checked_ids(gpt: &Gpt, xs: &Tensor, targets: &Tensor) -> Result<(Vec<usize>, 
     Ok((ids, target_ids))
 }
 
+/// What a forward keeps of each block for the backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    /// Nothing (evaluation): each block's buffers go back to [`scratch`] at once.
+    Nothing,
+    /// Every activation the backward reads.
+    Everything,
+    /// The block's input only; the backward runs the block's forward again from it
+    /// (`train.activation_checkpointing`).
+    Inputs,
+}
+
 /// The embeddings and blocks of windows of `t` tokens `ids` (dropout `masks` by site, or
-/// none): each block's activations when `keep` (else none: their buffers go back to
-/// [`scratch`] at once), the last block's output and ln_f's output.
+/// none): each block's activations as `keep` says, the last block's output and ln_f's output.
 fn trunk(
     gpt: &Gpt,
     weights: &Weights,
     ids: &[usize],
     t: usize,
     masks: &[Vec<f32>],
-    keep: bool,
+    keep: Keep,
 ) -> (Vec<Activations>, Vec<f32>, Vec<f32>) {
     let (c, rows) = (gpt.config.n_embd, ids.len());
-    let (n_head, activation) = (gpt.config.n_head, gpt.config.activation);
     let (wte, wpe) = (weights.get(0), weights.get(1));
     let mut x = scratch::take(rows * c);
     for ((row, &id), out) in (0..rows).zip(ids).zip(x.chunks_exact_mut(c)) {
@@ -173,64 +187,98 @@ fn trunk(
     drop_in_place(&mut x, masks.first());
     let mut blocks = Vec::with_capacity(gpt.blocks.len());
     for i in 0..gpt.blocks.len() {
-        let w = weights.block(i);
-        let ln_1 = layer_norm(&x, w.ln_1, w.ln_1_bias);
-        let qkv = linear_forward(&ln_1, w.c_attn, w.c_attn_bias, rows);
-        let mut attended = scratch::take(rows * c);
-        let per_sequence = n_head * t * t;
-        let mut probabilities = match keep && keeps_probabilities(n_head, t, c) {
-            true => scratch::take(rows / t * per_sequence),
-            false => Vec::new(),
-        };
-        let sequences = attended
-            .par_chunks_mut(t * c)
-            .zip(qkv.par_chunks(t * 3 * c));
-        match probabilities.is_empty() {
-            true => sequences.for_each(|(y, x)| {
-                let mut p = scratch::take(t * t);
-                attention::sequence(x, y, t, n_head, &mut p);
-                scratch::give([p]);
-            }),
-            false => sequences
-                .zip(probabilities.par_chunks_mut(per_sequence))
-                .for_each(|((y, x), p)| attention::sequence(x, y, t, n_head, p)),
-        }
-        let mut branch = linear_forward(&attended, w.attn_proj, w.attn_proj_bias, rows);
-        drop_in_place(&mut branch, masks.get(1 + 2 * i));
-        let mid = add_to(branch, &x);
-        let ln_2 = layer_norm(&mid, w.ln_2, w.ln_2_bias);
-        // c_fc's output, replaced by GELU's slope there when a backward will follow.
-        let mut gelu_slope = linear_forward(&ln_2, w.c_fc, w.c_fc_bias, rows);
-        let mut activated = scratch::take(gelu_slope.len());
-        let elementwise = activated
-            .par_chunks_mut(ELEMENTS_PER_TASK)
-            .zip(gelu_slope.par_chunks_mut(ELEMENTS_PER_TASK));
+        // A block computes alike whatever is kept of it, so a recomputed block has the bits
+        // of the first forward.
+        let (a, next) = block_forward(
+            gpt,
+            &weights.block(i),
+            i,
+            x,
+            t,
+            masks,
+            keep != Keep::Nothing,
+        );
+        x = next;
         match keep {
-            true => elementwise.for_each(|(y, x)| activation.apply_keeping_slope(x, y)),
-            false => elementwise.for_each(|(y, x)| activation.apply(x, y)),
-        }
-        let mut branch = linear_forward(&activated, w.mlp_proj, w.mlp_proj_bias, rows);
-        drop_in_place(&mut branch, masks.get(2 + 2 * i));
-        let next = add_to(branch, &mid);
-        let a = Activations {
-            input: std::mem::replace(&mut x, next),
-            mid,
-            ln_1,
-            qkv,
-            probabilities,
-            attended,
-            ln_2,
-            gelu_slope,
-            activated,
-        };
-        match keep {
-            true => blocks.push(a),
-            false => scratch::give(a.buffers()),
+            Keep::Everything => blocks.push(a),
+            Keep::Inputs => {
+                let mut buffers = a.buffers();
+                let input = std::mem::take(&mut buffers[0]);
+                scratch::give(buffers);
+                blocks.push(Activations::input_only(input));
+            }
+            Keep::Nothing => scratch::give(a.buffers()),
         }
     }
     let (ln_f, ln_f_bias) = weights.ln_f();
     let normed = layer_norm(&x, ln_f, ln_f_bias);
     (blocks, x, normed)
+}
+
+/// Block `i` over the residual stream `x` ([rows, C], windows of `t`): its activations (its
+/// input `x` among them) and its output. `for_backward`: GELU's slope and (where
+/// [`keeps_probabilities`] says) the attention probabilities are kept too.
+fn block_forward(
+    gpt: &Gpt,
+    w: &BlockWeights,
+    i: usize,
+    x: Vec<f32>,
+    t: usize,
+    masks: &[Vec<f32>],
+    for_backward: bool,
+) -> (Activations, Vec<f32>) {
+    let (c, rows) = (gpt.config.n_embd, x.len() / gpt.config.n_embd);
+    let (n_head, activation) = (gpt.config.n_head, gpt.config.activation);
+    let ln_1 = layer_norm(&x, w.ln_1, w.ln_1_bias);
+    let qkv = linear_forward(&ln_1, w.c_attn, w.c_attn_bias, rows);
+    let mut attended = scratch::take(rows * c);
+    let per_sequence = n_head * t * t;
+    let mut probabilities = match for_backward && keeps_probabilities(n_head, t, c) {
+        true => scratch::take(rows / t * per_sequence),
+        false => Vec::new(),
+    };
+    let sequences = attended
+        .par_chunks_mut(t * c)
+        .zip(qkv.par_chunks(t * 3 * c));
+    match probabilities.is_empty() {
+        true => sequences.for_each(|(y, x)| {
+            let mut p = scratch::take(t * t);
+            attention::sequence(x, y, t, n_head, &mut p);
+            scratch::give([p]);
+        }),
+        false => sequences
+            .zip(probabilities.par_chunks_mut(per_sequence))
+            .for_each(|((y, x), p)| attention::sequence(x, y, t, n_head, p)),
+    }
+    let mut branch = linear_forward(&attended, w.attn_proj, w.attn_proj_bias, rows);
+    drop_in_place(&mut branch, masks.get(1 + 2 * i));
+    let mid = add_to(branch, &x);
+    let ln_2 = layer_norm(&mid, w.ln_2, w.ln_2_bias);
+    // c_fc's output, replaced by GELU's slope there when a backward will follow.
+    let mut gelu_slope = linear_forward(&ln_2, w.c_fc, w.c_fc_bias, rows);
+    let mut activated = scratch::take(gelu_slope.len());
+    let elementwise = activated
+        .par_chunks_mut(ELEMENTS_PER_TASK)
+        .zip(gelu_slope.par_chunks_mut(ELEMENTS_PER_TASK));
+    match for_backward {
+        true => elementwise.for_each(|(y, x)| activation.apply_keeping_slope(x, y)),
+        false => elementwise.for_each(|(y, x)| activation.apply(x, y)),
+    }
+    let mut branch = linear_forward(&activated, w.mlp_proj, w.mlp_proj_bias, rows);
+    drop_in_place(&mut branch, masks.get(2 + 2 * i));
+    let next = add_to(branch, &mid);
+    let a = Activations {
+        input: x,
+        mid,
+        ln_1,
+        qkv,
+        probabilities,
+        attended,
+        ln_2,
+        gelu_slope,
+        activated,
+    };
+    (a, next)
 }
 
 impl TrainPass for Pass<'_> {
@@ -279,6 +327,14 @@ impl TrainPass for Pass<'_> {
             let mut block_grads = Vec::with_capacity(blocks.len());
             for (i, a) in blocks.into_iter().enumerate().rev() {
                 let w = weights.block(i);
+                let a = match a.is_input_only() {
+                    true => {
+                        let (a, output) = block_forward(gpt, &w, i, a.input, t, &masks, true);
+                        scratch::give([output]);
+                        a
+                    }
+                    false => a,
+                };
                 let mut g = Grads::default();
                 let block = &gpt.blocks[i];
                 let d_branch = masked(&d_res, masks.get(2 + 2 * i));
@@ -358,7 +414,41 @@ impl TrainPass for Pass<'_> {
     }
 }
 
+#[cfg(test)]
+impl Pass<'_> {
+    /// Values the forward kept of its blocks for the backward.
+    pub(super) fn kept_block_values(&self) -> usize {
+        let lens = |a: &Activations| {
+            [&a.input, &a.mid, &a.ln_1, &a.qkv, &a.probabilities]
+                .into_iter()
+                .chain([&a.attended, &a.ln_2, &a.gelu_slope, &a.activated])
+                .map(Vec::len)
+                .sum::<usize>()
+        };
+        self.blocks.iter().map(lens).sum()
+    }
+}
+
 impl Activations {
+    /// A checkpointed block: its input, the rest to be recomputed.
+    fn input_only(input: Vec<f32>) -> Self {
+        Activations {
+            input,
+            mid: Vec::new(),
+            ln_1: Vec::new(),
+            qkv: Vec::new(),
+            probabilities: Vec::new(),
+            attended: Vec::new(),
+            ln_2: Vec::new(),
+            gelu_slope: Vec::new(),
+            activated: Vec::new(),
+        }
+    }
+
+    fn is_input_only(&self) -> bool {
+        self.mid.is_empty() && !self.input.is_empty()
+    }
+
     fn buffers(self) -> [Vec<f32>; 9] {
         [
             self.input,

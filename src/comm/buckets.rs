@@ -31,6 +31,14 @@ pub fn bucket_ranges(sizes: &[usize], bucket_bytes: usize) -> Vec<Range<usize>> 
     out
 }
 
+/// Chunk `rank` of W equal chunks of `n` elements rounded up (NCCL's reduce-scatter and
+/// all-gather, on a buffer padded to W chunks), cut to the unpadded `n`.
+#[cfg(any(test, feature = "cuda"))]
+pub fn equal_chunk(n: usize, world: usize, rank: usize) -> Range<usize> {
+    let chunk = n.div_ceil(world);
+    (rank * chunk).min(n)..((rank + 1) * chunk).min(n)
+}
+
 /// One bucket as sharding sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bucket {
@@ -128,33 +136,43 @@ mod tests {
         assert!(bucket_ranges(&[], 4).is_empty());
     }
 
-    /// Every element of every trainable tensor is owned by exactly one of the ranks, each
-    /// rank's share within one element per bucket of the others', the vote by one rank.
+    /// With the ring's segments and with NCCL's chunks alike, every element of every trainable
+    /// tensor is owned by exactly one rank, the shares balanced, the vote owned by one rank.
     #[test]
     fn the_ranks_pieces_cover_every_element_once_and_balance() {
         let sizes = [7, 1, 300, 5, 64, 3];
         for world in 1..=5 {
-            let plans: Vec<ShardPlan> = (0..world)
+            let ring: Vec<ShardPlan> = (0..world)
                 .map(|r| ShardPlan::with_owner(&sizes, 256, |n| segment(n, world, (r + 1) % world)))
                 .collect();
-            let mut owners: Vec<Vec<usize>> = sizes.iter().map(|&n| vec![0; n]).collect();
-            for plan in &plans {
-                for p in &plan.pieces {
-                    let bucket = &plan.buckets[p.bucket];
-                    assert!(bucket.tensors.contains(&p.tensor));
-                    assert!(bucket.owned.start <= p.at && p.at < bucket.owned.end);
-                    p.within.clone().for_each(|i| owners[p.tensor][i] += 1);
-                }
-            }
-            assert!(owners.iter().flatten().all(|&n| n == 1), "world {world}");
-            let shares: Vec<usize> = plans.iter().map(ShardPlan::owned_elements).collect();
-            let buckets = plans[0].buckets.len();
-            let (min, max) = (shares.iter().min().unwrap(), shares.iter().max().unwrap());
-            assert!(max - min <= buckets, "world {world}: {shares:?}");
-            assert_eq!(plans.iter().filter(|p| p.owns_vote()).count(), 1);
-            let total: usize = sizes.iter().sum();
-            let with_vote: usize = plans[0].buckets.iter().map(|b| b.len).sum();
-            assert_eq!(with_vote, total + 1);
+            // The ring's segments differ by at most one element a bucket; NCCL's chunks by the
+            // rounding up, at most W - 1 elements a bucket (the last rank's chunk is short).
+            check(&sizes, world, &ring, 1);
+            let nccl: Vec<ShardPlan> = (0..world)
+                .map(|r| ShardPlan::with_owner(&sizes, 256, |n| equal_chunk(n, world, r)))
+                .collect();
+            check(&sizes, world, &nccl, world);
         }
+    }
+
+    fn check(sizes: &[usize], world: usize, plans: &[ShardPlan], slack: usize) {
+        let mut owners: Vec<Vec<usize>> = sizes.iter().map(|&n| vec![0; n]).collect();
+        for plan in plans {
+            for p in &plan.pieces {
+                let bucket = &plan.buckets[p.bucket];
+                assert!(bucket.tensors.contains(&p.tensor));
+                assert!(bucket.owned.start <= p.at && p.at < bucket.owned.end);
+                p.within.clone().for_each(|i| owners[p.tensor][i] += 1);
+            }
+        }
+        assert!(owners.iter().flatten().all(|&n| n == 1), "world {world}");
+        let shares: Vec<usize> = plans.iter().map(ShardPlan::owned_elements).collect();
+        let buckets = plans[0].buckets.len();
+        let (min, max) = (shares.iter().min().unwrap(), shares.iter().max().unwrap());
+        assert!(max - min <= slack * buckets, "world {world}: {shares:?}");
+        assert_eq!(plans.iter().filter(|p| p.owns_vote()).count(), 1);
+        let total: usize = sizes.iter().sum();
+        let with_vote: usize = plans[0].buckets.iter().map(|b| b.len).sum();
+        assert_eq!(with_vote, total + 1);
     }
 }

@@ -329,8 +329,7 @@ impl Communicator for NcclCommunicator {
 
     /// NCCL's own split: W equal chunks of the length rounded up, chunk `rank` this rank's.
     fn owned_segment(&self, n: usize) -> std::ops::Range<usize> {
-        let chunk = n.div_ceil(self.world_size);
-        (self.rank * chunk).min(n)..((self.rank + 1) * chunk).min(n)
+        super::buckets::equal_chunk(n, self.world_size, self.rank)
     }
 
     fn reduce_scatter_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {

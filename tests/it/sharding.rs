@@ -249,3 +249,23 @@ fn sharding_modes_not_built_yet_are_refused_before_anything_is_created() {
         "a refused job created its directory"
     );
 }
+
+/// A rank that hangs mid-step leaves the others in the new collective, which the launcher
+/// names with its number, as it names an all-reduce.
+#[test]
+fn a_hang_in_a_sharded_step_names_the_reduce_scatter() {
+    let t = TestJob::new();
+    let cfg = t.config("mlp", MLP);
+    let run = t.run_env(
+        &cfg,
+        &[
+            &sharded("3")[..],
+            &["--name", "hung", "--set", "distributed.timeout_s=3"],
+        ]
+        .concat(),
+        &[("DDPJOB_FAULT", "rank=1,step=5,kind=hang")],
+    );
+    run.fails_with(1, "did not complete within 3 s (distributed.timeout_s)")
+        .fails_with(1, "collective `reduce_scatter_mean` #")
+        .fails_with(1, "did not arrive: rank 1 (pid");
+}

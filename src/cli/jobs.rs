@@ -120,7 +120,7 @@ fn resumed(result: Result<Resumed, launch::RunError>, job: JobDir) -> Ending {
         Ok(Resumed::AlreadyFinished(message)) => already_finished(job, message),
         Ok(Resumed::Finished(job, summary)) => Ok(Done {
             job,
-            summary: Some(summary),
+            summary: Some(*summary),
             note: None,
         }),
         Err(e) => Err((e.exit_code(), anyhow::Error::new(e))),
@@ -207,8 +207,75 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     if let Some((frozen, all)) = frozen {
         println!("frozen            = {frozen} of {all} parameter tensors  (model.freeze, LoRA)");
     }
+    let threads = match placement.device_of(0).as_str() {
+        "cpu" => crate::launch::cpu_threads_per_worker(placement.nproc),
+        _ => 1,
+    };
+    match memory_lines(spec, world, threads) {
+        Ok(lines) => lines.iter().for_each(|l| println!("{l}")),
+        Err(why) => println!("memory_per_worker = not estimated ({why})"),
+    }
     eprintln!("{}: ok", args.config.display());
     Ok(())
+}
+
+/// The memory estimate per worker (see `memory`), and what sharding or activation
+/// checkpointing would make of it where the job does not use them yet. Builds the model on
+/// the CPU to count its parameters.
+fn memory_lines(
+    spec: &config::JobSpec,
+    world: usize,
+    threads: usize,
+) -> Result<Vec<String>, String> {
+    use crate::memory::{Layout, estimate};
+    let input = match crate::registry::Registry::current().data_input(&spec.data) {
+        Some(input) => input,
+        None => crate::task::load(spec, None)
+            .map_err(|e| e.to_string())?
+            .input(),
+    };
+    let cpu = candle_core::Device::Cpu;
+    let precision = spec.train.precision;
+    let model = crate::models::build(&spec.model, input, spec.seed, &cpu, precision, false)
+        .map_err(|e| e.to_string())?;
+    let layout = Layout::of(spec, world, threads);
+    let mine = estimate(spec, model.as_ref(), layout);
+    let total = |e: &crate::memory::Estimate| e.total().map_or("?".into(), gb);
+    let mut lines = vec![format!(
+        "memory_per_worker = {}  (estimate: {})",
+        total(&mine),
+        mine.describe()
+    )];
+    if spec.distributed.sharding == config::Sharding::None && world > 1 {
+        let sharding = config::Sharding::Optimizer;
+        let other = estimate(spec, model.as_ref(), Layout { sharding, ..layout });
+        lines.push(format!(
+            "  with distributed.sharding = \"optimizer\" over {world} workers: {}",
+            total(&other)
+        ));
+    }
+    if !layout.checkpointing && model.checkpoint_activations().is_ok() {
+        let other = estimate(
+            spec,
+            model.as_ref(),
+            Layout {
+                checkpointing: true,
+                ..layout
+            },
+        );
+        // Worth saying only where it saves (a few thin blocks keep more than they save).
+        if other.total() < mine.total() {
+            lines.push(format!(
+                "  with train.activation_checkpointing: {}",
+                total(&other)
+            ));
+        }
+    }
+    Ok(lines)
+}
+
+fn gb(bytes: u64) -> String {
+    format!("{:.2} GB", bytes as f64 / 1e9)
 }
 
 /// Where `validate`'s count of training samples comes from, when it opened the data.

@@ -368,7 +368,7 @@ pub(super) fn rewind_to(job: &JobDir, choice: &checkpoint::Choice) -> Result<(),
 }
 
 /// Threads per worker: the node's cores split evenly (as torchrun sets OMP_NUM_THREADS).
-fn threads_per_worker(nproc: usize) -> usize {
+pub(super) fn threads_per_worker(nproc: usize) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (cores / nproc).max(1)
 }

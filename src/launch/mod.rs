@@ -380,6 +380,16 @@ pub(crate) fn prepare_data(spec: &JobSpec, job: Option<&JobDir>) -> Result<Vec<J
 /// `model.freeze` pattern names parameters (and leaves some to train) and that LoRA's
 /// `target_modules` name layers, before anything exists; nothing to do without either. How
 /// many tensors are frozen, of how many.
+/// Threads a CPU worker of a node with `nproc` workers gets: `RAYON_NUM_THREADS` when set,
+/// else its share of the cores.
+pub(crate) fn cpu_threads_per_worker(nproc: usize) -> usize {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or_else(|| group::threads_per_worker(nproc))
+}
+
 pub(crate) fn check_freeze(spec: &JobSpec) -> Result<Option<(usize, usize)>, String> {
     if spec.model.freeze().is_empty() && spec.model.lora().is_none() {
         return Ok(None);

@@ -27,7 +27,7 @@ pub struct ResumeOptions {
 pub enum Resumed {
     /// Nothing to do; the message says so.
     AlreadyFinished(String),
-    Finished(JobDir, Summary),
+    Finished(JobDir, Box<Summary>),
 }
 
 /// Finds the job, checks it can be resumed, and runs it to the end.
@@ -87,7 +87,7 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     };
     let outcome = group.execute(choice.usable.clone());
     let summary = record_outcome(&job, spec, opts.started, outcome)?;
-    Ok(Resumed::Finished(job, summary))
+    Ok(Resumed::Finished(job, Box::new(summary)))
 }
 
 /// The newest checkpoint of job `name` that verifies; none is an error unless `from_scratch`.

@@ -354,6 +354,30 @@ impl Model for Gpt {
     fn kv_decoder(&self) -> Option<&dyn super::KvDecoder> {
         Some(self)
     }
+
+    /// The hand-written pass's buffers (see `manual`): per position, each block's 16·C values
+    /// (and its attention probabilities where kept), the dropout masks, ln_f's input and
+    /// output; with checkpointing, each block's input and one block recomputed beside the
+    /// backward's buffers. Autograd's (a GPU, bf16, LoRA) are not known.
+    fn activation_bytes_per_sample(&self, checkpointing: bool) -> Option<f64> {
+        if !manual::applies(self) {
+            return None;
+        }
+        let cfg = &self.config;
+        let (t, c, layers) = (cfg.block_size, cfg.n_embd, cfg.n_layer);
+        let block = 16 * c + manual::kept_probabilities(cfg.n_head, t, c);
+        let masks = if cfg.dropout > 0.0 {
+            (1 + 2 * layers) * c
+        } else {
+            0
+        };
+        let per_position = match checkpointing {
+            false => layers * block,
+            true => layers * c + 2 * block,
+        } + masks
+            + 2 * c;
+        Some((per_position * t * 4) as f64)
+    }
 }
 
 impl super::KvDecoder for Gpt {

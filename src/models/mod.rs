@@ -72,6 +72,13 @@ pub trait Model: Send + Sync {
         Ok(None)
     }
 
+    /// Bytes a training pass keeps per sample for its backward (activations, and the
+    /// backward's own buffers), with or without activation checkpointing: the memory
+    /// estimate's share of the batch. `None` (the default): not known for this model.
+    fn activation_bytes_per_sample(&self, _checkpointing: bool) -> Option<f64> {
+        None
+    }
+
     /// `train.activation_checkpointing`: from now on a training pass keeps only each block's
     /// input and recomputes the rest of the block in its backward, with the same results bit
     /// for bit (memory for time). `Err`: why this model cannot (the default: it has no
@@ -532,6 +539,10 @@ impl Model for Box<dyn Model> {
 
     fn checkpoint_activations(&self) -> std::result::Result<(), String> {
         self.as_ref().checkpoint_activations()
+    }
+
+    fn activation_bytes_per_sample(&self, checkpointing: bool) -> Option<f64> {
+        self.as_ref().activation_bytes_per_sample(checkpointing)
     }
 
     fn train_pass(

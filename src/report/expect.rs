@@ -115,6 +115,7 @@ mod tests {
             best_test_loss: None,
             best_step: None,
             peak_rss_bytes: Vec::new(),
+            estimated_peak_bytes: None,
             expectations: Vec::new(),
         }
     }

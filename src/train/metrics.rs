@@ -41,6 +41,10 @@ pub struct Summary {
     /// Each rank's peak resident memory in bytes (the kernel's `ru_maxrss`), in rank order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub peak_rss_bytes: Vec<u64>,
+    /// What `validate` and the launch log estimated a worker's peak to be (bytes), when the
+    /// model says what its activations take.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimated_peak_bytes: Option<u64>,
     /// `[expect]` results, filled in by the launcher when the run ends.
     #[serde(default)]
     pub expectations: Vec<crate::report::ExpectationResult>,

@@ -106,7 +106,7 @@ pub struct Hooks<'a> {
 /// How a run ended.
 #[derive(Debug)]
 pub enum Ending {
-    Completed(Summary),
+    Completed(Box<Summary>),
     /// Every rank agreed to stop (preemption); the checkpoint of `step` is on disk.
     Stopped {
         step: usize,
@@ -239,7 +239,7 @@ impl Trainer<'_> {
         };
         let mut summary = self.summary(&run, &eval);
         summary.peak_rss_bytes = self.peak_rss()?;
-        Ok(Ending::Completed(summary))
+        Ok(Ending::Completed(Box::new(summary)))
     }
 
     /// The optimizer, restored from the checkpoint (with a line and a `resume` record) or
@@ -315,6 +315,7 @@ impl Trainer<'_> {
             world_size: self.comm.world_size(),
             parameters: self.model.params().element_count(),
             peak_rss_bytes: Vec::new(),
+            estimated_peak_bytes: None,
             expectations: Vec::new(),
         }
     }

@@ -36,7 +36,7 @@ fn data_and_model(spec: &JobSpec) -> (Box<dyn crate::task::Task>, Box<dyn models
 
 fn train(spec: &JobSpec) -> Summary {
     match train_with(spec, None).unwrap() {
-        Ending::Completed(summary) => summary,
+        Ending::Completed(summary) => *summary,
         other => panic!("{other:?}"),
     }
 }

@@ -455,6 +455,18 @@ fn train(
             params.element_count()
         ));
     }
+    // Row shards run one per thread on a CPU worker; a GPU worker runs its batch whole.
+    let threads = if device.is_cpu() {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    let layout = crate::memory::Layout::of(spec, env.world_size, threads);
+    let estimate = crate::memory::estimate(spec, model.as_ref(), layout);
+    reporter.line(&format!(
+        "memory per worker (estimate): {}",
+        estimate.describe()
+    ));
     if !comm.skips_collectives() && comm.world_size() == 1 {
         reporter.line(
             "collectives: run at world size 1, through the backend (distributed.collectives = \
@@ -482,13 +494,14 @@ fn train(
         hooks,
         base_sha256: None,
     };
-    let summary = match trainer.run()? {
-        Ending::Completed(summary) => summary,
+    let mut summary = match trainer.run()? {
+        Ending::Completed(summary) => *summary,
         Ending::Stopped { step } => {
             eprintln!("rank {}: stopped after step {step}", env.rank);
             return Ok(true);
         }
     };
+    summary.estimated_peak_bytes = estimate.total();
     if let Some(leader) = &trainer.leader {
         leader.finish(trainer.model.params(), &summary)?;
     }

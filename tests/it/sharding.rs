@@ -150,6 +150,30 @@ fn a_clipped_gpt_sharded_three_ways_stays_within_a_millionth() {
     let weights = |job: &str| load_weights(&t.job(job).join("model.safetensors"));
     let diff = max_abs_diff(&weights("plain"), &weights("shard"));
     assert!(diff < 1e-6, "sharded and unsharded differ by {diff}");
+    // Each rank's measured peak, and the estimate that `validate` prints, beside it.
+    let summary = t.json(&t.job("shard").join("summary.json"));
+    let peaks = summary["peak_rss_bytes"].as_array().unwrap();
+    assert_eq!(peaks.len(), 3);
+    assert!(
+        peaks.iter().all(|p| p.as_u64().unwrap() > 1 << 20),
+        "{peaks:?}"
+    );
+    assert!(summary["estimated_peak_bytes"].as_u64().unwrap() > 1 << 20);
+    let validate = t.ddpjob(&[
+        "validate",
+        cfg.to_str().unwrap(),
+        "--set",
+        "distributed.nproc_per_node=3",
+    ]);
+    validate.success();
+    assert!(
+        validate.stdout.contains("memory_per_worker = ")
+            && validate
+                .stdout
+                .contains("with distributed.sharding = \"optimizer\" over 3 workers"),
+        "{}",
+        validate.stdout
+    );
 }
 
 #[test]

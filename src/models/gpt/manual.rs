@@ -472,6 +472,15 @@ fn keeps_probabilities(heads: usize, t: usize, c: usize) -> bool {
     heads * t <= 4 * c
 }
 
+/// Attention probabilities a block keeps per position for its backward: `heads` · t where
+/// [`keeps_probabilities`], else none.
+pub(super) fn kept_probabilities(heads: usize, t: usize, c: usize) -> usize {
+    match keeps_probabilities(heads, t, c) {
+        true => heads * t,
+        false => 0,
+    }
+}
+
 /// Elements handed to one rayon task by the element-wise loops.
 const ELEMENTS_PER_TASK: usize = 1 << 14;
 

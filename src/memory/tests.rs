@@ -1,0 +1,103 @@
+use std::path::Path;
+
+use candle_core::Device;
+
+use super::*;
+
+#[test]
+fn the_peak_grows_with_what_the_process_touches() {
+    let before = peak_rss_bytes();
+    assert!(
+        before > 1 << 20,
+        "a test process uses more than 1 MB: {before}"
+    );
+    // More than any other test uses beside it, written so every page is resident.
+    let touched = std::hint::black_box(vec![1u8; 512 << 20]);
+    let after = peak_rss_bytes();
+    assert!(std::hint::black_box(&touched).iter().all(|&b| b == 1));
+    assert!(after >= 512 << 20, "{before} -> {after}");
+}
+
+fn gpt_job(extra: &[&str]) -> (JobSpec, Box<dyn Model>) {
+    let text = std::env::temp_dir().join(format!("ddpjob-memory-{}.txt", std::process::id()));
+    std::fs::write(
+        &text,
+        "to be or not to be, that is the question. ".repeat(40),
+    )
+    .unwrap();
+    let config = format!(
+        "[model]\narch = \"gpt\"\nn_layer = 4\nn_head = 2\nn_embd = 32\nblock_size = 16\n\
+         [data]\ndataset = \"text\"\npath = \"{}\"\n[train]\nbatch_size = 8\noptimizer = \"adamw\"\n",
+        text.display()
+    );
+    let overrides: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let spec = crate::config::load_str(Path::new("m.toml"), config, &overrides)
+        .unwrap()
+        .spec;
+    let data = crate::task::load(&spec, None).unwrap();
+    let model = crate::models::build(
+        &spec.model,
+        data.input(),
+        0,
+        &Device::Cpu,
+        spec.train.precision,
+        false,
+    )
+    .unwrap();
+    (spec, model)
+}
+
+/// What each setting changes: sharding divides the optimizer state and the averaged gradient
+/// by the workers, each row shard holds a gradient, checkpointing keeps a fraction of the
+/// activations, a model that does not say leaves them out of the total.
+#[test]
+fn the_estimate_follows_sharding_threads_and_checkpointing() {
+    let (spec, model) = gpt_job(&[]);
+    let p = model.params().element_count() as u64;
+    let plain = estimate(&spec, model.as_ref(), Layout::of(&spec, 4, 1));
+    assert_eq!(plain.weights, 4 * p);
+    assert_eq!(plain.optimizer, 8 * p);
+    assert_eq!(plain.gradients, 8 * p, "one shard's and the averaged one");
+    let (sharded_spec, _) = gpt_job(&["distributed.sharding=\"optimizer\""]);
+    let sharded = estimate(
+        &sharded_spec,
+        model.as_ref(),
+        Layout::of(&sharded_spec, 4, 1),
+    );
+    assert_eq!(sharded.optimizer, 2 * p);
+    assert_eq!(sharded.gradients, 4 * p + p);
+    let threads = estimate(&spec, model.as_ref(), Layout::of(&spec, 1, 3));
+    assert_eq!(threads.gradients, 3 * 4 * p + 4 * p);
+    let full = plain.activations.unwrap();
+    let layout = Layout {
+        checkpointing: true,
+        ..Layout::of(&spec, 4, 1)
+    };
+    let kept = estimate(&spec, model.as_ref(), layout).activations.unwrap();
+    assert!(kept < full, "{kept} vs {full}");
+    assert!(
+        plain.describe().contains("(batch 8 x 16 positions)"),
+        "{}",
+        plain.describe()
+    );
+    assert_eq!(
+        plain.total().unwrap(),
+        plain.weights + plain.gradients + plain.optimizer + full + plain.runtime
+    );
+    let bf16 = crate::models::build(
+        &spec.model,
+        model_input(&spec),
+        0,
+        &Device::Cpu,
+        crate::config::Precision::Bf16,
+        false,
+    )
+    .unwrap();
+    let unknown = estimate(&spec, bf16.as_ref(), Layout::of(&spec, 1, 1));
+    assert_eq!(unknown.total(), None);
+    assert!(unknown.describe().contains("activations not estimated"));
+}
+
+fn model_input(spec: &JobSpec) -> crate::task::ModelInput {
+    crate::task::load(spec, None).unwrap().input()
+}

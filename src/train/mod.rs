@@ -254,8 +254,10 @@ impl Trainer<'_> {
                 let bucket_bytes = spec.distributed.bucket_bytes;
                 let plan = ShardPlan::new(&sizes, bucket_bytes, self.comm);
                 self.reporter.line(&format!(
-                    "optimizer state sharded over {world} workers (ZeRO-1): rank 0 keeps the \
-                     state of {} of {} trainable values",
+                    "optimizer state sharded over {world} worker{} (ZeRO-1): rank {} keeps \
+                     the state of {} of {} trainable values",
+                    if world == 1 { "" } else { "s" },
+                    self.comm.rank(),
                     plan.owned_elements(),
                     sizes.iter().sum::<usize>()
                 ));

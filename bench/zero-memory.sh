@@ -7,8 +7,8 @@
 #
 #   bench/zero-memory.sh [W ...]        (default: 2 4)   LAYERS=2 for a quick check
 #
-# Checkpoints are off: rank 0 gathers the whole optimizer state to write one (see README,
-# "Sharded optimizer state"), so its peak during a checkpoint is the unsharded one's.
+# Checkpoints are off unless CHECKPOINT_EVERY=N (steps): rank 0 then writes the whole
+# optimizer state, streamed bucket by bucket when it is sharded.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 bin=$here/target/release/ddpjob
@@ -45,6 +45,7 @@ eval_batch_size = 1
 log_every = 1
 [checkpoint]
 every_epochs = 0
+every_steps = ${CHECKPOINT_EVERY:-0}
 EOF
 printf '%-3s %-10s %12s %14s %14s %10s\n' W sharding "params" "peak RSS MB" "(per rank)" "s/step"
 for w in "${worlds[@]}"; do

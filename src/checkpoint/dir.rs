@@ -167,7 +167,11 @@ mod tests {
         let writer = Checkpointer::new(job.checkpoints_dir(), None);
         for step in [10, 20] {
             writer
-                .save(&model, &HashMap::new(), &position(step))
+                .save(
+                    &model,
+                    crate::checkpoint::OptimizerState::Tensors(&HashMap::new()),
+                    &position(step),
+                )
                 .unwrap();
         }
         (tmp, job)

@@ -120,6 +120,14 @@ pub fn due_after_epoch(spec: &CheckpointSpec, epoch: usize) -> bool {
     spec.every_epochs.is_some_and(|n| (epoch + 1) % n == 0)
 }
 
+/// A checkpoint's optimizer state: tensors to write, or `optimizer.safetensors` already
+/// written elsewhere on the same filesystem (a sharded optimizer streams its gathered state
+/// there, bucket by bucket, so rank 0 never holds all of it), moved into the checkpoint.
+pub enum OptimizerState<'a> {
+    Tensors(&'a HashMap<String, Tensor>),
+    Written(&'a Path),
+}
+
 /// Writes checkpoints into one job's `checkpoints/` directory.
 pub struct Checkpointer {
     dir: PathBuf,
@@ -140,7 +148,7 @@ impl Checkpointer {
     pub fn save(
         &self,
         model: &HashMap<String, Tensor>,
-        optimizer: &HashMap<String, Tensor>,
+        optimizer: OptimizerState,
         position: &TrainPosition,
     ) -> Result<PathBuf, CheckpointError> {
         let name = step_dir_name(position.step);
@@ -170,7 +178,7 @@ impl Checkpointer {
     pub fn save_best(
         &self,
         model: &HashMap<String, Tensor>,
-        optimizer: &HashMap<String, Tensor>,
+        optimizer: OptimizerState,
         position: &TrainPosition,
     ) -> Result<PathBuf, CheckpointError> {
         let pid = std::process::id();
@@ -198,7 +206,7 @@ impl Checkpointer {
         &self,
         tmp: &Path,
         model: &HashMap<String, Tensor>,
-        optimizer: &HashMap<String, Tensor>,
+        optimizer: OptimizerState,
         position: &TrainPosition,
     ) -> Result<(), CheckpointError> {
         fs::create_dir_all(tmp).map_err(io(tmp))?;
@@ -210,12 +218,17 @@ impl Checkpointer {
             }
         })?;
         let optim_path = tmp.join("optimizer.safetensors");
-        candle_core::safetensors::save(optimizer, &optim_path).map_err(|cause| {
-            CheckpointError::Tensor {
-                path: optim_path.clone(),
-                cause,
+        match optimizer {
+            OptimizerState::Tensors(tensors) => {
+                candle_core::safetensors::save(tensors, &optim_path).map_err(|cause| {
+                    CheckpointError::Tensor {
+                        path: optim_path.clone(),
+                        cause,
+                    }
+                })?
             }
-        })?;
+            OptimizerState::Written(file) => fs::rename(file, &optim_path).map_err(io(file))?,
+        }
         let state_path = tmp.join("state.json");
         let state = serde_json::to_vec_pretty(position).unwrap_or_default();
         fs::write(&state_path, state).map_err(io(&state_path))?;
@@ -243,7 +256,11 @@ impl Checkpointer {
             .filter_map(|e| e.ok())
         {
             if entry.file_name().to_string_lossy().starts_with(".tmp-") {
-                let _ = fs::remove_dir_all(entry.path());
+                let path = entry.path();
+                let _ = match path.is_dir() {
+                    true => fs::remove_dir_all(&path),
+                    false => fs::remove_file(&path),
+                };
             }
         }
         let mut steps = list_checkpoints(&self.dir).map_err(io(&self.dir))?;
@@ -348,7 +365,12 @@ mod tests {
             Tensor::ones((2, 2), candle_core::DType::F32, &Device::Cpu).unwrap(),
         )]);
         for step in [10, 20, 30] {
-            ck.save(&model, &HashMap::new(), &position(step)).unwrap();
+            ck.save(
+                &model,
+                OptimizerState::Tensors(&HashMap::new()),
+                &position(step),
+            )
+            .unwrap();
         }
         let names: Vec<String> = list_checkpoints(&dir)
             .unwrap()

@@ -4,6 +4,8 @@
 pub mod schedule;
 mod sharded;
 
+pub use sharded::{GatherError, Gathered};
+
 use std::collections::HashMap;
 
 use candle_core::{Result, Tensor};

@@ -10,6 +10,8 @@
 //! holding the whole state while it writes.
 
 use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 
 use candle_core::{Result, Tensor};
 
@@ -97,34 +99,52 @@ impl Optimizer {
         Ok(())
     }
 
-    /// The state in the unsharded layout ([`Optimizer::state`]'s), for rank 0's checkpoint
+    /// The state in the unsharded layout ([`Optimizer::state`]'s) for rank 0's checkpoint
     /// (`None` on the other ranks). Every rank must call it: a sharded state is all-gathered
-    /// bucket by bucket.
+    /// bucket by bucket, and rank 0 streams each bucket into the safetensors file `staging`
+    /// as it arrives, so it never holds more than a bucket of it.
     pub fn checkpoint_state(
         &self,
         comm: &dyn Communicator,
         params: &Params,
-    ) -> std::result::Result<Option<HashMap<String, Tensor>>, CommError> {
+        staging: Option<&Path>,
+    ) -> std::result::Result<Option<Gathered>, GatherError> {
         let Some(shards) = &self.shards else {
             return Ok(match comm.rank() {
-                0 => Some(self.state(params)?.0),
+                0 => Some(Gathered::Tensors(self.state(params)?.0)),
                 _ => None,
             });
         };
-        let mut out = HashMap::new();
         let names: Vec<&str> = params.iter().map(|(n, _)| n).collect();
         let vars: Vec<_> = params.vars().collect();
-        for (kind, suffix) in self.kept_buffers() {
+        let kept = self.kept_buffers();
+        // The file's tensors in the order they are gathered: by buffer, bucket, tensor.
+        let mut layout = Vec::new();
+        for &(_, suffix) in &kept {
+            for bucket in &shards.plan.buckets {
+                for t in bucket.tensors.clone() {
+                    let i = shards.trainable[t];
+                    layout.push((format!("{}.{suffix}", names[i]), vars[i].dims().to_vec()));
+                }
+            }
+        }
+        let mut writer = match (comm.rank(), staging) {
+            (0, Some(path)) => Some(StreamedSafetensors::create(path, &layout)?),
+            _ => None,
+        };
+        // A failed write is reported once the gather is over: every rank runs every collective.
+        let mut failed = None;
+        for &(kind, _) in &kept {
             for (b, bucket) in shards.plan.buckets.iter().enumerate() {
                 let mut flat = vec![0f32; bucket.len];
                 for (k, p) in shards.plan.pieces.iter().enumerate() {
-                    if p.bucket != b {
-                        continue;
-                    }
                     let slot = match kind {
                         0 => &self.first[k],
                         _ => &self.second[k],
                     };
+                    if p.bucket != b {
+                        continue;
+                    }
                     if let Some(values) = slot.as_ref().map(Buffer::values).transpose()? {
                         flat[p.at..p.at + values.len()].copy_from_slice(&values);
                     }
@@ -132,21 +152,33 @@ impl Optimizer {
                 let device = vars[0].device();
                 let mut gathered = Tensor::from_vec(flat, bucket.len, device)?;
                 comm.all_gather(&mut gathered)?;
-                if comm.rank() != 0 {
-                    continue;
-                }
-                let mut offset = 0;
-                for t in bucket.tensors.clone() {
-                    let i = shards.trainable[t];
-                    let var = vars[i];
-                    let n = var.elem_count();
-                    let value = gathered.narrow(0, offset, n)?.reshape(var.shape())?;
-                    out.insert(format!("{}.{suffix}", names[i]), value);
-                    offset += n;
+                if let Some(w) = writer.as_mut().filter(|_| failed.is_none()) {
+                    let values = gathered.to_vec1::<f32>()?;
+                    let n: usize = bucket
+                        .tensors
+                        .clone()
+                        .map(|t| vars[shards.trainable[t]].elem_count())
+                        .sum();
+                    failed = w.append(&values[..n]).err();
                 }
             }
         }
-        Ok((comm.rank() == 0).then_some(out))
+        if let Some(cause) = failed {
+            return Err(GatherError::Io {
+                path: staging.map(Path::to_path_buf).unwrap_or_default(),
+                cause,
+            });
+        }
+        match writer {
+            Some(w) => {
+                w.finish().map_err(|cause| GatherError::Io {
+                    path: staging.map(Path::to_path_buf).unwrap_or_default(),
+                    cause,
+                })?;
+                Ok(staging.map(|p| Gathered::Written(p.to_path_buf())))
+            }
+            None => Ok(None),
+        }
     }
 
     /// Which state buffers every trainable parameter has by now (the first, the second), with
@@ -186,5 +218,89 @@ impl Optimizer {
             self.second[k] = part(second)?;
         }
         Ok(())
+    }
+}
+
+/// A checkpoint's optimizer state as [`Optimizer::checkpoint_state`] hands it to rank 0.
+pub enum Gathered {
+    /// An unsharded optimizer's own tensors.
+    Tensors(HashMap<String, Tensor>),
+    /// A sharded optimizer's, streamed into this safetensors file.
+    Written(PathBuf),
+}
+
+/// Why gathering a sharded state for a checkpoint failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GatherError {
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Tensor(#[from] candle_core::Error),
+    #[error("cannot write the gathered optimizer state to `{}`: {cause}", path.display())]
+    Io {
+        path: PathBuf,
+        cause: std::io::Error,
+    },
+}
+
+/// A safetensors file of f32 tensors written front to back: the header, from the names and
+/// shapes known in advance, then each tensor's values as they arrive, in the header's order.
+struct StreamedSafetensors {
+    out: std::io::BufWriter<std::fs::File>,
+    expected: usize,
+    written: usize,
+}
+
+impl StreamedSafetensors {
+    fn create(
+        path: &Path,
+        layout: &[(String, Vec<usize>)],
+    ) -> std::result::Result<Self, GatherError> {
+        let io = |cause| GatherError::Io {
+            path: path.to_path_buf(),
+            cause,
+        };
+        let mut header = serde_json::Map::new();
+        let mut offset = 0;
+        for (name, shape) in layout {
+            let bytes = 4 * shape.iter().product::<usize>();
+            let entry = serde_json::json!({
+                "dtype": "F32",
+                "shape": shape,
+                "data_offsets": [offset, offset + bytes],
+            });
+            header.insert(name.clone(), entry);
+            offset += bytes;
+        }
+        let mut json = serde_json::to_vec(&header).unwrap_or_default();
+        // Padded with spaces so the data starts 8-byte aligned, as safetensors writes it.
+        while (8 + json.len()) % 8 != 0 {
+            json.push(b' ');
+        }
+        let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+        out.write_all(&(json.len() as u64).to_le_bytes())
+            .map_err(io)?;
+        out.write_all(&json).map_err(io)?;
+        Ok(StreamedSafetensors {
+            out,
+            expected: offset,
+            written: 0,
+        })
+    }
+
+    fn append(&mut self, values: &[f32]) -> std::io::Result<()> {
+        self.written += 4 * values.len();
+        self.out.write_all(bytemuck::cast_slice(values))
+    }
+
+    fn finish(mut self) -> std::io::Result<()> {
+        if self.written != self.expected {
+            return Err(std::io::Error::other(format!(
+                "{} bytes of tensors written, {} expected",
+                self.written, self.expected
+            )));
+        }
+        self.out.flush()?;
+        self.out.get_ref().sync_all()
     }
 }

@@ -1,13 +1,10 @@
 //! What only rank 0 does: write metrics, state and checkpoints into the job directory. A separate
 //! type with no collectives, so a collective that only rank 0 would call cannot be written here.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use candle_core::Tensor;
-
-use crate::checkpoint::{Checkpointer, Restored, TrainPosition};
+use crate::checkpoint::{Checkpointer, OptimizerState, Restored, TrainPosition};
 use crate::jobdir::{JobDir, JobDirError, JobState, now_unix};
 use crate::models::Params;
 use crate::report::Record;
@@ -179,12 +176,21 @@ impl Leader {
     pub fn save_best(
         &self,
         params: &Params,
-        optimizer: &HashMap<String, Tensor>,
+        optimizer: OptimizerState,
         position: &TrainPosition,
     ) -> Result<PathBuf, TrainError> {
         Ok(self
             .checkpointer
             .save_best(&checkpointed(params, position), optimizer, position)?)
+    }
+
+    /// Where a sharded optimizer streams its gathered state before a checkpoint takes it:
+    /// beside the checkpoints (the same filesystem, so it is moved, not copied), named as the
+    /// temporary files a checkpoint's pruning removes if the job dies meanwhile.
+    pub fn staging_path(&self) -> PathBuf {
+        self.job
+            .checkpoints_dir()
+            .join(format!(".tmp-optimizer-{}.safetensors", std::process::id()))
     }
 
     /// Redraws `curves.svg`; a failure is only worth a warning (returned as its text).
@@ -195,7 +201,7 @@ impl Leader {
     pub fn checkpoint(
         &self,
         params: &Params,
-        optimizer: &HashMap<String, Tensor>,
+        optimizer: OptimizerState,
         position: &TrainPosition,
     ) -> Result<PathBuf, TrainError> {
         let model = checkpointed(params, position);

@@ -27,7 +27,7 @@ use crate::fault::Fault;
 use crate::heartbeat::Beacon;
 use crate::jobdir::JobDirError;
 use crate::models::{Mode, Model};
-use crate::optim::{Optimizer, Schedule};
+use crate::optim::{GatherError, Gathered, Optimizer, Schedule};
 use crate::progress::Reporter;
 use crate::task::{BatchSource, ModelInput, Task, sample_seed};
 
@@ -404,9 +404,9 @@ impl Trainer<'_> {
         if !self.spec.checkpoint.keep_best {
             return Ok(());
         }
-        let state = optimizer.checkpoint_state(self.comm, self.model.params())?;
+        let state = self.gather_optimizer(optimizer)?;
         if let (Some(leader), Some(state)) = (&self.leader, state) {
-            match leader.save_best(self.model.params(), &state, &at) {
+            match leader.save_best(self.model.params(), state.as_checkpoint(), &at) {
                 Ok(dir) => self.reporter.line(&format!(
                     "best {} so far ({:.4}): weights kept in {}",
                     self.loss_name(),
@@ -481,14 +481,29 @@ impl Trainer<'_> {
         }
     }
 
+    /// The optimizer's state for rank 0's checkpoint (a collective when it is sharded); a
+    /// failed write of a sharded state is a checkpoint error like any other.
+    fn gather_optimizer(&self, optimizer: &Optimizer) -> Result<Option<Gathered>, TrainError> {
+        let staging = self.leader.as_ref().map(Leader::staging_path);
+        let params = self.model.params();
+        match optimizer.checkpoint_state(self.comm, params, staging.as_deref()) {
+            Ok(state) => Ok(state),
+            Err(GatherError::Comm(e)) => Err(e.into()),
+            Err(GatherError::Tensor(e)) => Err(e.into()),
+            Err(GatherError::Io { path, cause }) => {
+                Err(crate::checkpoint::CheckpointError::Io { path, cause }.into())
+            }
+        }
+    }
+
     fn save_checkpoint(
         &mut self,
         optimizer: &Optimizer,
         position: &TrainPosition,
     ) -> Result<(), TrainError> {
-        let state = optimizer.checkpoint_state(self.comm, self.model.params())?;
+        let state = self.gather_optimizer(optimizer)?;
         if let (Some(leader), Some(state)) = (&self.leader, state) {
-            match leader.checkpoint(self.model.params(), &state, position) {
+            match leader.checkpoint(self.model.params(), state.as_checkpoint(), position) {
                 Ok(dir) => self
                     .reporter
                     .line(&format!("checkpoint written: {}", dir.display())),
@@ -505,6 +520,15 @@ impl Trainer<'_> {
         // Everyone continues only once rank 0's checkpoint is complete on disk.
         self.comm.barrier()?;
         Ok(())
+    }
+}
+
+impl Gathered {
+    fn as_checkpoint(&self) -> crate::checkpoint::OptimizerState<'_> {
+        match self {
+            Gathered::Tensors(t) => crate::checkpoint::OptimizerState::Tensors(t),
+            Gathered::Written(path) => crate::checkpoint::OptimizerState::Written(path),
+        }
     }
 }
 

@@ -4,10 +4,9 @@
 //! layout for checkpoints, so a sharded job's checkpoint is an unsharded one's and resumes
 //! with any sharding on any world size.
 //!
-//! Checkpoints are gathered (every rank's pieces all-gathered bucket by bucket, rank 0 writing)
-//! rather than written as per-rank shards with an index: one layout for every job keeps
-//! `resume` on another world size, `eval` and `export` unchanged, at the cost of rank 0
-//! holding the whole state while it writes.
+//! Checkpoints are gathered (every rank's pieces all-gathered bucket by bucket, rank 0
+//! streaming each into the file) rather than written as per-rank shards with an index: one
+//! layout for every job keeps `resume` on another world size, `eval` and `export` unchanged.
 
 use std::collections::HashMap;
 use std::io::Write;

@@ -184,8 +184,9 @@ pub fn average_gradients(
     Ok(verdict)
 }
 
-/// `tensors` flattened into one 1-D bucket (a new tensor), followed by `vote` when given (the
-/// stop vote: 1 to stop).
+/// `tensors` flattened into one 1-D bucket, followed by `vote` when given (the stop vote: 1 to
+/// stop): a new tensor, except for one tensor and no vote, whose own storage it then is (a
+/// collective run in place on it writes that tensor).
 pub(crate) fn flat_bucket(tensors: &[Tensor], vote: Option<f32>) -> Result<Tensor, CommError> {
     let mut flats = tensors
         .iter()

@@ -88,8 +88,23 @@ pub(super) fn update_and_gather(
     let params = cx.model.params();
     optimizer.step_pieces(params, pieces, lr)?;
     let plan = optimizer.plan().expect("a sharded optimizer");
+    let on_host = params
+        .vars()
+        .all(|v| crate::kernels::applies(v.as_tensor()));
+    gather_parameters(cx, plan, vote, on_host)
+}
+
+/// Gives every rank every rank's pieces of the parameters, bucket by bucket, on the host
+/// (CPU f32: buckets built from this rank's pieces, written back around them) or through
+/// tensor ops (whole buckets, whole parameters set).
+pub(super) fn gather_parameters(
+    cx: &StepContext,
+    plan: &ShardPlan,
+    vote: Option<f32>,
+    on_host: bool,
+) -> Result<StopVote, StepError> {
+    let params = cx.model.params();
     let vars: Vec<&Tensor> = params.trainable().map(|(_, v)| v.as_tensor()).collect();
-    let on_host = vars.iter().all(|v| crate::kernels::applies(v));
     let mut verdict = StopVote::Known(false);
     let last = plan.buckets.len().saturating_sub(1);
     for (b, bucket) in plan.buckets.iter().enumerate() {
@@ -98,11 +113,16 @@ pub(super) fn update_and_gather(
             true => host_bucket(plan, b, &vars, vote)?,
             false => {
                 let values: Vec<Tensor> = bucket.tensors.clone().map(|t| vars[t].clone()).collect();
-                flat_bucket(&values, vote)?
+                // A parameter alone in its bucket would be its own bucket, gathered in place
+                // and then set from itself, which a variable refuses: a copy.
+                match (values.len(), vote) {
+                    (1, None) => values[0].flatten_all()?.copy()?,
+                    _ => flat_bucket(&values, vote)?,
+                }
             }
         };
         cx.comm.all_gather(&mut flat)?;
-        write_back(plan, b, &vars, &flat, cx.model.params(), on_host)?;
+        write_back(plan, b, &vars, &flat, params, on_host)?;
         if b == last {
             let reduced = flat.narrow(0, bucket.len - 1, 1)?.force_contiguous()?;
             verdict = StopVote::Reduced(reduced);

@@ -129,7 +129,8 @@ impl Estimate {
     }
 }
 
-fn gb(bytes: u64) -> String {
+/// `bytes` in decimal gigabytes, two decimals: `1.98 GB`.
+pub(crate) fn gb(bytes: u64) -> String {
     format!("{:.2} GB", bytes as f64 / 1e9)
 }
 

@@ -240,7 +240,7 @@ fn memory_lines(
         .map_err(|e| e.to_string())?;
     let layout = Layout::of(spec, world, threads);
     let mine = estimate(spec, model.as_ref(), layout);
-    let total = |e: &crate::memory::Estimate| e.total().map_or("?".into(), gb);
+    let total = |e: &crate::memory::Estimate| e.total().map_or("?".into(), crate::memory::gb);
     let mut lines = vec![format!(
         "memory_per_worker = {}  (estimate: {})",
         total(&mine),
@@ -272,10 +272,6 @@ fn memory_lines(
         }
     }
     Ok(lines)
-}
-
-fn gb(bytes: u64) -> String {
-    format!("{:.2} GB", bytes as f64 / 1e9)
 }
 
 /// Where `validate`'s count of training samples comes from, when it opened the data.

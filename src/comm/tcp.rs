@@ -487,13 +487,9 @@ pub(crate) fn ranks<T: Send>(
 mod tests {
     use super::*;
 
-    fn pair<T: Send>(f: impl Fn(usize, TcpCommunicator) -> T + Sync) -> Vec<T> {
-        ranks(2, f)
-    }
-
     #[test]
     fn ranks_in_different_collectives_fail_with_a_message_not_garbage() {
-        let errors = pair(|rank, comm| {
+        let errors = ranks(2, |rank, comm| {
             comm.barrier().unwrap();
             let err = if rank == 0 {
                 comm.barrier().unwrap_err()
@@ -513,7 +509,7 @@ mod tests {
 
     #[test]
     fn a_vanished_peer_is_named_and_classed_as_lost() {
-        let errors = pair(|rank, comm| {
+        let errors = ranks(2, |rank, comm| {
             if rank == 1 {
                 drop(comm);
                 return None;

@@ -401,17 +401,10 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<Tensor> {
 /// by 1.0 then, which changes nothing). The tensor ops' way costs a squared copy and a scaled
 /// copy of every gradient, every step (measured: about 2% of a small GPT's step).
 fn clip_on_host(grads: &mut [Tensor], max_norm: f64) -> Result<Tensor> {
-    use rayon::prelude::*;
-    let squares = grads
-        .par_iter()
-        .map(kernels::sum_of_squares)
-        .collect::<Result<Vec<f64>>>()?;
-    let norm = squares.iter().sum::<f64>().sqrt();
-    let coef = (max_norm / (norm + 1e-6)).min(1.0) as f32;
+    let norm = sum_of_squares(grads)?.sqrt();
+    let coef = (max_norm / (norm + 1e-6)).min(1.0);
     if coef < 1.0 {
-        for g in grads.iter_mut() {
-            *g = kernels::scaled(g, coef)?;
-        }
+        scale(grads, coef)?;
     }
     Tensor::new(norm as f32, grads[0].device())
 }

@@ -22,7 +22,7 @@ use crate::models::Params;
 
 /// What a sharded optimizer knows of the shards: the plan and the parameter index of each
 /// trainable position (the plan counts trainable tensors only).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(super) struct Shards {
     plan: ShardPlan,
     trainable: Vec<usize>,
@@ -49,9 +49,22 @@ impl Optimizer {
     /// one per piece of the plan, 1-D). CPU f32 pieces are updated in place inside the
     /// parameters; elsewhere the new values are written into them.
     pub fn step_pieces(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
-        let Some(shards) = self.shards.clone() else {
+        // Taken out while the state slots are updated, and put back whatever happens.
+        let Some(shards) = self.shards.take() else {
             candle_core::bail!("step_pieces on an optimizer that is not sharded");
         };
+        let result = self.update_pieces(&shards, params, grads, lr);
+        self.shards = Some(shards);
+        result
+    }
+
+    fn update_pieces(
+        &mut self,
+        shards: &Shards,
+        params: &Params,
+        grads: &[Tensor],
+        lr: f64,
+    ) -> Result<()> {
         self.steps += 1;
         let vars: Vec<_> = params.vars().collect();
         let views = shards
@@ -137,13 +150,13 @@ impl Optimizer {
             for (b, bucket) in shards.plan.buckets.iter().enumerate() {
                 let mut flat = vec![0f32; bucket.len];
                 for (k, p) in shards.plan.pieces.iter().enumerate() {
+                    if p.bucket != b {
+                        continue;
+                    }
                     let slot = match kind {
                         0 => &self.first[k],
                         _ => &self.second[k],
                     };
-                    if p.bucket != b {
-                        continue;
-                    }
                     if let Some(values) = slot.as_ref().map(Buffer::values).transpose()? {
                         flat[p.at..p.at + values.len()].copy_from_slice(&values);
                     }

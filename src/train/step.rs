@@ -106,10 +106,10 @@ pub fn optimizer_step(
         .trainable()
         .map(|(i, var)| grads[i].take().map_or_else(|| var.zeros_like(), Ok))
         .collect::<Result<Vec<_>, _>>()?;
-    let stop = match optimizer.plan().cloned() {
+    let stop = match optimizer.plan() {
         Some(plan) => {
             let (mut pieces, vote) =
-                super::sharded::reduce_scatter_gradients(cx, &plan, grads, stop_vote)?;
+                super::sharded::reduce_scatter_gradients(cx, plan, grads, stop_vote)?;
             clock.lap(&mut phases, |p| &mut p.sync)?;
             if let Some(max_norm) = cx.grad_clip_norm {
                 super::sharded::clip_pieces(cx, &mut pieces, max_norm)?;

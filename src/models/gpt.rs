@@ -9,12 +9,22 @@
 //! to draw than the attention itself.
 
 pub(super) mod attention;
+mod causal_softmax;
+#[cfg(feature = "cuda")]
+mod causal_softmax_cuda;
 mod dropout;
 #[cfg(feature = "cuda")]
 mod dropout_cuda;
+#[cfg(feature = "cuda")]
+mod gelu_cuda;
 pub(super) mod head;
 pub(crate) mod hf;
+#[cfg(feature = "cuda")]
+mod layer_norm_cuda;
+mod layer_norm_gpu;
 mod manual;
+#[cfg(feature = "cuda")]
+mod nvrtc;
 mod ops;
 pub(crate) mod options;
 pub(super) mod rows;
@@ -227,10 +237,7 @@ impl Gpt {
     fn embed(&self, ids: &Tensor, n: usize, t: usize, offset: usize) -> Result<Tensor> {
         let c = self.config.n_embd;
         let frozen = &self.params.frozen;
-        let tokens = frozen
-            .as_input(&self.wte)
-            .embedding(ids)?
-            .reshape((n, t, c))?;
+        let tokens = lookup(&frozen.as_input(&self.wte), ids)?.reshape((n, t, c))?;
         let positions = frozen.as_input(&self.wpe).narrow(0, offset, t)?;
         tokens.broadcast_add(&positions)?.reshape((n * t, c))
     }
@@ -238,8 +245,8 @@ impl Gpt {
     /// Token plus position embeddings of packed rows: `ids` [n·t] at `positions` [n·t].
     fn embed_at(&self, ids: &Tensor, positions: &Tensor) -> Result<Tensor> {
         let frozen = &self.params.frozen;
-        let tokens = frozen.as_input(&self.wte).embedding(ids)?;
-        tokens + frozen.as_input(&self.wpe).embedding(positions)?
+        let tokens = lookup(&frozen.as_input(&self.wte), ids)?;
+        tokens + lookup(&frozen.as_input(&self.wpe), positions)?
     }
 
     /// Final LayerNorm, then logits x·wteᵀ in f32.
@@ -448,9 +455,13 @@ impl Block {
         mode: &Mode,
     ) -> Result<Tensor> {
         let (c, h) = (gpt.config.n_embd, gpt.config.n_head);
-        let qkv = self
-            .c_attn
-            .forward_mode(&self.ln_1.forward(x)?, gpt.compute, mode)?;
+        let input = self.ln_1.forward(x)?;
+        if x.device().is_cuda() && packing.is_none() && self.c_attn.adapter.is_none() {
+            let [q, k, v] = self.c_attn.forward_thirds(&input, gpt.compute)?;
+            let y = attention::of_parts((&q, &k, &v), n, h, &gpt.causal_mask)?;
+            return self.attn_proj.forward_mode(&y, gpt.compute, mode);
+        }
+        let qkv = self.c_attn.forward_mode(&input, gpt.compute, mode)?;
         let y = if let Some(packing) = packing {
             let qkv = qkv.reshape((n, t, 3 * c))?;
             super::packed::attention(&qkv, h, packing)?.reshape((n * t, c))?
@@ -474,6 +485,41 @@ impl Block {
         self.mlp_proj
             .forward_mode(&ops::gelu(&hidden, activation)?, compute, mode)
     }
+}
+
+/// The largest table [`lookup`] reads as a one-hot product on a GPU: its one-hot matrix is
+/// 4 bytes per token per row (16,384 tokens: 64 MB).
+#[cfg(feature = "cuda")]
+const ONE_HOT_ROWS: usize = 1024;
+
+/// Rows `ids` ([k], u32) of `table` [rows, C]: [k, C]. On a GPU, a small table (a character
+/// vocabulary, positions) is read as a one-hot product, whose backward is a GEMM: candle's
+/// backward of a row lookup (`index_add`) runs one thread per channel through every token,
+/// 8 ms a step of the shakespeare-char recipe on an H200, ~7% of it (ncu, 2026-11-26). Exact
+/// in f32 (each output is one product by 1), so not when f32 products may round to TF32.
+fn lookup(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let rows = table.dim(0)?;
+    if !one_hot_applies(table, rows) {
+        return table.embedding(ids);
+    }
+    let classes = Tensor::arange(0u32, rows as u32, ids.device())?.unsqueeze(0)?;
+    ids.to_dtype(DType::U32)?
+        .flatten_all()?
+        .unsqueeze(1)?
+        .broadcast_eq(&classes)?
+        .to_dtype(table.dtype())?
+        .matmul(table)
+}
+
+/// Whether [`lookup`] reads `table` as a one-hot product (see there).
+fn one_hot_applies(table: &Tensor, rows: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    if table.device().is_cuda() && rows <= ONE_HOT_ROWS {
+        return table.dtype() != DType::F32
+            || !candle_core::cuda_backend::gemm_reduced_precision_f32();
+    }
+    let _ = (table, rows);
+    false
 }
 
 /// `y = x·Wᵀ + b` for x [m, in], W [out, in] as torch's `nn.Linear`; without bias, `b` is a
@@ -559,6 +605,25 @@ impl Linear {
             None => x.clone(),
         };
         y + adapter.forward(&dropped, compute, &self.frozen)?
+    }
+
+    /// The fused q, k, v projection (no adapter) as three products by the thirds of its
+    /// weight and bias, in the compute dtype: each [m, out / 3] (see `attention::of_parts`).
+    pub(super) fn forward_thirds(&self, x: &Tensor, compute: DType) -> Result<[Tensor; 3]> {
+        let weight = self.frozen.as_input(&self.weight).to_dtype(compute)?;
+        let bias = match &self.bias {
+            Some(b) => Some(self.frozen.as_input(b).to_dtype(compute)?),
+            None => None,
+        };
+        let (x, third) = (x.to_dtype(compute)?, weight.dim(0)? / 3);
+        let product = |i: usize| -> Result<Tensor> {
+            let y = x.matmul(&weight.narrow(0, i * third, third)?.t()?)?;
+            match &bias {
+                Some(b) => y.broadcast_add(&b.narrow(0, i * third, third)?),
+                None => Ok(y),
+            }
+        };
+        Ok([product(0)?, product(1)?, product(2)?])
     }
 
     /// Which gradients its backward forms: none for what is frozen.

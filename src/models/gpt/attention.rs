@@ -69,14 +69,43 @@ pub fn with_ops(
     let tk = offset + t;
     let q = q.reshape((n * h, t, hd))?;
     let (kf, vf) = (k.reshape((n * h, tk, hd))?, v.reshape((n * h, tk, hd))?);
-    let scale = 1.0 / (hd as f64).sqrt();
-    let att = ops::causal_softmax_with_ops(&q.matmul(&kf.t()?)?, scale, offset, mask)?;
-    let y = att
-        .matmul(&vf)?
+    let y = attend(&q, &kf, &vf, offset, mask)?
         .reshape((n, h, t, hd))?
         .transpose(1, 2)?
         .reshape((n, t, c))?;
     Ok((y, k, v))
+}
+
+/// softmax(q·kᵀ / √hd + causal mask)·v for q [b, t, hd] at positions `offset`.., k and v
+/// [b, offset + t, hd]: [b, t, hd].
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, offset: usize, mask: &Tensor) -> Result<Tensor> {
+    let scale = 1.0 / (q.dim(2)? as f64).sqrt();
+    ops::causal_softmax_with_ops(&q.matmul(&k.t()?)?, scale, offset, mask)?.matmul(v)
+}
+
+/// [`with_ops`] (no cache) of q, k and v given apart, each [n·t, C] with the heads side by
+/// side: the attended values [n·t, C]. A GPU's GPT makes them as three products (see
+/// `Linear::forward_thirds`): slicing them out of one [n·t, 3C] product would cost, in the
+/// backward, three zero-padded [n·t, 3C] gradients and their sums, ~10 ms a step of the
+/// shakespeare-char recipe on an H200 (ncu, 2026-11-26).
+pub fn of_parts(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    n: usize,
+    heads: usize,
+    mask: &Tensor,
+) -> Result<Tensor> {
+    let (rows, c) = q.dims2()?;
+    let (t, hd) = (rows / n, c / heads);
+    let split = |x: &Tensor| {
+        x.reshape((n, t, heads, hd))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((n * heads, t, hd))
+    };
+    attend(&split(q)?, &split(k)?, &split(v)?, 0, mask)?
+        .reshape((n, heads, t, hd))?
+        .transpose(1, 2)?
+        .reshape((rows, c))
 }
 
 /// q, k and v of `qkv` [n, t, 3C], each [n, heads, t, C / heads].

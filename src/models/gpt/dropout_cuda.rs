@@ -4,8 +4,6 @@
 //! the threshold), so the masks are equal bit for bit and a step uploads only the rows' keys.
 //! The kernel is compiled by NVRTC the first time a worker needs it, then kept.
 
-use std::sync::OnceLock;
-
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{Error, Result};
@@ -39,15 +37,9 @@ extern "C" __global__ void ddpjob_dropout_mask(
 
 const FUNCTION: &str = "ddpjob_dropout_mask";
 
-/// The kernel's PTX, compiled once per process (or why NVRTC could not).
-fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    let compiled = PTX.get_or_init(|| {
-        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(SOURCE)
-            .map(|ptx| ptx.to_src())
-            .map_err(|e| format!("NVRTC could not compile the dropout kernel: {e:?}"))
-    });
-    compiled.as_deref().map_err(|e| Error::Msg(e.clone()))
+pub(super) fn ptx() -> Result<&'static str> {
+    static PTX: super::nvrtc::Compiled = super::nvrtc::Compiled::new();
+    PTX.get(&[SOURCE], "the dropout kernel")
 }
 
 /// The f32 mask of `n` elements (rows of `row_len`, one key each) on `device`.

@@ -1,8 +1,10 @@
 //! LayerNorm, GELU and causal softmax with gradients. candle-nn 0.11's fused `layer_norm` and
 //! `softmax_last_dim` have no backward (they are applied with `apply_op*_no_bwd`), and candle's
 //! GELU backward is a dozen tensor ops. For f32 on the CPU, LayerNorm and GELU here are one op
-//! each (forward and backward one pass over the values); elsewhere (GPU, bf16) they are
-//! composed from candle's differentiable ops, which the tests check the fused ones against.
+//! each (forward and backward one pass over the values); on a GPU LayerNorm and the causal
+//! softmax are one op each too (`layer_norm_gpu`, `causal_softmax`); elsewhere (bf16 on the
+//! CPU, GELU on a GPU) they are composed from candle's differentiable ops, which the tests
+//! check the fused ones against.
 
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp3, D, DType, Layout, Result, Shape, Tensor, bail,
@@ -12,12 +14,16 @@ use rayon::prelude::*;
 use crate::kernels;
 
 /// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) · gain + bias`, computed
-/// in f32 whatever the dtype of `x` (as torch's autocast does); the result is f32.
+/// in f32 whatever the dtype of `x` (as torch's autocast does); the result is f32. One op on
+/// the CPU in f32 (here) and on a GPU (`layer_norm_gpu`), candle's ops otherwise.
 pub fn layer_norm(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     if kernels::applies(x) {
         return x
             .contiguous()?
             .apply_op3(gain, bias, LayerNormOp { eps: eps as f32 });
+    }
+    if x.device().is_cuda() {
+        return super::layer_norm_gpu::layer_norm(x, gain, bias, eps);
     }
     layer_norm_with_ops(x, gain, bias, eps)
 }
@@ -35,7 +41,8 @@ pub fn layer_norm_with_ops(x: &Tensor, gain: &Tensor, bias: &Tensor, eps: f64) -
 
 /// `softmax(scale · att + causal mask)` over the last dimension of `att` [b, tq, tk], where
 /// query row i sits at position `offset + i` and sees keys 0..=offset + i, from candle's ops
-/// (the fused CPU attention has its own). Computed in f32, returned in the dtype of `att`.
+/// (the fused CPU attention has its own; on a GPU one op, `causal_softmax`). Computed in f32,
+/// returned in the dtype of `att`.
 /// `mask` is the [block, block] additive mask: 0 on and below the diagonal, -inf above.
 pub fn causal_softmax_with_ops(
     att: &Tensor,
@@ -43,6 +50,9 @@ pub fn causal_softmax_with_ops(
     offset: usize,
     mask: &Tensor,
 ) -> Result<Tensor> {
+    if att.device().is_cuda() {
+        return super::causal_softmax::causal_softmax(att, scale, offset);
+    }
     let (_, tq, tk) = att.dims3()?;
     let mask = mask.narrow(0, offset, tq)?.narrow(1, 0, tk)?;
     let scores = (att.to_dtype(DType::F32)? * scale)?.broadcast_add(&mask)?;
@@ -94,10 +104,10 @@ impl Activation {
     }
 }
 
-/// GELU of `activation`'s form: fused on the CPU for f32, candle's `gelu_erf` / `gelu` (its
-/// tanh form) elsewhere.
+/// GELU of `activation`'s form: one op on the CPU for f32 and on a GPU (`gelu_cuda`),
+/// candle's `gelu_erf` / `gelu` (its tanh form) elsewhere.
 pub fn gelu(x: &Tensor, activation: Activation) -> Result<Tensor> {
-    if kernels::applies(x) {
+    if kernels::applies(x) || x.device().is_cuda() {
         return x.contiguous()?.apply_op1(GeluOp(activation));
     }
     match activation {
@@ -239,8 +249,22 @@ impl CustomOp1 for GeluOp {
         Ok((CpuStorage::F32(y), layout.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = super::gelu_cuda::apply(self.0, (storage, layout), None)?;
+        Ok((y, layout.shape().clone()))
+    }
+
     /// dx = g · GELU'(x).
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if !x.device().is_cpu() {
+            let grad = grad.to_dtype(x.dtype())?.contiguous()?;
+            return Ok(Some(x.apply_op2_no_bwd(&grad, &GeluGrad(self.0))?));
+        }
         let mut dx = vec![0f32; x.elem_count()];
         with_values(x, |x| {
             with_values(grad, |g| {
@@ -252,5 +276,43 @@ impl CustomOp1 for GeluOp {
             })
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
+    }
+}
+
+/// GELU's backward as an op of its own (x, g) → g · GELU'(x), for the GPU (`gelu_cuda`); the
+/// host version is the reference its kernel is held to.
+struct GeluGrad(Activation);
+
+impl candle_core::CustomOp2 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "ddpjob-gpt-gelu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, g) = (values(x, lx)?, values(g, lg)?);
+        if x.len() != g.len() {
+            bail!("gelu gradient: {:?} for {:?}", lg.shape(), lx.shape());
+        }
+        let mut dx = vec![0f32; x.len()];
+        self.0.grad(x, g, &mut dx);
+        Ok((CpuStorage::F32(dx), lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dx = super::gelu_cuda::apply(self.0, (x, lx), Some((g, lg)))?;
+        Ok((dx, lx.shape().clone()))
     }
 }

@@ -790,3 +790,29 @@ fn checkpointed_blocks_are_recomputed_to_the_same_bits() {
     let why = bf16.checkpoint_activations().unwrap_err();
     assert!(why.contains("autograd"), "{why}");
 }
+
+/// A GPU's attention path (three products by the thirds of `c_attn`, then `of_parts`) gives
+/// the fused projection's values and gradients, input and weight (checked here on the CPU).
+#[test]
+fn attention_from_three_products_matches_the_fused_projection() {
+    let model = gpt(&config(true, 0.0));
+    let block = &model.blocks[0];
+    let (n, t, c) = (3, 8, 8);
+    let weight = &block.c_attn.weight;
+    compare_with_ops(
+        &[n * t, c],
+        &[weight],
+        |x| {
+            let [q, k, v] = block.c_attn.forward_thirds(x, DType::F32).unwrap();
+            attention::of_parts((&q, &k, &v), n, 2, &model.causal_mask).unwrap()
+        },
+        |x| {
+            let qkv = block.c_attn.forward(x, DType::F32).unwrap();
+            let qkv = qkv.reshape((n, t, 3 * c)).unwrap();
+            let y = attention::with_ops(&qkv, 2, None, &model.causal_mask)
+                .unwrap()
+                .0;
+            y.reshape((n * t, c)).unwrap()
+        },
+    );
+}

@@ -1,0 +1,137 @@
+//! The GPU LayerNorm's kernels (see `layer_norm_gpu`): a warp per row, f32, the row's mean
+//! and variance in two passes over it (it stays in L1) as the host reference computes them.
+
+use candle_core::cuda_backend::cudarc::driver::{CudaView, PushKernelArg};
+use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice, WrapErr};
+use candle_core::{Error, Layout, Result};
+
+use super::layer_norm_gpu::rows_and_channels;
+use super::nvrtc;
+
+const SOURCE: &str = r#"
+// The row's mean and standard deviation (with eps), every lane of the warp.
+__device__ __forceinline__ void moments(const float* x, unsigned int c, unsigned int lane,
+        float eps, float* mean, float* sd) {
+    float s = 0.0f;
+    for (unsigned int j = lane; j < c; j += 32) s += x[j];
+    *mean = warp_sum(s) / c;
+    float v = 0.0f;
+    for (unsigned int j = lane; j < c; j += 32) { float d = x[j] - *mean; v += d * d; }
+    *sd = sqrtf(warp_sum(v) / c + eps);
+}
+
+extern "C" __global__ void ddpjob_layer_norm(const float* x, const float* g, const float* b,
+        float* y, unsigned long long rows, unsigned int c, float eps) {
+    unsigned long long row = warp_row();
+    if (row >= rows) return;
+    unsigned int lane = threadIdx.x % 32;
+    const float* xr = x + row * c;
+    float mean, sd;
+    moments(xr, c, lane, eps, &mean, &sd);
+    for (unsigned int j = lane; j < c; j += 32) y[row * c + j] = (xr[j] - mean) / sd * g[j] + b[j];
+}
+
+// out[0..rows·c]: the input's gradient; out[rows·c..]: gy · x̂.
+extern "C" __global__ void ddpjob_layer_norm_grad(const float* x, const float* g,
+        const float* gy, float* out, unsigned long long rows, unsigned int c, float eps) {
+    unsigned long long row = warp_row();
+    if (row >= rows) return;
+    unsigned int lane = threadIdx.x % 32;
+    const float* xr = x + row * c;
+    const float* gr = gy + row * c;
+    float mean, sd;
+    moments(xr, c, lane, eps, &mean, &sd);
+    float a = 0.0f, b = 0.0f;
+    for (unsigned int j = lane; j < c; j += 32) {
+        float xhat = (xr[j] - mean) / sd, gg = gr[j] * g[j];
+        a += gg;
+        b += gg * xhat;
+    }
+    a = warp_sum(a) / c;
+    b = warp_sum(b) / c;
+    for (unsigned int j = lane; j < c; j += 32) {
+        float xhat = (xr[j] - mean) / sd;
+        out[row * c + j] = (gr[j] * g[j] - a - xhat * b) / sd;
+        out[rows * c + row * c + j] = gr[j] * xhat;
+    }
+}
+"#;
+
+const MODULE: &str = "ddpjob_layer_norm";
+
+pub(super) fn ptx() -> Result<&'static str> {
+    static PTX: nvrtc::Compiled = nvrtc::Compiled::new();
+    PTX.get(&[nvrtc::ROW_HELPERS, SOURCE], "the LayerNorm kernels")
+}
+
+/// An f32 storage's values from its layout's first element, `n` of them.
+fn view<'a>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, f32>> {
+    match &s.slice {
+        CudaStorageSlice::F32(v) => {
+            let (start, n) = (l.start_offset(), l.shape().elem_count());
+            Ok(v.slice(start..start + n))
+        }
+        _ => Err(Error::Msg(
+            "layer_norm on a GPU: f32 values expected".into(),
+        )),
+    }
+}
+
+/// Runs kernel `name` over the rows of `x` with the three inputs, into `out_len` f32s.
+fn run(
+    name: &str,
+    inputs: [(&CudaStorage, &Layout); 3],
+    out_len: usize,
+    eps: f32,
+) -> Result<CudaStorage> {
+    let [(x, lx), (_, lg), _] = inputs;
+    let (rows, c) = rows_and_channels(lx, lg)?;
+    let device = &x.device;
+    let func = device.get_or_load_custom_func(name, MODULE, ptx()?)?;
+    let views = inputs
+        .iter()
+        .map(|(s, l)| view(s, l))
+        .collect::<Result<Vec<_>>>()?;
+    // SAFETY: the kernel writes all `out_len` elements (rows · c, or twice that).
+    let mut out = unsafe { device.alloc::<f32>(out_len)? };
+    let (rows_arg, c_arg) = (rows as u64, c as u32);
+    let mut builder = func.builder();
+    for v in &views {
+        builder.arg(v);
+    }
+    builder.arg(&mut out);
+    builder.arg(&rows_arg);
+    builder.arg(&c_arg);
+    builder.arg(&eps);
+    // SAFETY: the arguments match the kernel's parameters in order and type; x (and the
+    // gradient) hold rows · c values, the gain (and bias) c.
+    unsafe { builder.launch(nvrtc::warp_per_row(rows, "layer_norm")?) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
+}
+
+/// The normalised rows of `x`, times the gain, plus the bias.
+pub(super) fn forward(
+    x: (&CudaStorage, &Layout),
+    gain: (&CudaStorage, &Layout),
+    bias: (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<CudaStorage> {
+    let n = x.1.shape().elem_count();
+    if bias.1.shape().elem_count() != gain.1.shape().elem_count() {
+        return Err(Error::Msg(
+            "layer_norm: bias and gain of different sizes".into(),
+        ));
+    }
+    run("ddpjob_layer_norm", [x, gain, bias], n, eps)
+}
+
+/// The input's gradient and gy · x̂, one after the other (see `LayerNormGrad`).
+pub(super) fn backward(
+    x: (&CudaStorage, &Layout),
+    gain: (&CudaStorage, &Layout),
+    grad: (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<CudaStorage> {
+    let n = x.1.shape().elem_count();
+    run("ddpjob_layer_norm_grad", [x, gain, grad], 2 * n, eps)
+}

@@ -1,0 +1,89 @@
+//! Kernels compiled by NVRTC at first use: the PTX of each source once per process, or the
+//! reason it could not be, kept for every later launch.
+
+use std::sync::OnceLock;
+
+use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+use candle_core::{Error, Result};
+
+/// Rows per block of 256 threads in the kernels that give each row a warp.
+const ROWS_PER_BLOCK: usize = 8;
+
+/// The launch of a kernel that gives each of `rows` rows a warp (`what` names it in an error).
+pub(super) fn warp_per_row(rows: usize, what: &str) -> Result<LaunchConfig> {
+    let blocks = u32::try_from(rows.div_ceil(ROWS_PER_BLOCK))
+        .map_err(|_| Error::Msg(format!("{what}: {rows} rows, more than a launch holds")))?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (32 * ROWS_PER_BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// f32 and bf16 values read as f32 and written back from it, for kernels over both: bf16 is
+/// handled as its bits (no `cuda_bf16.h`: NVRTC would need the toolkit's headers on the GPU
+/// machine); the store rounds to nearest even as the `half` crate does.
+pub(super) const ELEMENTS: &str = r#"
+__device__ __forceinline__ float load(const float* p, unsigned long long i) { return p[i]; }
+__device__ __forceinline__ float load(const unsigned short* p, unsigned long long i) {
+    return __uint_as_float(((unsigned int)p[i]) << 16);
+}
+__device__ __forceinline__ void store(float* p, unsigned long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(unsigned short* p, unsigned long long i, float v) {
+    unsigned int u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { p[i] = (unsigned short)((u >> 16) | 0x40u); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    p[i] = (unsigned short)(u >> 16);
+}
+"#;
+
+/// The CUDA helpers every row kernel's source starts with: a warp's row, and its sums and
+/// maxima.
+pub(super) const ROW_HELPERS: &str = r#"
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ unsigned long long warp_row() {
+    return (unsigned long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+}
+"#;
+
+/// One kernel source's PTX (or NVRTC's error), compiled on first use.
+pub(super) struct Compiled(OnceLock<std::result::Result<String, String>>);
+
+impl Compiled {
+    pub(super) const fn new() -> Self {
+        Compiled(OnceLock::new())
+    }
+
+    /// The PTX of `parts` joined (`what` names it in an error).
+    pub(super) fn get(&'static self, parts: &[&str], what: &str) -> Result<&'static str> {
+        let compiled = self.0.get_or_init(|| {
+            candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(parts.concat())
+                .map(|ptx| ptx.to_src())
+                .map_err(|e| format!("NVRTC could not compile {what}: {e:?}"))
+        });
+        compiled.as_deref().map_err(|e| Error::Msg(e.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// NVRTC compiles every kernel source (it needs no GPU, only its library).
+    #[test]
+    fn every_kernel_compiles() {
+        for (what, ptx) in [
+            ("dropout", super::super::dropout_cuda::ptx()),
+            ("causal softmax", super::super::causal_softmax_cuda::ptx()),
+            ("layer norm", super::super::layer_norm_cuda::ptx()),
+            ("gelu", super::super::gelu_cuda::ptx()),
+        ] {
+            assert!(ptx.is_ok(), "{what}: {}", ptx.err().unwrap());
+        }
+    }
+}

@@ -13,11 +13,13 @@
 # STEPs (default: all, in this order): driver (nvidia-smi, the libraries the binary loads),
 # warmup (the kernels each job below uses, loaded once before anything is timed: the driver
 # compiles candle's PTX at first load and caches it; its seconds are reported),
-# smoke (configs/smoke.toml in f32 and bf16 with --junit), nccl (NCCL at world size 1 with its
+# kernels (the library's GPU tests, from the unit tests gpu-pack.sh packs: each ddpjob kernel
+# against its host reference, the dropout masks bit for bit), smoke (configs/smoke.toml in f32
+# and bf16 with --junit), nccl (NCCL at world size 1 with its
 # collectives exercised, against the same GPU job without them: bit-identical weights), cnn (a Fashion-MNIST cnn epoch against torch_ref.py), gpt (the GPT
 # GPU recipe against gpt_ref.py), bench (`bench step`, `bench allreduce`), resume (SIGTERM in
 # the middle of a run, then `resume`, against the same job uninterrupted). The device tool
-# stops a command after 10 minutes: run `driver warmup smoke nccl cnn bench resume` in one call
+# stops a command after 10 minutes: run `driver warmup kernels smoke nccl cnn bench resume` in one call
 # and `warmup gpt` in another (500 steps of each program by default; GPT_STEPS=all runs the
 # recipe's 5000, which fits STEP_TIMEOUT only if a step of each takes under ~50 ms).
 #
@@ -33,7 +35,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-all_steps=(driver warmup smoke nccl cnn gpt bench resume)
+all_steps=(driver warmup kernels smoke nccl cnn gpt bench resume)
 wanted=("$@")
 [ $# -gt 0 ] || wanted=("${all_steps[@]}")
 for s in "${wanted[@]}"; do
@@ -133,6 +135,20 @@ if wants warmup; then
   done
   if [ "$ok" = 1 ]; then record "warm-up (kernels loaded)" ok "$((SECONDS - started)) s"
   else record "warm-up (kernels loaded)" FAIL "$(tail_of "$logs/warmup.log")"; fi
+fi
+
+# The unit tests that need a GPU (named `the_gpu_*`; they skip themselves without one): each
+# kernel ddpjob compiles with NVRTC against its host reference.
+if wants kernels; then
+  if [ "$device" = cpu ]; then record "kernels vs host references" skipped "DEVICE=cpu dry run"
+  elif [ ! -f "$carry/ddpjob-tests.xz" ]; then
+    record "kernels vs host references" FAIL "no $carry/ddpjob-tests.xz (bench/gpu-pack.sh packs it)"
+  elif "$python" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+         "$carry/ddpjob-tests.xz" "$work/ddpjob-tests" && chmod +x "$work/ddpjob-tests" \
+       && timeout -k 10 "$limit" "${wrapper[@]}" "$work/ddpjob-tests" the_gpu --test-threads 1 \
+            > "$logs/kernels.log" 2>&1; then
+    record "kernels vs host references" ok "$(grep -o '[0-9]* passed; [0-9]* failed' "$logs/kernels.log" | tail -1)"
+  else record "kernels vs host references" FAIL "$(grep -E 'panicked|FAILED|failures:' "$logs/kernels.log" | head -3 | tr '\n' ' ')$(tail_of "$logs/kernels.log" 2)"; fi
 fi
 
 # The smoke job, f32 and bf16, with its [expect] checks and a JUnit report each.

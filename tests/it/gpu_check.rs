@@ -69,7 +69,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
         ("BENCH_CONFIG", "configs/smoke.toml"),
         ("ALLREDUCE_SIZES", "64K"),
     ];
-    let steps_run = ["driver", "warmup", "smoke", "bench", "resume"];
+    let steps_run = ["driver", "warmup", "kernels", "smoke", "bench", "resume"];
     let Some(run) = gpu_check(&out, &steps_run, &quick) else {
         return;
     };
@@ -79,6 +79,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
         ("driver and GPU", "skipped"),
         ("libraries ddpjob loads", "ok"),
         ("warm-up (kernels loaded)", "ok"),
+        ("kernels vs host references", "skipped"),
         ("smoke f32 (--junit)", "ok"),
         ("smoke bf16 (--junit)", "ok"),
         ("bench step", "ok"),
@@ -92,7 +93,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
     assert_eq!(steps(&report), expected, "{}", run.stdout);
     assert_eq!(report["failed"], 0);
     assert_eq!(report["device"], "cpu");
-    let resume = &report["steps"][7]["detail"];
+    let resume = &report["steps"][8]["detail"];
     assert!(
         resume.as_str().unwrap().ends_with("resumed; bit-identical"),
         "{resume}"

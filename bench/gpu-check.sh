@@ -19,9 +19,9 @@
 # collectives exercised, against the same GPU job without them: bit-identical weights), cnn (a Fashion-MNIST cnn epoch against torch_ref.py), gpt (the GPT
 # GPU recipe against gpt_ref.py), bench (`bench step`, `bench allreduce`), resume (SIGTERM in
 # the middle of a run, then `resume`, against the same job uninterrupted). The device tool
-# stops a command after 10 minutes: run `driver warmup kernels smoke nccl cnn bench resume` in one call
-# and `warmup gpt` in another (500 steps of each program by default; GPT_STEPS=all runs the
-# recipe's 5000, which fits STEP_TIMEOUT only if a step of each takes under ~50 ms).
+# stops a command after 10 minutes: every step took about 3 minutes on an H200 (500 GPT steps
+# of each program by default; GPT_STEPS=all runs the recipe's 5000, which fits STEP_TIMEOUT
+# only if a step of each takes under ~50 ms).
 #
 # env: BIN (default: target/gpu-carry's binary, else "target/gpu-dist/run-gpu.sh
 #      target/gpu-dist/ddpjob"), DATA (the four Fashion-MNIST .gz files; default

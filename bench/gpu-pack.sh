@@ -6,9 +6,8 @@
 # four .gz files, the tiny Shakespeare text and the two PyTorch reference scripts.
 #
 #   bash ../shared/gpu/build-cuda.sh && bench/gpu-pack.sh
-#   then, with the device tool: carry ["target/gpu-carry"], two calls (10 minutes each at most):
-#   "bench/gpu-check.sh driver warmup kernels smoke nccl cnn bench resume", then
-#   "bench/gpu-check.sh warmup gpt"
+#   then, with the device tool: carry ["target/gpu-carry"], one call of "bench/gpu-check.sh"
+#   (every step: about 3 minutes on an H200)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dist=${DIST:-target/gpu-dist}

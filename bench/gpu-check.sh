@@ -15,9 +15,10 @@
 # compiles candle's PTX at first load and caches it; its seconds are reported),
 # kernels (the library's GPU tests, from the unit tests gpu-pack.sh packs: each ddpjob kernel
 # against its host reference, the dropout masks bit for bit), smoke (configs/smoke.toml in f32
-# and bf16 with --junit), nccl (NCCL at world size 1 with its
-# collectives exercised, against the same GPU job without them: bit-identical weights), cnn (a Fashion-MNIST cnn epoch against torch_ref.py), gpt (the GPT
-# GPU recipe against gpt_ref.py), bench (`bench step`, `bench allreduce`), resume (SIGTERM in
+# and bf16 with --junit), nccl (NCCL at world size 1 with its collectives exercised, against the
+# same GPU job without them: bit-identical weights), tcp2 (two workers sharing the GPU over the
+# tcp backend, against one worker with both batches), cnn (a Fashion-MNIST cnn epoch against
+# torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), bench (`bench step`, `bench allreduce`), resume (SIGTERM in
 # the middle of a run, then `resume`, against the same job uninterrupted). The device tool
 # stops a command after 10 minutes: every step took about 3 minutes on an H200 (500 GPT steps
 # of each program by default; GPT_STEPS=all runs the recipe's 5000, which fits STEP_TIMEOUT
@@ -35,7 +36,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-all_steps=(driver warmup kernels smoke nccl cnn gpt bench resume)
+all_steps=(driver warmup kernels smoke nccl tcp2 cnn gpt bench resume)
 wanted=("$@")
 [ $# -gt 0 ] || wanted=("${all_steps[@]}")
 for s in "${wanted[@]}"; do
@@ -81,6 +82,31 @@ PY
   tar -czf "$out/logs.tar.gz" -C "$work" logs 2>/dev/null || true
 }
 tail_of() { tail -n "${2:-3}" "$1" 2>/dev/null | tr '\n' ' '; }
+# compare_weights JOB_A JOB_B TOLERANCE: the two jobs' model.safetensors (f32), "bit-identical"
+# or their largest difference; fails when that exceeds TOLERANCE (0: bit for bit).
+compare_weights() {
+  "$python" - "$1/model.safetensors" "$2/model.safetensors" "$3" <<'PY'
+import array, json, struct, sys
+def load(path):
+    b = open(path, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n])
+    out = {}
+    for k, v in h.items():
+        if k != "__metadata__":
+            a = array.array("f")
+            a.frombytes(b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+            out[k] = a
+    return out
+a, b = load(sys.argv[1]), load(sys.argv[2])
+if a.keys() != b.keys() or any(len(a[k]) != len(b[k]) for k in a):
+    print("the two runs' weights differ in names or sizes"); sys.exit(1)
+if all(a[k].tobytes() == b[k].tobytes() for k in a):
+    print("bit-identical"); sys.exit(0)
+diff = max(max((abs(x - y) for x, y in zip(a[k], b[k])), default=0.0) for k in a)
+print(f"not bit-identical: max |difference| {diff:g}"); sys.exit(0 if diff <= float(sys.argv[3]) else 1)
+PY
+}
 summary() { "$python" -c 'import json,sys; s=json.load(open(sys.argv[1])); print(" ".join(f"{k}={s.get(k)}" for k in sys.argv[2:]))' "$@"; }
 
 # The binary: target/gpu-carry's, unpacked with Python's lzma (the GPU machine has Python for
@@ -189,6 +215,25 @@ PY
   fi
 fi
 
+# Two workers sharing the device over the tcp backend (on a GPU: gradients from the device to
+# the host, across processes, and back), against one worker with their two batches in one:
+# the same job up to float rounding (DDP's equivalence; 7e-9 after 40 CPU steps).
+if wants tcp2; then
+  ok=1
+  ddpjob run configs/smoke.toml --jobs-dir "$jobs" --name one-worker "${gpu[@]}" \
+    --nproc-per-node 1 > "$logs/one-worker.log" 2>&1 || ok=0
+  share=()
+  [ "$device" = cuda ] && share=(--set 'distributed.devices=[0,0]')
+  ddpjob run configs/smoke.toml --jobs-dir "$jobs" --name two-workers "${gpu[@]}" "${share[@]}" \
+    --nproc-per-node 2 --set distributed.backend=tcp --set train.batch_size=16 \
+    > "$logs/two-workers.log" 2>&1 || ok=0
+  if [ "$ok" = 1 ] && detail=$(compare_weights "$jobs/one-worker" "$jobs/two-workers" 1e-4); then
+    record "2 workers on one device (tcp)" ok "vs 1 worker with both batches: $detail"
+  else
+    record "2 workers on one device (tcp)" FAIL "${detail:-$(tail_of "$logs/one-worker.log" 2) $(tail_of "$logs/two-workers.log" 2)}"
+  fi
+fi
+
 # A Fashion-MNIST cnn epoch against torch_ref.py on the same device (the machine's PyTorch).
 ref() { for p in "$carry/ref/$1" "../shared/bench/$1"; do [ -f "$p" ] && { echo "$p"; return; }; done; echo "$carry/ref/$1"; }
 if wants cnn; then
@@ -276,28 +321,8 @@ if wants resume; then
     record "SIGTERM, resume vs uninterrupted" FAIL "SIGTERM gave exit $status, not 143: $(tail_of "$logs/cut.log" 2)"
   elif ! ddpjob resume cut --jobs-dir "$jobs" > "$logs/resume.log" 2>&1; then
     record "SIGTERM, resume vs uninterrupted" FAIL "resume failed: $(tail_of "$logs/resume.log" 2)"
-  elif detail=$("$python" - "$jobs/whole/model.safetensors" "$jobs/cut/model.safetensors" <<'PY'
-import array, json, struct, sys
-def load(path):
-    b = open(path, "rb").read()
-    n = struct.unpack("<Q", b[:8])[0]
-    h = json.loads(b[8:8 + n])
-    out = {}
-    for k, v in h.items():
-        if k != "__metadata__":
-            a = array.array("f")
-            a.frombytes(b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
-            out[k] = a
-    return out
-a, b = load(sys.argv[1]), load(sys.argv[2])
-if a.keys() != b.keys() or any(len(a[k]) != len(b[k]) for k in a):
-    print("the two runs' weights differ in names or sizes"); sys.exit(1)
-if all(a[k].tobytes() == b[k].tobytes() for k in a):
-    print("bit-identical"); sys.exit(0)
-diff = max(max((abs(x - y) for x, y in zip(a[k], b[k])), default=0.0) for k in a)
-print(f"not bit-identical: max |difference| {diff:g}"); sys.exit(1)
-PY
-  ); then record "SIGTERM, resume vs uninterrupted" ok "exit 143, resumed; $detail"
+  elif detail=$(compare_weights "$jobs/whole" "$jobs/cut" 0); then
+    record "SIGTERM, resume vs uninterrupted" ok "exit 143, resumed; $detail"
   else record "SIGTERM, resume vs uninterrupted" FAIL "exit 143, resumed; $detail"; fi
 fi
 

@@ -235,7 +235,7 @@ section! {
         /// else the CPU (with a note in a cuda build); `"cpu"`; `"cuda"`: GPUs or fail
         device: String = "auto".into() => device: DeviceChoice = device_choice;
         /// GPU ordinals (among those `CUDA_VISIBLE_DEVICES` leaves), one per local rank:
-        /// `[0, 2]`
+        /// `[0, 2]`; with `backend = "tcp"` workers may share one (`[0, 0]`)
         #[serde(skip_serializing_if = "Option::is_none")]
         devices: Option<Vec<i64>> = None, shown "all visible"
             => devices: Option<Vec<usize>> = optional(gpu_ordinals);
@@ -436,10 +436,15 @@ fn gpu_ordinals(c: &mut Checker, key: &str, list: &Vec<i64>, d: &RawDistributed)
     let mut sorted = ordinals.clone();
     sorted.sort_unstable();
     sorted.dedup();
-    if sorted.len() != ordinals.len() {
+    // NCCL cannot hold two ranks on one GPU; the tcp ring can (each worker's gradients cross
+    // the host), which is how one GPU runs a multi-worker job.
+    if sorted.len() != ordinals.len() && d.backend != "tcp" {
         c.fail(
             key,
-            format!("names a GPU twice: {list:?}; one worker per GPU"),
+            format!(
+                "names a GPU twice: {list:?}; NCCL needs one worker per GPU (with \
+                 distributed.backend = \"tcp\" workers may share one)"
+            ),
         );
     }
     if !cfg!(feature = "cuda") {

@@ -503,3 +503,24 @@ fn lora_target_modules_take_names_or_one_regular_expression() {
         crate::models::TargetModules::Regex(".*c_fc".into())
     );
 }
+
+/// NCCL cannot hold two ranks on one GPU, the tcp ring can: a GPU named twice is refused
+/// unless the backend is tcp (in a CPU build `devices` is refused for its own reason too).
+#[test]
+fn a_gpu_named_twice_is_refused_unless_the_backend_is_tcp() {
+    let shared = "[distributed]\ndevices = [0, 0]\n";
+    let msg = error(shared);
+    assert!(
+        msg.contains("names a GPU twice: [0, 0]; NCCL needs one worker per GPU"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("backend = \"tcp\" workers may share one"),
+        "{msg}"
+    );
+    let over_tcp = format!("{shared}backend = \"tcp\"\n");
+    match load_text(&over_tcp, &[]) {
+        Ok(loaded) => assert_eq!(loaded.spec.distributed.devices, Some(vec![0, 0])),
+        Err(e) => assert!(!e.to_string().contains("twice"), "{e}"),
+    }
+}

@@ -69,7 +69,9 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
         ("BENCH_CONFIG", "configs/smoke.toml"),
         ("ALLREDUCE_SIZES", "64K"),
     ];
-    let steps_run = ["driver", "warmup", "kernels", "smoke", "bench", "resume"];
+    let steps_run = [
+        "driver", "warmup", "kernels", "smoke", "tcp2", "bench", "resume",
+    ];
     let Some(run) = gpu_check(&out, &steps_run, &quick) else {
         return;
     };
@@ -82,6 +84,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
         ("kernels vs host references", "skipped"),
         ("smoke f32 (--junit)", "ok"),
         ("smoke bf16 (--junit)", "ok"),
+        ("2 workers on one device (tcp)", "ok"),
         ("bench step", "ok"),
         ("bench allreduce", "ok"),
         ("SIGTERM, resume vs uninterrupted", "ok"),
@@ -93,7 +96,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
     assert_eq!(steps(&report), expected, "{}", run.stdout);
     assert_eq!(report["failed"], 0);
     assert_eq!(report["device"], "cpu");
-    let resume = &report["steps"][8]["detail"];
+    let resume = &report["steps"][9]["detail"];
     assert!(
         resume.as_str().unwrap().ends_with("resumed; bit-identical"),
         "{resume}"

@@ -7,7 +7,11 @@
 mod conv;
 mod linear;
 mod lora_linear;
+#[cfg(feature = "cuda")]
+pub(crate) mod nvrtc;
 mod optim;
+#[cfg(feature = "cuda")]
+mod optim_cuda;
 mod pool;
 pub(crate) mod scratch;
 mod transpose;
@@ -28,6 +32,8 @@ pub(crate) use lora_linear::{AdapterDropout, lora_linear};
 pub use optim::{
     AdamStep, SgdStep, adam_step, add_pairs, overwrite_except, scaled, sgd_step, sum_of_squares,
 };
+#[cfg(feature = "cuda")]
+pub use optim_cuda::adam_step_on_gpu;
 pub(crate) use transpose::transpose;
 
 /// Keeps freed memory in the process. A training step frees and allocates the same large

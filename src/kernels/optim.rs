@@ -239,29 +239,7 @@ impl InplaceOp2 for AdamOp<'_> {
         if g.len() != p.len() || m.len() != p.len() || v.len() != p.len() {
             candle_core::bail!("adam: gradient or state does not match the parameter's size");
         }
-        let h = self.h;
-        let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
-        let (one_minus_b1, one_minus_b2) = ((1.0 - h.beta1) as f32, (1.0 - h.beta2) as f32);
-        let step_size = (h.lr / (1.0 - h.beta1.powi(h.t))) as f32;
-        let correction2 = (1.0 - h.beta2.powi(h.t)).sqrt() as f32;
-        let eps = h.eps as f32;
-        // Adam adds wd·p to the gradient; AdamW shrinks p first and adds nothing.
-        let (l2, shrink) = match (h.decoupled, h.weight_decay > 0.0) {
-            (false, _) => (h.weight_decay as f32, 1.0),
-            (true, true) => (0.0, (1.0 - h.lr * h.weight_decay) as f32),
-            (true, false) => (0.0, 1.0),
-        };
-        let adam = Adam {
-            b1,
-            b2,
-            one_minus_b1,
-            one_minus_b2,
-            step_size,
-            inv_correction2: 1.0 / correction2,
-            eps,
-            l2,
-            shrink,
-        };
+        let adam = Adam::new(self.h);
         let update = move |p: &mut [f32], g: &[f32], states: &mut [&mut [f32]]| {
             if let [m, v] = states {
                 adam.apply(p, g, m, v);
@@ -272,21 +250,43 @@ impl InplaceOp2 for AdamOp<'_> {
     }
 }
 
-/// Adam's per-element constants, as plain copies so the loop reads no captured memory.
+/// Adam's per-element constants, as plain copies so the loop reads no captured memory (the
+/// GPU kernel takes the same ones: `optim_cuda`).
 #[derive(Clone, Copy)]
-struct Adam {
-    b1: f32,
-    b2: f32,
-    one_minus_b1: f32,
-    one_minus_b2: f32,
-    step_size: f32,
-    inv_correction2: f32,
-    eps: f32,
-    l2: f32,
-    shrink: f32,
+pub(super) struct Adam {
+    pub(super) b1: f32,
+    pub(super) b2: f32,
+    pub(super) one_minus_b1: f32,
+    pub(super) one_minus_b2: f32,
+    pub(super) step_size: f32,
+    pub(super) inv_correction2: f32,
+    pub(super) eps: f32,
+    pub(super) l2: f32,
+    pub(super) shrink: f32,
 }
 
 impl Adam {
+    pub(super) fn new(h: AdamStep) -> Self {
+        let correction2 = (1.0 - h.beta2.powi(h.t)).sqrt() as f32;
+        // Adam adds wd·p to the gradient; AdamW shrinks p first and adds nothing.
+        let (l2, shrink) = match (h.decoupled, h.weight_decay > 0.0) {
+            (false, _) => (h.weight_decay as f32, 1.0),
+            (true, true) => (0.0, (1.0 - h.lr * h.weight_decay) as f32),
+            (true, false) => (0.0, 1.0),
+        };
+        Adam {
+            b1: h.beta1 as f32,
+            b2: h.beta2 as f32,
+            one_minus_b1: (1.0 - h.beta1) as f32,
+            one_minus_b2: (1.0 - h.beta2) as f32,
+            step_size: (h.lr / (1.0 - h.beta1.powi(h.t))) as f32,
+            inv_correction2: 1.0 / correction2,
+            eps: h.eps as f32,
+            l2,
+            shrink,
+        }
+    }
+
     /// The update over one chunk, with 256-bit vectors where the CPU has them (the build
     /// targets baseline x86-64; the square root and division dominate this loop).
     fn apply(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {

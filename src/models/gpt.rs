@@ -23,8 +23,6 @@ pub(crate) mod hf;
 mod layer_norm_cuda;
 mod layer_norm_gpu;
 mod manual;
-#[cfg(feature = "cuda")]
-mod nvrtc;
 mod ops;
 pub(crate) mod options;
 pub(super) mod rows;
@@ -821,5 +819,19 @@ impl<'a> GptInit<'a> {
             zeros,
             frozen: self.frozen.clone(),
         })
+    }
+}
+
+/// NVRTC compiles every kernel source of the GPT (it needs no GPU, only its library).
+#[cfg(all(test, feature = "cuda"))]
+#[test]
+fn every_gpu_kernel_compiles() {
+    for (what, ptx) in [
+        ("dropout", dropout_cuda::ptx()),
+        ("causal softmax", causal_softmax_cuda::ptx()),
+        ("layer norm", layer_norm_cuda::ptx()),
+        ("gelu", gelu_cuda::ptx()),
+    ] {
+        assert!(ptx.is_ok(), "{what}: {}", ptx.err().unwrap());
     }
 }

@@ -48,6 +48,10 @@ pub struct Optimizer {
 enum Buffer {
     Tensor(Tensor),
     Host(Vec<f32>),
+    /// On a GPU, updated in place by the fused kernel: storage no other tensor shares (what
+    /// leaves the optimizer is a copy).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Device(Tensor),
 }
 
 impl Buffer {
@@ -55,23 +59,45 @@ impl Buffer {
         match self {
             Buffer::Tensor(t) => Ok(t.clone()),
             Buffer::Host(v) => Tensor::from_slice(v, like.shape(), like.device()),
+            // A copy queued now, before the next step's kernel rewrites the buffer.
+            Buffer::Device(t) => t.copy(),
         }
     }
 
     fn values(&self) -> Result<Vec<f32>> {
         match self {
-            Buffer::Tensor(t) => t.flatten_all()?.to_vec1::<f32>(),
+            Buffer::Tensor(t) | Buffer::Device(t) => t.flatten_all()?.to_vec1::<f32>(),
             Buffer::Host(v) => Ok(v.clone()),
         }
     }
 
     fn host(&mut self) -> Result<&mut Vec<f32>> {
-        if let Buffer::Tensor(t) = self {
+        if let Buffer::Tensor(t) | Buffer::Device(t) = self {
             *self = Buffer::Host(t.flatten_all()?.to_vec1::<f32>()?);
         }
         match self {
             Buffer::Host(v) => Ok(v),
-            Buffer::Tensor(_) => unreachable!("converted above"),
+            _ => unreachable!("converted above"),
+        }
+    }
+
+    /// The buffer as the GPU kernel's own tensor on `like`'s device (zeros when missing),
+    /// copied once from whatever it was.
+    #[cfg(feature = "cuda")]
+    fn device<'a>(slot: &'a mut Option<Buffer>, like: &Tensor) -> Result<&'a Tensor> {
+        let own = match slot.take() {
+            Some(Buffer::Device(t)) => t,
+            Some(other) => other
+                .tensor(like)?
+                .to_device(like.device())?
+                .to_dtype(candle_core::DType::F32)?
+                .reshape(like.shape())?
+                .copy()?,
+            None => like.zeros_like()?.to_dtype(candle_core::DType::F32)?,
+        };
+        match slot.insert(Buffer::Device(own)) {
+            Buffer::Device(t) => Ok(t),
+            _ => unreachable!("inserted above"),
         }
     }
 }
@@ -168,6 +194,8 @@ impl Optimizer {
             if kernels::applies(s.param) {
                 let state = (&mut self.first[s.state], &mut self.second[s.state]);
                 fused_step(spec, steps, s.param, s.grad, state, lr)?;
+                out.push(None);
+            } else if gpu_step(spec, steps, &s, (&mut self.first, &mut self.second), lr)? {
                 out.push(None);
             } else {
                 out.push(Some(self.tensor_step(spec, s.state, s.param, s.grad, lr)?));
@@ -375,6 +403,64 @@ fn fused_step(
         }
     }
     Ok(())
+}
+
+/// On a GPU, Adam and AdamW as one in-place kernel per parameter (see
+/// `kernels::adam_step_on_gpu`), the same values as the host's fused step; false where it
+/// does not apply (SGD, the CPU, other dtypes), for candle's tensor ops to update instead.
+#[cfg(feature = "cuda")]
+fn gpu_step(
+    spec: OptimizerSpec,
+    steps: u64,
+    s: &Slot,
+    (first, second): (&mut [Option<Buffer>], &mut [Option<Buffer>]),
+    lr: f64,
+) -> Result<bool> {
+    let (beta1, beta2, eps, weight_decay, decoupled) = match spec {
+        OptimizerSpec::Adam {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => (beta1, beta2, eps, weight_decay, false),
+        OptimizerSpec::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => (beta1, beta2, eps, weight_decay, true),
+        OptimizerSpec::Sgd { .. } => return Ok(false),
+    };
+    let (p, grad) = (s.param, s.grad);
+    let contiguous = p.layout().contiguous_offsets().is_some();
+    if !p.device().is_cuda() || p.dtype() != candle_core::DType::F32 || !contiguous {
+        return Ok(false);
+    }
+    let grad = grad.to_dtype(candle_core::DType::F32)?.contiguous()?;
+    let m = Buffer::device(&mut first[s.state], p)?.clone();
+    let v = Buffer::device(&mut second[s.state], p)?;
+    let h = kernels::AdamStep {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        decoupled,
+        t: steps as i32,
+    };
+    kernels::adam_step_on_gpu(p, &grad, &m, v, h)?;
+    Ok(true)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_step(
+    _: OptimizerSpec,
+    _: u64,
+    _: &Slot,
+    _: (&mut [Option<Buffer>], &mut [Option<Buffer>]),
+    _: f64,
+) -> Result<bool> {
+    Ok(false)
 }
 
 fn l2(grad: &Tensor, p: &Tensor, weight_decay: f64) -> Result<Tensor> {

@@ -38,7 +38,7 @@ extern "C" __global__ void ddpjob_dropout_mask(
 const FUNCTION: &str = "ddpjob_dropout_mask";
 
 pub(super) fn ptx() -> Result<&'static str> {
-    static PTX: super::nvrtc::Compiled = super::nvrtc::Compiled::new();
+    static PTX: crate::kernels::nvrtc::Compiled = crate::kernels::nvrtc::Compiled::new();
     PTX.get(&[SOURCE], "the dropout kernel")
 }
 

@@ -10,8 +10,8 @@ use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice, WrapEr
 use candle_core::{Error, Layout, Result};
 use half::bf16;
 
-use super::nvrtc;
 use super::ops::Activation;
+use crate::kernels::nvrtc;
 
 const SOURCE: &str = r#"
 #define SQRT_HALF 0.70710678118654752f

@@ -6,7 +6,7 @@ use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice, WrapErr};
 use candle_core::{Error, Layout, Result};
 
 use super::layer_norm_gpu::rows_and_channels;
-use super::nvrtc;
+use crate::kernels::nvrtc;
 
 const SOURCE: &str = r#"
 // The row's mean and standard deviation (with eps), every lane of the warp.

@@ -10,7 +10,7 @@ use candle_core::{Error, Result};
 const ROWS_PER_BLOCK: usize = 8;
 
 /// The launch of a kernel that gives each of `rows` rows a warp (`what` names it in an error).
-pub(super) fn warp_per_row(rows: usize, what: &str) -> Result<LaunchConfig> {
+pub(crate) fn warp_per_row(rows: usize, what: &str) -> Result<LaunchConfig> {
     let blocks = u32::try_from(rows.div_ceil(ROWS_PER_BLOCK))
         .map_err(|_| Error::Msg(format!("{what}: {rows} rows, more than a launch holds")))?;
     Ok(LaunchConfig {
@@ -23,7 +23,7 @@ pub(super) fn warp_per_row(rows: usize, what: &str) -> Result<LaunchConfig> {
 /// f32 and bf16 values read as f32 and written back from it, for kernels over both: bf16 is
 /// handled as its bits (no `cuda_bf16.h`: NVRTC would need the toolkit's headers on the GPU
 /// machine); the store rounds to nearest even as the `half` crate does.
-pub(super) const ELEMENTS: &str = r#"
+pub(crate) const ELEMENTS: &str = r#"
 __device__ __forceinline__ float load(const float* p, unsigned long long i) { return p[i]; }
 __device__ __forceinline__ float load(const unsigned short* p, unsigned long long i) {
     return __uint_as_float(((unsigned int)p[i]) << 16);
@@ -39,7 +39,7 @@ __device__ __forceinline__ void store(unsigned short* p, unsigned long long i, f
 
 /// The CUDA helpers every row kernel's source starts with: a warp's row, and its sums and
 /// maxima.
-pub(super) const ROW_HELPERS: &str = r#"
+pub(crate) const ROW_HELPERS: &str = r#"
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
@@ -54,36 +54,40 @@ __device__ __forceinline__ unsigned long long warp_row() {
 "#;
 
 /// One kernel source's PTX (or NVRTC's error), compiled on first use.
-pub(super) struct Compiled(OnceLock<std::result::Result<String, String>>);
+pub(crate) struct Compiled {
+    ptx: OnceLock<std::result::Result<String, String>>,
+    /// Whether a·b + c may become one fused multiply-add (NVRTC's default): off where a
+    /// kernel must round as its host reference does, step by step.
+    fmad: bool,
+}
 
 impl Compiled {
-    pub(super) const fn new() -> Self {
-        Compiled(OnceLock::new())
+    pub(crate) const fn new() -> Self {
+        Compiled {
+            ptx: OnceLock::new(),
+            fmad: true,
+        }
+    }
+
+    /// Compiled with no fused multiply-add: each product and sum rounded as the host's.
+    pub(crate) const fn rounding_as_the_host() -> Self {
+        Compiled {
+            ptx: OnceLock::new(),
+            fmad: false,
+        }
     }
 
     /// The PTX of `parts` joined (`what` names it in an error).
-    pub(super) fn get(&'static self, parts: &[&str], what: &str) -> Result<&'static str> {
-        let compiled = self.0.get_or_init(|| {
-            candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(parts.concat())
+    pub(crate) fn get(&'static self, parts: &[&str], what: &str) -> Result<&'static str> {
+        let compiled = self.ptx.get_or_init(|| {
+            let options = candle_core::cuda_backend::cudarc::nvrtc::CompileOptions {
+                fmad: Some(self.fmad),
+                ..Default::default()
+            };
+            candle_core::cuda_backend::cudarc::nvrtc::compile_ptx_with_opts(parts.concat(), options)
                 .map(|ptx| ptx.to_src())
                 .map_err(|e| format!("NVRTC could not compile {what}: {e:?}"))
         });
         compiled.as_deref().map_err(|e| Error::Msg(e.clone()))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    /// NVRTC compiles every kernel source (it needs no GPU, only its library).
-    #[test]
-    fn every_kernel_compiles() {
-        for (what, ptx) in [
-            ("dropout", super::super::dropout_cuda::ptx()),
-            ("causal softmax", super::super::causal_softmax_cuda::ptx()),
-            ("layer norm", super::super::layer_norm_cuda::ptx()),
-            ("gelu", super::super::gelu_cuda::ptx()),
-        ] {
-            assert!(ptx.is_ok(), "{what}: {}", ptx.err().unwrap());
-        }
     }
 }

@@ -76,12 +76,13 @@ pub fn optimizer_step(
     let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
     let mut loss_sum: Option<Tensor> = None;
     let mut clock = PhaseClock::new(cx.device, phases.is_some());
+    let timed = phases.is_some();
     for batch in micro_batches {
         let ranges = super::shards::ranges(cx.shards, rows(batch));
         let shard = |i: usize| -> Result<ShardResult, StepError> {
             let part = batch.rows(ranges[i].clone())?;
             let (scale, loss_weight) = weights.of_part(&part, ranges[i].len())?;
-            shard_forward_backward(cx.model, &part, scale, loss_weight)
+            shard_forward_backward(cx.model, &part, scale, loss_weight, timed)
         };
         let results = match (cx.shards, ranges.len()) {
             (Some(pool), parts) if parts > 1 => pool.run(parts, shard),
@@ -217,22 +218,32 @@ impl PartWeights {
     }
 }
 
+/// `timed`: the forward's time is read after the device has finished it (a GPU queues work
+/// and returns at once), which costs a wait, so only when phases are timed.
 fn shard_forward_backward(
     model: &dyn Model,
     batch: &MicroBatch,
     scale: f64,
     loss_weight: f64,
+    timed: bool,
 ) -> Result<ShardResult, StepError> {
     let started = Instant::now();
+    let forward_time = |loss: &Tensor| -> candle_core::Result<Duration> {
+        if timed {
+            loss.device().synchronize()?;
+        }
+        Ok(started.elapsed())
+    };
     let (loss, grads, forward) =
         match model.train_pass(&batch.inputs, &batch.targets, &batch.mode)? {
             Some(pass) => {
-                let (loss, forward) = (pass.loss().clone(), started.elapsed());
+                let loss = pass.loss().clone();
+                let forward = forward_time(&loss)?;
                 (loss, pass.backward(scale)?, forward)
             }
             None => {
                 let loss = model.loss(&batch.inputs, &batch.targets, &batch.mode)?;
-                let forward = started.elapsed();
+                let forward = forward_time(&loss)?;
                 let store = (&loss * scale)?.backward()?;
                 let grads = model.params().vars().map(|v| store.get(v).cloned());
                 (loss, grads.collect(), forward)

@@ -242,6 +242,8 @@ impl CustomOp2 for CausalSoftmaxGrad {
 mod tests {
     use candle_core::{DType, Device, Tensor, Var};
 
+    use crate::models::gpt::tests::max_difference;
+
     use super::causal_softmax;
     use crate::models::gpt::ops::causal_softmax_with_ops;
 
@@ -256,18 +258,6 @@ mod tests {
             })
             .collect();
         Tensor::from_vec(values, (t, t), &Device::Cpu).unwrap()
-    }
-
-    fn max_difference(a: &Tensor, b: &Tensor) -> f32 {
-        let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
-        d.abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
     }
 
     /// Forward and backward equal those of candle's ops (the model's CPU path), with and

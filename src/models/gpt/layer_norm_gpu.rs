@@ -192,22 +192,12 @@ impl CustomOp3 for LayerNormGrad {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{DType, Device, Tensor, Var};
+    use candle_core::{Device, Tensor, Var};
+
+    use crate::models::gpt::tests::max_difference;
 
     use super::layer_norm;
     use crate::models::gpt::ops::layer_norm_with_ops;
-
-    fn max_difference(a: &Tensor, b: &Tensor) -> f32 {
-        let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
-        d.abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
-    }
 
     /// Output and the three gradients of `ln` on `device`, for fixed random inputs.
     fn run(

@@ -1,10 +1,10 @@
 //! LayerNorm, GELU and causal softmax with gradients. candle-nn 0.11's fused `layer_norm` and
 //! `softmax_last_dim` have no backward (they are applied with `apply_op*_no_bwd`), and candle's
 //! GELU backward is a dozen tensor ops. For f32 on the CPU, LayerNorm and GELU here are one op
-//! each (forward and backward one pass over the values); on a GPU LayerNorm and the causal
-//! softmax are one op each too (`layer_norm_gpu`, `causal_softmax`); elsewhere (bf16 on the
-//! CPU, GELU on a GPU) they are composed from candle's differentiable ops, which the tests
-//! check the fused ones against.
+//! each (forward and backward one pass over the values); on a GPU LayerNorm, GELU and the
+//! causal softmax are one op each too (`layer_norm_gpu`, `gelu_cuda`, `causal_softmax`);
+//! elsewhere (bf16 on the CPU) they are composed from candle's differentiable ops, which the
+//! tests check the fused ones against.
 
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp3, D, DType, Layout, Result, Shape, Tensor, bail,

@@ -9,6 +9,7 @@ mod jobs;
 mod output;
 mod sample;
 mod shell;
+mod verify;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -58,6 +59,9 @@ enum Command {
     /// Write a job's weights as a Hugging Face model directory (`--hf DIR`) that
     /// `transformers` loads: config.json, model.safetensors and the tokenizer.
     Export(export::ExportArgs),
+    /// Run a job on several world sizes with the same global batch (train.batch_size) and
+    /// compare every step's weights; exit 1 naming the first step and tensor that differ.
+    Verify(verify::VerifyArgs),
     /// Print a shell completion script: `ddpjob completions bash > /etc/bash_completion.d/ddpjob`.
     Completions {
         /// The shell to complete for.
@@ -269,6 +273,7 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
         Command::Sample(args) => sample::sample(&args),
         Command::Export(args) => export::export(&args),
         Command::Eval(args) => eval::eval(&args),
+        Command::Verify(args) => verify::verify(&args),
         Command::Keys { prefix } => keys(prefix.as_deref()),
         Command::Completions { shell } => shell::completions(shell),
         Command::Man { dir } => shell::man(dir.as_deref()),

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::metrics::{LossTally, trace_samples};
+use super::metrics::{LossTally, trace_samples, trace_weights};
 use super::{Ending, EpochRun, RunState, TrainError, Trainer};
 use crate::checkpoint;
 use crate::task::BatchSource;
@@ -46,6 +46,9 @@ impl Trainer<'_> {
                 self.optimizer_step(batches, &mut run.optimizer, epoch, group, lr, vote)?;
             run.step += 1;
             let step = run.step;
+            if let Some(path) = &self.hooks.trace_weights {
+                trace_weights(path, step, self.model.params())?;
+            }
             epoch_run.consumed += samples * world;
             let in_epoch = epoch_run.skip + i + 1;
             let checkpoint_due =

@@ -135,3 +135,46 @@ pub(super) fn trace_samples(
             })
         })
 }
+
+/// One line of `logs/weights.jsonl` (`ddpjob verify`): after optimizer step `step`, a digest
+/// of each parameter's values (the first 16 hex digits of the SHA-256 of its little-endian
+/// bytes, in f32), in the model's parameter order.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WeightDigests {
+    pub step: usize,
+    pub tensors: Vec<(String, String)>,
+}
+
+/// Appends the digests of `params` after `step` to `path` (rank 0 alone: the ranks' weights
+/// are equal after every step).
+pub(super) fn trace_weights(
+    path: &std::path::Path,
+    step: usize,
+    params: &crate::models::Params,
+) -> Result<(), TrainError> {
+    use sha2::{Digest, Sha256};
+    use std::io::Write;
+    let mut tensors = Vec::new();
+    for (name, var) in params.iter() {
+        let values = var
+            .as_tensor()
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let digest = Sha256::digest(bytemuck::cast_slice::<f32, u8>(&values));
+        let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        tensors.push((name.to_string(), hex));
+    }
+    let line = serde_json::to_string(&WeightDigests { step, tensors }).expect("digests serialise");
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|mut f| writeln!(f, "{line}"))
+        .map_err(|cause| {
+            TrainError::JobDir(JobDirError::Io {
+                path: path.to_path_buf(),
+                cause,
+            })
+        })
+}

@@ -33,7 +33,10 @@ use crate::task::{BatchSource, ModelInput, Task, sample_seed};
 
 pub use eval::{EvalResult, evaluate};
 pub use leader::Leader;
-pub use metrics::Summary;
+pub use metrics::{Summary, WeightDigests};
+
+/// The file under a job's `logs/` where `DDPJOB_TRACE_WEIGHTS` puts each step's weight digests.
+pub const WEIGHT_DIGESTS: &str = "weights.jsonl";
 pub use resume::Start;
 use step::{MicroBatch, StepContext, StepError};
 
@@ -101,6 +104,9 @@ pub struct Hooks<'a> {
     /// Test-only (`DDPJOB_TRACE_SAMPLES`): a file to append `epoch step index...` lines to, one
     /// per optimizer step, so tests can check which samples each rank saw.
     pub trace_samples: Option<std::path::PathBuf>,
+    /// `DDPJOB_TRACE_WEIGHTS` (set by `ddpjob verify`), rank 0 only: a file to append each
+    /// step's weight digests to (see `metrics::WeightDigests`).
+    pub trace_weights: Option<std::path::PathBuf>,
 }
 
 /// How a run ended.

@@ -81,6 +81,7 @@ fn train_hooked(
             fault: None,
             beacon: Default::default(),
             trace_samples: None,
+            trace_weights: None,
         },
     };
     trainer.run()

@@ -28,6 +28,9 @@ pub mod env {
     /// Test-only: each rank writes the sample indices of every step to
     /// `logs/samples-rank-<r>.txt`.
     pub const TRACE_SAMPLES: &str = "DDPJOB_TRACE_SAMPLES";
+    /// Set by `ddpjob verify`: rank 0 writes every step's weight digests to
+    /// `logs/weights.jsonl`.
+    pub const TRACE_WEIGHTS: &str = "DDPJOB_TRACE_WEIGHTS";
 }
 
 /// A worker's place in the job, read from its environment.

@@ -128,6 +128,9 @@ pub fn run() -> Result<bool, WorkerError> {
             job.logs_dir()
                 .join(format!("samples-rank-{}.txt", env.rank))
         }),
+        trace_weights: std::env::var_os(env::TRACE_WEIGHTS)
+            .filter(|_| env.rank == 0)
+            .map(|_| job.logs_dir().join(crate::train::WEIGHT_DIGESTS)),
     };
 
     let comm = connect(&store, &env, &spec, &device, beacon, timeout)?;

@@ -23,3 +23,4 @@ mod shell;
 mod show;
 mod tensorboard;
 mod validate;
+mod verify;

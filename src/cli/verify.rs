@@ -1,0 +1,281 @@
+//! `ddpjob verify JOB.toml --world-sizes 1,2,4 --steps 50`: runs the job on each world size
+//! with the same global batch and compares every step's weights, naming the first step and
+//! tensor that differ. What it checks is what a user must otherwise take on trust: that a change
+//! of worker count (or nothing at all, `--world-sizes 2,2`) leaves training as it was.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::anyhow;
+use clap::Args;
+
+use super::CliResult;
+use crate::config;
+use crate::train::{WEIGHT_DIGESTS, WeightDigests};
+
+#[derive(Debug, Args)]
+pub(super) struct VerifyArgs {
+    /// The job file (TOML). Its `train.batch_size` is the global batch here: each of W workers
+    /// takes 1/W of it.
+    config: PathBuf,
+    /// The world sizes to run, each compared with the first: 1,2,4.
+    #[arg(
+        long,
+        value_name = "W,W,...",
+        value_delimiter = ',',
+        default_value = "1,2"
+    )]
+    world_sizes: Vec<usize>,
+    /// Optimizer steps each run takes (train.max_steps).
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Override a config key, typed by the schema: --set train.lr=0.02 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Where the runs' job directories go (default: a temporary folder, removed afterwards
+    /// unless a run differs or fails).
+    #[arg(long, value_name = "DIR")]
+    jobs_dir: Option<PathBuf>,
+}
+
+pub(super) fn verify(args: &VerifyArgs) -> CliResult {
+    let usage = |e: anyhow::Error| (2, e);
+    let loaded = config::load(&args.config, &args.set).map_err(|e| usage(anyhow!(e)))?;
+    let batch = loaded.spec.train.batch_size;
+    check_world_sizes(&args.world_sizes, batch, args.steps).map_err(usage)?;
+    let (dir, temporary) = match &args.jobs_dir {
+        Some(dir) => (dir.clone(), false),
+        None => (
+            std::env::temp_dir().join(format!("ddpjob-verify-{}", std::process::id())),
+            true,
+        ),
+    };
+    let mut traces = Vec::new();
+    for (i, &world) in args.world_sizes.iter().enumerate() {
+        let name = format!("verify-{i}-w{world}");
+        println!(
+            "run {}: {world} worker(s) x batch {}, {} steps",
+            i + 1,
+            batch / world,
+            args.steps
+        );
+        let status = run_once(args, &dir, &name, world, batch / world)?;
+        let path = dir.join(&name).join("logs").join(WEIGHT_DIGESTS);
+        let trace = if path.is_file() {
+            read_digests(&path)?
+        } else {
+            Vec::new()
+        };
+        // A short run may miss the job's [expect] thresholds (exit 1) after every step it
+        // was asked for: what `verify` compares is there.
+        if !status.success() && trace.len() < args.steps {
+            let log = dir.join(format!("{name}.log"));
+            return Err((
+                1,
+                anyhow!(
+                    "the {world}-worker run failed ({status}) after {} of {} steps; its \
+                     output: {}",
+                    trace.len(),
+                    args.steps,
+                    log.display()
+                ),
+            ));
+        }
+        traces.push((world, trace));
+    }
+    match first_difference(&traces, args.steps) {
+        Ok(summary) => {
+            println!("{summary}");
+            if temporary {
+                std::fs::remove_dir_all(&dir).ok();
+            }
+            Ok(())
+        }
+        Err(difference) => Err((
+            1,
+            anyhow!("{difference} (the runs are in {})", dir.display()),
+        )),
+    }
+}
+
+/// Every world size divides the global batch, and there are two runs to compare.
+fn check_world_sizes(sizes: &[usize], batch: usize, steps: usize) -> anyhow::Result<()> {
+    if sizes.len() < 2 || sizes.contains(&0) {
+        anyhow::bail!("--world-sizes needs two or more worker counts of 1 or more, e.g. 1,2,4");
+    }
+    if steps == 0 {
+        anyhow::bail!("--steps must be 1 or more");
+    }
+    if let Some(w) = sizes.iter().find(|&&w| batch % w != 0) {
+        let dividing: Vec<String> = (1..=batch)
+            .filter(|d| batch % d == 0)
+            .map(|d| d.to_string())
+            .collect();
+        anyhow::bail!(
+            "train.batch_size = {batch} is the global batch in `verify`, which {w} workers do \
+             not divide; world sizes that do: {}",
+            dividing.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Runs the job with `world` workers of `per_worker` samples each for `--steps` steps, its
+/// weights traced; its output goes to `<dir>/<name>.log`.
+fn run_once(
+    args: &VerifyArgs,
+    dir: &Path,
+    name: &str,
+    world: usize,
+    per_worker: usize,
+) -> Result<std::process::ExitStatus, (u8, anyhow::Error)> {
+    let failed = |e: std::io::Error| (1, anyhow!("cannot run the {world}-worker job: {e}"));
+    std::fs::create_dir_all(dir).map_err(failed)?;
+    let log = dir.join(format!("{name}.log"));
+    let out = std::fs::File::create(&log).map_err(failed)?;
+    let exe = std::env::current_exe().map_err(failed)?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("run")
+        .arg(&args.config)
+        .args(["--name", name, "--nproc-per-node", &world.to_string()])
+        .arg("--jobs-dir")
+        .arg(dir);
+    for set in &args.set {
+        cmd.args(["--set", set]);
+    }
+    let status = cmd
+        .args(["--set", &format!("train.max_steps={}", args.steps)])
+        .args(["--set", &format!("train.batch_size={per_worker}")])
+        .env(crate::worker::env::TRACE_WEIGHTS, "1")
+        .stdout(out.try_clone().map_err(failed)?)
+        .stderr(out)
+        .status()
+        .map_err(failed)?;
+    Ok(status)
+}
+
+fn read_digests(path: &Path) -> Result<Vec<WeightDigests>, (u8, anyhow::Error)> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        (
+            1,
+            anyhow!("cannot read the weight digests {}: {e}", path.display()),
+        )
+    })?;
+    text.lines()
+        .map(|line| {
+            serde_json::from_str(line)
+                .map_err(|e| (1, anyhow!("{}: a malformed line: {e}", path.display())))
+        })
+        .collect()
+}
+
+/// Compares every run's digests with the first run's, step by step: the summary when all are
+/// equal, else the first step and tensor that differ.
+fn first_difference(
+    traces: &[(usize, Vec<WeightDigests>)],
+    steps: usize,
+) -> Result<String, String> {
+    let (base_world, base) = &traces[0];
+    for (world, trace) in &traces[1..] {
+        if trace.len() < steps || base.len() < steps {
+            let short = if trace.len() < steps {
+                world
+            } else {
+                base_world
+            };
+            return Err(format!(
+                "the {short}-worker run stopped before step {steps}"
+            ));
+        }
+    }
+    for step in 0..steps {
+        for (world, trace) in &traces[1..] {
+            let (a, b) = (&base[step], &trace[step]);
+            let differing: Vec<&str> = a
+                .tensors
+                .iter()
+                .zip(&b.tensors)
+                .filter(|(x, y)| x != y)
+                .map(|(x, _)| x.0.as_str())
+                .collect();
+            if let Some(first) = differing.first() {
+                let more = match differing.len() {
+                    1 => String::new(),
+                    n => format!(" (and {} more of {} tensors)", n - 1, a.tensors.len()),
+                };
+                return Err(format!(
+                    "step {}: `{first}` differs between {base_world} and {world} worker(s){more}",
+                    a.step
+                ));
+            }
+            if a.tensors.len() != b.tensors.len() {
+                return Err(format!(
+                    "step {}: {} tensors on {base_world} worker(s), {} on {world}",
+                    a.step,
+                    a.tensors.len(),
+                    b.tensors.len()
+                ));
+            }
+        }
+    }
+    let sizes: Vec<String> = traces.iter().map(|(w, _)| w.to_string()).collect();
+    Ok(format!(
+        "bit-identical weights at every one of {steps} steps on {} worker(s) ({} tensors)",
+        sizes.join(", "),
+        base[0].tensors.len()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn digests(step: usize, values: &[(&str, &str)]) -> WeightDigests {
+        WeightDigests {
+            step,
+            tensors: values
+                .iter()
+                .map(|(n, h)| (n.to_string(), h.to_string()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_first_differing_step_and_tensor_are_named() {
+        let same = vec![
+            digests(1, &[("a", "01"), ("b", "02")]),
+            digests(2, &[("a", "03"), ("b", "04")]),
+        ];
+        let late = vec![
+            digests(1, &[("a", "01"), ("b", "02")]),
+            digests(2, &[("a", "03"), ("b", "ff")]),
+        ];
+        let traces = vec![(1, same.clone()), (2, same), (4, late)];
+        assert_eq!(
+            first_difference(&traces, 2).unwrap_err(),
+            "step 2: `b` differs between 1 and 4 worker(s)"
+        );
+        let equal = vec![(1, traces[0].1.clone()), (2, traces[1].1.clone())];
+        assert_eq!(
+            first_difference(&equal, 2).unwrap(),
+            "bit-identical weights at every one of 2 steps on 1, 2 worker(s) (2 tensors)"
+        );
+        let short = vec![(1, traces[0].1.clone()), (2, traces[1].1[..1].to_vec())];
+        assert_eq!(
+            first_difference(&short, 2).unwrap_err(),
+            "the 2-worker run stopped before step 2"
+        );
+    }
+
+    #[test]
+    fn world_sizes_must_divide_the_global_batch() {
+        let msg = check_world_sizes(&[1, 3], 8, 5).unwrap_err().to_string();
+        assert!(
+            msg.contains("3 workers do not divide; world sizes that do: 1, 2, 4, 8"),
+            "{msg}"
+        );
+        assert!(check_world_sizes(&[1], 8, 5).is_err());
+        assert!(check_world_sizes(&[1, 2], 8, 0).is_err());
+        check_world_sizes(&[1, 2, 4], 8, 5).unwrap();
+    }
+}

@@ -18,7 +18,8 @@
 # and bf16 with --junit), nccl (NCCL at world size 1 with its collectives exercised, against the
 # same GPU job without them: bit-identical weights), tcp2 (two workers sharing the GPU over the
 # tcp backend, against one worker with both batches), cnn (a Fashion-MNIST cnn epoch against
-# torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), bench (`bench step`, `bench allreduce`), resume (SIGTERM in
+# torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), bench (`bench step`, `bench
+# allreduce`), profile (ncu's time per kernel of the GPT recipe's step), resume (SIGTERM in
 # the middle of a run, then `resume`, against the same job uninterrupted). The device tool
 # stops a command after 10 minutes: every step took about 3 minutes on an H200 (500 GPT steps
 # of each program by default; GPT_STEPS=all runs the recipe's 5000, which fits STEP_TIMEOUT
@@ -36,7 +37,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-all_steps=(driver warmup kernels smoke nccl tcp2 cnn gpt bench resume)
+all_steps=(driver warmup kernels smoke nccl tcp2 cnn gpt bench profile resume)
 wanted=("$@")
 [ $# -gt 0 ] || wanted=("${all_steps[@]}")
 for s in "${wanted[@]}"; do
@@ -286,6 +287,41 @@ if wants bench; then
          > "$logs/bench-allreduce.txt" 2>&1; then
     record "bench allreduce" ok "$(tail -1 "$logs/bench-allreduce.txt" | tr -s ' ')"
   else record "bench allreduce" FAIL "$(tail_of "$logs/bench-allreduce.txt" 2)"; fi
+fi
+
+# Where the GPT recipe's step goes, kernel by kernel: ncu's duration of every kernel of one
+# warm-up and one timed `bench step` (profiled one at a time, so this takes ~40 s), summed by
+# kernel and grid; the top 20 in logs/profile.txt, the top 3 in the report.
+if wants profile; then
+  ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  if [ "$device" = cpu ]; then record "profile (ncu, GPT step)" skipped "DEVICE=cpu dry run"
+  elif [ -z "$ncu" ]; then record "profile (ncu, GPT step)" skipped "no ncu on this machine"
+  elif [ ! -f "$text" ]; then record "profile (ncu, GPT step)" FAIL "no text at $text"
+  elif timeout -k 10 "$limit" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+         --print-summary per-kernel --launch-count "${PROFILE_LAUNCHES:-4000}" \
+         "${bin[@]}" bench step --config configs/shakespeare-char-gpu.toml "${gpu[@]}" \
+         --set "data.path=$text" --steps 1 --warmup 1 > "$logs/profile.csv" 2> "$logs/profile.err" \
+       && detail=$("$python" - "$logs/profile.csv" "$logs/profile.txt" <<'PY'
+import collections, csv, sys
+rows = list(csv.reader(line for line in open(sys.argv[1]) if line.startswith('"')))
+head, total = rows[0], collections.defaultdict(lambda: [0, 0.0])
+col = {name: head.index(name) for name in ("Kernel Name", "Grid Size", "Invocations", "Average", "Metric Unit")}
+scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0}
+for r in rows[1:]:
+    key = (r[col["Kernel Name"]][:48], r[col["Grid Size"]])
+    calls = int(r[col["Invocations"]])
+    total[key][0] += calls
+    total[key][1] += calls * float(r[col["Average"]].replace(",", "")) * scale[r[col["Metric Unit"]]]
+top = sorted(total.items(), key=lambda kv: -kv[1][1])
+ms = sum(v[1] for v in total.values())
+with open(sys.argv[2], "w") as out:
+    out.write(f"{ms:.1f} ms in {sum(v[0] for v in total.values())} kernels (start-up, warm-up and timed step)\n")
+    for (name, grid), (calls, t) in top[:20]:
+        out.write(f"{t:9.2f} ms {calls:6d} x {1e3 * t / calls:8.1f} us  {name}  grid {grid}\n")
+print(f"{ms:.0f} ms of kernels; top: " + "; ".join(f"{n} {t:.1f} ms/{c}" for (n, _), (c, t) in top[:3]))
+PY
+       ); then record "profile (ncu, GPT step)" ok "$detail (logs/profile.txt)"
+  else record "profile (ncu, GPT step)" FAIL "$(tail_of "$logs/profile.err" 2)"; fi
 fi
 
 # SIGTERM in the middle of a run, then `resume`, against the same job uninterrupted: the final

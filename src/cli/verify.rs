@@ -53,6 +53,13 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
     let mut traces = Vec::new();
     for (i, &world) in args.world_sizes.iter().enumerate() {
         let name = format!("verify-{i}-w{world}");
+        if dir.join(&name).exists() {
+            return Err(usage(anyhow!(
+                "{} already exists (an earlier verify's run): remove it or give another \
+                 --jobs-dir",
+                dir.join(&name).display()
+            )));
+        }
         println!(
             "run {}: {world} worker(s) x batch {}, {} steps",
             i + 1,
@@ -154,6 +161,8 @@ fn run_once(
     Ok(status)
 }
 
+/// A run's digests in step order; a step written twice (a restarted worker redoes the steps
+/// since its checkpoint) counts as its last line says.
 fn read_digests(path: &Path) -> Result<Vec<WeightDigests>, (u8, anyhow::Error)> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         (
@@ -161,12 +170,13 @@ fn read_digests(path: &Path) -> Result<Vec<WeightDigests>, (u8, anyhow::Error)> 
             anyhow!("cannot read the weight digests {}: {e}", path.display()),
         )
     })?;
-    text.lines()
-        .map(|line| {
-            serde_json::from_str(line)
-                .map_err(|e| (1, anyhow!("{}: a malformed line: {e}", path.display())))
-        })
-        .collect()
+    let mut by_step = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let digests: WeightDigests = serde_json::from_str(line)
+            .map_err(|e| (1, anyhow!("{}: a malformed line: {e}", path.display())))?;
+        by_step.insert(digests.step, digests);
+    }
+    Ok(by_step.into_values().collect())
 }
 
 /// Compares every run's digests with the first run's, step by step: the summary when all are

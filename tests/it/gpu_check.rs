@@ -70,7 +70,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
         ("ALLREDUCE_SIZES", "64K"),
     ];
     let steps_run = [
-        "driver", "warmup", "kernels", "smoke", "tcp2", "bench", "resume",
+        "driver", "warmup", "kernels", "smoke", "tcp2", "bench", "profile", "resume",
     ];
     let Some(run) = gpu_check(&out, &steps_run, &quick) else {
         return;
@@ -87,6 +87,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
         ("2 workers on one device (tcp)", "ok"),
         ("bench step", "ok"),
         ("bench allreduce", "ok"),
+        ("profile (ncu, GPT step)", "skipped"),
         ("SIGTERM, resume vs uninterrupted", "ok"),
     ];
     let expected: Vec<(String, String)> = expected
@@ -96,7 +97,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
     assert_eq!(steps(&report), expected, "{}", run.stdout);
     assert_eq!(report["failed"], 0);
     assert_eq!(report["device"], "cpu");
-    let resume = &report["steps"][9]["detail"];
+    let resume = &report["steps"][10]["detail"];
     assert!(
         resume.as_str().unwrap().ends_with("resumed; bit-identical"),
         "{resume}"

@@ -11,8 +11,8 @@ fn verify_passes_on_one_world_size_and_names_where_two_part() {
     let t = TestJob::new();
     let cfg = t.config("v", TINY);
     let cfg = cfg.to_str().unwrap();
-    let dir = t.path("runs");
-    let dir = dir.to_str().unwrap();
+    let (runs, parted_runs) = (t.path("runs"), t.path("parted"));
+    let (dir, parted_dir) = (runs.to_str().unwrap(), parted_runs.to_str().unwrap());
     let same = t.ddpjob(&[
         "verify",
         cfg,
@@ -48,13 +48,17 @@ fn verify_passes_on_one_world_size_and_names_where_two_part() {
         "--steps",
         "3",
         "--jobs-dir",
-        dir,
+        parted_dir,
     ]);
     parted.fails_with(1, "differs between 1 and 2 worker(s)");
     let named = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
         .iter()
         .any(|n| parted.stderr.contains(&format!("step 1: `{n}` differs")));
     assert!(named, "{}", parted.stderr);
+
+    // Another verify into the same folder would read the first one's runs: refused.
+    t.ddpjob(&["verify", cfg, "--world-sizes", "2,2", "--jobs-dir", dir])
+        .fails_with(2, "already exists (an earlier verify's run)");
 }
 
 #[test]

@@ -7,10 +7,14 @@
 //!
 //! On the CPU in f32 the attention and the output projection with its cross-entropy run as
 //! the GPT's fused ops (`gpt::attention`, `gpt::head`), and RMSNorm, RoPE and SwiGLU as this
-//! module's (`ops`); elsewhere candle's ops compute it.
+//! module's (`ops`); on a GPU RMSNorm (`rms_norm_gpu`) and the causal softmax
+//! (`gpt::causal_softmax`) are one kernel each way; elsewhere candle's ops compute it.
 
 mod ops;
 mod options;
+#[cfg(feature = "cuda")]
+mod rms_norm_cuda;
+mod rms_norm_gpu;
 pub(crate) mod rope;
 #[cfg(test)]
 mod tests;
@@ -339,10 +343,13 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     if let Some(fused) = ops::rms_norm(x, weight, eps) {
         return fused;
     }
+    if x.device().is_cuda() {
+        return rms_norm_gpu::rms_norm(x, weight, eps);
+    }
     rms_norm_with_ops(x, weight, eps)
 }
 
-/// [`rms_norm`] composed from candle's ops (GPU, bf16; the fused op's reference).
+/// [`rms_norm`] composed from candle's ops (bf16 on the CPU; the fused ops' reference).
 pub fn rms_norm_with_ops(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let x = x.to_dtype(DType::F32)?;
     let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;

@@ -1,8 +1,9 @@
 //! RMSNorm, rotary position embeddings and SwiGLU's gate as one op each on the CPU in f32
 //! (forward and backward a pass over the values), as the GPT's LayerNorm and GELU are. Composed
 //! from candle's ops they cost a dozen tensors each in the backward, which on a 30-layer model
-//! takes longer than the matrix products; elsewhere (GPU, bf16) the composed forms run, and the
-//! tests check the fused ones against them.
+//! takes longer than the matrix products; elsewhere (bf16; RoPE and SwiGLU on a GPU, whose
+//! RMSNorm is `rms_norm_gpu`'s) the composed forms run, and the tests check the fused ones
+//! against them.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;

@@ -96,6 +96,28 @@ pub(crate) fn values<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a
     }
 }
 
+/// Rows and channels of a contiguous input normalised over its last dimension, checked against
+/// the per-channel parameter (a gain, a weight) beside it; `what` names the op in an error.
+pub(crate) fn rows_and_channels(
+    x: &Layout,
+    per_channel: &Layout,
+    what: &str,
+) -> Result<(usize, usize)> {
+    let c = x.shape().dims().last().copied().unwrap_or(0);
+    if per_channel.shape().dims1()? != c
+        || c == 0
+        || !x.is_contiguous()
+        || !per_channel.is_contiguous()
+    {
+        bail!(
+            "{what}: input {:?}, per-channel weight {:?}",
+            x.shape(),
+            per_channel.shape()
+        );
+    }
+    Ok((x.shape().elem_count() / c, c))
+}
+
 /// Runs `f` on the f32 values of a CPU tensor (made contiguous first).
 pub(crate) fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
     let t = t.contiguous()?;

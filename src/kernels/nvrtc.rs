@@ -3,8 +3,24 @@
 
 use std::sync::OnceLock;
 
-use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
-use candle_core::{Error, Result};
+use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig};
+use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
+use candle_core::{Error, Layout, Result};
+
+/// An f32 storage's values from its layout's first element (`what` names the op in an error).
+pub(crate) fn f32_view<'a>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<CudaView<'a, f32>> {
+    match &s.slice {
+        CudaStorageSlice::F32(v) => {
+            let (start, n) = (l.start_offset(), l.shape().elem_count());
+            Ok(v.slice(start..start + n))
+        }
+        _ => Err(Error::Msg(format!("{what} on a GPU: f32 values expected"))),
+    }
+}
 
 /// Rows per block of 256 threads in the kernels that give each row a warp.
 const ROWS_PER_BLOCK: usize = 8;

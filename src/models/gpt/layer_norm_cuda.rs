@@ -1,12 +1,12 @@
 //! The GPU LayerNorm's kernels (see `layer_norm_gpu`): a warp per row, f32, the row's mean
 //! and variance in two passes over it (it stays in L1) as the host reference computes them.
 
-use candle_core::cuda_backend::cudarc::driver::{CudaView, PushKernelArg};
-use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{Error, Layout, Result};
 
-use super::layer_norm_gpu::rows_and_channels;
 use crate::kernels::nvrtc;
+use crate::kernels::rows_and_channels;
 
 const SOURCE: &str = r#"
 // The row's mean and standard deviation (with eps), every lane of the warp.
@@ -64,19 +64,6 @@ pub(super) fn ptx() -> Result<&'static str> {
     PTX.get(&[nvrtc::ROW_HELPERS, SOURCE], "the LayerNorm kernels")
 }
 
-/// An f32 storage's values from its layout's first element, `n` of them.
-fn view<'a>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, f32>> {
-    match &s.slice {
-        CudaStorageSlice::F32(v) => {
-            let (start, n) = (l.start_offset(), l.shape().elem_count());
-            Ok(v.slice(start..start + n))
-        }
-        _ => Err(Error::Msg(
-            "layer_norm on a GPU: f32 values expected".into(),
-        )),
-    }
-}
-
 /// Runs kernel `name` over the rows of `x` with the three inputs, into `out_len` f32s.
 fn run(
     name: &str,
@@ -85,12 +72,12 @@ fn run(
     eps: f32,
 ) -> Result<CudaStorage> {
     let [(x, lx), (_, lg), _] = inputs;
-    let (rows, c) = rows_and_channels(lx, lg)?;
+    let (rows, c) = rows_and_channels(lx, lg, "layer_norm")?;
     let device = &x.device;
     let func = device.get_or_load_custom_func(name, MODULE, ptx()?)?;
     let views = inputs
         .iter()
-        .map(|(s, l)| view(s, l))
+        .map(|(s, l)| nvrtc::f32_view(s, l, "layer_norm"))
         .collect::<Result<Vec<_>>>()?;
     // SAFETY: the kernel writes all `out_len` elements (rows · c, or twice that).
     let mut out = unsafe { device.alloc::<f32>(out_len)? };

@@ -5,6 +5,7 @@
 //! input's gradient plus two column sums (the gain's and bias's). The host version is the
 //! reference the GPU's kernels are held to; on the CPU the model keeps its own fused op.
 
+use crate::kernels::{rows_and_channels, values};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
 
 /// LayerNorm over the last dimension of `x` (f32 on a GPU): `(x - mean) / sqrt(var + eps) ·
@@ -30,22 +31,6 @@ pub(super) struct LayerNormGrad {
     pub(super) eps: f32,
 }
 
-/// Rows and channels of a contiguous f32 input, checked against the gain.
-pub(super) fn rows_and_channels(x: &Layout, gain: &Layout) -> Result<(usize, usize)> {
-    let c = x.shape().dims().last().copied().unwrap_or(0);
-    if gain.shape().dims1()? != c || c == 0 || !x.is_contiguous() || !gain.is_contiguous() {
-        bail!("layer_norm: input {:?}, gain {:?}", x.shape(), gain.shape());
-    }
-    Ok((x.shape().elem_count() / c, c))
-}
-
-fn f32s<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    match s {
-        CpuStorage::F32(v) => Ok(&v[l.start_offset()..l.start_offset() + l.shape().elem_count()]),
-        _ => bail!("layer_norm: f32 values expected"),
-    }
-}
-
 /// A row's mean and its standard deviation with `eps`, in the GPU kernel's order.
 fn moments(x: &[f32], eps: f32) -> (f32, f32) {
     let c = x.len() as f32;
@@ -68,8 +53,8 @@ impl CustomOp3 for LayerNorm {
         b: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (_, c) = rows_and_channels(lx, lg)?;
-        let (x, g, b) = (f32s(x, lx)?, f32s(g, lg)?, f32s(b, lb)?);
+        let (_, c) = rows_and_channels(lx, lg, "layer_norm")?;
+        let (x, g, b) = (values(x, lx)?, values(g, lg)?, values(b, lb)?);
         if b.len() != c {
             bail!("layer_norm: bias of {} for {c} channels", b.len());
         }
@@ -132,8 +117,8 @@ impl CustomOp3 for LayerNormGrad {
         gy: &CpuStorage,
         lgy: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rows, c) = rows_and_channels(lx, lg)?;
-        let (x, g, gy) = (f32s(x, lx)?, f32s(g, lg)?, f32s(gy, lgy)?);
+        let (rows, c) = rows_and_channels(lx, lg, "layer_norm")?;
+        let (x, g, gy) = (values(x, lx)?, values(g, lg)?, values(gy, lgy)?);
         if gy.len() != x.len() {
             bail!(
                 "layer_norm gradient: {:?} for {:?}",
@@ -177,7 +162,7 @@ impl CustomOp3 for LayerNormGrad {
         gy: &candle_core::CudaStorage,
         lgy: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (rows, c) = rows_and_channels(lx, lg)?;
+        let (rows, c) = rows_and_channels(lx, lg, "layer_norm")?;
         if lgy.shape() != lx.shape() || !lgy.is_contiguous() {
             bail!(
                 "layer_norm gradient: {:?} for {:?}",

@@ -1,12 +1,12 @@
 //! The GPU RMSNorm's kernels (see `rms_norm_gpu`): a warp per row, f32, the row's mean square
 //! summed as the host reference sums it, per lane then across the warp.
 
-use candle_core::cuda_backend::cudarc::driver::{CudaView, PushKernelArg};
-use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice, WrapErr};
-use candle_core::{Error, Layout, Result};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::{CudaStorage, WrapErr};
+use candle_core::{Layout, Result};
 
-use super::rms_norm_gpu::rows_and_channels;
 use crate::kernels::nvrtc;
+use crate::kernels::rows_and_channels;
 
 const SOURCE: &str = r#"
 __device__ __forceinline__ float root_mean_square(const float* x, unsigned int c,
@@ -52,17 +52,6 @@ pub(super) fn ptx() -> Result<&'static str> {
     PTX.get(&[nvrtc::ROW_HELPERS, SOURCE], "the RMSNorm kernels")
 }
 
-/// An f32 storage's values from its layout's first element.
-fn view<'a>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, f32>> {
-    match &s.slice {
-        CudaStorageSlice::F32(v) => {
-            let (start, n) = (l.start_offset(), l.shape().elem_count());
-            Ok(v.slice(start..start + n))
-        }
-        _ => Err(Error::Msg("rms_norm on a GPU: f32 values expected".into())),
-    }
-}
-
 /// The forward over the rows of `x` (no gradient), or the backward's [2, rows, C] (with the
 /// output's gradient).
 pub(super) fn run(
@@ -71,16 +60,19 @@ pub(super) fn run(
     grad: Option<(&CudaStorage, &Layout)>,
     eps: f32,
 ) -> Result<CudaStorage> {
-    let (rows, c) = rows_and_channels(x.1, weight.1)?;
+    let (rows, c) = rows_and_channels(x.1, weight.1, "rms_norm")?;
     let device = &x.0.device;
     let name = match grad {
         None => "ddpjob_rms_norm",
         Some(_) => "ddpjob_rms_norm_grad",
     };
     let func = device.get_or_load_custom_func(name, MODULE, ptx()?)?;
-    let mut views = vec![view(x.0, x.1)?, view(weight.0, weight.1)?];
+    let mut views = vec![
+        nvrtc::f32_view(x.0, x.1, "rms_norm")?,
+        nvrtc::f32_view(weight.0, weight.1, "rms_norm")?,
+    ];
     if let Some((g, lg)) = grad {
-        views.push(view(g, lg)?);
+        views.push(nvrtc::f32_view(g, lg, "rms_norm")?);
     }
     let out_len = rows * c * if grad.is_some() { 2 } else { 1 };
     // SAFETY: the kernel writes all `out_len` elements.

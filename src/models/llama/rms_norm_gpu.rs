@@ -4,6 +4,7 @@
 //! pass for the input's gradient plus a column sum for the weight's. The host version is the
 //! reference the GPU's kernels are held to; on the CPU the model keeps its own fused op.
 
+use crate::kernels::{rows_and_channels, values};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
 
 /// `x / sqrt(mean(x²) + eps) · weight` over the last dimension of `x`, in f32; differentiable
@@ -27,26 +28,6 @@ pub(super) struct RmsNormGrad {
     pub(super) eps: f32,
 }
 
-/// Rows and channels of a contiguous f32 input, checked against the weight.
-pub(super) fn rows_and_channels(x: &Layout, weight: &Layout) -> Result<(usize, usize)> {
-    let c = x.shape().dims().last().copied().unwrap_or(0);
-    if weight.shape().dims1()? != c || c == 0 || !x.is_contiguous() || !weight.is_contiguous() {
-        bail!(
-            "rms_norm: input {:?}, weight {:?}",
-            x.shape(),
-            weight.shape()
-        );
-    }
-    Ok((x.shape().elem_count() / c, c))
-}
-
-fn f32s<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    match s {
-        CpuStorage::F32(v) => Ok(&v[l.start_offset()..l.start_offset() + l.shape().elem_count()]),
-        _ => bail!("rms_norm: f32 values expected"),
-    }
-}
-
 /// A row's root mean square with `eps`, in the GPU kernel's order.
 fn root_mean_square(x: &[f32], eps: f32) -> f32 {
     (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + eps).sqrt()
@@ -64,8 +45,8 @@ impl CustomOp2 for RmsNorm {
         w: &CpuStorage,
         lw: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (_, c) = rows_and_channels(lx, lw)?;
-        let (x, w) = (f32s(x, lx)?, f32s(w, lw)?);
+        let (_, c) = rows_and_channels(lx, lw, "rms_norm")?;
+        let (x, w) = (values(x, lx)?, values(w, lw)?);
         let mut y = vec![0f32; x.len()];
         for (x, y) in x.chunks_exact(c).zip(y.chunks_exact_mut(c)) {
             let r = root_mean_square(x, self.eps);
@@ -118,8 +99,8 @@ impl CustomOp3 for RmsNormGrad {
         gy: &CpuStorage,
         lgy: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rows, c) = rows_and_channels(lx, lw)?;
-        let (x, w, gy) = (f32s(x, lx)?, f32s(w, lw)?, f32s(gy, lgy)?);
+        let (rows, c) = rows_and_channels(lx, lw, "rms_norm")?;
+        let (x, w, gy) = (values(x, lx)?, values(w, lw)?, values(gy, lgy)?);
         if gy.len() != x.len() {
             bail!("rms_norm gradient: {:?} for {:?}", lgy.shape(), lx.shape());
         }
@@ -154,7 +135,7 @@ impl CustomOp3 for RmsNormGrad {
         gy: &candle_core::CudaStorage,
         lgy: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (rows, c) = rows_and_channels(lx, lw)?;
+        let (rows, c) = rows_and_channels(lx, lw, "rms_norm")?;
         if lgy.shape() != lx.shape() || !lgy.is_contiguous() {
             bail!("rms_norm gradient: {:?} for {:?}", lgy.shape(), lx.shape());
         }

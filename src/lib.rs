@@ -95,6 +95,10 @@ mod task;
 mod train;
 mod worker;
 
+/// candle's backward pass as patched in `vendor/candle-core` (see its PATCHES.md).
+#[cfg(test)]
+mod backprop_tests;
+
 pub use std::process::ExitCode;
 
 pub use comm::{CommError, Communicator};

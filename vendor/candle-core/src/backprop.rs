@@ -164,7 +164,8 @@ impl Tensor {
 
     pub fn backward(&self) -> Result<GradStore> {
         let sorted_nodes = self.sorted_nodes();
-        let mut grads = GradStore::new();
+        // ddpjob patch: sums that start from the first gradient, not from zeros (PATCHES.md).
+        let mut grads = Sums::default();
         grads.insert(self, self.ones_like()?.contiguous()?);
         for node in sorted_nodes.iter() {
             if node.is_variable() {
@@ -385,7 +386,7 @@ impl Tensor {
                         let kernel = Tensor::ones((c, 1, scale), arg.dtype(), arg.device())?;
                         let conv_sum = grad.conv1d(&kernel, 0, scale, 1, c)?;
                         let sum_grad = grads.or_insert(arg)?;
-                        *sum_grad = conv_sum;
+                        *sum_grad = SumGrad::Sum(conv_sum);
                     }
                     Op::UpsampleNearest2D {
                         arg,
@@ -406,7 +407,7 @@ impl Tensor {
                             Tensor::ones((c, 1, scale_h, scale_w), arg.dtype(), arg.device())?;
                         let conv_sum = grad.conv2d(&kernel, 0, scale_h, 1, c)?;
                         let sum_grad = grads.or_insert(arg)?;
-                        *sum_grad = conv_sum;
+                        *sum_grad = SumGrad::Sum(conv_sum);
                     }
                     Op::UpsampleBilinear2D { .. } => {
                         crate::bail!("backward not supported for upsample_bilinear2d")
@@ -726,7 +727,7 @@ impl Tensor {
                 };
             }
         }
-        Ok(grads)
+        grads.into_store()
     }
 }
 
@@ -765,19 +766,6 @@ impl GradStore {
         self.0.insert(id, grad)
     }
 
-    /// Get the gradient tensor associated with the given tensor, or, if it does not exist,
-    /// insert a tensor of zeroes, with the same shape and type as the given tensors and return it
-    fn or_insert(&mut self, tensor: &Tensor) -> Result<&mut Tensor> {
-        let grad = match self.0.entry(tensor.id()) {
-            Entry::Occupied(entry) => entry.into_mut(),
-            Entry::Vacant(entry) => {
-                let grad = tensor.zeros_like()?;
-                entry.insert(grad)
-            }
-        };
-        Ok(grad)
-    }
-
     /// Extend this gradient store with the contents of another.
     /// If an entry is already occupied, updates and ensures new tensor follows correct detach semantics.
     /// Otherwise simply inserts.
@@ -807,5 +795,116 @@ impl GradStore {
     /// Get the tensor ids of the stored gradient tensors
     pub fn get_ids(&self) -> impl Iterator<Item = &TensorId> {
         self.0.keys()
+    }
+}
+
+// ddpjob patch (vendor/candle-core/PATCHES.md): upstream starts every gradient sum from a
+// tensor of zeros (`or_insert` then `add`), one full-size allocation, fill and addition per
+// node of the graph even when a node has a single consumer, as most do. These sums start from
+// the first gradient instead: a node with k consumers costs k - 1 additions, not k plus a fill.
+
+/// The gradient sums of one `backward`, by tensor.
+#[derive(Default)]
+struct Sums(HashMap<TensorId, SumGrad>);
+
+/// One tensor's gradient sum: nothing yet (the tensor kept to give its shape, dtype and
+/// device), or the sum so far.
+enum SumGrad {
+    Zero(Tensor),
+    Sum(Tensor),
+}
+
+impl Sums {
+    fn insert(&mut self, tensor: &Tensor, grad: Tensor) {
+        self.0.insert(tensor.id(), SumGrad::Sum(grad));
+    }
+
+    fn remove(&mut self, tensor: &Tensor) -> Option<Tensor> {
+        self.0.remove(&tensor.id()).map(SumGrad::into_tensor)?.ok()
+    }
+
+    /// The sum for `tensor`, empty if none was started.
+    fn or_insert(&mut self, tensor: &Tensor) -> Result<&mut SumGrad> {
+        Ok(self
+            .0
+            .entry(tensor.id())
+            .or_insert_with(|| SumGrad::Zero(tensor.clone())))
+    }
+
+    fn into_store(self) -> Result<GradStore> {
+        let mut store = GradStore::new();
+        for (id, sum) in self.0 {
+            store.insert_id(id, sum.into_tensor()?);
+        }
+        Ok(store)
+    }
+}
+
+impl SumGrad {
+    /// The sum plus `grad`. The first gradient becomes the sum itself, made contiguous as
+    /// upstream's `zeros + grad` was (later ops such as matmul expect it) and copied for a
+    /// variable, whose gradient the caller may then own and modify alone.
+    fn add(&self, grad: &Tensor) -> Result<SumGrad> {
+        Ok(SumGrad::Sum(match self {
+            SumGrad::Sum(sum) => sum.add(grad)?,
+            SumGrad::Zero(tensor) => first(tensor, grad)?,
+        }))
+    }
+
+    fn sub(&self, grad: &Tensor) -> Result<SumGrad> {
+        Ok(SumGrad::Sum(match self {
+            SumGrad::Sum(sum) => sum.sub(grad)?,
+            SumGrad::Zero(tensor) => first(tensor, &grad.neg()?)?,
+        }))
+    }
+
+    fn scatter_add(&self, indexes: &Tensor, source: &Tensor, dim: usize) -> Result<SumGrad> {
+        Ok(SumGrad::Sum(
+            self.to_tensor()?.scatter_add(indexes, source, dim)?,
+        ))
+    }
+
+    fn index_add(&self, indexes: &Tensor, source: &Tensor, dim: usize) -> Result<SumGrad> {
+        Ok(SumGrad::Sum(self.to_tensor()?.index_add(indexes, source, dim)?))
+    }
+
+    fn dims(&self) -> &[usize] {
+        match self {
+            SumGrad::Zero(tensor) | SumGrad::Sum(tensor) => tensor.dims(),
+        }
+    }
+
+    fn device(&self) -> &crate::Device {
+        match self {
+            SumGrad::Zero(tensor) | SumGrad::Sum(tensor) => tensor.device(),
+        }
+    }
+
+    fn to_tensor(&self) -> Result<Tensor> {
+        match self {
+            SumGrad::Zero(tensor) => tensor.zeros_like(),
+            SumGrad::Sum(sum) => Ok(sum.clone()),
+        }
+    }
+
+    fn into_tensor(self) -> Result<Tensor> {
+        match self {
+            SumGrad::Zero(tensor) => tensor.zeros_like(),
+            SumGrad::Sum(sum) => Ok(sum),
+        }
+    }
+}
+
+/// The first gradient of `tensor` as its sum: `grad` itself where upstream's `zeros + grad`
+/// would give the same values (up to the sign of a zero), upstream's sum where it would fail.
+fn first(tensor: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    if tensor.shape() != grad.shape() || tensor.dtype() != grad.dtype() {
+        // The same error as upstream's.
+        return tensor.zeros_like()?.add(grad);
+    }
+    if tensor.is_variable() {
+        grad.force_contiguous()
+    } else {
+        grad.contiguous()
     }
 }

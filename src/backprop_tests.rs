@@ -1,0 +1,116 @@
+//! Checks of the patched backward pass in `vendor/candle-core` (PATCHES.md): gradient sums
+//! that start from the first gradient must give upstream's values, contiguous sums, and a
+//! gradient of its own to every variable.
+
+use candle_core::{CpuStorage, D, Device, Storage, Tensor, Var};
+
+/// Where an f32 CPU tensor's values live.
+fn address(t: &Tensor) -> *const f32 {
+    let (storage, _) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(CpuStorage::F32(v)) => v.as_ptr(),
+        _ => panic!("f32 CPU values expected"),
+    }
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+#[test]
+fn a_node_with_several_consumers_sums_them_and_a_subtraction_negates() {
+    let x = Var::new(&[[1f32, 2., 3.], [4., 5., 6.]], &Device::Cpu).unwrap();
+    let y = (x.as_tensor() * 2.0).unwrap();
+    // d/dx of sum(y + y·y - y) with y = 2x: 2 + 8x - 2 = 8x.
+    let loss = ((&y + (&y * &y).unwrap()).unwrap() - &y)
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    let g = grads.get(x.as_tensor()).unwrap();
+    assert_eq!(values(g), [8., 16., 24., 32., 40., 48.]);
+    // Only a subtraction's right side: d/dx of sum(1 - x) = -1.
+    let loss = (x.ones_like().unwrap() - x.as_tensor())
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let g = loss.backward().unwrap();
+    assert_eq!(values(g.get(x.as_tensor()).unwrap()), [-1.; 6]);
+}
+
+#[test]
+fn strided_first_gradients_become_contiguous_sums() {
+    // The gradient reaching `a` is a transposed view of a [2, 4, 3, 5] tensor; a batched
+    // matmul's backward then consumes it, which needs a contiguous (or plainly transposed)
+    // operand, as upstream's `zeros + grad` gave.
+    let dev = Device::Cpu;
+    let x = Var::from_tensor(
+        &Tensor::arange(0f32, 120., &dev)
+            .unwrap()
+            .reshape((2, 3, 4, 5))
+            .unwrap(),
+    )
+    .unwrap();
+    let w = Tensor::arange(0f32, 30., &dev)
+        .unwrap()
+        .reshape((5, 6))
+        .unwrap();
+    let w = (w / 30.)
+        .unwrap()
+        .broadcast_as((2, 3, 5, 6))
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    let a = x.as_tensor().matmul(&w).unwrap(); // [2, 3, 4, 6]
+    let b = a.transpose(1, 2).unwrap(); // [2, 4, 3, 6], strided
+    let loss = b.sqr().unwrap().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let g = grads.get(x.as_tensor()).unwrap();
+    assert!(g.is_contiguous());
+    // d/dx sum((x·w)²) = 2 (x·w) wᵀ.
+    let expected = (a * 2.0)
+        .unwrap()
+        .matmul(&w.transpose(2, 3).unwrap())
+        .unwrap();
+    let (got, want) = (values(g), values(&expected));
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
+    }
+}
+
+#[test]
+fn every_variable_gets_a_contiguous_gradient_of_its_own() {
+    let dev = Device::Cpu;
+    let a = Var::new(&[1f32, 2., 3.], &dev).unwrap();
+    let b = Var::new(&[4f32, 5., 6.], &dev).unwrap();
+    // Both sides of an addition receive the same gradient tensor, and a sum's gradient is a
+    // broadcast view (stride 0): each variable must still get contiguous storage of its own.
+    let loss = (a.as_tensor() + b.as_tensor()).unwrap().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let (ga, gb) = (grads.get(&a).unwrap(), grads.get(&b).unwrap());
+    assert!(ga.is_contiguous() && gb.is_contiguous());
+    assert_eq!((values(ga), values(gb)), (vec![1.; 3], vec![1.; 3]));
+    // Storage of its own: the two are not one buffer.
+    assert_ne!(address(ga), address(gb));
+}
+
+#[test]
+fn embedding_and_softmax_gradients_are_upstreams() {
+    // index_select (an embedding) starts its sum from zeros as upstream does; a softmax's
+    // several consumers of one node sum as before.
+    let dev = Device::Cpu;
+    let table = Var::new(&[[1f32, 2.], [3., 4.], [5., 6.]], &dev).unwrap();
+    let ids = Tensor::new(&[2u32, 0, 2], &dev).unwrap();
+    let rows = table.as_tensor().embedding(&ids).unwrap();
+    let p = candle_nn::ops::softmax(&rows, D::Minus1).unwrap();
+    let loss = p.narrow(1, 0, 1).unwrap().sum_all().unwrap();
+    let g = loss.backward().unwrap();
+    let g = values(g.get(&table).unwrap());
+    // softmax([a, b])₀ = σ(a - b): d/da = σ(1 - σ) = -d/db, with a - b = -1 for every row.
+    let s = 1.0 / (1.0 + 1f32.exp());
+    let d = s * (1.0 - s);
+    let want = [d, -d, 0., 0., 2. * d, -2. * d];
+    for (g, w) in g.iter().zip(want) {
+        assert!((g - w).abs() < 1e-6, "{g:?} vs {want:?}");
+    }
+}

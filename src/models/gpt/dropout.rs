@@ -3,8 +3,11 @@
 //! that ran it, or the device. This is what makes 2 workers × B/2 train exactly as 1 worker ×
 //! B does, and a resumed run redraw its masks bit for bit. The mask is an op drawn where the
 //! tensor it scales is: on a GPU by a kernel (`dropout_cuda`) from the rows' keys, bit for bit
-//! the host's, so a step uploads a key per row instead of the whole mask.
+//! the host's, so a step uploads a key per row instead of the whole mask; there the mask is
+//! applied as it is drawn, never stored.
 
+#[cfg(feature = "cuda")]
+use candle_core::DType;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 /// The inverted-dropout masks of one forward pass: rows `n` of `row_len` elements each.
@@ -27,6 +30,14 @@ impl<'a> Dropout<'a> {
     /// `x` (any shape holding the rows one after another) with the mask of `site` applied; the
     /// mask is drawn where `x` is, from its shape (the values are not read).
     pub(super) fn apply(&self, x: &Tensor, site: usize) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16) {
+            let keys = self.row_seeds.iter().map(|&s| row_key(s, site)).collect();
+            let (threshold, keep) = (threshold(self.p), keep(self.p));
+            let op =
+                super::dropout_cuda::ApplyOp::new(keys, self.row_len, threshold, keep, x.dtype());
+            return x.contiguous()?.apply_op1(op);
+        }
         let mask = x.apply_op1_no_bwd(&MaskOp::new(self.row_seeds, site, self.row_len, self.p))?;
         x.mul(&mask.to_dtype(x.dtype())?)
     }

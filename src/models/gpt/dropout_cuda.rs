@@ -2,20 +2,29 @@
 //! [`super::dropout::MaskOp`]'s host implementation computes, from the same 64-bit integer
 //! arithmetic (SplitMix64 of the row's key plus the element's word, a 16-bit lane of it against
 //! the threshold), so the masks are equal bit for bit and a step uploads only the rows' keys.
-//! The kernel is compiled by NVRTC the first time a worker needs it, then kept.
+//! The kernel is compiled by NVRTC the first time a worker needs it, then kept. On a GPU the
+//! mask is not even stored: [`ApplyOp`] multiplies by it as it draws it, forward and backward
+//! (candle's product by a stored mask also computed the mask's own, unused, gradient).
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
-use candle_core::{Error, Result};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
+use candle_core::{CpuStorage, CustomOp1, DType, Error, Layout, Result, Shape, Tensor};
+use half::bf16;
+
+use crate::kernels::nvrtc;
 
 /// `out[i]` for row `i / row_len`, element `i % row_len`: 0 or `keep`, as the host draws it.
-const SOURCE: &str = r#"
+const SPLITMIX: &str = r#"
 __device__ unsigned long long splitmix64(unsigned long long x) {
     unsigned long long z = x + 0x9E3779B97F4A7C15ULL;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
     return z ^ (z >> 31);
 }
+"#;
+
+const SOURCE: &str = r#"
 
 extern "C" __global__ void ddpjob_dropout_mask(
     const unsigned long long* keys,
@@ -27,19 +36,44 @@ extern "C" __global__ void ddpjob_dropout_mask(
 ) {
     unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
+    out[i] = kept(keys, row_len, threshold, i) ? keep : 0.0f;
+}
+
+// x times its mask element, as candle multiplies x by the mask cast to x's dtype: `keep` comes
+// already rounded to that dtype, and a product of two bf16 values is exact in f32, so the one
+// rounding of `store` is the product's.
+#define APPLY(NAME, T) \
+extern "C" __global__ void ddpjob_dropout_apply_##NAME(const unsigned long long* keys, \
+        unsigned long long row_len, unsigned long long n, unsigned long long threshold, \
+        float keep, const T* x, T* out) { \
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; \
+    if (i < n) store(out, i, load(x, i) * (kept(keys, row_len, threshold, i) ? keep : 0.0f)); \
+}
+APPLY(f32, float)
+APPLY(bf16, unsigned short)
+"#;
+
+/// Whether element `i` is kept: SplitMix64 of its row's key plus its word, one 16-bit lane of
+/// it against the threshold.
+const KEPT: &str = r#"
+__device__ __forceinline__ bool kept(const unsigned long long* keys, unsigned long long row_len,
+        unsigned long long threshold, unsigned long long i) {
     unsigned long long row = i / row_len;
     unsigned long long col = i % row_len;
     unsigned long long bits = splitmix64(keys[row] + col / 4);
-    unsigned long long draw = (bits >> (16 * (col % 4))) & 0xffff;
-    out[i] = draw < threshold ? 0.0f : keep;
+    return ((bits >> (16 * (col % 4))) & 0xffff) >= threshold;
 }
 "#;
 
 const FUNCTION: &str = "ddpjob_dropout_mask";
+const MODULE: &str = "ddpjob_dropout";
 
 pub(super) fn ptx() -> Result<&'static str> {
     static PTX: crate::kernels::nvrtc::Compiled = crate::kernels::nvrtc::Compiled::new();
-    PTX.get(&[SOURCE], "the dropout kernel")
+    PTX.get(
+        &[nvrtc::ELEMENTS, SPLITMIX, KEPT, SOURCE],
+        "the dropout kernels",
+    )
 }
 
 /// The f32 mask of `n` elements (rows of `row_len`, one key each) on `device`.
@@ -58,7 +92,7 @@ pub(super) fn draw(
             device.clone(),
         ));
     }
-    let func = device.get_or_load_custom_func(FUNCTION, "ddpjob_dropout", ptx()?)?;
+    let func = device.get_or_load_custom_func(FUNCTION, MODULE, ptx()?)?;
     let keys = device.clone_htod(keys)?;
     // SAFETY: every one of the `n` elements is written by the kernel before any read.
     let mut out = unsafe { device.alloc::<f32>(n)? };
@@ -79,6 +113,111 @@ pub(super) fn draw(
     // key per row of `out`, which has `n` elements.
     unsafe { launch.launch(config) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
+}
+
+/// `x` times its dropout mask, the mask drawn as it is applied: the same op scales the
+/// gradient in backward, so the mask is never stored. Its values are the host's `x · mask`
+/// with the mask cast to x's dtype, bit for bit.
+#[derive(Clone)]
+pub(super) struct ApplyOp {
+    /// The row keys of [`super::dropout::MaskOp`].
+    keys: Vec<u64>,
+    row_len: usize,
+    threshold: u64,
+    /// The scale of a kept element, rounded to the values' dtype.
+    keep: f32,
+}
+
+impl ApplyOp {
+    /// The op for values of `dtype` (f32 or bf16).
+    pub(super) fn new(
+        keys: Vec<u64>,
+        row_len: usize,
+        threshold: u64,
+        keep: f32,
+        dtype: DType,
+    ) -> Self {
+        let keep = match dtype {
+            DType::BF16 => bf16::from_f32(keep).to_f32(),
+            _ => keep,
+        };
+        ApplyOp {
+            keys,
+            row_len,
+            threshold,
+            keep,
+        }
+    }
+}
+
+impl CustomOp1 for ApplyOp {
+    fn name(&self) -> &'static str {
+        "dropout"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Err(Error::Msg(
+            "dropout's fused op runs on a GPU (the host multiplies by the drawn mask)".into(),
+        ))
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
+        let n = layout.shape().elem_count();
+        if !layout.is_contiguous() || n != self.keys.len() * self.row_len {
+            return Err(Error::Msg(format!(
+                "dropout on a GPU: {} contiguous rows of {} expected, not {:?}",
+                self.keys.len(),
+                self.row_len,
+                layout.shape()
+            )));
+        }
+        let device = &x.device;
+        let (kernel, start) = (
+            |name: &str| format!("ddpjob_dropout_apply_{name}"),
+            layout.start_offset(),
+        );
+        let keys = device.clone_htod(&self.keys)?;
+        let (row_len, count) = (self.row_len as u64, n as u64);
+        let config = LaunchConfig::for_num_elems(u32::try_from(n.max(1)).map_err(|_| {
+            Error::Msg(format!("dropout of {n} elements: more than a launch holds"))
+        })?);
+        macro_rules! launch {
+            ($values:expr, $t:ty, $name:literal) => {{
+                let func = device.get_or_load_custom_func(&kernel($name), MODULE, ptx()?)?;
+                let values = $values.slice(start..start + n);
+                // SAFETY: the kernel writes each of the `n` elements.
+                let mut out = unsafe { device.alloc::<$t>(n.max(1))? };
+                let mut launch = func.builder();
+                launch.arg(&keys);
+                launch.arg(&row_len);
+                launch.arg(&count);
+                launch.arg(&self.threshold);
+                launch.arg(&self.keep);
+                launch.arg(&values);
+                launch.arg(&mut out);
+                // SAFETY: the arguments match the kernel's parameters in order and type;
+                // `values` and `out` hold `n` elements, `keys` a key per row of them.
+                unsafe { launch.launch(config) }.w()?;
+                CudaStorage::wrap_cuda_slice(out, device.clone())
+            }};
+        }
+        let out = match &x.slice {
+            CudaStorageSlice::F32(v) => launch!(v, f32, "f32"),
+            CudaStorageSlice::BF16(v) => launch!(v, bf16, "bf16"),
+            _ => {
+                return Err(Error::Msg(format!(
+                    "dropout on a GPU: f32 or bf16 values, not {:?}",
+                    x.dtype()
+                )));
+            }
+        };
+        Ok((out, layout.shape().clone()))
+    }
+
+    /// The gradient scaled by the same mask, drawn again.
+    fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(self)?))
+    }
 }
 
 #[cfg(test)]
@@ -103,5 +242,62 @@ mod tests {
         let host = mask(&seeds, 3, row_len, p);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&drawn), bits(&host));
+    }
+
+    /// Runs where a GPU is: dropout applied as the mask is drawn gives the host's product by the
+    /// mask (cast to the values' dtype) bit for bit, forward and backward, in f32 and bf16.
+    #[test]
+    fn the_gpu_applies_the_host_mask_bit_for_bit() {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("skipping: no GPU");
+            return;
+        };
+        let (seeds, row_len, p) = ([3u64, 1 << 50, 12], 2_011, 0.1);
+        let values: Vec<f32> = (0..3 * row_len)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let dropout = super::super::dropout::Dropout::new(&seeds, p, row_len).unwrap();
+        for dtype in [DType::F32, DType::BF16] {
+            let host = Tensor::from_slice(&values, (3, row_len), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let mask = Tensor::from_slice(&mask(&seeds, 9, row_len, p), (3, row_len), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let want = host.mul(&mask).unwrap();
+            let x = candle_core::Var::from_tensor(&host.to_device(&gpu).unwrap()).unwrap();
+            let got = dropout.apply(x.as_tensor(), 9).unwrap();
+            let as_bits = |t: &Tensor| -> Vec<u32> {
+                let v: Vec<f32> = t
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                v.iter().map(|x| x.to_bits()).collect()
+            };
+            assert_eq!(as_bits(&got), as_bits(&want), "{dtype:?} forward");
+            // d/dx of Σ x·m·w for weights w is m·w: the same mask applied to the gradient.
+            let reversed: Vec<f32> = values.iter().rev().copied().collect();
+            let w = Tensor::from_slice(&reversed, (3, row_len), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let grads = (&got * w.to_device(&gpu).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let want = w.mul(&mask).unwrap();
+            assert_eq!(
+                as_bits(grads.get(&x).unwrap()),
+                as_bits(&want),
+                "{dtype:?} backward"
+            );
+        }
     }
 }

@@ -525,9 +525,14 @@ pub fn scale(grads: &mut [Tensor], factor: f64) -> Result<()> {
 
 /// [`clip_grad_norm`] as candle tensor ops, for any device and dtype.
 fn clip_with_tensors(grads: &mut [Tensor], max_norm: f64) -> Result<Tensor> {
+    // By rows, then the rows' sums: candle's `sum_all` of a large tensor is one block on a GPU
+    // (~28 µs per weight of the shakespeare-char recipe on an H200, ncu 2026-11-26).
     let squares = grads
         .iter()
-        .map(|g| g.sqr()?.sum_all())
+        .map(|g| match g.rank() {
+            0 | 1 => g.sqr()?.sum_all(),
+            _ => g.sqr()?.flatten_from(1)?.sum(1)?.sum_all(),
+        })
         .collect::<Result<Vec<_>>>()?;
     let norm = Tensor::stack(&squares, 0)?.sum_all()?.sqrt()?;
     let coef = ((norm.clone() + 1e-6)?.recip()? * max_norm)?.clamp(0f64, 1f64)?;

@@ -18,6 +18,7 @@ use rayon::prelude::*;
 use super::ops::{self, values, with_values};
 #[cfg(target_arch = "x86_64")]
 use super::tiles;
+use crate::kernels;
 
 /// Causal attention of `qkv` [n·t, 3C] (sequences of `t` rows; q, k, v side by side, heads of
 /// `C / heads` columns each): the attended values [n·t, C], heads side by side, before the
@@ -96,16 +97,12 @@ pub fn of_parts(
 ) -> Result<Tensor> {
     let (rows, c) = q.dims2()?;
     let (t, hd) = (rows / n, c / heads);
+    // One kernel each way per move between the layouts (see `kernels::swap_middle`).
     let split = |x: &Tensor| {
-        x.reshape((n, t, heads, hd))?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((n * heads, t, hd))
+        kernels::swap_middle(&x.reshape((n, t, heads, hd))?)?.reshape((n * heads, t, hd))
     };
-    attend(&split(q)?, &split(k)?, &split(v)?, 0, mask)?
-        .reshape((n, heads, t, hd))?
-        .transpose(1, 2)?
-        .reshape((rows, c))
+    let y = attend(&split(q)?, &split(k)?, &split(v)?, 0, mask)?;
+    kernels::swap_middle(&y.reshape((n, heads, t, hd))?)?.reshape((rows, c))
 }
 
 /// q, k and v of `qkv` [n, t, 3C], each [n, heads, t, C / heads].

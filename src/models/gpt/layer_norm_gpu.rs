@@ -5,7 +5,7 @@
 //! input's gradient plus two column sums (the gain's and bias's). The host version is the
 //! reference the GPU's kernels are held to; on the CPU the model keeps its own fused op.
 
-use crate::kernels::{rows_and_channels, values};
+use crate::kernels::{self, rows_and_channels, values};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
 
 /// LayerNorm over the last dimension of `x` (f32 on a GPU): `(x - mean) / sqrt(var + eps) ·
@@ -86,18 +86,22 @@ impl CustomOp3 for LayerNorm {
         &self,
         x: &Tensor,
         gain: &Tensor,
-        _bias: &Tensor,
+        bias: &Tensor,
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grad = grad.to_dtype(DType::F32)?.contiguous()?;
         let both = x.apply_op3_no_bwd(gain, &grad, &LayerNormGrad { eps: self.eps })?;
         let c = gain.dim(0)?;
-        let columns = |t: Tensor| t.reshape(((), c))?.sum(0);
+        // No sum for a bias nothing trains (the constant zeros of `bias = false`).
+        let bias_grad = match bias.track_op() {
+            true => Some(kernels::column_sums(&grad, c)?),
+            false => None,
+        };
         Ok((
             Some(both.get(0)?),
-            Some(columns(both.get(1)?)?),
-            Some(columns(grad)?),
+            Some(kernels::column_sums(&both.get(1)?, c)?),
+            bias_grad,
         ))
     }
 }

@@ -4,7 +4,7 @@
 //! pass for the input's gradient plus a column sum for the weight's. The host version is the
 //! reference the GPU's kernels are held to; on the CPU the model keeps its own fused op.
 
-use crate::kernels::{rows_and_channels, values};
+use crate::kernels::{self, rows_and_channels, values};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
 
 /// `x / sqrt(mean(x²) + eps) · weight` over the last dimension of `x`, in f32; differentiable
@@ -79,7 +79,7 @@ impl CustomOp2 for RmsNorm {
         let grad = grad.to_dtype(DType::F32)?.contiguous()?;
         let both = x.apply_op3_no_bwd(weight, &grad, &RmsNormGrad { eps: self.eps })?;
         let c = weight.dim(0)?;
-        let weight_grad = both.get(1)?.reshape(((), c))?.sum(0)?;
+        let weight_grad = kernels::column_sums(&both.get(1)?, c)?;
         Ok((Some(both.get(0)?), Some(weight_grad)))
     }
 }

@@ -25,6 +25,8 @@ mod layer_norm_gpu;
 mod manual;
 mod ops;
 pub(crate) mod options;
+#[cfg(feature = "cuda")]
+mod residual_cuda;
 pub(super) mod rows;
 #[cfg(test)]
 mod tests;
@@ -424,9 +426,9 @@ impl Gpt {
         let mut x = drop(embedded, 0)?;
         for (i, block) in self.blocks.iter().enumerate() {
             let y = block.attention(&x, (n, t), packing.as_ref(), self, mode)?;
-            x = (&x + drop(y.to_dtype(DType::F32)?, 1 + 2 * i)?)?;
-            let y = block.mlp(&x, self, mode)?.to_dtype(DType::F32)?;
-            x = (&x + drop(y, 2 + 2 * i)?)?;
+            x = dropout::add_dropped(&x, &y, dropout.as_ref(), 1 + 2 * i)?;
+            let y = block.mlp(&x, self, mode)?;
+            x = dropout::add_dropped(&x, &y, dropout.as_ref(), 2 + 2 * i)?;
         }
         Ok(x)
     }
@@ -831,6 +833,7 @@ fn every_gpu_kernel_compiles() {
         ("causal softmax", causal_softmax_cuda::ptx()),
         ("layer norm", layer_norm_cuda::ptx()),
         ("gelu", gelu_cuda::ptx()),
+        ("residual", residual_cuda::ptx()),
     ] {
         assert!(ptx.is_ok(), "{what}: {}", ptx.err().unwrap());
     }

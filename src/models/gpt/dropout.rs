@@ -43,6 +43,40 @@ impl<'a> Dropout<'a> {
     }
 }
 
+/// `x + dropout(y as f32)` at `site` (no dropout: `None`): the trunk's residual addition. On a
+/// GPU one op each way (`residual_cuda`), bit for bit these separate ops.
+pub(super) fn add_dropped(
+    x: &Tensor,
+    y: &Tensor,
+    dropout: Option<&Dropout>,
+    site: usize,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::residual_cuda::applies(x, y) {
+        let op = match dropout {
+            Some(d) => super::residual_cuda::ResidualOp {
+                keys: d.row_seeds.iter().map(|&s| row_key(s, site)).collect(),
+                row_len: d.row_len,
+                threshold: threshold(d.p),
+                keep: keep(d.p),
+            },
+            // Every element kept, times 1.
+            None => super::residual_cuda::ResidualOp {
+                keys: vec![0],
+                row_len: x.elem_count(),
+                threshold: 0,
+                keep: 1.0,
+            },
+        };
+        return x.contiguous()?.apply_op2(&y.contiguous()?, op);
+    }
+    let y = y.to_dtype(candle_core::DType::F32)?;
+    x + match dropout {
+        Some(d) => d.apply(&y, site)?,
+        None => y,
+    }
+}
+
 /// The masks of `site` for every row, concatenated: 0 with probability `p`, else `1/(1-p)`.
 /// Each 64-bit output of the generator gives four 16-bit draws (p is resolved to 1/65536).
 pub(super) fn mask(row_seeds: &[u64], site: usize, row_len: usize, p: f64) -> Vec<f32> {

@@ -15,7 +15,7 @@ use half::bf16;
 use crate::kernels::nvrtc;
 
 /// `out[i]` for row `i / row_len`, element `i % row_len`: 0 or `keep`, as the host draws it.
-const SPLITMIX: &str = r#"
+pub(super) const SPLITMIX: &str = r#"
 __device__ unsigned long long splitmix64(unsigned long long x) {
     unsigned long long z = x + 0x9E3779B97F4A7C15ULL;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -55,7 +55,7 @@ APPLY(bf16, unsigned short)
 
 /// Whether element `i` is kept: SplitMix64 of its row's key plus its word, one 16-bit lane of
 /// it against the threshold.
-const KEPT: &str = r#"
+pub(super) const KEPT: &str = r#"
 __device__ __forceinline__ bool kept(const unsigned long long* keys, unsigned long long row_len,
         unsigned long long threshold, unsigned long long i) {
     unsigned long long row = i / row_len;

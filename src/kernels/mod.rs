@@ -56,6 +56,18 @@ pub fn keep_freed_memory() {
     }
 }
 
+/// The bits of `t`'s values as f32 (from any float dtype, on any device): what the tests that
+/// hold a GPU's result to the host's bit for bit compare.
+#[cfg(test)]
+pub(crate) fn f32_bits(t: &Tensor) -> Vec<u32> {
+    let v: Vec<f32> = t
+        .to_dtype(DType::F32)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1())
+        .expect("f32 values");
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// Σ y·sin(i) over the elements of `y`: a fixed, uneven weighting of the outputs, so every
 /// output's gradient differs (the tests of the fused ops' backward).
 #[cfg(test)]

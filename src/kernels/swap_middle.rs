@@ -178,7 +178,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor, Var};
 
     use super::swap_middle;
-    use crate::kernels::uneven_sum;
+    use crate::kernels::{f32_bits, uneven_sum};
 
     /// On `device`: the op's values and gradient are candle's transpose's, bit for bit.
     fn matches_transpose(device: &Device, dtype: DType) {
@@ -196,17 +196,7 @@ mod tests {
         let ours = swap_middle(x.as_tensor()).unwrap();
         let theirs = x.as_tensor().transpose(1, 2).unwrap().contiguous().unwrap();
         assert_eq!(ours.dims(), [2, 3, 5, 7]);
-        let bits = |t: &Tensor| -> Vec<u32> {
-            let v: Vec<f32> = t
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            v.iter().map(|x| x.to_bits()).collect()
-        };
-        assert_eq!(bits(&ours), bits(&theirs));
+        assert_eq!(f32_bits(&ours), f32_bits(&theirs));
         let weigh = |y: &Tensor| {
             uneven_sum(
                 &y.to_dtype(DType::F32)
@@ -217,7 +207,10 @@ mod tests {
         };
         let ours = weigh(&ours).backward().unwrap();
         let theirs = weigh(&theirs).backward().unwrap();
-        assert_eq!(bits(ours.get(&x).unwrap()), bits(theirs.get(&x).unwrap()));
+        assert_eq!(
+            f32_bits(ours.get(&x).unwrap()),
+            f32_bits(theirs.get(&x).unwrap())
+        );
     }
 
     #[test]

@@ -225,6 +225,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor};
 
     use super::super::dropout::{MaskOp, mask};
+    use crate::kernels::f32_bits;
 
     /// Runs where a GPU is: the device's mask is the host's, bit for bit.
     #[test]
@@ -269,17 +270,7 @@ mod tests {
             let want = host.mul(&mask).unwrap();
             let x = candle_core::Var::from_tensor(&host.to_device(&gpu).unwrap()).unwrap();
             let got = dropout.apply(x.as_tensor(), 9).unwrap();
-            let as_bits = |t: &Tensor| -> Vec<u32> {
-                let v: Vec<f32> = t
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
-                v.iter().map(|x| x.to_bits()).collect()
-            };
-            assert_eq!(as_bits(&got), as_bits(&want), "{dtype:?} forward");
+            assert_eq!(f32_bits(&got), f32_bits(&want), "{dtype:?} forward");
             // d/dx of Σ x·m·w for weights w is m·w: the same mask applied to the gradient.
             let reversed: Vec<f32> = values.iter().rev().copied().collect();
             let w = Tensor::from_slice(&reversed, (3, row_len), &Device::Cpu)
@@ -294,8 +285,8 @@ mod tests {
                 .unwrap();
             let want = w.mul(&mask).unwrap();
             assert_eq!(
-                as_bits(grads.get(&x).unwrap()),
-                as_bits(&want),
+                f32_bits(grads.get(&x).unwrap()),
+                f32_bits(&want),
                 "{dtype:?} backward"
             );
         }

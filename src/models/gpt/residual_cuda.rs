@@ -236,6 +236,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor, Var};
 
     use super::super::dropout::{Dropout, add_dropped};
+    use crate::kernels::f32_bits;
 
     /// Runs where a GPU is: the fused residual gives the host's separate ops bit for bit:
     /// the sum, the stream's gradient and the branch's, with and without dropout, for an f32
@@ -255,16 +256,6 @@ mod tests {
             Tensor::from_slice(&v, (seeds.len() * 3, 1_003), &Device::Cpu).unwrap()
         };
         let (x, y, w) = (make(7), make(13), make(29));
-        let bits = |t: &Tensor| -> Vec<u32> {
-            let v: Vec<f32> = t
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            v.iter().map(|x| x.to_bits()).collect()
-        };
         for dtype in [DType::F32, DType::BF16] {
             for p in [0.0, 0.2] {
                 let dropout = Dropout::new(&seeds, p, row_len);
@@ -286,7 +277,7 @@ mod tests {
                         grads.get(&x).unwrap().clone(),
                         grads.get(&y).unwrap().clone(),
                     );
-                    (bits(&out), bits(&gx), bits(&gy))
+                    (f32_bits(&out), f32_bits(&gx), f32_bits(&gy))
                 };
                 let (host, gpu) = (run(&Device::Cpu), run(&gpu));
                 assert!(host.0 == gpu.0, "{dtype:?}, p {p}: sum");

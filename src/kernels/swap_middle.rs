@@ -101,7 +101,7 @@ mod cuda {
     use super::SwapMiddle;
     use crate::kernels::nvrtc;
 
-    /// One thread per element, in output order; `T` only moves bits.
+    /// One thread per word (2 to 16 bytes of a row), in output order; `T` only moves bits.
     const SOURCE: &str = r#"
 #define SWAP(NAME, T) \
 extern "C" __global__ void ddpjob_swap_middle_##NAME(const T* x, T* y, unsigned int a, \
@@ -115,6 +115,8 @@ extern "C" __global__ void ddpjob_swap_middle_##NAME(const T* x, T* y, unsigned 
     }
     SWAP(b16, unsigned short)
     SWAP(b32, unsigned int)
+    SWAP(b64, unsigned long long)
+    SWAP(b128, uint4)
     "#;
 
     const MODULE: &str = "ddpjob_swap_middle";
@@ -128,13 +130,13 @@ extern "C" __global__ void ddpjob_swap_middle_##NAME(const T* x, T* y, unsigned 
         let device = &s.device;
         let out = match &s.slice {
             CudaStorageSlice::BF16(v) => {
-                CudaStorage::wrap_cuda_slice(run(device, v, start, op, "b16")?, device.clone())
+                CudaStorage::wrap_cuda_slice(run(device, v, start, op)?, device.clone())
             }
             CudaStorageSlice::F16(v) => {
-                CudaStorage::wrap_cuda_slice(run(device, v, start, op, "b16")?, device.clone())
+                CudaStorage::wrap_cuda_slice(run(device, v, start, op)?, device.clone())
             }
             CudaStorageSlice::F32(v) => {
-                CudaStorage::wrap_cuda_slice(run(device, v, start, op, "b32")?, device.clone())
+                CudaStorage::wrap_cuda_slice(run(device, v, start, op)?, device.clone())
             }
             _ => {
                 return Err(Error::Msg(
@@ -145,18 +147,26 @@ extern "C" __global__ void ddpjob_swap_middle_##NAME(const T* x, T* y, unsigned 
         Ok(out)
     }
 
+    /// Each row of `d` values moves as the widest words (up to 16 bytes) that divide it and
+    /// its start's alignment: fewer, wider moves per thread.
     fn run<T: DeviceRepr + CudaDType>(
         device: &CudaDevice,
         x: &CudaSlice<T>,
         start: usize,
         SwapMiddle { a, b, c, d }: SwapMiddle,
-        bits: &str,
     ) -> Result<CudaSlice<T>> {
         let n = a * b * c * d;
+        let size = std::mem::size_of::<T>();
+        let word = [16, 8, 4, 2]
+            .into_iter()
+            .find(|&w| w >= size && (d * size) % w == 0 && (start * size) % w == 0)
+            .unwrap_or(size);
+        let words = d * size / word;
         let too_many = || Error::Msg(format!("swap_middle on a GPU: {n} values, more than 2³²"));
-        let count = u32::try_from(n).map_err(|_| too_many())?;
-        let dims = [a, b, c, d].map(|v| v as u32);
-        let func = device.get_or_load_custom_func(&format!("{MODULE}_{bits}"), MODULE, ptx()?)?;
+        let count = u32::try_from(a * b * c * words).map_err(|_| too_many())?;
+        let dims = [a, b, c, words].map(|v| v as u32);
+        let bits = word * 8;
+        let func = device.get_or_load_custom_func(&format!("{MODULE}_b{bits}"), MODULE, ptx()?)?;
         let x = x.slice(start..start + n);
         // SAFETY: the kernel writes each of the `n` elements.
         let mut y = unsafe { device.alloc::<T>(n.max(1))? };
@@ -167,7 +177,8 @@ extern "C" __global__ void ddpjob_swap_middle_##NAME(const T* x, T* y, unsigned 
             launch.arg(v);
         }
         // SAFETY: the arguments match the kernel's parameters in order and type; `x` and `y`
-        // hold the `n` = a·b·c·d elements the kernel reads and writes.
+        // hold the `n` = a·b·c·d elements the kernel reads and writes as a·b·c·words words,
+        // `x`'s start aligned to a word (checked above) and `y` freshly allocated (aligned).
         unsafe { launch.launch(LaunchConfig::for_num_elems(count.max(1))) }.w()?;
         Ok(y)
     }
@@ -181,10 +192,14 @@ mod tests {
     use crate::kernels::{f32_bits, uneven_sum};
 
     /// On `device`: the op's values and gradient are candle's transpose's, bit for bit.
-    fn matches_transpose(device: &Device, dtype: DType) {
-        let x = Tensor::arange(0f32, 2. * 5. * 3. * 7., &Device::Cpu)
+    fn matches_transpose(
+        device: &Device,
+        dtype: DType,
+        (a, b, c, d): (usize, usize, usize, usize),
+    ) {
+        let x = Tensor::arange(0f32, (a * b * c * d) as f32, &Device::Cpu)
             .unwrap()
-            .reshape((2, 5, 3, 7))
+            .reshape((a, b, c, d))
             .unwrap()
             .sin()
             .unwrap()
@@ -195,7 +210,7 @@ mod tests {
         let x = Var::from_tensor(&x).unwrap();
         let ours = swap_middle(x.as_tensor()).unwrap();
         let theirs = x.as_tensor().transpose(1, 2).unwrap().contiguous().unwrap();
-        assert_eq!(ours.dims(), [2, 3, 5, 7]);
+        assert_eq!(ours.dims(), [a, c, b, d]);
         assert_eq!(f32_bits(&ours), f32_bits(&theirs));
         let weigh = |y: &Tensor| {
             uneven_sum(
@@ -216,7 +231,7 @@ mod tests {
     #[test]
     fn swapping_the_middle_dims_is_a_transpose_forward_and_backward() {
         for dtype in [DType::F32, DType::BF16] {
-            matches_transpose(&Device::Cpu, dtype);
+            matches_transpose(&Device::Cpu, dtype, (2, 5, 3, 7));
         }
         let wrong = Tensor::zeros((2, 3, 4), DType::F32, &Device::Cpu).unwrap();
         assert!(swap_middle(&wrong).is_err());
@@ -230,8 +245,12 @@ mod tests {
             eprintln!("skipping: no GPU");
             return;
         };
+        // Rows of 7 values move as 2- or 4-byte words, of 6 f32 as 8-byte ones, of 64 (a
+        // head's) as 16-byte ones.
         for dtype in [DType::F32, DType::BF16] {
-            matches_transpose(&gpu, dtype);
+            for dims in [(2, 5, 3, 7), (2, 5, 3, 6), (3, 17, 6, 64)] {
+                matches_transpose(&gpu, dtype, dims);
+            }
         }
     }
 

@@ -44,7 +44,12 @@ pub(super) fn bench_step(
         warmup,
         threads,
     };
-    let result = bench::step(&loaded.spec, options).map_err(bench_failure)?;
+    // One process: a train.global_batch_size is all this worker's.
+    let spec = loaded
+        .spec
+        .for_world_size(1)
+        .map_err(|e| (2, anyhow::anyhow!(e)))?;
+    let result = bench::step(&spec, options).map_err(bench_failure)?;
     if json {
         println!("{}", serde_json::to_string(&result).unwrap_or_default());
     } else {

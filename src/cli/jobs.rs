@@ -167,6 +167,8 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     }
     let nnodes = node.node.nnodes;
     let world = placement.nproc * nnodes;
+    let derived = spec.for_world_size(world).map_err(|e| (2, anyhow!(e)))?;
+    let spec = &derived;
     let plan = spec.plan(train_samples, world);
     print!("{}", loaded.resolved_toml());
     println!();
@@ -185,8 +187,12 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         "world_size        = {world}  ({nnodes} node(s) x devices: {})",
         devices.join(", ")
     );
+    let derived_from = match spec.train.global_batch_size {
+        Some(_) => ", batch_size from train.global_batch_size",
+        None => "",
+    };
     println!(
-        "global_batch      = {}  (batch_size {} x accumulation {} x world {world})",
+        "global_batch      = {}  (batch_size {} x accumulation {} x world {world}{derived_from})",
         plan.global_batch, spec.train.batch_size, spec.train.accumulation
     );
     println!("train_samples     = {train_samples}  ({source})");

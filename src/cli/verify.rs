@@ -15,8 +15,8 @@ use crate::train::{WEIGHT_DIGESTS, WeightDigests};
 
 #[derive(Debug, Args)]
 pub(super) struct VerifyArgs {
-    /// The job file (TOML). Its `train.batch_size` is the global batch here: each of W workers
-    /// takes 1/W of it.
+    /// The job file (TOML). Its `train.global_batch_size`, or else its `train.batch_size`, is
+    /// the global batch here: each of W workers takes 1/W of it.
     config: PathBuf,
     /// The world sizes to run, each compared with the first: 1,2,4.
     #[arg(
@@ -41,8 +41,26 @@ pub(super) struct VerifyArgs {
 pub(super) fn verify(args: &VerifyArgs) -> CliResult {
     let usage = |e: anyhow::Error| (2, e);
     let loaded = config::load(&args.config, &args.set).map_err(|e| usage(anyhow!(e)))?;
+    // With train.global_batch_size each run derives its own share; else train.batch_size is
+    // read as the global batch, and each run is given its share.
+    let global = loaded.spec.train.global_batch_size;
     let batch = loaded.spec.train.batch_size;
-    check_world_sizes(&args.world_sizes, batch, args.steps).map_err(usage)?;
+    check_world_sizes(
+        &args.world_sizes,
+        global.is_none().then_some(batch),
+        args.steps,
+    )
+    .map_err(usage)?;
+    let mut per_worker = Vec::new();
+    for &world in &args.world_sizes {
+        per_worker.push(match global {
+            Some(_) => {
+                let spec = loaded.spec.for_world_size(world);
+                (spec.map_err(|e| usage(anyhow!(e)))?.train.batch_size, false)
+            }
+            None => (batch / world, true),
+        });
+    }
     let (dir, temporary) = match &args.jobs_dir {
         Some(dir) => (dir.clone(), false),
         None => (
@@ -60,13 +78,13 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
                 dir.join(&name).display()
             )));
         }
+        let (share, given) = per_worker[i];
         println!(
-            "run {}: {world} worker(s) x batch {}, {} steps",
+            "run {}: {world} worker(s) x batch {share}, {} steps",
             i + 1,
-            batch / world,
             args.steps
         );
-        let status = run_once(args, &dir, &name, world, batch / world)?;
+        let status = run_once(args, &dir, &name, world, given.then_some(share))?;
         let path = dir.join(&name).join("logs").join(WEIGHT_DIGESTS);
         let trace = if path.is_file() {
             read_digests(&path)?
@@ -105,14 +123,18 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
     }
 }
 
-/// Every world size divides the global batch, and there are two runs to compare.
-fn check_world_sizes(sizes: &[usize], batch: usize, steps: usize) -> anyhow::Result<()> {
+/// Every world size divides the global batch `batch` (when verify gives the shares), and there
+/// are two runs to compare.
+fn check_world_sizes(sizes: &[usize], batch: Option<usize>, steps: usize) -> anyhow::Result<()> {
     if sizes.len() < 2 || sizes.contains(&0) {
         anyhow::bail!("--world-sizes needs two or more worker counts of 1 or more, e.g. 1,2,4");
     }
     if steps == 0 {
         anyhow::bail!("--steps must be 1 or more");
     }
+    let Some(batch) = batch else {
+        return Ok(());
+    };
     if let Some(w) = sizes.iter().find(|&&w| batch % w != 0) {
         let dividing: Vec<String> = (1..=batch)
             .filter(|d| batch % d == 0)
@@ -127,14 +149,15 @@ fn check_world_sizes(sizes: &[usize], batch: usize, steps: usize) -> anyhow::Res
     Ok(())
 }
 
-/// Runs the job with `world` workers of `per_worker` samples each for `--steps` steps, its
-/// weights traced; its output goes to `<dir>/<name>.log`.
+/// Runs the job with `world` workers for `--steps` steps, given `per_worker` samples each (or
+/// their share of its `train.global_batch_size`), its weights traced; its output goes to
+/// `<dir>/<name>.log`.
 fn run_once(
     args: &VerifyArgs,
     dir: &Path,
     name: &str,
     world: usize,
-    per_worker: usize,
+    per_worker: Option<usize>,
 ) -> Result<std::process::ExitStatus, (u8, anyhow::Error)> {
     let failed = |e: std::io::Error| (1, anyhow!("cannot run the {world}-worker job: {e}"));
     std::fs::create_dir_all(dir).map_err(failed)?;
@@ -150,9 +173,11 @@ fn run_once(
     for set in &args.set {
         cmd.args(["--set", set]);
     }
+    cmd.args(["--set", &format!("train.max_steps={}", args.steps)]);
+    if let Some(per_worker) = per_worker {
+        cmd.args(["--set", &format!("train.batch_size={per_worker}")]);
+    }
     let status = cmd
-        .args(["--set", &format!("train.max_steps={}", args.steps)])
-        .args(["--set", &format!("train.batch_size={per_worker}")])
         .env(crate::worker::env::TRACE_WEIGHTS, "1")
         .stdout(out.try_clone().map_err(failed)?)
         .stderr(out)
@@ -279,13 +304,15 @@ mod tests {
 
     #[test]
     fn world_sizes_must_divide_the_global_batch() {
-        let msg = check_world_sizes(&[1, 3], 8, 5).unwrap_err().to_string();
+        let msg = check_world_sizes(&[1, 3], Some(8), 5)
+            .unwrap_err()
+            .to_string();
         assert!(
             msg.contains("3 workers do not divide; world sizes that do: 1, 2, 4, 8"),
             "{msg}"
         );
-        assert!(check_world_sizes(&[1], 8, 5).is_err());
-        assert!(check_world_sizes(&[1, 2], 8, 0).is_err());
-        check_world_sizes(&[1, 2, 4], 8, 5).unwrap();
+        assert!(check_world_sizes(&[1], Some(8), 5).is_err());
+        assert!(check_world_sizes(&[1, 2], Some(8), 0).is_err());
+        check_world_sizes(&[1, 2, 4], Some(8), 5).unwrap();
     }
 }

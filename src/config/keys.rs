@@ -116,6 +116,11 @@ section! {
         batch_size: i64 = 64 => batch_size: usize = at_least(1);
         /// micro-batches per optimizer step
         accumulation: i64 = 1 => accumulation: usize = at_least(1);
+        /// samples per optimizer step over all workers, the same on any world size (instead of
+        /// `batch_size`): each worker's micro-batch is global_batch_size / (accumulation ×
+        /// workers), which must be a whole number; `resume` on another world size keeps it
+        global_batch_size: i64 = 0, shown "`0` (off)"
+            => global_batch_size: Option<usize> = zero_is_off();
         /// peak learning rate
         lr: f64 = 1e-3 => lr: f64 = positive();
         /// `"sgd"`, `"adam"` or `"adamw"`

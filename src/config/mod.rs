@@ -62,6 +62,12 @@ impl LoadedConfig {
             data.insert("drop_last".into(), self.spec.data.drop_last.into());
             data.extend(self.spec.data.options().clone());
             doc.insert("data".into(), data.into());
+            // The global batch is what was asked for: each world size derives its own batch.
+            if self.spec.train.global_batch_size.is_some()
+                && let Some(toml::Value::Table(train)) = doc.get_mut("train")
+            {
+                train.remove("batch_size");
+            }
             toml::to_string_pretty(&doc)
         };
         render().unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
@@ -181,6 +187,33 @@ pub struct Plan {
 }
 
 impl JobSpec {
+    /// The spec as `world_size` workers run it: with `train.global_batch_size`, each worker's
+    /// `batch_size` is its share of one micro-batch, global / (accumulation × workers); the
+    /// reason, with the world sizes that would do, when that is not a whole number.
+    pub fn for_world_size(&self, world_size: usize) -> Result<JobSpec, String> {
+        let t = &self.train;
+        let Some(global) = t.global_batch_size else {
+            return Ok(self.clone());
+        };
+        let micro = global / t.accumulation.max(1);
+        if world_size == 0 || micro % world_size != 0 || global % t.accumulation.max(1) != 0 {
+            let fits: Vec<String> = (1..=micro.min(64))
+                .filter(|w| micro % w == 0)
+                .map(|w| w.to_string())
+                .collect();
+            return Err(format!(
+                "train.global_batch_size = {global} over train.accumulation = {} micro-batches \
+                 is {micro} samples each, which {world_size} workers cannot share evenly: run \
+                 on {} worker(s), or change train.global_batch_size",
+                t.accumulation,
+                fits.join(", ")
+            ));
+        }
+        let mut spec = self.clone();
+        spec.train.batch_size = micro / world_size;
+        Ok(spec)
+    }
+
     pub fn plan(&self, train_samples: usize, world_size: usize) -> Plan {
         let t = &self.train;
         let samples_per_rank =

@@ -280,6 +280,53 @@ fn plan_derives_global_batch_and_steps() {
     assert_eq!(capped.plan(1000, 1).total_steps, 7);
 }
 
+#[test]
+fn a_global_batch_is_shared_by_any_world_size_that_divides_it() {
+    let loaded = load_text("[train]\nglobal_batch_size = 96\naccumulation = 2\n", &[]).unwrap();
+    let spec = &loaded.spec;
+    for (world, per_worker) in [(1, 48), (2, 24), (4, 12), (6, 8)] {
+        let derived = spec.for_world_size(world).unwrap();
+        assert_eq!(derived.train.batch_size, per_worker, "{world} workers");
+        // The same global batch, hence the same steps per epoch, on every world size.
+        assert_eq!(derived.plan(960, world).global_batch, 96);
+        assert_eq!(derived.plan(960, world).steps_per_epoch, 10);
+    }
+    let err = spec.for_world_size(5).unwrap_err();
+    assert!(
+        err.contains("48 samples each, which 5 workers cannot share evenly"),
+        "{err}"
+    );
+    assert!(
+        err.contains("1, 2, 3, 4, 6, 8, 12, 16, 24, 48 worker(s)"),
+        "{err}"
+    );
+    // Without it, batch_size stays per worker.
+    let plain = load_text("", &[]).unwrap().spec;
+    assert_eq!(plain.for_world_size(3).unwrap().train.batch_size, 64);
+    // The frozen job.toml keeps the global batch, not one world size's share, and loads back.
+    let frozen = loaded.resolved_toml();
+    assert!(!frozen.contains("batch_size = 64") && frozen.contains("global_batch_size = 96"));
+    let again = load_text(&frozen, &[]).unwrap().spec;
+    assert_eq!(again.for_world_size(4).unwrap().train.batch_size, 12);
+}
+
+#[test]
+fn a_global_batch_refuses_a_batch_size_beside_it_and_an_uneven_accumulation() {
+    let both = error("[train]\nbatch_size = 32\nglobal_batch_size = 64\n");
+    assert!(
+        both.contains("`train.batch_size` (configs/x.toml:2:14)")
+            && both.contains("remove train.batch_size"),
+        "{both}"
+    );
+    let uneven = error("[train]\nglobal_batch_size = 10\naccumulation = 4\n");
+    assert!(
+        uneven.contains("do not divide into train.accumulation = 4 micro-batches"),
+        "{uneven}"
+    );
+    let by_override = load_text("[train]\nglobal_batch_size = 64\n", &["train.batch_size=8"]);
+    assert!(by_override.is_err());
+}
+
 /// The README's config table is generated from the schema: it can never drift. After
 /// changing a key, `DDPJOB_BLESS=1 cargo test readme_config_table` rewrites it.
 #[test]

@@ -7,7 +7,7 @@
 use super::checks::Checker;
 use super::custom::CustomParts;
 use super::declare::Section;
-use super::error::ConfigError;
+use super::error::{ConfigError, Origin};
 use super::keys::{DataKeys, ExpectKeys, ModelKeys, RawConfig};
 use super::source::Source;
 use super::spec::{Check, DataSpec, Expectation, JobSpec, ModelSpec, ScheduleKind};
@@ -58,6 +58,31 @@ impl JobSpec {
                 "train.scheduler.min_lr",
                 format!("must be in [0, train.lr = {}], got {min_lr}", train.lr),
             );
+        }
+        if let Some(global) = train.global_batch_size {
+            if !matches!(
+                source.value_origin("train.batch_size"),
+                Origin::Defaulted(_)
+            ) {
+                c.fail(
+                    "train.batch_size",
+                    format!(
+                        "train.global_batch_size = {global} sets each worker's batch; remove \
+                         train.batch_size (or train.global_batch_size to give the per-worker \
+                         batch)"
+                    ),
+                );
+            }
+            if global % train.accumulation != 0 {
+                c.fail(
+                    "train.global_batch_size",
+                    format!(
+                        "{global} samples do not divide into train.accumulation = {} \
+                         micro-batches: use a multiple of {}",
+                        train.accumulation, train.accumulation
+                    ),
+                );
+            }
         }
         if let Some(why) = checkpointing_problem(&model, &train, &keys.distributed) {
             c.fail("train.activation_checkpointing", why);

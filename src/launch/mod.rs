@@ -158,6 +158,8 @@ impl Layout {
             placement.on_gpus(),
         )
         .map_err(RunError::Usage)?;
+        spec.for_world_size(nnodes * placement.nproc)
+            .map_err(RunError::Usage)?;
         Ok(Layout {
             nnodes,
             node_rank: opts.node_rank,

@@ -47,7 +47,11 @@ impl JobView {
         let launcher = (state.status == Status::Running)
             .then(|| launcher_of(&job))
             .flatten();
-        let spec = config::load(&job.job_toml(), &[]).ok().map(|l| l.spec);
+        // As its workers ran it: a train.global_batch_size shared by the job's world size.
+        let spec = config::load(&job.job_toml(), &[]).ok().map(|l| {
+            let world = state.world_size.max(1);
+            l.spec.for_world_size(world).unwrap_or(l.spec)
+        });
         let summary = std::fs::read(job.summary_path())
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok());

@@ -72,7 +72,10 @@ impl Start {
         );
         if self.reshard {
             let t = &spec.train;
-            let batch = |w: usize| t.batch_size * t.accumulation * w;
+            let batch = |w: usize| match t.global_batch_size {
+                Some(global) => global,
+                None => t.batch_size * t.accumulation * w,
+            };
             text += &format!(
                 "; world size changed from {} to {world}: global batch {} -> {}, the rest of \
                  the epoch is re-sharded over {world} ranks, {} steps in all (was planned on \

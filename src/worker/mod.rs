@@ -99,7 +99,14 @@ pub fn run() -> Result<bool, WorkerError> {
     let job = JobDir {
         root: env.job_dir.clone(),
     };
-    let spec = config::load(&job.job_toml(), &[])?.spec;
+    let spec = config::load(&job.job_toml(), &[])?
+        .spec
+        .for_world_size(env.world_size)
+        .map_err(|problem| config::ConfigError::Invalid {
+            key: "train.global_batch_size".into(),
+            at: config::Origin::Defaulted(job.job_toml()),
+            problem,
+        })?;
     // Before this process starts any thread: threads inherit the mode of their creator.
     crate::numerics::set_for_this_thread(spec.train.flush_denormals);
     crate::train::shards::start_global_pool(None).map_err(WorkerError::Threads)?;

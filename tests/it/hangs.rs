@@ -220,6 +220,85 @@ fn resuming_on_another_world_size_covers_the_rest_of_the_epoch_exactly_once() {
 }
 
 #[test]
+fn a_global_batch_survives_a_resume_on_another_world_size() {
+    let t = TestJob::new();
+    // 480 samples, 16 a step on any world size: 30 steps an epoch. Preempted after 5 steps on
+    // 2 workers of 8, resumed on 4 workers of 4: still 16 a step, still 60 steps in all.
+    let text = TINY
+        .replace("train_samples = 512", "train_samples = 480")
+        .replace("batch_size = 32", "global_batch_size = 16");
+    let cfg = t.config("job", &text);
+    let trace = [("DDPJOB_TRACE_SAMPLES", "1")];
+    run_job(
+        &t,
+        cfg.to_str().unwrap(),
+        &["--nproc-per-node", "2", "--name", "global"],
+        &[("DDPJOB_FAULT", "rank=0,step=5,kind=preempt"), trace[0]],
+    )
+    .fails_with(143, "after checkpoint `step-00000005`");
+    let jobs = t.jobs_dir().to_string_lossy().into_owned();
+    let resume = |nproc: &str| -> Run {
+        t.command(
+            &[
+                "resume",
+                "global",
+                "--jobs-dir",
+                &jobs,
+                "--nproc-per-node",
+                nproc,
+            ],
+            &trace,
+        )
+        .output()
+        .unwrap()
+        .into()
+    };
+    // 3 workers cannot share 16 samples: refused before anything runs.
+    let refused = resume("3");
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    assert!(
+        refused
+            .stderr
+            .contains("3 workers cannot share evenly: run on 1, 2, 4, 8, 16"),
+        "{}",
+        refused.stderr
+    );
+    let run = resume("4");
+    run.success();
+    assert!(
+        run.stdout.contains("world size changed from 2 to 4")
+            && run.stdout.contains("global batch 16 -> 16"),
+        "{}",
+        run.stdout
+    );
+    assert_eq!(traced(&t, "global", 0), (0..480).collect::<Vec<_>>());
+    let state = t.json(&t.job("global").join("state.json"));
+    assert_eq!(
+        (
+            state["status"].as_str(),
+            state["world_size"].as_u64(),
+            state["step"].as_u64()
+        ),
+        (Some("finished"), Some(4), Some(60))
+    );
+    let shown: Run = t
+        .command(&["show", "global", "--jobs-dir", &jobs], &[])
+        .output()
+        .unwrap()
+        .into();
+    assert!(
+        shown
+            .stdout
+            .contains("global 16 = 4 per worker x 1 accumulation x 4 worker(s)"),
+        "{}",
+        shown.stdout
+    );
+    // The frozen job.toml keeps the global batch, not the first world size's share.
+    let frozen = std::fs::read_to_string(t.job("global").join("job.toml")).unwrap();
+    assert!(frozen.contains("global_batch_size = 16") && !frozen.contains("\nbatch_size"));
+}
+
+#[test]
 fn a_checkpoint_that_cannot_be_written_fails_the_job_and_keeps_the_previous_one() {
     let t = TestJob::new();
     // A model of 70 KB: its checkpoint cannot be written under a 32 KB file-size limit, while

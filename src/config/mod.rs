@@ -195,9 +195,16 @@ impl JobSpec {
         let Some(global) = t.global_batch_size else {
             return Ok(self.clone());
         };
-        let micro = global / t.accumulation.max(1);
-        if world_size == 0 || micro % world_size != 0 || global % t.accumulation.max(1) != 0 {
-            let fits: Vec<String> = (1..=micro.min(64))
+        let accumulation = t.accumulation.max(1);
+        if global % accumulation != 0 {
+            return Err(format!(
+                "train.global_batch_size = {global} does not divide into train.accumulation = \
+                 {accumulation} micro-batches: use a multiple of {accumulation}"
+            ));
+        }
+        let micro = global / accumulation;
+        if world_size == 0 || micro % world_size != 0 {
+            let fits: Vec<String> = (1..=micro.min(1024))
                 .filter(|w| micro % w == 0)
                 .map(|w| w.to_string())
                 .collect();

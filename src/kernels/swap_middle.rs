@@ -162,7 +162,12 @@ extern "C" __global__ void ddpjob_swap_middle_##NAME(const T* x, T* y, unsigned 
             .find(|&w| w >= size && (d * size) % w == 0 && (start * size) % w == 0)
             .unwrap_or(size);
         let words = d * size / word;
-        let too_many = || Error::Msg(format!("swap_middle on a GPU: {n} values, more than 2³²"));
+        let too_many = || {
+            Error::Msg(format!(
+                "swap_middle on a GPU: {n} values in {}-byte words, more than 2³² words",
+                word
+            ))
+        };
         let count = u32::try_from(a * b * c * words).map_err(|_| too_many())?;
         let dims = [a, b, c, words].map(|v| v as u32);
         let bits = word * 8;

@@ -170,7 +170,10 @@ impl JobView {
     /// Samples per optimizer step over all workers: batch × accumulation × world size.
     pub fn global_batch(&self) -> Option<usize> {
         let t = &self.spec.as_ref()?.train;
-        Some(t.batch_size * t.accumulation * self.state.world_size.max(1))
+        Some(
+            t.global_batch_size
+                .unwrap_or(t.batch_size * t.accumulation * self.state.world_size.max(1)),
+        )
     }
 
     /// Training losses for a sparkline: log intervals, else epoch means.

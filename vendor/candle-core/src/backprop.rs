@@ -896,9 +896,13 @@ impl SumGrad {
 }
 
 /// The first gradient of `tensor` as its sum: `grad` itself where upstream's `zeros + grad`
-/// would give the same values (up to the sign of a zero), upstream's sum where it would fail.
+/// would give the same values (up to the sign of a zero), upstream's sum where it would fail
+/// (another shape, dtype or device).
 fn first(tensor: &Tensor, grad: &Tensor) -> Result<Tensor> {
-    if tensor.shape() != grad.shape() || tensor.dtype() != grad.dtype() {
+    if tensor.shape() != grad.shape()
+        || tensor.dtype() != grad.dtype()
+        || !tensor.device().same_device(grad.device())
+    {
         // The same error as upstream's.
         return tensor.zeros_like()?.add(grad);
     }

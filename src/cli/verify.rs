@@ -51,16 +51,19 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
         args.steps,
     )
     .map_err(usage)?;
-    let mut per_worker = Vec::new();
-    for &world in &args.world_sizes {
-        per_worker.push(match global {
-            Some(_) => {
-                let spec = loaded.spec.for_world_size(world);
-                (spec.map_err(|e| usage(anyhow!(e)))?.train.batch_size, false)
-            }
-            None => (batch / world, true),
-        });
-    }
+    // Each world size's share, checked before anything runs.
+    let shares = args
+        .world_sizes
+        .iter()
+        .map(|&world| match global {
+            Some(_) => loaded
+                .spec
+                .for_world_size(world)
+                .map(|s| s.train.batch_size),
+            None => Ok(batch / world),
+        })
+        .collect::<Result<Vec<usize>, String>>()
+        .map_err(|e| usage(anyhow!(e)))?;
     let (dir, temporary) = match &args.jobs_dir {
         Some(dir) => (dir.clone(), false),
         None => (
@@ -78,13 +81,14 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
                 dir.join(&name).display()
             )));
         }
-        let (share, given) = per_worker[i];
+        let share = shares[i];
         println!(
             "run {}: {world} worker(s) x batch {share}, {} steps",
             i + 1,
             args.steps
         );
-        let status = run_once(args, &dir, &name, world, given.then_some(share))?;
+        let given = global.is_none().then_some(share);
+        let status = run_once(args, &dir, &name, world, given)?;
         let path = dir.join(&name).join("logs").join(WEIGHT_DIGESTS);
         let trace = if path.is_file() {
             read_digests(&path)?

@@ -32,14 +32,22 @@ impl<'a> Dropout<'a> {
     pub(super) fn apply(&self, x: &Tensor, site: usize) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16) {
-            let keys = self.row_seeds.iter().map(|&s| row_key(s, site)).collect();
-            let (threshold, keep) = (threshold(self.p), keep(self.p));
-            let op =
-                super::dropout_cuda::ApplyOp::new(keys, self.row_len, threshold, keep, x.dtype());
+            let op = super::dropout_cuda::ApplyOp::new(self.masks(site), x.dtype());
             return x.contiguous()?.apply_op1(op);
         }
         let mask = x.apply_op1_no_bwd(&MaskOp::new(self.row_seeds, site, self.row_len, self.p))?;
         x.mul(&mask.to_dtype(x.dtype())?)
+    }
+
+    /// The masks of `site`, for the GPU's kernels.
+    #[cfg(feature = "cuda")]
+    fn masks(&self, site: usize) -> super::dropout_cuda::Masks {
+        super::dropout_cuda::Masks {
+            keys: row_keys(self.row_seeds, site),
+            row_len: self.row_len,
+            threshold: threshold(self.p),
+            keep: keep(self.p),
+        }
     }
 }
 
@@ -53,21 +61,11 @@ pub(super) fn add_dropped(
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if super::residual_cuda::applies(x, y) {
-        let op = match dropout {
-            Some(d) => super::residual_cuda::ResidualOp {
-                keys: d.row_seeds.iter().map(|&s| row_key(s, site)).collect(),
-                row_len: d.row_len,
-                threshold: threshold(d.p),
-                keep: keep(d.p),
-            },
-            // Every element kept, times 1.
-            None => super::residual_cuda::ResidualOp {
-                keys: vec![0],
-                row_len: x.elem_count(),
-                threshold: 0,
-                keep: 1.0,
-            },
+        let masks = match dropout {
+            Some(d) => d.masks(site),
+            None => super::dropout_cuda::Masks::keep_all(x.elem_count()),
         };
+        let op = super::residual_cuda::ResidualOp(masks);
         return x.contiguous()?.apply_op2(&y.contiguous()?, op);
     }
     let y = y.to_dtype(candle_core::DType::F32)?;
@@ -80,8 +78,7 @@ pub(super) fn add_dropped(
 /// The masks of `site` for every row, concatenated: 0 with probability `p`, else `1/(1-p)`.
 /// Each 64-bit output of the generator gives four 16-bit draws (p is resolved to 1/65536).
 pub(super) fn mask(row_seeds: &[u64], site: usize, row_len: usize, p: f64) -> Vec<f32> {
-    let keys: Vec<u64> = row_seeds.iter().map(|&s| row_key(s, site)).collect();
-    draw(&keys, row_len, p)
+    draw(&row_keys(row_seeds, site), row_len, p)
 }
 
 /// The masks of rows with these [`row_key`]s, as [`mask`] describes them.
@@ -100,6 +97,11 @@ fn draw(keys: &[u64], row_len: usize, p: f64) -> Vec<f32> {
         out.truncate(start + row_len);
     }
     out
+}
+
+/// The generator's keys of these rows at one dropout site.
+fn row_keys(row_seeds: &[u64], site: usize) -> Vec<u64> {
+    row_seeds.iter().map(|&s| row_key(s, site)).collect()
 }
 
 /// The generator's key of one row at one dropout site.
@@ -128,7 +130,7 @@ pub(super) struct MaskOp {
 
 impl MaskOp {
     pub(super) fn new(row_seeds: &[u64], site: usize, row_len: usize, p: f64) -> Self {
-        let keys = row_seeds.iter().map(|&s| row_key(s, site)).collect();
+        let keys = row_keys(row_seeds, site);
         MaskOp { keys, row_len, p }
     }
 
@@ -164,14 +166,13 @@ impl CustomOp1 for MaskOp {
         layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let n = self.check(layout.shape())?;
-        let mask = super::dropout_cuda::draw(
-            &storage.device,
-            &self.keys,
-            self.row_len,
-            threshold(self.p),
-            keep(self.p),
-            n,
-        )?;
+        let masks = super::dropout_cuda::Masks {
+            keys: self.keys.clone(),
+            row_len: self.row_len,
+            threshold: threshold(self.p),
+            keep: keep(self.p),
+        };
+        let mask = super::dropout_cuda::draw(&storage.device, &masks, n)?;
         Ok((mask, layout.shape().clone()))
     }
 }

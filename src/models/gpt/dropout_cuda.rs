@@ -76,42 +76,82 @@ pub(super) fn ptx() -> Result<&'static str> {
     )
 }
 
-/// The f32 mask of `n` elements (rows of `row_len`, one key each) on `device`.
-pub(super) fn draw(
-    device: &CudaDevice,
-    keys: &[u64],
-    row_len: usize,
-    threshold: u64,
-    keep: f32,
-    n: usize,
-) -> Result<CudaStorage> {
-    if n == 0 {
-        // No launch of zero blocks: an empty mask.
-        return Ok(CudaStorage::wrap_cuda_slice(
-            device.alloc_zeros::<f32>(0)?,
-            device.clone(),
-        ));
+/// The dropout masks of one site on a GPU: a key per row of `row_len` elements (see
+/// `dropout::MaskOp`), drawn against `threshold`, a kept element scaled by `keep`. Every
+/// kernel over them takes these as its first arguments (see [`launch_masked`]).
+#[derive(Clone)]
+pub(super) struct Masks {
+    pub(super) keys: Vec<u64>,
+    pub(super) row_len: usize,
+    pub(super) threshold: u64,
+    pub(super) keep: f32,
+}
+
+impl Masks {
+    /// No element dropped, none scaled, over `n` elements.
+    pub(super) fn keep_all(n: usize) -> Masks {
+        Masks {
+            keys: vec![0],
+            row_len: n,
+            threshold: 0,
+            keep: 1.0,
+        }
     }
+
+    /// With `keep` rounded to `dtype`, as the host casts the mask to the values' dtype.
+    fn rounded_to(mut self, dtype: DType) -> Masks {
+        if dtype == DType::BF16 {
+            self.keep = bf16::from_f32(self.keep).to_f32();
+        }
+        self
+    }
+
+    /// The elements of contiguous values laid out by `layout`, checked to be the masks'
+    /// (`what` names the op in an error).
+    pub(super) fn check(&self, layout: &Layout, what: &str) -> Result<usize> {
+        let n = layout.shape().elem_count();
+        if !layout.is_contiguous() || n != self.keys.len() * self.row_len {
+            return Err(Error::Msg(format!(
+                "{what} on a GPU: {} contiguous rows of {} expected, not {:?}",
+                self.keys.len(),
+                self.row_len,
+                layout.shape()
+            )));
+        }
+        Ok(n)
+    }
+}
+
+/// Launches `$func` over `$n` elements: `$masks`' arguments (keys, row length, count,
+/// threshold, keep), then `$arg`s, each a pointer to `$n` elements.
+macro_rules! launch_masked {
+    ($func:expr, $masks:expr, $device:expr, $n:expr, $($arg:expr),+) => {{
+        let (masks, n): (&Masks, usize) = ($masks, $n);
+        let keys = $device.clone_htod(&masks.keys)?;
+        let (row_len, count) = (masks.row_len as u64, n as u64);
+        let config = LaunchConfig::for_num_elems(u32::try_from(n.max(1)).map_err(|_| {
+            Error::Msg(format!("{n} elements under dropout masks: more than a launch holds"))
+        })?);
+        let mut launch = $func.builder();
+        launch.arg(&keys);
+        launch.arg(&row_len);
+        launch.arg(&count);
+        launch.arg(&masks.threshold);
+        launch.arg(&masks.keep);
+        $(launch.arg($arg);)+
+        // SAFETY: the arguments match the kernel's parameters in order and type; each value
+        // pointer holds `n` elements and `keys` a key per row of them.
+        unsafe { launch.launch(config) }.w()?;
+    }};
+}
+pub(super) use launch_masked;
+
+/// The f32 mask of `n` elements on `device`.
+pub(super) fn draw(device: &CudaDevice, masks: &Masks, n: usize) -> Result<CudaStorage> {
     let func = device.get_or_load_custom_func(FUNCTION, MODULE, ptx()?)?;
-    let keys = device.clone_htod(keys)?;
     // SAFETY: every one of the `n` elements is written by the kernel before any read.
-    let mut out = unsafe { device.alloc::<f32>(n)? };
-    let (row_len, count) = (row_len as u64, n as u64);
-    let mut launch = func.builder();
-    launch.arg(&keys);
-    launch.arg(&row_len);
-    launch.arg(&count);
-    launch.arg(&threshold);
-    launch.arg(&keep);
-    launch.arg(&mut out);
-    let config = LaunchConfig::for_num_elems(u32::try_from(n).map_err(|_| {
-        Error::Msg(format!(
-            "dropout mask of {n} elements: more than a launch holds"
-        ))
-    })?);
-    // SAFETY: the arguments match the kernel's parameters in order and type; `keys` holds a
-    // key per row of `out`, which has `n` elements.
-    unsafe { launch.launch(config) }.w()?;
+    let mut out = unsafe { device.alloc::<f32>(n.max(1))? };
+    launch_masked!(func, masks, device, n, &mut out);
     Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
 }
 
@@ -119,34 +159,12 @@ pub(super) fn draw(
 /// gradient in backward, so the mask is never stored. Its values are the host's `x · mask`
 /// with the mask cast to x's dtype, bit for bit.
 #[derive(Clone)]
-pub(super) struct ApplyOp {
-    /// The row keys of [`super::dropout::MaskOp`].
-    keys: Vec<u64>,
-    row_len: usize,
-    threshold: u64,
-    /// The scale of a kept element, rounded to the values' dtype.
-    keep: f32,
-}
+pub(super) struct ApplyOp(Masks);
 
 impl ApplyOp {
     /// The op for values of `dtype` (f32 or bf16).
-    pub(super) fn new(
-        keys: Vec<u64>,
-        row_len: usize,
-        threshold: u64,
-        keep: f32,
-        dtype: DType,
-    ) -> Self {
-        let keep = match dtype {
-            DType::BF16 => bf16::from_f32(keep).to_f32(),
-            _ => keep,
-        };
-        ApplyOp {
-            keys,
-            row_len,
-            threshold,
-            keep,
-        }
+    pub(super) fn new(masks: Masks, dtype: DType) -> Self {
+        ApplyOp(masks.rounded_to(dtype))
     }
 }
 
@@ -162,48 +180,21 @@ impl CustomOp1 for ApplyOp {
     }
 
     fn cuda_fwd(&self, x: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
-        let n = layout.shape().elem_count();
-        if !layout.is_contiguous() || n != self.keys.len() * self.row_len {
-            return Err(Error::Msg(format!(
-                "dropout on a GPU: {} contiguous rows of {} expected, not {:?}",
-                self.keys.len(),
-                self.row_len,
-                layout.shape()
-            )));
-        }
-        let device = &x.device;
-        let (kernel, start) = (
-            |name: &str| format!("ddpjob_dropout_apply_{name}"),
-            layout.start_offset(),
-        );
-        let keys = device.clone_htod(&self.keys)?;
-        let (row_len, count) = (self.row_len as u64, n as u64);
-        let config = LaunchConfig::for_num_elems(u32::try_from(n.max(1)).map_err(|_| {
-            Error::Msg(format!("dropout of {n} elements: more than a launch holds"))
-        })?);
-        macro_rules! launch {
-            ($values:expr, $t:ty, $name:literal) => {{
-                let func = device.get_or_load_custom_func(&kernel($name), MODULE, ptx()?)?;
+        let n = self.0.check(layout, "dropout")?;
+        let (device, start) = (&x.device, layout.start_offset());
+        macro_rules! apply {
+            ($values:expr, $t:ty, $kernel:literal) => {{
+                let func = device.get_or_load_custom_func($kernel, MODULE, ptx()?)?;
                 let values = $values.slice(start..start + n);
                 // SAFETY: the kernel writes each of the `n` elements.
                 let mut out = unsafe { device.alloc::<$t>(n.max(1))? };
-                let mut launch = func.builder();
-                launch.arg(&keys);
-                launch.arg(&row_len);
-                launch.arg(&count);
-                launch.arg(&self.threshold);
-                launch.arg(&self.keep);
-                launch.arg(&values);
-                launch.arg(&mut out);
-                // SAFETY: the arguments match the kernel's parameters in order and type;
-                // `values` and `out` hold `n` elements, `keys` a key per row of them.
-                unsafe { launch.launch(config) }.w()?;
+                launch_masked!(func, &self.0, device, n, &values, &mut out);
                 CudaStorage::wrap_cuda_slice(out, device.clone())
             }};
         }
         let out = match &x.slice {
-            CudaStorageSlice::F32(v) => launch!(v, f32, "f32"),
-            CudaStorageSlice::BF16(v) => launch!(v, bf16, "bf16"),
+            CudaStorageSlice::F32(v) => apply!(v, f32, "ddpjob_dropout_apply_f32"),
+            CudaStorageSlice::BF16(v) => apply!(v, bf16, "ddpjob_dropout_apply_bf16"),
             _ => {
                 return Err(Error::Msg(format!(
                     "dropout on a GPU: f32 or bf16 values, not {:?}",

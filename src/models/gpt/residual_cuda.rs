@@ -11,7 +11,7 @@ use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice, WrapErr};
 use candle_core::{CpuStorage, CustomOp2, DType, Error, Layout, Result, Shape, Tensor};
 use half::bf16;
 
-use super::dropout_cuda::{KEPT, SPLITMIX};
+use super::dropout_cuda::{KEPT, Masks, SPLITMIX, launch_masked};
 use crate::kernels::nvrtc;
 
 const SOURCE: &str = r#"
@@ -43,15 +43,9 @@ pub(super) fn ptx() -> Result<&'static str> {
 }
 
 /// `x` (f32) plus the branch `y` (f32 or bf16, x's shape) cast to f32 and dropped out with
-/// these masks: `keys` one per row of `row_len` elements (see `dropout::MaskOp`); a threshold
-/// of 0 keeps every element, with `keep` 1.
+/// these masks (`Masks::keep_all` for no dropout).
 #[derive(Clone)]
-pub(super) struct ResidualOp {
-    pub(super) keys: Vec<u64>,
-    pub(super) row_len: usize,
-    pub(super) threshold: u64,
-    pub(super) keep: f32,
-}
+pub(super) struct ResidualOp(pub(super) Masks);
 
 /// Whether [`ResidualOp`] takes this stream and branch.
 pub(super) fn applies(x: &Tensor, y: &Tensor) -> bool {
@@ -59,46 +53,6 @@ pub(super) fn applies(x: &Tensor, y: &Tensor) -> bool {
         && x.dtype() == DType::F32
         && matches!(y.dtype(), DType::F32 | DType::BF16)
         && x.shape() == y.shape()
-}
-
-impl ResidualOp {
-    fn check(&self, layout: &Layout) -> Result<usize> {
-        let n = layout.shape().elem_count();
-        if !layout.is_contiguous() || n != self.keys.len() * self.row_len {
-            return Err(Error::Msg(format!(
-                "residual on a GPU: {} contiguous rows of {} expected, not {:?}",
-                self.keys.len(),
-                self.row_len,
-                layout.shape()
-            )));
-        }
-        Ok(n)
-    }
-}
-
-/// Launches `$kernel` of `$op`'s module over `$n` elements: the masks' arguments, then the
-/// value pointers `$arg`s (each of `$n` elements).
-macro_rules! launch {
-    ($op:expr, $device:expr, $kernel:expr, $n:expr, $($arg:expr),+) => {{
-        let (op, device, n): (&ResidualOp, &candle_core::cuda_backend::CudaDevice, usize) =
-            ($op, $device, $n);
-        let func = device.get_or_load_custom_func($kernel, MODULE, ptx()?)?;
-        let keys = device.clone_htod(&op.keys)?;
-        let (row_len, count) = (op.row_len as u64, n as u64);
-        let config = LaunchConfig::for_num_elems(u32::try_from(n.max(1)).map_err(|_| {
-            Error::Msg(format!("residual of {n} elements: more than a launch holds"))
-        })?);
-        let mut launch = func.builder();
-        launch.arg(&keys);
-        launch.arg(&row_len);
-        launch.arg(&count);
-        launch.arg(&op.threshold);
-        launch.arg(&op.keep);
-        $(launch.arg($arg);)+
-        // SAFETY: the arguments match the kernel's parameters in order and type; each value
-        // pointer holds `n` elements and `keys` a key per row of them.
-        unsafe { launch.launch(config) }.w()?;
-    }};
 }
 
 impl CustomOp2 for ResidualOp {
@@ -125,8 +79,8 @@ impl CustomOp2 for ResidualOp {
         y: &CudaStorage,
         ly: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let n = self.check(lx)?;
-        if self.check(ly)? != n {
+        let n = self.0.check(lx, "residual")?;
+        if self.0.check(ly, "residual")? != n {
             return Err(Error::Msg(
                 "residual on a GPU: stream and branch differ".into(),
             ));
@@ -139,11 +93,14 @@ impl CustomOp2 for ResidualOp {
         match &y.slice {
             CudaStorageSlice::F32(v) => {
                 let v = v.slice(ys..lys);
-                launch!(self, device, "ddpjob_residual_f32", n, &x, &v, &mut out)
+                let func = device.get_or_load_custom_func("ddpjob_residual_f32", MODULE, ptx()?)?;
+                launch_masked!(func, &self.0, device, n, &x, &v, &mut out)
             }
             CudaStorageSlice::BF16(v) => {
                 let v = v.slice(ys..lys);
-                launch!(self, device, "ddpjob_residual_bf16", n, &x, &v, &mut out)
+                let func =
+                    device.get_or_load_custom_func("ddpjob_residual_bf16", MODULE, ptx()?)?;
+                launch_masked!(func, &self.0, device, n, &x, &v, &mut out)
             }
             _ => {
                 return Err(Error::Msg(format!(
@@ -191,34 +148,24 @@ impl candle_core::CustomOp1 for BranchGrad {
     }
 
     fn cuda_fwd(&self, g: &CudaStorage, lg: &Layout) -> Result<(CudaStorage, Shape)> {
-        let n = self.op.check(lg)?;
+        let n = self.op.0.check(lg, "residual gradient")?;
         let device = &g.device;
         let g = nvrtc::f32_view(g, lg, "residual gradient")?;
         let out = match self.dtype {
             DType::F32 => {
                 // SAFETY: the kernel writes each of the `n` elements.
                 let mut out = unsafe { device.alloc::<f32>(n.max(1))? };
-                launch!(
-                    &self.op,
-                    device,
-                    "ddpjob_residual_grad_f32",
-                    n,
-                    &g,
-                    &mut out
-                );
+                let func =
+                    device.get_or_load_custom_func("ddpjob_residual_grad_f32", MODULE, ptx()?)?;
+                launch_masked!(func, &self.op.0, device, n, &g, &mut out);
                 CudaStorage::wrap_cuda_slice(out, device.clone())
             }
             DType::BF16 => {
                 // SAFETY: as above.
                 let mut out = unsafe { device.alloc::<bf16>(n.max(1))? };
-                launch!(
-                    &self.op,
-                    device,
-                    "ddpjob_residual_grad_bf16",
-                    n,
-                    &g,
-                    &mut out
-                );
+                let func =
+                    device.get_or_load_custom_func("ddpjob_residual_grad_bf16", MODULE, ptx()?)?;
+                launch_masked!(func, &self.op.0, device, n, &g, &mut out);
                 CudaStorage::wrap_cuda_slice(out, device.clone())
             }
             other => {

@@ -18,8 +18,9 @@
 # and bf16 with --junit), nccl (NCCL at world size 1 with its collectives exercised, against the
 # same GPU job without them: bit-identical weights), tcp2 (two workers sharing the GPU over the
 # tcp backend, against one worker with both batches), cnn (a Fashion-MNIST cnn epoch against
-# torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), bench (`bench step`, `bench
-# allreduce`), profile (ncu's time per kernel of the GPT recipe's step), resume (SIGTERM in
+# torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), llama (a SmolLM2-135M-shaped
+# `llama` from a Hugging Face directory, bf16, against transformers on the same device: training
+# and `eval` tokens/s, the first steps' losses), bench (`bench step`, `bench allreduce`), profile (ncu's time per kernel of the GPT recipe's step), resume (SIGTERM in
 # the middle of a run, then `resume`, against the same job uninterrupted). The device tool
 # stops a command after 10 minutes: every step took about 3 minutes on an H200 (500 GPT steps
 # of each program by default; GPT_STEPS=all runs the recipe's 5000, which fits STEP_TIMEOUT
@@ -29,7 +30,8 @@
 #      target/gpu-dist/ddpjob"), DATA (the four Fashion-MNIST .gz files; default
 #      target/gpu-carry/fashion-mnist), TEXT (default target/gpu-carry/input.txt), PYTHON (with
 #      torch), QUICK=1 (200 GPT steps), GPT_STEPS=N (N GPT steps, default 500; "all": the
-#      recipe's),
+#      recipe's), LLAMA_LAYERS (default 30), LLAMA_STEPS (default 40), LLAMA_BATCH (default 32
+#      windows of 256 tokens),
 #      STEP_TIMEOUT (seconds each command of a step may take, default 540), SMOKE_ONLY=1 (skip
 #      cnn and gpt, which need PyTorch and data: what CI's GPU job runs), BENCH_CONFIG (the job
 #      file `bench step` times, default configs/fashion-mnist.toml), ALLREDUCE_SIZES (default
@@ -37,7 +39,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-all_steps=(driver warmup kernels smoke nccl tcp2 cnn gpt bench profile resume)
+all_steps=(driver warmup kernels smoke nccl tcp2 cnn gpt llama bench profile resume)
 wanted=("$@")
 [ $# -gt 0 ] || wanted=("${all_steps[@]}")
 for s in "${wanted[@]}"; do
@@ -49,6 +51,7 @@ wants() {
   case "${SMOKE_ONLY:+$1}" in
     cnn) record "cnn epoch vs torch_ref.py" skipped "SMOKE_ONLY"; return 1 ;;
     gpt) record "GPT recipe vs gpt_ref.py" skipped "SMOKE_ONLY"; return 1 ;;
+    llama) record "llama vs transformers" skipped "SMOKE_ONLY"; return 1 ;;
   esac
 }
 device=${DEVICE:-cuda}
@@ -266,6 +269,43 @@ if wants gpt; then
       record "GPT recipe vs gpt_ref.py" ok "${steps:-all} steps: $line"
     else record "GPT recipe vs gpt_ref.py" FAIL "$(tail_of "$logs/gpt.err" 2)"; fi
   else record "GPT recipe vs gpt_ref.py" FAIL "no text at $text (carry tiny Shakespeare)"; fi
+fi
+
+# A SmolLM2-135M-shaped Llama (random weights written by transformers' save_pretrained, a BPE
+# trained on the text) fine-tuned by ddpjob and by transformers from the same directory on the
+# same windows in bf16 (ddpjob's train.precision; transformers under torch.autocast, f32
+# weights), then the validation split scored by `ddpjob eval` and under torch.no_grad().
+# transformers runs with its default attention (sdpa: fused kernels) and with eager attention
+# (unfused, as ddpjob's). Tokens/s: the median step after two.
+if wants llama; then
+  lwork=$work/llama layers=${LLAMA_LAYERS:-30} lsteps=${LLAMA_STEPS:-40} lbatch=${LLAMA_BATCH:-32}
+  ok=1
+  "$python" bench/llama_ref.py prepare "$lwork" "$text" --layers "$layers" > "$logs/llama-prepare.log" 2>&1 || ok=0
+  [ "$ok" = 1 ] && { ddpjob run "$lwork/job.toml" --jobs-dir "$jobs" --name llama "${gpu[@]}" \
+      --set train.precision=bf16 --set "train.batch_size=$lbatch" --set "train.max_steps=$lsteps" \
+      > "$logs/llama-run.log" 2>&1 || ok=0; }
+  [ "$ok" = 1 ] && { ddpjob eval llama --jobs-dir "$jobs" --json > "$logs/llama-eval.json" 2> "$logs/llama-eval.err" || ok=0; }
+  for attn in sdpa eager; do
+    [ "$ok" = 1 ] && { timeout -k 10 "$limit" "$python" bench/llama_ref.py train "$lwork" --steps "$lsteps" \
+        --device "$device" --precision bf16 --attn "$attn" --batch "$lbatch" --threads "$(nproc)" \
+        2> "$logs/llama-ref-$attn.err" | tail -1 > "$logs/llama-ref-$attn.json" || ok=0; }
+  done
+  if [ "$ok" = 1 ] && detail=$("$python" - "$jobs/llama" "$logs" <<'PY'
+import json, statistics, sys
+job, logs = sys.argv[1:3]
+steps = [json.loads(l) for l in open(f"{job}/metrics.jsonl") if '"kind":"train"' in l]
+ours = statistics.median(s["samples_per_s"] for s in steps[2:]) * 256
+ev = json.load(open(f"{logs}/llama-eval.json"))
+refs = {a: json.load(open(f"{logs}/llama-ref-{a}.json")) for a in ("sdpa", "eager")}
+first = max(abs(a - b) for a, b in zip([s["loss"] for s in steps[:3]], refs["sdpa"]["losses"][:3]))
+print(f"train tokens/s {ours:,.0f} vs {refs['sdpa']['train_tokens_per_s']:,.0f} sdpa "
+      f"({ours / refs['sdpa']['train_tokens_per_s']:.2f}x), {refs['eager']['train_tokens_per_s']:,.0f} eager "
+      f"({ours / refs['eager']['train_tokens_per_s']:.2f}x); eval tokens/s {ev['per_s']:,.0f} vs "
+      f"{refs['sdpa']['eval_tokens_per_s']:,.0f} ({ev['per_s'] / refs['sdpa']['eval_tokens_per_s']:.2f}x); "
+      f"eval loss {ev['loss']:.4f} vs {refs['sdpa']['eval_loss']:.4f}; first 3 losses max |diff| {first:.3f}")
+PY
+  ); then record "llama vs transformers" ok "$layers layers, batch $lbatch x 256, $lsteps steps: $detail"
+  else record "llama vs transformers" FAIL "${detail:-$(tail_of "$logs/llama-prepare.log" 2) $(tail_of "$logs/llama-run.log" 2) $(tail_of "$logs/llama-eval.err" 2) $(tail_of "$logs/llama-ref-sdpa.err" 2)}"; fi
 fi
 
 if wants bench; then

@@ -5,6 +5,7 @@ trained and evaluated as ddpjob's job does, from the same weights on the same wi
     python bench/llama_ref.py prepare DIR TEXT [--layers 30]   # DIR/model, DIR/{train,val}.bin, DIR/job.toml
     python bench/llama_ref.py train DIR --steps 10 --threads 2  # one JSON line
     python bench/llama_ref.py train DIR --lora 16               # peft's LoRA (all 7 projections)
+    python bench/llama_ref.py train DIR --device cuda --precision bf16 --attn sdpa --batch 32
 
 `prepare` writes random weights of that shape with `save_pretrained` (the directory ddpjob's
 job starts from), trains a byte-level BPE of 8,000 tokens on TEXT and writes the tokenised
@@ -13,6 +14,10 @@ text as ddpjob's `tokens` data (u16), and the job file. `train` replays ddpjob's
 epoch), and the sampler orders them as torch's DistributedSampler (randperm seeded with seed +
 epoch). AdamW (no weight decay), gradient clipping at 1.0, eager attention, f32, the loss of
 each step, then the validation split scored under `torch.no_grad()` as ddpjob's `eval` scores it.
+`--device cuda --precision bf16`: f32 weights with `torch.autocast` to bf16, as ddpjob's
+`train.precision = "bf16"` keeps f32 master weights (and as the HF Trainer's `bf16=True` does);
+each step's time ends once the device has finished it. `--attn sdpa` is transformers' default
+attention (fused kernels on a GPU); `--batch` the job's per-step batch (`--set train.batch_size`).
 `--lora R`: the model wrapped by peft (`LoraConfig(r=R, lora_alpha=2R)` on the seven projections,
 as ddpjob's `[model.lora]` of bench/lora-vs-peft.sh), only the adapters given to AdamW.
 """
@@ -118,16 +123,30 @@ keep_last = 0
 
 
 def train(args):
+    from contextlib import nullcontext
+
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    batch = args.batch
+
+    def autocast():
+        if args.precision == "bf16":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def finished():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
     d = Path(args.dir)
     train_ids = torch.from_numpy(np.fromfile(d / "train.bin", dtype=np.uint16).astype(np.int64))
     val_ids = torch.from_numpy(np.fromfile(d / "val.bin", dtype=np.uint16).astype(np.int64))
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
-        d / "model", attn_implementation="eager", dtype=torch.float32
-    )
+        d / "model", attn_implementation=args.attn, dtype=torch.float32
+    ).to(device)
     load_s = time.perf_counter() - started
     if args.lora:
         from peft import LoraConfig, get_peft_model
@@ -148,43 +167,46 @@ def train(args):
         g.manual_seed(SEED + epoch)
         order = torch.randperm(windows, generator=g).tolist()
         start0 = phase(n, BLOCK, SEED, epoch)
-        for b in range(0, windows - BATCH + 1, BATCH):
+        for b in range(0, windows - batch + 1, batch):
             if step >= args.steps:
                 break
-            starts = [start0 + i * BLOCK for i in order[b : b + BATCH]]
-            rows = torch.stack([train_ids[s : s + BLOCK + 1] for s in starts])
+            starts = [start0 + i * BLOCK for i in order[b : b + batch]]
+            rows = torch.stack([train_ids[s : s + BLOCK + 1] for s in starts]).to(device)
             x, y = rows[:, :-1], rows[:, 1:]
-            t0 = time.perf_counter()
-            logits = model(x).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            t0 = finished()
+            with autocast():
+                logits = model(x).logits
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)
+                )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             opt.step()
-            times.append(time.perf_counter() - t0)
+            times.append(finished() - t0)
             losses.append(loss.item())
             step += 1
         epoch += 1
     model.eval()
     # ddpjob's validation windows: from 0, every BLOCK tokens, each BLOCK + 1 long.
     starts = list(range(0, len(val_ids) - BLOCK, BLOCK))
-    started = time.perf_counter()
+    started = finished()
     total, count = 0.0, 0
-    with torch.no_grad():
+    with torch.no_grad(), autocast():
         for b in range(0, len(starts), 8):
-            rows = torch.stack([val_ids[s : s + BLOCK + 1] for s in starts[b : b + 8]])
+            rows = torch.stack([val_ids[s : s + BLOCK + 1] for s in starts[b : b + 8]]).to(device)
             logits = model(rows[:, :-1]).logits
             total += torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1), reduction="sum"
+                logits.float().reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1), reduction="sum"
             ).item()
             count += rows[:, 1:].numel()
-    eval_s = time.perf_counter() - started
+    eval_s = finished() - started
     timed = times[2:] or times
     print(
         json.dumps(
             {
                 "losses": losses,
-                "train_tokens_per_s": BATCH * BLOCK / statistics.median(timed),
+                "train_tokens_per_s": batch * BLOCK / statistics.median(timed),
                 "eval_loss": total / count,
                 "eval_tokens": count,
                 "eval_tokens_per_s": count / eval_s,
@@ -206,6 +228,10 @@ def main():
     b.add_argument("--steps", type=int, default=10)
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--lora", type=int, default=0)
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--precision", choices=["f32", "bf16"], default="f32")
+    b.add_argument("--attn", choices=["eager", "sdpa"], default="eager")
+    b.add_argument("--batch", type=int, default=BATCH)
     args = p.parse_args()
     {"prepare": prepare, "train": train}[args.command](args)
 

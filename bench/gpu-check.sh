@@ -20,8 +20,9 @@
 # tcp backend, against one worker with both batches), cnn (a Fashion-MNIST cnn epoch against
 # torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), llama (a SmolLM2-135M-shaped
 # `llama` from a Hugging Face directory, bf16, against transformers on the same device: training
-# and `eval` tokens/s, the first steps' losses), bench (`bench step`, `bench allreduce`), profile (ncu's time per kernel of the GPT recipe's step), resume (SIGTERM in
-# the middle of a run, then `resume`, against the same job uninterrupted). The device tool
+# and `eval` tokens/s, the first steps' losses), bench (`bench step`, `bench allreduce`),
+# profile (ncu's time per kernel of the GPT recipe's step), resume (SIGTERM in the middle of a
+# run, then `resume`, against the same job uninterrupted). The device tool
 # stops a command after 10 minutes: every step took about 3 minutes on an H200 (500 GPT steps
 # of each program by default; GPT_STEPS=all runs the recipe's 5000, which fits STEP_TIMEOUT
 # only if a step of each takes under ~50 ms).
@@ -31,7 +32,9 @@
 #      target/gpu-carry/fashion-mnist), TEXT (default target/gpu-carry/input.txt), PYTHON (with
 #      torch), QUICK=1 (200 GPT steps), GPT_STEPS=N (N GPT steps, default 500; "all": the
 #      recipe's), LLAMA_LAYERS (default 30), LLAMA_STEPS (default 40), LLAMA_BATCH (default 32
-#      windows of 256 tokens),
+#      windows of 256 tokens), PROFILE_MODEL=llama (profile the llama step's model and batch,
+#      bf16, instead of the GPT recipe's), PROFILE_LAUNCHES (kernels ncu times, default 4000;
+#      12000 for llama),
 #      STEP_TIMEOUT (seconds each command of a step may take, default 540), SMOKE_ONLY=1 (skip
 #      cnn and gpt, which need PyTorch and data: what CI's GPU job runs), BENCH_CONFIG (the job
 #      file `bench step` times, default configs/fashion-mnist.toml), ALLREDUCE_SIZES (default
@@ -329,18 +332,27 @@ if wants bench; then
   else record "bench allreduce" FAIL "$(tail_of "$logs/bench-allreduce.txt" 2)"; fi
 fi
 
-# Where the GPT recipe's step goes, kernel by kernel: ncu's duration of every kernel of one
-# warm-up and one timed `bench step` (profiled one at a time, so this takes ~40 s), summed by
-# kernel and grid; the top 20 in logs/profile.txt, the top 3 in the report.
+# Where the GPT recipe's step (PROFILE_MODEL=llama: the llama step's) goes, kernel by kernel:
+# ncu's duration of every kernel of one warm-up and one timed `bench step` (profiled one at a
+# time, so this takes ~40 s for the GPT), summed by kernel and grid; the top 20 in
+# logs/profile.txt, the top 3 in the report.
 if wants profile; then
   ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-  if [ "$device" = cpu ]; then record "profile (ncu, GPT step)" skipped "DEVICE=cpu dry run"
-  elif [ -z "$ncu" ]; then record "profile (ncu, GPT step)" skipped "no ncu on this machine"
-  elif [ ! -f "$text" ]; then record "profile (ncu, GPT step)" FAIL "no text at $text"
+  launches=${PROFILE_LAUNCHES:-4000}
+  profiled=(--config configs/shakespeare-char-gpu.toml --set "data.path=$text")
+  if [ "${PROFILE_MODEL:-gpt}" = llama ]; then
+    launches=${PROFILE_LAUNCHES:-12000}
+    [ -f "$work/llama/job.toml" ] || "$python" bench/llama_ref.py prepare "$work/llama" "$text" \
+      --layers "${LLAMA_LAYERS:-30}" >> "$logs/llama-prepare.log" 2>&1
+    profiled=(--config "$work/llama/job.toml" --set train.precision=bf16 --set "train.batch_size=${LLAMA_BATCH:-32}")
+  fi
+  if [ "$device" = cpu ]; then record "profile (ncu, ${PROFILE_MODEL:-gpt} step)" skipped "DEVICE=cpu dry run"
+  elif [ -z "$ncu" ]; then record "profile (ncu, ${PROFILE_MODEL:-gpt} step)" skipped "no ncu on this machine"
+  elif [ ! -f "$text" ]; then record "profile (ncu, ${PROFILE_MODEL:-gpt} step)" FAIL "no text at $text"
   elif timeout -k 10 "$limit" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
-         --print-summary per-kernel --launch-count "${PROFILE_LAUNCHES:-4000}" \
-         "${bin[@]}" bench step --config configs/shakespeare-char-gpu.toml "${gpu[@]}" \
-         --set "data.path=$text" --steps 1 --warmup 1 > "$logs/profile.csv" 2> "$logs/profile.err" \
+         --print-summary per-kernel --launch-count "$launches" \
+         "${bin[@]}" bench step "${profiled[@]}" "${gpu[@]}" \
+         --steps 1 --warmup 1 > "$logs/profile.csv" 2> "$logs/profile.err" \
        && detail=$("$python" - "$logs/profile.csv" "$logs/profile.txt" <<'PY'
 import collections, csv, sys
 rows = list(csv.reader(line for line in open(sys.argv[1]) if line.startswith('"')))
@@ -360,8 +372,8 @@ with open(sys.argv[2], "w") as out:
         out.write(f"{t:9.2f} ms {calls:6d} x {1e3 * t / calls:8.1f} us  {name}  grid {grid}\n")
 print(f"{ms:.0f} ms of kernels; top: " + "; ".join(f"{n} {t:.1f} ms/{c}" for (n, _), (c, t) in top[:3]))
 PY
-       ); then record "profile (ncu, GPT step)" ok "$detail (logs/profile.txt)"
-  else record "profile (ncu, GPT step)" FAIL "$(tail_of "$logs/profile.err" 2)"; fi
+       ); then record "profile (ncu, ${PROFILE_MODEL:-gpt} step)" ok "$detail (logs/profile.txt)"
+  else record "profile (ncu, ${PROFILE_MODEL:-gpt} step)" FAIL "$(tail_of "$logs/profile.err" 2)"; fi
 fi
 
 # SIGTERM in the middle of a run, then `resume`, against the same job uninterrupted: the final

@@ -152,6 +152,32 @@ fn describe_visible(count: usize) -> String {
     }
 }
 
+/// The device of a command that runs a job's model in this one process (`eval`, `bench
+/// step`): the one the job's first worker would train on (a GPU wherever the job would train
+/// on GPUs, whatever its `nproc_per_node`).
+pub struct OneProcess {
+    pub device: Device,
+    /// `cpu` or `cuda:<ordinal>`.
+    pub name: String,
+    /// The launcher's notice of a fall-back to the CPU, if any.
+    pub notice: Option<String>,
+}
+
+/// [`OneProcess`] for `spec`'s job.
+pub fn for_one_process(spec: &DistributedSpec) -> Result<OneProcess, DeviceError> {
+    let one = DistributedSpec {
+        nproc_per_node: Some(1),
+        ..spec.clone()
+    };
+    let placement = place(&one)?;
+    let name = placement.device_of(0);
+    Ok(OneProcess {
+        device: open(Some(&name))?,
+        name,
+        notice: placement.notice,
+    })
+}
+
 /// A worker's device from its `DDPJOB_DEVICE` value (`None`: the CPU).
 pub fn open(value: Option<&str>) -> Result<Device, DeviceError> {
     match value.unwrap_or("cpu") {

@@ -7,7 +7,6 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::Device;
 use thiserror::Error;
 
 use crate::comm::LocalCommunicator;
@@ -188,14 +187,22 @@ fn read_table(path: &Path) -> Result<toml::Table, EvalError> {
         .map_err(|e| EvalError::Usage(format!("`{}` is not valid TOML: {e}", path.display())))
 }
 
-/// Scores `model` on `spec`'s evaluation split, on this machine's CPU in one process.
+/// Scores `model` on `spec`'s evaluation split in one process, on the device the job's first
+/// worker would train on (`distributed.device`: a GPU of a cuda build where there is one,
+/// `--set distributed.device=cpu` for the CPU).
 pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
     let job = match model {
         EvalModel::Job { job, .. } => Some(job),
         EvalModel::Pretrained(_) => None,
     };
     let task = crate::task::load(spec, job)?;
-    let device = Device::Cpu;
+    let crate::device::OneProcess { device, notice, .. } =
+        crate::device::for_one_process(&spec.distributed)
+            .map_err(|e| EvalError::Usage(e.to_string()))?;
+    if let Some(notice) = notice {
+        eprintln!("note: {notice}");
+    }
+    crate::device::set_matmul_precision(&device, spec.train.precision);
     let started = Instant::now();
     let weights = match model {
         EvalModel::Job { job, checkpoint } => weights_path(job, checkpoint.as_deref())?,

@@ -69,14 +69,15 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     crate::numerics::set_for_this_thread(spec.train.flush_denormals);
     use_threads(options.threads)?;
     crate::kernels::keep_freed_memory();
-    let placement =
-        crate::device::place(&spec.distributed).map_err(|e| BenchError::Usage(e.to_string()))?;
-    if let Some(notice) = &placement.notice {
+    let crate::device::OneProcess {
+        device,
+        name: device_name,
+        notice,
+    } = crate::device::for_one_process(&spec.distributed)
+        .map_err(|e| BenchError::Usage(e.to_string()))?;
+    if let Some(notice) = notice {
         eprintln!("note: {notice}");
     }
-    let device_name = placement.device_of(0);
-    let device =
-        crate::device::open(Some(&device_name)).map_err(|e| BenchError::Usage(e.to_string()))?;
     crate::device::set_matmul_precision(&device, spec.train.precision);
     let input = match crate::registry::Registry::current().data_input(&spec.data) {
         Some(input) => input,

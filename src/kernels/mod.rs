@@ -5,6 +5,9 @@
 //! candle's own ops, which the tests check these against.
 
 mod conv;
+mod cross_entropy;
+#[cfg(feature = "cuda")]
+mod cross_entropy_cuda;
 mod linear;
 mod lora_linear;
 #[cfg(feature = "cuda")]
@@ -25,6 +28,7 @@ use rayon::prelude::*;
 
 pub use conv::{ConvGeometry, Pooling, conv2d};
 pub(crate) use conv::{ConvLayer, ConvOutput};
+pub use cross_entropy::{applies as row_cross_entropy_applies, row_cross_entropy};
 pub use linear::linear;
 pub(crate) use linear::{
     Wanted, backward as linear_backward, forward as linear_forward, relu_grad, relu_in_place,

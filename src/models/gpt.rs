@@ -43,6 +43,12 @@ use crate::rng::Mt19937;
 use dropout::Dropout;
 pub use ops::Activation;
 
+/// `x + (y as f32)`: a residual branch `y` added to the f32 stream `x`, one kernel each way on
+/// a GPU (see `residual_cuda`), bit for bit the cast and the addition.
+pub(super) fn add_residual(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    dropout::add_dropped(x, y, None, 0)
+}
+
 /// nanoGPT's `GPTConfig`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GptConfig {

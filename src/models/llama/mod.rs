@@ -7,8 +7,10 @@
 //!
 //! On the CPU in f32 the attention and the output projection with its cross-entropy run as
 //! the GPT's fused ops (`gpt::attention`, `gpt::head`), and RMSNorm, RoPE and SwiGLU as this
-//! module's (`ops`); on a GPU RMSNorm (`rms_norm_gpu`) and the causal softmax
-//! (`gpt::causal_softmax`) are one kernel each way; elsewhere candle's ops compute it.
+//! module's (`ops`); on a GPU RMSNorm (`rms_norm_gpu`), the rotary embedding (`rope_gpu`),
+//! SwiGLU (`swiglu_gpu`), the residual additions and the causal softmax (the GPT's) are one
+//! kernel each way, and the attention takes q, k and v apart as the GPT's does there;
+//! elsewhere candle's ops compute it.
 
 mod ops;
 mod options;
@@ -16,12 +18,18 @@ mod options;
 mod rms_norm_cuda;
 mod rms_norm_gpu;
 pub(crate) mod rope;
+#[cfg(feature = "cuda")]
+mod rope_cuda;
+mod rope_gpu;
+#[cfg(feature = "cuda")]
+mod swiglu_cuda;
+mod swiglu_gpu;
 #[cfg(test)]
 mod tests;
 
 use candle_core::{D, DType, Device, Error, Result, Tensor, Var};
 
-use super::gpt::{GptInit, Linear, attention, head};
+use super::gpt::{GptInit, Linear, add_residual, attention, head};
 use super::packed::{self, Packing};
 use super::{Mode, Model, Params};
 use crate::kernels;
@@ -207,10 +215,10 @@ impl Llama {
         for layer in &self.layers {
             let h = rms_norm(&x, &self.input(&layer.input_norm), eps)?;
             let y = self.attention(layer, &h, (n, t), packing.as_ref(), mode)?;
-            x = (x + y.to_dtype(DType::F32)?)?;
+            x = add_residual(&x, &y)?;
             let h = rms_norm(&x, &self.input(&layer.post_norm), eps)?;
             let y = self.mlp(layer, &h, mode)?;
-            x = (x + y.to_dtype(DType::F32)?)?;
+            x = add_residual(&x, &y)?;
         }
         rms_norm(&x, &self.input(&self.norm), eps)
     }
@@ -247,6 +255,16 @@ impl Llama {
         let k = repeat_kv(&rope(&k)?, heads / kv_heads)?;
         let v = repeat_kv(&v, heads / kv_heads)?;
         let width = heads * hd;
+        if h.device().is_cuda() && packing.is_none() {
+            // As the GPT's on a GPU: q, k and v apart (no [n·t, 3C] concatenation, whose
+            // backward is three zero-padded gradients and their sums), the heads moved by one
+            // kernel each way, the causal mask applied inside the softmax kernel (the mask
+            // tensor is not read there: a host placeholder).
+            let flat = |x: Tensor| x.reshape((n * t, width));
+            let unused = Tensor::zeros((1, 1), DType::F32, &Device::Cpu)?;
+            let y = attention::of_parts((&flat(q)?, &flat(k)?, &flat(v)?), n, heads, &unused)?;
+            return layer.o.forward_mode(&y, self.compute, mode);
+        }
         let qkv = Tensor::cat(&[&q, &k, &v], 2)?.reshape((n * t, 3 * width))?;
         let y = if let Some(p) = packing {
             let qkv = qkv.reshape((n, t, 3 * width))?;
@@ -268,6 +286,7 @@ impl Llama {
         let up = layer.up.forward_mode(h, self.compute, mode)?;
         let hidden = match ops::swiglu(&gate, &up) {
             Some(fused) => fused?,
+            None if swiglu_gpu::applies(&gate, &up) => swiglu_gpu::swiglu(&gate, &up)?,
             None => (gate.silu()? * up)?,
         };
         layer.down.forward_mode(&hidden, self.compute, mode)
@@ -275,10 +294,14 @@ impl Llama {
 
     /// Logits [rows, vocab] in f32 of the final norm's output `x`.
     fn project(&self, x: &Tensor) -> Result<Tensor> {
+        self.logits(x)?.to_dtype(DType::F32)
+    }
+
+    /// Logits [rows, vocab] of `x` in the compute dtype.
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let dt = self.compute;
         x.to_dtype(dt)?
-            .matmul(&self.head_weight().to_dtype(dt)?.t()?)?
-            .to_dtype(DType::F32)
+            .matmul(&self.head_weight().to_dtype(dt)?.t()?)
     }
 }
 
@@ -299,7 +322,12 @@ impl Model for Llama {
         if self.compute == DType::F32 && head::applies(&x, &w) {
             return head::loss(&x, &w, &targets.flatten_all()?);
         }
-        crate::task::cross_entropy(&self.project(&x)?, targets)
+        let logits = self.logits(&x)?;
+        if kernels::row_cross_entropy_applies(&logits) {
+            // The GPU's cross-entropy reads bf16 logits as they are: no f32 copy of them.
+            return crate::task::cross_entropy(&logits, targets);
+        }
+        crate::task::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
     }
 
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {

@@ -81,6 +81,9 @@ impl RopeTables {
         if let Some(fused) = super::ops::rope(x, &self.cos, &self.sin, offset) {
             return fused;
         }
+        if super::rope_gpu::applies(x) {
+            return super::rope_gpu::rope(x, &self.cos, &self.sin, offset);
+        }
         self.apply_with_ops(x, offset)
     }
 

@@ -339,16 +339,17 @@ fi
 if wants profile; then
   ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
   launches=${PROFILE_LAUNCHES:-4000}
-  profiled=(--config configs/shakespeare-char-gpu.toml --set "data.path=$text")
+  profiled=(--config configs/shakespeare-char-gpu.toml --set "data.path=$text") profiled_model=GPT
   if [ "${PROFILE_MODEL:-gpt}" = llama ]; then
+    profiled_model=llama
     launches=${PROFILE_LAUNCHES:-12000}
     [ -f "$work/llama/job.toml" ] || "$python" bench/llama_ref.py prepare "$work/llama" "$text" \
       --layers "${LLAMA_LAYERS:-30}" >> "$logs/llama-prepare.log" 2>&1
     profiled=(--config "$work/llama/job.toml" --set train.precision=bf16 --set "train.batch_size=${LLAMA_BATCH:-32}")
   fi
-  if [ "$device" = cpu ]; then record "profile (ncu, ${PROFILE_MODEL:-gpt} step)" skipped "DEVICE=cpu dry run"
-  elif [ -z "$ncu" ]; then record "profile (ncu, ${PROFILE_MODEL:-gpt} step)" skipped "no ncu on this machine"
-  elif [ ! -f "$text" ]; then record "profile (ncu, ${PROFILE_MODEL:-gpt} step)" FAIL "no text at $text"
+  if [ "$device" = cpu ]; then record "profile (ncu, $profiled_model step)" skipped "DEVICE=cpu dry run"
+  elif [ -z "$ncu" ]; then record "profile (ncu, $profiled_model step)" skipped "no ncu on this machine"
+  elif [ ! -f "$text" ]; then record "profile (ncu, $profiled_model step)" FAIL "no text at $text"
   elif timeout -k 10 "$limit" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
          --print-summary per-kernel --launch-count "$launches" \
          "${bin[@]}" bench step "${profiled[@]}" "${gpu[@]}" \
@@ -372,8 +373,8 @@ with open(sys.argv[2], "w") as out:
         out.write(f"{t:9.2f} ms {calls:6d} x {1e3 * t / calls:8.1f} us  {name}  grid {grid}\n")
 print(f"{ms:.0f} ms of kernels; top: " + "; ".join(f"{n} {t:.1f} ms/{c}" for (n, _), (c, t) in top[:3]))
 PY
-       ); then record "profile (ncu, ${PROFILE_MODEL:-gpt} step)" ok "$detail (logs/profile.txt)"
-  else record "profile (ncu, ${PROFILE_MODEL:-gpt} step)" FAIL "$(tail_of "$logs/profile.err" 2)"; fi
+       ); then record "profile (ncu, $profiled_model step)" ok "$detail (logs/profile.txt)"
+  else record "profile (ncu, $profiled_model step)" FAIL "$(tail_of "$logs/profile.err" 2)"; fi
 fi
 
 # SIGTERM in the middle of a run, then `resume`, against the same job uninterrupted: the final

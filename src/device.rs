@@ -278,6 +278,8 @@ mod tests {
             backend: crate::config::Backend::Auto,
             always_collectives: false,
             sharding: crate::config::Sharding::None,
+            world_size_invariant: false,
+            virtual_shards: 8,
         }
     }
 

@@ -119,6 +119,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         shards: crate::train::shards::ShardPool::for_device(&device)
             .filter(|_| model.rows_independent()),
         masked_targets: false,
+        virtual_shards: spec.virtual_shards(),
     };
     let run = |optimizer: &mut Optimizer, phases: Option<&mut Phases>| {
         optimizer_step(&cx, optimizer, &batches, t.lr, false, phases)

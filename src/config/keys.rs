@@ -231,6 +231,14 @@ section! {
         /// averaged gradients (reduce-scattered), the updated parameters all-gathered (see
         /// "Sharded optimizer state")
         sharding: String = "none".into() => sharding: Sharding = sharding_choice;
+        /// `"run"`: bit-exact on the same world size; `"world-size-invariant"`: the same
+        /// weights, bit for bit, on any number of workers that divides `virtual_shards` (needs
+        /// `train.global_batch_size`; see "World-size-invariant training")
+        deterministic: String = "run".into()
+            => world_size_invariant: bool = choice(&[("run", false), ("world-size-invariant", true)]);
+        /// with `deterministic = "world-size-invariant"`: the fixed pieces each step's global
+        /// batch is cut into, a power of two; world sizes that divide it train alike
+        virtual_shards: i64 = 8 => virtual_shards: usize = power_of_two;
         /// gradient bucket size for all-reduce
         bucket_mb: f64 = 25.0, shown "`25`"
             => bucket_bytes: usize = |c: &mut Checker, key: &str, &v: &f64, _: &RawDistributed| {
@@ -428,6 +436,21 @@ fn sharding_choice(c: &mut Checker, key: &str, name: &String, _: &RawDistributed
         return Sharding::None;
     }
     choice(&[("none", Sharding::None), ("optimizer", Sharding::Optimizer)])(c, key, name, &())
+}
+
+fn power_of_two(c: &mut Checker, key: &str, &v: &i64, _: &RawDistributed) -> usize {
+    let n = c.in_int_range(key, v, 1, 1 << 20);
+    if !n.is_power_of_two() {
+        c.fail(
+            key,
+            format!(
+                "must be a power of two (pieces summed pairwise in a fixed tree), got {v}; \
+                 e.g. {}",
+                n.next_power_of_two()
+            ),
+        );
+    }
+    n
 }
 
 fn gpu_ordinals(c: &mut Checker, key: &str, list: &Vec<i64>, d: &RawDistributed) -> Vec<usize> {

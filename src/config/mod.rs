@@ -192,6 +192,21 @@ impl JobSpec {
     /// reason, with the world sizes that would do, when that is not a whole number.
     pub fn for_world_size(&self, world_size: usize) -> Result<JobSpec, String> {
         let t = &self.train;
+        let d = &self.distributed;
+        if d.world_size_invariant
+            && (!world_size.is_power_of_two() || d.virtual_shards % world_size != 0)
+        {
+            let v = d.virtual_shards;
+            let fits: Vec<String> = (0..=v.trailing_zeros())
+                .map(|b| (1 << b).to_string())
+                .collect();
+            return Err(format!(
+                "distributed.deterministic = \"world-size-invariant\" cuts each step's batch into \
+                 virtual_shards = {v} pieces, which {world_size} workers cannot share evenly: run \
+                 on {} worker(s), or change distributed.virtual_shards",
+                fits.join(", ")
+            ));
+        }
         let Some(global) = t.global_batch_size else {
             return Ok(self.clone());
         };
@@ -221,11 +236,28 @@ impl JobSpec {
         Ok(spec)
     }
 
+    /// `distributed.virtual_shards` when training is world-size-invariant.
+    pub fn virtual_shards(&self) -> Option<usize> {
+        let d = &self.distributed;
+        d.world_size_invariant.then_some(d.virtual_shards)
+    }
+
+    /// Micro-batches an epoch's `samples` make on each of `world_size` ranks: world-size-
+    /// invariant training takes whole global batches only.
+    fn micro_batches_for(&self, samples: usize, world_size: usize) -> usize {
+        let t = &self.train;
+        if self.distributed.world_size_invariant {
+            return samples / (t.batch_size * t.accumulation * world_size).max(1) * t.accumulation;
+        }
+        crate::data::sampler::samples_per_rank(samples, world_size, self.data.drop_last)
+            .div_ceil(t.batch_size)
+    }
+
     pub fn plan(&self, train_samples: usize, world_size: usize) -> Plan {
         let t = &self.train;
         let samples_per_rank =
             crate::data::sampler::samples_per_rank(train_samples, world_size, self.data.drop_last);
-        let micro_batches_per_epoch = samples_per_rank.div_ceil(t.batch_size);
+        let micro_batches_per_epoch = self.micro_batches_for(train_samples, world_size);
         let steps_per_epoch = micro_batches_per_epoch.div_ceil(t.accumulation);
         let uncapped = steps_per_epoch * t.epochs;
         Plan {
@@ -241,10 +273,7 @@ impl JobSpec {
 
     /// Optimizer steps that `samples` samples of one epoch take on `world_size` ranks.
     pub fn steps_for(&self, samples: usize, world_size: usize) -> usize {
-        let per_rank =
-            crate::data::sampler::samples_per_rank(samples, world_size, self.data.drop_last);
-        per_rank
-            .div_ceil(self.train.batch_size)
+        self.micro_batches_for(samples, world_size)
             .div_ceil(self.train.accumulation)
     }
 }

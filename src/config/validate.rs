@@ -84,6 +84,7 @@ impl JobSpec {
                 );
             }
         }
+        invariance_problems(&mut c, &train, &keys.distributed);
         if let Some(why) = checkpointing_problem(&model, &train, &keys.distributed) {
             c.fail("train.activation_checkpointing", why);
         }
@@ -99,6 +100,53 @@ impl JobSpec {
             logging: keys.logging,
             expect: expectations(&keys.expect),
         })
+    }
+}
+
+/// What `distributed.deterministic = "world-size-invariant"` needs of the other keys: a fixed
+/// global batch that the pieces divide, no accumulation (the pieces are computed one after
+/// another already) and no sharded optimizer (its reduce-scatter sums in the ring's order).
+fn invariance_problems(
+    c: &mut Checker,
+    train: &super::spec::TrainSpec,
+    distributed: &super::spec::DistributedSpec,
+) {
+    if !distributed.world_size_invariant {
+        return;
+    }
+    let v = distributed.virtual_shards;
+    match train.global_batch_size {
+        None => c.fail(
+            "distributed.deterministic",
+            format!(
+                "\"world-size-invariant\" keeps the global batch whatever the world size: give \
+                 train.global_batch_size (a multiple of distributed.virtual_shards = {v}) \
+                 instead of train.batch_size"
+            ),
+        ),
+        Some(global) if global % v != 0 => c.fail(
+            "train.global_batch_size",
+            format!(
+                "{global} samples cannot be cut into distributed.virtual_shards = {v} equal \
+                 pieces: use a multiple of {v}"
+            ),
+        ),
+        Some(_) => {}
+    }
+    if train.accumulation != 1 {
+        c.fail(
+            "train.accumulation",
+            "with distributed.deterministic = \"world-size-invariant\" each worker computes its \
+             pieces of the batch one after another already (one piece's activations at a \
+             time): set it to 1 and size the pieces with distributed.virtual_shards",
+        );
+    }
+    if distributed.sharding != super::spec::Sharding::None {
+        c.fail(
+            "distributed.sharding",
+            "a sharded optimizer reduce-scatters gradients in the ring's order, not in \
+             distributed.deterministic = \"world-size-invariant\"'s fixed tree: use \"none\"",
+        );
     }
 }
 

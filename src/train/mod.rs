@@ -4,6 +4,7 @@
 
 mod epoch;
 mod eval;
+mod invariant;
 mod leader;
 mod metrics;
 mod resume;
@@ -222,7 +223,16 @@ impl Trainer<'_> {
             } else {
                 sampler.indices()
             };
-            let micro: Vec<&[usize]> = indices.chunks(t.batch_size).collect();
+            let mut micro: Vec<&[usize]> = indices.chunks(t.batch_size).collect();
+            if spec.distributed.world_size_invariant {
+                // Only whole global batches: a partial one's samples (and the sampler's
+                // padding) would depend on the world size.
+                let left = match resumed_here && start.reshard {
+                    true => train_len.saturating_sub(start.consumed),
+                    false => train_len,
+                };
+                micro.truncate(left / (t.batch_size * world) * t.accumulation);
+            }
             let groups: Vec<&[&[usize]]> = micro.chunks(t.accumulation).collect();
             let mut epoch_run = EpochRun {
                 epoch,
@@ -362,6 +372,7 @@ impl Trainer<'_> {
             shards: shards::ShardPool::for_device(&self.device)
                 .filter(|_| self.model.rows_independent()),
             masked_targets: self.data.masks_targets(),
+            virtual_shards: self.spec.virtual_shards(),
         };
         let r = step::optimizer_step(&cx, optimizer, &batches, lr, stop_vote, None)?;
         Ok((r.loss_sum, r.samples, r.stop))

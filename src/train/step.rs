@@ -34,6 +34,9 @@ pub struct StepContext<'a> {
     /// padding): the step's loss is then the mean over the targets that score in the whole
     /// global batch, so parts are weighted by those, counted over all ranks.
     pub masked_targets: bool,
+    /// `distributed.deterministic = "world-size-invariant"`'s pieces per step (see
+    /// `invariant`); `None`: the usual step.
+    pub virtual_shards: Option<usize>,
 }
 
 /// What one step produced: Σ loss·n over its samples (a scalar, read only at log intervals),
@@ -66,6 +69,16 @@ pub fn optimizer_step(
     stop_vote: bool,
     mut phases: Option<&mut Phases>,
 ) -> Result<StepResult, StepError> {
+    if let Some(pieces) = cx.virtual_shards {
+        let [batch] = micro_batches else {
+            return Err(candle_core::Error::Msg(format!(
+                "a world-size-invariant step takes one micro-batch, not {}",
+                micro_batches.len()
+            ))
+            .into());
+        };
+        return super::invariant::optimizer_step(cx, optimizer, batch, pieces, lr, stop_vote);
+    }
     let params = cx.model.params();
     crate::comm::broadcast_buffers(cx.comm, params)?;
     // Samples (rows) weight the micro-batches; a language model's rows all hold block_size
@@ -163,9 +176,9 @@ fn accumulate(acc: &mut [Option<Tensor>], new: Vec<Option<Tensor>>) -> candle_co
 
 /// What one shard of a micro-batch contributes: its parameters' gradients (weighted by its
 /// share of the step's rows), Σ loss·rows, and how long its forward pass took.
-struct ShardResult {
-    grads: Vec<Option<Tensor>>,
-    loss_sum: Tensor,
+pub(super) struct ShardResult {
+    pub(super) grads: Vec<Option<Tensor>>,
+    pub(super) loss_sum: Tensor,
     forward: Duration,
 }
 
@@ -220,7 +233,7 @@ impl PartWeights {
 
 /// `timed`: the forward's time is read after the device has finished it (a GPU queues work
 /// and returns at once), which costs a wait, so only when phases are timed.
-fn shard_forward_backward(
+pub(super) fn shard_forward_backward(
     model: &dyn Model,
     batch: &MicroBatch,
     scale: f64,

@@ -270,6 +270,7 @@ fn frozen_parameters_stay_put_keep_no_state_and_are_not_reduced() {
             bucket_bytes: 64,
             shards: None,
             masked_targets: false,
+            virtual_shards: None,
         };
         let mut optimizer =
             crate::optim::Optimizer::new(spec.train.optimizer, model.params().len());
@@ -344,6 +345,7 @@ fn a_sharded_optimizer_moves_the_all_reduces_bytes_and_gives_its_bits() {
                 bucket_bytes: 200,
                 shards: None,
                 masked_targets: false,
+                virtual_shards: None,
             };
             let batches = data.batches(&Device::Cpu).unwrap();
             for step in 0..3 {
@@ -434,6 +436,7 @@ fn sharded_parameters_gather_alike_on_the_host_and_through_tensor_ops() {
                 bucket_bytes: 4,
                 shards: None,
                 masked_targets: false,
+                virtual_shards: None,
             };
             let vote = plan.owns_vote().then_some(1.0);
             let stop = sharded::gather_parameters(&cx, &plan, vote, on_host).unwrap();

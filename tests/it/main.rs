@@ -12,6 +12,7 @@ mod download;
 mod finetune;
 mod gpu_check;
 mod hangs;
+mod invariant;
 mod language;
 mod nodes;
 mod open_models;

@@ -1,0 +1,243 @@
+//! `distributed.deterministic = "world-size-invariant"`: one optimizer step whose gradients
+//! are the same bits on any number of workers that divides `distributed.virtual_shards` (V, a
+//! power of two).
+//!
+//! The step's global batch of B samples (positions 0..B of the step's slice of the epoch's
+//! permutation) is cut into V fixed pieces: piece k holds the positions ≡ k (mod V), in order.
+//! The sampler deals position j to rank j mod W (torch's DistributedSampler), so rank r holds
+//! the pieces k ≡ r (mod W), each a stride of its own rows. Each piece's gradient is computed
+//! alone, its kernels on one thread (theirs split sums by the thread count, which changes with
+//! the world size), scaled by 1/V (exact: a power of two). The pieces are summed in one fixed
+//! binary tree over k, halving: k with k + V/2, then k + V/4, ... The first levels pair pieces
+//! of one rank (the same residue mod W), so each rank sums its own subtree; the last log2(W)
+//! levels pair rank r's sum with rank r + W/2's, ..., which every rank computes alike from all
+//! the ranks' sums (exchanged whole: W times the traffic of an all-reduce; a recursive-halving
+//! collective would cut that and is not built). Clipping and the optimizer then see the same
+//! gradients whatever W was.
+
+use std::sync::OnceLock;
+
+use candle_core::{DType, Tensor};
+
+use super::step::{MicroBatch, StepContext, StepError, StepResult, shard_forward_backward};
+use crate::comm::StopVote;
+use crate::models::Mode;
+use crate::optim::{Optimizer, clip_grad_norm};
+
+/// One step of `virtual_shards` pieces over this rank's `batch` (the step's one micro-batch).
+pub(super) fn optimizer_step(
+    cx: &StepContext,
+    optimizer: &mut Optimizer,
+    batch: &MicroBatch,
+    virtual_shards: usize,
+    lr: f64,
+    stop_vote: bool,
+) -> Result<StepResult, StepError> {
+    let params = cx.model.params();
+    crate::comm::broadcast_buffers(cx.comm, params)?;
+    let world = cx.comm.world_size();
+    let rows = batch.targets.dims().first().copied().unwrap_or(1);
+    let local = virtual_shards / world;
+    if local == 0 || rows % local != 0 {
+        return Err(candle_core::Error::Msg(format!(
+            "world-size-invariant step: {rows} rows on each of {world} ranks do not cut into \
+             {virtual_shards} pieces"
+        ))
+        .into());
+    }
+    let scale = 1.0 / virtual_shards as f64;
+    let piece = |m: usize| {
+        let part = batch.stride(m, local)?;
+        let n = rows / local;
+        shard_forward_backward(cx.model, &part, scale, n as f64, false)
+    };
+    let results = one_thread_each(local, cx.device.is_cpu(), piece);
+    let mut sums = Vec::with_capacity(local);
+    let mut loss_sum: Option<Tensor> = None;
+    for result in results {
+        let result = result?;
+        let grads = params
+            .trainable()
+            .map(|(i, var)| result.grads[i].clone().map_or_else(|| var.zeros_like(), Ok))
+            .collect::<Result<Vec<_>, _>>()?;
+        sums.push(grads);
+        loss_sum = Some(match loss_sum {
+            Some(s) => (s + result.loss_sum)?,
+            None => result.loss_sum,
+        });
+    }
+    let mine = tree_sum(sums)?;
+    let mut grads = if cx.comm.skips_collectives() {
+        mine
+    } else {
+        across_ranks(cx, mine)?
+    };
+    let stop = match cx.comm.skips_collectives() {
+        true => StopVote::Known(stop_vote),
+        false => {
+            let mut votes = [if stop_vote { 1.0 } else { 0.0 }];
+            cx.comm.all_reduce_sum_f64(&mut votes)?;
+            StopVote::Known(votes[0] > 0.0)
+        }
+    };
+    if let Some(max_norm) = cx.grad_clip_norm {
+        clip_grad_norm(&mut grads, max_norm)?;
+    }
+    optimizer.step(params, &grads, lr)?;
+    let loss_sum = loss_sum.map_or_else(|| Tensor::zeros((), DType::F32, cx.device), Ok)?;
+    Ok(StepResult {
+        loss_sum,
+        samples: rows,
+        stop,
+    })
+}
+
+/// Σ of `parts` (each a list of gradients) in the fixed tree: part m with m + len/2, then
+/// m + len/4, ..., down to part 0 (`parts.len()` a power of two).
+pub(super) fn tree_sum(mut parts: Vec<Vec<Tensor>>) -> candle_core::Result<Vec<Tensor>> {
+    let mut half = parts.len() / 2;
+    while half > 0 {
+        let upper = parts.split_off(half);
+        for (low, high) in parts.iter_mut().zip(upper) {
+            *low = add_lists(low, &high)?;
+        }
+        half /= 2;
+    }
+    parts
+        .pop()
+        .ok_or_else(|| candle_core::Error::Msg("no piece to sum".into()))
+}
+
+/// `a + b`, tensor by tensor (one parallel pass on the CPU: element-wise, the same bits
+/// however it is cut).
+fn add_lists(a: &[Tensor], b: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+    if a.iter()
+        .chain(b)
+        .all(|t| crate::kernels::applies(t) && t.is_contiguous())
+    {
+        let pairs: Vec<(&Tensor, &Tensor)> = a.iter().zip(b).collect();
+        return crate::kernels::add_pairs(&pairs);
+    }
+    a.iter().zip(b).map(|(a, b)| a + b).collect()
+}
+
+/// Every rank's subtree sum, then the tree's last levels over ranks: the ranks' flattened sums
+/// side by side in one buffer (rank r's at r·n, zeros elsewhere), all-reduced: each value meets
+/// only zeros, and the mean's division by W (a power of two) is undone exactly.
+fn across_ranks(cx: &StepContext, mine: Vec<Tensor>) -> Result<Vec<Tensor>, StepError> {
+    let (world, rank) = (cx.comm.world_size(), cx.comm.rank());
+    let shapes: Vec<_> = mine.iter().map(|t| t.shape().clone()).collect();
+    let flat = Tensor::cat(
+        &mine
+            .iter()
+            .map(|t| t.to_dtype(DType::F32)?.flatten_all())
+            .collect::<candle_core::Result<Vec<_>>>()?,
+        0,
+    )?;
+    let n = flat.elem_count();
+    // No empty tensor (a device may refuse a zero-byte allocation).
+    let zeros = |ranks: usize| Tensor::zeros(ranks * n, DType::F32, cx.device);
+    let mut parts = Vec::with_capacity(3);
+    if rank > 0 {
+        parts.push(zeros(rank)?);
+    }
+    parts.push(flat);
+    if rank + 1 < world {
+        parts.push(zeros(world - rank - 1)?);
+    }
+    let mut side_by_side = Tensor::cat(&parts, 0)?;
+    cx.comm.all_reduce_mean(&mut side_by_side)?;
+    let side_by_side = (side_by_side * world as f64)?;
+    let per_rank = (0..world)
+        .map(|r| {
+            let flat = side_by_side.narrow(0, r * n, n)?;
+            let mut offset = 0;
+            shapes
+                .iter()
+                .zip(&mine)
+                .map(|(shape, like)| {
+                    let len = shape.elem_count();
+                    let t = flat.narrow(0, offset, len)?.reshape(shape)?;
+                    offset += len;
+                    t.to_dtype(like.dtype())?.contiguous()
+                })
+                .collect::<candle_core::Result<Vec<_>>>()
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(tree_sum(per_rank)?)
+}
+
+/// `f(0..parts)`, each on one thread whose kernels see a pool of one (so they never split a
+/// sum by the thread count), side by side over the worker's threads on the CPU; in turn on an
+/// accelerator.
+fn one_thread_each<R: Send>(parts: usize, cpu: bool, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    static SOLO: OnceLock<Vec<rayon::ThreadPool>> = OnceLock::new();
+    let pools = SOLO.get_or_init(|| {
+        (0..rayon::current_num_threads().max(1))
+            .filter_map(|_| rayon::ThreadPoolBuilder::new().num_threads(1).build().ok())
+            .collect()
+    });
+    if !cpu || pools.is_empty() {
+        return (0..parts).map(f).collect();
+    }
+    let slots: Vec<std::sync::Mutex<Option<R>>> =
+        (0..parts).map(|_| std::sync::Mutex::new(None)).collect();
+    rayon::broadcast(|ctx| {
+        let pool = &pools[ctx.index() % pools.len()];
+        for i in (ctx.index()..parts).step_by(ctx.num_threads()) {
+            let r = pool.install(|| f(i));
+            *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        }
+    });
+    slots
+        .into_iter()
+        .map(|s| {
+            s.into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .expect("every piece ran")
+        })
+        .collect()
+}
+
+impl MicroBatch {
+    /// Rows m, m + every, m + 2·every, ... (a piece of the step's batch), copied.
+    fn stride(&self, m: usize, every: usize) -> candle_core::Result<MicroBatch> {
+        let rows = self.targets.dims().first().copied().unwrap_or(1);
+        let picked: Vec<u32> = (m..rows).step_by(every).map(|i| i as u32).collect();
+        let index = Tensor::new(picked.as_slice(), self.inputs.device())?;
+        let mode = match &self.mode {
+            Mode::Train { row_seeds } => Mode::Train {
+                row_seeds: picked.iter().map(|&i| row_seeds[i as usize]).collect(),
+            },
+            Mode::Eval => Mode::Eval,
+        };
+        Ok(MicroBatch {
+            inputs: self.inputs.index_select(&index, 0)?,
+            targets: self.targets.index_select(&index, 0)?,
+            mode,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::tree_sum;
+
+    /// The tree pairs m with m + len/2 first: for 4 parts, (p0 + p2) + (p1 + p3), which differs
+    /// from the left-to-right sum for these values.
+    #[test]
+    fn the_tree_pairs_halves_first() {
+        let values = [1e8f32, 1.0, -1e8, 1.0];
+        let parts: Vec<Vec<Tensor>> = values
+            .iter()
+            .map(|&v| vec![Tensor::new(&[v], &Device::Cpu).unwrap()])
+            .collect();
+        let sum: Vec<f32> = tree_sum(parts).unwrap()[0].to_vec1().unwrap();
+        // (1e8 + -1e8) + (1 + 1) = 2; left to right: ((1e8 + 1) - 1e8) + 1 = 1.
+        assert_eq!(sum, vec![2.0]);
+        let left_to_right = ((values[0] + values[1]) + values[2]) + values[3];
+        assert_eq!(left_to_right, 1.0);
+    }
+}

@@ -1,0 +1,137 @@
+//! `distributed.deterministic = "world-size-invariant"`: the same weights, bit for bit, on 1, 2
+//! and 4 workers, and across a preemption and a resume on another world size (real runs of the
+//! binary, real worker processes).
+
+use crate::common::{TINY, TestJob};
+
+/// A GPT with dropout, AdamW and clipping, on text the test writes.
+fn gpt_job(t: &TestJob) -> String {
+    let text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to \
+                suffer the slings and arrows of outrageous fortune.\n"
+        .repeat(40);
+    let data = t.path("text.txt");
+    std::fs::write(&data, text).unwrap();
+    format!(
+        r#"seed = 5
+[model]
+arch = "gpt"
+n_layer = 2
+n_head = 2
+n_embd = 32
+block_size = 32
+dropout = 0.1
+[data]
+dataset = "text"
+path = "{}"
+[train]
+epochs = 1
+global_batch_size = 16
+lr = 0.002
+optimizer = "adamw"
+grad_clip_norm = 0.5
+log_every = 2
+eval_batches = 1
+[distributed]
+deterministic = "world-size-invariant"
+virtual_shards = 8
+"#,
+        data.display()
+    )
+}
+
+#[test]
+fn a_gpt_trains_to_the_same_weights_on_one_two_and_four_workers() {
+    let t = TestJob::new();
+    let cfg = t.config("gpt", &gpt_job(&t));
+    let cfg = cfg.to_str().unwrap();
+    let same = t.ddpjob(&["verify", cfg, "--world-sizes", "1,2,4", "--steps", "6"]);
+    same.success();
+    assert!(
+        same.stdout
+            .contains("bit-identical weights at every one of 6 steps on 1, 2, 4 worker(s)"),
+        "{}",
+        same.stdout
+    );
+    // The same job in the default mode parts at once: the check can fail.
+    let parted = t.ddpjob(&[
+        "verify",
+        cfg,
+        "--world-sizes",
+        "1,2",
+        "--steps",
+        "2",
+        "--set",
+        "distributed.deterministic=run",
+    ]);
+    parted.fails_with(1, "differs between 1 and 2 worker(s)");
+}
+
+/// Preempted on 4 workers, resumed on 2: the final weights are the uninterrupted 1-worker run's,
+/// bit for bit. A world size that does not divide the pieces is refused.
+#[test]
+fn a_resume_on_another_world_size_ends_with_the_uninterrupted_weights() {
+    let t = TestJob::new();
+    let text = TINY.replace(
+        "batch_size = 32",
+        "global_batch_size = 16\ngrad_clip_norm = 1.0",
+    ) + "[distributed]\ndeterministic = \"world-size-invariant\"\nvirtual_shards = 4\n";
+    let cfg = t.config("job", &text);
+    t.run_env(&cfg, &["--nproc-per-node", "1", "--name", "whole"], &[])
+        .success();
+    t.run_env(
+        &cfg,
+        &["--nproc-per-node", "4", "--name", "cut"],
+        &[("DDPJOB_FAULT", "rank=0,step=7,kind=preempt")],
+    )
+    .fails_with(143, "after checkpoint `step-00000007`");
+    let jobs = t.jobs_dir().to_string_lossy().into_owned();
+    let resume = |nproc: &str| {
+        t.ddpjob(&[
+            "resume",
+            "cut",
+            "--jobs-dir",
+            &jobs,
+            "--nproc-per-node",
+            nproc,
+        ])
+    };
+    resume("3").fails_with(
+        2,
+        "virtual_shards = 4 pieces, which 3 workers cannot share evenly",
+    );
+    resume("2").success();
+    let weights = |job: &str| std::fs::read(t.job(job).join("model.safetensors")).unwrap();
+    assert!(
+        weights("whole") == weights("cut"),
+        "the resumed run's weights differ from the uninterrupted run's"
+    );
+    let state = t.json(&t.job("cut").join("state.json"));
+    assert_eq!(
+        state["step"],
+        t.json(&t.job("whole").join("state.json"))["step"]
+    );
+}
+
+#[test]
+fn what_the_mode_cannot_do_is_refused_naming_the_key() {
+    let t = TestJob::new();
+    let base = "[distributed]\ndeterministic = \"world-size-invariant\"\n";
+    let no_global = t.config("a", &(TINY.to_string() + base));
+    t.ddpjob(&["validate", no_global.to_str().unwrap()])
+        .fails_with(2, "give train.global_batch_size");
+    let text = TINY.replace(
+        "batch_size = 32",
+        "global_batch_size = 12\naccumulation = 2",
+    ) + base
+        + "virtual_shards = 6\nsharding = \"optimizer\"\n";
+    let bad = t.config("b", &text);
+    let run = t.ddpjob(&["validate", bad.to_str().unwrap()]);
+    run.fails_with(2, "distributed.virtual_shards");
+    for expected in [
+        "must be a power of two",
+        "set it to 1",
+        "a sharded optimizer reduce-scatters gradients",
+    ] {
+        assert!(run.stderr.contains(expected), "{expected}: {}", run.stderr);
+    }
+}

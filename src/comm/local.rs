@@ -74,6 +74,10 @@ impl<C: Communicator> Communicator for Exercised<C> {
         self.0.owned_segment(n)
     }
 
+    fn segment_of(&self, n: usize, rank: usize) -> std::ops::Range<usize> {
+        self.0.segment_of(n, rank)
+    }
+
     fn reduce_scatter_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
         self.0.reduce_scatter_mean(flat)
     }

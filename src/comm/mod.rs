@@ -78,8 +78,13 @@ pub trait Communicator {
     /// [`Communicator::all_gather`]: the ranks' parts are disjoint, cover the buffer and
     /// differ in length by at most one element (the ring's: segment rank+1 of W).
     fn owned_segment(&self, n: usize) -> Range<usize> {
+        self.segment_of(n, self.rank())
+    }
+    /// Rank `rank`'s [`Communicator::owned_segment`] of an `n`-element buffer: where every
+    /// other rank's part lies after an all-gather.
+    fn segment_of(&self, n: usize, rank: usize) -> Range<usize> {
         let w = self.world_size();
-        ring::segment(n, w, (self.rank() + 1) % w)
+        ring::segment(n, w, (rank + 1) % w)
     }
     /// Leaves in this rank's [`Communicator::owned_segment`] of `flat` (1-D) the element-wise
     /// mean over ranks, the same bits there as [`Communicator::all_reduce_mean`] gives; the

@@ -327,9 +327,9 @@ impl Communicator for NcclCommunicator {
         self.in_place(flat, Collective::Mean, "all_reduce")
     }
 
-    /// NCCL's own split: W equal chunks of the length rounded up, chunk `rank` this rank's.
-    fn owned_segment(&self, n: usize) -> std::ops::Range<usize> {
-        super::buckets::equal_chunk(n, self.world_size, self.rank)
+    /// NCCL's own split: W equal chunks of the length rounded up, chunk `rank` rank's.
+    fn segment_of(&self, n: usize, rank: usize) -> std::ops::Range<usize> {
+        super::buckets::equal_chunk(n, self.world_size, rank)
     }
 
     fn reduce_scatter_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {

@@ -408,10 +408,6 @@ impl Communicator for TcpCommunicator {
         self.on_values(flat, Op::AllReduceMean, |l, buf| l.all_reduce_mean(buf))
     }
 
-    fn owned_segment(&self, n: usize) -> std::ops::Range<usize> {
-        self.state.borrow().links.owned(n)
-    }
-
     fn reduce_scatter_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
         self.on_values(flat, Op::ReduceScatterMean, |l, buf| {
             l.reduce_scatter_mean(buf)

@@ -122,8 +122,8 @@ fn add_lists(a: &[Tensor], b: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
 }
 
 /// Every rank's subtree sum, then the tree's last levels over ranks: the ranks' flattened sums
-/// side by side in one buffer (rank r's at r·n, zeros elsewhere), all-reduced: each value meets
-/// only zeros, and the mean's division by W (a power of two) is undone exactly.
+/// side by side in one buffer, each in its rank's segment, all-gathered ((W − 1)·n values
+/// received, as much as a ring all-reduce of the n values at W = 2, twice at 4).
 fn across_ranks(cx: &StepContext, mine: Vec<Tensor>) -> Result<Vec<Tensor>, StepError> {
     let (world, rank) = (cx.comm.world_size(), cx.comm.rank());
     let shapes: Vec<_> = mine.iter().map(|t| t.shape().clone()).collect();
@@ -135,22 +135,32 @@ fn across_ranks(cx: &StepContext, mine: Vec<Tensor>) -> Result<Vec<Tensor>, Step
         0,
     )?;
     let n = flat.elem_count();
+    let segments: Vec<_> = (0..world)
+        .map(|r| cx.comm.segment_of(world * n, r))
+        .collect();
+    if segments.iter().any(|s| s.len() != n) {
+        return Err(candle_core::Error::Msg(format!(
+            "world-size-invariant step: the backend splits {world} x {n} values unevenly"
+        ))
+        .into());
+    }
     // No empty tensor (a device may refuse a zero-byte allocation).
-    let zeros = |ranks: usize| Tensor::zeros(ranks * n, DType::F32, cx.device);
+    let zeros = |len: usize| Tensor::zeros(len, DType::F32, cx.device);
+    let at = &segments[rank];
     let mut parts = Vec::with_capacity(3);
-    if rank > 0 {
-        parts.push(zeros(rank)?);
+    if at.start > 0 {
+        parts.push(zeros(at.start)?);
     }
     parts.push(flat);
-    if rank + 1 < world {
-        parts.push(zeros(world - rank - 1)?);
+    if at.end < world * n {
+        parts.push(zeros(world * n - at.end)?);
     }
     let mut side_by_side = Tensor::cat(&parts, 0)?;
-    cx.comm.all_reduce_mean(&mut side_by_side)?;
-    let side_by_side = (side_by_side * world as f64)?;
-    let per_rank = (0..world)
-        .map(|r| {
-            let flat = side_by_side.narrow(0, r * n, n)?;
+    cx.comm.all_gather(&mut side_by_side)?;
+    let per_rank = segments
+        .iter()
+        .map(|segment| {
+            let flat = side_by_side.narrow(0, segment.start, n)?;
             let mut offset = 0;
             shapes
                 .iter()

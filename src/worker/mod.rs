@@ -415,6 +415,15 @@ fn train(
             )))
         })?;
     }
+    if spec.virtual_shards().is_some() && !model.rows_independent() {
+        // Its statistics (BatchNorm's) would come from whichever pieces rank 0 computed.
+        return Err(WorkerError::Model(candle_core::Error::Msg(format!(
+            "distributed.deterministic = \"world-size-invariant\": model.arch = \"{}\" keeps \
+             running statistics over its batches (buffers: BatchNorm), which would depend on \
+             the pieces each worker computes; use deterministic = \"run\"",
+            spec.model.arch()
+        ))));
+    }
     let leader = env.rank == 0;
     // Rank 0 drives the terminal and mirrors its lines into its log; the others' stdout is
     // their log file already.

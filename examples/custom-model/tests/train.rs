@@ -188,3 +188,19 @@ fn bad_options_and_names_are_refused_before_training() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("cannot read `missing.csv`"), "{err}");
 }
+
+/// A model with BatchNorm's running statistics cannot train world-size-invariantly (they would
+/// come from whichever pieces rank 0 computed): refused naming the key and the reason.
+#[test]
+fn world_size_invariant_training_refuses_running_statistics() {
+    let d = Dir::new();
+    let text = JOB.replace("batch_size = 16", "global_batch_size = 16")
+        + "\n[distributed]\ndeterministic = \"world-size-invariant\"\n";
+    std::fs::write(d.path().join("invariant.toml"), text).unwrap();
+    let (code, _, err) = d.run(&["run", "invariant.toml", "--nproc-per-node", "2"], &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("model.arch = \"tiny-resnet\" keeps running statistics"),
+        "{err}"
+    );
+}

@@ -7,6 +7,7 @@
 # run's training samples/s (summary.json) and the median ratios.
 #
 #   bench/invariant-cost.sh [ROUNDS] [STEPS]        (default: 3 rounds of 60 steps)
+#   GPT_PIECES=2 CNN_PIECES=4 bench/invariant-cost.sh   other virtual_shards
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 bin=$here/target/release/ddpjob
@@ -22,7 +23,7 @@ sed -e 's/^batch_size = .*/global_batch_size = 256/' -e 's/^accumulation = .*//'
 # (a few steps miss the recipe's [expect] loss: not what is measured here)
 sed -e 's/^batch_size = .*/global_batch_size = 12/' -e "s|^path = .*|path = \"$text\"|" \
   -e 's/^max_test_loss = .*//' "$here/configs/shakespeare-char.toml" > "$out/gpt.toml"
-declare -A pieces=([cnn]=8 [gpt]=4)
+declare -A pieces=([cnn]=${CNN_PIECES:-8} [gpt]=${GPT_PIECES:-4})
 for r in $(seq 1 "$rounds"); do
   for model in cnn gpt; do
     for layout in 1x2 2x1; do

@@ -7,7 +7,7 @@ mod local;
 #[cfg(feature = "cuda")]
 mod nccl;
 pub mod ring;
-mod tcp;
+pub(crate) mod tcp;
 pub(crate) mod watchdog;
 
 use std::ops::Range;

@@ -17,10 +17,10 @@
 
 use std::sync::OnceLock;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::step::{MicroBatch, StepContext, StepError, StepResult, shard_forward_backward};
-use crate::comm::StopVote;
+use crate::comm::{Communicator, StopVote};
 use crate::models::Mode;
 use crate::optim::{Optimizer, clip_grad_norm};
 
@@ -70,7 +70,7 @@ pub(super) fn optimizer_step(
     let mut grads = if cx.comm.skips_collectives() {
         mine
     } else {
-        across_ranks(cx, mine)?
+        across_ranks(cx.comm, cx.device, mine)?
     };
     let stop = match cx.comm.skips_collectives() {
         true => StopVote::Known(stop_vote),
@@ -124,8 +124,12 @@ fn add_lists(a: &[Tensor], b: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
 /// Every rank's subtree sum, then the tree's last levels over ranks: the ranks' flattened sums
 /// side by side in one buffer, each in its rank's segment, all-gathered ((W − 1)·n values
 /// received, as much as a ring all-reduce of the n values at W = 2, twice at 4).
-fn across_ranks(cx: &StepContext, mine: Vec<Tensor>) -> Result<Vec<Tensor>, StepError> {
-    let (world, rank) = (cx.comm.world_size(), cx.comm.rank());
+fn across_ranks(
+    comm: &dyn Communicator,
+    device: &Device,
+    mine: Vec<Tensor>,
+) -> Result<Vec<Tensor>, StepError> {
+    let (world, rank) = (comm.world_size(), comm.rank());
     let shapes: Vec<_> = mine.iter().map(|t| t.shape().clone()).collect();
     let flat = Tensor::cat(
         &mine
@@ -135,9 +139,7 @@ fn across_ranks(cx: &StepContext, mine: Vec<Tensor>) -> Result<Vec<Tensor>, Step
         0,
     )?;
     let n = flat.elem_count();
-    let segments: Vec<_> = (0..world)
-        .map(|r| cx.comm.segment_of(world * n, r))
-        .collect();
+    let segments: Vec<_> = (0..world).map(|r| comm.segment_of(world * n, r)).collect();
     if segments.iter().any(|s| s.len() != n) {
         return Err(candle_core::Error::Msg(format!(
             "world-size-invariant step: the backend splits {world} x {n} values unevenly"
@@ -145,7 +147,7 @@ fn across_ranks(cx: &StepContext, mine: Vec<Tensor>) -> Result<Vec<Tensor>, Step
         .into());
     }
     // No empty tensor (a device may refuse a zero-byte allocation).
-    let zeros = |len: usize| Tensor::zeros(len, DType::F32, cx.device);
+    let zeros = |len: usize| Tensor::zeros(len, DType::F32, device);
     let at = &segments[rank];
     let mut parts = Vec::with_capacity(3);
     if at.start > 0 {
@@ -156,7 +158,7 @@ fn across_ranks(cx: &StepContext, mine: Vec<Tensor>) -> Result<Vec<Tensor>, Step
         parts.push(zeros(world * n - at.end)?);
     }
     let mut side_by_side = Tensor::cat(&parts, 0)?;
-    cx.comm.all_gather(&mut side_by_side)?;
+    comm.all_gather(&mut side_by_side)?;
     let per_rank = segments
         .iter()
         .map(|segment| {
@@ -233,7 +235,46 @@ impl MicroBatch {
 mod tests {
     use candle_core::{Device, Tensor};
 
-    use super::tree_sum;
+    use super::{across_ranks, tree_sum};
+
+    /// Rank r's subtree sums: values whose sum depends on the order they are added in.
+    fn sums_of(rank: usize) -> Vec<Tensor> {
+        let big = [1e8f32, 1.0, -1e8, 1.0, 3e7, -0.5, -3e7, 0.25];
+        let v = big[rank];
+        vec![
+            Tensor::new(&[v, v * 0.5 + 1.0], &Device::Cpu).unwrap(),
+            Tensor::new(&[[v - 3.0], [1.0 / (rank as f32 + 1.0)]], &Device::Cpu).unwrap(),
+        ]
+    }
+
+    /// Over a real ring of 1, 2, 4 and 8 ranks every rank gets the tree's sum of all ranks'
+    /// sums, bit for bit what one process computes (and not what a left-to-right sum gives).
+    #[test]
+    fn the_ranks_sum_in_the_trees_order_at_every_world_size() {
+        for world in [1, 2, 4, 8] {
+            let reference = tree_sum((0..world).map(sums_of).collect()).unwrap();
+            let bits = |list: &[Tensor]| -> Vec<u32> {
+                list.iter().flat_map(crate::kernels::f32_bits).collect()
+            };
+            let results = crate::comm::tcp::ranks(world, |rank, comm| {
+                bits(&across_ranks(&comm, &Device::Cpu, sums_of(rank)).unwrap())
+            });
+            for (rank, got) in results.iter().enumerate() {
+                assert_eq!(got, &bits(&reference), "world {world}, rank {rank}");
+            }
+            if world >= 4 {
+                let mut left = sums_of(0);
+                for r in 1..world {
+                    left = super::add_lists(&left, &sums_of(r)).unwrap();
+                }
+                assert_ne!(
+                    bits(&left),
+                    bits(&reference),
+                    "world {world}: the test cannot tell"
+                );
+            }
+        }
+    }
 
     /// The tree pairs m with m + len/2 first: for 4 parts, (p0 + p2) + (p1 + p3), which differs
     /// from the left-to-right sum for these values.

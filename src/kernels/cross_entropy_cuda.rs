@@ -2,7 +2,6 @@
 //! thread an online maximum and sum of exponentials over its strided share of the row, merged
 //! across the warp and then the block.
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -93,31 +92,24 @@ pub(super) fn run(
     rows: usize,
     classes: usize,
 ) -> Result<CudaStorage> {
-    let device = &logits.0.device;
-    Ok(match (&logits.0.slice, grad) {
-        (CudaStorageSlice::F32(_), None) => CudaStorage::wrap_cuda_slice(
-            losses::<f32>("f32", logits, targets, rows, classes)?,
-            device.clone(),
-        ),
-        (CudaStorageSlice::BF16(_), None) => CudaStorage::wrap_cuda_slice(
-            losses::<bf16>("bf16", logits, targets, rows, classes)?,
-            device.clone(),
-        ),
-        (CudaStorageSlice::F32(_), Some(g)) => CudaStorage::wrap_cuda_slice(
-            gradient::<f32>("f32", logits, targets, g, rows, classes)?,
-            device.clone(),
-        ),
-        (CudaStorageSlice::BF16(_), Some(g)) => CudaStorage::wrap_cuda_slice(
-            gradient::<bf16>("bf16", logits, targets, g, rows, classes)?,
-            device.clone(),
-        ),
-        _ => {
-            return Err(Error::Msg(format!(
-                "cross_entropy on a GPU: f32 or bf16 logits, not {:?}",
-                logits.0.dtype()
-            )));
+    let what = "cross_entropy";
+    match grad {
+        // The losses are f32 whatever the logits' dtype.
+        None => {
+            let f32_logits = matches!(logits.0.slice, CudaStorageSlice::F32(_));
+            let out = match f32_logits {
+                true => losses::<f32>("f32", logits, targets, rows, classes)?,
+                false => losses::<bf16>("bf16", logits, targets, rows, classes)?,
+            };
+            Ok(CudaStorage::wrap_cuda_slice(out, logits.0.device.clone()))
         }
-    })
+        Some(g) => nvrtc::f32_or_bf16(
+            logits.0,
+            what,
+            || gradient::<f32>("f32", logits, targets, g, rows, classes),
+            || gradient::<bf16>("bf16", logits, targets, g, rows, classes),
+        ),
+    }
 }
 
 /// A block of 256 threads per row.

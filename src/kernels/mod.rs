@@ -72,6 +72,17 @@ pub(crate) fn f32_bits(t: &Tensor) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// The largest difference of `a` and `b` relative to `a`'s magnitude, at least `floor` (the
+/// tests that hold a GPU's or a fused op's values to a reference's within a tolerance).
+#[cfg(test)]
+pub(crate) fn worst_relative(a: &[f32], b: &[f32], floor: f32) -> f32 {
+    assert_eq!(a.len(), b.len(), "compared values differ in number");
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| (a - b).abs() / a.abs().max(floor))
+        .fold(0f32, f32::max)
+}
+
 /// Σ y·sin(i) over the elements of `y`: a fixed, uneven weighting of the outputs, so every
 /// output's gradient differs (the tests of the fused ops' backward).
 #[cfg(test)]

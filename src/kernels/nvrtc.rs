@@ -3,7 +3,7 @@
 
 use std::sync::OnceLock;
 
-use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
 use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
 use candle_core::{Error, Layout, Result};
 
@@ -19,6 +19,25 @@ pub(crate) fn f32_view<'a>(
             Ok(v.slice(start..start + n))
         }
         _ => Err(Error::Msg(format!("{what} on a GPU: f32 values expected"))),
+    }
+}
+
+/// What the f32 or the bf16 instance of a kernel made over `values`' dtype, as a storage
+/// (`what` names the op in an error).
+pub(crate) fn f32_or_bf16(
+    values: &CudaStorage,
+    what: &str,
+    f32: impl FnOnce() -> Result<CudaSlice<f32>>,
+    bf16: impl FnOnce() -> Result<CudaSlice<half::bf16>>,
+) -> Result<CudaStorage> {
+    let device = values.device.clone();
+    match &values.slice {
+        CudaStorageSlice::F32(_) => Ok(CudaStorage::wrap_cuda_slice(f32()?, device)),
+        CudaStorageSlice::BF16(_) => Ok(CudaStorage::wrap_cuda_slice(bf16()?, device)),
+        _ => Err(Error::Msg(format!(
+            "{what} on a GPU: f32 or bf16 values, not {:?}",
+            candle_core::backend::BackendStorage::dtype(values)
+        ))),
     }
 }
 

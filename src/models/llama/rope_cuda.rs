@@ -2,9 +2,8 @@
 //! over f32 or bf16 values, compiled without fused multiply-add so that it rounds as the host
 //! reference (and candle's separate ops) do.
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{Error, Layout, Result};
 use half::bf16;
 
@@ -45,21 +44,12 @@ pub(super) fn run(
     g: &Geometry,
     sign: f32,
 ) -> Result<CudaStorage> {
-    let device = &x.0.device;
-    match &x.0.slice {
-        CudaStorageSlice::F32(_) => {
-            let out = launch::<f32>("ddpjob_rope_f32", x, cos, sin, g, sign)?;
-            Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
-        }
-        CudaStorageSlice::BF16(_) => {
-            let out = launch::<bf16>("ddpjob_rope_bf16", x, cos, sin, g, sign)?;
-            Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
-        }
-        _ => Err(Error::Msg(format!(
-            "rope on a GPU: f32 or bf16 values, not {:?}",
-            x.0.dtype()
-        ))),
-    }
+    nvrtc::f32_or_bf16(
+        x.0,
+        "rope",
+        || launch::<f32>("ddpjob_rope_f32", x, cos, sin, g, sign),
+        || launch::<bf16>("ddpjob_rope_bf16", x, cos, sin, g, sign),
+    )
 }
 
 fn launch<T: DeviceRepr + CudaDType>(

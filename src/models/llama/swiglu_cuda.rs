@@ -1,11 +1,10 @@
 //! The GPU SwiGLU's kernels (see `swiglu_gpu`): one thread per value, f32 arithmetic over f32 or
 //! bf16 values.
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{Error, Layout, Result};
 use half::bf16;
 
@@ -47,21 +46,12 @@ pub(super) fn run(
     up: (&CudaStorage, &Layout),
     grad: Option<(&CudaStorage, &Layout)>,
 ) -> Result<CudaStorage> {
-    let device = &gate.0.device;
-    match &gate.0.slice {
-        CudaStorageSlice::F32(_) => {
-            let out = launch::<f32>("f32", gate, up, grad)?;
-            Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
-        }
-        CudaStorageSlice::BF16(_) => {
-            let out = launch::<bf16>("bf16", gate, up, grad)?;
-            Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
-        }
-        _ => Err(Error::Msg(format!(
-            "swiglu on a GPU: f32 or bf16 values, not {:?}",
-            gate.0.dtype()
-        ))),
-    }
+    nvrtc::f32_or_bf16(
+        gate.0,
+        "swiglu",
+        || launch::<f32>("f32", gate, up, grad),
+        || launch::<bf16>("bf16", gate, up, grad),
+    )
 }
 
 fn launch<T: DeviceRepr + CudaDType>(

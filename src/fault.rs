@@ -30,6 +30,9 @@ pub enum FaultKind {
     /// SIGUSR1 to the launcher, as Slurm's `--signal=USR1@N` warning before a time limit;
     /// otherwise as `Preempt`.
     Warn,
+    /// A world-size-invariant step that sums this rank's pieces left to right instead of in
+    /// the fixed tree: the bug `verify` must catch and name.
+    PieceOrder,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,9 +75,10 @@ impl Fault {
                         "freeze" => FaultKind::Freeze,
                         "preempt" => FaultKind::Preempt,
                         "usr1" => FaultKind::Warn,
+                        "piece-order" => FaultKind::PieceOrder,
                         other => {
                             return Err(format!(
-                                "kind={other} is unknown; use kill, crash, panic, exit, hang, freeze, preempt or usr1"
+                                "kind={other} is unknown; use kill, crash, panic, exit, hang, freeze, preempt, usr1 or piece-order"
                             ));
                         }
                     })
@@ -99,6 +103,11 @@ impl Fault {
         let fault = Fault::parse(&text).map_err(|e| format!("{ENV}={text:?}: {e}"))?;
         let now = fault.attempt.is_none_or(|a| a == attempt);
         Ok((fault.rank == rank && now).then_some(fault))
+    }
+
+    /// Whether optimizer step `step` is to sum this rank's pieces out of order.
+    pub fn scrambles_pieces(&self, step: usize) -> bool {
+        self.kind == FaultKind::PieceOrder && step == self.step
     }
 
     /// Called as optimizer step `step` (1-based) begins; fires once, at its step. `stop`: the
@@ -139,6 +148,8 @@ impl Fault {
                 FaultKind::Exit => {
                     return Err(format!("{ENV}: injected failure at step {step}"));
                 }
+                // The step itself sums out of order (see `scrambles_pieces`).
+                FaultKind::PieceOrder => {}
             }
         }
         Ok(())

@@ -120,6 +120,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
             .filter(|_| model.rows_independent()),
         masked_targets: false,
         virtual_shards: spec.virtual_shards(),
+        scrambled_pieces: false,
     };
     let run = |optimizer: &mut Optimizer, phases: Option<&mut Phases>| {
         optimizer_step(&cx, optimizer, &batches, t.lr, false, phases)

@@ -42,8 +42,14 @@ impl Trainer<'_> {
                 trace_samples(path, epoch, run.step + 1, group)?;
             }
             let vote = self.hooks.stop.load(Ordering::SeqCst);
-            let (loss_sum, samples, votes) =
-                self.optimizer_step(batches, &mut run.optimizer, epoch, group, lr, vote)?;
+            let (loss_sum, samples, votes) = self.optimizer_step(
+                batches,
+                &mut run.optimizer,
+                (epoch, run.step + 1),
+                group,
+                lr,
+                vote,
+            )?;
             run.step += 1;
             let step = run.step;
             if let Some(path) = &self.hooks.trace_weights {

@@ -66,7 +66,14 @@ pub(super) fn optimizer_step(
             None => result.loss_sum,
         });
     }
-    let mine = tree_sum(sums)?;
+    let mine = match cx.scrambled_pieces {
+        true => sums
+            .into_iter()
+            .map(Ok)
+            .reduce(|a, b| add_lists(&a?, &b?))
+            .ok_or_else(|| candle_core::Error::Msg("no piece to sum".into()))??,
+        false => tree_sum(sums)?,
+    };
     let mut grads = if cx.comm.skips_collectives() {
         mine
     } else {

@@ -344,7 +344,7 @@ impl Trainer<'_> {
         &mut self,
         source: &dyn BatchSource,
         optimizer: &mut Optimizer,
-        epoch: usize,
+        (epoch, step): (usize, usize),
         group: &[&[usize]],
         lr: f64,
         stop_vote: bool,
@@ -373,6 +373,11 @@ impl Trainer<'_> {
                 .filter(|_| self.model.rows_independent()),
             masked_targets: self.data.masks_targets(),
             virtual_shards: self.spec.virtual_shards(),
+            scrambled_pieces: self
+                .hooks
+                .fault
+                .as_ref()
+                .is_some_and(|f| f.scrambles_pieces(step)),
         };
         let r = step::optimizer_step(&cx, optimizer, &batches, lr, stop_vote, None)?;
         Ok((r.loss_sum, r.samples, r.stop))

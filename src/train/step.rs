@@ -37,6 +37,8 @@ pub struct StepContext<'a> {
     /// `distributed.deterministic = "world-size-invariant"`'s pieces per step (see
     /// `invariant`); `None`: the usual step.
     pub virtual_shards: Option<usize>,
+    /// Test-only (`DDPJOB_FAULT` kind `piece-order`): this step sums its pieces left to right.
+    pub scrambled_pieces: bool,
 }
 
 /// What one step produced: Σ loss·n over its samples (a scalar, read only at log intervals),

@@ -271,6 +271,7 @@ fn frozen_parameters_stay_put_keep_no_state_and_are_not_reduced() {
             shards: None,
             masked_targets: false,
             virtual_shards: None,
+            scrambled_pieces: false,
         };
         let mut optimizer =
             crate::optim::Optimizer::new(spec.train.optimizer, model.params().len());
@@ -346,6 +347,7 @@ fn a_sharded_optimizer_moves_the_all_reduces_bytes_and_gives_its_bits() {
                 shards: None,
                 masked_targets: false,
                 virtual_shards: None,
+                scrambled_pieces: false,
             };
             let batches = data.batches(&Device::Cpu).unwrap();
             for step in 0..3 {
@@ -437,6 +439,7 @@ fn sharded_parameters_gather_alike_on_the_host_and_through_tensor_ops() {
                 shards: None,
                 masked_targets: false,
                 virtual_shards: None,
+                scrambled_pieces: false,
             };
             let vote = plan.owns_vote().then_some(1.0);
             let stop = sharded::gather_parameters(&cx, &plan, vote, on_host).unwrap();

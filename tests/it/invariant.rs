@@ -64,6 +64,16 @@ fn a_gpt_trains_to_the_same_weights_on_one_two_and_four_workers() {
         "distributed.deterministic=run",
     ]);
     parted.fails_with(1, "differs between 1 and 2 worker(s)");
+    // A rank that sums its pieces out of order at step 3 (a deliberate bug) is caught there.
+    let scrambled: crate::common::Run = t
+        .command(
+            &["verify", cfg, "--world-sizes", "1,2", "--steps", "4"],
+            &[("DDPJOB_FAULT", "rank=0,step=3,kind=piece-order")],
+        )
+        .output()
+        .unwrap()
+        .into();
+    scrambled.fails_with(1, "step 3: `");
 }
 
 /// Preempted on 4 workers, resumed on 2: the final weights are the uninterrupted 1-worker run's,

@@ -73,6 +73,9 @@ pub enum TrainError {
     },
     #[error("{0}")]
     Injected(String),
+    /// The job cannot train as configured on this data (found once the data is open).
+    #[error("{0}")]
+    Unfit(String),
 }
 
 impl From<StepError> for TrainError {
@@ -177,6 +180,15 @@ impl Trainer<'_> {
         let t = &spec.train;
         let world = self.comm.world_size();
         let train_len = self.data.train_len();
+        let global = t.batch_size * t.accumulation * world;
+        if spec.distributed.world_size_invariant && train_len < global {
+            return Err(TrainError::Unfit(format!(
+                "distributed.deterministic = \"world-size-invariant\" trains on whole global \
+                 batches, but the {train_len} training samples are fewer than \
+                 train.global_batch_size = {global}: lower it (a multiple of \
+                 distributed.virtual_shards) or give more data"
+            )));
+        }
         let position = self.resume.as_ref().map(|r| r.position.clone());
         let start = Start::new(
             spec,

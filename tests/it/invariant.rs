@@ -144,4 +144,15 @@ fn what_the_mode_cannot_do_is_refused_naming_the_key() {
     ] {
         assert!(run.stderr.contains(expected), "{expected}: {}", run.stderr);
     }
+    // Fewer samples than one global batch: no whole batch to train on, said once the data is
+    // open.
+    let text = TINY
+        .replace("train_samples = 512", "train_samples = 40")
+        .replace("batch_size = 32", "global_batch_size = 64")
+        + base;
+    let small = t.config("c", &text);
+    t.run_env(&small, &[], &[]).fails_with(
+        1,
+        "the 40 training samples are fewer than train.global_batch_size = 64",
+    );
 }

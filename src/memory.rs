@@ -17,8 +17,9 @@ const RUNTIME_BYTES: u64 = 40_000_000;
 pub struct Estimate {
     /// Every parameter, in f32.
     pub weights: u64,
-    /// One gradient per row shard running side by side (a CPU worker's threads), and the
-    /// averaged gradient the update runs beside (this worker's 1/W of it when sharded).
+    /// One gradient per row shard running side by side (a CPU worker's threads; per piece
+    /// in world-size-invariant training), and the averaged gradient the update runs beside
+    /// (this worker's 1/W of it when sharded).
     pub gradients: u64,
     /// The optimizer's state (this worker's 1/W of it when sharded).
     pub optimizer: u64,
@@ -67,7 +68,11 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
         Sharding::Optimizer if layout.world > 1 => layout.world as u64,
         _ => 1,
     };
-    let shards = layout.threads.clamp(1, t.batch_size.max(1)) as u64;
+    let shards = match spec.virtual_shards() {
+        // Every piece's gradient is kept until the tree sums them.
+        Some(pieces) => (pieces / layout.world.max(1)).max(1) as u64,
+        None => layout.threads.clamp(1, t.batch_size.max(1)) as u64,
+    };
     let averaged = 4 * trainable / share;
     let state_per_value = match t.optimizer {
         OptimizerSpec::Adam { .. } | OptimizerSpec::AdamW { .. } => 8,
@@ -89,11 +94,14 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
 }
 
 /// Two buckets' worth of buffers (a bucket and its copy on the wire), when there are
-/// collectives to run.
+/// collectives to run; world-size-invariant training's exchange of every rank's gradient sum.
 fn collective_buffers(spec: &JobSpec, layout: Layout, trainable: u64) -> u64 {
-    match layout.world > 1 || spec.distributed.always_collectives {
-        true => 2 * (spec.distributed.bucket_bytes as u64).min(4 * trainable),
-        false => 0,
+    let collectives = layout.world > 1 || spec.distributed.always_collectives;
+    match (collectives, spec.distributed.world_size_invariant) {
+        // The ranks' gradient sums side by side, then each apart.
+        (true, true) => 2 * layout.world as u64 * 4 * trainable,
+        (true, false) => 2 * (spec.distributed.bucket_bytes as u64).min(4 * trainable),
+        (false, _) => 0,
     }
 }
 

@@ -19,6 +19,11 @@ fn the_peak_grows_with_what_the_process_touches() {
 }
 
 fn gpt_job(extra: &[&str]) -> (JobSpec, Box<dyn Model>) {
+    gpt_job_with("batch_size = 8", extra)
+}
+
+/// The small GPT job with `batch` as its batch line (`batch_size` or `global_batch_size`).
+fn gpt_job_with(batch: &str, extra: &[&str]) -> (JobSpec, Box<dyn Model>) {
     let text = std::env::temp_dir().join(format!("ddpjob-memory-{}.txt", std::process::id()));
     std::fs::write(
         &text,
@@ -27,7 +32,7 @@ fn gpt_job(extra: &[&str]) -> (JobSpec, Box<dyn Model>) {
     .unwrap();
     let config = format!(
         "[model]\narch = \"gpt\"\nn_layer = 4\nn_head = 2\nn_embd = 32\nblock_size = 16\n\
-         [data]\ndataset = \"text\"\npath = \"{}\"\n[train]\nbatch_size = 8\noptimizer = \"adamw\"\n",
+         [data]\ndataset = \"text\"\npath = \"{}\"\n[train]\n{batch}\noptimizer = \"adamw\"\n",
         text.display()
     );
     let overrides: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
@@ -100,4 +105,26 @@ fn the_estimate_follows_sharding_threads_and_checkpointing() {
 
 fn model_input(spec: &JobSpec) -> crate::task::ModelInput {
     crate::task::load(spec, None).unwrap().input()
+}
+
+/// World-size-invariant training keeps each of a worker's pieces' gradients until the tree sums
+/// them, and exchanges every rank's sum.
+#[test]
+fn invariant_training_counts_every_piece_and_the_exchange() {
+    let (spec, model) = gpt_job_with(
+        "global_batch_size = 8",
+        &[
+            "distributed.deterministic=world-size-invariant",
+            "distributed.virtual_shards=8",
+        ],
+    );
+    let p = model.params().element_count() as u64;
+    let spec = spec.for_world_size(2).unwrap();
+    let two = estimate(&spec, model.as_ref(), Layout::of(&spec, 2, 1));
+    assert_eq!(
+        two.gradients,
+        4 * p * 4 + 4 * p,
+        "4 pieces' and the summed one"
+    );
+    assert_eq!(two.runtime, RUNTIME_BYTES + 2 * 2 * 4 * p);
 }

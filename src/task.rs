@@ -167,9 +167,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> TensorResult<Tensor> 
     let (logits, targets) = (logits.reshape(((), classes))?, targets.flatten_all()?);
     if crate::kernels::row_cross_entropy_applies(&logits) {
         let targets = targets.to_dtype(DType::U32)?;
-        let ignore = Tensor::full(IGNORE_TARGET, targets.shape(), targets.device())?;
-        let count = targets
-            .ne(&ignore)?
+        let count = scoring(&targets)?
             .to_dtype(DType::F32)?
             .sum_all()?
             .maximum(1f64)?;
@@ -198,12 +196,20 @@ fn may_ignore(targets: &Tensor) -> TensorResult<bool> {
         .contains(&IGNORE_TARGET))
 }
 
+/// 1 (u8) where a u32 target scores, 0 where it is [`IGNORE_TARGET`].
+fn scoring(targets: &Tensor) -> TensorResult<Tensor> {
+    targets.ne(&Tensor::full(
+        IGNORE_TARGET,
+        targets.shape(),
+        targets.device(),
+    )?)
+}
+
 /// Per target of `targets` [n]: log softmax(`logits` [n, classes]) at the target (0 where
 /// ignored), and 1 where it scores, 0 where ignored (f32).
 fn masked_log_likelihoods(logits: &Tensor, targets: &Tensor) -> TensorResult<(Tensor, Tensor)> {
     let targets = targets.to_dtype(DType::U32)?;
-    let ignore = Tensor::full(IGNORE_TARGET, targets.shape(), targets.device())?;
-    let kept = targets.ne(&ignore)?;
+    let kept = scoring(&targets)?;
     let safe = kept.where_cond(&targets, &targets.zeros_like()?)?;
     let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
     let scored = kept.to_dtype(DType::F32)?;

@@ -244,7 +244,7 @@ impl JobSpec {
 
     /// Micro-batches an epoch's `samples` make on each of `world_size` ranks: world-size-
     /// invariant training takes whole global batches only.
-    fn micro_batches_for(&self, samples: usize, world_size: usize) -> usize {
+    pub fn micro_batches_for(&self, samples: usize, world_size: usize) -> usize {
         let t = &self.train;
         if self.distributed.world_size_invariant {
             return samples / (t.batch_size * t.accumulation * world_size).max(1) * t.accumulation;

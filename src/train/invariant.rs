@@ -199,23 +199,9 @@ fn one_thread_each<R: Send>(parts: usize, cpu: bool, f: impl Fn(usize) -> R + Sy
     if !cpu || pools.is_empty() {
         return (0..parts).map(f).collect();
     }
-    let slots: Vec<std::sync::Mutex<Option<R>>> =
-        (0..parts).map(|_| std::sync::Mutex::new(None)).collect();
-    rayon::broadcast(|ctx| {
-        let pool = &pools[ctx.index() % pools.len()];
-        for i in (ctx.index()..parts).step_by(ctx.num_threads()) {
-            let r = pool.install(|| f(i));
-            *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-        }
-    });
-    slots
-        .into_iter()
-        .map(|s| {
-            s.into_inner()
-                .unwrap_or_else(|e| e.into_inner())
-                .expect("every piece ran")
-        })
-        .collect()
+    super::shards::side_by_side(parts, |thread, i| {
+        pools[thread % pools.len()].install(|| f(i))
+    })
 }
 
 impl MicroBatch {

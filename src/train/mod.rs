@@ -243,7 +243,7 @@ impl Trainer<'_> {
                     true => train_len.saturating_sub(start.consumed),
                     false => train_len,
                 };
-                micro.truncate(left / (t.batch_size * world) * t.accumulation);
+                micro.truncate(spec.micro_batches_for(left, world));
             }
             let groups: Vec<&[&[usize]]> = micro.chunks(t.accumulation).collect();
             let mut epoch_run = EpochRun {

@@ -62,23 +62,30 @@ impl ShardPool {
     /// its n threads), and returns the results in order. A panic in a shard is re-raised here,
     /// once every shard has ended.
     pub fn run<R: Send>(&self, parts: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
-        let slots: Vec<Mutex<Option<R>>> = (0..parts).map(|_| Mutex::new(None)).collect();
-        let work = |ctx: rayon::BroadcastContext<'_>| {
-            for i in (ctx.index()..parts).step_by(ctx.num_threads()) {
-                let r = f(i);
-                *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-            }
-        };
-        rayon::broadcast(work);
-        slots
-            .into_iter()
-            .map(|s| {
-                s.into_inner()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .expect("every shard ran")
-            })
-            .collect()
+        side_by_side(parts, |_, i| f(i))
     }
+}
+
+/// `f(thread, i)` for i in 0..parts on the current rayon pool's threads (the global one,
+/// outside any pool), part i on thread i mod n, the results in order. A panic in a part is
+/// re-raised here, once every part has ended.
+pub(crate) fn side_by_side<R: Send>(parts: usize, f: impl Fn(usize, usize) -> R + Sync) -> Vec<R> {
+    let slots: Vec<Mutex<Option<R>>> = (0..parts).map(|_| Mutex::new(None)).collect();
+    let work = |ctx: rayon::BroadcastContext<'_>| {
+        for i in (ctx.index()..parts).step_by(ctx.num_threads()) {
+            let r = f(ctx.index(), i);
+            *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        }
+    };
+    rayon::broadcast(work);
+    slots
+        .into_iter()
+        .map(|s| {
+            s.into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .expect("every part ran")
+        })
+        .collect()
 }
 
 /// Starts rayon's global pool, which the kernels' parallel loops use, with `threads` threads

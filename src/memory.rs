@@ -3,7 +3,7 @@
 //! (printed by `validate` and at launch, recorded in `summary.json`), and what the kernel says a
 //! worker used (`summary.json`'s `peak_rss_bytes`).
 
-use crate::config::{JobSpec, OptimizerSpec, Sharding};
+use crate::config::{Backend, DeviceChoice, JobSpec, OptimizerSpec, Sharding};
 use crate::models::Model;
 
 /// The process itself: code, thread stacks, the data's buffers and the allocator's slack,
@@ -94,12 +94,18 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
 }
 
 /// Two buckets' worth of buffers (a bucket and its copy on the wire), when there are
-/// collectives to run; world-size-invariant training's exchange of every rank's gradient sum.
+/// collectives to run; world-size-invariant training's tree sum of the ranks' gradient sums.
 fn collective_buffers(spec: &JobSpec, layout: Layout, trainable: u64) -> u64 {
-    let collectives = layout.world > 1 || spec.distributed.always_collectives;
-    match (collectives, spec.distributed.world_size_invariant) {
+    let d = &spec.distributed;
+    let collectives = layout.world > 1 || d.always_collectives;
+    // NCCL's tree sum all-gathers every rank's sum; tcp's partners sum in place.
+    let all_gather = d.backend == Backend::Nccl
+        || (d.backend == Backend::Auto && d.device == DeviceChoice::Cuda);
+    match (collectives, d.world_size_invariant) {
         // The ranks' gradient sums side by side, then each apart.
-        (true, true) => 2 * layout.world as u64 * 4 * trainable,
+        (true, true) if all_gather => 2 * layout.world as u64 * 4 * trainable,
+        // The rank's sum flattened, then taken apart.
+        (true, true) => 2 * 4 * trainable,
         (true, false) => 2 * (spec.distributed.bucket_bytes as u64).min(4 * trainable),
         (false, _) => 0,
     }

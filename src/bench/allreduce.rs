@@ -1,5 +1,6 @@
 //! `ddpjob bench allreduce`: the all-reduce of the backend `run` uses (the tcp ring between CPU
-//! workers, NCCL between GPUs), timed between real worker processes, reported as nccl-tests
+//! workers, NCCL between GPUs), or with `--algorithm tree` the tree-ordered one of
+//! world-size-invariant training, timed between real worker processes, reported as nccl-tests
 //! does (time, algorithm and bus bandwidth per size).
 
 use std::net::{Ipv4Addr, SocketAddr};
@@ -18,11 +19,17 @@ use crate::worker::WorkerEnv;
 
 /// Where rank 0 writes its results for the parent.
 const OUT_ENV: &str = "DDPJOB_BENCH_OUT";
+/// The algorithm each row was timed with.
+const RING: &str = "ring";
+const TREE: &str = "tree";
 const TIMEOUT: Duration = Duration::from_secs(300);
 
 /// One size's result (averages over the timed iterations; the slowest rank counts).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AllReduceRow {
+    /// `ring` (the tcp ring, or NCCL's own), or `tree` (recursive halving between partners).
+    #[serde(default)]
+    pub algorithm: String,
     pub floats: usize,
     pub bytes: usize,
     pub iters: usize,
@@ -79,10 +86,31 @@ pub fn allreduce_on_gpus(device: &str, nproc: usize) -> Result<bool, BenchError>
     }
 }
 
-/// The parent: a store, `nproc` bench workers (one per GPU when `on_gpus`), their results.
+/// Whether `--algorithm tree` can run as asked: CPU workers (the tcp backend's collective;
+/// NCCL's tree sum is an all-gather), a power-of-two count. Always `false` (not on GPUs).
+pub fn tree_on_cpus(device: &str, nproc: usize) -> Result<bool, BenchError> {
+    if device == "cuda" {
+        return Err(BenchError::Usage(
+            "--algorithm tree times the tcp backend's tree-ordered all-reduce between CPU \
+             workers (on GPUs the tree sum is NCCL's all-gather); use --device cpu"
+                .into(),
+        ));
+    }
+    if !nproc.is_power_of_two() {
+        return Err(BenchError::Usage(format!(
+            "--algorithm tree pairs processes by halves: --nproc-per-node must be a power of \
+             two (2, 4, 8, ...), not {nproc}"
+        )));
+    }
+    Ok(false)
+}
+
+/// The parent: a store, `nproc` bench workers (one per GPU when `on_gpus`), their results,
+/// timing the tree-ordered all-reduce when `tree`.
 pub fn allreduce(
     nproc: usize,
     on_gpus: bool,
+    tree: bool,
     sizes: &[usize],
 ) -> Result<Vec<AllReduceRow>, BenchError> {
     if nproc < 2 {
@@ -105,8 +133,15 @@ pub fn allreduce(
     let mut workers = Vec::new();
     for rank in 0..nproc {
         let mut cmd = Command::new(&exe);
-        cmd.args(["bench-worker", "--sizes", &sizes_arg])
-            .env(OUT_ENV, &out);
+        let algorithm = if tree { TREE } else { RING };
+        cmd.args([
+            "bench-worker",
+            "--sizes",
+            &sizes_arg,
+            "--algorithm",
+            algorithm,
+        ])
+        .env(OUT_ENV, &out);
         WorkerEnv {
             rank,
             local_rank: rank,
@@ -152,9 +187,9 @@ pub fn allreduce(
     serde_json::from_slice(&text).map_err(|e| BenchError::Worker(format!("bad results: {e}")))
 }
 
-/// The hidden `bench-worker` subcommand: join the ring (or NCCL), time each size, rank 0
-/// reports.
-pub fn worker(sizes: &[usize]) -> Result<(), BenchError> {
+/// The hidden `bench-worker` subcommand: join the ring (or NCCL; and the tree's partners when
+/// `tree`), time each size, rank 0 reports.
+pub fn worker(sizes: &[usize], tree: bool) -> Result<(), BenchError> {
     let env = WorkerEnv::from_env().map_err(|e| BenchError::Usage(e.to_string()))?;
     let store = StoreClient::connect(&env.master(), &env.token, TIMEOUT)?;
     if env.device != "cpu" {
@@ -177,6 +212,10 @@ pub fn worker(sizes: &[usize]) -> Result<(), BenchError> {
         TIMEOUT,
         spin,
     )?;
+    let comm = match tree {
+        true => comm.with_tree(&store, &env.token, bind, spin)?,
+        false => comm,
+    };
     let world = env.world_size;
     let mut rows = Vec::new();
     for &floats in sizes {
@@ -188,14 +227,24 @@ pub fn worker(sizes: &[usize]) -> Result<(), BenchError> {
             buf.fill((env.rank + 1) as f32);
             comm.barrier()?;
             let started = Instant::now();
-            comm.all_reduce_sum(&mut buf)?;
+            match tree {
+                true => comm.tree_sum_values(&mut buf)?,
+                false => comm.all_reduce_sum(&mut buf)?,
+            }
             if i > 0 {
                 elapsed += started.elapsed();
             }
         }
         let want = (world * (world + 1) / 2) as f32;
         check_result(&buf, want)?;
-        rows.push(row(&comm, env.rank, world, floats, iters, elapsed)?);
+        let algorithm = if tree { TREE } else { RING };
+        rows.push(row(
+            &comm,
+            algorithm,
+            (env.rank, world),
+            (floats, iters),
+            elapsed,
+        )?);
     }
     report(&env, &rows)?;
     comm.barrier()?;
@@ -216,10 +265,9 @@ fn check_result(values: &[f32], want: f32) -> Result<(), BenchError> {
 /// One size's row: the slowest rank's time (agreed with an all-reduce), nccl-tests' bandwidths.
 fn row(
     comm: &dyn Communicator,
-    rank: usize,
-    world: usize,
-    floats: usize,
-    iters: usize,
+    algorithm: &str,
+    (rank, world): (usize, usize),
+    (floats, iters): (usize, usize),
     elapsed: Duration,
 ) -> Result<AllReduceRow, BenchError> {
     let mut slowest = vec![0f64; world];
@@ -229,6 +277,7 @@ fn row(
     let bytes = floats * 4;
     let algbw = bytes as f64 / secs.max(1e-12) / 1e9;
     Ok(AllReduceRow {
+        algorithm: algorithm.into(),
         floats,
         bytes,
         iters,
@@ -260,7 +309,7 @@ mod gpu {
 
     use candle_core::Tensor;
 
-    use super::{AllReduceRow, BenchError, TIMEOUT, check_result, iterations, report, row};
+    use super::{AllReduceRow, BenchError, RING, TIMEOUT, check_result, iterations, report, row};
     use crate::comm::{Communicator, NcclCommunicator};
     use crate::store::StoreClient;
     use crate::worker::WorkerEnv;
@@ -301,7 +350,7 @@ mod gpu {
             // NCCL averages in place (ncclAvg, as training does): every element is the mean.
             let values: Vec<f32> = buf.to_vec1().map_err(gpu)?;
             check_result(&values, (world + 1) as f32 / 2.0)?;
-            rows.push(row(&comm, rank, world, floats, iters, elapsed)?);
+            rows.push(row(&comm, RING, (rank, world), (floats, iters), elapsed)?);
         }
         report(env, &rows)?;
         comm.barrier()?;
@@ -310,11 +359,11 @@ mod gpu {
 }
 
 /// A table like nccl-tests' for a terminal.
-pub fn table(world: usize, on_gpus: bool, rows: &[AllReduceRow]) -> String {
-    let backend = if on_gpus {
-        "(average, f32), NCCL between GPUs"
-    } else {
-        "(sum, f32), tcp ring backend"
+pub fn table(world: usize, on_gpus: bool, tree: bool, rows: &[AllReduceRow]) -> String {
+    let backend = match (on_gpus, tree) {
+        (true, _) => "(average, f32), NCCL between GPUs",
+        (false, true) => "(sum, f32), tcp backend's tree order (recursive halving, partners)",
+        (false, false) => "(sum, f32), tcp ring backend",
     };
     let mut s = format!(
         "# all-reduce {backend}, {world} worker processes on this node\n\

@@ -9,7 +9,7 @@ use thiserror::Error;
 use crate::comm::CommError;
 use crate::store::StoreError;
 
-pub use allreduce::{allreduce, allreduce_on_gpus, parse_sizes, table, worker};
+pub use allreduce::{allreduce, allreduce_on_gpus, parse_sizes, table, tree_on_cpus, worker};
 pub use step::{StepOptions, step, step_table};
 
 #[derive(Debug, Error)]

@@ -6,14 +6,24 @@ use super::CliResult;
 use crate::bench;
 use crate::config;
 
-pub(super) fn bench_allreduce(nproc: usize, device: &str, sizes: &str, json: bool) -> CliResult {
+pub(super) fn bench_allreduce(
+    nproc: usize,
+    device: &str,
+    sizes: &str,
+    algorithm: &str,
+    json: bool,
+) -> CliResult {
     let sizes = bench::parse_sizes(sizes).map_err(bench_failure)?;
-    let on_gpus = bench::allreduce_on_gpus(device, nproc).map_err(bench_failure)?;
-    let rows = bench::allreduce(nproc, on_gpus, &sizes).map_err(bench_failure)?;
+    let tree = algorithm == "tree";
+    let on_gpus = match tree {
+        true => bench::tree_on_cpus(device, nproc).map_err(bench_failure)?,
+        false => bench::allreduce_on_gpus(device, nproc).map_err(bench_failure)?,
+    };
+    let rows = bench::allreduce(nproc, on_gpus, tree, &sizes).map_err(bench_failure)?;
     if json {
         println!("{}", serde_json::to_string(&rows).unwrap_or_default());
     } else {
-        print!("{}", bench::table(nproc, on_gpus, &rows));
+        print!("{}", bench::table(nproc, on_gpus, tree, &rows));
     }
     Ok(())
 }

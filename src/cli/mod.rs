@@ -84,6 +84,8 @@ enum Command {
     BenchWorker {
         #[arg(long)]
         sizes: String,
+        #[arg(long, default_value = "ring")]
+        algorithm: String,
     },
 }
 
@@ -103,6 +105,11 @@ enum BenchCommand {
         /// Buffer sizes in floats (K = 10^3, M = 10^6, G = 10^9).
         #[arg(long, default_value = "1M,10M,100M")]
         sizes: String,
+        /// `ring`: the tcp ring (or NCCL) every job uses; `tree`: the tree-ordered all-reduce
+        /// of world-size-invariant training (recursive halving between partner processes;
+        /// CPU workers, a power-of-two count).
+        #[arg(long, default_value = "ring", value_parser = ["ring", "tree"])]
+        algorithm: String,
         /// Print the results as JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -282,8 +289,9 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
             nproc_per_node,
             device,
             sizes,
+            algorithm,
             json,
-        }) => bench::bench_allreduce(nproc_per_node, &device, &sizes, json),
+        }) => bench::bench_allreduce(nproc_per_node, &device, &sizes, &algorithm, json),
         Command::Bench(BenchCommand::Step {
             config,
             set,
@@ -292,8 +300,8 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
             threads,
             json,
         }) => bench::bench_step(&config, &set, steps, warmup, threads, json),
-        Command::BenchWorker { sizes } => crate::bench::parse_sizes(&sizes)
-            .and_then(|s| crate::bench::worker(&s))
+        Command::BenchWorker { sizes, algorithm } => crate::bench::parse_sizes(&sizes)
+            .and_then(|s| crate::bench::worker(&s, algorithm == "tree"))
             .map_err(|e| (1, e.into())),
     };
     match result {

@@ -98,6 +98,10 @@ impl<C: Communicator> Communicator for Exercised<C> {
         self.0.barrier()
     }
 
+    fn tree_sum(&self, flat: &mut Tensor) -> Result<(), CommError> {
+        self.0.tree_sum(flat)
+    }
+
     fn skips_collectives(&self) -> bool {
         false
     }

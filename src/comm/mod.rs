@@ -3,6 +3,7 @@
 //! parameter broadcast and bucketed gradient averaging.
 
 pub mod buckets;
+mod butterfly;
 mod local;
 #[cfg(feature = "cuda")]
 mod nccl;
@@ -100,11 +101,74 @@ pub trait Communicator {
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), CommError>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), CommError>;
+    /// Replaces `flat` (1-D, f32) with the element-wise sum over ranks in one fixed binary tree
+    /// (rank r's values with rank r + W/2's first, then r + W/4's, ...; W a power of two):
+    /// the same bits on every rank, every run and every backend. World-size-invariant
+    /// training's last levels. By default through [`Communicator::all_gather`] (W times an
+    /// all-reduce's traffic); the tcp backend's partners do it at the ring's bandwidth.
+    fn tree_sum(&self, flat: &mut Tensor) -> Result<(), CommError> {
+        tree_sum_by_all_gather(self, flat)
+    }
     /// Whether the trainer may skip the collectives because they would change nothing (a
     /// single rank), as it does unless the job asks for them (`distributed.collectives`).
     fn skips_collectives(&self) -> bool {
         self.world_size() == 1
     }
+}
+
+/// [`Communicator::tree_sum`] for any backend: every rank's values side by side in one buffer,
+/// each in its rank's segment, all-gathered, then summed in the tree locally.
+pub(crate) fn tree_sum_by_all_gather<C: Communicator + ?Sized>(
+    comm: &C,
+    flat: &mut Tensor,
+) -> Result<(), CommError> {
+    let (world, rank) = (comm.world_size(), comm.rank());
+    if world == 1 {
+        return Ok(());
+    }
+    if !world.is_power_of_two() {
+        return Err(CommError::Failed {
+            op: "tree_sum",
+            rank,
+            problem: format!("a tree over ranks needs a power-of-two world size, not {world}"),
+        });
+    }
+    let n = flat.elem_count();
+    let segments: Vec<_> = (0..world).map(|r| comm.segment_of(world * n, r)).collect();
+    if segments.iter().any(|s| s.len() != n) {
+        return Err(CommError::Failed {
+            op: "tree_sum",
+            rank,
+            problem: format!("the backend splits {world} x {n} values unevenly"),
+        });
+    }
+    // No empty tensor (a device may refuse a zero-byte allocation).
+    let zeros = |len: usize| Tensor::zeros(len, flat.dtype(), flat.device());
+    let at = &segments[rank];
+    let mut parts = Vec::with_capacity(3);
+    if at.start > 0 {
+        parts.push(zeros(at.start)?);
+    }
+    parts.push(flat.flatten_all()?);
+    if at.end < world * n {
+        parts.push(zeros(world * n - at.end)?);
+    }
+    let mut side_by_side = Tensor::cat(&parts, 0)?;
+    comm.all_gather(&mut side_by_side)?;
+    let mut sums = segments
+        .iter()
+        .map(|s| side_by_side.narrow(0, s.start, n))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    while sums.len() > 1 {
+        let upper = sums.split_off(sums.len() / 2);
+        for (low, high) in sums.iter_mut().zip(upper) {
+            *low = (&*low + high)?;
+        }
+    }
+    if let Some(sum) = sums.pop() {
+        *flat = sum.reshape(flat.shape())?;
+    }
+    Ok(())
 }
 
 /// Makes every rank start from rank 0's parameters, as DDP does at construction.

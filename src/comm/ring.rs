@@ -237,6 +237,24 @@ impl RingLinks {
         self.drive(out, &mut Place { dst: into, pos: 0 })
     }
 
+    /// Sends `out` while receiving `into.len()` elements and adding them into `into` as they
+    /// arrive: one step of a reduction between two partners (each sends the half the other
+    /// keeps, so the lengths may differ by one).
+    pub fn exchange_adding<T: Element>(
+        &mut self,
+        out: &[T],
+        into: &mut [T],
+    ) -> Result<(), LinkError> {
+        let mut scratch: Vec<T> = vec![T::zeroed(); CHUNK_ELEMS.min(into.len())];
+        let mut sink = AddInto {
+            dst: into,
+            scratch: &mut scratch,
+            done: 0,
+            filled: 0,
+        };
+        self.drive(bytemuck::cast_slice(out), &mut sink)
+    }
+
     /// Replaces `buf` with the element-wise sum over ranks, in the order the module describes.
     pub fn all_reduce_sum<T: Element>(&mut self, buf: &mut [T]) -> Result<(), LinkError> {
         if self.world == 1 {
@@ -335,7 +353,7 @@ fn retry(e: &io::Error) -> bool {
 }
 
 /// `(&buf[a], &mut buf[b])` for non-overlapping ranges.
-fn disjoint<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut [T]) {
+pub(super) fn disjoint<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut [T]) {
     debug_assert!(a.end <= b.start || b.end <= a.start || a.is_empty() || b.is_empty());
     if a.start <= b.start && a.end <= b.start {
         let (left, right) = buf.split_at_mut(b.start);

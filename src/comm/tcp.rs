@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 
+use super::butterfly::Butterfly;
 use super::ring::{Element, LinkError, RingLinks};
 use super::{CommError, Communicator};
 use crate::heartbeat::Beacon;
@@ -31,6 +32,7 @@ enum Op {
     Barrier = 4,
     ReduceScatterMean = 5,
     AllGather = 6,
+    TreeSum = 7,
 }
 
 impl Op {
@@ -42,6 +44,7 @@ impl Op {
             Op::Barrier => "barrier",
             Op::ReduceScatterMean => "reduce_scatter_mean",
             Op::AllGather => "all_gather",
+            Op::TreeSum => "tree_sum",
         }
     }
 
@@ -53,6 +56,7 @@ impl Op {
             Op::Barrier,
             Op::ReduceScatterMean,
             Op::AllGather,
+            Op::TreeSum,
         ]
         .into_iter()
         .find(|op| *op as u8 == b)
@@ -61,6 +65,8 @@ impl Op {
 
 struct State {
     links: RingLinks,
+    /// The partners of the tree-ordered all-reduce, once joined ([`TcpCommunicator::with_tree`]).
+    tree: Option<Butterfly>,
     /// Collectives started so far; the next one's sequence number.
     seq: u64,
 }
@@ -153,13 +159,7 @@ impl TcpCommunicator {
                 },
             )?;
         let next_addr = String::from_utf8_lossy(&next_addr).into_owned();
-        let mut send = TcpStream::connect(&next_addr)
-            .map_err(|e| setup(format!("cannot connect to rank {next} at {next_addr}: {e}")))?;
-        let mut hello = HELLO.to_vec();
-        hello.extend_from_slice(token.as_bytes());
-        hello.extend_from_slice(&(rank as u32).to_le_bytes());
-        send.write_all(&hello)
-            .map_err(|e| setup(format!("cannot greet rank {next} at {next_addr}: {e}")))?;
+        let send = dial(&next_addr, token, rank, next).map_err(setup)?;
         let recv = accept_from(&listener, token, prev, timeout).map_err(setup)?;
         let links = RingLinks::new(rank, world, send, recv, timeout, spin)
             .map_err(|e| setup(format!("cannot configure a ring socket: {e}")))?;
@@ -167,10 +167,42 @@ impl TcpCommunicator {
             rank,
             world,
             timeout,
-            state: RefCell::new(State { links, seq: 0 }),
+            state: RefCell::new(State {
+                links,
+                tree: None,
+                seq: 0,
+            }),
             beacon: Arc::default(),
             per_node: 0,
         })
+    }
+
+    /// Also connects this rank to its partners of the tree-ordered all-reduce (a power-of-two
+    /// world), which [`Communicator::tree_sum`] then runs over at the ring's bandwidth; without
+    /// them it all-gathers (W times the traffic).
+    pub fn with_tree(
+        self,
+        store: &StoreClient,
+        token: &str,
+        bind_ip: IpAddr,
+        spin: Duration,
+    ) -> Result<Self, CommError> {
+        if self.world > 1 {
+            let tree = Butterfly::connect(
+                store,
+                token,
+                (self.rank, self.world),
+                bind_ip,
+                self.timeout,
+                spin,
+            )
+            .map_err(|problem| CommError::Setup {
+                rank: self.rank,
+                problem,
+            })?;
+            self.state.borrow_mut().tree = Some(tree);
+        }
+        Ok(self)
     }
 
     /// Reports every collective's start and end to `beacon` (published as heartbeats).
@@ -194,13 +226,26 @@ impl TcpCommunicator {
         }
     }
 
-    /// Runs one collective: header exchange, then `body`; io failures become messages naming
-    /// the neighbour and the collective.
+    /// Runs one collective over the ring: header exchange, then `body`; io failures become
+    /// messages naming the neighbour and the collective.
     fn collective(
         &self,
         op: Op,
         len: usize,
         body: impl FnOnce(&mut RingLinks) -> Result<(), LinkError>,
+    ) -> Result<(), CommError> {
+        self.collective_on(op, len, |state, seq| {
+            body(&mut state.links).map_err(|e| self.link_failure(op, seq, e, None))
+        })
+    }
+
+    /// Runs one collective: the header checked with the previous rank over the ring, then
+    /// `body` with the links and the collective's sequence number.
+    fn collective_on(
+        &self,
+        op: Op,
+        len: usize,
+        body: impl FnOnce(&mut State, u64) -> Result<(), CommError>,
     ) -> Result<(), CommError> {
         if self.world == 1 {
             return Ok(());
@@ -209,26 +254,28 @@ impl TcpCommunicator {
         let seq = state.seq;
         state.seq += 1;
         self.beacon.enter(seq, op.name());
-        let result = Self::exchange(self, &mut state.links, op, seq, len, body);
+        let result = self
+            .check_header(&mut state.links, op, seq, len)
+            .and_then(|()| body(&mut state, seq));
         self.beacon.leave();
         result
     }
 
-    fn exchange(
+    fn check_header(
         &self,
         links: &mut RingLinks,
         op: Op,
         seq: u64,
         len: usize,
-        body: impl FnOnce(&mut RingLinks) -> Result<(), LinkError>,
     ) -> Result<(), CommError> {
-        let fail = |e: LinkError| self.link_failure(op, seq, e);
         let mut header = [0u8; HEADER_BYTES];
         header[0] = op as u8;
         header[1..9].copy_from_slice(&seq.to_le_bytes());
         header[9..].copy_from_slice(&(len as u64).to_le_bytes());
         let mut theirs = [0u8; HEADER_BYTES];
-        links.exchange_bytes(&header, &mut theirs).map_err(fail)?;
+        links
+            .exchange_bytes(&header, &mut theirs)
+            .map_err(|e| self.link_failure(op, seq, e, None))?;
         if theirs != header {
             let their_op = Op::from_byte(theirs[0]).map_or("an unknown operation", Op::name);
             let their_seq = u64::from_le_bytes(theirs[1..9].try_into().unwrap_or_default());
@@ -245,12 +292,34 @@ impl TcpCommunicator {
                 ),
             });
         }
-        body(links).map_err(fail)
+        Ok(())
+    }
+
+    /// The tree-ordered sum of `buf` over the partners' links (see [`Butterfly`]).
+    fn tree_collective(&self, buf: &mut [f32]) -> Result<(), CommError> {
+        self.collective_on(Op::TreeSum, buf.len(), |state, seq| {
+            match state.tree.as_mut() {
+                Some(tree) => tree
+                    .tree_sum(buf)
+                    .map_err(|(partner, e)| self.link_failure(Op::TreeSum, seq, e, Some(partner))),
+                None => Err(CommError::Failed {
+                    op: Op::TreeSum.name(),
+                    rank: self.rank,
+                    problem: "this rank never joined the tree's partners (with_tree)".into(),
+                }),
+            }
+        })
     }
 
     /// Sums a plain buffer in place, with no tensor conversion: what `ddpjob bench` times.
     pub fn all_reduce_sum<T: Element>(&self, buf: &mut [T]) -> Result<(), CommError> {
         self.collective(Op::AllReduceSum, buf.len(), |l| l.all_reduce_sum(buf))
+    }
+
+    /// [`Communicator::tree_sum`] of a plain buffer, over the partners' links (joined with
+    /// [`TcpCommunicator::with_tree`]): what `ddpjob bench allreduce --algorithm tree` times.
+    pub fn tree_sum_values(&self, buf: &mut [f32]) -> Result<(), CommError> {
+        self.tree_collective(buf)
     }
 
     /// Payload bytes this rank has sent to the next (collective headers not counted).
@@ -260,27 +329,24 @@ impl TcpCommunicator {
         state.links.bytes_sent() - state.seq * HEADER_BYTES as u64
     }
 
-    /// Runs the collective `op` over `t`'s f32 values: in place when `t` is a contiguous CPU
-    /// f32 tensor (a bucket made for the collective: no copy of it is made, which at 25 MB a
+    /// Runs `collective` over `t`'s f32 values: in place when `t` is a contiguous CPU f32
+    /// tensor (a bucket made for the collective: no copy of it is made, which at 25 MB a
     /// bucket shows in a worker's peak memory), else on a copy that then replaces `t`.
     fn on_values(
         &self,
         t: &mut Tensor,
-        op: Op,
-        body: impl FnOnce(&mut RingLinks, &mut [f32]) -> Result<(), LinkError>,
+        collective: impl FnOnce(&mut [f32]) -> Result<(), CommError>,
     ) -> Result<(), CommError> {
         if crate::kernels::applies(t) && t.is_contiguous() {
             let in_place = InPlace {
-                run: RefCell::new(Some(|buf: &mut [f32]| {
-                    self.collective(op, buf.len(), |l| body(l, buf))
-                })),
+                run: RefCell::new(Some(collective)),
                 outcome: RefCell::new(None),
             };
             t.inplace_op1(&in_place)?;
             return in_place.outcome.into_inner().unwrap_or(Ok(()));
         }
         let mut buf = t.flatten_all()?.to_vec1::<f32>()?;
-        self.collective(op, buf.len(), |l| body(l, &mut buf))?;
+        collective(&mut buf)?;
         *t = Tensor::from_vec(buf, t.shape(), t.device())?;
         Ok(())
     }
@@ -289,10 +355,15 @@ impl TcpCommunicator {
         (self.rank + self.world - 1) % self.world
     }
 
-    fn link_failure(&self, op: Op, seq: u64, e: LinkError) -> CommError {
+    /// `e` as a message naming the peer: the ring's neighbours, or `partner` of the tree.
+    fn link_failure(&self, op: Op, seq: u64, e: LinkError, partner: Option<usize>) -> CommError {
         let (peer, role, cause) = match e {
-            LinkError::Recv(c) => (self.prev(), "receiving from", c),
-            LinkError::Send(c) => ((self.rank + 1) % self.world, "sending to", c),
+            LinkError::Recv(c) => (partner.unwrap_or(self.prev()), "receiving from", c),
+            LinkError::Send(c) => (
+                partner.unwrap_or((self.rank + 1) % self.world),
+                "sending to",
+                c,
+            ),
         };
         let problem = match cause.kind() {
             ErrorKind::UnexpectedEof
@@ -337,15 +408,40 @@ fn accept_from(
     prev: usize,
     timeout: Duration,
 ) -> Result<TcpStream, String> {
+    let mut from = accept_each(listener, token, &[prev], timeout)?;
+    from.pop()
+        .ok_or_else(|| format!("rank {prev} did not connect"))
+}
+
+/// Accepts connections until one from each rank of `expected` with the right token has arrived
+/// (others are dropped, and named in the error if some never come); the streams in the order
+/// of `expected`.
+pub(super) fn accept_each(
+    listener: &TcpListener,
+    token: &str,
+    expected: &[usize],
+    timeout: Duration,
+) -> Result<Vec<TcpStream>, String> {
     let deadline = Instant::now() + timeout;
     listener
         .set_nonblocking(true)
-        .map_err(|e| format!("cannot poll the ring listener: {e}"))?;
+        .map_err(|e| format!("cannot poll the listener: {e}"))?;
     let mut refused = Vec::new();
-    loop {
+    let mut arrived: Vec<Option<TcpStream>> = expected.iter().map(|_| None).collect();
+    while arrived.iter().any(Option::is_none) {
+        let waiting: Vec<usize> = expected
+            .iter()
+            .zip(&arrived)
+            .filter(|(_, s)| s.is_none())
+            .map(|(&r, _)| r)
+            .collect();
         match listener.accept() {
-            Ok((conn, from)) => match greeting(conn, token, prev, deadline) {
-                Ok(conn) => return Ok(conn),
+            Ok((conn, from)) => match greeting(conn, token, &waiting, deadline) {
+                Ok((conn, rank)) => {
+                    if let Some(i) = expected.iter().position(|&r| r == rank) {
+                        arrived[i] = Some(conn);
+                    }
+                }
                 Err(why) => refused.push(format!("{from} ({why})")),
             },
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
@@ -355,25 +451,41 @@ fn accept_from(
                     } else {
                         format!("; refused: {}", refused.join(", "))
                     };
+                    let names: Vec<String> = waiting.iter().map(|r| format!("rank {r}")).collect();
                     return Err(format!(
-                        "rank {prev} did not connect within {} s{others}",
+                        "{} did not connect within {} s{others}",
+                        names.join(", "),
                         timeout.as_secs()
                     ));
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
-            Err(e) => return Err(format!("accepting rank {prev}: {e}")),
+            Err(e) => return Err(format!("accepting {waiting:?}: {e}")),
         }
     }
+    Ok(arrived.into_iter().flatten().collect())
 }
 
-/// Checks a new connection's greeting: the ring magic, the job token, and the rank `prev`.
+/// Connects to `rank` `peer` at `addr` and greets it as `rank` of the job `token`.
+pub(super) fn dial(addr: &str, token: &str, rank: usize, peer: usize) -> Result<TcpStream, String> {
+    let mut conn = TcpStream::connect(addr)
+        .map_err(|e| format!("cannot connect to rank {peer} at {addr}: {e}"))?;
+    let mut hello = HELLO.to_vec();
+    hello.extend_from_slice(token.as_bytes());
+    hello.extend_from_slice(&(rank as u32).to_le_bytes());
+    conn.write_all(&hello)
+        .map_err(|e| format!("cannot greet rank {peer} at {addr}: {e}"))?;
+    Ok(conn)
+}
+
+/// Checks a new connection's greeting: the ring magic, the job token, and a rank of `expected`;
+/// the connection and that rank.
 fn greeting(
     mut conn: TcpStream,
     token: &str,
-    prev: usize,
+    expected: &[usize],
     deadline: Instant,
-) -> Result<TcpStream, String> {
+) -> Result<(TcpStream, usize), String> {
     let left = deadline
         .saturating_duration_since(Instant::now())
         .clamp(Duration::from_millis(100), Duration::from_secs(10));
@@ -389,10 +501,15 @@ fn greeting(
         return Err("not this job's token".into());
     }
     let claimed = u32::from_le_bytes(hello[hello.len() - 4..].try_into().unwrap_or_default());
-    if claimed as usize != prev {
-        return Err(format!("claims rank {claimed}, expected rank {prev}"));
+    match expected {
+        [one] if claimed as usize != *one => {
+            Err(format!("claims rank {claimed}, expected rank {one}"))
+        }
+        _ if !expected.contains(&(claimed as usize)) => Err(format!(
+            "claims rank {claimed}, expected one of ranks {expected:?}"
+        )),
+        _ => Ok((conn, claimed as usize)),
     }
-    Ok(conn)
 }
 
 impl Communicator for TcpCommunicator {
@@ -405,17 +522,32 @@ impl Communicator for TcpCommunicator {
     }
 
     fn all_reduce_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
-        self.on_values(flat, Op::AllReduceMean, |l, buf| l.all_reduce_mean(buf))
+        self.on_values(flat, |buf| {
+            self.collective(Op::AllReduceMean, buf.len(), |l| l.all_reduce_mean(buf))
+        })
     }
 
     fn reduce_scatter_mean(&self, flat: &mut Tensor) -> Result<(), CommError> {
-        self.on_values(flat, Op::ReduceScatterMean, |l, buf| {
-            l.reduce_scatter_mean(buf)
+        self.on_values(flat, |buf| {
+            self.collective(Op::ReduceScatterMean, buf.len(), |l| {
+                l.reduce_scatter_mean(buf)
+            })
         })
     }
 
     fn all_gather(&self, flat: &mut Tensor) -> Result<(), CommError> {
-        self.on_values(flat, Op::AllGather, |l, buf| l.all_gather(buf))
+        self.on_values(flat, |buf| {
+            self.collective(Op::AllGather, buf.len(), |l| l.all_gather(buf))
+        })
+    }
+
+    /// Over the partners' links when joined ([`TcpCommunicator::with_tree`]), else by
+    /// all-gather.
+    fn tree_sum(&self, flat: &mut Tensor) -> Result<(), CommError> {
+        if self.world > 1 && self.state.borrow().tree.is_none() {
+            return super::tree_sum_by_all_gather(self, flat);
+        }
+        self.on_values(flat, |buf| self.tree_collective(buf))
     }
 
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), CommError> {
@@ -450,6 +582,16 @@ pub(crate) fn ranks<T: Send>(
     world: usize,
     f: impl Fn(usize, TcpCommunicator) -> T + Sync,
 ) -> Vec<T> {
+    ranks_joined(world, false, f)
+}
+
+/// [`ranks`], the ranks also joined to their tree partners when `tree`.
+#[cfg(test)]
+pub(crate) fn ranks_joined<T: Send>(
+    world: usize,
+    tree: bool,
+    f: impl Fn(usize, TcpCommunicator) -> T + Sync,
+) -> Vec<T> {
     use std::net::Ipv4Addr;
     let server = crate::store::StoreServer::bind("127.0.0.1:0".parse().unwrap(), "tok").unwrap();
     let addr = server.addr().to_string();
@@ -471,6 +613,10 @@ pub(crate) fn ranks<T: Send>(
                         Duration::ZERO,
                     )
                     .unwrap();
+                    let comm = match tree {
+                        true => comm.with_tree(&store, "tok", ip, Duration::ZERO).unwrap(),
+                        false => comm,
+                    };
                     f(rank, comm)
                 })
             })
@@ -532,7 +678,7 @@ mod tests {
             msg.extend_from_slice(&rank.to_le_bytes());
             c.write_all(&msg).unwrap();
             let (conn, _) = listener.accept().unwrap();
-            (c, greeting(conn, "tok", 3, deadline))
+            (c, greeting(conn, "tok", &[3], deadline).map(|(_, r)| r))
         };
         assert_eq!(hello("bad", 3).1.err().unwrap(), "not this job's token");
         assert_eq!(

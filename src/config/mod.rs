@@ -21,7 +21,6 @@ use crate::registry::Registry;
 pub use error::{ConfigError, Origin};
 pub use keys::RawConfig;
 pub use source::Source;
-#[cfg(any(test, feature = "cuda"))]
 pub(crate) use spec::Backend;
 pub use spec::{
     Check, CheckpointSpec, DataSpec, DeviceChoice, DistributedSpec, Expectation, JobSpec,

@@ -108,7 +108,7 @@ fn model_input(spec: &JobSpec) -> crate::task::ModelInput {
 }
 
 /// World-size-invariant training keeps each of a worker's pieces' gradients until the tree sums
-/// them, and exchanges every rank's sum.
+/// them, and flattens its sum for the tree over ranks (in place between tcp's partners).
 #[test]
 fn invariant_training_counts_every_piece_and_the_exchange() {
     let (spec, model) = gpt_job_with(
@@ -126,5 +126,5 @@ fn invariant_training_counts_every_piece_and_the_exchange() {
         4 * p * 4 + 4 * p,
         "4 pieces' and the summed one"
     );
-    assert_eq!(two.runtime, RUNTIME_BYTES + 2 * 2 * 4 * p);
+    assert_eq!(two.runtime, RUNTIME_BYTES + 2 * 4 * p);
 }

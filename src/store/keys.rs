@@ -39,6 +39,9 @@ pub enum Key {
     Heartbeat { rank: usize },
     /// A CPU worker's ring listening address; its left neighbour connects to it.
     RingAddr { rank: usize },
+    /// A CPU worker's listening address for the tree-ordered all-reduce of world-size-invariant
+    /// training; the partners below it (rank ^ 2^i) connect to it.
+    PairAddr { rank: usize },
     /// Rank 0's NCCL unique id for a restart attempt (each attempt forms a new communicator).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // GPU builds only
     NcclId { attempt: usize },
@@ -59,6 +62,7 @@ impl fmt::Display for Key {
             Key::DataReady { node } => write!(f, "data/node{node}"),
             Key::Heartbeat { rank } => write!(f, "heartbeat/{rank}"),
             Key::RingAddr { rank } => write!(f, "{RING_ADDR_PREFIX}{rank}"),
+            Key::PairAddr { rank } => write!(f, "tree/addr/{rank}"),
             Key::NcclId { attempt } => write!(f, "nccl/id/{attempt}"),
         }
     }
@@ -85,6 +89,7 @@ mod tests {
             Key::DataReady { node: 1 },
             Key::Heartbeat { rank: 1 },
             Key::RingAddr { rank: 1 },
+            Key::PairAddr { rank: 1 },
             Key::NcclId { attempt: 1 },
         ]
         .iter()

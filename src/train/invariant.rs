@@ -10,14 +10,13 @@
 //! the world size), scaled by 1/V (exact: a power of two). The pieces are summed in one fixed
 //! binary tree over k, halving: k with k + V/2, then k + V/4, ... The first levels pair pieces
 //! of one rank (the same residue mod W), so each rank sums its own subtree; the last log2(W)
-//! levels pair rank r's sum with rank r + W/2's, ..., which every rank computes alike from all
-//! the ranks' sums (exchanged whole: W times the traffic of an all-reduce; a recursive-halving
-//! collective would cut that and is not built). Clipping and the optimizer then see the same
-//! gradients whatever W was.
+//! levels pair rank r's sum with rank r + W/2's, ..., the same bits on every rank
+//! ([`Communicator::tree_sum`]: recursive halving between partners on `tcp`, at the ring's
+//! bandwidth). Clipping and the optimizer then see the same gradients whatever W was.
 
 use std::sync::OnceLock;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
 use super::step::{MicroBatch, StepContext, StepError, StepResult, shard_forward_backward};
 use crate::comm::{Communicator, StopVote};
@@ -74,18 +73,11 @@ pub(super) fn optimizer_step(
             .ok_or_else(|| candle_core::Error::Msg("no piece to sum".into()))??,
         false => tree_sum(sums)?,
     };
-    let mut grads = if cx.comm.skips_collectives() {
-        mine
+    let (mut grads, stop) = if cx.comm.skips_collectives() {
+        (mine, StopVote::Known(stop_vote))
     } else {
-        across_ranks(cx.comm, cx.device, mine)?
-    };
-    let stop = match cx.comm.skips_collectives() {
-        true => StopVote::Known(stop_vote),
-        false => {
-            let mut votes = [if stop_vote { 1.0 } else { 0.0 }];
-            cx.comm.all_reduce_sum_f64(&mut votes)?;
-            StopVote::Known(votes[0] > 0.0)
-        }
+        let (grads, votes) = across_ranks(cx.comm, mine, stop_vote)?;
+        (grads, StopVote::Reduced(votes))
     };
     if let Some(max_norm) = cx.grad_clip_norm {
         clip_grad_norm(&mut grads, max_norm)?;
@@ -128,68 +120,43 @@ fn add_lists(a: &[Tensor], b: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
     a.iter().zip(b).map(|(a, b)| a + b).collect()
 }
 
-/// Every rank's subtree sum, then the tree's last levels over ranks: the ranks' flattened sums
-/// side by side in one buffer, each in its rank's segment, all-gathered ((W − 1)·n values
-/// received, as much as a ring all-reduce of the n values at W = 2, twice at 4).
+/// Every rank's subtree sum, then the tree's last levels over ranks: the sums flattened into
+/// one f32 buffer for [`Communicator::tree_sum`] (the partners' recursive halving on `tcp`, at
+/// the ring's bandwidth; all-gather then the tree on other backends), with this rank's stop
+/// vote after them (a sum of 0s and 1s: exact in any order); the summed gradients and votes.
 fn across_ranks(
     comm: &dyn Communicator,
-    device: &Device,
     mine: Vec<Tensor>,
-) -> Result<Vec<Tensor>, StepError> {
-    let (world, rank) = (comm.world_size(), comm.rank());
-    let shapes: Vec<_> = mine.iter().map(|t| t.shape().clone()).collect();
-    let flat = Tensor::cat(
-        &mine
-            .iter()
-            .map(|t| t.to_dtype(DType::F32)?.flatten_all())
-            .collect::<candle_core::Result<Vec<_>>>()?,
-        0,
-    )?;
-    let n = flat.elem_count();
-    let segments: Vec<_> = (0..world).map(|r| comm.segment_of(world * n, r)).collect();
-    if segments.iter().any(|s| s.len() != n) {
-        return Err(candle_core::Error::Msg(format!(
-            "world-size-invariant step: the backend splits {world} x {n} values unevenly"
-        ))
-        .into());
-    }
-    // No empty tensor (a device may refuse a zero-byte allocation).
-    let zeros = |len: usize| Tensor::zeros(len, DType::F32, device);
-    let at = &segments[rank];
-    let mut parts = Vec::with_capacity(3);
-    if at.start > 0 {
-        parts.push(zeros(at.start)?);
-    }
-    parts.push(flat);
-    if at.end < world * n {
-        parts.push(zeros(world * n - at.end)?);
-    }
-    let mut side_by_side = Tensor::cat(&parts, 0)?;
-    comm.all_gather(&mut side_by_side)?;
-    let per_rank = segments
+    stop_vote: bool,
+) -> Result<(Vec<Tensor>, Tensor), StepError> {
+    let f32s = mine
         .iter()
-        .map(|segment| {
-            let flat = side_by_side.narrow(0, segment.start, n)?;
-            let mut offset = 0;
-            shapes
-                .iter()
-                .zip(&mine)
-                .map(|(shape, like)| {
-                    let len = shape.elem_count();
-                    let t = flat.narrow(0, offset, len)?.reshape(shape)?;
-                    offset += len;
-                    t.to_dtype(like.dtype())?.contiguous()
-                })
-                .collect::<candle_core::Result<Vec<_>>>()
+        .map(|t| t.to_dtype(DType::F32))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let vote = if stop_vote { 1.0 } else { 0.0 };
+    let mut flat = crate::comm::flat_bucket(&f32s, Some(vote))?;
+    comm.tree_sum(&mut flat)?;
+    let mut offset = 0;
+    let summed = mine
+        .iter()
+        .map(|like| {
+            let len = like.elem_count();
+            let t = flat.narrow(0, offset, len)?.reshape(like.shape())?;
+            offset += len;
+            t.to_dtype(like.dtype())?.contiguous()
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(tree_sum(per_rank)?)
+    Ok((summed, flat.narrow(0, offset, 1)?))
 }
 
 /// `f(0..parts)`, each on one thread whose kernels see a pool of one (so they never split a
 /// sum by the thread count), side by side over the worker's threads on the CPU; in turn on an
 /// accelerator.
-fn one_thread_each<R: Send>(parts: usize, cpu: bool, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+pub(super) fn one_thread_each<R: Send>(
+    parts: usize,
+    cpu: bool,
+    f: impl Fn(usize) -> R + Sync,
+) -> Vec<R> {
     static SOLO: OnceLock<Vec<rayon::ThreadPool>> = OnceLock::new();
     let pools = SOLO.get_or_init(|| {
         (0..rayon::current_num_threads().max(1))
@@ -240,8 +207,9 @@ mod tests {
         ]
     }
 
-    /// Over a real ring of 1, 2, 4 and 8 ranks every rank gets the tree's sum of all ranks'
-    /// sums, bit for bit what one process computes (and not what a left-to-right sum gives).
+    /// Over real sockets between 1, 2, 4 and 8 ranks, by all-gather over the ring and by the
+    /// partners' recursive halving, every rank gets the tree's sum of all ranks' sums, bit for
+    /// bit what one process computes (and not what a left-to-right sum gives).
     #[test]
     fn the_ranks_sum_in_the_trees_order_at_every_world_size() {
         for world in [1, 2, 4, 8] {
@@ -249,11 +217,17 @@ mod tests {
             let bits = |list: &[Tensor]| -> Vec<u32> {
                 list.iter().flat_map(crate::kernels::f32_bits).collect()
             };
-            let results = crate::comm::tcp::ranks(world, |rank, comm| {
-                bits(&across_ranks(&comm, &Device::Cpu, sums_of(rank)).unwrap())
-            });
-            for (rank, got) in results.iter().enumerate() {
-                assert_eq!(got, &bits(&reference), "world {world}, rank {rank}");
+            for tree in [false, true] {
+                // Rank 1 alone votes to stop: every rank hears of it.
+                let results = crate::comm::tcp::ranks_joined(world, tree, |rank, comm| {
+                    let (sums, votes) = across_ranks(&comm, sums_of(rank), rank == 1).unwrap();
+                    (bits(&sums), votes.to_vec1::<f32>().unwrap())
+                });
+                let stop = if world > 1 { 1.0 } else { 0.0 };
+                for (rank, (got, votes)) in results.iter().enumerate() {
+                    assert_eq!(got, &bits(&reference), "world {world}, rank {rank}, {tree}");
+                    assert_eq!(votes, &[stop], "world {world}, rank {rank}, {tree}");
+                }
             }
             if world >= 4 {
                 let mut left = sums_of(0);

@@ -215,6 +215,9 @@ fn connect(
     )?
     .with_beacon(beacon)
     .with_ranks_per_node(env.local_world_size);
+    if spec.distributed.world_size_invariant {
+        return Ok(Box::new(comm.with_tree(store, &env.token, bind, spin)?));
+    }
     Ok(Box::new(comm))
 }
 

@@ -126,6 +126,7 @@ fn bench_allreduce_reports_bandwidth_per_size() {
         // nccl-tests: busbw = algbw · 2(n-1)/n, which is algbw itself for 2 ranks.
         assert!(alg > 0.0 && (bus - alg).abs() < 1e-9, "{row}");
     }
+    assert!(rows.iter().all(|r| r["algorithm"] == "ring"), "{rows:?}");
     t.ddpjob(&["bench", "allreduce", "--nproc-per-node", "1"])
         .fails_with(2, "at least 2");
     // NCCL needs GPUs: a build without them says how to get them.
@@ -136,4 +137,62 @@ fn bench_allreduce_reports_bandwidth_per_size() {
                 "--device cuda: this build has no GPU support (`--features cuda`)",
             );
     }
+}
+
+/// `--algorithm tree`: the tree-ordered all-reduce between partner processes (its sums are
+/// checked by the workers), refused where it cannot run.
+#[test]
+fn bench_allreduce_times_the_tree_between_partners() {
+    let t = TestJob::new();
+    let run = t.ddpjob(&[
+        "bench",
+        "allreduce",
+        "--device",
+        "cpu",
+        "--nproc-per-node",
+        "4",
+        "--sizes",
+        "1001,100K",
+        "--algorithm",
+        "tree",
+        "--json",
+    ]);
+    run.success();
+    let rows: serde_json::Value = serde_json::from_str(run.stdout.trim()).expect("JSON");
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for row in rows {
+        assert_eq!(row["algorithm"], "tree");
+        assert!(row["busbw_gbs"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    let table = t.ddpjob(&[
+        "bench",
+        "allreduce",
+        "--device",
+        "cpu",
+        "--sizes",
+        "1K",
+        "--algorithm",
+        "tree",
+    ]);
+    table.success();
+    assert!(table.stdout.contains("tree order"), "{}", table.stdout);
+    t.ddpjob(&[
+        "bench",
+        "allreduce",
+        "--nproc-per-node",
+        "3",
+        "--algorithm",
+        "tree",
+    ])
+    .fails_with(2, "power of two (2, 4, 8, ...), not 3");
+    t.ddpjob(&[
+        "bench",
+        "allreduce",
+        "--device",
+        "cuda",
+        "--algorithm",
+        "tree",
+    ])
+    .fails_with(2, "use --device cpu");
 }

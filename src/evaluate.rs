@@ -14,7 +14,7 @@ use crate::config::{self, ConfigError, JobSpec};
 use crate::data::DataError;
 use crate::generate::{SampleError, load_weights, weights_path};
 use crate::jobdir::JobDir;
-use crate::train::{EvalResult, evaluate, shards::ShardPool};
+use crate::train::{EvalResult, EvalThreads, evaluate, shards::ShardPool};
 
 #[derive(Debug, Error)]
 pub enum EvalError {
@@ -230,14 +230,20 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
     let batches = task.batches(&device)?;
     let t = &spec.train;
     let started = Instant::now();
+    // A world-size-invariant job's metrics as its training logged them: batch by batch.
+    let threads = match spec.distributed.world_size_invariant {
+        true => EvalThreads::Pieces {
+            cpu: device.is_cpu(),
+        },
+        false => EvalThreads::Rows(ShardPool::for_device(&device)),
+    };
     let result = evaluate(
         built.as_ref(),
         task.as_ref(),
         batches.as_ref(),
         &LocalCommunicator,
-        t.eval_batch_size,
-        t.eval_batches,
-        ShardPool::for_device(&device),
+        (t.eval_batch_size, t.eval_batches),
+        threads,
     )?;
     Ok(EvalReport {
         result,

@@ -32,7 +32,7 @@ use crate::optim::{GatherError, Gathered, Optimizer, Schedule};
 use crate::progress::Reporter;
 use crate::task::{BatchSource, ModelInput, Task, sample_seed};
 
-pub use eval::{EvalResult, evaluate};
+pub use eval::{EvalResult, EvalThreads, evaluate};
 pub use leader::Leader;
 pub use metrics::{Summary, WeightDigests};
 
@@ -402,14 +402,19 @@ impl Trainer<'_> {
         let t = &self.spec.train;
         // Every rank scores its share with rank 0's buffers (BatchNorm statistics).
         crate::comm::broadcast_buffers(self.comm, self.model.params())?;
+        let threads = match self.spec.distributed.world_size_invariant {
+            true => EvalThreads::Pieces {
+                cpu: self.device.is_cpu(),
+            },
+            false => EvalThreads::Rows(shards::ShardPool::for_device(&self.device)),
+        };
         evaluate(
             self.model.as_ref(),
             self.data,
             batches,
             self.comm,
-            t.eval_batch_size,
-            t.eval_batches,
-            shards::ShardPool::for_device(&self.device),
+            (t.eval_batch_size, t.eval_batches),
+            threads,
         )
     }
 

@@ -20,6 +20,7 @@ use rayon::ThreadPoolBuilder;
 /// How a micro-batch's rows are cut into shards, and the pool that runs them: rayon's global
 /// pool (the kernels' own, so a worker has one set of threads; separate shard threads measured
 /// 5–8% slower, their idle spinning taking cores from the other set's work).
+#[derive(Debug)]
 pub struct ShardPool {
     shards: usize,
 }

@@ -166,9 +166,8 @@ fn evaluation_counts_every_test_sample_once() {
             data.as_ref(),
             batches.as_ref(),
             &LocalCommunicator,
-            10,
-            limit,
-            ShardPool::new(3).as_ref(),
+            (10, limit),
+            EvalThreads::Rows(ShardPool::new(3).as_ref()),
         )
         .unwrap()
     };
@@ -178,6 +177,27 @@ fn evaluation_counts_every_test_sample_once() {
     assert!((r.loss - 3f64.ln()).abs() < 0.5, "{r:?}");
     // Two batches of 10, spread over the split: 20 samples, and never more than the split.
     assert_eq!(eval(Some(2)).samples, 20);
+    // Batch by batch, each alone on one thread (world-size-invariant training): the same
+    // samples, each once.
+    let pieces = |limit| {
+        let threads = EvalThreads::Pieces { cpu: true };
+        evaluate(
+            model.as_ref(),
+            data.as_ref(),
+            batches.as_ref(),
+            &LocalCommunicator,
+            (10, limit),
+            threads,
+        )
+        .unwrap()
+    };
+    assert_eq!(pieces(None).samples, 37);
+    assert_eq!(pieces(Some(2)).samples, 20);
+    assert!(
+        (pieces(None).loss - r.loss).abs() < 1e-6,
+        "{:?} vs {r:?}",
+        pieces(None)
+    );
     assert_eq!(eval(Some(9)).samples, 37);
     assert_eq!(eval(Some(9)).loss, r.loss);
 }

@@ -8,6 +8,7 @@
 #
 #   bench/invariant-cost.sh [ROUNDS] [STEPS]        (default: 3 rounds of 60 steps)
 #   GPT_PIECES=2 CNN_PIECES=4 bench/invariant-cost.sh   other virtual_shards
+#   MODELS=gpt bench/invariant-cost.sh 5                  one model only
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 bin=$here/target/release/ddpjob
@@ -25,7 +26,7 @@ sed -e 's/^batch_size = .*/global_batch_size = 12/' -e "s|^path = .*|path = \"$t
   -e 's/^max_test_loss = .*//' "$here/configs/shakespeare-char.toml" > "$out/gpt.toml"
 declare -A pieces=([cnn]=${CNN_PIECES:-8} [gpt]=${GPT_PIECES:-4})
 for r in $(seq 1 "$rounds"); do
-  for model in cnn gpt; do
+  for model in ${MODELS:-cnn gpt}; do
     for layout in 1x2 2x1; do
       for mode in run world-size-invariant; do
         name=$model-$layout-$mode-$r
@@ -40,11 +41,11 @@ for r in $(seq 1 "$rounds"); do
     done
   done
 done
-python3 - "$out/jobs" "$rounds" <<'PY'
+python3 - "$out/jobs" "$rounds" ${MODELS:-cnn gpt} <<'PY'
 import json, statistics, sys
-jobs, rounds = sys.argv[1], int(sys.argv[2])
+jobs, rounds, models = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 rate = lambda name: json.load(open(f"{jobs}/{name}/summary.json"))["train_samples_per_s"]
-for model in ("cnn", "gpt"):
+for model in models:
     for layout in ("1x2", "2x1"):
         med = {}
         for mode in ("run", "world-size-invariant"):

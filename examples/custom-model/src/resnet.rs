@@ -1,6 +1,8 @@
 //! A small ResNet written with plain `candle_nn` layers: a convolutional stem, residual blocks
 //! (conv-BN-ReLU-conv-BN plus the block's input), global average pooling and a classifier.
 //! BatchNorm keeps running statistics: ddpjob checkpoints them and keeps the ranks in step.
+//! Without it (`batch_norm = false`, each convolution then has a bias) the network has no
+//! statistics, and can train world-size-invariantly.
 
 use candle_core::{Result, Tensor};
 use candle_nn::{BatchNorm, Conv2d, Conv2dConfig, Linear, Module, ModuleT, VarBuilder};
@@ -17,6 +19,13 @@ pub struct Options {
     /// Residual blocks after the stem.
     #[serde(default = "default_blocks")]
     pub blocks: usize,
+    /// BatchNorm after each convolution (else a bias on it).
+    #[serde(default = "default_batch_norm")]
+    pub batch_norm: bool,
+}
+
+fn default_batch_norm() -> bool {
+    true
 }
 
 fn default_channels() -> usize {
@@ -34,26 +43,36 @@ pub struct TinyResNet {
     params: Params,
 }
 
-/// A 3×3 convolution (padding 1, no bias) followed by BatchNorm.
+/// A 3×3 convolution (padding 1) followed by BatchNorm, or with a bias of its own instead.
 struct ConvBn {
     conv: Conv2d,
-    bn: BatchNorm,
+    bn: Option<BatchNorm>,
 }
 
 impl ConvBn {
-    fn new(inputs: usize, outputs: usize, vb: VarBuilder) -> Result<Self> {
+    fn new(inputs: usize, outputs: usize, batch_norm: bool, vb: VarBuilder) -> Result<Self> {
         let config = Conv2dConfig {
             padding: 1,
             ..Default::default()
         };
+        if !batch_norm {
+            return Ok(ConvBn {
+                conv: candle_nn::conv2d(inputs, outputs, 3, config, vb.pp("conv"))?,
+                bn: None,
+            });
+        }
         Ok(ConvBn {
             conv: candle_nn::conv2d_no_bias(inputs, outputs, 3, config, vb.pp("conv"))?,
-            bn: candle_nn::batch_norm(outputs, 1e-5, vb.pp("bn"))?,
+            bn: Some(candle_nn::batch_norm(outputs, 1e-5, vb.pp("bn"))?),
         })
     }
 
     fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        self.bn.forward_t(&self.conv.forward(xs)?, train)
+        let ys = self.conv.forward(xs)?;
+        match &self.bn {
+            Some(bn) => bn.forward_t(&ys, train),
+            None => Ok(ys),
+        }
     }
 }
 
@@ -68,14 +87,14 @@ impl TinyResNet {
         }
         let store = ParamStore::new(cx);
         let vb = store.var_builder();
-        let c = options.channels;
-        let stem = ConvBn::new(shape[0], c, vb.pp("stem"))?;
+        let (c, bn) = (options.channels, options.batch_norm);
+        let stem = ConvBn::new(shape[0], c, bn, vb.pp("stem"))?;
         let blocks = (0..options.blocks)
             .map(|i| {
                 let vb = vb.pp(format!("layer{}", i + 1));
                 Ok((
-                    ConvBn::new(c, c, vb.pp("a"))?,
-                    ConvBn::new(c, c, vb.pp("b"))?,
+                    ConvBn::new(c, c, bn, vb.pp("a"))?,
+                    ConvBn::new(c, c, bn, vb.pp("b"))?,
                 ))
             })
             .collect::<Result<Vec<_>>>()?;

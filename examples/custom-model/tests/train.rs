@@ -204,3 +204,32 @@ fn world_size_invariant_training_refuses_running_statistics() {
         "{err}"
     );
 }
+
+/// Without BatchNorm the registered network and data train world-size-invariantly: `verify`
+/// (the example's own binary, its workers re-executions of it) finds the same weights at
+/// every step on 1, 2 and 4 workers.
+#[test]
+fn world_size_invariant_training_of_a_registered_model_is_bit_identical() {
+    let d = Dir::new();
+    let text = JOB
+        .replace("batch_size = 16", "global_batch_size = 16")
+        .replace("blocks = 1", "blocks = 1\nbatch_norm = false")
+        + "\n[distributed]\ndeterministic = \"world-size-invariant\"\nvirtual_shards = 4\n";
+    std::fs::write(d.path().join("invariant.toml"), text).unwrap();
+    let (code, out, err) = d.run(
+        &[
+            "verify",
+            "invariant.toml",
+            "--world-sizes",
+            "1,2,4",
+            "--steps",
+            "5",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("bit-identical weights at every one of 5 steps on 1, 2, 4 worker(s)"),
+        "{out}"
+    );
+}

@@ -215,6 +215,14 @@ fn first_difference(
     steps: usize,
 ) -> Result<String, String> {
     let (base_world, base) = &traces[0];
+    if base.len() < steps && traces.iter().all(|(_, t)| t.len() == base.len()) {
+        return Err(format!(
+            "every run ended after step {} (the job's train.epochs hold no more): ask for \
+             --steps {} or fewer, or give the job more epochs",
+            base.len(),
+            base.len()
+        ));
+    }
     for (world, trace) in &traces[1..] {
         if trace.len() < steps || base.len() < steps {
             let short = if trace.len() < steps {
@@ -300,6 +308,12 @@ mod tests {
             "bit-identical weights at every one of 2 steps on 1, 2 worker(s) (2 tensors)"
         );
         let short = vec![(1, traces[0].1.clone()), (2, traces[1].1[..1].to_vec())];
+        let ended = vec![(1, short[1].1.clone()), (2, short[1].1.clone())];
+        assert!(
+            first_difference(&ended, 2)
+                .unwrap_err()
+                .starts_with("every run ended after step 1 (the job's train.epochs"),
+        );
         assert_eq!(
             first_difference(&short, 2).unwrap_err(),
             "the 2-worker run stopped before step 2"

@@ -162,7 +162,8 @@ section! {
         flush_denormals: bool = true => flush_denormals: bool = any();
         /// keep only each block's input in a training forward and recompute the block in the
         /// backward: activation memory for about a third more compute, the same weights bit
-        /// for bit (the `gpt` on CPU workers in f32; see "Activation checkpointing")
+        /// for bit (the `gpt` on CPU workers in f32, the `llama` everywhere; see "Activation
+        /// checkpointing")
         activation_checkpointing: bool = false => activation_checkpointing: bool = any();
         /// learning-rate schedule
         scheduler: RawScheduler = RawScheduler::default() => schedule: ScheduleSpec = nested();

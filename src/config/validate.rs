@@ -164,9 +164,9 @@ fn checkpointing_problem(
     let runs_by_hand = "the gpt recomputes activations in its hand-written pass, for CPU workers \
                         in f32";
     match arch {
-        "mlp" | "cnn" | "llama" => Some(format!(
-            "model.arch = \"{arch}\" does not recompute its activations yet (the gpt does); \
-             set it to false"
+        "mlp" | "cnn" => Some(format!(
+            "model.arch = \"{arch}\" does not recompute its activations (the gpt and the llama \
+             do); set it to false"
         )),
         "gpt" if train.precision == super::spec::Precision::Bf16 => Some(format!(
             "{runs_by_hand}; train.precision = \"bf16\" runs through autograd: use \"f32\""

@@ -1,7 +1,7 @@
-//! `train.activation_checkpointing` end to end: a GPT with dropout and clipping trained on 2
-//! workers with and without it ends with the same weights bit for bit, and resumes exactly
-//! after SIGTERM; models and settings that cannot recompute are refused before anything is
-//! created.
+//! `train.activation_checkpointing` end to end: a GPT with dropout and clipping, and a llama
+//! in bf16, trained on 2 workers with and without it end with the same weights bit for bit,
+//! and resume exactly after SIGTERM; models and settings that cannot recompute are refused
+//! before anything is created.
 
 use crate::common::{TestJob, assert_same_bits, corpus, preempt_resume_and_compare};
 
@@ -55,6 +55,58 @@ fn recomputed_blocks_train_the_same_weights_and_resume_exactly() {
         &cfg,
         &[&two[..], &on[..]].concat(),
         "rank=1,step=8,kind=preempt",
+    );
+}
+
+/// The llama recomputes its layers through autograd, one at a time: any precision.
+#[test]
+fn a_llama_recomputes_its_layers_to_the_same_weights() {
+    let t = TestJob::new();
+    let text = t.path("corpus.txt");
+    std::fs::write(&text, corpus()).unwrap();
+    let job = format!(
+        r#"
+seed = 2
+[model]
+arch = "llama"
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 3
+num_attention_heads = 4
+num_key_value_heads = 2
+block_size = 16
+[data]
+dataset = "text"
+path = "{}"
+[train]
+max_steps = 12
+batch_size = 4
+lr = 0.01
+optimizer = "adamw"
+grad_clip_norm = 0.5
+precision = "bf16"
+log_every = 4
+[checkpoint]
+every_steps = 5
+"#,
+        text.display()
+    );
+    let cfg = t.config("llama", &job);
+    let on = ["--set", "train.activation_checkpointing=true"];
+    let two = ["--nproc-per-node", "2"];
+    t.run(&cfg, &[&two[..], &["--name", "plain"]].concat())
+        .success();
+    t.run(&cfg, &[&two[..], &on[..], &["--name", "whole"]].concat())
+        .success();
+    assert_same_bits(
+        &t.job("plain").join("model.safetensors"),
+        &t.job("whole").join("model.safetensors"),
+    );
+    preempt_resume_and_compare(
+        &t,
+        &cfg,
+        &[&two[..], &on[..]].concat(),
+        "rank=0,step=7,kind=preempt",
     );
 }
 

@@ -14,6 +14,7 @@
 
 mod ops;
 mod options;
+mod recompute;
 #[cfg(feature = "cuda")]
 mod rms_norm_cuda;
 mod rms_norm_gpu;
@@ -27,11 +28,13 @@ mod swiglu_gpu;
 #[cfg(test)]
 mod tests;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::{D, DType, Device, Error, Result, Tensor, Var};
 
 use super::gpt::{GptInit, Linear, add_residual, attention, head};
 use super::packed::{self, Packing};
-use super::{Mode, Model, Params};
+use super::{Mode, Model, Params, TrainPass};
 use crate::kernels;
 pub(crate) use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
 use rope::{Llama3Scaling, RopeTables};
@@ -100,6 +103,8 @@ pub struct Llama {
     rope: RopeTables,
     compute: DType,
     params: Params,
+    /// `train.activation_checkpointing`: training passes keep each layer's input only.
+    checkpoint: AtomicBool,
 }
 
 struct Layer {
@@ -186,6 +191,7 @@ impl Llama {
             rope: RopeTables::new(&inv_freq, c.block_size, device)?,
             compute,
             params,
+            checkpoint: AtomicBool::new(false),
         })
     }
 
@@ -202,25 +208,52 @@ impl Llama {
 
     /// Token ids [n, t] → the final RMSNorm's output [n·t, hidden], f32.
     fn trunk(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
-        let (xs, packing) = packed::split(xs)?;
-        let (n, t) = xs.dims2()?;
+        let (ids, packing) = packed::split(xs)?;
+        let shape = self.check_window(&ids)?;
+        let mut x = self.embed_tokens(&ids)?;
+        for layer in &self.layers {
+            x = self.block(layer, &x, shape, packing.as_ref(), mode)?;
+        }
+        self.final_norm(&x)
+    }
+
+    /// (n, t) of token ids [n, t], when t fits the model's window.
+    fn check_window(&self, ids: &Tensor) -> Result<(usize, usize)> {
+        let (n, t) = ids.dims2()?;
         if t == 0 || t > self.config.block_size {
             let block = self.config.block_size;
             return Err(Error::Msg(format!(
                 "llama: {t} positions, block_size is {block}"
             )));
         }
-        let mut x = self.input(&self.embed).embedding(&xs.flatten_all()?)?;
+        Ok((n, t))
+    }
+
+    /// Token ids [n, t] → their embeddings [n·t, hidden].
+    fn embed_tokens(&self, ids: &Tensor) -> Result<Tensor> {
+        self.input(&self.embed).embedding(&ids.flatten_all()?)
+    }
+
+    /// One decoder layer over the residual stream `x` [n·t, hidden].
+    fn block(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        shape: (usize, usize),
+        packing: Option<&Packing>,
+        mode: &Mode,
+    ) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps;
-        for layer in &self.layers {
-            let h = rms_norm(&x, &self.input(&layer.input_norm), eps)?;
-            let y = self.attention(layer, &h, (n, t), packing.as_ref(), mode)?;
-            x = add_residual(&x, &y)?;
-            let h = rms_norm(&x, &self.input(&layer.post_norm), eps)?;
-            let y = self.mlp(layer, &h, mode)?;
-            x = add_residual(&x, &y)?;
-        }
-        rms_norm(&x, &self.input(&self.norm), eps)
+        let h = rms_norm(x, &self.input(&layer.input_norm), eps)?;
+        let y = self.attention(layer, &h, shape, packing, mode)?;
+        let x = add_residual(x, &y)?;
+        let h = rms_norm(&x, &self.input(&layer.post_norm), eps)?;
+        let y = self.mlp(layer, &h, mode)?;
+        add_residual(&x, &y)
+    }
+
+    fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        rms_norm(x, &self.input(&self.norm), self.config.rms_norm_eps)
     }
 
     /// Grouped-query causal self-attention of `h` [n·t, hidden], projected: [n·t, hidden];
@@ -292,6 +325,20 @@ impl Llama {
         layer.down.forward_mode(&hidden, self.compute, mode)
     }
 
+    /// The mean cross-entropy of the final norm's output `x` [n·t, hidden] against `targets`.
+    fn loss_of(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let w = self.head_weight();
+        if self.compute == DType::F32 && head::applies(x, &w) {
+            return head::loss(x, &w, &targets.flatten_all()?);
+        }
+        let logits = self.logits(x)?;
+        if kernels::row_cross_entropy_applies(&logits) {
+            // The GPU's cross-entropy reads bf16 logits as they are: no f32 copy of them.
+            return crate::task::cross_entropy(&logits, targets);
+        }
+        crate::task::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
+    }
+
     /// Logits [rows, vocab] in f32 of the final norm's output `x`.
     fn project(&self, x: &Tensor) -> Result<Tensor> {
         self.logits(x)?.to_dtype(DType::F32)
@@ -317,17 +364,27 @@ impl Model for Llama {
     /// On the CPU in f32 the output projection and the cross-entropy are one op that never
     /// holds all the logits (see `gpt::head`).
     fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
-        let x = self.trunk(xs, mode)?;
-        let w = self.head_weight();
-        if self.compute == DType::F32 && head::applies(&x, &w) {
-            return head::loss(&x, &w, &targets.flatten_all()?);
+        self.loss_of(&self.trunk(xs, mode)?, targets)
+    }
+
+    /// With `train.activation_checkpointing`, a pass that keeps each layer's input only.
+    fn train_pass(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        mode: &Mode,
+    ) -> Result<Option<Box<dyn TrainPass + '_>>> {
+        match self.checkpoint.load(Ordering::Relaxed) {
+            true => Ok(Some(Box::new(recompute::Recomputed::forward(
+                self, xs, targets, mode,
+            )?))),
+            false => Ok(None),
         }
-        let logits = self.logits(&x)?;
-        if kernels::row_cross_entropy_applies(&logits) {
-            // The GPU's cross-entropy reads bf16 logits as they are: no f32 copy of them.
-            return crate::task::cross_entropy(&logits, targets);
-        }
-        crate::task::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
+    }
+
+    fn checkpoint_activations(&self) -> std::result::Result<(), String> {
+        self.checkpoint.store(true, Ordering::Relaxed);
+        Ok(())
     }
 
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {

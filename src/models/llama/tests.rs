@@ -593,3 +593,104 @@ fn an_adapter_that_does_not_fit_its_job_is_refused() {
     .to_string();
     assert!(err.contains("model.lora.adapter"), "{err}");
 }
+
+/// The loss's bits and every parameter's gradient's bits from `model`'s training pass for
+/// `scale` · loss: autograd over the whole model unless the model recomputes its layers.
+fn training_bits(model: &dyn Model, x: &Tensor, y: &Tensor) -> (u32, Vec<Option<Vec<u32>>>) {
+    let mode = Mode::Train {
+        row_seeds: vec![7; x.dims()[0]],
+    };
+    let scale = 0.375;
+    let (loss, grads) = match model.train_pass(x, y, &mode).unwrap() {
+        Some(pass) => {
+            let loss = pass.loss().clone();
+            (loss, pass.backward(scale).unwrap())
+        }
+        None => {
+            let loss = model.loss(x, y, &mode).unwrap();
+            let store = (&loss * scale).unwrap().backward().unwrap();
+            let grads = model.params().vars().map(|v| store.get(v).cloned());
+            (loss, grads.collect())
+        }
+    };
+    let bits = |t: &Tensor| crate::kernels::f32_bits(&t.to_dtype(DType::F32).unwrap());
+    let loss = loss
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    (
+        loss.to_bits(),
+        grads.iter().map(|g| g.as_ref().map(bits)).collect(),
+    )
+}
+
+/// Activation checkpointing recomputes each layer in the backward and gives the same loss and
+/// gradients, bit for bit, as autograd over the whole model: untied (llama) and tied with
+/// biases (qwen2), f32 and bf16, plain and packed rows, and with LoRA adapters (whose frozen
+/// base gets no gradient either way).
+#[test]
+fn recomputed_layers_give_the_whole_models_gradients_bit_for_bit() {
+    let (x, y, _, _) = reference("llama");
+    let pairs: Vec<u32> = x.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+    let t = pairs.len() / x.dims()[0];
+    // The same tokens as two packed examples a row.
+    let packed: Vec<u32> = pairs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &id)| [id, ((i % t) % (t / 2 + 1)) as u32])
+        .collect();
+    let packed = Tensor::from_vec(packed, (x.dims()[0], t, 2), &Device::Cpu).unwrap();
+    for name in ["llama f32", "qwen2 f32", "qwen2 bf16", "qwen2 + LoRA"] {
+        let build = || match name {
+            "qwen2 + LoRA" => with_adapter(),
+            _ => {
+                let (arch, dtype) = name.split_once(' ').unwrap();
+                let dtype = if dtype == "bf16" {
+                    DType::BF16
+                } else {
+                    DType::F32
+                };
+                built(arch, dtype)
+            }
+        };
+        for xs in [&x, &packed] {
+            let model = build();
+            let whole = training_bits(model.as_ref(), xs, &y);
+            model.checkpoint_activations().unwrap();
+            assert!(model.train_pass(xs, &y, &Mode::Eval).unwrap().is_some());
+            let recomputed = training_bits(model.as_ref(), xs, &y);
+            assert!(whole == recomputed, "{name}: the gradients differ");
+        }
+    }
+    // LoRA: only the adapters train.
+    let model = with_adapter();
+    let (_, grads) = training_bits(model.as_ref(), &x, &y);
+    let trained = grads.iter().filter(|g| g.is_some()).count();
+    assert!(
+        trained > 0 && trained < grads.len(),
+        "{trained} of {}",
+        grads.len()
+    );
+}
+
+fn built(name: &str, dtype: DType) -> Box<dyn Model> {
+    let o = options_from(name);
+    build_llama(&o, &context(320, o.block_size(), dtype)).unwrap()
+}
+
+/// qwen2 with the `qwen2-lora` fixture's adapters (its base frozen).
+fn with_adapter() -> Box<dyn Model> {
+    let dir = fixture("qwen2-lora");
+    let text = format!(
+        "[model]\ninit_from = \"{}\"\n[data]\ndataset = \"tokens\"\ntrain_path = \"t.bin\"\nval_path = \"v.bin\"\n",
+        dir.display()
+    );
+    let loaded = crate::config::load_str(std::path::Path::new("j.toml"), text, &[]).unwrap();
+    let input = ModelInput::Tokens {
+        vocab_size: 320,
+        block_size: 64,
+    };
+    let f32 = crate::config::Precision::F32;
+    crate::models::build(&loaded.spec.model, input, 1, &Device::Cpu, f32, false).unwrap()
+}

@@ -17,8 +17,9 @@ const RUNTIME_BYTES: u64 = 40_000_000;
 pub struct Estimate {
     /// Every parameter, in f32.
     pub weights: u64,
-    /// One gradient per row shard running side by side (a CPU worker's threads; per piece
-    /// in world-size-invariant training), and the averaged gradient the update runs beside
+    /// One gradient per row shard running side by side (a CPU worker's threads; in
+    /// world-size-invariant training each piece in flight and the tree's partial sums), and
+    /// the averaged gradient the update runs beside
     /// (this worker's 1/W of it when sharded).
     pub gradients: u64,
     /// The optimizer's state (this worker's 1/W of it when sharded).
@@ -68,9 +69,17 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
         Sharding::Optimizer if layout.world > 1 => layout.world as u64,
         _ => 1,
     };
-    let shards = match spec.virtual_shards() {
-        // Every piece's gradient is kept until the tree sums them.
-        Some(pieces) => (pieces / layout.world.max(1)).max(1) as u64,
+    // World-size-invariant training: the worker's pieces, and how many run at once (one per
+    // thread), each with its rows' activations.
+    let pieces = spec.virtual_shards().map(|v| {
+        let local = (v / layout.world.max(1)).max(1);
+        (local, layout.threads.clamp(1, local))
+    });
+    let shards = match pieces {
+        // The pieces in flight, the tree's partial sums (log2 of the pieces) and the sum
+        // being formed.
+        Some((1, _)) => 1,
+        Some((local, in_flight)) => (local.ilog2() as usize + in_flight + 1).min(local + 1) as u64,
         None => layout.threads.clamp(1, t.batch_size.max(1)) as u64,
     };
     let averaged = 4 * trainable / share;
@@ -79,9 +88,13 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
         OptimizerSpec::Sgd { momentum, .. } if momentum > 0.0 => 4,
         OptimizerSpec::Sgd { .. } => 0,
     };
+    let live_rows = match pieces {
+        Some((local, in_flight)) => t.batch_size / local * in_flight,
+        None => t.batch_size,
+    };
     let activations = model
         .activation_bytes_per_sample(layout.checkpointing)
-        .map(|per_sample| (per_sample * t.batch_size as f64) as u64);
+        .map(|per_sample| (per_sample * live_rows as f64) as u64);
     Estimate {
         weights: 4 * all,
         gradients: 4 * trainable * shards + averaged,

@@ -107,24 +107,27 @@ fn model_input(spec: &JobSpec) -> crate::task::ModelInput {
     crate::task::load(spec, None).unwrap().input()
 }
 
-/// World-size-invariant training keeps each of a worker's pieces' gradients until the tree sums
-/// them, and flattens its sum for the tree over ranks (in place between tcp's partners).
+/// World-size-invariant training keeps the tree's partial sums of a worker's pieces (log2 of
+/// them) beside the pieces in flight (one per thread) and the sum being formed, the
+/// activations of the pieces in flight only, and flattens its sum for the tree over ranks (in
+/// place between tcp's partners).
 #[test]
-fn invariant_training_counts_every_piece_and_the_exchange() {
+fn invariant_training_counts_the_partial_sums_and_the_exchange() {
     let (spec, model) = gpt_job_with(
-        "global_batch_size = 8",
+        "global_batch_size = 16",
         &[
             "distributed.deterministic=world-size-invariant",
-            "distributed.virtual_shards=8",
+            "distributed.virtual_shards=16",
         ],
     );
     let p = model.params().element_count() as u64;
     let spec = spec.for_world_size(2).unwrap();
-    let two = estimate(&spec, model.as_ref(), Layout::of(&spec, 2, 1));
-    assert_eq!(
-        two.gradients,
-        4 * p * 4 + 4 * p,
-        "4 pieces' and the summed one"
-    );
-    assert_eq!(two.runtime, RUNTIME_BYTES + 2 * 4 * p);
+    let at = |threads| estimate(&spec, model.as_ref(), Layout::of(&spec, 2, threads));
+    // 8 pieces of 1 row a worker: 3 partial sums, 1 or 2 pieces in flight, 1 being formed;
+    // and the summed gradient.
+    assert_eq!(at(1).gradients, 4 * p * 5 + 4 * p);
+    assert_eq!(at(2).gradients, 4 * p * 6 + 4 * p);
+    let per_sample = model.activation_bytes_per_sample(false).unwrap();
+    assert_eq!(at(2).activations, Some((2.0 * per_sample) as u64));
+    assert_eq!(at(1).runtime, RUNTIME_BYTES + 2 * 4 * p);
 }

@@ -9,7 +9,9 @@
 //! alone, its kernels on one thread (theirs split sums by the thread count, which changes with
 //! the world size), scaled by 1/V (exact: a power of two). The pieces are summed in one fixed
 //! binary tree over k, halving: k with k + V/2, then k + V/4, ... The first levels pair pieces
-//! of one rank (the same residue mod W), so each rank sums its own subtree; the last log2(W)
+//! of one rank (the same residue mod W), so each rank sums its own subtree, computing its
+//! pieces in the order that lets it add siblings as soon as both exist (keeping log2(V/W)
+//! partial sums, not every piece's gradient); the last log2(W)
 //! levels pair rank r's sum with rank r + W/2's, ..., the same bits on every rank
 //! ([`Communicator::tree_sum`]: recursive halving between partners on `tcp`, at the ring's
 //! bandwidth). Clipping and the optimizer then see the same gradients whatever W was.
@@ -50,29 +52,41 @@ pub(super) fn optimizer_step(
         let n = rows / local;
         shard_forward_backward(cx.model, &part, scale, n as f64, false)
     };
-    let results = one_thread_each(local, cx.device.is_cpu(), piece);
-    let mut sums = Vec::with_capacity(local);
+    // The tree's leaves in bit-reversed order make siblings neighbours, so partial sums can be
+    // added as soon as both halves exist: at most log2(V/W) of them are kept, beside the
+    // pieces in flight (one per thread), instead of every piece's gradient.
+    let order: Vec<usize> = match cx.scrambled_pieces {
+        // A deliberate bug (`DDPJOB_FAULT kind=piece-order`): the pieces added left to right.
+        true => (0..local).collect(),
+        false => bit_reversed(local),
+    };
+    let cpu = cx.device.is_cpu();
+    let in_flight = if cpu { rayon::current_num_threads() } else { 1 };
+    let mut partial = PartialSums::default();
+    let mut losses: Vec<Option<Tensor>> = vec![None; local];
+    for group in order.chunks(in_flight.max(1)) {
+        let results = one_thread_each(group.len(), cpu, |i| piece(group[i]));
+        for (&m, result) in group.iter().zip(results) {
+            let result = result?;
+            let grads = params
+                .trainable()
+                .map(|(i, var)| result.grads[i].clone().map_or_else(|| var.zeros_like(), Ok))
+                .collect::<Result<Vec<_>, _>>()?;
+            losses[m] = Some(result.loss_sum);
+            match cx.scrambled_pieces {
+                true => partial.fold(grads)?,
+                false => partial.push(grads)?,
+            }
+        }
+    }
+    let mine = partial.finish()?;
     let mut loss_sum: Option<Tensor> = None;
-    for result in results {
-        let result = result?;
-        let grads = params
-            .trainable()
-            .map(|(i, var)| result.grads[i].clone().map_or_else(|| var.zeros_like(), Ok))
-            .collect::<Result<Vec<_>, _>>()?;
-        sums.push(grads);
+    for loss in losses.into_iter().flatten() {
         loss_sum = Some(match loss_sum {
-            Some(s) => (s + result.loss_sum)?,
-            None => result.loss_sum,
+            Some(sum) => (sum + loss)?,
+            None => loss,
         });
     }
-    let mine = match cx.scrambled_pieces {
-        true => sums
-            .into_iter()
-            .map(Ok)
-            .reduce(|a, b| add_lists(&a?, &b?))
-            .ok_or_else(|| candle_core::Error::Msg("no piece to sum".into()))??,
-        false => tree_sum(sums)?,
-    };
     let (mut grads, stop) = if cx.comm.skips_collectives() {
         (mine, StopVote::Known(stop_vote))
     } else {
@@ -92,7 +106,9 @@ pub(super) fn optimizer_step(
 }
 
 /// Σ of `parts` (each a list of gradients) in the fixed tree: part m with m + len/2, then
-/// m + len/4, ..., down to part 0 (`parts.len()` a power of two).
+/// m + len/4, ..., down to part 0 (`parts.len()` a power of two). What [`PartialSums`] computes
+/// from the parts in [`bit_reversed`] order, kept whole.
+#[cfg(test)]
 pub(super) fn tree_sum(mut parts: Vec<Vec<Tensor>>) -> candle_core::Result<Vec<Tensor>> {
     let mut half = parts.len() / 2;
     while half > 0 {
@@ -105,6 +121,62 @@ pub(super) fn tree_sum(mut parts: Vec<Vec<Tensor>>) -> candle_core::Result<Vec<T
     parts
         .pop()
         .ok_or_else(|| candle_core::Error::Msg("no piece to sum".into()))
+}
+
+/// 0..n (a power of two) in bit-reversed order: 0, n/2, n/4, 3n/4, ... In it the tree's
+/// siblings (m and m + n/2, then the sums of m and m + n/4, ...) come side by side.
+fn bit_reversed(n: usize) -> Vec<usize> {
+    let bits = n.trailing_zeros();
+    (0..n)
+        .map(|i| match bits {
+            0 => i,
+            b => i.reverse_bits() >> (usize::BITS - b),
+        })
+        .collect()
+}
+
+/// The tree's sum of pieces fed in [`bit_reversed`] order, as a binary counter: an entry at
+/// level l is the sum of 2^l consecutive pieces, and a new one is added to the entry before it
+/// while their levels agree; so at most log2(n) sums are kept between pieces.
+#[derive(Default)]
+struct PartialSums {
+    stack: Vec<(u32, Vec<Tensor>)>,
+}
+
+impl PartialSums {
+    fn push(&mut self, mut grads: Vec<Tensor>) -> candle_core::Result<()> {
+        let mut level = 0;
+        while let Some((top, _)) = self.stack.last()
+            && *top == level
+        {
+            if let Some((_, earlier)) = self.stack.pop() {
+                grads = add_lists(&earlier, &grads)?;
+            }
+            level += 1;
+        }
+        self.stack.push((level, grads));
+        Ok(())
+    }
+
+    /// Left to right instead (the piece-order fault).
+    fn fold(&mut self, grads: Vec<Tensor>) -> candle_core::Result<()> {
+        let sum = match self.stack.pop() {
+            Some((_, earlier)) => add_lists(&earlier, &grads)?,
+            None => grads,
+        };
+        self.stack.push((0, sum));
+        Ok(())
+    }
+
+    /// The sum of every piece pushed (a power of two of them).
+    fn finish(mut self) -> candle_core::Result<Vec<Tensor>> {
+        match (self.stack.pop(), self.stack.is_empty()) {
+            (Some((_, sum)), true) => Ok(sum),
+            _ => Err(candle_core::Error::Msg(
+                "world-size-invariant step: the pieces do not make one tree".into(),
+            )),
+        }
+    }
 }
 
 /// `a + b`, tensor by tensor (one parallel pass on the CPU: element-wise, the same bits
@@ -241,6 +313,30 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Fed in bit-reversed order, the partial sums give the tree's sum bit for bit, keeping at
+    /// most log2(n) sums between pieces; fed left to right (the fault), another sum.
+    #[test]
+    fn partial_sums_of_bit_reversed_pieces_are_the_tree() {
+        assert_eq!(super::bit_reversed(8), vec![0, 4, 2, 6, 1, 5, 3, 7]);
+        assert_eq!(super::bit_reversed(1), vec![0]);
+        let parts: Vec<Vec<Tensor>> = (0..8).map(sums_of).collect();
+        let bits = |list: &[Tensor]| -> Vec<u32> {
+            list.iter().flat_map(crate::kernels::f32_bits).collect()
+        };
+        let want = bits(&tree_sum(parts.clone()).unwrap());
+        let mut partial = super::PartialSums::default();
+        for m in super::bit_reversed(8) {
+            partial.push(parts[m].clone()).unwrap();
+            assert!(partial.stack.len() <= 3);
+        }
+        assert_eq!(bits(&partial.finish().unwrap()), want);
+        let mut left = super::PartialSums::default();
+        for part in parts {
+            left.fold(part).unwrap();
+        }
+        assert_ne!(bits(&left.finish().unwrap()), want);
     }
 
     /// The tree pairs m with m + len/2 first: for 4 parts, (p0 + p2) + (p1 + p3), which differs

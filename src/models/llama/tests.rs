@@ -694,3 +694,27 @@ fn with_adapter() -> Box<dyn Model> {
     let f32 = crate::config::Precision::F32;
     crate::models::build(&loaded.spec.model, input, 1, &Device::Cpu, f32, false).unwrap()
 }
+
+/// The memory estimate's share of a sample: per position, every layer's tensors and one
+/// layer's more for the backward, or with checkpointing the layers' inputs and one layer's;
+/// not known in bf16.
+#[test]
+fn activations_per_sample_count_the_layers_kept() {
+    let o = LlamaOptions::default().complete().unwrap();
+    let t = o.block_size();
+    let model = build_llama(&o, &context(65, t, DType::F32)).unwrap();
+    let (off, on) = (
+        model.activation_bytes_per_sample(false).unwrap(),
+        model.activation_bytes_per_sample(true).unwrap(),
+    );
+    // The scratch llama: 4 layers of 128 channels, 4 query heads of 32, 2 key/value heads,
+    // SwiGLU of 384; 65 tokens.
+    let (h, q, kv, i, layers) = (128.0, 128.0, 64.0, 384.0, 4.0);
+    let layer = 6.0 * h + 6.0 * q + 2.0 * q + 3.0 * kv + 3.0 * i;
+    let ends = 2.0 * h + 65.0;
+    let bytes = |per_position: f64| per_position * t as f64 * 4.0;
+    assert_eq!(off, bytes((layers + 1.0) * layer + ends));
+    assert_eq!(on, bytes(layers * h + layer + ends));
+    let bf16 = build_llama(&o, &context(65, t, DType::BF16)).unwrap();
+    assert_eq!(bf16.activation_bytes_per_sample(false), None);
+}

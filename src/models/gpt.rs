@@ -298,7 +298,10 @@ impl Model for Gpt {
         if manual::applies(self) && xs.rank() == 2 {
             return manual::score(self, xs, targets);
         }
-        let x = self.ln_f.forward(&self.trunk(xs, &Mode::Eval)?)?;
+        let x = self
+            .ln_f
+            .forward(&self.trunk_with(xs, &Mode::Eval, true)?)?
+            .detach();
         let wte = self.wte.as_tensor();
         if self.compute == DType::F32 && head::applies(&x, wte) {
             return head::score(&x, wte, &targets.flatten_all()?);
@@ -402,6 +405,13 @@ impl super::KvDecoder for Gpt {
 impl Gpt {
     /// Token ids [n, t] (t ≤ block_size) → the last block's output [n·t, C], before ln_f.
     fn trunk(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
+        self.trunk_with(xs, mode, false)
+    }
+
+    /// [`Gpt::trunk`]; `scoring`: each block's output detached, so an evaluation holds one
+    /// block's tensors at a time, not every block's until the loss is read (the parameters are
+    /// variables: autograd would keep them all, as for training).
+    fn trunk_with(&self, xs: &Tensor, mode: &Mode, scoring: bool) -> Result<Tensor> {
         let (xs, packing) = super::packed::split(xs)?;
         let (n, t) = xs.dims2()?;
         let c = self.config.n_embd;
@@ -429,12 +439,13 @@ impl Gpt {
             Some(p) => self.embed_at(&xs.flatten_all()?, &p.positions)?,
             None => self.embed(&xs.flatten_all()?, n, t, 0)?,
         };
-        let mut x = drop(embedded, 0)?;
+        let detached = |x: Tensor| if scoring { x.detach() } else { x };
+        let mut x = detached(drop(embedded, 0)?);
         for (i, block) in self.blocks.iter().enumerate() {
             let y = block.attention(&x, (n, t), packing.as_ref(), self, mode)?;
             x = dropout::add_dropped(&x, &y, dropout.as_ref(), 1 + 2 * i)?;
             let y = block.mlp(&x, self, mode)?;
-            x = dropout::add_dropped(&x, &y, dropout.as_ref(), 2 + 2 * i)?;
+            x = detached(dropout::add_dropped(&x, &y, dropout.as_ref(), 2 + 2 * i)?);
         }
         Ok(x)
     }

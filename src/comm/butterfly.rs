@@ -134,37 +134,15 @@ fn halves(range: &Range<usize>, upper: bool) -> (Range<usize>, Range<usize>) {
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
-
     use super::*;
-    use crate::store::StoreServer;
 
     /// Runs `f(rank, butterfly)` for `world` ranks joined over a real store and real sockets.
     fn joined<T: Send>(world: usize, f: impl Fn(usize, Butterfly) -> T + Sync) -> Vec<T> {
-        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "tok").unwrap();
-        let addr = server.addr().to_string();
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (0..world)
-                .map(|rank| {
-                    let (addr, f) = (&addr, &f);
-                    s.spawn(move || {
-                        let timeout = Duration::from_secs(5);
-                        let store = StoreClient::connect(addr, "tok", timeout).unwrap();
-                        let ip = IpAddr::from(Ipv4Addr::LOCALHOST);
-                        let tree = Butterfly::connect(
-                            &store,
-                            "tok",
-                            (rank, world),
-                            ip,
-                            timeout,
-                            Duration::ZERO,
-                        )
-                        .unwrap();
-                        f(rank, tree)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        crate::comm::tcp::on_one_store(world, |rank, store, ip| {
+            let timeout = Duration::from_secs(5);
+            let tree = Butterfly::connect(store, "tok", (rank, world), ip, timeout, Duration::ZERO)
+                .unwrap();
+            f(rank, tree)
         })
     }
 

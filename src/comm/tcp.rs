@@ -592,6 +592,25 @@ pub(crate) fn ranks_joined<T: Send>(
     tree: bool,
     f: impl Fn(usize, TcpCommunicator) -> T + Sync,
 ) -> Vec<T> {
+    on_one_store(world, |rank, store, ip| {
+        let timeout = Duration::from_secs(5);
+        let comm = TcpCommunicator::connect(store, "tok", rank, world, ip, timeout, Duration::ZERO)
+            .unwrap();
+        let comm = match tree {
+            true => comm.with_tree(store, "tok", ip, Duration::ZERO).unwrap(),
+            false => comm,
+        };
+        f(rank, comm)
+    })
+}
+
+/// `f(rank, store, loopback)` for `world` ranks, a thread each, all clients of one real store
+/// (job token `tok`): what the collectives' tests connect through.
+#[cfg(test)]
+pub(crate) fn on_one_store<T: Send>(
+    world: usize,
+    f: impl Fn(usize, &StoreClient, IpAddr) -> T + Sync,
+) -> Vec<T> {
     use std::net::Ipv4Addr;
     let server = crate::store::StoreServer::bind("127.0.0.1:0".parse().unwrap(), "tok").unwrap();
     let addr = server.addr().to_string();
@@ -601,23 +620,7 @@ pub(crate) fn ranks_joined<T: Send>(
                 let (addr, f) = (&addr, &f);
                 s.spawn(move || {
                     let store = StoreClient::connect(addr, "tok", Duration::from_secs(5)).unwrap();
-                    let ip = IpAddr::from(Ipv4Addr::LOCALHOST);
-                    let timeout = Duration::from_secs(5);
-                    let comm = TcpCommunicator::connect(
-                        &store,
-                        "tok",
-                        rank,
-                        world,
-                        ip,
-                        timeout,
-                        Duration::ZERO,
-                    )
-                    .unwrap();
-                    let comm = match tree {
-                        true => comm.with_tree(&store, "tok", ip, Duration::ZERO).unwrap(),
-                        false => comm,
-                    };
-                    f(rank, comm)
+                    f(rank, &store, IpAddr::from(Ipv4Addr::LOCALHOST))
                 })
             })
             .collect();

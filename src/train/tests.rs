@@ -160,17 +160,20 @@ fn evaluation_counts_every_test_sample_once() {
     let spec = spec(&[]);
     let (data, model) = data_and_model(&spec);
     let batches = data.batches(&Device::Cpu).unwrap();
-    let eval = |limit| {
+    let pool = ShardPool::new(3);
+    let run = |limit, threads| {
+        let (model, data) = (model.as_ref(), data.as_ref());
         evaluate(
-            model.as_ref(),
-            data.as_ref(),
+            model,
+            data,
             batches.as_ref(),
             &LocalCommunicator,
             (10, limit),
-            EvalThreads::Rows(ShardPool::new(3).as_ref()),
+            threads,
         )
         .unwrap()
     };
+    let eval = |limit| run(limit, EvalThreads::Rows(pool.as_ref()));
     let r = eval(None);
     assert_eq!(r.samples, 37);
     // An untrained 3-class model's loss is near ln 3.
@@ -179,18 +182,7 @@ fn evaluation_counts_every_test_sample_once() {
     assert_eq!(eval(Some(2)).samples, 20);
     // Batch by batch, each alone on one thread (world-size-invariant training): the same
     // samples, each once.
-    let pieces = |limit| {
-        let threads = EvalThreads::Pieces { cpu: true };
-        evaluate(
-            model.as_ref(),
-            data.as_ref(),
-            batches.as_ref(),
-            &LocalCommunicator,
-            (10, limit),
-            threads,
-        )
-        .unwrap()
-    };
+    let pieces = |limit| run(limit, EvalThreads::Pieces { cpu: true });
     assert_eq!(pieces(None).samples, 37);
     assert_eq!(pieces(Some(2)).samples, 20);
     assert!(

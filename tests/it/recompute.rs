@@ -40,22 +40,23 @@ every_steps = 5
 fn recomputed_blocks_train_the_same_weights_and_resume_exactly() {
     let t = TestJob::new();
     let cfg = gpt(&t);
+    same_weights_with_and_without(&t, &cfg, "rank=1,step=8,kind=preempt");
+}
+
+/// Trains `cfg` on 2 workers with and without checkpointing (the same weights, bit for bit),
+/// then with it, preempted by `fault` and resumed (the uninterrupted run's weights).
+fn same_weights_with_and_without(t: &TestJob, cfg: &std::path::Path, fault: &str) {
     let on = ["--set", "train.activation_checkpointing=true"];
     let two = ["--nproc-per-node", "2"];
-    t.run(&cfg, &[&two[..], &["--name", "plain"]].concat())
+    t.run(cfg, &[&two[..], &["--name", "plain"]].concat())
         .success();
-    t.run(&cfg, &[&two[..], &on[..], &["--name", "whole"]].concat())
+    t.run(cfg, &[&two[..], &on[..], &["--name", "whole"]].concat())
         .success();
     assert_same_bits(
         &t.job("plain").join("model.safetensors"),
         &t.job("whole").join("model.safetensors"),
     );
-    preempt_resume_and_compare(
-        &t,
-        &cfg,
-        &[&two[..], &on[..]].concat(),
-        "rank=1,step=8,kind=preempt",
-    );
+    preempt_resume_and_compare(t, cfg, &[&two[..], &on[..]].concat(), fault);
 }
 
 /// The llama recomputes its layers through autograd, one at a time: any precision.
@@ -92,22 +93,7 @@ every_steps = 5
         text.display()
     );
     let cfg = t.config("llama", &job);
-    let on = ["--set", "train.activation_checkpointing=true"];
-    let two = ["--nproc-per-node", "2"];
-    t.run(&cfg, &[&two[..], &["--name", "plain"]].concat())
-        .success();
-    t.run(&cfg, &[&two[..], &on[..], &["--name", "whole"]].concat())
-        .success();
-    assert_same_bits(
-        &t.job("plain").join("model.safetensors"),
-        &t.job("whole").join("model.safetensors"),
-    );
-    preempt_resume_and_compare(
-        &t,
-        &cfg,
-        &[&two[..], &on[..]].concat(),
-        "rank=0,step=7,kind=preempt",
-    );
+    same_weights_with_and_without(&t, &cfg, "rank=0,step=7,kind=preempt");
 }
 
 #[test]

@@ -111,9 +111,14 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
 fn collective_buffers(spec: &JobSpec, layout: Layout, trainable: u64) -> u64 {
     let d = &spec.distributed;
     let collectives = layout.world > 1 || d.always_collectives;
-    // NCCL's tree sum all-gathers every rank's sum; tcp's partners sum in place.
-    let all_gather = d.backend == Backend::Nccl
-        || (d.backend == Backend::Auto && d.device == DeviceChoice::Cuda);
+    // NCCL's tree sum all-gathers every rank's sum; tcp's partners sum in place. A CUDA build
+    // with `device = "auto"` may find GPUs: counted as NCCL.
+    let gpus = match d.device {
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Auto => cfg!(feature = "cuda"),
+        DeviceChoice::Cpu => false,
+    };
+    let all_gather = d.backend == Backend::Nccl || (d.backend == Backend::Auto && gpus);
     match (collectives, d.world_size_invariant) {
         // The ranks' gradient sums side by side, then each apart.
         (true, true) if all_gather => 2 * layout.world as u64 * 4 * trainable,

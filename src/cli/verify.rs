@@ -215,6 +215,15 @@ fn first_difference(
     steps: usize,
 ) -> Result<String, String> {
     let (base_world, base) = &traces[0];
+    // The steps every run has are compared first: a difference there is the finding, whatever
+    // became of the runs after it.
+    let common = traces
+        .iter()
+        .map(|(_, t)| t.len())
+        .min()
+        .unwrap_or(0)
+        .min(steps);
+    compare_steps(traces, common)?;
     if base.len() < steps && traces.iter().all(|(_, t)| t.len() == base.len()) {
         return Err(format!(
             "every run ended after step {} (the job's train.epochs hold no more): ask for \
@@ -235,6 +244,18 @@ fn first_difference(
             ));
         }
     }
+    compare_steps(traces, steps)?;
+    let sizes: Vec<String> = traces.iter().map(|(w, _)| w.to_string()).collect();
+    Ok(format!(
+        "bit-identical weights at every one of {steps} steps on {} worker(s) ({} tensors)",
+        sizes.join(", "),
+        base[0].tensors.len()
+    ))
+}
+
+/// The first of `steps` steps at which a run's digests differ from the first run's.
+fn compare_steps(traces: &[(usize, Vec<WeightDigests>)], steps: usize) -> Result<(), String> {
+    let (base_world, base) = &traces[0];
     for step in 0..steps {
         for (world, trace) in &traces[1..] {
             let (a, b) = (&base[step], &trace[step]);
@@ -265,12 +286,7 @@ fn first_difference(
             }
         }
     }
-    let sizes: Vec<String> = traces.iter().map(|(w, _)| w.to_string()).collect();
-    Ok(format!(
-        "bit-identical weights at every one of {steps} steps on {} worker(s) ({} tensors)",
-        sizes.join(", "),
-        base[0].tensors.len()
-    ))
+    Ok(())
 }
 
 #[cfg(test)]
@@ -308,6 +324,15 @@ mod tests {
             "bit-identical weights at every one of 2 steps on 1, 2 worker(s) (2 tensors)"
         );
         let short = vec![(1, traces[0].1.clone()), (2, traces[1].1[..1].to_vec())];
+        // A difference at a step both runs have is the finding, even when they end early.
+        let early = vec![
+            (1, traces[0].1[..1].to_vec()),
+            (2, vec![digests(1, &[("a", "ff"), ("b", "02")])]),
+        ];
+        assert_eq!(
+            first_difference(&early, 2).unwrap_err(),
+            "step 1: `a` differs between 1 and 2 worker(s)"
+        );
         let ended = vec![(1, short[1].1.clone()), (2, short[1].1.clone())];
         assert!(
             first_difference(&ended, 2)

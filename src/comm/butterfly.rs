@@ -30,8 +30,9 @@ pub struct Butterfly {
 
 impl Butterfly {
     /// Connects rank `rank` of `world` (a power of two) to its partners through the store:
-    /// listens on `bind_ip`, publishes the address, dials the partners above it and accepts
-    /// those below, all within `timeout`. `spin`: see [`RingLinks`].
+    /// listens on `bind_ip`, publishes the address, dials every partner (the connection it
+    /// writes to) and accepts one connection from each (the one it reads from), all within
+    /// `timeout`. `spin`: see [`RingLinks`].
     pub fn connect(
         store: &StoreClient,
         token: &str,

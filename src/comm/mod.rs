@@ -122,10 +122,9 @@ pub(crate) fn tree_sum_by_all_gather<C: Communicator + ?Sized>(
     comm: &C,
     flat: &mut Tensor,
 ) -> Result<(), CommError> {
+    // At world size 1 too: a communicator whose collectives are exercised there
+    // (`distributed.collectives = "always"`) runs its all-gather.
     let (world, rank) = (comm.world_size(), comm.rank());
-    if world == 1 {
-        return Ok(());
-    }
     if !world.is_power_of_two() {
         return Err(CommError::Failed {
             op: "tree_sum",
@@ -262,7 +261,12 @@ pub(crate) fn flat_bucket(tensors: &[Tensor], vote: Option<f32>) -> Result<Tenso
         .map(|g| g.flatten_all())
         .collect::<Result<Vec<_>, _>>()?;
     if let Some(vote) = vote {
-        let (device, dtype) = (flats[0].device().clone(), flats[0].dtype());
+        let Some(first) = flats.first() else {
+            return Err(CommError::Tensor(candle_core::Error::Msg(
+                "no gradient to carry the stop vote: the model has no trainable parameter".into(),
+            )));
+        };
+        let (device, dtype) = (first.device().clone(), first.dtype());
         flats.push(Tensor::new(&[vote], &device)?.to_dtype(dtype)?);
     }
     Ok(Tensor::cat(&flats, 0)?)

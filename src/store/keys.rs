@@ -40,7 +40,7 @@ pub enum Key {
     /// A CPU worker's ring listening address; its left neighbour connects to it.
     RingAddr { rank: usize },
     /// A CPU worker's listening address for the tree-ordered all-reduce of world-size-invariant
-    /// training; the partners below it (rank ^ 2^i) connect to it.
+    /// training; each of its partners (rank ^ 2^i) connects to it.
     PairAddr { rank: usize },
     /// Rank 0's NCCL unique id for a restart attempt (each attempt forms a new communicator).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // GPU builds only

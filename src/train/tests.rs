@@ -206,10 +206,11 @@ fn training_is_deterministic_for_a_seed() {
     assert_ne!(a.final_train_loss, c.final_train_loss);
 }
 
-/// A rank of one that runs its collectives, counting the values it all-reduces.
+/// A rank of one that runs its collectives, counting the values it all-reduces and gathers.
 #[derive(Default)]
 struct CountingComm {
     reduced: std::cell::Cell<usize>,
+    gathered: std::cell::Cell<usize>,
 }
 
 impl crate::comm::Communicator for CountingComm {
@@ -233,7 +234,8 @@ impl crate::comm::Communicator for CountingComm {
         self.reduced.set(self.reduced.get() + flat.elem_count());
         Ok(())
     }
-    fn all_gather(&self, _: &mut candle_core::Tensor) -> Result<(), crate::comm::CommError> {
+    fn all_gather(&self, flat: &mut candle_core::Tensor) -> Result<(), crate::comm::CommError> {
+        self.gathered.set(self.gathered.get() + flat.elem_count());
         Ok(())
     }
     fn all_reduce_sum_f64(&self, _: &mut [f64]) -> Result<(), crate::comm::CommError> {
@@ -252,6 +254,40 @@ impl crate::comm::Communicator for CountingComm {
     fn skips_collectives(&self) -> bool {
         false
     }
+}
+
+/// A world-size-invariant step on one worker whose collectives are exercised
+/// (`distributed.collectives = "always"`) runs its tree sum's collective: every gradient value
+/// and the stop vote go through the backend's all-gather.
+#[test]
+fn an_exercised_single_worker_runs_the_invariant_steps_collective() {
+    let spec = spec(&[]);
+    let (data, model) = data_and_model(&spec);
+    let batches = data.batches(&Device::Cpu).unwrap();
+    let (inputs, targets) = batches.train(0, &[0, 1, 2, 3, 4, 5, 6, 7]).unwrap();
+    let comm = CountingComm::default();
+    let cx = step::StepContext {
+        model: model.as_ref(),
+        comm: &comm,
+        device: &Device::Cpu,
+        grad_clip_norm: None,
+        bucket_bytes: 64,
+        shards: None,
+        masked_targets: false,
+        virtual_shards: Some(2),
+        scrambled_pieces: false,
+    };
+    let mut optimizer = crate::optim::Optimizer::new(spec.train.optimizer, model.params().len());
+    let batch = step::MicroBatch {
+        inputs,
+        targets,
+        mode: crate::models::Mode::Train {
+            row_seeds: vec![0; 8],
+        },
+    };
+    step::optimizer_step(&cx, &mut optimizer, &[batch], 0.01, false, None).unwrap();
+    let trainable = model.params().trainable_element_count();
+    assert_eq!(comm.gathered.get(), trainable + 1);
 }
 
 /// `model.freeze`: frozen parameters keep their values, get no optimizer state, and their

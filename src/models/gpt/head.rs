@@ -82,6 +82,12 @@ pub(super) fn score_values(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f64, 
 }
 
 /// Whether the fused op can run: f32 values on the CPU.
+/// Bytes of logits [`loss`] keeps for its backward over `rows` rows of a `vocab`-symbol
+/// vocabulary: all of them for a large vocabulary when they fit in 256 MB, else none.
+pub fn kept_logit_bytes(rows: usize, vocab: usize) -> usize {
+    super::vocab_blocks::kept_bytes(rows, vocab)
+}
+
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
     crate::kernels::applies(x) && crate::kernels::applies(w)
 }

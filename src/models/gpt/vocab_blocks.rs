@@ -38,6 +38,15 @@ pub(super) struct Kept {
     pub logits: Vec<f32>,
 }
 
+/// Bytes of logits a loss over `rows` rows keeps for its backward (see [`Kept`]).
+pub(super) fn kept_bytes(rows: usize, vocab: usize) -> usize {
+    let bytes = rows * vocab * std::mem::size_of::<f32>();
+    match applies(vocab) && bytes <= KEEP_BYTES {
+        true => bytes,
+        false => 0,
+    }
+}
+
 /// Whether a vocabulary of `vocab` symbols is made block by block here.
 pub(super) fn applies(vocab: usize) -> bool {
     vocab > 4 * BLOCK

@@ -415,8 +415,9 @@ impl Model for Llama {
     /// not known): in each layer the two norms' outputs, q, k, v and their rotations, the key
     /// and value heads repeated for their groups, the concatenation the attention reads, its
     /// output and projection, the MLP's gate, up, SwiGLU and down, and the two residual sums;
-    /// the backward's gradients of one layer's; the embedding, the final norm and the head's
-    /// logits (kept for its backward). With checkpointing: each layer's input and one layer's
+    /// the backward's gradients of one layer's; the embedding and the final norm; the head's
+    /// logits where it keeps them for its backward (a large vocabulary, within 256 MB). With
+    /// checkpointing: each layer's input and one layer's
     /// tensors (recomputed, then differentiated). Within 10% of the measured peaks of two
     /// llamas (35 M and 6 M parameters, with and without checkpointing; see README, "Memory
     /// per worker").
@@ -432,13 +433,15 @@ impl Model for Llama {
         );
         let repeated = if kv < q { 2 * q } else { 0 };
         let layer = 6 * hidden + 6 * q + repeated + 3 * kv + 3 * inner;
-        let ends = 2 * hidden + c.vocab_size;
         let layers = c.num_hidden_layers;
         let per_position = match checkpointing {
-            false => (layers + 1) * layer + ends,
-            true => layers * hidden + layer + ends,
-        };
-        Some((per_position * c.block_size * 4) as f64)
+            false => (layers + 1) * layer,
+            true => layers * hidden + layer,
+        } + 2 * hidden;
+        // The head's logits, kept for its backward when a sample's fit in its budget (counted
+        // per sample: a pass of several keeps them only within the same budget).
+        let logits = head::kept_logit_bytes(c.block_size, c.vocab_size);
+        Some((per_position * c.block_size * 4 + logits) as f64)
     }
 
     /// 6 operations per trained parameter per token, 4 per frozen one (no weight gradient),

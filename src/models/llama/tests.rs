@@ -711,10 +711,14 @@ fn activations_per_sample_count_the_layers_kept() {
     // SwiGLU of 384; 65 tokens.
     let (h, q, kv, i, layers) = (128.0, 128.0, 64.0, 384.0, 4.0);
     let layer = 6.0 * h + 6.0 * q + 2.0 * q + 3.0 * kv + 3.0 * i;
-    let ends = 2.0 * h + 65.0;
-    let bytes = |per_position: f64| per_position * t as f64 * 4.0;
-    assert_eq!(off, bytes((layers + 1.0) * layer + ends));
-    assert_eq!(on, bytes(layers * h + layer + ends));
+    // 65 symbols: the head keeps no logits.
+    let bytes = |per_position: f64| (per_position + 2.0 * h) * t as f64 * 4.0;
+    assert_eq!(off, bytes((layers + 1.0) * layer));
+    assert_eq!(on, bytes(layers * h + layer));
+    // SmolLM2's vocabulary: a sample's logits are kept (64 × 49,152 × 4 bytes).
+    let large = build_llama(&o, &context(49_152, t, DType::F32)).unwrap();
+    let kept = large.activation_bytes_per_sample(false).unwrap() - off;
+    assert_eq!(kept, (t * 49_152 * 4) as f64);
     let bf16 = build_llama(&o, &context(65, t, DType::BF16)).unwrap();
     assert_eq!(bf16.activation_bytes_per_sample(false), None);
 }

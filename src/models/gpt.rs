@@ -374,7 +374,8 @@ impl Model for Gpt {
     /// The hand-written pass's buffers (see `manual`): per position, each block's 16·C values
     /// (and its attention probabilities where kept), the dropout masks, ln_f's input and
     /// output; with checkpointing, each block's input and one block recomputed beside the
-    /// backward's buffers. Autograd's (a GPU, bf16, LoRA) are not known.
+    /// backward's buffers; the head's logits where it keeps them (a large vocabulary, within
+    /// 256 MB). Autograd's (a GPU, bf16, LoRA) are not known.
     fn activation_bytes_per_sample(&self, checkpointing: bool) -> Option<f64> {
         if !manual::applies(self) {
             return None;
@@ -392,7 +393,9 @@ impl Model for Gpt {
             true => layers * c + 2 * block,
         } + masks
             + 2 * c;
-        Some((per_position * t * 4) as f64)
+        // The head's logits, where it keeps them for its backward (a large vocabulary).
+        let logits = head::kept_logit_bytes(t, cfg.vocab_size);
+        Some((per_position * t * 4 + logits) as f64)
     }
 }
 

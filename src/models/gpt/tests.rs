@@ -823,3 +823,17 @@ fn attention_from_three_products_matches_the_fused_projection() {
         },
     );
 }
+
+/// The memory estimate counts the logits the head keeps for its backward: none for a small
+/// vocabulary, a sample's [t, vocab] for GPT-2's (within the head's 256 MB).
+#[test]
+fn the_estimate_counts_the_logits_the_head_keeps() {
+    let small = config(true, 0.0);
+    let large = GptConfig {
+        vocab_size: 50_304,
+        ..config(true, 0.0)
+    };
+    let per_sample = |c: &GptConfig| gpt(c).activation_bytes_per_sample(false).unwrap();
+    let kept = per_sample(&large) - per_sample(&small);
+    assert_eq!(kept, (small.block_size * 50_304 * 4) as f64);
+}

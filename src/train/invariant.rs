@@ -11,10 +11,10 @@
 //! binary tree over k, halving: k with k + V/2, then k + V/4, ... The first levels pair pieces
 //! of one rank (the same residue mod W), so each rank sums its own subtree, computing its
 //! pieces in the order that lets it add siblings as soon as both exist (keeping log2(V/W)
-//! partial sums, not every piece's gradient); the last log2(W)
-//! levels pair rank r's sum with rank r + W/2's, ..., the same bits on every rank
-//! ([`Communicator::tree_sum`]: recursive halving between partners on `tcp`, at the ring's
-//! bandwidth). Clipping and the optimizer then see the same gradients whatever W was.
+//! partial sums, not every piece's gradient); the last log2(W) levels pair rank r's sum with
+//! rank r + W/2's, ..., the same bits on every rank ([`Communicator::tree_sum`]: recursive
+//! halving between partners on `tcp`, at the ring's bandwidth). Clipping and the optimizer
+//! then see the same gradients whatever W was.
 
 use std::sync::OnceLock;
 

@@ -68,7 +68,7 @@ impl Butterfly {
                 .wait_get(&Key::PairAddr { rank: peer }.to_string(), timeout)
                 .map_err(|e| format!("rank {peer} never published its tree address: {e}"))?;
             let at = String::from_utf8_lossy(&at).into_owned();
-            sends.push(dial(&at, token, rank, peer)?);
+            sends.push(dial(&at, token, (rank, peer), timeout)?);
         }
         let recvs = accept_each(&listener, token, &order, timeout)?;
         let mut partners = Vec::with_capacity(order.len());

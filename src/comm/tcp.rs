@@ -159,7 +159,7 @@ impl TcpCommunicator {
                 },
             )?;
         let next_addr = String::from_utf8_lossy(&next_addr).into_owned();
-        let send = dial(&next_addr, token, rank, next).map_err(setup)?;
+        let send = dial(&next_addr, token, (rank, next), timeout).map_err(setup)?;
         let recv = accept_from(&listener, token, prev, timeout).map_err(setup)?;
         let links = RingLinks::new(rank, world, send, recv, timeout, spin)
             .map_err(|e| setup(format!("cannot configure a ring socket: {e}")))?;
@@ -466,9 +466,18 @@ pub(super) fn accept_each(
     Ok(arrived.into_iter().flatten().collect())
 }
 
-/// Connects to `rank` `peer` at `addr` and greets it as `rank` of the job `token`.
-pub(super) fn dial(addr: &str, token: &str, rank: usize, peer: usize) -> Result<TcpStream, String> {
-    let mut conn = TcpStream::connect(addr)
+/// Connects to `rank` `peer` at `addr` within `timeout` (an address that never answers fails
+/// then, not after the system's minutes) and greets it as `rank` of the job `token`.
+pub(super) fn dial(
+    addr: &str,
+    token: &str,
+    (rank, peer): (usize, usize),
+    timeout: Duration,
+) -> Result<TcpStream, String> {
+    let at: SocketAddr = addr
+        .parse()
+        .map_err(|e| format!("rank {peer} published {addr:?}, not an address: {e}"))?;
+    let mut conn = TcpStream::connect_timeout(&at, timeout.max(Duration::from_millis(1)))
         .map_err(|e| format!("cannot connect to rank {peer} at {addr}: {e}"))?;
     let mut hello = HELLO.to_vec();
     hello.extend_from_slice(token.as_bytes());

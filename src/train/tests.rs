@@ -256,6 +256,42 @@ impl crate::comm::Communicator for CountingComm {
     }
 }
 
+/// Optimizer steps on samples 0..8 of `data` through a [`CountingComm`].
+struct Counted<'a> {
+    spec: &'a crate::config::JobSpec,
+    data: &'a dyn crate::task::Task,
+    model: &'a dyn crate::models::Model,
+    comm: &'a CountingComm,
+}
+
+impl Counted<'_> {
+    fn steps(&self, optimizer: &mut crate::optim::Optimizer, pieces: Option<usize>, n: usize) {
+        let batches = self.data.batches(&Device::Cpu).unwrap();
+        let (inputs, targets) = batches.train(0, &[0, 1, 2, 3, 4, 5, 6, 7]).unwrap();
+        let cx = step::StepContext {
+            model: self.model,
+            comm: self.comm,
+            device: &Device::Cpu,
+            grad_clip_norm: self.spec.train.grad_clip_norm,
+            bucket_bytes: 64,
+            shards: None,
+            masked_targets: false,
+            virtual_shards: pieces,
+            scrambled_pieces: false,
+        };
+        for _ in 0..n {
+            let batch = step::MicroBatch {
+                inputs: inputs.clone(),
+                targets: targets.clone(),
+                mode: crate::models::Mode::Train {
+                    row_seeds: vec![0; 8],
+                },
+            };
+            step::optimizer_step(&cx, optimizer, &[batch], 0.01, false, None).unwrap();
+        }
+    }
+}
+
 /// A world-size-invariant step on one worker whose collectives are exercised
 /// (`distributed.collectives = "always"`) runs its tree sum's collective: every gradient value
 /// and the stop vote go through the backend's all-gather.
@@ -263,29 +299,15 @@ impl crate::comm::Communicator for CountingComm {
 fn an_exercised_single_worker_runs_the_invariant_steps_collective() {
     let spec = spec(&[]);
     let (data, model) = data_and_model(&spec);
-    let batches = data.batches(&Device::Cpu).unwrap();
-    let (inputs, targets) = batches.train(0, &[0, 1, 2, 3, 4, 5, 6, 7]).unwrap();
     let comm = CountingComm::default();
-    let cx = step::StepContext {
+    let mut optimizer = crate::optim::Optimizer::new(spec.train.optimizer, model.params().len());
+    let on = Counted {
+        spec: &spec,
+        data: data.as_ref(),
         model: model.as_ref(),
         comm: &comm,
-        device: &Device::Cpu,
-        grad_clip_norm: None,
-        bucket_bytes: 64,
-        shards: None,
-        masked_targets: false,
-        virtual_shards: Some(2),
-        scrambled_pieces: false,
     };
-    let mut optimizer = crate::optim::Optimizer::new(spec.train.optimizer, model.params().len());
-    let batch = step::MicroBatch {
-        inputs,
-        targets,
-        mode: crate::models::Mode::Train {
-            row_seeds: vec![0; 8],
-        },
-    };
-    step::optimizer_step(&cx, &mut optimizer, &[batch], 0.01, false, None).unwrap();
+    on.steps(&mut optimizer, Some(2), 1);
     let trainable = model.params().trainable_element_count();
     assert_eq!(comm.gathered.get(), trainable + 1);
 }
@@ -307,32 +329,16 @@ fn frozen_parameters_stay_put_keep_no_state_and_are_not_reduced() {
             named.iter().map(|(n, t)| (n.clone(), flat(t))).collect()
         };
         let before = values(model.as_ref());
-        let batches = data.batches(&Device::Cpu).unwrap();
-        let (inputs, targets) = batches.train(0, &[0, 1, 2, 3, 4, 5, 6, 7]).unwrap();
         let comm = CountingComm::default();
-        let cx = step::StepContext {
-            model: model.as_ref(),
-            comm: &comm,
-            device: &Device::Cpu,
-            grad_clip_norm: spec.train.grad_clip_norm,
-            bucket_bytes: 64,
-            shards: None,
-            masked_targets: false,
-            virtual_shards: None,
-            scrambled_pieces: false,
-        };
         let mut optimizer =
             crate::optim::Optimizer::new(spec.train.optimizer, model.params().len());
-        for _ in 0..3 {
-            let batch = step::MicroBatch {
-                inputs: inputs.clone(),
-                targets: targets.clone(),
-                mode: crate::models::Mode::Train {
-                    row_seeds: vec![0; 8],
-                },
-            };
-            step::optimizer_step(&cx, &mut optimizer, &[batch], 0.01, false, None).unwrap();
-        }
+        let on = Counted {
+            spec: &spec,
+            data: data.as_ref(),
+            model: model.as_ref(),
+            comm: &comm,
+        };
+        on.steps(&mut optimizer, None, 3);
         let after = values(model.as_ref());
         let mut changed: Vec<String> = before
             .keys()

@@ -201,24 +201,20 @@ fn across_ranks(
     mine: Vec<Tensor>,
     stop_vote: bool,
 ) -> Result<(Vec<Tensor>, Tensor), StepError> {
-    let f32s = mine
+    let mut summed = mine
         .iter()
         .map(|t| t.to_dtype(DType::F32))
         .collect::<candle_core::Result<Vec<_>>>()?;
     let vote = if stop_vote { 1.0 } else { 0.0 };
-    let mut flat = crate::comm::flat_bucket(&f32s, Some(vote))?;
+    let mut flat = crate::comm::flat_bucket(&summed, Some(vote))?;
     comm.tree_sum(&mut flat)?;
-    let mut offset = 0;
-    let summed = mine
+    crate::comm::unflatten_into(&flat, &mut summed)?;
+    let summed = summed
         .iter()
-        .map(|like| {
-            let len = like.elem_count();
-            let t = flat.narrow(0, offset, len)?.reshape(like.shape())?;
-            offset += len;
-            t.to_dtype(like.dtype())?.contiguous()
-        })
+        .zip(&mine)
+        .map(|(t, like)| t.to_dtype(like.dtype()))
         .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok((summed, flat.narrow(0, offset, 1)?))
+    Ok((summed, flat.narrow(0, flat.elem_count() - 1, 1)?))
 }
 
 /// `f(0..parts)`, each on one thread whose kernels see a pool of one (so they never split a

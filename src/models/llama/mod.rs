@@ -229,6 +229,28 @@ impl Llama {
         Ok((n, t))
     }
 
+    /// The last layer's output for token ids [n, t], each layer's output detached as it is
+    /// made, so only one layer's graph exists at a time; each layer's input pushed onto
+    /// `inputs` when given (what checkpointing keeps).
+    fn detached_layers(
+        &self,
+        ids: &Tensor,
+        shape: (usize, usize),
+        packing: Option<&Packing>,
+        mode: &Mode,
+        mut inputs: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
+        let mut x = self.embed_tokens(ids)?.detach();
+        for layer in &self.layers {
+            let y = self.block(layer, &x, shape, packing, mode)?.detach();
+            let input = std::mem::replace(&mut x, y);
+            if let Some(kept) = inputs.as_deref_mut() {
+                kept.push(input);
+            }
+        }
+        Ok(x)
+    }
+
     /// Token ids [n, t] → their embeddings [n·t, hidden].
     fn embed_tokens(&self, ids: &Tensor) -> Result<Tensor> {
         self.input(&self.embed).embedding(&ids.flatten_all()?)
@@ -393,12 +415,7 @@ impl Model for Llama {
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
         let (ids, packing) = packed::split(xs)?;
         let shape = self.check_window(&ids)?;
-        let mut x = self.embed_tokens(&ids)?.detach();
-        for layer in &self.layers {
-            x = self
-                .block(layer, &x, shape, packing.as_ref(), &Mode::Eval)?
-                .detach();
-        }
+        let x = self.detached_layers(&ids, shape, packing.as_ref(), &Mode::Eval, None)?;
         let x = self.final_norm(&x)?.detach();
         let w = self.head_weight().detach();
         if self.compute == DType::F32 && head::applies(&x, &w) {

@@ -41,14 +41,8 @@ impl<'a> Recomputed<'a> {
     ) -> Result<Self> {
         let (ids, packing) = packed::split(xs)?;
         let shape = model.check_window(&ids)?;
-        let mut x = model.embed_tokens(&ids)?.detach();
         let mut inputs = Vec::with_capacity(model.layers.len());
-        for layer in &model.layers {
-            let y = model
-                .block(layer, &x, shape, packing.as_ref(), mode)?
-                .detach();
-            inputs.push(std::mem::replace(&mut x, y));
-        }
+        let x = model.detached_layers(&ids, shape, packing.as_ref(), mode, Some(&mut inputs))?;
         let last = Var::from_tensor(&x)?;
         drop(x);
         let loss = model.loss_of(&model.final_norm(last.as_tensor())?, targets)?;

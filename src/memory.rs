@@ -18,9 +18,9 @@ pub struct Estimate {
     /// Every parameter, in f32.
     pub weights: u64,
     /// One gradient per row shard running side by side (a CPU worker's threads; in
-    /// world-size-invariant training each piece in flight and the tree's partial sums), and
-    /// the averaged gradient the update runs beside
-    /// (this worker's 1/W of it when sharded).
+    /// world-size-invariant training each piece in flight and the tree's partial sums; with
+    /// `sharding = "gradients"` what a streaming pass holds at once), and the averaged
+    /// gradient the update runs beside (this worker's 1/W of it when sharded).
     pub gradients: u64,
     /// The optimizer's state (this worker's 1/W of it when sharded).
     pub optimizer: u64,
@@ -66,8 +66,23 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
     let t = &spec.train;
     // Sharding divides by the workers that share: none on one worker that skips collectives.
     let share = match layout.sharding {
-        Sharding::Optimizer if layout.world > 1 => layout.world as u64,
+        Sharding::Optimizer | Sharding::Gradients if layout.world > 1 => layout.world as u64,
         _ => 1,
+    };
+    // Gradients reduce-scattered as the backward forms them: a shard holds the model's
+    // largest group in flight and a bucket, not the whole gradient (with accumulation, the
+    // earlier micro-batches' sum besides).
+    let streamed = match layout.sharding {
+        Sharding::Gradients if layout.world > 1 => model.stream_gradients(),
+        _ => None,
+    };
+    let (per_shard, earlier) = match streamed {
+        Some(held) => {
+            let bucket = spec.distributed.bucket_bytes as u64 / 4;
+            let earlier = if t.accumulation > 1 { 4 * trainable } else { 0 };
+            ((held as u64 + bucket).min(trainable), earlier)
+        }
+        None => (trainable, 0),
     };
     // World-size-invariant training: the worker's pieces, and how many run at once (one per
     // thread), each with its rows' activations.
@@ -97,7 +112,7 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
         .map(|per_sample| (per_sample * live_rows as f64) as u64);
     Estimate {
         weights: 4 * all,
-        gradients: 4 * trainable * shards + averaged,
+        gradients: 4 * per_shard * shards + earlier + averaged,
         optimizer: state_per_value * trainable / share,
         activations,
         runtime: RUNTIME_BYTES + collective_buffers(spec, layout, trainable),

@@ -121,6 +121,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         masked_targets: false,
         virtual_shards: spec.virtual_shards(),
         scrambled_pieces: false,
+        stream_gradients: false,
     };
     let run = |optimizer: &mut Optimizer, phases: Option<&mut Phases>| {
         optimizer_step(&cx, optimizer, &batches, t.lr, false, phases)

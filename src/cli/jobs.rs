@@ -252,13 +252,29 @@ fn memory_lines(
         total(&mine),
         mine.describe()
     )];
-    if spec.distributed.sharding == config::Sharding::None && world > 1 {
-        let sharding = config::Sharding::Optimizer;
+    // The modes that shard more than the job's, where they save ("gradients" only for a
+    // model that hands its gradients over block by block).
+    let modes = [
+        (config::Sharding::None, "none"),
+        (config::Sharding::Optimizer, "optimizer"),
+        (config::Sharding::Gradients, "gradients"),
+    ];
+    let current = modes
+        .iter()
+        .position(|(m, _)| *m == spec.distributed.sharding)
+        .unwrap_or(0);
+    // Sharding leaves the weights and activations as they are.
+    let sharded_parts = |e: &crate::memory::Estimate| e.gradients + e.optimizer + e.runtime;
+    let mut best = sharded_parts(&mine);
+    for &(sharding, name) in modes.iter().skip(current + 1).filter(|_| world > 1) {
         let other = estimate(spec, model.as_ref(), Layout { sharding, ..layout });
-        lines.push(format!(
-            "  with distributed.sharding = \"optimizer\" over {world} workers: {}",
-            total(&other)
-        ));
+        if sharded_parts(&other) < best {
+            best = sharded_parts(&other);
+            lines.push(format!(
+                "  with distributed.sharding = \"{name}\" over {world} workers: {}",
+                total(&other)
+            ));
+        }
     }
     if !layout.checkpointing && model.checkpoint_activations().is_ok() {
         let other = estimate(

@@ -229,7 +229,9 @@ section! {
             => always_collectives: bool = choice(&[("auto", false), ("always", true)]);
         /// `"none"`: every worker keeps the whole optimizer state (DDP); `"optimizer"`
         /// (ZeRO-1): each keeps the optimizer state of its 1/W of the parameters and of the
-        /// averaged gradients (reduce-scattered), the updated parameters all-gathered (see
+        /// averaged gradients (reduce-scattered), the updated parameters all-gathered;
+        /// `"gradients"` (ZeRO-2): the same, each block's gradients reduce-scattered while
+        /// backward runs on the blocks below, so the whole gradient never exists (see
         /// "Sharded optimizer state")
         sharding: String = "none".into() => sharding: Sharding = sharding_choice;
         /// `"run"`: bit-exact on the same world size; `"world-size-invariant"`: the same
@@ -420,23 +422,20 @@ fn backend_choice(c: &mut Checker, key: &str, name: &String, d: &RawDistributed)
 }
 
 fn sharding_choice(c: &mut Checker, key: &str, name: &String, _: &RawDistributed) -> Sharding {
-    let not_yet = match name.as_str() {
-        "gradients" => Some(
-            "\"gradients\" (ZeRO-2: gradients reduce-scattered while backward runs, so the \
-             whole gradient never exists at once) is not available yet; \"optimizer\" already \
-             keeps only each worker's share of the averaged gradients once a bucket is reduced",
-        ),
-        "full" => Some(
+    if name == "full" {
+        c.fail(
+            key,
             "\"full\" (ZeRO-3 / FSDP: parameters sharded too) is not available yet; use \
-             \"optimizer\", which shards the optimizer state and the averaged gradients",
-        ),
-        _ => None,
-    };
-    if let Some(problem) = not_yet {
-        c.fail(key, problem);
+             \"gradients\", which shards the optimizer state and reduce-scatters the gradients \
+             while backward runs",
+        );
         return Sharding::None;
     }
-    choice(&[("none", Sharding::None), ("optimizer", Sharding::Optimizer)])(c, key, name, &())
+    choice(&[
+        ("none", Sharding::None),
+        ("optimizer", Sharding::Optimizer),
+        ("gradients", Sharding::Gradients),
+    ])(c, key, name, &())
 }
 
 fn power_of_two(c: &mut Checker, key: &str, &v: &i64, _: &RawDistributed) -> usize {

@@ -251,6 +251,16 @@ pub enum Sharding {
     None,
     /// Each worker keeps the optimizer state of its 1/W of the parameters (ZeRO-1).
     Optimizer,
+    /// As `Optimizer`, the gradients reduce-scattered while backward runs, so a model that
+    /// hands them over block by block never holds the whole gradient (ZeRO-2).
+    Gradients,
+}
+
+impl Sharding {
+    /// Whether the optimizer state is sharded (every mode but `None`).
+    pub fn shards_optimizer(self) -> bool {
+        self != Sharding::None
+    }
 }
 
 /// `train.precision`: the dtype of the forward and backward passes. Weights, optimizer state

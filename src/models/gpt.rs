@@ -348,6 +348,17 @@ impl Model for Gpt {
         Ok(())
     }
 
+    /// The hand-written pass hands ln_f's and each block's gradients over as they are formed;
+    /// the token and position tables' come last, added to until then (see `manual`).
+    fn stream_gradients(&self) -> Option<usize> {
+        if !manual::applies(self) {
+            return None;
+        }
+        let tables = self.wte.elem_count() + self.wpe.elem_count();
+        let blocks = self.params.element_count() - tables;
+        Some(tables + blocks.div_ceil(self.config.n_layer.max(1)))
+    }
+
     /// nanoGPT's `estimate_mfu` count (the PaLM paper's): 6 operations per parameter per
     /// token (4 per frozen one, which forms no weight gradient), position embeddings excepted, plus 12·n_layer·n_embd·block_size per token for
     /// attention's two products (the masked half counted, as there); times block_size tokens.

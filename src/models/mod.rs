@@ -87,6 +87,16 @@ pub trait Model: Send + Sync {
         Err("this model does not recompute its activations".into())
     }
 
+    /// `distributed.sharding = "gradients"`: from now on a training pass hands each block's
+    /// gradients to [`TrainPass::backward_to`]'s sink as soon as its backward has formed them,
+    /// so the trainer can reduce-scatter them while the blocks below are differentiated and
+    /// the whole gradient never exists at once. Returns the most gradient values such a pass
+    /// holds at a time (the memory estimate's), or `None` (the default) when the model's
+    /// gradients all come together at the end of its backward.
+    fn stream_gradients(&self) -> Option<usize> {
+        None
+    }
+
     /// Whether each row of a batch is computed independently of the others, so a CPU worker
     /// may cut a micro-batch into row shards that run side by side. Not so for BatchNorm
     /// (batch statistics); the default says no for any model with buffers.
@@ -119,6 +129,44 @@ pub trait TrainPass {
     /// The gradient of `scale` · loss for each parameter, in [`Model::params`] order (`None`
     /// for one the loss does not depend on).
     fn backward(self: Box<Self>, scale: f64) -> Result<Vec<Option<Tensor>>>;
+
+    /// [`TrainPass::backward`], each gradient handed to `sink` as soon as it is final (see
+    /// [`Model::stream_gradients`]). The default hands them all over at the end, in order.
+    fn backward_to(self: Box<Self>, scale: f64, sink: &mut dyn GradientSink) -> Result<()> {
+        for (index, grad) in self.backward(scale)?.into_iter().enumerate() {
+            sink.put(index, grad)?;
+        }
+        Ok(())
+    }
+}
+
+/// Where [`TrainPass::backward_to`] hands each parameter's gradient once nothing more will be
+/// added to it.
+pub trait GradientSink {
+    /// The gradient of `scale` · loss for the parameter at `index` ([`Model::params`] order),
+    /// `None` when the loss does not depend on it. Each index at most once; one never handed
+    /// over has none.
+    fn put(&mut self, index: usize, grad: Option<Tensor>) -> Result<()>;
+}
+
+/// The gradients a pass hands over, by parameter: how a streaming pass's
+/// [`TrainPass::backward`] is its [`TrainPass::backward_to`] collected.
+pub(crate) struct CollectedGradients(pub(crate) Vec<Option<Tensor>>);
+
+impl CollectedGradients {
+    pub(crate) fn new(params: usize) -> Self {
+        CollectedGradients(vec![None; params])
+    }
+}
+
+impl GradientSink for CollectedGradients {
+    fn put(&mut self, index: usize, grad: Option<Tensor>) -> Result<()> {
+        let slot = self.0.get_mut(index).ok_or_else(|| {
+            candle_core::Error::Msg(format!("a gradient for parameter {index} of fewer"))
+        })?;
+        *slot = grad;
+        Ok(())
+    }
 }
 
 /// [`Model::train_flops_per_sample`] of a chain of products whose forward passes cost
@@ -543,6 +591,10 @@ impl Model for Box<dyn Model> {
 
     fn activation_bytes_per_sample(&self, checkpointing: bool) -> Option<f64> {
         self.as_ref().activation_bytes_per_sample(checkpointing)
+    }
+
+    fn stream_gradients(&self) -> Option<usize> {
+        self.as_ref().stream_gradients()
     }
 
     fn train_pass(

@@ -11,6 +11,7 @@ mod resume;
 mod sharded;
 pub mod shards;
 pub mod step;
+mod streamed;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -277,18 +278,33 @@ impl Trainer<'_> {
         let params = self.model.params();
         let mut optimizer = match spec.distributed.sharding {
             // A single rank that skips its collectives has nothing to share its state with.
-            Sharding::Optimizer if !self.comm.skips_collectives() => {
+            sharding if sharding.shards_optimizer() && !self.comm.skips_collectives() => {
                 let sizes: Vec<usize> = params.trainable().map(|(_, v)| v.elem_count()).collect();
                 let bucket_bytes = spec.distributed.bucket_bytes;
                 let plan = ShardPlan::new(&sizes, bucket_bytes, self.comm);
+                let stage = match sharding {
+                    Sharding::Gradients => "ZeRO-2",
+                    _ => "ZeRO-1",
+                };
                 self.reporter.line(&format!(
-                    "optimizer state sharded over {world} worker{} (ZeRO-1): rank {} keeps \
+                    "optimizer state sharded over {world} worker{} ({stage}): rank {} keeps \
                      the state of {} of {} trainable values",
                     if world == 1 { "" } else { "s" },
                     self.comm.rank(),
                     plan.owned_elements(),
                     sizes.iter().sum::<usize>()
                 ));
+                // Asked once, here: a model that can then hands its gradients over block by
+                // block.
+                let streams =
+                    sharding == Sharding::Gradients && self.model.stream_gradients().is_some();
+                if sharding == Sharding::Gradients && !streams {
+                    self.reporter.line(
+                        "sharding = \"gradients\": this model forms its gradients all at \
+                         once at the end of its backward, so they are reduce-scattered then, \
+                         as with \"optimizer\" (no further memory saved)",
+                    );
+                }
                 Optimizer::sharded(spec.train.optimizer, plan, params)
             }
             _ => Optimizer::new(spec.train.optimizer, params.len()),
@@ -390,6 +406,7 @@ impl Trainer<'_> {
                 .fault
                 .as_ref()
                 .is_some_and(|f| f.scrambles_pieces(step)),
+            stream_gradients: self.spec.distributed.sharding == Sharding::Gradients,
         };
         let r = step::optimizer_step(&cx, optimizer, &batches, lr, stop_vote, None)?;
         Ok((r.loss_sum, r.samples, r.stop))

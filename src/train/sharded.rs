@@ -29,30 +29,53 @@ pub(super) fn reduce_scatter_gradients(
     let mut grads: Vec<Option<Tensor>> = grads.into_iter().map(Some).collect();
     let mut pieces = Vec::with_capacity(plan.pieces.len());
     let mut vote = None;
-    let last = plan.buckets.len().saturating_sub(1);
     for (b, bucket) in plan.buckets.iter().enumerate() {
         let parts: Vec<Tensor> = bucket
             .tensors
             .clone()
             .map(|t| grads[t].take().expect("each gradient in one bucket"))
             .collect();
-        let mine = (b == last).then_some(u8::from(stop) as f32);
-        let mut flat = flat_bucket(&parts, mine)?;
-        drop(parts);
-        cx.comm.reduce_scatter_mean(&mut flat)?;
-        for p in plan.pieces.iter().filter(|p| p.bucket == b) {
-            // A copy of the piece alone (`copy` would clone the whole bucket), so the
-            // bucket is freed when this loop moves on.
-            pieces.push(flat.narrow(0, p.at, p.within.len())?.force_contiguous()?);
-        }
-        if b == last && plan.owns_vote() {
-            let reduced = flat.narrow(0, bucket.len - 1, 1)?;
-            vote = Some(
-                reduced
-                    .to_dtype(candle_core::DType::F32)?
-                    .to_vec1::<f32>()?[0],
-            );
-        }
+        let (mine, owned_vote) = reduce_bucket(cx, plan, b, parts, stop)?;
+        pieces.extend(mine.into_iter().map(|(_, piece)| piece));
+        vote = vote.or(owned_vote);
+    }
+    Ok((pieces, vote))
+}
+
+/// Reduce-scatters bucket `b` of `plan` made of `parts` (its gradients, in order), the stop
+/// vote riding on the last bucket: this rank's pieces of it (by their position in the plan)
+/// and, when this rank owns it, the ranks' mean vote. The parts are freed here.
+pub(super) fn reduce_bucket(
+    cx: &StepContext,
+    plan: &ShardPlan,
+    b: usize,
+    parts: Vec<Tensor>,
+    stop: bool,
+) -> Result<(Vec<(usize, Tensor)>, Option<f32>), StepError> {
+    let last = plan.buckets.len().saturating_sub(1);
+    let mine = (b == last).then_some(u8::from(stop) as f32);
+    let mut flat = flat_bucket(&parts, mine)?;
+    drop(parts);
+    cx.comm.reduce_scatter_mean(&mut flat)?;
+    let mut pieces = Vec::new();
+    for (k, p) in plan
+        .pieces
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.bucket == b)
+    {
+        // A copy of the piece alone (`copy` would clone the whole bucket), so the bucket is
+        // freed when this returns.
+        pieces.push((k, flat.narrow(0, p.at, p.within.len())?.force_contiguous()?));
+    }
+    let mut vote = None;
+    if b == last && plan.owns_vote() {
+        let reduced = flat.narrow(0, plan.buckets[b].len - 1, 1)?;
+        vote = Some(
+            reduced
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1::<f32>()?[0],
+        );
     }
     Ok((pieces, vote))
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 
 use crate::comm::{CommError, Communicator, StopVote, average_gradients};
-use crate::models::{Mode, Model};
+use crate::models::{GradientSink, Mode, Model};
 use crate::optim::{Optimizer, clip_grad_norm};
 
 use super::shards::ShardPool;
@@ -39,6 +39,9 @@ pub struct StepContext<'a> {
     pub virtual_shards: Option<usize>,
     /// Test-only (`DDPJOB_FAULT` kind `piece-order`): this step sums its pieces left to right.
     pub scrambled_pieces: bool,
+    /// `distributed.sharding = "gradients"`: with a sharded optimizer, the last micro-batch's
+    /// buckets are reduce-scattered while its backward runs (see `streamed`).
+    pub stream_gradients: bool,
 }
 
 /// What one step produced: Σ loss·n over its samples (a scalar, read only at log intervals),
@@ -92,16 +95,33 @@ pub fn optimizer_step(
     let mut loss_sum: Option<Tensor> = None;
     let mut clock = PhaseClock::new(cx.device, phases.is_some());
     let timed = phases.is_some();
-    for batch in micro_batches {
+    let streamed_plan = optimizer.plan().filter(|_| cx.stream_gradients);
+    let mut streamed = None;
+    for (k, batch) in micro_batches.iter().enumerate() {
         let ranges = super::shards::ranges(cx.shards, rows(batch));
-        let shard = |i: usize| -> Result<ShardResult, StepError> {
+        let shard = |i: usize, sink: Option<&mut dyn GradientSink>| {
             let part = batch.rows(ranges[i].clone())?;
             let (scale, loss_weight) = weights.of_part(&part, ranges[i].len())?;
-            shard_forward_backward(cx.model, &part, scale, loss_weight, timed)
+            shard_forward_backward(cx.model, &part, scale, loss_weight, timed, sink)
         };
-        let results = match (cx.shards, ranges.len()) {
-            (Some(pool), parts) if parts > 1 => pool.run(parts, shard),
-            _ => vec![shard(0)],
+        let results = match (streamed_plan, cx.shards, ranges.len()) {
+            // The last micro-batch's buckets reduced while its backward runs.
+            (Some(plan), pool, parts) if k + 1 == micro_batches.len() => {
+                let earlier = std::mem::take(&mut grads);
+                let (results, reduced) = super::streamed::last_micro_batch(
+                    cx,
+                    plan,
+                    earlier,
+                    stop_vote,
+                    pool,
+                    parts,
+                    |i, sink| shard(i, Some(sink)),
+                )?;
+                streamed = Some(reduced);
+                results.into_iter().map(Ok).collect()
+            }
+            (_, Some(pool), parts) if parts > 1 => pool.run(parts, |i| shard(i, None)),
+            _ => vec![shard(0, None)],
         };
         let mut forward = Duration::ZERO;
         for result in results {
@@ -118,14 +138,21 @@ pub fn optimizer_step(
     }
     // Only what trains is averaged, clipped and applied: a frozen parameter's gradient (when
     // the pass made one) is dropped here, before it crosses the wire.
-    let mut grads = params
-        .trainable()
-        .map(|(i, var)| grads[i].take().map_or_else(|| var.zeros_like(), Ok))
-        .collect::<Result<Vec<_>, _>>()?;
+    let trainable = |mut grads: Vec<Option<Tensor>>| {
+        params
+            .trainable()
+            .map(|(i, var)| grads[i].take().map_or_else(|| var.zeros_like(), Ok))
+            .collect::<Result<Vec<_>, _>>()
+    };
     let stop = match optimizer.plan() {
         Some(plan) => {
-            let (mut pieces, vote) =
-                super::sharded::reduce_scatter_gradients(cx, plan, grads, stop_vote)?;
+            let (mut pieces, vote) = match streamed {
+                Some(reduced) => reduced,
+                None => {
+                    let grads = trainable(grads)?;
+                    super::sharded::reduce_scatter_gradients(cx, plan, grads, stop_vote)?
+                }
+            };
             clock.lap(&mut phases, |p| &mut p.sync)?;
             if let Some(max_norm) = cx.grad_clip_norm {
                 super::sharded::clip_pieces(cx, &mut pieces, max_norm)?;
@@ -135,6 +162,7 @@ pub fn optimizer_step(
             stop
         }
         None => {
+            let mut grads = trainable(grads)?;
             let stop = average_gradients(cx.comm, &mut grads, cx.bucket_bytes, stop_vote)?;
             clock.lap(&mut phases, |p| &mut p.sync)?;
             if let Some(max_norm) = cx.grad_clip_norm {
@@ -155,7 +183,10 @@ pub fn optimizer_step(
 
 /// Adds a shard's (or micro-batch's) gradients to the step's, in the order they come (the
 /// same sums whatever runs them). CPU f32 gradients are added in one parallel pass.
-fn accumulate(acc: &mut [Option<Tensor>], new: Vec<Option<Tensor>>) -> candle_core::Result<()> {
+pub(super) fn accumulate(
+    acc: &mut [Option<Tensor>],
+    new: Vec<Option<Tensor>>,
+) -> candle_core::Result<()> {
     let host = |t: &Tensor| crate::kernels::applies(t) && t.is_contiguous();
     let mut pairs = Vec::new();
     for (i, (slot, g)) in acc.iter_mut().zip(new).enumerate() {
@@ -234,13 +265,15 @@ impl PartWeights {
 }
 
 /// `timed`: the forward's time is read after the device has finished it (a GPU queues work
-/// and returns at once), which costs a wait, so only when phases are timed.
+/// and returns at once), which costs a wait, so only when phases are timed. With a `sink`, the
+/// gradients go there as the pass forms them, none into the result.
 pub(super) fn shard_forward_backward(
     model: &dyn Model,
     batch: &MicroBatch,
     scale: f64,
     loss_weight: f64,
     timed: bool,
+    sink: Option<&mut dyn GradientSink>,
 ) -> Result<ShardResult, StepError> {
     let started = Instant::now();
     let forward_time = |loss: &Tensor| -> candle_core::Result<Duration> {
@@ -249,21 +282,36 @@ pub(super) fn shard_forward_backward(
         }
         Ok(started.elapsed())
     };
-    let (loss, grads, forward) =
+    let (loss, mut grads, forward) =
         match model.train_pass(&batch.inputs, &batch.targets, &batch.mode)? {
             Some(pass) => {
                 let loss = pass.loss().clone();
                 let forward = forward_time(&loss)?;
-                (loss, pass.backward(scale)?, forward)
+                match sink {
+                    Some(sink) => {
+                        pass.backward_to(scale, sink)?;
+                        return Ok(ShardResult {
+                            grads: Vec::new(),
+                            loss_sum: (loss.detach() * loss_weight)?,
+                            forward,
+                        });
+                    }
+                    None => (loss, pass.backward(scale)?, forward),
+                }
             }
             None => {
                 let loss = model.loss(&batch.inputs, &batch.targets, &batch.mode)?;
                 let forward = forward_time(&loss)?;
                 let store = (&loss * scale)?.backward()?;
                 let grads = model.params().vars().map(|v| store.get(v).cloned());
-                (loss, grads.collect(), forward)
+                (loss, grads.collect::<Vec<_>>(), forward)
             }
         };
+    if let Some(sink) = sink {
+        for (index, grad) in grads.drain(..).enumerate() {
+            sink.put(index, grad)?;
+        }
+    }
     Ok(ShardResult {
         grads,
         loss_sum: (loss.detach() * loss_weight)?,

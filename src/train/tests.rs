@@ -278,6 +278,7 @@ impl Counted<'_> {
             masked_targets: false,
             virtual_shards: pieces,
             scrambled_pieces: false,
+            stream_gradients: false,
         };
         for _ in 0..n {
             let batch = step::MicroBatch {
@@ -402,6 +403,7 @@ fn a_sharded_optimizer_moves_the_all_reduces_bytes_and_gives_its_bits() {
                 masked_targets: false,
                 virtual_shards: None,
                 scrambled_pieces: false,
+                stream_gradients: false,
             };
             let batches = data.batches(&Device::Cpu).unwrap();
             for step in 0..3 {
@@ -494,6 +496,7 @@ fn sharded_parameters_gather_alike_on_the_host_and_through_tensor_ops() {
                 masked_targets: false,
                 virtual_shards: None,
                 scrambled_pieces: false,
+                stream_gradients: false,
             };
             let vote = plan.owns_vote().then_some(1.0);
             let stop = sharded::gather_parameters(&cx, &plan, vote, on_host).unwrap();

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use super::ops;
 use super::{Gpt, attention, dropout, head};
 use crate::kernels::{self, linear_backward, linear_forward, scratch, with_all_values};
-use crate::models::{Mode, TrainPass};
+use crate::models::{CollectedGradients, GradientSink, Mode, TrainPass};
 
 const EPS: f32 = 1e-5;
 
@@ -287,6 +287,15 @@ impl TrainPass for Pass<'_> {
     }
 
     fn backward(self: Box<Self>, scale: f64) -> Result<Vec<Option<Tensor>>> {
+        let mut all = CollectedGradients::new(self.gpt.params.len());
+        self.backward_to(scale, &mut all)?;
+        Ok(all.0)
+    }
+
+    /// ln_f's gradients once the head's backward has formed them, each block's after its
+    /// backward, last block first, then the position table's and the (tied) token table's,
+    /// to which the head and the lookup both add.
+    fn backward_to(self: Box<Self>, scale: f64, sink: &mut dyn GradientSink) -> Result<()> {
         let Pass {
             gpt,
             n,
@@ -302,10 +311,10 @@ impl TrainPass for Pass<'_> {
         } = *self;
         let cfg = &gpt.config;
         let (c, rows) = (cfg.n_embd, n * t);
-        let mut grads = Grads::default();
+        let mut grads = Handover::new(gpt, sink);
         // A frozen (tied) embedding gets no gradient from the head or the lookup.
         let want_wte = !gpt.params.frozen.contains(&gpt.wte);
-        let (d_wte, d_wpe, block_grads) = with_all_values(&weight_tensors(gpt), |all| {
+        with_all_values(&weight_tensors(gpt), |all| {
             let weights = Weights(all);
             let wte = weights.get(0);
             let mut d_normed = scratch::take(rows * c);
@@ -323,8 +332,7 @@ impl TrainPass for Pass<'_> {
             let (ln_f, _) = weights.ln_f();
             let (d_gain, d_bias) = layer_norm_bwd(&last, &d_normed, ln_f, &mut d_res, false);
             scratch::give([d_normed, last, normed]);
-            grads.push_ln(&gpt.ln_f, d_gain, d_bias);
-            let mut block_grads = Vec::with_capacity(blocks.len());
+            grads.push_ln(&gpt.ln_f, d_gain, d_bias)?;
             for (i, a) in blocks.into_iter().enumerate().rev() {
                 let w = weights.block(i);
                 let a = match a.is_input_only() {
@@ -335,7 +343,7 @@ impl TrainPass for Pass<'_> {
                     }
                     false => a,
                 };
-                let mut g = Grads::default();
+                let g = &mut grads;
                 let block = &gpt.blocks[i];
                 let d_branch = masked(&d_res, masks.get(2 + 2 * i));
                 let (d_act, d_w, d_b) = linear_backward(
@@ -345,7 +353,7 @@ impl TrainPass for Pass<'_> {
                     c,
                     block.mlp_proj.wanted(),
                 );
-                g.push_linear(&block.mlp_proj, d_w, d_b);
+                g.push_linear(&block.mlp_proj, d_w, d_b)?;
                 // GELU's input gradient, in place of its output's.
                 let mut d_hidden = d_act.unwrap_or_default();
                 d_hidden
@@ -354,10 +362,10 @@ impl TrainPass for Pass<'_> {
                     .for_each(|(d, slope)| d.iter_mut().zip(slope).for_each(|(d, s)| *d *= s));
                 let (d_ln_2, d_w, d_b) =
                     linear_backward(&a.ln_2, w.c_fc, &d_hidden, 4 * c, block.c_fc.wanted());
-                g.push_linear(&block.c_fc, d_w, d_b);
+                g.push_linear(&block.c_fc, d_w, d_b)?;
                 let d_ln_2 = d_ln_2.unwrap_or_default();
                 let (d_gain, d_bias) = layer_norm_bwd(&a.mid, &d_ln_2, w.ln_2, &mut d_res, true);
-                g.push_ln(&block.ln_2, d_gain, d_bias);
+                g.push_ln(&block.ln_2, d_gain, d_bias)?;
                 scratch::give([d_hidden, d_ln_2]);
                 let d_branch = masked(&d_res, masks.get(1 + 2 * i));
                 let (d_att, d_w, d_b) = linear_backward(
@@ -367,7 +375,7 @@ impl TrainPass for Pass<'_> {
                     c,
                     block.attn_proj.wanted(),
                 );
-                g.push_linear(&block.attn_proj, d_w, d_b);
+                g.push_linear(&block.attn_proj, d_w, d_b)?;
                 let d_att = d_att.unwrap_or_default();
                 let mut d_qkv = scratch::take(a.qkv.len());
                 let per_sequence = cfg.n_head * t * t;
@@ -385,11 +393,10 @@ impl TrainPass for Pass<'_> {
                     });
                 let (d_ln_1, d_w, d_b) =
                     linear_backward(&a.ln_1, w.c_attn, &d_qkv, 3 * c, block.c_attn.wanted());
-                g.push_linear(&block.c_attn, d_w, d_b);
+                g.push_linear(&block.c_attn, d_w, d_b)?;
                 let d_ln_1 = d_ln_1.unwrap_or_default();
                 let (d_gain, d_bias) = layer_norm_bwd(&a.input, &d_ln_1, w.ln_1, &mut d_res, true);
-                g.push_ln(&block.ln_1, d_gain, d_bias);
-                block_grads.push(g);
+                g.push_ln(&block.ln_1, d_gain, d_bias)?;
                 scratch::give([d_att, d_qkv, d_ln_1]);
                 scratch::give(a.buffers());
             }
@@ -405,12 +412,9 @@ impl TrainPass for Pass<'_> {
             }
             drop(d_embed);
             scratch::give([d_res]);
-            Ok((d_wte, d_wpe, block_grads))
-        })?;
-        grads.push(gpt.wte.as_tensor(), d_wte);
-        grads.push(gpt.wpe.as_tensor(), d_wpe);
-        block_grads.into_iter().for_each(|g| grads.0.extend(g.0));
-        grads.in_order_of(gpt)
+            grads.push(gpt.wpe.as_tensor(), d_wpe)?;
+            grads.push(gpt.wte.as_tensor(), d_wte)
+        })
     }
 }
 
@@ -591,46 +595,62 @@ impl<'w> Weights<'w> {
     }
 }
 
-/// Gradients by parameter, as they are computed.
-#[derive(Default)]
-struct Grads(Vec<(candle_core::TensorId, Vec<f32>)>);
+/// Hands each gradient to the sink as it is formed, by the parameter's position; none for a
+/// frozen parameter (a LayerNorm's or the position table's, cheap to form, is dropped here).
+struct Handover<'s> {
+    /// Position of each parameter, by tensor; `None` for a frozen one.
+    positions: std::collections::HashMap<candle_core::TensorId, Option<usize>>,
+    sink: &'s mut dyn GradientSink,
+}
 
-impl Grads {
-    /// Records `grad` for `param`; an empty one (a frozen weight's, never formed) is none.
-    fn push(&mut self, param: &Tensor, grad: Vec<f32>) {
-        if !grad.is_empty() {
-            self.0.push((param.id(), grad));
-        }
-    }
-
-    fn push_linear(&mut self, layer: &super::Linear, d_weight: Vec<f32>, d_bias: Vec<f32>) {
-        self.push(layer.weight.as_tensor(), d_weight);
-        if let Some(bias) = &layer.bias {
-            self.push(bias.as_tensor(), d_bias);
-        }
-    }
-
-    fn push_ln(&mut self, layer: &super::LayerNorm, d_gain: Vec<f32>, d_bias: Vec<f32>) {
-        self.push(layer.weight.as_tensor(), d_gain);
-        if let Some(bias) = &layer.bias {
-            self.push(bias.as_tensor(), d_bias);
-        }
-    }
-
-    /// The gradients as tensors in the order of the model's parameters; none for a frozen
-    /// one (a LayerNorm's or position table's, cheap to form, is dropped here).
-    fn in_order_of(self, gpt: &Gpt) -> Result<Vec<Option<Tensor>>> {
-        let mut by_id: std::collections::HashMap<_, _> = self.0.into_iter().collect();
-        gpt.params
+impl<'s> Handover<'s> {
+    fn new(gpt: &Gpt, sink: &'s mut dyn GradientSink) -> Self {
+        let positions = gpt
+            .params
             .vars()
-            .map(|var| {
-                let param = var.as_tensor();
-                by_id
-                    .remove(&param.id())
-                    .filter(|_| !gpt.params.frozen.contains(var))
-                    .map(|g| Tensor::from_vec(g, param.shape(), param.device()))
-                    .transpose()
+            .enumerate()
+            .map(|(i, var)| {
+                let wanted = !gpt.params.frozen.contains(var);
+                (var.as_tensor().id(), wanted.then_some(i))
             })
-            .collect()
+            .collect();
+        Handover { positions, sink }
+    }
+
+    /// Hands over `grad` of `param`; an empty one (a frozen weight's, never formed) is none.
+    fn push(&mut self, param: &Tensor, grad: Vec<f32>) -> Result<()> {
+        match self.positions.get(&param.id()) {
+            Some(&Some(i)) if !grad.is_empty() => {
+                let grad = Tensor::from_vec(grad, param.shape(), param.device())?;
+                self.sink.put(i, Some(grad))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn push_linear(
+        &mut self,
+        layer: &super::Linear,
+        d_weight: Vec<f32>,
+        d_bias: Vec<f32>,
+    ) -> Result<()> {
+        self.push(layer.weight.as_tensor(), d_weight)?;
+        match &layer.bias {
+            Some(bias) => self.push(bias.as_tensor(), d_bias),
+            None => Ok(()),
+        }
+    }
+
+    fn push_ln(
+        &mut self,
+        layer: &super::LayerNorm,
+        d_gain: Vec<f32>,
+        d_bias: Vec<f32>,
+    ) -> Result<()> {
+        self.push(layer.weight.as_tensor(), d_gain)?;
+        match &layer.bias {
+            Some(bias) => self.push(bias.as_tensor(), d_bias),
+            None => Ok(()),
+        }
     }
 }

@@ -105,6 +105,9 @@ pub struct Llama {
     params: Params,
     /// `train.activation_checkpointing`: training passes keep each layer's input only.
     checkpoint: AtomicBool,
+    /// `distributed.sharding = "gradients"`: training passes go layer by layer, handing each
+    /// layer's gradients over as they are formed.
+    stream: AtomicBool,
 }
 
 struct Layer {
@@ -192,6 +195,7 @@ impl Llama {
             compute,
             params,
             checkpoint: AtomicBool::new(false),
+            stream: AtomicBool::new(false),
         })
     }
 
@@ -389,19 +393,32 @@ impl Model for Llama {
         self.loss_of(&self.trunk(xs, mode)?, targets)
     }
 
-    /// With `train.activation_checkpointing`, a pass that keeps each layer's input only.
+    /// With `train.activation_checkpointing`, a pass that keeps each layer's input only; with
+    /// streamed gradients, one that keeps each layer's graph apart. Otherwise autograd over
+    /// the whole model.
     fn train_pass(
         &self,
         xs: &Tensor,
         targets: &Tensor,
         mode: &Mode,
     ) -> Result<Option<Box<dyn TrainPass + '_>>> {
-        match self.checkpoint.load(Ordering::Relaxed) {
-            true => Ok(Some(Box::new(recompute::Recomputed::forward(
-                self, xs, targets, mode,
-            )?))),
-            false => Ok(None),
+        let recompute = self.checkpoint.load(Ordering::Relaxed);
+        if !recompute && !self.stream.load(Ordering::Relaxed) {
+            return Ok(None);
         }
+        let pass = recompute::Recomputed::forward(self, xs, targets, mode, recompute)?;
+        Ok(Some(Box::new(pass)))
+    }
+
+    /// Layer by layer (see `recompute`): the embedding's gradient (added to until the end)
+    /// and the output projection's (formed first) are held with one layer's.
+    fn stream_gradients(&self) -> Option<usize> {
+        self.stream.store(true, Ordering::Relaxed);
+        let head = self.lm_head.as_ref().map_or(0, |v| v.elem_count());
+        let outside = self.embed.elem_count() + head + self.norm.elem_count();
+        let layers = self.params.element_count().saturating_sub(outside);
+        let layer = layers.div_ceil(self.layers.len().max(1));
+        Some(self.embed.elem_count() + head + layer)
     }
 
     fn checkpoint_activations(&self) -> std::result::Result<(), String> {

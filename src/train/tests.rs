@@ -374,14 +374,16 @@ fn frozen_parameters_stay_put_keep_no_state_and_are_not_reduced() {
     assert_eq!(reduced, 3 * (27 + 1));
 }
 
-/// ZeRO-1 over real sockets: 2 and 3 ranks, a sharded optimizer and an unsharded one give
+/// ZeRO-1 and ZeRO-2 over real sockets: 2 and 3 ranks, a sharded optimizer (its gradients
+/// reduce-scattered after the backward or handed over by it) and an unsharded one give
 /// the same weights bit for bit (each rank's own batch), the sharded one keeps about 1/W of
 /// the state, and it sends exactly the all-reduce's bytes.
 #[test]
 fn a_sharded_optimizer_moves_the_all_reduces_bytes_and_gives_its_bits() {
     use crate::comm::buckets::ShardPlan;
     let spec = spec(&["train.optimizer=\"adamw\"", "model.hidden=[24]"]);
-    let run = |world: usize, sharded: bool| {
+    // (sharded, streamed): "none", "optimizer", "gradients".
+    let run = |world: usize, (sharded, streamed): (bool, bool)| {
         crate::comm::tcp_ranks(world, |rank, comm| {
             let (data, model) = data_and_model(&spec);
             let params = model.params();
@@ -403,7 +405,7 @@ fn a_sharded_optimizer_moves_the_all_reduces_bytes_and_gives_its_bits() {
                 masked_targets: false,
                 virtual_shards: None,
                 scrambled_pieces: false,
-                stream_gradients: false,
+                stream_gradients: streamed,
             };
             let batches = data.batches(&Device::Cpu).unwrap();
             for step in 0..3 {
@@ -439,26 +441,29 @@ fn a_sharded_optimizer_moves_the_all_reduces_bytes_and_gives_its_bits() {
         })
     };
     for world in [2, 3] {
-        let (plain, sharded) = (run(world, false), run(world, true));
+        let plain = run(world, (false, false));
         let total = plain[0].2;
-        for rank in 0..world {
-            assert_eq!(
-                plain[rank].0, sharded[rank].0,
-                "world {world}, rank {rank}: weights"
-            );
-            assert_eq!(
-                plain[rank].1, sharded[rank].1,
-                "world {world}, rank {rank}: bytes"
-            );
-            let kept = sharded[rank].2 as f64;
-            let share = total as f64 / world as f64;
-            assert!(
-                (kept - share).abs() <= 8.0,
-                "rank {rank} keeps {kept} of {total}"
-            );
+        for mode in [(true, false), (true, true)] {
+            let sharded = run(world, mode);
+            for rank in 0..world {
+                assert_eq!(
+                    plain[rank].0, sharded[rank].0,
+                    "world {world}, rank {rank}, {mode:?}: weights"
+                );
+                assert_eq!(
+                    plain[rank].1, sharded[rank].1,
+                    "world {world}, rank {rank}, {mode:?}: bytes"
+                );
+                let kept = sharded[rank].2 as f64;
+                let share = total as f64 / world as f64;
+                assert!(
+                    (kept - share).abs() <= 8.0,
+                    "rank {rank} keeps {kept} of {total}"
+                );
+            }
+            // Every rank ends with the same weights, so the pieces really were gathered.
+            assert!(sharded.iter().all(|r| r.0 == sharded[0].0));
         }
-        // Every rank ends with the same weights, so the pieces really were gathered.
-        assert!(sharded.iter().all(|r| r.0 == sharded[0].0));
     }
 }
 

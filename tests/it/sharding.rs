@@ -1,7 +1,9 @@
-//! `distributed.sharding = "optimizer"` (ZeRO-1) end to end: the same weights and optimizer
-//! state as an unsharded job (bit for bit without clipping, 1e-6 with), on 2 and 3 workers,
-//! with accumulation and bf16; SIGTERM and resume, resume in another mode and on another world
-//! size, a killed worker restarted; the modes that do not exist yet refused.
+//! `distributed.sharding = "optimizer"` (ZeRO-1) and `"gradients"` (ZeRO-2) end to end: the
+//! same weights and optimizer state as an unsharded job (bit for bit without clipping, 1e-6
+//! with), on 2 and 3 workers, with accumulation and bf16, models that hand their gradients
+//! over block by block (a gpt, a llama) on workers of one and two threads; SIGTERM and resume,
+//! resume in another mode and on another world size, a killed worker restarted; the mode that
+//! does not exist yet refused.
 
 use std::path::Path;
 
@@ -64,12 +66,16 @@ bucket_mb = 0.002
 }
 
 fn sharded(n: &str) -> Vec<&str> {
-    vec![
-        "--nproc-per-node",
-        n,
-        "--set",
-        "distributed.sharding=\"optimizer\"",
-    ]
+    sharded_as("optimizer", n)
+}
+
+fn sharded_as<'a>(mode: &str, n: &'a str) -> Vec<&'a str> {
+    let set = match mode {
+        "optimizer" => "distributed.sharding=\"optimizer\"",
+        "gradients" => "distributed.sharding=\"gradients\"",
+        other => panic!("no sharding mode {other} in these tests"),
+    };
+    vec!["--nproc-per-node", n, "--set", set]
 }
 
 /// Every checkpoint's weights and optimizer state have the same bits in jobs `a` and `b`.
@@ -96,24 +102,36 @@ fn sharded_optimizer_state_trains_the_unsharded_weights_bit_for_bit() {
     let cfg = t.config("mlp", MLP);
     for n in ["2", "3"] {
         let plain = format!("plain{n}");
-        let shard = format!("shard{n}");
         t.run(&cfg, &["--nproc-per-node", n, "--name", &plain])
             .success();
-        let run = t.run(&cfg, &[&sharded(n)[..], &["--name", &shard]].concat());
-        run.success();
-        assert!(
-            run.stdout.contains(&format!(
-                "optimizer state sharded over {n} workers (ZeRO-1)"
-            )),
-            "{}",
-            run.stdout
-        );
-        assert_same_bits(
-            &t.job(&plain).join("model.safetensors"),
-            &t.job(&shard).join("model.safetensors"),
-        );
-        // Gathered for checkpoints: the unsharded job's optimizer state, in its layout.
-        same_checkpoints(&t, &plain, &shard);
+        for (mode, stage) in [("optimizer", "ZeRO-1"), ("gradients", "ZeRO-2")] {
+            let shard = format!("{mode}{n}");
+            let run = t.run(
+                &cfg,
+                &[&sharded_as(mode, n)[..], &["--name", &shard]].concat(),
+            );
+            run.success();
+            assert!(
+                run.stdout.contains(&format!(
+                    "optimizer state sharded over {n} workers ({stage})"
+                )),
+                "{}",
+                run.stdout
+            );
+            // The mlp's gradients come from autograd all at once: said, and no harm done.
+            assert_eq!(
+                run.stdout.contains("forms its gradients all at once"),
+                mode == "gradients",
+                "{}",
+                run.stdout
+            );
+            assert_same_bits(
+                &t.job(&plain).join("model.safetensors"),
+                &t.job(&shard).join("model.safetensors"),
+            );
+            // Gathered for checkpoints: the unsharded job's optimizer state, in its layout.
+            same_checkpoints(&t, &plain, &shard);
+        }
     }
     // bf16 computes the passes; averaging and the update stay f32, sharded or not.
     let bf16 = ["--set", "train.precision=\"bf16\""];
@@ -176,6 +194,81 @@ fn a_clipped_gpt_sharded_three_ways_stays_within_a_millionth() {
     );
 }
 
+/// A gpt (its hand-written pass) and a llama (layer by layer) hand each block's gradients
+/// over while their backward runs; the buckets reduced then give the `"optimizer"` job's bits
+/// (the same sums, clipped alike) and the unsharded job's within a millionth, with
+/// accumulation, on workers of one thread and of two (row shards handing over side by side).
+#[test]
+fn gradients_handed_over_block_by_block_keep_the_sharded_and_unsharded_weights() {
+    let t = TestJob::new();
+    let text = t.path("corpus.txt");
+    std::fs::write(&text, corpus()).unwrap();
+    let gpt = t.config("gpt", &gpt(&text));
+    let llama = t.config("llama", &llama(&text));
+    let accumulate = ["--set", "train.accumulation=2"];
+    for (model, cfg) in [("gpt", &gpt), ("llama", &llama)] {
+        for threads in ["1", "2"] {
+            let env = [("RAYON_NUM_THREADS", threads)];
+            let name = |mode: &str| format!("{model}-{mode}-{threads}");
+            let plain = ["--nproc-per-node", "3"];
+            t.run_env(
+                cfg,
+                &[&plain, &accumulate[..], &["--name", &name("none")]].concat(),
+                &env,
+            )
+            .success();
+            for mode in ["optimizer", "gradients"] {
+                let args = [
+                    &sharded_as(mode, "3")[..],
+                    &accumulate,
+                    &["--name", &name(mode)],
+                ];
+                let run = t.run_env(cfg, &args.concat(), &env);
+                run.success();
+                assert!(!run.stdout.contains("all at once"), "{}", run.stdout);
+            }
+            let weights = |mode: &str| t.job(&name(mode)).join("model.safetensors");
+            assert_same_bits(&weights("optimizer"), &weights("gradients"));
+            let diff = max_abs_diff(
+                &load_weights(&weights("none")),
+                &load_weights(&weights("gradients")),
+            );
+            assert!(diff < 1e-6, "{model}, {threads} thread(s): {diff}");
+        }
+    }
+}
+
+fn llama(text: &Path) -> String {
+    format!(
+        r#"
+seed = 11
+[model]
+arch = "llama"
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+block_size = 16
+tie_word_embeddings = true
+[data]
+dataset = "text"
+path = "{}"
+tokenizer = "char"
+[train]
+max_steps = 6
+batch_size = 6
+lr = 0.01
+optimizer = "adamw"
+grad_clip_norm = 0.5
+log_every = 3
+[distributed]
+bucket_mb = 0.002
+"#,
+        text.display()
+    )
+}
+
 #[test]
 fn a_sharded_job_resumes_exactly_in_either_mode_and_on_another_world_size() {
     let t = TestJob::new();
@@ -196,10 +289,20 @@ fn a_sharded_job_resumes_exactly_in_either_mode_and_on_another_world_size() {
         &t.job("whole").join("model.safetensors"),
         &t.job("again").join("model.safetensors"),
     );
-    // Preempted sharded, resumed unsharded (job.toml edited), and the other way round.
+    // Preempted with gradients streamed, resumed so: the same.
+    cut("streamed", &sharded_as("gradients", "3"));
+    t.ddpjob(&["resume", "streamed", "--jobs-dir", &jobs])
+        .success();
+    assert_same_bits(
+        &t.job("whole").join("model.safetensors"),
+        &t.job("streamed").join("model.safetensors"),
+    );
+    // Preempted sharded, resumed unsharded (job.toml edited), and the other way round; from
+    // one sharded mode to the other.
     for (name, first, then) in [
         ("off", sharded("3"), "none"),
         ("on", vec!["--nproc-per-node", "3"], "optimizer"),
+        ("switched", sharded("3"), "gradients"),
     ] {
         cut(name, &first);
         let frozen = t.job(name).join("job.toml");
@@ -242,27 +345,29 @@ fn a_killed_sharded_worker_is_restarted_from_the_gathered_checkpoint() {
     let cfg = t.config("mlp", MLP);
     t.run(&cfg, &["--nproc-per-node", "2", "--name", "whole"])
         .success();
-    let restarts = ["--set", "distributed.max_restarts=1", "--name", "restarted"];
-    let run = t.run_env(
-        &cfg,
-        &[&sharded("2")[..], &restarts[..]].concat(),
-        &[("DDPJOB_FAULT", "rank=1,step=10,kind=kill")],
-    );
-    run.success();
-    assert!(run.stderr.contains("restart 1/1"), "{}", run.stderr);
-    assert_same_bits(
-        &t.job("whole").join("model.safetensors"),
-        &t.job("restarted").join("model.safetensors"),
-    );
+    for mode in ["optimizer", "gradients"] {
+        let name = format!("restarted-{mode}");
+        let restarts = ["--set", "distributed.max_restarts=1", "--name", &name];
+        let run = t.run_env(
+            &cfg,
+            &[&sharded_as(mode, "2")[..], &restarts[..]].concat(),
+            &[("DDPJOB_FAULT", "rank=1,step=10,kind=kill")],
+        );
+        run.success();
+        assert!(run.stderr.contains("restart 1/1"), "{}", run.stderr);
+        assert_same_bits(
+            &t.job("whole").join("model.safetensors"),
+            &t.job(&name).join("model.safetensors"),
+        );
+    }
 }
 
 #[test]
-fn sharding_modes_not_built_yet_are_refused_before_anything_is_created() {
+fn a_sharding_mode_not_built_yet_is_refused_before_anything_is_created() {
     let t = TestJob::new();
     let cfg = t.config("mlp", MLP);
     for (mode, says) in [
         ("full", "\"full\" (ZeRO-3 / FSDP"),
-        ("gradients", "\"gradients\" (ZeRO-2"),
         ("zero1", "distributed.sharding"),
     ] {
         let set = format!("distributed.sharding=\"{mode}\"");
@@ -274,8 +379,8 @@ fn sharding_modes_not_built_yet_are_refused_before_anything_is_created() {
     );
 }
 
-/// A rank that hangs mid-step leaves the others in the new collective, which the launcher
-/// names with its number, as it names an all-reduce.
+/// A rank that hangs mid-step leaves the others in the new collective (here run from the
+/// backward's hand-over), which the launcher names with its number, as it names an all-reduce.
 #[test]
 fn a_hang_in_a_sharded_step_names_the_reduce_scatter() {
     let t = TestJob::new();
@@ -283,7 +388,7 @@ fn a_hang_in_a_sharded_step_names_the_reduce_scatter() {
     let run = t.run_env(
         &cfg,
         &[
-            &sharded("3")[..],
+            &sharded_as("gradients", "3")[..],
             &["--name", "hung", "--set", "distributed.timeout_s=3"],
         ]
         .concat(),

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Memory that shrinks as workers are added: a GPT of 12 layers x 768 (85 M parameters, context
 # 256, the tiny Shakespeare's characters), AdamW, trained a few steps by W CPU workers with
-# `distributed.sharding` "none" and then "optimizer" (ZeRO-1), side by side in one run. Prints
-# each rank's peak RSS (summary.json's `peak_rss_bytes`), the saving per worker beside the
-# expected (1 - 1/W) x 8 bytes x parameters, and the step time of both.
+# `distributed.sharding` "none", "optimizer" (ZeRO-1) and "gradients" (ZeRO-2), side by side
+# in one run. Prints each rank's peak RSS (summary.json's `peak_rss_bytes`) beside the
+# estimate (`estimated_peak_bytes`), each mode's saving per worker over the one before it beside
+# the expected share ((1 - 1/W) x 8 bytes x parameters for the optimizer's moments, (1 - 1/W) x
+# 4 bytes x parameters for the gradients), and the step time of each.
 #
 #   bench/zero-memory.sh [W ...]        (default: 2 4)   LAYERS=2 for a quick check
 #
@@ -47,9 +49,10 @@ log_every = 1
 every_epochs = 0
 every_steps = ${CHECKPOINT_EVERY:-0}
 EOF
-printf '%-3s %-10s %12s %14s %14s %10s\n' W sharding "params" "peak RSS MB" "(per rank)" "s/step"
+printf '%-3s %-10s %12s %14s %14s %12s %10s\n' W sharding "params" "peak RSS MB" "(per rank)" \
+  "estimate MB" "s/step"
 for w in "${worlds[@]}"; do
-  for mode in none optimizer; do
+  for mode in none optimizer gradients; do
     name=w$w-$mode
     "$bin" run "$out/gpt.toml" --jobs-dir "$out/jobs" --name "$name" --nproc-per-node "$w" \
       --set "distributed.sharding=\"$mode\"" > "$out/$name.log" 2>&1 \
@@ -59,17 +62,23 @@ import json, sys
 s = json.load(open(sys.argv[1]))
 peaks = [b / 1e6 for b in s["peak_rss_bytes"]]
 per_step = s["train_s"] / s["steps"]
+estimate = s["estimated_peak_bytes"] / 1e6
 print(f"{sys.argv[2]:<3} {sys.argv[3]:<10} {s['parameters']:>12} {max(peaks):>14.0f} "
-      f"{' '.join(f'{p:.0f}' for p in peaks):>14} {per_step:>10.2f}")
+      f"{' '.join(f'{p:.0f}' for p in peaks):>14} {estimate:>7.0f} ({(estimate / max(peaks) - 1) * 100:+.0f}%)"
+      f" {per_step:>10.2f}")
 PY
   done
-  python3 - "$out/jobs/w$w-none/summary.json" "$out/jobs/w$w-optimizer/summary.json" "$w" <<'PY'
+  for pair in "none optimizer 8" "optimizer gradients 4"; do
+    set -- $pair
+    python3 - "$out/jobs/w$w-$1/summary.json" "$out/jobs/w$w-$2/summary.json" "$w" "$3" "$1" "$2" <<'PY'
 import json, sys
-a, b, w = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), int(sys.argv[3])
+a, b, w, per = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4])
 saved = [(x - y) / 1e6 for x, y in zip(a["peak_rss_bytes"], b["peak_rss_bytes"])]
-expected = (1 - 1 / w) * 8 * a["parameters"] / 1e6
+expected = (1 - 1 / w) * per * a["parameters"] / 1e6
 mean = sum(saved) / len(saved)
-print(f"    W={w}: saved per worker {' '.join(f'{s:.0f}' for s in saved)} MB (mean {mean:.0f}); "
-      f"expected (1 - 1/W) x 8 B x params = {expected:.0f} MB; ratio {mean / expected:.2f}")
+print(f"    W={w}, {sys.argv[5]} -> {sys.argv[6]}: saved per worker "
+      f"{' '.join(f'{s:.0f}' for s in saved)} MB (mean {mean:.0f}); expected (1 - 1/W) x {per} B "
+      f"x params = {expected:.0f} MB; ratio {mean / expected:.2f}")
 PY
+  done
 done

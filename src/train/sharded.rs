@@ -35,11 +35,18 @@ pub(super) fn reduce_scatter_gradients(
             .clone()
             .map(|t| grads[t].take().expect("each gradient in one bucket"))
             .collect();
-        let (mine, owned_vote) = reduce_bucket(cx, plan, b, parts, stop)?;
-        pieces.extend(mine.into_iter().map(|(_, piece)| piece));
-        vote = vote.or(owned_vote);
+        let reduced = reduce_bucket(cx, plan, b, parts, stop)?;
+        pieces.extend(reduced.pieces.into_iter().map(|(_, piece)| piece));
+        vote = vote.or(reduced.vote);
     }
     Ok((pieces, vote))
+}
+
+/// This rank's share of one reduced bucket: its pieces, by their position in the plan, and
+/// the ranks' mean stop vote when it rode in this bucket and this rank owns it.
+pub(super) struct ReducedBucket {
+    pub(super) pieces: Vec<(usize, Tensor)>,
+    pub(super) vote: Option<f32>,
 }
 
 /// Reduce-scatters bucket `b` of `plan` made of `parts` (its gradients, in order), the stop
@@ -51,7 +58,7 @@ pub(super) fn reduce_bucket(
     b: usize,
     parts: Vec<Tensor>,
     stop: bool,
-) -> Result<(Vec<(usize, Tensor)>, Option<f32>), StepError> {
+) -> Result<ReducedBucket, StepError> {
     let last = plan.buckets.len().saturating_sub(1);
     let mine = (b == last).then_some(u8::from(stop) as f32);
     let mut flat = flat_bucket(&parts, mine)?;
@@ -77,7 +84,7 @@ pub(super) fn reduce_bucket(
                 .to_vec1::<f32>()?[0],
         );
     }
-    Ok((pieces, vote))
+    Ok(ReducedBucket { pieces, vote })
 }
 
 /// Scales the pieces so the global gradient norm (over every rank's pieces) is at most

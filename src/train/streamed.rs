@@ -299,12 +299,12 @@ impl Reducer<'_, '_> {
             .zip(parts)
             .map(|(t, g)| g.map_or_else(|| vars[t].zeros_like(), Ok))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let (mine, vote) = reduce_bucket(self.cx, self.plan, b, parts, self.stop)?;
+        let reduced = reduce_bucket(self.cx, self.plan, b, parts, self.stop)?;
         let mut state = self.stream.lock();
-        for (k, piece) in mine {
+        for (k, piece) in reduced.pieces {
             state.pieces[k] = Some(piece);
         }
-        state.vote = state.vote.or(vote);
+        state.vote = state.vote.or(reduced.vote);
         Ok(())
     }
 }

@@ -85,7 +85,7 @@ impl JobSpec {
             }
         }
         invariance_problems(&mut c, &train, &keys.distributed);
-        if let Some(why) = checkpointing_problem(&model, &train, &keys.distributed) {
+        if let Some(why) = checkpointing_problem(&model, &train) {
             c.fail("train.activation_checkpointing", why);
         }
         ConfigError::collect(c.errors)?;
@@ -152,30 +152,15 @@ fn invariance_problems(
 
 /// Why `train.activation_checkpointing` cannot apply to a built-in model as configured, if
 /// it cannot (a registered model of a user's says so itself when it is built).
-fn checkpointing_problem(
-    model: &ModelSpec,
-    train: &super::spec::TrainSpec,
-    distributed: &super::spec::DistributedSpec,
-) -> Option<String> {
+fn checkpointing_problem(model: &ModelSpec, train: &super::spec::TrainSpec) -> Option<String> {
     if !train.activation_checkpointing {
         return None;
     }
     let arch = model.arch();
-    let runs_by_hand = "the gpt recomputes activations in its hand-written pass, for CPU workers \
-                        in f32";
     match arch {
         "mlp" | "cnn" => Some(format!(
             "model.arch = \"{arch}\" does not recompute its activations (the gpt and the llama \
              do); set it to false"
-        )),
-        "gpt" if train.precision == super::spec::Precision::Bf16 => Some(format!(
-            "{runs_by_hand}; train.precision = \"bf16\" runs through autograd: use \"f32\""
-        )),
-        "gpt" if model.lora().is_some() => Some(format!(
-            "{runs_by_hand} without LoRA adapters, which autograd differentiates; turn one off"
-        )),
-        "gpt" if distributed.device == super::spec::DeviceChoice::Cuda => Some(format!(
-            "{runs_by_hand}; distributed.device = \"cuda\" runs through autograd"
         )),
         _ => None,
     }

@@ -28,6 +28,7 @@ pub(crate) mod options;
 #[cfg(feature = "cuda")]
 mod residual_cuda;
 pub(super) mod rows;
+mod stack;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
@@ -117,8 +118,11 @@ pub struct Gpt {
     /// stream and the logits stay f32.
     compute: DType,
     params: Params,
-    /// `train.activation_checkpointing`: the hand-written pass keeps each block's input only.
+    /// `train.activation_checkpointing`: training passes keep each block's input only.
     checkpoint: std::sync::atomic::AtomicBool,
+    /// `distributed.sharding = "gradients"`: training passes hand each block's gradients over
+    /// as they are formed.
+    stream: std::sync::atomic::AtomicBool,
 }
 
 impl Gpt {
@@ -194,6 +198,7 @@ impl Gpt {
             compute,
             params,
             checkpoint: Default::default(),
+            stream: Default::default(),
         })
     }
 
@@ -241,18 +246,28 @@ impl Gpt {
 
     /// Token plus position embeddings of `ids` ([n·t], positions from `offset`): [n·t, C].
     fn embed(&self, ids: &Tensor, n: usize, t: usize, offset: usize) -> Result<Tensor> {
-        let c = self.config.n_embd;
-        let frozen = &self.params.frozen;
-        let tokens = lookup(&frozen.as_input(&self.wte), ids)?.reshape((n, t, c))?;
-        let positions = frozen.as_input(&self.wpe).narrow(0, offset, t)?;
-        tokens.broadcast_add(&positions)?.reshape((n * t, c))
+        let tokens = lookup(&self.params.frozen.as_input(&self.wte), ids)?;
+        self.with_positions(&tokens, (n, t), offset, None)
     }
 
-    /// Token plus position embeddings of packed rows: `ids` [n·t] at `positions` [n·t].
-    fn embed_at(&self, ids: &Tensor, positions: &Tensor) -> Result<Tensor> {
-        let frozen = &self.params.frozen;
-        let tokens = lookup(&frozen.as_input(&self.wte), ids)?;
-        tokens + lookup(&frozen.as_input(&self.wpe), positions)?
+    /// Token embeddings `tokens` [n·t, C] plus their positions' (from `offset`, or those of
+    /// packed rows).
+    fn with_positions(
+        &self,
+        tokens: &Tensor,
+        (n, t): (usize, usize),
+        offset: usize,
+        packing: Option<&super::packed::Packing>,
+    ) -> Result<Tensor> {
+        let (c, frozen) = (self.config.n_embd, &self.params.frozen);
+        if let Some(p) = packing {
+            return tokens + lookup(&frozen.as_input(&self.wpe), &p.positions)?;
+        }
+        let positions = frozen.as_input(&self.wpe).narrow(0, offset, t)?;
+        tokens
+            .reshape((n, t, c))?
+            .broadcast_add(&positions)?
+            .reshape((n * t, c))
     }
 
     /// Final LayerNorm, then logits x·wteᵀ in f32.
@@ -285,12 +300,7 @@ impl Model for Gpt {
     /// On the CPU in f32, the output projection and the cross-entropy run as one op that
     /// never holds all the logits (see `head`).
     fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
-        let x = self.ln_f.forward(&self.trunk(xs, mode)?)?;
-        let wte = &self.params.frozen.as_input(&self.wte);
-        if self.compute == DType::F32 && head::applies(&x, wte) {
-            return head::loss(&x, wte, &targets.flatten_all()?);
-        }
-        crate::task::cross_entropy(&self.project(&x)?, targets)
+        self.loss_of(&self.trunk(xs, mode)?, targets)
     }
 
     /// On the CPU in f32, the hand-written forward (see `manual`), a few windows at a time.
@@ -313,7 +323,9 @@ impl Model for Gpt {
         &self.params
     }
 
-    /// On the CPU in f32, a hand-written forward and backward (see `manual`).
+    /// On the CPU in f32, a hand-written forward and backward (see `manual`). Elsewhere (a
+    /// GPU, bf16, LoRA, packed rows), autograd over the whole model, or block by block (see
+    /// `models::layered`) with activation checkpointing or streamed gradients.
     fn train_pass(
         &self,
         xs: &Tensor,
@@ -321,39 +333,28 @@ impl Model for Gpt {
         mode: &Mode,
     ) -> Result<Option<Box<dyn TrainPass + '_>>> {
         // Packed rows (see `models::packed`) go through autograd.
-        if !manual::applies(self) || xs.rank() != 2 {
-            if self.checkpoints() {
-                candle_core::bail!(
-                    "train.activation_checkpointing: the gpt recomputes activations in its \
-                     hand-written pass only, which does not read packed rows (data.pack); \
-                     turn one of them off"
-                );
-            }
+        if manual::applies(self) && xs.rank() == 2 {
+            return Ok(Some(Box::new(manual::forward(self, xs, targets, mode)?)));
+        }
+        let recompute = self.checkpoints();
+        if !recompute && !self.stream.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(None);
         }
-        Ok(Some(Box::new(manual::forward(self, xs, targets, mode)?)))
+        let pass = super::layered::Layered::forward(self, xs, targets, mode, recompute)?;
+        Ok(Some(Box::new(pass)))
     }
 
     fn checkpoint_activations(&self) -> std::result::Result<(), String> {
-        if !manual::applies(self) {
-            return Err(
-                "the gpt recomputes activations in its hand-written pass, which runs \
-                 on the CPU in f32 without LoRA adapters; this job's gpt runs through autograd \
-                 (a GPU, bf16 or LoRA)"
-                    .into(),
-            );
-        }
         self.checkpoint
             .store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
-    /// The hand-written pass hands ln_f's and each block's gradients over as they are formed;
-    /// the token and position tables' come last, added to until then (see `manual`).
+    /// The hand-written pass, or the blocks one at a time, hand each block's gradients over as
+    /// they are formed; the token and position tables' come last, added to until then.
     fn stream_gradients(&self) -> Option<usize> {
-        if !manual::applies(self) {
-            return None;
-        }
+        self.stream
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let tables = self.wte.elem_count() + self.wpe.elem_count();
         let blocks = self.params.element_count() - tables;
         Some(tables + blocks.div_ceil(self.config.n_layer.max(1)))
@@ -426,42 +427,97 @@ impl Gpt {
     /// block's tensors at a time, not every block's until the loss is read (the parameters are
     /// variables: autograd would keep them all, as for training).
     fn trunk_with(&self, xs: &Tensor, mode: &Mode, scoring: bool) -> Result<Tensor> {
+        let (ids, packing, shape) = self.window(xs)?;
+        let dropout = self.dropout(mode, shape)?;
+        let (packing, dropout) = (packing.as_ref(), dropout.as_ref());
+        let detached = |x: Tensor| if scoring { x.detach() } else { x };
+        let tokens = lookup(&self.params.frozen.as_input(&self.wte), &ids)?;
+        let mut x = detached(self.embedded(&tokens, shape, packing, dropout)?);
+        for i in 0..self.blocks.len() {
+            x = detached(self.block_forward(i, &x, shape, packing, mode, dropout)?);
+        }
+        Ok(x)
+    }
+
+    /// Token windows [n, t] (packed: [n, t, 2]) → their ids [n·t], the packing, (n, t); t
+    /// within the window.
+    fn window(
+        &self,
+        xs: &Tensor,
+    ) -> Result<(Tensor, Option<super::packed::Packing>, (usize, usize))> {
         let (xs, packing) = super::packed::split(xs)?;
         let (n, t) = xs.dims2()?;
-        let c = self.config.n_embd;
         if t == 0 || t > self.config.block_size {
             let block = self.config.block_size;
             return Err(Error::Msg(format!(
                 "gpt: {t} positions, block_size is {block}"
             )));
         }
-        let dropout = match mode {
+        Ok((xs.flatten_all()?, packing, (n, t)))
+    }
+
+    /// The dropout masks of a training pass over n rows of t positions (`None`: evaluation,
+    /// or no dropout).
+    fn dropout<'m>(&self, mode: &'m Mode, (n, t): (usize, usize)) -> Result<Option<Dropout<'m>>> {
+        match mode {
             Mode::Train { row_seeds } if self.config.dropout > 0.0 => {
                 if row_seeds.len() != n {
                     let seeds = row_seeds.len();
                     return Err(Error::Msg(format!("gpt: {seeds} row seeds for {n} rows")));
                 }
-                Dropout::new(row_seeds, self.config.dropout, t * c)
+                Ok(Dropout::new(
+                    row_seeds,
+                    self.config.dropout,
+                    t * self.config.n_embd,
+                ))
             }
-            _ => None,
-        };
-        let drop = |x: Tensor, site: usize| match &dropout {
-            Some(d) => d.apply(&x, site),
-            None => Ok(x),
-        };
-        let embedded = match &packing {
-            Some(p) => self.embed_at(&xs.flatten_all()?, &p.positions)?,
-            None => self.embed(&xs.flatten_all()?, n, t, 0)?,
-        };
-        let detached = |x: Tensor| if scoring { x.detach() } else { x };
-        let mut x = detached(drop(embedded, 0)?);
-        for (i, block) in self.blocks.iter().enumerate() {
-            let y = block.attention(&x, (n, t), packing.as_ref(), self, mode)?;
-            x = dropout::add_dropped(&x, &y, dropout.as_ref(), 1 + 2 * i)?;
-            let y = block.mlp(&x, self, mode)?;
-            x = detached(dropout::add_dropped(&x, &y, dropout.as_ref(), 2 + 2 * i)?);
+            _ => Ok(None),
         }
-        Ok(x)
+    }
+
+    /// The residual stream entering the first block: looked-up `tokens` [n·t, C] plus their
+    /// positions, dropped out (site 0).
+    fn embedded(
+        &self,
+        tokens: &Tensor,
+        shape: (usize, usize),
+        packing: Option<&super::packed::Packing>,
+        dropout: Option<&Dropout>,
+    ) -> Result<Tensor> {
+        let x = self.with_positions(tokens, shape, 0, packing)?;
+        match dropout {
+            Some(d) => d.apply(&x, 0),
+            None => Ok(x),
+        }
+    }
+
+    /// Block `i` over the residual stream `x` [n·t, C].
+    fn block_forward(
+        &self,
+        i: usize,
+        x: &Tensor,
+        shape: (usize, usize),
+        packing: Option<&super::packed::Packing>,
+        mode: &Mode,
+        dropout: Option<&Dropout>,
+    ) -> Result<Tensor> {
+        let block = &self.blocks[i];
+        let y = block.attention(x, shape, packing, self, mode)?;
+        let x = dropout::add_dropped(x, &y, dropout, 1 + 2 * i)?;
+        let y = block.mlp(&x, self, mode)?;
+        dropout::add_dropped(&x, &y, dropout, 2 + 2 * i)
+    }
+
+    /// The mean loss from the last block's output `last` [n·t, C]: ln_f, then on the CPU in
+    /// f32 the output projection and the cross-entropy as one op that never holds all the
+    /// logits (see `head`).
+    fn loss_of(&self, last: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let x = self.ln_f.forward(last)?;
+        let wte = &self.params.frozen.as_input(&self.wte);
+        if self.compute == DType::F32 && head::applies(&x, wte) {
+            return head::loss(&x, wte, &targets.flatten_all()?);
+        }
+        crate::task::cross_entropy(&self.project(&x)?, targets)
     }
 }
 

@@ -6,6 +6,7 @@ mod chain;
 mod cnn;
 mod freeze;
 mod gpt;
+mod layered;
 mod llama;
 mod lora;
 mod mlp;

@@ -194,7 +194,8 @@ fn a_clipped_gpt_sharded_three_ways_stays_within_a_millionth() {
     );
 }
 
-/// A gpt (its hand-written pass) and a llama (layer by layer) hand each block's gradients
+/// A gpt (its hand-written pass; in bf16 block by block through autograd) and a llama (layer
+/// by layer) hand each block's gradients
 /// over while their backward runs; the buckets reduced then give the `"optimizer"` job's bits
 /// (the same sums, clipped alike) and the unsharded job's within a millionth, with
 /// accumulation, on workers of one thread and of two (row shards handing over side by side).
@@ -205,24 +206,31 @@ fn gradients_handed_over_block_by_block_keep_the_sharded_and_unsharded_weights()
     std::fs::write(&text, corpus()).unwrap();
     let gpt = t.config("gpt", &gpt(&text));
     let llama = t.config("llama", &llama(&text));
-    let accumulate = ["--set", "train.accumulation=2"];
-    for (model, cfg) in [("gpt", &gpt), ("llama", &llama)] {
+    // The gpt in bf16 goes block by block through autograd (its hand-written pass is f32).
+    let bf16 = [
+        "--set",
+        "train.accumulation=2",
+        "--set",
+        "train.precision=\"bf16\"",
+    ];
+    let f32 = &bf16[..2];
+    for (model, cfg, extra) in [
+        ("gpt", &gpt, f32),
+        ("llama", &llama, f32),
+        ("gpt-bf16", &gpt, &bf16[..]),
+    ] {
         for threads in ["1", "2"] {
             let env = [("RAYON_NUM_THREADS", threads)];
             let name = |mode: &str| format!("{model}-{mode}-{threads}");
             let plain = ["--nproc-per-node", "3"];
             t.run_env(
                 cfg,
-                &[&plain, &accumulate[..], &["--name", &name("none")]].concat(),
+                &[&plain, extra, &["--name", &name("none")]].concat(),
                 &env,
             )
             .success();
             for mode in ["optimizer", "gradients"] {
-                let args = [
-                    &sharded_as(mode, "3")[..],
-                    &accumulate,
-                    &["--name", &name(mode)],
-                ];
+                let args = [&sharded_as(mode, "3")[..], extra, &["--name", &name(mode)]];
                 let run = t.run_env(cfg, &args.concat(), &env);
                 run.success();
                 assert!(!run.stdout.contains("all at once"), "{}", run.stdout);

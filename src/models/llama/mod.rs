@@ -14,7 +14,6 @@
 
 mod ops;
 mod options;
-mod recompute;
 #[cfg(feature = "cuda")]
 mod rms_norm_cuda;
 mod rms_norm_gpu;
@@ -22,6 +21,7 @@ pub(crate) mod rope;
 #[cfg(feature = "cuda")]
 mod rope_cuda;
 mod rope_gpu;
+mod stack;
 #[cfg(feature = "cuda")]
 mod swiglu_cuda;
 mod swiglu_gpu;
@@ -234,23 +234,17 @@ impl Llama {
     }
 
     /// The last layer's output for token ids [n, t], each layer's output detached as it is
-    /// made, so only one layer's graph exists at a time; each layer's input pushed onto
-    /// `inputs` when given (what checkpointing keeps).
+    /// made, so only one layer's graph exists at a time (evaluation).
     fn detached_layers(
         &self,
         ids: &Tensor,
         shape: (usize, usize),
         packing: Option<&Packing>,
         mode: &Mode,
-        mut inputs: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
         let mut x = self.embed_tokens(ids)?.detach();
         for layer in &self.layers {
-            let y = self.block(layer, &x, shape, packing, mode)?.detach();
-            let input = std::mem::replace(&mut x, y);
-            if let Some(kept) = inputs.as_deref_mut() {
-                kept.push(input);
-            }
+            x = self.block(layer, &x, shape, packing, mode)?.detach();
         }
         Ok(x)
     }
@@ -406,11 +400,11 @@ impl Model for Llama {
         if !recompute && !self.stream.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        let pass = recompute::Recomputed::forward(self, xs, targets, mode, recompute)?;
+        let pass = crate::models::layered::Layered::forward(self, xs, targets, mode, recompute)?;
         Ok(Some(Box::new(pass)))
     }
 
-    /// Layer by layer (see `recompute`): the embedding's gradient (added to until the end)
+    /// Layer by layer (see `models::layered`): the embedding's gradient (added to until the end)
     /// and the output projection's (formed first) are held with one layer's.
     fn stream_gradients(&self) -> Option<usize> {
         self.stream.store(true, Ordering::Relaxed);
@@ -432,7 +426,7 @@ impl Model for Llama {
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
         let (ids, packing) = packed::split(xs)?;
         let shape = self.check_window(&ids)?;
-        let x = self.detached_layers(&ids, shape, packing.as_ref(), &Mode::Eval, None)?;
+        let x = self.detached_layers(&ids, shape, packing.as_ref(), &Mode::Eval)?;
         let x = self.final_norm(&x)?.detach();
         let w = self.head_weight().detach();
         if self.compute == DType::F32 && head::applies(&x, &w) {

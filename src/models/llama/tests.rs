@@ -625,8 +625,9 @@ fn training_bits(model: &dyn Model, x: &Tensor, y: &Tensor) -> (u32, Vec<Option<
     )
 }
 
-/// Activation checkpointing recomputes each layer in the backward and gives the same loss and
-/// gradients, bit for bit, as autograd over the whole model: untied (llama) and tied with
+/// Activation checkpointing recomputes each layer in the backward, streamed gradients keep
+/// each layer's graph apart, and both give the same loss and gradients, bit for bit, as
+/// autograd over the whole model: untied (llama) and tied with
 /// biases (qwen2), f32 and bf16, plain and packed rows, and with LoRA adapters (whose frozen
 /// base gets no gradient either way).
 #[test]
@@ -657,6 +658,12 @@ fn recomputed_layers_give_the_whole_models_gradients_bit_for_bit() {
         for xs in [&x, &packed] {
             let model = build();
             let whole = training_bits(model.as_ref(), xs, &y);
+            // Streamed gradients: each layer's graph kept apart, differentiated alone.
+            let streamed = build();
+            streamed.stream_gradients().unwrap();
+            assert!(streamed.train_pass(xs, &y, &Mode::Eval).unwrap().is_some());
+            let kept = training_bits(streamed.as_ref(), xs, &y);
+            assert!(whole == kept, "{name}: the streamed gradients differ");
             model.checkpoint_activations().unwrap();
             assert!(model.train_pass(xs, &y, &Mode::Eval).unwrap().is_some());
             let recomputed = training_bits(model.as_ref(), xs, &y);

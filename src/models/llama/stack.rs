@@ -1,0 +1,83 @@
+//! The llama as a stack of decoder layers (`models::layered`): how activation checkpointing
+//! and streamed gradients go through it layer by layer.
+
+use candle_core::{Result, Tensor};
+
+use super::Llama;
+use crate::models::GradientSink;
+use crate::models::layered::Stack;
+use crate::models::packed::{self, Packing};
+use crate::models::{Mode, Params};
+
+/// What the layers of one pass need of its batch.
+pub(crate) struct Batch {
+    /// Token ids [n, t].
+    ids: Tensor,
+    shape: (usize, usize),
+    packing: Option<Packing>,
+    mode: Mode,
+}
+
+impl Stack for Llama {
+    type Batch = Batch;
+
+    fn embed(&self, xs: &Tensor, mode: &Mode) -> Result<(Batch, Tensor)> {
+        let (ids, packing) = packed::split(xs)?;
+        let shape = self.check_window(&ids)?;
+        let x = self.embed_tokens(&ids)?.detach();
+        let mode = mode.clone();
+        Ok((
+            Batch {
+                ids,
+                shape,
+                packing,
+                mode,
+            },
+            x,
+        ))
+    }
+
+    fn depth(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn block(&self, i: usize, x: &Tensor, b: &Batch) -> Result<Tensor> {
+        self.block(&self.layers[i], x, b.shape, b.packing.as_ref(), &b.mode)
+    }
+
+    fn head_loss(&self, last: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        self.loss_of(&self.final_norm(last)?, targets)
+    }
+
+    fn embedding_params(&self) -> Vec<usize> {
+        let id = self.embed.as_tensor().id();
+        let position = self.params.vars().position(|v| v.as_tensor().id() == id);
+        position.into_iter().collect()
+    }
+
+    /// The lookup's gradient, as candle's backward of `index_select` forms it: added row by row
+    /// onto what the table already has (a tied embedding: the output projection's).
+    fn embedding_backward(
+        &self,
+        b: &Batch,
+        upstream: &Tensor,
+        held: Vec<Option<Tensor>>,
+        sink: &mut dyn GradientSink,
+    ) -> Result<()> {
+        let (Some(i), Some(held)) = (self.embedding_params().first().copied(), held.first()) else {
+            return Ok(());
+        };
+        if self.params.frozen.contains(&self.embed) {
+            return sink.put(i, held.clone());
+        }
+        let onto = match held {
+            Some(g) => g.clone(),
+            None => self.embed.as_tensor().zeros_like()?,
+        };
+        sink.put(i, Some(onto.index_add(&b.ids.flatten_all()?, upstream, 0)?))
+    }
+
+    fn params(&self) -> &Params {
+        &self.params
+    }
+}

@@ -162,7 +162,7 @@ section! {
         flush_denormals: bool = true => flush_denormals: bool = any();
         /// keep only each block's input in a training forward and recompute the block in the
         /// backward: activation memory for about a third more compute, the same weights bit
-        /// for bit (the `gpt` on CPU workers in f32, the `llama` everywhere; see "Activation
+        /// for bit (the `gpt` and the `llama`, on any device and precision; see "Activation
         /// checkpointing")
         activation_checkpointing: bool = false => activation_checkpointing: bool = any();
         /// learning-rate schedule

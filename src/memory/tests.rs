@@ -73,6 +73,36 @@ fn the_estimate_follows_sharding_threads_and_checkpointing() {
     assert_eq!(sharded.gradients, 4 * p + p);
     let threads = estimate(&spec, model.as_ref(), Layout::of(&spec, 1, 3));
     assert_eq!(threads.gradients, 3 * 4 * p + 4 * p);
+    // Streamed gradients: a shard holds what the pass keeps in flight and a bucket, not the
+    // whole gradient (with accumulation, the earlier micro-batches' sum too).
+    let (streamed_spec, _) = gpt_job(&[
+        "distributed.sharding=\"gradients\"",
+        "distributed.bucket_mb=0.004",
+    ]);
+    let held = model.stream_gradients().unwrap() as u64;
+    let streamed = estimate(
+        &streamed_spec,
+        model.as_ref(),
+        Layout::of(&streamed_spec, 4, 2),
+    );
+    assert!(held + 1000 < p, "{held} of {p}");
+    assert_eq!(streamed.optimizer, 2 * p);
+    assert_eq!(streamed.gradients, 2 * 4 * (held + 1000) + p);
+    let (accumulating, _) = gpt_job(&[
+        "distributed.sharding=\"gradients\"",
+        "distributed.bucket_mb=0.004",
+        "train.accumulation=2",
+    ]);
+    let layout = Layout::of(&accumulating, 4, 2);
+    let summed = estimate(&accumulating, model.as_ref(), layout).gradients;
+    assert_eq!(summed, streamed.gradients + 4 * p);
+    // On one worker nothing is shared, so nothing streams.
+    let alone = estimate(
+        &streamed_spec,
+        model.as_ref(),
+        Layout::of(&streamed_spec, 1, 1),
+    );
+    assert_eq!(alone.gradients, 8 * p);
     let full = plain.activations.unwrap();
     let layout = Layout {
         checkpointing: true,

@@ -184,11 +184,15 @@ fn a_clipped_gpt_sharded_three_ways_stays_within_a_millionth() {
         "distributed.nproc_per_node=3",
     ]);
     validate.success();
+    // The gpt hands its gradients over block by block: "gradients" saves more again.
     assert!(
         validate.stdout.contains("memory_per_worker = ")
             && validate
                 .stdout
-                .contains("with distributed.sharding = \"optimizer\" over 3 workers"),
+                .contains("with distributed.sharding = \"optimizer\" over 3 workers")
+            && validate
+                .stdout
+                .contains("with distributed.sharding = \"gradients\" over 3 workers"),
         "{}",
         validate.stdout
     );

@@ -52,6 +52,34 @@ pub enum EvalThreads<'a> {
     Pieces { cpu: bool },
 }
 
+/// Positions a language model scores at once, on the CPU and on an accelerator: an
+/// evaluation batch of more windows is scored a part at a time (its sums added in order), so
+/// `eval_batch_size` does not size the activations (attention's [windows, heads, t, t] above
+/// all). A llama of 256 × 4 heads at context 256, `eval_batch_size` 1000, 2 threads: peak
+/// 3.18 GB scored whole, 1.40 GB in parts of 16,384 positions, 0.58 GB (the training step's
+/// peak) in parts of 4,096, and 1.5× faster.
+const SCORED_POSITIONS: [usize; 2] = [4_096, 16_384];
+
+/// Σ loss and correct predictions of `model` over `xs`, `ys` (see [`Model::score`]): token
+/// windows [n, t, ...] in parts of at most [`SCORED_POSITIONS`] positions (a window whole),
+/// anything else at once.
+fn score(model: &dyn Model, xs: &Tensor, ys: &Tensor) -> candle_core::Result<(f64, usize)> {
+    let dims = xs.dims();
+    let most = SCORED_POSITIONS[usize::from(!xs.device().is_cpu())];
+    let windows = match (xs.dtype().is_int(), dims) {
+        (true, &[n, t, ..]) if n * t > most => (most / t).max(1),
+        _ => return model.score(xs, ys),
+    };
+    let mut sums = (0.0, 0);
+    for start in (0..dims[0]).step_by(windows) {
+        let len = windows.min(dims[0] - start);
+        let (loss, correct) =
+            model.score(&xs.narrow(0, start, len)?, &ys.narrow(0, start, len)?)?;
+        sums = (sums.0 + loss, sums.1 + correct);
+    }
+    Ok(sums)
+}
+
 /// Evaluates on the samples of `task`'s evaluation split that `batches` serves, or on
 /// `batches_limit` batches of them spread evenly over it (the same ones every time).
 pub fn evaluate(
@@ -86,7 +114,7 @@ pub fn evaluate(
                 xs.narrow(0, r.start, r.len())?,
                 ys.narrow(0, r.start, r.len())?,
             );
-            let (loss, correct) = model.score(&xs, &ys)?;
+            let (loss, correct) = score(model, &xs, &ys)?;
             let scored = crate::task::scored_targets(&ys)?;
             Ok([loss, correct as f64, scored as f64])
         };
@@ -126,7 +154,7 @@ fn in_pieces(
             .collect::<Result<Vec<(Tensor, Tensor)>, _>>()?;
         let score = |i: usize| -> candle_core::Result<[f64; 3]> {
             let (xs, ys) = &loaded[i];
-            let (loss, correct) = model.score(xs, ys)?;
+            let (loss, correct) = score(model, xs, ys)?;
             let scored = crate::task::scored_targets(ys)?;
             Ok([loss, correct as f64, scored as f64])
         };
@@ -157,5 +185,55 @@ fn result(task: &dyn Task, sums: [f64; 3]) -> EvalResult {
         accuracy: sums[1] / samples,
         samples: sums[2] as usize,
         metrics: task.metrics(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use candle_core::{DType, Device, Tensor};
+
+    use super::*;
+
+    /// Scores 1 per row and counts its targets, remembering the most rows it was given.
+    #[derive(Default)]
+    struct Rows {
+        most: AtomicUsize,
+        params: crate::models::Params,
+    }
+
+    impl Model for Rows {
+        fn forward(&self, _: &Tensor, _: &crate::models::Mode) -> candle_core::Result<Tensor> {
+            candle_core::bail!("scored only")
+        }
+        fn params(&self) -> &crate::models::Params {
+            &self.params
+        }
+        fn score(&self, xs: &Tensor, ys: &Tensor) -> candle_core::Result<(f64, usize)> {
+            let rows = xs.dims()[0];
+            self.most.fetch_max(rows, Ordering::Relaxed);
+            Ok((rows as f64, ys.elem_count()))
+        }
+    }
+
+    #[test]
+    fn token_windows_are_scored_a_few_thousand_positions_at_a_time() {
+        let cpu = Device::Cpu;
+        let windows = Tensor::zeros((1000, 64), DType::U32, &cpu).unwrap();
+        let model = Rows::default();
+        assert_eq!(score(&model, &windows, &windows).unwrap(), (1000.0, 64_000));
+        assert_eq!(model.most.load(Ordering::Relaxed), 4096 / 64);
+        // A window longer than a part is scored whole, alone.
+        let long = Tensor::zeros((3, 5000), DType::U32, &cpu).unwrap();
+        let model = Rows::default();
+        assert_eq!(score(&model, &long, &long).unwrap(), (3.0, 15_000));
+        assert_eq!(model.most.load(Ordering::Relaxed), 1);
+        // Images (floats) at once, whatever their size.
+        let images = Tensor::zeros((1000, 784), DType::F32, &cpu).unwrap();
+        let labels = Tensor::zeros(1000, DType::U32, &cpu).unwrap();
+        let model = Rows::default();
+        assert_eq!(score(&model, &images, &labels).unwrap(), (1000.0, 1000));
+        assert_eq!(model.most.load(Ordering::Relaxed), 1000);
     }
 }

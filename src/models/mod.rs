@@ -134,11 +134,19 @@ pub trait TrainPass {
     /// [`TrainPass::backward`], each gradient handed to `sink` as soon as it is final (see
     /// [`Model::stream_gradients`]). The default hands them all over at the end, in order.
     fn backward_to(self: Box<Self>, scale: f64, sink: &mut dyn GradientSink) -> Result<()> {
-        for (index, grad) in self.backward(scale)?.into_iter().enumerate() {
-            sink.put(index, grad)?;
-        }
-        Ok(())
+        hand_over_all(self.backward(scale)?, sink)
     }
+}
+
+/// Hands every gradient of `grads` (one per parameter, in order) to `sink`.
+pub(crate) fn hand_over_all(
+    grads: impl IntoIterator<Item = Option<Tensor>>,
+    sink: &mut dyn GradientSink,
+) -> Result<()> {
+    for (index, grad) in grads.into_iter().enumerate() {
+        sink.put(index, grad)?;
+    }
+    Ok(())
 }
 
 /// Where [`TrainPass::backward_to`] hands each parameter's gradient once nothing more will be

@@ -282,36 +282,32 @@ pub(super) fn shard_forward_backward(
         }
         Ok(started.elapsed())
     };
-    let (loss, mut grads, forward) =
-        match model.train_pass(&batch.inputs, &batch.targets, &batch.mode)? {
-            Some(pass) => {
-                let loss = pass.loss().clone();
-                let forward = forward_time(&loss)?;
-                match sink {
-                    Some(sink) => {
-                        pass.backward_to(scale, sink)?;
-                        return Ok(ShardResult {
-                            grads: Vec::new(),
-                            loss_sum: (loss.detach() * loss_weight)?,
-                            forward,
-                        });
-                    }
-                    None => (loss, pass.backward(scale)?, forward),
-                }
-            }
-            None => {
-                let loss = model.loss(&batch.inputs, &batch.targets, &batch.mode)?;
-                let forward = forward_time(&loss)?;
-                let store = (&loss * scale)?.backward()?;
-                let grads = model.params().vars().map(|v| store.get(v).cloned());
-                (loss, grads.collect::<Vec<_>>(), forward)
-            }
-        };
-    if let Some(sink) = sink {
-        for (index, grad) in grads.drain(..).enumerate() {
-            sink.put(index, grad)?;
+    let (loss, pass) = match model.train_pass(&batch.inputs, &batch.targets, &batch.mode)? {
+        Some(pass) => (pass.loss().clone(), Some(pass)),
+        None => (
+            model.loss(&batch.inputs, &batch.targets, &batch.mode)?,
+            None,
+        ),
+    };
+    let forward = forward_time(&loss)?;
+    let grads = match (pass, sink) {
+        (Some(pass), Some(sink)) => {
+            pass.backward_to(scale, sink)?;
+            Vec::new()
         }
-    }
+        (Some(pass), None) => pass.backward(scale)?,
+        (None, sink) => {
+            let store = (&loss * scale)?.backward()?;
+            let grads = model.params().vars().map(|v| store.get(v).cloned());
+            match sink {
+                Some(sink) => {
+                    crate::models::hand_over_all(grads, sink)?;
+                    Vec::new()
+                }
+                None => grads.collect(),
+            }
+        }
+    };
     Ok(ShardResult {
         grads,
         loss_sum: (loss.detach() * loss_weight)?,

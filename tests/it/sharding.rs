@@ -199,10 +199,10 @@ fn a_clipped_gpt_sharded_three_ways_stays_within_a_millionth() {
 }
 
 /// A gpt (its hand-written pass; in bf16 block by block through autograd) and a llama (layer
-/// by layer) hand each block's gradients
-/// over while their backward runs; the buckets reduced then give the `"optimizer"` job's bits
-/// (the same sums, clipped alike) and the unsharded job's within a millionth, with
-/// accumulation, on workers of one thread and of two (row shards handing over side by side).
+/// by layer, its layers recomputed too) hand each block's gradients over while their backward
+/// runs; the buckets reduced then give the `"optimizer"` job's bits (the same sums, clipped
+/// alike) and the unsharded job's within a millionth, with accumulation, on workers of one
+/// thread and of two (row shards handing over side by side).
 #[test]
 fn gradients_handed_over_block_by_block_keep_the_sharded_and_unsharded_weights() {
     let t = TestJob::new();
@@ -218,9 +218,11 @@ fn gradients_handed_over_block_by_block_keep_the_sharded_and_unsharded_weights()
         "train.precision=\"bf16\"",
     ];
     let f32 = &bf16[..2];
+    let recompute = [f32, &["--set", "train.activation_checkpointing=true"]].concat();
     for (model, cfg, extra) in [
         ("gpt", &gpt, f32),
         ("llama", &llama, f32),
+        ("llama-recomputed", &llama, &recompute[..]),
         ("gpt-bf16", &gpt, &bf16[..]),
     ] {
         for threads in ["1", "2"] {

@@ -60,8 +60,14 @@ where
             shard: i,
             reducer,
         };
+        // Ends the shard however its pass ends, a panic included (the reducer waits for it).
+        let mut ending = Ending {
+            stream: &stream,
+            shard: i,
+            ok: false,
+        };
         let result = shard(i, &mut sink);
-        stream.end_shard(i, result.is_ok());
+        ending.ok = result.is_ok();
         result
     };
     let results = match pool {
@@ -306,6 +312,19 @@ impl Reducer<'_, '_> {
         }
         state.vote = state.vote.or(reduced.vote);
         Ok(())
+    }
+}
+
+/// Tells the stream, when dropped, that its shard's pass has ended, and whether well.
+struct Ending<'s> {
+    stream: &'s Stream,
+    shard: usize,
+    ok: bool,
+}
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        self.stream.end_shard(self.shard, self.ok);
     }
 }
 

@@ -520,3 +520,62 @@ fn sharded_parameters_gather_alike_on_the_host_and_through_tensor_ops() {
         .collect();
     assert_eq!(owners, [1, 2].into());
 }
+
+/// A row shard that panics while its step streams gradients (`sharding = "gradients"`) ends
+/// the step with the panic once the other shard is done, instead of leaving the thread that
+/// reduces waiting for a shard that will never hand anything over.
+#[test]
+fn a_panicking_shard_of_a_streamed_step_panics_the_step_instead_of_hanging() {
+    use crate::comm::buckets::ShardPlan;
+    use crate::models::{Mode, Model, Params};
+    /// The spec's model, whose shard of 3 rows panics.
+    struct Panicky(Box<dyn Model>);
+    impl Model for Panicky {
+        fn forward(&self, xs: &Tensor, mode: &Mode) -> candle_core::Result<Tensor> {
+            self.0.forward(xs, mode)
+        }
+        fn params(&self) -> &Params {
+            self.0.params()
+        }
+        fn loss(&self, xs: &Tensor, ys: &Tensor, mode: &Mode) -> candle_core::Result<Tensor> {
+            assert_ne!(xs.dims()[0], 3, "the shard of 3 rows fails");
+            self.0.loss(xs, ys, mode)
+        }
+    }
+    let spec = spec(&["train.optimizer=\"adamw\""]);
+    let (data, model) = data_and_model(&spec);
+    let model = Panicky(model);
+    let comm = CountingComm::default();
+    let sizes: Vec<usize> = model.params().vars().map(|v| v.elem_count()).collect();
+    let plan = ShardPlan::new(&sizes, 64, &comm);
+    let mut optimizer =
+        crate::optim::Optimizer::sharded(spec.train.optimizer, plan, model.params());
+    let pool = ShardPool::new(2).unwrap();
+    let cx = step::StepContext {
+        model: &model,
+        comm: &comm,
+        device: &Device::Cpu,
+        grad_clip_norm: None,
+        bucket_bytes: 64,
+        shards: Some(&pool),
+        masked_targets: false,
+        virtual_shards: None,
+        scrambled_pieces: false,
+        stream_gradients: true,
+    };
+    let batches = data.batches(&Device::Cpu).unwrap();
+    let (inputs, targets) = batches.train(0, &[0, 1, 2, 3, 4, 5, 6]).unwrap();
+    let batch = step::MicroBatch {
+        inputs,
+        targets,
+        mode: Mode::Train {
+            row_seeds: vec![0; 7],
+        },
+    };
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        step::optimizer_step(&cx, &mut optimizer, &[batch], 0.01, false, None)
+    }));
+    let panic = outcome.err().expect("the step panics");
+    let said = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(said.contains("the shard of 3 rows fails"), "{said}");
+}

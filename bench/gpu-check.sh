@@ -17,7 +17,9 @@
 # against its host reference, the dropout masks bit for bit), smoke (configs/smoke.toml in f32
 # and bf16 with --junit), nccl (NCCL at world size 1 with its collectives exercised, against the
 # same GPU job without them: bit-identical weights), tcp2 (two workers sharing the GPU over the
-# tcp backend, against one worker with both batches), cnn (a Fashion-MNIST cnn epoch against
+# tcp backend, against one worker with both batches), memory (`validate` compares a worker's
+# memory estimate with the GPU's free memory; `run` refuses a GPT of 11 B parameters, exit 2,
+# before creating its job), cnn (a Fashion-MNIST cnn epoch against
 # torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), llama (a SmolLM2-135M-shaped
 # `llama` from a Hugging Face directory, bf16, against transformers on the same device: training
 # and `eval` tokens/s, the first steps' losses), bench (`bench step`, `bench allreduce`),
@@ -42,7 +44,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-all_steps=(driver warmup kernels smoke nccl tcp2 cnn gpt llama bench profile resume)
+all_steps=(driver warmup kernels smoke nccl tcp2 memory cnn gpt llama bench profile resume)
 wanted=("$@")
 [ $# -gt 0 ] || wanted=("${all_steps[@]}")
 for s in "${wanted[@]}"; do
@@ -238,6 +240,29 @@ if wants tcp2; then
     record "2 workers on one device (tcp)" ok "vs 1 worker with both batches: $detail"
   else
     record "2 workers on one device (tcp)" FAIL "${detail:-$(tail_of "$logs/one-worker.log" 2) $(tail_of "$logs/two-workers.log" 2)}"
+  fi
+fi
+
+# The memory estimate against the GPU's free memory: the GPT recipe fits (validate says so);
+# a GPT of 11 B parameters (AdamW: ~176 GB a worker unsharded) is refused before launch, exit
+# 2, with the settings that would make it fit, and no job directory.
+if wants memory; then
+  if [ "$device" = cuda ]; then
+    ddpjob validate configs/shakespeare-char-gpu.toml --set "data.path=\"$text\"" \
+      > "$logs/memory-validate.log" 2>&1
+    fits=$(grep -E "fits GPU|does not fit" "$logs/memory-validate.log" | head -1)
+    ddpjob run configs/shakespeare-char-gpu.toml --jobs-dir "$jobs" --name too-big "${gpu[@]}" \
+      --set "data.path=\"$text\"" --set model.n_layer=24 --set model.n_embd=6144 \
+      --set model.n_head=48 > "$logs/memory-too-big.log" 2>&1
+    code=$?
+    if [[ "$fits" == *"fits GPU"* ]] && [ "$code" = 2 ] && [ ! -d "$jobs/too-big" ] \
+         && grep -q "but GPU 0 has" "$logs/memory-too-big.log"; then
+      record "memory estimate vs free memory" ok "${fits# } | 11 B GPT refused: $(grep -o 'each worker needs about [^(]*' "$logs/memory-too-big.log" | head -1)"
+    else
+      record "memory estimate vs free memory" FAIL "validate: ${fits:-no verdict}; run exit $code: $(tail_of "$logs/memory-too-big.log" 2)"
+    fi
+  else
+    record "memory estimate vs free memory" skipped "DEVICE=cpu dry run"
   fi
 fi
 

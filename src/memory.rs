@@ -196,5 +196,7 @@ pub fn peak_rss_bytes() -> u64 {
     (usage.ru_maxrss.max(0) as u64) * 1024
 }
 
+pub(crate) mod fit;
+
 #[cfg(test)]
 mod tests;

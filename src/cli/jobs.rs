@@ -217,7 +217,7 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         "cpu" => crate::launch::cpu_threads_per_worker(placement.nproc),
         _ => 1,
     };
-    match memory_lines(spec, world, threads) {
+    match memory_lines(spec, world, threads, &placement.gpus) {
         Ok(lines) => lines.iter().for_each(|l| println!("{l}")),
         Err(why) => println!("memory_per_worker = not estimated ({why})"),
     }
@@ -225,15 +225,16 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     Ok(())
 }
 
-/// The memory estimate per worker (see `memory`), and what sharding or activation
-/// checkpointing would make of it where the job does not use them yet. Builds the model on
-/// the CPU to count its parameters.
+/// The memory estimate per worker (see `memory`), what sharding or activation checkpointing
+/// would make of it where the job does not use them yet, and on GPUs whether it fits their
+/// free memory. Builds the model on the CPU to count its parameters.
 fn memory_lines(
     spec: &config::JobSpec,
     world: usize,
     threads: usize,
+    gpus: &[usize],
 ) -> Result<Vec<String>, String> {
-    use crate::memory::{Layout, estimate};
+    use crate::memory::{Layout, estimate, fit};
     let input = match crate::registry::Registry::current().data_input(&spec.data) {
         Some(input) => input,
         None => crate::task::load(spec, None)
@@ -252,46 +253,18 @@ fn memory_lines(
         total(&mine),
         mine.describe()
     )];
-    // The modes that shard more than the job's, where they save ("gradients" only for a
-    // model that hands its gradients over block by block).
-    let modes = [
-        (config::Sharding::None, "none"),
-        (config::Sharding::Optimizer, "optimizer"),
-        (config::Sharding::Gradients, "gradients"),
-    ];
-    let current = modes
-        .iter()
-        .position(|(m, _)| *m == spec.distributed.sharding)
-        .unwrap_or(0);
-    // Sharding leaves the weights and activations as they are.
-    let sharded_parts = |e: &crate::memory::Estimate| e.gradients + e.optimizer + e.runtime;
-    let mut best = sharded_parts(&mine);
-    for &(sharding, name) in modes.iter().skip(current + 1).filter(|_| world > 1) {
-        let other = estimate(spec, model.as_ref(), Layout { sharding, ..layout });
-        if sharded_parts(&other) < best {
-            best = sharded_parts(&other);
-            lines.push(format!(
-                "  with distributed.sharding = \"{name}\" over {world} workers: {}",
-                total(&other)
-            ));
-        }
+    let alternatives = fit::alternatives(spec, model.as_ref(), layout);
+    for (setting, other) in &alternatives {
+        lines.push(format!("  with {setting}: {}", total(other)));
     }
-    if !layout.checkpointing && model.checkpoint_activations().is_ok() {
-        let other = estimate(
-            spec,
-            model.as_ref(),
-            Layout {
-                checkpointing: true,
-                ..layout
-            },
-        );
-        // Worth saying only where it saves (a few thin blocks keep more than they save).
-        if other.total() < mine.total() {
-            lines.push(format!(
-                "  with train.activation_checkpointing: {}",
-                total(&other)
-            ));
-        }
+    for (gpu, free, verdict) in fit::gpu_verdicts(spec, model.as_ref(), layout, gpus) {
+        lines.push(match verdict {
+            Ok(()) => format!(
+                "  fits GPU {gpu} ({} free; activations not counted)",
+                crate::memory::gb(free)
+            ),
+            Err(why) => format!("  does not fit: {why}"),
+        });
     }
     Ok(lines)
 }

@@ -258,6 +258,7 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
             // The data is found and checked before the job exists, so bad data creates nothing.
             let kept = prepare_data(spec, None)?;
             check_freeze(spec).map_err(RunError::Usage)?;
+            check_gpu_memory(spec, &layout).map_err(RunError::Usage)?;
             create_job(&job, opts, &layout, &kept)?;
             _lock = Some(job.lock(&spec.name)?);
             Plan::Start
@@ -396,9 +397,28 @@ pub(crate) fn check_freeze(spec: &JobSpec) -> Result<Option<(usize, usize)>, Str
     if spec.model.freeze().is_empty() && spec.model.lora().is_none() {
         return Ok(None);
     }
+    let precision = crate::config::Precision::F32;
+    let Some(model) = blank_model(spec, precision)? else {
+        return Ok(None);
+    };
+    let params = model.params();
+    if let Some(dir) = spec.model.lora().and_then(|l| l.adapter.as_ref()) {
+        crate::hf::peft::load_adapter(dir, params)
+            .map_err(|e| format!("model.lora.adapter: {e}"))?;
+    }
+    let frozen = params.frozen_count();
+    Ok(Some((frozen, params.len())))
+}
+
+/// The job's model with blank weights on the CPU (zeros, never touched: little memory), for
+/// checks before launch; `None` when its input cannot be known yet (data not on disk before a
+/// download: the data's own check reports that).
+fn blank_model(
+    spec: &JobSpec,
+    precision: crate::config::Precision,
+) -> Result<Option<Box<dyn crate::models::Model>>, String> {
     // The model's input without reading the data where it can be known (a pretrained
-    // model's vocabulary); data not on disk yet (`validate` before a download) is the data's
-    // own check to report.
+    // model's vocabulary).
     let language = spec.model.language();
     let fixed = language.as_ref().and_then(|l| {
         Some(crate::task::ModelInput::Tokens {
@@ -414,16 +434,24 @@ pub(crate) fn check_freeze(spec: &JobSpec) -> Result<Option<(usize, usize)>, Str
         },
     };
     let device = candle_core::Device::Cpu;
-    let precision = crate::config::Precision::F32;
-    let model = crate::models::build(&spec.model, input, spec.seed, &device, precision, true)
-        .map_err(|e| e.to_string())?;
-    let params = model.params();
-    if let Some(dir) = spec.model.lora().and_then(|l| l.adapter.as_ref()) {
-        crate::hf::peft::load_adapter(dir, params)
-            .map_err(|e| format!("model.lora.adapter: {e}"))?;
+    crate::models::build(&spec.model, input, spec.seed, &device, precision, true)
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
+/// GPU workers: refused before anything is created when a worker's memory estimate is more
+/// than a GPU's free memory (see `memory::fit`).
+fn check_gpu_memory(spec: &JobSpec, layout: &Layout) -> Result<(), String> {
+    let gpus = &layout.placement.gpus;
+    if gpus.is_empty() {
+        return Ok(());
     }
-    let frozen = params.frozen_count();
-    Ok(Some((frozen, params.len())))
+    let Some(model) = blank_model(spec, spec.train.precision)? else {
+        return Ok(());
+    };
+    let memory = crate::memory::Layout::of(spec, layout.world_size(), 1);
+    crate::memory::fit::check_gpus(spec, model.as_ref(), memory, gpus)
+        .map_err(|why| format!("{why} (checked before launch; see README, \"Memory per worker\")"))
 }
 
 /// Node 0: the job directory, the frozen config and the first `state.json`.

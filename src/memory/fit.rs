@@ -1,0 +1,216 @@
+//! Whether a job fits its GPUs: the estimate beside each GPU's free memory before launch, and
+//! the settings that would make a job fit (also what `validate` advises).
+
+use crate::config::{JobSpec, Sharding};
+use crate::models::Model;
+
+use super::{Estimate, Layout, estimate, gb};
+
+/// What each setting the job does not use yet would make of its estimate, where it saves:
+/// more sharding over the job's workers (`"gradients"` only where the model hands its
+/// gradients over block by block), then activation checkpointing.
+pub fn alternatives(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Vec<(String, Estimate)> {
+    let mine = estimate(spec, model, layout);
+    let modes = [
+        (Sharding::None, "none"),
+        (Sharding::Optimizer, "optimizer"),
+        (Sharding::Gradients, "gradients"),
+    ];
+    let current = modes
+        .iter()
+        .position(|(m, _)| *m == layout.sharding)
+        .unwrap_or(0);
+    // Sharding leaves the weights and activations as they are.
+    let sharded_parts = |e: &Estimate| e.gradients + e.optimizer + e.runtime;
+    let mut best = sharded_parts(&mine);
+    let mut out = Vec::new();
+    let world = layout.world;
+    for &(sharding, name) in modes.iter().skip(current + 1).filter(|_| world > 1) {
+        let other = estimate(spec, model, Layout { sharding, ..layout });
+        if sharded_parts(&other) < best {
+            best = sharded_parts(&other);
+            let setting = format!("distributed.sharding = \"{name}\" over {world} workers");
+            out.push((setting, other));
+        }
+    }
+    if !layout.checkpointing && model.checkpoint_activations().is_ok() {
+        let checkpointing = Layout {
+            checkpointing: true,
+            ..layout
+        };
+        let other = estimate(spec, model, checkpointing);
+        // Worth saying only where it saves (a few thin blocks keep more than they save).
+        if other.total() < mine.total() {
+            out.push(("train.activation_checkpointing".into(), other));
+        }
+    }
+    out
+}
+
+/// What must fit: the whole estimate, or its known parts when the model does not say what
+/// its activations take.
+fn needed(e: &Estimate) -> u64 {
+    e.total()
+        .unwrap_or(e.weights + e.gradients + e.optimizer + e.runtime)
+}
+
+/// `Err` (the message) when a worker's estimate `mine` is more than `free` bytes, the free
+/// memory of GPU `gpu`, naming the `alternatives` that would fit.
+pub fn verdict(
+    mine: &Estimate,
+    alternatives: &[(String, Estimate)],
+    gpu: usize,
+    free: u64,
+) -> Result<(), String> {
+    if needed(mine) <= free {
+        return Ok(());
+    }
+    let activations = match mine.activations {
+        Some(a) => format!(", activations {}", gb(a)),
+        None => ", activations not counted".into(),
+    };
+    let fitting: Vec<String> = alternatives
+        .iter()
+        .filter(|(_, e)| needed(e) <= free)
+        .map(|(setting, e)| format!("{setting} ({})", gb(needed(e))))
+        .collect();
+    let advice = match fitting.is_empty() {
+        true => "no single setting makes it fit: lower train.batch_size (with \
+                 train.accumulation to keep the step's batch), or use more GPUs with \
+                 distributed.sharding"
+            .to_string(),
+        false => format!("it would fit with {}", fitting.join(", or ")),
+    };
+    Err(format!(
+        "each worker needs about {} (weights {}, gradients {}, optimizer {}, runtime \
+         {}{activations}), but GPU {gpu} has {} free; {advice}",
+        gb(needed(mine)),
+        gb(mine.weights),
+        gb(mine.gradients),
+        gb(mine.optimizer),
+        gb(mine.runtime),
+        gb(free)
+    ))
+}
+
+/// Free memory of each of `ordinals` (among the visible GPUs), in bytes, from the driver.
+#[cfg(feature = "cuda")]
+pub fn free_gpu_memory(ordinals: &[usize]) -> Result<Vec<u64>, String> {
+    ordinals
+        .iter()
+        .map(|&ordinal| {
+            let context = cudarc::driver::CudaContext::new(ordinal)
+                .map_err(|e| format!("GPU {ordinal}: {e:?}"))?;
+            let (free, _) = context
+                .mem_get_info()
+                .map_err(|e| format!("GPU {ordinal}: {e:?}"))?;
+            Ok(free as u64)
+        })
+        .collect()
+}
+
+/// Free memory of GPUs: none to ask in a build without GPU support.
+#[cfg(not(feature = "cuda"))]
+pub fn free_gpu_memory(_: &[usize]) -> Result<Vec<u64>, String> {
+    Err("this build has no GPU support".into())
+}
+
+/// For each of `gpus` whose free memory the driver reports: that memory, and whether a
+/// worker's estimate fits it (`Err`: the message). Activations are left out: the model was
+/// built on the CPU to count its parameters, and what autograd keeps on a GPU is not what the
+/// CPU's passes keep.
+pub fn gpu_verdicts(
+    spec: &JobSpec,
+    model: &dyn Model,
+    layout: Layout,
+    gpus: &[usize],
+) -> Vec<(usize, u64, Result<(), String>)> {
+    let Ok(free) = free_gpu_memory(gpus) else {
+        return Vec::new();
+    };
+    let unknown = |e: Estimate| Estimate {
+        activations: None,
+        ..e
+    };
+    let mine = unknown(estimate(spec, model, layout));
+    let alternatives: Vec<(String, Estimate)> = alternatives(spec, model, layout)
+        .into_iter()
+        .map(|(setting, e)| (setting, unknown(e)))
+        .filter(|(_, e)| needed(e) < needed(&mine))
+        .collect();
+    gpus.iter()
+        .zip(free)
+        .map(|(&gpu, free)| (gpu, free, verdict(&mine, &alternatives, gpu, free)))
+        .collect()
+}
+
+/// Before a job on `gpus` starts: `Err` (exit 2) when a worker's estimate is more than the
+/// free memory of a GPU it would use. A GPU whose memory cannot be read is not checked.
+pub fn check_gpus(
+    spec: &JobSpec,
+    model: &dyn Model,
+    layout: Layout,
+    gpus: &[usize],
+) -> Result<(), String> {
+    gpu_verdicts(spec, model, layout, gpus)
+        .into_iter()
+        .try_for_each(|(_, _, verdict)| verdict)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn estimate(weights: u64, activations: Option<u64>) -> Estimate {
+        Estimate {
+            weights,
+            gradients: weights,
+            optimizer: 2 * weights,
+            activations,
+            runtime: 0,
+            batch: 12,
+            positions: Some(1024),
+        }
+    }
+
+    #[test]
+    fn a_worker_that_does_not_fit_is_told_which_setting_would_make_it() {
+        let mine = estimate(1_000_000_000, Some(30_000_000_000));
+        assert!(verdict(&mine, &[], 0, 40_000_000_000).is_ok());
+        let options = [
+            (
+                "sharding".to_string(),
+                estimate(1_000_000_000, Some(2e10 as u64)),
+            ),
+            (
+                "checkpointing".to_string(),
+                estimate(1_000_000_000, Some(2e9 as u64)),
+            ),
+        ];
+        let why = verdict(&mine, &options, 3, 10_000_000_000).unwrap_err();
+        assert!(why.contains("34.00 GB"), "{why}");
+        assert!(why.contains("GPU 3 has 10.00 GB free"), "{why}");
+        assert!(
+            why.contains("it would fit with checkpointing (6.00 GB)"),
+            "{why}"
+        );
+        assert!(!why.contains("sharding ("), "{why}");
+        let why = verdict(&mine, &options, 0, 1_000_000_000).unwrap_err();
+        assert!(why.contains("no single setting makes it fit"), "{why}");
+    }
+
+    #[test]
+    fn unknown_activations_leave_the_known_parts_to_fit() {
+        let mine = estimate(1_000_000_000, None);
+        assert!(verdict(&mine, &[], 0, 4_000_000_000).is_ok());
+        let why = verdict(&mine, &[], 0, 3_000_000_000).unwrap_err();
+        assert!(why.contains("activations not counted"), "{why}");
+        assert!(why.contains("but GPU 0 has 3.00 GB free"), "{why}");
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn a_build_without_gpus_checks_nothing() {
+        assert!(free_gpu_memory(&[0]).is_err());
+    }
+}

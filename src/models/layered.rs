@@ -51,6 +51,17 @@ pub(crate) trait Stack: Sync {
     fn params(&self) -> &Params;
 }
 
+/// What the blocks of a language model's pass need of its batch (a [`Stack::Batch`]).
+pub(crate) struct TokenBatch {
+    /// The token ids, as the model's embedding reads them.
+    pub(crate) ids: Tensor,
+    /// (n, t): windows and positions.
+    pub(crate) shape: (usize, usize),
+    pub(crate) packing: Option<super::packed::Packing>,
+    /// Training (with the rows' dropout seeds) or evaluation.
+    pub(crate) mode: Mode,
+}
+
 pub(crate) struct Layered<'a, S: Stack> {
     model: &'a S,
     batch: S::Batch,

@@ -4,29 +4,18 @@
 use candle_core::{Result, Tensor, Var};
 
 use super::{Gpt, lookup, one_hot_applies};
-use crate::models::layered::Stack;
-use crate::models::packed::Packing;
+use crate::models::layered::{Stack, TokenBatch};
 use crate::models::{GradientSink, Mode, Params};
 
-/// What the blocks of one pass need of its batch.
-pub(crate) struct Batch {
-    /// Token ids [n·t].
-    ids: Tensor,
-    shape: (usize, usize),
-    packing: Option<Packing>,
-    /// The dropout masks' row seeds.
-    mode: Mode,
-}
-
 impl Stack for Gpt {
-    type Batch = Batch;
+    type Batch = TokenBatch;
 
-    fn embed(&self, xs: &Tensor, mode: &Mode) -> Result<(Batch, Tensor)> {
+    fn embed(&self, xs: &Tensor, mode: &Mode) -> Result<(TokenBatch, Tensor)> {
         let (ids, packing, shape) = self.window(xs)?;
         let dropout = self.dropout(mode, shape)?;
         let tokens = lookup(&self.params.frozen.as_input(&self.wte), &ids)?;
         let x = self.embedded(&tokens, shape, packing.as_ref(), dropout.as_ref())?;
-        let batch = Batch {
+        let batch = TokenBatch {
             ids,
             shape,
             packing,
@@ -39,7 +28,7 @@ impl Stack for Gpt {
         self.blocks.len()
     }
 
-    fn block(&self, i: usize, x: &Tensor, b: &Batch) -> Result<Tensor> {
+    fn block(&self, i: usize, x: &Tensor, b: &TokenBatch) -> Result<Tensor> {
         let dropout = self.dropout(&b.mode, b.shape)?;
         let packing = b.packing.as_ref();
         self.block_forward(i, x, b.shape, packing, &b.mode, dropout.as_ref())
@@ -65,7 +54,7 @@ impl Stack for Gpt {
     /// after a lookup by index, at once after a one-hot product (a GPU's small vocabulary).
     fn embedding_backward(
         &self,
-        b: &Batch,
+        b: &TokenBatch,
         upstream: &Tensor,
         held: Vec<Option<Tensor>>,
         sink: &mut dyn GradientSink,

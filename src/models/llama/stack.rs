@@ -5,29 +5,20 @@ use candle_core::{Result, Tensor};
 
 use super::Llama;
 use crate::models::GradientSink;
-use crate::models::layered::Stack;
-use crate::models::packed::{self, Packing};
+use crate::models::layered::{Stack, TokenBatch};
+use crate::models::packed;
 use crate::models::{Mode, Params};
 
-/// What the layers of one pass need of its batch.
-pub(crate) struct Batch {
-    /// Token ids [n, t].
-    ids: Tensor,
-    shape: (usize, usize),
-    packing: Option<Packing>,
-    mode: Mode,
-}
-
 impl Stack for Llama {
-    type Batch = Batch;
+    type Batch = TokenBatch;
 
-    fn embed(&self, xs: &Tensor, mode: &Mode) -> Result<(Batch, Tensor)> {
+    fn embed(&self, xs: &Tensor, mode: &Mode) -> Result<(TokenBatch, Tensor)> {
         let (ids, packing) = packed::split(xs)?;
         let shape = self.check_window(&ids)?;
         let x = self.embed_tokens(&ids)?.detach();
         let mode = mode.clone();
         Ok((
-            Batch {
+            TokenBatch {
                 ids,
                 shape,
                 packing,
@@ -41,7 +32,7 @@ impl Stack for Llama {
         self.layers.len()
     }
 
-    fn block(&self, i: usize, x: &Tensor, b: &Batch) -> Result<Tensor> {
+    fn block(&self, i: usize, x: &Tensor, b: &TokenBatch) -> Result<Tensor> {
         self.block(&self.layers[i], x, b.shape, b.packing.as_ref(), &b.mode)
     }
 
@@ -59,7 +50,7 @@ impl Stack for Llama {
     /// onto what the table already has (a tied embedding: the output projection's).
     fn embedding_backward(
         &self,
-        b: &Batch,
+        b: &TokenBatch,
         upstream: &Tensor,
         held: Vec<Option<Tensor>>,
         sink: &mut dyn GradientSink,

@@ -125,9 +125,9 @@ impl<S: Stack> TrainPass for Layered<'_, S> {
     }
 
     fn backward(self: Box<Self>, scale: f64) -> Result<Vec<Option<Tensor>>> {
-        let mut all = CollectedGradients::new(self.model.params().len());
-        self.backward_to(scale, &mut all)?;
-        Ok(all.0)
+        CollectedGradients::of(self.model.params().len(), |sink| {
+            self.backward_to(scale, sink)
+        })
     }
 
     /// The head's gradients after its backward (those of the embedding stage's parameters

@@ -160,11 +160,17 @@ pub trait GradientSink {
 
 /// The gradients a pass hands over, by parameter: how a streaming pass's
 /// [`TrainPass::backward`] is its [`TrainPass::backward_to`] collected.
-pub(crate) struct CollectedGradients(pub(crate) Vec<Option<Tensor>>);
+pub(crate) struct CollectedGradients(Vec<Option<Tensor>>);
 
 impl CollectedGradients {
-    pub(crate) fn new(params: usize) -> Self {
-        CollectedGradients(vec![None; params])
+    /// The gradients of `params` parameters that `backward_to` hands to its sink.
+    pub(crate) fn of(
+        params: usize,
+        backward_to: impl FnOnce(&mut dyn GradientSink) -> Result<()>,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let mut all = CollectedGradients(vec![None; params]);
+        backward_to(&mut all)?;
+        Ok(all.0)
     }
 }
 

@@ -53,6 +53,7 @@ where
         plan,
         stop,
         stream: &stream,
+        vars: cx.model.params().trainable().map(|(_, v)| v).collect(),
     };
     let run = |i: usize, reducer: Option<&Reducer>| {
         let mut sink = ShardSink {
@@ -104,11 +105,10 @@ struct Stream {
 struct State {
     /// Each parameter's trainable position (`None`: frozen, its gradient dropped).
     position: Vec<Option<usize>>,
-    /// By trainable position: the sum so far (earlier micro-batches'), each shard's gradient
-    /// once handed over (`Some(None)`: none), and whether the sum is final.
+    /// By trainable position: the sum so far (earlier micro-batches'), and each shard's
+    /// gradient once handed over (`Some(None)`: none), emptied when the sum is final.
     sums: Vec<Option<Tensor>>,
     arrived: Vec<Vec<Option<Option<Tensor>>>>,
-    final_: Vec<bool>,
     /// By bucket: its gradients not final yet.
     waiting: Vec<usize>,
     bucket_of: Vec<usize>,
@@ -143,7 +143,6 @@ impl Stream {
         let state = State {
             position,
             arrived: vec![vec![None; parts]; sums.len()],
-            final_: vec![false; sums.len()],
             sums,
             waiting: plan.buckets.iter().map(|b| b.tensors.len()).collect(),
             bucket_of,
@@ -171,7 +170,8 @@ impl Stream {
         let Some(Some(t)) = state.position.get(index).copied() else {
             return Ok(()); // frozen: never averaged
         };
-        if state.arrived[t][shard].is_some() {
+        // Already here, or already summed (its arrivals taken).
+        if !matches!(state.arrived[t].get(shard), Some(None)) {
             candle_core::bail!("a training pass handed over parameter {index}'s gradient twice");
         }
         state.arrived[t][shard] = Some(grad);
@@ -190,7 +190,6 @@ impl Stream {
         }
         let [sum] = sum;
         state.sums[t] = sum;
-        state.final_[t] = true;
         let b = state.bucket_of[t];
         state.waiting[b] -= 1;
         if state.waiting[b] == 0 {
@@ -206,8 +205,9 @@ impl Stream {
         state.ended += 1;
         state.failed |= !ok;
         if ok {
-            for t in 0..state.final_.len() {
-                if state.final_[t] || state.arrived[t][shard].is_some() {
+            for t in 0..state.arrived.len() {
+                // Final already (its arrivals taken), or handed over by this shard.
+                if state.arrived[t].is_empty() || state.arrived[t][shard].is_some() {
                     continue;
                 }
                 state.arrived[t][shard] = Some(None);
@@ -243,6 +243,8 @@ struct Reducer<'s, 'a> {
     plan: &'a ShardPlan,
     stop: bool,
     stream: &'s Stream,
+    /// The trainable parameters (a missing gradient is their shape's zeros).
+    vars: Vec<&'a candle_core::Var>,
 }
 
 impl Reducer<'_, '_> {
@@ -289,8 +291,6 @@ impl Reducer<'_, '_> {
 
     /// Reduce-scatters bucket `b`, whose gradients are all final.
     fn reduce(&self, b: usize) -> Result<(), StepError> {
-        let params = self.cx.model.params();
-        let vars: Vec<_> = params.trainable().map(|(_, v)| v).collect();
         let parts = {
             let mut state = self.stream.lock();
             self.plan.buckets[b]
@@ -303,7 +303,7 @@ impl Reducer<'_, '_> {
             .tensors
             .clone()
             .zip(parts)
-            .map(|(t, g)| g.map_or_else(|| vars[t].zeros_like(), Ok))
+            .map(|(t, g)| g.map_or_else(|| self.vars[t].zeros_like(), Ok))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let reduced = reduce_bucket(self.cx, self.plan, b, parts, self.stop)?;
         let mut state = self.stream.lock();

@@ -287,9 +287,7 @@ impl TrainPass for Pass<'_> {
     }
 
     fn backward(self: Box<Self>, scale: f64) -> Result<Vec<Option<Tensor>>> {
-        let mut all = CollectedGradients::new(self.gpt.params.len());
-        self.backward_to(scale, &mut all)?;
-        Ok(all.0)
+        CollectedGradients::of(self.gpt.params.len(), |sink| self.backward_to(scale, sink))
     }
 
     /// ln_f's gradients once the head's backward has formed them, each block's after its
@@ -634,11 +632,7 @@ impl<'s> Handover<'s> {
         d_weight: Vec<f32>,
         d_bias: Vec<f32>,
     ) -> Result<()> {
-        self.push(layer.weight.as_tensor(), d_weight)?;
-        match &layer.bias {
-            Some(bias) => self.push(bias.as_tensor(), d_bias),
-            None => Ok(()),
-        }
+        self.push_pair(&layer.weight, layer.bias.as_ref(), d_weight, d_bias)
     }
 
     fn push_ln(
@@ -647,8 +641,19 @@ impl<'s> Handover<'s> {
         d_gain: Vec<f32>,
         d_bias: Vec<f32>,
     ) -> Result<()> {
-        self.push(layer.weight.as_tensor(), d_gain)?;
-        match &layer.bias {
+        self.push_pair(&layer.weight, layer.bias.as_ref(), d_gain, d_bias)
+    }
+
+    /// A layer's weight and, when it has one, its bias.
+    fn push_pair(
+        &mut self,
+        weight: &candle_core::Var,
+        bias: Option<&candle_core::Var>,
+        d_weight: Vec<f32>,
+        d_bias: Vec<f32>,
+    ) -> Result<()> {
+        self.push(weight.as_tensor(), d_weight)?;
+        match bias {
             Some(bias) => self.push(bias.as_tensor(), d_bias),
             None => Ok(()),
         }

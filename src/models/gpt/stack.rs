@@ -65,32 +65,29 @@ impl Stack for Gpt {
         let tokens = lookup(&table, &b.ids)?;
         // After a lookup by index the tokens' own gradient is what candle adds row by row.
         let tokens = match by_index {
-            true => Some(Var::from_tensor(&tokens.detach())?),
-            false => None,
-        }
-        .map_or(tokens, |v| v.as_tensor().clone());
+            true => Var::from_tensor(&tokens.detach())?.as_tensor().clone(),
+            false => tokens,
+        };
         let dropout = self.dropout(&b.mode, b.shape)?;
         let x = self.embedded(&tokens, b.shape, b.packing.as_ref(), dropout.as_ref())?;
         let store = (x * upstream)?.sum_all()?.backward()?;
         let vars: Vec<&Var> = self.params.vars().collect();
         for (&i, held) in self.embedding_params().iter().zip(held) {
             let var = vars[i];
-            let own = store.get(var).cloned();
-            let grad = match (held, own) {
-                (held, _) if by_index && var.as_tensor().id() == self.wte.as_tensor().id() => {
-                    let d_tokens = store.get(&tokens).ok_or_else(|| {
-                        candle_core::Error::Msg(
-                            "gpt: the loss does not depend on the tokens".into(),
-                        )
-                    })?;
-                    let onto = match held {
-                        Some(g) => g,
-                        None => var.as_tensor().zeros_like()?,
-                    };
-                    Some(onto.index_add(&b.ids, d_tokens, 0)?)
+            let grad = if by_index && var.as_tensor().id() == self.wte.as_tensor().id() {
+                let d_tokens = store.get(&tokens).ok_or_else(|| {
+                    candle_core::Error::Msg("gpt: the loss does not depend on the tokens".into())
+                })?;
+                let onto = match held {
+                    Some(g) => g,
+                    None => var.as_tensor().zeros_like()?,
+                };
+                Some(onto.index_add(&b.ids, d_tokens, 0)?)
+            } else {
+                match (held, store.get(var).cloned()) {
+                    (Some(held), Some(own)) => Some((held + own)?),
+                    (held, own) => held.or(own),
                 }
-                (Some(held), Some(own)) => Some((held + own)?),
-                (held, own) => held.or(own),
             };
             sink.put(i, grad)?;
         }

@@ -104,6 +104,7 @@ pub use std::process::ExitCode;
 pub use comm::{CommError, Communicator};
 pub use data::{DataError, TensorDataset};
 
+pub use models::gate::{self as block_gate, BlockGate, Unit as BlockUnit};
 pub use models::{GradientSink, Mode, Model, ParamStore, Params, TrainPass};
 pub use registry::{
     BuildError, DataContext, DatasetOptions, JobFile, LanguageModelOptions, LanguageModelSpec,

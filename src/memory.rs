@@ -15,7 +15,8 @@ const RUNTIME_BYTES: u64 = 40_000_000;
 /// A worker's expected peak, in bytes, by what holds it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Estimate {
-    /// Every parameter, in f32.
+    /// Every parameter, in f32 (with `sharding = "full"`, this worker's share of them and
+    /// what a pass gathers at once).
     pub weights: u64,
     /// One gradient per row shard running side by side (a CPU worker's threads; in
     /// world-size-invariant training each piece in flight and the tree's partial sums; with
@@ -66,14 +67,21 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
     let t = &spec.train;
     // Sharding divides by the workers that share: none on one worker that skips collectives.
     let share = match layout.sharding {
-        Sharding::Optimizer | Sharding::Gradients if layout.world > 1 => layout.world as u64,
+        Sharding::None => 1,
+        _ if layout.world > 1 => layout.world as u64,
         _ => 1,
+    };
+    // Parameters sharded: this worker's pieces, the rest (gathered for a whole pass) and one
+    // block at a time.
+    let weights = match layout.sharding {
+        Sharding::Full if layout.world > 1 => gathered_weights(model, share),
+        _ => None,
     };
     // Gradients reduce-scattered as the backward forms them: a shard holds the model's
     // largest group in flight and a bucket, not the whole gradient (with accumulation, the
     // earlier micro-batches' sum besides).
     let streamed = match layout.sharding {
-        Sharding::Gradients if layout.world > 1 => model.stream_gradients(),
+        Sharding::Gradients | Sharding::Full if layout.world > 1 => model.stream_gradients(),
         _ => None,
     };
     let (per_shard, earlier) = match streamed {
@@ -111,7 +119,7 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
         .activation_bytes_per_sample(layout.checkpointing)
         .map(|per_sample| (per_sample * live_rows as f64) as u64);
     Estimate {
-        weights: 4 * all,
+        weights: weights.unwrap_or(4 * all),
         gradients: 4 * per_shard * shards + earlier + averaged,
         optimizer: state_per_value * trainable / share,
         activations,
@@ -119,6 +127,25 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
         batch: t.batch_size,
         positions: spec.model.language().map(|l| l.block_size),
     }
+}
+
+/// A worker's parameter bytes with `sharding = "full"` over `world` workers: every frozen
+/// parameter and every trainable one outside the blocks (gathered for a whole pass), the
+/// largest block's, and 1/W of the others (this worker's pieces). `None`: the model has no
+/// blocks to gather one at a time.
+fn gathered_weights(model: &dyn Model, world: u64) -> Option<u64> {
+    let blocks = model.shard_parameters().ok()?;
+    let params = model.params();
+    let mut trainable = vec![0u64; params.len()];
+    for (i, var) in params.trainable() {
+        trainable[i] = var.elem_count() as u64;
+    }
+    let block = |b: &Vec<usize>| b.iter().map(|&i| trainable[i]).sum::<u64>();
+    let in_blocks: u64 = blocks.iter().map(block).sum();
+    let largest = blocks.iter().map(block).max().unwrap_or(0);
+    let all = params.element_count() as u64;
+    let trained: u64 = trainable.iter().sum();
+    Some(4 * (all - in_blocks + largest + trained / world))
 }
 
 /// Two buckets' worth of buffers (a bucket and its copy on the wire), when there are

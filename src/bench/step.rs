@@ -122,6 +122,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         virtual_shards: spec.virtual_shards(),
         scrambled_pieces: false,
         stream_gradients: false,
+        sharded_parameters: None,
     };
     let run = |optimizer: &mut Optimizer, phases: Option<&mut Phases>| {
         optimizer_step(&cx, optimizer, &batches, t.lr, false, phases)

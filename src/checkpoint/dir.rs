@@ -168,8 +168,8 @@ mod tests {
         for step in [10, 20] {
             writer
                 .save(
-                    &model,
-                    crate::checkpoint::OptimizerState::Tensors(&HashMap::new()),
+                    crate::checkpoint::TensorFile::Tensors(&model),
+                    crate::checkpoint::TensorFile::Tensors(&HashMap::new()),
                     &position(step),
                 )
                 .unwrap();

@@ -4,8 +4,10 @@
 
 pub mod base;
 mod dir;
+mod streamed;
 mod trained;
 pub use dir::{Checkpoints, FORMAT, read_position};
+pub(crate) use streamed::StreamedSafetensors;
 pub use trained::Trained;
 
 use std::collections::HashMap;
@@ -120,12 +122,29 @@ pub fn due_after_epoch(spec: &CheckpointSpec, epoch: usize) -> bool {
     spec.every_epochs.is_some_and(|n| (epoch + 1) % n == 0)
 }
 
-/// A checkpoint's optimizer state: tensors to write, or `optimizer.safetensors` already
-/// written elsewhere on the same filesystem (a sharded optimizer streams its gathered state
-/// there, bucket by bucket, so rank 0 never holds all of it), moved into the checkpoint.
-pub enum OptimizerState<'a> {
+/// A checkpoint's weights or optimizer state: tensors to write, or the safetensors file
+/// already written elsewhere on the same filesystem (sharded state is streamed there, bucket
+/// by bucket, so rank 0 never holds all of it), moved into the checkpoint.
+pub enum TensorFile<'a> {
     Tensors(&'a HashMap<String, Tensor>),
     Written(&'a Path),
+}
+
+impl TensorFile<'_> {
+    /// Puts the tensors at `path`: written there, or the file moved there.
+    fn put(self, path: &Path) -> Result<(), CheckpointError> {
+        match self {
+            TensorFile::Tensors(tensors) => {
+                candle_core::safetensors::save(tensors, path).map_err(|cause| {
+                    CheckpointError::Tensor {
+                        path: path.to_path_buf(),
+                        cause,
+                    }
+                })
+            }
+            TensorFile::Written(file) => fs::rename(file, path).map_err(io(file)),
+        }
+    }
 }
 
 /// Writes checkpoints into one job's `checkpoints/` directory.
@@ -147,8 +166,8 @@ impl Checkpointer {
     /// A checkpoint of the same step that already exists is kept as it is.
     pub fn save(
         &self,
-        model: &HashMap<String, Tensor>,
-        optimizer: OptimizerState,
+        model: TensorFile,
+        optimizer: TensorFile,
         position: &TrainPosition,
     ) -> Result<PathBuf, CheckpointError> {
         let name = step_dir_name(position.step);
@@ -177,8 +196,8 @@ impl Checkpointer {
     /// included, never pruned and never chosen by `resume`, which takes `step-*` only).
     pub fn save_best(
         &self,
-        model: &HashMap<String, Tensor>,
-        optimizer: OptimizerState,
+        model: TensorFile,
+        optimizer: TensorFile,
         position: &TrainPosition,
     ) -> Result<PathBuf, CheckpointError> {
         let pid = std::process::id();
@@ -205,30 +224,13 @@ impl Checkpointer {
     fn write_into(
         &self,
         tmp: &Path,
-        model: &HashMap<String, Tensor>,
-        optimizer: OptimizerState,
+        model: TensorFile,
+        optimizer: TensorFile,
         position: &TrainPosition,
     ) -> Result<(), CheckpointError> {
         fs::create_dir_all(tmp).map_err(io(tmp))?;
-        let model_path = tmp.join("model.safetensors");
-        candle_core::safetensors::save(model, &model_path).map_err(|cause| {
-            CheckpointError::Tensor {
-                path: model_path.clone(),
-                cause,
-            }
-        })?;
-        let optim_path = tmp.join("optimizer.safetensors");
-        match optimizer {
-            OptimizerState::Tensors(tensors) => {
-                candle_core::safetensors::save(tensors, &optim_path).map_err(|cause| {
-                    CheckpointError::Tensor {
-                        path: optim_path.clone(),
-                        cause,
-                    }
-                })?
-            }
-            OptimizerState::Written(file) => fs::rename(file, &optim_path).map_err(io(file))?,
-        }
+        model.put(&tmp.join("model.safetensors"))?;
+        optimizer.put(&tmp.join("optimizer.safetensors"))?;
         let state_path = tmp.join("state.json");
         let state = serde_json::to_vec_pretty(position).unwrap_or_default();
         fs::write(&state_path, state).map_err(io(&state_path))?;
@@ -366,8 +368,8 @@ mod tests {
         )]);
         for step in [10, 20, 30] {
             ck.save(
-                &model,
-                OptimizerState::Tensors(&HashMap::new()),
+                TensorFile::Tensors(&model),
+                TensorFile::Tensors(&HashMap::new()),
                 &position(step),
             )
             .unwrap();

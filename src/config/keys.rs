@@ -422,19 +422,11 @@ fn backend_choice(c: &mut Checker, key: &str, name: &String, d: &RawDistributed)
 }
 
 fn sharding_choice(c: &mut Checker, key: &str, name: &String, _: &RawDistributed) -> Sharding {
-    if name == "full" {
-        c.fail(
-            key,
-            "\"full\" (ZeRO-3 / FSDP: parameters sharded too) is not available yet; use \
-             \"gradients\", which shards the optimizer state and reduce-scatters the gradients \
-             while backward runs",
-        );
-        return Sharding::None;
-    }
     choice(&[
         ("none", Sharding::None),
         ("optimizer", Sharding::Optimizer),
         ("gradients", Sharding::Gradients),
+        ("full", Sharding::Full),
     ])(c, key, name, &())
 }
 

@@ -254,6 +254,9 @@ pub enum Sharding {
     /// As `Optimizer`, the gradients reduce-scattered while backward runs, so a model that
     /// hands them over block by block never holds the whole gradient (ZeRO-2).
     Gradients,
+    /// As `Gradients`, the parameters sharded too: each block's gathered only while a pass
+    /// reads it (ZeRO-3, FSDP's FULL_SHARD).
+    Full,
 }
 
 impl Sharding {

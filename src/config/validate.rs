@@ -88,6 +88,17 @@ impl JobSpec {
         if let Some(why) = checkpointing_problem(&model, &train) {
             c.fail("train.activation_checkpointing", why);
         }
+        let sharding = keys.distributed.sharding;
+        if let ("mlp" | "cnn", super::spec::Sharding::Full) = (model.arch(), sharding) {
+            c.fail(
+                "distributed.sharding",
+                format!(
+                    "\"full\" gathers a model's parameters block by block (the gpt and the \
+                     llama have blocks), but model.arch = \"{}\" has none: use \"gradients\"",
+                    model.arch()
+                ),
+            );
+        }
         ConfigError::collect(c.errors)?;
         Ok(JobSpec {
             name,

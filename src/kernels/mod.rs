@@ -17,6 +17,7 @@ mod optim;
 mod optim_cuda;
 mod pool;
 pub(crate) mod scratch;
+pub(crate) mod storage;
 mod swap_middle;
 mod transpose;
 

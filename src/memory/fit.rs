@@ -8,20 +8,39 @@ use super::{Estimate, Layout, estimate, gb};
 
 /// What each setting the job does not use yet would make of its estimate, where it saves:
 /// more sharding over the job's workers (`"gradients"` only where the model hands its
-/// gradients over block by block), then activation checkpointing.
+/// gradients over block by block, `"full"` where it gathers its blocks one at a time), then
+/// activation checkpointing.
 pub fn alternatives(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Vec<(String, Estimate)> {
     let mine = estimate(spec, model, layout);
+    // Asked before any other mode is: a model asked for its blocks goes block by block from
+    // then on, whose activations it may not know.
+    let mut checkpointing = None;
+    if !layout.checkpointing && model.checkpoint_activations().is_ok() {
+        let other = estimate(
+            spec,
+            model,
+            Layout {
+                checkpointing: true,
+                ..layout
+            },
+        );
+        // Worth saying only where it saves (a few thin blocks keep more than they save).
+        if other.total() < mine.total() {
+            checkpointing = Some(("train.activation_checkpointing".into(), other));
+        }
+    }
     let modes = [
         (Sharding::None, "none"),
         (Sharding::Optimizer, "optimizer"),
         (Sharding::Gradients, "gradients"),
+        (Sharding::Full, "full"),
     ];
     let current = modes
         .iter()
         .position(|(m, _)| *m == layout.sharding)
         .unwrap_or(0);
-    // Sharding leaves the weights and activations as they are.
-    let sharded_parts = |e: &Estimate| e.gradients + e.optimizer + e.runtime;
+    // Sharding leaves the activations as they are.
+    let sharded_parts = |e: &Estimate| e.weights + e.gradients + e.optimizer + e.runtime;
     let mut best = sharded_parts(&mine);
     let mut out = Vec::new();
     let world = layout.world;
@@ -33,17 +52,7 @@ pub fn alternatives(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Vec<(S
             out.push((setting, other));
         }
     }
-    if !layout.checkpointing && model.checkpoint_activations().is_ok() {
-        let checkpointing = Layout {
-            checkpointing: true,
-            ..layout
-        };
-        let other = estimate(spec, model, checkpointing);
-        // Worth saying only where it saves (a few thin blocks keep more than they save).
-        if other.total() < mine.total() {
-            out.push(("train.activation_checkpointing".into(), other));
-        }
-    }
+    out.extend(checkpointing);
     out
 }
 

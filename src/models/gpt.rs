@@ -37,6 +37,7 @@ mod vocab_blocks;
 
 use candle_core::{DType, Device, Error, Result, Tensor, Var};
 
+use super::gate::{self, Unit};
 use super::lora::Adapter;
 use super::{FrozenSet, LoraSpec, Mode, Model, Params, TrainPass, is_adapter};
 use crate::kernels;
@@ -123,6 +124,9 @@ pub struct Gpt {
     /// `distributed.sharding = "gradients"`: training passes hand each block's gradients over
     /// as they are formed.
     stream: std::sync::atomic::AtomicBool,
+    /// `distributed.sharding = "full"`: training passes go block by block through autograd,
+    /// asking for each block's parameters (the hand-written pass reads them all at once).
+    gated: std::sync::atomic::AtomicBool,
 }
 
 impl Gpt {
@@ -199,6 +203,7 @@ impl Gpt {
             params,
             checkpoint: Default::default(),
             stream: Default::default(),
+            gated: Default::default(),
         })
     }
 
@@ -304,19 +309,24 @@ impl Model for Gpt {
     }
 
     /// On the CPU in f32, the hand-written forward (see `manual`), a few windows at a time.
+    /// With sharded parameters, block by block (asking for each, see `models::gate`).
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
-        if manual::applies(self) && xs.rank() == 2 {
+        let gated = self.gated.load(std::sync::atomic::Ordering::Relaxed);
+        if manual::applies(self) && xs.rank() == 2 && !gated {
             return manual::score(self, xs, targets);
         }
+        gate::gather(Unit::Rest)?;
         let x = self
             .ln_f
             .forward(&self.trunk_with(xs, &Mode::Eval, true)?)?
             .detach();
         let wte = self.wte.as_tensor();
-        if self.compute == DType::F32 && head::applies(&x, wte) {
-            return head::score(&x, wte, &targets.flatten_all()?);
-        }
-        crate::task::loss_sum_and_correct(&self.project(&x)?, targets)
+        let scored = match self.compute == DType::F32 && head::applies(&x, wte) {
+            true => head::score(&x, wte, &targets.flatten_all()?),
+            false => crate::task::loss_sum_and_correct(&self.project(&x)?, targets),
+        };
+        gate::release(Unit::Rest)?;
+        scored
     }
 
     fn params(&self) -> &Params {
@@ -333,7 +343,8 @@ impl Model for Gpt {
         mode: &Mode,
     ) -> Result<Option<Box<dyn TrainPass + '_>>> {
         // Packed rows (see `models::packed`) go through autograd.
-        if manual::applies(self) && xs.rank() == 2 {
+        let gated = self.gated.load(std::sync::atomic::Ordering::Relaxed);
+        if manual::applies(self) && xs.rank() == 2 && !gated {
             return Ok(Some(Box::new(manual::forward(self, xs, targets, mode)?)));
         }
         let recompute = self.checkpoints();
@@ -358,6 +369,17 @@ impl Model for Gpt {
         let tables = self.wte.elem_count() + self.wpe.elem_count();
         let blocks = self.params.element_count() - tables;
         Some(tables + blocks.div_ceil(self.config.n_layer.max(1)))
+    }
+
+    /// Block by block through autograd (see `models::layered`), on every device: the
+    /// hand-written CPU pass reads every weight at once.
+    fn shard_parameters(&self) -> std::result::Result<Vec<Vec<usize>>, String> {
+        self.stream_gradients();
+        self.gated.store(true, std::sync::atomic::Ordering::Relaxed);
+        let depth = self.config.n_layer;
+        Ok(super::layered::blocks_by_name(&self.params, depth, |i| {
+            format!("transformer.h.{i}.")
+        }))
     }
 
     /// nanoGPT's `estimate_mfu` count (the PaLM paper's): 6 operations per parameter per
@@ -387,9 +409,10 @@ impl Model for Gpt {
     /// (and its attention probabilities where kept), the dropout masks, ln_f's input and
     /// output; with checkpointing, each block's input and one block recomputed beside the
     /// backward's buffers; the head's logits where it keeps them (a large vocabulary, within
-    /// 256 MB). Autograd's (a GPU, bf16, LoRA) are not known.
+    /// 256 MB). Autograd's (a GPU, bf16, LoRA, `sharding = "full"`) are not known.
     fn activation_bytes_per_sample(&self, checkpointing: bool) -> Option<f64> {
-        if !manual::applies(self) {
+        let gated = self.gated.load(std::sync::atomic::Ordering::Relaxed);
+        if !manual::applies(self) || gated {
             return None;
         }
         let cfg = &self.config;
@@ -434,7 +457,14 @@ impl Gpt {
         let tokens = lookup(&self.params.frozen.as_input(&self.wte), &ids)?;
         let mut x = detached(self.embedded(&tokens, shape, packing, dropout)?);
         for i in 0..self.blocks.len() {
+            // Scoring asks for each block's parameters (a training graph would need them kept).
+            if scoring {
+                gate::gather(Unit::Block(i))?;
+            }
             x = detached(self.block_forward(i, &x, shape, packing, mode, dropout)?);
+            if scoring {
+                gate::release(Unit::Block(i))?;
+            }
         }
         Ok(x)
     }

@@ -13,10 +13,15 @@
 //! everything (tested for the llama and the gpt, f32 and bf16, packed rows and LoRA). Peak
 //! memory when recomputing: the blocks' inputs, and one block's activations with its
 //! gradients. Any device, precision, packing and LoRA: it is autograd, block by block.
+//!
+//! Each block's parameters are asked for ([`gate::gather`]) before its forward and again
+//! before its backward, and let go after each; the rest's from the start of the forward to
+//! the end of the backward: what `distributed.sharding = "full"` needs (see `models::gate`).
 
 use candle_core::backprop::GradStore;
 use candle_core::{Error, Result, Tensor, Var};
 
+use super::gate::{self, Unit};
 use super::{CollectedGradients, GradientSink, Mode, Params, TrainPass};
 
 /// A model as a layered pass sees it: an embedding stage, blocks over a residual stream, a
@@ -90,9 +95,11 @@ impl<'a, S: Stack> Layered<'a, S> {
         mode: &Mode,
         recompute: bool,
     ) -> Result<Self> {
+        gate::gather(Unit::Rest)?;
         let (batch, mut x) = model.embed(xs, mode)?;
         let mut blocks = Vec::with_capacity(model.depth());
         for i in 0..model.depth() {
+            gate::gather(Unit::Block(i))?;
             match recompute {
                 true => {
                     let y = model.block(i, &x, &batch)?.detach();
@@ -105,6 +112,7 @@ impl<'a, S: Stack> Layered<'a, S> {
                     blocks.push(Kept::Graph { input, output });
                 }
             }
+            gate::release(Unit::Block(i))?;
         }
         let last = Var::from_tensor(&x)?;
         drop(x);
@@ -159,6 +167,7 @@ impl<S: Stack> TrainPass for Layered<'_, S> {
         let mut upstream = head.get(last.as_tensor()).cloned().ok_or_else(missing)?;
         drop((head, loss, last));
         for i in (0..model.depth()).rev() {
+            gate::gather(Unit::Block(i))?;
             let (x, y) = match blocks.pop().ok_or_else(missing)? {
                 Kept::Input(input) => {
                     let x = Var::from_tensor(&input)?;
@@ -173,7 +182,29 @@ impl<S: Stack> TrainPass for Layered<'_, S> {
             let store = (y * &upstream)?.sum_all()?.backward()?;
             hand_over(&store)?;
             upstream = store.get(x.as_tensor()).cloned().ok_or_else(missing)?;
+            drop(store);
+            gate::release(Unit::Block(i))?;
         }
-        model.embedding_backward(&batch, &upstream, held, sink)
+        model.embedding_backward(&batch, &upstream, held, sink)?;
+        gate::release(Unit::Rest)
     }
+}
+
+/// The parameters of each of `depth` blocks, as positions in `params`: those whose names
+/// start with `prefix(i)` (what [`super::Model::shard_parameters`] returns).
+pub(crate) fn blocks_by_name(
+    params: &Params,
+    depth: usize,
+    prefix: impl Fn(usize) -> String,
+) -> Vec<Vec<usize>> {
+    (0..depth)
+        .map(|i| {
+            let prefix = prefix(i);
+            let names = params.iter().map(|(name, _)| name).enumerate();
+            names
+                .filter(|(_, name)| name.starts_with(&prefix))
+                .map(|(position, _)| position)
+                .collect()
+        })
+        .collect()
 }

@@ -5,6 +5,7 @@ pub(crate) mod builtin;
 mod chain;
 mod cnn;
 mod freeze;
+pub mod gate;
 mod gpt;
 mod layered;
 mod llama;
@@ -96,6 +97,17 @@ pub trait Model: Send + Sync {
     /// gradients all come together at the end of its backward.
     fn stream_gradients(&self) -> Option<usize> {
         None
+    }
+
+    /// `distributed.sharding = "full"`: from now on a training pass goes block by block,
+    /// calls [`gate::gather`] before each block's forward and again before its backward and
+    /// [`gate::release`] after each (for [`gate::Unit::Rest`], around the whole pass), and
+    /// hands its gradients over as [`Model::stream_gradients`] says; [`Model::score`] asks
+    /// the same way (evaluation runs with the parameters sharded). Returns each block's
+    /// parameters, as positions in [`Model::params`]; any other is the rest's. `Err`: why this
+    /// model cannot (the default: it has no blocks to gather one at a time).
+    fn shard_parameters(&self) -> std::result::Result<Vec<Vec<usize>>, String> {
+        Err("it does not go through its parameters block by block".into())
     }
 
     /// Whether each row of a batch is computed independently of the others, so a CPU worker
@@ -610,6 +622,10 @@ impl Model for Box<dyn Model> {
 
     fn stream_gradients(&self) -> Option<usize> {
         self.as_ref().stream_gradients()
+    }
+
+    fn shard_parameters(&self) -> std::result::Result<Vec<Vec<usize>>, String> {
+        self.as_ref().shard_parameters()
     }
 
     fn train_pass(

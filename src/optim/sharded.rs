@@ -9,12 +9,12 @@
 //! layout for every job keeps `resume` on another world size, `eval` and `export` unchanged.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Result, Tensor};
 
 use super::{Buffer, Optimizer, Slot};
+use crate::checkpoint::StreamedSafetensors;
 use crate::comm::buckets::ShardPlan;
 use crate::comm::{CommError, Communicator};
 use crate::config::OptimizerSpec;
@@ -26,6 +26,9 @@ use crate::models::Params;
 pub(super) struct Shards {
     plan: ShardPlan,
     trainable: Vec<usize>,
+    /// With the parameters sharded too (`"full"`): this rank's pieces of them, by position in
+    /// the plan, updated here; the parameters themselves are gathered only while read.
+    held: Option<Vec<Tensor>>,
 }
 
 impl Optimizer {
@@ -36,6 +39,7 @@ impl Optimizer {
         optimizer.shards = Some(Shards {
             plan,
             trainable: params.trainable().map(|(i, _)| i).collect(),
+            held: None,
         });
         optimizer
     }
@@ -45,39 +49,71 @@ impl Optimizer {
         self.shards.as_ref().map(|s| &s.plan)
     }
 
+    /// From now on this optimizer keeps this rank's pieces of the parameters (copied from
+    /// `params`, which must hold every value now) and updates them instead of the parameters:
+    /// `distributed.sharding = "full"`, whose parameters are gathered from these pieces only
+    /// while they are read (see `train::full`).
+    pub fn hold_parameters(&mut self, params: &Params) -> Result<()> {
+        let Some(shards) = &mut self.shards else {
+            candle_core::bail!("hold_parameters on an optimizer that is not sharded");
+        };
+        let vars: Vec<_> = params.vars().collect();
+        let held = shards
+            .plan
+            .pieces
+            .iter()
+            .map(|p| {
+                let flat = vars[shards.trainable[p.tensor]].as_tensor().flatten_all()?;
+                // A copy of its own: the parameter's storage is let go of.
+                flat.narrow(0, p.within.start, p.within.len())?
+                    .force_contiguous()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        shards.held = Some(held);
+        Ok(())
+    }
+
+    /// This rank's pieces of the parameters, when it keeps them ([`Optimizer::hold_parameters`]).
+    pub fn held_parameters(&self) -> Option<&[Tensor]> {
+        self.shards.as_ref()?.held.as_deref()
+    }
+
     /// Updates this rank's pieces of the parameters from their averaged gradients (`grads`,
     /// one per piece of the plan, 1-D). CPU f32 pieces are updated in place inside the
     /// parameters; elsewhere the new values are written into them.
     pub fn step_pieces(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
         // Taken out while the state slots are updated, and put back whatever happens.
-        let Some(shards) = self.shards.take() else {
+        let Some(mut shards) = self.shards.take() else {
             candle_core::bail!("step_pieces on an optimizer that is not sharded");
         };
-        let result = self.update_pieces(&shards, params, grads, lr);
+        let result = self.update_pieces(&mut shards, params, grads, lr);
         self.shards = Some(shards);
         result
     }
 
     fn update_pieces(
         &mut self,
-        shards: &Shards,
+        shards: &mut Shards,
         params: &Params,
         grads: &[Tensor],
         lr: f64,
     ) -> Result<()> {
         self.steps += 1;
         let vars: Vec<_> = params.vars().collect();
-        let views = shards
-            .plan
-            .pieces
-            .iter()
-            .map(|p| {
-                let var = vars[shards.trainable[p.tensor]];
-                var.as_tensor()
-                    .flatten_all()?
-                    .narrow(0, p.within.start, p.within.len())
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let views = match &shards.held {
+            Some(held) => held.clone(),
+            None => shards
+                .plan
+                .pieces
+                .iter()
+                .map(|p| {
+                    let var = vars[shards.trainable[p.tensor]];
+                    var.as_tensor()
+                        .flatten_all()?
+                        .narrow(0, p.within.start, p.within.len())
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
         let slots = shards
             .plan
             .pieces
@@ -93,6 +129,14 @@ impl Optimizer {
             })
             .collect();
         let updated = self.update(slots, lr)?;
+        if let Some(held) = &mut shards.held {
+            for (piece, new) in held.iter_mut().zip(updated) {
+                if let Some(new) = new {
+                    *piece = new;
+                }
+            }
+            return Ok(());
+        }
         for (p, new) in shards.plan.pieces.iter().zip(updated) {
             let Some(new) = new else { continue };
             let var = vars[shards.trainable[p.tensor]];
@@ -141,7 +185,13 @@ impl Optimizer {
             }
         }
         let mut writer = match (comm.rank(), staging) {
-            (0, Some(path)) => Some(StreamedSafetensors::create(path, &layout)?),
+            (0, Some(path)) => {
+                let writer = StreamedSafetensors::create(path, &layout);
+                Some(writer.map_err(|cause| GatherError::Io {
+                    path: path.to_path_buf(),
+                    cause,
+                })?)
+            }
             _ => None,
         };
         // A failed write is reported once the gather is over: every rank runs every collective.
@@ -253,66 +303,4 @@ pub enum GatherError {
         path: PathBuf,
         cause: std::io::Error,
     },
-}
-
-/// A safetensors file of f32 tensors written front to back: the header, from the names and
-/// shapes known in advance, then each tensor's values as they arrive, in the header's order.
-struct StreamedSafetensors {
-    out: std::io::BufWriter<std::fs::File>,
-    expected: usize,
-    written: usize,
-}
-
-impl StreamedSafetensors {
-    fn create(
-        path: &Path,
-        layout: &[(String, Vec<usize>)],
-    ) -> std::result::Result<Self, GatherError> {
-        let io = |cause| GatherError::Io {
-            path: path.to_path_buf(),
-            cause,
-        };
-        let mut header = serde_json::Map::new();
-        let mut offset = 0;
-        for (name, shape) in layout {
-            let bytes = 4 * shape.iter().product::<usize>();
-            let entry = serde_json::json!({
-                "dtype": "F32",
-                "shape": shape,
-                "data_offsets": [offset, offset + bytes],
-            });
-            header.insert(name.clone(), entry);
-            offset += bytes;
-        }
-        let mut json = serde_json::to_vec(&header).unwrap_or_default();
-        // Padded with spaces so the data starts 8-byte aligned, as safetensors writes it.
-        while (8 + json.len()) % 8 != 0 {
-            json.push(b' ');
-        }
-        let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
-        out.write_all(&(json.len() as u64).to_le_bytes())
-            .map_err(io)?;
-        out.write_all(&json).map_err(io)?;
-        Ok(StreamedSafetensors {
-            out,
-            expected: offset,
-            written: 0,
-        })
-    }
-
-    fn append(&mut self, values: &[f32]) -> std::io::Result<()> {
-        self.written += 4 * values.len();
-        self.out.write_all(bytemuck::cast_slice(values))
-    }
-
-    fn finish(mut self) -> std::io::Result<()> {
-        if self.written != self.expected {
-            return Err(std::io::Error::other(format!(
-                "{} bytes of tensors written, {} expected",
-                self.written, self.expected
-            )));
-        }
-        self.out.flush()?;
-        self.out.get_ref().sync_all()
-    }
 }

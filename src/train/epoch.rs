@@ -53,7 +53,9 @@ impl Trainer<'_> {
             run.step += 1;
             let step = run.step;
             if let Some(path) = &self.hooks.trace_weights {
+                self.gather_parameters(&run.optimizer)?;
                 trace_weights(path, step, self.model.params())?;
+                self.release_parameters(&run.optimizer)?;
             }
             epoch_run.consumed += samples * world;
             let in_epoch = epoch_run.skip + i + 1;
@@ -106,7 +108,7 @@ impl Trainer<'_> {
             }
             let eval_due = t.eval_every.is_some_and(|n| step % n == 0);
             if eval_due && i + 1 < steps_now {
-                let eval = self.evaluate(batches)?;
+                let eval = self.evaluate(batches, &run.optimizer)?;
                 self.reporter.line(&format!(
                     "step {step}/{}: {}",
                     run.total_steps,
@@ -136,7 +138,7 @@ impl Trainer<'_> {
         let train_loss = run.metrics.finish_epoch();
         run.epochs_done = epoch + 1;
 
-        let eval = self.evaluate(batches)?;
+        let eval = self.evaluate(batches, &run.optimizer)?;
         let lr = run.schedule.lr(step.saturating_sub(1), epoch);
         let rate = n / secs.max(1e-9);
         self.reporter.line(&format!(

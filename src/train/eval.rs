@@ -50,6 +50,11 @@ pub enum EvalThreads<'a> {
     /// size) scored alone on one thread, a rank's batches side by side on its threads when
     /// `cpu`, each batch's sums kept apart until every rank has them all.
     Pieces { cpu: bool },
+    /// Sharded parameters (`sharding = "full"`): on this thread, which gathers them as the
+    /// model asks, every rank scoring as many samples in the same batches, so every rank asks
+    /// as often (a rank with fewer samples pads its shard with its first, whose targets are
+    /// ignored: scored, never counted).
+    Lockstep,
 }
 
 /// Positions a language model scores at once, on the CPU and on an accelerator: an
@@ -96,6 +101,7 @@ pub fn evaluate(
     let index = |j: usize| j * eval_len / picked.max(1);
     let shards = match threads {
         EvalThreads::Rows(shards) => shards,
+        EvalThreads::Lockstep => None,
         EvalThreads::Pieces { cpu } => {
             let all: Vec<usize> = (0..picked).map(index).collect();
             let pieces: Vec<&[usize]> = all.chunks(batch_size.max(1)).collect();
@@ -103,10 +109,16 @@ pub fn evaluate(
             return Ok(result(task, sums));
         }
     };
-    let shard: Vec<usize> = (rank..picked).step_by(world).map(index).collect();
+    let mut shard: Vec<usize> = (rank..picked).step_by(world).map(index).collect();
+    // In lockstep, samples past `real` are padding.
+    let real = shard.len();
+    if let EvalThreads::Lockstep = threads {
+        shard.resize(picked.div_ceil(world), index(0));
+    }
     let mut sums = [0.0f64; 3];
-    for chunk in shard.chunks(batch_size) {
+    for (k, chunk) in shard.chunks(batch_size).enumerate() {
         let (xs, ys) = batches.eval(chunk)?;
+        let ys = ignore_rows_from(&ys, real.saturating_sub(k * batch_size))?;
         let ranges = super::shards::ranges(shards, chunk.len());
         let part = |i: usize| -> candle_core::Result<[f64; 3]> {
             let r = &ranges[i];
@@ -130,6 +142,24 @@ pub fn evaluate(
     }
     comm.all_reduce_sum_f64(&mut sums)?;
     Ok(result(task, sums))
+}
+
+/// `targets` with every row from `from` on ignored ([`crate::task::IGNORE_TARGET`]).
+fn ignore_rows_from(targets: &Tensor, from: usize) -> candle_core::Result<Tensor> {
+    let rows = targets.dim(0)?;
+    if from >= rows {
+        return Ok(targets.clone());
+    }
+    let mut shape = targets.dims().to_vec();
+    shape[0] = rows - from;
+    let ignored = Tensor::full(crate::task::IGNORE_TARGET, shape, targets.device())?;
+    Tensor::cat(
+        &[
+            &targets.narrow(0, 0, from)?,
+            &ignored.to_dtype(targets.dtype())?,
+        ],
+        0,
+    )
 }
 
 /// Sums of loss, correct predictions and scored targets over `pieces` (the split's batches),

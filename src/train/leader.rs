@@ -1,10 +1,10 @@
 //! What only rank 0 does: write metrics, state and checkpoints into the job directory. A separate
 //! type with no collectives, so a collective that only rank 0 would call cannot be written here.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use crate::checkpoint::{Checkpointer, OptimizerState, Restored, TrainPosition};
+use crate::checkpoint::{Checkpointer, Restored, TensorFile, TrainPosition};
 use crate::jobdir::{JobDir, JobDirError, JobState, now_unix};
 use crate::models::Params;
 use crate::report::Record;
@@ -172,16 +172,36 @@ impl Leader {
         })
     }
 
-    /// Replaces `checkpoints/best` with the current weights.
+    /// Replaces `checkpoints/best` with the current weights: `params`' values, or the file
+    /// `weights.written` they were streamed into (sharded parameters).
     pub fn save_best(
         &self,
-        params: &Params,
-        optimizer: OptimizerState,
+        weights: Weights,
+        optimizer: TensorFile,
         position: &TrainPosition,
     ) -> Result<PathBuf, TrainError> {
-        Ok(self
-            .checkpointer
-            .save_best(&checkpointed(params, position), optimizer, position)?)
+        let tensors;
+        let model = match weights.written {
+            Some(path) => TensorFile::Written(path),
+            None => {
+                tensors = checkpointed(weights.params, position);
+                TensorFile::Tensors(&tensors)
+            }
+        };
+        Ok(self.checkpointer.save_best(model, optimizer, position)?)
+    }
+
+    /// Where sharded parameters stream a checkpoint's weights before it takes them (as
+    /// [`Leader::staging_path`]).
+    pub fn weights_staging_path(&self) -> PathBuf {
+        self.job
+            .checkpoints_dir()
+            .join(format!(".tmp-model-{}.safetensors", std::process::id()))
+    }
+
+    /// Where sharded parameters stream the run's final weights (beside `model.safetensors`).
+    pub fn final_weights_staging_path(&self) -> PathBuf {
+        self.job.model_path().with_extension("safetensors.tmp")
     }
 
     /// Where a sharded optimizer streams its gathered state before a checkpoint takes it:
@@ -200,12 +220,19 @@ impl Leader {
 
     pub fn checkpoint(
         &self,
-        params: &Params,
-        optimizer: OptimizerState,
+        weights: Weights,
+        optimizer: TensorFile,
         position: &TrainPosition,
     ) -> Result<PathBuf, TrainError> {
-        let model = checkpointed(params, position);
-        let dir = self.checkpointer.save(&model, optimizer, position)?;
+        let tensors;
+        let model = match weights.written {
+            Some(path) => TensorFile::Written(path),
+            None => {
+                tensors = checkpointed(weights.params, position);
+                TensorFile::Tensors(&tensors)
+            }
+        };
+        let dir = self.checkpointer.save(model, optimizer, position)?;
         // state.json follows the checkpoints, so it says where a resume would start.
         if let Some(mut state) = self.job.read_state() {
             state.epoch = position.epoch;
@@ -218,17 +245,34 @@ impl Leader {
 }
 
 impl Leader {
-    /// The end of a successful run: final weights (PyTorch names) and `summary.json`.
-    pub fn finish(&self, params: &Params, summary: &Summary) -> Result<(), TrainError> {
+    /// The end of a successful run: final weights (PyTorch names) and `summary.json`. With
+    /// `streamed`, the weights are already in [`Leader::final_weights_staging_path`] (sharded
+    /// parameters); else `params`' values are written.
+    pub fn finish(
+        &self,
+        params: &Params,
+        streamed: bool,
+        summary: &Summary,
+    ) -> Result<(), TrainError> {
         let path = self.job.model_path();
-        let tmp = path.with_extension("safetensors.tmp");
-        candle_core::safetensors::save(&params.named_tensors(), &tmp)?;
+        let tmp = self.final_weights_staging_path();
+        if !streamed {
+            candle_core::safetensors::save(&params.named_tensors(), &tmp)?;
+        }
         std::fs::rename(&tmp, &path).map_err(|cause| JobDirError::Io {
             path: path.clone(),
             cause,
         })?;
         Ok(self.job.write_json(&self.job.summary_path(), summary)?)
     }
+}
+
+/// A model's weights for a file: the parameters' values, or (sharded parameters, whose
+/// values are not all held anywhere) the file they were already streamed into.
+#[derive(Clone, Copy)]
+pub struct Weights<'a> {
+    pub params: &'a Params,
+    pub written: Option<&'a Path>,
 }
 
 /// What a checkpoint at `position` holds of `params`: what trains when the position records a

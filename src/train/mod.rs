@@ -4,6 +4,7 @@
 
 mod epoch;
 mod eval;
+mod full;
 mod invariant;
 mod leader;
 mod metrics;
@@ -13,6 +14,7 @@ pub mod shards;
 pub mod step;
 mod streamed;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
@@ -34,7 +36,7 @@ use crate::progress::Reporter;
 use crate::task::{BatchSource, ModelInput, Task, sample_seed};
 
 pub use eval::{EvalResult, EvalThreads, evaluate};
-pub use leader::Leader;
+pub use leader::{Leader, Weights};
 pub use metrics::{Summary, WeightDigests};
 
 /// The file under a job's `logs/` where `DDPJOB_TRACE_WEIGHTS` puts each step's weight digests.
@@ -141,6 +143,9 @@ pub struct Trainer<'a> {
     /// then hold only what trains, and record it. Taken when the run begins, once the weights
     /// are in place (a whole checkpoint of an older job sets the frozen ones too).
     pub base_sha256: Option<String>,
+    /// `distributed.sharding = "full"`: the model's units, once the run has begun; the
+    /// parameters then hold values only while read (see `full`).
+    pub sharded_parameters: Option<full::Units>,
 }
 
 /// What a run carries from epoch to epoch.
@@ -216,7 +221,7 @@ impl Trainer<'_> {
         if t.eval_every.is_some() && position.is_none() {
             // As nanoGPT: where the run starts from (a fine-tune's pretrained weights). Not a
             // candidate for `best`, whose weights are the training's.
-            let eval = self.evaluate(batches)?;
+            let eval = self.evaluate(batches, &run.optimizer)?;
             let line = format!("step 0/{}: {}", run.total_steps, eval.describe());
             self.reporter.line(&line);
             if let Some(leader) = &self.leader {
@@ -264,8 +269,10 @@ impl Trainer<'_> {
         }
         let eval = match run.last_eval.take() {
             Some(e) => e,
-            None => self.evaluate(batches)?,
+            None => self.evaluate(batches, &run.optimizer)?,
         };
+        // Sharded parameters: the final weights streamed to where `Leader::finish` takes them.
+        self.stream_weights(&run.optimizer, Leader::final_weights_staging_path, true)?;
         let mut summary = self.summary(&run, &eval);
         summary.peak_rss_bytes = self.peak_rss()?;
         Ok(Ending::Completed(Box::new(summary)))
@@ -283,6 +290,7 @@ impl Trainer<'_> {
                 let bucket_bytes = spec.distributed.bucket_bytes;
                 let plan = ShardPlan::new(&sizes, bucket_bytes, self.comm);
                 let stage = match sharding {
+                    Sharding::Full => "ZeRO-3",
                     Sharding::Gradients => "ZeRO-2",
                     _ => "ZeRO-1",
                 };
@@ -305,6 +313,22 @@ impl Trainer<'_> {
                          as with \"optimizer\" (no further memory saved)",
                     );
                 }
+                if sharding == Sharding::Full {
+                    let units = full::Units::of(self.model.as_ref()).map_err(|why| {
+                        TrainError::Unfit(format!(
+                            "distributed.sharding = \"full\": model.arch = \"{}\" cannot \
+                             gather its parameters block by block: {why}; use \"gradients\"",
+                            spec.model.arch()
+                        ))
+                    })?;
+                    self.reporter.line(&format!(
+                        "parameters sharded too: each block's gathered for its forward and \
+                         its backward only ({} values at most, of {})",
+                        units.largest_block(params),
+                        sizes.iter().sum::<usize>()
+                    ));
+                    self.sharded_parameters = Some(units);
+                }
                 Optimizer::sharded(spec.train.optimizer, plan, params)
             }
             _ => Optimizer::new(spec.train.optimizer, params.len()),
@@ -324,7 +348,59 @@ impl Trainer<'_> {
         }
         broadcast_params(self.comm, self.model.params())?;
         self.base_sha256 = crate::checkpoint::base::fingerprint(self.model.params())?;
+        if let Some(units) = &self.sharded_parameters {
+            // From here on this rank keeps its pieces only.
+            optimizer.hold_parameters(self.model.params())?;
+            let params = self.model.params();
+            full::Sharded::new(self.comm, &optimizer, params, units, true)?.release_all()?;
+        }
         Ok(optimizer)
+    }
+
+    /// With sharded parameters, gives every one its values (`trace_weights`, a test's hook);
+    /// [`Trainer::release_parameters`] lets them go again. A collective; without sharded
+    /// parameters nothing happens.
+    fn gather_parameters(&self, optimizer: &Optimizer) -> Result<(), TrainError> {
+        if let Some(units) = &self.sharded_parameters {
+            let params = self.model.params();
+            full::Sharded::new(self.comm, optimizer, params, units, false)?.gather_all()?;
+        }
+        Ok(())
+    }
+
+    fn release_parameters(&self, optimizer: &Optimizer) -> Result<(), TrainError> {
+        if let Some(units) = &self.sharded_parameters {
+            let params = self.model.params();
+            full::Sharded::new(self.comm, optimizer, params, units, true)?.release_all()?;
+        }
+        Ok(())
+    }
+
+    /// With sharded parameters, streams every weight (the frozen ones with `frozen_too`) into
+    /// the leader's `staging` file, bucket by bucket (a collective): that file on rank 0,
+    /// `None` elsewhere and without sharded parameters (the leader writes their values).
+    fn stream_weights(
+        &self,
+        optimizer: &Optimizer,
+        staging: fn(&Leader) -> PathBuf,
+        frozen_too: bool,
+    ) -> Result<Option<PathBuf>, TrainError> {
+        let Some(units) = &self.sharded_parameters else {
+            return Ok(None);
+        };
+        let params = self.model.params();
+        let path = self.leader.as_ref().map(staging);
+        let sharded = full::Sharded::new(self.comm, optimizer, params, units, false)?;
+        sharded
+            .write_weights(params, frozen_too, path.as_deref())
+            .map_err(from_gather)?;
+        Ok(path)
+    }
+
+    /// Whether the run's final weights were streamed into the leader's staging file at the
+    /// end of [`Trainer::run`] (sharded parameters), for [`Leader::finish`].
+    pub fn streamed_final_weights(&self) -> bool {
+        self.sharded_parameters.is_some()
     }
 
     /// Every rank's peak resident memory so far, in rank order (a collective).
@@ -396,9 +472,10 @@ impl Trainer<'_> {
             device: &self.device,
             grad_clip_norm: self.spec.train.grad_clip_norm,
             bucket_bytes: self.spec.distributed.bucket_bytes,
-            // Row shards would split a BatchNorm's batch statistics.
+            // Row shards would split a BatchNorm's batch statistics; with sharded parameters
+            // the pass runs on the thread that gathers them.
             shards: shards::ShardPool::for_device(&self.device)
-                .filter(|_| self.model.rows_independent()),
+                .filter(|_| self.model.rows_independent() && self.sharded_parameters.is_none()),
             masked_targets: self.data.masks_targets(),
             virtual_shards: self.spec.virtual_shards(),
             scrambled_pieces: self
@@ -406,7 +483,11 @@ impl Trainer<'_> {
                 .fault
                 .as_ref()
                 .is_some_and(|f| f.scrambles_pieces(step)),
-            stream_gradients: self.spec.distributed.sharding == Sharding::Gradients,
+            stream_gradients: matches!(
+                self.spec.distributed.sharding,
+                Sharding::Gradients | Sharding::Full
+            ),
+            sharded_parameters: self.sharded_parameters.as_ref(),
         };
         let r = step::optimizer_step(&cx, optimizer, &batches, lr, stop_vote, None)?;
         Ok((r.loss_sum, r.samples, r.stop))
@@ -415,11 +496,31 @@ impl Trainer<'_> {
     /// Evaluates on the whole evaluation split, or on `train.eval_batches` batches of it when
     /// set (every evaluation alike, as nanoGPT's `eval_iters` or Lightning's
     /// `limit_val_batches`: a large corpus's split is never scored whole unless asked).
-    fn evaluate(&self, batches: &dyn BatchSource) -> Result<EvalResult, TrainError> {
+    fn evaluate(
+        &self,
+        batches: &dyn BatchSource,
+        optimizer: &Optimizer,
+    ) -> Result<EvalResult, TrainError> {
+        let Some(units) = &self.sharded_parameters else {
+            return self.evaluate_now(batches);
+        };
+        // Block by block, as a training pass gathers them: the model's scoring asks too.
+        let params = self.model.params();
+        let mut gate = full::Sharded::new(self.comm, optimizer, params, units, false)?;
+        let eval = crate::models::gate::run_with(&mut gate, || self.evaluate_now(batches));
+        if let Some(error) = gate.error.take() {
+            return Err(error.into());
+        }
+        gate.release_all()?;
+        eval
+    }
+
+    fn evaluate_now(&self, batches: &dyn BatchSource) -> Result<EvalResult, TrainError> {
         let t = &self.spec.train;
         // Every rank scores its share with rank 0's buffers (BatchNorm statistics).
         crate::comm::broadcast_buffers(self.comm, self.model.params())?;
         let threads = match self.spec.distributed.world_size_invariant {
+            _ if self.sharded_parameters.is_some() => EvalThreads::Lockstep,
             true => EvalThreads::Pieces {
                 cpu: self.device.is_cpu(),
             },
@@ -461,8 +562,14 @@ impl Trainer<'_> {
             return Ok(());
         }
         let state = self.gather_optimizer(optimizer)?;
+        let whole = at.base_sha256.is_none();
+        let staged = self.stream_weights(optimizer, Leader::weights_staging_path, whole)?;
         if let (Some(leader), Some(state)) = (&self.leader, state) {
-            match leader.save_best(self.model.params(), state.as_checkpoint(), &at) {
+            let weights = Weights {
+                params: self.model.params(),
+                written: staged.as_deref(),
+            };
+            match leader.save_best(weights, state.as_checkpoint(), &at) {
                 Ok(dir) => self.reporter.line(&format!(
                     "best {} so far ({:.4}): weights kept in {}",
                     self.loss_name(),
@@ -542,14 +649,9 @@ impl Trainer<'_> {
     fn gather_optimizer(&self, optimizer: &Optimizer) -> Result<Option<Gathered>, TrainError> {
         let staging = self.leader.as_ref().map(Leader::staging_path);
         let params = self.model.params();
-        match optimizer.checkpoint_state(self.comm, params, staging.as_deref()) {
-            Ok(state) => Ok(state),
-            Err(GatherError::Comm(e)) => Err(e.into()),
-            Err(GatherError::Tensor(e)) => Err(e.into()),
-            Err(GatherError::Io { path, cause }) => {
-                Err(crate::checkpoint::CheckpointError::Io { path, cause }.into())
-            }
-        }
+        optimizer
+            .checkpoint_state(self.comm, params, staging.as_deref())
+            .map_err(from_gather)
     }
 
     fn save_checkpoint(
@@ -558,8 +660,14 @@ impl Trainer<'_> {
         position: &TrainPosition,
     ) -> Result<(), TrainError> {
         let state = self.gather_optimizer(optimizer)?;
+        let whole = position.base_sha256.is_none();
+        let staged = self.stream_weights(optimizer, Leader::weights_staging_path, whole)?;
         if let (Some(leader), Some(state)) = (&self.leader, state) {
-            match leader.checkpoint(self.model.params(), state.as_checkpoint(), position) {
+            let weights = Weights {
+                params: self.model.params(),
+                written: staged.as_deref(),
+            };
+            match leader.checkpoint(weights, state.as_checkpoint(), position) {
                 Ok(dir) => self
                     .reporter
                     .line(&format!("checkpoint written: {}", dir.display())),
@@ -579,11 +687,22 @@ impl Trainer<'_> {
     }
 }
 
+/// A gathered checkpoint's failure as the run's: a failed write is a checkpoint error.
+fn from_gather(e: GatherError) -> TrainError {
+    match e {
+        GatherError::Comm(e) => e.into(),
+        GatherError::Tensor(e) => e.into(),
+        GatherError::Io { path, cause } => {
+            crate::checkpoint::CheckpointError::Io { path, cause }.into()
+        }
+    }
+}
+
 impl Gathered {
-    fn as_checkpoint(&self) -> crate::checkpoint::OptimizerState<'_> {
+    fn as_checkpoint(&self) -> crate::checkpoint::TensorFile<'_> {
         match self {
-            Gathered::Tensors(t) => crate::checkpoint::OptimizerState::Tensors(t),
-            Gathered::Written(path) => crate::checkpoint::OptimizerState::Written(path),
+            Gathered::Tensors(t) => crate::checkpoint::TensorFile::Tensors(t),
+            Gathered::Written(path) => crate::checkpoint::TensorFile::Written(path),
         }
     }
 }

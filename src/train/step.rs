@@ -42,6 +42,9 @@ pub struct StepContext<'a> {
     /// `distributed.sharding = "gradients"`: with a sharded optimizer, the last micro-batch's
     /// buckets are reduce-scattered while its backward runs (see `streamed`).
     pub stream_gradients: bool,
+    /// `distributed.sharding = "full"`: the model's units, whose parameters are gathered
+    /// only while a pass reads them (see `full`); the optimizer holds this rank's pieces.
+    pub sharded_parameters: Option<&'a super::full::Units>,
 }
 
 /// What one step produced: Σ loss·n over its samples (a scalar, read only at log intervals),
@@ -97,44 +100,67 @@ pub fn optimizer_step(
     let timed = phases.is_some();
     let streamed_plan = optimizer.plan().filter(|_| cx.stream_gradients);
     let mut streamed = None;
-    for (k, batch) in micro_batches.iter().enumerate() {
-        let ranges = super::shards::ranges(cx.shards, rows(batch));
-        let shard = |i: usize, sink: Option<&mut dyn GradientSink>| {
-            let part = batch.rows(ranges[i].clone())?;
-            let (scale, loss_weight) = weights.of_part(&part, ranges[i].len())?;
-            shard_forward_backward(cx.model, &part, scale, loss_weight, timed, sink)
-        };
-        let results = match (streamed_plan, cx.shards, ranges.len()) {
-            // The last micro-batch's buckets reduced while its backward runs.
-            (Some(plan), pool, parts) if k + 1 == micro_batches.len() => {
-                let earlier = std::mem::take(&mut grads);
-                let (results, reduced) = super::streamed::last_micro_batch(
-                    cx,
-                    plan,
-                    earlier,
-                    stop_vote,
-                    pool,
-                    parts,
-                    |i, sink| shard(i, Some(sink)),
-                )?;
-                streamed = Some(reduced);
-                results.into_iter().map(Ok).collect()
+    let mut gate = match cx.sharded_parameters {
+        Some(units) => Some(super::full::Sharded::new(
+            cx.comm, optimizer, params, units, false,
+        )?),
+        None => None,
+    };
+    let mut micro_steps = || -> Result<(), StepError> {
+        for (k, batch) in micro_batches.iter().enumerate() {
+            let ranges = super::shards::ranges(cx.shards, rows(batch));
+            let shard = |i: usize, sink: Option<&mut dyn GradientSink>| {
+                let part = batch.rows(ranges[i].clone())?;
+                let (scale, loss_weight) = weights.of_part(&part, ranges[i].len())?;
+                shard_forward_backward(cx.model, &part, scale, loss_weight, timed, sink)
+            };
+            let results = match (streamed_plan, cx.shards, ranges.len()) {
+                // The last micro-batch's buckets reduced while its backward runs.
+                (Some(plan), pool, parts) if k + 1 == micro_batches.len() => {
+                    let earlier = std::mem::take(&mut grads);
+                    let (results, reduced) = super::streamed::last_micro_batch(
+                        cx,
+                        plan,
+                        earlier,
+                        stop_vote,
+                        pool,
+                        parts,
+                        |i, sink| shard(i, Some(sink)),
+                    )?;
+                    streamed = Some(reduced);
+                    results.into_iter().map(Ok).collect()
+                }
+                (_, Some(pool), parts) if parts > 1 => pool.run(parts, |i| shard(i, None)),
+                _ => vec![shard(0, None)],
+            };
+            let mut forward = Duration::ZERO;
+            for result in results {
+                let result = result?;
+                forward = forward.max(result.forward);
+                accumulate(&mut grads, result.grads)?;
+                loss_sum = Some(match loss_sum.take() {
+                    Some(s) => (s + result.loss_sum)?,
+                    None => result.loss_sum,
+                });
             }
-            (_, Some(pool), parts) if parts > 1 => pool.run(parts, |i| shard(i, None)),
-            _ => vec![shard(0, None)],
-        };
-        let mut forward = Duration::ZERO;
-        for result in results {
-            let result = result?;
-            forward = forward.max(result.forward);
-            accumulate(&mut grads, result.grads)?;
-            loss_sum = Some(match loss_sum {
-                Some(s) => (s + result.loss_sum)?,
-                None => result.loss_sum,
-            });
+            // Shards interleave their phases: the forward share is the slowest shard's forward.
+            clock.split(&mut phases, forward)?;
         }
-        // Shards interleave their phases: the forward share is the slowest shard's forward.
-        clock.split(&mut phases, forward)?;
+        Ok(())
+    };
+    let ran = match &mut gate {
+        Some(gate) => crate::models::gate::run_with(gate, micro_steps),
+        None => micro_steps(),
+    };
+    if let Some(mut gate) = gate {
+        // A collective that failed inside a pass is the step's error, whole.
+        if let Some(error) = gate.error.take() {
+            return Err(error);
+        }
+        ran?;
+        gate.release_all()?;
+    } else {
+        ran?;
     }
     // Only what trains is averaged, clipped and applied: a frozen parameter's gradient (when
     // the pass made one) is dropped here, before it crosses the wire.
@@ -157,7 +183,10 @@ pub fn optimizer_step(
             if let Some(max_norm) = cx.grad_clip_norm {
                 super::sharded::clip_pieces(cx, &mut pieces, max_norm)?;
             }
-            let stop = super::sharded::update_and_gather(cx, optimizer, &pieces, lr, vote)?;
+            let stop = match cx.sharded_parameters {
+                Some(_) => super::full::update(cx, optimizer, &pieces, lr, stop_vote)?,
+                None => super::sharded::update_and_gather(cx, optimizer, &pieces, lr, vote)?,
+            };
             clock.lap(&mut phases, |p| &mut p.update)?;
             stop
         }

@@ -75,6 +75,7 @@ fn train_hooked(
         started: Instant::now(),
         resume: None,
         base_sha256: None,
+        sharded_parameters: None,
         hooks: Hooks {
             vote_every,
             stop: &AtomicBool::new(stop),
@@ -279,6 +280,7 @@ impl Counted<'_> {
             virtual_shards: pieces,
             scrambled_pieces: false,
             stream_gradients: false,
+            sharded_parameters: None,
         };
         for _ in 0..n {
             let batch = step::MicroBatch {
@@ -406,6 +408,7 @@ fn a_sharded_optimizer_moves_the_all_reduces_bytes_and_gives_its_bits() {
                 virtual_shards: None,
                 scrambled_pieces: false,
                 stream_gradients: streamed,
+                sharded_parameters: None,
             };
             let batches = data.batches(&Device::Cpu).unwrap();
             for step in 0..3 {
@@ -502,6 +505,7 @@ fn sharded_parameters_gather_alike_on_the_host_and_through_tensor_ops() {
                 virtual_shards: None,
                 scrambled_pieces: false,
                 stream_gradients: false,
+                sharded_parameters: None,
             };
             let vote = plan.owns_vote().then_some(1.0);
             let stop = sharded::gather_parameters(&cx, &plan, vote, on_host).unwrap();
@@ -562,6 +566,7 @@ fn a_panicking_shard_of_a_streamed_step_panics_the_step_instead_of_hanging() {
         virtual_shards: None,
         scrambled_pieces: false,
         stream_gradients: true,
+        sharded_parameters: None,
     };
     let batches = data.batches(&Device::Cpu).unwrap();
     let (inputs, targets) = batches.train(0, &[0, 1, 2, 3, 4, 5, 6]).unwrap();

@@ -515,6 +515,7 @@ fn train(
         resume,
         hooks,
         base_sha256: None,
+        sharded_parameters: None,
     };
     let mut summary = match trainer.run()? {
         Ending::Completed(summary) => *summary,
@@ -525,7 +526,8 @@ fn train(
     };
     summary.estimated_peak_bytes = estimate.total();
     if let Some(leader) = &trainer.leader {
-        leader.finish(trainer.model.params(), &summary)?;
+        let streamed = trainer.streamed_final_weights();
+        leader.finish(trainer.model.params(), streamed, &summary)?;
     }
     // Nobody leaves before rank 0's final files are complete.
     comm.barrier()?;

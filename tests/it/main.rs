@@ -10,6 +10,7 @@ mod devices;
 mod distributed;
 mod download;
 mod finetune;
+mod full_sharding;
 mod gpu_check;
 mod hangs;
 mod invariant;

@@ -2,8 +2,8 @@
 //! same weights and optimizer state as an unsharded job (bit for bit without clipping, 1e-6
 //! with), on 2 and 3 workers, with accumulation and bf16, models that hand their gradients
 //! over block by block (a gpt, a llama) on workers of one and two threads; SIGTERM and resume,
-//! resume in another mode and on another world size, a killed worker restarted; the mode that
-//! does not exist yet refused.
+//! resume in another mode and on another world size, a killed worker restarted; `"full"` on a
+//! model without blocks refused (`"full"` itself: `full_sharding.rs`).
 
 use std::path::Path;
 
@@ -36,7 +36,7 @@ keep_last = 0
 bucket_mb = 0.001
 "#;
 
-fn gpt(text: &Path) -> String {
+pub(crate) fn gpt(text: &Path) -> String {
     format!(
         r#"
 seed = 11
@@ -79,7 +79,7 @@ fn sharded_as<'a>(mode: &str, n: &'a str) -> Vec<&'a str> {
 }
 
 /// Every checkpoint's weights and optimizer state have the same bits in jobs `a` and `b`.
-fn same_checkpoints(t: &TestJob, a: &str, b: &str) {
+pub(crate) fn same_checkpoints(t: &TestJob, a: &str, b: &str) {
     let dirs = std::fs::read_dir(t.job(a).join("checkpoints")).unwrap();
     let mut compared = 0;
     for dir in dirs {
@@ -252,7 +252,7 @@ fn gradients_handed_over_block_by_block_keep_the_sharded_and_unsharded_weights()
     }
 }
 
-fn llama(text: &Path) -> String {
+pub(crate) fn llama(text: &Path) -> String {
     format!(
         r#"
 seed = 11
@@ -377,11 +377,11 @@ fn a_killed_sharded_worker_is_restarted_from_the_gathered_checkpoint() {
 }
 
 #[test]
-fn a_sharding_mode_not_built_yet_is_refused_before_anything_is_created() {
+fn a_sharding_mode_that_cannot_apply_is_refused_before_anything_is_created() {
     let t = TestJob::new();
     let cfg = t.config("mlp", MLP);
     for (mode, says) in [
-        ("full", "\"full\" (ZeRO-3 / FSDP"),
+        ("full", "model.arch = \"mlp\" has none: use \"gradients\""),
         ("zero1", "distributed.sharding"),
     ] {
         let set = format!("distributed.sharding=\"{mode}\"");

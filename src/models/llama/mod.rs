@@ -28,6 +28,7 @@ mod swiglu_gpu;
 #[cfg(test)]
 mod tests;
 
+use crate::models::gate::{self, Unit};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{D, DType, Device, Error, Result, Tensor, Var};
@@ -243,8 +244,11 @@ impl Llama {
         mode: &Mode,
     ) -> Result<Tensor> {
         let mut x = self.embed_tokens(ids)?.detach();
-        for layer in &self.layers {
+        for (i, layer) in self.layers.iter().enumerate() {
+            // With sharded parameters, each layer's gathered for its turn (see `models::gate`).
+            gate::gather(Unit::Block(i))?;
             x = self.block(layer, &x, shape, packing, mode)?.detach();
+            gate::release(Unit::Block(i))?;
         }
         Ok(x)
     }
@@ -420,19 +424,33 @@ impl Model for Llama {
         Ok(())
     }
 
+    /// Layer by layer (see `models::layered`).
+    fn shard_parameters(&self) -> std::result::Result<Vec<Vec<usize>>, String> {
+        self.stream_gradients();
+        let depth = self.layers.len();
+        Ok(crate::models::layered::blocks_by_name(
+            &self.params,
+            depth,
+            |i| format!("model.layers.{i}."),
+        ))
+    }
+
     /// Layer by layer, each layer's output detached: the parameters are variables, so autograd
     /// would keep every layer's tensors until the loss is read, as much memory as training for
     /// an evaluation batch (1000 windows by default); this keeps one layer's.
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
         let (ids, packing) = packed::split(xs)?;
         let shape = self.check_window(&ids)?;
+        gate::gather(Unit::Rest)?;
         let x = self.detached_layers(&ids, shape, packing.as_ref(), &Mode::Eval)?;
         let x = self.final_norm(&x)?.detach();
         let w = self.head_weight().detach();
-        if self.compute == DType::F32 && head::applies(&x, &w) {
-            return head::score(&x, &w, &targets.flatten_all()?);
-        }
-        crate::task::loss_sum_and_correct(&self.project(&x)?, targets)
+        let scored = match self.compute == DType::F32 && head::applies(&x, &w) {
+            true => head::score(&x, &w, &targets.flatten_all()?),
+            false => crate::task::loss_sum_and_correct(&self.project(&x)?, targets),
+        };
+        gate::release(Unit::Rest)?;
+        scored
     }
 
     fn params(&self) -> &Params {

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Memory that shrinks as workers are added: a GPT of 12 layers x 768 (85 M parameters, context
 # 256, the tiny Shakespeare's characters), AdamW, trained a few steps by W CPU workers with
-# `distributed.sharding` "none", "optimizer" (ZeRO-1) and "gradients" (ZeRO-2), side by side
-# in one run. Prints each rank's peak RSS (summary.json's `peak_rss_bytes`) beside the
-# estimate (`estimated_peak_bytes`), each mode's saving per worker over the one before it beside
-# the expected share ((1 - 1/W) x 8 bytes x parameters for the optimizer's moments, (1 - 1/W) x
-# 4 bytes x parameters for the gradients), and the step time of each.
+# `distributed.sharding` "none", "optimizer" (ZeRO-1), "gradients" (ZeRO-2) and "full"
+# (ZeRO-3), side by side in one run. Prints each rank's peak RSS (summary.json's
+# `peak_rss_bytes`) beside the estimate (`estimated_peak_bytes`), each mode's saving per worker
+# over the one before it beside the expected share ((1 - 1/W) x 8 bytes x parameters for the
+# optimizer's moments, (1 - 1/W) x 4 bytes x parameters for the gradients, and again for the
+# weights, less the block gathered at a time), and the step time of each.
 #
 #   bench/zero-memory.sh [W ...]        (default: 2 4)   LAYERS=2 for a quick check
+#   MODEL=llama bench/zero-memory.sh    a llama of the same size (12 x 768, SwiGLU 2048, 85 M),
+#                                       whose "gradients" and "full" run the same pass
 #
 # Checkpoints are off unless CHECKPOINT_EVERY=N (steps): rank 0 then writes the whole
 # optimizer state, streamed bucket by bucket when it is sharded.
@@ -22,15 +25,25 @@ worlds=("${@:-2}")
 [ $# -gt 0 ] || worlds=(2 4)
 lscpu | sed -n 's/^Model name: *//p'
 out=$(mktemp -d); trap 'rm -rf "$out"' EXIT
-cat > "$out/gpt.toml" <<EOF
-seed = 1
-[model]
-arch = "gpt"
+case ${MODEL:-gpt} in
+  gpt) model="arch = \"gpt\"
 n_layer = $layers
 n_head = 12
 n_embd = 768
+bias = false" ;;
+  llama) model="arch = \"llama\"
+hidden_size = 768
+intermediate_size = 2048
+num_hidden_layers = $layers
+num_attention_heads = 12
+num_key_value_heads = 12" ;;
+  *) echo "MODEL is gpt or llama" >&2; exit 2 ;;
+esac
+cat > "$out/gpt.toml" <<EOF
+seed = 1
+[model]
+$model
 block_size = 256
-bias = false
 [data]
 dataset = "text"
 path = "$text"
@@ -52,7 +65,7 @@ EOF
 printf '%-3s %-10s %12s %14s %14s %12s %10s\n' W sharding "params" "peak RSS MB" "(per rank)" \
   "estimate MB" "s/step"
 for w in "${worlds[@]}"; do
-  for mode in none optimizer gradients; do
+  for mode in none optimizer gradients full; do
     name=w$w-$mode
     "$bin" run "$out/gpt.toml" --jobs-dir "$out/jobs" --name "$name" --nproc-per-node "$w" \
       --set "distributed.sharding=\"$mode\"" > "$out/$name.log" 2>&1 \
@@ -62,13 +75,16 @@ import json, sys
 s = json.load(open(sys.argv[1]))
 peaks = [b / 1e6 for b in s["peak_rss_bytes"]]
 per_step = s["train_s"] / s["steps"]
-estimate = s["estimated_peak_bytes"] / 1e6
+if "estimated_peak_bytes" in s:
+    estimate = s["estimated_peak_bytes"] / 1e6
+    estimate = f"{estimate:>7.0f} ({(estimate / max(peaks) - 1) * 100:+.0f}%)"
+else:
+    estimate = "not known"
 print(f"{sys.argv[2]:<3} {sys.argv[3]:<10} {s['parameters']:>12} {max(peaks):>14.0f} "
-      f"{' '.join(f'{p:.0f}' for p in peaks):>14} {estimate:>7.0f} ({(estimate / max(peaks) - 1) * 100:+.0f}%)"
-      f" {per_step:>10.2f}")
+      f"{' '.join(f'{p:.0f}' for p in peaks):>14} {estimate:>14} {per_step:>10.2f}")
 PY
   done
-  for pair in "none optimizer 8" "optimizer gradients 4"; do
+  for pair in "none optimizer 8" "optimizer gradients 4" "gradients full 4"; do
     set -- $pair
     python3 - "$out/jobs/w$w-$1/summary.json" "$out/jobs/w$w-$2/summary.json" "$w" "$3" "$1" "$2" <<'PY'
 import json, sys

@@ -247,7 +247,14 @@ fn memory_lines(
         .map_err(|e| e.to_string())?;
     let layout = Layout::of(spec, world, threads);
     let mine = estimate(spec, model.as_ref(), layout);
-    let total = |e: &crate::memory::Estimate| e.total().map_or("?".into(), crate::memory::gb);
+    // Without the activations, what is known of the rest, said so.
+    let total = |e: &crate::memory::Estimate| match e.total() {
+        Some(total) => crate::memory::gb(total),
+        None => {
+            let known = e.weights + e.gradients + e.optimizer + e.runtime;
+            format!("{} + activations (not known)", crate::memory::gb(known))
+        }
+    };
     let mut lines = vec![format!(
         "memory_per_worker = {}  (estimate: {})",
         total(&mine),

@@ -231,8 +231,10 @@ section! {
         /// (ZeRO-1): each keeps the optimizer state of its 1/W of the parameters and of the
         /// averaged gradients (reduce-scattered), the updated parameters all-gathered;
         /// `"gradients"` (ZeRO-2): the same, each block's gradients reduce-scattered while
-        /// backward runs on the blocks below, so the whole gradient never exists (see
-        /// "Sharded optimizer state")
+        /// backward runs on the blocks below, so the whole gradient never exists; `"full"`
+        /// (ZeRO-3 / FSDP): the parameters sharded too, each block's all-gathered for its
+        /// forward and again for its backward, freed after (`gpt`, `llama`, or a model of
+        /// your own with blocks; see "Sharded optimizer state")
         sharding: String = "none".into() => sharding: Sharding = sharding_choice;
         /// `"run"`: bit-exact on the same world size; `"world-size-invariant"`: the same
         /// weights, bit for bit, on any number of workers that divides `virtual_shards` (needs

@@ -131,8 +131,8 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
 
 /// A worker's parameter bytes with `sharding = "full"` over `world` workers: every frozen
 /// parameter and every trainable one outside the blocks (gathered for a whole pass), the
-/// largest block's, and 1/W of the others (this worker's pieces). `None`: the model has no
-/// blocks to gather one at a time.
+/// largest block's (gathered), and its pieces, 1/W of every trainable value. `None`: the
+/// model has no blocks to gather one at a time.
 fn gathered_weights(model: &dyn Model, world: u64) -> Option<u64> {
     let blocks = model.shard_parameters().ok()?;
     let params = model.params();

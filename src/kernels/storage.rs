@@ -9,13 +9,14 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Result, Tensor, bail};
 
 /// Frees `param`'s values (an f32 tensor of its own storage, as a variable is); reading it
-/// before [`restore`] is a bug.
+/// before [`restore`] is a bug, which candle's ops report as an error or a panic (its CPU
+/// matmul, which reads through raw pointers, checks its operands' storage: vendored patch 2).
 pub(crate) fn release(param: &Tensor) -> Result<()> {
     param.inplace_op1(&Release)
 }
 
 /// Gives `param` (released or not) the values `values`, an f32 tensor of its element count,
-/// on its device: moved in on the CPU when they are its own contiguous storage, else copied.
+/// on its device: copied into a storage of the parameter's own.
 pub(crate) fn restore(param: &Tensor, values: Tensor) -> Result<()> {
     if values.elem_count() != param.elem_count() {
         bail!(
@@ -132,5 +133,11 @@ mod tests {
         assert!(restore(&var, wrong).is_err());
         let half = held.narrow(0, 1, 1).unwrap();
         assert!(release(&half).is_err(), "a view is not a parameter");
+        // Read while let go of: an error (the vendored candle's matmul checks its operands'
+        // storage), never a read out of bounds.
+        release(&var).unwrap();
+        let x = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let read = var.as_tensor().matmul(&x).unwrap_err().to_string();
+        assert!(read.contains("storage shorter than its layout"), "{read}");
     }
 }

@@ -3,8 +3,8 @@
 //! backward, and says when it is done with them, so the trainer can keep only this rank's
 //! share of them the rest of the time (see `train::full`). The pass calls [`gather`] and
 //! [`release`]; the trainer answers through the [`BlockGate`] it installs with [`run_with`],
-//! on the thread that runs the pass, for as long as the pass runs. With none installed (no
-//! sharded parameters: every other mode, evaluation, `sample`) both do nothing.
+//! on the thread that runs the pass, for as long as the pass runs (a training step's, an
+//! evaluation's). With none installed (every other mode, `sample`, `eval`) both do nothing.
 //!
 //! A thread-local rather than an argument: the gate holds the communicator (the collectives
 //! that gather), which lives with the trainer, while [`super::Model::train_pass`] and
@@ -66,17 +66,23 @@ pub fn release(unit: Unit) -> Result<()> {
 }
 
 fn with_installed(f: impl FnOnce(&mut dyn BlockGate) -> Result<()>) -> Result<()> {
+    /// Puts the gate back however its call ends (a panic caught further up included).
+    struct PutBack(NonNull<dyn BlockGate>);
+    impl Drop for PutBack {
+        fn drop(&mut self) {
+            INSTALLED.set(Some(self.0));
+        }
+    }
     // Taken out while in use, so a gate that called back in would find none rather than a
     // second mutable reference to itself.
     let Some(mut pointer) = INSTALLED.take() else {
         return Ok(());
     };
+    let _put_back = PutBack(pointer);
     // SAFETY: installed by `run_with`, whose borrow of the gate outlives this call (the
     // pointer is removed before `run_with` returns), on this thread; nothing else holds it
     // now that it is taken out.
-    let result = f(unsafe { pointer.as_mut() });
-    INSTALLED.set(Some(pointer));
-    result
+    f(unsafe { pointer.as_mut() })
 }
 
 #[cfg(test)]

@@ -79,8 +79,9 @@ impl Optimizer {
     }
 
     /// Updates this rank's pieces of the parameters from their averaged gradients (`grads`,
-    /// one per piece of the plan, 1-D). CPU f32 pieces are updated in place inside the
-    /// parameters; elsewhere the new values are written into them.
+    /// one per piece of the plan, 1-D). CPU f32 pieces are updated in place (inside the
+    /// parameters, or the pieces held apart: [`Optimizer::hold_parameters`]); elsewhere the new
+    /// values are written into them.
     pub fn step_pieces(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
         // Taken out while the state slots are updated, and put back whatever happens.
         let Some(mut shards) = self.shards.take() else {
@@ -184,18 +185,18 @@ impl Optimizer {
                 }
             }
         }
-        let mut writer = match (comm.rank(), staging) {
-            (0, Some(path)) => {
-                let writer = StreamedSafetensors::create(path, &layout);
-                Some(writer.map_err(|cause| GatherError::Io {
-                    path: path.to_path_buf(),
-                    cause,
-                })?)
-            }
-            _ => None,
-        };
         // A failed write is reported once the gather is over: every rank runs every collective.
         let mut failed = None;
+        let mut writer = match (comm.rank(), staging) {
+            (0, Some(path)) => match StreamedSafetensors::create(path, &layout) {
+                Ok(writer) => Some(writer),
+                Err(e) => {
+                    failed = Some(e);
+                    None
+                }
+            },
+            _ => None,
+        };
         for &(kind, _) in &kept {
             for (b, bucket) in shards.plan.buckets.iter().enumerate() {
                 let mut flat = vec![0f32; bucket.len];

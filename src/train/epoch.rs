@@ -53,8 +53,11 @@ impl Trainer<'_> {
             run.step += 1;
             let step = run.step;
             if let Some(path) = &self.hooks.trace_weights {
+                // A collective with sharded parameters: every rank gathers, rank 0 writes.
                 self.gather_parameters(&run.optimizer)?;
-                trace_weights(path, step, self.model.params())?;
+                if self.comm.rank() == 0 {
+                    trace_weights(path, step, self.model.params())?;
+                }
                 self.release_parameters(&run.optimizer)?;
             }
             epoch_run.consumed += samples * world;

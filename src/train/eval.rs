@@ -51,9 +51,10 @@ pub enum EvalThreads<'a> {
     /// `cpu`, each batch's sums kept apart until every rank has them all.
     Pieces { cpu: bool },
     /// Sharded parameters (`sharding = "full"`): on this thread, which gathers them as the
-    /// model asks, every rank scoring as many samples in the same batches, so every rank asks
-    /// as often (a rank with fewer samples pads its shard with its first, whose targets are
-    /// ignored: scored, never counted).
+    /// model asks, every rank scoring as many samples in batches of the same rows, cut into
+    /// parts by the widest rank's windows, so every rank asks as often (a rank with fewer
+    /// samples pads its shard with the split's first, whose targets are ignored: scored,
+    /// never counted).
     Lockstep,
 }
 
@@ -68,11 +69,18 @@ const SCORED_POSITIONS: [usize; 2] = [4_096, 16_384];
 /// Σ loss and correct predictions of `model` over `xs`, `ys` (see [`Model::score`]): token
 /// windows [n, t, ...] in parts of at most [`SCORED_POSITIONS`] positions (a window whole),
 /// anything else at once.
-fn score(model: &dyn Model, xs: &Tensor, ys: &Tensor) -> candle_core::Result<(f64, usize)> {
+/// `width`: the positions per window to size the parts by, when not `xs`'s own (in lockstep,
+/// the widest any rank's batch has, so every rank cuts its batch into as many parts).
+fn score(
+    model: &dyn Model,
+    xs: &Tensor,
+    ys: &Tensor,
+    width: Option<usize>,
+) -> candle_core::Result<(f64, usize)> {
     let dims = xs.dims();
     let most = SCORED_POSITIONS[usize::from(!xs.device().is_cpu())];
     let windows = match (xs.dtype().is_int(), dims) {
-        (true, &[n, t, ..]) if n * t > most => (most / t).max(1),
+        (true, &[n, t, ..]) if n * width.unwrap_or(t) > most => (most / width.unwrap_or(t)).max(1),
         _ => return model.score(xs, ys),
     };
     let mut sums = (0.0, 0);
@@ -119,6 +127,10 @@ pub fn evaluate(
     for (k, chunk) in shard.chunks(batch_size).enumerate() {
         let (xs, ys) = batches.eval(chunk)?;
         let ys = ignore_rows_from(&ys, real.saturating_sub(k * batch_size))?;
+        let width = match threads {
+            EvalThreads::Lockstep => Some(widest(comm, &xs)?),
+            _ => None,
+        };
         let ranges = super::shards::ranges(shards, chunk.len());
         let part = |i: usize| -> candle_core::Result<[f64; 3]> {
             let r = &ranges[i];
@@ -126,7 +138,7 @@ pub fn evaluate(
                 xs.narrow(0, r.start, r.len())?,
                 ys.narrow(0, r.start, r.len())?,
             );
-            let (loss, correct) = score(model, &xs, &ys)?;
+            let (loss, correct) = score(model, &xs, &ys, width)?;
             let scored = crate::task::scored_targets(&ys)?;
             Ok([loss, correct as f64, scored as f64])
         };
@@ -142,6 +154,15 @@ pub fn evaluate(
     }
     comm.all_reduce_sum_f64(&mut sums)?;
     Ok(result(task, sums))
+}
+
+/// The most positions per window of any rank's batch (`xs` [n, t, ...] here): a
+/// collective, every rank's width in its own slot, the others zero, so the sum is exact.
+fn widest(comm: &dyn Communicator, xs: &Tensor) -> Result<usize, TrainError> {
+    let mut widths = vec![0.0; comm.world_size()];
+    widths[comm.rank()] = xs.dims().get(1).copied().unwrap_or(0) as f64;
+    comm.all_reduce_sum_f64(&mut widths)?;
+    Ok(widths.into_iter().fold(0.0, f64::max) as usize)
 }
 
 /// `targets` with every row from `from` on ignored ([`crate::task::IGNORE_TARGET`]).
@@ -184,7 +205,7 @@ fn in_pieces(
             .collect::<Result<Vec<(Tensor, Tensor)>, _>>()?;
         let score = |i: usize| -> candle_core::Result<[f64; 3]> {
             let (xs, ys) = &loaded[i];
-            let (loss, correct) = score(model, xs, ys)?;
+            let (loss, correct) = score(model, xs, ys, None)?;
             let scored = crate::task::scored_targets(ys)?;
             Ok([loss, correct as f64, scored as f64])
         };
@@ -252,18 +273,31 @@ mod tests {
         let cpu = Device::Cpu;
         let windows = Tensor::zeros((1000, 64), DType::U32, &cpu).unwrap();
         let model = Rows::default();
-        assert_eq!(score(&model, &windows, &windows).unwrap(), (1000.0, 64_000));
+        assert_eq!(
+            score(&model, &windows, &windows, None).unwrap(),
+            (1000.0, 64_000)
+        );
         assert_eq!(model.most.load(Ordering::Relaxed), 4096 / 64);
         // A window longer than a part is scored whole, alone.
         let long = Tensor::zeros((3, 5000), DType::U32, &cpu).unwrap();
         let model = Rows::default();
-        assert_eq!(score(&model, &long, &long).unwrap(), (3.0, 15_000));
+        assert_eq!(score(&model, &long, &long, None).unwrap(), (3.0, 15_000));
         assert_eq!(model.most.load(Ordering::Relaxed), 1);
         // Images (floats) at once, whatever their size.
         let images = Tensor::zeros((1000, 784), DType::F32, &cpu).unwrap();
         let labels = Tensor::zeros(1000, DType::U32, &cpu).unwrap();
         let model = Rows::default();
-        assert_eq!(score(&model, &images, &labels).unwrap(), (1000.0, 1000));
+        assert_eq!(
+            score(&model, &images, &labels, None).unwrap(),
+            (1000.0, 1000)
+        );
         assert_eq!(model.most.load(Ordering::Relaxed), 1000);
+        // In lockstep, cut by the widest rank's windows: as many parts as that rank's.
+        let model = Rows::default();
+        assert_eq!(
+            score(&model, &windows, &windows, Some(256)).unwrap(),
+            (1000.0, 64_000)
+        );
+        assert_eq!(model.most.load(Ordering::Relaxed), 4096 / 256);
     }
 }

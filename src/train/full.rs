@@ -204,7 +204,9 @@ impl<'a> Sharded<'a> {
     /// others pass `None`) as `model.safetensors` holds them (aliases included; frozen
     /// parameters only when `frozen_too`): the trainable ones all-gathered bucket by bucket,
     /// each bucket appended as it arrives, so no rank ever holds every weight. Every rank
-    /// runs every collective; a failed write is reported once they are done.
+    /// runs every collective; a failed write is reported once they are done. Every tensor is
+    /// written as f32 (what parameters are; a buffer or frozen tensor of another dtype is
+    /// converted).
     pub(super) fn write_weights(
         &self,
         params: &Params,
@@ -242,18 +244,29 @@ impl<'a> Sharded<'a> {
             let path = path.to_path_buf();
             move |cause| GatherError::Io { path, cause }
         };
-        let mut writer = match path {
-            Some(path) => Some(StreamedSafetensors::create(path, &layout).map_err(io(path))?),
+        // A failure to write is kept until every collective has run (the others wait in them).
+        let mut failed = None;
+        let mut writer = match path.map(|p| StreamedSafetensors::create(p, &layout)) {
+            Some(Ok(writer)) => Some(writer),
+            Some(Err(e)) => {
+                failed = Some(e);
+                None
+            }
             None => None,
         };
-        let mut failed = None;
         for (b, bucket) in self.plan.buckets.iter().enumerate() {
             let mut flat = self.bucket(b)?;
             self.comm.all_gather(&mut flat)?;
             let Some(w) = writer.as_mut().filter(|_| failed.is_none()) else {
                 continue;
             };
-            let values = flat.to_vec1::<f32>()?;
+            let values = match flat.to_vec1::<f32>() {
+                Ok(values) => values,
+                Err(e) => {
+                    failed = Some(std::io::Error::other(e.to_string()));
+                    continue;
+                }
+            };
             let mut offset = 0;
             for t in bucket.tensors.clone() {
                 let n = self.vars[t].elem_count();
@@ -265,8 +278,13 @@ impl<'a> Sharded<'a> {
                 offset += n;
             }
         }
-        let (Some(mut w), Some(path)) = (writer, path) else {
+        let Some(path) = path else {
             return Ok(());
+        };
+        let Some(mut w) = writer.filter(|_| failed.is_none()) else {
+            return Err(io(path)(
+                failed.unwrap_or_else(|| std::io::Error::other("not written")),
+            ));
         };
         let held = |t: &Tensor| {
             t.flatten_all()?

@@ -50,7 +50,7 @@ pub(super) fn optimizer_step(
     let piece = |m: usize| {
         let part = batch.stride(m, local)?;
         let n = rows / local;
-        shard_forward_backward(cx.model, &part, scale, n as f64, false, None)
+        shard_forward_backward(cx.model, &part, (scale, n as f64), (false, false), None)
     };
     // The tree's leaves in bit-reversed order make siblings neighbours, so partial sums can be
     // added as soon as both halves exist: at most log2(V/W) of them are kept, beside the

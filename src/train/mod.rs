@@ -22,7 +22,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use thiserror::Error;
 
-use crate::checkpoint::{CheckpointError, MetricState, Restored, TrainPosition};
+use crate::checkpoint::{CheckpointError, MetricState, Restored, TensorFile, TrainPosition};
 use crate::comm::buckets::ShardPlan;
 use crate::comm::{CommError, Communicator, StopVote, broadcast_params};
 use crate::config::{JobSpec, OnWriteError, Plan, Sharding};
@@ -111,8 +111,9 @@ pub struct Hooks<'a> {
     /// Test-only (`DDPJOB_TRACE_SAMPLES`): a file to append `epoch step index...` lines to, one
     /// per optimizer step, so tests can check which samples each rank saw.
     pub trace_samples: Option<std::path::PathBuf>,
-    /// `DDPJOB_TRACE_WEIGHTS` (set by `ddpjob verify`), rank 0 only: a file to append each
-    /// step's weight digests to (see `metrics::WeightDigests`).
+    /// `DDPJOB_TRACE_WEIGHTS` (set by `ddpjob verify`): a file rank 0 appends each step's
+    /// weight digests to (see `metrics::WeightDigests`); set on every rank, since sharded
+    /// parameters are gathered for it.
     pub trace_weights: Option<std::path::PathBuf>,
 }
 
@@ -561,28 +562,21 @@ impl Trainer<'_> {
         if !self.spec.checkpoint.keep_best {
             return Ok(());
         }
-        let state = self.gather_optimizer(optimizer)?;
-        let whole = at.base_sha256.is_none();
-        let staged = self.stream_weights(optimizer, Leader::weights_staging_path, whole)?;
-        if let (Some(leader), Some(state)) = (&self.leader, state) {
-            let weights = Weights {
-                params: self.model.params(),
-                written: staged.as_deref(),
-            };
-            match leader.save_best(weights, state.as_checkpoint(), &at) {
-                Ok(dir) => self.reporter.line(&format!(
-                    "best {} so far ({:.4}): weights kept in {}",
-                    self.loss_name(),
-                    eval.loss,
-                    dir.display()
-                )),
-                Err(TrainError::Checkpoint(e))
-                    if self.spec.checkpoint.on_write_error == OnWriteError::Warn =>
-                {
-                    self.reporter.line(&format!("warning: {e}; training on"));
-                }
-                Err(e) => return Err(e),
+        let written = self.write_checkpoint(optimizer, &at, Leader::save_best);
+        match written {
+            Ok(Some(dir)) => self.reporter.line(&format!(
+                "best {} so far ({:.4}): weights kept in {}",
+                self.loss_name(),
+                eval.loss,
+                dir.display()
+            )),
+            Ok(None) => {}
+            Err(TrainError::Checkpoint(e))
+                if self.spec.checkpoint.on_write_error == OnWriteError::Warn =>
+            {
+                self.reporter.line(&format!("warning: {e}; training on"));
             }
+            Err(e) => return Err(e),
         }
         Ok(())
     }
@@ -659,31 +653,50 @@ impl Trainer<'_> {
         optimizer: &Optimizer,
         position: &TrainPosition,
     ) -> Result<(), TrainError> {
-        let state = self.gather_optimizer(optimizer)?;
-        let whole = position.base_sha256.is_none();
-        let staged = self.stream_weights(optimizer, Leader::weights_staging_path, whole)?;
-        if let (Some(leader), Some(state)) = (&self.leader, state) {
-            let weights = Weights {
-                params: self.model.params(),
-                written: staged.as_deref(),
-            };
-            match leader.checkpoint(weights, state.as_checkpoint(), position) {
-                Ok(dir) => self
-                    .reporter
-                    .line(&format!("checkpoint written: {}", dir.display())),
-                Err(TrainError::Checkpoint(e))
-                    if self.spec.checkpoint.on_write_error == OnWriteError::Warn =>
-                {
-                    self.reporter.line(&format!(
-                        "warning: {e}; training on (checkpoint.on_write_error = \"warn\")"
-                    ));
-                }
-                Err(e) => return Err(e),
+        match self.write_checkpoint(optimizer, position, Leader::checkpoint) {
+            Ok(Some(dir)) => self
+                .reporter
+                .line(&format!("checkpoint written: {}", dir.display())),
+            Ok(None) => {}
+            Err(TrainError::Checkpoint(e))
+                if self.spec.checkpoint.on_write_error == OnWriteError::Warn =>
+            {
+                self.reporter.line(&format!(
+                    "warning: {e}; training on (checkpoint.on_write_error = \"warn\")"
+                ));
             }
+            Err(e) => return Err(e),
         }
         // Everyone continues only once rank 0's checkpoint is complete on disk.
         self.comm.barrier()?;
         Ok(())
+    }
+}
+
+impl Trainer<'_> {
+    /// A checkpoint at `position` of the weights and `optimizer`'s state, gathered (a
+    /// collective, when sharded) and written by rank 0 with `write` (`Leader::checkpoint` or
+    /// `Leader::save_best`): its directory there, `None` elsewhere. Rank 0's failure to write
+    /// what it gathered comes back once every collective has run, as a checkpoint error like
+    /// a failure of its own files.
+    fn write_checkpoint(
+        &self,
+        optimizer: &Optimizer,
+        position: &TrainPosition,
+        write: fn(&Leader, Weights, TensorFile, &TrainPosition) -> Result<PathBuf, TrainError>,
+    ) -> Result<Option<PathBuf>, TrainError> {
+        let state = self.gather_optimizer(optimizer);
+        let whole = position.base_sha256.is_none();
+        let staged = self.stream_weights(optimizer, Leader::weights_staging_path, whole);
+        let (state, staged) = (state?, staged?);
+        let (Some(leader), Some(state)) = (&self.leader, state) else {
+            return Ok(None);
+        };
+        let weights = Weights {
+            params: self.model.params(),
+            written: staged.as_deref(),
+        };
+        write(leader, weights, state.as_checkpoint(), position).map(Some)
     }
 }
 
@@ -699,10 +712,10 @@ fn from_gather(e: GatherError) -> TrainError {
 }
 
 impl Gathered {
-    fn as_checkpoint(&self) -> crate::checkpoint::TensorFile<'_> {
+    fn as_checkpoint(&self) -> TensorFile<'_> {
         match self {
-            Gathered::Tensors(t) => crate::checkpoint::TensorFile::Tensors(t),
-            Gathered::Written(path) => crate::checkpoint::TensorFile::Written(path),
+            Gathered::Tensors(t) => TensorFile::Tensors(t),
+            Gathered::Written(path) => TensorFile::Written(path),
         }
     }
 }

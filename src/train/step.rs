@@ -106,13 +106,15 @@ pub fn optimizer_step(
         )?),
         None => None,
     };
+    let sharded = cx.sharded_parameters.is_some();
     let mut micro_steps = || -> Result<(), StepError> {
         for (k, batch) in micro_batches.iter().enumerate() {
             let ranges = super::shards::ranges(cx.shards, rows(batch));
             let shard = |i: usize, sink: Option<&mut dyn GradientSink>| {
                 let part = batch.rows(ranges[i].clone())?;
                 let (scale, loss_weight) = weights.of_part(&part, ranges[i].len())?;
-                shard_forward_backward(cx.model, &part, scale, loss_weight, timed, sink)
+                let weights = (scale, loss_weight);
+                shard_forward_backward(cx.model, &part, weights, (timed, sharded), sink)
             };
             let results = match (streamed_plan, cx.shards, ranges.len()) {
                 // The last micro-batch's buckets reduced while its backward runs.
@@ -299,9 +301,8 @@ impl PartWeights {
 pub(super) fn shard_forward_backward(
     model: &dyn Model,
     batch: &MicroBatch,
-    scale: f64,
-    loss_weight: f64,
-    timed: bool,
+    (scale, loss_weight): (f64, f64),
+    (timed, sharded): (bool, bool),
     sink: Option<&mut dyn GradientSink>,
 ) -> Result<ShardResult, StepError> {
     let started = Instant::now();
@@ -313,6 +314,13 @@ pub(super) fn shard_forward_backward(
     };
     let (loss, pass) = match model.train_pass(&batch.inputs, &batch.targets, &batch.mode)? {
         Some(pass) => (pass.loss().clone(), Some(pass)),
+        // Autograd over `Model::loss` would read every parameter, which sharded ones do not
+        // hold between their gathers.
+        None if sharded => {
+            let why = "sharding = \"full\": the model gave no training pass that gathers its \
+                       blocks (Model::train_pass returned None after Model::shard_parameters)";
+            return Err(candle_core::Error::Msg(why.into()).into());
+        }
         None => (
             model.loss(&batch.inputs, &batch.targets, &batch.mode)?,
             None,

@@ -135,8 +135,8 @@ pub fn run() -> Result<bool, WorkerError> {
             job.logs_dir()
                 .join(format!("samples-rank-{}.txt", env.rank))
         }),
+        // Every rank (sharded parameters are gathered for it); rank 0 writes.
         trace_weights: std::env::var_os(env::TRACE_WEIGHTS)
-            .filter(|_| env.rank == 0)
             .map(|_| job.logs_dir().join(crate::train::WEIGHT_DIGESTS)),
     };
 

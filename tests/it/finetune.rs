@@ -15,7 +15,7 @@ fn qwen2() -> PathBuf {
 
 /// `{"prompt": line, "completion": next line}` for the fixture's non-empty lines, with a
 /// plain-text example now and then.
-fn examples(t: &TestJob) -> PathBuf {
+pub(crate) fn examples(t: &TestJob) -> PathBuf {
     let lines: Vec<&str> = include_str!("../fixtures/hf/sample.txt")
         .lines()
         .filter(|l| !l.trim().is_empty())
@@ -33,7 +33,7 @@ fn examples(t: &TestJob) -> PathBuf {
     path
 }
 
-fn job(data: &Path, extra_data: &str, train: &str) -> String {
+pub(crate) fn job(data: &Path, extra_data: &str, train: &str) -> String {
     format!(
         r#"
 seed = 3

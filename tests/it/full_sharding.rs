@@ -2,10 +2,12 @@
 //! (layers kept and recomputed) on 2 and 3 workers, with accumulation and clipping, train the
 //! `"gradients"` job's weights and optimizer state bit for bit (checkpoints streamed bucket by
 //! bucket into the ordinary layout, evaluation gathering block by block on every rank alike);
-//! SIGTERM and resume in the same mode, in another, on another world size; a killed worker
-//! restarted; a hang named; a model without blocks refused before anything is created.
+//! SIGTERM and resume in the same mode, in another, on another world size; LoRA on a Qwen2
+//! checkpoint with instruction data (examples of every length, padded per batch) and packed
+//! rows; a killed worker restarted; a hang named.
 
 use crate::common::{TestJob, assert_same_bits, corpus, load_weights, max_abs_diff};
+use crate::finetune::{examples, job};
 use crate::sharding::{gpt, llama, same_checkpoints};
 
 fn mode(name: &str) -> String {
@@ -174,7 +176,7 @@ fn a_fully_sharded_job_resumes_exactly_in_any_mode_and_on_another_world_size() {
 }
 
 #[test]
-fn a_killed_fully_sharded_worker_is_restarted_and_a_hang_names_the_all_gather() {
+fn a_killed_fully_sharded_worker_is_restarted_verify_traces_it_and_a_hang_names_the_all_gather() {
     let t = TestJob::new();
     let text = t.path("corpus.txt");
     std::fs::write(&text, corpus()).unwrap();
@@ -203,6 +205,18 @@ fn a_killed_fully_sharded_worker_is_restarted_and_a_hang_names_the_all_gather() 
         &t.job("whole").join("model.safetensors"),
         &t.job("restarted").join("model.safetensors"),
     );
+    // `verify` traces every step's weights, gathered on every rank for rank 0 to digest.
+    let verified = t.ddpjob(&[
+        "verify",
+        cfg.to_str().unwrap(),
+        "--world-sizes",
+        "2,2",
+        "--steps",
+        "3",
+        "--set",
+        "distributed.sharding=\"full\"",
+    ]);
+    verified.success();
     // A rank that hangs leaves the others gathering the next step's parameters.
     let hung = ["--name", "hung", "--set", "distributed.timeout_s=3"];
     let run = t.run_env(
@@ -213,4 +227,52 @@ fn a_killed_fully_sharded_worker_is_restarted_and_a_hang_names_the_all_gather() 
     run.fails_with(1, "did not complete within 3 s (distributed.timeout_s)")
         .fails_with(1, "collective `all_gather` #")
         .fails_with(1, "did not arrive: rank 1 (pid");
+}
+
+/// LoRA adapters on a Qwen2 checkpoint, instruction data whose batches each rank pads to its
+/// own longest example (so the ranks' evaluation batches differ in width), unpacked and packed:
+/// the `"gradients"` job's adapters, checkpoints of what trains only, evaluation in lockstep.
+#[test]
+fn fully_sharded_lora_on_instruction_data_trains_the_gradients_jobs_adapters() {
+    let t = TestJob::new();
+    let data = examples(&t);
+    let train = "max_steps = 6\neval_every = 3";
+    for (name, extra) in [("plain", ""), ("packed", "pack = true")] {
+        let cfg = t.config(name, &job(&data, extra, train));
+        for m in ["gradients", "full"] {
+            let (sharding, job_name) = (mode(m), format!("{name}-{m}"));
+            let args = [
+                "--nproc-per-node",
+                "2",
+                "--set",
+                &sharding,
+                "--set",
+                "checkpoint.every_steps=3",
+                "--name",
+                &job_name,
+            ];
+            t.run(&cfg, &args).success();
+        }
+        let weights = |m: &str| t.job(&format!("{name}-{m}")).join("model.safetensors");
+        assert_same_bits(&weights("gradients"), &weights("full"));
+        same_checkpoints(&t, &format!("{name}-gradients"), &format!("{name}-full"));
+        // The same evaluations (each rank's padding scored, never counted).
+        let evals = |m: &str| -> Vec<f64> {
+            let path = t.job(&format!("{name}-{m}")).join("metrics.jsonl");
+            let text = std::fs::read_to_string(path).unwrap();
+            let records = text.lines().map(|l| serde_json::from_str(l).unwrap());
+            records
+                .filter_map(|r: serde_json::Value| r["test_loss"].as_f64())
+                .collect()
+        };
+        let (sharded, streamed) = (evals("full"), evals("gradients"));
+        assert!(sharded.len() >= 2, "{name}: {sharded:?}");
+        assert_eq!(sharded.len(), streamed.len());
+        for (a, b) in sharded.iter().zip(&streamed) {
+            assert!(
+                (a - b).abs() <= 1e-9 * b.abs(),
+                "{name}: {sharded:?} {streamed:?}"
+            );
+        }
+    }
 }

@@ -1472,6 +1472,16 @@ impl Map2 for MatMul {
 
         let (a_skip, b_skip) = self.ab_skip(lhs_l, rhs_l)?;
         let c_skip: usize = m * n;
+        // ddpjob patch 2: gemm reads through raw pointers, so a storage shorter than its
+        // layout says (a sharded parameter read while its values are let go of) is an error
+        // here rather than a read out of bounds.
+        if b * m * n * k > 0 {
+            let lhs_end = (b - 1) * a_skip + (m - 1) * lhs_rs + (k - 1) * lhs_cs;
+            let rhs_end = (b - 1) * b_skip + (k - 1) * rhs_rs + (n - 1) * rhs_cs;
+            if lhs_end >= lhs.len() || rhs_end >= rhs.len() {
+                Err(self.striding_error(lhs_l, rhs_l, "storage shorter than its layout"))?
+            }
+        }
 
         let dst_shape: Shape = (m, n).into();
         let dst_strides = dst_shape.stride_contiguous();

@@ -19,7 +19,9 @@
 # same GPU job without them: bit-identical weights), tcp2 (two workers sharing the GPU over the
 # tcp backend, against one worker with both batches), memory (`validate` compares a worker's
 # memory estimate with the GPU's free memory; `run` refuses a GPT of 11 B parameters, exit 2,
-# before creating its job), cnn (a Fashion-MNIST cnn epoch against
+# before creating its job), zero (`distributed.sharding = "full"` against `"gradients"`, bit
+# for bit: two workers sharing the GPU over tcp, and one through NCCL with its collectives
+# exercised: parameters gathered into device storage and let go of), cnn (a Fashion-MNIST cnn epoch against
 # torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), llama (a SmolLM2-135M-shaped
 # `llama` from a Hugging Face directory, bf16, against transformers on the same device: training
 # and `eval` tokens/s, the first steps' losses), bench (`bench step`, `bench allreduce`),
@@ -44,7 +46,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-all_steps=(driver warmup kernels smoke nccl tcp2 memory cnn gpt llama bench profile resume)
+all_steps=(driver warmup kernels smoke nccl tcp2 memory zero cnn gpt llama bench profile resume)
 wanted=("$@")
 [ $# -gt 0 ] || wanted=("${all_steps[@]}")
 for s in "${wanted[@]}"; do
@@ -263,6 +265,39 @@ if wants memory; then
     fi
   else
     record "memory estimate vs free memory" skipped "DEVICE=cpu dry run"
+  fi
+fi
+
+# ZeRO-3 on the device: the GPT recipe's model for 20 steps (batch 16, evaluations and
+# checkpoints every 10) with sharding "gradients" and "full", on two workers sharing the GPU
+# over tcp and on one worker through NCCL with its collectives exercised: "full" gathers each
+# block's parameters into their device storage and lets it go after, and must give the
+# "gradients" job's weights bit for bit in both.
+if wants zero; then
+  if [ "$device" = cuda ]; then
+    zero_job() {
+      local name=$1 mode=$2; shift 2
+      ddpjob run configs/shakespeare-char-gpu.toml --jobs-dir "$jobs" --name "$name" "${gpu[@]}" \
+        --set "data.path=\"$text\"" --set train.max_steps=20 --set train.batch_size=16 \
+        --set train.eval_every=10 --set train.eval_batches=2 --set checkpoint.every_steps=10 \
+        --set "distributed.sharding=\"$mode\"" "$@" > "$logs/$name.log" 2>&1
+    }
+    ok=1
+    for mode in gradients full; do
+      zero_job "zero-tcp-$mode" "$mode" --nproc-per-node 2 --set 'distributed.devices=[0,0]' \
+        --set distributed.backend=tcp || ok=0
+      zero_job "zero-nccl-$mode" "$mode" --nproc-per-node 1 --set distributed.backend=nccl \
+        --set distributed.collectives=always || ok=0
+    done
+    if [ "$ok" = 1 ] \
+       && tcp=$(compare_weights "$jobs/zero-tcp-gradients" "$jobs/zero-tcp-full" 0) \
+       && nccl=$(compare_weights "$jobs/zero-nccl-gradients" "$jobs/zero-nccl-full" 0); then
+      record "sharding full vs gradients" ok "2 workers over tcp: $tcp; NCCL world 1: $nccl"
+    else
+      record "sharding full vs gradients" FAIL "${tcp:-} ${nccl:-} $(tail_of "$logs/zero-tcp-full.log" 2) $(tail_of "$logs/zero-nccl-full.log" 2)"
+    fi
+  else
+    record "sharding full vs gradients" skipped "DEVICE=cpu dry run"
   fi
 fi
 

@@ -33,6 +33,10 @@ pub struct Estimate {
     /// Samples per micro-batch and positions per sample, for the description.
     pub batch: usize,
     pub positions: Option<usize>,
+    /// The activations and the gradients are never all held at once, so the larger of the
+    /// two counts: with `sharding = "full"` every pass goes block by block through autograd,
+    /// whose backward drops each block's graph as the reduce-scattered gradient pieces grow.
+    pub activations_or_gradients: bool,
 }
 
 /// How a job is laid out, as far as memory goes.
@@ -126,6 +130,7 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
         runtime: RUNTIME_BYTES + collective_buffers(spec, layout, trainable),
         batch: t.batch_size,
         positions: spec.model.language().map(|l| l.block_size),
+        activations_or_gradients: weights.is_some(),
     }
 }
 
@@ -174,8 +179,12 @@ fn collective_buffers(spec: &JobSpec, layout: Layout, trainable: u64) -> u64 {
 impl Estimate {
     /// The sum, when every part is known.
     pub fn total(&self) -> Option<u64> {
-        let known = self.weights + self.gradients + self.optimizer + self.runtime;
-        self.activations.map(|a| known + a)
+        let known = self.weights + self.optimizer + self.runtime;
+        let a = self.activations?;
+        Some(match self.activations_or_gradients {
+            true => known + a.max(self.gradients),
+            false => known + a + self.gradients,
+        })
     }
 
     /// `weights 0.34 GB, gradients 0.68 GB, optimizer 0.68 GB, activations 0.19 GB (batch 1 x
@@ -189,9 +198,14 @@ impl Estimate {
             Some(a) => format!("activations {} ({batch})", gb(a)),
             None => "activations not estimated (the model does not say)".into(),
         };
-        let total = match self.total() {
-            Some(total) => format!(" = {}", gb(total)),
-            None => String::new(),
+        let total = match (self.total(), self.activations_or_gradients) {
+            (Some(total), false) => format!(" = {}", gb(total)),
+            (Some(total), true) => format!(
+                " = {} (the activations freed block by block as the gradients form: the larger \
+                 counted)",
+                gb(total)
+            ),
+            (None, _) => String::new(),
         };
         format!(
             "weights {}, gradients {}, optimizer {}, {activations}, runtime {}{total}",

@@ -179,6 +179,7 @@ mod tests {
             runtime: 0,
             batch: 12,
             positions: Some(1024),
+            activations_or_gradients: false,
         }
     }
 

@@ -24,7 +24,12 @@ fn gpt_job(extra: &[&str]) -> (JobSpec, Box<dyn Model>) {
 
 /// The small GPT job with `batch` as its batch line (`batch_size` or `global_batch_size`).
 fn gpt_job_with(batch: &str, extra: &[&str]) -> (JobSpec, Box<dyn Model>) {
-    let text = std::env::temp_dir().join(format!("ddpjob-memory-{}.txt", std::process::id()));
+    // A file of its own: tests run side by side, and one would read another's while it is
+    // being written.
+    static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!("ddpjob-memory-{}-{n}.txt", std::process::id());
+    let text = std::env::temp_dir().join(name);
     std::fs::write(
         &text,
         "to be or not to be, that is the question. ".repeat(40),
@@ -160,4 +165,32 @@ fn invariant_training_counts_the_partial_sums_and_the_exchange() {
     let per_sample = model.activation_bytes_per_sample(false).unwrap();
     assert_eq!(at(2).activations, Some((2.0 * per_sample) as u64));
     assert_eq!(at(1).runtime, RUNTIME_BYTES + 2 * 4 * p);
+}
+
+/// `sharding = "full"`: a worker's pieces of every parameter, the largest block gathered and
+/// the rest (tables, final norm) whole; activations and gradients counted as the larger of the
+/// two, the backward freeing each block's graph as the pieces grow.
+#[test]
+fn fully_sharded_weights_are_a_share_a_block_and_the_rest() {
+    let (spec, model) = gpt_job(&["distributed.sharding=\"full\""]);
+    let p = model.params().element_count() as u64;
+    let blocks = model.shard_parameters().unwrap();
+    let params: Vec<u64> = model
+        .params()
+        .vars()
+        .map(|v| v.elem_count() as u64)
+        .collect();
+    let block: u64 = blocks[0].iter().map(|&i| params[i]).sum();
+    let in_blocks = block * blocks.len() as u64;
+    let full = estimate(&spec, model.as_ref(), Layout::of(&spec, 4, 1));
+    assert_eq!(full.weights, 4 * (p - in_blocks + block + p / 4));
+    assert_eq!(full.optimizer, 2 * p);
+    let (a, g) = (full.activations.unwrap(), full.gradients);
+    let known = full.weights + full.optimizer + full.runtime;
+    assert_eq!(full.total().unwrap(), known + a.max(g));
+    assert!(full.describe().contains("the larger counted"));
+    // On one worker nothing is shared.
+    let alone = estimate(&spec, model.as_ref(), Layout::of(&spec, 1, 1));
+    assert_eq!(alone.weights, 4 * p);
+    assert!(!alone.activations_or_gradients);
 }

@@ -409,10 +409,11 @@ impl Model for Gpt {
     /// (and its attention probabilities where kept), the dropout masks, ln_f's input and
     /// output; with checkpointing, each block's input and one block recomputed beside the
     /// backward's buffers; the head's logits where it keeps them (a large vocabulary, within
-    /// 256 MB). Autograd's (a GPU, bf16, LoRA, `sharding = "full"`) are not known.
+    /// 256 MB). The same count for the block-by-block autograd pass `sharding = "full"` runs
+    /// in f32 on the CPU (its peaks, 2026-11-26: within 5% with the full mode's estimate);
+    /// autograd's elsewhere (a GPU, bf16, LoRA) are not known.
     fn activation_bytes_per_sample(&self, checkpointing: bool) -> Option<f64> {
-        let gated = self.gated.load(std::sync::atomic::Ordering::Relaxed);
-        if !manual::applies(self) || gated {
+        if !manual::applies(self) {
             return None;
         }
         let cfg = &self.config;

@@ -259,6 +259,7 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
             let kept = prepare_data(spec, None)?;
             check_freeze(spec).map_err(RunError::Usage)?;
             check_gpu_memory(spec, &layout).map_err(RunError::Usage)?;
+            check_full_sharding(spec).map_err(RunError::Usage)?;
             create_job(&job, opts, &layout, &kept)?;
             _lock = Some(job.lock(&spec.name)?);
             Plan::Start
@@ -452,6 +453,25 @@ fn check_gpu_memory(spec: &JobSpec, layout: &Layout) -> Result<(), String> {
     let memory = crate::memory::Layout::of(spec, layout.world_size(), 1);
     crate::memory::fit::check_gpus(spec, model.as_ref(), memory, gpus)
         .map_err(|why| format!("{why} (checked before launch; see README, \"Memory per worker\")"))
+}
+
+/// `distributed.sharding = "full"` with a registered model (validation knows the built-ins):
+/// refused before anything is created when the model cannot gather its blocks one at a time.
+fn check_full_sharding(spec: &JobSpec) -> Result<(), String> {
+    let built_in = ["gpt", "llama", "mlp", "cnn"].contains(&spec.model.arch());
+    if spec.distributed.sharding != crate::config::Sharding::Full || built_in {
+        return Ok(());
+    }
+    let Some(model) = blank_model(spec, spec.train.precision)? else {
+        return Ok(());
+    };
+    model.shard_parameters().map(drop).map_err(|why| {
+        format!(
+            "distributed.sharding = \"full\": model.arch = \"{}\" cannot gather its \
+             parameters block by block: {why}; use \"gradients\"",
+            spec.model.arch()
+        )
+    })
 }
 
 /// Node 0: the job directory, the frozen config and the first `state.json`.

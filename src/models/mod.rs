@@ -107,7 +107,7 @@ pub trait Model: Send + Sync {
     /// parameters, as positions in [`Model::params`]; any other is the rest's. `Err`: why this
     /// model cannot (the default: it has no blocks to gather one at a time).
     fn shard_parameters(&self) -> std::result::Result<Vec<Vec<usize>>, String> {
-        Err("it does not go through its parameters block by block".into())
+        Err("it names no blocks (Model::shard_parameters)".into())
     }
 
     /// Whether each row of a batch is computed independently of the others, so a CPU worker

@@ -189,6 +189,23 @@ fn bad_options_and_names_are_refused_before_training() {
     assert!(err.contains("cannot read `missing.csv`"), "{err}");
 }
 
+/// `sharding = "full"` needs a model that gathers its parameters block by block
+/// (`Model::shard_parameters`); this one does not: refused before the job exists.
+#[test]
+fn fully_sharded_parameters_are_refused_for_a_model_without_blocks() {
+    let d = Dir::new();
+    let text = JOB.to_string() + "\n[distributed]\nsharding = \"full\"\n";
+    std::fs::write(d.path().join("full.toml"), text).unwrap();
+    let (code, _, err) = d.run(&["run", "full.toml", "--nproc-per-node", "2"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("model.arch = \"tiny-resnet\" cannot gather its parameters block by block")
+            && err.contains("use \"gradients\""),
+        "{err}"
+    );
+    assert!(!d.path().join("jobs/tiny-resnet").exists());
+}
+
 /// A model with BatchNorm's running statistics cannot train world-size-invariantly (they would
 /// come from whichever pieces rank 0 computed): refused naming the key and the reason.
 #[test]

@@ -180,14 +180,8 @@ impl Leader {
         optimizer: TensorFile,
         position: &TrainPosition,
     ) -> Result<PathBuf, TrainError> {
-        let tensors;
-        let model = match weights.written {
-            Some(path) => TensorFile::Written(path),
-            None => {
-                tensors = checkpointed(weights.params, position);
-                TensorFile::Tensors(&tensors)
-            }
-        };
+        let mut held = None;
+        let model = weights.file(position, &mut held);
         Ok(self.checkpointer.save_best(model, optimizer, position)?)
     }
 
@@ -224,14 +218,8 @@ impl Leader {
         optimizer: TensorFile,
         position: &TrainPosition,
     ) -> Result<PathBuf, TrainError> {
-        let tensors;
-        let model = match weights.written {
-            Some(path) => TensorFile::Written(path),
-            None => {
-                tensors = checkpointed(weights.params, position);
-                TensorFile::Tensors(&tensors)
-            }
-        };
+        let mut held = None;
+        let model = weights.file(position, &mut held);
         let dir = self.checkpointer.save(model, optimizer, position)?;
         // state.json follows the checkpoints, so it says where a resume would start.
         if let Some(mut state) = self.job.read_state() {
@@ -273,6 +261,24 @@ impl Leader {
 pub struct Weights<'a> {
     pub params: &'a Params,
     pub written: Option<&'a Path>,
+}
+
+impl<'a> Weights<'a> {
+    /// What a checkpoint at `position` writes of these weights: the file they were streamed
+    /// into, else their tensors (kept alive in `held`).
+    fn file<'h>(
+        &self,
+        position: &TrainPosition,
+        held: &'h mut Option<std::collections::HashMap<String, candle_core::Tensor>>,
+    ) -> TensorFile<'h>
+    where
+        'a: 'h,
+    {
+        match self.written {
+            Some(path) => TensorFile::Written(path),
+            None => TensorFile::Tensors(held.insert(checkpointed(self.params, position))),
+        }
+    }
 }
 
 /// What a checkpoint at `position` holds of `params`: what trains when the position records a

@@ -8,7 +8,7 @@
 
 use crate::common::{TestJob, assert_same_bits, corpus, load_weights, max_abs_diff};
 use crate::finetune::{examples, job};
-use crate::sharding::{gpt, llama, same_checkpoints};
+use crate::sharding::{gpt, llama, regex_free_replace, resumed_on_two_alike, same_checkpoints};
 
 fn mode(name: &str) -> String {
     format!("distributed.sharding=\"{name}\"")
@@ -148,14 +148,8 @@ fn a_fully_sharded_job_resumes_exactly_in_any_mode_and_on_another_world_size() {
         cut(name, first);
         let frozen = t.job(name).join("job.toml");
         let text = std::fs::read_to_string(&frozen).unwrap();
-        let edited: Vec<String> = text
-            .lines()
-            .map(|l| match l.starts_with("sharding = ") {
-                true => format!("sharding = \"{then}\""),
-                false => l.to_string(),
-            })
-            .collect();
-        std::fs::write(&frozen, edited.join("\n")).unwrap();
+        let edited = regex_free_replace(&text, "sharding = ", &format!("\"{then}\""));
+        std::fs::write(&frozen, edited).unwrap();
         t.ddpjob(&["resume", name, "--jobs-dir", &jobs]).success();
         assert_same_bits(
             &t.job("whole").join("model.safetensors"),
@@ -163,16 +157,7 @@ fn a_fully_sharded_job_resumes_exactly_in_any_mode_and_on_another_world_size() {
         );
     }
     // On 2 workers after 3: the unsharded job's bits.
-    cut("shrunk", &full);
-    cut("shrunk-plain", &plain);
-    for name in ["shrunk", "shrunk-plain"] {
-        t.ddpjob(&["resume", name, "--jobs-dir", &jobs, "--nproc-per-node", "2"])
-            .success();
-    }
-    assert_same_bits(
-        &t.job("shrunk-plain").join("model.safetensors"),
-        &t.job("shrunk").join("model.safetensors"),
-    );
+    resumed_on_two_alike(&t, cut, &full, &plain);
 }
 
 #[test]

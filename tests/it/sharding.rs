@@ -330,8 +330,20 @@ fn a_sharded_job_resumes_exactly_in_either_mode_and_on_another_world_size() {
         );
     }
     // On 2 workers after 3: the same bits whether the state was sharded or not.
-    cut("shrunk", &sharded("3"));
-    cut("shrunk-plain", &["--nproc-per-node", "3"]);
+    resumed_on_two_alike(&t, cut, &sharded("3"), &["--nproc-per-node", "3"]);
+}
+
+/// Jobs `cut` (preempted) on 3 workers with `sharded` and with `plain` arguments, both
+/// resumed on 2: the same bits.
+pub(crate) fn resumed_on_two_alike(
+    t: &TestJob,
+    cut: impl Fn(&str, &[&str]),
+    sharded: &[&str],
+    plain: &[&str],
+) {
+    let jobs = t.jobs_dir().display().to_string();
+    cut("shrunk", sharded);
+    cut("shrunk-plain", plain);
     for name in ["shrunk", "shrunk-plain"] {
         t.ddpjob(&["resume", name, "--jobs-dir", &jobs, "--nproc-per-node", "2"])
             .success();
@@ -343,7 +355,7 @@ fn a_sharded_job_resumes_exactly_in_either_mode_and_on_another_world_size() {
 }
 
 /// `key = <anything>` replaced by `key = value` on its line.
-fn regex_free_replace(text: &str, key: &str, value: &str) -> String {
+pub(crate) fn regex_free_replace(text: &str, key: &str, value: &str) -> String {
     text.lines()
         .map(|l| match l.starts_with(key) {
             true => format!("{key}{value}"),

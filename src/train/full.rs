@@ -6,7 +6,9 @@
 //! (`models::gate`); the rest (embeddings, final norm, head) is gathered for the whole pass.
 //! Gradients are reduce-scattered bucket by bucket as the backward forms them (as with
 //! `"gradients"`), and the update touches only this rank's pieces: nothing is all-gathered
-//! after it. Evaluation and checkpoints gather every parameter for their time.
+//! after it. Evaluation goes block by block alike (every rank asking as often, see
+//! `eval`); checkpoints and the final weights are gathered bucket by bucket and streamed to
+//! disk by rank 0 ([`Sharded::write_weights`]), so no rank holds every weight at once.
 //!
 //! Gathering uses the buckets of the gradients' reduce-scatter (a rank owns the same segment
 //! of each): a block's parameters come with the whole buckets that hold them, and a bucket
@@ -52,7 +54,11 @@ impl Units {
             for i in block {
                 match claimed.get_mut(i) {
                     Some(c) if !*c => *c = true,
-                    _ => return Err(format!("parameter {i} is in no block or in two")),
+                    Some(_) => return Err(format!("parameter {i} is in two blocks")),
+                    None => {
+                        let n = params.len();
+                        return Err(format!("block parameter {i} is not one of its {n}"));
+                    }
                 }
                 unit.extend(trainable[i]);
             }
@@ -126,7 +132,7 @@ impl<'a> Sharded<'a> {
         })
     }
 
-    /// Gives every trainable parameter its values (evaluation, checkpoints, the end).
+    /// Gives every trainable parameter its values (`verify`'s weight trace).
     pub(super) fn gather_all(&mut self) -> Result<(), StepError> {
         let all: Vec<usize> = (0..self.vars.len()).collect();
         self.gather(&all)
@@ -286,14 +292,14 @@ impl<'a> Sharded<'a> {
                 failed.unwrap_or_else(|| std::io::Error::other("not written")),
             ));
         };
-        let held = |t: &Tensor| {
+        let values_of = |t: &Tensor| {
             t.flatten_all()?
                 .to_dtype(candle_core::DType::F32)?
                 .to_vec1()
         };
         let whole = frozen.iter().flat_map(|&i| vec![vars[i]; named[i].len()]);
         for var in whole.chain(params.buffers().map(|(_, b)| b)) {
-            let values: Vec<f32> = held(var)?;
+            let values: Vec<f32> = values_of(var)?;
             if failed.is_none() {
                 failed = w.append(&values).err();
             }
@@ -391,7 +397,8 @@ mod tests {
         assert_eq!(units.rest, [0]);
         assert_eq!(units.largest_block(&model.params), 3);
         let twice = Units::of(&blocky(vec![vec![1], vec![1]])).unwrap_err();
-        assert!(twice.contains("parameter 1"), "{twice}");
-        assert!(Units::of(&blocky(vec![vec![7]])).is_err());
+        assert!(twice.contains("parameter 1 is in two blocks"), "{twice}");
+        let outside = Units::of(&blocky(vec![vec![7]])).unwrap_err();
+        assert!(outside.contains("not one of its 4"), "{outside}");
     }
 }

@@ -259,6 +259,12 @@ impl Params {
         self.entries.iter().map(|(_, v)| v)
     }
 
+    /// The position of `var` among the trainable parameters, if it is one of them.
+    pub(crate) fn position(&self, var: &Var) -> Option<usize> {
+        let id = var.as_tensor().id();
+        self.vars().position(|v| v.as_tensor().id() == id)
+    }
+
     /// Whether weight decay applies to the parameter at `index`.
     pub fn decays(&self, index: usize) -> bool {
         !self.no_decay.get(index).copied().unwrap_or(false)

@@ -349,30 +349,45 @@ impl Trainer<'_> {
         }
         broadcast_params(self.comm, self.model.params())?;
         self.base_sha256 = crate::checkpoint::base::fingerprint(self.model.params())?;
-        if let Some(units) = &self.sharded_parameters {
-            // From here on this rank keeps its pieces only.
+        // With sharded parameters, from here on this rank keeps its pieces only.
+        if self.sharded_parameters.is_some() {
             optimizer.hold_parameters(self.model.params())?;
-            let params = self.model.params();
-            full::Sharded::new(self.comm, &optimizer, params, units, true)?.release_all()?;
+        }
+        if let Some(mut sharded) = self.sharded(&optimizer, true)? {
+            sharded.release_all()?;
         }
         Ok(optimizer)
+    }
+
+    /// With sharded parameters, what gathers and releases them, every one present or
+    /// released as `present` says; `None` without.
+    fn sharded<'s>(
+        &'s self,
+        optimizer: &'s Optimizer,
+        present: bool,
+    ) -> Result<Option<full::Sharded<'s>>, TrainError> {
+        let Some(units) = &self.sharded_parameters else {
+            return Ok(None);
+        };
+        let params = self.model.params();
+        Ok(Some(full::Sharded::new(
+            self.comm, optimizer, params, units, present,
+        )?))
     }
 
     /// With sharded parameters, gives every one its values (`trace_weights`, a test's hook);
     /// [`Trainer::release_parameters`] lets them go again. A collective; without sharded
     /// parameters nothing happens.
     fn gather_parameters(&self, optimizer: &Optimizer) -> Result<(), TrainError> {
-        if let Some(units) = &self.sharded_parameters {
-            let params = self.model.params();
-            full::Sharded::new(self.comm, optimizer, params, units, false)?.gather_all()?;
+        if let Some(mut sharded) = self.sharded(optimizer, false)? {
+            sharded.gather_all()?;
         }
         Ok(())
     }
 
     fn release_parameters(&self, optimizer: &Optimizer) -> Result<(), TrainError> {
-        if let Some(units) = &self.sharded_parameters {
-            let params = self.model.params();
-            full::Sharded::new(self.comm, optimizer, params, units, true)?.release_all()?;
+        if let Some(mut sharded) = self.sharded(optimizer, true)? {
+            sharded.release_all()?;
         }
         Ok(())
     }
@@ -386,14 +401,12 @@ impl Trainer<'_> {
         staging: fn(&Leader) -> PathBuf,
         frozen_too: bool,
     ) -> Result<Option<PathBuf>, TrainError> {
-        let Some(units) = &self.sharded_parameters else {
+        let Some(sharded) = self.sharded(optimizer, false)? else {
             return Ok(None);
         };
-        let params = self.model.params();
         let path = self.leader.as_ref().map(staging);
-        let sharded = full::Sharded::new(self.comm, optimizer, params, units, false)?;
         sharded
-            .write_weights(params, frozen_too, path.as_deref())
+            .write_weights(self.model.params(), frozen_too, path.as_deref())
             .map_err(from_gather)?;
         Ok(path)
     }
@@ -502,12 +515,10 @@ impl Trainer<'_> {
         batches: &dyn BatchSource,
         optimizer: &Optimizer,
     ) -> Result<EvalResult, TrainError> {
-        let Some(units) = &self.sharded_parameters else {
+        let Some(mut gate) = self.sharded(optimizer, false)? else {
             return self.evaluate_now(batches);
         };
         // Block by block, as a training pass gathers them: the model's scoring asks too.
-        let params = self.model.params();
-        let mut gate = full::Sharded::new(self.comm, optimizer, params, units, false)?;
         let eval = crate::models::gate::run_with(&mut gate, || self.evaluate_now(batches));
         if let Some(error) = gate.error.take() {
             return Err(error.into());

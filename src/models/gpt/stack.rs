@@ -42,10 +42,7 @@ impl Stack for Gpt {
     fn embedding_params(&self) -> Vec<usize> {
         [&self.wte, &self.wpe]
             .into_iter()
-            .filter_map(|table| {
-                let id = table.as_tensor().id();
-                self.params.vars().position(|v| v.as_tensor().id() == id)
-            })
+            .filter_map(|table| self.params.position(table))
             .collect()
     }
 

@@ -41,9 +41,7 @@ impl Stack for Llama {
     }
 
     fn embedding_params(&self) -> Vec<usize> {
-        let id = self.embed.as_tensor().id();
-        let position = self.params.vars().position(|v| v.as_tensor().id() == id);
-        position.into_iter().collect()
+        self.params.position(&self.embed).into_iter().collect()
     }
 
     /// The lookup's gradient, as candle's backward of `index_select` forms it: added row by row

@@ -6,7 +6,9 @@
 # `peak_rss_bytes`) beside the estimate (`estimated_peak_bytes`), each mode's saving per worker
 # over the one before it beside the expected share ((1 - 1/W) x 8 bytes x parameters for the
 # optimizer's moments, (1 - 1/W) x 4 bytes x parameters for the gradients, and again for the
-# weights, less the block gathered at a time), and the step time of each.
+# weights, less the blocks gathered at a time), and the step time of each. "full-overlap" is
+# "full" with `distributed.overlap_comm = true`: the collectives on a thread of their own, the
+# next block gathered ahead, beside "full"'s, each run when the pass asks.
 #
 #   bench/zero-memory.sh [W ...]        (default: 2 4)   LAYERS=2 for a quick check
 #   MODEL=llama bench/zero-memory.sh    a llama of the same size (12 x 768, SwiGLU 2048, 85 M),
@@ -62,13 +64,15 @@ log_every = 1
 every_epochs = 0
 every_steps = ${CHECKPOINT_EVERY:-0}
 EOF
-printf '%-3s %-10s %12s %14s %14s %12s %10s\n' W sharding "params" "peak RSS MB" "(per rank)" \
+printf '%-3s %-11s %12s %14s %14s %12s %10s\n' W sharding "params" "peak RSS MB" "(per rank)" \
   "estimate MB" "s/step"
 for w in "${worlds[@]}"; do
-  for mode in none optimizer gradients full; do
+  for mode in none optimizer gradients full full-overlap; do
     name=w$w-$mode
+    overlap=false; [ "$mode" = full-overlap ] && overlap=true
     "$bin" run "$out/gpt.toml" --jobs-dir "$out/jobs" --name "$name" --nproc-per-node "$w" \
-      --set "distributed.sharding=\"$mode\"" > "$out/$name.log" 2>&1 \
+      --set "distributed.sharding=\"${mode%-overlap}\"" \
+      --set "distributed.overlap_comm=$overlap" > "$out/$name.log" 2>&1 \
       || { cat "$out/$name.log" >&2; exit 1; }
     python3 - "$out/jobs/$name/summary.json" "$w" "$mode" <<'PY'
 import json, sys
@@ -80,7 +84,7 @@ if "estimated_peak_bytes" in s:
     estimate = f"{estimate:>7.0f} ({(estimate / max(peaks) - 1) * 100:+.0f}%)"
 else:
     estimate = "not known"
-print(f"{sys.argv[2]:<3} {sys.argv[3]:<10} {s['parameters']:>12} {max(peaks):>14.0f} "
+print(f"{sys.argv[2]:<3} {sys.argv[3]:<11} {s['parameters']:>12} {max(peaks):>14.0f} "
       f"{' '.join(f'{p:.0f}' for p in peaks):>14} {estimate:>14} {per_step:>10.2f}")
 PY
   done

@@ -278,6 +278,7 @@ mod tests {
             backend: crate::config::Backend::Auto,
             always_collectives: false,
             sharding: crate::config::Sharding::None,
+            overlap_comm: false,
             world_size_invariant: false,
             virtual_shards: 8,
         }

@@ -78,7 +78,9 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
     // Parameters sharded: this worker's pieces, the rest (gathered for a whole pass) and one
     // block at a time.
     let weights = match layout.sharding {
-        Sharding::Full if layout.world > 1 => gathered_weights(model, share),
+        Sharding::Full if layout.world > 1 => {
+            gathered_weights(model, share, overlapped(spec, layout))
+        }
         _ => None,
     };
     // Gradients reduce-scattered as the backward forms them: a shard holds the model's
@@ -134,11 +136,22 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
     }
 }
 
+/// Whether `sharding = "full"`'s collectives overlap the passes (`distributed.overlap_comm`,
+/// CPU workers only).
+fn overlapped(spec: &JobSpec, layout: Layout) -> bool {
+    layout.sharding == Sharding::Full && spec.distributed.overlap_comm && !on_gpus(spec)
+}
+
+/// Blocks gathered at once when the collectives overlap the passes: the one in use, the one
+/// gathered ahead, and the one before, let go once the collectives' thread gets to it.
+const BLOCKS_OVERLAPPED: u64 = 3;
+
 /// A worker's parameter bytes with `sharding = "full"` over `world` workers: every frozen
 /// parameter and every trainable one outside the blocks (gathered for a whole pass), the
-/// largest block's (gathered), and its pieces, 1/W of every trainable value. `None`: the
-/// model has no blocks to gather one at a time.
-fn gathered_weights(model: &dyn Model, world: u64) -> Option<u64> {
+/// largest block's (gathered; [`BLOCKS_OVERLAPPED`] of them when `overlapped`), and its
+/// pieces, 1/W of every trainable value. `None`: the model has no blocks to gather one at a
+/// time.
+fn gathered_weights(model: &dyn Model, world: u64, overlapped: bool) -> Option<u64> {
     let blocks = model.shard_parameters().ok()?;
     let params = model.params();
     let mut trainable = vec![0u64; params.len()];
@@ -150,28 +163,37 @@ fn gathered_weights(model: &dyn Model, world: u64) -> Option<u64> {
     let largest = blocks.iter().map(block).max().unwrap_or(0);
     let all = params.element_count() as u64;
     let trained: u64 = trainable.iter().sum();
-    Some(4 * (all - in_blocks + largest + trained / world))
+    let gathered = largest * if overlapped { BLOCKS_OVERLAPPED } else { 1 };
+    Some(4 * (all - in_blocks + gathered + trained / world))
 }
 
-/// Two buckets' worth of buffers (a bucket and its copy on the wire), when there are
-/// collectives to run; world-size-invariant training's tree sum of the ranks' gradient sums.
-fn collective_buffers(spec: &JobSpec, layout: Layout, trainable: u64) -> u64 {
-    let d = &spec.distributed;
-    let collectives = layout.world > 1 || d.always_collectives;
-    // NCCL's tree sum all-gathers every rank's sum; tcp's partners sum in place. A CUDA build
-    // with `device = "auto"` may find GPUs: counted as NCCL.
-    let gpus = match d.device {
+/// Whether `spec`'s workers run on GPUs: a CUDA build with `device = "auto"` may find some,
+/// counted as if it does.
+fn on_gpus(spec: &JobSpec) -> bool {
+    match spec.distributed.device {
         DeviceChoice::Cuda => true,
         DeviceChoice::Auto => cfg!(feature = "cuda"),
         DeviceChoice::Cpu => false,
-    };
-    let all_gather = d.backend == Backend::Nccl || (d.backend == Backend::Auto && gpus);
+    }
+}
+
+/// Two buckets' worth of buffers (a bucket and its copy on the wire), when there are
+/// collectives to run, and two more of gradients waiting to be reduced when the collectives
+/// overlap the passes; world-size-invariant training's tree sum of the ranks' gradient sums.
+fn collective_buffers(spec: &JobSpec, layout: Layout, trainable: u64) -> u64 {
+    let d = &spec.distributed;
+    let collectives = layout.world > 1 || d.always_collectives;
+    // NCCL's tree sum all-gathers every rank's sum; tcp's partners sum in place.
+    let all_gather = d.backend == Backend::Nccl || (d.backend == Backend::Auto && on_gpus(spec));
     match (collectives, d.world_size_invariant) {
         // The ranks' gradient sums side by side, then each apart.
         (true, true) if all_gather => 2 * layout.world as u64 * 4 * trainable,
         // The rank's sum flattened, then taken apart.
         (true, true) => 2 * 4 * trainable,
-        (true, false) => 2 * (spec.distributed.bucket_bytes as u64).min(4 * trainable),
+        (true, false) => {
+            let buckets = if overlapped(spec, layout) { 4 } else { 2 };
+            buckets * (spec.distributed.bucket_bytes as u64).min(4 * trainable)
+        }
         (false, _) => 0,
     }
 }

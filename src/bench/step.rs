@@ -123,6 +123,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         scrambled_pieces: false,
         stream_gradients: false,
         sharded_parameters: None,
+        overlap_comm: false,
     };
     let run = |optimizer: &mut Optimizer, phases: Option<&mut Phases>| {
         optimizer_step(&cx, optimizer, &batches, t.lr, false, phases)

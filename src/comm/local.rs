@@ -49,6 +49,10 @@ impl Communicator for LocalCommunicator {
     fn barrier(&self) -> Result<(), CommError> {
         Ok(())
     }
+
+    fn shared(&self) -> Option<&(dyn Communicator + Sync)> {
+        Some(self)
+    }
 }
 
 /// A communicator whose collectives run even at world size 1 (`distributed.collectives =

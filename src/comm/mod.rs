@@ -114,6 +114,12 @@ pub trait Communicator {
     fn skips_collectives(&self) -> bool {
         self.world_size() == 1
     }
+    /// This communicator, for another thread to run collectives on while the one that holds it
+    /// computes (`distributed.overlap_comm`); `None` where it cannot be shared (those
+    /// collectives then run inline).
+    fn shared(&self) -> Option<&(dyn Communicator + Sync)> {
+        None
+    }
 }
 
 /// [`Communicator::tree_sum`] for any backend: every rank's values side by side in one buffer,

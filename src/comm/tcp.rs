@@ -6,7 +6,7 @@
 use std::cell::RefCell;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
@@ -75,7 +75,9 @@ pub struct TcpCommunicator {
     rank: usize,
     world: usize,
     timeout: Duration,
-    state: RefCell<State>,
+    /// Behind a lock so that the communicator may be lent to another thread
+    /// ([`Communicator::shared`]); one collective at a time holds it.
+    state: Mutex<State>,
     beacon: Arc<Beacon>,
     /// Workers per node (0: not known), so that messages say which node a peer is on.
     per_node: usize,
@@ -167,7 +169,7 @@ impl TcpCommunicator {
             rank,
             world,
             timeout,
-            state: RefCell::new(State {
+            state: Mutex::new(State {
                 links,
                 tree: None,
                 seq: 0,
@@ -200,7 +202,7 @@ impl TcpCommunicator {
                 rank: self.rank,
                 problem,
             })?;
-            self.state.borrow_mut().tree = Some(tree);
+            self.state().tree = Some(tree);
         }
         Ok(self)
     }
@@ -215,6 +217,10 @@ impl TcpCommunicator {
     pub fn with_ranks_per_node(mut self, per_node: usize) -> Self {
         self.per_node = per_node;
         self
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// "rank 3", or "rank 3 (node 1)" when the rank is on another node than this one.
@@ -250,7 +256,7 @@ impl TcpCommunicator {
         if self.world == 1 {
             return Ok(());
         }
-        let mut state = self.state.borrow_mut();
+        let mut state = self.state();
         let seq = state.seq;
         state.seq += 1;
         self.beacon.enter(seq, op.name());
@@ -325,7 +331,7 @@ impl TcpCommunicator {
     /// Payload bytes this rank has sent to the next (collective headers not counted).
     #[cfg(test)]
     pub fn bytes_sent(&self) -> u64 {
-        let state = self.state.borrow();
+        let state = self.state();
         state.links.bytes_sent() - state.seq * HEADER_BYTES as u64
     }
 
@@ -553,7 +559,7 @@ impl Communicator for TcpCommunicator {
     /// Over the partners' links when joined ([`TcpCommunicator::with_tree`]), else by
     /// all-gather.
     fn tree_sum(&self, flat: &mut Tensor) -> Result<(), CommError> {
-        if self.world > 1 && self.state.borrow().tree.is_none() {
+        if self.world > 1 && self.state().tree.is_none() {
             return super::tree_sum_by_all_gather(self, flat);
         }
         self.on_values(flat, |buf| self.tree_collective(buf))
@@ -581,6 +587,10 @@ impl Communicator for TcpCommunicator {
     fn barrier(&self) -> Result<(), CommError> {
         let mut token = vec![0f64; self.world];
         self.collective(Op::Barrier, token.len(), |l| l.all_reduce_sum(&mut token))
+    }
+
+    fn shared(&self) -> Option<&(dyn Communicator + Sync)> {
+        Some(self)
     }
 }
 

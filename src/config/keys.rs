@@ -236,6 +236,12 @@ section! {
         /// forward and again for its backward, freed after (`gpt`, `llama`, or a model of
         /// your own with blocks; see "Sharded optimizer state")
         sharding: String = "none".into() => sharding: Sharding = sharding_choice;
+        /// with `sharding = "full"` on CPU workers (as DeepSpeed's): the collectives run on a
+        /// thread of their own while the passes compute, the next block gathered ahead and
+        /// each bucket of gradients reduce-scattered as the backward goes on. Pays where they
+        /// wait on a network; on one node whose cores the passes already fill it costs time
+        /// and memory (see "Sharded optimizer state")
+        overlap_comm: bool = false => overlap_comm: bool = any();
         /// `"run"`: bit-exact on the same world size; `"world-size-invariant"`: the same
         /// weights, bit for bit, on any number of workers that divides `virtual_shards` (needs
         /// `train.global_batch_size`; see "World-size-invariant training")

@@ -167,8 +167,9 @@ fn invariant_training_counts_the_partial_sums_and_the_exchange() {
     assert_eq!(at(1).runtime, RUNTIME_BYTES + 2 * 4 * p);
 }
 
-/// `sharding = "full"`: a worker's pieces of every parameter, the largest block gathered and
-/// the rest (tables, final norm) whole; activations and gradients counted as the larger of the
+/// `sharding = "full"`: a worker's pieces of every parameter, the largest block gathered (three
+/// when the collectives overlap the passes, on CPU workers) and the rest (tables, final norm) whole;
+/// activations and gradients counted as the larger of the
 /// two, the backward freeing each block's graph as the pieces grow.
 #[test]
 fn fully_sharded_weights_are_a_share_a_block_and_the_rest() {
@@ -184,6 +185,14 @@ fn fully_sharded_weights_are_a_share_a_block_and_the_rest() {
     let in_blocks = block * blocks.len() as u64;
     let full = estimate(&spec, model.as_ref(), Layout::of(&spec, 4, 1));
     assert_eq!(full.weights, 4 * (p - in_blocks + block + p / 4));
+    // Overlapping the passes (CPU workers only): the block ahead and the one let go late too,
+    // and two buckets of gradients waiting.
+    let overlap = "distributed.overlap_comm=true";
+    let (overlapped, _) = gpt_job(&["distributed.sharding=\"full\"", overlap]);
+    let three = estimate(&overlapped, model.as_ref(), Layout::of(&overlapped, 4, 1));
+    assert_eq!(three.weights, 4 * (p - in_blocks + 3 * block + p / 4));
+    let bucket = (overlapped.distributed.bucket_bytes as u64).min(4 * p);
+    assert_eq!(three.runtime, full.runtime + 2 * bucket);
     assert_eq!(full.optimizer, 2 * p);
     let (a, g) = (full.activations.unwrap(), full.gradients);
     let known = full.weights + full.optimizer + full.runtime;

@@ -310,7 +310,14 @@ impl<'a> Sharded<'a> {
         }
     }
 
-    fn answer(&mut self, unit: Unit, release: bool) -> candle_core::Result<()> {
+    /// The model's number of blocks.
+    pub(super) fn blocks(&self) -> usize {
+        self.units.blocks.len()
+    }
+
+    /// Gathers (or releases) `unit`'s parameters; a collective's failure is kept whole in
+    /// `error`, the pass given its message.
+    pub(super) fn answer(&mut self, unit: Unit, release: bool) -> candle_core::Result<()> {
         let units = self.units;
         let Some(tensors) = units.of_unit(unit) else {
             candle_core::bail!(

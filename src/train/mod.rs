@@ -8,6 +8,7 @@ mod full;
 mod invariant;
 mod leader;
 mod metrics;
+mod overlap;
 mod resume;
 mod sharded;
 pub mod shards;
@@ -502,6 +503,7 @@ impl Trainer<'_> {
                 Sharding::Gradients | Sharding::Full
             ),
             sharded_parameters: self.sharded_parameters.as_ref(),
+            overlap_comm: self.spec.distributed.overlap_comm,
         };
         let r = step::optimizer_step(&cx, optimizer, &batches, lr, stop_vote, None)?;
         Ok((r.loss_sum, r.samples, r.stop))

@@ -14,7 +14,7 @@ use candle_core::Tensor;
 
 use super::step::{StepContext, StepError};
 use crate::comm::buckets::ShardPlan;
-use crate::comm::{StopVote, flat_bucket};
+use crate::comm::{Communicator, StopVote, flat_bucket};
 use crate::optim::Optimizer;
 
 /// This rank's averaged gradient pieces (one per piece of the plan, 1-D) and, when it owns
@@ -35,7 +35,7 @@ pub(super) fn reduce_scatter_gradients(
             .clone()
             .map(|t| grads[t].take().expect("each gradient in one bucket"))
             .collect();
-        let reduced = reduce_bucket(cx, plan, b, parts, stop)?;
+        let reduced = reduce_bucket(cx.comm, plan, b, parts, stop)?;
         pieces.extend(reduced.pieces.into_iter().map(|(_, piece)| piece));
         vote = vote.or(reduced.vote);
     }
@@ -53,7 +53,7 @@ pub(super) struct ReducedBucket {
 /// vote riding on the last bucket: this rank's pieces of it (by their position in the plan)
 /// and, when this rank owns it, the ranks' mean vote. The parts are freed here.
 pub(super) fn reduce_bucket(
-    cx: &StepContext,
+    comm: &dyn Communicator,
     plan: &ShardPlan,
     b: usize,
     parts: Vec<Tensor>,
@@ -63,7 +63,7 @@ pub(super) fn reduce_bucket(
     let mine = (b == last).then_some(u8::from(stop) as f32);
     let mut flat = flat_bucket(&parts, mine)?;
     drop(parts);
-    cx.comm.reduce_scatter_mean(&mut flat)?;
+    comm.reduce_scatter_mean(&mut flat)?;
     let mut pieces = Vec::new();
     for (k, p) in plan
         .pieces

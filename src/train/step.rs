@@ -11,6 +11,8 @@ use crate::models::{GradientSink, Mode, Model};
 use crate::optim::{Optimizer, clip_grad_norm};
 
 use super::shards::ShardPool;
+use super::streamed::{BucketVia, Here, Reduced};
+use crate::comm::buckets::ShardPlan;
 
 /// One micro-batch: inputs, integer targets, and how the forward pass runs (the row seeds of
 /// its dropout).
@@ -45,6 +47,9 @@ pub struct StepContext<'a> {
     /// `distributed.sharding = "full"`: the model's units, whose parameters are gathered
     /// only while a pass reads them (see `full`); the optimizer holds this rank's pieces.
     pub sharded_parameters: Option<&'a super::full::Units>,
+    /// `distributed.overlap_comm`: with sharded parameters on the CPU, the collectives run on
+    /// a thread of their own, the next block gathered ahead (see `overlap`).
+    pub overlap_comm: bool,
 }
 
 /// What one step produced: Σ loss·n over its samples (a scalar, read only at log intervals),
@@ -94,76 +99,51 @@ pub fn optimizer_step(
     let rows = |b: &MicroBatch| b.targets.dims().first().copied().unwrap_or(1);
     let n_step: usize = micro_batches.iter().map(rows).sum();
     let weights = PartWeights::of(cx, micro_batches, n_step)?;
-    let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
-    let mut loss_sum: Option<Tensor> = None;
     let mut clock = PhaseClock::new(cx.device, phases.is_some());
-    let timed = phases.is_some();
-    let streamed_plan = optimizer.plan().filter(|_| cx.stream_gradients);
-    let mut streamed = None;
-    let mut gate = match cx.sharded_parameters {
-        Some(units) => Some(super::full::Sharded::new(
-            cx.comm, optimizer, params, units, false,
-        )?),
-        None => None,
+    let passes = Passes {
+        model: cx.model,
+        shards: cx.shards,
+        weights: &weights,
+        timed: phases.is_some(),
+        sharded: cx.sharded_parameters.is_some(),
+        streamed: optimizer.plan().filter(|_| cx.stream_gradients),
+        stop_vote,
     };
-    let sharded = cx.sharded_parameters.is_some();
-    let mut micro_steps = || -> Result<(), StepError> {
-        for (k, batch) in micro_batches.iter().enumerate() {
-            let ranges = super::shards::ranges(cx.shards, rows(batch));
-            let shard = |i: usize, sink: Option<&mut dyn GradientSink>| {
-                let part = batch.rows(ranges[i].clone())?;
-                let (scale, loss_weight) = weights.of_part(&part, ranges[i].len())?;
-                let weights = (scale, loss_weight);
-                shard_forward_backward(cx.model, &part, weights, (timed, sharded), sink)
-            };
-            let results = match (streamed_plan, cx.shards, ranges.len()) {
-                // The last micro-batch's buckets reduced while its backward runs.
-                (Some(plan), pool, parts) if k + 1 == micro_batches.len() => {
-                    let earlier = std::mem::take(&mut grads);
-                    let (results, reduced) = super::streamed::last_micro_batch(
-                        cx,
-                        plan,
-                        earlier,
-                        stop_vote,
-                        pool,
-                        parts,
-                        |i, sink| shard(i, Some(sink)),
-                    )?;
-                    streamed = Some(reduced);
-                    results.into_iter().map(Ok).collect()
-                }
-                (_, Some(pool), parts) if parts > 1 => pool.run(parts, |i| shard(i, None)),
-                _ => vec![shard(0, None)],
-            };
-            let mut forward = Duration::ZERO;
-            for result in results {
-                let result = result?;
-                forward = forward.max(result.forward);
-                accumulate(&mut grads, result.grads)?;
-                loss_sum = Some(match loss_sum.take() {
-                    Some(s) => (s + result.loss_sum)?,
-                    None => result.loss_sum,
-                });
-            }
-            // Shards interleave their phases: the forward share is the slowest shard's forward.
-            clock.split(&mut phases, forward)?;
-        }
-        Ok(())
+    // The collectives on a thread of their own while the passes run (see `overlap`).
+    let overlapped = match (cx.sharded_parameters, cx.comm.shared()) {
+        (Some(units), Some(comm)) if cx.overlap_comm && cx.device.is_cpu() => Some((units, comm)),
+        _ => None,
     };
-    let ran = match &mut gate {
-        Some(gate) => crate::models::gate::run_with(gate, micro_steps),
-        None => micro_steps(),
-    };
-    if let Some(mut gate) = gate {
+    let ran = if let Some((units, comm)) = overlapped {
+        let served = super::overlap::overlapped(
+            comm,
+            (optimizer, params, units),
+            (passes.streamed, stop_vote),
+            |courier| passes.run(micro_batches, courier, &mut clock, &mut phases),
+        )?;
+        let (mut ran, reduced) = (served.0?, served.1);
+        ran.streamed = ran.streamed.take().or(reduced);
+        ran
+    } else if let Some(units) = cx.sharded_parameters {
+        let mut gate = super::full::Sharded::new(cx.comm, optimizer, params, units, false)?;
+        let ran = crate::models::gate::run_with(&mut gate, || {
+            passes.run(micro_batches, &Here(cx), &mut clock, &mut phases)
+        });
         // A collective that failed inside a pass is the step's error, whole.
         if let Some(error) = gate.error.take() {
             return Err(error);
         }
-        ran?;
+        let ran = ran?;
         gate.release_all()?;
+        ran
     } else {
-        ran?;
-    }
+        passes.run(micro_batches, &Here(cx), &mut clock, &mut phases)?
+    };
+    let Ran {
+        grads,
+        loss_sum,
+        streamed,
+    } = ran;
     // Only what trains is averaged, clipped and applied: a frozen parameter's gradient (when
     // the pass made one) is dropped here, before it crosses the wire.
     let trainable = |mut grads: Vec<Option<Tensor>>| {
@@ -210,6 +190,90 @@ pub fn optimizer_step(
         samples: n_step,
         stop,
     })
+}
+
+/// What a step's passes need: nothing of the communicator, so that they may run on a thread
+/// of their own (see `overlap`).
+struct Passes<'a> {
+    model: &'a dyn Model,
+    shards: Option<&'a ShardPool>,
+    weights: &'a PartWeights,
+    timed: bool,
+    /// Parameters sharded (`"full"`): the passes gather them.
+    sharded: bool,
+    /// With a sharded optimizer, the last micro-batch's buckets are reduced as its backward
+    /// forms them (see `streamed`).
+    streamed: Option<&'a ShardPlan>,
+    stop_vote: bool,
+}
+
+/// What the passes gave: the gradients summed over the micro-batches (all but the streamed
+/// last one's), Σ loss·n, and this rank's pieces of the streamed buckets when reduced.
+struct Ran {
+    grads: Vec<Option<Tensor>>,
+    loss_sum: Option<Tensor>,
+    streamed: Option<Reduced>,
+}
+
+impl Passes<'_> {
+    /// Forward and backward over each micro-batch (each on its row shards side by side), the
+    /// last one's buckets reduced through `via` when streamed.
+    fn run<V: BucketVia>(
+        &self,
+        micro_batches: &[MicroBatch],
+        via: &V,
+        clock: &mut PhaseClock,
+        phases: &mut Option<&mut Phases>,
+    ) -> Result<Ran, StepError> {
+        let rows = |b: &MicroBatch| b.targets.dims().first().copied().unwrap_or(1);
+        let params = self.model.params();
+        let mut ran = Ran {
+            grads: vec![None; params.len()],
+            loss_sum: None,
+            streamed: None,
+        };
+        for (k, batch) in micro_batches.iter().enumerate() {
+            let ranges = super::shards::ranges(self.shards, rows(batch));
+            let shard = |i: usize, sink: Option<&mut dyn GradientSink>| {
+                let part = batch.rows(ranges[i].clone())?;
+                let weights = self.weights.of_part(&part, ranges[i].len())?;
+                let how = (self.timed, self.sharded);
+                shard_forward_backward(self.model, &part, weights, how, sink)
+            };
+            let results = match (self.streamed, self.shards, ranges.len()) {
+                // The last micro-batch's buckets reduced while its backward runs.
+                (Some(plan), pool, parts) if k + 1 == micro_batches.len() => {
+                    let earlier = std::mem::take(&mut ran.grads);
+                    let (results, reduced) = super::streamed::last_micro_batch(
+                        params,
+                        (plan, via),
+                        earlier,
+                        self.stop_vote,
+                        pool,
+                        parts,
+                        |i, sink| shard(i, Some(sink)),
+                    )?;
+                    ran.streamed = reduced;
+                    results.into_iter().map(Ok).collect()
+                }
+                (_, Some(pool), parts) if parts > 1 => pool.run(parts, |i| shard(i, None)),
+                _ => vec![shard(0, None)],
+            };
+            let mut forward = Duration::ZERO;
+            for result in results {
+                let result = result?;
+                forward = forward.max(result.forward);
+                accumulate(&mut ran.grads, result.grads)?;
+                ran.loss_sum = Some(match ran.loss_sum.take() {
+                    Some(s) => (s + result.loss_sum)?,
+                    None => result.loss_sum,
+                });
+            }
+            // Shards interleave their phases: the forward share is the slowest shard's forward.
+            clock.split(phases, forward)?;
+        }
+        Ok(ran)
+    }
 }
 
 /// Adds a shard's (or micro-batch's) gradients to the step's, in the order they come (the

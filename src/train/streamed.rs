@@ -17,15 +17,16 @@
 //! each bucket as it completes.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use candle_core::Tensor;
 
-use super::sharded::reduce_bucket;
+use super::sharded::{ReducedBucket, reduce_bucket};
 use super::shards::ShardPool;
 use super::step::{ShardResult, StepContext, StepError, accumulate};
 use crate::comm::buckets::ShardPlan;
-use crate::models::GradientSink;
+use crate::models::{GradientSink, Params};
 
 /// This rank's averaged pieces (in plan order) and, when it owns it, the mean stop vote: what
 /// `sharded::reduce_scatter_gradients` gives.
@@ -35,27 +36,32 @@ pub(super) type Reduced = (Vec<Tensor>, Option<f32>);
 /// shard i, its gradients handed to `sink`; on `pool` side by side when there is more than
 /// one), `earlier` holding the step's earlier micro-batches' gradients by parameter, and
 /// reduce-scatters every bucket of `plan` as it completes.
-pub(super) fn last_micro_batch<F>(
-    cx: &StepContext,
-    plan: &ShardPlan,
+///
+/// `via` reduces each bucket: here ([`Here`]), or on the thread that holds the communicator
+/// while this one runs the pass (`overlap`'s courier; the pieces are then that thread's, and
+/// this gives `None` for them).
+pub(super) fn last_micro_batch<F, V: BucketVia>(
+    params: &Params,
+    (plan, via): (&ShardPlan, &V),
     earlier: Vec<Option<Tensor>>,
     stop: bool,
     pool: Option<&ShardPool>,
     parts: usize,
     shard: F,
-) -> Result<(Vec<ShardResult>, Reduced), StepError>
+) -> Result<(Vec<ShardResult>, Option<Reduced>), StepError>
 where
     F: Fn(usize, &mut dyn GradientSink) -> Result<ShardResult, StepError> + Sync,
 {
-    let stream = Stream::new(cx, plan, earlier, parts);
+    let stream = Stream::new(params, plan, earlier, parts);
     let reducer = Reducer {
-        cx,
+        via,
         plan,
         stop,
         stream: &stream,
-        vars: cx.model.params().trainable().map(|(_, v)| v).collect(),
+        vars: params.trainable().map(|(_, v)| v).collect(),
+        forwarded: std::sync::atomic::AtomicBool::new(false),
     };
-    let run = |i: usize, reducer: Option<&Reducer>| {
+    let run = |i: usize, reducer: Option<&Reducer<V>>| {
         let mut sink = ShardSink {
             stream: &stream,
             shard: i,
@@ -91,7 +97,40 @@ where
         return Err(error);
     }
     let results = results.into_iter().collect::<Result<Vec<_>, _>>()?;
-    Ok((results, stream.into_reduced()?))
+    let forwarded = reducer.forwarded.into_inner();
+    let reduced = match forwarded {
+        true => None,
+        false => Some(stream.into_reduced()?),
+    };
+    Ok((results, reduced))
+}
+
+/// How a complete bucket is reduce-scattered.
+pub(super) trait BucketVia {
+    /// Reduce-scatters bucket `b` of `plan` (its summed gradients `parts`, the vote `stop`):
+    /// this rank's pieces of it, or `None` when another thread reduces it.
+    fn reduce(
+        &self,
+        plan: &ShardPlan,
+        b: usize,
+        parts: Vec<Tensor>,
+        stop: bool,
+    ) -> Result<Option<ReducedBucket>, StepError>;
+}
+
+/// On this thread, which holds the communicator.
+pub(super) struct Here<'a>(pub(super) &'a StepContext<'a>);
+
+impl BucketVia for Here<'_> {
+    fn reduce(
+        &self,
+        plan: &ShardPlan,
+        b: usize,
+        parts: Vec<Tensor>,
+        stop: bool,
+    ) -> Result<Option<ReducedBucket>, StepError> {
+        reduce_bucket(self.0.comm, plan, b, parts, stop).map(Some)
+    }
 }
 
 /// What the shards have handed over and the reduction has made of it, shared by the shards'
@@ -127,8 +166,7 @@ struct State {
 }
 
 impl Stream {
-    fn new(cx: &StepContext, plan: &ShardPlan, earlier: Vec<Option<Tensor>>, parts: usize) -> Self {
-        let params = cx.model.params();
+    fn new(params: &Params, plan: &ShardPlan, earlier: Vec<Option<Tensor>>, parts: usize) -> Self {
         let mut position = vec![None; params.len()];
         let mut sums = Vec::new();
         let mut earlier = earlier;
@@ -237,17 +275,19 @@ impl Stream {
 }
 
 /// Reduces the stream's complete buckets, on the thread that runs the step (which alone may
-/// use the communicator).
-struct Reducer<'s, 'a> {
-    cx: &'a StepContext<'a>,
+/// use the communicator, or hands them to the one that does).
+struct Reducer<'s, 'a, V> {
+    via: &'a V,
     plan: &'a ShardPlan,
     stop: bool,
     stream: &'s Stream,
     /// The trainable parameters (a missing gradient is their shape's zeros).
     vars: Vec<&'a candle_core::Var>,
+    /// Whether a bucket went to another thread.
+    forwarded: AtomicBool,
 }
 
-impl Reducer<'_, '_> {
+impl<V: BucketVia> Reducer<'_, '_, V> {
     /// Reduces the buckets complete so far, in the order they completed.
     fn reduce_ready(&self) -> Result<(), StepError> {
         loop {
@@ -305,7 +345,10 @@ impl Reducer<'_, '_> {
             .zip(parts)
             .map(|(t, g)| g.map_or_else(|| self.vars[t].zeros_like(), Ok))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let reduced = reduce_bucket(self.cx, self.plan, b, parts, self.stop)?;
+        let Some(reduced) = self.via.reduce(self.plan, b, parts, self.stop)? else {
+            self.forwarded.store(true, Ordering::Relaxed);
+            return Ok(());
+        };
         let mut state = self.stream.lock();
         for (k, piece) in reduced.pieces {
             state.pieces[k] = Some(piece);
@@ -330,13 +373,13 @@ impl Drop for Ending<'_> {
 
 /// A shard's sink: hands each gradient to the stream; with the `reducer` (the only shard, on
 /// the step's thread), reduces each bucket it completes at once.
-struct ShardSink<'s, 'r, 'a> {
+struct ShardSink<'s, 'r, 'a, V> {
     stream: &'s Stream,
     shard: usize,
-    reducer: Option<&'r Reducer<'s, 'a>>,
+    reducer: Option<&'r Reducer<'s, 'a, V>>,
 }
 
-impl GradientSink for ShardSink<'_, '_, '_> {
+impl<V: BucketVia> GradientSink for ShardSink<'_, '_, '_, V> {
     fn put(&mut self, index: usize, grad: Option<Tensor>) -> candle_core::Result<()> {
         self.stream.arrive(self.shard, index, grad)?;
         if let Some(reducer) = self.reducer

@@ -281,6 +281,7 @@ impl Counted<'_> {
             scrambled_pieces: false,
             stream_gradients: false,
             sharded_parameters: None,
+            overlap_comm: false,
         };
         for _ in 0..n {
             let batch = step::MicroBatch {
@@ -409,6 +410,7 @@ fn a_sharded_optimizer_moves_the_all_reduces_bytes_and_gives_its_bits() {
                 scrambled_pieces: false,
                 stream_gradients: streamed,
                 sharded_parameters: None,
+                overlap_comm: false,
             };
             let batches = data.batches(&Device::Cpu).unwrap();
             for step in 0..3 {
@@ -506,6 +508,7 @@ fn sharded_parameters_gather_alike_on_the_host_and_through_tensor_ops() {
                 scrambled_pieces: false,
                 stream_gradients: false,
                 sharded_parameters: None,
+                overlap_comm: false,
             };
             let vote = plan.owns_vote().then_some(1.0);
             let stop = sharded::gather_parameters(&cx, &plan, vote, on_host).unwrap();
@@ -567,6 +570,7 @@ fn a_panicking_shard_of_a_streamed_step_panics_the_step_instead_of_hanging() {
         scrambled_pieces: false,
         stream_gradients: true,
         sharded_parameters: None,
+        overlap_comm: false,
     };
     let batches = data.batches(&Device::Cpu).unwrap();
     let (inputs, targets) = batches.train(0, &[0, 1, 2, 3, 4, 5, 6]).unwrap();

@@ -1,6 +1,7 @@
 //! `distributed.sharding = "full"` (ZeRO-3) end to end: a gpt (f32 and bf16) and a llama
 //! (layers kept and recomputed) on 2 and 3 workers, with accumulation and clipping, train the
-//! `"gradients"` job's weights and optimizer state bit for bit (checkpoints streamed bucket by
+//! `"gradients"` job's weights and optimizer state bit for bit, with the collectives inline or
+//! overlapping the passes (the next block gathered ahead) (checkpoints streamed bucket by
 //! bucket into the ordinary layout, evaluation gathering block by block on every rank alike);
 //! SIGTERM and resume in the same mode, in another, on another world size; LoRA on a Qwen2
 //! checkpoint with instruction data (examples of every length, padded per batch) and packed
@@ -41,11 +42,25 @@ fn fully_sharded_parameters_train_the_gradients_jobs_bits() {
     ] {
         for n in ["2", "3"] {
             let name = |m: &str| format!("{model}-{n}-{m}");
-            for m in ["gradients", "full"] {
-                let args = ["--nproc-per-node", n, "--set", &mode(m), "--name", &name(m)];
+            // "overlap": "full" with its collectives on a thread of their own.
+            for m in ["gradients", "full", "overlap"] {
+                let (sharding, overlap) = match m {
+                    "overlap" => ("full", "distributed.overlap_comm=true"),
+                    _ => (m, "distributed.overlap_comm=false"),
+                };
+                let args = [
+                    "--nproc-per-node",
+                    n,
+                    "--set",
+                    &mode(sharding),
+                    "--set",
+                    overlap,
+                    "--name",
+                    &name(m),
+                ];
                 let run = t.run(cfg, &[&args[..], extra].concat());
                 run.success();
-                let full = m == "full";
+                let full = sharding == "full";
                 assert_eq!(run.stdout.contains("(ZeRO-3)"), full, "{}", run.stdout);
                 assert_eq!(
                     run.stdout.contains("parameters sharded too"),
@@ -57,7 +72,9 @@ fn fully_sharded_parameters_train_the_gradients_jobs_bits() {
             let weights = |m: &str| t.job(&name(m)).join("model.safetensors");
             assert_same_bits(&weights("gradients"), &weights("full"));
             assert_same_bits(&weights("full"), &weights("gradients"));
+            assert_same_bits(&weights("overlap"), &weights("full"));
             same_checkpoints(&t, &name("gradients"), &name("full"));
+            same_checkpoints(&t, &name("gradients"), &name("overlap"));
         }
     }
     // Within a millionth of the unsharded job (clipping's norm summed per rank).
@@ -85,20 +102,26 @@ fn fully_sharded_parameters_train_the_gradients_jobs_bits() {
     // The estimate says what a worker holds of the weights: 1/W and a layer beside the rest.
     let summary = t.json(&t.job("one").join("summary.json"));
     assert!(summary["estimated_peak_bytes"].as_u64().unwrap() > 1 << 20);
-    let validate = t.ddpjob(&[
-        "validate",
-        llama.to_str().unwrap(),
-        "--set",
-        "distributed.nproc_per_node=3",
-    ]);
-    validate.success();
+    let validate = |overlap: &str| {
+        let overlap = format!("distributed.overlap_comm={overlap}");
+        let run = t.ddpjob(&[
+            "validate",
+            llama.to_str().unwrap(),
+            "--set",
+            "distributed.nproc_per_node=3",
+            "--set",
+            &overlap,
+        ]);
+        run.success();
+        run.stdout
+            .contains("with distributed.sharding = \"full\" over 3 workers")
+    };
     assert!(
-        validate
-            .stdout
-            .contains("with distributed.sharding = \"full\" over 3 workers"),
-        "{}",
-        validate.stdout
+        validate("false"),
+        "\"full\" saves here, one layer at a time"
     );
+    // Overlapping, both of its two layers are gathered at once: no saving to advise.
+    assert!(!validate("true"));
 }
 
 #[test]
@@ -178,10 +201,12 @@ fn a_killed_fully_sharded_worker_is_restarted_verify_traces_it_and_a_hang_names_
         &[&full[..], &every[..], &["--name", "whole"]].concat(),
     )
     .success();
+    // Restarted and hung with the collectives overlapping the passes: on their own thread.
+    let overlap = ["--set", "distributed.overlap_comm=true"];
     let restarts = ["--set", "distributed.max_restarts=1", "--name", "restarted"];
     let run = t.run_env(
         &cfg,
-        &[&full[..], &every[..], &restarts[..]].concat(),
+        &[&full[..], &every[..], &overlap[..], &restarts[..]].concat(),
         &[("DDPJOB_FAULT", "rank=1,step=6,kind=kill")],
     );
     run.success();
@@ -206,7 +231,7 @@ fn a_killed_fully_sharded_worker_is_restarted_verify_traces_it_and_a_hang_names_
     let hung = ["--name", "hung", "--set", "distributed.timeout_s=3"];
     let run = t.run_env(
         &cfg,
-        &[&full[..], &hung[..]].concat(),
+        &[&full[..], &overlap[..], &hung[..]].concat(),
         &[("DDPJOB_FAULT", "rank=1,step=5,kind=hang")],
     );
     run.fails_with(1, "did not complete within 3 s (distributed.timeout_s)")

@@ -192,8 +192,8 @@ pub fn optimizer_step(
     })
 }
 
-/// What a step's passes need: nothing of the communicator, so that they may run on a thread
-/// of their own (see `overlap`).
+/// What a step's passes need; how their buckets are reduced (here, or by the collectives'
+/// own thread, see `overlap`) is [`Passes::run`]'s to say.
 struct Passes<'a> {
     model: &'a dyn Model,
     shards: Option<&'a ShardPool>,

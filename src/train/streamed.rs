@@ -37,9 +37,8 @@ pub(super) type Reduced = (Vec<Tensor>, Option<f32>);
 /// one), `earlier` holding the step's earlier micro-batches' gradients by parameter, and
 /// reduce-scatters every bucket of `plan` as it completes.
 ///
-/// `via` reduces each bucket: here ([`Here`]), or on the thread that holds the communicator
-/// while this one runs the pass (`overlap`'s courier; the pieces are then that thread's, and
-/// this gives `None` for them).
+/// `via` reduces each bucket: here ([`Here`]), or hands it to the collectives' own thread
+/// (`overlap`'s courier; the pieces are then that thread's, and this gives `None` for them).
 pub(super) fn last_micro_batch<F, V: BucketVia>(
     params: &Params,
     (plan, via): (&ShardPlan, &V),
@@ -59,7 +58,7 @@ where
         stop,
         stream: &stream,
         vars: params.trainable().map(|(_, v)| v).collect(),
-        forwarded: std::sync::atomic::AtomicBool::new(false),
+        forwarded: AtomicBool::new(false),
     };
     let run = |i: usize, reducer: Option<&Reducer<V>>| {
         let mut sink = ShardSink {

@@ -310,6 +310,12 @@ impl<'a> Sharded<'a> {
         }
     }
 
+    /// Whether every parameter of `unit` has its values.
+    pub(super) fn holds(&self, unit: Unit) -> bool {
+        let tensors = self.units.of_unit(unit).unwrap_or_default();
+        tensors.iter().all(|&t| self.present[t])
+    }
+
     /// The model's number of blocks.
     pub(super) fn blocks(&self) -> usize {
         self.units.blocks.len()

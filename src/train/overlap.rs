@@ -102,7 +102,7 @@ struct Board {
 struct Answers {
     /// `(n, unit)`: the passes' gather number n, if it asks for `unit`, has its answer
     /// already: the unit was gathered ahead, after gather n - 1 was answered (so after
-    /// every request before it; none since can have let the unit go).
+    /// every request before it), from released (so no release of it can be queued since).
     ahead: Option<(usize, Unit)>,
     /// Answers by gather number, in order, those not taken yet.
     answered: VecDeque<(usize, Result<(), String>)>,
@@ -295,7 +295,7 @@ impl Server<'_> {
     }
 
     /// Gathers the block the passes will ask for after `unit`, if it is a block and one
-    /// follows in its direction: which, when it has its values (a failure is answered to the
+    /// follows in its direction: which, when this gathered it (a failure is answered to the
     /// next gather).
     fn gather_ahead(&mut self, unit: Unit) -> Option<usize> {
         let Unit::Block(i) = unit else {
@@ -303,6 +303,11 @@ impl Server<'_> {
             return None;
         };
         let next = block_ahead(self.last_block.replace(i), i, self.blocks)?;
+        // One still held from an earlier gather may have its release queued already (after
+        // this gather's request): its answer then waits for its turn, after that release.
+        if self.sharded.holds(Unit::Block(next)) {
+            return None;
+        }
         self.gather(Unit::Block(next)).ok().map(|()| next)
     }
 

@@ -127,7 +127,7 @@ pub fn optimizer_step(
     } else if let Some(units) = cx.sharded_parameters {
         let mut gate = super::full::Sharded::new(cx.comm, optimizer, params, units, false)?;
         let ran = crate::models::gate::run_with(&mut gate, || {
-            passes.run(micro_batches, &Here(cx), &mut clock, &mut phases)
+            passes.run(micro_batches, &Here(cx.comm), &mut clock, &mut phases)
         });
         // A collective that failed inside a pass is the step's error, whole.
         if let Some(error) = gate.error.take() {
@@ -137,7 +137,7 @@ pub fn optimizer_step(
         gate.release_all()?;
         ran
     } else {
-        passes.run(micro_batches, &Here(cx), &mut clock, &mut phases)?
+        passes.run(micro_batches, &Here(cx.comm), &mut clock, &mut phases)?
     };
     let Ran {
         grads,

@@ -24,7 +24,8 @@ use candle_core::Tensor;
 
 use super::sharded::{ReducedBucket, reduce_bucket};
 use super::shards::ShardPool;
-use super::step::{ShardResult, StepContext, StepError, accumulate};
+use super::step::{ShardResult, StepError, accumulate};
+use crate::comm::Communicator;
 use crate::comm::buckets::ShardPlan;
 use crate::models::{GradientSink, Params};
 
@@ -118,7 +119,7 @@ pub(super) trait BucketVia {
 }
 
 /// On this thread, which holds the communicator.
-pub(super) struct Here<'a>(pub(super) &'a StepContext<'a>);
+pub(super) struct Here<'a>(pub(super) &'a dyn Communicator);
 
 impl BucketVia for Here<'_> {
     fn reduce(
@@ -128,7 +129,7 @@ impl BucketVia for Here<'_> {
         parts: Vec<Tensor>,
         stop: bool,
     ) -> Result<Option<ReducedBucket>, StepError> {
-        reduce_bucket(self.0.comm, plan, b, parts, stop).map(Some)
+        reduce_bucket(self.0, plan, b, parts, stop).map(Some)
     }
 }
 

@@ -115,11 +115,12 @@ impl MetricState {
 
 /// When checkpoints are due (the policy), apart from writing them.
 pub fn due_after_step(spec: &CheckpointSpec, step: usize) -> bool {
-    spec.every_steps.is_some_and(|n| step % n == 0)
+    spec.every_steps.is_some_and(|n| step.is_multiple_of(n))
 }
 
 pub fn due_after_epoch(spec: &CheckpointSpec, epoch: usize) -> bool {
-    spec.every_epochs.is_some_and(|n| (epoch + 1) % n == 0)
+    spec.every_epochs
+        .is_some_and(|n| (epoch + 1).is_multiple_of(n))
 }
 
 /// A checkpoint's weights or optimizer state: tensors to write, or the safetensors file

@@ -31,7 +31,7 @@ impl StreamedSafetensors {
         }
         let mut json = serde_json::to_vec(&header).unwrap_or_default();
         // Padded with spaces so the data starts 8-byte aligned, as safetensors writes it.
-        while (8 + json.len()) % 8 != 0 {
+        while !(8 + json.len()).is_multiple_of(8) {
             json.push(b' ');
         }
         let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);

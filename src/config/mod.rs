@@ -193,7 +193,7 @@ impl JobSpec {
         let t = &self.train;
         let d = &self.distributed;
         if d.world_size_invariant
-            && (!world_size.is_power_of_two() || d.virtual_shards % world_size != 0)
+            && (!world_size.is_power_of_two() || !d.virtual_shards.is_multiple_of(world_size))
         {
             let v = d.virtual_shards;
             let fits: Vec<String> = (0..=v.trailing_zeros())
@@ -217,9 +217,9 @@ impl JobSpec {
             ));
         }
         let micro = global / accumulation;
-        if world_size == 0 || micro % world_size != 0 {
+        if world_size == 0 || !micro.is_multiple_of(world_size) {
             let fits: Vec<String> = (1..=micro.min(1024))
-                .filter(|w| micro % w == 0)
+                .filter(|w| micro.is_multiple_of(*w))
                 .map(|w| w.to_string())
                 .collect();
             return Err(format!(

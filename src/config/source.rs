@@ -154,10 +154,10 @@ impl Source {
                     expected: spec.kind.describe(),
                     found: describe_value(value),
                 });
-            } else if spec.kind == Kind::Table {
-                if let Some(inner) = value.as_table() {
-                    self.check_table(&path, inner, errors);
-                }
+            } else if spec.kind == Kind::Table
+                && let Some(inner) = value.as_table()
+            {
+                self.check_table(&path, inner, errors);
             }
         }
     }

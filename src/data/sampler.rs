@@ -6,7 +6,7 @@ use crate::rng::Mt19937;
 
 /// Samples each rank sees per epoch, as torch computes `num_samples`.
 pub fn samples_per_rank(len: usize, world: usize, drop_last: bool) -> usize {
-    if drop_last && len % world != 0 {
+    if drop_last && !len.is_multiple_of(world) {
         len.saturating_sub(world).div_ceil(world)
     } else {
         len.div_ceil(world)

@@ -159,7 +159,9 @@ extern "C" __global__ void ddpjob_swap_middle_##NAME(const T* x, T* y, unsigned 
         let size = std::mem::size_of::<T>();
         let word = [16, 8, 4, 2]
             .into_iter()
-            .find(|&w| w >= size && (d * size) % w == 0 && (start * size) % w == 0)
+            .find(|&w| {
+                w >= size && (d * size).is_multiple_of(w) && (start * size).is_multiple_of(w)
+            })
             .unwrap_or(size);
         let words = d * size / word;
         let too_many = || {

@@ -299,15 +299,15 @@ fn slurm(env: &SchedulerEnv) -> Result<Option<SlurmStep>, String> {
             "SLURM_NNODES",
         ])?
         .ok_or("srun set no SLURM_STEP_NUM_NODES, SLURM_JOB_NUM_NODES or SLURM_NNODES")?;
-    if let Some((tasks_source, tasks)) = env.number(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"])? {
-        if tasks > nnodes {
-            return Err(format!(
-                "srun started {tasks} tasks on {nnodes} node(s) ({tasks_source}): every task \
+    if let Some((tasks_source, tasks)) = env.number(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"])?
+        && tasks > nnodes
+    {
+        return Err(format!(
+            "srun started {tasks} tasks on {nnodes} node(s) ({tasks_source}): every task \
                  would launch a whole node's workers. ddpjob starts one worker per GPU itself: \
                  run one task per node (`srun --ntasks-per-node=1`, or `#SBATCH \
                  --ntasks-per-node=1`)"
-            ));
-        }
+        ));
     }
     let (_, node_rank) = env
         .number(&["SLURM_NODEID"])?

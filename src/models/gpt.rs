@@ -71,7 +71,7 @@ impl GptConfig {
         if self.vocab_size == 0 || self.block_size == 0 || self.n_embd == 0 {
             return fail("vocab_size, block_size and n_embd must be positive".into());
         }
-        if self.n_head == 0 || self.n_embd % self.n_head != 0 {
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             let (c, h) = (self.n_embd, self.n_head);
             return fail(format!("n_embd {c} is not a multiple of n_head {h}"));
         }

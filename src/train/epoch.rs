@@ -64,10 +64,11 @@ impl Trainer<'_> {
             let in_epoch = epoch_run.skip + i + 1;
             let checkpoint_due =
                 checkpoint::due_after_step(&spec.checkpoint, step) && i + 1 < steps_now;
-            let at_log = step % t.log_every == 0 || i + 1 == steps_now || checkpoint_due;
+            let at_log = step.is_multiple_of(t.log_every) || i + 1 == steps_now || checkpoint_due;
             // Every rank reads the vote after the same steps (the schedule depends on the
             // step alone), so all stop after the same one. A rank's vote stays up once cast.
-            let stop = (at_log || step % self.hooks.vote_every.max(1) == 0) && votes.read()?;
+            let stop =
+                (at_log || step.is_multiple_of(self.hooks.vote_every.max(1))) && votes.read()?;
             // The step's time includes reading the vote, which on a GPU waits for the device
             // to finish the step's work so far (the rest is waited for with the loss).
             interval.add(loss_sum, samples, started.elapsed())?;
@@ -109,7 +110,7 @@ impl Trainer<'_> {
                 ));
                 return Ok(Some(Ending::Stopped { step }));
             }
-            let eval_due = t.eval_every.is_some_and(|n| step % n == 0);
+            let eval_due = t.eval_every.is_some_and(|n| step.is_multiple_of(n));
             if eval_due && i + 1 < steps_now {
                 let eval = self.evaluate(batches, &run.optimizer)?;
                 self.reporter.line(&format!(

@@ -112,7 +112,8 @@ struct Dims {
 impl Dims {
     fn of(x_len: usize, w_len: usize, rows: usize) -> Result<Dims> {
         let channels = x_len.checked_div(rows).unwrap_or(0);
-        if rows == 0 || channels == 0 || x_len != rows * channels || w_len % channels != 0 {
+        if rows == 0 || channels == 0 || x_len != rows * channels || !w_len.is_multiple_of(channels)
+        {
             bail!("head loss: {x_len} inputs for {rows} targets and {w_len} weights do not fit");
         }
         let vocab = w_len / channels;

@@ -22,8 +22,8 @@ const ROWS: usize = 4;
 pub(super) fn applies(t: usize, hd: usize) -> bool {
     t > 0
         && hd > 0
-        && t % 8 == 0
-        && hd % 8 == 0
+        && t.is_multiple_of(8)
+        && hd.is_multiple_of(8)
         && is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
 }

@@ -78,13 +78,16 @@ impl LlamaConfig {
         if sizes.contains(&0) {
             return fail(format!("every size must be positive: {self:?}"));
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
             return fail(format!(
                 "num_attention_heads {h} is not a multiple of num_key_value_heads {kv}"
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return fail(format!(
                 "head_dim {} is odd; rotary embeddings need pairs",
                 self.head_dim

@@ -280,7 +280,11 @@ impl CustomOp1 for RopeOp {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let dims = layout.shape().dims();
         let fits = dims.len() == 4 && (dims[1] == self.t || dims[0] * dims[1] == self.t);
-        if !fits || dims[3] != self.hd || self.hd % 2 != 0 || self.cos.len() != self.t * self.hd {
+        if !fits
+            || dims[3] != self.hd
+            || !self.hd.is_multiple_of(2)
+            || self.cos.len() != self.t * self.hd
+        {
             bail!(
                 "rope: input {:?}, tables of {} positions x {}",
                 layout.shape(),

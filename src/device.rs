@@ -6,7 +6,7 @@
 use candle_core::Device;
 use thiserror::Error;
 
-use crate::config::{DeviceChoice, DistributedSpec};
+use crate::config::{DeviceChoice, DistributedSpec, Precision};
 
 /// The worker's device, `cpu` or `cuda:<ordinal>` (set by the launcher).
 pub const ENV: &str = "DDPJOB_DEVICE";
@@ -192,17 +192,34 @@ pub fn open(value: Option<&str>) -> Result<Device, DeviceError> {
     }
 }
 
-/// Lets the process's f32 matrix products on a GPU use TF32 tensor cores when `precision`
-/// asks for it (candle's switch is per process, as torch's `allow_tf32`); nothing on the CPU.
-pub fn set_matmul_precision(device: &Device, precision: crate::config::Precision) {
-    #[cfg(feature = "cuda")]
+/// Sets how the process's f32 matrix products round (the switches are per process, as torch's
+/// `allow_tf32`): on a GPU, TF32 tensor cores for `"tf32"` and `"bf16-matmul"`; on the CPU,
+/// bf16 products for `"bf16-matmul"` where the CPU has them.
+pub fn set_matmul_precision(device: &Device, precision: Precision) {
+    let reduced = matches!(precision, Precision::Tf32 | Precision::Bf16Matmul);
     if device.is_cuda() {
-        candle_core::cuda_backend::set_gemm_reduced_precision_f32(
-            precision == crate::config::Precision::Tf32,
-        );
+        #[cfg(feature = "cuda")]
+        candle_core::cuda_backend::set_gemm_reduced_precision_f32(reduced);
+        #[cfg(not(feature = "cuda"))]
+        let _ = reduced;
+    } else {
+        crate::kernels::set_bf16_products(precision == Precision::Bf16Matmul);
     }
-    #[cfg(not(feature = "cuda"))]
-    let _ = (device, precision);
+}
+
+/// How a worker computes in `precision` on `device`, once [`set_matmul_precision`] has set
+/// it, for its first line ("" for plain f32).
+pub fn describe_precision(device: &Device, precision: Precision) -> &'static str {
+    match precision {
+        Precision::F32 => "",
+        Precision::Bf16 => " in bf16 autocast",
+        Precision::Tf32 | Precision::Bf16Matmul if device.is_cuda() => " with TF32 matrix products",
+        Precision::Tf32 => " in f32 (the CPU has no TF32)",
+        Precision::Bf16Matmul if crate::kernels::bf16_products() => {
+            " with bf16 matrix products (AVX512_BF16)"
+        }
+        Precision::Bf16Matmul => " in f32 (this CPU has no AVX512_BF16 for bf16 products)",
+    }
 }
 
 #[cfg(feature = "cuda")]

@@ -39,6 +39,10 @@ pub struct StepBench {
     pub threads: usize,
     /// Whether subnormal floats were flushed to zero (`train.flush_denormals`).
     pub flush_denormals: bool,
+    /// Whether the CPU's matrix products took bf16 inputs (`train.precision = "bf16-matmul"`
+    /// on a CPU with AVX512_BF16); the peak below is then theirs.
+    #[serde(default)]
+    pub bf16_products: bool,
     pub device: String,
     pub steps: usize,
     pub warmup: usize,
@@ -54,7 +58,8 @@ pub struct StepBench {
     pub train_flops_per_sample: Option<f64>,
     /// GFLOP/s the steps reached: `train_flops_per_sample` × `samples_per_s`.
     pub achieved_gflops: Option<f64>,
-    /// This machine's f32 matrix-product rate with the same threads, measured after the steps.
+    /// This machine's matrix-product rate with the same threads and precision, measured after
+    /// the steps.
     pub gemm_peak_gflops: f64,
     /// `achieved_gflops` / `gemm_peak_gflops`: how close the step is to the arithmetic limit.
     pub fraction_of_peak: Option<f64>,
@@ -170,6 +175,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         accumulation: t.accumulation,
         optimizer: t.optimizer.name().to_string(),
         threads: options.threads,
+        bf16_products: device.is_cpu() && crate::kernels::bf16_products(),
         flush_denormals: device.is_cpu()
             && spec.train.flush_denormals
             && crate::numerics::flushing(),
@@ -286,7 +292,12 @@ fn random_batch(
 /// Where the peak was measured: "cuda:0" (the step's precision), or the CPU's threads.
 fn peak_on(r: &StepBench) -> String {
     if r.device == "cpu" {
-        format!("the CPU with {} thread(s), f32", r.threads)
+        let products = if r.bf16_products {
+            "bf16 products"
+        } else {
+            "f32"
+        };
+        format!("the CPU with {} thread(s), {products}", r.threads)
     } else {
         r.device.clone()
     }

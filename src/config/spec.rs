@@ -275,13 +275,18 @@ pub enum Precision {
     /// f32 everywhere, with a GPU's f32 matrix products on TF32 tensor cores (torch's
     /// `allow_tf32`); the same as f32 on the CPU, which has no TF32.
     Tf32,
+    /// f32 everywhere, with the f32 matrix products computed from bf16-rounded inputs with f32
+    /// sums (torch's `set_float32_matmul_precision("medium")`): on a CPU with AVX512_BF16
+    /// (see `kernels::bf16_products`); on a GPU as `Tf32` (at least that precision); f32 on
+    /// other CPUs.
+    Bf16Matmul,
 }
 
 impl Precision {
     /// The dtype the forward and backward passes compute in.
     pub fn compute_dtype(self) -> candle_core::DType {
         match self {
-            Precision::F32 | Precision::Tf32 => candle_core::DType::F32,
+            Precision::F32 | Precision::Tf32 | Precision::Bf16Matmul => candle_core::DType::F32,
             Precision::Bf16 => candle_core::DType::BF16,
         }
     }

@@ -4,6 +4,7 @@
 //! when nothing upstream needs it (the first layer). Used for f32 on the CPU; other devices keep
 //! candle's own ops, which the tests check these against.
 
+mod bf16_products;
 mod conv;
 mod cross_entropy;
 #[cfg(feature = "cuda")]
@@ -27,6 +28,7 @@ use candle_core::{CpuStorage, DType, Layout, Result, Storage, Tensor, bail};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+pub use bf16_products::{bf16_products, set_bf16_products};
 pub use conv::{ConvGeometry, Pooling, conv2d};
 pub(crate) use conv::{ConvLayer, ConvOutput};
 pub use cross_entropy::{applies as row_cross_entropy_applies, row_cross_entropy};
@@ -405,20 +407,60 @@ unsafe fn gemm_block(out: Out, a: Mat, b: Mat, accumulate: bool) {
     // first row or column, keeping every access at or below the original's last element; the
     // caller vouches for `out`.
     unsafe {
-        gemm::gemm(
-            a.rows,
-            b.cols,
-            a.cols,
-            out.ptr,
-            1,
-            out.row_stride as isize,
+        strided_product(
+            (a.rows, b.cols, a.cols),
+            (out.ptr, out.row_stride),
             accumulate,
-            a.data.as_ptr(),
-            a.col_stride as isize,
-            a.row_stride as isize,
-            b.data.as_ptr(),
-            b.col_stride as isize,
-            b.row_stride as isize,
+            (a.data.as_ptr(), a.row_stride, a.col_stride),
+            (b.data.as_ptr(), b.row_stride, b.col_stride),
+        )
+    }
+}
+
+/// A matrix in memory for [`strided_product`]: element (i, j) at `ptr + i·rs + j·cs`.
+pub(crate) type Strided = (*const f32, usize, usize);
+
+/// `dst` = a·b, or += a·b when `accumulate`, single-threaded, for `a` m × k and `b` k × n and
+/// `dst` m × n with rows `dst.1` apart: the one way every CPU kernel multiplies matrices, so
+/// `train.precision = "bf16-matmul"` reaches them all (see `bf16_products`).
+///
+/// # Safety
+/// Every element of `a`, `b` and `dst` must be inside its allocation, and nothing else may
+/// access `dst` meanwhile.
+pub(crate) unsafe fn strided_product(
+    (m, n, k): (usize, usize, usize),
+    dst: (*mut f32, usize),
+    accumulate: bool,
+    a: Strided,
+    b: Strided,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if bf16_products::wanted_for(m, n, k) {
+        let operand = |(ptr, rs, cs): Strided| bf16_products::Operand { ptr, rs, cs };
+        let dst = bf16_products::Dst {
+            ptr: dst.0,
+            rs: dst.1,
+        };
+        // SAFETY: `wanted_for` holds only where `set_bf16_products` found the instructions;
+        // the caller vouches for the memory.
+        return unsafe { bf16_products::gemm((m, n, k), dst, accumulate, operand(a), operand(b)) };
+    }
+    // SAFETY: the caller vouches for the memory.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.0,
+            1,
+            dst.1 as isize,
+            accumulate,
+            a.0,
+            a.2 as isize,
+            a.1 as isize,
+            b.0,
+            b.2 as isize,
+            b.1 as isize,
             if accumulate { 1.0 } else { 0.0 },
             1.0,
             false,

@@ -507,7 +507,7 @@ impl Model for Autocast {
 /// `model` computing in `precision` (f32: unchanged).
 fn with_precision(model: Box<dyn Model>, precision: Precision) -> Box<dyn Model> {
     match precision {
-        Precision::F32 | Precision::Tf32 => model,
+        Precision::F32 | Precision::Tf32 | Precision::Bf16Matmul => model,
         Precision::Bf16 => Box::new(Autocast {
             inner: model,
             dtype: DType::BF16,

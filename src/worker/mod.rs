@@ -453,12 +453,7 @@ fn train(
             n => format!(", restart {n}"),
         },
         env.device,
-        match spec.train.precision {
-            crate::config::Precision::F32 => "",
-            crate::config::Precision::Bf16 => " in bf16 autocast",
-            crate::config::Precision::Tf32 if device.is_cuda() => " with TF32 matrix products",
-            crate::config::Precision::Tf32 => " in f32 (the CPU has no TF32)",
-        },
+        crate::device::describe_precision(&device, spec.train.precision),
         model.params().element_count(),
         data.train_len(),
         data.eval_len()

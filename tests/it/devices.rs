@@ -69,6 +69,79 @@ fn tf32_on_the_cpu_is_f32_bit_for_bit() {
     );
 }
 
+/// `train.precision = "bf16-matmul"`: where the CPU has AVX512_BF16 the matrix products take
+/// bf16 inputs (the job says so, trains as well as f32, with other numbers, weights still
+/// f32, and stays deterministic: the world-size-invariant mode gives 1 and 2 workers the same
+/// weights); elsewhere it is f32 bit for bit, and says that instead.
+#[test]
+fn bf16_matmul_uses_the_cpus_bf16_products_or_says_it_cannot() {
+    let t = TestJob::new();
+    let cfg = t.config("tiny", TINY);
+    t.run(&cfg, &["--name", "f32"]).success();
+    let set = "train.precision=bf16-matmul";
+    t.run(&cfg, &["--name", "medium", "--set", set]).success();
+    let log = std::fs::read_to_string(t.job("medium").join("logs/rank-0.log")).unwrap();
+    let weights = |name: &str| std::fs::read(t.job(name).join("model.safetensors")).unwrap();
+    #[cfg(target_arch = "x86_64")]
+    let has_them = is_x86_feature_detected!("avx512bf16");
+    #[cfg(not(target_arch = "x86_64"))]
+    let has_them = false;
+    if !has_them {
+        assert!(log.contains("in f32 (this CPU has no AVX512_BF16"), "{log}");
+        assert!(weights("f32") == weights("medium"));
+        return;
+    }
+    assert!(
+        log.contains("with bf16 matrix products (AVX512_BF16)"),
+        "{log}"
+    );
+    assert!(
+        weights("f32") != weights("medium"),
+        "the bf16 products did not run"
+    );
+    let summary = |name: &str| t.json(&t.job(name).join("summary.json"));
+    let (a, b) = (summary("f32"), summary("medium"));
+    let loss = |s: &serde_json::Value| s["final_train_loss"].as_f64().unwrap();
+    let accuracy = |s: &serde_json::Value| s["test_accuracy"].as_f64().unwrap();
+    assert!((loss(&a) - loss(&b)).abs() < 0.05 * loss(&a), "{a} vs {b}");
+    assert!((accuracy(&a) - accuracy(&b)).abs() < 0.05, "{a} vs {b}");
+    let medium = candle_core::safetensors::load(
+        t.job("medium").join("model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert!(
+        medium
+            .values()
+            .all(|w| w.dtype() == candle_core::DType::F32)
+    );
+
+    let runs = t.path("runs");
+    let text = TINY.replace("batch_size = 32", "global_batch_size = 16")
+        + "[distributed]\ndeterministic = \"world-size-invariant\"\nvirtual_shards = 4\n";
+    let invariant = t.config("invariant", &text);
+    let verify = t.ddpjob(&[
+        "verify",
+        invariant.to_str().unwrap(),
+        "--world-sizes",
+        "1,2",
+        "--steps",
+        "4",
+        "--jobs-dir",
+        runs.to_str().unwrap(),
+        "--set",
+        set,
+    ]);
+    verify.success();
+    assert!(
+        verify
+            .stdout
+            .contains("bit-identical weights at every one of 4 steps"),
+        "{}",
+        verify.stdout
+    );
+}
+
 /// `distributed.collectives = "always"` runs a single worker's collectives (buckets, the vote,
 /// the broadcasts) instead of skipping them; on the CPU they are the identity, so the weights
 /// are the skipping run's bit for bit (on a GPU, gpu-check compares NCCL's the same way).

@@ -12,7 +12,6 @@
 use std::ops::Range;
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
-use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::ops::{self, values, with_values};
@@ -206,26 +205,12 @@ pub(super) fn gemm_into(dst: &mut [f32], rs: usize, a: View, b: View, accumulate
     // writes (dst: a.rows rows of b.cols values, rs apart) inside the borrowed slices; `dst`
     // is borrowed mutably, so nothing else touches it meanwhile.
     unsafe {
-        gemm::gemm(
-            a.rows,
-            b.cols,
-            a.cols,
-            dst.as_mut_ptr(),
-            1,
-            rs as isize,
+        kernels::strided_product(
+            (a.rows, b.cols, a.cols),
+            (dst.as_mut_ptr(), rs),
             accumulate,
-            a.data.as_ptr(),
-            a.cs as isize,
-            a.rs as isize,
-            b.data.as_ptr(),
-            b.cs as isize,
-            b.rs as isize,
-            if accumulate { 1.0 } else { 0.0 },
-            1.0,
-            false,
-            false,
-            false,
-            Parallelism::None,
+            (a.data.as_ptr(), a.rs, a.cs),
+            (b.data.as_ptr(), b.rs, b.cs),
         )
     }
 }

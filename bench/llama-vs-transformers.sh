@@ -8,6 +8,10 @@
 #
 #   bench/llama-vs-transformers.sh [ROUNDS]        LAYERS=2 for a quick check of the set-up
 #
+# PRECISION=bf16-matmul: both programs in f32 with bf16 matrix products (ddpjob's
+# `train.precision = "bf16-matmul"`, torch's `set_float32_matmul_precision("medium")` with
+# oneDNN's bf16 products); the losses then differ by more than the f32 runs' 1e-3.
+#
 # Needs: a release build (cargo build --release) and a Python with torch, transformers and
 # tokenizers (PYTHON; see ../shared/bench/README.md). The model directory and the tokenised
 # text are made once under WORK (default /tmp/llama-bench-$LAYERS).
@@ -17,6 +21,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
 layers=${LAYERS:-30}
 steps=${STEPS:-10}
+precision=${PRECISION:-f32}
 text=${TEXT:-$here/../shared/data/tinyshakespeare/input.txt}
 work=${WORK:-/tmp/llama-bench-$layers}
 bin=$here/target/release/ddpjob
@@ -27,14 +32,16 @@ if [ ! -f "$work/job.toml" ]; then
   "$python" "$here/bench/llama_ref.py" prepare "$work" "$text" --layers "$layers" > /dev/null 2>&1
 fi
 lscpu | sed -n 's/^Model name: *//p'
+echo "precision: $precision"
 jobs=$(mktemp -d); trap 'rm -rf "$jobs"' EXIT
 for r in $(seq 1 "$rounds"); do
-  "$bin" run "$work/job.toml" --jobs-dir "$jobs" --name "bench-$r" --set train.max_steps="$steps" > /dev/null 2>&1
+  "$bin" run "$work/job.toml" --jobs-dir "$jobs" --name "bench-$r" --set train.max_steps="$steps" \
+    --set train.precision="$precision" > /dev/null 2>&1
   # The trained weights, as transformers scores its own; then the directory's load alone.
   "$bin" eval "bench-$r" --jobs-dir "$jobs" --json > "$jobs/eval-$r.json"
   "$bin" eval "$work/model" --data "$work/job.toml" --set train.eval_batches=1 --json > "$jobs/load-$r.json"
   OMP_NUM_THREADS=$threads "$python" "$here/bench/llama_ref.py" train "$work" --steps "$steps" \
-    --threads "$threads" 2> /dev/null | tail -1 > "$jobs/ref-$r.json"
+    --threads "$threads" --precision "$precision" 2> /dev/null | tail -1 > "$jobs/ref-$r.json"
 done
 "$python" - "$jobs" "$rounds" <<'EOF'
 import json, statistics, sys

@@ -18,6 +18,10 @@ each step, then the validation split scored under `torch.no_grad()` as ddpjob's 
 `train.precision = "bf16"` keeps f32 master weights (and as the HF Trainer's `bf16=True` does);
 each step's time ends once the device has finished it. `--attn sdpa` is transformers' default
 attention (fused kernels on a GPU); `--batch` the job's per-step batch (`--set train.batch_size`).
+`--precision bf16-matmul`: f32, with the matrix products' inputs in bf16 and f32 sums, as
+ddpjob's `train.precision = "bf16-matmul"`: `torch.set_float32_matmul_precision("medium")` and
+oneDNN's `torch.backends.mkldnn.matmul.fp32_precision = "bf16"` (its bf16 products on CPUs
+with AVX512_BF16; TF32 on a GPU).
 `--lora R`: the model wrapped by peft (`LoraConfig(r=R, lora_alpha=2R)` on the seven projections,
 as ddpjob's `[model.lora]` of bench/lora-vs-peft.sh), only the adapters given to AdamW.
 """
@@ -128,6 +132,9 @@ def train(args):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
+    if args.precision == "bf16-matmul":
+        torch.set_float32_matmul_precision("medium")
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     device = torch.device(args.device)
     batch = args.batch
 
@@ -229,7 +236,7 @@ def main():
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--lora", type=int, default=0)
     b.add_argument("--device", default="cpu")
-    b.add_argument("--precision", choices=["f32", "bf16"], default="f32")
+    b.add_argument("--precision", choices=["f32", "bf16", "bf16-matmul"], default="f32")
     b.add_argument("--attn", choices=["eager", "sdpa"], default="eager")
     b.add_argument("--batch", type=int, default=BATCH)
     args = p.parse_args()

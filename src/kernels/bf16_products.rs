@@ -11,6 +11,9 @@
 //! a job asks for it, and cannot be turned on where the CPU lacks the instructions
 //! ([`set_bf16_products`] says whether it is on).
 
+// Elsewhere only the switch is used: it never turns on.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
 use std::sync::atomic::{AtomicBool, Ordering};
 
 static ON: AtomicBool = AtomicBool::new(false);

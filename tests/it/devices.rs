@@ -25,31 +25,34 @@ fn bf16_autocast_trains_like_f32_and_keeps_f32_weights() {
             ],
         )
         .success();
-        let weights = candle_core::safetensors::load(
-            t.job(&half).join("model.safetensors"),
-            &candle_core::Device::Cpu,
-        )
-        .unwrap();
-        assert!(
-            weights
-                .values()
-                .all(|w| w.dtype() == candle_core::DType::F32)
-        );
+        assert_f32_weights(&t, &half);
         // Close to f32 (bf16 keeps ~3 significant digits), yet not the same numbers: the
         // bf16 path really ran.
         let (a, b) = (summary(&full), summary(&half));
+        assert_close_results(&a, &b, 0.1);
         let loss = |s: &serde_json::Value| s["final_train_loss"].as_f64().unwrap();
-        let accuracy = |s: &serde_json::Value| s["test_accuracy"].as_f64().unwrap();
-        assert!(
-            (loss(&a) - loss(&b)).abs() < 0.1 * loss(&a),
-            "{arch}: {a} vs {b}"
-        );
-        assert!(
-            (accuracy(&a) - accuracy(&b)).abs() < 0.1,
-            "{arch}: {a} vs {b}"
-        );
         assert_ne!(loss(&a), loss(&b), "{arch}: bf16 gave f32's exact loss");
     }
+}
+
+/// Job `name`'s saved weights are all f32.
+fn assert_f32_weights(t: &TestJob, name: &str) {
+    let weights = candle_core::safetensors::load(
+        t.job(name).join("model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let f32 = |w: &candle_core::Tensor| w.dtype() == candle_core::DType::F32;
+    assert!(weights.values().all(f32), "{name}: weights not all f32");
+}
+
+/// Two summaries' final training loss within `within` of the first's (relative) and test
+/// accuracy within `within` (absolute).
+fn assert_close_results(a: &serde_json::Value, b: &serde_json::Value, within: f64) {
+    let loss = |s: &serde_json::Value| s["final_train_loss"].as_f64().unwrap();
+    let accuracy = |s: &serde_json::Value| s["test_accuracy"].as_f64().unwrap();
+    assert!((loss(a) - loss(b)).abs() < within * loss(a), "{a} vs {b}");
+    assert!((accuracy(a) - accuracy(b)).abs() < within, "{a} vs {b}");
 }
 
 /// The CPU has no TF32: `train.precision = "tf32"` trains exactly as f32 there, and says so.
@@ -100,21 +103,8 @@ fn bf16_matmul_uses_the_cpus_bf16_products_or_says_it_cannot() {
         "the bf16 products did not run"
     );
     let summary = |name: &str| t.json(&t.job(name).join("summary.json"));
-    let (a, b) = (summary("f32"), summary("medium"));
-    let loss = |s: &serde_json::Value| s["final_train_loss"].as_f64().unwrap();
-    let accuracy = |s: &serde_json::Value| s["test_accuracy"].as_f64().unwrap();
-    assert!((loss(&a) - loss(&b)).abs() < 0.05 * loss(&a), "{a} vs {b}");
-    assert!((accuracy(&a) - accuracy(&b)).abs() < 0.05, "{a} vs {b}");
-    let medium = candle_core::safetensors::load(
-        t.job("medium").join("model.safetensors"),
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
-    assert!(
-        medium
-            .values()
-            .all(|w| w.dtype() == candle_core::DType::F32)
-    );
+    assert_close_results(&summary("f32"), &summary("medium"), 0.05);
+    assert_f32_weights(&t, "medium");
 
     let runs = t.path("runs");
     let text = TINY.replace("batch_size = 32", "global_batch_size = 16")

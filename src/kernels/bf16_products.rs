@@ -41,14 +41,13 @@ pub fn bf16_products() -> bool {
     ON.load(Ordering::Relaxed)
 }
 
-/// Products smaller than this many multiply-adds stay f32: packing would cost more than the
-/// faster products save. Decided by shape alone, so a product's result never depends on how
-/// the work was split between threads.
-const MIN_WORK: usize = 32 * 32 * 32;
-
-/// Whether an `m × k` by `k × n` product goes through the bf16 kernel.
-pub(super) fn wanted_for(m: usize, n: usize, k: usize) -> bool {
-    bf16_products() && k >= 2 && m.saturating_mul(n).saturating_mul(k) >= MIN_WORK
+/// Whether a product of depth `k` goes through the bf16 kernel: every one with a depth, when
+/// the switch is on, whatever its size. A product's value then never depends on how it was
+/// cut into blocks, whether between threads (`kernels::gemm`) or into chunks of rows or
+/// vocabulary (the GPT's head), since every cut multiplies alike and no cut splits `k`. (A
+/// product of depth 0 is all zeros: left to the f32 path, which writes them.)
+pub(super) fn wanted_for(k: usize) -> bool {
+    bf16_products() && k > 0
 }
 
 /// A matrix operand: element (i, j) at `ptr + i·rs + j·cs`.
@@ -132,11 +131,19 @@ thread_local! {
     };
 }
 
-/// `x` rounded to the nearest bf16 (ties to even), as its 16 bits; a NaN stays a NaN. Without
-/// branches, so that the packing loops vectorise.
+/// `x` rounded to the nearest bf16 (ties to even), as its 16 bits, as the instructions that
+/// pack whole chunks round (see `simd`): a NaN stays a NaN, and a subnormal f32 becomes a zero
+/// of its sign (the instructions read subnormal inputs as zero). Without branches, so that the
+/// packing loops vectorise.
 fn bf16_bits(x: f32) -> u32 {
     let bits = x.to_bits();
     let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
+    let subnormal = bits & 0x7f80_0000 == 0;
+    let rounded = if subnormal {
+        (bits >> 16) & 0x8000
+    } else {
+        rounded
+    };
     if x.is_nan() {
         (bits >> 16) | 0x40
     } else {
@@ -162,7 +169,7 @@ struct PanelLayout {
 /// are read in order); otherwise pair by pair, MR rows at a time.
 ///
 /// # Safety
-/// The block must lie inside `a`'s allocation.
+/// The block must lie inside `a`'s allocation, and the CPU must have AVX512_BF16.
 unsafe fn pack_a(
     pack: &mut [u32],
     a: Operand,
@@ -183,7 +190,8 @@ unsafe fn pack_a(
                 // SAFETY: row i's kc values from column pc, inside `a` (the caller).
                 let src =
                     unsafe { std::slice::from_raw_parts(a.ptr.add((ic + i) * a.rs + pc), kc) };
-                pack_pairs(row, src);
+                // SAFETY: the caller vouches for the instructions.
+                unsafe { pack_pairs(row, src) };
             }
         }
         return PanelLayout {
@@ -201,7 +209,8 @@ unsafe fn pack_a(
         let mut panels: Vec<&mut [u32]> = panels.collect();
         for p in 0..pairs {
             let odd = (2 * p + 1 < kc).then(|| column(2 * p + 1));
-            pack_interleaved(&mut line, column(2 * p), odd);
+            // SAFETY: the caller vouches for the instructions.
+            unsafe { pack_interleaved(&mut line, column(2 * p), odd) };
             for (dst, rows) in panels.iter_mut().zip(line.chunks(MR)) {
                 dst[p * MR..(p + 1) * MR].copy_from_slice(rows);
             }
@@ -227,8 +236,11 @@ unsafe fn pack_a(
 
 /// `src`'s values as pairs of bf16 into `dst` (`src.len()` halves, rounded up; an odd last
 /// value paired with zero).
-fn pack_pairs(dst: &mut [u32], src: &[f32]) {
-    // SAFETY: packing runs only where the bf16 instructions were found (see `gemm`).
+///
+/// # Safety
+/// The CPU must have AVX512_BF16 (on x86-64).
+unsafe fn pack_pairs(dst: &mut [u32], src: &[f32]) {
+    // SAFETY: the caller vouches for the instructions.
     #[cfg(target_arch = "x86_64")]
     let done = unsafe { simd::pairs(dst, src) };
     #[cfg(not(target_arch = "x86_64"))]
@@ -242,11 +254,14 @@ fn pack_pairs(dst: &mut [u32], src: &[f32]) {
 
 /// `dst[j]` = the pair (`even[j]`, `odd[j]`), for every j of `even` (`odd` as long; `None`:
 /// zeros).
-fn pack_interleaved(dst: &mut [u32], even: &[f32], odd: Option<&[f32]>) {
+///
+/// # Safety
+/// The CPU must have AVX512_BF16 (on x86-64).
+unsafe fn pack_interleaved(dst: &mut [u32], even: &[f32], odd: Option<&[f32]>) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if let Some(odd) = odd {
-        // SAFETY: as in `pack_pairs`.
+        // SAFETY: the caller vouches for the instructions.
         done = unsafe { simd::interleaved(dst, even, odd) };
     }
     for (j, d) in dst.iter_mut().enumerate().take(even.len()).skip(done) {
@@ -312,7 +327,7 @@ mod simd {
 /// order into `scratch`, then moved into place.
 ///
 /// # Safety
-/// The block must lie inside `b`'s allocation.
+/// The block must lie inside `b`'s allocation, and the CPU must have AVX512_BF16.
 unsafe fn pack_b(
     pack: &mut [u32],
     scratch: &mut Vec<u32>,
@@ -338,13 +353,15 @@ unsafe fn pack_b(
         if b.cs == 1 {
             for (p, out) in dst.chunks_mut(NR).enumerate() {
                 let odd = (2 * p + 1 < kc).then(|| row(2 * p + 1, first, cols));
-                pack_interleaved(out, row(2 * p, first, cols), odd);
+                // SAFETY: the caller vouches for the instructions.
+                unsafe { pack_interleaved(out, row(2 * p, first, cols), odd) };
                 out[cols..].fill(0);
             }
         } else if b.rs == 1 {
             scratch.resize(NR * pairs, 0);
             for (j, pairs_of_j) in scratch.chunks_mut(pairs).take(cols).enumerate() {
-                pack_pairs(pairs_of_j, column(first + j));
+                // SAFETY: the caller vouches for the instructions.
+                unsafe { pack_pairs(pairs_of_j, column(first + j)) };
             }
             for (p, out) in dst.chunks_mut(NR).enumerate() {
                 for (j, o) in out.iter_mut().enumerate() {

@@ -313,6 +313,23 @@ fn product(a: Mat, b: Mat, threads: usize) -> Vec<f32> {
 /// `out` must point at `a.rows` rows of `b.cols` writable values, `out.row_stride` apart, that
 /// nothing else accesses until this returns.
 unsafe fn gemm_to(out: Out, a: Mat, b: Mat, accumulate: bool, threads: usize) {
+    let products = Products::for_depth(a.cols);
+    // SAFETY: the caller vouches for `out`.
+    unsafe { split_gemm(out, a, b, accumulate, threads, products) }
+}
+
+/// [`gemm_to`], multiplying as `products` says.
+///
+/// # Safety
+/// As [`gemm_to`]'s; `Products::Bf16` only where `set_bf16_products` returned true.
+unsafe fn split_gemm(
+    out: Out,
+    a: Mat,
+    b: Mat,
+    accumulate: bool,
+    threads: usize,
+    products: Products,
+) {
     assert_eq!(a.cols, b.rows, "gemm: inner dimensions differ");
     let (m, n) = (a.rows, b.cols);
     let split_rows = m >= n;
@@ -324,9 +341,13 @@ unsafe fn gemm_to(out: Out, a: Mat, b: Mat, accumulate: bool, threads: usize) {
         .max(1);
     if parts == 1 {
         // SAFETY: the caller vouches for `out`.
-        return unsafe { gemm_block(out, a, b, accumulate) };
+        return unsafe { gemm_block(out, a, b, accumulate, products) };
     }
-    let per_part = if split_rows { m } else { n }.div_ceil(parts);
+    let len = if split_rows { m } else { n };
+    let per_part = len.div_ceil(parts);
+    // Rounding the share up can leave fewer non-empty parts than asked (305 rows in 19 parts
+    // of 17 fill 18): only those run.
+    let parts = len.div_ceil(per_part);
     (0..parts).into_par_iter().for_each(|part| {
         let first = part * per_part;
         let (a, b, out) = if split_rows {
@@ -348,7 +369,7 @@ unsafe fn gemm_to(out: Out, a: Mat, b: Mat, accumulate: bool, threads: usize) {
         };
         // SAFETY: the blocks are disjoint (distinct rows, or distinct columns, of `out`), each
         // inside it, and the caller keeps it to us until every block is done.
-        unsafe { gemm_block(out, a, b, accumulate) }
+        unsafe { gemm_block(out, a, b, accumulate, products) }
     });
 }
 
@@ -401,7 +422,7 @@ impl Out {
 /// # Safety
 /// `out` must point at `a.rows` rows of `b.cols` writable values, `out.row_stride` apart, that
 /// nothing else accesses meanwhile.
-unsafe fn gemm_block(out: Out, a: Mat, b: Mat, accumulate: bool) {
+unsafe fn gemm_block(out: Out, a: Mat, b: Mat, accumulate: bool, products: Products) {
     // SAFETY: `Mat::new` checked that each operand's data covers rows × cols; a transpose only
     // swaps the strides within those bounds, and a block (in `gemm`) starts its data at its
     // first row or column, keeping every access at or below the original's last element; the
@@ -413,7 +434,27 @@ unsafe fn gemm_block(out: Out, a: Mat, b: Mat, accumulate: bool) {
             accumulate,
             (a.data.as_ptr(), a.row_stride, a.col_stride),
             (b.data.as_ptr(), b.row_stride, b.col_stride),
+            products,
         )
+    }
+}
+
+/// How a product multiplies: in f32, or from bf16 inputs (`train.precision = "bf16-matmul"`,
+/// see `bf16_products`): decided by the process's switch and the product's depth alone, so
+/// every block of a product cut between threads or into chunks multiplies alike.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Products {
+    F32,
+    Bf16,
+}
+
+impl Products {
+    /// For a product of depth `k` in this process.
+    pub(crate) fn for_depth(k: usize) -> Products {
+        match bf16_products::wanted_for(k) {
+            true => Products::Bf16,
+            false => Products::F32,
+        }
     }
 }
 
@@ -421,8 +462,8 @@ unsafe fn gemm_block(out: Out, a: Mat, b: Mat, accumulate: bool) {
 pub(crate) type Strided = (*const f32, usize, usize);
 
 /// `dst` = a·b, or += a·b when `accumulate`, single-threaded, for `a` m × k and `b` k × n and
-/// `dst` m × n with rows `dst.1` apart: the one way every CPU kernel multiplies matrices, so
-/// `train.precision = "bf16-matmul"` reaches them all (see `bf16_products`).
+/// `dst` m × n with rows `dst.1` apart, multiplied as `products` says: the one way every CPU
+/// kernel multiplies matrices, so `train.precision = "bf16-matmul"` reaches them all.
 ///
 /// # Safety
 /// Every element of `a`, `b` and `dst` must be inside its allocation, and nothing else may
@@ -433,16 +474,17 @@ pub(crate) unsafe fn strided_product(
     accumulate: bool,
     a: Strided,
     b: Strided,
+    products: Products,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if bf16_products::wanted_for(m, n, k) {
+    if products == Products::Bf16 {
         let operand = |(ptr, rs, cs): Strided| bf16_products::Operand { ptr, rs, cs };
         let dst = bf16_products::Dst {
             ptr: dst.0,
             rs: dst.1,
         };
-        // SAFETY: `wanted_for` holds only where `set_bf16_products` found the instructions;
-        // the caller vouches for the memory.
+        // SAFETY: `Products::Bf16` is only chosen where `set_bf16_products` found the
+        // instructions; the caller vouches for the memory.
         return unsafe { bf16_products::gemm((m, n, k), dst, accumulate, operand(a), operand(b)) };
     }
     // SAFETY: the caller vouches for the memory.

@@ -203,6 +203,87 @@ fn gemm_split_over_threads_matches_one_thread() {
     }
 }
 
+/// Many threads: 305 rows in shares of 17 fill 18 parts, not the 19 asked for; the product is
+/// still the one-thread product (the 19th share would have started past the last row).
+#[test]
+fn a_split_into_more_shares_than_rows_fill_runs_the_filled_ones() {
+    let (m, n, k) = (305, 64, 8000);
+    let mut rng = Mt19937::new(5);
+    let mut fill = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect() };
+    let (a, b) = (fill(m * k), fill(k * n));
+    let (a, b) = (Mat::new(&a, m, k), Mat::new(&b, k, n));
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(19)
+        .build()
+        .unwrap();
+    let mut one = vec![0.0; m * n];
+    gemm(&mut one, a, b, false, 1);
+    let mut many = vec![f32::NAN; m * n];
+    pool.install(|| gemm(&mut many, a, b, false, 19));
+    let worst = one
+        .iter()
+        .zip(&many)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-3, "19 shares differ from one by {worst}");
+}
+
+/// Under `train.precision = "bf16-matmul"` (where the CPU has the instructions) a product split
+/// over threads, by rows or by columns, is the one-thread product bit for bit: every part
+/// multiplies from bf16, and no element's sums depend on the block it falls in.
+#[test]
+fn bf16_products_split_over_threads_equal_one_thread_bit_for_bit() {
+    if !super::bf16_products::available() {
+        return;
+    }
+    let mut rng = Mt19937::new(4);
+    let mut fill = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect() };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    // Split by columns, by rows (transposed, accumulating), and into uneven halves off every
+    // block edge of the kernel.
+    let shapes = [
+        (64, 300, 1000, false, false),
+        (300, 64, 1000, true, true),
+        (257, 129, 515, false, true),
+    ];
+    for (m, n, k, transpose, accumulate) in shapes {
+        let (a, b, start) = (fill(m * k), fill(k * n), fill(m * n));
+        let (a, b) = if transpose {
+            (Mat::new(&a, k, m).t(), Mat::new(&b, n, k).t())
+        } else {
+            (Mat::new(&a, m, k), Mat::new(&b, k, n))
+        };
+        let run = |threads: usize| {
+            let mut dst = start.clone();
+            let out = Out {
+                ptr: dst.as_mut_ptr(),
+                row_stride: n,
+            };
+            // SAFETY: `dst` is m × n; the CPU has the instructions (checked above).
+            let product = || unsafe {
+                split_gemm(out, a, b, accumulate, threads, Products::Bf16);
+            };
+            pool.install(product);
+            dst
+        };
+        let (one, two) = (run(1), run(2));
+        let same = one
+            .iter()
+            .zip(&two)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{m}x{n}x{k}: the split changed the bf16 product");
+        let f32_product = {
+            let mut dst = start.clone();
+            gemm(&mut dst, a, b, accumulate, 1);
+            dst
+        };
+        assert!(one != f32_product, "{m}x{n}x{k}: no bf16 rounding seen");
+    }
+}
+
 #[test]
 fn add_pairs_matches_candle_for_large_small_and_shaped_gradients() {
     let mut rng = Mt19937::new(7);

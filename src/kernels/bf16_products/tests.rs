@@ -73,6 +73,14 @@ fn values_round_to_the_nearest_bf16_ties_to_even() {
         0x7f80,
         "past bf16's largest value: infinity"
     );
+    // Subnormals become zeros of their sign, as the packing instructions read them.
+    assert_eq!(bf16_bits(f32::from_bits(0x007f_ffff)), 0x0000);
+    assert_eq!(bf16_bits(f32::from_bits(0x8000_0001)), 0x8000);
+    assert_eq!(
+        bf16_bits(f32::MIN_POSITIVE),
+        0x0080,
+        "the smallest normal stays"
+    );
     let nan = f32::from_bits(bf16_bits(f32::NAN) << 16);
     assert!(nan.is_nan());
     assert!(f32::from_bits(bf16_bits(f32::from_bits(0x7f80_0001)) << 16).is_nan());

@@ -211,6 +211,7 @@ pub(super) fn gemm_into(dst: &mut [f32], rs: usize, a: View, b: View, accumulate
             accumulate,
             (a.data.as_ptr(), a.rs, a.cs),
             (b.data.as_ptr(), b.rs, b.cs),
+            kernels::Products::for_depth(a.cols),
         )
     }
 }

@@ -467,7 +467,8 @@ pub(crate) type Strided = (*const f32, usize, usize);
 ///
 /// # Safety
 /// Every element of `a`, `b` and `dst` must be inside its allocation, and nothing else may
-/// access `dst` meanwhile.
+/// access `dst` meanwhile; `products` must come from [`Products::for_depth`] (its `Bf16` needs
+/// the instructions that `set_bf16_products` checked).
 pub(crate) unsafe fn strided_product(
     (m, n, k): (usize, usize, usize),
     dst: (*mut f32, usize),

@@ -95,7 +95,7 @@ pub(super) unsafe fn gemm(
             let add = accumulate || pc > 0;
             for ic in (0..m).step_by(MC) {
                 let mc = MC.min(m - ic);
-                let layout = unsafe { pack_a(&mut a_pack, a, (ic, mc), (pc, kc)) };
+                let layout = unsafe { pack_a(&mut a_pack, &mut scratch, a, (ic, mc), (pc, kc)) };
                 for jr in (0..nc).step_by(NR) {
                     let b_panel = &b_pack[jr * pairs..];
                     for ir in (0..mc).step_by(MR) {
@@ -125,7 +125,7 @@ const MC: usize = 128;
 const NC: usize = 1024;
 
 thread_local! {
-    /// Each thread's packed A and B blocks and B's scratch, kept between products.
+    /// Each thread's packed A and B blocks and the packers' scratch, kept between products.
     static PACKS: std::cell::Cell<(Vec<u32>, Vec<u32>, Vec<u32>)> = const {
         std::cell::Cell::new((Vec::new(), Vec::new(), Vec::new()))
     };
@@ -156,6 +156,17 @@ fn pair(first: f32, second: f32) -> u32 {
     bf16_bits(first) | (bf16_bits(second) << 16)
 }
 
+/// Pair `p` of a run of `kc` values, `value(i)` the i-th: values 2p and 2p + 1, the second
+/// zero past the end (an odd `kc`).
+fn pair_of(kc: usize, p: usize, value: impl Fn(usize) -> f32) -> u32 {
+    let second = if 2 * p + 1 < kc {
+        value(2 * p + 1)
+    } else {
+        0.0
+    };
+    pair(value(2 * p), second)
+}
+
 /// Where a packed A panel keeps row r's pair p: at `r · row + p · step`.
 #[derive(Clone, Copy)]
 struct PanelLayout {
@@ -172,15 +183,16 @@ struct PanelLayout {
 /// The block must lie inside `a`'s allocation, and the CPU must have AVX512_BF16.
 unsafe fn pack_a(
     pack: &mut [u32],
+    scratch: &mut Vec<u32>,
     a: Operand,
     (ic, mc): (usize, usize),
     (pc, kc): (usize, usize),
 ) -> PanelLayout {
     let pairs = kc.div_ceil(2);
     let at = |i: usize, p: usize| unsafe { *a.ptr.add((ic + i) * a.rs + (pc + p) * a.cs) };
-    let panels = pack.chunks_mut(MR * pairs).take(mc.div_ceil(MR));
+    let panels = mc.div_ceil(MR);
     if a.cs == 1 {
-        for (panel, dst) in panels.enumerate() {
+        for (panel, dst) in pack.chunks_mut(MR * pairs).take(panels).enumerate() {
             for (r, row) in dst.chunks_mut(pairs).enumerate() {
                 let i = panel * MR + r;
                 if i >= mc {
@@ -200,33 +212,33 @@ unsafe fn pack_a(
         };
     }
     if a.rs == 1 {
-        // Column-major: pair p of every row from two columns read in order, into a line that
-        // is then cut into the panels.
-        let mut line = vec![0u32; mc.next_multiple_of(MR)];
+        // Column-major: pair p of every row from two columns read in order, into a line (the
+        // rows past mc zeros) that is then cut into the panels.
+        scratch.clear();
+        scratch.resize(mc.next_multiple_of(MR), 0);
         // SAFETY (of `column`): column pc + c's mc values from row ic, inside `a` (the caller).
         let column =
             |c: usize| unsafe { std::slice::from_raw_parts(a.ptr.add(ic + (pc + c) * a.cs), mc) };
-        let mut panels: Vec<&mut [u32]> = panels.collect();
         for p in 0..pairs {
             let odd = (2 * p + 1 < kc).then(|| column(2 * p + 1));
             // SAFETY: the caller vouches for the instructions.
-            unsafe { pack_interleaved(&mut line, column(2 * p), odd) };
-            for (dst, rows) in panels.iter_mut().zip(line.chunks(MR)) {
-                dst[p * MR..(p + 1) * MR].copy_from_slice(rows);
+            unsafe { pack_interleaved(scratch, column(2 * p), odd) };
+            for (panel, rows) in scratch.chunks(MR).enumerate() {
+                let at = panel * MR * pairs + p * MR;
+                pack[at..at + MR].copy_from_slice(rows);
             }
         }
         return PanelLayout { row: 1, step: MR };
     }
-    for (panel, dst) in panels.enumerate() {
+    for (panel, dst) in pack.chunks_mut(MR * pairs).take(panels).enumerate() {
         let rows = MR.min(mc - panel * MR);
         let first = panel * MR;
         for (p, out) in dst.chunks_mut(MR).enumerate() {
-            let second = 2 * p + 1 < kc;
             for (r, o) in out.iter_mut().enumerate() {
-                *o = match (r < rows, second) {
-                    (false, _) => 0,
-                    (true, true) => pair(at(first + r, 2 * p), at(first + r, 2 * p + 1)),
-                    (true, false) => pair(at(first + r, 2 * p), 0.0),
+                *o = if r < rows {
+                    pair_of(kc, p, |i| at(first + r, i))
+                } else {
+                    0
                 };
             }
         }
@@ -370,12 +382,11 @@ unsafe fn pack_b(
             }
         } else {
             for (p, out) in dst.chunks_mut(NR).enumerate() {
-                let second = 2 * p + 1 < kc;
                 for (j, o) in out.iter_mut().enumerate() {
-                    *o = match (j < cols, second) {
-                        (false, _) => 0,
-                        (true, true) => pair(at(2 * p, first + j), at(2 * p + 1, first + j)),
-                        (true, false) => pair(at(2 * p, first + j), 0.0),
+                    *o = if j < cols {
+                        pair_of(kc, p, |i| at(i, first + j))
+                    } else {
+                        0
                     };
                 }
             }

@@ -137,25 +137,30 @@ struct ConvOp {
 
 /// Sizes of one call; `l` = output pixels per channel, `ckk` = rows of a sample's column matrix.
 #[derive(Debug, Clone, Copy)]
-struct Dims {
-    n: usize,
-    c: usize,
-    h: usize,
-    w: usize,
-    o: usize,
-    k: usize,
-    stride: usize,
-    pad: usize,
-    oh: usize,
-    ow: usize,
-    l: usize,
-    ckk: usize,
+pub(super) struct Dims {
+    pub(super) n: usize,
+    pub(super) c: usize,
+    pub(super) h: usize,
+    pub(super) w: usize,
+    pub(super) o: usize,
+    pub(super) k: usize,
+    pub(super) stride: usize,
+    pub(super) pad: usize,
+    pub(super) oh: usize,
+    pub(super) ow: usize,
+    pub(super) l: usize,
+    pub(super) ckk: usize,
     /// Output values per sample (after pooling).
-    out: usize,
+    pub(super) out: usize,
 }
 
 impl Dims {
-    fn new(x: &Shape, w: &Shape, geometry: ConvGeometry, pooling: Pooling) -> Result<Self> {
+    pub(super) fn new(
+        x: &Shape,
+        w: &Shape,
+        geometry: ConvGeometry,
+        pooling: Pooling,
+    ) -> Result<Self> {
         let (n, c, h, wd) = x.dims4()?;
         let (o, wc, k, k2) = w.dims4()?;
         let ConvGeometry { stride, padding } = geometry;
@@ -187,7 +192,7 @@ impl Dims {
         })
     }
 
-    fn input(&self) -> usize {
+    pub(super) fn input(&self) -> usize {
         self.c * self.h * self.w
     }
 
@@ -200,7 +205,7 @@ impl Dims {
         }
     }
 
-    fn out_shape(&self, pooling: Pooling) -> Shape {
+    pub(super) fn out_shape(&self, pooling: Pooling) -> Shape {
         match pooling {
             Pooling::None => (self.n, self.o, self.oh, self.ow).into(),
             Pooling::Max2 => (self.n, self.o, self.oh / 2, self.ow / 2).into(),

@@ -55,22 +55,7 @@ pub(crate) fn warp_per_row(rows: usize, what: &str) -> Result<LaunchConfig> {
     })
 }
 
-/// f32 and bf16 values read as f32 and written back from it, for kernels over both: bf16 is
-/// handled as its bits (no `cuda_bf16.h`: NVRTC would need the toolkit's headers on the GPU
-/// machine); the store rounds to nearest even as the `half` crate does.
-pub(crate) const ELEMENTS: &str = r#"
-__device__ __forceinline__ float load(const float* p, unsigned long long i) { return p[i]; }
-__device__ __forceinline__ float load(const unsigned short* p, unsigned long long i) {
-    return __uint_as_float(((unsigned int)p[i]) << 16);
-}
-__device__ __forceinline__ void store(float* p, unsigned long long i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(unsigned short* p, unsigned long long i, float v) {
-    unsigned int u = __float_as_uint(v);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { p[i] = (unsigned short)((u >> 16) | 0x40u); return; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    p[i] = (unsigned short)(u >> 16);
-}
-"#;
+pub(crate) use super::device_code::ELEMENTS;
 
 /// The CUDA helpers every row kernel's source starts with: a warp's row, and its sums and
 /// maxima.

@@ -6,13 +6,13 @@ use candle_core::{Device, Tensor, Var};
 use super::*;
 use crate::rng::Mt19937;
 
-fn random(rng: &mut Mt19937, shape: &[usize]) -> Tensor {
+pub(super) fn random(rng: &mut Mt19937, shape: &[usize]) -> Tensor {
     let n = shape.iter().product();
     let values: Vec<f32> = (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect();
     Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
 }
 
-fn assert_close(what: &str, ours: &Tensor, theirs: &Tensor) {
+pub(super) fn assert_close(what: &str, ours: &Tensor, theirs: &Tensor) {
     assert_eq!(ours.dims(), theirs.dims(), "{what}: shapes");
     let a = ours.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let b = theirs.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -27,7 +27,7 @@ fn assert_close(what: &str, ours: &Tensor, theirs: &Tensor) {
 
 /// Output and gradients of `f(x, w, b)` under a random upstream gradient; `x` is a variable
 /// only when `x_needs_grad` (otherwise it is data, as for a first layer).
-fn run(
+pub(super) fn run(
     f: impl Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
     tensors: [&Tensor; 3],
     upstream_seed: u64,
@@ -53,23 +53,39 @@ fn run(
     (out, gx, gw, gb)
 }
 
+/// A convolution: n, c, h, w, o, k, stride, padding, relu, pooling.
+pub(super) type ConvCase = (
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    bool,
+    Pooling,
+);
+
+/// Convolutions over shapes, strides and padding.
+pub(super) const CONV_CASES: [ConvCase; 9] = [
+    (2, 1, 8, 8, 4, 3, 1, 0, true, Pooling::None),
+    (3, 3, 9, 7, 5, 3, 2, 1, false, Pooling::None),
+    (2, 2, 6, 6, 3, 1, 1, 0, true, Pooling::Max2),
+    (4, 4, 10, 11, 6, 3, 1, 0, true, Pooling::Max2),
+    (1, 2, 5, 5, 2, 5, 1, 2, false, Pooling::None),
+    (2, 3, 12, 9, 4, 2, 3, 2, true, Pooling::None),
+    (5, 2, 9, 9, 3, 3, 1, 1, false, Pooling::Max2),
+    // Larger: more channels and output rows, odd sizes, padding.
+    (2, 16, 26, 26, 8, 3, 1, 1, true, Pooling::Max2),
+    (1, 20, 33, 30, 4, 5, 1, 2, false, Pooling::None),
+];
+
 #[test]
 fn conv2d_matches_candle_over_shapes_strides_and_padding() {
     let mut rng = Mt19937::new(7);
-    let cases = [
-        // n, c, h, w, o, k, stride, padding, relu, pooling
-        (2, 1, 8, 8, 4, 3, 1, 0, true, Pooling::None),
-        (3, 3, 9, 7, 5, 3, 2, 1, false, Pooling::None),
-        (2, 2, 6, 6, 3, 1, 1, 0, true, Pooling::Max2),
-        (4, 4, 10, 11, 6, 3, 1, 0, true, Pooling::Max2),
-        (1, 2, 5, 5, 2, 5, 1, 2, false, Pooling::None),
-        (2, 3, 12, 9, 4, 2, 3, 2, true, Pooling::None),
-        (5, 2, 9, 9, 3, 3, 1, 1, false, Pooling::Max2),
-        // Larger: more channels and output rows, odd sizes, padding.
-        (2, 16, 26, 26, 8, 3, 1, 1, true, Pooling::Max2),
-        (1, 20, 33, 30, 4, 5, 1, 2, false, Pooling::None),
-    ];
-    for (case, &(n, c, h, w, o, k, stride, padding, relu, pooling)) in cases.iter().enumerate() {
+    for (case, &(n, c, h, w, o, k, stride, padding, relu, pooling)) in CONV_CASES.iter().enumerate()
+    {
         let x = random(&mut rng, &[n, c, h, w]);
         let wt = random(&mut rng, &[o, c, k, k]);
         let b = random(&mut rng, &[o]);

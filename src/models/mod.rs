@@ -436,14 +436,17 @@ pub struct Conv2d {
 impl Conv2d {
     /// `pooling(relu(conv2d(x) + b))`, stride 1, no padding.
     pub fn forward_relu(&self, xs: &Tensor, pooling: Pooling) -> Result<Tensor> {
+        let geometry = ConvGeometry {
+            stride: 1,
+            padding: 0,
+        };
         if kernels::applies(xs) {
-            let geometry = ConvGeometry {
-                stride: 1,
-                padding: 0,
-            };
             return kernels::conv2d(xs, &self.weight, &self.bias, geometry, true, pooling);
         }
         let (weight, bias) = (in_dtype(&self.weight, xs)?, in_dtype(&self.bias, xs)?);
+        if kernels::conv2d_unfolded_applies(xs) {
+            return kernels::conv2d_unfolded(xs, &weight, &bias, geometry, true, pooling);
+        }
         if xs.dtype() == DType::BF16 && xs.device().is_cpu() {
             // candle's CPU convolution has no bf16 kernel. As its bf16 matmul does, widen the
             // bf16 operands to f32 (exactly), compute, and round the result back to bf16.

@@ -37,8 +37,9 @@
 #      torch), QUICK=1 (200 GPT steps), GPT_STEPS=N (N GPT steps, default 500; "all": the
 #      recipe's), LLAMA_LAYERS (default 30), LLAMA_STEPS (default 40), LLAMA_BATCH (default 32
 #      windows of 256 tokens), PROFILE_MODEL=llama (profile the llama step's model and batch,
-#      bf16, instead of the GPT recipe's), PROFILE_LAUNCHES (kernels ncu times, default 4000;
-#      12000 for llama),
+#      bf16, instead of the GPT recipe's; =cnn: the cnn's step at batch 64, as the `cnn` step
+#      runs it), PROFILE_LAUNCHES (kernels ncu times, default 4000; 12000 for llama, 3000 for
+#      the cnn),
 #      STEP_TIMEOUT (seconds each command of a step may take, default 540), SMOKE_ONLY=1 (skip
 #      cnn and gpt, which need PyTorch and data: what CI's GPU job runs), BENCH_CONFIG (the job
 #      file `bench step` times, default configs/fashion-mnist.toml), ALLREDUCE_SIZES (default
@@ -377,7 +378,7 @@ if wants bench; then
   [ -n "${QUICK:-}" ] && steps=30
   if ddpjob bench step --config "${BENCH_CONFIG:-configs/fashion-mnist.toml}" "${gpu[@]}" --steps "$steps" --json \
        > "$logs/bench-step.json" 2> "$logs/bench-step.err" \
-     && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms, %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$logs/bench-step.json"); then
+     && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms (forward %.2f, backward %.2f, update %.2f), %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], r['forward_ms'], r['backward_ms'], r['update_ms'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$logs/bench-step.json"); then
     record "bench step" ok "$detail"
   else record "bench step" FAIL "$(tail_of "$logs/bench-step.err" 2)"; fi
 
@@ -392,7 +393,7 @@ if wants bench; then
   else record "bench allreduce" FAIL "$(tail_of "$logs/bench-allreduce.txt" 2)"; fi
 fi
 
-# Where the GPT recipe's step (PROFILE_MODEL=llama: the llama step's) goes, kernel by kernel:
+# Where the GPT recipe's step (PROFILE_MODEL=llama or cnn: that model's) goes, kernel by kernel:
 # ncu's duration of every kernel of one warm-up and one timed `bench step` (profiled one at a
 # time, so this takes ~40 s for the GPT), summed by kernel and grid; the top 20 in
 # logs/profile.txt, the top 3 in the report.
@@ -406,6 +407,11 @@ if wants profile; then
     [ -f "$work/llama/job.toml" ] || "$python" bench/llama_ref.py prepare "$work/llama" "$text" \
       --layers "${LLAMA_LAYERS:-30}" >> "$logs/llama-prepare.log" 2>&1
     profiled=(--config "$work/llama/job.toml" --set train.precision=bf16 --set "train.batch_size=${LLAMA_BATCH:-32}")
+  elif [ "${PROFILE_MODEL:-gpt}" = cnn ]; then
+    # The cnn epoch's step as `cnn` runs it against torch_ref.py: batch 64, no accumulation.
+    profiled_model=cnn
+    launches=${PROFILE_LAUNCHES:-3000}
+    profiled=(--config configs/fashion-mnist.toml --set "data.root=$data" --set train.batch_size=64 --set train.accumulation=1)
   fi
   if [ "$device" = cpu ]; then record "profile (ncu, $profiled_model step)" skipped "DEVICE=cpu dry run"
   elif [ -z "$ncu" ]; then record "profile (ncu, $profiled_model step)" skipped "no ncu on this machine"

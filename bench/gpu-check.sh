@@ -25,7 +25,7 @@
 # torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), llama (a SmolLM2-135M-shaped
 # `llama` from a Hugging Face directory, bf16, against transformers on the same device: training
 # and `eval` tokens/s, the first steps' losses), bench (`bench step`, `bench allreduce`),
-# profile (ncu's time per kernel of the GPT recipe's step), resume (SIGTERM in the middle of a
+# profile (ncu's time per kernel of the GPT recipe's step and the cnn's), resume (SIGTERM in the middle of a
 # run, then `resume`, against the same job uninterrupted). The device tool
 # stops a command after 10 minutes: every step took about 3 minutes on an H200 (500 GPT steps
 # of each program by default; GPT_STEPS=all runs the recipe's 5000, which fits STEP_TIMEOUT
@@ -36,10 +36,10 @@
 #      target/gpu-carry/fashion-mnist), TEXT (default target/gpu-carry/input.txt), PYTHON (with
 #      torch), QUICK=1 (200 GPT steps), GPT_STEPS=N (N GPT steps, default 500; "all": the
 #      recipe's), LLAMA_LAYERS (default 30), LLAMA_STEPS (default 40), LLAMA_BATCH (default 32
-#      windows of 256 tokens), PROFILE_MODEL=llama (profile the llama step's model and batch,
-#      bf16, instead of the GPT recipe's; =cnn: the cnn's step at batch 64, as the `cnn` step
-#      runs it), PROFILE_LAUNCHES (kernels ncu times, default 4000; 12000 for llama, 3000 for
-#      the cnn),
+#      windows of 256 tokens), PROFILE_MODEL (the models profiled, default "gpt cnn": the GPT
+#      recipe's step and the cnn's at batch 64 as the `cnn` step runs it; "llama": the llama
+#      step's model and batch, bf16), PROFILE_LAUNCHES (kernels ncu times, default 4000;
+#      12000 for llama, 3000 for the cnn),
 #      STEP_TIMEOUT (seconds each command of a step may take, default 540), SMOKE_ONLY=1 (skip
 #      cnn and gpt, which need PyTorch and data: what CI's GPU job runs), BENCH_CONFIG (the job
 #      file `bench step` times, default configs/fashion-mnist.toml), ALLREDUCE_SIZES (default
@@ -393,34 +393,40 @@ if wants bench; then
   else record "bench allreduce" FAIL "$(tail_of "$logs/bench-allreduce.txt" 2)"; fi
 fi
 
-# Where the GPT recipe's step (PROFILE_MODEL=llama or cnn: that model's) goes, kernel by kernel:
-# ncu's duration of every kernel of one warm-up and one timed `bench step` (profiled one at a
-# time, so this takes ~40 s for the GPT), summed by kernel and grid; the top 20 in
-# logs/profile.txt, the top 3 in the report.
+# Where a model's step goes, kernel by kernel, for each of PROFILE_MODEL's models (default
+# "gpt cnn": the GPT recipe's step, and the cnn's at batch 64 as the `cnn` step runs it; "llama"
+# the llama step's): ncu's duration of every kernel of one warm-up and one timed `bench step`
+# (profiled one at a time, so this takes ~40 s for the GPT), summed by kernel and grid; the top
+# 20 in logs/profile-MODEL.txt, the top 3 in the report.
 if wants profile; then
   ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-  launches=${PROFILE_LAUNCHES:-4000}
-  profiled=(--config configs/shakespeare-char-gpu.toml --set "data.path=$text") profiled_model=GPT
-  if [ "${PROFILE_MODEL:-gpt}" = llama ]; then
-    profiled_model=llama
-    launches=${PROFILE_LAUNCHES:-12000}
-    [ -f "$work/llama/job.toml" ] || "$python" bench/llama_ref.py prepare "$work/llama" "$text" \
-      --layers "${LLAMA_LAYERS:-30}" >> "$logs/llama-prepare.log" 2>&1
-    profiled=(--config "$work/llama/job.toml" --set train.precision=bf16 --set "train.batch_size=${LLAMA_BATCH:-32}")
-  elif [ "${PROFILE_MODEL:-gpt}" = cnn ]; then
-    # The cnn epoch's step as `cnn` runs it against torch_ref.py: batch 64, no accumulation.
-    profiled_model=cnn
-    launches=${PROFILE_LAUNCHES:-3000}
-    profiled=(--config configs/fashion-mnist.toml --set "data.root=$data" --set train.batch_size=64 --set train.accumulation=1)
-  fi
-  if [ "$device" = cpu ]; then record "profile (ncu, $profiled_model step)" skipped "DEVICE=cpu dry run"
-  elif [ -z "$ncu" ]; then record "profile (ncu, $profiled_model step)" skipped "no ncu on this machine"
-  elif [ ! -f "$text" ]; then record "profile (ncu, $profiled_model step)" FAIL "no text at $text"
+  for profiled_model in ${PROFILE_MODEL:-gpt cnn}; do
+  case $profiled_model in
+    llama)
+      launches=${PROFILE_LAUNCHES:-12000}
+      [ -f "$work/llama/job.toml" ] || "$python" bench/llama_ref.py prepare "$work/llama" "$text" \
+        --layers "${LLAMA_LAYERS:-30}" >> "$logs/llama-prepare.log" 2>&1
+      profiled=(--config "$work/llama/job.toml" --set train.precision=bf16 --set "train.batch_size=${LLAMA_BATCH:-32}")
+      needs=$text ;;
+    cnn)
+      launches=${PROFILE_LAUNCHES:-3000}
+      profiled=(--config configs/fashion-mnist.toml --set "data.root=$data" --set train.batch_size=64 --set train.accumulation=1)
+      needs=$data/train-images-idx3-ubyte.gz ;;
+    *)
+      launches=${PROFILE_LAUNCHES:-4000}
+      profiled=(--config configs/shakespeare-char-gpu.toml --set "data.path=$text")
+      needs=$text ;;
+  esac
+  label=$profiled_model; [ "$label" = gpt ] && label=GPT
+  csv_out=$logs/profile-$profiled_model.csv txt_out=$logs/profile-$profiled_model.txt
+  if [ "$device" = cpu ]; then record "profile (ncu, $label step)" skipped "DEVICE=cpu dry run"
+  elif [ -z "$ncu" ]; then record "profile (ncu, $label step)" skipped "no ncu on this machine"
+  elif [ ! -f "$needs" ]; then record "profile (ncu, $label step)" FAIL "no $needs"
   elif timeout -k 10 "$limit" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
          --print-summary per-kernel --launch-count "$launches" \
          "${bin[@]}" bench step "${profiled[@]}" "${gpu[@]}" \
-         --steps 1 --warmup 1 > "$logs/profile.csv" 2> "$logs/profile.err" \
-       && detail=$("$python" - "$logs/profile.csv" "$logs/profile.txt" <<'PY'
+         --steps 1 --warmup 1 > "$csv_out" 2> "$logs/profile-$profiled_model.err" \
+       && detail=$("$python" - "$csv_out" "$txt_out" <<'PY'
 import collections, csv, sys
 rows = list(csv.reader(line for line in open(sys.argv[1]) if line.startswith('"')))
 head, total = rows[0], collections.defaultdict(lambda: [0, 0.0])
@@ -439,8 +445,9 @@ with open(sys.argv[2], "w") as out:
         out.write(f"{t:9.2f} ms {calls:6d} x {1e3 * t / calls:8.1f} us  {name}  grid {grid}\n")
 print(f"{ms:.0f} ms of kernels; top: " + "; ".join(f"{n} {t:.1f} ms/{c}" for (n, _), (c, t) in top[:3]))
 PY
-       ); then record "profile (ncu, $profiled_model step)" ok "$detail (logs/profile.txt)"
-  else record "profile (ncu, $profiled_model step)" FAIL "$(tail_of "$logs/profile.err" 2)"; fi
+       ); then record "profile (ncu, $label step)" ok "$detail (logs/profile-$profiled_model.txt)"
+  else record "profile (ncu, $label step)" FAIL "$(tail_of "$logs/profile-$profiled_model.err" 2)"; fi
+  done
 fi
 
 # SIGTERM in the middle of a run, then `resume`, against the same job uninterrupted: the final

@@ -88,6 +88,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
         ("bench step", "ok"),
         ("bench allreduce", "ok"),
         ("profile (ncu, GPT step)", "skipped"),
+        ("profile (ncu, cnn step)", "skipped"),
         ("SIGTERM, resume vs uninterrupted", "ok"),
     ];
     let expected: Vec<(String, String)> = expected
@@ -97,7 +98,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
     assert_eq!(steps(&report), expected, "{}", run.stdout);
     assert_eq!(report["failed"], 0);
     assert_eq!(report["device"], "cpu");
-    let resume = &report["steps"][10]["detail"];
+    let resume = &report["steps"][11]["detail"];
     assert!(
         resume.as_str().unwrap().ends_with("resumed; bit-identical"),
         "{resume}"

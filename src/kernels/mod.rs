@@ -105,6 +105,20 @@ pub(crate) fn uneven_sum(y: &Tensor) -> Tensor {
         .expect("the weighted sum")
 }
 
+/// Compiles (NVRTC) every kernel of this module that a GPU worker may launch, so that the
+/// first step finds them ready (see [`crate::device`]); an error is kept for the first use to
+/// report.
+#[cfg(feature = "cuda")]
+pub(crate) fn compile_gpu_kernels() {
+    let compiled = [
+        conv_cuda::ptx(),
+        cross_entropy_cuda::ptx(),
+        optim_cuda::ptx(),
+        swap_middle::cuda::ptx(),
+    ];
+    drop(compiled);
+}
+
 /// Whether the fused kernels run for `t`: f32 on the CPU.
 pub fn applies(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32

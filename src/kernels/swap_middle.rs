@@ -89,7 +89,7 @@ impl CustomOp1 for SwapMiddle {
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
+pub(super) mod cuda {
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
     };
@@ -121,7 +121,7 @@ extern "C" __global__ void ddpjob_swap_middle_##NAME(const T* x, T* y, unsigned 
 
     const MODULE: &str = "ddpjob_swap_middle";
 
-    pub(super) fn ptx() -> Result<&'static str> {
+    pub(in crate::kernels) fn ptx() -> Result<&'static str> {
         static PTX: nvrtc::Compiled = nvrtc::Compiled::new();
         PTX.get(&[SOURCE], "the head-swap kernel")
     }

@@ -45,6 +45,19 @@ use crate::rng::Mt19937;
 use dropout::Dropout;
 pub use ops::Activation;
 
+/// Compiles (NVRTC) the GPT's GPU kernels ahead of their first use (see [`crate::device`]).
+#[cfg(feature = "cuda")]
+pub(super) fn compile_gpu_kernels() {
+    let compiled = [
+        causal_softmax_cuda::ptx(),
+        dropout_cuda::ptx(),
+        gelu_cuda::ptx(),
+        layer_norm_cuda::ptx(),
+        residual_cuda::ptx(),
+    ];
+    drop(compiled);
+}
+
 /// `x + (y as f32)`: a residual branch `y` added to the f32 stream `x`, one kernel each way on
 /// a GPU (see `residual_cuda`), bit for bit the cast and the addition.
 pub(super) fn add_residual(x: &Tensor, y: &Tensor) -> Result<Tensor> {

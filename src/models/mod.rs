@@ -23,6 +23,24 @@ use crate::rng::Mt19937;
 use crate::task::ModelInput;
 
 pub(crate) use builtin::register_builtin;
+
+/// Compiles (NVRTC) every GPU kernel of ddpjob's models and layers, on a thread of its own, so
+/// that a GPU worker's first step finds them compiled instead of compiling each as it first
+/// runs (a second or so of the first step): the compiling overlaps the worker's loading of its
+/// data and model. A kernel asked for before it is ready waits for it; an error is reported by
+/// its first use.
+#[cfg(feature = "cuda")]
+pub(crate) fn compile_gpu_kernels_ahead() {
+    let spawned = std::thread::Builder::new()
+        .name("ddpjob-nvrtc".into())
+        .spawn(|| {
+            kernels::compile_gpu_kernels();
+            gpt::compile_gpu_kernels();
+            llama::compile_gpu_kernels();
+        });
+    // Without the thread, each kernel compiles at its first use, as before.
+    drop(spawned);
+}
 pub use cnn::Cnn;
 pub(crate) use freeze::FrozenSet;
 pub use gpt::KvCache;

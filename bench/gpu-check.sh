@@ -401,32 +401,36 @@ fi
 if wants profile; then
   ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
   for profiled_model in ${PROFILE_MODEL:-gpt cnn}; do
-  case $profiled_model in
-    llama)
-      launches=${PROFILE_LAUNCHES:-12000}
-      [ -f "$work/llama/job.toml" ] || "$python" bench/llama_ref.py prepare "$work/llama" "$text" \
-        --layers "${LLAMA_LAYERS:-30}" >> "$logs/llama-prepare.log" 2>&1
-      profiled=(--config "$work/llama/job.toml" --set train.precision=bf16 --set "train.batch_size=${LLAMA_BATCH:-32}")
-      needs=$text ;;
-    cnn)
-      launches=${PROFILE_LAUNCHES:-3000}
-      profiled=(--config configs/fashion-mnist.toml --set "data.root=$data" --set train.batch_size=64 --set train.accumulation=1)
-      needs=$data/train-images-idx3-ubyte.gz ;;
-    *)
-      launches=${PROFILE_LAUNCHES:-4000}
-      profiled=(--config configs/shakespeare-char-gpu.toml --set "data.path=$text")
-      needs=$text ;;
-  esac
-  label=$profiled_model; [ "$label" = gpt ] && label=GPT
-  csv_out=$logs/profile-$profiled_model.csv txt_out=$logs/profile-$profiled_model.txt
-  if [ "$device" = cpu ]; then record "profile (ncu, $label step)" skipped "DEVICE=cpu dry run"
-  elif [ -z "$ncu" ]; then record "profile (ncu, $label step)" skipped "no ncu on this machine"
-  elif [ ! -f "$needs" ]; then record "profile (ncu, $label step)" FAIL "no $needs"
-  elif timeout -k 10 "$limit" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
-         --print-summary per-kernel --launch-count "$launches" \
-         "${bin[@]}" bench step "${profiled[@]}" "${gpu[@]}" \
-         --steps 1 --warmup 1 > "$csv_out" 2> "$logs/profile-$profiled_model.err" \
-       && detail=$("$python" - "$csv_out" "$txt_out" <<'PY'
+    case $profiled_model in
+      llama)
+        launches=${PROFILE_LAUNCHES:-12000}
+        [ -f "$work/llama/job.toml" ] || "$python" bench/llama_ref.py prepare "$work/llama" "$text" \
+          --layers "${LLAMA_LAYERS:-30}" >> "$logs/llama-prepare.log" 2>&1
+        profiled=(--config "$work/llama/job.toml" --set train.precision=bf16 --set "train.batch_size=${LLAMA_BATCH:-32}")
+        needs=$text ;;
+      cnn)
+        # `bench step` draws random batches of the data set's shape: no files needed.
+        launches=${PROFILE_LAUNCHES:-3000}
+        profiled=(--config configs/fashion-mnist.toml --set "data.root=$data" --set train.batch_size=64 --set train.accumulation=1)
+        needs= ;;
+      gpt)
+        launches=${PROFILE_LAUNCHES:-4000}
+        profiled=(--config configs/shakespeare-char-gpu.toml --set "data.path=$text")
+        needs=$text ;;
+      *)
+        record "profile (ncu, $profiled_model step)" FAIL "PROFILE_MODEL names gpt, cnn or llama"
+        continue ;;
+    esac
+    label=$profiled_model; [ "$label" = gpt ] && label=GPT
+    csv_out=$logs/profile-$profiled_model.csv txt_out=$logs/profile-$profiled_model.txt
+    if [ "$device" = cpu ]; then record "profile (ncu, $label step)" skipped "DEVICE=cpu dry run"
+    elif [ -z "$ncu" ]; then record "profile (ncu, $label step)" skipped "no ncu on this machine"
+    elif [ -n "$needs" ] && [ ! -f "$needs" ]; then record "profile (ncu, $label step)" FAIL "no $needs"
+    elif timeout -k 10 "$limit" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+           --print-summary per-kernel --launch-count "$launches" \
+           "${bin[@]}" bench step "${profiled[@]}" "${gpu[@]}" \
+           --steps 1 --warmup 1 > "$csv_out" 2> "$logs/profile-$profiled_model.err" \
+         && detail=$("$python" - "$csv_out" "$txt_out" <<'PY'
 import collections, csv, sys
 rows = list(csv.reader(line for line in open(sys.argv[1]) if line.startswith('"')))
 head, total = rows[0], collections.defaultdict(lambda: [0, 0.0])
@@ -445,8 +449,8 @@ with open(sys.argv[2], "w") as out:
         out.write(f"{t:9.2f} ms {calls:6d} x {1e3 * t / calls:8.1f} us  {name}  grid {grid}\n")
 print(f"{ms:.0f} ms of kernels; top: " + "; ".join(f"{n} {t:.1f} ms/{c}" for (n, _), (c, t) in top[:3]))
 PY
-       ); then record "profile (ncu, $label step)" ok "$detail (logs/profile-$profiled_model.txt)"
-  else record "profile (ncu, $label step)" FAIL "$(tail_of "$logs/profile-$profiled_model.err" 2)"; fi
+         ); then record "profile (ncu, $label step)" ok "$detail (logs/profile-$profiled_model.txt)"
+    else record "profile (ncu, $label step)" FAIL "$(tail_of "$logs/profile-$profiled_model.err" 2)"; fi
   done
 fi
 

@@ -238,6 +238,8 @@ fn open_gpu(ordinal: usize) -> Result<Device, DeviceError> {
     if let Err(e) = keep_freed_memory(&context) {
         eprintln!("note: cuda:{ordinal}: freed memory goes back to the driver ({e})");
     }
+    // ddpjob's own kernels compile while the worker loads its data and model, not in its
+    // first step.
     crate::models::compile_gpu_kernels_ahead();
     Ok(device)
 }

@@ -284,7 +284,11 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
         Command::Keys { prefix } => keys(prefix.as_deref()),
         Command::Completions { shell } => shell::completions(shell),
         Command::Man { dir } => shell::man(dir.as_deref()),
-        Command::Worker => return ExitCode::from(worker::main()),
+        Command::Worker => {
+            let code = worker::main();
+            crate::models::finish_compiling_gpu_kernels();
+            return ExitCode::from(code);
+        }
         Command::Bench(BenchCommand::Allreduce {
             nproc_per_node,
             device,
@@ -304,6 +308,7 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
             .and_then(|s| crate::bench::worker(&s, algorithm == "tree"))
             .map_err(|e| (1, e.into())),
     };
+    crate::models::finish_compiling_gpu_kernels();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err((code, err)) => {

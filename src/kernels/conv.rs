@@ -171,10 +171,7 @@ impl Dims {
         }
         let oh = (h + 2 * padding - k) / stride + 1;
         let ow = (wd + 2 * padding - k) / stride + 1;
-        let out = match pooling {
-            Pooling::None => o * oh * ow,
-            Pooling::Max2 => o * (oh / 2) * (ow / 2),
-        };
+        let (out_h, out_w) = pooled_size(oh, ow, pooling);
         Ok(Dims {
             n,
             c,
@@ -188,7 +185,7 @@ impl Dims {
             ow,
             l: oh * ow,
             ckk: c * k * k,
-            out,
+            out: o * out_h * out_w,
         })
     }
 
@@ -205,11 +202,14 @@ impl Dims {
         }
     }
 
+    /// The output's spatial size after `pooling`.
+    pub(super) fn out_hw(&self, pooling: Pooling) -> (usize, usize) {
+        pooled_size(self.oh, self.ow, pooling)
+    }
+
     pub(super) fn out_shape(&self, pooling: Pooling) -> Shape {
-        match pooling {
-            Pooling::None => (self.n, self.o, self.oh, self.ow).into(),
-            Pooling::Max2 => (self.n, self.o, self.oh / 2, self.ow / 2).into(),
-        }
+        let (h, w) = self.out_hw(pooling);
+        (self.n, self.o, h, w).into()
     }
 
     /// The output columns `ox` whose input column `ox·stride + kx - pad` lies inside the image.
@@ -220,6 +220,14 @@ impl Dims {
             .div_ceil(self.stride)
             .min(self.ow);
         first.min(end)..end
+    }
+}
+
+/// A map of `h` × `w` after `pooling` (an odd last row or column dropped).
+fn pooled_size(h: usize, w: usize, pooling: Pooling) -> (usize, usize) {
+    match pooling {
+        Pooling::None => (h, w),
+        Pooling::Max2 => (h / 2, w / 2),
     }
 }
 

@@ -19,22 +19,15 @@ pub(super) fn ptx() -> Result<&'static str> {
     PTX.get(&[nvrtc::ELEMENTS, SOURCE], "the convolution kernels")
 }
 
-/// A contiguous storage's values of type `T` from its layout's first element.
-fn view<'a, T: CudaDType>(
-    s: &'a CudaStorage,
-    l: &Layout,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-    let (start, n) = (l.start_offset(), l.shape().elem_count());
-    Ok(s.as_cuda_slice::<T>()?.slice(start..start + n))
-}
-
+/// A thread per value (one block for none: a launch needs one), at most 2³² of them, which the
+/// kernels' 32-bit index arithmetic relies on.
 fn config(n: usize, what: &str) -> Result<LaunchConfig> {
     let n = u32::try_from(n).map_err(|_| {
         Error::Msg(format!(
-            "{what} on a GPU: {n} values, more than a launch holds"
+            "{what} on a GPU: {n} values, more than a launch holds; use smaller batches"
         ))
     })?;
-    Ok(LaunchConfig::for_num_elems(n))
+    Ok(LaunchConfig::for_num_elems(n.max(1)))
 }
 
 /// Runs kernel `name` (its f32 or bf16 instance, by `first`'s dtype) over `inputs` into a new
@@ -64,7 +57,7 @@ fn launch_typed<T: CudaDType + DeviceRepr>(
     let func = device.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
     let views = inputs
         .iter()
-        .map(|(s, l)| view::<T>(s, l))
+        .map(|(s, l)| nvrtc::view::<T>(s, l))
         .collect::<Result<Vec<_>>>()?;
     // SAFETY: the kernel writes each of the `n` values.
     let mut out = unsafe { device.alloc::<T>(n.max(1))? };

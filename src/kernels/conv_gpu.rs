@@ -79,10 +79,7 @@ impl Finish {
 
     /// The output's spatial size.
     fn out_hw(&self) -> (usize, usize) {
-        match self.pooling {
-            Pooling::Max2 => (self.d.oh / 2, self.d.ow / 2),
-            Pooling::None => (self.d.oh, self.d.ow),
-        }
+        self.d.out_hw(self.pooling)
     }
 
     /// The scalars the kernels take after their buffers and count: o, oh, ow, pooled, relu.
@@ -115,25 +112,10 @@ pub(super) fn geometry_scalars(d: &Dims) -> [u32; 8] {
     [d.c, d.h, d.w, d.k, d.stride, d.pad, d.oh, d.ow].map(|v| v as u32)
 }
 
-/// The largest of a window and the place (0–3) of its first maximum, as the kernels and the
-/// CPU's `pool_window` take them: a NaN loses to any number.
-fn first_max([a, b, c, e]: [f32; 4]) -> (f32, usize) {
-    let m = a.max(b).max(c.max(e));
-    let place = if a != m {
-        if b != m {
-            if c != m { 3 } else { 2 }
-        } else {
-            1
-        }
-    } else {
-        0
-    };
-    (m, place)
-}
-
 /// Host references, value `i` of each op's output computed as its kernel's thread `i` does.
 mod host {
-    use super::{Dims, Finish, first_max};
+    use super::super::pool::pool_window;
+    use super::{Dims, Finish};
 
     pub(super) fn unfolded(x: &[f32], d: &Dims, i: usize) -> f32 {
         let (row, col) = (i / d.ckk, i % d.ckk);
@@ -178,11 +160,10 @@ mod host {
     pub(super) fn finished(f: &Finish, z: &[f32], b: &[f32], i: usize) -> f32 {
         let (d, (ph, pw)) = (&f.d, f.out_hw());
         let (px, py, oc, s) = (i % pw, i / pw % ph, i / pw / ph % d.o, i / pw / ph / d.o);
-        let v = if f.pooled() {
-            first_max(f.window(z, b[oc], s, oc, py, px)).0
-        } else {
-            z[((s * d.oh + py) * d.ow + px) * d.o + oc] + b[oc]
-        };
+        if f.pooled() {
+            return pool_window(f.window(z, b[oc], s, oc, py, px), f.relu).0;
+        }
+        let v = z[((s * d.oh + py) * d.ow + px) * d.o + oc] + b[oc];
         if f.relu && v < 0.0 { 0.0 } else { v }
     }
 
@@ -203,9 +184,10 @@ mod host {
         if py >= ph || px >= pw {
             return 0.0;
         }
-        let (m, first) = first_max(f.window(z, b[oc], s, oc, py, px));
+        // After a ReLU the output is positive exactly where the window's maximum is.
+        let (y, first) = pool_window(f.window(z, b[oc], s, oc, py, px), f.relu);
         let mine = (oy - 2 * py) * 2 + (ox - 2 * px);
-        if first == mine && (!f.relu || m > 0.0) {
+        if usize::from(first) == mine && (!f.relu || y > 0.0) {
             g[((s * d.o + oc) * ph + py) * pw + px]
         } else {
             0.0

@@ -145,7 +145,14 @@ int main(int argc, char** argv) {
             buffers: &[(&str, &Buffer)],
         ) -> Option<Self> {
             let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-            if Command::new(&compiler).arg("--version").output().is_err() {
+            // `CXX` may carry arguments (`ccache g++`).
+            let words: Vec<&str> = compiler.split_whitespace().collect();
+            let cxx = || {
+                let mut command = Command::new(words.first().copied().unwrap_or("c++"));
+                command.args(words.iter().skip(1));
+                command
+            };
+            if cxx().arg("--version").output().is_err() {
                 eprintln!(
                     "skipping: no C++ compiler `{compiler}` to run the kernels' source on the host (install g++)"
                 );
@@ -172,8 +179,16 @@ int main(int argc, char** argv) {
             let program = [SHIM, &source.concat(), &main].concat();
             let (cpp, exe) = (dir.path().join("kernel.cpp"), dir.path().join("kernel"));
             std::fs::write(&cpp, program).expect("write the kernel's program");
-            let built = Command::new(&compiler)
-                .args(["-std=c++17", "-O1", "-w", "-ffp-contract=off", "-o"])
+            // Warnings are errors, and the sanitizers stop the run at any read or write outside
+            // a buffer and at undefined arithmetic.
+            let built = cxx()
+                .args(["-std=c++17", "-O1", "-ffp-contract=off"])
+                .args(["-Wall", "-Wextra", "-Werror"])
+                .args([
+                    "-fsanitize=address,undefined",
+                    "-fno-sanitize-recover=all",
+                    "-o",
+                ])
                 .arg(&exe)
                 .arg(&cpp)
                 .output()
@@ -187,8 +202,9 @@ int main(int argc, char** argv) {
             Some(HostKernel { dir, exe, names })
         }
 
-        /// Runs `threads` threads (blocks of 256, as the GPU launches use) over `buffers`, in
-        /// the order given at compilation, which hold the kernel's results afterwards.
+        /// Runs `threads` threads (in blocks of 256: the threads do not depend on each other,
+        /// so the block size is immaterial) over `buffers`, in the order given at compilation,
+        /// which hold the kernel's results afterwards.
         pub(crate) fn run(&self, threads: u64, scalars: &[u64], buffers: &mut [&mut Buffer]) {
             assert_eq!(buffers.len(), self.names.len(), "one buffer per name");
             let at = |name: &str| -> PathBuf { Path::new(self.dir.path()).join(name) };
@@ -203,7 +219,8 @@ int main(int argc, char** argv) {
                 .expect("run the kernel's program");
             assert!(
                 ran.status.success(),
-                "the kernel failed on the host: {}",
+                "the kernel failed on the host ({}): {}",
+                ran.status,
                 String::from_utf8_lossy(&ran.stderr)
             );
             for (name, b) in self.names.iter().zip(buffers.iter_mut()) {

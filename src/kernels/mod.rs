@@ -106,8 +106,8 @@ pub(crate) fn uneven_sum(y: &Tensor) -> Tensor {
 }
 
 /// Compiles (NVRTC) every kernel of this module that a GPU worker may launch, so that the
-/// first step finds them ready (see [`crate::device`]); an error is kept for the first use to
-/// report.
+/// first step finds them ready (see [`crate::models::compile_gpu_kernels_ahead`]); an error is
+/// kept for the first use to report.
 #[cfg(feature = "cuda")]
 pub(crate) fn compile_gpu_kernels() {
     let compiled = [

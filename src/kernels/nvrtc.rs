@@ -7,6 +7,16 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfi
 use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
 use candle_core::{Error, Layout, Result};
 
+/// A storage's values of type `T` from its layout's first element, as many as the layout holds
+/// (an error if the storage holds another type).
+pub(crate) fn view<'a, T: candle_core::cuda_backend::CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<CudaView<'a, T>> {
+    let (start, n) = (l.start_offset(), l.shape().elem_count());
+    Ok(s.as_cuda_slice::<T>()?.slice(start..start + n))
+}
+
 /// An f32 storage's values from its layout's first element (`what` names the op in an error).
 pub(crate) fn f32_view<'a>(
     s: &'a CudaStorage,

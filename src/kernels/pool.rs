@@ -66,7 +66,7 @@ pub(super) fn bias_relu_pool(
 
 /// One window's output and the place of its first maximum.
 #[inline(always)]
-fn pool_window([a, b, c, e]: [f32; 4], relu: bool) -> (f32, u8) {
+pub(super) fn pool_window([a, b, c, e]: [f32; 4], relu: bool) -> (f32, u8) {
     let max = a.max(b).max(c.max(e));
     // The first place holding the maximum, as arithmetic rather than branches.
     let (na, nb, nc) = (a != max, b != max, c != max);

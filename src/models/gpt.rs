@@ -45,7 +45,8 @@ use crate::rng::Mt19937;
 use dropout::Dropout;
 pub use ops::Activation;
 
-/// Compiles (NVRTC) the GPT's GPU kernels ahead of their first use (see [`crate::device`]).
+/// Compiles (NVRTC) the GPT's GPU kernels ahead of their first use (see
+/// [`crate::models::compile_gpu_kernels_ahead`]).
 #[cfg(feature = "cuda")]
 pub(super) fn compile_gpu_kernels() {
     let compiled = [

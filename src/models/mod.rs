@@ -24,23 +24,6 @@ use crate::task::ModelInput;
 
 pub(crate) use builtin::register_builtin;
 
-/// Compiles (NVRTC) every GPU kernel of ddpjob's models and layers, on a thread of its own, so
-/// that a GPU worker's first step finds them compiled instead of compiling each as it first
-/// runs (a second or so of the first step): the compiling overlaps the worker's loading of its
-/// data and model. A kernel asked for before it is ready waits for it; an error is reported by
-/// its first use.
-#[cfg(feature = "cuda")]
-pub(crate) fn compile_gpu_kernels_ahead() {
-    let spawned = std::thread::Builder::new()
-        .name("ddpjob-nvrtc".into())
-        .spawn(|| {
-            kernels::compile_gpu_kernels();
-            gpt::compile_gpu_kernels();
-            llama::compile_gpu_kernels();
-        });
-    // Without the thread, each kernel compiles at its first use, as before.
-    drop(spawned);
-}
 pub use cnn::Cnn;
 pub(crate) use freeze::FrozenSet;
 pub use gpt::KvCache;
@@ -49,6 +32,44 @@ pub use gpt::{Activation as GptActivation, Gpt, GptConfig};
 pub use lora::{LoraSpec, TargetModules, is_adapter};
 pub use mlp::Mlp;
 pub use store::ParamStore;
+
+/// The thread `compile_gpu_kernels_ahead` started, until `finish_compiling_gpu_kernels`.
+#[cfg(feature = "cuda")]
+static COMPILING: std::sync::Mutex<Option<std::thread::JoinHandle<()>>> =
+    std::sync::Mutex::new(None);
+
+/// Compiles (NVRTC) every GPU kernel of ddpjob's models and layers on a thread of its own (0.37
+/// s for all of them on a 2-core CPU), so that a GPU worker's first step finds them compiled
+/// instead of compiling each as it first runs: the compiling overlaps the worker's loading of
+/// its data and model. A kernel asked for before it is ready waits for it; an error is
+/// reported by its first use. Called when a GPU device is opened.
+#[cfg(feature = "cuda")]
+pub(crate) fn compile_gpu_kernels_ahead() {
+    let mut compiling = COMPILING.lock().unwrap_or_else(|e| e.into_inner());
+    if compiling.is_some() {
+        return;
+    }
+    // Without the thread, each kernel compiles at its first use, as before.
+    *compiling = std::thread::Builder::new()
+        .name("ddpjob-nvrtc".into())
+        .spawn(|| {
+            kernels::compile_gpu_kernels();
+            gpt::compile_gpu_kernels();
+            llama::compile_gpu_kernels();
+        })
+        .ok();
+}
+
+/// Waits for `compile_gpu_kernels_ahead`'s thread, if one was started: a process that ends
+/// while NVRTC compiles on another thread could fail in the library's teardown instead of
+/// exiting with its own status. The command line calls it before returning.
+pub(crate) fn finish_compiling_gpu_kernels() {
+    #[cfg(feature = "cuda")]
+    if let Some(thread) = COMPILING.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        // A panic there left its kernels to be compiled (or their error reported) at first use.
+        let _ = thread.join();
+    }
+}
 
 /// A network mapping a batch of inputs to logits whose last dimension is the classes (or the
 /// vocabulary): images [n, c, h, w] → [n, classes], token windows [n, t] → [n, t, vocab].

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::super::tests::{CONV_CASES, ConvCase, assert_close, random, run};
+use super::super::tests::{CONV_CASES, assert_close, random, run};
 use super::*;
 use crate::kernels::device_code::host::{Buffer, HostKernel};
 use crate::kernels::{conv2d, f32_bits};
@@ -164,12 +164,21 @@ fn unwritten(n: usize, dtype: DType) -> Buffer {
     }
 }
 
+/// Values to feed the kernels: on a grid of quarters (`tied`: pooled windows tie, sums are
+/// exact), or random (sums and biases round, in bf16 too).
+fn kernel_input(rng: &mut Mt19937, shape: &[usize], dtype: DType, tied: bool) -> Tensor {
+    if tied {
+        return quartered(rng, shape, dtype);
+    }
+    random(rng, shape).to_dtype(dtype).unwrap()
+}
+
 /// The kernels' CUDA source, compiled for the host and run thread by thread, gives the ops'
-/// host references bit for bit, in f32 and bf16: the windows (strides, padding, odd sizes),
-/// their fold, and the bias, ReLU and pooling each way.
+/// host references bit for bit, in f32 and bf16, for every convolution of the CPU kernel's
+/// tests (strides, padding, odd sizes, with and without ReLU and pooling): the windows, their
+/// fold, and the bias, ReLU and pooling each way, on tied values and on values that round.
 #[test]
 fn the_kernels_source_gives_the_host_values_bit_for_bit() {
-    let cases: Vec<ConvCase> = [1, 3, 6, 7].map(|i| CONV_CASES[i]).into();
     let mut rng = Mt19937::new(5);
     for dtype in [DType::F32, DType::BF16] {
         let name = if dtype == DType::F32 { "f32" } else { "bf16" };
@@ -193,13 +202,15 @@ fn the_kernels_source_gives_the_host_values_bit_for_bit() {
         let Some(unfold) = compile("unfold", &["x", "cols"], 9) else {
             return;
         };
-        let fold = compile("fold", &["cols", "x"], 9).expect("compiled once already");
-        let finish = compile("conv_finish", &["z", "b", "y"], 6).expect("compiled once already");
-        let finish_grad =
-            compile("conv_finish_grad", &["z", "b", "g", "gz"], 6).expect("compiled once already");
-        for (case, &(n, c, h, w, o, k, stride, padding, relu, pooling)) in cases.iter().enumerate()
+        let compiled = "the compiler that built the first kernel";
+        let fold = compile("fold", &["cols", "x"], 9).expect(compiled);
+        let finish = compile("conv_finish", &["z", "b", "y"], 6).expect(compiled);
+        let finish_grad = compile("conv_finish_grad", &["z", "b", "g", "gz"], 6).expect(compiled);
+        let cases = CONV_CASES.iter().enumerate();
+        for ((case, &(n, c, h, w, o, k, stride, padding, relu, pooling)), tied) in
+            cases.flat_map(|case| [(case, true), (case, false)])
         {
-            let what = format!("{name} case {case}");
+            let what = format!("{name} case {case} (tied values: {tied})");
             let geometry = ConvGeometry { stride, padding };
             let d = Dims::new(
                 &Shape::from((n, c, h, w)),
@@ -208,50 +219,39 @@ fn the_kernels_source_gives_the_host_values_bit_for_bit() {
                 pooling,
             )
             .unwrap();
+            let mut values = |shape: &[usize]| kernel_input(&mut rng, shape, dtype, tied);
             let widen = |s: &[u32]| s.iter().map(|&v| u64::from(v)).collect::<Vec<_>>();
             let with_count = |count: usize, s: &[u32]| [vec![count as u64], widen(s)].concat();
 
-            let x = quartered(&mut rng, &[n, c, h, w], dtype);
+            let x = values(&[n, c, h, w]);
             let cols = x.apply_op1_no_bwd(&Unfold(d)).unwrap();
             let mut out = [buffer(&x), unwritten(cols.elem_count(), dtype)];
             let [a, b] = &mut out;
-            unfold.run(
-                cols.elem_count() as u64,
-                &with_count(cols.elem_count(), &geometry_scalars(&d)),
-                &mut [a, b],
-            );
+            let scalars = with_count(cols.elem_count(), &geometry_scalars(&d));
+            unfold.run(cols.elem_count() as u64, &scalars, &mut [a, b]);
             assert!(out[1].bits() == buffer(&cols).bits(), "{what}: unfold");
 
-            let gcols = quartered(&mut rng, cols.dims(), dtype);
+            let gcols = values(cols.dims());
             let gx = gcols.apply_op1_no_bwd(&Fold(d)).unwrap();
             let mut out = [buffer(&gcols), unwritten(gx.elem_count(), dtype)];
             let [a, b] = &mut out;
-            fold.run(
-                gx.elem_count() as u64,
-                &with_count(gx.elem_count(), &geometry_scalars(&d)),
-                &mut [a, b],
-            );
+            let scalars = with_count(gx.elem_count(), &geometry_scalars(&d));
+            fold.run(gx.elem_count() as u64, &scalars, &mut [a, b]);
             assert!(out[1].bits() == buffer(&gx).bits(), "{what}: fold");
 
             let f = Finish { d, relu, pooling };
-            let (z, bias) = (
-                quartered(&mut rng, &[d.n * d.l, d.o], dtype),
-                quartered(&mut rng, &[d.o], dtype),
-            );
+            let (z, bias) = (values(&[d.n * d.l, d.o]), values(&[d.o]));
             let y = z.apply_op2_no_bwd(&bias, &f).unwrap();
             let mut out = [buffer(&z), buffer(&bias), unwritten(y.elem_count(), dtype)];
             let [a, b, c] = &mut out;
-            finish.run(
-                y.elem_count() as u64,
-                &with_count(y.elem_count(), &f.scalars()),
-                &mut [a, b, c],
-            );
+            let scalars = with_count(y.elem_count(), &f.scalars());
+            finish.run(y.elem_count() as u64, &scalars, &mut [a, b, c]);
             assert!(
                 out[2].bits() == buffer(&y).bits(),
                 "{what}: bias, ReLU and pooling"
             );
 
-            let g = quartered(&mut rng, y.dims(), dtype);
+            let g = values(y.dims());
             let gz = z.apply_op3_no_bwd(&bias, &g, &FinishGrad(f)).unwrap();
             let mut out = [
                 buffer(&z),
@@ -260,11 +260,8 @@ fn the_kernels_source_gives_the_host_values_bit_for_bit() {
                 unwritten(gz.elem_count(), dtype),
             ];
             let [a, b, c, e] = &mut out;
-            finish_grad.run(
-                gz.elem_count() as u64,
-                &with_count(gz.elem_count(), &f.scalars()),
-                &mut [a, b, c, e],
-            );
+            let scalars = with_count(gz.elem_count(), &f.scalars());
+            finish_grad.run(gz.elem_count() as u64, &scalars, &mut [a, b, c, e]);
             assert!(
                 out[3].bits() == buffer(&gz).bits(),
                 "{what}: their gradient"

@@ -38,15 +38,15 @@ use super::packed::{self, Packing};
 use super::{Mode, Model, Params, TrainPass};
 use crate::kernels;
 pub(crate) use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
+use rope::{Llama3Scaling, RopeTables};
 
 /// Compiles (NVRTC) the llama's own GPU kernels ahead of their first use (see
-/// [`crate::device`]).
+/// [`super::compile_gpu_kernels_ahead`]).
 #[cfg(feature = "cuda")]
 pub(super) fn compile_gpu_kernels() {
     let compiled = [rms_norm_cuda::ptx(), rope_cuda::ptx(), swiglu_cuda::ptx()];
     drop(compiled);
 }
-use rope::{Llama3Scaling, RopeTables};
 
 /// The shape of a Llama-family model, in `transformers`' `config.json` names.
 #[derive(Debug, Clone, PartialEq)]

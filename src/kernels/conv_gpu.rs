@@ -105,6 +105,18 @@ impl Finish {
     }
 }
 
+impl Dims {
+    /// The input's dims, [n, c, h, w].
+    fn image(&self) -> [usize; 4] {
+        [self.n, self.c, self.h, self.w]
+    }
+
+    /// The unfolded windows' dims, [n·oh·ow, c·k·k].
+    fn windows(&self) -> [usize; 2] {
+        [self.n * self.l, self.ckk]
+    }
+}
+
 /// The scalars the unfold and fold kernels take after their buffers and count: c, h, w, k,
 /// stride, pad, oh, ow.
 #[cfg(any(feature = "cuda", test))]
@@ -237,10 +249,10 @@ impl CustomOp1 for Unfold {
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = &self.0;
-        expect_shape(lx, &[d.n, d.c, d.h, d.w], "unfold")?;
+        expect_shape(lx, &d.image(), "unfold")?;
         let (x, dtype) = host_values(x, lx, "unfold")?;
         let cols = host_made(d.n * d.l * d.ckk, dtype, |i| host::unfolded(&x, d, i));
-        Ok((cols, Shape::from((d.n * d.l, d.ckk))))
+        Ok((cols, Shape::from(&d.windows()[..])))
     }
 
     #[cfg(feature = "cuda")]
@@ -250,9 +262,9 @@ impl CustomOp1 for Unfold {
         lx: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = &self.0;
-        expect_shape(lx, &[d.n, d.c, d.h, d.w], "unfold")?;
+        expect_shape(lx, &d.image(), "unfold")?;
         let cols = super::conv_cuda::unfold(x, lx, d)?;
-        Ok((cols, Shape::from((d.n * d.l, d.ckk))))
+        Ok((cols, Shape::from(&d.windows()[..])))
     }
 
     fn bwd(&self, _x: &Tensor, _cols: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -267,10 +279,10 @@ impl CustomOp1 for Fold {
 
     fn cpu_fwd(&self, cols: &CpuStorage, lc: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = &self.0;
-        expect_shape(lc, &[d.n * d.l, d.ckk], "fold")?;
+        expect_shape(lc, &d.windows(), "fold")?;
         let (cols, dtype) = host_values(cols, lc, "fold")?;
         let x = host_made(d.n * d.input(), dtype, |i| host::folded(&cols, d, i));
-        Ok((x, Shape::from((d.n, d.c, d.h, d.w))))
+        Ok((x, Shape::from(&d.image()[..])))
     }
 
     #[cfg(feature = "cuda")]
@@ -280,9 +292,9 @@ impl CustomOp1 for Fold {
         lc: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = &self.0;
-        expect_shape(lc, &[d.n * d.l, d.ckk], "fold")?;
+        expect_shape(lc, &d.windows(), "fold")?;
         let x = super::conv_cuda::fold(cols, lc, d)?;
-        Ok((x, Shape::from((d.n, d.c, d.h, d.w))))
+        Ok((x, Shape::from(&d.image()[..])))
     }
 }
 

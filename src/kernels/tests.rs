@@ -20,8 +20,29 @@ pub(super) fn assert_close(what: &str, ours: &Tensor, theirs: &Tensor) {
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         assert!(
             (x - y).abs() <= 1e-4 * scale,
-            "{what}[{i}]: ours {x}, candle {y}"
+            "{what}[{i}]: ours {x}, reference {y}"
         );
+    }
+}
+
+/// A layer's output and the gradients of x (when it needs one), w and b (see [`run`]).
+pub(super) type LayerRun = (Tensor, Option<Tensor>, Tensor, Tensor);
+
+/// Two runs of a layer on the same inputs agree: output and every gradient (`ours` against
+/// the reference `theirs`).
+pub(super) fn assert_runs_agree(
+    what: &str,
+    ours: &LayerRun,
+    theirs: &LayerRun,
+    x_needs_grad: bool,
+) {
+    assert_close(&format!("{what} output"), &ours.0, &theirs.0);
+    assert_close(&format!("{what} weight grad"), &ours.2, &theirs.2);
+    assert_close(&format!("{what} bias grad"), &ours.3, &theirs.3);
+    match (&ours.1, &theirs.1) {
+        (Some(a), Some(b)) => assert_close(&format!("{what} input grad"), a, b),
+        (None, None) => assert!(!x_needs_grad, "{what}: no input gradient"),
+        _ => panic!("{what}: input gradient present in one only"),
     }
 }
 
@@ -32,7 +53,7 @@ pub(super) fn run(
     tensors: [&Tensor; 3],
     upstream_seed: u64,
     x_needs_grad: bool,
-) -> (Tensor, Option<Tensor>, Tensor, Tensor) {
+) -> LayerRun {
     let [x, w, b] = tensors.map(|t| Var::from_tensor(t).unwrap());
     let x_in = if x_needs_grad {
         x.as_tensor().clone()
@@ -107,16 +128,7 @@ fn conv2d_matches_candle_over_shapes_strides_and_padding() {
             let a = run(ours, [&x, &wt, &b], case as u64, x_needs_grad);
             let r = run(candle, [&x, &wt, &b], case as u64, x_needs_grad);
             let what = format!("case {case} (x needs grad: {x_needs_grad})");
-            assert_close(&format!("{what} output"), &a.0, &r.0);
-            assert_close(&format!("{what} weight grad"), &a.2, &r.2);
-            assert_close(&format!("{what} bias grad"), &a.3, &r.3);
-            match (&a.1, &r.1) {
-                (Some(ours), Some(theirs)) => {
-                    assert_close(&format!("{what} input grad"), ours, theirs)
-                }
-                (None, None) => assert!(!x_needs_grad),
-                _ => panic!("{what}: input gradient present in one only"),
-            }
+            assert_runs_agree(&what, &a, &r, x_needs_grad);
         }
     }
 }

@@ -271,7 +271,15 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
             return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
         }
     };
-    let result = match cli.command {
+    let code = dispatch(cli.command, started);
+    // A GPU command may have started compiling kernels on a thread of its own.
+    crate::models::finish_compiling_gpu_kernels();
+    code
+}
+
+/// Runs one command; its exit code.
+fn dispatch(command: Command, started: Instant) -> ExitCode {
+    let result = match command {
         Command::Run(args) => jobs::run(args, started),
         Command::Resume(args) => jobs::resume(args, started),
         Command::Validate(args) => jobs::validate(&args),
@@ -284,11 +292,7 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
         Command::Keys { prefix } => keys(prefix.as_deref()),
         Command::Completions { shell } => shell::completions(shell),
         Command::Man { dir } => shell::man(dir.as_deref()),
-        Command::Worker => {
-            let code = worker::main();
-            crate::models::finish_compiling_gpu_kernels();
-            return ExitCode::from(code);
-        }
+        Command::Worker => return ExitCode::from(worker::main()),
         Command::Bench(BenchCommand::Allreduce {
             nproc_per_node,
             device,
@@ -308,7 +312,6 @@ pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
             .and_then(|s| crate::bench::worker(&s, algorithm == "tree"))
             .map_err(|e| (1, e.into())),
     };
-    crate::models::finish_compiling_gpu_kernels();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err((code, err)) => {

@@ -13,7 +13,6 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape};
 use candle_core::{Tensor, bail};
-use half::bf16;
 
 use super::conv::{ConvGeometry, Dims, Pooling};
 
@@ -207,31 +206,9 @@ mod host {
     }
 }
 
-/// A contiguous f32 or bf16 storage's values as f32 (exact), and its dtype.
-fn host_values(s: &CpuStorage, l: &Layout, what: &str) -> Result<(Vec<f32>, DType)> {
-    let Some((start, end)) = l.contiguous_offsets() else {
-        bail!("{what}: contiguous values expected");
-    };
-    match s {
-        CpuStorage::F32(v) => Ok((v[start..end].to_vec(), DType::F32)),
-        CpuStorage::BF16(v) => Ok((
-            v[start..end].iter().map(|x| x.to_f32()).collect(),
-            DType::BF16,
-        )),
-        other => bail!(
-            "{what}: f32 or bf16 values, not {:?}",
-            candle_core::backend::BackendStorage::dtype(other)
-        ),
-    }
-}
-
-/// `count` values made by `value` (f32), stored in `dtype` (rounded to nearest even for bf16).
+/// `count` values made by `value` (f32), stored in `dtype`.
 fn host_made(count: usize, dtype: DType, value: impl Fn(usize) -> f32) -> CpuStorage {
-    let values = (0..count).map(value);
-    match dtype {
-        DType::BF16 => CpuStorage::BF16(values.map(bf16::from_f32).collect()),
-        _ => CpuStorage::F32(values.collect()),
-    }
+    super::narrowed((0..count).map(value).collect(), dtype)
 }
 
 /// Checks that a layout holds `shape`, contiguously.
@@ -250,7 +227,7 @@ impl CustomOp1 for Unfold {
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = &self.0;
         expect_shape(lx, &d.image(), "unfold")?;
-        let (x, dtype) = host_values(x, lx, "unfold")?;
+        let (x, dtype) = super::widened(x, lx, "unfold")?;
         let cols = host_made(d.n * d.l * d.ckk, dtype, |i| host::unfolded(&x, d, i));
         Ok((cols, Shape::from(&d.windows()[..])))
     }
@@ -280,7 +257,7 @@ impl CustomOp1 for Fold {
     fn cpu_fwd(&self, cols: &CpuStorage, lc: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = &self.0;
         expect_shape(lc, &d.windows(), "fold")?;
-        let (cols, dtype) = host_values(cols, lc, "fold")?;
+        let (cols, dtype) = super::widened(cols, lc, "fold")?;
         let x = host_made(d.n * d.input(), dtype, |i| host::folded(&cols, d, i));
         Ok((x, Shape::from(&d.image()[..])))
     }
@@ -303,8 +280,7 @@ impl Finish {
         let d = &self.d;
         expect_shape(lz, &[d.n * d.l, d.o], "conv2d's bias, ReLU and pooling")?;
         expect_shape(lb, &[d.o], "conv2d's bias")?;
-        let (h, w) = self.out_hw();
-        Ok(Shape::from((d.n, d.o, h, w)))
+        Ok(d.out_shape(self.pooling))
     }
 }
 
@@ -321,7 +297,10 @@ impl CustomOp2 for Finish {
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let shape = self.check(lz, lb)?;
-        let ((z, dtype), (b, _)) = (host_values(z, lz, "conv2d")?, host_values(b, lb, "conv2d")?);
+        let ((z, dtype), (b, _)) = (
+            super::widened(z, lz, "conv2d")?,
+            super::widened(b, lb, "conv2d")?,
+        );
         let y = host_made(shape.elem_count(), dtype, |i| {
             host::finished(self, &z, &b, i)
         });
@@ -371,8 +350,11 @@ impl CustomOp3 for FinishGrad {
         let f = &self.0;
         let out = f.check(lz, lb)?;
         expect_shape(lg, out.dims(), "conv2d's output gradient")?;
-        let (z, dtype) = host_values(z, lz, "conv2d backward")?;
-        let ((b, _), (g, _)) = (host_values(b, lb, "conv2d")?, host_values(g, lg, "conv2d")?);
+        let (z, dtype) = super::widened(z, lz, "conv2d backward")?;
+        let ((b, _), (g, _)) = (
+            super::widened(b, lb, "conv2d")?,
+            super::widened(g, lg, "conv2d")?,
+        );
         let gz = host_made(z.len(), dtype, |i| host::finish_grad(f, &z, &b, &g, i));
         Ok((gz, lz.shape().clone()))
     }

@@ -8,8 +8,8 @@
 //! log-sum-exp rather than keeping it. The host version is the reference the kernels are held
 //! to.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
-use half::bf16;
 
 use crate::task::IGNORE_TARGET;
 
@@ -40,18 +40,13 @@ fn rows_of(
     targets: &CpuStorage,
     lt: &Layout,
 ) -> Result<(Vec<f32>, Vec<u32>, usize)> {
-    let (Some((start, end)), Some((ts, te))) = (l.contiguous_offsets(), lt.contiguous_offsets())
-    else {
-        bail!("cross_entropy: contiguous logits and targets");
+    let Some((ts, te)) = lt.contiguous_offsets() else {
+        bail!("cross_entropy: contiguous targets");
     };
     let &[rows, classes] = l.dims() else {
         bail!("cross_entropy: logits [rows, classes], not {:?}", l.dims());
     };
-    let x = match logits {
-        CpuStorage::F32(v) => v[start..end].to_vec(),
-        CpuStorage::BF16(v) => v[start..end].iter().map(|v| v.to_f32()).collect(),
-        _ => bail!("cross_entropy: f32 or bf16 logits"),
-    };
+    let (x, _) = super::widened(logits, l, "cross_entropy's logits")?;
     let targets = targets.as_slice::<u32>()?[ts..te].to_vec();
     if targets.len() != rows {
         bail!("cross_entropy: {} targets for {rows} rows", targets.len());
@@ -164,10 +159,7 @@ impl CustomOp3 for RowLossesGrad {
                 *d = ((v - lse).exp() - hot) * g;
             }
         }
-        let dx = match logits {
-            CpuStorage::BF16(_) => CpuStorage::BF16(dx.into_iter().map(bf16::from_f32).collect()),
-            _ => CpuStorage::F32(dx),
-        };
+        let dx = super::narrowed(dx, BackendStorage::dtype(logits));
         Ok((dx, l.shape().clone()))
     }
 

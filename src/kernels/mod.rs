@@ -138,6 +138,35 @@ pub fn max_pool2_with_ops(x: &Tensor) -> Result<Tensor> {
         .max(3)
 }
 
+/// A contiguous f32 or bf16 CPU storage's values for `layout` as f32 (exact), and its dtype:
+/// the host references of the GPU kernels compute in f32 over either (`what` names the op in
+/// an error).
+pub(crate) fn widened(s: &CpuStorage, l: &Layout, what: &str) -> Result<(Vec<f32>, DType)> {
+    let Some((start, end)) = l.contiguous_offsets() else {
+        bail!("{what}: contiguous values expected");
+    };
+    match s {
+        CpuStorage::F32(v) => Ok((v[start..end].to_vec(), DType::F32)),
+        CpuStorage::BF16(v) => Ok((
+            v[start..end].iter().map(|x| x.to_f32()).collect(),
+            DType::BF16,
+        )),
+        other => bail!(
+            "{what}: f32 or bf16 values, not {:?}",
+            candle_core::backend::BackendStorage::dtype(other)
+        ),
+    }
+}
+
+/// f32 values stored in `dtype`: bf16 rounded to nearest even (as the kernels' stores), any
+/// other dtype f32.
+pub(crate) fn narrowed(values: Vec<f32>, dtype: DType) -> CpuStorage {
+    match dtype {
+        DType::BF16 => CpuStorage::BF16(values.into_iter().map(half::bf16::from_f32).collect()),
+        _ => CpuStorage::F32(values),
+    }
+}
+
 /// The f32 values a contiguous CPU storage holds for `layout`.
 pub(crate) fn values<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
     let all = storage.as_slice::<f32>()?;

@@ -4,8 +4,10 @@
 //! an H200, 2026-11-26). One kernel each way here, in f32 arithmetic. The host version is the
 //! reference the kernels are held to; on the CPU in f32 the model keeps its own fused op.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
-use half::bf16;
+
+use crate::kernels;
 
 /// `silu(gate) · up` of a GPU's f32 or bf16 values; differentiable in both.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
@@ -42,14 +44,7 @@ fn elementwise<const K: usize>(
         if l.shape() != shape {
             bail!("swiglu: shapes {:?} and {:?}", shape, l.shape());
         }
-        let Some((start, end)) = l.contiguous_offsets() else {
-            bail!("swiglu: contiguous values");
-        };
-        columns.push(match s {
-            CpuStorage::F32(v) => v[start..end].to_vec(),
-            CpuStorage::BF16(v) => v[start..end].iter().map(|v| v.to_f32()).collect(),
-            _ => bail!("swiglu: f32 or bf16 values"),
-        });
+        columns.push(kernels::widened(s, l, "swiglu")?.0);
     }
     let n = shape.elem_count();
     let mut out = vec![0f32; K * n];
@@ -62,10 +57,7 @@ fn elementwise<const K: usize>(
             out[k * n + i] = v;
         }
     }
-    Ok(match inputs[0].0 {
-        CpuStorage::BF16(_) => CpuStorage::BF16(out.into_iter().map(bf16::from_f32).collect()),
-        _ => CpuStorage::F32(out),
-    })
+    Ok(kernels::narrowed(out, BackendStorage::dtype(inputs[0].0)))
 }
 
 impl CustomOp2 for SwiGlu {

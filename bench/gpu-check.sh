@@ -373,12 +373,14 @@ PY
 fi
 
 if wants bench; then
-  # `bench step`: the cnn's (BENCH_CONFIG's) training step on the device, against the device's measured GEMM rate.
+  # `bench step`: the cnn's (BENCH_CONFIG's) training step on the device, against the device's measured GEMM rate;
+  # the host's time to queue a step beside the step's (near it: the host's calls are the limit), and
+  # the phases by the device's clock (CUDA events).
   steps=300
   [ -n "${QUICK:-}" ] && steps=30
   if ddpjob bench step --config "${BENCH_CONFIG:-configs/fashion-mnist.toml}" "${gpu[@]}" --steps "$steps" --json \
        > "$logs/bench-step.json" 2> "$logs/bench-step.err" \
-     && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms (forward %.2f, backward %.2f, update %.2f), %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], r['forward_ms'], r['backward_ms'], r['update_ms'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$logs/bench-step.json"); then
+     && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms, queued by the host in %.2f ms (%s clock: forward %.2f, backward %.2f, update %.2f), %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], r['queue_ms_median'], r['phase_clock'], r['forward_ms'], r['backward_ms'], r['update_ms'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$logs/bench-step.json"); then
     record "bench step" ok "$detail"
   else record "bench step" FAIL "$(tail_of "$logs/bench-step.err" 2)"; fi
 

@@ -48,11 +48,20 @@ pub struct StepBench {
     pub warmup: usize,
     pub step_ms_median: f64,
     pub step_ms_mean: f64,
+    /// The host's time to queue a step's work (the median): on a GPU, when it is near
+    /// `step_ms_median` the step waits on the host (its calls and launches), not the device; on
+    /// the CPU, which works as it is called, the step itself.
+    #[serde(default)]
+    pub queue_ms_median: f64,
     /// Samples per second over all timed steps.
     pub samples_per_s: f64,
     pub forward_ms: f64,
     pub backward_ms: f64,
     pub update_ms: f64,
+    /// Whose clock gave the three phases: "device" (CUDA events, the device's own times, no
+    /// wait between phases) or "host".
+    #[serde(default)]
+    pub phase_clock: String,
     /// Training operations per sample (matrix products and convolutions, see
     /// `Model::train_flops_per_sample`), when the model knows them.
     pub train_flops_per_sample: Option<f64>,
@@ -144,9 +153,11 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     };
     sync()?;
     let mut times = Vec::with_capacity(options.steps);
+    let mut queued = Vec::with_capacity(options.steps);
     for _ in 0..options.steps {
         let started = Instant::now();
         run(&mut optimizer, None)?;
+        queued.push(started.elapsed());
         // A GPU queues the step: it has taken its time once the queue is done.
         sync()?;
         times.push(started.elapsed());
@@ -158,7 +169,11 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         run(&mut optimizer, Some(&mut phases))?;
     }
     let total: Duration = times.iter().sum();
-    times.sort();
+    let median_ms = |mut times: Vec<Duration>| {
+        times.sort();
+        times[times.len() / 2].as_secs_f64() * 1e3
+    };
+    let queue_ms_median = median_ms(queued);
     let samples = t.batch_size * t.accumulation;
     let samples_per_s = (samples * options.steps) as f64 / total.as_secs_f64().max(1e-12);
     let flops = model.train_flops_per_sample();
@@ -182,12 +197,18 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         device: device_name,
         steps: options.steps,
         warmup: options.warmup,
-        step_ms_median: times[times.len() / 2].as_secs_f64() * 1e3,
+        step_ms_median: median_ms(times),
         step_ms_mean: total.as_secs_f64() * 1e3 / options.steps as f64,
+        queue_ms_median,
         samples_per_s,
         forward_ms: per_step(phases.forward),
         backward_ms: per_step(phases.backward),
         update_ms: per_step(phases.sync + phases.update),
+        phase_clock: match phases.device_clock {
+            true => "device",
+            false => "host",
+        }
+        .to_string(),
         train_flops_per_sample: flops,
         achieved_gflops,
         gemm_peak_gflops,
@@ -328,9 +349,9 @@ pub fn step_table(r: &StepBench) -> String {
     };
     let table = format!(
         "# training step: {} ({} parameters), {}, batch {} x accumulation {}, 1 process x {} \
-         thread(s), {}, {}; {} steps after {} warm-up\n\
-         {:>14} {:>14} {:>12} {:>11} {:>12} {:>10}\n\
-         {:>14.2} {:>14.2} {:>12} {:>11.2} {:>12.2} {:>10.2}\n",
+         thread(s), {}, {}; {} steps after {} warm-up; phases by the {} clock\n\
+         {:>14} {:>14} {:>10} {:>12} {:>11} {:>12} {:>10}\n\
+         {:>14.2} {:>14.2} {:>10.2} {:>12} {:>11.2} {:>12.2} {:>10.2}\n",
         r.model,
         r.parameters,
         r.optimizer,
@@ -345,14 +366,21 @@ pub fn step_table(r: &StepBench) -> String {
         },
         r.steps,
         r.warmup,
+        if r.phase_clock == "device" {
+            "device's (CUDA events)"
+        } else {
+            "host's"
+        },
         "step ms median",
         "step ms mean",
+        "queued ms",
         "samples/s",
         "forward ms",
         "backward ms",
         "update ms",
         r.step_ms_median,
         r.step_ms_mean,
+        r.queue_ms_median,
         // Whole samples/s for small models, three decimals for a large one's few.
         if r.samples_per_s >= 100.0 {
             format!("{:.0}", r.samples_per_s)

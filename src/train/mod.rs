@@ -9,6 +9,7 @@ mod invariant;
 mod leader;
 mod metrics;
 mod overlap;
+mod phase_clock;
 mod resume;
 mod sharded;
 pub mod shards;

@@ -2,14 +2,14 @@
 //! micro-batch with weighted accumulation, one gradient average, clipping, the update. Shared by
 //! the training loop and `ddpjob bench step`, so the benchmark times exactly what training runs.
 
-use std::time::{Duration, Instant};
-
 use candle_core::{DType, Device, Tensor};
 
 use crate::comm::{CommError, Communicator, StopVote, average_gradients};
 use crate::models::{GradientSink, Mode, Model};
 use crate::optim::{Optimizer, clip_grad_norm};
 
+pub use super::phase_clock::Phases;
+use super::phase_clock::{Mark, Phase, PhaseClock};
 use super::shards::ShardPool;
 use super::streamed::{BucketVia, Here, Reduced};
 use crate::comm::buckets::ShardPlan;
@@ -61,16 +61,6 @@ pub struct StepResult {
     pub stop: StopVote,
 }
 
-/// Where a step's time went (for `bench step`); filled only when asked for, since on an
-/// accelerator it costs a device synchronisation per phase.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Phases {
-    pub forward: Duration,
-    pub backward: Duration,
-    pub sync: Duration,
-    pub update: Duration,
-}
-
 /// Forward and backward over each micro-batch, gradients summed with weights
 /// n_micro / n_step (so the step sees the mean over all its samples, exactly as one big batch
 /// would), averaged over ranks once, clipped, applied with learning rate `lr`.
@@ -80,7 +70,7 @@ pub fn optimizer_step(
     micro_batches: &[MicroBatch],
     lr: f64,
     stop_vote: bool,
-    mut phases: Option<&mut Phases>,
+    phases: Option<&mut Phases>,
 ) -> Result<StepResult, StepError> {
     if let Some(pieces) = cx.virtual_shards {
         let [batch] = micro_batches else {
@@ -99,12 +89,11 @@ pub fn optimizer_step(
     let rows = |b: &MicroBatch| b.targets.dims().first().copied().unwrap_or(1);
     let n_step: usize = micro_batches.iter().map(rows).sum();
     let weights = PartWeights::of(cx, micro_batches, n_step)?;
-    let mut clock = PhaseClock::new(cx.device, phases.is_some());
+    let mut clock = PhaseClock::new(cx.device, phases.is_some())?;
     let passes = Passes {
         model: cx.model,
         shards: cx.shards,
         weights: &weights,
-        timed: phases.is_some(),
         sharded: cx.sharded_parameters.is_some(),
         streamed: optimizer.plan().filter(|_| cx.stream_gradients),
         stop_vote,
@@ -119,7 +108,7 @@ pub fn optimizer_step(
             comm,
             (optimizer, params, units),
             (passes.streamed, stop_vote),
-            |courier| passes.run(micro_batches, courier, &mut clock, &mut phases),
+            |courier| passes.run(micro_batches, courier, &mut clock),
         )?;
         let (mut ran, reduced) = (served.0?, served.1);
         ran.streamed = ran.streamed.take().or(reduced);
@@ -127,7 +116,7 @@ pub fn optimizer_step(
     } else if let Some(units) = cx.sharded_parameters {
         let mut gate = super::full::Sharded::new(cx.comm, optimizer, params, units, false)?;
         let ran = crate::models::gate::run_with(&mut gate, || {
-            passes.run(micro_batches, &Here(cx.comm), &mut clock, &mut phases)
+            passes.run(micro_batches, &Here(cx.comm), &mut clock)
         });
         // A collective that failed inside a pass is the step's error, whole.
         if let Some(error) = gate.error.take() {
@@ -137,7 +126,7 @@ pub fn optimizer_step(
         gate.release_all()?;
         ran
     } else {
-        passes.run(micro_batches, &Here(cx.comm), &mut clock, &mut phases)?
+        passes.run(micro_batches, &Here(cx.comm), &mut clock)?
     };
     let Ran {
         grads,
@@ -161,7 +150,7 @@ pub fn optimizer_step(
                     super::sharded::reduce_scatter_gradients(cx, plan, grads, stop_vote)?
                 }
             };
-            clock.lap(&mut phases, |p| &mut p.sync)?;
+            clock.lap(Phase::Sync)?;
             if let Some(max_norm) = cx.grad_clip_norm {
                 super::sharded::clip_pieces(cx, &mut pieces, max_norm)?;
             }
@@ -169,21 +158,24 @@ pub fn optimizer_step(
                 Some(_) => super::full::update(cx, optimizer, &pieces, lr, stop_vote)?,
                 None => super::sharded::update_and_gather(cx, optimizer, &pieces, lr, vote)?,
             };
-            clock.lap(&mut phases, |p| &mut p.update)?;
+            clock.lap(Phase::Update)?;
             stop
         }
         None => {
             let mut grads = trainable(grads)?;
             let stop = average_gradients(cx.comm, &mut grads, cx.bucket_bytes, stop_vote)?;
-            clock.lap(&mut phases, |p| &mut p.sync)?;
+            clock.lap(Phase::Sync)?;
             if let Some(max_norm) = cx.grad_clip_norm {
                 clip_grad_norm(&mut grads, max_norm)?;
             }
             optimizer.step(params, &grads, lr)?;
-            clock.lap(&mut phases, |p| &mut p.update)?;
+            clock.lap(Phase::Update)?;
             stop
         }
     };
+    if let Some(phases) = phases {
+        clock.finish(phases)?;
+    }
     let loss_sum = loss_sum.map_or_else(|| Tensor::zeros((), DType::F32, cx.device), Ok)?;
     Ok(StepResult {
         loss_sum,
@@ -198,7 +190,6 @@ struct Passes<'a> {
     model: &'a dyn Model,
     shards: Option<&'a ShardPool>,
     weights: &'a PartWeights,
-    timed: bool,
     /// Parameters sharded (`"full"`): the passes gather them.
     sharded: bool,
     /// With a sharded optimizer, the last micro-batch's buckets are reduced as its backward
@@ -223,7 +214,6 @@ impl Passes<'_> {
         micro_batches: &[MicroBatch],
         via: &V,
         clock: &mut PhaseClock,
-        phases: &mut Option<&mut Phases>,
     ) -> Result<Ran, StepError> {
         let rows = |b: &MicroBatch| b.targets.dims().first().copied().unwrap_or(1);
         let params = self.model.params();
@@ -232,12 +222,13 @@ impl Passes<'_> {
             loss_sum: None,
             streamed: None,
         };
+        let timed = clock.timed();
         for (k, batch) in micro_batches.iter().enumerate() {
             let ranges = super::shards::ranges(self.shards, rows(batch));
             let shard = |i: usize, sink: Option<&mut dyn GradientSink>| {
                 let part = batch.rows(ranges[i].clone())?;
                 let weights = self.weights.of_part(&part, ranges[i].len())?;
-                let how = (self.timed, self.sharded);
+                let how = (timed, self.sharded);
                 shard_forward_backward(self.model, &part, weights, how, sink)
             };
             let results = match (self.streamed, self.shards, ranges.len()) {
@@ -259,18 +250,21 @@ impl Passes<'_> {
                 (_, Some(pool), parts) if parts > 1 => pool.run(parts, |i| shard(i, None)),
                 _ => vec![shard(0, None)],
             };
-            let mut forward = Duration::ZERO;
+            let mut forward_end: Option<Mark> = None;
             for result in results {
                 let result = result?;
-                forward = forward.max(result.forward);
+                forward_end = match (forward_end, result.forward_end) {
+                    (Some(a), Some(b)) => Some(a.later(b)),
+                    (a, b) => b.or(a),
+                };
                 accumulate(&mut ran.grads, result.grads)?;
                 ran.loss_sum = Some(match ran.loss_sum.take() {
                     Some(s) => (s + result.loss_sum)?,
                     None => result.loss_sum,
                 });
             }
-            // Shards interleave their phases: the forward share is the slowest shard's forward.
-            clock.split(phases, forward)?;
+            // Shards interleave their phases: the forward ends when the slowest shard's does.
+            clock.split(forward_end)?;
         }
         Ok(ran)
     }
@@ -303,11 +297,11 @@ pub(super) fn accumulate(
 }
 
 /// What one shard of a micro-batch contributes: its parameters' gradients (weighted by its
-/// share of the step's rows), Σ loss·rows, and how long its forward pass took.
+/// share of the step's rows), Σ loss·rows, and where its forward pass ended (when timed).
 pub(super) struct ShardResult {
     pub(super) grads: Vec<Option<Tensor>>,
     pub(super) loss_sum: Tensor,
-    forward: Duration,
+    forward_end: Option<Mark>,
 }
 
 /// How a part of the step (a shard of a micro-batch) weighs: the factor of its mean loss's
@@ -359,9 +353,8 @@ impl PartWeights {
     }
 }
 
-/// `timed`: the forward's time is read after the device has finished it (a GPU queues work
-/// and returns at once), which costs a wait, so only when phases are timed. With a `sink`, the
-/// gradients go there as the pass forms them, none into the result.
+/// `timed`: the forward's end is marked (see `phase_clock`). With a `sink`, the gradients go
+/// there as the pass forms them, none into the result.
 pub(super) fn shard_forward_backward(
     model: &dyn Model,
     batch: &MicroBatch,
@@ -369,13 +362,6 @@ pub(super) fn shard_forward_backward(
     (timed, sharded): (bool, bool),
     sink: Option<&mut dyn GradientSink>,
 ) -> Result<ShardResult, StepError> {
-    let started = Instant::now();
-    let forward_time = |loss: &Tensor| -> candle_core::Result<Duration> {
-        if timed {
-            loss.device().synchronize()?;
-        }
-        Ok(started.elapsed())
-    };
     let (loss, pass) = match model.train_pass(&batch.inputs, &batch.targets, &batch.mode)? {
         Some(pass) => (pass.loss().clone(), Some(pass)),
         // Autograd over `Model::loss` would read every parameter, which sharded ones do not
@@ -390,7 +376,10 @@ pub(super) fn shard_forward_backward(
             None,
         ),
     };
-    let forward = forward_time(&loss)?;
+    let forward_end = match timed {
+        true => Some(Mark::now(loss.device())?),
+        false => None,
+    };
     let grads = match (pass, sink) {
         (Some(pass), Some(sink)) => {
             pass.backward_to(scale, sink)?;
@@ -412,7 +401,7 @@ pub(super) fn shard_forward_backward(
     Ok(ShardResult {
         grads,
         loss_sum: (loss.detach() * loss_weight)?,
-        forward,
+        forward_end,
     })
 }
 
@@ -447,51 +436,4 @@ pub enum StepError {
     Tensor(#[from] candle_core::Error),
     #[error(transparent)]
     Comm(#[from] CommError),
-}
-
-/// Times phases when asked, synchronising the device first so queued work is counted.
-struct PhaseClock<'a> {
-    device: &'a Device,
-    last: Option<Instant>,
-}
-
-impl<'a> PhaseClock<'a> {
-    fn new(device: &'a Device, on: bool) -> Self {
-        PhaseClock {
-            device,
-            last: on.then(Instant::now),
-        }
-    }
-
-    fn lap(
-        &mut self,
-        phases: &mut Option<&mut Phases>,
-        field: impl Fn(&mut Phases) -> &mut Duration,
-    ) -> candle_core::Result<()> {
-        if let (Some(last), Some(p)) = (self.last, phases.as_deref_mut()) {
-            self.device.synchronize()?;
-            let now = Instant::now();
-            *field(p) += now - last;
-            self.last = Some(now);
-        }
-        Ok(())
-    }
-
-    /// Ends a forward-and-backward lap: `forward` of it to the forward phase, the rest to the
-    /// backward phase.
-    fn split(
-        &mut self,
-        phases: &mut Option<&mut Phases>,
-        forward: Duration,
-    ) -> candle_core::Result<()> {
-        if let (Some(last), Some(p)) = (self.last, phases.as_deref_mut()) {
-            self.device.synchronize()?;
-            let now = Instant::now();
-            let lap = now - last;
-            p.forward += forward.min(lap);
-            p.backward += lap.saturating_sub(forward);
-            self.last = Some(now);
-        }
-        Ok(())
-    }
 }

@@ -43,6 +43,14 @@ fn bench_step_times_the_configured_model_and_reports_json() {
         .map(|k| r[k].as_f64().unwrap())
         .sum();
     assert!(phases > 0.0, "{r}");
+    // On the CPU the work is done as it is called: the host's queueing is the step, and the
+    // phases are the host's clock.
+    let queued = r["queue_ms_median"].as_f64().unwrap();
+    assert!(
+        queued > 0.0 && queued <= r["step_ms_median"].as_f64().unwrap(),
+        "{r}"
+    );
+    assert_eq!(r["phase_clock"], "host");
     // How close to the arithmetic limit: 3 × 2·(64·32 + 32·4) less fc1's input gradient.
     assert_eq!(r["train_flops_per_sample"], 8960.0);
     let peak = r["gemm_peak_gflops"].as_f64().unwrap();

@@ -98,6 +98,11 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
     assert_eq!(steps(&report), expected, "{}", run.stdout);
     assert_eq!(report["failed"], 0);
     assert_eq!(report["device"], "cpu");
+    let bench = report["steps"][7]["detail"].as_str().unwrap();
+    assert!(
+        bench.contains("queued by the host in") && bench.contains("(host clock: forward"),
+        "{bench}"
+    );
     let resume = &report["steps"][11]["detail"];
     assert!(
         resume.as_str().unwrap().ends_with("resumed; bit-identical"),

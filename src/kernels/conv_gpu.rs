@@ -53,6 +53,40 @@ pub fn conv2d_unfolded(
     z.apply_op2(&bias.contiguous()?, finish)
 }
 
+/// `relu(z + bias)` (`z + bias` without `relu`) for a linear layer's product `z` [n, o] and
+/// `bias` [o] of its dtype on a GPU: the convolution's finishing kernel on 1×1 images, one
+/// kernel each way where candle's broadcast addition and ReLU take two forward and a
+/// comparison, a cast, a product and a reduction back.
+pub fn bias_relu(z: &Tensor, bias: &Tensor, relu: bool) -> Result<Tensor> {
+    let (n, o) = z.dims2()?;
+    if bias.dims1()? != o || z.dtype() != bias.dtype() {
+        bail!(
+            "linear: bias {:?} ({:?}) for {o} outputs of {:?} products",
+            bias.shape(),
+            bias.dtype(),
+            z.dtype()
+        );
+    }
+    let one_by_one = ConvGeometry {
+        stride: 1,
+        padding: 0,
+    };
+    let d = Dims::new(
+        &Shape::from((n, 1, 1, 1)),
+        &Shape::from((o, 1, 1, 1)),
+        one_by_one,
+        Pooling::None,
+    )?;
+    let finish = Finish {
+        d,
+        relu,
+        pooling: Pooling::None,
+    };
+    z.contiguous()?
+        .apply_op2(&bias.contiguous()?, finish)?
+        .reshape((n, o))
+}
+
 /// x [n, c, h, w] → its windows as rows: [n·oh·ow, c·k·k] (zeros where a window is padding).
 struct Unfold(Dims);
 

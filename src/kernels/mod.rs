@@ -35,7 +35,7 @@ use rayon::prelude::*;
 pub use bf16_products::{bf16_products, set_bf16_products};
 pub use conv::{ConvGeometry, Pooling, conv2d};
 pub(crate) use conv::{ConvLayer, ConvOutput};
-pub use conv_gpu::{applies as conv2d_unfolded_applies, conv2d_unfolded};
+pub use conv_gpu::{applies as conv2d_unfolded_applies, bias_relu, conv2d_unfolded};
 pub use cross_entropy::{applies as row_cross_entropy_applies, row_cross_entropy};
 pub use linear::linear;
 pub(crate) use linear::{

@@ -89,7 +89,7 @@ pub(super) type ConvCase = (
 );
 
 /// Convolutions over shapes, strides and padding.
-pub(super) const CONV_CASES: [ConvCase; 9] = [
+pub(super) const CONV_CASES: [ConvCase; 10] = [
     (2, 1, 8, 8, 4, 3, 1, 0, true, Pooling::None),
     (3, 3, 9, 7, 5, 3, 2, 1, false, Pooling::None),
     (2, 2, 6, 6, 3, 1, 1, 0, true, Pooling::Max2),
@@ -100,6 +100,8 @@ pub(super) const CONV_CASES: [ConvCase; 9] = [
     // Larger: more channels and output rows, odd sizes, padding.
     (2, 16, 26, 26, 8, 3, 1, 1, true, Pooling::Max2),
     (1, 20, 33, 30, 4, 5, 1, 2, false, Pooling::None),
+    // 1×1 images and kernels: a linear layer, as `bias_relu` runs its bias and ReLU.
+    (6, 7, 1, 1, 5, 1, 1, 0, true, Pooling::None),
 ];
 
 #[test]

@@ -462,7 +462,11 @@ impl Linear {
             return kernels::linear(xs, &self.weight, &self.bias, relu);
         }
         let (weight, bias) = (in_dtype(&self.weight, xs)?, in_dtype(&self.bias, xs)?);
-        let y = xs.matmul(&weight.t()?)?.broadcast_add(&bias)?;
+        let z = xs.matmul(&weight.t()?)?;
+        if kernels::conv2d_unfolded_applies(xs) && xs.rank() == 2 {
+            return kernels::bias_relu(&z, &bias, relu);
+        }
+        let y = z.broadcast_add(&bias)?;
         if relu { y.relu() } else { Ok(y) }
     }
 }

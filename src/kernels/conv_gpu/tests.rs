@@ -32,6 +32,63 @@ fn the_unfolded_layer_matches_the_fused_cpu_kernel() {
     }
 }
 
+/// A linear layer's bias and ReLU through the finishing kernel (as on a GPU) against candle's
+/// broadcast addition and ReLU: outputs and the gradients of x, w and b.
+#[test]
+fn a_linear_layers_bias_and_relu_match_candles_ops() {
+    let mut rng = Mt19937::new(13);
+    for (case, &(n, inputs, outputs, relu)) in [
+        (5, 7, 3, true),
+        (64, 33, 17, false),
+        (1, 4, 9, true),
+        (64, 300, 128, true),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let (x, w, b) = (
+            random(&mut rng, &[n, inputs]),
+            random(&mut rng, &[outputs, inputs]),
+            random(&mut rng, &[outputs]),
+        );
+        let ours = |x: &Tensor, w: &Tensor, b: &Tensor| bias_relu(&x.matmul(&w.t()?)?, b, relu);
+        let candle = |x: &Tensor, w: &Tensor, b: &Tensor| {
+            let y = x.matmul(&w.t()?)?.broadcast_add(b)?;
+            if relu { y.relu() } else { Ok(y) }
+        };
+        for x_needs_grad in [true, false] {
+            let a = run(ours, [&x, &w, &b], 200 + case as u64, x_needs_grad);
+            let r = run(candle, [&x, &w, &b], 200 + case as u64, x_needs_grad);
+            let what = format!("linear case {case} (x needs grad: {x_needs_grad})");
+            assert_runs_agree(&what, &a, &r, x_needs_grad);
+        }
+    }
+}
+
+/// Where z + b is exactly 0 the ReLU passes no gradient, as torch's and the CPU kernels'
+/// (candle's own ReLU passes it); a wrong bias shape is an error that says so.
+#[test]
+fn a_linear_relu_at_zero_passes_no_gradient_and_bad_shapes_are_named() {
+    let z = Tensor::new(&[[-1.0f32, 0.0], [2.0, 0.5]], &Device::Cpu).unwrap();
+    let b = Tensor::new(&[0.5f32, 0.0], &Device::Cpu).unwrap();
+    let zv = candle_core::Var::from_tensor(&z).unwrap();
+    let y = bias_relu(zv.as_tensor(), &b, true).unwrap();
+    assert_eq!(
+        y.to_vec2::<f32>().unwrap(),
+        [[0.0, 0.0], [2.5, 0.5]],
+        "relu(z + b)"
+    );
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    let gz = grads.get(zv.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+    assert_eq!(gz, [[0.0, 0.0], [1.0, 1.0]], "gradient at z");
+    let wrong = Tensor::new(&[1.0f32, 2.0, 3.0], &Device::Cpu).unwrap();
+    let e = bias_relu(&z, &wrong, true).unwrap_err().to_string();
+    assert!(
+        e.contains("linear: bias [3]") && e.contains("for 2 outputs"),
+        "{e}"
+    );
+}
+
 /// Ties, negative windows and a dropped odd row and column go as in the fused kernel: the
 /// gradient to a window's first maximum, none where the ReLU clamped, none to dropped places.
 #[test]
@@ -334,4 +391,42 @@ fn the_gpu_convolves_as_the_host() {
         let device = run(on_gpu, [&x, &wt, &b], case as u64, true);
         assert_runs_agree(&format!("case {case} on the GPU"), &device, &host, true);
     }
+}
+
+/// Runs where a GPU is: a linear layer's bias and ReLU on the GPU give the host's values bit
+/// for bit (f32 and bf16), and the layer's gradients agree with the CPU's.
+#[test]
+fn the_gpu_linear_bias_relu_is_the_hosts() {
+    let Ok(gpu) = Device::new_cuda(0) else {
+        eprintln!("skipping: no GPU");
+        return;
+    };
+    let mut rng = Mt19937::new(5);
+    let on = |t: &Tensor| t.to_device(&gpu).unwrap();
+    let to_host = |t: Tensor| t.to_device(&Device::Cpu).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        for relu in [true, false] {
+            let what = format!("{dtype:?}, relu {relu}");
+            let (z, b) = (
+                quartered(&mut rng, &[64, 128], dtype),
+                quartered(&mut rng, &[128], dtype),
+            );
+            let y = bias_relu(&z, &b, relu).unwrap();
+            let y_gpu = to_host(bias_relu(&on(&z), &on(&b), relu).unwrap());
+            assert_eq!(f32_bits(&y), f32_bits(&y_gpu), "{what}: output");
+        }
+    }
+    let (x, w, b) = (
+        random(&mut rng, &[64, 300]),
+        random(&mut rng, &[128, 300]),
+        random(&mut rng, &[128]),
+    );
+    let layer = |x: &Tensor, w: &Tensor, b: &Tensor| bias_relu(&x.matmul(&w.t()?)?, b, true);
+    let host = run(layer, [&x, &w, &b], 9, true);
+    let on_gpu = |x: &Tensor, w: &Tensor, b: &Tensor| {
+        let (x, w, b) = (x.to_device(&gpu)?, w.to_device(&gpu)?, b.to_device(&gpu)?);
+        layer(&x, &w, &b)?.to_device(&Device::Cpu)
+    };
+    let device = run(on_gpu, [&x, &w, &b], 9, true);
+    assert_runs_agree("linear on the GPU", &device, &host, true);
 }

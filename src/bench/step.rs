@@ -58,8 +58,9 @@ pub struct StepBench {
     pub forward_ms: f64,
     pub backward_ms: f64,
     pub update_ms: f64,
-    /// Whose clock gave the three phases: "device" (CUDA events, the device's own times, no
-    /// wait between phases) or "host".
+    /// Whose clock gave the three phases: "device" (CUDA events: the device's time from one
+    /// phase's end to the next, idle waits for the host's launches included; no wait between
+    /// phases), "host", or "none" (a world-size-invariant step's phases are not timed).
     #[serde(default)]
     pub phase_clock: String,
     /// Training operations per sample (matrix products and convolutions, see
@@ -204,9 +205,10 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         forward_ms: per_step(phases.forward),
         backward_ms: per_step(phases.backward),
         update_ms: per_step(phases.sync + phases.update),
-        phase_clock: match phases.device_clock {
-            true => "device",
-            false => "host",
+        phase_clock: match (phases.timed, phases.device_clock) {
+            (false, _) => "none",
+            (true, true) => "device",
+            (true, false) => "host",
         }
         .to_string(),
         train_flops_per_sample: flops,
@@ -349,7 +351,7 @@ pub fn step_table(r: &StepBench) -> String {
     };
     let table = format!(
         "# training step: {} ({} parameters), {}, batch {} x accumulation {}, 1 process x {} \
-         thread(s), {}, {}; {} steps after {} warm-up; phases by the {} clock\n\
+         thread(s), {}, {}; {} steps after {} warm-up; {}\n\
          {:>14} {:>14} {:>10} {:>12} {:>11} {:>12} {:>10}\n\
          {:>14.2} {:>14.2} {:>10.2} {:>12} {:>11.2} {:>12.2} {:>10.2}\n",
         r.model,
@@ -366,10 +368,10 @@ pub fn step_table(r: &StepBench) -> String {
         },
         r.steps,
         r.warmup,
-        if r.phase_clock == "device" {
-            "device's (CUDA events)"
-        } else {
-            "host's"
+        match r.phase_clock.as_str() {
+            "device" => "phases by the device's clock (CUDA events)",
+            "none" => "phases not timed",
+            _ => "phases by the host's clock",
         },
         "step ms median",
         "step ms mean",

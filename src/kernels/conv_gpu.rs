@@ -54,11 +54,17 @@ pub fn conv2d_unfolded(
 }
 
 /// `relu(z + bias)` (`z + bias` without `relu`) for a linear layer's product `z` [n, o] and
-/// `bias` [o] of its dtype on a GPU: the convolution's finishing kernel on 1×1 images, one
-/// kernel each way where candle's broadcast addition and ReLU take two forward and a
-/// comparison, a cast, a product and a reduction back.
+/// `bias` [o] of its dtype on a GPU: the convolution's finishing kernel on 1×1 images. One
+/// kernel forward where candle's broadcast addition and ReLU take two; back, one kernel and
+/// the bias's column sums where candle's ReLU takes a fill, a comparison, a cast and a product
+/// before its sum.
 pub fn bias_relu(z: &Tensor, bias: &Tensor, relu: bool) -> Result<Tensor> {
-    let (n, o) = z.dims2()?;
+    let Ok((n, o)) = z.dims2() else {
+        bail!(
+            "linear: products [n, outputs] expected, not {:?}",
+            z.shape()
+        );
+    };
     if bias.dims1()? != o || z.dtype() != bias.dtype() {
         bail!(
             "linear: bias {:?} ({:?}) for {o} outputs of {:?} products",

@@ -81,7 +81,10 @@ impl Model for Cnn {
 
 #[cfg(test)]
 mod tests {
+    use candle_core::DType;
+
     use super::*;
+    use crate::rng::Mt19937;
 
     #[test]
     fn matches_the_torch_reference_shapes() {
@@ -104,5 +107,73 @@ mod tests {
         let expected = 3.0 * forward.iter().sum::<f64>() - forward[0];
         assert_eq!(cnn.train_flops_per_sample(), Some(expected));
         assert_eq!(expected, 71_565_312.0);
+    }
+
+    /// The loss and every parameter's gradient of the cnn on `device`, inputs in `dtype`.
+    fn loss_and_grads(device: &Device, dtype: DType) -> (f32, Vec<(String, Vec<f32>)>) {
+        let model = Cnn::new([1, 12, 12], 10, 4, device).unwrap();
+        let mut rng = Mt19937::new(9);
+        let pixels: Vec<f32> = (0..8 * 144).map(|_| rng.uniform(0.0, 1.0)).collect();
+        let labels: Vec<u32> = (0..8).map(|i| (i * 7 % 10) as u32).collect();
+        let xs = Tensor::from_vec(pixels, (8, 1, 12, 12), device)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let targets = Tensor::from_vec(labels, 8, device).unwrap();
+        let loss = model.loss(&xs, &targets, &Mode::Eval).unwrap();
+        let grads = loss.backward().unwrap();
+        let host = |t: &Tensor| {
+            t.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let per_param = model
+            .params()
+            .iter()
+            .map(|(name, var)| (name.to_string(), host(grads.get(var).unwrap())))
+            .collect();
+        let loss = loss
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        (loss, per_param)
+    }
+
+    /// Runs where a GPU is: the cnn through autograd on the GPU (its unfolded convolutions and
+    /// its linear layers' finishing kernel) gives the CPU's loss and gradients, and in bf16
+    /// stays near them.
+    #[test]
+    fn the_gpu_cnn_gives_the_cpus_loss_and_gradients() {
+        let (cpu_loss, cpu_grads) = loss_and_grads(&Device::Cpu, DType::F32);
+        // Ten classes, small random weights: about ln 10.
+        assert!((cpu_loss - 10f32.ln()).abs() < 0.5, "{cpu_loss}");
+        assert_eq!(cpu_grads.len(), 8);
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("skipping: no GPU");
+            return;
+        };
+        for (dtype, tolerance) in [(DType::F32, 1e-4), (DType::BF16, 5e-2)] {
+            let (loss, grads) = loss_and_grads(&gpu, dtype);
+            assert!(
+                (loss - cpu_loss).abs() <= tolerance * cpu_loss.abs(),
+                "{dtype:?}: loss {loss} on the GPU, {cpu_loss} on the CPU"
+            );
+            for ((name, ours), (_, theirs)) in grads.iter().zip(&cpu_grads) {
+                let scale = theirs.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+                let worst = ours
+                    .iter()
+                    .zip(theirs)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    worst <= tolerance * scale,
+                    "{dtype:?} {name}: gradients differ by {worst} (scale {scale})"
+                );
+            }
+        }
     }
 }

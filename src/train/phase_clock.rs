@@ -14,7 +14,11 @@ pub struct Phases {
     pub backward: Duration,
     pub sync: Duration,
     pub update: Duration,
-    /// Whether the device's clock (CUDA events) gave the times, rather than the host's.
+    /// Whether any phase was timed (a world-size-invariant step's are not).
+    pub timed: bool,
+    /// Whether the device's clock (CUDA events) gave the times, rather than the host's: the
+    /// device's time from one phase's end to the next's, which includes any wait of the
+    /// device for the host's launches.
     pub device_clock: bool,
 }
 
@@ -65,7 +69,8 @@ impl Mark {
     }
 
     /// The later of two marks of one step's parallel parts (CPU row shards end their forwards
-    /// at different times; a device's marks are in its one queue, `other` queued last).
+    /// at different times). A device's marks are taken as `other` being the later: a GPU step
+    /// has no row shards (`ShardPool::for_device`), so its parts come in the order queued.
     pub(super) fn later(self, other: Mark) -> Mark {
         match (self, other) {
             (Mark::Host(a), Mark::Host(b)) => Mark::Host(a.max(b)),
@@ -83,6 +88,7 @@ impl Mark {
                 let ms = a.elapsed_ms(b).map_err(|e| {
                     candle_core::Error::Msg(format!("cannot time between CUDA events: {e}"))
                 })?;
+                debug_assert!(ms >= 0.0, "a phase's marks out of order: {ms} ms");
                 Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
             }
             #[cfg(feature = "cuda")]
@@ -144,6 +150,7 @@ impl<'a> PhaseClock<'a> {
                 continue;
             };
             *phases.of(*phase) += from.until(to)?;
+            phases.timed = true;
             phases.device_clock |= to.on_device();
         }
         Ok(())
@@ -181,7 +188,7 @@ mod tests {
         assert!(ms(phases.sync) < 10.0, "{phases:?}");
         let sum = phases.forward + phases.backward + phases.sync + phases.update;
         assert!(sum <= total, "{phases:?} in {total:?}");
-        assert!(!phases.device_clock);
+        assert!(phases.timed && !phases.device_clock);
     }
 
     #[test]
@@ -197,6 +204,7 @@ mod tests {
             phases.forward + phases.backward + phases.update,
             Duration::ZERO
         );
+        assert!(!phases.timed);
     }
 
     #[test]

@@ -91,6 +91,32 @@ fn bench_step_times_the_configured_model_and_reports_json() {
         "{}",
         table.stdout
     );
+    assert!(
+        table.stdout.contains("phases by the host's clock"),
+        "{}",
+        table.stdout
+    );
+
+    // A world-size-invariant step's phases are not timed, and it says so.
+    let text = TINY.replace("batch_size = 32", "global_batch_size = 16")
+        + "[distributed]\ndeterministic = \"world-size-invariant\"\nvirtual_shards = 2\n";
+    let invariant = t.config("invariant", &text);
+    let invariant = t.ddpjob(&[
+        "bench",
+        "step",
+        "--config",
+        invariant.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+    ]);
+    invariant.success();
+    let r: serde_json::Value =
+        serde_json::from_str(invariant.stdout.trim()).expect("one JSON line");
+    assert_eq!(r["phase_clock"], "none", "{r}");
+    assert_eq!(r["forward_ms"], 0.0, "{r}");
 }
 
 #[test]

@@ -404,12 +404,17 @@ fn the_gpu_linear_bias_relu_is_the_hosts() {
     let mut rng = Mt19937::new(5);
     let on = |t: &Tensor| t.to_device(&gpu).unwrap();
     let to_host = |t: Tensor| t.to_device(&Device::Cpu).unwrap();
+    // Quarter-grid values (ties at 0 and exact sums) and random ones (sums that round in bf16).
+    let rounding = |rng: &mut Mt19937, shape: &[usize], dtype: DType| {
+        random(rng, shape).to_dtype(dtype).unwrap()
+    };
     for dtype in [DType::F32, DType::BF16] {
-        for relu in [true, false] {
-            let what = format!("{dtype:?}, relu {relu}");
+        for (relu, tied) in [(true, true), (false, true), (true, false)] {
+            let what = format!("{dtype:?}, relu {relu}, tied values {tied}");
+            let values = if tied { quartered } else { rounding };
             let (z, b) = (
-                quartered(&mut rng, &[64, 128], dtype),
-                quartered(&mut rng, &[128], dtype),
+                values(&mut rng, &[64, 128], dtype),
+                values(&mut rng, &[128], dtype),
             );
             let y = bias_relu(&z, &b, relu).unwrap();
             let y_gpu = to_host(bias_relu(&on(&z), &on(&b), relu).unwrap());

@@ -24,7 +24,8 @@
 # exercised: parameters gathered into device storage and let go of), cnn (a Fashion-MNIST cnn epoch against
 # torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), llama (a SmolLM2-135M-shaped
 # `llama` from a Hugging Face directory, bf16, against transformers on the same device: training
-# and `eval` tokens/s, the first steps' losses), bench (`bench step`, `bench allreduce`),
+# and `eval` tokens/s, the first steps' losses), bench (`bench step` of BENCH_CONFIG and of the step the cnn
+# epoch runs, `bench allreduce`),
 # profile (ncu's time per kernel of the GPT recipe's step and the cnn's), resume (SIGTERM in the middle of a
 # run, then `resume`, against the same job uninterrupted). The device tool
 # stops a command after 10 minutes: every step took about 3 minutes on an H200 (500 GPT steps
@@ -375,14 +376,22 @@ fi
 if wants bench; then
   # `bench step`: the cnn's (BENCH_CONFIG's) training step on the device, against the device's measured GEMM rate;
   # the host's time to queue a step beside the step's (near it: the host's calls are the limit), and
-  # the phases by the device's clock (CUDA events).
+  # the phases by the device's clock (CUDA events). Then the step the `cnn` epoch runs (batch 64, no
+  # accumulation, clipping or decay, as bench/vs-torch.sh sets it): its time against the epoch's time
+  # per step says what the training loop adds around the step.
   steps=300
   [ -n "${QUICK:-}" ] && steps=30
-  if ddpjob bench step --config "${BENCH_CONFIG:-configs/fashion-mnist.toml}" "${gpu[@]}" --steps "$steps" --json \
-       > "$logs/bench-step.json" 2> "$logs/bench-step.err" \
-     && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms, queued by the host in %.2f ms (%s clock: forward %.2f, backward %.2f, update %.2f), %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], r['queue_ms_median'], r['phase_clock'], r['forward_ms'], r['backward_ms'], r['update_ms'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$logs/bench-step.json"); then
-    record "bench step" ok "$detail"
-  else record "bench step" FAIL "$(tail_of "$logs/bench-step.err" 2)"; fi
+  bench_step_row() {  # NAME LOG-NAME ARGS...
+    local name=$1 file=$logs/$2; shift 2
+    if ddpjob bench step "$@" "${gpu[@]}" --steps "$steps" --json > "$file.json" 2> "$file.err" \
+       && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms, queued by the host in %.2f ms (%s clock: forward %.2f, backward %.2f, update %.2f), %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], r['queue_ms_median'], r['phase_clock'], r['forward_ms'], r['backward_ms'], r['update_ms'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$file.json"); then
+      record "$name" ok "$detail"
+    else record "$name" FAIL "$(tail_of "$file.err" 2)"; fi
+  }
+  bench_step_row "bench step" bench-step --config "${BENCH_CONFIG:-configs/fashion-mnist.toml}"
+  bench_step_row "bench step (the cnn epoch's step)" bench-step-cnn-epoch --config configs/fashion-mnist.toml \
+    --set model.arch=cnn --set train.accumulation=1 --set train.lr=0.001 --set train.weight_decay=0 \
+    --set train.grad_clip_norm=0
 
   # `bench allreduce`: NCCL between GPUs (one per worker), the tcp ring on the CPU.
   gpus=2

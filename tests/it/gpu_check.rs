@@ -86,6 +86,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
         ("smoke bf16 (--junit)", "ok"),
         ("2 workers on one device (tcp)", "ok"),
         ("bench step", "ok"),
+        ("bench step (the cnn epoch's step)", "ok"),
         ("bench allreduce", "ok"),
         ("profile (ncu, GPT step)", "skipped"),
         ("profile (ncu, cnn step)", "skipped"),
@@ -103,7 +104,7 @@ fn the_gpu_check_runs_its_steps_on_the_cpu_and_reports_each() {
         bench.contains("queued by the host in") && bench.contains("(host clock: forward"),
         "{bench}"
     );
-    let resume = &report["steps"][11]["detail"];
+    let resume = &report["steps"][12]["detail"];
     assert!(
         resume.as_str().unwrap().ends_with("resumed; bit-identical"),
         "{resume}"

@@ -114,3 +114,49 @@ fn embedding_and_softmax_gradients_are_upstreams() {
         assert!((g - w).abs() < 1e-6, "{g:?} vs {want:?}");
     }
 }
+
+#[test]
+fn a_product_forms_no_gradient_for_an_operand_that_reaches_no_variable() {
+    let dev = Device::Cpu;
+    let data = Tensor::new(&[[1f32, 2.], [3., 4.], [5., 6.]], &dev).unwrap();
+    let weight = Var::new(&[[1f32, -1., 0.5], [2., 0., -2.]], &dev).unwrap();
+    let upstream = Tensor::new(&[[1f32, 0., 2.], [-1., 3., 0.], [0.5, 1., 1.]], &dev).unwrap();
+    let y = data.matmul(weight.as_tensor()).unwrap();
+    let grads = (&y * &upstream)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    // The weight's gradient is dataᵀ·upstream, as upstream's backward gives it.
+    let want = data.t().unwrap().matmul(&upstream).unwrap();
+    assert_eq!(values(grads.get(&weight).unwrap()), values(&want));
+    // The data's product is skipped: no gradient is formed for it (upstream stored one).
+    assert!(grads.get(&data).is_none());
+
+    // A frozen weight handed to the product detached: only the input's gradient is formed,
+    // upstream·weightᵀ.
+    let x = Var::from_tensor(&data).unwrap();
+    let frozen = weight.as_tensor().detach();
+    let y = x.as_tensor().matmul(&frozen).unwrap();
+    let grads = (&y * &upstream)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let want = upstream.matmul(&frozen.t().unwrap()).unwrap();
+    assert_eq!(values(grads.get(&x).unwrap()), values(&want));
+    assert!(grads.get(&frozen).is_none());
+    assert!(grads.get(weight.as_tensor()).is_none());
+
+    // Both variables: both gradients, as before.
+    let y = x.as_tensor().matmul(weight.as_tensor()).unwrap();
+    let grads = (&y * &upstream)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(grads.get(&x).is_some() && grads.get(&weight).is_some());
+}

@@ -115,6 +115,11 @@ fn embedding_and_softmax_gradients_are_upstreams() {
     }
 }
 
+/// Σ y·upstream: its gradient at y is `upstream`.
+fn weighted_sum(y: &Tensor, upstream: &Tensor) -> Tensor {
+    (y * upstream).unwrap().sum_all().unwrap()
+}
+
 #[test]
 fn a_product_forms_no_gradient_for_an_operand_that_reaches_no_variable() {
     let dev = Device::Cpu;
@@ -122,12 +127,7 @@ fn a_product_forms_no_gradient_for_an_operand_that_reaches_no_variable() {
     let weight = Var::new(&[[1f32, -1., 0.5], [2., 0., -2.]], &dev).unwrap();
     let upstream = Tensor::new(&[[1f32, 0., 2.], [-1., 3., 0.], [0.5, 1., 1.]], &dev).unwrap();
     let y = data.matmul(weight.as_tensor()).unwrap();
-    let grads = (&y * &upstream)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
+    let grads = weighted_sum(&y, &upstream).backward().unwrap();
     // The weight's gradient is dataᵀ·upstream, as upstream's backward gives it.
     let want = data.t().unwrap().matmul(&upstream).unwrap();
     assert_eq!(values(grads.get(&weight).unwrap()), values(&want));
@@ -139,12 +139,7 @@ fn a_product_forms_no_gradient_for_an_operand_that_reaches_no_variable() {
     let x = Var::from_tensor(&data).unwrap();
     let frozen = weight.as_tensor().detach();
     let y = x.as_tensor().matmul(&frozen).unwrap();
-    let grads = (&y * &upstream)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
+    let grads = weighted_sum(&y, &upstream).backward().unwrap();
     let want = upstream.matmul(&frozen.t().unwrap()).unwrap();
     assert_eq!(values(grads.get(&x).unwrap()), values(&want));
     assert!(grads.get(&frozen).is_none());
@@ -152,11 +147,6 @@ fn a_product_forms_no_gradient_for_an_operand_that_reaches_no_variable() {
 
     // Both variables: both gradients, as before.
     let y = x.as_tensor().matmul(weight.as_tensor()).unwrap();
-    let grads = (&y * &upstream)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
+    let grads = weighted_sum(&y, &upstream).backward().unwrap();
     assert!(grads.get(&x).is_some() && grads.get(&weight).is_some());
 }

@@ -152,25 +152,30 @@ fn max_pool_with_ops_passes_the_whole_gradient_to_the_maximum() {
     );
 }
 
+/// Linear layers: rows, inputs, outputs, relu. The last two take the CPU kernel's transposed
+/// forward (few rows against a large weight).
+pub(super) const LINEAR_CASES: [(usize, usize, usize, bool); 4] = [
+    (5, 7, 3, true),
+    (64, 33, 17, false),
+    (1, 4, 9, true),
+    (8, 300, 40, true),
+];
+
+/// `x·wᵀ + b`, then ReLU when `relu`, with candle's own ops: the reference for the layers.
+pub(super) fn candle_linear(x: &Tensor, w: &Tensor, b: &Tensor, relu: bool) -> Result<Tensor> {
+    let y = x.matmul(&w.t()?)?.broadcast_add(b)?;
+    if relu { y.relu() } else { Ok(y) }
+}
+
 #[test]
 fn linear_matches_candle_with_and_without_relu() {
     let mut rng = Mt19937::new(11);
-    // The last two take the transposed forward (few rows against a large weight).
-    let cases = [
-        (5, 7, 3, true),
-        (64, 33, 17, false),
-        (1, 4, 9, true),
-        (8, 300, 40, true),
-    ];
-    for (case, &(n, inputs, outputs, relu)) in cases.iter().enumerate() {
+    for (case, &(n, inputs, outputs, relu)) in LINEAR_CASES.iter().enumerate() {
         let x = random(&mut rng, &[n, inputs]);
         let w = random(&mut rng, &[outputs, inputs]);
         let b = random(&mut rng, &[outputs]);
         let ours = |x: &Tensor, w: &Tensor, b: &Tensor| linear(x, w, b, relu);
-        let candle = |x: &Tensor, w: &Tensor, b: &Tensor| {
-            let y = x.matmul(&w.t()?)?.broadcast_add(b)?;
-            if relu { y.relu() } else { Ok(y) }
-        };
+        let candle = |x: &Tensor, w: &Tensor, b: &Tensor| candle_linear(x, w, b, relu);
         for x_needs_grad in [true, false] {
             let a = run(ours, [&x, &w, &b], 100 + case as u64, x_needs_grad);
             let r = run(candle, [&x, &w, &b], 100 + case as u64, x_needs_grad);

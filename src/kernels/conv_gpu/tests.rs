@@ -3,7 +3,9 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::super::tests::{CONV_CASES, assert_runs_agree, random, run};
+use super::super::tests::{
+    CONV_CASES, LINEAR_CASES, assert_runs_agree, candle_linear, random, run,
+};
 use super::*;
 use crate::kernels::device_code::host::{Buffer, HostKernel};
 use crate::kernels::{conv2d, f32_bits};
@@ -37,25 +39,14 @@ fn the_unfolded_layer_matches_the_fused_cpu_kernel() {
 #[test]
 fn a_linear_layers_bias_and_relu_match_candles_ops() {
     let mut rng = Mt19937::new(13);
-    for (case, &(n, inputs, outputs, relu)) in [
-        (5, 7, 3, true),
-        (64, 33, 17, false),
-        (1, 4, 9, true),
-        (64, 300, 128, true),
-    ]
-    .iter()
-    .enumerate()
-    {
+    for (case, &(n, inputs, outputs, relu)) in LINEAR_CASES.iter().enumerate() {
         let (x, w, b) = (
             random(&mut rng, &[n, inputs]),
             random(&mut rng, &[outputs, inputs]),
             random(&mut rng, &[outputs]),
         );
         let ours = |x: &Tensor, w: &Tensor, b: &Tensor| bias_relu(&x.matmul(&w.t()?)?, b, relu);
-        let candle = |x: &Tensor, w: &Tensor, b: &Tensor| {
-            let y = x.matmul(&w.t()?)?.broadcast_add(b)?;
-            if relu { y.relu() } else { Ok(y) }
-        };
+        let candle = |x: &Tensor, w: &Tensor, b: &Tensor| candle_linear(x, w, b, relu);
         for x_needs_grad in [true, false] {
             let a = run(ours, [&x, &w, &b], 200 + case as u64, x_needs_grad);
             let r = run(candle, [&x, &w, &b], 200 + case as u64, x_needs_grad);

@@ -48,7 +48,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-all_steps=(driver warmup kernels smoke nccl tcp2 memory zero cnn gpt llama bench profile resume)
+all_steps=(driver warmup kernels cnn bench profile smoke nccl tcp2 memory zero gpt llama resume)
 wanted=("$@")
 [ $# -gt 0 ] || wanted=("${all_steps[@]}")
 for s in "${wanted[@]}"; do
@@ -190,6 +190,113 @@ if wants kernels; then
   else record "kernels vs host references" FAIL "$(grep -E 'panicked|FAILED|failures:' "$logs/kernels.log" | head -3 | tr '\n' ' ')$(tail_of "$logs/kernels.log" 2)"; fi
 fi
 
+# The cnn's steps come right after the kernels' (its epoch against torch, its step, the steps'
+# kernels by ncu): the figures still to be measured on a GPU, kept even when a later step runs
+# past the device tool's time limit.
+# A Fashion-MNIST cnn epoch against torch_ref.py on the same device (the machine's PyTorch).
+ref() { for p in "$carry/ref/$1" "../shared/bench/$1"; do [ -f "$p" ] && { echo "$p"; return; }; done; echo "$carry/ref/$1"; }
+if wants cnn; then
+  if [ -f "$data/train-images-idx3-ubyte.gz" ]; then
+    if line=$(DEVICE=$device DATA=$data BIN="${bin[*]}" PYTHON=$python TORCH_REF=$(ref torch_ref.py) \
+          timeout -k 10 "$limit" bench/vs-torch.sh cnn 1 2> "$logs/cnn.err" | tee "$logs/cnn.log" | tail -1) \
+       && [ -n "$line" ]; then
+      record "cnn epoch vs torch_ref.py" ok "$line"
+    else record "cnn epoch vs torch_ref.py" FAIL "$(tail_of "$logs/cnn.err" 2)"; fi
+  else record "cnn epoch vs torch_ref.py" FAIL "no Fashion-MNIST in $data (carry its four .gz files)"; fi
+fi
+
+if wants bench; then
+  # `bench step`: the cnn's (BENCH_CONFIG's) training step on the device, against the device's measured GEMM rate;
+  # the host's time to queue a step beside the step's (near it: the host's calls are the limit), and
+  # the phases by the device's clock (CUDA events). Then the step the `cnn` epoch runs (batch 64, no
+  # accumulation, clipping or decay, as bench/vs-torch.sh sets it): its time against the epoch's time
+  # per step says what the training loop adds around the step.
+  steps=300
+  [ -n "${QUICK:-}" ] && steps=30
+  bench_step_row() {  # NAME LOG-NAME ARGS...
+    local name=$1 file=$logs/$2; shift 2
+    if ddpjob bench step "$@" "${gpu[@]}" --steps "$steps" --json > "$file.json" 2> "$file.err" \
+       && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms, queued by the host in %.2f ms (%s clock: forward %.2f, backward %.2f, update %.2f), %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], r['queue_ms_median'], r['phase_clock'], r['forward_ms'], r['backward_ms'], r['update_ms'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$file.json"); then
+      record "$name" ok "$detail"
+    else record "$name" FAIL "$(tail_of "$file.err" 2)"; fi
+  }
+  bench_step_row "bench step" bench-step --config "${BENCH_CONFIG:-configs/fashion-mnist.toml}"
+  bench_step_row "bench step (the cnn epoch's step)" bench-step-cnn-epoch --config configs/fashion-mnist.toml \
+    --set model.arch=cnn --set train.accumulation=1 --set train.lr=0.001 --set train.weight_decay=0 \
+    --set train.grad_clip_norm=0
+
+  # `bench allreduce`: NCCL between GPUs (one per worker), the tcp ring on the CPU.
+  gpus=2
+  [ "$device" = cuda ] && gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+  if [ "$gpus" -lt 2 ]; then
+    record "bench allreduce" skipped "$gpus GPU: NCCL needs a GPU per worker, two at least"
+  elif ddpjob bench allreduce --device "$device" --nproc-per-node "$gpus" --sizes "${ALLREDUCE_SIZES:-1M,10M,100M}" \
+         > "$logs/bench-allreduce.txt" 2>&1; then
+    record "bench allreduce" ok "$(tail -1 "$logs/bench-allreduce.txt" | tr -s ' ')"
+  else record "bench allreduce" FAIL "$(tail_of "$logs/bench-allreduce.txt" 2)"; fi
+fi
+
+# Where a model's step goes, kernel by kernel, for each of PROFILE_MODEL's models (default
+# "gpt cnn": the GPT recipe's step, and the cnn's at batch 64 as the `cnn` step runs it; "llama"
+# the llama step's): ncu's duration of every kernel of one warm-up and one timed `bench step`
+# (profiled one at a time, so this takes ~40 s for the GPT), summed by kernel and grid; the top
+# 20 in logs/profile-MODEL.txt, the top 3 in the report.
+if wants profile; then
+  ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  for profiled_model in ${PROFILE_MODEL:-gpt cnn}; do
+    case $profiled_model in
+      llama)
+        launches=${PROFILE_LAUNCHES:-12000}
+        [ -f "$work/llama/job.toml" ] || "$python" bench/llama_ref.py prepare "$work/llama" "$text" \
+          --layers "${LLAMA_LAYERS:-30}" >> "$logs/llama-prepare.log" 2>&1
+        profiled=(--config "$work/llama/job.toml" --set train.precision=bf16 --set "train.batch_size=${LLAMA_BATCH:-32}")
+        needs=$text ;;
+      cnn)
+        # `bench step` draws random batches of the data set's shape: no files needed.
+        launches=${PROFILE_LAUNCHES:-3000}
+        profiled=(--config configs/fashion-mnist.toml --set "data.root=$data" --set train.batch_size=64 --set train.accumulation=1)
+        needs= ;;
+      gpt)
+        launches=${PROFILE_LAUNCHES:-4000}
+        profiled=(--config configs/shakespeare-char-gpu.toml --set "data.path=$text")
+        needs=$text ;;
+      *)
+        record "profile (ncu, $profiled_model step)" FAIL "PROFILE_MODEL names gpt, cnn or llama"
+        continue ;;
+    esac
+    label=$profiled_model; [ "$label" = gpt ] && label=GPT
+    csv_out=$logs/profile-$profiled_model.csv txt_out=$logs/profile-$profiled_model.txt
+    if [ "$device" = cpu ]; then record "profile (ncu, $label step)" skipped "DEVICE=cpu dry run"
+    elif [ -z "$ncu" ]; then record "profile (ncu, $label step)" skipped "no ncu on this machine"
+    elif [ -n "$needs" ] && [ ! -f "$needs" ]; then record "profile (ncu, $label step)" FAIL "no $needs"
+    elif timeout -k 10 "$limit" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+           --print-summary per-kernel --launch-count "$launches" \
+           "${bin[@]}" bench step "${profiled[@]}" "${gpu[@]}" \
+           --steps 1 --warmup 1 > "$csv_out" 2> "$logs/profile-$profiled_model.err" \
+         && detail=$("$python" - "$csv_out" "$txt_out" <<'PY'
+import collections, csv, sys
+rows = list(csv.reader(line for line in open(sys.argv[1]) if line.startswith('"')))
+head, total = rows[0], collections.defaultdict(lambda: [0, 0.0])
+col = {name: head.index(name) for name in ("Kernel Name", "Grid Size", "Invocations", "Average", "Metric Unit")}
+scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0}
+for r in rows[1:]:
+    key = (r[col["Kernel Name"]][:48], r[col["Grid Size"]])
+    calls = int(r[col["Invocations"]])
+    total[key][0] += calls
+    total[key][1] += calls * float(r[col["Average"]].replace(",", "")) * scale[r[col["Metric Unit"]]]
+top = sorted(total.items(), key=lambda kv: -kv[1][1])
+ms = sum(v[1] for v in total.values())
+with open(sys.argv[2], "w") as out:
+    out.write(f"{ms:.1f} ms in {sum(v[0] for v in total.values())} kernels (start-up, warm-up and timed step)\n")
+    for (name, grid), (calls, t) in top[:20]:
+        out.write(f"{t:9.2f} ms {calls:6d} x {1e3 * t / calls:8.1f} us  {name}  grid {grid}\n")
+print(f"{ms:.0f} ms of kernels; top: " + "; ".join(f"{n} {t:.1f} ms/{c}" for (n, _), (c, t) in top[:3]))
+PY
+         ); then record "profile (ncu, $label step)" ok "$detail (logs/profile-$profiled_model.txt)"
+    else record "profile (ncu, $label step)" FAIL "$(tail_of "$logs/profile-$profiled_model.err" 2)"; fi
+  done
+fi
+
 # The smoke job, f32 and bf16, with its [expect] checks and a JUnit report each.
 if wants smoke; then
   for precision in f32 bf16; do
@@ -303,18 +410,6 @@ if wants zero; then
   fi
 fi
 
-# A Fashion-MNIST cnn epoch against torch_ref.py on the same device (the machine's PyTorch).
-ref() { for p in "$carry/ref/$1" "../shared/bench/$1"; do [ -f "$p" ] && { echo "$p"; return; }; done; echo "$carry/ref/$1"; }
-if wants cnn; then
-  if [ -f "$data/train-images-idx3-ubyte.gz" ]; then
-    if line=$(DEVICE=$device DATA=$data BIN="${bin[*]}" PYTHON=$python TORCH_REF=$(ref torch_ref.py) \
-          timeout -k 10 "$limit" bench/vs-torch.sh cnn 1 2> "$logs/cnn.err" | tee "$logs/cnn.log" | tail -1) \
-       && [ -n "$line" ]; then
-      record "cnn epoch vs torch_ref.py" ok "$line"
-    else record "cnn epoch vs torch_ref.py" FAIL "$(tail_of "$logs/cnn.err" 2)"; fi
-  else record "cnn epoch vs torch_ref.py" FAIL "no Fashion-MNIST in $data (carry its four .gz files)"; fi
-fi
-
 # The GPT recipe against gpt_ref.py, each for the same number of steps.
 if wants gpt; then
   if [ -f "$text" ]; then
@@ -371,98 +466,6 @@ print(f"train tokens/s {ours:,.0f} vs {refs['sdpa']['train_tokens_per_s']:,.0f} 
 PY
   ); then record "llama vs transformers" ok "$layers layers, batch $lbatch x 256, $lsteps steps: $detail"
   else record "llama vs transformers" FAIL "${detail:-$(tail_of "$logs/llama-prepare.log" 2) $(tail_of "$logs/llama-run.log" 2) $(tail_of "$logs/llama-eval.err" 2) $(tail_of "$logs/llama-ref-sdpa.err" 2)}"; fi
-fi
-
-if wants bench; then
-  # `bench step`: the cnn's (BENCH_CONFIG's) training step on the device, against the device's measured GEMM rate;
-  # the host's time to queue a step beside the step's (near it: the host's calls are the limit), and
-  # the phases by the device's clock (CUDA events). Then the step the `cnn` epoch runs (batch 64, no
-  # accumulation, clipping or decay, as bench/vs-torch.sh sets it): its time against the epoch's time
-  # per step says what the training loop adds around the step.
-  steps=300
-  [ -n "${QUICK:-}" ] && steps=30
-  bench_step_row() {  # NAME LOG-NAME ARGS...
-    local name=$1 file=$logs/$2; shift 2
-    if ddpjob bench step "$@" "${gpu[@]}" --steps "$steps" --json > "$file.json" 2> "$file.err" \
-       && detail=$("$python" -c "import json,sys; r=json.load(open(sys.argv[1])); print('%s: %.0f samples/s, step %.2f ms, queued by the host in %.2f ms (%s clock: forward %.2f, backward %.2f, update %.2f), %.1f%% of %.0f GFLOP/s' % (r['device'], r['samples_per_s'], r['step_ms_median'], r['queue_ms_median'], r['phase_clock'], r['forward_ms'], r['backward_ms'], r['update_ms'], 100 * (r['fraction_of_peak'] or 0), r['gemm_peak_gflops']))" "$file.json"); then
-      record "$name" ok "$detail"
-    else record "$name" FAIL "$(tail_of "$file.err" 2)"; fi
-  }
-  bench_step_row "bench step" bench-step --config "${BENCH_CONFIG:-configs/fashion-mnist.toml}"
-  bench_step_row "bench step (the cnn epoch's step)" bench-step-cnn-epoch --config configs/fashion-mnist.toml \
-    --set model.arch=cnn --set train.accumulation=1 --set train.lr=0.001 --set train.weight_decay=0 \
-    --set train.grad_clip_norm=0
-
-  # `bench allreduce`: NCCL between GPUs (one per worker), the tcp ring on the CPU.
-  gpus=2
-  [ "$device" = cuda ] && gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
-  if [ "$gpus" -lt 2 ]; then
-    record "bench allreduce" skipped "$gpus GPU: NCCL needs a GPU per worker, two at least"
-  elif ddpjob bench allreduce --device "$device" --nproc-per-node "$gpus" --sizes "${ALLREDUCE_SIZES:-1M,10M,100M}" \
-         > "$logs/bench-allreduce.txt" 2>&1; then
-    record "bench allreduce" ok "$(tail -1 "$logs/bench-allreduce.txt" | tr -s ' ')"
-  else record "bench allreduce" FAIL "$(tail_of "$logs/bench-allreduce.txt" 2)"; fi
-fi
-
-# Where a model's step goes, kernel by kernel, for each of PROFILE_MODEL's models (default
-# "gpt cnn": the GPT recipe's step, and the cnn's at batch 64 as the `cnn` step runs it; "llama"
-# the llama step's): ncu's duration of every kernel of one warm-up and one timed `bench step`
-# (profiled one at a time, so this takes ~40 s for the GPT), summed by kernel and grid; the top
-# 20 in logs/profile-MODEL.txt, the top 3 in the report.
-if wants profile; then
-  ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-  for profiled_model in ${PROFILE_MODEL:-gpt cnn}; do
-    case $profiled_model in
-      llama)
-        launches=${PROFILE_LAUNCHES:-12000}
-        [ -f "$work/llama/job.toml" ] || "$python" bench/llama_ref.py prepare "$work/llama" "$text" \
-          --layers "${LLAMA_LAYERS:-30}" >> "$logs/llama-prepare.log" 2>&1
-        profiled=(--config "$work/llama/job.toml" --set train.precision=bf16 --set "train.batch_size=${LLAMA_BATCH:-32}")
-        needs=$text ;;
-      cnn)
-        # `bench step` draws random batches of the data set's shape: no files needed.
-        launches=${PROFILE_LAUNCHES:-3000}
-        profiled=(--config configs/fashion-mnist.toml --set "data.root=$data" --set train.batch_size=64 --set train.accumulation=1)
-        needs= ;;
-      gpt)
-        launches=${PROFILE_LAUNCHES:-4000}
-        profiled=(--config configs/shakespeare-char-gpu.toml --set "data.path=$text")
-        needs=$text ;;
-      *)
-        record "profile (ncu, $profiled_model step)" FAIL "PROFILE_MODEL names gpt, cnn or llama"
-        continue ;;
-    esac
-    label=$profiled_model; [ "$label" = gpt ] && label=GPT
-    csv_out=$logs/profile-$profiled_model.csv txt_out=$logs/profile-$profiled_model.txt
-    if [ "$device" = cpu ]; then record "profile (ncu, $label step)" skipped "DEVICE=cpu dry run"
-    elif [ -z "$ncu" ]; then record "profile (ncu, $label step)" skipped "no ncu on this machine"
-    elif [ -n "$needs" ] && [ ! -f "$needs" ]; then record "profile (ncu, $label step)" FAIL "no $needs"
-    elif timeout -k 10 "$limit" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
-           --print-summary per-kernel --launch-count "$launches" \
-           "${bin[@]}" bench step "${profiled[@]}" "${gpu[@]}" \
-           --steps 1 --warmup 1 > "$csv_out" 2> "$logs/profile-$profiled_model.err" \
-         && detail=$("$python" - "$csv_out" "$txt_out" <<'PY'
-import collections, csv, sys
-rows = list(csv.reader(line for line in open(sys.argv[1]) if line.startswith('"')))
-head, total = rows[0], collections.defaultdict(lambda: [0, 0.0])
-col = {name: head.index(name) for name in ("Kernel Name", "Grid Size", "Invocations", "Average", "Metric Unit")}
-scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0}
-for r in rows[1:]:
-    key = (r[col["Kernel Name"]][:48], r[col["Grid Size"]])
-    calls = int(r[col["Invocations"]])
-    total[key][0] += calls
-    total[key][1] += calls * float(r[col["Average"]].replace(",", "")) * scale[r[col["Metric Unit"]]]
-top = sorted(total.items(), key=lambda kv: -kv[1][1])
-ms = sum(v[1] for v in total.values())
-with open(sys.argv[2], "w") as out:
-    out.write(f"{ms:.1f} ms in {sum(v[0] for v in total.values())} kernels (start-up, warm-up and timed step)\n")
-    for (name, grid), (calls, t) in top[:20]:
-        out.write(f"{t:9.2f} ms {calls:6d} x {1e3 * t / calls:8.1f} us  {name}  grid {grid}\n")
-print(f"{ms:.0f} ms of kernels; top: " + "; ".join(f"{n} {t:.1f} ms/{c}" for (n, _), (c, t) in top[:3]))
-PY
-         ); then record "profile (ncu, $label step)" ok "$detail (logs/profile-$profiled_model.txt)"
-    else record "profile (ncu, $label step)" FAIL "$(tail_of "$logs/profile-$profiled_model.err" 2)"; fi
-  done
 fi
 
 # SIGTERM in the middle of a run, then `resume`, against the same job uninterrupted: the final

@@ -1,7 +1,6 @@
 //! Where a step's time goes, phase by phase (for `bench step`). On a GPU the phases are read
-//! from CUDA events queued between them, so they are the device's own times and the step is
-//! never stopped to take them; on the CPU, where work is done when its call returns, from the
-//! host's clock.
+//! from CUDA events queued between them: the device's clock, and the step is never stopped to
+//! take them; on the CPU, where work is done when its call returns, from the host's clock.
 
 use std::time::{Duration, Instant};
 

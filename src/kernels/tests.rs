@@ -74,6 +74,23 @@ pub(super) fn run(
     (out, gx, gw, gb)
 }
 
+/// `ours` and the reference `theirs` agree on `tensors` (x, w, b), with x as a variable and as
+/// data (a first layer's input), under the upstream gradient of `seed`.
+pub(super) fn assert_layers_agree(
+    what: &str,
+    ours: impl Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    theirs: impl Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    tensors: [&Tensor; 3],
+    seed: u64,
+) {
+    for x_needs_grad in [true, false] {
+        let a = run(&ours, tensors, seed, x_needs_grad);
+        let r = run(&theirs, tensors, seed, x_needs_grad);
+        let what = format!("{what} (x needs grad: {x_needs_grad})");
+        assert_runs_agree(&what, &a, &r, x_needs_grad);
+    }
+}
+
 /// A convolution: n, c, h, w, o, k, stride, padding, relu, pooling.
 pub(super) type ConvCase = (
     usize,
@@ -126,12 +143,8 @@ fn conv2d_matches_candle_over_shapes_strides_and_padding() {
             }
             Ok(y)
         };
-        for x_needs_grad in [true, false] {
-            let a = run(ours, [&x, &wt, &b], case as u64, x_needs_grad);
-            let r = run(candle, [&x, &wt, &b], case as u64, x_needs_grad);
-            let what = format!("case {case} (x needs grad: {x_needs_grad})");
-            assert_runs_agree(&what, &a, &r, x_needs_grad);
-        }
+        let what = format!("case {case}");
+        assert_layers_agree(&what, ours, candle, [&x, &wt, &b], case as u64);
     }
 }
 

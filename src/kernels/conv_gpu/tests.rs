@@ -4,7 +4,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::super::tests::{
-    CONV_CASES, LINEAR_CASES, assert_runs_agree, candle_linear, random, run,
+    CONV_CASES, ConvCase, LINEAR_CASES, assert_layers_agree, assert_runs_agree, candle_linear,
+    random, run,
 };
 use super::*;
 use crate::kernels::device_code::host::{Buffer, HostKernel};
@@ -25,12 +26,8 @@ fn the_unfolded_layer_matches_the_fused_cpu_kernel() {
         let unfolded =
             |x: &Tensor, w: &Tensor, b: &Tensor| conv2d_unfolded(x, w, b, geometry, relu, pooling);
         let fused = |x: &Tensor, w: &Tensor, b: &Tensor| conv2d(x, w, b, geometry, relu, pooling);
-        for x_needs_grad in [true, false] {
-            let a = run(unfolded, [&x, &wt, &b], case as u64, x_needs_grad);
-            let r = run(fused, [&x, &wt, &b], case as u64, x_needs_grad);
-            let what = format!("case {case} (x needs grad: {x_needs_grad})");
-            assert_runs_agree(&what, &a, &r, x_needs_grad);
-        }
+        let what = format!("case {case}");
+        assert_layers_agree(&what, unfolded, fused, [&x, &wt, &b], case as u64);
     }
 }
 
@@ -47,12 +44,8 @@ fn a_linear_layers_bias_and_relu_match_candles_ops() {
         );
         let ours = |x: &Tensor, w: &Tensor, b: &Tensor| bias_relu(&x.matmul(&w.t()?)?, b, relu);
         let candle = |x: &Tensor, w: &Tensor, b: &Tensor| candle_linear(x, w, b, relu);
-        for x_needs_grad in [true, false] {
-            let a = run(ours, [&x, &w, &b], 200 + case as u64, x_needs_grad);
-            let r = run(candle, [&x, &w, &b], 200 + case as u64, x_needs_grad);
-            let what = format!("linear case {case} (x needs grad: {x_needs_grad})");
-            assert_runs_agree(&what, &a, &r, x_needs_grad);
-        }
+        let what = format!("linear case {case}");
+        assert_layers_agree(&what, ours, candle, [&x, &w, &b], 200 + case as u64);
     }
 }
 
@@ -168,6 +161,19 @@ fn in_bf16_the_unfolded_layer_stays_near_f32() {
     assert!(scale_err(&lo.0, &hi.0) > 0.0, "bf16 rounds");
 }
 
+/// The convolution of a test case (see `CONV_CASES`).
+fn case_dims(case: &ConvCase) -> Dims {
+    let &(n, c, h, w, o, k, stride, padding, _, pooling) = case;
+    let geometry = ConvGeometry { stride, padding };
+    Dims::new(
+        &Shape::from((n, c, h, w)),
+        &Shape::from((o, c, k, k)),
+        geometry,
+        pooling,
+    )
+    .unwrap()
+}
+
 /// Values to feed the kernels: random, on a grid of quarters so that pooled windows tie, and
 /// no negative zero (whose maximum with a zero either value may be).
 fn quartered(rng: &mut Mt19937, shape: &[usize], dtype: DType) -> Tensor {
@@ -246,18 +252,11 @@ fn the_kernels_source_gives_the_host_values_bit_for_bit() {
         let finish = compile("conv_finish", &["z", "b", "y"], 6).expect(compiled);
         let finish_grad = compile("conv_finish_grad", &["z", "b", "g", "gz"], 6).expect(compiled);
         let cases = CONV_CASES.iter().enumerate();
-        for ((case, &(n, c, h, w, o, k, stride, padding, relu, pooling)), tied) in
+        for ((case, &(n, c, h, w, _, _, _, _, relu, pooling)), tied) in
             cases.flat_map(|case| [(case, true), (case, false)])
         {
             let what = format!("{name} case {case} (tied values: {tied})");
-            let geometry = ConvGeometry { stride, padding };
-            let d = Dims::new(
-                &Shape::from((n, c, h, w)),
-                &Shape::from((o, c, k, k)),
-                geometry,
-                pooling,
-            )
-            .unwrap();
+            let d = case_dims(&CONV_CASES[case]);
             let mut values = |shape: &[usize]| kernel_input(&mut rng, shape, dtype, tied);
             let widen = |s: &[u32]| s.iter().map(|&v| u64::from(v)).collect::<Vec<_>>();
             let with_count = |count: usize, s: &[u32]| [vec![count as u64], widen(s)].concat();
@@ -322,13 +321,7 @@ fn the_gpu_convolves_as_the_host() {
     for (case, &(n, c, h, w, o, k, stride, padding, relu, pooling)) in CONV_CASES.iter().enumerate()
     {
         let geometry = ConvGeometry { stride, padding };
-        let d = Dims::new(
-            &Shape::from((n, c, h, w)),
-            &Shape::from((o, c, k, k)),
-            geometry,
-            pooling,
-        )
-        .unwrap();
+        let d = case_dims(&CONV_CASES[case]);
         let f = Finish { d, relu, pooling };
         for dtype in [DType::F32, DType::BF16] {
             let what = format!("case {case} {dtype:?}");

@@ -161,19 +161,14 @@ pub const IGNORE_TARGET: u32 = u32::MAX;
 /// Mean cross-entropy of `logits` [.., classes] against integer `targets` [..], over the
 /// targets that are not [`IGNORE_TARGET`] (0 when none is).
 /// On a GPU one kernel each way over logits in f32 or bf16 (see
-/// `kernels::row_cross_entropy`).
+/// `kernels::row_cross_entropy`), and one for the mean (`kernels::scored_mean`).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> TensorResult<Tensor> {
     let classes = logits.dim(D::Minus1)?;
     let (logits, targets) = (logits.reshape(((), classes))?, targets.flatten_all()?);
     if crate::kernels::row_cross_entropy_applies(&logits) {
         let targets = targets.to_dtype(DType::U32)?;
-        let count = scoring(&targets)?
-            .to_dtype(DType::F32)?
-            .sum_all()?
-            .maximum(1f64)?;
-        return crate::kernels::row_cross_entropy(&logits, &targets)?
-            .sum_all()?
-            .broadcast_div(&count);
+        let losses = crate::kernels::row_cross_entropy(&logits, &targets)?;
+        return crate::kernels::scored_mean(&losses, &targets);
     }
     if !may_ignore(&targets)? {
         return candle_nn::loss::cross_entropy(&logits, &targets);

@@ -21,6 +21,9 @@ mod optim;
 #[cfg(feature = "cuda")]
 mod optim_cuda;
 mod pool;
+mod scored_mean;
+#[cfg(feature = "cuda")]
+mod scored_mean_cuda;
 pub(crate) mod scratch;
 pub(crate) mod storage;
 mod swap_middle;
@@ -47,6 +50,7 @@ pub use optim::{
 };
 #[cfg(feature = "cuda")]
 pub use optim_cuda::adam_step_on_gpu;
+pub use scored_mean::scored_mean;
 pub use swap_middle::swap_middle;
 pub(crate) use transpose::transpose;
 

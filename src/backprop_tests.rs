@@ -150,3 +150,88 @@ fn a_product_forms_no_gradient_for_an_operand_that_reaches_no_variable() {
     let grads = weighted_sum(&y, &upstream).backward().unwrap();
     assert!(grads.get(&x).is_some() && grads.get(&weight).is_some());
 }
+
+/// Patch 4: the element-wise rules (and a convolution's) form no gradient for an operand that
+/// reaches no variable, and still give the variable's exactly.
+#[test]
+fn element_wise_ops_form_no_gradient_for_an_operand_that_reaches_no_variable() {
+    let dev = Device::Cpu;
+    let x = Var::new(&[1f32, -2., 3., 0.5], &dev).unwrap();
+    let (xv, data) = (
+        x.as_tensor(),
+        Tensor::new(&[2f32, 0., -1., 4.], &dev).unwrap(),
+    );
+    let upstream = Tensor::new(&[1f32, 3., -2., 0.25], &dev).unwrap();
+    let mask = data.ge(0.0).unwrap();
+    let zeros = data.zeros_like().unwrap();
+    // (the op, dloss/dx for dloss/dy = upstream, by hand)
+    let cases: [(&str, Tensor, Vec<f32>); 10] = [
+        ("x + data", (xv + &data).unwrap(), vec![1., 3., -2., 0.25]),
+        ("data + x", (&data + xv).unwrap(), vec![1., 3., -2., 0.25]),
+        ("x - data", (xv - &data).unwrap(), vec![1., 3., -2., 0.25]),
+        ("data - x", (&data - xv).unwrap(), vec![-1., -3., 2., -0.25]),
+        ("x · data", (xv * &data).unwrap(), vec![2., 0., 2., 1.]),
+        ("data · x", (&data * xv).unwrap(), vec![2., 0., 2., 1.]),
+        (
+            "x / (data + 8)",
+            (xv / (&data + 8.0).unwrap()).unwrap(),
+            vec![0.1, 0.375, -2. / 7., 0.02083333],
+        ),
+        (
+            "max(x, data)",
+            xv.maximum(&data).unwrap(),
+            vec![0., 0., -2., 0.],
+        ),
+        (
+            "where(data ≥ 0, x, 0)",
+            mask.where_cond(xv, &zeros).unwrap(),
+            vec![1., 3., 0., 0.25],
+        ),
+        (
+            "where(data ≥ 0, 0, x)",
+            mask.where_cond(&zeros, xv).unwrap(),
+            vec![0., 0., -2., 0.],
+        ),
+    ];
+    for (what, y, want) in cases {
+        let grads = weighted_sum(&y, &upstream).backward().unwrap();
+        let got = values(grads.get(&x).unwrap());
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-6, "{what}: {got:?}, want {want:?}");
+        }
+        assert!(
+            grads.get(&data).is_none(),
+            "{what}: the data got a gradient"
+        );
+        assert!(
+            grads.get(&zeros).is_none(),
+            "{what}: the zeros got a gradient"
+        );
+    }
+
+    // Both operands variables: both gradients, as before.
+    let v = Var::from_tensor(&data).unwrap();
+    let grads = weighted_sum(&(xv * v.as_tensor()).unwrap(), &upstream)
+        .backward()
+        .unwrap();
+    assert_eq!(values(grads.get(&v).unwrap()), [1., -6., -6., 0.125]);
+    assert_eq!(values(grads.get(&x).unwrap()), [2., 0., 2., 1.]);
+
+    // A convolution over data: the kernel's gradient only (upstream formed the input's with a
+    // transposed convolution); over a frozen kernel: the input's only.
+    let image = Tensor::new(&[[[[1f32, 2., 0.], [0., 1., 3.], [2., 1., 1.]]]], &dev).unwrap();
+    let kernel = Var::new(&[[[[1f32, -1.], [0.5, 2.]]]], &dev).unwrap();
+    let y = image.conv2d(kernel.as_tensor(), 0, 1, 1, 1).unwrap();
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    // Each kernel value's gradient sums the 2×2 window of inputs it meets.
+    assert_eq!(values(grads.get(&kernel).unwrap()), [4., 6., 4., 6.]);
+    assert!(grads.get(&image).is_none());
+    let input = Var::from_tensor(&image).unwrap();
+    let frozen = kernel.as_tensor().detach();
+    let y = input.as_tensor().conv2d(&frozen, 0, 1, 1, 1).unwrap();
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    // Each input's gradient sums the kernel values that meet it: a corner one, the middle all.
+    let g = values(grads.get(&input).unwrap());
+    assert_eq!((g[0], g[4], g[8]), (1., 2.5, 2.));
+    assert!(grads.get(&frozen).is_none());
+}

@@ -45,6 +45,8 @@ fn gpt_job_with(batch: &str, extra: &[&str]) -> (JobSpec, Box<dyn Model>) {
         .unwrap()
         .spec;
     let data = crate::task::load(&spec, None).unwrap();
+    // The text is read in by now; the file is not left behind in the temporary directory.
+    std::fs::remove_file(&text).unwrap();
     let model = crate::models::build(
         &spec.model,
         data.input(),
@@ -124,22 +126,10 @@ fn the_estimate_follows_sharding_threads_and_checkpointing() {
         plain.total().unwrap(),
         plain.weights + plain.gradients + plain.optimizer + full + plain.runtime
     );
-    let bf16 = crate::models::build(
-        &spec.model,
-        model_input(&spec),
-        0,
-        &Device::Cpu,
-        crate::config::Precision::Bf16,
-        false,
-    )
-    .unwrap();
+    let (_, bf16) = gpt_job(&["train.precision=\"bf16\""]);
     let unknown = estimate(&spec, bf16.as_ref(), Layout::of(&spec, 1, 1));
     assert_eq!(unknown.total(), None);
     assert!(unknown.describe().contains("activations not estimated"));
-}
-
-fn model_input(spec: &JobSpec) -> crate::task::ModelInput {
-    crate::task::load(spec, None).unwrap().input()
 }
 
 /// World-size-invariant training keeps the tree's partial sums of a worker's pieces (log2 of

@@ -52,7 +52,9 @@ fn a_gpt_trains_to_the_same_weights_on_one_two_and_four_workers() {
         "{}",
         same.stdout
     );
-    // The same job in the default mode parts at once: the check can fail.
+    // The same job in the default mode parts at once: the check can fail. (A failed check
+    // keeps its runs for a look: in the test's directory, not the system's temporary one.)
+    let (parted_runs, scrambled_runs) = (t.path("parted"), t.path("scrambled"));
     let parted = t.ddpjob(&[
         "verify",
         cfg,
@@ -62,12 +64,23 @@ fn a_gpt_trains_to_the_same_weights_on_one_two_and_four_workers() {
         "2",
         "--set",
         "distributed.deterministic=run",
+        "--jobs-dir",
+        parted_runs.to_str().unwrap(),
     ]);
     parted.fails_with(1, "differs between 1 and 2 worker(s)");
     // A rank that sums its pieces out of order at step 3 (a deliberate bug) is caught there.
     let scrambled: crate::common::Run = t
         .command(
-            &["verify", cfg, "--world-sizes", "1,2", "--steps", "4"],
+            &[
+                "verify",
+                cfg,
+                "--world-sizes",
+                "1,2",
+                "--steps",
+                "4",
+                "--jobs-dir",
+                scrambled_runs.to_str().unwrap(),
+            ],
             &[("DDPJOB_FAULT", "rank=0,step=3,kind=piece-order")],
         )
         .output()

@@ -8,6 +8,7 @@ mod hf_tokenizer;
 pub mod idx;
 mod jsonl;
 mod jsonl_index;
+mod pixels;
 pub mod sampler;
 mod synthetic;
 mod tensors;
@@ -19,6 +20,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use thiserror::Error;
+
+use pixels::PixelMap;
 
 pub use batches::Batches;
 pub use builtin::SyntheticSpec;
@@ -96,24 +99,6 @@ pub struct Dataset {
     pixels: PixelMap,
 }
 
-/// u8 → f32 lookup per channel: ToTensor's /255, then optional (x - mean) / std.
-#[derive(Debug, Clone)]
-struct PixelMap {
-    per_channel: Vec<[f32; 256]>,
-}
-
-impl PixelMap {
-    fn new(channels: usize, normalize: Option<&(Vec<f32>, Vec<f32>)>) -> Self {
-        let per_channel = (0..channels)
-            .map(|c| {
-                let (mean, std) = normalize.map_or((0.0, 1.0), |(m, s)| (m[c], s[c]));
-                std::array::from_fn(|v| (v as f32 / 255.0 - mean) / std)
-            })
-            .collect();
-        PixelMap { per_channel }
-    }
-}
-
 impl Dataset {
     pub fn new(
         train: Split,
@@ -171,9 +156,7 @@ impl Dataset {
         let mut ys = Vec::with_capacity(indices.len());
         for &i in indices {
             let pixels = &split.images[i * sample_len..(i + 1) * sample_len];
-            for (channel, lut) in pixels.chunks_exact(plane).zip(&self.pixels.per_channel) {
-                xs.extend(channel.iter().map(|&v| lut[v as usize]));
-            }
+            self.pixels.extend(&mut xs, pixels, plane);
             ys.push(u32::from(split.labels[i]));
         }
         let [c, h, w] = split.shape;

@@ -235,3 +235,67 @@ fn element_wise_ops_form_no_gradient_for_an_operand_that_reaches_no_variable() {
     assert_eq!((g[0], g[4], g[8]), (1., 2.5, 2.));
     assert!(grads.get(&frozen).is_none());
 }
+
+/// What `Doubled`'s backward returned: where the values live, and the gradient itself when
+/// the op keeps it.
+type Returned = std::sync::Arc<std::sync::Mutex<Option<(usize, Option<Tensor>)>>>;
+
+/// `2·x`, whose backward returns a fresh `2·g` and notes where its values live; `keep` also
+/// holds on to that gradient (as an op that caches what it returns would).
+struct Doubled {
+    returned: Returned,
+    keep: bool,
+}
+
+impl candle_core::CustomOp1 for Doubled {
+    fn name(&self) -> &'static str {
+        "doubled"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(CpuStorage, candle_core::Shape)> {
+        let (start, end) = l.contiguous_offsets().unwrap();
+        let v: Vec<f32> = s.as_slice::<f32>()?[start..end]
+            .iter()
+            .map(|x| 2.0 * x)
+            .collect();
+        Ok((CpuStorage::F32(v), l.shape().clone()))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let fresh = (grad * 2.0)?;
+        let kept = self.keep.then(|| fresh.clone());
+        *self.returned.lock().unwrap() = Some((address(&fresh) as usize, kept));
+        Ok(Some(fresh))
+    }
+}
+
+/// Patch 5: a variable's first gradient that nothing else holds becomes its gradient as it is;
+/// one that something else still holds is copied, so the variable's is its own.
+#[test]
+fn a_fresh_gradient_is_the_variables_without_a_copy_and_a_shared_one_is_copied() {
+    for keep in [false, true] {
+        let x = Var::new(&[1f32, -2., 3.], &Device::Cpu).unwrap();
+        let returned = Returned::default();
+        let op = Doubled {
+            returned: returned.clone(),
+            keep,
+        };
+        let y = x.as_tensor().apply_op1(op).unwrap();
+        let upstream = Tensor::new(&[1f32, 0.5, -1.], &Device::Cpu).unwrap();
+        let grads = weighted_sum(&y, &upstream).backward().unwrap();
+        let g = grads.get(&x).unwrap();
+        assert_eq!(values(g), [2., 1., -2.]);
+        let (fresh, kept) = returned.lock().unwrap().take().unwrap();
+        if keep {
+            // The op still holds what it returned: the variable's gradient is a copy.
+            assert_ne!(address(g) as usize, fresh);
+            assert_eq!(address(&kept.unwrap()) as usize, fresh);
+        } else {
+            assert_eq!(address(g) as usize, fresh, "the fresh gradient was copied");
+        }
+    }
+}

@@ -946,7 +946,14 @@ fn first(tensor: &Tensor, grad: &Tensor) -> Result<Tensor> {
         return tensor.zeros_like()?.add(grad);
     }
     if tensor.is_variable() {
-        grad.force_contiguous()
+        // ddpjob patch 5: a gradient nothing else can see (a fresh product's, say) is the
+        // variable's own already; only a shared one is copied.
+        let owned = grad.is_contiguous() && grad.layout().start_offset() == 0;
+        if owned && grad.is_sole_owner() {
+            Ok(grad.clone())
+        } else {
+            grad.force_contiguous()
+        }
     } else {
         grad.contiguous()
     }

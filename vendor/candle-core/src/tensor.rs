@@ -2504,6 +2504,12 @@ impl Tensor {
         }
     }
 
+    /// ddpjob patch 5 (PATCHES.md): whether this handle is the only one to its tensor and the
+    /// tensor the only one on its storage (no clone of the handle, no view, shares them).
+    pub(crate) fn is_sole_owner(&self) -> bool {
+        Arc::strong_count(&self.0) == 1 && Arc::strong_count(&self.0.storage) == 1
+    }
+
     /// Returns a tensor that is in row major order. This always makes a copy.
     pub fn force_contiguous(&self) -> Result<Tensor> {
         let shape = self.shape();

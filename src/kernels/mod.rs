@@ -118,6 +118,7 @@ pub(crate) fn compile_gpu_kernels() {
         conv_cuda::ptx(),
         cross_entropy_cuda::ptx(),
         optim_cuda::ptx(),
+        scored_mean_cuda::ptx(),
         swap_middle::cuda::ptx(),
     ];
     drop(compiled);

@@ -192,10 +192,33 @@ pub(crate) fn column_sums(t: &Tensor, c: usize) -> Result<Tensor> {
         && t.dtype() == DType::F32
         && !candle_core::cuda_backend::gemm_reduced_precision_f32()
     {
-        let ones = Tensor::ones((1, t.dim(0)?), DType::F32, t.device())?;
+        let ones = ones_row(t.dim(0)?, t.device())?;
         return ones.matmul(&t.contiguous()?)?.reshape(c);
     }
     t.sum(0)
+}
+
+/// A [1, n] f32 row of ones on `device`: a view of one row kept per device (grown when a
+/// longer one is asked for), since a fresh one is a fill kernel and an allocation every time
+/// a gradient's column sums are taken (a few per layer per step).
+#[cfg(any(feature = "cuda", test))]
+fn ones_row(n: usize, device: &candle_core::Device) -> Result<Tensor> {
+    static KEPT: std::sync::Mutex<Vec<Tensor>> = std::sync::Mutex::new(Vec::new());
+    let mut kept = KEPT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mine = kept.iter().position(|t| t.device().same_device(device));
+    let row = match mine {
+        Some(i) if kept[i].dim(0)? >= n => kept[i].clone(),
+        _ => {
+            let longer = Tensor::ones(n, DType::F32, device)?;
+            if let Some(i) = mine {
+                kept[i] = longer.clone();
+            } else {
+                kept.push(longer.clone());
+            }
+            longer
+        }
+    };
+    row.narrow(0, 0, n)?.reshape((1, n))
 }
 
 /// Rows and channels of a contiguous input normalised over its last dimension, checked against

@@ -354,3 +354,42 @@ fn add_pairs_matches_candle_for_large_small_and_shaped_gradients() {
     let err = add_pairs(&[(&a[1], &short)]).unwrap_err().to_string();
     assert!(err.contains("7 and 6 values"), "{err}");
 }
+
+/// The column sums' row of ones: ones of the length asked for, shorter ones views of the kept
+/// row, a longer one replacing it.
+#[test]
+fn a_row_of_ones_is_kept_and_grown() {
+    let start = |t: &Tensor| {
+        let (storage, layout) = t.storage_and_layout();
+        let candle_core::Storage::Cpu(CpuStorage::F32(v)) = &*storage else {
+            panic!("f32 CPU values expected");
+        };
+        (v.as_ptr() as usize, v.len(), layout.start_offset())
+    };
+    let five = ones_row(5, &Device::Cpu).unwrap();
+    assert_eq!(five.dims(), [1, 5]);
+    assert_eq!(
+        five.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        [1.; 5]
+    );
+    let three = ones_row(3, &Device::Cpu).unwrap();
+    assert_eq!(
+        three.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        [1.; 3]
+    );
+    assert_eq!(
+        start(&three),
+        start(&five),
+        "a shorter row is a view of the kept one"
+    );
+    let eight = ones_row(8, &Device::Cpu).unwrap();
+    assert_eq!(start(&eight).1, 8, "a longer row replaces the kept one");
+    assert_eq!(start(&ones_row(2, &Device::Cpu).unwrap()), start(&eight));
+    // Products with it are the column sums.
+    let t = Tensor::new(&[[1f32, 2.], [3., 4.], [5., 6.]], &Device::Cpu).unwrap();
+    let sums = ones_row(3, &Device::Cpu).unwrap().matmul(&t).unwrap();
+    assert_eq!(
+        sums.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        [9., 12.]
+    );
+}

@@ -21,10 +21,11 @@ __device__ __forceinline__ void store(unsigned short* p, unsigned long long i, f
 }
 "#;
 
-/// Kernel source compiled by the host's C++ compiler and run one thread after another. Only
-/// for kernels whose threads do not talk to each other (no shared memory, barriers or warp
-/// shuffles); the compiler is told not to fuse multiply-adds, as the kernels that must round
-/// like the host are compiled by NVRTC.
+/// Kernel source compiled by the host's C++ compiler and run one thread after another
+/// ([`host::HostKernel::compile`]: for kernels whose threads do not talk to each other), or a
+/// block's threads side by side ([`host::HostKernel::compile_block`]: shared memory,
+/// `__syncthreads` and warp shuffles); the compiler is told not to fuse multiply-adds, as the
+/// kernels that must round like the host are compiled by NVRTC.
 #[cfg(test)]
 pub(crate) mod host {
     use std::path::{Path, PathBuf};
@@ -36,15 +37,61 @@ pub(crate) mod host {
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <memory>
 #include <string>
 #include <vector>
 #define __global__
 #define __device__
 #define __forceinline__ inline
 struct Dim3 { unsigned int x, y, z; };
-static Dim3 blockIdx, threadIdx, blockDim, gridDim;
 static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+"#;
+
+    /// Threads run one after another.
+    const SEQUENTIAL: &str = r#"
+static Dim3 blockIdx, threadIdx, blockDim, gridDim;
+#define LAUNCH(CALL) \
+    for (unsigned int block_ = 0; block_ < gridDim.x; ++block_) \
+        for (unsigned int thread_ = 0; thread_ < blockDim.x; ++thread_) { \
+            blockIdx.x = block_; threadIdx.x = thread_; CALL; \
+        }
+"#;
+
+    /// A block's threads run side by side (one block after another): `__shared__` memory is a
+    /// function's static, `__syncthreads` a barrier of the block's threads, and a warp shuffle
+    /// an exchange through the warp's slots between two barriers of its 32 threads.
+    const BLOCKS: &str = r#"
+#include <barrier>
+#include <thread>
+#define __shared__ static
+static Dim3 blockIdx, blockDim, gridDim;
+static thread_local Dim3 threadIdx;
+static std::barrier<>* block_barrier_;
+static std::vector<std::unique_ptr<std::barrier<>>> warp_barriers_;
+static float warp_slots_[32][32];
+static inline void __syncthreads() { block_barrier_->arrive_and_wait(); }
+static inline float __shfl_xor_sync(unsigned int, float v, int lane_mask) {
+    unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    warp_slots_[warp][lane] = v;
+    warp_barriers_[warp]->arrive_and_wait();
+    float other = warp_slots_[warp][lane ^ (unsigned int)lane_mask];
+    warp_barriers_[warp]->arrive_and_wait();
+    return other;
+}
+#define LAUNCH(CALL) \
+    for (unsigned int block_ = 0; block_ < gridDim.x; ++block_) { \
+        blockIdx.x = block_; \
+        std::barrier<> block(blockDim.x); \
+        block_barrier_ = &block; \
+        warp_barriers_.clear(); \
+        for (unsigned int w = 0; w < blockDim.x / 32; ++w) \
+            warp_barriers_.push_back(std::make_unique<std::barrier<>>(32)); \
+        std::vector<std::thread> threads_; \
+        for (unsigned int thread_ = 0; thread_ < blockDim.x; ++thread_) \
+            threads_.emplace_back([&, thread_] { threadIdx.x = thread_; CALL; }); \
+        for (auto& t : threads_) t.join(); \
+    }
 "#;
 
     const MAIN: &str = r#"
@@ -53,13 +100,13 @@ template <typename T> static std::vector<T> read_all(const std::string& path) {
     if (!f) { perror(path.c_str()); exit(2); }
     fseek(f, 0, SEEK_END); long bytes = ftell(f); fseek(f, 0, SEEK_SET);
     std::vector<T> v(bytes / sizeof(T));
-    if (fread(v.data(), sizeof(T), v.size(), f) != v.size()) { perror(path.c_str()); exit(2); }
+    if (!v.empty() && fread(v.data(), sizeof(T), v.size(), f) != v.size()) { perror(path.c_str()); exit(2); }
     fclose(f);
     return v;
 }
 template <typename T> static void write_all(const std::string& path, const std::vector<T>& v) {
     FILE* f = fopen(path.c_str(), "wb");
-    if (!f || fwrite(v.data(), sizeof(T), v.size(), f) != v.size()) { perror(path.c_str()); exit(2); }
+    if (!f || (!v.empty() && fwrite(v.data(), sizeof(T), v.size(), f) != v.size())) { perror(path.c_str()); exit(2); }
     fclose(f);
 }
 int main(int argc, char** argv) {
@@ -71,20 +118,18 @@ int main(int argc, char** argv) {
     DECLARE
     blockDim.x = 256; blockDim.y = blockDim.z = 1;
     gridDim.x = (unsigned int)((threads + 255) / 256); gridDim.y = gridDim.z = 1;
-    for (unsigned int block_ = 0; block_ < gridDim.x; ++block_)
-        for (unsigned int thread_ = 0; thread_ < blockDim.x; ++thread_) {
-            blockIdx.x = block_; threadIdx.x = thread_; CALL;
-        }
+    LAUNCH(CALL);
     WRITE
     return 0;
 }
 "#;
 
-    /// A buffer a kernel reads or writes: f32 values, or bf16 values as their bits.
+    /// A buffer a kernel reads or writes: f32 values, bf16 values as their bits, or u32s.
     #[derive(Debug, Clone, PartialEq)]
     pub(crate) enum Buffer {
         F32(Vec<f32>),
         Bf16(Vec<u16>),
+        U32(Vec<u32>),
     }
 
     impl Buffer {
@@ -93,6 +138,7 @@ int main(int argc, char** argv) {
             match self {
                 Buffer::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
                 Buffer::Bf16(v) => v.iter().map(|&x| u32::from(x)).collect(),
+                Buffer::U32(v) => v.clone(),
             }
         }
 
@@ -100,6 +146,7 @@ int main(int argc, char** argv) {
             match self {
                 Buffer::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
                 Buffer::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                Buffer::U32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             }
         }
 
@@ -117,6 +164,12 @@ int main(int argc, char** argv) {
                         .map(|b| u16::from_le_bytes(b.try_into().expect("2 bytes")))
                         .collect()
                 }
+                Buffer::U32(v) => {
+                    *v = bytes
+                        .chunks_exact(4)
+                        .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+                        .collect()
+                }
             }
         }
 
@@ -124,6 +177,7 @@ int main(int argc, char** argv) {
             match self {
                 Buffer::F32(_) => "float",
                 Buffer::Bf16(_) => "unsigned short",
+                Buffer::U32(_) => "unsigned int",
             }
         }
     }
@@ -137,12 +191,32 @@ int main(int argc, char** argv) {
     }
 
     impl HostKernel {
-        /// Compiles `source` with a harness for `call` over buffers of these names and kinds;
-        /// `None` (after saying so) where the machine has no C++ compiler.
+        /// Compiles `source` with a harness for `call` over buffers of these names and kinds,
+        /// its threads run one after another; `None` (after saying so) where the machine has
+        /// no C++ compiler.
         pub(crate) fn compile(
             source: &[&str],
             call: &str,
             buffers: &[(&str, &Buffer)],
+        ) -> Option<Self> {
+            Self::build(source, call, buffers, false)
+        }
+
+        /// [`HostKernel::compile`] for a kernel whose threads share memory, wait at
+        /// `__syncthreads` or shuffle within their warp: a block's 256 threads run side by side.
+        pub(crate) fn compile_block(
+            source: &[&str],
+            call: &str,
+            buffers: &[(&str, &Buffer)],
+        ) -> Option<Self> {
+            Self::build(source, call, buffers, true)
+        }
+
+        fn build(
+            source: &[&str],
+            call: &str,
+            buffers: &[(&str, &Buffer)],
+            blocks: bool,
         ) -> Option<Self> {
             let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
             // `CXX` may carry arguments (`ccache g++`).
@@ -176,13 +250,14 @@ int main(int argc, char** argv) {
                 .replace("DECLARE", &declare)
                 .replace("CALL", call)
                 .replace("WRITE", &write);
-            let program = [SHIM, &source.concat(), &main].concat();
+            let launch = if blocks { BLOCKS } else { SEQUENTIAL };
+            let program = [SHIM, launch, &source.concat(), &main].concat();
             let (cpp, exe) = (dir.path().join("kernel.cpp"), dir.path().join("kernel"));
             std::fs::write(&cpp, program).expect("write the kernel's program");
             // Warnings are errors, and the sanitizers stop the run at any read or write outside
             // a buffer and at undefined arithmetic.
             let built = cxx()
-                .args(["-std=c++17", "-O1", "-ffp-contract=off"])
+                .args(["-std=c++20", "-pthread", "-O1", "-ffp-contract=off"])
                 .args(["-Wall", "-Wextra", "-Werror"])
                 .args([
                     "-fsanitize=address,undefined",
@@ -202,9 +277,9 @@ int main(int argc, char** argv) {
             Some(HostKernel { dir, exe, names })
         }
 
-        /// Runs `threads` threads (in blocks of 256: the threads do not depend on each other,
-        /// so the block size is immaterial) over `buffers`, in the order given at compilation,
-        /// which hold the kernel's results afterwards.
+        /// Runs `threads` threads in blocks of 256 (for a kernel of `compile`, whose threads
+        /// do not depend on each other, the block size is immaterial) over `buffers`, in the
+        /// order given at compilation, which hold the kernel's results afterwards.
         pub(crate) fn run(&self, threads: u64, scalars: &[u64], buffers: &mut [&mut Buffer]) {
             assert_eq!(buffers.len(), self.names.len(), "one buffer per name");
             let at = |name: &str| -> PathBuf { Path::new(self.dir.path()).join(name) };

@@ -14,6 +14,54 @@ use crate::task::IGNORE_TARGET;
 /// Threads of the one block each kernel runs; the host sums in their order.
 pub(super) const THREADS: usize = 256;
 
+/// The kernels: one block of [`THREADS`] threads, each summing its strided share of the losses
+/// and counting its scored targets, then the halves of the block's shares added in shared
+/// memory, the order [`block_sum`] adds in.
+#[cfg(any(feature = "cuda", test))]
+pub(super) const SOURCE: &str = r#"
+#define IGNORED 0xffffffffu
+#define THREADS 256
+// Σ of every thread's `v` and of its `n`, in every thread: halves added onto halves.
+__device__ void block_sums(float& v, unsigned int& n) {
+    __shared__ float sums[THREADS];
+    __shared__ unsigned int counts[THREADS];
+    sums[threadIdx.x] = v;
+    counts[threadIdx.x] = n;
+    __syncthreads();
+    for (unsigned int half = THREADS / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) {
+            sums[threadIdx.x] += sums[threadIdx.x + half];
+            counts[threadIdx.x] += counts[threadIdx.x + half];
+        }
+        __syncthreads();
+    }
+    v = sums[0];
+    n = counts[0];
+}
+// mean[0] = Σ losses / max(scored targets, 1).
+extern "C" __global__ void ddpjob_scored_mean(const float* losses, const unsigned int* targets,
+        float* mean, unsigned int rows) {
+    float s = 0.0f;
+    unsigned int n = 0;
+    for (unsigned int j = threadIdx.x; j < rows; j += THREADS) {
+        s += losses[j];
+        n += targets[j] != IGNORED;
+    }
+    block_sums(s, n);
+    if (threadIdx.x == 0) mean[0] = s / fmaxf((float)n, 1.0f);
+}
+// Every row's gradient: g[0] / max(scored targets, 1).
+extern "C" __global__ void ddpjob_scored_mean_grad(const float* g, const unsigned int* targets,
+        float* rows_grad, unsigned int rows) {
+    float unused = 0.0f;
+    unsigned int n = 0;
+    for (unsigned int j = threadIdx.x; j < rows; j += THREADS) n += targets[j] != IGNORED;
+    block_sums(unused, n);
+    float each = g[0] / fmaxf((float)n, 1.0f);
+    for (unsigned int j = threadIdx.x; j < rows; j += THREADS) rows_grad[j] = each;
+}
+"#;
+
 /// Σ `losses` [rows] (f32) / max(scored targets, 1), an f32 scalar: the mean cross-entropy of
 /// the rows whose target is not [`IGNORE_TARGET`] (an ignored row's loss is 0). Differentiable
 /// in `losses`.
@@ -236,6 +284,45 @@ mod tests {
         let targets = Tensor::zeros(3, DType::U32, &Device::Cpu).unwrap();
         let err = scored_mean(&losses, &targets).unwrap_err().to_string();
         assert!(err.contains("3 targets for 4 rows"), "{err}");
+    }
+
+    /// The kernels' CUDA source, run on the host (the block's threads side by side, as on a
+    /// GPU), gives the op's host values bit for bit: the mean and the rows' gradient.
+    #[test]
+    fn the_kernels_source_gives_the_host_values_bit_for_bit() {
+        use crate::kernels::device_code::host::{Buffer, HostKernel};
+        let (f32s, u32s) = (Buffer::F32(Vec::new()), Buffer::U32(Vec::new()));
+        let Some(mean_kernel) = HostKernel::compile_block(
+            &[SOURCE],
+            "ddpjob_scored_mean(losses, targets, mean, (unsigned int)A(0))",
+            &[("losses", &f32s), ("targets", &u32s), ("mean", &f32s)],
+        ) else {
+            return;
+        };
+        let grad_kernel = HostKernel::compile_block(
+            &[SOURCE],
+            "ddpjob_scored_mean_grad(g, targets, rows_grad, (unsigned int)A(0))",
+            &[("g", &f32s), ("targets", &u32s), ("rows_grad", &f32s)],
+        )
+        .expect("the compiler that built the first kernel");
+        for n in [0, 5, 256, 1000, 16_389] {
+            let (losses, targets) = rows(n, &Device::Cpu);
+            // The op's: the mean, and the rows' gradient of 0.7 · mean.
+            let (mean, grad) = mean_and_grad(&losses, &targets, 0.7);
+            let mut losses = Buffer::F32(losses.to_vec1().unwrap());
+            let mut targets = Buffer::U32(targets.to_vec1().unwrap());
+            let mut out = Buffer::F32(vec![f32::NAN]);
+            let threads = THREADS as u64;
+            let buffers = &mut [&mut losses, &mut targets, &mut out];
+            mean_kernel.run(threads, &[n as u64], buffers);
+            assert_eq!(out.bits(), [mean.to_bits()], "{n} rows: the mean");
+            let mut g = Buffer::F32(vec![0.7]);
+            let mut rows_grad = Buffer::F32(vec![f32::NAN; n]);
+            let buffers = &mut [&mut g, &mut targets, &mut rows_grad];
+            grad_kernel.run(threads, &[n as u64], buffers);
+            let want: Vec<u32> = grad.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(rows_grad.bits(), want, "{n} rows: the gradient");
+        }
     }
 
     /// Runs where a GPU is: the kernels give the host's mean and gradient bit for bit.

@@ -23,8 +23,8 @@ __device__ __forceinline__ void store(unsigned short* p, unsigned long long i, f
 
 /// Kernel source compiled by the host's C++ compiler and run one thread after another
 /// ([`host::HostKernel::compile`]: for kernels whose threads do not talk to each other), or a
-/// block's threads side by side ([`host::HostKernel::compile_block`]: shared memory,
-/// `__syncthreads` and warp shuffles); the compiler is told not to fuse multiply-adds, as the
+/// block's threads side by side ([`host::HostKernel::compile_block`]: shared memory and
+/// `__syncthreads`, no warp shuffles); the compiler is told not to fuse multiply-adds, as the
 /// kernels that must round like the host are compiled by NVRTC.
 #[cfg(test)]
 pub(crate) mod host {
@@ -37,7 +37,6 @@ pub(crate) mod host {
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <memory>
 #include <string>
 #include <vector>
 #define __global__
@@ -59,8 +58,8 @@ static Dim3 blockIdx, threadIdx, blockDim, gridDim;
 "#;
 
     /// A block's threads run side by side (one block after another): `__shared__` memory is a
-    /// function's static, `__syncthreads` a barrier of the block's threads, and a warp shuffle
-    /// an exchange through the warp's slots between two barriers of its 32 threads.
+    /// function's static and `__syncthreads` a barrier of the block's threads. (No warp
+    /// shuffles: a kernel that uses them does not compile here.)
     const BLOCKS: &str = r#"
 #include <barrier>
 #include <thread>
@@ -68,25 +67,12 @@ static Dim3 blockIdx, threadIdx, blockDim, gridDim;
 static Dim3 blockIdx, blockDim, gridDim;
 static thread_local Dim3 threadIdx;
 static std::barrier<>* block_barrier_;
-static std::vector<std::unique_ptr<std::barrier<>>> warp_barriers_;
-static float warp_slots_[32][32];
 static inline void __syncthreads() { block_barrier_->arrive_and_wait(); }
-static inline float __shfl_xor_sync(unsigned int, float v, int lane_mask) {
-    unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    warp_slots_[warp][lane] = v;
-    warp_barriers_[warp]->arrive_and_wait();
-    float other = warp_slots_[warp][lane ^ (unsigned int)lane_mask];
-    warp_barriers_[warp]->arrive_and_wait();
-    return other;
-}
 #define LAUNCH(CALL) \
     for (unsigned int block_ = 0; block_ < gridDim.x; ++block_) { \
         blockIdx.x = block_; \
         std::barrier<> block(blockDim.x); \
         block_barrier_ = &block; \
-        warp_barriers_.clear(); \
-        for (unsigned int w = 0; w < blockDim.x / 32; ++w) \
-            warp_barriers_.push_back(std::make_unique<std::barrier<>>(32)); \
         std::vector<std::thread> threads_; \
         for (unsigned int thread_ = 0; thread_ < blockDim.x; ++thread_) \
             threads_.emplace_back([&, thread_] { threadIdx.x = thread_; CALL; }); \
@@ -202,8 +188,8 @@ int main(int argc, char** argv) {
             Self::build(source, call, buffers, false)
         }
 
-        /// [`HostKernel::compile`] for a kernel whose threads share memory, wait at
-        /// `__syncthreads` or shuffle within their warp: a block's 256 threads run side by side.
+        /// [`HostKernel::compile`] for a kernel whose threads share memory and wait at
+        /// `__syncthreads`: a block's 256 threads run side by side.
         pub(crate) fn compile_block(
             source: &[&str],
             call: &str,

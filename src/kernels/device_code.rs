@@ -138,24 +138,14 @@ int main(int argc, char** argv) {
 
         fn refill(&mut self, bytes: &[u8]) {
             match self {
-                Buffer::F32(v) => {
-                    *v = bytes
-                        .chunks_exact(4)
-                        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-                        .collect()
-                }
+                Buffer::F32(v) => *v = words(bytes).map(f32::from_bits).collect(),
                 Buffer::Bf16(v) => {
                     *v = bytes
                         .chunks_exact(2)
                         .map(|b| u16::from_le_bytes(b.try_into().expect("2 bytes")))
                         .collect()
                 }
-                Buffer::U32(v) => {
-                    *v = bytes
-                        .chunks_exact(4)
-                        .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
-                        .collect()
-                }
+                Buffer::U32(v) => *v = words(bytes).collect(),
             }
         }
 
@@ -166,6 +156,13 @@ int main(int argc, char** argv) {
                 Buffer::U32(_) => "unsigned int",
             }
         }
+    }
+
+    /// Little-endian 32-bit words of `bytes` (f32 values as their bits, or u32s).
+    fn words(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
+        bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
     }
 
     /// One kernel call, compiled: `call` (C++, e.g. `ddpjob_k_f32(x, y, A(0))`) names the

@@ -32,6 +32,8 @@ pub enum JobDirError {
          it (Ctrl-C, or `kill {pid}`) before resuming"
     )]
     Busy { name: String, pid: String },
+    #[error("the jobs directory `{}` is a file, not a directory; pass --jobs-dir a directory (created if missing)", dir.display())]
+    JobsDirIsAFile { dir: PathBuf },
     #[error("cannot write `{}`: {cause}", path.display())]
     Io {
         path: PathBuf,
@@ -150,6 +152,11 @@ impl JobDir {
 
     /// Fails (without touching anything) if the job already exists.
     pub fn ensure_new(&self, name: &str) -> Result<(), JobDirError> {
+        if let Some(jobs_dir) = self.root.parent().filter(|d| d.is_file()) {
+            return Err(JobDirError::JobsDirIsAFile {
+                dir: jobs_dir.to_path_buf(),
+            });
+        }
         if !self.root.exists() {
             return Ok(());
         }
@@ -347,6 +354,21 @@ pub fn list_jobs(jobs_dir: &Path) -> std::io::Result<Vec<(String, JobState)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_jobs_dir_that_is_a_file_is_named_and_left_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("jobs");
+        fs::write(&file, "notes").unwrap();
+        let job = JobDir::open(&file, "mnist");
+        let err = job.create("mnist").unwrap_err();
+        assert!(matches!(&err, JobDirError::JobsDirIsAFile { dir } if dir == &file));
+        assert!(
+            err.to_string().contains("is a file, not a directory"),
+            "{err}"
+        );
+        assert_eq!(fs::read_to_string(&file).unwrap(), "notes");
+    }
 
     #[test]
     fn metrics_rewind_to_a_checkpoint_and_the_lock_is_exclusive() {

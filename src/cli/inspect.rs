@@ -9,6 +9,16 @@ use crate::jobdir::now_unix;
 use crate::report::{JobView, show};
 
 pub(super) fn list(jobs_dir: &Path) -> CliResult {
+    if jobs_dir.is_file() {
+        return Err((
+            2,
+            anyhow!(
+                "the jobs directory `{}` is a file, not a directory; pass --jobs-dir the directory \
+                 your runs were made in",
+                jobs_dir.display()
+            ),
+        ));
+    }
     let views = JobView::load_all(jobs_dir).map_err(|e| {
         (
             1,

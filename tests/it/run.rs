@@ -136,6 +136,21 @@ fn an_existing_job_is_never_overwritten() {
 }
 
 #[test]
+fn a_jobs_dir_that_is_a_file_is_a_usage_error() {
+    let t = TestJob::new();
+    let cfg = t.config("tiny", TINY);
+    let file = t.path("jobs-notes.txt");
+    std::fs::write(&file, "not a directory").unwrap();
+    let file = file.to_str().unwrap();
+    t.ddpjob(&["run", cfg.to_str().unwrap(), "--jobs-dir", file])
+        .fails_with(2, "is a file, not a directory")
+        .fails_with(2, "--jobs-dir");
+    t.ddpjob(&["list", "--jobs-dir", file])
+        .fails_with(2, "is a file, not a directory");
+    assert_eq!(std::fs::read_to_string(file).unwrap(), "not a directory");
+}
+
+#[test]
 fn a_diverging_loss_fails_the_job_naming_epoch_and_step() {
     let t = TestJob::new();
     let cfg = t.config("boom", TINY);

@@ -251,18 +251,26 @@ fn describe_value(value: &toml::Value) -> String {
     }
 }
 
+/// A `--set` integer, TOML's 64-bit kind; one too large for it is said to be, not "not one".
+fn parse_int(raw: &str) -> Result<i64, String> {
+    use std::num::IntErrorKind::{NegOverflow, PosOverflow};
+    raw.parse()
+        .map_err(|e: std::num::ParseIntError| match e.kind() {
+            PosOverflow | NegOverflow => format!("`{raw}` is out of range (at most {})", i64::MAX),
+            _ => format!("`{raw}` is not one"),
+        })
+}
+
 /// Types a `--set` value by the key's schema kind: `--set data.root=x` needs no quotes.
 fn parse_override_value(kind: Kind, raw: &str) -> Result<toml::Value, String> {
     let unquoted = raw.trim_matches(|c| c == '"' || c == '\'');
     let value = match kind {
         Kind::Str => toml::Value::String(unquoted.to_string()),
-        Kind::Int => toml::Value::Integer(raw.parse().map_err(|_| format!("`{raw}` is not one"))?),
+        Kind::Int => toml::Value::Integer(parse_int(raw)?),
         Kind::Float => toml::Value::Float(raw.parse().map_err(|_| format!("`{raw}` is not one"))?),
         Kind::Bool => toml::Value::Boolean(raw.parse().map_err(|_| format!("`{raw}` is not one"))?),
         Kind::AutoOrInt if unquoted == "auto" => toml::Value::String("auto".into()),
-        Kind::AutoOrInt => {
-            toml::Value::Integer(raw.parse().map_err(|_| format!("`{raw}` is not one"))?)
-        }
+        Kind::AutoOrInt => toml::Value::Integer(parse_int(raw)?),
         Kind::StrListOrStr if !raw.trim_start().starts_with('[') => {
             toml::Value::String(unquoted.to_string())
         }

@@ -174,6 +174,13 @@ fn overrides_are_typed_by_the_schema() {
         msg,
         "bad override `--set train.epochs=zero`: `train.epochs` must be an integer: `zero` is not one"
     );
+    let msg = load_text("", &["train.batch_size=99999999999999999999"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.ends_with("`99999999999999999999` is out of range (at most 9223372036854775807)"),
+        "{msg}"
+    );
     let msg = load_text("", &["train.batchsize=2"])
         .unwrap_err()
         .to_string();

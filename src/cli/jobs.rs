@@ -217,7 +217,7 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         "cpu" => crate::launch::cpu_threads_per_worker(placement.nproc),
         _ => 1,
     };
-    match memory_lines(spec, world, threads, &placement.gpus) {
+    match memory_lines(spec, world, threads, &placement) {
         Ok(lines) => lines.iter().for_each(|l| println!("{l}")),
         Err(why) => println!("memory_per_worker = not estimated ({why})"),
     }
@@ -226,14 +226,15 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
 }
 
 /// The memory estimate per worker (see `memory`), what sharding or activation checkpointing
-/// would make of it where the job does not use them yet, and on GPUs whether it fits their
-/// free memory. Builds the model on the CPU to count its parameters.
+/// would make of it where the job does not use them yet, and whether it fits: each GPU's free
+/// memory, or CPU workers this machine's. Builds the model on the CPU to count its parameters.
 fn memory_lines(
     spec: &config::JobSpec,
     world: usize,
     threads: usize,
-    gpus: &[usize],
+    placement: &crate::device::Placement,
 ) -> Result<Vec<String>, String> {
+    let gpus = &placement.gpus;
     use crate::memory::{Layout, estimate, fit};
     let input = match crate::registry::Registry::current().data_input(&spec.data) {
         Some(input) => input,
@@ -243,7 +244,9 @@ fn memory_lines(
     };
     let cpu = candle_core::Device::Cpu;
     let precision = spec.train.precision;
-    let model = crate::models::build(&spec.model, input, spec.seed, &cpu, precision, false)
+    // Blank weights (nothing drawn or loaded; a gpt's or llama's are zero pages, never
+    // touched): only the shapes count, and a model too large for this machine must not fill it.
+    let model = crate::models::build(&spec.model, input, spec.seed, &cpu, precision, true)
         .map_err(|e| e.to_string())?;
     let layout = Layout::of(spec, world, threads);
     let mine = estimate(spec, model.as_ref(), layout);
@@ -272,6 +275,20 @@ fn memory_lines(
             ),
             Err(why) => format!("  does not fit: {why}"),
         });
+    }
+    // CPU workers share this machine's memory (`run` refuses them as it does a GPU job).
+    if let (true, Some(available)) = (gpus.is_empty(), fit::available_host_memory()) {
+        let workers = placement.nproc;
+        lines.push(
+            match fit::check_host(spec, model.as_ref(), layout, workers, available) {
+                Ok(()) => format!(
+                    "  fits this machine ({} available for {workers} CPU worker{})",
+                    crate::memory::gb(available),
+                    if workers == 1 { "" } else { "s" }
+                ),
+                Err(why) => format!("  does not fit: {why}"),
+            },
+        );
     }
     Ok(lines)
 }

@@ -258,7 +258,7 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
             // The data is found and checked before the job exists, so bad data creates nothing.
             let kept = prepare_data(spec, None)?;
             check_freeze(spec).map_err(RunError::Usage)?;
-            check_gpu_memory(spec, &layout).map_err(RunError::Usage)?;
+            check_memory(spec, &layout).map_err(RunError::Usage)?;
             check_full_sharding(spec).map_err(RunError::Usage)?;
             create_job(&job, opts, &layout, &kept)?;
             _lock = Some(job.lock(&spec.name)?);
@@ -440,18 +440,27 @@ fn blank_model(
         .map_err(|e| e.to_string())
 }
 
-/// GPU workers: refused before anything is created when a worker's memory estimate is more
-/// than a GPU's free memory (see `memory::fit`).
-fn check_gpu_memory(spec: &JobSpec, layout: &Layout) -> Result<(), String> {
+/// Refused before anything is created: GPU workers when a worker's memory estimate is more
+/// than a GPU's free memory, CPU workers when theirs together are more than the machine's
+/// available memory (see `memory::fit`); and a model that cannot be built at all.
+fn check_memory(spec: &JobSpec, layout: &Layout) -> Result<(), String> {
     let gpus = &layout.placement.gpus;
-    if gpus.is_empty() {
-        return Ok(());
-    }
     let Some(model) = blank_model(spec, spec.train.precision)? else {
         return Ok(());
     };
-    let memory = crate::memory::Layout::of(spec, layout.world_size(), 1);
-    crate::memory::fit::check_gpus(spec, model.as_ref(), memory, gpus)
+    let checked = if gpus.is_empty() {
+        let Some(available) = crate::memory::fit::available_host_memory() else {
+            return Ok(());
+        };
+        let workers = layout.placement.nproc;
+        let memory =
+            crate::memory::Layout::of(spec, layout.world_size(), cpu_threads_per_worker(workers));
+        crate::memory::fit::check_host(spec, model.as_ref(), memory, workers, available)
+    } else {
+        let memory = crate::memory::Layout::of(spec, layout.world_size(), 1);
+        crate::memory::fit::check_gpus(spec, model.as_ref(), memory, gpus)
+    };
+    checked
         .map_err(|why| format!("{why} (checked before launch; see README, \"Memory per worker\")"))
 }
 

@@ -1,5 +1,6 @@
-//! Whether a job fits its GPUs: the estimate beside each GPU's free memory before launch, and
-//! the settings that would make a job fit (also what `validate` advises).
+//! Whether a job fits its GPUs, or its CPU workers their machine: the estimate beside the
+//! free memory before launch, and the settings that would make a job fit (also what
+//! `validate` advises).
 
 use crate::config::{JobSpec, Sharding};
 use crate::models::Model;
@@ -71,6 +72,18 @@ pub fn verdict(
     gpu: usize,
     free: u64,
 ) -> Result<(), String> {
+    let place = format!("GPU {gpu} has {} free", gb(free));
+    verdict_for(mine, alternatives, free, &place)
+}
+
+/// [`verdict`] for a worker that may use `free` bytes, which `place` describes ("GPU 0 has
+/// 3.00 GB free").
+fn verdict_for(
+    mine: &Estimate,
+    alternatives: &[(String, Estimate)],
+    free: u64,
+    place: &str,
+) -> Result<(), String> {
     if needed(mine) <= free {
         return Ok(());
     }
@@ -85,21 +98,65 @@ pub fn verdict(
         .collect();
     let advice = match fitting.is_empty() {
         true => "no single setting makes it fit: lower train.batch_size (with \
-                 train.accumulation to keep the step's batch), or use more GPUs with \
+                 train.accumulation to keep the step's batch), or use more workers with \
                  distributed.sharding"
             .to_string(),
         false => format!("it would fit with {}", fitting.join(", or ")),
     };
     Err(format!(
         "each worker needs about {} (weights {}, gradients {}, optimizer {}, runtime \
-         {}{activations}), but GPU {gpu} has {} free; {advice}",
+         {}{activations}), but {place}; {advice}",
         gb(needed(mine)),
         gb(mine.weights),
         gb(mine.gradients),
         gb(mine.optimizer),
         gb(mine.runtime),
-        gb(free)
     ))
+}
+
+/// This machine's memory a new process can have, in bytes: `MemAvailable` plus `SwapFree`
+/// from `/proc/meminfo` (`None` where it does not say, e.g. not Linux).
+pub fn available_host_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = |key: &str| -> Option<u64> {
+        let line = info.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()
+    };
+    Some((kib("MemAvailable:")? + kib("SwapFree:").unwrap_or(0)) * 1024)
+}
+
+/// Before a job of `workers` CPU workers on this machine starts: `Err` (exit 2) when their
+/// estimates together are more than `available` bytes of host memory. Only what is known is
+/// counted (the activations where the model says), so a job is refused only when it cannot
+/// fit, never on a guess.
+pub fn check_host(
+    spec: &JobSpec,
+    model: &dyn Model,
+    layout: Layout,
+    workers: usize,
+    available: u64,
+) -> Result<(), String> {
+    let mine = estimate(spec, model, layout);
+    let share = available / workers.max(1) as u64;
+    let alternatives: Vec<(String, Estimate)> = alternatives(spec, model, layout)
+        .into_iter()
+        .filter(|(_, e)| needed(e) < needed(&mine))
+        .collect();
+    let place = match workers {
+        1 => format!("this machine has {} available", gb(available)),
+        n => format!(
+            "this machine has {} available, {} for each of its {n} workers (fewer with \
+             --nproc-per-node)",
+            gb(available),
+            gb(share)
+        ),
+    };
+    verdict_for(&mine, &alternatives, share, &place)
 }
 
 /// Free memory of each of `ordinals` (among the visible GPUs), in bytes, from the driver.

@@ -193,3 +193,39 @@ fn fully_sharded_weights_are_a_share_a_block_and_the_rest() {
     assert_eq!(alone.weights, 4 * p);
     assert!(!alone.activations_or_gradients);
 }
+
+/// CPU workers on one machine: refused only when their estimates together exceed what the
+/// machine has available, each given its share; the message names the workers and the way out.
+#[test]
+fn cpu_workers_that_cannot_share_the_machine_are_refused() {
+    let (spec, model) = gpt_job(&[]);
+    let layout = Layout::of(&spec, 2, 1);
+    let need = estimate(&spec, model.as_ref(), layout).total().unwrap();
+    assert!(fit::check_host(&spec, model.as_ref(), layout, 2, 2 * need).is_ok());
+    let why = fit::check_host(&spec, model.as_ref(), layout, 2, 2 * need - 2).unwrap_err();
+    assert!(why.starts_with("each worker needs about "), "{why}");
+    assert!(
+        why.contains(&format!(
+            "but this machine has {} available, {} for each of its 2 workers (fewer with \
+             --nproc-per-node)",
+            gb(2 * need - 2),
+            gb(need - 1)
+        )),
+        "{why}"
+    );
+    let alone = Layout::of(&spec, 1, 1);
+    let need = estimate(&spec, model.as_ref(), alone).total().unwrap();
+    let why = fit::check_host(&spec, model.as_ref(), alone, 1, need / 2).unwrap_err();
+    assert!(
+        why.contains(&format!("but this machine has {} available;", gb(need / 2))),
+        "{why}"
+    );
+}
+
+/// `MemAvailable` and `SwapFree`, read from this Linux machine: something, and less than its
+/// address space.
+#[test]
+fn the_hosts_available_memory_is_read() {
+    let available = fit::available_host_memory().expect("/proc/meminfo says");
+    assert!(available > 1 << 20 && available < 1 << 56, "{available}");
+}

@@ -869,7 +869,7 @@ impl<'a> GptInit<'a> {
     }
 
     fn push(&mut self, name: String, shape: &[usize], values: Vec<f32>) -> Result<Var> {
-        let var = Var::from_tensor(&Tensor::from_vec(values, shape, self.device)?)?;
+        let var = Var::from_vec(values, shape, self.device)?;
         if shape.len() < 2 {
             self.no_decay.push(self.entries.len());
         }
@@ -878,16 +878,16 @@ impl<'a> GptInit<'a> {
     }
 
     pub(super) fn normal(&mut self, name: &str, shape: &[usize], std: f32) -> Result<Var> {
-        let count = shape.iter().product();
         let values = match &mut self.rng {
-            Some(rng) => (0..count).map(|_| rng.normal() * std).collect(),
-            None => vec![0.0; count],
+            Some(rng) => super::parameter_values(name, shape, || rng.normal() * std)?,
+            None => super::zeroed_parameter_values(name, shape)?,
         };
         self.push(name.to_string(), shape, values)
     }
 
     pub(super) fn constant(&mut self, name: String, size: usize, value: f32) -> Result<Var> {
-        self.push(name, &[size], vec![value; size])
+        let values = super::parameter_values(&name, &[size], || value)?;
+        self.push(name, &[size], values)
     }
 
     pub(super) fn linear(

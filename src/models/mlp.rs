@@ -77,6 +77,39 @@ impl Model for Mlp {
 mod tests {
     use super::*;
 
+    /// A width no machine has memory for (a typo) is an error naming the parameter and its
+    /// size, not an aborted process: sizes past any address space, so no overcommit setting
+    /// lets the allocation through, and one past `usize`.
+    #[test]
+    fn a_model_too_large_for_memory_is_refused_by_name() {
+        let refused = |hidden: usize| match Mlp::new([1, 32, 32], &[hidden], 10, 0, &Device::Cpu) {
+            Ok(_) => panic!("a hidden width of {hidden} was built"),
+            Err(e) => e.to_string(),
+        };
+        let why = refused(1 << 44);
+        assert!(
+            why.contains(
+                "parameter `fc1.weight` of shape [17592186044416, 1024] needs 72057594.0 GB"
+            ),
+            "{why}"
+        );
+        assert!(
+            why.contains("more memory than this machine can give"),
+            "{why}"
+        );
+        assert!(refused(usize::MAX).contains("`fc1.weight` of shape [18446744073709551615, 1024]"));
+        assert!(super::super::zeroed_parameter_values("w", &[1 << 44, 1024]).is_err());
+        assert_eq!(
+            super::super::zeroed_parameter_values("w", &[3, 2]).unwrap(),
+            vec![0.0; 6]
+        );
+        assert!(
+            super::super::zeroed_parameter_values("w", &[0, 2])
+                .unwrap()
+                .is_empty()
+        );
+    }
+
     #[test]
     fn names_and_shapes_follow_torch() {
         let mlp = Mlp::new([1, 28, 28], &[256, 256], 10, 0, &Device::Cpu).unwrap();

@@ -395,6 +395,55 @@ impl Params {
     }
 }
 
+/// A new parameter's values, `shape`'s count of them drawn by `draw`; where this machine
+/// cannot give them memory (a mistyped width, say) an error naming the parameter and its size,
+/// so that the model is refused instead of the process aborted.
+pub(crate) fn parameter_values(
+    name: &str,
+    shape: &[usize],
+    mut draw: impl FnMut() -> f32,
+) -> Result<Vec<f32>> {
+    let mut values = Vec::new();
+    match shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) {
+        Some(n) if values.try_reserve_exact(n).is_ok() => {
+            values.extend((0..n).map(|_| draw()));
+            Ok(values)
+        }
+        _ => Err(too_large(name, shape)),
+    }
+}
+
+/// [`parameter_values`] all zero, from zeroed pages (as `vec![0.0; n]`, which the kernel
+/// maps on first touch: a blank model's weights are replaced by loaded ones).
+pub(crate) fn zeroed_parameter_values(name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    let count = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    let Some((n, layout)) =
+        count.and_then(|n| Some((n, std::alloc::Layout::array::<f32>(n).ok()?)))
+    else {
+        return Err(too_large(name, shape));
+    };
+    if layout.size() == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: a non-zero-sized layout; a non-null result is `n` zeroed f32s from the global
+    // allocator with the layout a `Vec<f32>` of capacity `n` frees with.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<f32>();
+    if ptr.is_null() {
+        return Err(too_large(name, shape));
+    }
+    // SAFETY: as above; all `n` values are initialised (zero).
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
+fn too_large(name: &str, shape: &[usize]) -> candle_core::Error {
+    let bytes = shape.iter().fold(4.0, |b, &d| b * d as f64);
+    candle_core::Error::Msg(format!(
+        "parameter `{name}` of shape {shape:?} needs {:.1} GB, more memory than this machine \
+         can give; check the model's sizes",
+        bytes / 1e9
+    ))
+}
+
 /// Creates parameters in order, each drawn from `U(-1/sqrt(fan_in), 1/sqrt(fan_in))`: what
 /// torch's `kaiming_uniform_(a=sqrt(5))` gives for weights and its default bias init.
 pub struct Init<'a> {
@@ -414,9 +463,9 @@ impl<'a> Init<'a> {
 
     fn uniform(&mut self, name: String, shape: &[usize], fan_in: usize) -> Result<Var> {
         let bound = 1.0 / (fan_in as f32).sqrt();
-        let n = shape.iter().product();
-        let values: Vec<f32> = (0..n).map(|_| self.rng.uniform(-bound, bound)).collect();
-        let var = Var::from_tensor(&Tensor::from_vec(values, shape, self.device)?)?;
+        let rng = &mut self.rng;
+        let values = parameter_values(&name, shape, || rng.uniform(-bound, bound))?;
+        let var = Var::from_vec(values, shape, self.device)?;
         Ok(self.params.push(name, var))
     }
 

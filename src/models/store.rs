@@ -105,14 +105,17 @@ impl SimpleBackend for ParamStore {
             }
             return var.as_tensor().to_dtype(dtype);
         }
-        let n = shape.elem_count();
         let rng = &mut inner.rng;
-        let values: Vec<f32> = match init {
-            Init::Const(v) => vec![v as f32; n],
-            Init::Randn { mean, stdev } => (0..n)
-                .map(|_| mean as f32 + stdev as f32 * rng.normal())
-                .collect(),
-            Init::Uniform { lo, up } => (0..n).map(|_| rng.uniform(lo as f32, up as f32)).collect(),
+        let dims = shape.dims();
+        let values = match init {
+            Init::Const(v) if v.to_bits() == 0 => super::zeroed_parameter_values(name, dims)?,
+            Init::Const(v) => super::parameter_values(name, dims, || v as f32)?,
+            Init::Randn { mean, stdev } => {
+                super::parameter_values(name, dims, || mean as f32 + stdev as f32 * rng.normal())?
+            }
+            Init::Uniform { lo, up } => {
+                super::parameter_values(name, dims, || rng.uniform(lo as f32, up as f32))?
+            }
             Init::Kaiming {
                 dist,
                 fan,
@@ -120,15 +123,17 @@ impl SimpleBackend for ParamStore {
             } => {
                 let std = non_linearity.gain() / (fan.for_shape(&shape) as f64).sqrt();
                 match dist {
-                    NormalOrUniform::Normal => (0..n).map(|_| std as f32 * rng.normal()).collect(),
+                    NormalOrUniform::Normal => {
+                        super::parameter_values(name, dims, || std as f32 * rng.normal())?
+                    }
                     NormalOrUniform::Uniform => {
                         let bound = (3f64.sqrt() * std) as f32;
-                        (0..n).map(|_| rng.uniform(-bound, bound)).collect()
+                        super::parameter_values(name, dims, || rng.uniform(-bound, bound))?
                     }
                 }
             }
         };
-        let var = Var::from_tensor(&Tensor::from_vec(values, shape, dev)?)?;
+        let var = Var::from_vec(values, shape, dev)?;
         inner.created.push((name.to_string(), var.clone()));
         // The same storage, so a layer's updates (BatchNorm's statistics) land in the var.
         var.as_tensor().to_dtype(dtype)

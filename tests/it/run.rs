@@ -150,6 +150,55 @@ fn a_jobs_dir_that_is_a_file_is_a_usage_error() {
     assert_eq!(std::fs::read_to_string(file).unwrap(), "not a directory");
 }
 
+/// A model no machine has memory for is refused before the job exists (exit 2): a width past
+/// any address space by its parameter's name, and a GPT too large for this machine's memory
+/// by the estimate beside what the machine has (its blank weights are zero pages, never
+/// touched, so the check itself costs little).
+#[test]
+fn a_model_larger_than_the_machine_is_refused_before_launch() {
+    let t = TestJob::new();
+    let cfg = t.config("tiny", TINY);
+    t.run(&cfg, &["--set", "model.hidden=[17592186044416]"])
+        .fails_with(2, "parameter `fc1.weight` of shape [17592186044416, 64]")
+        .fails_with(2, "more memory than this machine can give");
+    assert!(!t.job("tiny").exists());
+
+    let text = t.path("corpus.txt");
+    std::fs::write(&text, crate::common::corpus()).unwrap();
+    let huge = format!(
+        "name = \"huge\"\n[model]\narch = \"gpt\"\nn_layer = 200\nn_head = 64\nn_embd = 8192\n\
+         block_size = 64\n[data]\ndataset = \"text\"\npath = \"{}\"\n[train]\nepochs = 1\n\
+         batch_size = 2\nlr = 1e-3\n",
+        text.display()
+    );
+    let cfg = t.config("huge", &huge);
+    let refused = t.run(&cfg, &["--nproc-per-node", "2"]);
+    // Under strict overcommit (mode 2) the blank weights themselves cannot be had.
+    let strict = std::fs::read_to_string("/proc/sys/vm/overcommit_memory")
+        .is_ok_and(|mode| mode.trim() == "2");
+    match strict {
+        true => refused.fails_with(2, "more memory than this machine can give"),
+        false => refused
+            .fails_with(2, "each worker needs about ")
+            .fails_with(2, "GB (weights 644.33 GB, ")
+            .fails_with(2, "for each of its 2 workers (fewer with --nproc-per-node)"),
+    };
+    assert!(!t.job("huge").exists());
+    // `validate` says so too, from the same blank weights.
+    if !strict {
+        let validate = t.ddpjob(&["validate", cfg.to_str().unwrap()]);
+        validate.success();
+        assert!(
+            validate
+                .stdout
+                .contains("  does not fit: each worker needs about ")
+                && validate.stdout.contains("but this machine has "),
+            "{}",
+            validate.stdout
+        );
+    }
+}
+
 #[test]
 fn a_diverging_loss_fails_the_job_naming_epoch_and_step() {
     let t = TestJob::new();

@@ -165,16 +165,17 @@ fn bad_options_and_names_are_refused_before_training() {
         "{err}"
     );
 
-    // The builder's own refusal reaches the user with the arch it came from.
+    // The builder's own refusal reaches the user with the arch it came from, before the job
+    // exists: the launcher builds the model to check its memory.
     let zero = JOB.replace("channels = 8", "channels = 0");
     std::fs::write(d.path().join("zero.toml"), zero).unwrap();
     let (code, _, err) = d.run(&["run", "zero.toml"], &[]);
-    assert_eq!(code, 1, "{err}");
+    assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("model.arch = \"tiny-resnet\": model.channels must be at least 1"),
         "{err}"
     );
-    assert!(!d.path().join("jobs/tiny-resnet/model.safetensors").exists());
+    assert!(!d.path().join("jobs/tiny-resnet").exists());
 
     let (code, _, err) = d.run(
         &[

@@ -522,6 +522,20 @@ fn nested_dataset_keys_are_set_and_named() {
         msg.contains("is images, but model.arch = \"gpt\" learns from token sequences"),
         "{msg}"
     );
+    // More samples than any machine holds (past `usize`, and past 2^62 bytes) are refused
+    // before anything is drawn, not aborted mid-way.
+    for samples in ["9223372036854775807", "4611686018427387904"] {
+        let set = format!("data.synthetic.train_samples={samples}");
+        let msg = load_text("[data]\ndataset = \"synthetic\"\n", &[&set])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains(&format!(
+                "data.synthetic: {samples} + 1024 samples of shape"
+            )) && msg.contains("more than this machine has available"),
+            "{msg}"
+        );
+    }
 }
 
 #[test]

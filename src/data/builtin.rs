@@ -280,6 +280,29 @@ impl SyntheticOptions {
     }
 }
 
+/// Why the synthetic set cannot be held in this machine's memory (it is drawn there, a byte
+/// per pixel, and read as f32), if it cannot.
+fn synthetic_too_large(s: &SyntheticSpec) -> Option<String> {
+    let pixels = s.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    let bytes = pixels.and_then(|p| s.train_samples.checked_add(s.test_samples)?.checked_mul(p));
+    let available = crate::memory::fit::available_host_memory();
+    match (bytes, available) {
+        (Some(bytes), Some(available)) if bytes as u64 <= available => None,
+        (Some(_), None) => None,
+        _ => Some(format!(
+            "data.synthetic: {} + {} samples of shape {:?} take {:.1} GB (a byte a pixel), more \
+             than this machine has available ({}); lower train_samples or test_samples",
+            s.train_samples,
+            s.test_samples,
+            s.shape,
+            (s.train_samples as f64 + s.test_samples as f64)
+                * s.shape.iter().map(|&d| d as f64).product::<f64>()
+                / 1e9,
+            available.map_or("unknown".into(), crate::memory::gb),
+        )),
+    }
+}
+
 impl DatasetOptions for SyntheticOptions {
     fn complete(self, cx: &DataContext) -> Result<Self, String> {
         images_for("synthetic", cx)?;
@@ -301,6 +324,8 @@ impl DatasetOptions for SyntheticOptions {
                 "data.synthetic.noise = {}: must be at least 0",
                 s.noise
             ))
+        } else if let Some(why) = synthetic_too_large(s) {
+            Some(why)
         } else if cx.arch == "cnn" && (s.shape[1] < 6 || s.shape[2] < 6) {
             // The cnn's two 2x2 poolings after 3x3 convolutions need this much.
             Some(format!(

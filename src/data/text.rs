@@ -220,14 +220,13 @@ impl TextTask {
             ("validation", &self.val, &names[1]),
         ] {
             if tokens.len() < need {
-                return Err(DataError::Corrupt {
-                    path: path.clone(),
-                    problem: format!(
-                        "its {split} split has {} tokens, fewer than one window of \
-                         model.block_size + 1 = {need}; use more text or a smaller block_size",
-                        tokens.len()
-                    ),
-                });
+                // Not damage: the text and model.block_size disagree (exit 2).
+                return Err(DataError::Mismatch(format!(
+                    "`{}`: its {split} split has {} tokens, fewer than one window of \
+                     model.block_size + 1 = {need}; use more text or a smaller block_size",
+                    path.display(),
+                    tokens.len()
+                )));
             }
         }
         Ok(())

@@ -385,7 +385,7 @@ fn bad_text_jobs_are_refused_before_anything_is_created() {
         .fails_with(1, "not UTF-8")
         .fails_with(1, "offset 3");
     std::fs::write(t.path("short.txt"), "tiny text").unwrap();
-    run("short", gpt_job(&t.path("short.txt"), "")).fails_with(1, "fewer than one window");
+    run("short", gpt_job(&t.path("short.txt"), "")).fails_with(2, "fewer than one window");
     run("missing", gpt_job(&t.path("nowhere.txt"), "")).fails_with(2, "does not exist");
     std::fs::create_dir(t.path("a-dir")).unwrap();
     run("dir", gpt_job(&t.path("a-dir"), "")).fails_with(2, "is a directory; name the text file");

@@ -142,6 +142,8 @@ fn invariant_training_counts_the_partial_sums_and_the_exchange() {
         "global_batch_size = 16",
         &[
             "distributed.deterministic=world-size-invariant",
+            // CPU workers (tcp's in-place sums), also in a build with GPU support.
+            "distributed.device=cpu",
             "distributed.virtual_shards=16",
         ],
     );
@@ -163,7 +165,9 @@ fn invariant_training_counts_the_partial_sums_and_the_exchange() {
 /// two, the backward freeing each block's graph as the pieces grow.
 #[test]
 fn fully_sharded_weights_are_a_share_a_block_and_the_rest() {
-    let (spec, model) = gpt_job(&["distributed.sharding=\"full\""]);
+    // CPU workers, also in a build with GPU support (overlapping is theirs only).
+    let cpu = "distributed.device=cpu";
+    let (spec, model) = gpt_job(&["distributed.sharding=\"full\"", cpu]);
     let p = model.params().element_count() as u64;
     let blocks = model.shard_parameters().unwrap();
     let params: Vec<u64> = model
@@ -178,7 +182,7 @@ fn fully_sharded_weights_are_a_share_a_block_and_the_rest() {
     // Overlapping the passes (CPU workers only): the block ahead and the one let go late too,
     // and two buckets of gradients waiting.
     let overlap = "distributed.overlap_comm=true";
-    let (overlapped, _) = gpt_job(&["distributed.sharding=\"full\"", overlap]);
+    let (overlapped, _) = gpt_job(&["distributed.sharding=\"full\"", overlap, cpu]);
     let three = estimate(&overlapped, model.as_ref(), Layout::of(&overlapped, 4, 1));
     assert_eq!(three.weights, 4 * (p - in_blocks + 3 * block + p / 4));
     let bucket = (overlapped.distributed.bucket_bytes as u64).min(4 * p);

@@ -257,9 +257,13 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
         Decision::Start => {
             // The data is found and checked before the job exists, so bad data creates nothing.
             let kept = prepare_data(spec, None)?;
-            check_freeze(spec).map_err(RunError::Usage)?;
-            check_memory(spec, &layout).map_err(RunError::Usage)?;
-            check_full_sharding(spec).map_err(RunError::Usage)?;
+            // One blank model for the checks; one that cannot be built is refused here.
+            let blank = blank_model(spec, spec.train.precision).map_err(RunError::Usage)?;
+            if let Some(model) = blank.as_deref() {
+                frozen_counts(spec, model).map_err(RunError::Usage)?;
+                check_memory(spec, &layout, model).map_err(RunError::Usage)?;
+                check_full_sharding(spec, model).map_err(RunError::Usage)?;
+            }
             create_job(&job, opts, &layout, &kept)?;
             _lock = Some(job.lock(&spec.name)?);
             Plan::Start
@@ -395,13 +399,29 @@ pub(crate) fn cpu_threads_per_worker(nproc: usize) -> usize {
 }
 
 pub(crate) fn check_freeze(spec: &JobSpec) -> Result<Option<(usize, usize)>, String> {
-    if spec.model.freeze().is_empty() && spec.model.lora().is_none() {
+    if !freezes(spec) {
         return Ok(None);
     }
     let precision = crate::config::Precision::F32;
-    let Some(model) = blank_model(spec, precision)? else {
+    match blank_model(spec, precision)? {
+        Some(model) => frozen_counts(spec, model.as_ref()),
+        None => Ok(None),
+    }
+}
+
+/// Whether the job freezes parameters (`model.freeze`, or LoRA's base model).
+fn freezes(spec: &JobSpec) -> bool {
+    !spec.model.freeze().is_empty() || spec.model.lora().is_some()
+}
+
+/// [`check_freeze`] on a blank `model` of the job: its adapter (if any) loaded into it.
+fn frozen_counts(
+    spec: &JobSpec,
+    model: &dyn crate::models::Model,
+) -> Result<Option<(usize, usize)>, String> {
+    if !freezes(spec) {
         return Ok(None);
-    };
+    }
     let params = model.params();
     if let Some(dir) = spec.model.lora().and_then(|l| l.adapter.as_ref()) {
         crate::hf::peft::load_adapter(dir, params)
@@ -442,12 +462,13 @@ fn blank_model(
 
 /// Refused before anything is created: GPU workers when a worker's memory estimate is more
 /// than a GPU's free memory, CPU workers when theirs together are more than the machine's
-/// available memory (see `memory::fit`); and a model that cannot be built at all.
-fn check_memory(spec: &JobSpec, layout: &Layout) -> Result<(), String> {
+/// available memory (see `memory::fit`). `model`: the job's, blank.
+fn check_memory(
+    spec: &JobSpec,
+    layout: &Layout,
+    model: &dyn crate::models::Model,
+) -> Result<(), String> {
     let gpus = &layout.placement.gpus;
-    let Some(model) = blank_model(spec, spec.train.precision)? else {
-        return Ok(());
-    };
     let checked = if gpus.is_empty() {
         let Some(available) = crate::memory::fit::available_host_memory() else {
             return Ok(());
@@ -455,10 +476,10 @@ fn check_memory(spec: &JobSpec, layout: &Layout) -> Result<(), String> {
         let workers = layout.placement.nproc;
         let memory =
             crate::memory::Layout::of(spec, layout.world_size(), cpu_threads_per_worker(workers));
-        crate::memory::fit::check_host(spec, model.as_ref(), memory, workers, available)
+        crate::memory::fit::check_host(spec, model, memory, workers, available)
     } else {
         let memory = crate::memory::Layout::of(spec, layout.world_size(), 1);
-        crate::memory::fit::check_gpus(spec, model.as_ref(), memory, gpus)
+        crate::memory::fit::check_gpus(spec, model, memory, gpus)
     };
     checked
         .map_err(|why| format!("{why} (checked before launch; see README, \"Memory per worker\")"))
@@ -466,14 +487,11 @@ fn check_memory(spec: &JobSpec, layout: &Layout) -> Result<(), String> {
 
 /// `distributed.sharding = "full"` with a registered model (validation knows the built-ins):
 /// refused before anything is created when the model cannot gather its blocks one at a time.
-fn check_full_sharding(spec: &JobSpec) -> Result<(), String> {
+fn check_full_sharding(spec: &JobSpec, model: &dyn crate::models::Model) -> Result<(), String> {
     let built_in = ["gpt", "llama", "mlp", "cnn"].contains(&spec.model.arch());
     if spec.distributed.sharding != crate::config::Sharding::Full || built_in {
         return Ok(());
     }
-    let Some(model) = blank_model(spec, spec.train.precision)? else {
-        return Ok(());
-    };
     model.shard_parameters().map(drop).map_err(|why| {
         format!(
             "distributed.sharding = \"full\": model.arch = \"{}\" cannot gather its \

@@ -88,6 +88,16 @@ pub struct MetricState {
     /// The lowest evaluation loss so far and the optimizer step it was measured after.
     #[serde(default)]
     pub best_eval: Option<(f64, usize)>,
+    /// `train.early_stopping`: the loss an evaluation must beat by more than `min_delta`, and
+    /// the evaluations in a row that have not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_stopping_best: Option<f64>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub evals_without_improvement: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl MetricState {
@@ -101,6 +111,23 @@ impl MetricState {
         self.epoch_loss_x_n += loss * samples;
         self.epoch_samples += samples;
         self.epoch_secs += secs;
+    }
+
+    /// Counts evaluation `loss` for early stopping (Lightning's rule: an improvement lowers the
+    /// loss to beat by more than `min_delta`; a first finite loss always does). Returns the
+    /// evaluations in a row without one, this one included.
+    pub fn count_for_early_stopping(&mut self, loss: f64, min_delta: f64) -> usize {
+        let improved = loss.is_finite()
+            && self
+                .early_stopping_best
+                .is_none_or(|b| loss < b - min_delta);
+        if improved {
+            self.early_stopping_best = Some(loss);
+            self.evals_without_improvement = 0;
+        } else {
+            self.evals_without_improvement += 1;
+        }
+        self.evals_without_improvement
     }
 
     /// Closes the epoch: returns its mean train loss and adds it to the totals.
@@ -399,6 +426,35 @@ mod tests {
                 .starts_with(".tmp"))
         );
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn early_stopping_counts_evaluations_that_do_not_beat_the_best_by_min_delta() {
+        let mut m = MetricState::default();
+        let counts: Vec<usize> = [1.0, 0.95, 0.97, 0.96, f64::NAN, 0.5]
+            .iter()
+            .map(|&loss| m.count_for_early_stopping(loss, 0.05))
+            .collect();
+        // 0.95, 0.97 and 0.96 do not beat 1.0 by more than min_delta; NaN never improves; 0.5 does.
+        assert_eq!(counts, [0, 1, 2, 3, 4, 0]);
+        assert_eq!(m.early_stopping_best, Some(0.5));
+        // An equal loss is no improvement without min_delta either (Lightning's strict `<`).
+        let mut m = MetricState::default();
+        assert_eq!(m.count_for_early_stopping(f64::INFINITY, 0.0), 1);
+        assert_eq!(m.count_for_early_stopping(0.7, 0.0), 0);
+        assert_eq!(m.count_for_early_stopping(0.7, 0.0), 1);
+        // The count travels in a checkpoint's state.json; older ones without it read as none.
+        let json = serde_json::to_string(&m).unwrap();
+        assert_eq!(serde_json::from_str::<MetricState>(&json).unwrap(), m);
+        let mut old: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let fields = old.as_object_mut().unwrap();
+        fields.remove("early_stopping_best");
+        fields.remove("evals_without_improvement");
+        let old: MetricState = serde_json::from_value(old).unwrap();
+        assert_eq!(
+            (old.early_stopping_best, old.evals_without_improvement),
+            (None, 0)
+        );
     }
 
     #[test]

@@ -69,7 +69,7 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
                 )
             }),
             job,
-            summary,
+            summary: summary.map(|s| *s),
         }),
         Err(e) => {
             let code = e.exit_code();
@@ -202,6 +202,16 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         plan.steps_per_epoch
     );
     println!("total_steps       = {}", plan.total_steps);
+    if let Some(patience) = spec.train.early_stopping.patience {
+        let when = match spec.train.eval_every {
+            Some(n) => format!("each epoch's end and every {n} steps"),
+            None => "each epoch's end".into(),
+        };
+        println!(
+            "early_stopping    = after {patience} evaluation(s) in a row without improvement  \
+             (evaluations at {when}; train.early_stopping)"
+        );
+    }
     if let Some(language) = spec.model.language() {
         println!(
             "tokens_per_step   = {}{}  (global_batch x block_size {})",

@@ -170,6 +170,10 @@ section! {
         activation_checkpointing: bool = false => activation_checkpointing: bool = any();
         /// learning-rate schedule
         scheduler: RawScheduler = RawScheduler::default() => schedule: ScheduleSpec = nested();
+        /// stop when the evaluation loss stops improving
+        #[serde(skip_serializing_if = "RawEarlyStopping::is_off")]
+        early_stopping: RawEarlyStopping = RawEarlyStopping::default()
+            => early_stopping: EarlyStoppingSpec = nested();
     }
 }
 
@@ -186,6 +190,28 @@ section! {
         min_lr: f64 = 0.0 => min_lr: f64 = non_negative();
         /// linear warm-up steps
         warmup_steps: i64 = 0 => warmup_steps: usize = at_least(0);
+    }
+}
+
+section! {
+    /// `[train.early_stopping]`: training ends early when the evaluation loss (a classifier's
+    /// test loss, a language model's validation loss) has not improved for `patience`
+    /// evaluations in a row, as Lightning's `EarlyStopping` on the validation loss.
+    RawEarlyStopping at "train.early_stopping", checked into EarlyStoppingSpec + Copy {
+        /// evaluations in a row (each epoch's end, and every `train.eval_every` steps) without
+        /// an improvement after which training ends; `0` is off
+        patience: i64 = 0, shown "`0` (off)"
+            => patience: Option<usize> = zero_is_off();
+        /// an evaluation improves on the best loss so far only when it is lower by more than
+        /// this
+        min_delta: f64 = 0.0 => min_delta: f64 = delta_needs_patience;
+    }
+}
+
+impl RawEarlyStopping {
+    /// Whether early stopping is off and nothing else of it is set (left out of `job.toml`).
+    pub fn is_off(&self) -> bool {
+        *self == RawEarlyStopping::default()
     }
 }
 
@@ -385,6 +411,18 @@ fn schedule_kind(c: &mut Checker, key: &str, kind: &String, s: &RawScheduler) ->
         "cosine" => ScheduleKind::Cosine { min_lr: s.min_lr },
         _ => ScheduleKind::Constant,
     }
+}
+
+fn delta_needs_patience(c: &mut Checker, key: &str, &v: &f64, e: &RawEarlyStopping) -> f64 {
+    let delta = c.non_negative(key, v, "");
+    if delta > 0.0 && e.patience == 0 {
+        c.fail(
+            key,
+            "has no effect without train.early_stopping.patience; set patience (evaluations \
+             without improvement before training ends) or remove min_delta",
+        );
+    }
+    delta
 }
 
 fn auto_or_count(

@@ -592,3 +592,26 @@ fn a_gpu_named_twice_is_refused_unless_the_backend_is_tcp() {
         Err(e) => assert!(!e.to_string().contains("twice"), "{e}"),
     }
 }
+
+#[test]
+fn early_stopping_is_off_by_default_and_left_out_of_job_toml_until_set() {
+    let off = load_text("", &[]).unwrap();
+    assert_eq!(off.spec.train.early_stopping.patience, None);
+    assert!(!off.resolved_toml().contains("early_stopping"));
+    let on = load_text(
+        "[train.early_stopping]\npatience = 3\nmin_delta = 0.01\n",
+        &[],
+    )
+    .unwrap();
+    let e = on.spec.train.early_stopping;
+    assert_eq!((e.patience, e.min_delta), (Some(3), 0.01));
+    let again = load_str(Path::new("jobs/x/job.toml"), on.resolved_toml(), &[]).unwrap();
+    assert_eq!(again.spec.train.early_stopping, e);
+    let err = error("[train.early_stopping]\nmin_delta = 0.5\n");
+    assert!(
+        err.contains("has no effect without train.early_stopping.patience"),
+        "{err}"
+    );
+    let err = error("[train.early_stopping]\npatience = 2\nmin_delta = -1.0\n");
+    assert!(err.contains("train.early_stopping.min_delta"), "{err}");
+}

@@ -190,7 +190,7 @@ impl Layout {
 /// How `run` ended without an error.
 pub enum Ended {
     /// The workers finished; node 0 has the summary.
-    Finished(JobDir, Option<Summary>),
+    Finished(JobDir, Option<Box<Summary>>),
     /// `--resume auto` found the job finished already; the message says so.
     AlreadyFinished(JobDir, String),
 }
@@ -298,7 +298,8 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
         nodes.publish_plan(&absolute(&job.root), plan)?;
     }
     let outcome = group(from, nodes);
-    record_outcome(&job, spec, opts.started, outcome).map(|s| Ended::Finished(job, Some(s)))
+    record_outcome(&job, spec, opts.started, outcome)
+        .map(|s| Ended::Finished(job, Some(Box::new(s))))
 }
 
 /// `path` made absolute (as it is when that fails): what other processes and nodes are told.

@@ -116,6 +116,7 @@ mod tests {
             best_step: None,
             peak_rss_bytes: Vec::new(),
             estimated_peak_bytes: None,
+            stopped_early: None,
             expectations: Vec::new(),
         }
     }

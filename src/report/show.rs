@@ -64,6 +64,15 @@ pub fn show(v: &JobView, now: u64) -> String {
         );
     }
     line("progress", progress(v));
+    if let Some(summary) = &v.summary
+        && let Some(early) = summary.stopped_early
+    {
+        let loss_name = match summary.test_perplexity {
+            Some(_) => "validation loss",
+            None => "test loss",
+        };
+        line("early stop", early.describe(loss_name));
+    }
     let metrics = v.metrics();
     let eval = |loss: f64, accuracy: f64| Metric::describe_all(metrics, loss, accuracy);
     if let Some(e) = v.history.last_epoch() {

@@ -119,7 +119,12 @@ impl Trainer<'_> {
                     eval.describe()
                 ));
                 let position = at(self, run);
-                self.record_eval(&eval, &mut run.metrics, &run.optimizer, position, true)?;
+                if let Some(stop) = self.record_eval(&eval, run, position, true)? {
+                    // The epoch ends here: its end records this evaluation, not another.
+                    (run.stopped_early, run.fresh_eval) = (Some(stop), Some(eval));
+                    epoch_run.done = epoch_run.skip + i + 1;
+                    return Ok(None);
+                }
             }
             if checkpoint_due {
                 self.save_checkpoint(&run.optimizer, &at(self, run))?;
@@ -142,7 +147,11 @@ impl Trainer<'_> {
         let train_loss = run.metrics.finish_epoch();
         run.epochs_done = epoch + 1;
 
-        let eval = self.evaluate(batches, &run.optimizer)?;
+        let fresh = run.fresh_eval.take();
+        let eval = match fresh {
+            Some(eval) => eval,
+            None => self.evaluate(batches, &run.optimizer)?,
+        };
         let lr = run.schedule.lr(step.saturating_sub(1), epoch);
         let rate = n / secs.max(1e-9);
         self.reporter.line(&format!(
@@ -169,7 +178,9 @@ impl Trainer<'_> {
         run.last_eval = Some(eval);
         let done = epoch_run.done;
         let at = self.epoch_end_position(epoch_run, done, step, &run.optimizer, lr, &run.metrics);
-        self.record_eval(&eval, &mut run.metrics, &run.optimizer, at, false)?;
+        if fresh.is_none() {
+            run.stopped_early = self.record_eval(&eval, run, at, false)?;
+        }
         // The last step's mid-epoch checkpoint is taken here, after evaluation, as an epoch one.
         if checkpoint::due_after_epoch(&spec.checkpoint, epoch)
             || checkpoint::due_after_step(&spec.checkpoint, step)

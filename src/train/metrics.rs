@@ -45,9 +45,45 @@ pub struct Summary {
     /// model says what its activations take.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub estimated_peak_bytes: Option<u64>,
+    /// Set when `train.early_stopping` ended the run before its planned steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped_early: Option<EarlyStop>,
     /// `[expect]` results, filled in by the launcher when the run ends.
     #[serde(default)]
     pub expectations: Vec<crate::report::ExpectationResult>,
+}
+
+/// Why and where `train.early_stopping` ended a run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EarlyStop {
+    /// The optimizer step after whose evaluation training ended, and the steps planned.
+    pub step: usize,
+    pub planned_steps: usize,
+    /// Evaluations in a row that did not improve on `loss_to_beat` by more than
+    /// `train.early_stopping.min_delta` (`patience` of them).
+    pub evaluations: usize,
+    /// The best evaluation loss that counted as an improvement (none when no evaluation's
+    /// loss was finite).
+    pub loss_to_beat: Option<f64>,
+}
+
+impl EarlyStop {
+    /// `stopped early after step 700 of 1000: 3 evaluations in a row did not improve on loss
+    /// 0.4123 (train.early_stopping)`.
+    pub fn describe(&self, loss_name: &str) -> String {
+        let beat = match self.loss_to_beat {
+            Some(loss) => format!("improve on {loss_name} {loss:.4}"),
+            None => format!("give a finite {loss_name}"),
+        };
+        format!(
+            "stopped early after step {} of {}: {} evaluation{} in a row did not {beat} \
+             (train.early_stopping)",
+            self.step,
+            self.planned_steps,
+            self.evaluations,
+            if self.evaluations == 1 { "" } else { "s" },
+        )
+    }
 }
 
 impl Summary {

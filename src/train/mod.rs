@@ -39,7 +39,7 @@ use crate::task::{BatchSource, ModelInput, Task, sample_seed};
 
 pub use eval::{EvalResult, EvalThreads, evaluate};
 pub use leader::{Leader, Weights};
-pub use metrics::{Summary, WeightDigests};
+pub use metrics::{EarlyStop, Summary, WeightDigests};
 
 /// The file under a job's `logs/` where `DDPJOB_TRACE_WEIGHTS` puts each step's weight digests.
 pub const WEIGHT_DIGESTS: &str = "weights.jsonl";
@@ -161,6 +161,11 @@ struct RunState {
     total_steps: usize,
     last_eval: Option<EvalResult>,
     epochs_done: usize,
+    /// Set once `train.early_stopping` has ended the run (after the epoch's end is recorded).
+    stopped_early: Option<EarlyStop>,
+    /// A mid-epoch evaluation of the current weights, already recorded, that the epoch's end
+    /// takes instead of evaluating them again.
+    fresh_eval: Option<EvalResult>,
 }
 
 /// One epoch's shard of steps, as this run takes it.
@@ -214,6 +219,8 @@ impl Trainer<'_> {
             total_steps: start.total_steps,
             last_eval: None,
             epochs_done: start.epoch,
+            stopped_early: None,
+            fresh_eval: None,
         };
         let data = self.data;
         let batches = data.batches(&self.device)?;
@@ -269,6 +276,10 @@ impl Trainer<'_> {
                 return Ok(stopped);
             }
             self.end_epoch(&mut run, &epoch_run, batches)?;
+            if let Some(stop) = &run.stopped_early {
+                self.reporter.line(&stop.describe(self.loss_name()));
+                break;
+            }
         }
         let eval = match run.last_eval.take() {
             Some(e) => e,
@@ -454,6 +465,7 @@ impl Trainer<'_> {
             parameters: self.model.params().element_count(),
             peak_rss_bytes: Vec::new(),
             estimated_peak_bytes: None,
+            stopped_early: run.stopped_early,
             expectations: Vec::new(),
         }
     }
@@ -552,31 +564,54 @@ impl Trainer<'_> {
     }
 
     /// Records an evaluation: a metrics line for a mid-epoch one (epoch lines carry their own),
-    /// the best loss so far, and the `best` checkpoint when asked for.
+    /// the best loss so far, the `best` checkpoint when asked for, and the count for early
+    /// stopping. Returns why training ends here when `train.early_stopping` says it does.
     fn record_eval(
         &mut self,
         eval: &EvalResult,
-        metrics: &mut MetricState,
-        optimizer: &Optimizer,
+        run: &mut RunState,
         mut at: TrainPosition,
         mid_epoch: bool,
-    ) -> Result<(), TrainError> {
-        let step = at.step;
+    ) -> Result<Option<EarlyStop>, TrainError> {
+        let (step, metrics) = (at.step, &mut run.metrics);
         if let Some(leader) = &self.leader
             && mid_epoch
         {
             leader.log_eval(at.epoch, step, eval)?;
         }
+        // Every rank holds the same all-reduced loss, so every rank decides alike.
+        let early = self.spec.train.early_stopping;
+        let stop = early.patience.and_then(|patience| {
+            let without = metrics.count_for_early_stopping(eval.loss, early.min_delta);
+            (without >= patience).then_some(EarlyStop {
+                step,
+                planned_steps: run.total_steps,
+                evaluations: without,
+                loss_to_beat: metrics.early_stopping_best,
+            })
+        });
         let better = eval.loss.is_finite() && metrics.best_eval.is_none_or(|b| eval.loss < b.0);
-        if !better {
-            return Ok(());
+        if better {
+            metrics.best_eval = Some((eval.loss, step));
         }
-        metrics.best_eval = Some((eval.loss, step));
         at.metrics.best_eval = metrics.best_eval;
-        if !self.spec.checkpoint.keep_best {
-            return Ok(());
+        at.metrics.early_stopping_best = metrics.early_stopping_best;
+        at.metrics.evals_without_improvement = metrics.evals_without_improvement;
+        if better && self.spec.checkpoint.keep_best {
+            self.save_best(eval, &run.optimizer, &at)?;
         }
-        let written = self.write_checkpoint(optimizer, &at, Leader::save_best);
+        Ok(stop)
+    }
+
+    /// The `best` checkpoint of evaluation `eval` at `at` (a collective when the optimizer's
+    /// state is sharded).
+    fn save_best(
+        &mut self,
+        eval: &EvalResult,
+        optimizer: &Optimizer,
+        at: &TrainPosition,
+    ) -> Result<(), TrainError> {
+        let written = self.write_checkpoint(optimizer, at, Leader::save_best);
         match written {
             Ok(Some(dir)) => self.reporter.line(&format!(
                 "best {} so far ({:.4}): weights kept in {}",

@@ -9,6 +9,7 @@ mod cluster;
 mod devices;
 mod distributed;
 mod download;
+mod early_stopping;
 mod finetune;
 mod full_sharding;
 mod gpu_check;

@@ -74,28 +74,8 @@ impl Trainer<'_> {
             interval.add(loss_sum, samples, started.elapsed())?;
             let mut status = None;
             if at_log || stop {
-                let (loss, n, secs) = interval.reduce(self.comm)?;
-                if !loss.is_finite() {
-                    return Err(TrainError::NonFinite {
-                        value: loss,
-                        epoch,
-                        first_step: interval_first_step,
-                        last_step: step,
-                    });
-                }
-                run.metrics.add_interval(loss, n, secs);
-                let rate = n / secs.max(1e-9);
-                let text = format!("loss {loss:.4}  lr {lr:.2e}  {rate:.0} samples/s");
-                self.reporter.interval(&format!(
-                    "epoch {}/{} step {step}/{}  {text}",
-                    epoch + 1,
-                    t.epochs,
-                    run.total_steps,
-                ));
-                if let Some(leader) = &self.leader {
-                    leader.log_step(epoch, step, loss, lr, rate)?;
-                }
-                status = Some(text);
+                let steps = (interval_first_step, step);
+                status = Some(self.log_interval(run, &mut interval, epoch, steps, lr)?);
                 interval_first_step = step + 1;
             }
             self.reporter.step(i + 1, status.as_deref());
@@ -120,7 +100,12 @@ impl Trainer<'_> {
                 ));
                 let position = at(self, run);
                 if let Some(stop) = self.record_eval(&eval, run, position, true)? {
-                    // The epoch ends here: its end records this evaluation, not another.
+                    // The epoch ends here: the steps since the last log line are logged and
+                    // counted, and its end records this evaluation, not another.
+                    if step >= interval_first_step {
+                        let steps = (interval_first_step, step);
+                        self.log_interval(run, &mut interval, epoch, steps, lr)?;
+                    }
                     (run.stopped_early, run.fresh_eval) = (Some(stop), Some(eval));
                     epoch_run.done = epoch_run.skip + i + 1;
                     return Ok(None);
@@ -132,6 +117,41 @@ impl Trainer<'_> {
         }
         epoch_run.done = epoch_run.skip + steps_now;
         Ok(None)
+    }
+
+    /// Logs the interval of optimizer `steps` (first, last) just ended, over all ranks (a
+    /// collective): a metrics line and its loss added to the epoch's. Returns the progress
+    /// bar's status text; a loss that is not finite fails the run.
+    fn log_interval(
+        &mut self,
+        run: &mut RunState,
+        interval: &mut LossTally,
+        epoch: usize,
+        (first_step, step): (usize, usize),
+        lr: f64,
+    ) -> Result<String, TrainError> {
+        let (loss, n, secs) = interval.reduce(self.comm)?;
+        if !loss.is_finite() {
+            return Err(TrainError::NonFinite {
+                value: loss,
+                epoch,
+                first_step,
+                last_step: step,
+            });
+        }
+        run.metrics.add_interval(loss, n, secs);
+        let rate = n / secs.max(1e-9);
+        let text = format!("loss {loss:.4}  lr {lr:.2e}  {rate:.0} samples/s");
+        self.reporter.interval(&format!(
+            "epoch {}/{} step {step}/{}  {text}",
+            epoch + 1,
+            self.spec.train.epochs,
+            run.total_steps,
+        ));
+        if let Some(leader) = &self.leader {
+            leader.log_step(epoch, step, loss, lr, rate)?;
+        }
+        Ok(text)
     }
 
     /// After an epoch's steps: its evaluation, its line and record, and its checkpoint.

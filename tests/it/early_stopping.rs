@@ -136,6 +136,19 @@ fn a_stop_mid_epoch_is_exact_and_a_resumed_job_stops_there_too() {
     );
     let steps: Vec<u64> = evaluations(&t, "whole").iter().map(|e| e.0).collect();
     assert_eq!(steps, [5, 8, 10]);
+    // Step 10 is no log step (log_every = 3): the steps since step 9 are logged all the same,
+    // so the cut epoch's train loss counts them.
+    let metrics = t.metrics("whole");
+    let trained: Vec<u64> = metrics
+        .iter()
+        .filter(|l| l["kind"] == "train" && l["epoch"] == 1)
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(trained, [9, 10]);
+    let epoch_loss = metrics.iter().rfind(|l| l["kind"] == "epoch").unwrap()["loss"].as_f64();
+    let final_loss = summary["final_train_loss"].as_f64().unwrap();
+    assert_eq!(epoch_loss, Some(final_loss));
+    assert!((0.1..2.0).contains(&final_loss), "{summary}");
 
     // Killed after step 9: the checkpoint of step 8 holds one evaluation without improvement,
     // so the resumed job stops at step 10 as well (it would go on to step 15 if it had lost

@@ -184,6 +184,7 @@ impl JsonlOptions {
             max_tokens: block + 1,
             truncate: self.truncate,
             skip_bad_lines: self.skip_bad_lines,
+            train_on_prompt: self.train_on_prompt,
         };
         let train_path = PathBuf::from(self.train_path.clone().unwrap_or_default());
         let mut train = index_file(&train_path, &how)?;
@@ -599,7 +600,11 @@ impl BatchSource for JsonlBatches<'_> {
         for (n, what) in [
             (c.truncated, "truncated to model.block_size + 1 tokens"),
             (c.bad_lines, "bad lines skipped"),
-            (c.empty, "empty examples left out"),
+            (
+                c.empty,
+                "examples with nothing to predict left out (empty, or a prompt that fills \
+                 model.block_size)",
+            ),
         ] {
             if n > 0 {
                 parts.push(format!("{n} {what}"));

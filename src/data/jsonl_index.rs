@@ -27,6 +27,9 @@ pub struct Indexing<'a> {
     pub truncate: bool,
     /// Count and skip lines that are not JSON or lack the fields, instead of refusing them.
     pub skip_bad_lines: bool,
+    /// The loss is on prompts too (else an example whose completion truncation cut away has
+    /// nothing to predict).
+    pub train_on_prompt: bool,
 }
 
 /// What indexing met besides the examples, for the log.
@@ -34,7 +37,8 @@ pub struct Indexing<'a> {
 pub struct Counts {
     pub bad_lines: usize,
     pub truncated: usize,
-    /// Examples of fewer than two tokens (nothing to predict), left out.
+    /// Examples with nothing to predict (fewer than two tokens, or, with the loss on
+    /// completions only, a prompt that fills `max_tokens`), left out.
     pub empty: usize,
 }
 
@@ -214,6 +218,15 @@ impl Examples {
         };
         let mut end = 0;
         for pair in words[7..7 + 2 * n].chunks_exact(2) {
+            // As written: at least two tokens, a prompt no longer than its example.
+            if pair[0] < 2 || pair[1] > pair[0] {
+                return Err(corrupt(&format!(
+                    "example {} has {} tokens and a prompt of {}",
+                    examples.ends.len(),
+                    pair[0],
+                    pair[1]
+                )));
+            }
             end += pair[0] as usize;
             examples.ends.push(end);
             examples.prompts.push(pair[1]);
@@ -272,7 +285,10 @@ pub fn index_file(path: &Path, how: &Indexing) -> Result<Examples, DataError> {
                     tokens.truncate(how.max_tokens);
                     examples.counts.truncated += 1;
                 }
-                if tokens.len() < 2 {
+                // A target is a token after the first; with the loss on completions only, a
+                // token past the prompt. An example without one would score nothing.
+                let first_target = if how.train_on_prompt { 1 } else { prompt.max(1) };
+                if tokens.len() < 2 || first_target >= tokens.len() {
                     examples.counts.empty += 1;
                     continue;
                 }

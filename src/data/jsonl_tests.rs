@@ -141,6 +141,37 @@ fn long_examples_are_cut_to_the_window_or_refused() {
 }
 
 #[test]
+fn an_example_whose_prompt_fills_the_window_is_left_out_unless_prompts_are_trained_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let long = "the quick brown fox jumps over the lazy dog ".repeat(4);
+    let lines = format!(
+        "{{\"prompt\": \"{long}\", \"completion\": \"yes\"}}\n\
+         {{\"prompt\": \"a\", \"completion\": \"b\"}}\n{{\"text\": \"fine\"}}\n\
+         {{\"text\": \"ok\"}}\n"
+    );
+    let opts = options(dir.path(), &lines);
+    // Truncated to 9 tokens, all of them the prompt's: nothing left to score.
+    let task = opts.open(&context(8, None)).unwrap();
+    let all = task.train.counts;
+    assert_eq!((all.truncated, all.empty), (1, 1));
+    assert_eq!(task.train_len() + task.eval_len(), 3);
+    let source = task.batches(&Device::Cpu).unwrap();
+    let note = source.note().unwrap();
+    assert!(note.contains("1 examples with nothing to predict left out"), "{note}");
+    // Every row of what is left has targets.
+    let (_, ys) = source.train(0, &[0, 1]).unwrap();
+    let ys: Vec<Vec<u32>> = ys.to_vec2().unwrap();
+    assert!(ys.iter().all(|row| row.iter().any(|&y| y != IGNORE_TARGET)), "{ys:?}");
+    let on_prompt = JsonlOptions {
+        train_on_prompt: true,
+        ..opts
+    };
+    let task = on_prompt.open(&context(8, None)).unwrap();
+    assert_eq!(task.train.counts.empty, 0);
+    assert_eq!(task.train_len() + task.eval_len(), 4);
+}
+
+#[test]
 fn the_job_keeps_its_examples_and_reads_them_back_whatever_the_file_does() {
     let dir = tempfile::tempdir().unwrap();
     let opts = options(dir.path(), LINES);
@@ -179,6 +210,20 @@ fn the_job_keeps_its_examples_and_reads_them_back_whatever_the_file_does() {
     let err = Examples::open(&stored).unwrap_err().to_string();
     assert!(err.contains("jsonl-train.bin"), "{err}");
     assert!(err.contains("length does not match"), "{err}");
+
+    // A length or prompt that cannot be is named too (it made the batches index past the
+    // example).
+    let good = files[1].bytes.clone();
+    let at = 8 + 7 * 4; // the magic, then the header's seven words
+    for (field, value) in [(1, 10_000u32), (0, 1)] {
+        let mut bytes = good.clone();
+        let offset = at + 4 * field;
+        bytes[offset..offset + 4].copy_from_slice(&value.to_le_bytes());
+        std::fs::write(&stored, bytes).unwrap();
+        let err = Examples::open(&stored).unwrap_err().to_string();
+        assert!(err.contains("example 0 has"), "{err}");
+        assert!(err.contains("delete the job and run it again"), "{err}");
+    }
 }
 
 #[test]

@@ -132,6 +132,30 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     sync_dir(dir)
 }
 
+/// Writes `tensors` to `path` as safetensors, readable as any file this process creates.
+/// The safetensors crate writes through a temp file of mode 0600, which made weights (a job's,
+/// a checkpoint's, an export's) unreadable to the other users of a shared model directory.
+pub fn save_tensors(
+    tensors: &std::collections::HashMap<String, candle_core::Tensor>,
+    path: &Path,
+) -> candle_core::Result<()> {
+    candle_core::safetensors::save(tensors, path)?;
+    use std::os::unix::fs::PermissionsExt;
+    let mode = 0o666 & !process_umask();
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(candle_core::Error::from)
+}
+
+/// The process's file-creation mask (`Umask:` in `/proc/self/status`; 022 where unknown).
+/// Read rather than set and restored, which would race with threads creating files.
+fn process_umask() -> u32 {
+    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        .unwrap_or(0o022)
+}
+
 /// Makes a rename or create in `dir` durable.
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
@@ -354,6 +378,22 @@ pub fn list_jobs(jobs_dir: &Path) -> std::io::Result<Vec<(String, JobState)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn saved_weights_are_as_readable_as_any_other_file_written() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let weights = tmp.path().join("model.safetensors");
+        let t = candle_core::Tensor::ones(3, candle_core::DType::F32, &candle_core::Device::Cpu);
+        let tensors = std::collections::HashMap::from([("w".to_string(), t.unwrap())]);
+        save_tensors(&tensors, &weights).unwrap();
+        let other = tmp.path().join("config.json");
+        fs::write(&other, "{}").unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        // 0600 before (the safetensors crate's temp file), whatever the umask.
+        assert_eq!(mode(&weights), mode(&other));
+        assert_eq!(mode(&other), 0o666 & !process_umask());
+    }
 
     #[test]
     fn a_jobs_dir_that_is_a_file_is_named_and_left_alone() {

@@ -163,7 +163,7 @@ impl TensorFile<'_> {
     fn put(self, path: &Path) -> Result<(), CheckpointError> {
         match self {
             TensorFile::Tensors(tensors) => {
-                candle_core::safetensors::save(tensors, path).map_err(|cause| {
+                crate::jobdir::save_tensors(tensors, path).map_err(|cause| {
                     CheckpointError::Tensor {
                         path: path.to_path_buf(),
                         cause,

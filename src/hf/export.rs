@@ -108,7 +108,7 @@ pub(super) fn save_weights(
     }
     let weights = dir.join(name);
     let partial = dir.join(format!(".{name}.partial"));
-    candle_core::safetensors::save(&converted, &partial).map_err(|cause| HfError::Weights {
+    crate::jobdir::save_tensors(&converted, &partial).map_err(|cause| HfError::Weights {
         path: partial.clone(),
         cause,
     })?;

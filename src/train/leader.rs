@@ -245,7 +245,7 @@ impl Leader {
         let path = self.job.model_path();
         let tmp = self.final_weights_staging_path();
         if !streamed {
-            candle_core::safetensors::save(&params.named_tensors(), &tmp)?;
+            crate::jobdir::save_tensors(&params.named_tensors(), &tmp)?;
         }
         std::fs::rename(&tmp, &path).map_err(|cause| JobDirError::Io {
             path: path.clone(),

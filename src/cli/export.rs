@@ -37,7 +37,8 @@ pub(super) struct ExportArgs {
     /// The dtype of the written weights.
     #[arg(long, value_enum, default_value_t = Dtype::F32)]
     dtype: Dtype,
-    /// Write into DIR even if it is not empty.
+    /// Write into DIR even if it is not empty: the model files already there (config,
+    /// weights and shards, tokenizer, adapter) are replaced, other files left.
     #[arg(long)]
     force: bool,
     /// Where jobs live.

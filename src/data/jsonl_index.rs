@@ -287,7 +287,11 @@ pub fn index_file(path: &Path, how: &Indexing) -> Result<Examples, DataError> {
                 }
                 // A target is a token after the first; with the loss on completions only, a
                 // token past the prompt. An example without one would score nothing.
-                let first_target = if how.train_on_prompt { 1 } else { prompt.max(1) };
+                let first_target = if how.train_on_prompt {
+                    1
+                } else {
+                    prompt.max(1)
+                };
                 if tokens.len() < 2 || first_target >= tokens.len() {
                     examples.counts.empty += 1;
                     continue;

@@ -157,11 +157,17 @@ fn an_example_whose_prompt_fills_the_window_is_left_out_unless_prompts_are_train
     assert_eq!(task.train_len() + task.eval_len(), 3);
     let source = task.batches(&Device::Cpu).unwrap();
     let note = source.note().unwrap();
-    assert!(note.contains("1 examples with nothing to predict left out"), "{note}");
+    assert!(
+        note.contains("1 examples with nothing to predict left out"),
+        "{note}"
+    );
     // Every row of what is left has targets.
     let (_, ys) = source.train(0, &[0, 1]).unwrap();
     let ys: Vec<Vec<u32>> = ys.to_vec2().unwrap();
-    assert!(ys.iter().all(|row| row.iter().any(|&y| y != IGNORE_TARGET)), "{ys:?}");
+    assert!(
+        ys.iter().all(|row| row.iter().any(|&y| y != IGNORE_TARGET)),
+        "{ys:?}"
+    );
     let on_prompt = JsonlOptions {
         train_on_prompt: true,
         ..opts

@@ -54,8 +54,43 @@ pub fn export(
     write_atomically(&dir.join("config.json"), text.as_bytes())
 }
 
-/// Makes `dir` to write into, refusing a file or (unless `force`) a directory that is not
-/// empty; `flag` is the option that named it.
+/// Files of a Hugging Face model or PEFT adapter directory: what an export writes, and what
+/// a previous save of another model may have left that would go with the new one (its shards,
+/// another tokenizer). `--force` replaces them all; other files are left.
+const MODEL_DIR_FILES: &[&str] = &[
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+];
+
+/// Whether `name` is a file of a model directory (see [`MODEL_DIR_FILES`]), shards included.
+fn is_model_dir_file(name: &str) -> bool {
+    let shard = |prefix: &str, ext: &str| {
+        name.strip_prefix(prefix)
+            .and_then(|rest| rest.strip_suffix(ext))
+            .is_some_and(|middle| middle.contains("-of-"))
+    };
+    MODEL_DIR_FILES.contains(&name)
+        || shard("model-", ".safetensors")
+        || shard("pytorch_model-", ".bin")
+}
+
+/// Makes `dir` to write into, refusing a file, a ddpjob job's directory (or one inside it),
+/// or (unless `force`) a directory that is not empty; with `force`, the files of a model
+/// directory already there are removed first. `flag` is the option that named it.
 pub(super) fn prepare_dir(dir: &Path, force: bool, flag: &str) -> Result<(), HfError> {
     if dir.is_file() {
         return Err(HfError::Invalid(format!(
@@ -63,23 +98,57 @@ pub(super) fn prepare_dir(dir: &Path, force: bool, flag: &str) -> Result<(), HfE
             dir.display()
         )));
     }
+    if let Some(job) = enclosing_job(dir) {
+        return Err(HfError::Invalid(format!(
+            "`{}` is inside the directory of job `{}` ({}), whose files an export would \
+             replace; {flag} names a directory of its own, e.g. `models/{}`",
+            dir.display(),
+            job.file_name().unwrap_or_default().to_string_lossy(),
+            job.display(),
+            job.file_name().unwrap_or_default().to_string_lossy(),
+        )));
+    }
+    let io = |cause| HfError::Io {
+        path: dir.to_path_buf(),
+        cause,
+    };
     if dir.is_dir() {
-        let mut entries = std::fs::read_dir(dir).map_err(|cause| HfError::Io {
-            path: dir.to_path_buf(),
-            cause,
-        })?;
-        if entries.next().is_some() && !force {
+        let names: Vec<String> = std::fs::read_dir(dir)
+            .map_err(io)?
+            .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect::<Result<_, _>>()
+            .map_err(io)?;
+        if !names.is_empty() && !force {
             return Err(HfError::Invalid(format!(
-                "`{}` is not empty; choose another directory or pass --force to overwrite its \
-                 files",
+                "`{}` is not empty; choose another directory or pass --force to replace the \
+                 model files in it",
                 dir.display()
             )));
         }
+        for name in names.iter().filter(|n| is_model_dir_file(n)) {
+            let path = dir.join(name);
+            if path.is_file() {
+                std::fs::remove_file(&path).map_err(|cause| HfError::Io { path, cause })?;
+            }
+        }
     }
-    std::fs::create_dir_all(dir).map_err(|cause| HfError::Io {
-        path: dir.to_path_buf(),
-        cause,
-    })
+    std::fs::create_dir_all(dir).map_err(io)
+}
+
+/// The ddpjob job directory (one with a `job.toml` and a `state.json`) that `dir` is or is
+/// in, if any.
+fn enclosing_job(dir: &Path) -> Option<PathBuf> {
+    let absolute = std::path::absolute(dir).ok()?;
+    // The nearest existing ancestor, resolved (a symlink may lead into a job).
+    let existing = absolute
+        .ancestors()
+        .find(|a| a.exists())?
+        .canonicalize()
+        .ok()?;
+    existing
+        .ancestors()
+        .find(|a| a.join("job.toml").is_file() && a.join("state.json").is_file())
+        .map(Path::to_path_buf)
 }
 
 /// `tensors` in `dtype` as the safetensors file `name` in `dir`, written under a temporary
@@ -128,4 +197,62 @@ pub(super) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), HfError>
         path: path.to_path_buf(),
         cause,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn force_replaces_a_model_directorys_files_and_leaves_the_rest() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("out");
+        std::fs::create_dir(&dir).unwrap();
+        let stale = [
+            "tokenizer.json",
+            "model-00001-of-00002.safetensors",
+            "model.safetensors.index.json",
+            "adapter_config.json",
+        ];
+        for name in stale.iter().chain(&["README.md", "model-notes.txt"]) {
+            std::fs::write(dir.join(name), "old").unwrap();
+        }
+        let err = prepare_dir(&dir, false, "--hf").unwrap_err().to_string();
+        assert!(
+            err.contains("is not empty") && err.contains("--force"),
+            "{err}"
+        );
+        prepare_dir(&dir, true, "--hf").unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["README.md", "model-notes.txt"]);
+    }
+
+    #[test]
+    fn a_job_directory_or_one_inside_it_is_refused_even_with_force() {
+        let tmp = tempfile::tempdir().unwrap();
+        let job = tmp.path().join("jobs/char");
+        std::fs::create_dir_all(job.join("checkpoints/best")).unwrap();
+        std::fs::write(job.join("job.toml"), "").unwrap();
+        std::fs::write(job.join("state.json"), "{}").unwrap();
+        std::fs::write(job.join("model.safetensors"), "weights").unwrap();
+        for dir in [
+            job.clone(),
+            job.join("checkpoints/best"),
+            job.join("export/new"),
+        ] {
+            let err = prepare_dir(&dir, true, "--hf").unwrap_err().to_string();
+            assert!(err.contains("inside the directory of job `char`"), "{err}");
+        }
+        assert_eq!(
+            std::fs::read_to_string(job.join("model.safetensors")).unwrap(),
+            "weights"
+        );
+        assert!(!job.join("export").exists());
+        // Beside the job is fine.
+        prepare_dir(&tmp.path().join("jobs/char-hf"), false, "--hf").unwrap();
+    }
 }

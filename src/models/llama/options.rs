@@ -595,6 +595,47 @@ fn check(o: &LlamaOptions) -> Result<(), String> {
             get(o.head_dim)
         ));
     }
+    let sizes = [
+        ("hidden_size", o.hidden_size),
+        ("intermediate_size", o.intermediate_size),
+        ("num_hidden_layers", o.num_hidden_layers),
+        ("head_dim", o.head_dim),
+        ("vocab_size", o.vocab_size),
+    ];
+    if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == Some(0)) {
+        return Err(format!("model.{key} must be at least 1, got 0"));
+    }
+    // Each a number the model divides by, takes a logarithm of or adds to a variance: out of
+    // range, it trains on NaN (reported as a diverging loss, with the wrong advice).
+    let positive = |key: &str, v: Option<f64>| match v {
+        Some(x) if !(x.is_finite() && x > 0.0) => Err(format!(
+            "model.{key} must be a finite number above 0, got {x}"
+        )),
+        _ => Ok(()),
+    };
+    positive("rope_theta", o.rope_theta)?;
+    positive("initializer_range", o.initializer_range)?;
+    if let Some(eps) = o.rms_norm_eps
+        && !(eps.is_finite() && eps >= 0.0)
+    {
+        return Err(format!("model.rms_norm_eps must be 0 or more, got {eps}"));
+    }
+    if let Some(r) = &o.rope_scaling {
+        positive("rope_scaling.factor", Some(r.factor))?;
+        positive("rope_scaling.low_freq_factor", Some(r.low_freq_factor))?;
+        if !(r.high_freq_factor.is_finite() && r.high_freq_factor > r.low_freq_factor) {
+            return Err(format!(
+                "model.rope_scaling.high_freq_factor = {} must be above low_freq_factor = {} \
+                 (the band between them is smoothed)",
+                r.high_freq_factor, r.low_freq_factor
+            ));
+        }
+        if r.original_max_position_embeddings == 0 {
+            return Err(
+                "model.rope_scaling.original_max_position_embeddings must be at least 1".into(),
+            );
+        }
+    }
     Ok(())
 }
 

@@ -330,6 +330,49 @@ fn scratch_models_start_from_the_seed_and_train() {
 }
 
 #[test]
+fn numbers_out_of_range_are_refused_by_key_before_they_train_on_nan() {
+    use super::options::{RopeScalingOptions, RopeType};
+    let scaling = |factor: f64, low: f64, high: f64| RopeScalingOptions {
+        rope_type: RopeType::Llama3,
+        factor,
+        low_freq_factor: low,
+        high_freq_factor: high,
+        original_max_position_embeddings: 16,
+    };
+    let with = |change: &dyn Fn(&mut LlamaOptions)| {
+        let mut o = LlamaOptions::default();
+        change(&mut o);
+        o.complete().map(|_| ()).unwrap_err()
+    };
+    for (err, key) in [
+        (with(&|o| o.rope_theta = Some(0.0)), "model.rope_theta"),
+        (with(&|o| o.rope_theta = Some(-1.0)), "model.rope_theta"),
+        (with(&|o| o.rms_norm_eps = Some(-1.0)), "model.rms_norm_eps"),
+        (with(&|o| o.head_dim = Some(0)), "model.head_dim"),
+        (
+            with(&|o| o.initializer_range = Some(f64::NAN)),
+            "model.initializer_range",
+        ),
+        (
+            with(&|o| o.rope_scaling = Some(scaling(0.0, 1.0, 4.0))),
+            "model.rope_scaling.factor",
+        ),
+        (
+            with(&|o| o.rope_scaling = Some(scaling(8.0, 1.0, 1.0))),
+            "model.rope_scaling.high_freq_factor",
+        ),
+    ] {
+        assert!(err.starts_with(key), "{key}: {err}");
+    }
+    let fine = LlamaOptions {
+        rope_scaling: Some(scaling(8.0, 1.0, 4.0)),
+        rms_norm_eps: Some(0.0),
+        ..LlamaOptions::default()
+    };
+    assert!(fine.complete().is_ok());
+}
+
+#[test]
 fn bad_checkpoints_are_named_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("m");

@@ -236,7 +236,7 @@ fn open_gpu(ordinal: usize) -> Result<Device, DeviceError> {
     // Best effort: a device without memory pools (cudarc then allocates synchronously) or a
     // driver that refuses the setting trains as before.
     if let Err(e) = keep_freed_memory(&context) {
-        eprintln!("note: cuda:{ordinal}: freed memory goes back to the driver ({e})");
+        errln!("note: cuda:{ordinal}: freed memory goes back to the driver ({e})");
     }
     // ddpjob's own kernels compile while the worker loads its data and model, not in its
     // first step.

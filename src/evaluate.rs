@@ -200,7 +200,7 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
         crate::device::for_one_process(&spec.distributed)
             .map_err(|e| EvalError::Usage(e.to_string()))?;
     if let Some(notice) = notice {
-        eprintln!("note: {notice}");
+        errln!("note: {notice}");
     }
     crate::device::set_matmul_precision(&device, spec.train.precision);
     let started = Instant::now();

@@ -116,9 +116,10 @@ impl Fault {
         if step != self.step {
             return Ok(());
         }
-        eprintln!(
+        errln!(
             "{ENV}: injecting {:?} into rank {} at step {step}",
-            self.kind, self.rank
+            self.kind,
+            self.rank
         );
         // SAFETY: plain signal calls on this process or its parent.
         unsafe {

@@ -66,6 +66,29 @@
 
 #![warn(missing_docs)]
 
+// Printing that never panics. `println!` panics when stdout is a closed pipe (`ddpjob run
+// job.toml | head`), which killed a training job (its launcher or its rank 0) over a display;
+// these drop what cannot be written, as the job's logs keep every line. Defined before the
+// modules, so every one of them can use them.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($arg)*);
+    }};
+}
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod bench;
 mod checkpoint;
 pub mod cli;

@@ -59,7 +59,7 @@ impl Reporter for Bars {
     fn line(&mut self, text: &str) {
         match &self.bar {
             Some(bar) if !bar.is_finished() => bar.println(text),
-            _ => eprintln!("{text}"),
+            _ => errln!("{text}"),
         }
     }
 
@@ -81,7 +81,7 @@ impl Reporter for Plain {
     fn step(&mut self, _done_in_epoch: usize, _status: Option<&str>) {}
 
     fn line(&mut self, text: &str) {
-        println!("{text}");
+        outln!("{text}");
     }
 
     fn epoch_end(&mut self) {}

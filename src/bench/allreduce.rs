@@ -326,7 +326,7 @@ mod gpu {
             &device,
             TIMEOUT,
             Arc::default(),
-            move |verdict| eprintln!("error: {}", verdict.describe(rank, TIMEOUT)),
+            move |verdict| errln!("error: {}", verdict.describe(rank, TIMEOUT)),
             || std::process::exit(1),
         )?;
         let gpu = |e: candle_core::Error| BenchError::Comm(e.into());

@@ -91,7 +91,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     } = crate::device::for_one_process(&spec.distributed)
         .map_err(|e| BenchError::Usage(e.to_string()))?;
     if let Some(notice) = notice {
-        eprintln!("note: {notice}");
+        errln!("note: {notice}");
     }
     crate::device::set_matmul_precision(&device, spec.train.precision);
     let input = match crate::registry::Registry::current().data_input(&spec.data) {

@@ -21,9 +21,9 @@ pub(super) fn bench_allreduce(
     };
     let rows = bench::allreduce(nproc, on_gpus, tree, &sizes).map_err(bench_failure)?;
     if json {
-        println!("{}", serde_json::to_string(&rows).unwrap_or_default());
+        outln!("{}", serde_json::to_string(&rows).unwrap_or_default());
     } else {
-        print!("{}", bench::table(nproc, on_gpus, tree, &rows));
+        out!("{}", bench::table(nproc, on_gpus, tree, &rows));
     }
     Ok(())
 }
@@ -61,9 +61,9 @@ pub(super) fn bench_step(
         .map_err(|e| (2, anyhow::anyhow!(e)))?;
     let result = bench::step(&spec, options).map_err(bench_failure)?;
     if json {
-        println!("{}", serde_json::to_string(&result).unwrap_or_default());
+        outln!("{}", serde_json::to_string(&result).unwrap_or_default());
     } else {
-        print!("{}", bench::step_table(&result));
+        out!("{}", bench::step_table(&result));
     }
     Ok(())
 }

@@ -41,9 +41,9 @@ pub(super) fn eval(args: &EvalArgs) -> CliResult {
     let spec = evaluate::spec_for(&model, args.data.as_deref(), &args.set).map_err(fail)?;
     let report = evaluate::run(&model, &spec).map_err(fail)?;
     if args.json {
-        println!("{}", report.json());
+        outln!("{}", report.json());
     } else {
-        println!("{}", report.describe());
+        outln!("{}", report.describe());
     }
     Ok(())
 }

@@ -94,7 +94,7 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
             args.force,
         )
         .map_err(export_error)?;
-        println!(
+        outln!(
             "exported the LoRA adapters of {layers} layers of `{}` to `{}`: \
              PeftModel.from_pretrained(base, \"{}\") loads them",
             weights.display(),
@@ -122,7 +122,7 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         crate::models::hf_export_parts(&spec.model, tensors).map_err(|e| (2, anyhow!(e)))?;
     let tokenizer = tokenizer_files(&spec, &job);
     hf::export(hf_dir, hf_config, tensors, &tokenizer, dtype, args.force).map_err(export_error)?;
-    println!(
+    outln!(
         "exported `{}` to `{}`{}",
         weights.display(),
         hf_dir.display(),

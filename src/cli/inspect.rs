@@ -26,17 +26,17 @@ pub(super) fn list(jobs_dir: &Path) -> CliResult {
         )
     })?;
     if views.is_empty() {
-        println!("no jobs in {}", jobs_dir.display());
+        outln!("no jobs in {}", jobs_dir.display());
         return Ok(());
     }
-    print!("{}", show::list(&views, now_unix()));
+    out!("{}", show::list(&views, now_unix()));
     Ok(())
 }
 
 pub(super) fn show(jobs_dir: &Path, name: &str) -> CliResult {
     match JobView::load(jobs_dir, name) {
         Some(view) => {
-            print!("{}", show::show(&view, now_unix()));
+            out!("{}", show::show(&view, now_unix()));
             Ok(())
         }
         None if jobs_dir.join(name).exists() => Err((

@@ -35,7 +35,7 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
     let node = match cluster::resolve(&flags, &scheduler) {
         Ok(resolution) => {
             for note in &resolution.notes {
-                eprintln!("note: {note}");
+                errln!("note: {note}");
             }
             resolution.node
         }
@@ -45,7 +45,7 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
         (Some("auto"), _) => ResumeMode::Auto,
         (Some(_), _) => ResumeMode::Never,
         (None, Some(n)) => {
-            eprintln!("note: --resume auto: Slurm requeued this job (SLURM_RESTART_COUNT={n})");
+            errln!("note: --resume auto: Slurm requeued this job (SLURM_RESTART_COUNT={n})");
             ResumeMode::Auto
         }
         (None, None) => ResumeMode::Never,
@@ -157,24 +157,24 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     // Where `run` would put the workers on this machine, as it would decide it.
     let placement = crate::device::place(&spec.distributed).map_err(|e| (2, anyhow!(e)))?;
     if let Some(notice) = &placement.notice {
-        eprintln!("note: {notice}");
+        errln!("note: {notice}");
     }
     // Where `run` would sit among the nodes, from the scheduler's variables (no flags here).
     let node = cluster::resolve(&NodeFlags::default(), &SchedulerEnv::from_process())
         .map_err(|e| (2, anyhow!(e)))?;
     for note in &node.notes {
-        eprintln!("note: {note}");
+        errln!("note: {note}");
     }
     let nnodes = node.node.nnodes;
     let world = placement.nproc * nnodes;
     let derived = spec.for_world_size(world).map_err(|e| (2, anyhow!(e)))?;
     let spec = &derived;
     let plan = spec.plan(train_samples, world);
-    print!("{}", loaded.resolved_toml());
-    println!();
+    out!("{}", loaded.resolved_toml());
+    outln!();
     match nnodes {
-        1 => println!("# derived (on this machine, one node)"),
-        n => println!(
+        1 => outln!("# derived (on this machine, one node)"),
+        n => outln!(
             "# derived (node {} of {n}, each with this machine's workers; {})",
             node.node.node_rank,
             node.notes.join("; ")
@@ -183,7 +183,7 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     let devices: Vec<String> = (0..placement.nproc)
         .map(|r| placement.device_of(r))
         .collect();
-    println!(
+    outln!(
         "world_size        = {world}  ({nnodes} node(s) x devices: {})",
         devices.join(", ")
     );
@@ -191,29 +191,31 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         Some(_) => ", batch_size from train.global_batch_size",
         None => "",
     };
-    println!(
+    outln!(
         "global_batch      = {}  (batch_size {} x accumulation {} x world {world}{derived_from})",
-        plan.global_batch, spec.train.batch_size, spec.train.accumulation
+        plan.global_batch,
+        spec.train.batch_size,
+        spec.train.accumulation
     );
-    println!("train_samples     = {train_samples}  ({source})");
-    println!("samples_per_rank  = {}", plan.samples_per_rank);
-    println!(
+    outln!("train_samples     = {train_samples}  ({source})");
+    outln!("samples_per_rank  = {}", plan.samples_per_rank);
+    outln!(
         "steps_per_epoch   = {}  (optimizer steps)",
         plan.steps_per_epoch
     );
-    println!("total_steps       = {}", plan.total_steps);
+    outln!("total_steps       = {}", plan.total_steps);
     if let Some(patience) = spec.train.early_stopping.patience {
         let when = match spec.train.eval_every {
             Some(n) => format!("each epoch's end and every {n} steps"),
             None => "each epoch's end".into(),
         };
-        println!(
+        outln!(
             "early_stopping    = after {patience} evaluation(s) in a row without improvement  \
              (evaluations at {when}; train.early_stopping)"
         );
     }
     if let Some(language) = spec.model.language() {
-        println!(
+        outln!(
             "tokens_per_step   = {}{}  (global_batch x block_size {})",
             if examples { "at most " } else { "" },
             plan.global_batch * language.block_size,
@@ -221,17 +223,17 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         );
     }
     if let Some((frozen, all)) = frozen {
-        println!("frozen            = {frozen} of {all} parameter tensors  (model.freeze, LoRA)");
+        outln!("frozen            = {frozen} of {all} parameter tensors  (model.freeze, LoRA)");
     }
     let threads = match placement.device_of(0).as_str() {
         "cpu" => crate::launch::cpu_threads_per_worker(placement.nproc),
         _ => 1,
     };
     match memory_lines(spec, world, threads, &placement) {
-        Ok(lines) => lines.iter().for_each(|l| println!("{l}")),
-        Err(why) => println!("memory_per_worker = not estimated ({why})"),
+        Ok(lines) => lines.iter().for_each(|l| outln!("{l}")),
+        Err(why) => outln!("memory_per_worker = not estimated ({why})"),
     }
-    eprintln!("{}: ok", args.config.display());
+    errln!("{}: ok", args.config.display());
     Ok(())
 }
 

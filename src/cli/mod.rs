@@ -257,7 +257,7 @@ pub fn main() -> ExitCode {
 /// ```
 pub fn main_with(registry: crate::registry::Registry) -> ExitCode {
     if registry.install().is_err() {
-        eprintln!(
+        errln!(
             "error: a registry was already in use when ddpjob::cli::main_with was called \
              (Registry::current or install ran first); call main_with first in main"
         );
@@ -315,7 +315,7 @@ fn dispatch(command: Command, started: Instant) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err((code, err)) => {
-            eprintln!("error: {err:#}");
+            errln!("error: {err:#}");
             ExitCode::from(code)
         }
     }
@@ -346,7 +346,7 @@ fn existing_job(
 fn keys(prefix: Option<&str>) -> CliResult {
     match crate::config::schema::reference(prefix) {
         Some(text) => {
-            print!("{text}");
+            out!("{text}");
             Ok(())
         }
         None => Err((

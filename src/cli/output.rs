@@ -79,7 +79,7 @@ impl Reporting {
         let verdict = match &ending {
             Ok(done) => {
                 match (&done.note, &done.summary) {
-                    (Some(note), _) => println!("{note}"),
+                    (Some(note), _) => outln!("{note}"),
                     (None, Some(summary)) => print_finished(&done.job, summary),
                     (None, None) => {}
                 }
@@ -175,7 +175,7 @@ fn divert_stdout() -> std::io::Result<File> {
 }
 
 pub(super) fn print_finished(job: &JobDir, s: &Summary) {
-    println!(
+    outln!(
         "finished: {}, final train loss {:.4}, {} steps, {:.0} samples/s, {:.1} s",
         s.describe_eval(),
         s.final_train_loss,
@@ -185,8 +185,8 @@ pub(super) fn print_finished(job: &JobDir, s: &Summary) {
     );
     for r in &s.expectations {
         let mark = if r.met { "met" } else { "UNMET" };
-        println!("  expect {mark:<5} {}", r.describe());
+        outln!("  expect {mark:<5} {}", r.describe());
     }
-    println!("job directory: {}", job.root.display());
-    println!("curves: {}", job.curves_path().display());
+    outln!("job directory: {}", job.root.display());
+    outln!("curves: {}", job.curves_path().display());
 }

@@ -92,7 +92,7 @@ pub(super) fn sample(args: &SampleArgs) -> CliResult {
         let _ = writeln!(stdout, "{line}");
     } else {
         let _ = writeln!(stdout);
-        eprintln!(
+        errln!(
             "{} tokens in {secs:.2} s ({:.0} tokens/s) from {}",
             ids.len(),
             ids.len() as f64 / secs.max(1e-9),

@@ -51,7 +51,7 @@ pub(super) fn man(dir: Option<&Path>) -> CliResult {
                 anyhow!("cannot write man pages to `{}`: {e}", dir.display()),
             )
         })?;
-    println!("man pages written to {}", dir.display());
+    outln!("man pages written to {}", dir.display());
     Ok(())
 }
 

@@ -82,7 +82,7 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
             )));
         }
         let share = shares[i];
-        println!(
+        outln!(
             "run {}: {world} worker(s) x batch {share}, {} steps",
             i + 1,
             args.steps
@@ -114,7 +114,7 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
     }
     match first_difference(&traces, args.steps) {
         Ok(summary) => {
-            println!("{summary}");
+            outln!("{summary}");
             if temporary {
                 std::fs::remove_dir_all(&dir).ok();
             }

@@ -114,7 +114,7 @@ impl Group<'_> {
                 self.name(),
                 failed.summary
             );
-            eprintln!("{line}");
+            errln!("{line}");
             self.record_restart(attempt + 1, &line)?;
         }
         unreachable!("the attempts loop returns")
@@ -358,7 +358,7 @@ pub(super) fn rewind_to(job: &JobDir, choice: &checkpoint::Choice) -> Result<(),
         cause,
     };
     for warning in choice.set_aside().map_err(io)? {
-        eprintln!("warning: {warning}");
+        errln!("warning: {warning}");
     }
     let (epoch, step) = choice
         .position

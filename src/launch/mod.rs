@@ -150,7 +150,7 @@ impl Layout {
         };
         let placement = device::place(&spec.distributed)?;
         if let Some(notice) = &placement.notice {
-            eprintln!("note: {notice}");
+            errln!("note: {notice}");
         }
         cluster::check_gpus(
             &cluster::SchedulerEnv::from_process(),
@@ -285,7 +285,7 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
                 },
             )?;
             if let Err(why) = nodes.await_plan_seen() {
-                eprintln!("warning: job `{}` finished already, but {why}", spec.name);
+                errln!("warning: job `{}` finished already, but {why}", spec.name);
             }
             return Ok(Ended::AlreadyFinished(job, message));
         }
@@ -320,7 +320,7 @@ fn record_outcome(
     let finished = outcome.and_then(|()| finish_summary(job, started, spec));
     // The last epochs (or a failed job's steps) are in the curves too.
     if let Err(warning) = crate::report::curves::draw(job) {
-        eprintln!("warning: {warning}");
+        errln!("warning: {warning}");
     }
     match finished {
         Ok(summary) => {
@@ -370,7 +370,7 @@ fn meet(
     }
     let port = layout.master_port.unwrap_or(DEFAULT_MASTER_PORT);
     let addr = format!("{}:{port}", layout.master_addr);
-    println!("node {}: joining node 0 at {addr} ...", layout.node_rank);
+    outln!("node {}: joining node 0 at {addr} ...", layout.node_rank);
     let patience = Duration::from_secs(spec.distributed.timeout_s);
     let client = StoreClient::connect(&addr, token, patience)?;
     Ok((None, client, port))

@@ -137,13 +137,13 @@ pub(super) fn start_continuing(
     super::prepare_data(spec, Some(job))?;
     rewind_to(job, choice)?;
     match (&choice.usable, &choice.position) {
-        (Some(dir), Some(p)) => println!(
+        (Some(dir), Some(p)) => outln!(
             "resuming job `{name}` from `{}` (epoch {}, step {}) on {world_size} worker(s)",
             dir.display(),
             p.epoch + 1,
             p.step,
         ),
-        _ => println!("job `{name}`: no usable checkpoint; training again from the start"),
+        _ => outln!("job `{name}`: no usable checkpoint; training again from the start"),
     }
     let mut state = job
         .read_state()

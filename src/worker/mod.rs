@@ -247,7 +247,7 @@ fn nccl_failure(
                 message: message.clone(),
             },
         );
-        eprintln!("error: {message}");
+        errln!("error: {message}");
     }
 }
 
@@ -301,7 +301,7 @@ fn announce(env: Option<&WorkerEnv>, error: &WorkerError) {
         Some(env) => format!("error: rank {}: {error}", env.rank),
         None => format!("error: {error}"),
     };
-    eprintln!("{text}");
+    errln!("{text}");
     if let Some(env) = env {
         let kind = match error.repeats_on_restart() {
             true => failure::FailureKind::Setup,
@@ -515,7 +515,7 @@ fn train(
     let mut summary = match trainer.run()? {
         Ending::Completed(summary) => *summary,
         Ending::Stopped { step } => {
-            eprintln!("rank {}: stopped after step {step}", env.rank);
+            errln!("rank {}: stopped after step {step}", env.rank);
             return Ok(true);
         }
     };

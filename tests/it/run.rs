@@ -318,3 +318,36 @@ fn a_panicking_worker_is_reported_with_its_message_and_leaves_no_process() {
         "failed"
     );
 }
+
+#[test]
+fn output_nobody_reads_does_not_stop_a_job() {
+    // `ddpjob run job.toml | head -1`: stdout and stderr are pipes whose reader has gone. A
+    // print to them failed with EPIPE and panicked the launcher and rank 0, failing the job.
+    let t = TestJob::new();
+    let cfg = t.config("job", TINY);
+    let jobs = t.jobs_dir().display().to_string();
+    let config = cfg.display().to_string();
+    let args = ["run", &config, "--jobs-dir", &jobs, "--nproc-per-node", "2"];
+    let mut child = t
+        .command(&args, &[])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop((child.stdout.take(), child.stderr.take()));
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{status}");
+    let state = t.json(&t.job("job").join("state.json"));
+    assert_eq!(state["status"], "finished", "{state}");
+    // The lines nobody read are in the job's log.
+    let log = std::fs::read_to_string(t.job("job").join("logs/rank-0.log")).unwrap();
+    assert!(log.contains("epoch 2/2 done"), "{log}");
+    // So does a command that only prints.
+    let mut validate = t
+        .command(&["validate", &config], &[])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(validate.stdout.take());
+    assert_eq!(validate.wait().unwrap().code(), Some(0));
+}

@@ -30,6 +30,9 @@ pub enum FaultKind {
     /// SIGUSR1 to the launcher, as Slurm's `--signal=USR1@N` warning before a time limit;
     /// otherwise as `Preempt`.
     Warn,
+    /// SIGHUP to the launcher, as a closed terminal or ssh session sends; otherwise as
+    /// `Preempt`.
+    Hangup,
     /// A world-size-invariant step that sums this rank's pieces left to right instead of in
     /// the fixed tree: the bug `verify` must catch and name.
     PieceOrder,
@@ -75,10 +78,11 @@ impl Fault {
                         "freeze" => FaultKind::Freeze,
                         "preempt" => FaultKind::Preempt,
                         "usr1" => FaultKind::Warn,
+                        "hup" => FaultKind::Hangup,
                         "piece-order" => FaultKind::PieceOrder,
                         other => {
                             return Err(format!(
-                                "kind={other} is unknown; use kill, crash, panic, exit, hang, freeze, preempt, usr1 or piece-order"
+                                "kind={other} is unknown; use kill, crash, panic, exit, hang, freeze, preempt, usr1, hup or piece-order"
                             ));
                         }
                     })
@@ -132,9 +136,10 @@ impl Fault {
                 FaultKind::Freeze => {
                     libc::raise(libc::SIGSTOP);
                 }
-                FaultKind::Preempt | FaultKind::Warn => {
+                FaultKind::Preempt | FaultKind::Warn | FaultKind::Hangup => {
                     let signal = match self.kind {
                         FaultKind::Warn => libc::SIGUSR1,
+                        FaultKind::Hangup => libc::SIGHUP,
                         _ => libc::SIGTERM,
                     };
                     libc::kill(libc::getppid(), signal);

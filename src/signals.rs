@@ -1,5 +1,6 @@
 //! The signals that stop a job, handled in one place for the launcher and the workers: SIGINT,
-//! SIGTERM and SIGUSR1 (Slurm's `--signal=USR1@N` warning before a time limit). The handler,
+//! SIGTERM, SIGUSR1 (Slurm's `--signal=USR1@N` warning before a time limit), and SIGHUP (the
+//! terminal or ssh session closed) and SIGQUIT, which torchrun's agent stops on too. The handler,
 //! installed with `sigaction`, only stores to atomics (async-signal-safe); the supervision loop
 //! and the training loop read them.
 
@@ -15,10 +16,19 @@ extern "C" fn on_signal(sig: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
 }
 
-/// Routes SIGINT, SIGTERM and SIGUSR1 to this module's counters. Interrupted system calls are
+/// The signals that stop a job gracefully.
+pub const STOP_SIGNALS: [libc::c_int; 5] = [
+    libc::SIGINT,
+    libc::SIGTERM,
+    libc::SIGUSR1,
+    libc::SIGHUP,
+    libc::SIGQUIT,
+];
+
+/// Routes [`STOP_SIGNALS`] to this module's counters. Interrupted system calls are
 /// restarted (SA_RESTART), as with BSD `signal`.
 pub fn install() {
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGUSR1] {
+    for sig in STOP_SIGNALS {
         // SAFETY: a zeroed sigaction with a handler that only touches atomics; sigaction is
         // called with valid pointers.
         unsafe {
@@ -59,5 +69,8 @@ mod tests {
         assert_eq!(received(), before + 1);
         assert_eq!(last(), libc::SIGUSR1);
         assert!(stop_flag().load(Ordering::SeqCst));
+        // A closed terminal stops a job as SIGTERM does, rather than killing it unsaved.
+        unsafe { libc::raise(libc::SIGHUP) };
+        assert_eq!((received(), last()), (before + 2, libc::SIGHUP));
     }
 }

@@ -310,6 +310,8 @@ pub fn signal_name(sig: i32) -> &'static str {
         libc::SIGTERM => "SIGTERM",
         libc::SIGINT => "SIGINT",
         libc::SIGUSR1 => "SIGUSR1, a scheduler's warning before its time limit",
+        libc::SIGHUP => "SIGHUP, its terminal or session closed",
+        libc::SIGQUIT => "SIGQUIT",
         libc::SIGSEGV => "SIGSEGV, a crash",
         libc::SIGABRT => "SIGABRT, an abort",
         libc::SIGBUS => "SIGBUS",

@@ -175,6 +175,20 @@ fn sigusr1_checkpoints_and_stops_then_resume_ends_bit_identical() {
     assert_bit_identical(&t, "whole", "cut");
 }
 
+/// A closed terminal or ssh session (SIGHUP) stops the job as SIGTERM does; it killed the
+/// launcher and its workers unsaved, leaving `state.json` at "running".
+#[test]
+fn sighup_checkpoints_and_stops_then_resume_ends_bit_identical() {
+    let t = TestJob::new();
+    let (_, cut) = whole_then_cut(&t, "rank=0,step=6,kind=hup");
+    cut.fails_with(129, "interrupted by SIGHUP")
+        .fails_with(129, "after checkpoint `step-00000006`");
+    let state = t.json(&t.job("cut").join("state.json"));
+    assert_eq!(state["status"].as_str(), Some("interrupted"));
+    resume(&t, &["cut"]).success();
+    assert_bit_identical(&t, "whole", "cut");
+}
+
 #[test]
 fn a_crash_after_an_epoch_checkpoint_resumes_from_it_bit_identical() {
     let t = TestJob::new();

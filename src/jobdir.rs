@@ -13,8 +13,9 @@ use thiserror::Error;
 pub enum JobDirError {
     #[error(
         "job `{name}` already exists in `{}` ({status}, epoch {epoch}, step {step}) and is not finished; \
-         choose another name with --name, or delete that directory to start over",
-        dir.display()
+         continue it with `ddpjob resume {name}{}` (or run with --resume auto), or choose \
+         another name with --name",
+        dir.display(), jobs_dir_flag(dir)
     )]
     ExistsUnfinished {
         name: String,
@@ -32,6 +33,16 @@ pub enum JobDirError {
          it (Ctrl-C, or `kill {pid}`) before resuming"
     )]
     Busy { name: String, pid: String },
+    #[error(
+        "job `{name}` already exists in `{}` and another ddpjob (pid {pid}) is running it; \
+         choose another name with --name, or wait for it (`ddpjob show {name}`)",
+        dir.display()
+    )]
+    ExistsRunning {
+        name: String,
+        dir: PathBuf,
+        pid: String,
+    },
     #[error("the jobs directory `{}` is a file, not a directory; pass --jobs-dir a directory (created if missing)", dir.display())]
     JobsDirIsAFile { dir: PathBuf },
     #[error("cannot write `{}`: {cause}", path.display())]
@@ -39,6 +50,14 @@ pub enum JobDirError {
         path: PathBuf,
         cause: std::io::Error,
     },
+}
+
+/// ` --jobs-dir D` when the job directory `dir` is not under the default `jobs/`.
+fn jobs_dir_flag(dir: &Path) -> String {
+    match dir.parent() {
+        Some(parent) if parent != Path::new("jobs") => format!(" --jobs-dir {}", parent.display()),
+        _ => String::new(),
+    }
 }
 
 /// Maps an I/O error on `path` to [`JobDirError::Io`].
@@ -190,6 +209,11 @@ impl JobDir {
                 name: name.into(),
                 dir,
             }),
+            Some(_) if let Some(pid) = self.running_launcher() => Err(JobDirError::ExistsRunning {
+                name: name.into(),
+                dir,
+                pid,
+            }),
             Some(s) => Err(JobDirError::ExistsUnfinished {
                 name: name.into(),
                 dir,
@@ -323,6 +347,26 @@ impl JobDir {
         file.set_len(0).map_err(io(&path))?;
         write!(file, "{}", std::process::id()).map_err(io(&path))?;
         Ok(JobLock { _file: file })
+    }
+
+    /// The pid of the launcher running this job now, if one is (it holds `.lock`): tried with
+    /// a shared lock, released at once.
+    pub fn running_launcher(&self) -> Option<String> {
+        let path = self.root.join(".lock");
+        let file = File::open(&path).ok()?;
+        // SAFETY: flock on a descriptor we own.
+        let free = unsafe {
+            libc::flock(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                libc::LOCK_SH | libc::LOCK_NB,
+            )
+        } == 0;
+        (!free).then(|| {
+            fs::read_to_string(&path)
+                .unwrap_or_default()
+                .trim()
+                .to_string()
+        })
     }
 
     /// Drops the `metrics.jsonl` lines written after a checkpoint at (`epoch`, `step`), so a

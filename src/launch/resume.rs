@@ -169,15 +169,25 @@ fn most_recent_unfinished(opts: &ResumeOptions) -> Result<String, RunError> {
         path: opts.jobs_dir.clone(),
         cause,
     })?;
-    jobs.into_iter()
-        .find(|(_, s)| s.status != Status::Finished)
-        .map(|(name, _)| name)
-        .ok_or_else(|| {
-            RunError::Usage(format!(
-                "no unfinished job in `{}` to resume; `ddpjob list --jobs-dir {}` shows the jobs \
-                 there, `ddpjob resume NAME` picks one",
-                opts.jobs_dir.display(),
-                opts.jobs_dir.display()
-            ))
-        })
+    // Jobs another launcher is running now are not candidates: they are not stopped.
+    let mut running = Vec::new();
+    for (name, state) in jobs {
+        if state.status == Status::Finished {
+            continue;
+        }
+        match JobDir::open(&opts.jobs_dir, &name).running_launcher() {
+            Some(pid) => running.push(format!("`{name}` (pid {pid})")),
+            None => return Ok(name),
+        }
+    }
+    let running = match running.is_empty() {
+        true => String::new(),
+        false => format!(" ({} running now)", running.join(", ")),
+    };
+    Err(RunError::Usage(format!(
+        "no unfinished job in `{}` to resume{running}; `ddpjob list --jobs-dir {}` shows the \
+         jobs there, `ddpjob resume NAME` picks one",
+        opts.jobs_dir.display(),
+        opts.jobs_dir.display()
+    )))
 }

@@ -547,3 +547,65 @@ fn frozen_layers_stay_put_and_resume_bit_identical() {
         .fails_with(2, "fc1.weight, fc1.bias, fc2.weight, fc2.bias");
     assert!(!t.job("bad").exists());
 }
+
+/// A job another launcher is running is neither picked by `resume` without a name nor taken
+/// by `run` of its name; an unfinished one that is not running is pointed to `resume`.
+#[test]
+fn a_running_job_is_left_to_its_launcher_and_an_unfinished_one_pointed_to_resume() {
+    let t = TestJob::new();
+    let cfg = t.config("job", crate::common::TINY);
+    let jobs = t.jobs_dir().display().to_string();
+    run_with_fault(&t, &cfg, "rank=0,step=3,kind=preempt", &["--name", "old"])
+        .fails_with(143, "interrupted by SIGTERM");
+    t.run(&cfg, &["--name", "old"])
+        .fails_with(
+            2,
+            "is not finished; continue it with `ddpjob resume old --jobs-dir",
+        )
+        .fails_with(2, "--resume auto");
+
+    // Few lines: nobody reads its output pipe until it ends.
+    let long = [
+        "--set",
+        "data.synthetic.train_samples=200000",
+        "--set",
+        "train.epochs=50",
+        "--set",
+        "train.log_every=100000",
+    ];
+    let mut live = t.spawn_run(&cfg, "jobs", &[&long[..], &["--name", "live"]].concat());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let running = || {
+        std::fs::read_to_string(t.job("live").join("state.json"))
+            .ok()
+            .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+            .is_some_and(|s| s["status"] == "running" && s["step"].as_u64() > Some(0))
+    };
+    while !running() {
+        assert!(std::time::Instant::now() < deadline, "`live` never started");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    t.run(&cfg, &["--name", "live"])
+        .fails_with(2, "another ddpjob (pid")
+        .fails_with(2, "is running it");
+    // `live` is the most recently updated unfinished job, but it is running: `old` is resumed.
+    let resumed = resume(&t, &[]);
+    resumed.success();
+    assert!(
+        resumed.stdout.contains("resuming job `old`"),
+        "{}",
+        resumed.stdout
+    );
+    // Nothing else left to resume: the running one is named.
+    resume(&t, &[])
+        .fails_with(2, "no unfinished job")
+        .fails_with(2, "`live` (pid");
+    unsafe { libc::kill(live.child.id() as i32, libc::SIGTERM) };
+    let stopped = live.wait_for(std::time::Duration::from_secs(60)).unwrap();
+    assert_eq!(stopped.code, 143, "{}", stopped.stderr);
+    assert!(
+        std::path::Path::new(&jobs)
+            .join("live/checkpoints/latest")
+            .is_file()
+    );
+}

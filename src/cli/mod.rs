@@ -207,7 +207,8 @@ struct RunArgs {
 
 #[derive(Debug, Args)]
 struct ResumeArgs {
-    /// The job to resume (default: the most recently updated unfinished job).
+    /// The job to resume (default: the most recently updated unfinished job that no launcher
+    /// is running).
     name: Option<String>,
     /// Where jobs live.
     #[arg(long, default_value = "jobs")]

@@ -210,6 +210,18 @@ impl TextTask {
             vocab,
         };
         task.check_lengths(&names)?;
+        if let TextSource::Tokens(_) = source {
+            // Every evaluation reads the whole validation split: a token outside the
+            // vocabulary there is found now, not at the first evaluation after hours of
+            // training. (The training split, possibly many GB, is checked as it is read.)
+            let mut buf = Vec::new();
+            let chunk = 1 << 20;
+            for start in (0..task.val.len()).step_by(chunk) {
+                buf.clear();
+                let len = chunk.min(task.val.len() - start);
+                task.val.read(start, len, task.vocab_size, &mut buf)?;
+            }
+        }
         Ok(task)
     }
 

@@ -79,10 +79,10 @@ fn mapped_tokens_are_read_in_place_and_range_checked() {
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         std::fs::write(dir.path().join(name), bytes).unwrap();
     };
-    write("train.bin", &(0..50).collect::<Vec<u16>>());
-    let mut val: Vec<u16> = (0..20).collect();
-    val[13] = 100;
-    write("val.bin", &val);
+    let mut train: Vec<u16> = (0..50).collect();
+    train[30] = 100;
+    write("train.bin", &train);
+    write("val.bin", &(0..20).collect::<Vec<u16>>());
     let data = format!(
         "dataset = \"tokens\"\ntrain_path = \"{0}/train.bin\"\nval_path = \"{0}/val.bin\"\n",
         dir.path().display()
@@ -94,11 +94,26 @@ fn mapped_tokens_are_read_in_place_and_range_checked() {
     let (x, y) = batches.eval(&[0]).unwrap();
     assert_eq!(ids(&x)[0], vec![0, 1, 2, 3]);
     assert_eq!(ids(&y)[0], vec![1, 2, 3, 4]);
-    let err = batches.eval(&[3]).unwrap_err().to_string();
+    // The training split (possibly many GB) is checked as its windows are read.
+    let read_all = (0..task.train_len()).collect::<Vec<_>>();
+    let err = batches.train(0, &read_all).unwrap_err().to_string();
     assert!(
-        err.contains("val.bin")
-            && err.contains("token 100 at byte offset 26")
+        err.contains("train.bin")
+            && err.contains("token 100 at byte offset 60")
             && err.contains("model.vocab_size = 100"),
+        "{err}"
+    );
+    // The validation split, read whole by every evaluation, is checked when the data opens:
+    // not at the first evaluation, after the training before it.
+    let mut val: Vec<u16> = (0..20).collect();
+    val[13] = 100;
+    write("val.bin", &val);
+    let err = load(&spec_for(dir.path(), &data, 4), None)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("val.bin") && err.contains("token 100 at byte offset 26"),
         "{err}"
     );
 }

@@ -346,6 +346,9 @@ impl DatasetOptions for JsonlOptions {
         let tokenizer = match self.tokenizer.take() {
             Some(t) => t,
             None => match cx.language.as_ref().and_then(|l| l.tokenizer.clone()) {
+                Some(path) if !path.is_file() => {
+                    return Err(super::text_options::missing_tokenizer(&path));
+                }
                 Some(path) => path.display().to_string(),
                 None => {
                     return Err("data.dataset = \"jsonl\" is encoded with a Hugging Face \

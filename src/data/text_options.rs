@@ -3,7 +3,7 @@
 //! they read and how windows are cut is `text.rs`.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -154,6 +154,7 @@ impl DatasetOptions for TextOptions {
         let tokenizer = match self.tokenizer.take() {
             Some(t) => t,
             None => match cx.language.as_ref().and_then(|l| l.tokenizer.clone()) {
+                Some(path) if !path.is_file() => return Err(missing_tokenizer(&path)),
                 Some(path) => path.display().to_string(),
                 None => "char".into(),
             },
@@ -334,4 +335,17 @@ fn token_dtype(value: &str) -> Result<TokenDtype, String> {
             "data.token_dtype = \"{other}\": expected \"u16\" or \"u32\""
         )),
     }
+}
+
+/// A pretrained model's `tokenizer.json` the job would encode with is missing: its weights
+/// index their embeddings by that tokenizer's ids, so ddpjob's own vocabulary (the fallback
+/// for a model from scratch) would train them on meaningless ids.
+pub(crate) fn missing_tokenizer(path: &Path) -> String {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    format!(
+        "model.init_from = \"{}\" has no tokenizer.json, and its weights read token ids of \
+         its own tokenizer; set data.tokenizer to that tokenizer's tokenizer.json (e.g. from \
+         the model's repository)",
+        dir.display()
+    )
 }

@@ -661,12 +661,13 @@ pub fn build(
 }
 
 /// The tokenizer that comes with the weights `init_from` names: another job's (the one it
-/// trained with), or a Hugging Face directory's `tokenizer.json`.
+/// trained with), or a Hugging Face directory's `tokenizer.json`, named even when the
+/// directory lacks one (its token ids are that tokenizer's all the same; the data says so).
 pub(crate) fn pretrained_tokenizer(init_from: &str) -> Option<std::path::PathBuf> {
     let dir = std::path::Path::new(init_from);
     match crate::checkpoint::Trained::find(dir) {
         Some(trained) => trained.ok()?.tokenizer(),
-        None => Some(dir.join("tokenizer.json")).filter(|p| p.is_file()),
+        None => Some(dir.join("tokenizer.json")).filter(|_| dir.join("config.json").is_file()),
     }
 }
 

@@ -398,6 +398,16 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
     );
     t.run(&cfg, &[])
         .fails_with(2, "model.vocab_size = 100 is smaller than the vocabulary");
+    // A checkpoint without its tokenizer: its embeddings are indexed by that tokenizer's ids,
+    // which ddpjob's own character vocabulary would not give (it trained on them silently).
+    let bare = t.path("llama-bare");
+    std::fs::create_dir(&bare).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama").join(file), bare.join(file)).unwrap();
+    }
+    run("bare", &format!("init_from = \"{}\"", bare.display()))
+        .fails_with(2, "has no tokenizer.json")
+        .fails_with(2, "set data.tokenizer");
     assert!(!t.jobs_dir().exists() || std::fs::read_dir(t.jobs_dir()).unwrap().next().is_none());
 }
 

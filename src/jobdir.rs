@@ -204,7 +204,7 @@ impl JobDir {
             return Ok(());
         }
         let dir = self.root.clone();
-        match self.read_state() {
+        match self.state_or_rebuilt() {
             Some(s) if s.status == Status::Finished => Err(JobDirError::ExistsFinished {
                 name: name.into(),
                 dir,
@@ -298,6 +298,60 @@ impl JobDir {
 
     pub fn read_state(&self) -> Option<JobState> {
         serde_json::from_slice(&fs::read(self.state_path()).ok()?).ok()
+    }
+
+    /// The job's state: `state.json`, or, when that is missing or damaged in a directory
+    /// with a `job.toml`, one rebuilt from what the directory holds, so the job is listed
+    /// and resumable rather than taken for a stranger's directory: finished when it has its
+    /// summary and weights, else interrupted at its newest checkpoint (`checkpoints/latest`),
+    /// with a note saying so.
+    pub fn state_or_rebuilt(&self) -> Option<JobState> {
+        if let Some(state) = self.read_state() {
+            return Some(state);
+        }
+        if !self.job_toml().is_file() {
+            return None;
+        }
+        let json = |path: PathBuf| -> Option<serde_json::Value> {
+            serde_json::from_slice(&fs::read(path).ok()?).ok()
+        };
+        let number = |v: &serde_json::Value, key: &str| v[key].as_u64().unwrap_or(0) as usize;
+        let updated = fs::metadata(self.state_path())
+            .or_else(|_| fs::metadata(&self.root))
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_secs());
+        let note = "state.json was missing or unreadable; this state was rebuilt from the job's \
+                    files (`ddpjob resume` writes a new one)";
+        let mut state = JobState {
+            status: Status::Interrupted,
+            epoch: 0,
+            step: 0,
+            total_steps: 0,
+            world_size: 1,
+            updated_unix: updated,
+            last_loss: None,
+            error: Some(note.into()),
+            restarts: 0,
+        };
+        if let Some(summary) = json(self.summary_path()).filter(|s| s.is_object())
+            && self.model_path().is_file()
+        {
+            state.status = Status::Finished;
+            (state.epoch, state.step) = (number(&summary, "epochs"), number(&summary, "steps"));
+            state.total_steps = state.step;
+            state.world_size = number(&summary, "world_size").max(1);
+            state.last_loss = summary["final_train_loss"].as_f64();
+            return Some(state);
+        }
+        let checkpoints = self.checkpoints_dir();
+        let latest = fs::read_to_string(checkpoints.join("latest")).unwrap_or_default();
+        if let Some(position) = json(checkpoints.join(latest.trim()).join("state.json")) {
+            (state.epoch, state.step) = (number(&position, "epoch"), number(&position, "step"));
+            state.world_size = number(&position, "world_size").max(1);
+        }
+        Some(state)
     }
 
     /// Appends one JSON object as a line to `metrics.jsonl`.
@@ -407,7 +461,7 @@ pub fn list_jobs(jobs_dir: &Path) -> std::io::Result<Vec<(String, JobState)>> {
     for entry in entries {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        if let Some(state) = JobDir::open(jobs_dir, &name).read_state() {
+        if let Some(state) = JobDir::open(jobs_dir, &name).state_or_rebuilt() {
             jobs.push((name, state));
         }
     }

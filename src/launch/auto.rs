@@ -36,7 +36,7 @@ pub fn decide(jobs_dir: &std::path::Path, loaded: &LoadedConfig) -> Result<Decis
     if !job.root.exists() {
         return Ok(Decision::Start);
     }
-    let Some(state) = job.read_state() else {
+    let Some(state) = job.state_or_rebuilt() else {
         // Not a ddpjob job: `ensure_new` words this refusal.
         job.ensure_new(name)?;
         return Ok(Decision::Start);

@@ -34,7 +34,7 @@ pub enum Resumed {
 pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     let name = target(opts)?;
     let job = JobDir::open(&opts.jobs_dir, &name);
-    let Some(state) = job.read_state() else {
+    let Some(state) = job.state_or_rebuilt() else {
         return Err(RunError::Usage(if job.root.exists() {
             format!(
                 "`{}` has no readable state.json, so it is not a ddpjob job",

@@ -37,7 +37,7 @@ pub struct CheckpointInfo {
 impl JobView {
     /// Reads the job `name` under `jobs_dir`; `None` if it has no readable `state.json`.
     pub fn load(jobs_dir: &Path, name: &str) -> Option<JobView> {
-        let state = JobDir::open(jobs_dir, name).read_state()?;
+        let state = JobDir::open(jobs_dir, name).state_or_rebuilt()?;
         Some(JobView::with_state(jobs_dir, name, state))
     }
 

@@ -609,3 +609,48 @@ fn a_running_job_is_left_to_its_launcher_and_an_unfinished_one_pointed_to_resume
             .is_file()
     );
 }
+
+/// A damaged or missing `state.json` does not disown a job: it is listed, shown, refused as
+/// an existing name and resumed from its checkpoints, ending as the uninterrupted run does.
+#[test]
+fn a_job_whose_state_json_is_damaged_is_still_listed_and_resumed() {
+    let t = TestJob::new();
+    let (_, cut) = whole_then_cut(&t, "rank=0,step=6,kind=preempt");
+    cut.fails_with(143, "interrupted by SIGTERM");
+    let jobs = t.jobs_dir().display().to_string();
+    std::fs::write(t.job("cut").join("state.json"), "{\"status\": \"interr").unwrap();
+    std::fs::remove_file(t.job("whole").join("state.json")).unwrap();
+    let list = t.ddpjob(&["list", "--jobs-dir", &jobs]);
+    list.success();
+    let line = |name: &str| {
+        list.stdout
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no `{name}` in:\n{}", list.stdout))
+            .to_string()
+    };
+    assert!(line("cut").contains("interrupted"), "{}", list.stdout);
+    assert!(line("whole").contains("finished"), "{}", list.stdout);
+    let show = t.ddpjob(&["show", "cut", "--jobs-dir", &jobs]);
+    show.success();
+    assert!(
+        show.stdout.contains("rebuilt from the job's files"),
+        "{}",
+        show.stdout
+    );
+    let config = t.path("job.toml").display().to_string();
+    t.ddpjob(&["run", &config, "--jobs-dir", &jobs, "--name", "whole"])
+        .fails_with(2, "job `whole` already finished");
+    let resumed = resume(&t, &["cut"]);
+    resumed.success();
+    assert!(
+        resumed.stdout.contains("step-00000006"),
+        "{}",
+        resumed.stdout
+    );
+    assert_bit_identical(&t, "whole", "cut");
+    assert_eq!(
+        t.json(&t.job("cut").join("state.json"))["status"],
+        "finished"
+    );
+}

@@ -66,6 +66,12 @@ impl HfDir {
         })
     }
 
+    /// Checks that the weight files are whole safetensors files (headers only: cheap), as
+    /// the job's config is validated.
+    pub fn check_weight_files(&self) -> Result<(), HfError> {
+        check_headers(&self.weight_files)
+    }
+
     /// `model_type`, or an error naming the file.
     pub fn model_type(&self) -> Result<&str, HfError> {
         self.config
@@ -268,6 +274,23 @@ fn read_config(root: &Path) -> Result<Map<String, Value>, HfError> {
         ))),
         Err(cause) => Err(HfError::Json { path, cause }),
     }
+}
+
+/// Each weight file is a whole safetensors file: its header reads and its tensors cover it
+/// exactly (a truncated download, an empty or foreign file fail here, when the job is
+/// validated, rather than in a worker once the job exists). Only the headers are read.
+fn check_headers(files: &[PathBuf]) -> Result<(), HfError> {
+    for file in files {
+        // SAFETY: mapped read-only and dropped at once; only the header pages are touched.
+        if let Err(cause) = unsafe { MmapedSafetensors::new(file) } {
+            return Err(HfError::Invalid(format!(
+                "`{}` is not a whole safetensors file ({cause}); an interrupted download? \
+                 fetch it again",
+                file.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn weight_files(root: &Path) -> Result<Vec<PathBuf>, HfError> {

@@ -408,6 +408,22 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
     run("bare", &format!("init_from = \"{}\"", bare.display()))
         .fails_with(2, "has no tokenizer.json")
         .fails_with(2, "set data.tokenizer");
+    // Weights cut short (an interrupted download): refused by their header before the job
+    // exists, not in a worker of a job left failed.
+    std::fs::copy(
+        fixture("llama").join("tokenizer.json"),
+        bare.join("tokenizer.json"),
+    )
+    .unwrap();
+    let weights = std::fs::read(bare.join("model.safetensors")).unwrap();
+    std::fs::write(
+        bare.join("model.safetensors"),
+        &weights[..weights.len() / 2],
+    )
+    .unwrap();
+    run("truncated", &format!("init_from = \"{}\"", bare.display()))
+        .fails_with(2, "model.safetensors` is not a whole safetensors file")
+        .fails_with(2, "fetch it again");
     assert!(!t.jobs_dir().exists() || std::fs::read_dir(t.jobs_dir()).unwrap().next().is_none());
 }
 

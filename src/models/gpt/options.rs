@@ -244,12 +244,18 @@ fn pretrained(given: &GptOptions, dir: &str) -> Result<GptOptions, String> {
                 .map_err(unreadable)?,
             "job.toml",
         ),
-        None => (
-            HfDir::open(Path::new(dir))
-                .and_then(|hf| super::hf::read_shape(&hf))
-                .map_err(|e| unreadable(e.to_string()))?,
-            "config.json",
-        ),
+        None => {
+            let read = || -> Result<Gpt2Shape, crate::hf::HfError> {
+                let hf = HfDir::open(Path::new(dir))?;
+                let shape = super::hf::read_shape(&hf)?;
+                hf.check_weight_files()?;
+                Ok(shape)
+            };
+            (
+                read().map_err(|e| unreadable(e.to_string()))?,
+                "config.json",
+            )
+        }
     };
     let source = format!("{dir}/{source}");
     let mut conflicts = Vec::new();

@@ -219,6 +219,8 @@ impl LanguageModelOptions for LlamaOptions {
                         let hf =
                             HfDir::open(Path::new(dir)).map_err(|e| unreadable(e.to_string()))?;
                         let options = from_hf(&hf, self.block_size).map_err(unreadable)?;
+                        hf.check_weight_files()
+                            .map_err(|e| unreadable(e.to_string()))?;
                         (options, format!("{dir}/config.json"))
                     }
                 }

@@ -43,8 +43,8 @@ pub enum JobDirError {
         dir: PathBuf,
         pid: String,
     },
-    #[error("the jobs directory `{}` is a file, not a directory; pass --jobs-dir a directory (created if missing)", dir.display())]
-    JobsDirIsAFile { dir: PathBuf },
+    #[error("the jobs directory `{}` {what}; pass --jobs-dir a directory (created if missing)", dir.display())]
+    JobsDirIsAFile { dir: PathBuf, what: String },
     #[error("cannot write `{}`: {cause}", path.display())]
     Io {
         path: PathBuf,
@@ -57,6 +57,22 @@ fn jobs_dir_flag(dir: &Path) -> String {
     match dir.parent() {
         Some(parent) if parent != Path::new("jobs") => format!(" --jobs-dir {}", parent.display()),
         _ => String::new(),
+    }
+}
+
+/// What makes `dir`, which is there in some form, unusable as a directory of jobs (a file, a
+/// device, a symbolic link that leads nowhere or in a loop); `None` for a directory or
+/// nothing at all (it is created).
+pub fn not_a_directory(dir: &Path) -> Option<String> {
+    match fs::metadata(dir) {
+        Ok(m) if m.is_file() => Some("is a file, not a directory".into()),
+        Ok(m) if !m.is_dir() => Some("is not a directory".into()),
+        Ok(_) => None,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && fs::symlink_metadata(dir).is_ok() => {
+            Some("is a symbolic link to nothing".into())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => Some(format!("cannot be used as a directory ({e})")),
     }
 }
 
@@ -195,9 +211,12 @@ impl JobDir {
 
     /// Fails (without touching anything) if the job already exists.
     pub fn ensure_new(&self, name: &str) -> Result<(), JobDirError> {
-        if let Some(jobs_dir) = self.root.parent().filter(|d| d.is_file()) {
+        if let Some(jobs_dir) = self.root.parent()
+            && let Some(what) = not_a_directory(jobs_dir)
+        {
             return Err(JobDirError::JobsDirIsAFile {
                 dir: jobs_dir.to_path_buf(),
+                what,
             });
         }
         if !self.root.exists() {
@@ -500,7 +519,7 @@ mod tests {
         fs::write(&file, "notes").unwrap();
         let job = JobDir::open(&file, "mnist");
         let err = job.create("mnist").unwrap_err();
-        assert!(matches!(&err, JobDirError::JobsDirIsAFile { dir } if dir == &file));
+        assert!(matches!(&err, JobDirError::JobsDirIsAFile { dir, .. } if dir == &file));
         assert!(
             err.to_string().contains("is a file, not a directory"),
             "{err}"

@@ -9,12 +9,12 @@ use crate::jobdir::now_unix;
 use crate::report::{JobView, show};
 
 pub(super) fn list(jobs_dir: &Path) -> CliResult {
-    if jobs_dir.is_file() {
+    if let Some(what) = crate::jobdir::not_a_directory(jobs_dir) {
         return Err((
             2,
             anyhow!(
-                "the jobs directory `{}` is a file, not a directory; pass --jobs-dir the directory \
-                 your runs were made in",
+                "the jobs directory `{}` {what}; pass --jobs-dir the directory your runs were \
+                 made in",
                 jobs_dir.display()
             ),
         ));
@@ -26,7 +26,10 @@ pub(super) fn list(jobs_dir: &Path) -> CliResult {
         )
     })?;
     if views.is_empty() {
-        outln!("no jobs in {}", jobs_dir.display());
+        match jobs_dir.exists() {
+            true => outln!("no jobs in {}", jobs_dir.display()),
+            false => outln!("no jobs in {} (it does not exist)", jobs_dir.display()),
+        }
         return Ok(());
     }
     out!("{}", show::list(&views, now_unix()));

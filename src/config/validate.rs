@@ -13,6 +13,9 @@ use super::source::Source;
 use super::spec::{Check, DataSpec, Expectation, JobSpec, ModelSpec, ScheduleKind};
 use crate::registry::Registry;
 
+/// The longest job name: a directory name, with room for the temporary names beside it.
+const MAX_NAME_LEN: usize = 200;
+
 impl JobSpec {
     /// Validates `raw`; `default_name` (the config file's stem) is used when `name` is absent.
     /// `custom` holds the options of a registered model or dataset, already read.
@@ -35,7 +38,16 @@ impl JobSpec {
                 .chars()
                 .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch))
         {
-            c.fail("name", format!("\"{name}\" is not a usable directory name; use letters, digits, '-', '_' or '.'"));
+            c.fail("name", format!("\"{name}\" is not a usable directory name; use letters, digits, '-', '_' or '.' (not first)"));
+        } else if name.len() > MAX_NAME_LEN {
+            // Past a file system's 255-byte limit once `checkpoints/` files sit beside it.
+            c.fail(
+                "name",
+                format!(
+                    "is {} characters long; a job name may have at most {MAX_NAME_LEN}",
+                    name.len()
+                ),
+            );
         }
         let model = check_model(&mut c, &keys.model, custom.model, registry);
         let data = check_data(&mut c, &keys.data, custom.data, registry);

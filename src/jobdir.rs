@@ -497,6 +497,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn only_a_directory_or_nothing_can_be_a_jobs_dir() {
+        let tmp = tempfile::tempdir().unwrap();
+        let at = |name: &str| tmp.path().join(name);
+        std::fs::create_dir(at("dir")).unwrap();
+        std::fs::write(at("file"), "").unwrap();
+        std::os::unix::fs::symlink(at("loop-b"), at("loop-a")).unwrap();
+        std::os::unix::fs::symlink(at("loop-a"), at("loop-b")).unwrap();
+        std::os::unix::fs::symlink(at("nowhere"), at("dangling")).unwrap();
+        assert_eq!(not_a_directory(&at("dir")), None);
+        assert_eq!(not_a_directory(&at("missing")), None);
+        let what = |p: &Path| not_a_directory(p).unwrap();
+        assert_eq!(what(&at("file")), "is a file, not a directory");
+        assert_eq!(what(Path::new("/dev/null")), "is not a directory");
+        assert!(
+            what(&at("loop-a")).contains("symbolic links"),
+            "{}",
+            what(&at("loop-a"))
+        );
+        assert_eq!(what(&at("dangling")), "is a symbolic link to nothing");
+        let job = JobDir::open(&at("loop-a"), "x");
+        assert!(matches!(
+            job.ensure_new("x"),
+            Err(JobDirError::JobsDirIsAFile { .. })
+        ));
+    }
+
+    #[test]
     fn saved_weights_are_as_readable_as_any_other_file_written() {
         use std::os::unix::fs::PermissionsExt;
         let tmp = tempfile::tempdir().unwrap();

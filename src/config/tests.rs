@@ -615,3 +615,16 @@ fn early_stopping_is_off_by_default_and_left_out_of_job_toml_until_set() {
     let err = error("[train.early_stopping]\npatience = 2\nmin_delta = -1.0\n");
     assert!(err.contains("train.early_stopping.min_delta"), "{err}");
 }
+
+#[test]
+fn a_job_name_longer_than_a_directory_name_can_be_is_refused() {
+    let long = "x".repeat(201);
+    let err = load_text("", &[&format!("name={long}")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("is 201 characters long; a job name may have at most 200"),
+        "{err}"
+    );
+    assert!(load_text("", &[&format!("name={}", &long[..200])]).is_ok());
+}

@@ -54,8 +54,10 @@ pub fn parse_sizes(text: &str) -> Result<Vec<usize>, BenchError> {
             digits
                 .parse::<f64>()
                 .ok()
-                .filter(|v| v.is_finite() && *v >= 0.0)
-                .map(|v| (v * scale).round() as usize)
+                .map(|v| (v * scale).round())
+                // At most what an address space could hold in f32s.
+                .filter(|v| v.is_finite() && *v >= 0.0 && *v <= (usize::MAX / 4) as f64)
+                .map(|v| v as usize)
                 .ok_or_else(|| {
                     BenchError::Usage(format!(
                         "--sizes: cannot read {p:?}; write float counts like 1M,10M,100M or 4096"
@@ -117,6 +119,22 @@ pub fn allreduce(
         return Err(BenchError::Usage(
             "--nproc-per-node must be at least 2 for an all-reduce benchmark".into(),
         ));
+    }
+    // Each CPU worker holds the buffer it reduces: refused here rather than by the allocator
+    // in a worker.
+    let largest = sizes.iter().copied().max().unwrap_or(0);
+    let need = largest as f64 * 4.0 * nproc as f64;
+    if !on_gpus
+        && let Some(available) = crate::memory::fit::available_host_memory()
+        && need > available as f64
+    {
+        return Err(BenchError::Usage(format!(
+            "--sizes: {largest} floats is {} per worker, {} for {nproc} workers, more than the \
+             {} this machine has available; use smaller sizes",
+            crate::memory::gb(largest as u64 * 4),
+            crate::memory::gb(need as u64),
+            crate::memory::gb(available)
+        )));
     }
     let token = store::random_token();
     let server = StoreServer::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), &token)?;
@@ -390,6 +408,7 @@ mod tests {
             vec![1_000_000, 10_000_000, 2500, 7]
         );
         assert!(parse_sizes("ten").is_err());
+        assert!(parse_sizes("99999999999999999999").is_err());
         assert!(parse_sizes("1M,,2").is_err());
     }
 }

@@ -163,6 +163,10 @@ fn bench_allreduce_reports_bandwidth_per_size() {
     assert!(rows.iter().all(|r| r["algorithm"] == "ring"), "{rows:?}");
     t.ddpjob(&["bench", "allreduce", "--nproc-per-node", "1"])
         .fails_with(2, "at least 2");
+    // Sizes no machine holds: refused before a worker is spawned (they aborted in the
+    // allocator, and the error pointed at a log that did not exist).
+    t.ddpjob(&["bench", "allreduce", "--device", "cpu", "--sizes", "1000G"])
+        .fails_with(2, "1000000000000 floats is 4000.00 GB per worker");
     // NCCL needs GPUs: a build without them says how to get them.
     if !cfg!(feature = "cuda") {
         t.ddpjob(&["bench", "allreduce", "--device", "cuda"])

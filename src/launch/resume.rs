@@ -69,6 +69,9 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
         .collect();
     let loaded = config::load(&job.job_toml(), &overrides)?;
     let spec = &loaded.spec;
+    if let Some(p) = &choice.position {
+        past_the_end(spec, p, &job)?;
+    }
     let layout = Layout::new(&NodeOptions::default(), spec)?;
     let token = store::random_token();
     let (server, client, port) = meet(&layout, &token, spec)?;
@@ -88,6 +91,34 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     let outcome = group.execute(choice.usable.clone());
     let summary = record_outcome(&job, spec, opts.started, outcome)?;
     Ok(Resumed::Finished(job, Box::new(summary)))
+}
+
+/// Refuses a checkpoint past the end of the job as `job.toml` now plans it (its epochs or
+/// steps lowered by hand): continuing would report more steps done than planned.
+fn past_the_end(
+    spec: &config::JobSpec,
+    p: &checkpoint::TrainPosition,
+    job: &JobDir,
+) -> Result<(), RunError> {
+    let t = &spec.train;
+    let past_epochs = p.epoch > t.epochs || (p.epoch == t.epochs && p.step_in_epoch > 0);
+    let past_steps = t.max_steps.is_some_and(|m| p.step > m);
+    if !(past_epochs || past_steps) {
+        return Ok(());
+    }
+    let plan = match t.max_steps {
+        Some(m) if past_steps => format!("train.max_steps = {m}"),
+        _ => format!("train.epochs = {}", t.epochs),
+    };
+    Err(RunError::Usage(format!(
+        "the newest checkpoint of job `{}` is at step {} (epoch {}), past the end of the job \
+         as `{}` now plans it ({plan}); restore the value it was run with, or start a new job \
+         from its weights",
+        spec.name,
+        p.step,
+        p.epoch + 1,
+        job.job_toml().display()
+    )))
 }
 
 /// The newest checkpoint of job `name` that verifies; none is an error unless `from_scratch`.

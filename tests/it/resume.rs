@@ -654,3 +654,26 @@ fn a_job_whose_state_json_is_damaged_is_still_listed_and_resumed() {
         "finished"
     );
 }
+
+/// A checkpoint past the end of the job as an edited `job.toml` plans it is refused, not
+/// "finished" at 250% of its steps.
+#[test]
+fn a_checkpoint_past_an_edited_job_end_is_refused() {
+    let t = TestJob::new();
+    let cfg = t.config("job", crate::common::TINY);
+    // 16 steps an epoch: step 20 is in the second of two.
+    run_with_fault(&t, &cfg, "rank=0,step=20,kind=preempt", &["--name", "cut"])
+        .fails_with(143, "after checkpoint `step-00000020`");
+    let toml = t.job("cut").join("job.toml");
+    let text = std::fs::read_to_string(&toml).unwrap();
+    std::fs::write(&toml, text.replace("epochs = 2", "epochs = 1")).unwrap();
+    resume(&t, &["cut"])
+        .fails_with(2, "is at step 20 (epoch 2), past the end of the job")
+        .fails_with(2, "train.epochs = 1");
+    assert_eq!(
+        t.json(&t.job("cut").join("state.json"))["status"],
+        "interrupted"
+    );
+    std::fs::write(&toml, text).unwrap();
+    resume(&t, &["cut"]).success();
+}

@@ -76,15 +76,22 @@ impl Start {
                 Some(global) => global,
                 None => t.batch_size * t.accumulation * w,
             };
+            let (before, now) = (batch(from.world_size), batch(world));
+            let batch = match before == now {
+                true => format!("global batch {now} kept"),
+                false => format!("global batch {before} -> {now}"),
+            };
+            // World-size-invariant training computes the same weights on any world size that
+            // divides its virtual shards (`verify` checks it); the rest cannot promise that.
+            let outcome = match spec.distributed.world_size_invariant {
+                true => "the weights stay bit-identical to an uninterrupted run \
+                         (distributed.deterministic = \"world-size-invariant\")",
+                false => "the result will not be bit-identical to an uninterrupted run",
+            };
             text += &format!(
-                "; world size changed from {} to {world}: global batch {} -> {}, the rest of \
-                 the epoch is re-sharded over {world} ranks, {} steps in all (was planned on \
-                 {}); the result will not be bit-identical to an uninterrupted run",
-                from.world_size,
-                batch(from.world_size),
-                batch(world),
-                self.total_steps,
-                from.world_size
+                "; world size changed from {} to {world}: {batch}, the rest of the epoch is \
+                 re-sharded over {world} ranks, {} steps in all (was planned on {}); {outcome}",
+                from.world_size, self.total_steps, from.world_size
             );
         }
         text

@@ -267,7 +267,7 @@ fn a_global_batch_survives_a_resume_on_another_world_size() {
     run.success();
     assert!(
         run.stdout.contains("world size changed from 2 to 4")
-            && run.stdout.contains("global batch 16 -> 16"),
+            && run.stdout.contains("global batch 16 kept"),
         "{}",
         run.stdout
     );

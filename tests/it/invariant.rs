@@ -125,7 +125,13 @@ fn a_resume_on_another_world_size_ends_with_the_uninterrupted_weights() {
         2,
         "virtual_shards = 4 pieces, which 3 workers cannot share evenly",
     );
-    resume("2").success();
+    let resumed = resume("2");
+    resumed.success();
+    // The log says what happens: the same batch, the same weights.
+    let said = "world size changed from 4 to 2: global batch 16 kept";
+    let stdout = &resumed.stdout;
+    assert!(stdout.contains(said), "{stdout}");
+    assert!(stdout.contains("the weights stay bit-identical"), "{stdout}");
     let weights = |job: &str| std::fs::read(t.job(job).join("model.safetensors")).unwrap();
     assert!(
         weights("whole") == weights("cut"),

@@ -4,6 +4,7 @@ mod batches;
 mod builtin;
 mod catalog;
 pub mod download;
+pub(crate) mod fingerprint;
 mod hf_tokenizer;
 pub mod idx;
 mod jsonl;

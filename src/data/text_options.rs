@@ -180,7 +180,9 @@ impl DatasetOptions for TextOptions {
             name: Vocab::FILE.into(),
             bytes: vocab.to_json().into_bytes(),
         });
-        Ok(kept.into_iter().collect())
+        let path = self.spec().path;
+        let record = super::fingerprint::keep_or_compare(&[&path], cx.job.as_deref())?;
+        Ok(kept.into_iter().chain(record).collect())
     }
 
     fn train_samples(&self) -> Option<(usize, String)> {
@@ -281,10 +283,15 @@ impl DatasetOptions for TokensOptions {
     }
 
     /// Maps the files (cheap: tokens are range-checked as they are read), so a damaged one is
-    /// refused before the job exists.
+    /// refused before the job exists; keeps (or, resuming, compares) their record.
     fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
         self.open(cx)?;
-        Ok(Vec::new())
+        let spec = self.spec();
+        let paths = [spec.train_path.as_path(), spec.val_path.as_path()];
+        Ok(super::fingerprint::keep_or_compare(
+            &paths,
+            cx.job.as_deref(),
+        )?)
     }
 
     /// Token files come from the user's own preparation step: not there yet is not an error

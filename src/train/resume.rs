@@ -84,8 +84,10 @@ impl Start {
             // World-size-invariant training computes the same weights on any world size that
             // divides its virtual shards (`verify` checks it); the rest cannot promise that.
             let outcome = match spec.distributed.world_size_invariant {
-                true => "the weights stay bit-identical to an uninterrupted run \
-                         (distributed.deterministic = \"world-size-invariant\")",
+                true => {
+                    "the weights stay bit-identical to an uninterrupted run \
+                         (distributed.deterministic = \"world-size-invariant\")"
+                }
                 false => "the result will not be bit-identical to an uninterrupted run",
             };
             text += &format!(

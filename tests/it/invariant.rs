@@ -131,7 +131,10 @@ fn a_resume_on_another_world_size_ends_with_the_uninterrupted_weights() {
     let said = "world size changed from 4 to 2: global batch 16 kept";
     let stdout = &resumed.stdout;
     assert!(stdout.contains(said), "{stdout}");
-    assert!(stdout.contains("the weights stay bit-identical"), "{stdout}");
+    assert!(
+        stdout.contains("the weights stay bit-identical"),
+        "{stdout}"
+    );
     let weights = |job: &str| std::fs::read(t.job(job).join("model.safetensors")).unwrap();
     assert!(
         weights("whole") == weights("cut"),

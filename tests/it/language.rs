@@ -290,6 +290,15 @@ fn sigterm_then_resume_is_bit_identical_for_a_gpt() {
     );
     cut.fails_with(143, "interrupted by SIGTERM");
     let jobs = t.jobs_dir().to_string_lossy().into_owned();
+    // The text changed meanwhile (its characters still in the vocabulary): every window and
+    // the split would move, so the job is not continued on it.
+    let corpus_path = t.path("corpus.txt");
+    let original = std::fs::read(&corpus_path).unwrap();
+    std::fs::write(&corpus_path, &original[..original.len() - 100]).unwrap();
+    t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs])
+        .fails_with(2, "corpus.txt` changed since the job began")
+        .fails_with(2, "restore the file");
+    std::fs::write(&corpus_path, &original).unwrap();
     t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]).success();
     assert_same_bits(
         &t.job("whole").join("model.safetensors"),

@@ -130,8 +130,14 @@ impl Generator {
         let mut logits = self.engine.start(&context, &mut cache)?;
         let mut out = Vec::with_capacity(tokens);
         let mut text = self.vocab.stream();
+        // Rows past the vocabulary (a model padded to a round size, as nanoGPT pads GPT-2's
+        // 50257 to 50304) stand for no symbol: never drawn.
+        let symbols = self.vocab.size();
         for _ in 0..tokens {
-            let next = pick(&logits, how, &mut rng)?;
+            let next = match symbols < logits.dim(0)? {
+                true => pick(&logits.narrow(0, 0, symbols)?, how, &mut rng)?,
+                false => pick(&logits, how, &mut rng)?,
+            };
             out.push(next);
             context.push(next);
             if let Some(piece) = text.push(next) {

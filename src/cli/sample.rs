@@ -49,7 +49,10 @@ pub(super) fn sample(args: &SampleArgs) -> CliResult {
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
         return Err((
             2,
-            anyhow!("--temperature must be 0 or more, got {}", args.temperature),
+            anyhow!(
+                "--temperature must be a finite number, 0 or more, got {}",
+                args.temperature
+            ),
         ));
     }
     let exit = |e: SampleError| {

@@ -160,6 +160,32 @@ fn a_tiny_gpt_learns_text_and_samples_from_it() {
     sample(&["--checkpoint", "step-999"]).fails_with(2, "no weights");
 }
 
+/// A model whose vocabulary is padded past the text's symbols (as nanoGPT pads GPT-2's) never
+/// samples the padding, which stands for no character (it was printed as U+FFFD).
+#[test]
+fn sampling_never_draws_the_padding_of_a_padded_vocabulary() {
+    let t = TestJob::new();
+    let text = write_corpus(&t);
+    let job = gpt_job(&text, "")
+        .replace("bias = false", "bias = false\nvocab_size = 256")
+        .replace("max_steps = 60", "max_steps = 2");
+    t.run(&t.config("padded", &job), &[]).success();
+    let jobs = t.jobs_dir().display().to_string();
+    // Barely trained and sampled hot: nearly uniform over all 256 rows.
+    let args = ["sample", "padded", "--jobs-dir", &jobs, "--tokens", "400"];
+    let hot = ["--temperature", "3", "--top-k", "256", "--seed", "7"];
+    let out = t.ddpjob(&[&args[..], &hot[..]].concat());
+    out.success();
+    let allowed = corpus() + "\n";
+    let strays: String = out
+        .stdout
+        .chars()
+        .filter(|c| !allowed.contains(*c))
+        .collect();
+    assert!(strays.is_empty(), "drew {strays:?} in {:?}", out.stdout);
+    assert!(out.stdout.chars().count() >= 400, "{}", out.stdout);
+}
+
 /// A byte-level BPE (GPT-2's kind of tokenizer) of about `size` tokens learned from `text`,
 /// saved as `path` the way the tokenizers library saves one.
 fn train_bpe(text: &str, size: usize, path: &Path) {

@@ -183,10 +183,33 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     let devices: Vec<String> = (0..placement.nproc)
         .map(|r| placement.device_of(r))
         .collect();
+    // Runs of the same device as one entry (`cpu x 8`), so a large node reads in one line.
+    let mut runs: Vec<(String, usize)> = Vec::new();
+    for device in devices {
+        match runs.last_mut() {
+            Some((last, n)) if *last == device => *n += 1,
+            _ => runs.push((device, 1)),
+        }
+    }
+    let devices: Vec<String> = runs
+        .into_iter()
+        .map(|(device, n)| match n {
+            1 => device,
+            n => format!("{device} x {n}"),
+        })
+        .collect();
     outln!(
         "world_size        = {world}  ({nnodes} node(s) x devices: {})",
         devices.join(", ")
     );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if placement.gpus.is_empty() && placement.nproc > cores {
+        outln!(
+            "  note: {} CPU workers share this machine's {cores} cores (more workers than \
+             cores seldom trains faster)",
+            placement.nproc
+        );
+    }
     let derived_from = match spec.train.global_batch_size {
         Some(_) => ", batch_size from train.global_batch_size",
         None => "",

@@ -70,6 +70,24 @@ fn validate_prints_the_derived_numbers() {
         "resolved config not printed:\n{}",
         run.stdout
     );
+    // Many workers on one machine: one entry for the run of the same device, and a note when
+    // they outnumber the cores (a line per worker made this unreadable).
+    let many = t.ddpjob(&[
+        "validate",
+        cfg.to_str().unwrap(),
+        "--nproc-per-node",
+        "4096",
+    ]);
+    many.success();
+    let stdout = &many.stdout;
+    assert!(
+        stdout.contains("world_size        = 4096  (1 node(s) x devices: cpu x 4096)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("note: 4096 CPU workers share this machine's"),
+        "{stdout}"
+    );
 }
 
 #[test]

@@ -26,12 +26,12 @@ use crate::jobdir::{sync_dir, write_atomic};
 
 #[derive(Debug, Error)]
 pub enum CheckpointError {
-    #[error("checkpoint write to `{}` failed: {cause}; the previous checkpoint is untouched", path.display())]
+    #[error("checkpoint write to `{}` failed: {cause}; any earlier checkpoint is untouched", path.display())]
     Io {
         path: PathBuf,
         cause: std::io::Error,
     },
-    #[error("checkpoint write to `{}` failed: {cause}; the previous checkpoint is untouched", path.display())]
+    #[error("checkpoint write to `{}` failed: {cause}; any earlier checkpoint is untouched", path.display())]
     Tensor {
         path: PathBuf,
         cause: candle_core::Error,

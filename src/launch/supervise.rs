@@ -249,7 +249,7 @@ fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String, bool
     };
     let step = watch
         .last_step(w.rank)
-        .map_or(String::new(), |s| format!(" (last seen at step {s})"));
+        .map_or(String::new(), |s| format!(" (last heartbeat at step {s})"));
     let tail = log_tail(&w.log, 12);
     // Its failure record says why (a hang names the ranks that never arrived; a panic its
     // message and where).

@@ -113,7 +113,7 @@ fn a_checkpoint_that_cannot_be_written_fails_or_warns_as_configured() {
             (false, Err(TrainError::Checkpoint(e))) => {
                 assert!(
                     e.to_string()
-                        .contains("the previous checkpoint is untouched"),
+                        .contains("any earlier checkpoint is untouched"),
                     "{e}"
                 )
             }

@@ -333,7 +333,7 @@ fn a_checkpoint_that_cannot_be_written_fails_the_job_and_keeps_the_previous_one(
     }
     let run: Run = cmd.output().unwrap().into();
     run.fails_with(1, "checkpoint write to")
-        .fails_with(1, "the previous checkpoint is untouched");
+        .fails_with(1, "any earlier checkpoint is untouched");
     assert!(run.stderr.contains("step-00000008"), "{}", run.stderr);
     assert_eq!(
         std::fs::read_to_string(checkpoints.join("latest"))

@@ -660,6 +660,14 @@ pub fn build(
     Ok(model)
 }
 
+/// Refuses the first of a model's `[model]` sizes (key, value) that is 0.
+pub(crate) fn no_zero_size(sizes: &[(&str, Option<usize>)]) -> std::result::Result<(), String> {
+    match sizes.iter().find(|(_, v)| *v == Some(0)) {
+        Some((key, _)) => Err(format!("model.{key} = 0: it must be at least 1")),
+        None => Ok(()),
+    }
+}
+
 /// The tokenizer that comes with the weights `init_from` names: another job's (the one it
 /// trained with), or a Hugging Face directory's `tokenizer.json`, named even when the
 /// directory lacks one (its token ids are that tokenizer's all the same; the data says so).

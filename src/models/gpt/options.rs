@@ -184,9 +184,7 @@ impl GptOptions {
             ("block_size", self.block_size),
             ("vocab_size", self.vocab_size),
         ];
-        if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == Some(0)) {
-            return Err(format!("model.{key} = 0: it must be at least 1"));
-        }
+        crate::models::no_zero_size(&sizes)?;
         if let Some(v) = self.vocab_size.filter(|&v| v > 1 << 31) {
             return Err(format!(
                 "model.vocab_size = {v} is more than token ids hold (2^31); use at most {}",

@@ -604,9 +604,7 @@ fn check(o: &LlamaOptions) -> Result<(), String> {
         ("head_dim", o.head_dim),
         ("vocab_size", o.vocab_size),
     ];
-    if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == Some(0)) {
-        return Err(format!("model.{key} must be at least 1, got 0"));
-    }
+    crate::models::no_zero_size(&sizes)?;
     // Each a number the model divides by, takes a logarithm of or adds to a variance: out of
     // range, it trains on NaN (reported as a diverging loss, with the wrong advice).
     let positive = |key: &str, v: Option<f64>| match v {

@@ -82,14 +82,6 @@ impl Trainer<'_> {
             let at = |me: &Self, run: &RunState| {
                 me.position(epoch_run, in_epoch, step, &run.optimizer, lr, &run.metrics)
             };
-            if stop {
-                self.reporter.epoch_end();
-                self.save_checkpoint(&run.optimizer, &at(self, run))?;
-                self.reporter.line(&format!(
-                    "stopped on request after step {step}; continue with `ddpjob resume`"
-                ));
-                return Ok(Some(Ending::Stopped { step }));
-            }
             let eval_due = t.eval_every.is_some_and(|n| step.is_multiple_of(n));
             if eval_due && i + 1 < steps_now {
                 let eval = self.evaluate(batches, &run.optimizer)?;
@@ -99,17 +91,27 @@ impl Trainer<'_> {
                     eval.describe()
                 ));
                 let position = at(self, run);
-                if let Some(stop) = self.record_eval(&eval, run, position, true)? {
+                if let Some(early) = self.record_eval(&eval, run, position, true)? {
                     // The epoch ends here: the steps since the last log line are logged and
                     // counted, and its end records this evaluation, not another.
                     if step >= interval_first_step {
                         let steps = (interval_first_step, step);
                         self.log_interval(run, &mut interval, epoch, steps, lr)?;
                     }
-                    (run.stopped_early, run.fresh_eval) = (Some(stop), Some(eval));
+                    (run.stopped_early, run.fresh_eval) = (Some(early), Some(eval));
                     epoch_run.done = epoch_run.skip + i + 1;
                     return Ok(None);
                 }
+            }
+            // After this step's evaluation, so a resumed run (which starts at the next step)
+            // has it recorded as an uninterrupted run does: best loss, early stopping's count.
+            if stop {
+                self.reporter.epoch_end();
+                self.save_checkpoint(&run.optimizer, &at(self, run))?;
+                self.reporter.line(&format!(
+                    "stopped on request after step {step}; continue with `ddpjob resume`"
+                ));
+                return Ok(Some(Ending::Stopped { step }));
             }
             if checkpoint_due {
                 self.save_checkpoint(&run.optimizer, &at(self, run))?;

@@ -222,6 +222,18 @@ impl Trainer<'_> {
             stopped_early: None,
             fresh_eval: None,
         };
+        // A checkpoint taken as early stopping ended the run (the launcher went before the
+        // job was marked finished): it ends here too rather than training on.
+        if let Some(patience) = t.early_stopping.patience
+            && run.metrics.evals_without_improvement >= patience
+        {
+            run.stopped_early = Some(EarlyStop {
+                step: run.step,
+                planned_steps: run.total_steps,
+                evaluations: run.metrics.evals_without_improvement,
+                loss_to_beat: run.metrics.early_stopping_best,
+            });
+        }
         let data = self.data;
         let batches = data.batches(&self.device)?;
         let batches = batches.as_ref();
@@ -241,7 +253,7 @@ impl Trainer<'_> {
         let mut sampler = DistributedSampler::new(train_len, world, self.comm.rank(), spec.seed)
             .with_drop_last(spec.data.drop_last);
         for epoch in start.epoch..t.epochs {
-            if run.step >= run.total_steps {
+            if run.step >= run.total_steps || run.stopped_early.is_some() {
                 break;
             }
             sampler.set_epoch(epoch as u64);
@@ -276,10 +288,9 @@ impl Trainer<'_> {
                 return Ok(stopped);
             }
             self.end_epoch(&mut run, &epoch_run, batches)?;
-            if let Some(stop) = &run.stopped_early {
-                self.reporter.line(&stop.describe(self.loss_name()));
-                break;
-            }
+        }
+        if let Some(stop) = &run.stopped_early {
+            self.reporter.line(&stop.describe(self.loss_name()));
         }
         let eval = match run.last_eval.take() {
             Some(e) => e,
@@ -583,7 +594,8 @@ impl Trainer<'_> {
         let early = self.spec.train.early_stopping;
         let stop = early.patience.and_then(|patience| {
             let without = metrics.count_for_early_stopping(eval.loss, early.min_delta);
-            (without >= patience).then_some(EarlyStop {
+            // The plan's last evaluation ends the run anyway: no early stop to report.
+            (without >= patience && step < run.total_steps).then_some(EarlyStop {
                 step,
                 planned_steps: run.total_steps,
                 evaluations: without,

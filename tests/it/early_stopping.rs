@@ -176,6 +176,57 @@ fn a_stop_mid_epoch_is_exact_and_a_resumed_job_stops_there_too() {
     // Finished: resume leaves it.
     t.ddpjob(&["resume", "killed", "--jobs-dir", &jobs])
         .success();
+
+    // Preempted right after an evaluation step (5): that evaluation is recorded before the
+    // checkpoint, so the resumed run counts it as the uninterrupted run did (it started at
+    // step 6 without it, took step 8's for the first, and went on to step 15).
+    t.run_env(
+        &cfg,
+        &[&n[..], &["--name", "preempted"]].concat(),
+        &[("DDPJOB_FAULT", "rank=0,step=5,kind=preempt")],
+    )
+    .fails_with(143, "after checkpoint `step-00000005`");
+    t.ddpjob(&["resume", "preempted", "--jobs-dir", &jobs])
+        .success();
+    let preempted = t.json(&t.job("preempted").join("summary.json"));
+    assert_eq!(preempted["stopped_early"], summary["stopped_early"]);
+    assert_same_bits(
+        &t.job("whole").join("model.safetensors"),
+        &t.job("preempted").join("model.safetensors"),
+    );
+
+    // The launcher gone after the stopping step's checkpoint, before the job was marked
+    // finished: resumed from that checkpoint, it ends there rather than training on.
+    let gone = t.job("gone");
+    let copied = std::process::Command::new("cp")
+        .args([
+            "-a",
+            t.job("whole").to_str().unwrap(),
+            gone.to_str().unwrap(),
+        ])
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    std::fs::remove_file(gone.join("summary.json")).unwrap();
+    std::fs::remove_file(gone.join("model.safetensors")).unwrap();
+    let state_path = gone.join("state.json");
+    let mut state = t.json(&state_path);
+    state["status"] = "interrupted".into();
+    std::fs::write(&state_path, state.to_string()).unwrap();
+    let resumed = t.ddpjob(&["resume", "gone", "--jobs-dir", &jobs]);
+    resumed.success();
+    assert!(
+        resumed.stdout.contains("step-00000010"),
+        "{}",
+        resumed.stdout
+    );
+    let ended = t.json(&gone.join("summary.json"));
+    assert_eq!(ended["steps"].as_u64(), Some(10), "{ended}");
+    assert_eq!(ended["stopped_early"]["step"].as_u64(), Some(10), "{ended}");
+    assert_same_bits(
+        &t.job("whole").join("model.safetensors"),
+        &gone.join("model.safetensors"),
+    );
 }
 
 #[test]

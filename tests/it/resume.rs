@@ -677,3 +677,47 @@ fn a_checkpoint_past_an_edited_job_end_is_refused() {
     std::fs::write(&toml, text).unwrap();
     resume(&t, &["cut"]).success();
 }
+
+/// `nohup ddpjob run ...` (SIGHUP ignored) outlives its session: the ignored signal is kept.
+#[test]
+fn a_job_under_nohup_outlives_a_hangup() {
+    let t = TestJob::new();
+    let cfg = t.config("job", crate::common::TINY);
+    let mut cmd = std::process::Command::new("nohup");
+    crate::common::without_scheduler(&mut cmd);
+    let jobs = t.jobs_dir();
+    let mut child = cmd
+        .arg(env!("CARGO_BIN_EXE_ddpjob"))
+        .args([
+            "run",
+            cfg.to_str().unwrap(),
+            "--jobs-dir",
+            jobs.to_str().unwrap(),
+        ])
+        .args([
+            "--set",
+            "data.synthetic.train_samples=100000",
+            "--set",
+            "train.log_every=100000",
+        ])
+        .env("DDPJOB_PLAIN", "1")
+        .current_dir(t.path(""))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !t.job("job").join("state.json").is_file() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the job never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGHUP) };
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    assert_eq!(
+        t.json(&t.job("job").join("state.json"))["status"],
+        "finished"
+    );
+}

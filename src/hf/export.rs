@@ -40,6 +40,7 @@ pub fn export(
 ) -> Result<(), HfError> {
     prepare_dir(dir, force, "--hf")?;
     save_weights(dir, "model.safetensors", tensors, dtype)?;
+    let mut written = vec!["model.safetensors".to_string(), "config.json".to_string()];
     for file in tokenizer_files {
         if let Some(name) = file.file_name() {
             let to = dir.join(name);
@@ -47,16 +48,21 @@ pub fn export(
                 path: file.clone(),
                 cause,
             })?;
+            written.push(name.to_string_lossy().into_owned());
         }
     }
     config.insert("torch_dtype".into(), dtype.torch_name().into());
     let text = serde_json::to_string_pretty(&Value::Object(config)).unwrap_or_default();
-    write_atomically(&dir.join("config.json"), text.as_bytes())
+    write_atomically(&dir.join("config.json"), text.as_bytes())?;
+    // A whole model: any other model's files, and an adapter's (transformers would take
+    // the directory for one), would go with it wrongly.
+    remove_stale(dir, &written, |_| true)
 }
 
 /// Files of a Hugging Face model or PEFT adapter directory: what an export writes, and what
 /// a previous save of another model may have left that would go with the new one (its shards,
-/// another tokenizer). `--force` replaces them all; other files are left.
+/// another tokenizer). An export with `--force` removes those of its kind it did not write
+/// (see [`remove_stale`]); other files are left.
 const MODEL_DIR_FILES: &[&str] = &[
     "config.json",
     "generation_config.json",
@@ -89,8 +95,7 @@ fn is_model_dir_file(name: &str) -> bool {
 }
 
 /// Makes `dir` to write into, refusing a file, a ddpjob job's directory (or one inside it),
-/// or (unless `force`) a directory that is not empty; with `force`, the files of a model
-/// directory already there are removed first. `flag` is the option that named it.
+/// or (unless `force`) a directory that is not empty. `flag` is the option that named it.
 pub(super) fn prepare_dir(dir: &Path, force: bool, flag: &str) -> Result<(), HfError> {
     if dir.is_file() {
         return Err(HfError::Invalid(format!(
@@ -113,26 +118,40 @@ pub(super) fn prepare_dir(dir: &Path, force: bool, flag: &str) -> Result<(), HfE
         cause,
     };
     if dir.is_dir() {
-        let names: Vec<String> = std::fs::read_dir(dir)
-            .map_err(io)?
-            .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
-            .collect::<Result<_, _>>()
-            .map_err(io)?;
-        if !names.is_empty() && !force {
+        let mut entries = std::fs::read_dir(dir).map_err(io)?;
+        if entries.next().is_some() && !force {
             return Err(HfError::Invalid(format!(
                 "`{}` is not empty; choose another directory or pass --force to replace the \
                  model files in it",
                 dir.display()
             )));
         }
-        for name in names.iter().filter(|n| is_model_dir_file(n)) {
-            let path = dir.join(name);
+    }
+    std::fs::create_dir_all(dir).map_err(io)
+}
+
+/// After an export into `dir` wrote `written`: removes the model-directory files (see
+/// [`MODEL_DIR_FILES`]) that `of_kind` says an export of its kind replaces and it did not
+/// write, left by an earlier save. Done last, so a failed export leaves the old files.
+pub(super) fn remove_stale(
+    dir: &Path,
+    written: &[String],
+    of_kind: impl Fn(&str) -> bool,
+) -> Result<(), HfError> {
+    let entries = std::fs::read_dir(dir).map_err(|cause| HfError::Io {
+        path: dir.to_path_buf(),
+        cause,
+    })?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if is_model_dir_file(&name) && of_kind(&name) && !written.contains(&name) {
+            let path = entry.path();
             if path.is_file() {
                 std::fs::remove_file(&path).map_err(|cause| HfError::Io { path, cause })?;
             }
         }
     }
-    std::fs::create_dir_all(dir).map_err(io)
+    Ok(())
 }
 
 /// The ddpjob job directory (one with a `job.toml` and a `state.json`) that `dir` is or is
@@ -204,7 +223,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn force_replaces_a_model_directorys_files_and_leaves_the_rest() {
+    fn an_export_replaces_the_model_files_of_its_kind_and_leaves_the_rest() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("out");
         std::fs::create_dir(&dir).unwrap();
@@ -223,12 +242,23 @@ mod tests {
             "{err}"
         );
         prepare_dir(&dir, true, "--hf").unwrap();
-        let mut left: Vec<String> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        left.sort();
-        assert_eq!(left, ["README.md", "model-notes.txt"]);
+        let left = || {
+            let mut names: Vec<String> = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            names
+        };
+        assert_eq!(left().len(), 6, "nothing removed before the export writes");
+        // An adapter export replaces the adapter's files only: a base model beside it stays.
+        let adapter = ["adapter_model.safetensors".to_string()];
+        remove_stale(&dir, &adapter, |n| n.starts_with("adapter_")).unwrap();
+        assert_eq!(left().len(), 5);
+        assert!(!left().contains(&"adapter_config.json".to_string()));
+        // A whole model's export, having written its tokenizer, replaces the rest.
+        remove_stale(&dir, &["tokenizer.json".to_string()], |_| true).unwrap();
+        assert_eq!(left(), ["README.md", "model-notes.txt", "tokenizer.json"]);
     }
 
     #[test]

@@ -104,6 +104,12 @@ pub fn write_adapter(
     });
     let text = serde_json::to_string_pretty(&config).unwrap_or_default();
     write_atomically(&dir.join("adapter_config.json"), text.as_bytes())?;
+    // An adapter's files only: a base model kept beside it stays.
+    let written = [
+        "adapter_model.safetensors".into(),
+        "adapter_config.json".into(),
+    ];
+    super::export::remove_stale(dir, &written, |name| name.starts_with("adapter_"))?;
     Ok(layers.len())
 }
 

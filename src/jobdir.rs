@@ -328,7 +328,12 @@ impl JobDir {
         if let Some(state) = self.read_state() {
             return Some(state);
         }
-        if !self.job_toml().is_file() {
+        // A job's directory: its config and what only a job's run leaves (a checkpoint, or
+        // its results). Another node's copy of a multi-node job (config and logs only) is not
+        // one to list or resume.
+        let ran = self.checkpoints_dir().join("latest").is_file()
+            || (self.summary_path().is_file() && self.model_path().is_file());
+        if !self.job_toml().is_file() || !ran {
             return None;
         }
         let json = |path: PathBuf| -> Option<serde_json::Value> {
@@ -404,12 +409,20 @@ impl JobDir {
             .open(&path)
             .map_err(io(&path))?;
         // SAFETY: flock on a descriptor we own.
-        let taken = unsafe {
+        let try_lock = || unsafe {
             libc::flock(
                 std::os::fd::AsRawFd::as_raw_fd(&file),
                 libc::LOCK_EX | libc::LOCK_NB,
-            )
-        } == 0;
+            ) == 0
+        };
+        // A few tries: `running_launcher` (another command asking whether the job runs)
+        // holds a shared lock for an instant.
+        let taken = (0..5).any(|attempt| {
+            if attempt > 0 {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            try_lock()
+        });
         if !taken {
             let pid = fs::read_to_string(&path).unwrap_or_default();
             return Err(JobDirError::Busy {

@@ -77,11 +77,10 @@ pub fn keep_or_compare(paths: &[&Path], job: Option<&Path>) -> Result<Vec<JobFil
                       without the check"
                 .into(),
         })?;
-    for new in &now {
-        let Some(old) = then.iter().find(|old| old.path == new.path) else {
-            continue;
-        };
-        if old != new {
+    // By place (a text; or the training then the validation tokens), whatever the path says
+    // now: a job.toml edited to name another file is compared too.
+    for (old, new) in then.iter().zip(&now) {
+        if (old.bytes, &old.ends_sha256) != (new.bytes, &new.ends_sha256) {
             let how = match old.bytes == new.bytes {
                 true => format!("its contents differ ({} bytes both)", new.bytes),
                 false => format!("{} bytes then, {} now", old.bytes, new.bytes),

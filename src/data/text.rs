@@ -211,14 +211,17 @@ impl TextTask {
         };
         task.check_lengths(&names)?;
         if let TextSource::Tokens(_) = source {
-            // Every evaluation reads the whole validation split: a token outside the
-            // vocabulary there is found now, not at the first evaluation after hours of
-            // training. (The training split, possibly many GB, is checked as it is read.)
+            // The validation split is read by every evaluation (all of it unless
+            // train.eval_batches): a token outside the vocabulary there is found now, not at
+            // the first evaluation after hours of training. Its first 256 M tokens at most (a
+            // validation split is seldom more); the training split, possibly many GB, is
+            // checked as it is read.
             let mut buf = Vec::new();
             let chunk = 1 << 20;
-            for start in (0..task.val.len()).step_by(chunk) {
+            let checked = task.val.len().min(1 << 28);
+            for start in (0..checked).step_by(chunk) {
                 buf.clear();
-                let len = chunk.min(task.val.len() - start);
+                let len = chunk.min(checked - start);
                 task.val.read(start, len, task.vocab_size, &mut buf)?;
             }
         }

@@ -344,15 +344,15 @@ fn token_dtype(value: &str) -> Result<TokenDtype, String> {
     }
 }
 
-/// A pretrained model's `tokenizer.json` the job would encode with is missing: its weights
-/// index their embeddings by that tokenizer's ids, so ddpjob's own vocabulary (the fallback
-/// for a model from scratch) would train them on meaningless ids.
+/// The tokenizer of the weights `model.init_from` names (a pretrained model's
+/// `tokenizer.json`, or the one the job they come from trained with) is missing: those weights
+/// index their embeddings by its ids, so ddpjob's own vocabulary (the fallback for a model from
+/// scratch) would train them on meaningless ids.
 pub(crate) fn missing_tokenizer(path: &Path) -> String {
-    let dir = path.parent().unwrap_or(Path::new("."));
     format!(
-        "model.init_from = \"{}\" has no tokenizer.json, and its weights read token ids of \
-         its own tokenizer; set data.tokenizer to that tokenizer's tokenizer.json (e.g. from \
-         the model's repository)",
-        dir.display()
+        "`{}` does not exist: it is the tokenizer whose ids the weights of model.init_from \
+         read; set data.tokenizer to that tokenizer's tokenizer.json (e.g. from the model's \
+         repository)",
+        path.display()
     )
 }

@@ -164,8 +164,14 @@ pub(super) fn start_continuing(
 ) -> Result<(), RunError> {
     let name = &spec.name;
     // The data must still be there, and text still encode with the vocabulary the job
-    // trained with.
-    super::prepare_data(spec, Some(job))?;
+    // trained with. What a job from before a file was kept (the record of its data files)
+    // is kept from now on.
+    for file in super::prepare_data(spec, Some(job))? {
+        let path = job.root.join(&file.name);
+        if !path.exists() {
+            job.write_file(&path, &file.bytes)?;
+        }
+    }
     rewind_to(job, choice)?;
     match (&choice.usable, &choice.position) {
         (Some(dir), Some(p)) => outln!(

@@ -406,7 +406,10 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
         std::fs::copy(fixture("llama").join(file), bare.join(file)).unwrap();
     }
     run("bare", &format!("init_from = \"{}\"", bare.display()))
-        .fails_with(2, "has no tokenizer.json")
+        .fails_with(
+            2,
+            "tokenizer.json` does not exist: it is the tokenizer whose ids",
+        )
         .fails_with(2, "set data.tokenizer");
     // Weights cut short (an interrupted download): refused by their header before the job
     // exists, not in a worker of a job left failed.

@@ -603,6 +603,8 @@ fn check(o: &LlamaOptions) -> Result<(), String> {
         ("num_hidden_layers", o.num_hidden_layers),
         ("head_dim", o.head_dim),
         ("vocab_size", o.vocab_size),
+        ("block_size", o.block_size),
+        ("max_position_embeddings", o.max_position_embeddings),
     ];
     crate::models::no_zero_size(&sizes)?;
     // Each a number the model divides by, takes a logarithm of or adds to a variance: out of

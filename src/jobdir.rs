@@ -391,6 +391,12 @@ impl JobDir {
     }
 }
 
+/// `flock(file, op)` without waiting (`op`: `LOCK_EX` or `LOCK_SH`): whether it was taken.
+fn try_flock(file: &File, op: libc::c_int) -> bool {
+    // SAFETY: flock on a descriptor the caller owns.
+    unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(file), op | libc::LOCK_NB) == 0 }
+}
+
 /// Held while a launcher runs a job; released (by the kernel, too) when it exits.
 #[derive(Debug)]
 pub struct JobLock {
@@ -408,20 +414,13 @@ impl JobDir {
             .write(true)
             .open(&path)
             .map_err(io(&path))?;
-        // SAFETY: flock on a descriptor we own.
-        let try_lock = || unsafe {
-            libc::flock(
-                std::os::fd::AsRawFd::as_raw_fd(&file),
-                libc::LOCK_EX | libc::LOCK_NB,
-            ) == 0
-        };
         // A few tries: `running_launcher` (another command asking whether the job runs)
         // holds a shared lock for an instant.
         let taken = (0..5).any(|attempt| {
             if attempt > 0 {
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
-            try_lock()
+            try_flock(&file, libc::LOCK_EX)
         });
         if !taken {
             let pid = fs::read_to_string(&path).unwrap_or_default();
@@ -440,13 +439,7 @@ impl JobDir {
     pub fn running_launcher(&self) -> Option<String> {
         let path = self.root.join(".lock");
         let file = File::open(&path).ok()?;
-        // SAFETY: flock on a descriptor we own.
-        let free = unsafe {
-            libc::flock(
-                std::os::fd::AsRawFd::as_raw_fd(&file),
-                libc::LOCK_SH | libc::LOCK_NB,
-            )
-        } == 0;
+        let free = try_flock(&file, libc::LOCK_SH);
         (!free).then(|| {
             fs::read_to_string(&path)
                 .unwrap_or_default()

@@ -37,14 +37,12 @@ fn fingerprint(path: &Path) -> Result<Fingerprint, DataError> {
     let mut buf = Vec::new();
     (&mut file).take(SAMPLE).read_to_end(&mut buf).map_err(io)?;
     hash.update(&buf);
+    buf.clear();
+    // The last MiB, or what a smaller file has after its first.
     if bytes > 2 * SAMPLE {
-        buf.clear();
         file.seek(SeekFrom::Start(bytes - SAMPLE)).map_err(io)?;
-        file.take(SAMPLE).read_to_end(&mut buf).map_err(io)?;
-    } else {
-        buf.clear();
-        file.read_to_end(&mut buf).map_err(io)?;
     }
+    file.take(SAMPLE).read_to_end(&mut buf).map_err(io)?;
     hash.update(&buf);
     Ok(Fingerprint {
         path: path.display().to_string(),

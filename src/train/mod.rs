@@ -224,16 +224,7 @@ impl Trainer<'_> {
         };
         // A checkpoint taken as early stopping ended the run (the launcher went before the
         // job was marked finished): it ends here too rather than training on.
-        if let Some(patience) = t.early_stopping.patience
-            && run.metrics.evals_without_improvement >= patience
-        {
-            run.stopped_early = Some(EarlyStop {
-                step: run.step,
-                planned_steps: run.total_steps,
-                evaluations: run.metrics.evals_without_improvement,
-                loss_to_beat: run.metrics.early_stopping_best,
-            });
-        }
+        run.stopped_early = self.early_stop(&run.metrics, run.step, run.total_steps);
         let data = self.data;
         let batches = data.batches(&self.device)?;
         let batches = batches.as_ref();
@@ -592,16 +583,13 @@ impl Trainer<'_> {
         }
         // Every rank holds the same all-reduced loss, so every rank decides alike.
         let early = self.spec.train.early_stopping;
-        let stop = early.patience.and_then(|patience| {
-            let without = metrics.count_for_early_stopping(eval.loss, early.min_delta);
-            // The plan's last evaluation ends the run anyway: no early stop to report.
-            (without >= patience && step < run.total_steps).then_some(EarlyStop {
-                step,
-                planned_steps: run.total_steps,
-                evaluations: without,
-                loss_to_beat: metrics.early_stopping_best,
-            })
-        });
+        if early.patience.is_some() {
+            metrics.count_for_early_stopping(eval.loss, early.min_delta);
+        }
+        // The plan's last evaluation ends the run anyway: no early stop to report.
+        let stop = self
+            .early_stop(metrics, step, run.total_steps)
+            .filter(|_| step < run.total_steps);
         let better = eval.loss.is_finite() && metrics.best_eval.is_none_or(|b| eval.loss < b.0);
         if better {
             metrics.best_eval = Some((eval.loss, step));
@@ -640,6 +628,18 @@ impl Trainer<'_> {
             Err(e) => return Err(e),
         }
         Ok(())
+    }
+
+    /// Where `train.early_stopping` ends the run, by `metrics`' count after `step` of `planned`
+    /// (`None` while it goes on).
+    fn early_stop(&self, metrics: &MetricState, step: usize, planned: usize) -> Option<EarlyStop> {
+        let patience = self.spec.train.early_stopping.patience?;
+        (metrics.evals_without_improvement >= patience).then_some(EarlyStop {
+            step,
+            planned_steps: planned,
+            evaluations: metrics.evals_without_improvement,
+            loss_to_beat: metrics.early_stopping_best,
+        })
     }
 
     fn loss_name(&self) -> &'static str {

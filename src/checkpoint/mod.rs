@@ -106,9 +106,13 @@ impl MetricState {
         (self.epoch_loss_x_n, self.epoch_samples, self.epoch_secs) = (0.0, 0.0, 0.0);
     }
 
-    /// Adds a logging interval: its mean loss over `samples` samples, taking `secs`.
-    pub fn add_interval(&mut self, loss: f64, samples: f64, secs: f64) {
-        self.epoch_loss_x_n += loss * samples;
+    /// Adds a logging interval: each step's sum of loss × samples (in step order, so the
+    /// epoch's sum does not depend on how steps were grouped into intervals), over `samples`
+    /// samples, taking `secs`.
+    pub fn add_interval(&mut self, step_sums: &[f64], samples: f64, secs: f64) {
+        for sum in step_sums {
+            self.epoch_loss_x_n += sum;
+        }
         self.epoch_samples += samples;
         self.epoch_secs += secs;
     }

@@ -71,7 +71,7 @@ impl Trainer<'_> {
                 (at_log || step.is_multiple_of(self.hooks.vote_every.max(1))) && votes.read()?;
             // The step's time includes reading the vote, which on a GPU waits for the device
             // to finish the step's work so far (the rest is waited for with the loss).
-            interval.add(loss_sum, samples, started.elapsed())?;
+            interval.add(loss_sum, samples, started.elapsed());
             let mut status = None;
             if at_log || stop {
                 let steps = (interval_first_step, step);
@@ -132,7 +132,8 @@ impl Trainer<'_> {
         (first_step, step): (usize, usize),
         lr: f64,
     ) -> Result<String, TrainError> {
-        let (loss, n, secs) = interval.reduce(self.comm)?;
+        let reduced = interval.reduce(self.comm)?;
+        let (loss, n, secs) = (reduced.mean(), reduced.samples, reduced.secs);
         if !loss.is_finite() {
             return Err(TrainError::NonFinite {
                 value: loss,
@@ -141,7 +142,7 @@ impl Trainer<'_> {
                 last_step: step,
             });
         }
-        run.metrics.add_interval(loss, n, secs);
+        run.metrics.add_interval(&reduced.step_sums, n, secs);
         let rate = n / secs.max(1e-9);
         let text = format!("loss {loss:.4}  lr {lr:.2e}  {rate:.0} samples/s");
         self.reporter.interval(&format!(

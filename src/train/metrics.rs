@@ -102,48 +102,69 @@ impl Summary {
     }
 }
 
-/// Sum of loss × samples and the sample count, over some steps.
+/// Each step's sum of loss × samples and the sample count, over some steps.
 #[derive(Default)]
 pub(super) struct LossTally {
-    loss_sum: Option<Tensor>,
+    step_sums: Vec<Tensor>,
     samples: usize,
     time: Duration,
 }
 
+/// A log interval's loss over all ranks.
+pub(super) struct IntervalLoss {
+    /// Each step's sum of loss × samples over all ranks, in step order.
+    pub step_sums: Vec<f64>,
+    pub samples: f64,
+    pub secs: f64,
+}
+
+impl IntervalLoss {
+    pub fn mean(&self) -> f64 {
+        self.step_sums.iter().sum::<f64>() / self.samples.max(1.0)
+    }
+}
+
 impl LossTally {
-    pub(super) fn add(
-        &mut self,
-        loss_sum: Tensor,
-        samples: usize,
-        time: Duration,
-    ) -> Result<(), TrainError> {
-        self.loss_sum = Some(match self.loss_sum.take() {
-            Some(s) => (s + loss_sum)?,
-            None => loss_sum,
-        });
+    pub(super) fn add(&mut self, loss_sum: Tensor, samples: usize, time: Duration) {
+        self.step_sums.push(loss_sum);
         self.samples += samples;
         self.time += time;
-        Ok(())
     }
 
-    /// (mean loss over all ranks, samples of all ranks, seconds) — a collective. The seconds
-    /// are the steps' own plus the wait for the loss: on a GPU the steps return once their
-    /// work is queued, and reading the loss waits until the device has done it, so the
+    /// The interval over all ranks — a collective. Each step's sum is kept apart, added over
+    /// ranks in rank order, so an epoch's loss adds the same numbers in the same order however
+    /// its steps were grouped into intervals (a resumed run's are grouped differently). The
+    /// seconds are the steps' own plus the wait for the loss: on a GPU the steps return once
+    /// their work is queued, and reading the loss waits until the device has done it, so the
     /// interval's rate is the device's, not the queueing's (on the CPU the wait is nil).
-    pub(super) fn reduce(
-        &mut self,
-        comm: &dyn Communicator,
-    ) -> Result<(f64, f64, f64), TrainError> {
+    pub(super) fn reduce(&mut self, comm: &dyn Communicator) -> Result<IntervalLoss, TrainError> {
         let waited = Instant::now();
-        let local = match self.loss_sum.take() {
-            Some(t) => t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
-            None => 0.0,
+        let local = match self.step_sums.as_slice() {
+            [] => Vec::new(),
+            sums => Tensor::stack(sums, 0)?
+                .flatten_all()?
+                .to_dtype(candle_core::DType::F64)?
+                .to_vec1::<f64>()?,
         };
         let secs = (self.time + waited.elapsed()).as_secs_f64();
-        let mut v = [local, self.samples as f64];
-        comm.all_reduce_sum_f64(&mut v)?;
+        // Each rank's numbers in a slot of its own, zeros elsewhere: the sum over ranks is then
+        // exact whatever order a backend adds in, and the ranks are added here, in order.
+        let (world, rank, width) = (comm.world_size(), comm.rank(), local.len() + 1);
+        let mut slots = vec![0.0; world * width];
+        slots[rank * width..][..local.len()].copy_from_slice(&local);
+        slots[rank * width + local.len()] = self.samples as f64;
+        comm.all_reduce_sum_f64(&mut slots)?;
+        let ranks: Vec<&[f64]> = slots.chunks(width).collect();
+        let step_sums = (0..local.len())
+            .map(|i| ranks.iter().map(|r| r[i]).fold(0.0, |sum, x| sum + x))
+            .collect();
+        let samples = ranks.iter().map(|r| r[local.len()]).sum();
         *self = LossTally::default();
-        Ok((v[0] / v[1].max(1.0), v[1], secs))
+        Ok(IntervalLoss {
+            step_sums,
+            samples,
+            secs,
+        })
     }
 }
 

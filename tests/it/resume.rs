@@ -95,11 +95,11 @@ fn assert_history_continues(t: &TestJob, name: &str) {
 fn sigterm_then_resume_ends_bit_identical() {
     // (workers, optimizer, stop after step): sgd with momentum on one worker, adam and adamw on
     // two; all accumulate, clip and follow a cosine schedule with warm-up. Step 13 is mid-epoch
-    // on either world size (8 or 16 steps per epoch); step 8 ends the first epoch on two, before
-    // its evaluation.
+    // on one worker (16 steps per epoch), step 20 mid-way through the last epoch on two (8 steps
+    // each), between log lines; step 8 ends the first epoch on two, before its evaluation.
     for (workers, optimizer, momentum, stop) in [
         ("1", "sgd", "momentum = 0.9", 13),
-        ("2", "adam", "", 13),
+        ("2", "adam", "", 20),
         ("2", "adamw", "", 8),
     ] {
         let t = TestJob::new();
@@ -146,6 +146,20 @@ fn sigterm_then_resume_ends_bit_identical() {
         );
         assert_eq!(
             a["final_train_loss"], b["final_train_loss"],
+            "{workers} workers"
+        );
+        // Each epoch's train loss adds the same steps' losses in the same order, however the
+        // cut regrouped them into log intervals.
+        let epoch_losses = |name: &str| -> Vec<serde_json::Value> {
+            t.metrics(name)
+                .into_iter()
+                .filter(|l| l["kind"] == "epoch")
+                .map(|l| l["loss"].clone())
+                .collect()
+        };
+        assert_eq!(
+            epoch_losses("whole"),
+            epoch_losses("cut"),
             "{workers} workers"
         );
         assert_eq!(a["test_accuracy"], b["test_accuracy"]);

@@ -126,13 +126,13 @@ section! {
         /// `"sgd"`, `"adam"` or `"adamw"`
         optimizer: String = "adam".into() => optimizer: OptimizerSpec = optimizer_spec;
         /// sgd momentum
-        momentum: f64 = 0.0 => momentum: f64 = in_range(0.0, 1.0);
+        momentum: f64 = 0.0 => momentum: f64 = sgd_momentum;
         /// sgd Nesterov momentum
         nesterov: bool = false => nesterov: bool = nesterov_needs_momentum;
         /// adam/adamw betas
         betas: Vec<f64> = vec![0.9, 0.999] => betas: (f64, f64) = two_betas;
         /// adam/adamw epsilon
-        eps: f64 = 1e-8, shown "`1e-8`" => eps: f64 = positive();
+        eps: f64 = 1e-8, shown "`1e-8`" => eps: f64 = adam_eps;
         /// L2 (sgd, adam) or decoupled (adamw)
         weight_decay: f64 = 0.0 => weight_decay: f64 = non_negative();
         /// global gradient norm limit
@@ -183,11 +183,11 @@ section! {
         /// `"constant"`, `"step"` or `"cosine"`
         kind: String = "constant".into() => kind: ScheduleKind = schedule_kind;
         /// step: epochs between decays
-        step_size: i64 = 1 => step_size: usize = at_least(1);
+        step_size: i64 = 1 => step_size: usize = step_size_of_step;
         /// step: decay factor
-        gamma: f64 = 0.1 => gamma: f64 = positive();
+        gamma: f64 = 0.1 => gamma: f64 = gamma_of_step;
         /// cosine: final learning rate
-        min_lr: f64 = 0.0 => min_lr: f64 = non_negative();
+        min_lr: f64 = 0.0 => min_lr: f64 = min_lr_of_cosine;
         /// linear warm-up steps
         warmup_steps: i64 = 0 => warmup_steps: usize = at_least(0);
     }
@@ -388,7 +388,72 @@ fn nesterov_needs_momentum(c: &mut Checker, key: &str, &on: &bool, t: &RawTrain)
     on
 }
 
-fn two_betas(c: &mut Checker, key: &str, betas: &Vec<f64>, _: &RawTrain) -> (f64, f64) {
+/// A key set to other than its default where the choice it belongs to was not made: an error,
+/// as torch's `Adam(momentum=...)` is, rather than a setting silently without effect.
+fn only_with(
+    c: &mut Checker,
+    key: &str,
+    set: bool,
+    (choice, needed): (&str, &[&str]),
+    chosen: &str,
+) {
+    if set && !needed.contains(&chosen) {
+        let needed: Vec<String> = needed.iter().map(|n| format!("\"{n}\"")).collect();
+        let needed = needed.join(" or ");
+        c.fail(
+            key,
+            format!(
+                "applies only with {choice} = {needed}, and this job's is \"{chosen}\"; remove \
+                 the key or set {choice} = {needed}"
+            ),
+        );
+    }
+}
+
+const SGD: (&str, &[&str]) = ("train.optimizer", &["sgd"]);
+const ADAM: (&str, &[&str]) = ("train.optimizer", &["adam", "adamw"]);
+const STEP: (&str, &[&str]) = ("train.scheduler.kind", &["step"]);
+const COSINE: (&str, &[&str]) = ("train.scheduler.kind", &["cosine"]);
+
+fn sgd_momentum(c: &mut Checker, key: &str, &v: &f64, t: &RawTrain) -> f64 {
+    only_with(c, key, v != 0.0, SGD, &t.optimizer);
+    c.in_range(key, v, 0.0, 1.0)
+}
+
+fn adam_eps(c: &mut Checker, key: &str, &v: &f64, t: &RawTrain) -> f64 {
+    only_with(c, key, v != RawTrain::default().eps, ADAM, &t.optimizer);
+    c.positive(key, v)
+}
+
+fn step_size_of_step(c: &mut Checker, key: &str, &v: &i64, s: &RawScheduler) -> usize {
+    only_with(
+        c,
+        key,
+        v != RawScheduler::default().step_size,
+        STEP,
+        &s.kind,
+    );
+    c.at_least(key, v, 1)
+}
+
+fn gamma_of_step(c: &mut Checker, key: &str, &v: &f64, s: &RawScheduler) -> f64 {
+    only_with(c, key, v != RawScheduler::default().gamma, STEP, &s.kind);
+    c.positive(key, v)
+}
+
+fn min_lr_of_cosine(c: &mut Checker, key: &str, &v: &f64, s: &RawScheduler) -> f64 {
+    only_with(c, key, v != 0.0, COSINE, &s.kind);
+    c.non_negative(key, v, "")
+}
+
+fn two_betas(c: &mut Checker, key: &str, betas: &Vec<f64>, t: &RawTrain) -> (f64, f64) {
+    only_with(
+        c,
+        key,
+        *betas != RawTrain::default().betas,
+        ADAM,
+        &t.optimizer,
+    );
     match betas.as_slice() {
         &[b1, b2] => (c.in_range(key, b1, 0.0, 1.0), c.in_range(key, b2, 0.0, 1.0)),
         other => {

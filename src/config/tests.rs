@@ -628,3 +628,56 @@ fn a_job_name_longer_than_a_directory_name_can_be_is_refused() {
     );
     assert!(load_text("", &[&format!("name={}", &long[..200])]).is_ok());
 }
+
+#[test]
+fn a_key_of_another_optimizer_or_schedule_is_refused_not_ignored() {
+    let cases = [
+        (
+            "[train]\nmomentum = 0.9\n",
+            "train.momentum",
+            "train.optimizer = \"sgd\", and this job's is \"adam\"",
+        ),
+        (
+            "[train]\noptimizer = \"sgd\"\nbetas = [0.8, 0.9]\n",
+            "train.betas",
+            "train.optimizer = \"adam\" or \"adamw\", and this job's is \"sgd\"",
+        ),
+        (
+            "[train]\noptimizer = \"sgd\"\neps = 1e-6\n",
+            "train.eps",
+            "this job's is \"sgd\"",
+        ),
+        (
+            "[train.scheduler]\nkind = \"cosine\"\ngamma = 0.5\n",
+            "train.scheduler.gamma",
+            "train.scheduler.kind = \"step\"",
+        ),
+        (
+            "[train.scheduler]\nstep_size = 2\n",
+            "train.scheduler.step_size",
+            "this job's is \"constant\"",
+        ),
+        (
+            "[train.scheduler]\nkind = \"step\"\nmin_lr = 0.1\n",
+            "train.scheduler.min_lr",
+            "train.scheduler.kind = \"cosine\"",
+        ),
+    ];
+    for (text, key, problem) in cases {
+        let msg = error(text);
+        assert!(
+            msg.contains(&format!("`{key}`")) && msg.contains(problem),
+            "for {text:?}: {msg}"
+        );
+    }
+    // Defaults written out (as configs/mnist.toml and every job.toml do) are not settings.
+    let written = "[train]\noptimizer = \"adamw\"\nmomentum = 0.0\nbetas = [0.9, 0.95]\n\
+                   [train.scheduler]\nkind = \"cosine\"\nstep_size = 1\ngamma = 0.1\nmin_lr = 0.001\n";
+    let spec = load_text(written, &[]).unwrap().spec;
+    assert!(matches!(spec.train.optimizer, OptimizerSpec::AdamW { beta2, .. } if beta2 == 0.95));
+    load_text(
+        "[train]\noptimizer = \"sgd\"\nmomentum = 0.9\nnesterov = true\n",
+        &[],
+    )
+    .unwrap();
+}

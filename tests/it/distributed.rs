@@ -23,7 +23,12 @@ fn two_workers_match_one_worker_with_the_double_batch() {
                 "--set",
                 &format!("train.optimizer=\"{optimizer}\""),
                 "--set",
-                "train.momentum=0.9",
+                // Momentum for sgd; adam's betas play its part (and refuse it).
+                if optimizer == "sgd" {
+                    "train.momentum=0.9"
+                } else {
+                    "train.betas=[0.9, 0.999]"
+                },
                 "--set",
                 &format!("train.accumulation={accumulation}"),
                 "--set",

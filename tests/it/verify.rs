@@ -59,6 +59,28 @@ fn verify_passes_on_one_world_size_and_names_where_two_part() {
     // Another verify into the same folder would read the first one's runs: refused.
     t.ddpjob(&["verify", cfg, "--world-sizes", "2,2", "--jobs-dir", dir])
         .fails_with(2, "already exists (an earlier verify's run)");
+
+    // Runs that finish their epochs (32 steps) before --steps, missing the job's [expect]
+    // (exit 1 from `run`), did not fail: verify says where they ended.
+    let strict = t.config(
+        "strict",
+        &format!("{TINY}[expect]\nmin_test_accuracy = 0.999\n"),
+    );
+    let ended = t.ddpjob(&[
+        "verify",
+        strict.to_str().unwrap(),
+        "--world-sizes",
+        "2,2",
+        "--steps",
+        "40",
+        "--jobs-dir",
+        t.path("strict-runs").to_str().unwrap(),
+    ]);
+    ended.fails_with(
+        1,
+        "every run ended after step 32 (the job's train.epochs hold no more)",
+    );
+    assert!(!ended.stderr.contains("run failed"), "{}", ended.stderr);
 }
 
 #[test]

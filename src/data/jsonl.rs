@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use super::DataError;
 use super::hf_tokenizer::HfTokenizer;
 use super::jsonl_index::{Examples, Indexing, index_file};
+use super::text_options::named_file;
 use super::vocab::Vocab;
 use crate::registry::{BuildError, DataContext, DatasetOptions, JobFile, KeyDoc};
 use crate::task::{BatchSource, IGNORE_TARGET, ModelInput, Task};
@@ -364,7 +365,17 @@ impl DatasetOptions for JsonlOptions {
                  tokenizer.json"
             ));
         }
+        if self.val_path.as_deref() == Some("") {
+            return Err(
+                "data.val_path is empty: name the validation examples' file, or leave \
+                        the key out to keep the last data.val_fraction of train_path's"
+                    .into(),
+            );
+        }
         if self.eos_token.is_none() {
+            // Before a job exists (its job.toml has the token): the file must be there.
+            named_file("tokenizer", Path::new(&tokenizer), TOKENIZER_FIX)
+                .map_err(|e| e.to_string())?;
             self.eos_token = Some(eos_beside(Path::new(&tokenizer)).ok_or_else(|| {
                 format!(
                     "cannot tell the end-of-sequence token of `{tokenizer}`: no \
@@ -396,6 +407,16 @@ impl DatasetOptions for JsonlOptions {
     /// Reads and tokenises both files once (bad lines create no job); the job keeps the
     /// examples and the tokenizer.
     fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
+        let fix = "put the examples there (one JSON object a line) or correct the path";
+        named_file(
+            "train_path",
+            Path::new(self.train_path.as_deref().unwrap_or_default()),
+            fix,
+        )?;
+        if let Some(val) = &self.val_path {
+            named_file("val_path", Path::new(val), fix)?;
+        }
+        named_file("tokenizer", &self.tokenizer_path(), TOKENIZER_FIX)?;
         let task = self.open(cx)?;
         // The stored form counts in u32.
         for (split, examples) in [("training", &task.train), ("validation", &task.val)] {
@@ -448,6 +469,9 @@ impl DatasetOptions for JsonlOptions {
         Some(self.tokenizer_path())
     }
 }
+
+const TOKENIZER_FIX: &str =
+    "name the Hugging Face tokenizer.json the examples are to be encoded with";
 
 /// Instruction examples of both splits, ready to batch.
 pub struct JsonlTask {

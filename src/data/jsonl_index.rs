@@ -255,17 +255,44 @@ pub fn index_file(path: &Path, how: &Indexing) -> Result<Examples, DataError> {
     };
     let mut reader = BufReader::new(std::fs::File::open(path).map_err(io)?);
     let mut examples = Examples::default();
-    let (mut line, mut number) = (String::new(), 0);
+    let (mut bytes, mut number) = (Vec::new(), 0);
     loop {
-        line.clear();
-        if reader.read_line(&mut line).map_err(io)? == 0 {
+        bytes.clear();
+        if reader.read_until(b'\n', &mut bytes).map_err(io)? == 0 {
             break;
         }
         number += 1;
+        // A byte-order mark (Windows editors write one) is not part of the first line.
+        let text = match bytes.strip_prefix(b"\xEF\xBB\xBF") {
+            Some(rest) if number == 1 => rest,
+            _ => &bytes[..],
+        };
+        // Line by line, so bad bytes are a bad line: named, or skipped with skip_bad_lines.
+        let line = match std::str::from_utf8(text) {
+            Ok(line) => line,
+            Err(e) => {
+                let problem = format!(
+                    "it is not UTF-8 text (a byte that UTF-8 does not allow at byte {} of the \
+                     line)",
+                    e.valid_up_to() + 1
+                );
+                if how.skip_bad_lines {
+                    examples.counts.bad_lines += 1;
+                    continue;
+                }
+                return Err(bad_line(
+                    path,
+                    number,
+                    &problem,
+                    "; save the file as UTF-8, or set data.skip_bad_lines = true to count and \
+                     skip such lines",
+                ));
+            }
+        };
         if line.trim().is_empty() {
             continue;
         }
-        match example(&line, how) {
+        match example(line, how) {
             Ok((mut tokens, prompt)) => {
                 if tokens.len() > how.max_tokens {
                     if !how.truncate {

@@ -109,6 +109,22 @@ fn bad_lines_name_the_file_and_line_or_are_counted_and_skipped() {
     let note = task.batches(&Device::Cpu).unwrap().note().unwrap();
     assert!(note.contains("2 bad lines skipped"), "{note}");
 
+    // Bytes that are not UTF-8 make a bad line like any other; a byte-order mark is no line's.
+    let mut latin1 = b"\xEF\xBB\xBF{\"text\": \"one\"}\n{\"text\": \"caf\xE9\"}\n".to_vec();
+    latin1.extend_from_slice(b"{\"text\": \"two\"}\n{\"text\": \"three\"}\n");
+    std::fs::write(dir.path().join("train.jsonl"), &latin1).unwrap();
+    let err = opts.open(&context(32, None)).err().unwrap().to_string();
+    assert!(
+        err.contains(
+            "train.jsonl` line 2: it is not UTF-8 text (a byte that UTF-8 does not \
+                      allow at byte 14 of the line); save the file as UTF-8"
+        ),
+        "{err}"
+    );
+    let task = skip.open(&context(32, None)).unwrap();
+    assert_eq!(task.train.counts.bad_lines, 1);
+    assert_eq!(task.train_len() + task.eval_len(), 3);
+
     let fields = options(dir.path(), "{\"title\": \"x\"}\n");
     let err = fields.open(&context(32, None)).err().unwrap().to_string();
     assert!(err.contains("line 1: it has neither \"text\""), "{err}");
@@ -237,6 +253,22 @@ fn options_are_checked_before_anything_is_read() {
     let cx = context(32, None);
     let err = |o: JsonlOptions| o.complete(&cx).unwrap_err();
     assert!(err(JsonlOptions::default()).contains("data.train_path is required"));
+    let missing = JsonlOptions {
+        train_path: Some("t.jsonl".into()),
+        tokenizer: Some("nope/tokenizer.json".into()),
+        ..JsonlOptions::default()
+    };
+    let missing = err(missing);
+    assert!(
+        missing.contains("data.tokenizer `nope/tokenizer.json` does not exist (relative to `"),
+        "{missing}"
+    );
+    let empty_val = JsonlOptions {
+        train_path: Some("t.jsonl".into()),
+        val_path: Some(String::new()),
+        ..JsonlOptions::default()
+    };
+    assert!(err(empty_val).contains("data.val_path is empty"));
     let with_path = JsonlOptions {
         train_path: Some("t.jsonl".into()),
         ..JsonlOptions::default()

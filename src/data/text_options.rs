@@ -285,8 +285,11 @@ impl DatasetOptions for TokensOptions {
     /// Maps the files (cheap: tokens are range-checked as they are read), so a damaged one is
     /// refused before the job exists; keeps (or, resuming, compares) their record.
     fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
-        self.open(cx)?;
         let spec = self.spec();
+        let fix = "prepare the token files (e.g. nanoGPT's prepare.py) or correct the path";
+        named_file("train_path", &spec.train_path, fix)?;
+        named_file("val_path", &spec.val_path, fix)?;
+        self.open(cx)?;
         let paths = [spec.train_path.as_path(), spec.val_path.as_path()];
         Ok(super::fingerprint::keep_or_compare(
             &paths,
@@ -342,6 +345,33 @@ fn token_dtype(value: &str) -> Result<TokenDtype, String> {
             "data.token_dtype = \"{other}\": expected \"u16\" or \"u32\""
         )),
     }
+}
+
+/// `data.<key>`'s file is there, or an error (a config error: exit 2) naming the key, the path
+/// and what to do.
+pub(crate) fn named_file(key: &str, path: &Path, fix: &str) -> Result<(), DataError> {
+    if path.is_file() {
+        return Ok(());
+    }
+    let problem = if path.is_dir() {
+        "is a directory; name the file in it".to_string()
+    } else {
+        let from = std::env::current_dir()
+            .map(|d| format!(" (relative to `{}`)", d.display()))
+            .unwrap_or_default();
+        format!(
+            "does not exist{}; {fix}",
+            if path.is_relative() {
+                from
+            } else {
+                String::new()
+            }
+        )
+    };
+    Err(DataError::Mismatch(format!(
+        "data.{key} `{}` {problem}",
+        path.display()
+    )))
 }
 
 /// The tokenizer of the weights `model.init_from` names (a pretrained model's

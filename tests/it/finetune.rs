@@ -128,6 +128,10 @@ fn bad_instruction_data_exits_2_naming_the_line_before_the_job_exists() {
     let cfg = t.config("bad", &job(&data, "", "max_steps = 2"));
     t.run(&cfg, &[]).fails_with(2, "bad.jsonl` line 2");
     assert!(!t.job("bad").exists());
+    let nowhere = ["--set", "data.train_path=\"nope.jsonl\""];
+    t.run(&cfg, &nowhere)
+        .fails_with(2, "data.train_path `nope.jsonl` does not exist");
+    assert!(!t.job("bad").exists());
 
     let lenient = job(
         &data,

@@ -388,6 +388,10 @@ optimizer = "adamw"
     t.run(&t.config("odd", &job("odd.bin")), &[])
         .fails_with(1, "601 bytes, is not a multiple of 2");
     assert!(!t.job("odd").exists());
+    // A path that leads nowhere is the config's mistake: exit 2, naming the key.
+    t.run(&t.config("nope", &job("nope.bin")), &[])
+        .fails_with(2, "data.val_path `nope.bin` does not exist (relative to `");
+    assert!(!t.job("nope").exists());
 }
 
 #[test]

@@ -54,9 +54,15 @@ pub enum JobDirError {
 
 /// ` --jobs-dir D` when the job directory `dir` is not under the default `jobs/`.
 fn jobs_dir_flag(dir: &Path) -> String {
-    match dir.parent() {
-        Some(parent) if parent != Path::new("jobs") => format!(" --jobs-dir {}", parent.display()),
-        _ => String::new(),
+    dir.parent().map(jobs_dir_option).unwrap_or_default()
+}
+
+/// ` --jobs-dir D` for the directory of jobs `jobs_dir`, unless it is the default `jobs`: what a
+/// command printed for the user to run next needs to find the job.
+pub fn jobs_dir_option(jobs_dir: &Path) -> String {
+    match jobs_dir {
+        dir if dir == Path::new("jobs") || dir.as_os_str().is_empty() => String::new(),
+        dir => format!(" --jobs-dir {}", dir.display()),
     }
 }
 
@@ -294,6 +300,16 @@ impl JobDir {
         self.root.join("curves.svg")
     }
     /// The job's name: its directory's.
+    /// `ddpjob COMMAND NAME`, with `--jobs-dir` when the job is not under `jobs/`: a command
+    /// for the user to run next, which finds this job.
+    pub fn cli(&self, command: &str) -> String {
+        format!(
+            "ddpjob {command} {}{}",
+            self.name(),
+            jobs_dir_flag(&self.root)
+        )
+    }
+
     pub fn name(&self) -> String {
         self.root.file_name().map_or_else(
             || self.root.display().to_string(),

@@ -31,9 +31,9 @@ impl Trained {
             Some(_) => Err(format!(
                 "model.init_from: `{}` holds only the trainable parameters of a job with frozen \
                  ones (LoRA, model.freeze); start from the job once it has finished (its \
-                 model.safetensors is whole), or from `ddpjob export {} --hf DIR --merge-lora`",
+                 model.safetensors is whole), or from `{} --hf DIR --merge-lora`",
                 self.weights.display(),
-                self.job.name()
+                self.job.cli("export")
             )),
         }
     }

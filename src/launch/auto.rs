@@ -47,9 +47,10 @@ pub fn decide(jobs_dir: &std::path::Path, loaded: &LoadedConfig) -> Result<Decis
         return Err(RunError::Usage(format!(
             "job `{name}` exists in `{}` with another config, so --resume auto will not continue \
              it: {}. Run it under another name (`--name`), or continue it as it was with \
-             `ddpjob resume {name}`",
+             `{}`",
             job.root.display(),
-            changed.join("; ")
+            changed.join("; "),
+            job.cli("resume")
         )));
     }
     Ok(match state.status {

@@ -274,11 +274,11 @@ impl Group<'_> {
     /// What an interrupted job left behind, for the message.
     fn after_interrupt(&self, clean: bool) -> String {
         let resume = match self.layout.nnodes {
-            1 => format!("continue with `ddpjob resume {}`", self.name()),
+            1 => format!("continue with `{}`", self.job.cli("resume")),
             n => format!(
                 "continue on {n} nodes with the same `ddpjob run` command and `--resume auto` \
-                 (or on one node with `ddpjob resume {}`)",
-                self.name()
+                 (or on one node with `{}`)",
+                self.job.cli("resume")
             ),
         };
         let latest = std::fs::read_to_string(self.job.checkpoints_dir().join("latest"))

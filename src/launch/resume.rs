@@ -147,8 +147,9 @@ pub(super) fn choose_checkpoint(
         };
         return Err(RunError::Usage(format!(
             "job `{name}` has no usable checkpoint in `{}` ({found}); run \
-             `ddpjob resume {name} --from-scratch` to train it again from the start",
-            checkpoints.display()
+             `{} --from-scratch` to train it again from the start",
+            checkpoints.display(),
+            job.cli("resume")
         )));
     }
     Ok(choice)
@@ -223,8 +224,9 @@ fn most_recent_unfinished(opts: &ResumeOptions) -> Result<String, RunError> {
     };
     Err(RunError::Usage(format!(
         "no unfinished job in `{}` to resume{running}; `ddpjob list --jobs-dir {}` shows the \
-         jobs there, `ddpjob resume NAME` picks one",
+         jobs there, `ddpjob resume NAME{}` picks one",
         opts.jobs_dir.display(),
-        opts.jobs_dir.display()
+        opts.jobs_dir.display(),
+        crate::jobdir::jobs_dir_option(&opts.jobs_dir)
     )))
 }

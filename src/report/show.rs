@@ -12,15 +12,18 @@ const ERROR_LINES: usize = 12;
 /// `ddpjob show`: status, config digest, progress, metrics, checkpoints, expectations.
 pub fn show(v: &JobView, now: u64) -> String {
     let s = &v.state;
+    let resume = crate::jobdir::JobDir {
+        root: v.dir.clone(),
+    }
+    .cli("resume");
     let status = match (v.launcher, s.status) {
         (Some((pid, true)), _) => format!("running (launcher pid {pid})"),
         (Some((pid, false)), _) => format!(
-            "stale: state.json says running, but its launcher (pid {pid}) is gone; \
-             `ddpjob resume {}` continues it",
-            v.name
+            "stale: state.json says running, but its launcher (pid {pid}) is gone; `{resume}` \
+             continues it"
         ),
         (None, Status::Interrupted | Status::Failed) => {
-            format!("{} (`ddpjob resume {}` continues it)", s.status, v.name)
+            format!("{} (`{resume}` continues it)", s.status)
         }
         (None, status) => status.to_string(),
     };

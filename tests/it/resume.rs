@@ -117,7 +117,11 @@ fn sigterm_then_resume_ends_bit_identical() {
         );
         run.fails_with(143, "interrupted by SIGTERM")
             .fails_with(143, &format!("after checkpoint `step-{stop:08}`"))
-            .fails_with(143, "ddpjob resume cut");
+            // The command to continue finds the job where it is.
+            .fails_with(
+                143,
+                &format!("ddpjob resume cut --jobs-dir {}", t.jobs_dir().display()),
+            );
         let state = t.json(&t.job("cut").join("state.json"));
         assert_eq!(
             (state["status"].as_str(), state["step"].as_u64()),

@@ -97,7 +97,7 @@ pub(super) fn resume(args: ResumeArgs, started: Instant) -> CliResult {
     let mut opts = ResumeOptions {
         name: args.name,
         jobs_dir: args.jobs_dir,
-        nproc_per_node: args.nproc_per_node.map(usize::from),
+        nproc_per_node: args.nproc_per_node.clone(),
         from_scratch: args.from_scratch,
         started,
     };

@@ -166,10 +166,10 @@ impl ConfigArgs {
     fn overrides(&self) -> Vec<String> {
         let mut all = self.set.clone();
         if let Some(name) = &self.name {
-            all.push(format!("name={name}"));
+            all.push(crate::config::flag_override("--name", name));
         }
         if let Some(n) = &self.nproc_per_node {
-            all.push(format!("distributed.nproc_per_node={n}"));
+            all.push(crate::config::flag_override("--nproc-per-node", n));
         }
         all
     }
@@ -213,10 +213,11 @@ struct ResumeArgs {
     /// Where jobs live.
     #[arg(long, default_value = "jobs")]
     jobs_dir: PathBuf,
-    /// Workers for the rest of the job (default: the checkpoint's world size, which resumes
-    /// exactly); another number re-shards the rest of the epoch.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
-    nproc_per_node: Option<u16>,
+    /// Workers for the rest of the job: "auto" or a number, as for `run` (default: the
+    /// checkpoint's world size, which resumes exactly); another number re-shards the rest of
+    /// the epoch.
+    #[arg(long, value_name = "N")]
+    nproc_per_node: Option<String>,
     /// When no checkpoint is usable, train again from the start instead of failing.
     #[arg(long)]
     from_scratch: bool,

@@ -23,6 +23,8 @@ impl fmt::Display for Origin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Origin::File { path, line, col } => write!(f, "{}:{line}:{col}", path.display()),
+            // A flag that stands for a key is named as typed (`--name x`).
+            Origin::Override(arg) if arg.starts_with("--") => write!(f, "{arg}"),
             Origin::Override(arg) => write!(f, "--set {arg}"),
             Origin::Defaulted(path) => write!(f, "{}, default value", path.display()),
         }
@@ -63,7 +65,7 @@ pub enum ConfigError {
         problem: String,
     },
 
-    #[error("bad override `--set {arg}`: {problem}")]
+    #[error("bad override `{}`: {problem}", Origin::Override(arg.clone()))]
     BadOverride { arg: String, problem: String },
 
     #[error("{}", list(.0))]

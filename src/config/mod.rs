@@ -20,7 +20,7 @@ use crate::registry::Registry;
 
 pub use error::{ConfigError, Origin};
 pub use keys::RawConfig;
-pub use source::Source;
+pub use source::{Source, flag_override};
 pub(crate) use spec::Backend;
 pub use spec::{
     Check, CheckpointSpec, DataSpec, DeviceChoice, DistributedSpec, Expectation, JobSpec,

@@ -70,12 +70,15 @@ impl Source {
         }
     }
 
+    /// Applies `--set key=value`, or a command-line flag that stands for a key (`--name x`, as
+    /// [`flag_override`] writes it), named as the user typed it in messages.
     fn apply_override(&mut self, arg: &str) -> Result<(), ConfigError> {
+        let assignment = from_flag(arg).unwrap_or_else(|| arg.to_string());
         let bad = |problem: String| ConfigError::BadOverride {
             arg: arg.to_string(),
             problem,
         };
-        let (path, raw_value) = arg
+        let (path, raw_value) = assignment
             .split_once('=')
             .ok_or_else(|| bad("expected key.path=value, e.g. --set train.lr=0.01".into()))?;
         let path = path.trim();
@@ -167,6 +170,25 @@ impl Source {
 /// or dataset's options may have.
 fn is_option_key(path: &str) -> bool {
     matches!(path.split_once('.'), Some(("model" | "data", leaf)) if !leaf.is_empty())
+}
+
+/// The command-line flags that set a config key, for [`flag_override`].
+const FLAGS: &[(&str, &str)] = &[
+    ("--name", "name"),
+    ("--nproc-per-node", "distributed.nproc_per_node"),
+];
+
+/// An override for flag `flag` (`--name`, `--nproc-per-node`) given `value`: applied as
+/// `--set key=value`, named in messages as `--name value`.
+pub fn flag_override(flag: &str, value: &str) -> String {
+    format!("{flag} {value}")
+}
+
+/// `key=value` for an override [`flag_override`] wrote.
+fn from_flag(arg: &str) -> Option<String> {
+    let (flag, value) = arg.split_once(' ')?;
+    let (_, key) = FLAGS.iter().find(|(f, _)| *f == flag)?;
+    Some(format!("{key}={value}"))
 }
 
 /// A `--set` value for a key the schema does not type: a TOML value (`8`, `0.5`, `true`,

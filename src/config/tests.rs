@@ -681,3 +681,23 @@ fn a_key_of_another_optimizer_or_schedule_is_refused_not_ignored() {
     )
     .unwrap();
 }
+
+#[test]
+fn a_flag_that_sets_a_key_is_named_as_typed() {
+    let err = load_text("", &[&super::flag_override("--name", "../x")])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("invalid `name` (--name ../x)"), "{err}");
+    let err = load_text("", &[&super::flag_override("--nproc-per-node", "many")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("bad override `--nproc-per-node many`"),
+        "{err}"
+    );
+    // `--set` is named as `--set`.
+    let err = load_text("", &["name=../x"]).unwrap_err().to_string();
+    assert!(err.contains("(--set name=../x)"), "{err}");
+    let named = load_text("", &[&super::flag_override("--name", "exp-1")]).unwrap();
+    assert_eq!(named.spec.name, "exp-1");
+}

@@ -17,8 +17,9 @@ pub struct ResumeOptions {
     /// `None`: the most recently updated unfinished job.
     pub name: Option<String>,
     pub jobs_dir: PathBuf,
-    /// Another world size than the checkpoint's (not bit-identical then).
-    pub nproc_per_node: Option<usize>,
+    /// Workers per node, as `distributed.nproc_per_node`: `"auto"` or a count (`--nproc-per-node`);
+    /// `None` keeps the checkpoint's world size (bit-identical then).
+    pub nproc_per_node: Option<String>,
     /// Start over when no checkpoint is usable, instead of failing.
     pub from_scratch: bool,
     pub started: Instant,
@@ -60,13 +61,14 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     let _lock = job.lock(&name)?;
     let choice = choose_checkpoint(&job, &name, opts.from_scratch)?;
     // Same world size as the checkpoint unless asked otherwise, so a resume is exact.
-    let nproc = opts
-        .nproc_per_node
-        .or(choice.position.as_ref().map(|p| p.world_size));
-    let overrides: Vec<String> = nproc
-        .map(|n| format!("distributed.nproc_per_node={n}"))
-        .into_iter()
-        .collect();
+    let overrides: Vec<String> = match &opts.nproc_per_node {
+        Some(n) => vec![config::flag_override("--nproc-per-node", n)],
+        None => choice
+            .position
+            .iter()
+            .map(|p| format!("distributed.nproc_per_node={}", p.world_size))
+            .collect(),
+    };
     let loaded = config::load(&job.job_toml(), &overrides)?;
     let spec = &loaded.spec;
     if let Some(p) = &choice.position {

@@ -739,3 +739,30 @@ fn a_job_under_nohup_outlives_a_hangup() {
         "finished"
     );
 }
+
+/// `resume --nproc-per-node` takes what `run`'s does: "auto" (one CPU worker here) or a count,
+/// and a bad value is named as the flag the user typed.
+#[test]
+fn resume_takes_auto_workers_as_run_does() {
+    let t = TestJob::new();
+    let cfg = t.config("job", &job("adam", "every_steps = 5"));
+    run_with_fault(
+        &t,
+        &cfg,
+        "rank=0,step=6,kind=preempt",
+        &["--nproc-per-node", "2", "--name", "cut"],
+    )
+    .fails_with(143, "interrupted by SIGTERM");
+    resume(&t, &["cut", "--nproc-per-node", "0"]).fails_with(
+        2,
+        "`distributed.nproc_per_node` (--nproc-per-node 0): must be at least 1",
+    );
+    let resumed = resume(&t, &["cut", "--nproc-per-node", "auto"]);
+    resumed.success();
+    assert!(
+        resumed.stdout.contains("on 1 worker(s)")
+            && resumed.stdout.contains("world size changed from 2 to 1"),
+        "{}",
+        resumed.stdout
+    );
+}

@@ -25,7 +25,7 @@ use crate::data::DataError;
 use crate::device::{self, DeviceError, Placement};
 use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
 use crate::registry::{DataContext, JobFile, Registry};
-use crate::store::{self, StoreClient, StoreError, StoreServer};
+use crate::store::{self, Key, StoreClient, StoreError, StoreServer};
 use crate::train::Summary;
 
 use auto::{Decision, ResumeMode};
@@ -373,6 +373,21 @@ fn meet(
     outln!("node {}: joining node 0 at {addr} ...", layout.node_rank);
     let patience = Duration::from_secs(spec.distributed.timeout_s);
     let client = StoreClient::connect(&addr, token, patience)?;
+    // A second launcher given the same --node-rank would take the first one's ranks.
+    let joined = Key::NodeJoined {
+        node: layout.node_rank,
+    };
+    if client.add(&joined.to_string(), 1)? > 1 {
+        return Err(RunError::Usage(format!(
+            "node {} has already joined job `{}` at {addr}: another launcher with --node-rank \
+             {} is running it (a duplicated pod or srun task?); give each node's launcher its \
+             own --node-rank, 0 to {}",
+            layout.node_rank,
+            spec.name,
+            layout.node_rank,
+            layout.nnodes - 1
+        )));
+    }
     Ok((None, client, port))
 }
 

@@ -273,7 +273,9 @@ fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String, bool
     if !others.is_empty() {
         text += &format!(" ({} failed too)", others.join(", "));
     }
-    if tail.is_empty() {
+    if !w.log.exists() {
+        text += &format!("; it ended before writing its log `{}`", w.log.display());
+    } else if tail.is_empty() {
         text += &format!("; its log `{}` is empty", w.log.display());
     } else {
         text += &format!(

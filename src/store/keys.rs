@@ -30,6 +30,12 @@ pub enum Key {
     /// Node 0's decision after `attempt` failed: the checkpoint the next attempt starts from,
     /// or that the job is given up.
     AttemptNext { attempt: usize },
+    /// Counter of the launchers that joined as node `node` (nodes > 0): a second one is a
+    /// duplicated `--node-rank`, refused before it can disturb the job.
+    NodeJoined { node: usize },
+    /// The address of the last client the store refused for another job's token (a launcher
+    /// with another config or job name): named when ranks do not join.
+    Refused,
     /// A worker is up (`pid P node N`); every worker waits for all of them.
     Registered { rank: usize },
     /// A node's local rank 0 has the data on disk (or says why not); the node's other ranks
@@ -58,6 +64,8 @@ impl fmt::Display for Key {
                 write!(f, "{LAUNCH_PREFIX}{attempt}/stopped/{node}")
             }
             Key::AttemptNext { attempt } => write!(f, "{LAUNCH_PREFIX}{attempt}/next"),
+            Key::NodeJoined { node } => write!(f, "{LAUNCH_PREFIX}joined/{node}"),
+            Key::Refused => write!(f, "{LAUNCH_PREFIX}refused"),
             Key::Registered { rank } => write!(f, "{REGISTERED_PREFIX}{rank}"),
             Key::DataReady { node } => write!(f, "data/node{node}"),
             Key::Heartbeat { rank } => write!(f, "heartbeat/{rank}"),
@@ -84,6 +92,8 @@ mod tests {
                 node: 1,
             },
             Key::AttemptNext { attempt: 1 },
+            Key::NodeJoined { node: 1 },
+            Key::Refused,
             Key::Registered { rank: 1 },
             Key::Registered { rank: 12 },
             Key::DataReady { node: 1 },
@@ -100,7 +110,7 @@ mod tests {
                 assert_ne!(a, b);
             }
             // Clearing the store between attempts keeps the launchers' keys, and only them.
-            assert_eq!(a.starts_with(LAUNCH_PREFIX), i < 6, "{a}");
+            assert_eq!(a.starts_with(LAUNCH_PREFIX), i < 8, "{a}");
         }
     }
 }

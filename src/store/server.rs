@@ -105,6 +105,13 @@ fn serve(conn: TcpStream, table: &Table, token: &str) {
                 &mut writer,
                 b"REFUSED: wrong job token (this store belongs to another job, or the nodes run different configs or job names)",
             );
+            // Kept for the job's own ranks to name, should the refused one be missed.
+            if let Ok(peer) = reader.get_ref().peer_addr() {
+                let mut map = table.map.lock().unwrap_or_else(|p| p.into_inner());
+                let host = peer.ip().to_string().into_bytes();
+                map.insert(crate::store::Key::Refused.to_string(), host);
+                table.changed.notify_all();
+            }
             return;
         }
     }

@@ -338,11 +338,18 @@ fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result
         }
         let mut nodes: Vec<usize> = missing.iter().map(|r| r / env.local_world_size).collect();
         nodes.dedup();
+        let refused = match store.get(&Key::Refused.to_string()) {
+            Ok(Some(host)) => format!(
+                "; a launcher on {} was refused: it runs another config, job name, --nnodes \
+                 or --nproc-per-node than node 0 (its job token differs)",
+                String::from_utf8_lossy(&host)
+            ),
+            _ => String::new(),
+        };
         WorkerError::Rendezvous(format!(
-            "rank {}: ranks {missing:?} (nodes {nodes:?}) did not join within {} s \
-             (distributed.timeout_s); start `ddpjob run` on every node with the same config, \
-             --nnodes and --master-addr/--master-port, each with its own --node-rank",
-            env.rank,
+            "ranks {missing:?} (nodes {nodes:?}) did not join within {} s \
+             (distributed.timeout_s){refused}; start `ddpjob run` on every node with the same \
+             config, --nnodes and --master-addr/--master-port, each with its own --node-rank",
             timeout.as_secs()
         ))
     })

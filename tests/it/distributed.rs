@@ -290,7 +290,9 @@ fn a_node_with_another_config_or_no_token_is_refused() {
     let cfg = long_job(&t);
     let other = t.config("other", &TINY.replace("seed = 3", "seed = 4"));
     let port = free_port().to_string();
-    let mut node0 = t.spawn_run(&cfg, "jobs", &strs(&two_node_flags("0", &port)));
+    let mut flags0 = two_node_flags("0", &port);
+    flags0.extend(["--set", "distributed.timeout_s=5"].map(String::from));
+    let mut node0 = t.spawn_run(&cfg, "jobs", &strs(&flags0));
     // Let node 0's store come up.
     let deadline = Instant::now() + Duration::from_secs(20);
     while !t.job("long").join("state.json").exists() {
@@ -318,8 +320,14 @@ fn a_node_with_another_config_or_no_token_is_refused() {
         String::from_utf8_lossy(&reply).contains("REFUSED"),
         "{reply:?}"
     );
-    let _ = node0.child.kill();
-    let _ = node0.wait_for(Duration::from_secs(10));
+    // Node 0's ranks, waiting for a node 1 that will not come, say who was refused.
+    node0
+        .wait_for(Duration::from_secs(60))
+        .expect("node 0 hung")
+        .fails_with(
+            1,
+            "did not join within 5 s (distributed.timeout_s); a launcher on 127.0.0.1 was refused",
+        );
 }
 
 /// DistributedSampler's two ways with a tail that does not divide: pad by wrapping around

@@ -167,3 +167,34 @@ fn a_launcher_killed_on_node_1_fails_node_0_within_the_timeout_naming_the_node()
     );
     drop(n1);
 }
+
+/// A second launcher given a node rank that has joined already (a duplicated pod or srun task)
+/// is refused at once, and the job it would have disturbed trains on and stops cleanly.
+#[test]
+fn a_duplicated_node_rank_is_refused_and_the_job_goes_on() {
+    let t = TestJob::new();
+    let cfg = t.config("pair", &TINY.replace("epochs = 2", "epochs = 100000"));
+    let port = free_port().to_string();
+    let extra = ["--set", "distributed.timeout_s=10"];
+    let mut n0 = node(&t, &cfg, "0", &port, &extra, &[]);
+    let mut n1 = node(&t, &cfg, "1", &port, &extra, &[]);
+    let training = |lines: usize| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while t.metrics_lines("pair") < lines {
+            assert!(Instant::now() < deadline, "the nodes do not train");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    training(2);
+    let mut again = node(&t, &cfg, "1", &port, &extra, &[]);
+    let refused = again.wait_for(Duration::from_secs(30)).expect("hung");
+    refused.fails_with(2, "node 1 has already joined job `pair` at 127.0.0.1:");
+    let lines = t.metrics_lines("pair");
+    training(lines + 2);
+    for launcher in [&n0, &n1] {
+        unsafe { libc::kill(launcher.child.id() as i32, libc::SIGINT) };
+    }
+    let out0 = n0.wait_for(Duration::from_secs(60)).expect("node 0 hung");
+    out0.fails_with(130, "interrupted by SIGINT");
+    n1.wait_for(Duration::from_secs(60)).expect("node 1 hung");
+}

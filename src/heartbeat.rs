@@ -169,22 +169,23 @@ pub fn diagnose(beats: &[Option<Beat>], seq: u64, stale_after: Duration) -> Stri
         if b.started > seq && !stale {
             continue;
         }
-        let state = if stale {
-            format!(
-                "no heartbeat for {:.1} s: the process is stopped, dead or unreachable",
+        // A stale heartbeat tells where the rank was then, not now.
+        absent.push(match stale {
+            true => format!(
+                "rank {rank} (pid {}) — no heartbeat for {:.1} s: the process is stopped, dead \
+                 or unreachable (its last heartbeat: {})",
+                b.pid,
+                age.as_secs_f64(),
+                b.whereabouts()
+            ),
+            false => format!(
+                "rank {rank} (pid {}) {} — heartbeat {:.1} s ago: alive but stuck in its own \
+                 code",
+                b.pid,
+                b.whereabouts(),
                 age.as_secs_f64()
-            )
-        } else {
-            format!(
-                "heartbeat {:.1} s ago: alive but stuck in its own code",
-                age.as_secs_f64()
-            )
-        };
-        absent.push(format!(
-            "rank {rank} (pid {}) {} — {state}",
-            b.pid,
-            b.whereabouts()
-        ));
+            ),
+        });
     }
     if absent.is_empty() {
         return "every rank reached it (heartbeats agree), so the connection between ranks \
@@ -226,11 +227,15 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("alive but stuck"), "{text}");
+        // A stale heartbeat's whereabouts are then's, and said so.
         assert!(
-            text.contains("rank 3 (pid 103) at step 11, inside collective #54"),
+            text.contains("rank 3 (pid 103) — no heartbeat for 9."),
             "{text}"
         );
-        assert!(text.contains("no heartbeat for 9."), "{text}");
+        assert!(
+            text.contains("(its last heartbeat: at step 11, inside collective #54"),
+            "{text}"
+        );
         assert!(text.contains("rank 4 never sent a heartbeat"), "{text}");
         assert!(
             !text.contains("rank 0") && !text.contains("rank 2"),

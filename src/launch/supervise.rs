@@ -127,7 +127,25 @@ pub fn supervise(
                 reap(workers);
             }
             // Reported before the stop, whose kills would count as failures of their own.
-            let (summary, report, lost_peer, repeats) = failure_report(workers, watch);
+            let (mut summary, mut report, lost_peer, repeats) = failure_report(workers, watch);
+            // A rank whose heartbeats stopped while it is still there (stopped, or stuck in the
+            // kernel) is what the failed one waited for in its collective: named first.
+            let running: Vec<(usize, u32)> = workers
+                .iter()
+                .filter(|w| w.status.is_none())
+                .map(|w| (w.rank, w.child.id()))
+                .collect();
+            if let Some((rank, pid, silent, beat)) = watch.stalled(&running) {
+                let head = format!(
+                    "rank {rank} (pid {pid}) stopped sending heartbeats {:.1} s ago (its last \
+                     one said step {}); its process is still there but not running (stopped, or stuck \
+                     in the kernel), so the ranks waiting for it failed",
+                    silent.as_secs_f64(),
+                    beat.step
+                );
+                summary = format!("{head}: {summary}");
+                report = format!("{head}: {report}");
+            }
             stop(workers, true);
             return Outcome::Failed {
                 summary,

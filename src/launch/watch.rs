@@ -78,6 +78,25 @@ impl<'a> Watchdog<'a> {
         None
     }
 
+    /// Of `ranks` (still running), the first whose heartbeats have stopped by now (read afresh:
+    /// none for two of its heartbeat intervals and a check's), with how long ago and where it
+    /// last was: when another rank failed waiting in a collective, the one it waited for.
+    pub fn stalled(&mut self, ranks: &[(usize, u32)]) -> Option<(usize, u32, Duration, Beat)> {
+        let store = self.store?;
+        let quiet = 2 * crate::heartbeat::interval_for(self.stale_after) + CHECK_EVERY;
+        let now = Instant::now();
+        ranks.iter().find_map(|&(rank, pid)| {
+            let bytes = store.get(&Key::Heartbeat { rank }.to_string()).ok()??;
+            let beat = serde_json::from_slice::<Beat>(&bytes).ok()?;
+            let since = match self.seen.get(&rank) {
+                Some((old, since)) if old.beats == beat.beats => *since,
+                _ => now,
+            };
+            let silent = now.duration_since(since);
+            (silent > quiet).then_some((rank, pid, silent, beat))
+        })
+    }
+
     /// The last optimizer step `rank` was seen at.
     pub fn last_step(&self, rank: usize) -> Option<usize> {
         self.seen.get(&rank).map(|(b, _)| b.step)

@@ -191,7 +191,7 @@ fn interrupting_the_launcher_stops_every_worker() {
     // Every worker finished its step, rank 0 checkpointed it, and resume is offered.
     run.fails_with(130, "interrupted by SIGINT")
         .fails_with(130, "every worker stopped after checkpoint `step-")
-        .fails_with(130, "continue with `ddpjob resume stopped`");
+        .fails_with(130, "continue with `ddpjob resume stopped --jobs-dir");
     let latest = std::fs::read_to_string(t.job("stopped").join("checkpoints/latest")).unwrap();
     assert!(
         t.job("stopped")

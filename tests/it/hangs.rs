@@ -87,6 +87,30 @@ fn a_rank_that_stops_heartbeating_is_found_by_the_launcher() {
     assert!(workers_under(&t.job("frozen")).is_empty());
 }
 
+/// A frozen rank among two: the other fails waiting for it in a collective, and the report
+/// names the frozen one first, not the one that gave up.
+#[test]
+fn a_frozen_rank_is_named_rather_than_the_rank_that_waited_for_it() {
+    let t = TestJob::new();
+    let cfg = t.config("job", &TINY.replace("epochs = 2", "epochs = 2000"));
+    let run = run_job(
+        &t,
+        cfg.to_str().unwrap(),
+        &[
+            "--name",
+            "frozen",
+            "--nproc-per-node",
+            "2",
+            "--set",
+            "distributed.timeout_s=3",
+        ],
+        &[("DDPJOB_FAULT", "rank=1,step=40,kind=freeze")],
+    );
+    run.fails_with(1, "job `frozen` failed: rank 1 (pid")
+        .fails_with(1, "stopped sending heartbeats");
+    assert!(workers_under(&t.job("frozen")).is_empty());
+}
+
 #[test]
 fn a_second_ctrl_c_stops_at_once() {
     let t = TestJob::new();
@@ -410,5 +434,5 @@ fn resume_explains_what_it_cannot_do() {
     launcher
         .wait_for(Duration::from_secs(20))
         .expect("launcher stopped")
-        .fails_with(143, "continue with `ddpjob resume busy`");
+        .fails_with(143, "continue with `ddpjob resume busy --jobs-dir");
 }

@@ -37,8 +37,11 @@ pub struct History {
     pub train: Vec<TrainPoint>,
     pub epochs: Vec<EpochPoint>,
     pub evals: Vec<EvalPoint>,
-    /// Steps at which the job was resumed (`"kind": "resume"`).
+    /// Steps at which training went on from a checkpoint (`"kind": "resume"`): `ddpjob resume`
+    /// and automatic restarts alike.
     pub resumes: Vec<usize>,
+    /// How many of those were `ddpjob resume` (or `run --resume auto`), not a restart.
+    pub resumed_by_user: usize,
     /// Lines that were not JSON objects of a known kind (a torn last line after a crash).
     pub skipped: usize,
     /// Whether its evaluations carry perplexity (their task is a language model's).
@@ -98,7 +101,10 @@ impl History {
                         test_accuracy,
                     }
                 }),
-                Record::Resume { step, .. } => h.resumes.push(step),
+                Record::Resume { step, restart, .. } => {
+                    h.resumes.push(step);
+                    h.resumed_by_user += usize::from(restart == 0);
+                }
             }
         }
         h
@@ -196,13 +202,15 @@ mod tests {
 {"kind":"epoch","epoch":0,"step":8,"loss":1.5,"lr":0.01,"test_loss":1.2,"test_accuracy":0.6}
 {"kind":"resume","epoch":1,"step":8}
 {"kind":"eval","epoch":1,"step":10,"test_loss":1.1,"test_accuracy":0.5}
+{"kind":"resume","epoch":1,"step":10,"restart":1}
 {"kind":"train","epoch":1,"step":12,"loss":1.0,"lr":0.005}
 {"kind":"epoch","epoch":1,"step":16,"loss":0.9,"lr":0.005,"test_loss":1.3,"test_accuracy":0.55}
 {"kind":"train","epo"#;
         let h = History::parse(text);
         assert_eq!(h.train.len(), 2);
         assert_eq!(h.epochs.len(), 2);
-        assert_eq!(h.resumes, vec![8]);
+        // The second is an automatic restart's, not a resume of the user's.
+        assert_eq!((h.resumes.clone(), h.resumed_by_user), (vec![8, 10], 1));
         assert_eq!(h.evals.len(), 1);
         assert_eq!(h.lowest_test_loss(), Some((10, 1.1)));
         assert_eq!(h.skipped, 1);

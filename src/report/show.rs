@@ -32,8 +32,8 @@ pub fn show(v: &JobView, now: u64) -> String {
         v.name,
         ago(now, s.updated_unix)
     );
-    if !v.history.resumes.is_empty() {
-        let _ = write!(out, ", resumed {} time(s)", v.history.resumes.len());
+    if v.history.resumed_by_user > 0 {
+        let _ = write!(out, ", resumed {} time(s)", v.history.resumed_by_user);
     }
     if s.restarts > 0 {
         let _ = write!(out, ", {} automatic restart(s)", s.restarts);

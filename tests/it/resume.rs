@@ -380,6 +380,15 @@ fn a_killed_worker_is_restarted_from_the_checkpoint_when_allowed() {
         (state["status"].as_str(), state["restarts"].as_u64()),
         (Some("finished"), Some(1))
     );
+    // `show` counts the restart as one, and nothing as a resume of the user's.
+    let jobs = t.jobs_dir().to_string_lossy().into_owned();
+    let shown = t.ddpjob(&["show", "restarted", "--jobs-dir", &jobs]);
+    shown.success();
+    assert!(
+        shown.stdout.contains("1 automatic restart(s)") && !shown.stdout.contains("resumed"),
+        "{}",
+        shown.stdout
+    );
 
     // Without restarts the same failure ends the job, naming the rank, leaving nothing behind.
     run_with_fault(

@@ -22,8 +22,15 @@ pub struct ExpectationResult {
 impl ExpectationResult {
     /// `min_test_accuracy: test_accuracy 0.8531 is below the minimum 0.9`.
     pub fn describe(&self) -> String {
-        let value = self.value.map_or("NaN".into(), fmt_number);
-        let threshold = fmt_number(self.threshold);
+        // The threshold as written; the value rounded unless rounding would blur the verdict
+        // (0.84996 shown as 0.85 "below the minimum 0.85").
+        let threshold = format!("{}", self.threshold);
+        let value = self.value.map_or("NaN".into(), |v| {
+            let short = fmt_number(v);
+            let rounded: f64 = short.parse().unwrap_or(v);
+            let same_side = rounded.partial_cmp(&self.threshold) == v.partial_cmp(&self.threshold);
+            if same_side { short } else { format!("{v}") }
+        });
         let minimum = self.name.starts_with("min_");
         let relation = match (self.value, self.met, minimum) {
             (None, _, _) => format!("is not a number (threshold {threshold})"),
@@ -156,6 +163,30 @@ mod tests {
         );
         assert!(report.contains("expect.min_test_accuracy"), "{report}");
         assert!(unmet_report(&results[1..2]).is_none());
+
+        // Thresholds as written; a value rounded only where that keeps the verdict readable.
+        let close = Summary {
+            test_accuracy: 0.84996,
+            test_loss: 0.00004,
+            ..summary()
+        };
+        let results = check(
+            &[
+                expect(Check::MinTestAccuracy, 0.85),
+                expect(Check::MinTestAccuracy, 0.99995),
+                expect(Check::MaxTestLoss, 1e-9),
+            ],
+            &close,
+        );
+        let described: Vec<String> = results.iter().map(|r| r.describe()).collect();
+        assert_eq!(
+            described,
+            [
+                "min_test_accuracy: test_accuracy 0.84996 is below the minimum 0.85",
+                "min_test_accuracy: test_accuracy 0.85 is below the minimum 0.99995",
+                "max_test_loss: test_loss 0.00004 is above the maximum 0.000000001",
+            ]
+        );
     }
 
     #[test]

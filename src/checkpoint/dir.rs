@@ -79,6 +79,17 @@ impl Checkpoints {
             }
             return Ok(path);
         }
+        let final_weights = self.job.root.join("model.safetensors");
+        if which.is_some() && final_weights.is_file() {
+            return Err(format!(
+                "job `{}` has no checkpoint for --checkpoint {} ({}); leave out --checkpoint for \
+                 its final weights `{}`",
+                self.job.name(),
+                which.unwrap_or_default(),
+                self.available(),
+                final_weights.display()
+            ));
+        }
         Err(format!(
             "job `{}` has no weights {}in `{}`; train it first (`ddpjob run`), or pick another \
              with --checkpoint ({})",
@@ -197,6 +208,13 @@ mod tests {
         );
         std::fs::write(job.model_path(), b"final").unwrap();
         assert_eq!(c.weights(None).unwrap(), job.model_path());
+        // A finished job without the checkpoint asked for points to its final weights.
+        let err = c.weights(Some("best")).unwrap_err();
+        assert!(
+            err.contains("no checkpoint for --checkpoint best")
+                && err.contains("leave out --checkpoint for its final weights"),
+            "{err}"
+        );
         assert_eq!(c.steps().len(), 2);
         assert_eq!(c.latest_name().as_deref(), Some("step-00000020"));
     }

@@ -53,6 +53,15 @@ enum Dtype {
 }
 
 pub(super) fn export(args: &ExportArgs) -> CliResult {
+    if args.peft.is_some() && args.merge_lora {
+        return Err((
+            2,
+            anyhow!(
+                "--merge-lora goes with --hf (a whole model with the adapters folded in); --peft \
+                 writes the adapters alone, unmerged: leave out one of them"
+            ),
+        ));
+    }
     let job = super::existing_job(&args.jobs_dir, &args.name)?;
     let spec = config::load(&job.job_toml(), &[])
         .map_err(|e| (2, anyhow!(e)))?
@@ -126,11 +135,16 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         "exported `{}` to `{}`{}",
         weights.display(),
         hf_dir.display(),
-        if tokenizer.is_empty() {
-            " (no tokenizer: the job's vocabulary is ddpjob's own char/byte one, which \
-             transformers cannot load)"
-        } else {
-            ""
+        match (tokenizer.is_empty(), spec.data.name()) {
+            (false, _) => "",
+            (true, "tokens") => {
+                " (no tokenizer: the job trained on pre-tokenised ids (data.dataset = \
+                 \"tokens\"); put the tokenizer that made them beside the model)"
+            }
+            (true, _) => {
+                " (no tokenizer: the job's vocabulary is ddpjob's own char/byte one, which \
+                 transformers cannot load)"
+            }
         }
     );
     Ok(())

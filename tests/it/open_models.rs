@@ -491,6 +491,18 @@ fn a_lora_job_trains_its_adapters_resumes_and_exports_for_peft() {
 
     let peft = t.path("adapter");
     let peft_s = peft.display().to_string();
+    // --merge-lora makes a whole model (--hf); beside --peft it is a mistake, not ignored.
+    t.ddpjob(&[
+        "export",
+        "whole",
+        "--peft",
+        &peft_s,
+        "--merge-lora",
+        "--jobs-dir",
+        &jobs,
+    ])
+    .fails_with(2, "--merge-lora goes with --hf");
+    assert!(!peft.exists());
     t.ddpjob(&["export", "whole", "--peft", &peft_s, "--jobs-dir", &jobs])
         .success();
     let config = t.json(&peft.join("adapter_config.json"));

@@ -49,11 +49,13 @@ use step::{MicroBatch, StepContext, StepError};
 #[derive(Debug, Error)]
 pub enum TrainError {
     #[error(
-        "training loss became {value} in epoch {epoch}, between optimizer steps {first_step} and {last_step}; \
-         lower train.lr, set train.grad_clip_norm, or check the data"
+        "training loss became {value} in epoch {}, between optimizer steps {first_step} and {last_step}; \
+         lower train.lr, set train.grad_clip_norm, or check the data",
+        epoch + 1
     )]
     NonFinite {
         value: f64,
+        /// Counted from 0, as `metrics.jsonl`'s; said from 1, as the log's lines.
         epoch: usize,
         first_step: usize,
         last_step: usize,

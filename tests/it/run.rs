@@ -208,7 +208,7 @@ fn a_diverging_loss_fails_the_job_naming_epoch_and_step() {
         &["--set", "train.lr=1e30", "--set", "train.optimizer=sgd"],
     );
     run.fails_with(1, "training loss became")
-        .fails_with(1, "in epoch 0, between optimizer steps 1 and 4");
+        .fails_with(1, "in epoch 1, between optimizer steps 1 and 4");
     let state = t.json(&t.job("boom").join("state.json"));
     assert_eq!(state["status"], "failed");
     assert!(

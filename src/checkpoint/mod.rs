@@ -88,12 +88,16 @@ pub struct MetricState {
     /// The lowest evaluation loss so far and the optimizer step it was measured after.
     #[serde(default)]
     pub best_eval: Option<(f64, usize)>,
-    /// `train.early_stopping`: the loss an evaluation must beat by more than `min_delta`, and
-    /// the evaluations in a row that have not.
+    /// `train.early_stopping`: the figure an evaluation must beat by more than `min_delta`,
+    /// the evaluations in a row that have not, and the figure counted (a count of another's,
+    /// after `job.toml`'s monitor was edited, starts over; none: the loss, as before it was
+    /// recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub early_stopping_best: Option<f64>,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub evals_without_improvement: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_stopping_on: Option<crate::config::Monitor>,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -117,16 +121,25 @@ impl MetricState {
         self.epoch_secs += secs;
     }
 
-    /// Counts evaluation `loss` for early stopping (Lightning's rule: an improvement lowers the
-    /// loss to beat by more than `min_delta`; a first finite loss always does). Returns the
-    /// evaluations in a row without one, this one included.
-    pub fn count_for_early_stopping(&mut self, loss: f64, min_delta: f64) -> usize {
-        let improved = loss.is_finite()
+    /// Counts an evaluation's `value` of `monitor` for early stopping (Lightning's rule: an
+    /// improvement beats the best by more than `min_delta`; a first finite value always
+    /// does). Returns the evaluations in a row without one, this one included.
+    pub fn count_for_early_stopping(
+        &mut self,
+        value: f64,
+        monitor: crate::config::Monitor,
+        min_delta: f64,
+    ) -> usize {
+        if self.early_stopping_on.unwrap_or_default() != monitor {
+            (self.early_stopping_best, self.evals_without_improvement) = (None, 0);
+        }
+        self.early_stopping_on = Some(monitor);
+        let improved = value.is_finite()
             && self
                 .early_stopping_best
-                .is_none_or(|b| loss < b - min_delta);
+                .is_none_or(|best| monitor.improves(value, best, min_delta));
         if improved {
-            self.early_stopping_best = Some(loss);
+            self.early_stopping_best = Some(value);
             self.evals_without_improvement = 0;
         } else {
             self.evals_without_improvement += 1;
@@ -434,19 +447,30 @@ mod tests {
 
     #[test]
     fn early_stopping_counts_evaluations_that_do_not_beat_the_best_by_min_delta() {
+        use crate::config::Monitor::{Accuracy, Loss};
         let mut m = MetricState::default();
         let counts: Vec<usize> = [1.0, 0.95, 0.97, 0.96, f64::NAN, 0.5]
             .iter()
-            .map(|&loss| m.count_for_early_stopping(loss, 0.05))
+            .map(|&loss| m.count_for_early_stopping(loss, Loss, 0.05))
             .collect();
         // 0.95, 0.97 and 0.96 do not beat 1.0 by more than min_delta; NaN never improves; 0.5 does.
         assert_eq!(counts, [0, 1, 2, 3, 4, 0]);
         assert_eq!(m.early_stopping_best, Some(0.5));
         // An equal loss is no improvement without min_delta either (Lightning's strict `<`).
         let mut m = MetricState::default();
-        assert_eq!(m.count_for_early_stopping(f64::INFINITY, 0.0), 1);
-        assert_eq!(m.count_for_early_stopping(0.7, 0.0), 0);
-        assert_eq!(m.count_for_early_stopping(0.7, 0.0), 1);
+        assert_eq!(m.count_for_early_stopping(f64::INFINITY, Loss, 0.0), 1);
+        assert_eq!(m.count_for_early_stopping(0.7, Loss, 0.0), 0);
+        assert_eq!(m.count_for_early_stopping(0.7, Loss, 0.0), 1);
+        // An accuracy must rise by more than min_delta (Lightning's mode="max").
+        let mut acc = MetricState::default();
+        let counts: Vec<usize> = [0.5, 0.505, 0.52, 0.4, 0.6]
+            .iter()
+            .map(|&a| acc.count_for_early_stopping(a, Accuracy, 0.01))
+            .collect();
+        assert_eq!(counts, [0, 1, 0, 1, 0]);
+        // Counting another figure than the state's (job.toml's monitor edited) starts over.
+        assert_eq!(acc.count_for_early_stopping(3.0, Loss, 0.0), 0);
+        assert_eq!(acc.early_stopping_best, Some(3.0));
         // The count travels in a checkpoint's state.json; older ones without it read as none.
         let json = serde_json::to_string(&m).unwrap();
         assert_eq!(serde_json::from_str::<MetricState>(&json).unwrap(), m);

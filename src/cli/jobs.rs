@@ -227,13 +227,18 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         plan.steps_per_epoch
     );
     outln!("total_steps       = {}", plan.total_steps);
-    if let Some(patience) = spec.train.early_stopping.patience {
+    let early = spec.train.early_stopping;
+    if let Some(patience) = early.patience {
         let when = match spec.train.eval_every {
             Some(n) => format!("each epoch's end and every {n} steps"),
             None => "each epoch's end".into(),
         };
+        let watched = match early.monitor {
+            crate::config::Monitor::Loss => "a lower loss",
+            crate::config::Monitor::Accuracy => "a higher accuracy",
+        };
         outln!(
-            "early_stopping    = after {patience} evaluation(s) in a row without improvement  \
+            "early_stopping    = after {patience} evaluation(s) in a row without {watched}  \
              (evaluations at {when}; train.early_stopping)"
         );
     }

@@ -14,7 +14,7 @@ use super::checks::{
 };
 use super::declare::section;
 use super::spec::{
-    Backend, DeviceChoice, OnWriteError, OptimizerSpec, Precision, ScheduleKind, Sharding,
+    Backend, DeviceChoice, Monitor, OnWriteError, OptimizerSpec, Precision, ScheduleKind, Sharding,
 };
 use crate::models::TargetModules;
 
@@ -195,16 +195,19 @@ section! {
 
 section! {
     /// `[train.early_stopping]`: training ends early when the evaluation loss (a classifier's
-    /// test loss, a language model's validation loss) has not improved for `patience`
-    /// evaluations in a row, as Lightning's `EarlyStopping` on the validation loss.
+    /// test loss, a language model's validation loss), or its accuracy, has not improved for
+    /// `patience` evaluations in a row, as Lightning's `EarlyStopping`.
     RawEarlyStopping at "train.early_stopping", checked into EarlyStoppingSpec + Copy {
         /// evaluations in a row (each epoch's end, and every `train.eval_every` steps) without
         /// an improvement after which training ends; `0` is off
         patience: i64 = 0, shown "`0` (off)"
             => patience: Option<usize> = zero_is_off();
-        /// an evaluation improves on the best loss so far only when it is lower by more than
-        /// this
+        /// an evaluation improves on the best so far only when it is better by more than this
+        /// (a loss lower, an accuracy higher; an accuracy is a fraction, 0.01 = 1 point)
         min_delta: f64 = 0.0 => min_delta: f64 = delta_needs_patience;
+        /// what is watched: `"loss"` (must fall, Lightning's `mode="min"`) or `"accuracy"`
+        /// (test or next-token accuracy; must rise, `mode="max"`)
+        monitor: String = "loss".into() => monitor: Monitor = monitor_needs_patience;
     }
 }
 
@@ -476,6 +479,18 @@ fn schedule_kind(c: &mut Checker, key: &str, kind: &String, s: &RawScheduler) ->
         "cosine" => ScheduleKind::Cosine { min_lr: s.min_lr },
         _ => ScheduleKind::Constant,
     }
+}
+
+fn monitor_needs_patience(c: &mut Checker, key: &str, v: &String, e: &RawEarlyStopping) -> Monitor {
+    let monitor = choice(&[("loss", Monitor::Loss), ("accuracy", Monitor::Accuracy)])(c, key, v, e);
+    if monitor != Monitor::Loss && e.patience == 0 {
+        c.fail(
+            key,
+            "has no effect without train.early_stopping.patience; set patience (evaluations \
+             without improvement before training ends) or remove monitor",
+        );
+    }
+    monitor
 }
 
 fn delta_needs_patience(c: &mut Checker, key: &str, &v: &f64, e: &RawEarlyStopping) -> f64 {

@@ -24,8 +24,8 @@ pub use source::{Source, flag_override};
 pub(crate) use spec::Backend;
 pub use spec::{
     Check, CheckpointSpec, DataSpec, DeviceChoice, DistributedSpec, Expectation, JobSpec,
-    ModelSpec, OnWriteError, OptimizerSpec, Precision, ScheduleKind, ScheduleSpec, Sharding,
-    TokenDtype, TokenizerKind,
+    ModelSpec, Monitor, OnWriteError, OptimizerSpec, Precision, ScheduleKind, ScheduleSpec,
+    Sharding, TokenDtype, TokenizerKind,
 };
 
 /// A validated job and the fully resolved config it came from (every default written out).

@@ -266,6 +266,37 @@ impl Sharding {
     }
 }
 
+/// `train.early_stopping.monitor`: the evaluation figure early stopping watches, as
+/// Lightning's `monitor` with the `mode` that fits it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Monitor {
+    /// The evaluation loss, which must fall (`mode = "min"`).
+    #[default]
+    Loss,
+    /// The evaluation accuracy (a classifier's, a language model's next-token one), which
+    /// must rise (`mode = "max"`).
+    Accuracy,
+}
+
+impl Monitor {
+    /// Whether `value` improves on `best` by more than `min_delta`.
+    pub fn improves(self, value: f64, best: f64, min_delta: f64) -> bool {
+        match self {
+            Monitor::Loss => value < best - min_delta,
+            Monitor::Accuracy => value > best + min_delta,
+        }
+    }
+
+    /// The figure of an evaluation of `loss` and `accuracy` it watches.
+    pub fn of(self, loss: f64, accuracy: f64) -> f64 {
+        match self {
+            Monitor::Loss => loss,
+            Monitor::Accuracy => accuracy,
+        }
+    }
+}
+
 /// `train.precision`: the dtype of the forward and backward passes. Weights, optimizer state
 /// and gradient averaging stay f32 either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

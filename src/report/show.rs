@@ -70,11 +70,11 @@ pub fn show(v: &JobView, now: u64) -> String {
     if let Some(summary) = &v.summary
         && let Some(early) = summary.stopped_early
     {
-        let loss_name = match summary.test_perplexity {
-            Some(_) => "validation loss",
-            None => "test loss",
+        let names = match summary.test_perplexity {
+            Some(_) => ("validation loss", "next-token accuracy"),
+            None => ("test loss", "test accuracy"),
         };
-        line("early stop", early.describe(loss_name));
+        line("early stop", early.describe(names));
     }
     let metrics = v.metrics();
     let eval = |loss: f64, accuracy: f64| Metric::describe_all(metrics, loss, accuracy);

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::TrainError;
 use crate::comm::Communicator;
+use crate::config::Monitor;
 use crate::jobdir::JobDirError;
 
 /// `summary.json` (**contract**: the first seven fields).
@@ -59,21 +60,28 @@ pub struct EarlyStop {
     /// The optimizer step after whose evaluation training ended, and the steps planned.
     pub step: usize,
     pub planned_steps: usize,
-    /// Evaluations in a row that did not improve on `loss_to_beat` by more than
+    /// Evaluations in a row that did not improve on `best` by more than
     /// `train.early_stopping.min_delta` (`patience` of them).
     pub evaluations: usize,
-    /// The best evaluation loss that counted as an improvement (none when no evaluation's
-    /// loss was finite).
-    pub loss_to_beat: Option<f64>,
+    /// The figure watched (`train.early_stopping.monitor`).
+    #[serde(default)]
+    pub monitor: crate::config::Monitor,
+    /// The best value of it that counted as an improvement (none when no evaluation's was
+    /// finite).
+    pub best: Option<f64>,
 }
 
 impl EarlyStop {
-    /// `stopped early after step 700 of 1000: 3 evaluations in a row did not improve on loss
-    /// 0.4123 (train.early_stopping)`.
-    pub fn describe(&self, loss_name: &str) -> String {
-        let beat = match self.loss_to_beat {
-            Some(loss) => format!("improve on {loss_name} {loss:.4}"),
-            None => format!("give a finite {loss_name}"),
+    /// `stopped early after step 700 of 1000: 3 evaluations in a row did not improve on test
+    /// loss 0.4123 (train.early_stopping)`, given what the loss and accuracy are called.
+    pub fn describe(&self, (loss_name, accuracy_name): (&str, &str)) -> String {
+        let beat = match (self.monitor, self.best) {
+            (Monitor::Loss, Some(loss)) => format!("improve on {loss_name} {loss:.4}"),
+            (Monitor::Accuracy, Some(a)) => {
+                format!("improve on {accuracy_name} {:.2}%", a * 100.0)
+            }
+            (Monitor::Loss, None) => format!("give a finite {loss_name}"),
+            (Monitor::Accuracy, None) => format!("give a finite {accuracy_name}"),
         };
         format!(
             "stopped early after step {} of {}: {} evaluation{} in a row did not {beat} \

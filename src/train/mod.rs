@@ -283,7 +283,7 @@ impl Trainer<'_> {
             self.end_epoch(&mut run, &epoch_run, batches)?;
         }
         if let Some(stop) = &run.stopped_early {
-            self.reporter.line(&stop.describe(self.loss_name()));
+            self.reporter.line(&stop.describe(self.eval_names()));
         }
         let eval = match run.last_eval.take() {
             Some(e) => e,
@@ -586,7 +586,8 @@ impl Trainer<'_> {
         // Every rank holds the same all-reduced loss, so every rank decides alike.
         let early = self.spec.train.early_stopping;
         if early.patience.is_some() {
-            metrics.count_for_early_stopping(eval.loss, early.min_delta);
+            let value = early.monitor.of(eval.loss, eval.accuracy);
+            metrics.count_for_early_stopping(value, early.monitor, early.min_delta);
         }
         // The plan's last evaluation ends the run anyway: no early stop to report.
         let stop = self
@@ -635,13 +636,25 @@ impl Trainer<'_> {
     /// Where `train.early_stopping` ends the run, by `metrics`' count after `step` of `planned`
     /// (`None` while it goes on).
     fn early_stop(&self, metrics: &MetricState, step: usize, planned: usize) -> Option<EarlyStop> {
-        let patience = self.spec.train.early_stopping.patience?;
-        (metrics.evals_without_improvement >= patience).then_some(EarlyStop {
+        let early = self.spec.train.early_stopping;
+        let patience = early.patience?;
+        // A count of another figure (job.toml's monitor edited since) does not end this run.
+        let counted = metrics.early_stopping_on.unwrap_or_default() == early.monitor;
+        (counted && metrics.evals_without_improvement >= patience).then_some(EarlyStop {
             step,
             planned_steps: planned,
             evaluations: metrics.evals_without_improvement,
-            loss_to_beat: metrics.early_stopping_best,
+            monitor: early.monitor,
+            best: metrics.early_stopping_best,
         })
+    }
+
+    /// What the evaluation's loss and accuracy are called in messages.
+    fn eval_names(&self) -> (&'static str, &'static str) {
+        match self.data.input() {
+            ModelInput::Tokens { .. } => ("validation loss", "next-token accuracy"),
+            ModelInput::Image { .. } => ("test loss", "test accuracy"),
+        }
     }
 
     fn loss_name(&self) -> &'static str {

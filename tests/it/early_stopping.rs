@@ -1,5 +1,5 @@
-//! `[train.early_stopping]`: a job ends once its evaluation loss has not improved for
-//! `patience` evaluations in a row, at the step the rule names, on any world size, and a job
+//! `[train.early_stopping]`: a job ends once its evaluation loss (or accuracy) has not improved
+//! for `patience` evaluations in a row, at the step the rule names, on any world size, and a job
 //! killed on the way there resumes to the same stop with the same weights.
 
 use crate::common::{TestJob, assert_same_bits};
@@ -40,12 +40,17 @@ keep_last = 0
 /// `metrics.jsonl`: the periodic ones (not step 0's, taken before training) and the epochs'
 /// (one per step: an epoch ended by a stop reports the evaluation that stopped it).
 fn evaluations(t: &TestJob, name: &str) -> Vec<(u64, f64)> {
+    figures(t, name, "test_loss")
+}
+
+/// (step, `field`) of every evaluation that counts, as [`evaluations`].
+fn figures(t: &TestJob, name: &str, field: &str) -> Vec<(u64, f64)> {
     let mut out: Vec<(u64, f64)> = Vec::new();
     for line in t.metrics(name) {
         if line["kind"] != "eval" && line["kind"] != "epoch" {
             continue;
         }
-        let (step, loss) = (line["step"].as_u64().unwrap(), line["test_loss"].as_f64());
+        let (step, loss) = (line["step"].as_u64().unwrap(), line[field].as_f64());
         if step > 0 && out.last().is_none_or(|&(s, _)| s != step) {
             out.push((step, loss.unwrap()));
         }
@@ -85,7 +90,8 @@ fn a_plateau_ends_the_job_where_the_rule_says() {
     assert!(step < 320, "stopped at the plan's end: {summary}");
     assert_eq!(stop["planned_steps"].as_u64(), Some(320));
     assert_eq!(stop["evaluations"].as_u64(), Some(3));
-    assert_eq!(stop["loss_to_beat"].as_f64(), Some(best));
+    assert_eq!(stop["best"].as_f64(), Some(best));
+    assert_eq!(stop["monitor"], "loss");
     assert!(
         run.stdout.contains(&format!(
             "stopped early after step {step} of 320: 3 evaluations in a row did not improve"
@@ -126,7 +132,7 @@ fn a_stop_mid_epoch_is_exact_and_a_resumed_job_stops_there_too() {
     assert_eq!(first.0, 5);
     assert_eq!(
         summary["stopped_early"],
-        serde_json::json!({"step": 10, "planned_steps": 24, "evaluations": 2, "loss_to_beat": first.1}),
+        serde_json::json!({"step": 10, "planned_steps": 24, "evaluations": 2, "monitor": "loss", "best": first.1}),
     );
     // The stopped epoch is closed as a cut-short one is (train.max_steps): counted, its line
     // written with the evaluation that stopped it, no other evaluation taken.
@@ -229,6 +235,52 @@ fn a_stop_mid_epoch_is_exact_and_a_resumed_job_stops_there_too() {
     );
 }
 
+/// `monitor = "accuracy"` (Lightning's `monitor="val_acc", mode="max"`): the stop comes where
+/// the test accuracy stopped rising by more than min_delta, whatever the loss did.
+#[test]
+fn an_accuracy_that_stops_rising_ends_the_job() {
+    let t = TestJob::new();
+    let cfg = t.config(
+        "job",
+        &job(
+            40,
+            3,
+            "patience = 2\nmonitor = \"accuracy\"\nmin_delta = 0.01",
+        ),
+    );
+    t.run(&cfg, &["--nproc-per-node", "2", "--name", "acc"])
+        .success();
+    let summary = t.json(&t.job("acc").join("summary.json"));
+    let stop = &summary["stopped_early"];
+    let (mut best, mut without, mut expected) = (f64::NEG_INFINITY, 0, None);
+    for (step, accuracy) in figures(&t, "acc", "test_accuracy") {
+        if accuracy > best + 0.01 {
+            (best, without) = (accuracy, 0);
+        } else {
+            without += 1;
+        }
+        if without == 2 {
+            expected = Some((step, best));
+            break;
+        }
+    }
+    let (step, best) = expected.expect("the rule stops within the run");
+    assert_eq!(
+        (stop["step"].as_u64(), stop["monitor"].as_str()),
+        (Some(step), Some("accuracy")),
+        "{summary}"
+    );
+    assert_eq!(stop["best"].as_f64(), Some(best));
+    assert!(step < 320, "{summary}");
+    let cfg = t.config("lonely", &job(3, 0, "monitor = \"accuracy\""));
+    t.ddpjob(&["validate", cfg.to_str().unwrap()])
+        .fails_with(2, "invalid `train.early_stopping.monitor`")
+        .fails_with(2, "has no effect without train.early_stopping.patience");
+    let cfg = t.config("other", &job(3, 0, "patience = 1\nmonitor = \"f1\""));
+    t.ddpjob(&["validate", cfg.to_str().unwrap()])
+        .fails_with(2, "unknown value \"f1\"");
+}
+
 #[test]
 fn early_stopping_keys_are_checked() {
     let t = TestJob::new();
@@ -247,7 +299,7 @@ fn early_stopping_keys_are_checked() {
     validated.success();
     assert!(
         validated.stdout.contains(
-            "early_stopping    = after 2 evaluation(s) in a row without improvement  \
+            "early_stopping    = after 2 evaluation(s) in a row without a lower loss  \
              (evaluations at each epoch's end and every 4 steps"
         ),
         "{}",

@@ -97,6 +97,11 @@ fn verdict_for(
         .map(|(setting, e)| format!("{setting} ({})", gb(needed(e))))
         .collect();
     let advice = match fitting.is_empty() {
+        // A worker's runtime alone (its process, its libraries) is over its share: too many
+        // workers for the memory, which neither batch nor sharding changes.
+        true if mine.runtime > free => "even an idle worker's runtime does not fit in its \
+                                        share: use fewer workers (--nproc-per-node)"
+            .to_string(),
         true => "no single setting makes it fit: lower train.batch_size (with \
                  train.accumulation to keep the step's batch), or use more workers with \
                  distributed.sharding"
@@ -264,6 +269,13 @@ mod tests {
         assert!(!why.contains("sharding ("), "{why}");
         let why = verdict(&mine, &options, 0, 1_000_000_000).unwrap_err();
         assert!(why.contains("no single setting makes it fit"), "{why}");
+        // Workers so many that the runtime alone is over a worker's share: fewer of them.
+        let idle = Estimate {
+            runtime: 40_000_000,
+            ..estimate(1_000, Some(1_000))
+        };
+        let why = verdict(&idle, &[], 0, 245_000).unwrap_err();
+        assert!(why.contains("use fewer workers (--nproc-per-node)"), "{why}");
     }
 
     #[test]

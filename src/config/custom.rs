@@ -171,6 +171,16 @@ fn take(
                         .map(|(at, n)| (at, f, n.starts_with('`')))
                 })
                 .min();
+            // serde may name only the value it stopped at (`unknown variant \`linear\``, inside
+            // a table): the one key whose value holds it.
+            let holding = || {
+                let word = problem.split('`').nth(1).filter(|w| !w.is_empty())?;
+                let mut holders = options
+                    .iter()
+                    .filter(|(_, v)| v.to_string().contains(word))
+                    .map(|(k, _)| format!("{}.{k}", section.name));
+                holders.next().filter(|_| holders.next().is_none())
+            };
             let key = named_first.map(|(at, f, quoted)| {
                 let top = format!("{}.{f}", section.name);
                 let deeper = problem[at..]
@@ -188,6 +198,7 @@ fn take(
                     _ => top,
                 }
             });
+            let key = key.or_else(holding);
             let at = match &key {
                 Some(k)
                     if options.contains_key(

@@ -701,3 +701,21 @@ fn a_flag_that_sets_a_key_is_named_as_typed() {
     let named = load_text("", &[&super::flag_override("--name", "exp-1")]).unwrap();
     assert_eq!(named.spec.name, "exp-1");
 }
+
+#[test]
+fn a_bad_value_inside_an_options_table_names_its_key_and_where_it_was_set() {
+    let llama = "[model]\narch = \"llama\"\nhidden_size = 32\nintermediate_size = 64\n\
+                 num_hidden_layers = 1\nnum_attention_heads = 2\nvocab_size = 64\n";
+    let err = load_text(
+        llama,
+        &["model.rope_scaling={rope_type=\"linear\", factor=2.0}"],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains(
+            "invalid `model.rope_scaling` (--set model.rope_scaling={rope_type=\"linear\""
+        ) && err.contains("unknown variant `linear`"),
+        "{err}"
+    );
+}

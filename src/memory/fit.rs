@@ -275,7 +275,10 @@ mod tests {
             ..estimate(1_000, Some(1_000))
         };
         let why = verdict(&idle, &[], 0, 245_000).unwrap_err();
-        assert!(why.contains("use fewer workers (--nproc-per-node)"), "{why}");
+        assert!(
+            why.contains("use fewer workers (--nproc-per-node)"),
+            "{why}"
+        );
     }
 
     #[test]

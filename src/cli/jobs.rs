@@ -250,8 +250,24 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
             language.block_size
         );
     }
-    if let Some((frozen, all)) = frozen {
-        outln!("frozen            = {frozen} of {all} parameter tensors  (model.freeze, LoRA)");
+    if let Some(f) = frozen {
+        outln!(
+            "frozen            = {} of {} parameter tensors  (model.freeze, LoRA)",
+            f.frozen,
+            f.all
+        );
+        let layers = match f.adapted.as_slice() {
+            [] => None,
+            [only] => Some(only.clone()),
+            [first, last] => Some(format!("{first}, {last}")),
+            [first, .., last] => Some(format!("{first}, ..., {last}")),
+        };
+        if let Some(layers) = layers {
+            outln!(
+                "lora_layers       = {}: {layers}  (model.lora.target_modules)",
+                f.adapted.len()
+            );
+        }
     }
     let threads = match placement.device_of(0).as_str() {
         "cpu" => crate::launch::cpu_threads_per_worker(placement.nproc),

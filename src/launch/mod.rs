@@ -414,7 +414,7 @@ pub(crate) fn cpu_threads_per_worker(nproc: usize) -> usize {
         .unwrap_or_else(|| group::threads_per_worker(nproc))
 }
 
-pub(crate) fn check_freeze(spec: &JobSpec) -> Result<Option<(usize, usize)>, String> {
+pub(crate) fn check_freeze(spec: &JobSpec) -> Result<Option<Frozen>, String> {
     if !freezes(spec) {
         return Ok(None);
     }
@@ -430,11 +430,20 @@ fn freezes(spec: &JobSpec) -> bool {
     !spec.model.freeze().is_empty() || spec.model.lora().is_some()
 }
 
+/// What a job freezes, for `validate`.
+pub(crate) struct Frozen {
+    /// Frozen parameter tensors, of all of them.
+    pub frozen: usize,
+    pub all: usize,
+    /// The layers LoRA adapts (`model.lora.target_modules` resolved), in the model's order.
+    pub adapted: Vec<String>,
+}
+
 /// [`check_freeze`] on a blank `model` of the job: its adapter (if any) loaded into it.
 fn frozen_counts(
     spec: &JobSpec,
     model: &dyn crate::models::Model,
-) -> Result<Option<(usize, usize)>, String> {
+) -> Result<Option<Frozen>, String> {
     if !freezes(spec) {
         return Ok(None);
     }
@@ -443,8 +452,15 @@ fn frozen_counts(
         crate::hf::peft::load_adapter(dir, params)
             .map_err(|e| format!("model.lora.adapter: {e}"))?;
     }
-    let frozen = params.frozen_count();
-    Ok(Some((frozen, params.len())))
+    let adapted = params
+        .iter()
+        .filter_map(|(name, _)| name.strip_suffix(".lora_A.weight").map(String::from))
+        .collect();
+    Ok(Some(Frozen {
+        frozen: params.frozen_count(),
+        all: params.len(),
+        adapted,
+    }))
 }
 
 /// The job's model with blank weights on the CPU (zeros, never touched: little memory), for

@@ -38,6 +38,17 @@ fn every_shipped_config_validates() {
                 "{}",
                 run.stdout
             );
+            // A LoRA recipe's adapted layers are spelt out (the fixture's 2 layers x 7).
+            if text.contains("[model.lora]") {
+                assert!(
+                    run.stdout.contains(
+                        "lora_layers       = 14: model.layers.0.self_attn.q_proj, ..., \
+                         model.layers.1.mlp.down_proj  (model.lora.target_modules)"
+                    ),
+                    "{}",
+                    run.stdout
+                );
+            }
             seen += 1;
         }
     }
@@ -188,4 +199,31 @@ fn keys_prints_the_reference_of_a_section_and_refuses_an_unknown_one() {
     assert!(!gpt.stdout.contains("llama"), "{}", gpt.stdout);
     t.ddpjob(&["keys", "trian"])
         .fails_with(2, "no config key is `trian` or under it");
+}
+
+/// LoRA's default targets (PEFT's for the arch) are spelt out by `validate`.
+#[test]
+fn validate_names_the_layers_lora_adapts_by_default() {
+    let t = TestJob::new();
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama");
+    let cfg = t.config(
+        "lora",
+        &format!(
+            "[model]\ninit_from = \"{}\"\nblock_size = 32\n[model.lora]\nr = 2\n[data]\n\
+             dataset = \"text\"\npath = \"{}\"\n",
+            fixture.display(),
+            t.path("t.txt").display()
+        ),
+    );
+    std::fs::write(t.path("t.txt"), "to be or not to be ".repeat(50)).unwrap();
+    let run = t.ddpjob(&["validate", cfg.to_str().unwrap()]);
+    run.success();
+    assert!(
+        run.stdout.contains(
+            "lora_layers       = 4: model.layers.0.self_attn.q_proj, ..., \
+             model.layers.1.self_attn.v_proj  (model.lora.target_modules)"
+        ),
+        "{}",
+        run.stdout
+    );
 }

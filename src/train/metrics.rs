@@ -65,7 +65,7 @@ pub struct EarlyStop {
     pub evaluations: usize,
     /// The figure watched (`train.early_stopping.monitor`).
     #[serde(default)]
-    pub monitor: crate::config::Monitor,
+    pub monitor: Monitor,
     /// The best value of it that counted as an improvement (none when no evaluation's was
     /// finite).
     pub best: Option<f64>,

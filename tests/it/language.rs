@@ -157,7 +157,10 @@ fn a_tiny_gpt_learns_text_and_samples_from_it() {
     );
     sample(&["--checkpoint", "best", "--json"]).success();
     sample(&["--prompt", "Zebra"]).fails_with(2, "'Z'");
-    sample(&["--checkpoint", "step-999"]).fails_with(2, "no weights");
+    // The job has finished: its final weights are there to sample, not a step-999.
+    sample(&["--checkpoint", "step-999"])
+        .fails_with(2, "no checkpoint for --checkpoint step-999")
+        .fails_with(2, "leave out --checkpoint for its final weights");
 }
 
 /// A model whose vocabulary is padded past the text's symbols (as nanoGPT pads GPT-2's) never

@@ -83,7 +83,7 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
     let show = t.ddpjob(&["show", "broken", "--jobs-dir", jobs]);
     show.success();
     for expected in [
-        "job broken: failed (`ddpjob resume broken` continues it)",
+        &format!("job broken: failed (`ddpjob resume broken --jobs-dir {jobs}` continues it)"),
         "error       job `broken` failed",
         "rank 0",
         "expect      not checked yet: min_test_accuracy, max_test_loss",
@@ -135,8 +135,9 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
         .fails_with(130, "interrupted by SIGINT");
     let show = t.ddpjob(&["show", "live", "--jobs-dir", jobs]);
     assert!(
-        show.stdout
-            .contains("job live: interrupted (`ddpjob resume live` continues it)"),
+        show.stdout.contains(&format!(
+            "job live: interrupted (`ddpjob resume live --jobs-dir {jobs}` continues it)"
+        )),
         "{}",
         show.stdout
     );
@@ -175,7 +176,9 @@ fn a_running_job_whose_launcher_was_killed_shows_as_stale() {
     assert!(
         show.stdout
             .contains("stale: state.json says running, but its launcher")
-            && show.stdout.contains("`ddpjob resume orphan` continues it"),
+            && show.stdout.contains(&format!(
+                "`ddpjob resume orphan --jobs-dir {jobs}` continues it"
+            )),
         "{}",
         show.stdout
     );

@@ -61,16 +61,33 @@ pub struct Locate<'a> {
 }
 
 impl Catalog {
-    /// Paths of the four files (`FILES` order), found or downloaded into `root`.
+    /// Paths of the four files (`FILES` order), found or downloaded into `root`, all from one
+    /// directory: `root` when it holds any of them (the rest downloaded there, or missing),
+    /// else the system's when it holds all four, else `root` (downloaded). Splits from two
+    /// directories would train on one dataset and evaluate on another.
     pub fn locate(&self, how: &Locate) -> Result<[PathBuf; 4], DataError> {
-        let dirs = [how.root, how.system_dir.as_path()];
+        let in_dir = |d: &Path| -> Vec<Option<PathBuf>> {
+            FILES
+                .iter()
+                .map(|file| {
+                    [d.join(file), d.join(format!("{file}.gz"))]
+                        .into_iter()
+                        .find(|p| p.is_file())
+                })
+                .collect()
+        };
+        let (in_root, in_system) = (in_dir(how.root), in_dir(&how.system_dir));
+        let system_whole = in_system.iter().all(Option::is_some);
+        let (hits, dirs) = if in_root.iter().any(Option::is_some) {
+            (in_root, vec![how.root])
+        } else if system_whole {
+            (in_system, vec![how.system_dir.as_path()])
+        } else {
+            (in_root, vec![how.root, how.system_dir.as_path()])
+        };
         let mut found: Vec<PathBuf> = Vec::with_capacity(4);
         let mut missing = Vec::new();
-        for (i, file) in FILES.iter().enumerate() {
-            let hit = dirs
-                .iter()
-                .flat_map(|d| [d.join(file), d.join(format!("{file}.gz"))])
-                .find(|p| p.is_file());
+        for (i, (file, hit)) in FILES.iter().zip(hits).enumerate() {
             match hit {
                 Some(p) => found.push(p),
                 None if how.download => {
@@ -108,5 +125,51 @@ impl Catalog {
             found[2].clone(),
             found[3].clone(),
         ])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(dir: &Path, files: &[&str]) {
+        std::fs::create_dir_all(dir).unwrap();
+        for f in files {
+            std::fs::write(dir.join(f), b"").unwrap();
+        }
+    }
+
+    #[test]
+    fn the_four_files_come_from_one_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (root, system) = (tmp.path().join("root"), tmp.path().join("system"));
+        let gz: Vec<String> = FILES.iter().map(|f| format!("{f}.gz")).collect();
+        put(&system, &gz.iter().map(String::as_str).collect::<Vec<_>>());
+        let sums = BTreeMap::new();
+        let locate = |root: &Path| {
+            FASHION_MNIST.locate(&Locate {
+                root,
+                system_dir: system.clone(),
+                download: false,
+                mirrors: &[],
+                checksums: &sums,
+            })
+        };
+        // Nothing in data.root: the system's four.
+        let found = locate(&root).unwrap();
+        assert!(found.iter().all(|p| p.starts_with(&system)), "{found:?}");
+        // data.root with the test split only: not trained on the system's train split and
+        // evaluated on data.root's test split; the missing ones are named.
+        put(&root, &[FILES[2], FILES[3]]);
+        let err = locate(&root).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("missing {}, {}", FILES[0], FILES[1]))
+                && err.contains(&format!("(looked in {})", root.display())),
+            "{err}"
+        );
+        // All four there (raw or .gz): data.root's.
+        put(&root, &[&gz[0], FILES[1]]);
+        let found = locate(&root).unwrap();
+        assert!(found.iter().all(|p| p.starts_with(&root)), "{found:?}");
     }
 }

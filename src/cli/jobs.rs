@@ -170,6 +170,13 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     let derived = spec.for_world_size(world).map_err(|e| (2, anyhow!(e)))?;
     let spec = &derived;
     let plan = spec.plan(train_samples, world);
+    // A count of 0 is data not on disk yet (a download, token files to prepare): said below.
+    if let Some(why) = spec
+        .no_steps(train_samples, world)
+        .filter(|_| train_samples > 0)
+    {
+        return Err((2, anyhow!("{}: {why}", args.config.display())));
+    }
     out!("{}", loaded.resolved_toml());
     outln!();
     match nnodes {

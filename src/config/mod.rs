@@ -270,6 +270,24 @@ impl JobSpec {
         }
     }
 
+    /// Why a job of `train_samples` samples on `world_size` ranks would take no optimizer step
+    /// (each rank's share of the data is empty); `None` when it takes some.
+    pub fn no_steps(&self, train_samples: usize, world_size: usize) -> Option<String> {
+        if self.plan(train_samples, world_size).total_steps > 0 {
+            return None;
+        }
+        Some(match (train_samples, self.data.drop_last) {
+            (0, _) => "the training split has no samples: give the job data".into(),
+            (n, true) => format!(
+                "no optimizer step to take: data.drop_last = true drops the {n} training \
+                 sample(s), fewer than the {world_size} ranks, leaving each rank none; set \
+                 drop_last = false (the tail padded, as torch's DistributedSampler does) or use \
+                 fewer workers"
+            ),
+            (n, false) => format!("no optimizer step to take over {n} training sample(s)"),
+        })
+    }
+
     /// Optimizer steps that `samples` samples of one epoch take on `world_size` ranks.
     pub fn steps_for(&self, samples: usize, world_size: usize) -> usize {
         self.micro_batches_for(samples, world_size)

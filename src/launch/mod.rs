@@ -257,6 +257,13 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
         Decision::Start => {
             // The data is found and checked before the job exists, so bad data creates nothing.
             let kept = prepare_data(spec, None)?;
+            // A job that would take no step is refused before it exists, where the data says
+            // its size without being read (else the workers refuse it; 0 is "not known yet").
+            let counted = crate::registry::Registry::current().train_samples(&spec.data);
+            let counted = counted.filter(|&(n, _)| n > 0);
+            if let Some(why) = counted.and_then(|(n, _)| spec.no_steps(n, layout.world_size())) {
+                return Err(RunError::Usage(why));
+            }
             // One blank model for the checks; one that cannot be built is refused here.
             let blank = blank_model(spec, spec.train.precision).map_err(RunError::Usage)?;
             if let Some(model) = blank.as_deref() {

@@ -205,6 +205,9 @@ impl Trainer<'_> {
                  distributed.virtual_shards) or give more data"
             )));
         }
+        if let Some(why) = spec.no_steps(train_len, world) {
+            return Err(TrainError::Unfit(why));
+        }
         let position = self.resume.as_ref().map(|r| r.position.clone());
         let start = Start::new(
             spec,

@@ -361,6 +361,24 @@ fn an_uneven_tail_is_padded_or_dropped_as_torch_does() {
             "drop_last = {drop_last}: {summary}"
         );
     }
+    // Dropping a tail that is all there is leaves no step: refused before the job exists
+    // (by `validate` too), not a job that trains nothing.
+    let one = [
+        "--set",
+        "data.synthetic.train_samples=1",
+        "--set",
+        "data.drop_last=true",
+    ];
+    let why = "data.drop_last = true drops the 1 training sample(s), fewer than the 2 ranks";
+    t.run(
+        &cfg,
+        &[&one[..], &["--name", "empty", "--nproc-per-node", "2"]].concat(),
+    )
+    .fails_with(2, why);
+    assert!(!t.job("empty").exists());
+    let cfg = cfg.to_str().unwrap();
+    t.ddpjob(&[&["validate", cfg, "--nproc-per-node", "2"][..], &one[..]].concat())
+        .fails_with(2, why);
 }
 
 #[test]

@@ -719,3 +719,14 @@ fn a_bad_value_inside_an_options_table_names_its_key_and_where_it_was_set() {
         "{err}"
     );
 }
+
+#[test]
+fn an_empty_data_root_is_refused() {
+    let err = error("[data]\nroot = \"\"\n");
+    assert!(
+        err.contains(
+            "data.root is empty: name the directory of the IDX files (by default \"data/mnist\")"
+        ),
+        "{err}"
+    );
+}

@@ -151,6 +151,13 @@ impl<S: IdxSet> IdxOptions<S> {
 impl<S: IdxSet> DatasetOptions for IdxOptions<S> {
     fn complete(self, cx: &DataContext) -> Result<Self, String> {
         images_for(S::CATALOG.name, cx)?;
+        if self.root.trim().is_empty() {
+            return Err(format!(
+                "data.root is empty: name the directory of the IDX files (by default \
+                 \"{}\")",
+                default_root::<S>()
+            ));
+        }
         sha256_digests(&self.checksums)?;
         check_normalization(&self.mean, &self.std, 1)?;
         Ok(self)

@@ -1,11 +1,11 @@
 //! Fetches a file from a list of mirrors into a temp file beside its destination, checks its
 //! SHA-256 while streaming, and renames it into place only when it verifies: a failed or corrupt
-//! download leaves nothing behind.
+//! download leaves nothing behind (and one cut short by a kill is removed by the next).
 
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
@@ -21,14 +21,24 @@ pub fn download(
 ) -> Result<(), DataError> {
     let dir = dest.parent().unwrap_or(Path::new("."));
     let dir_existed = dir.exists();
-    std::fs::create_dir_all(dir).map_err(|cause| DataError::Io {
-        path: dir.into(),
-        cause,
-    })?;
+    // A directory that cannot take the file is the config's to fix, not the network's.
+    let unwritable = |cause: std::io::Error| {
+        DataError::Mismatch(format!(
+            "cannot download {file_name} into `{}`: {cause}; set the data's directory \
+             (data.root, data.path) to a writable directory, or put the file there by hand",
+            dir.display()
+        ))
+    };
+    std::fs::create_dir_all(dir).map_err(unwritable)?;
+    let probe = dir.join(format!(".{file_name}.part-{}", std::process::id()));
+    File::create(&probe).map_err(unwritable)?;
+    let _ = std::fs::remove_file(&probe);
+    remove_abandoned_parts(dir, file_name);
     let mut failures = Vec::new();
-    for mirror in mirrors {
+    for (i, mirror) in mirrors.iter().enumerate() {
         let url = format!("{}/{file_name}", mirror.trim_end_matches('/'));
         let tmp = dir.join(format!(".{file_name}.part-{}", std::process::id()));
+        outln!("downloading {file_name} from {url} ...");
         match fetch_verified(&url, sha256, &tmp) {
             Ok(()) => {
                 return std::fs::rename(&tmp, dest).map_err(|cause| {
@@ -41,6 +51,9 @@ pub fn download(
             }
             Err(problem) => {
                 let _ = std::fs::remove_file(&tmp);
+                if i + 1 < mirrors.len() {
+                    outln!("  {url}: {problem}; trying the next mirror");
+                }
                 failures.push(format!("{url}: {problem}"));
             }
         }
@@ -56,14 +69,44 @@ pub fn download(
     })
 }
 
+/// Temp files of this name that a download killed on the way left (their process is gone).
+fn remove_abandoned_parts(dir: &Path, file_name: &str) {
+    let prefix = format!(".{file_name}.part-");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(&prefix)
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: signal 0 only asks whether the process exists.
+        let alive = pid > 0 && unsafe { libc::kill(pid, 0) } == 0;
+        if !alive {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// How often a download in progress says how far it is.
+const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+
 fn fetch_verified(url: &str, sha256: Option<&str>, tmp: &Path) -> Result<(), String> {
+    // The headers within 30 s; the body within 300 s in all (ureq bounds the whole body, not
+    // each read), saying how far it is every 10 s.
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_connect(Some(Duration::from_secs(15)))
+        .timeout_recv_response(Some(Duration::from_secs(30)))
         .timeout_recv_body(Some(Duration::from_secs(300)))
         .build()
         .into();
     let response = agent.get(url).call().map_err(|e| e.to_string())?;
+    let total = response.body().content_length();
     let mut body = response.into_body().into_reader();
+    let (mut got, mut said) = (0u64, Instant::now());
     let mut out = File::create(tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 16];
@@ -77,6 +120,15 @@ fn fetch_verified(url: &str, sha256: Option<&str>, tmp: &Path) -> Result<(), Str
         hasher.update(&buf[..n]);
         out.write_all(&buf[..n])
             .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+        got += n as u64;
+        if said.elapsed() >= PROGRESS_EVERY {
+            said = Instant::now();
+            let mb = |b: u64| b as f64 / 1e6;
+            match total {
+                Some(t) => outln!("  {:.1} of {:.1} MB", mb(got), mb(t)),
+                None => outln!("  {:.1} MB", mb(got)),
+            }
+        }
     }
     out.sync_all()
         .map_err(|e| format!("cannot sync {}: {e}", tmp.display()))?;
@@ -92,4 +144,45 @@ fn fetch_verified(url: &str, sha256: Option<&str>, tmp: &Path) -> Result<(), Str
 /// Lowercase hex of a digest.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_part_file_of_a_process_that_is_gone_is_removed_and_a_live_ones_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let (abandoned, live, other) = (
+            tmp.path().join(format!(".t10k.gz.part-{gone}")),
+            tmp.path()
+                .join(format!(".t10k.gz.part-{}", std::process::id())),
+            tmp.path().join(format!(".train.gz.part-{gone}")),
+        );
+        for f in [&abandoned, &live, &other] {
+            std::fs::write(f, b"half").unwrap();
+        }
+        remove_abandoned_parts(tmp.path(), "t10k.gz");
+        assert!(!abandoned.exists());
+        assert!(live.exists() && other.exists());
+    }
+
+    #[test]
+    fn a_directory_that_cannot_take_the_file_is_named_before_any_mirror_is_tried() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("afile");
+        std::fs::write(&file, b"").unwrap();
+        let mirrors = ["http://127.0.0.1:9/never".to_string()];
+        let err = download(&mirrors, "x.gz", None, &file.join("x.gz")).unwrap_err();
+        assert!(matches!(err, DataError::Mismatch(_)), "{err:?}");
+        let err = err.to_string();
+        assert!(
+            err.contains(&format!("cannot download x.gz into `{}`", file.display()))
+                && err.contains("set the data's directory (data.root, data.path) to a writable"),
+            "{err}"
+        );
+    }
 }

@@ -141,7 +141,18 @@ fn downloads_verifies_and_trains_then_reuses_the_files() {
     let mirrors = vec![serve(HashMap::new()), serve(files.clone())];
     let t = TestJob::new();
     let cfg = t.config("dl", &config(&mirrors, &sums));
-    t.run(&cfg, &[]).success();
+    let run = t.run(&cfg, &[]);
+    run.success();
+    // Each file says where it comes from, and why the first mirror was passed over.
+    let first = format!("{}/train-images-idx3-ubyte.gz", mirrors[0]);
+    assert!(
+        run.stdout.contains(&format!(
+            "downloading train-images-idx3-ubyte.gz from {first} ..."
+        )) && run.stdout.contains(&format!("  {first}: "))
+            && run.stdout.contains("; trying the next mirror"),
+        "{}",
+        run.stdout
+    );
     let mut stored = files_in(&t.path("data/mnist"));
     stored.sort();
     assert_eq!(

@@ -130,8 +130,12 @@ fn bad_values_are_each_named() {
         ),
         ("[data]\nmean = [0.1]\n", "`data.std`"),
         (
-            "[data.checksums]\n\"a.gz\" = \"xyz\"\n",
-            "`data.checksums.a.gz`",
+            "[data.checksums]\n\"t10k-labels-idx1-ubyte.gz\" = \"xyz\"\n",
+            "`data.checksums.t10k-labels-idx1-ubyte.gz` (configs/x.toml:2:31): [data] (dataset = \"mnist\"): data.checksums.t10k-labels-idx1-ubyte.gz = \"xyz\": must be a SHA-256 digest",
+        ),
+        (
+            "[data.checksums]\n\"trian-labels-idx1-ubyte.gz\" = \"xyz\"\n",
+            "`data.checksums.trian-labels-idx1-ubyte.gz` (configs/x.toml:2:32): [data] (dataset = \"mnist\"): data.checksums.trian-labels-idx1-ubyte.gz: not a file this dataset downloads",
         ),
     ];
     for (text, expected) in cases {
@@ -729,4 +733,20 @@ fn an_empty_data_root_is_refused() {
         ),
         "{err}"
     );
+}
+
+#[test]
+fn normalisation_must_be_finite_and_its_std_of_normal_size() {
+    for (mean, std, key) in [
+        ("nan", "1.0", "data.mean"),
+        ("0.0", "1e-45", "data.std"),
+        ("0.0", "inf", "data.std"),
+    ] {
+        let err = error(&format!("[data]\nmean = [{mean}]\nstd = [{std}]\n"));
+        assert!(
+            err.contains(&format!("invalid `{key}`")),
+            "{mean}/{std}: {err}"
+        );
+    }
+    load_text("[data]\nmean = [0.1307]\nstd = [0.3081]\n", &[]).unwrap();
 }

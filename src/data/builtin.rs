@@ -158,7 +158,8 @@ impl<S: IdxSet> DatasetOptions for IdxOptions<S> {
                 default_root::<S>()
             ));
         }
-        sha256_digests(&self.checksums)?;
+        let files: Vec<String> = catalog::FILES.iter().map(|f| format!("{f}.gz")).collect();
+        sha256_digests(&self.checksums, &files)?;
         check_normalization(&self.mean, &self.std, 1)?;
         Ok(self)
     }
@@ -378,8 +379,20 @@ fn images_for(dataset: &str, cx: &DataContext) -> Result<(), String> {
     }
 }
 
-pub(super) fn sha256_digests(sums: &BTreeMap<String, String>) -> Result<(), String> {
+/// `data.checksums`: each a SHA-256 digest, of one of the files `names` the dataset downloads
+/// (a digest under another name would never be checked).
+pub(super) fn sha256_digests(
+    sums: &BTreeMap<String, String>,
+    names: &[String],
+) -> Result<(), String> {
     for (file, digest) in sums {
+        if !names.contains(file) {
+            return Err(format!(
+                "data.checksums.{file}: not a file this dataset downloads, so it would never be \
+                 checked; its files: {}",
+                names.join(", ")
+            ));
+        }
         if digest.len() != 64 || !digest.chars().all(|ch| ch.is_ascii_hexdigit()) {
             return Err(format!(
                 "data.checksums.{file} = \"{digest}\": must be a SHA-256 digest, 64 hex digits"
@@ -406,8 +419,18 @@ fn check_normalization(mean: &[f64], std: &[f64], channels: usize) -> Result<(),
             std.len()
         ));
     }
-    match std.iter().find(|&&s| s.is_nan() || s <= 0.0) {
-        Some(s) => Err(format!("data.std: every value must be above 0, got {s}")),
+    if let Some(m) = mean.iter().find(|m| !m.is_finite()) {
+        return Err(format!(
+            "data.mean: every value must be a finite number, got {m}"
+        ));
+    }
+    // Pixels are divided by it in f32: it must be a finite f32 of normal size.
+    let usable = |s: f64| s.is_finite() && s as f32 >= f32::MIN_POSITIVE && (s as f32).is_finite();
+    match std.iter().find(|&&s| !usable(s)) {
+        Some(s) => Err(format!(
+            "data.std: every value must be a finite number above 0 (at least {:e}), got {s}",
+            f32::MIN_POSITIVE
+        )),
         None => Ok(()),
     }
 }

@@ -167,7 +167,12 @@ impl DatasetOptions for TextOptions {
                 self.val_fraction
             ));
         }
-        sha256_digests(&self.checksums)?;
+        let file = Path::new(self.path.as_deref().unwrap_or_default()).file_name();
+        let files: Vec<String> = file
+            .map(|f| f.to_string_lossy().into_owned())
+            .into_iter()
+            .collect();
+        sha256_digests(&self.checksums, &files)?;
         Ok(self)
     }
 

@@ -281,7 +281,20 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
         _ => 1,
     };
     match memory_lines(spec, world, threads, &placement) {
-        Ok(lines) => lines.iter().for_each(|l| outln!("{l}")),
+        Ok((lines, fits)) => {
+            lines.iter().for_each(|l| outln!("{l}"));
+            // `run` refuses what does not fit: so does `validate`, after saying why.
+            if !fits {
+                return Err((
+                    2,
+                    anyhow!(
+                        "{}: its workers do not fit this machine's memory (see above); `run` \
+                         would refuse it",
+                        args.config.display()
+                    ),
+                ));
+            }
+        }
         Err(why) => outln!("memory_per_worker = not estimated ({why})"),
     }
     errln!("{}: ok", args.config.display());
@@ -290,13 +303,14 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
 
 /// The memory estimate per worker (see `memory`), what sharding or activation checkpointing
 /// would make of it where the job does not use them yet, and whether it fits: each GPU's free
-/// memory, or CPU workers this machine's. Builds the model on the CPU to count its parameters.
+/// memory, or CPU workers this machine's (the flag: whether they fit). Builds the model on the
+/// CPU to count its parameters.
 fn memory_lines(
     spec: &config::JobSpec,
     world: usize,
     threads: usize,
     placement: &crate::device::Placement,
-) -> Result<Vec<String>, String> {
+) -> Result<(Vec<String>, bool), String> {
     let gpus = &placement.gpus;
     use crate::memory::{Layout, estimate, fit};
     let input = match crate::registry::Registry::current().data_input(&spec.data) {
@@ -330,7 +344,9 @@ fn memory_lines(
     for (setting, other) in &alternatives {
         lines.push(format!("  with {setting}: {}", total(other)));
     }
+    let mut fits = true;
     for (gpu, free, verdict) in fit::gpu_verdicts(spec, model.as_ref(), layout, gpus) {
+        fits &= verdict.is_ok();
         lines.push(match verdict {
             Ok(()) => format!(
                 "  fits GPU {gpu} ({} free; activations not counted)",
@@ -342,18 +358,18 @@ fn memory_lines(
     // CPU workers share this machine's memory (`run` refuses them as it does a GPU job).
     if let (true, Some(available)) = (gpus.is_empty(), fit::available_host_memory()) {
         let workers = placement.nproc;
-        lines.push(
-            match fit::check_host(spec, model.as_ref(), layout, workers, available) {
-                Ok(()) => format!(
-                    "  fits this machine ({} available for {workers} CPU worker{})",
-                    crate::memory::gb(available),
-                    if workers == 1 { "" } else { "s" }
-                ),
-                Err(why) => format!("  does not fit: {why}"),
-            },
-        );
+        let verdict = fit::check_host(spec, model.as_ref(), layout, workers, available);
+        fits &= verdict.is_ok();
+        lines.push(match verdict {
+            Ok(()) => format!(
+                "  fits this machine ({} available for {workers} CPU worker{})",
+                crate::memory::gb(available),
+                if workers == 1 { "" } else { "s" }
+            ),
+            Err(why) => format!("  does not fit: {why}"),
+        });
     }
-    Ok(lines)
+    Ok((lines, fits))
 }
 
 /// Where `validate`'s count of training samples comes from, when it opened the data.

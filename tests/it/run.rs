@@ -184,10 +184,13 @@ fn a_model_larger_than_the_machine_is_refused_before_launch() {
             .fails_with(2, "for each of its 2 workers (fewer with --nproc-per-node)"),
     };
     assert!(!t.job("huge").exists());
-    // `validate` says so too, from the same blank weights.
+    // `validate` says so too, from the same blank weights, and refuses it as `run` does.
     if !strict {
         let validate = t.ddpjob(&["validate", cfg.to_str().unwrap()]);
-        validate.success();
+        validate.fails_with(
+            2,
+            "its workers do not fit this machine's memory (see above)",
+        );
         assert!(
             validate
                 .stdout

@@ -198,7 +198,13 @@ fn take(
                     _ => top,
                 }
             });
-            let key = key.or_else(holding);
+            // toml's own errors end with the path they stopped in: "in `synthetic.shape`".
+            let stopped_in = || {
+                let (_, rest) = problem.rsplit_once("in `")?;
+                let path = rest.split('`').next().filter(|p| !p.is_empty())?;
+                Some(format!("{}.{path}", section.name))
+            };
+            let key = stopped_in().or(key).or_else(holding);
             let at = match &key {
                 Some(k)
                     if options.contains_key(
@@ -208,7 +214,16 @@ fn take(
                             .unwrap_or_default(),
                     ) =>
                 {
-                    source.value_origin(k)
+                    // The key, or the table above it that was set whole (`--set k={...}`).
+                    let mut path = k.as_str();
+                    loop {
+                        match (source.value_origin(path), path.rsplit_once('.')) {
+                            (Origin::Defaulted(_), Some((up, _))) if up != section.name => {
+                                path = up;
+                            }
+                            (origin, _) => break origin,
+                        }
+                    }
                 }
                 _ => source.key_origin(section.name),
             };

@@ -718,8 +718,28 @@ fn a_bad_value_inside_an_options_table_names_its_key_and_where_it_was_set() {
     .to_string();
     assert!(
         err.contains(
-            "invalid `model.rope_scaling` (--set model.rope_scaling={rope_type=\"linear\""
+            "invalid `model.rope_scaling.rope_type` (--set model.rope_scaling={rope_type=\"linear\""
         ) && err.contains("unknown variant `linear`"),
+        "{err}"
+    );
+    let err = load_text(
+        "[data]\ndataset = \"synthetic\"\n",
+        &["data.synthetic.shape=[1,8]"],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("invalid `data.synthetic.shape` (--set data.synthetic.shape=[1,8])"),
+        "{err}"
+    );
+    let err = load_text(
+        "[data]\ndataset = \"synthetic\"\n",
+        &["data.synthetic.test_samples=0"],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("invalid `data.synthetic.test_samples` (--set data.synthetic.test_samples=0)"),
         "{err}"
     );
 }

@@ -315,8 +315,10 @@ impl DatasetOptions for SyntheticOptions {
     fn complete(self, cx: &DataContext) -> Result<Self, String> {
         images_for("synthetic", cx)?;
         let s = &self.synthetic;
-        let problem = if s.train_samples == 0 || s.test_samples == 0 {
-            Some("data.synthetic.train_samples and test_samples must be at least 1".to_string())
+        let problem = if s.train_samples == 0 {
+            Some("data.synthetic.train_samples must be at least 1".to_string())
+        } else if s.test_samples == 0 {
+            Some("data.synthetic.test_samples must be at least 1".to_string())
         } else if s.shape.contains(&0) {
             Some(format!(
                 "data.synthetic.shape = {:?}: every dimension must be at least 1",

@@ -56,7 +56,10 @@ pub fn parse_idx(path: &Path, bytes: &[u8]) -> Result<IdxArray, DataError> {
     if bytes[0] != 0 || bytes[1] != 0 {
         return Err(corrupt(
             path,
-            format!("bad magic {:02x?}: not an IDX file", &bytes[..4]),
+            format!(
+                "bad magic 0x{}: not an IDX file (it starts 0x0000 0x08..0x0E 0x01..)",
+                super::download::hex(&bytes[..4])
+            ),
         ));
     }
     if bytes[2] != 0x08 {

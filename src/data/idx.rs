@@ -57,7 +57,8 @@ pub fn parse_idx(path: &Path, bytes: &[u8]) -> Result<IdxArray, DataError> {
         return Err(corrupt(
             path,
             format!(
-                "bad magic 0x{}: not an IDX file (it starts 0x0000 0x08..0x0E 0x01..)",
+                "bad magic 0x{}: not an IDX file (one starts with two zero bytes, a type byte \
+                 and its number of dimensions)",
                 super::download::hex(&bytes[..4])
             ),
         ));

@@ -184,9 +184,15 @@ impl<S: IdxSet> DatasetOptions for IdxOptions<S> {
             .and_then(|paths| idx::read_idx(&paths[1]).ok()?.dims.first().copied());
         Some(match counted {
             Some(n) => (n, "counted in the files".into()),
+            None if self.download => (
+                60_000,
+                "the standard split; its files are not on disk yet (`run` downloads them)".into(),
+            ),
             None => (
                 60_000,
-                "the standard split; its files are not on disk yet".into(),
+                "the standard split; its files are not on disk, and data.download = false: \
+                 `run` will not find them"
+                    .into(),
             ),
         })
     }

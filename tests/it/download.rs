@@ -297,10 +297,20 @@ fn validate_counts_the_samples_of_the_files_on_disk() {
     let out = t.ddpjob(&["validate", &t.config("absent", &text).to_string_lossy()]);
     out.success();
     assert!(
-        out.stdout
-            .contains("60000  (the standard split; its files are not on disk yet)"),
+        out.stdout.contains(
+            "60000  (the standard split; its files are not on disk yet (`run` downloads them))"
+        ),
         "{}",
         out.stdout
     );
     assert!(!empty.exists(), "validate downloaded or created something");
+    // Without downloads, nothing will fetch them: said so, not "yet".
+    let offline = text.replace("download = true", "download = false");
+    let out = t.ddpjob(&["validate", &t.config("offline", &offline).to_string_lossy()]);
+    assert!(
+        out.stdout
+            .contains("not on disk, and data.download = false: `run` will not find them"),
+        "{}",
+        out.stdout
+    );
 }

@@ -276,8 +276,12 @@ impl JobSpec {
         if self.plan(train_samples, world_size).total_steps > 0 {
             return None;
         }
+        let global = self.train.batch_size * self.train.accumulation * world_size;
         Some(match (train_samples, self.data.drop_last) {
             (0, _) => "the training split has no samples: give the job data".into(),
+            (n, _) if self.distributed.world_size_invariant && n < global => {
+                invariant_needs_a_batch(n, global)
+            }
             (n, true) => format!(
                 "no optimizer step to take: data.drop_last = true drops the {n} training \
                  sample(s), fewer than the {world_size} ranks, leaving each rank none; set \
@@ -293,6 +297,16 @@ impl JobSpec {
         self.micro_batches_for(samples, world_size)
             .div_ceil(self.train.accumulation)
     }
+}
+
+/// World-size-invariant training trains on whole global batches: `train_samples` fewer than
+/// one (`global`) leave it nothing.
+pub fn invariant_needs_a_batch(train_samples: usize, global: usize) -> String {
+    format!(
+        "distributed.deterministic = \"world-size-invariant\" trains on whole global batches, but \
+         the {train_samples} training samples are fewer than train.global_batch_size = {global}: \
+         lower it (a multiple of distributed.virtual_shards) or give more data"
+    )
 }
 
 #[cfg(test)]

@@ -261,8 +261,13 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
             // its size without being read (else the workers refuse it; 0 is "not known yet").
             let counted = crate::registry::Registry::current().train_samples(&spec.data);
             let counted = counted.filter(|&(n, _)| n > 0);
-            if let Some(why) = counted.and_then(|(n, _)| spec.no_steps(n, layout.world_size())) {
-                return Err(RunError::Usage(why));
+            if let Some((n, _)) = counted {
+                // The batch each worker takes on this world size (train.global_batch_size's).
+                let world = layout.world_size();
+                let derived = spec.for_world_size(world).map_err(RunError::Usage)?;
+                if let Some(why) = derived.no_steps(n, world) {
+                    return Err(RunError::Usage(why));
+                }
             }
             // One blank model for the checks; one that cannot be built is refused here.
             let blank = blank_model(spec, spec.train.precision).map_err(RunError::Usage)?;

@@ -198,11 +198,8 @@ impl Trainer<'_> {
         let train_len = self.data.train_len();
         let global = t.batch_size * t.accumulation * world;
         if spec.distributed.world_size_invariant && train_len < global {
-            return Err(TrainError::Unfit(format!(
-                "distributed.deterministic = \"world-size-invariant\" trains on whole global \
-                 batches, but the {train_len} training samples are fewer than \
-                 train.global_batch_size = {global}: lower it (a multiple of \
-                 distributed.virtual_shards) or give more data"
+            return Err(TrainError::Unfit(crate::config::invariant_needs_a_batch(
+                train_len, global,
             )));
         }
         if let Some(why) = spec.no_steps(train_len, world) {

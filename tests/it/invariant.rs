@@ -175,15 +175,16 @@ fn what_the_mode_cannot_do_is_refused_naming_the_key() {
     ] {
         assert!(run.stderr.contains(expected), "{expected}: {}", run.stderr);
     }
-    // Fewer samples than one global batch: no whole batch to train on, said once the data is
-    // open.
+    // Fewer samples than one global batch: no whole batch to train on, said before the job
+    // exists.
     let text = TINY
         .replace("train_samples = 512", "train_samples = 40")
         .replace("batch_size = 32", "global_batch_size = 64")
         + base;
     let small = t.config("c", &text);
-    t.run_env(&small, &[], &[]).fails_with(
-        1,
+    t.run_env(&small, &["--name", "small"], &[]).fails_with(
+        2,
         "the 40 training samples are fewer than train.global_batch_size = 64",
     );
+    assert!(!t.job("small").exists());
 }

@@ -200,9 +200,12 @@ fn take(
             });
             // toml's own errors end with the path they stopped in: "in `synthetic.shape`".
             let stopped_in = || {
-                let (_, rest) = problem.rsplit_once("in `")?;
-                let path = rest.split('`').next().filter(|p| !p.is_empty())?;
-                Some(format!("{}.{path}", section.name))
+                let last = problem.trim_end().lines().last()?;
+                let path = last.strip_prefix("in `")?.strip_suffix('`')?;
+                let top = path.split('.').next()?;
+                options
+                    .contains_key(top)
+                    .then(|| format!("{}.{path}", section.name))
             };
             let key = stopped_in().or(key).or_else(holding);
             let at = match &key {

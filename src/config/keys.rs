@@ -400,7 +400,8 @@ fn only_with(
     (choice, needed): (&str, &[&str]),
     chosen: &str,
 ) {
-    if set && !needed.contains(&chosen) {
+    // A job an earlier version created with such a key (then ignored) still resumes.
+    if set && !needed.contains(&chosen) && !c.source.is_stored_job() {
         let needed: Vec<String> = needed.iter().map(|n| format!("\"{n}\"")).collect();
         let needed = needed.join(" or ");
         c.fail(

@@ -23,6 +23,13 @@ pub struct Source {
 }
 
 impl Source {
+    /// Whether this is a job's own `job.toml` (beside its `state.json`): what an earlier
+    /// version wrote, read again to resume, restart, export or show the job.
+    pub fn is_stored_job(&self) -> bool {
+        self.path.file_name().is_some_and(|n| n == "job.toml")
+            && self.path.with_file_name("state.json").exists()
+    }
+
     /// Parses `text` (read from `path`) and applies `overrides` (`key.path=value`).
     pub fn parse(path: &Path, text: String, overrides: &[String]) -> Result<Self, ConfigError> {
         let syntax = |span: Option<std::ops::Range<usize>>, message: &str| ConfigError::Syntax {

@@ -770,3 +770,16 @@ fn normalisation_must_be_finite_and_its_std_of_normal_size() {
     }
     load_text("[data]\nmean = [0.1307]\nstd = [0.3081]\n", &[]).unwrap();
 }
+
+#[test]
+fn a_stored_job_with_a_key_earlier_versions_ignored_still_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let job = tmp.path().join("job.toml");
+    std::fs::write(&job, "[train]\nmomentum = 0.9\n").unwrap();
+    // A config file of that name alone is the user's: refused.
+    let err = crate::config::load(&job, &[]).unwrap_err().to_string();
+    assert!(err.contains("train.momentum"), "{err}");
+    // Beside a job's state.json it is what an earlier version wrote: it resumes.
+    std::fs::write(tmp.path().join("state.json"), "{}").unwrap();
+    crate::config::load(&job, &[]).unwrap();
+}

@@ -78,7 +78,8 @@ impl Catalog {
         };
         let (in_root, in_system) = (in_dir(how.root), in_dir(&how.system_dir));
         let system_whole = in_system.iter().all(Option::is_some);
-        let (hits, dirs) = if in_root.iter().any(Option::is_some) {
+        let partial_root = in_root.iter().any(Option::is_some);
+        let (hits, dirs) = if partial_root {
             (in_root, vec![how.root])
         } else if system_whole {
             (in_system, vec![how.system_dir.as_path()])
@@ -111,6 +112,18 @@ impl Catalog {
                     found.push(PathBuf::new());
                 }
             }
+        }
+        if !missing.is_empty() && partial_root {
+            return Err(DataError::Mismatch(format!(
+                "{}: `{}` (data.root) holds only some of the four IDX files (missing {}); all \
+                 four are read from one directory, so that training and test splits are of one \
+                 dataset: put the missing ones there, remove these to use {}'s, or set \
+                 data.download = true",
+                self.name,
+                how.root.display(),
+                missing.join(", "),
+                how.system_dir.display()
+            )));
         }
         if !missing.is_empty() {
             return Err(DataError::NotFound {
@@ -163,8 +176,12 @@ mod tests {
         put(&root, &[FILES[2], FILES[3]]);
         let err = locate(&root).unwrap_err().to_string();
         assert!(
-            err.contains(&format!("missing {}, {}", FILES[0], FILES[1]))
-                && err.contains(&format!("(looked in {})", root.display())),
+            err.contains(&format!(
+                "`{}` (data.root) holds only some of the four IDX files (missing {}, {})",
+                root.display(),
+                FILES[0],
+                FILES[1]
+            )) && err.contains(&format!("remove these to use {}'s", system.display())),
             "{err}"
         );
         // All four there (raw or .gz): data.root's.

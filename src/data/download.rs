@@ -69,7 +69,9 @@ pub fn download(
     })
 }
 
-/// Temp files of this name that a download killed on the way left (their process is gone).
+/// Temp files of this name that a download killed on the way left: their process is gone from
+/// this host and nothing has written them for 10 minutes (a download on another host or in
+/// another container sharing the directory writes to its own, which stays fresh).
 fn remove_abandoned_parts(dir: &Path, file_name: &str) {
     let prefix = format!(".{file_name}.part-");
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -83,13 +85,22 @@ fn remove_abandoned_parts(dir: &Path, file_name: &str) {
         else {
             continue;
         };
-        // SAFETY: signal 0 only asks whether the process exists.
-        let alive = pid > 0 && unsafe { libc::kill(pid, 0) } == 0;
-        if !alive {
+        // SAFETY: signal 0 only asks whether the process exists (EPERM: it does).
+        let gone = pid > 0
+            && unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        let stale = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|age| age >= ABANDONED_AFTER));
+        if gone && stale {
             let _ = std::fs::remove_file(entry.path());
         }
     }
 }
+
+/// How long a dead process's part file stays untouched before it is taken as abandoned.
+const ABANDONED_AFTER: Duration = Duration::from_secs(600);
 
 /// How often a download in progress says how far it is.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
@@ -162,12 +173,20 @@ mod tests {
                 .join(format!(".t10k.gz.part-{}", std::process::id())),
             tmp.path().join(format!(".train.gz.part-{gone}")),
         );
+        let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
         for f in [&abandoned, &live, &other] {
             std::fs::write(f, b"half").unwrap();
+            let file = File::options().write(true).open(f).unwrap();
+            file.set_modified(hour_ago).unwrap();
         }
+        // Freshly written, a dead process's part may be another host's live download: kept.
+        let fresh = tmp
+            .path()
+            .join(format!(".t10k.gz.part-{}", gone + 1_000_000));
+        std::fs::write(&fresh, b"new").unwrap();
         remove_abandoned_parts(tmp.path(), "t10k.gz");
         assert!(!abandoned.exists());
-        assert!(live.exists() && other.exists());
+        assert!(live.exists() && other.exists() && fresh.exists());
     }
 
     #[test]

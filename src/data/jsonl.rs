@@ -407,14 +407,14 @@ impl DatasetOptions for JsonlOptions {
     /// Reads and tokenises both files once (bad lines create no job); the job keeps the
     /// examples and the tokenizer.
     fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
-        let fix = "put the examples there (one JSON object a line) or correct the path";
-        named_file(
-            "train_path",
-            Path::new(self.train_path.as_deref().unwrap_or_default()),
-            fix,
-        )?;
-        if let Some(val) = &self.val_path {
-            named_file("val_path", Path::new(val), fix)?;
+        // A job that stored its examples reads them, not the files (which may be gone).
+        if cx.job.as_deref().is_none_or(|job| !self.stored_in(job)) {
+            let fix = "put the examples there (one JSON object a line) or correct the path";
+            let train = Path::new(self.train_path.as_deref().unwrap_or_default());
+            named_file("train_path", train, fix)?;
+            if let Some(val) = &self.val_path {
+                named_file("val_path", Path::new(val), fix)?;
+            }
         }
         named_file("tokenizer", &self.tokenizer_path(), TOKENIZER_FIX)?;
         let task = self.open(cx)?;

@@ -222,6 +222,10 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
         _ => None,
     };
     let (server, client, port) = meet(&layout, &token, spec)?;
+    let _claim = NodeClaim {
+        client: &client,
+        node: layout.node_rank,
+    };
     let nodes = (layout.nnodes > 1).then(|| Nodes {
         client: &client,
         node_rank: layout.node_rank,
@@ -353,6 +357,23 @@ fn record_outcome(
             // The job's own error matters more than a failure to record it.
             let _ = job.write_state(&state);
             Err(e)
+        }
+    }
+}
+
+/// A node's claim on its `--node-rank` (see `meet`), given up when its launcher leaves the
+/// job, however it leaves: a launcher that failed before its workers joined may be started
+/// again while node 0 still waits.
+struct NodeClaim<'a> {
+    client: &'a StoreClient,
+    node: usize,
+}
+
+impl Drop for NodeClaim<'_> {
+    fn drop(&mut self) {
+        if self.node > 0 {
+            let joined = Key::NodeJoined { node: self.node };
+            let _ = self.client.add(&joined.to_string(), -1);
         }
     }
 }

@@ -68,6 +68,7 @@ pub struct EarlyStop {
     pub monitor: Monitor,
     /// The best value of it that counted as an improvement (none when no evaluation's was
     /// finite).
+    #[serde(alias = "loss_to_beat")]
     pub best: Option<f64>,
 }
 

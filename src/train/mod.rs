@@ -600,6 +600,7 @@ impl Trainer<'_> {
         at.metrics.best_eval = metrics.best_eval;
         at.metrics.early_stopping_best = metrics.early_stopping_best;
         at.metrics.evals_without_improvement = metrics.evals_without_improvement;
+        at.metrics.early_stopping_on = metrics.early_stopping_on;
         if better && self.spec.checkpoint.keep_best {
             self.save_best(eval, &run.optimizer, &at)?;
         }

@@ -411,6 +411,8 @@ fn meet(
         node: layout.node_rank,
     };
     if client.add(&joined.to_string(), 1)? > 1 {
+        // The refused launcher's count taken back: the running one's stays the only claim.
+        let _ = client.add(&joined.to_string(), -1);
         return Err(RunError::Usage(format!(
             "node {} has already joined job `{}` at {addr}: another launcher with --node-rank \
              {} is running it (a duplicated pod or srun task?); give each node's launcher its \

@@ -484,26 +484,27 @@ fn schedule_kind(c: &mut Checker, key: &str, kind: &String, s: &RawScheduler) ->
 
 fn monitor_needs_patience(c: &mut Checker, key: &str, v: &String, e: &RawEarlyStopping) -> Monitor {
     let monitor = choice(&[("loss", Monitor::Loss), ("accuracy", Monitor::Accuracy)])(c, key, v, e);
-    if monitor != Monitor::Loss && e.patience == 0 {
-        c.fail(
-            key,
-            "has no effect without train.early_stopping.patience; set patience (evaluations \
-             without improvement before training ends) or remove monitor",
-        );
-    }
+    needs_patience(c, key, monitor != Monitor::Loss, e, "monitor");
     monitor
 }
 
 fn delta_needs_patience(c: &mut Checker, key: &str, &v: &f64, e: &RawEarlyStopping) -> f64 {
     let delta = c.non_negative(key, v, "");
-    if delta > 0.0 && e.patience == 0 {
+    needs_patience(c, key, delta > 0.0, e, "min_delta");
+    delta
+}
+
+/// An early-stopping key `name`, `set`, does nothing without a patience.
+fn needs_patience(c: &mut Checker, key: &str, set: bool, e: &RawEarlyStopping, name: &str) {
+    if set && e.patience == 0 {
         c.fail(
             key,
-            "has no effect without train.early_stopping.patience; set patience (evaluations \
-             without improvement before training ends) or remove min_delta",
+            format!(
+                "has no effect without train.early_stopping.patience; set patience \
+                 (evaluations without improvement before training ends) or remove {name}"
+            ),
         );
     }
-    delta
 }
 
 fn auto_or_count(

@@ -301,7 +301,7 @@ impl JobSpec {
 
 /// World-size-invariant training trains on whole global batches: `train_samples` fewer than
 /// one (`global`) leave it nothing.
-pub fn invariant_needs_a_batch(train_samples: usize, global: usize) -> String {
+fn invariant_needs_a_batch(train_samples: usize, global: usize) -> String {
     format!(
         "distributed.deterministic = \"world-size-invariant\" trains on whole global batches, but \
          the {train_samples} training samples are fewer than train.global_batch_size = {global}: \

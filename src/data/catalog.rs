@@ -79,12 +79,9 @@ impl Catalog {
         let (in_root, in_system) = (in_dir(how.root), in_dir(&how.system_dir));
         let system_whole = in_system.iter().all(Option::is_some);
         let partial_root = in_root.iter().any(Option::is_some);
-        let (hits, dirs) = if partial_root {
-            (in_root, vec![how.root])
-        } else if system_whole {
-            (in_system, vec![how.system_dir.as_path()])
-        } else {
-            (in_root, vec![how.root, how.system_dir.as_path()])
+        let hits = match (partial_root, system_whole) {
+            (false, true) => in_system,
+            _ => in_root,
         };
         let mut found: Vec<PathBuf> = Vec::with_capacity(4);
         let mut missing = Vec::new();
@@ -129,7 +126,8 @@ impl Catalog {
             return Err(DataError::NotFound {
                 dataset: self.name.into(),
                 missing,
-                searched: dirs.iter().map(|d| d.to_path_buf()).collect(),
+                // Only an empty data.root gets here: both places were looked in.
+                searched: vec![how.root.to_path_buf(), how.system_dir.clone()],
             });
         }
         Ok([

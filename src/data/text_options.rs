@@ -361,17 +361,11 @@ pub(crate) fn named_file(key: &str, path: &Path, fix: &str) -> Result<(), DataEr
     let problem = if path.is_dir() {
         "is a directory; name the file in it".to_string()
     } else {
-        let from = std::env::current_dir()
-            .map(|d| format!(" (relative to `{}`)", d.display()))
-            .unwrap_or_default();
-        format!(
-            "does not exist{}; {fix}",
-            if path.is_relative() {
-                from
-            } else {
-                String::new()
-            }
-        )
+        let from = match (path.is_relative(), std::env::current_dir()) {
+            (true, Ok(dir)) => format!(" (relative to `{}`)", dir.display()),
+            _ => String::new(),
+        };
+        format!("does not exist{from}; {fix}")
     };
     Err(DataError::Mismatch(format!(
         "data.{key} `{}` {problem}",

@@ -51,18 +51,9 @@ impl<'a> Watchdog<'a> {
         }
         self.next_check = now + CHECK_EVERY;
         for &(rank, pid) in ranks {
-            let Ok(Some(bytes)) = store.get(&Key::Heartbeat { rank }.to_string()) else {
+            let Some((beat, silent)) = self.observe(store, rank, now) else {
                 continue;
             };
-            let Ok(beat) = serde_json::from_slice::<Beat>(&bytes) else {
-                continue;
-            };
-            let changed = match self.seen.get(&rank) {
-                Some((old, since)) if old.beats == beat.beats => *since,
-                _ => now,
-            };
-            self.seen.insert(rank, (beat.clone(), changed));
-            let silent = now.duration_since(changed);
             if silent > self.stale_after {
                 return Some(format!(
                     "rank {rank} (pid {pid}) stopped sending heartbeats: none for {:.0} s \
@@ -86,15 +77,26 @@ impl<'a> Watchdog<'a> {
         let quiet = 2 * crate::heartbeat::interval_for(self.stale_after) + CHECK_EVERY;
         let now = Instant::now();
         ranks.iter().find_map(|&(rank, pid)| {
-            let bytes = store.get(&Key::Heartbeat { rank }.to_string()).ok()??;
-            let beat = serde_json::from_slice::<Beat>(&bytes).ok()?;
-            let since = match self.seen.get(&rank) {
-                Some((old, since)) if old.beats == beat.beats => *since,
-                _ => now,
-            };
-            let silent = now.duration_since(since);
+            let (beat, silent) = self.observe(store, rank, now)?;
             (silent > quiet).then_some((rank, pid, silent, beat))
         })
+    }
+
+    /// `rank`'s latest heartbeat, remembered, and how long its counter has not moved by `now`.
+    fn observe(
+        &mut self,
+        store: &StoreClient,
+        rank: usize,
+        now: Instant,
+    ) -> Option<(Beat, Duration)> {
+        let bytes = store.get(&Key::Heartbeat { rank }.to_string()).ok()??;
+        let beat = serde_json::from_slice::<Beat>(&bytes).ok()?;
+        let changed = match self.seen.get(&rank) {
+            Some((old, since)) if old.beats == beat.beats => *since,
+            _ => now,
+        };
+        self.seen.insert(rank, (beat.clone(), changed));
+        Some((beat, now.duration_since(changed)))
     }
 
     /// The last optimizer step `rank` was seen at.

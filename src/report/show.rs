@@ -70,10 +70,7 @@ pub fn show(v: &JobView, now: u64) -> String {
     if let Some(summary) = &v.summary
         && let Some(early) = summary.stopped_early
     {
-        let names = match summary.test_perplexity {
-            Some(_) => ("validation loss", "next-token accuracy"),
-            None => ("test loss", "test accuracy"),
-        };
+        let names = crate::train::eval_names(summary.test_perplexity.is_some());
         line("early stop", early.describe(names));
     }
     let metrics = v.metrics();

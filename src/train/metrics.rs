@@ -72,6 +72,15 @@ pub struct EarlyStop {
     pub best: Option<f64>,
 }
 
+/// What an evaluation's loss and accuracy are called in messages: a language model's
+/// (`language`) or a classifier's.
+pub fn eval_names(language: bool) -> (&'static str, &'static str) {
+    match language {
+        true => ("validation loss", "next-token accuracy"),
+        false => ("test loss", "test accuracy"),
+    }
+}
+
 impl EarlyStop {
     /// `stopped early after step 700 of 1000: 3 evaluations in a row did not improve on test
     /// loss 0.4123 (train.early_stopping)`, given what the loss and accuracy are called.

@@ -39,7 +39,7 @@ use crate::task::{BatchSource, ModelInput, Task, sample_seed};
 
 pub use eval::{EvalResult, EvalThreads, evaluate};
 pub use leader::{Leader, Weights};
-pub use metrics::{EarlyStop, Summary, WeightDigests};
+pub use metrics::{EarlyStop, Summary, WeightDigests, eval_names};
 
 /// The file under a job's `logs/` where `DDPJOB_TRACE_WEIGHTS` puts each step's weight digests.
 pub const WEIGHT_DIGESTS: &str = "weights.jsonl";
@@ -196,12 +196,7 @@ impl Trainer<'_> {
         let t = &spec.train;
         let world = self.comm.world_size();
         let train_len = self.data.train_len();
-        let global = t.batch_size * t.accumulation * world;
-        if spec.distributed.world_size_invariant && train_len < global {
-            return Err(TrainError::Unfit(crate::config::invariant_needs_a_batch(
-                train_len, global,
-            )));
-        }
+        // Among them, world-size-invariant training with less than one global batch.
         if let Some(why) = spec.no_steps(train_len, world) {
             return Err(TrainError::Unfit(why));
         }
@@ -652,17 +647,11 @@ impl Trainer<'_> {
 
     /// What the evaluation's loss and accuracy are called in messages.
     fn eval_names(&self) -> (&'static str, &'static str) {
-        match self.data.input() {
-            ModelInput::Tokens { .. } => ("validation loss", "next-token accuracy"),
-            ModelInput::Image { .. } => ("test loss", "test accuracy"),
-        }
+        metrics::eval_names(matches!(self.data.input(), ModelInput::Tokens { .. }))
     }
 
     fn loss_name(&self) -> &'static str {
-        match self.data.input() {
-            ModelInput::Tokens { .. } => "validation loss",
-            ModelInput::Image { .. } => "test loss",
-        }
+        self.eval_names().0
     }
 
     /// The position after `done` steps of `run`'s epoch: the next epoch's start when it is

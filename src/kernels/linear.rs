@@ -119,10 +119,12 @@ pub(crate) fn forward(x: &[f32], w: &[f32], b: &[f32], n: usize) -> Vec<f32> {
         // A layer without a bias (the GPT's with `bias = false`) is given zeros: its product
         // is written as it is, not added to a copy of them.
         let has_bias = b.iter().any(|&v| v != 0.0);
-        let mut y = match has_bias {
-            true => b.repeat(n),
-            false => super::scratch::take(n * outputs),
-        };
+        let mut y = super::scratch::take(n * outputs);
+        if has_bias {
+            for row in y.chunks_exact_mut(outputs.max(1)) {
+                row.copy_from_slice(b);
+            }
+        }
         gemm(
             &mut y,
             Mat::new(x, n, inputs),

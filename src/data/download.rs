@@ -5,6 +5,7 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -105,33 +106,49 @@ const ABANDONED_AFTER: Duration = Duration::from_secs(600);
 /// How often a download in progress says how far it is.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
+/// How long a mirror may send nothing, mid-body, before the next one is tried.
+const STALLED_AFTER: Duration = Duration::from_secs(30);
+
 fn fetch_verified(url: &str, sha256: Option<&str>, tmp: &Path) -> Result<(), String> {
-    // The headers within 30 s; the body within 300 s in all (ureq bounds the whole body, not
-    // each read), saying how far it is every 10 s.
+    fetch_within(url, sha256, tmp, STALLED_AFTER)
+}
+
+/// [`fetch_verified`], giving up on a mirror that sends nothing for `stalled_after`. The body
+/// has no overall limit (a slow but steady link finishes), so each read is bounded instead:
+/// a thread reads, this one waits for each piece at most that long.
+fn fetch_within(
+    url: &str,
+    sha256: Option<&str>,
+    tmp: &Path,
+    stalled_after: Duration,
+) -> Result<(), String> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_connect(Some(Duration::from_secs(15)))
-        .timeout_recv_response(Some(Duration::from_secs(30)))
-        .timeout_recv_body(Some(Duration::from_secs(300)))
+        .timeout_recv_response(Some(stalled_after))
         .build()
         .into();
     let response = agent.get(url).call().map_err(|e| e.to_string())?;
     let total = response.body().content_length();
-    let mut body = response.into_body().into_reader();
+    let pieces = read_in_background(response.into_body().into_reader());
     let (mut got, mut said) = (0u64, Instant::now());
     let mut out = File::create(tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
     let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 16];
     loop {
-        let n = body
-            .read(&mut buf)
-            .map_err(|e| format!("connection failed mid-download: {e}"))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        out.write_all(&buf[..n])
+        let piece = match pieces.recv_timeout(stalled_after) {
+            Ok(piece) => piece.map_err(|e| format!("connection failed mid-download: {e}"))?,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                return Err(format!(
+                    "stalled: nothing received for {} s after {:.1} MB",
+                    stalled_after.as_secs_f64(),
+                    got as f64 / 1e6
+                ));
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        hasher.update(&piece);
+        out.write_all(&piece)
             .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-        got += n as u64;
+        got += piece.len() as u64;
         if said.elapsed() >= PROGRESS_EVERY {
             said = Instant::now();
             let mb = |b: u64| b as f64 / 1e6;
@@ -150,6 +167,35 @@ fn fetch_verified(url: &str, sha256: Option<&str>, tmp: &Path) -> Result<(), Str
         )),
         _ => Ok(()),
     }
+}
+
+/// Reads `body` on its own thread, sending each piece (or the error that ended it); the
+/// channel closes at the end of the body. A stalled read keeps only that thread waiting: it
+/// ends when the connection does, its pieces unread.
+fn read_in_background(
+    mut body: impl Read + Send + 'static,
+) -> mpsc::Receiver<std::io::Result<Vec<u8>>> {
+    let (send, pieces) = mpsc::sync_channel(4);
+    std::thread::spawn(move || {
+        loop {
+            let mut buf = vec![0u8; 1 << 16];
+            match body.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    buf.truncate(n);
+                    if send.send(Ok(buf)).is_err() {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let _ = send.send(Err(e));
+                    break;
+                }
+            }
+        }
+    });
+    pieces
 }
 
 /// Lowercase hex of a digest.
@@ -187,6 +233,60 @@ mod tests {
         remove_abandoned_parts(tmp.path(), "t10k.gz");
         assert!(!abandoned.exists());
         assert!(live.exists() && other.exists() && fresh.exists());
+    }
+
+    #[test]
+    fn a_mirror_that_stops_sending_mid_body_is_given_up_after_the_stall_limit() {
+        let tmp = tempfile::tempdir().unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/f.bin", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let _ = stream.read(&mut [0u8; 1024]);
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n0123456789")
+                .unwrap();
+            std::thread::sleep(Duration::from_secs(20));
+        });
+        let started = Instant::now();
+        let err = fetch_within(
+            &url,
+            None,
+            &tmp.path().join("f"),
+            Duration::from_millis(400),
+        )
+        .unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "gave up only after {:?}",
+            started.elapsed()
+        );
+        assert!(
+            err.starts_with("stalled: nothing received for 0.4 s"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_slow_body_that_keeps_coming_is_downloaded_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/f.bin", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let _ = stream.read(&mut [0u8; 1024]);
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\n")
+                .unwrap();
+            // Longer in all than the stall limit, never silent that long.
+            for byte in b"abcdef" {
+                std::thread::sleep(Duration::from_millis(150));
+                stream.write_all(&[*byte]).unwrap();
+            }
+        });
+        let dest = tmp.path().join("f");
+        fetch_within(&url, None, &dest, Duration::from_millis(400)).unwrap();
+        assert_eq!(std::fs::read(&dest).unwrap(), b"abcdef");
     }
 
     #[test]

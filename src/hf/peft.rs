@@ -26,6 +26,29 @@ fn adapted_layers(tensors: &HashMap<String, Tensor>) -> Vec<String> {
     layers.into_iter().collect()
 }
 
+/// `target_modules` for the adapted `layers` (sorted) of a model whose weights are `tensors`:
+/// their last components, which PEFT matches by suffix, when those name no layer left
+/// unadapted (`q_proj` when every `q_proj` has an adapter); else the layers' full names.
+fn target_names(layers: &[String], tensors: &HashMap<String, Tensor>) -> Vec<String> {
+    let short: BTreeSet<&str> = layers.iter().filter_map(|l| l.rsplit('.').next()).collect();
+    let named = |module: &str| {
+        short
+            .iter()
+            .any(|m| module == *m || module.ends_with(&format!(".{m}")))
+    };
+    let others_named = tensors
+        .keys()
+        .filter(|n| !is_adapter(n))
+        .filter_map(|n| n.strip_suffix(".weight"))
+        .any(|module| {
+            named(module) && layers.binary_search_by(|l| l.as_str().cmp(module)).is_err()
+        });
+    match others_named {
+        true => layers.to_vec(),
+        false => short.into_iter().map(String::from).collect(),
+    }
+}
+
 /// `tensors` with every adapter folded into its layer's weight and removed.
 pub fn merge_lora(
     mut tensors: HashMap<String, Tensor>,
@@ -73,8 +96,7 @@ pub fn write_adapter(
                 .into(),
         ));
     }
-    // The module names PEFT matches by suffix: the layers' last components.
-    let modules: BTreeSet<&str> = layers.iter().filter_map(|l| l.rsplit('.').next()).collect();
+    let modules = target_names(&layers, &tensors);
     let adapters: HashMap<String, Tensor> = tensors
         .into_iter()
         .filter(|(n, _)| is_adapter(n))
@@ -85,14 +107,18 @@ pub fn write_adapter(
     let config = json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base,
+        // A local directory named relative to where the job ran means nothing elsewhere.
+        "base_model_name_or_path": base.map(|b| match std::fs::canonicalize(b) {
+            Ok(dir) if dir.is_dir() => dir.display().to_string(),
+            _ => b.to_string(),
+        }),
         "r": lora.r,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
         // A regular expression names the layers it named; names, by their last parts.
         "target_modules": match &lora.target_modules {
             crate::models::TargetModules::Regex(pattern) => json!(pattern),
-            crate::models::TargetModules::Names(_) => json!(modules.into_iter().collect::<Vec<_>>()),
+            crate::models::TargetModules::Names(_) => json!(modules),
         },
         "bias": "none",
         "fan_in_fan_out": fan_in_fan_out,
@@ -267,6 +293,34 @@ mod tests {
         // W + 2·[[0.5], [-1]]·[[1, 1]] = [[2, 3], [1, 2]].
         let w = merged["l.weight"].to_vec2::<f32>().unwrap();
         assert_eq!(w, vec![vec![2.0, 3.0], vec![1.0, 2.0]]);
+    }
+
+    #[test]
+    fn target_modules_are_short_names_only_when_they_name_no_layer_left_unadapted() {
+        let t = || Tensor::zeros((2, 2), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let mut tensors = HashMap::new();
+        for layer in [
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.1.self_attn.q_proj",
+        ] {
+            tensors.insert(format!("{layer}.weight"), t());
+        }
+        tensors.insert("model.embed_tokens.weight".into(), t());
+        let adapt = |tensors: &mut HashMap<String, Tensor>, layer: &str| {
+            for part in ["lora_A", "lora_B"] {
+                tensors.insert(format!("{layer}.{part}.weight"), t());
+            }
+        };
+        adapt(&mut tensors, "model.layers.0.self_attn.q_proj");
+        // `q_proj` would also name layer 1's, which has no adapter: the full name.
+        let layers = adapted_layers(&tensors);
+        assert_eq!(
+            target_names(&layers, &tensors),
+            ["model.layers.0.self_attn.q_proj"]
+        );
+        adapt(&mut tensors, "model.layers.1.self_attn.q_proj");
+        let layers = adapted_layers(&tensors);
+        assert_eq!(target_names(&layers, &tensors), ["q_proj"]);
     }
 
     #[test]

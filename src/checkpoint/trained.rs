@@ -67,18 +67,95 @@ impl Trained {
     }
 
     /// Sets `params` from the weights (names, shapes and layouts as trained), the rows of
-    /// `crop` cut to the parameter's (a shorter window's position table).
+    /// `crop` cut to the parameter's (a shorter window's position table). LoRA adapters the
+    /// new job does not go on training as they are (`lora`: its own, if any; none, or another
+    /// rank, scale or set of layers) are folded into their layers first, as PEFT's
+    /// `merge_and_unload`, and the new job's adapters start afresh.
     pub fn load_into(
         &self,
         params: &crate::models::Params,
         crop: Option<&str>,
+        lora: Option<&crate::models::LoraSpec>,
     ) -> Result<(), crate::hf::HfError> {
         let file = crate::hf::HfDir {
             root: self.job.root.clone(),
             config: Default::default(),
             weight_files: vec![self.weights.clone()],
         };
-        file.load_with(params, &Cropped(crop))
+        let Some(scale) = self.adapters_to_fold(params, lora)? else {
+            return file.load_with(params, &Cropped(crop));
+        };
+        let unreadable = |cause| crate::hf::HfError::Weights {
+            path: self.weights.clone(),
+            cause,
+        };
+        let tensors = candle_core::safetensors::load(&self.weights, &candle_core::Device::Cpu)
+            .map_err(unreadable)?;
+        let folded = crate::hf::peft::merge_lora(tensors, scale).map_err(|e| {
+            crate::hf::HfError::Invalid(format!("`{}`: {e}", self.weights.display()))
+        })?;
+        let present = folded.keys().cloned().collect();
+        let load = |name: &str| Ok(folded[name].clone());
+        file.load_from(&present, load, params, &Cropped(crop))
+    }
+
+    /// The scale (`alpha / r`) to fold the weights' adapters into their layers with, when
+    /// they have adapters that `params` (whose LoRA is `lora`) do not take as they are.
+    fn adapters_to_fold(
+        &self,
+        params: &crate::models::Params,
+        lora: Option<&crate::models::LoraSpec>,
+    ) -> Result<Option<f64>, crate::hf::HfError> {
+        // SAFETY: read-only mapping, read while it lives (as in `HfDir::load_with`).
+        let file = unsafe { candle_core::safetensors::MmapedSafetensors::new(&self.weights) }
+            .map_err(|cause| crate::hf::HfError::Weights {
+                path: self.weights.clone(),
+                cause,
+            })?;
+        let adapters: Vec<(String, Vec<usize>)> = file
+            .tensors()
+            .into_iter()
+            .filter(|(name, _)| crate::models::is_adapter(name))
+            .map(|(name, view)| (name, view.shape().to_vec()))
+            .collect();
+        if adapters.is_empty() {
+            return Ok(None);
+        }
+        let scale = self.lora_scale().map_err(crate::hf::HfError::Invalid)?;
+        let wanted: std::collections::HashMap<&str, Vec<usize>> = params
+            .iter()
+            .filter(|(name, _)| crate::models::is_adapter(name))
+            .map(|(name, var)| (name, var.dims().to_vec()))
+            .collect();
+        let same_adapters = wanted.len() == adapters.len()
+            && adapters
+                .iter()
+                .all(|(name, shape)| wanted.get(name.as_str()) == Some(shape));
+        let same_scale = lora.is_some_and(|l| l.scale() == scale);
+        Ok((!(same_adapters && same_scale)).then_some(scale))
+    }
+
+    /// `alpha / r` of the source job's `[model.lora]`.
+    fn lora_scale(&self) -> Result<f64, String> {
+        let file = self.job.job_toml();
+        let model = self.model_table()?;
+        let lora = model.get("lora").and_then(toml::Value::as_table);
+        let number = |key: &str| {
+            lora.and_then(|l| l.get(key)).and_then(|v| match v {
+                toml::Value::Integer(i) => Some(*i as f64),
+                toml::Value::Float(f) => Some(*f),
+                _ => None,
+            })
+        };
+        match (number("alpha"), number("r")) {
+            (Some(alpha), Some(r)) if r > 0.0 => Ok(alpha / r),
+            _ => Err(format!(
+                "`{}` has LoRA adapters but `{}` has no [model.lora] r and alpha to fold them \
+                 in with",
+                self.weights.display(),
+                file.display()
+            )),
+        }
     }
 
     /// The source job's `[model]`, as its `job.toml` froze it (every key written out).

@@ -114,7 +114,9 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
     }
     let hf_dir = args.hf.as_deref().unwrap_or(Path::new("."));
     let tensors = match (lora, args.merge_lora) {
-        (Some(lora), true) => hf::peft::merge_lora(tensors, lora).map_err(|e| (1, anyhow!(e)))?,
+        (Some(lora), true) => {
+            hf::peft::merge_lora(tensors, lora.scale()).map_err(|e| (1, anyhow!(e)))?
+        }
         (Some(_), false) => {
             return Err((
                 2,

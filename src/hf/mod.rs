@@ -144,18 +144,40 @@ impl HfDir {
     /// unlike the model does (GPT-2's `[in, out]` Conv1D weights): `layout` says where each
     /// parameter is in the file and how to turn it into the parameter's layout.
     pub fn load_with(&self, params: &Params, layout: &dyn FileLayout) -> Result<(), HfError> {
+        // SAFETY: the files are mapped read-only and only read while `tensors` lives; a file
+        // changed underneath a running job is the same hazard as for any memory-mapped input.
+        let tensors = unsafe { MmapedSafetensors::multi(&self.weight_files) }.map_err(|cause| {
+            HfError::Weights {
+                path: self.root.clone(),
+                cause,
+            }
+        })?;
+        let present: HashSet<String> = tensors.tensors().into_iter().map(|(n, _)| n).collect();
+        self.load_from(
+            &present,
+            |name| tensors.load(name, &Device::Cpu),
+            params,
+            layout,
+        )
+    }
+
+    /// [`HfDir::load_with`] from the tensors named `present`, read by `load` (the files', or
+    /// weights already in memory).
+    pub fn load_from(
+        &self,
+        present: &HashSet<String>,
+        load: impl Fn(&str) -> candle_core::Result<candle_core::Tensor>,
+        params: &Params,
+        layout: &dyn FileLayout,
+    ) -> Result<(), HfError> {
         let weights = |cause| HfError::Weights {
             path: self.root.clone(),
             cause,
         };
-        // SAFETY: the files are mapped read-only and only read while `tensors` lives; a file
-        // changed underneath a running job is the same hazard as for any memory-mapped input.
-        let tensors = unsafe { MmapedSafetensors::multi(&self.weight_files) }.map_err(weights)?;
-        let present: HashSet<String> = tensors.tensors().into_iter().map(|(n, _)| n).collect();
         let aliases: HashSet<&str> = params.aliases().map(|(a, _)| a).collect();
         let mut used = HashSet::new();
         for (name, var) in params.iter() {
-            let file_name = layout.file_name(name, &present);
+            let file_name = layout.file_name(name, present);
             if file_name.is_none() && crate::models::is_adapter(name) {
                 // A LoRA adapter the base weights do not have: it stays as drawn (B = 0).
                 continue;
@@ -167,7 +189,7 @@ impl HfDir {
                     self.root.display()
                 )));
             };
-            let stored = tensors.load(&file_name, &Device::Cpu).map_err(weights)?;
+            let stored = load(&file_name).map_err(weights)?;
             let tensor = layout.to_model(name, stored, var.dims()).map_err(weights)?;
             if tensor.dims() != var.dims() {
                 return Err(HfError::Invalid(format!(

@@ -49,10 +49,11 @@ fn target_names(layers: &[String], tensors: &HashMap<String, Tensor>) -> Vec<Str
     }
 }
 
-/// `tensors` with every adapter folded into its layer's weight and removed.
+/// `tensors` with every adapter folded into its layer's weight and removed, scaled by `scale`
+/// (`alpha / r` of the LoRA that trained them).
 pub fn merge_lora(
     mut tensors: HashMap<String, Tensor>,
-    lora: &LoraSpec,
+    scale: f64,
 ) -> Result<HashMap<String, Tensor>, String> {
     for layer in adapted_layers(&tensors) {
         let take = |tensors: &mut HashMap<String, Tensor>, part: &str| {
@@ -68,7 +69,7 @@ pub fn merge_lora(
             .ok_or_else(|| format!("an adapter of `{layer}`, whose weight `{name}` is missing"))?;
         let merged = b
             .matmul(&a)
-            .and_then(|delta| delta.affine(lora.scale(), 0.0))
+            .and_then(|delta| delta.affine(scale, 0.0))
             .and_then(|delta| w.add(&delta))
             .map_err(|e| format!("merging the adapter of `{layer}`: {e}"))?;
         tensors.insert(name, merged);
@@ -288,7 +289,7 @@ mod tests {
             target_modules: Default::default(),
             adapter: None,
         };
-        let merged = merge_lora(tensors, &lora).unwrap();
+        let merged = merge_lora(tensors, lora.scale()).unwrap();
         assert_eq!(merged.len(), 1);
         // W + 2·[[0.5], [-1]]·[[1, 1]] = [[2, 3], [1, 2]].
         let w = merged["l.weight"].to_vec2::<f32>().unwrap();

@@ -265,3 +265,45 @@ fn a_job_continues_a_peft_adapter_and_its_export_continues_again() {
     let again = text.replace(&adapter.display().to_string(), &out_s);
     t.run(&t.config("again", &again), &[]).success();
 }
+
+/// A new job started from a finished LoRA job (`init_from = "jobs/NAME"`) without its
+/// `[model.lora]`, or with another rank, starts from the adapters folded into their layers
+/// (PEFT's `merge_and_unload`): it scores at step 0 what the LoRA job scored last.
+#[test]
+fn a_job_started_from_a_lora_job_starts_from_its_adapters_folded_in() {
+    let t = TestJob::new();
+    let data = examples(&t);
+    let evals = |name: &str| -> Vec<(u64, f64)> {
+        let metrics = std::fs::read_to_string(t.job(name).join("metrics.jsonl")).unwrap();
+        metrics
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|m| m["kind"] == "eval")
+            .map(|m| {
+                (
+                    m["step"].as_u64().unwrap(),
+                    m["test_loss"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let text = job(&data, "", "max_steps = 4\neval_batches = 2");
+    t.run(&t.config("adapted", &text), &[]).success();
+    let summary = t.json(&t.job("adapted").join("summary.json"));
+    let trained = summary["test_loss"].as_f64().unwrap();
+    let source = t.job("adapted").display().to_string();
+    let next = job(&data, "", "max_steps = 2\neval_every = 2\neval_batches = 2")
+        .replace(&qwen2().display().to_string(), &source);
+    let start = next.find("[model.lora]").unwrap();
+    let end = next.find("[data]").unwrap();
+    let without = format!("{}{}", &next[..start], &next[end..]);
+    for (name, text) in [
+        ("merged", without),
+        ("rank8", next.replace("r = 4", "r = 8")),
+    ] {
+        t.run(&t.config(name, &text), &[]).success();
+        let (step, loss) = evals(name)[0];
+        assert_eq!(step, 0, "{name}");
+        assert!((loss - trained).abs() < 1e-6, "{name}: {loss} vs {trained}");
+    }
+}

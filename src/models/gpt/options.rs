@@ -364,7 +364,11 @@ pub(crate) fn build_gpt(o: &GptOptions, cx: &ModelContext) -> Result<Box<dyn Mod
     let dir = Path::new(dir);
     match Trained::find(dir) {
         // Another job's gpt: its position table cut to this job's window.
-        Some(trained) => trained?.load_into(gpt.params(), Some("transformer.wpe.weight"))?,
+        Some(trained) => trained?.load_into(
+            gpt.params(),
+            Some("transformer.wpe.weight"),
+            cx.lora.as_ref(),
+        )?,
         None => super::hf::load(&gpt, &HfDir::open(dir)?)?,
     }
     Ok(Box::new(gpt))

@@ -671,7 +671,7 @@ pub(crate) fn build_llama(
         .as_deref()
         .and_then(|d| Trained::find(Path::new(d)))
     {
-        trained?.load_into(model.params(), None)?;
+        trained?.load_into(model.params(), None, cx.lora.as_ref())?;
     } else if let Some(dir) = &o.init_from {
         let dir = HfDir::open(Path::new(dir))?;
         // Buffers older files carry: rotary inverse frequencies, recomputed here.

@@ -129,9 +129,10 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         }
         (None, _) => tensors,
     };
-    let (hf_config, tensors) =
+    let (mut hf_config, tensors) =
         crate::models::hf_export_parts(&spec.model, tensors).map_err(|e| (2, anyhow!(e)))?;
     let tokenizer = tokenizer_files(&spec, &job);
+    keep_special_token_ids(&mut hf_config, &spec, &tokenizer);
     hf::export(hf_dir, hf_config, tensors, &tokenizer, dtype, args.force).map_err(export_error)?;
     outln!(
         "exported `{}` to `{}`{}",
@@ -150,6 +151,33 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         }
     );
     Ok(())
+}
+
+/// The base model's `bos_token_id`, `eos_token_id` and `pad_token_id` (which the model's own
+/// options do not hold) in `config`, when the export carries the base's tokenizer: what
+/// `model.config.eos_token_id` means is that tokenizer's.
+fn keep_special_token_ids(
+    config: &mut serde_json::Map<String, serde_json::Value>,
+    spec: &config::JobSpec,
+    tokenizer: &[PathBuf],
+) {
+    let Some(base) = pretrained_dir(spec) else {
+        return;
+    };
+    if tokenizer.first().and_then(|t| t.parent()) != Some(base.as_path()) {
+        return;
+    }
+    let Some(serde_json::Value::Object(base_config)) = std::fs::read(base.join("config.json"))
+        .ok()
+        .and_then(|text| serde_json::from_slice(&text).ok())
+    else {
+        return;
+    };
+    for key in ["bos_token_id", "eos_token_id", "pad_token_id"] {
+        if let (Some(id), false) = (base_config.get(key), config.contains_key(key)) {
+            config.insert(key.into(), id.clone());
+        }
+    }
 }
 
 /// An export's error with its exit code: 2 for what the user can fix (a directory, a flag).

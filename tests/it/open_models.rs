@@ -56,7 +56,16 @@ fn scratch() -> &'static str {
 fn a_qwen2_checkpoint_fine_tunes_and_exports_back_to_hugging_face() {
     let t = TestJob::new();
     let text = text(&t);
-    let dir = fixture("qwen2");
+    // The fixture with an end-of-sequence id, which the export must carry over.
+    let dir = t.path("qwen2");
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(fixture("qwen2")).unwrap() {
+        let from = entry.unwrap().path();
+        std::fs::copy(&from, dir.join(from.file_name().unwrap())).unwrap();
+    }
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let config = config.replace("\"eos_token_id\": null", "\"eos_token_id\": 7");
+    std::fs::write(dir.join("config.json"), config).unwrap();
     // No arch: config.json says qwen2; the tokenizer is the directory's.
     let model = format!("init_from = \"{}\"\nblock_size = 16", dir.display());
     let cfg = t.config("ft", &job(&text, &model, ""));
@@ -91,6 +100,7 @@ fn a_qwen2_checkpoint_fine_tunes_and_exports_back_to_hugging_face() {
     assert_eq!(config["model_type"], "qwen2");
     assert_eq!(config["architectures"][0], "Qwen2ForCausalLM");
     assert_eq!(config["tie_word_embeddings"], true);
+    assert_eq!(config["eos_token_id"], 7);
     // The weights are the job's, bit for bit; the tied head is left out as transformers does.
     let mut trained = load_weights(&t.job("ft").join("model.safetensors"));
     trained.remove("lm_head.weight");

@@ -51,6 +51,10 @@ pub struct Sampling {
 pub struct Generator {
     engine: Engine,
     vocab: Vocab,
+    /// For a job trained on examples (`data.dataset = "jsonl"`): the end-of-sequence token each
+    /// example ended with, where generation stops (as transformers' `generate` stops at
+    /// `eos_token_id`); prompts are then encoded as the examples' were.
+    end_of_example: Option<u32>,
     /// Where the weights came from, for messages.
     pub weights: PathBuf,
 }
@@ -99,15 +103,26 @@ impl Generator {
             model,
             block_size: language.block_size,
         };
+        let end_of_example = match spec.data.name() {
+            "jsonl" => spec
+                .data
+                .options()
+                .get("eos_token")
+                .and_then(|t| t.as_str()),
+            _ => None,
+        }
+        .and_then(|token| vocab.token_id(token));
         Ok(Generator {
             engine,
             vocab,
+            end_of_example,
             weights,
         })
     }
 
-    /// Generates `tokens` tokens after `prompt`, calling `emit` with each one's text as it
-    /// comes; returns the generated ids.
+    /// Generates `tokens` tokens after `prompt` (fewer when an instruction-tuned job's model
+    /// ends its answer), calling `emit` with each one's text as it comes; returns the
+    /// generated ids.
     pub fn generate(
         &self,
         prompt: &str,
@@ -118,6 +133,8 @@ impl Generator {
         let mut context = if prompt.is_empty() {
             // nanoGPT's sample.py starts from a newline; else the first symbol.
             self.vocab.encode("\n", "").unwrap_or_else(|_| vec![0])
+        } else if self.end_of_example.is_some() {
+            self.vocab.encode_prompt(prompt, "the prompt")?
         } else {
             self.vocab.encode(prompt, "the prompt")?
         };
@@ -138,6 +155,9 @@ impl Generator {
                 true => pick(&logits.narrow(0, 0, symbols)?, how, &mut rng)?,
                 false => pick(&logits, how, &mut rng)?,
             };
+            if Some(next) == self.end_of_example {
+                break;
+            }
             out.push(next);
             context.push(next);
             if let Some(piece) = text.push(next) {

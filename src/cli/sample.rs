@@ -21,7 +21,8 @@ pub(super) struct SampleArgs {
     /// Text to continue (default: a newline, as nanoGPT's sample.py).
     #[arg(long, default_value = "")]
     prompt: String,
-    /// Tokens to generate.
+    /// Tokens to generate (at most: a job trained on prompt/completion examples stops at
+    /// the end-of-sequence token, as transformers' generate does).
     #[arg(long, default_value_t = 500)]
     tokens: usize,
     /// Softmax temperature; 0 always takes the most likely token.
@@ -89,6 +90,7 @@ pub(super) fn sample(args: &SampleArgs) -> CliResult {
     if args.json {
         let line = serde_json::json!({
             "prompt": args.prompt, "text": text, "tokens": ids.len(),
+            "ended": ids.len() < args.tokens,
             "tokens_per_s": (ids.len() as f64 / secs.max(1e-9)).round(),
             "weights": generator.weights.display().to_string(), "seed": args.seed,
         });
@@ -96,10 +98,14 @@ pub(super) fn sample(args: &SampleArgs) -> CliResult {
     } else {
         let _ = writeln!(stdout);
         errln!(
-            "{} tokens in {secs:.2} s ({:.0} tokens/s) from {}",
+            "{} tokens in {secs:.2} s ({:.0} tokens/s) from {}{}",
             ids.len(),
             ids.len() as f64 / secs.max(1e-9),
-            generator.weights.display()
+            generator.weights.display(),
+            match ids.len() < args.tokens {
+                true => "; the model ended its answer (end-of-sequence token)",
+                false => "",
+            }
         );
     }
     Ok(())

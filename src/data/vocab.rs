@@ -100,6 +100,25 @@ impl Vocab {
         }
     }
 
+    /// The ids of an example's prompt as an instruction-tuned job encoded its prompts: with the
+    /// special tokens a tokenizer's template adds (a Llama's `<s>`); `encode` for the others.
+    pub fn encode_prompt(&self, text: &str, what: &str) -> Result<Vec<u32>, DataError> {
+        match self {
+            Vocab::HuggingFace(t) => t
+                .encode_one(text, true)
+                .map_err(|e| DataError::Mismatch(format!("{what}: {e}"))),
+            _ => self.encode(text, what),
+        }
+    }
+
+    /// The id of the token written `token` in a tokenizer's vocabulary.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        match self {
+            Vocab::HuggingFace(t) => t.token_id(token),
+            _ => None,
+        }
+    }
+
     /// The text of `ids` (ids outside a character vocabulary become U+FFFD; a tokenizer's
     /// unknown ids are left out).
     pub fn decode(&self, ids: &[u32]) -> String {

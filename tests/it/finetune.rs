@@ -307,3 +307,46 @@ fn a_job_started_from_a_lora_job_starts_from_its_adapters_folded_in() {
         assert!((loss - trained).abs() < 1e-6, "{name}: {loss} vs {trained}");
     }
 }
+
+/// `sample` of a job trained on prompt/completion examples stops where its model ends the
+/// answer (the end-of-sequence token every example ended with), as transformers' `generate`.
+#[test]
+fn sample_of_an_instruction_tuned_job_stops_at_the_end_of_sequence_token() {
+    let t = TestJob::new();
+    let lines: String = (0..200)
+        .map(|i| {
+            format!(
+                "{{\"prompt\": \"Q{}: say ok\", \"completion\": \" ok\"}}\n",
+                i % 10
+            )
+        })
+        .collect();
+    let data = t.path("ok.jsonl");
+    std::fs::write(&data, lines).unwrap();
+    let text = format!(
+        "seed = 3\n[model]\ninit_from = \"{}\"\nblock_size = 32\n[data]\ndataset = \"jsonl\"\n\
+         train_path = \"{}\"\n[train]\nepochs = 10\nmax_steps = 80\nbatch_size = 8\nlr = 1e-2\n\
+         optimizer = \"adamw\"\n",
+        qwen2().display(),
+        data.display()
+    );
+    t.run(&t.config("ok", &text), &[]).success();
+    let jobs = t.jobs_dir().display().to_string();
+    let sampled = t.ddpjob(&[
+        "sample",
+        "ok",
+        "--prompt",
+        "Q3: say ok",
+        "--tokens",
+        "20",
+        "--temperature",
+        "0",
+        "--json",
+        "--jobs-dir",
+        &jobs,
+    ]);
+    sampled.success();
+    let line: serde_json::Value = serde_json::from_str(sampled.stdout.trim()).unwrap();
+    assert_eq!(line["text"], " ok", "{line}");
+    assert_eq!(line["ended"], true, "{line}");
+}

@@ -28,14 +28,20 @@ pub struct Choice {
 }
 
 impl Choice {
-    /// Renames the skipped checkpoints to `damaged-step-*` (kept for inspection, never
-    /// deleted), so the resumed run can write that step afresh; returns one line per skipped
-    /// checkpoint for the user.
+    /// Renames the skipped checkpoints to `damaged-step-*` (`damaged-step-*-2`, ... when the
+    /// same step was set aside before; kept for inspection, never deleted), so the resumed run
+    /// can write that step afresh; returns one line per skipped checkpoint for the user.
     pub fn set_aside(&self) -> std::io::Result<Vec<String>> {
         let mut lines = Vec::new();
         for (dir, why) in &self.skipped {
             let name = dir.file_name().map_or("".into(), |n| n.to_string_lossy());
-            let aside = dir.with_file_name(format!("damaged-{name}"));
+            let aside = (1..)
+                .map(|n| match n {
+                    1 => dir.with_file_name(format!("damaged-{name}")),
+                    n => dir.with_file_name(format!("damaged-{name}-{n}")),
+                })
+                .find(|aside| !aside.exists())
+                .expect("an unused name");
             std::fs::rename(dir, &aside)?;
             lines.push(format!(
                 "checkpoint `{name}` is damaged ({why}); skipped, and kept as `{}`",
@@ -87,4 +93,30 @@ pub fn load(dir: &Path, device: &Device) -> Result<Restored, CheckpointError> {
         optimizer: tensors("optimizer.safetensors")?,
         position,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_damaged_again_is_set_aside_beside_the_first_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let step = tmp.path().join("step-00000014");
+        for round in ["first", "second", "third"] {
+            std::fs::create_dir_all(&step).unwrap();
+            std::fs::write(step.join("note"), round).unwrap();
+            let choice = Choice {
+                skipped: vec![(step.clone(), "no MANIFEST".into())],
+                ..Choice::default()
+            };
+            let lines = choice.set_aside().unwrap();
+            assert!(lines[0].contains("is damaged (no MANIFEST)"), "{lines:?}");
+        }
+        let kept = |name: &str| std::fs::read_to_string(tmp.path().join(name).join("note"));
+        assert_eq!(kept("damaged-step-00000014").unwrap(), "first");
+        assert_eq!(kept("damaged-step-00000014-2").unwrap(), "second");
+        assert_eq!(kept("damaged-step-00000014-3").unwrap(), "third");
+        assert!(!step.exists());
+    }
 }

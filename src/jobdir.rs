@@ -465,18 +465,20 @@ impl JobDir {
     }
 
     /// Drops the `metrics.jsonl` lines written after a checkpoint at (`epoch`, `step`), so a
-    /// resumed run continues the history instead of repeating part of it.
-    pub fn rewind_metrics(&self, epoch: usize, step: usize) -> Result<(), JobDirError> {
+    /// resumed run continues the history instead of repeating part of it; `None`: a run that
+    /// starts over from nothing, whose history starts over too.
+    pub fn rewind_metrics(&self, to: Option<(usize, usize)>) -> Result<(), JobDirError> {
         let path = self.metrics_path();
-        let text = match fs::read_to_string(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        let text = match crate::report::record::read_text(&path) {
+            Ok(Some(text)) => text,
+            Ok(None) => return Ok(()),
             Err(e) => return Err(JobDirError::Io { path, cause: e }),
         };
         let kept: String = text
             .lines()
             .filter(|line| {
-                let Some(record) = crate::report::Record::parse(line) else {
+                let (Some(record), Some((epoch, step))) = (crate::report::Record::parse(line), to)
+                else {
                     return false;
                 };
                 let (at, of_epoch) = (record.step(), record.epoch());
@@ -590,7 +592,7 @@ mod tests {
         ];
         fs::write(job.metrics_path(), lines.join("\n") + "\n").unwrap();
         let kept = |epoch, step| {
-            job.rewind_metrics(epoch, step).unwrap();
+            job.rewind_metrics(Some((epoch, step))).unwrap();
             fs::read_to_string(job.metrics_path())
                 .unwrap()
                 .lines()
@@ -600,7 +602,14 @@ mod tests {
         assert_eq!(kept(1, 8), 3);
         // ...at a mid-epoch one at the same step (a stop before evaluation) it goes.
         assert_eq!(kept(0, 8), 2);
-        assert_eq!(kept(0, 0), 0);
+        // A byte that is not UTF-8 costs its line only.
+        let mut bytes = fs::read(job.metrics_path()).unwrap();
+        bytes.extend(b"{\"kind\":\"train\",\xff}\n");
+        fs::write(job.metrics_path(), bytes).unwrap();
+        assert_eq!(kept(0, 8), 2);
+        // The step-0 evaluation of a run that starts over is written again: none kept.
+        job.rewind_metrics(None).unwrap();
+        assert_eq!(fs::read_to_string(job.metrics_path()).unwrap(), "");
 
         let lock = job.lock("j").unwrap();
         let busy = job.lock("j").unwrap_err().to_string();

@@ -360,11 +360,8 @@ pub(super) fn rewind_to(job: &JobDir, choice: &checkpoint::Choice) -> Result<(),
     for warning in choice.set_aside().map_err(io)? {
         errln!("warning: {warning}");
     }
-    let (epoch, step) = choice
-        .position
-        .as_ref()
-        .map_or((0, 0), |p| (p.epoch, p.step));
-    Ok(job.rewind_metrics(epoch, step)?)
+    let to = choice.position.as_ref().map(|p| (p.epoch, p.step));
+    Ok(job.rewind_metrics(to)?)
 }
 
 /// Threads per worker: the node's cores split evenly (as torchrun sets OMP_NUM_THREADS).

@@ -51,11 +51,7 @@ pub struct History {
 impl History {
     /// Reads `metrics.jsonl`; a missing file is an empty history.
     pub fn read(path: &Path) -> std::io::Result<History> {
-        match std::fs::read_to_string(path) {
-            Ok(text) => Ok(History::parse(&text)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(History::default()),
-            Err(e) => Err(e),
-        }
+        Ok(record::read_text(path)?.map_or_else(History::default, |text| History::parse(&text)))
     }
 
     pub fn parse(text: &str) -> History {

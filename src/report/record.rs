@@ -149,9 +149,16 @@ pub fn parse_all(text: &str) -> (Vec<Record>, usize) {
 
 /// The records of the file at `path`; a missing file has none.
 pub fn read_all(path: &Path) -> std::io::Result<(Vec<Record>, usize)> {
-    match std::fs::read_to_string(path) {
-        Ok(text) => Ok(parse_all(&text)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((Vec::new(), 0)),
+    Ok(read_text(path)?.map_or_else(|| (Vec::new(), 0), |text| parse_all(&text)))
+}
+
+/// The text of a metrics file, `None` when there is none. Bytes that are not UTF-8 (a disk
+/// fault, a stray write) become U+FFFD, so their line is skipped as unreadable rather than
+/// hiding every other line.
+pub fn read_text(path: &Path) -> std::io::Result<Option<String>> {
+    match std::fs::read(path) {
+        Ok(bytes) => Ok(Some(String::from_utf8_lossy(&bytes).into_owned())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),
     }
 }

@@ -71,8 +71,9 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     };
     let loaded = config::load(&job.job_toml(), &overrides)?;
     let spec = &loaded.spec;
-    if let Some(p) = &choice.position {
+    if let (Some(p), Some(dir)) = (&choice.position, &choice.usable) {
         past_the_end(spec, p, &job)?;
+        other_optimizer(spec, p, dir, &job)?;
     }
     let layout = Layout::new(&NodeOptions::default(), spec)?;
     let token = store::random_token();
@@ -121,6 +122,33 @@ fn past_the_end(
         p.epoch + 1,
         job.job_toml().display()
     )))
+}
+
+/// Refuses a checkpoint whose optimizer state is not the optimizer `job.toml` now names (it
+/// was edited): restored, the state would be dropped or wrong, silently.
+fn other_optimizer(
+    spec: &config::JobSpec,
+    p: &checkpoint::TrainPosition,
+    dir: &std::path::Path,
+    job: &JobDir,
+) -> Result<(), RunError> {
+    // SAFETY: read-only mapping of a verified checkpoint, read while it lives. One that cannot
+    // be read is the worker's to report as it restores it.
+    let file = dir.join("optimizer.safetensors");
+    let Ok(state) = (unsafe { candle_core::safetensors::MmapedSafetensors::new(&file) }) else {
+        return Ok(());
+    };
+    let names: Vec<String> = state.tensors().into_iter().map(|(n, _)| n).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    match crate::optim::state_mismatch(spec.train.optimizer, &names, p.optimizer_steps) {
+        None => Ok(()),
+        Some(problem) => Err(RunError::Usage(format!(
+            "the newest checkpoint of job `{}` (`{}`) does not fit `{}`: {problem}",
+            spec.name,
+            dir.display(),
+            job.job_toml().display()
+        ))),
+    }
 }
 
 /// The newest checkpoint of job `name` that verifies; none is an error unless `from_scratch`.

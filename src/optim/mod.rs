@@ -299,10 +299,7 @@ impl Optimizer {
 
     /// torch's names for the per-parameter buffers (SGD has only the first).
     fn buffer_names(&self) -> (&'static str, &'static str) {
-        match self.spec {
-            OptimizerSpec::Sgd { .. } => ("momentum_buffer", ""),
-            _ => ("exp_avg", "exp_avg_sq"),
-        }
+        buffer_names(self.spec)
     }
 
     /// State tensors keyed `<param>.<buffer>` (torch's names: `momentum_buffer`, `exp_avg`,
@@ -322,6 +319,12 @@ impl Optimizer {
             }
         }
         Ok((out, self.steps))
+    }
+
+    /// [`state_mismatch`] of a checkpoint's optimizer `tensors` for this optimizer.
+    pub fn state_mismatch(&self, tensors: &HashMap<String, Tensor>, steps: u64) -> Option<String> {
+        let names: Vec<&str> = tensors.keys().map(String::as_str).collect();
+        state_mismatch(self.spec, &names, steps)
     }
 
     /// Restores what [`Optimizer::state`] returned.
@@ -345,6 +348,49 @@ impl Optimizer {
                 .map(Buffer::Tensor);
         }
         Ok(())
+    }
+}
+
+/// The names of `spec`'s two state buffers (torch's; the second empty for SGD).
+fn buffer_names(spec: OptimizerSpec) -> (&'static str, &'static str) {
+    match spec {
+        OptimizerSpec::Sgd { .. } => ("momentum_buffer", ""),
+        _ => ("exp_avg", "exp_avg_sq"),
+    }
+}
+
+/// Why a checkpoint's optimizer state, tensors `names` after `steps` steps, is not `spec`'s
+/// (job.toml's `train.optimizer` edited between runs): another optimizer's buffers, or none
+/// where `spec` keeps some (restored, Adam's bias correction would be wrong).
+pub fn state_mismatch(spec: OptimizerSpec, names: &[&str], steps: u64) -> Option<String> {
+    let (first, second) = buffer_names(spec);
+    let foreign = names
+        .iter()
+        .filter_map(|k| k.rsplit_once('.').map(|(_, suffix)| suffix))
+        .find(|suffix| *suffix != first && (second.is_empty() || *suffix != second));
+    let keeps_state = match spec {
+        OptimizerSpec::Sgd { momentum, .. } => momentum > 0.0,
+        _ => true,
+    };
+    let now = spec.name();
+    let fix = "set train.optimizer (and its keys) in job.toml back to what the job trained with";
+    match foreign {
+        Some(buffer) => {
+            let was = match buffer {
+                "momentum_buffer" => "SGD with momentum",
+                "exp_avg" | "exp_avg_sq" => "Adam's or AdamW's",
+                _ => "another optimizer's",
+            };
+            Some(format!(
+                "its optimizer state is {was} (`{buffer}`), not train.optimizer = \"{now}\"'s; \
+                 {fix}"
+            ))
+        }
+        None if names.is_empty() && steps > 0 && keeps_state => Some(format!(
+            "it holds no optimizer state after {steps} steps (the job trained with plain SGD), \
+             which train.optimizer = \"{now}\" keeps; {fix}"
+        )),
+        None => None,
     }
 }
 

@@ -115,10 +115,13 @@ pub fn restore(
             problem,
         }
     })?;
-    optimizer.load_state(
-        params,
-        restored.optimizer.clone(),
-        restored.position.optimizer_steps,
-    )?;
+    let steps = restored.position.optimizer_steps;
+    if let Some(problem) = optimizer.state_mismatch(&restored.optimizer, steps) {
+        return Err(TrainError::Restore {
+            dir: restored.dir.clone(),
+            problem,
+        });
+    }
+    optimizer.load_state(params, restored.optimizer.clone(), steps)?;
     Ok(())
 }

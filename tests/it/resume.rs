@@ -705,6 +705,42 @@ fn a_checkpoint_past_an_edited_job_end_is_refused() {
     resume(&t, &["cut"]).success();
 }
 
+/// A `job.toml` edited to another optimizer than its checkpoint's state is refused before
+/// anything changes (restored, Adam's moments would be missing or momentum dropped, silently).
+#[test]
+fn a_checkpoint_of_another_optimizer_is_refused() {
+    let t = TestJob::new();
+    let text = crate::common::TINY.replace("lr = 0.01", "lr = 0.01\noptimizer = \"sgd\"");
+    for (name, momentum) in [("momentum", "\nmomentum = 0.9"), ("plain", "")] {
+        let cfg = t.config(
+            name,
+            &text.replace(
+                "optimizer = \"sgd\"",
+                &format!("optimizer = \"sgd\"{momentum}"),
+            ),
+        );
+        run_with_fault(&t, &cfg, "rank=0,step=20,kind=preempt", &[])
+            .fails_with(143, "after checkpoint `step-00000020`");
+        let toml = t.job(name).join("job.toml");
+        let frozen = std::fs::read_to_string(&toml).unwrap();
+        let edited = frozen.replace("optimizer = \"sgd\"", "optimizer = \"adamw\"");
+        assert_ne!(edited, frozen);
+        std::fs::write(&toml, edited).unwrap();
+        let refused = resume(&t, &[name]);
+        match momentum.is_empty() {
+            false => refused.fails_with(2, "its optimizer state is SGD with momentum"),
+            true => refused.fails_with(2, "it holds no optimizer state after 20 steps"),
+        }
+        .fails_with(2, "set train.optimizer (and its keys) in job.toml back");
+        assert_eq!(
+            t.json(&t.job(name).join("state.json"))["status"],
+            "interrupted"
+        );
+        std::fs::write(&toml, frozen).unwrap();
+        resume(&t, &[name]).success();
+    }
+}
+
 /// `nohup ddpjob run ...` (SIGHUP ignored) outlives its session: the ignored signal is kept.
 #[test]
 fn a_job_under_nohup_outlives_a_hangup() {

@@ -64,6 +64,7 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
         })
         .collect::<Result<Vec<usize>, String>>()
         .map_err(|e| usage(anyhow!(e)))?;
+    crate::signals::install();
     let (dir, temporary) = match &args.jobs_dir {
         Some(dir) => (dir.clone(), false),
         None => (
@@ -88,7 +89,12 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
             args.steps
         );
         let given = global.is_none().then_some(share);
-        let status = run_once(args, &dir, &name, world, given)?;
+        let status = run_once(args, &dir, &name, world, given).inspect_err(|(code, _)| {
+            // Interrupted: nothing to look at is left (a failed run's log stays).
+            if temporary && *code >= 128 {
+                std::fs::remove_dir_all(&dir).ok();
+            }
+        })?;
         let path = dir.join(&name).join("logs").join(WEIGHT_DIGESTS);
         let trace = if path.is_file() {
             read_digests(&path)?
@@ -197,13 +203,37 @@ fn run_once(
     if let Some(per_worker) = per_worker {
         cmd.args(["--set", &format!("train.batch_size={per_worker}")]);
     }
-    let status = cmd
-        .env(crate::worker::env::TRACE_WEIGHTS, "1")
+    cmd.env(crate::worker::env::TRACE_WEIGHTS, "1")
         .stdout(out.try_clone().map_err(failed)?)
-        .stderr(out)
-        .status()
-        .map_err(failed)?;
-    Ok(status)
+        .stderr(out);
+    // SAFETY: prctl is async-signal-safe. The run dies with `verify` (killed, it cannot stop
+    // the run; its workers die with the run's launcher).
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(failed)?;
+    loop {
+        if let Some(status) = child.try_wait().map_err(failed)? {
+            return Ok(status);
+        }
+        // Stopped (Ctrl-C, a scheduler's SIGTERM to verify alone): the run goes too, at once.
+        if crate::signals::received() > 0 {
+            let _ = child.kill();
+            let _ = child.wait();
+            let signal = crate::signals::last();
+            return Err((
+                128 + signal as u8,
+                anyhow!(
+                    "interrupted by {} during the {world}-worker run, which was stopped",
+                    crate::launch::signal_name(signal)
+                ),
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 /// A run's digests in step order; a step written twice (a restarted worker redoes the steps

@@ -31,7 +31,7 @@ use crate::train::Summary;
 use auto::{Decision, ResumeMode};
 use group::Group;
 use nodes::{Followed, Nodes, Plan, follow_node0};
-use supervise::signal_name;
+pub(crate) use supervise::signal_name;
 
 /// torchrun's default rendezvous port for multi-node jobs.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;

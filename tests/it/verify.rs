@@ -91,3 +91,48 @@ fn world_sizes_that_do_not_divide_the_global_batch_are_a_usage_error() {
         .fails_with(2, "world sizes that do: 1, 2, 4, 8, 16, 32");
     assert!(!t.path("jobs").exists());
 }
+
+/// `verify` stopped by a signal sent to it alone (a scheduler's, `timeout`'s) stops the run it
+/// started, workers and all, instead of leaving it training.
+#[test]
+fn verify_stopped_by_a_signal_stops_its_run() {
+    let t = TestJob::new();
+    let cfg = t.config("v", &TINY.replace("epochs = 2", "epochs = 100000"));
+    let runs = t.path("runs");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ddpjob"));
+    crate::common::without_scheduler(&mut cmd);
+    let child = cmd
+        .args([
+            "verify",
+            cfg.to_str().unwrap(),
+            "--steps",
+            "10000000",
+            "--jobs-dir",
+        ])
+        .arg(&runs)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut verify = crate::common::Background { child };
+    let metrics = runs.join("verify-0-w1/metrics.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::fs::read_to_string(&metrics).map_or(0, |m| m.lines().count()) < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run does not train"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(crate::common::workers_under(&runs).len(), 1);
+    unsafe { libc::kill(verify.child.id() as i32, libc::SIGTERM) };
+    let out = verify
+        .wait_for(std::time::Duration::from_secs(30))
+        .expect("verify hung");
+    out.fails_with(
+        143,
+        "interrupted by SIGTERM during the 1-worker run, which was stopped",
+    );
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(crate::common::workers_under(&runs), Vec::new());
+}

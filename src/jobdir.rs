@@ -246,6 +246,12 @@ impl JobDir {
                 epoch: s.epoch,
                 step: s.step,
             }),
+            // Created a moment ago by a launcher that has not written its state yet.
+            None if let Some(pid) = self.running_launcher() => Err(JobDirError::ExistsRunning {
+                name: name.into(),
+                dir,
+                pid,
+            }),
             None => Err(JobDirError::ExistsForeign { dir }),
         }
     }
@@ -256,15 +262,28 @@ impl JobDir {
         if let Some(parent) = self.root.parent() {
             fs::create_dir_all(parent).map_err(io(parent))?;
         }
-        fs::create_dir(&self.root).map_err(|e| match e.kind() {
-            std::io::ErrorKind::AlreadyExists => JobDirError::ExistsForeign {
-                dir: self.root.clone(),
-            },
-            _ => JobDirError::Io {
-                path: self.root.clone(),
-                cause: e,
-            },
-        })?;
+        match fs::create_dir(&self.root) {
+            Ok(()) => {}
+            // Another launcher created it between the check and here: it locks it at once.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                for _ in 0..40 {
+                    if self.running_launcher().is_some() {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                self.ensure_new(name)?;
+                return Err(JobDirError::ExistsForeign {
+                    dir: self.root.clone(),
+                });
+            }
+            Err(e) => {
+                return Err(JobDirError::Io {
+                    path: self.root.clone(),
+                    cause: e,
+                });
+            }
+        }
         for sub in [self.logs_dir(), self.checkpoints_dir()] {
             fs::create_dir(&sub).map_err(io(&sub))?;
         }
@@ -561,6 +580,20 @@ mod tests {
         // 0600 before (the safetensors crate's temp file), whatever the umask.
         assert_eq!(mode(&weights), mode(&other));
         assert_eq!(mode(&other), 0o666 & !process_umask());
+    }
+
+    #[test]
+    fn a_job_another_launcher_has_just_created_is_named_as_running_not_foreign() {
+        let tmp = tempfile::tempdir().unwrap();
+        let first = JobDir::open(tmp.path(), "rc");
+        first.create("rc").unwrap();
+        let _lock = first.lock("rc").unwrap();
+        // No state.json yet: the other launcher is still writing its files.
+        let second = JobDir::open(tmp.path(), "rc");
+        for err in [second.ensure_new("rc"), second.create("rc")] {
+            let err = err.unwrap_err();
+            assert!(matches!(err, JobDirError::ExistsRunning { .. }), "{err}");
+        }
     }
 
     #[test]

@@ -280,8 +280,7 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
                 check_memory(spec, &layout, model).map_err(RunError::Usage)?;
                 check_full_sharding(spec, model).map_err(RunError::Usage)?;
             }
-            create_job(&job, opts, &layout, &kept)?;
-            _lock = Some(job.lock(&spec.name)?);
+            _lock = Some(create_job(&job, opts, &layout, &kept)?);
             Plan::Start
         }
         Decision::Continue(_) => {
@@ -568,22 +567,24 @@ fn check_full_sharding(spec: &JobSpec, model: &dyn crate::models::Model) -> Resu
     })
 }
 
-/// Node 0: the job directory, the frozen config and the first `state.json`.
+/// Node 0: the job directory, locked at once (so a launcher racing for the name says who has
+/// it), the frozen config and the first `state.json`.
 fn create_job(
     job: &JobDir,
     opts: &RunOptions,
     layout: &Layout,
     kept: &[JobFile],
-) -> Result<(), RunError> {
+) -> Result<crate::jobdir::JobLock, RunError> {
     let spec = &opts.loaded.spec;
     job.create(&spec.name)?;
+    let lock = job.lock(&spec.name)?;
     write_job_toml(job, opts)?;
     for file in kept {
         job.write_file(&job.root.join(&file.name), &file.bytes)?;
     }
     // Rank 0 fills in total_steps once it has read the data.
     job.write_state(&JobState::running(layout.world_size(), 0))?;
-    Ok(())
+    Ok(lock)
 }
 
 /// Nodes > 0: their own job directory (or node 0's, on a shared file system) for their logs.

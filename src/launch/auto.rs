@@ -42,7 +42,11 @@ pub fn decide(jobs_dir: &std::path::Path, loaded: &LoadedConfig) -> Result<Decis
         return Ok(Decision::Start);
     };
     let frozen = config::load(&job.job_toml(), &[])?;
-    let changed = differences(&frozen, loaded);
+    // Another number of workers (a requeued job given another allocation) continues, the rest
+    // of the epoch re-sharded, as `resume --nproc-per-node` does and as another --nnodes does.
+    let (workers, changed): (Vec<String>, Vec<String>) = differences(&frozen, loaded)
+        .into_iter()
+        .partition(|d| d.starts_with(WORKERS_KEY));
     if !changed.is_empty() {
         return Err(RunError::Usage(format!(
             "job `{name}` exists in `{}` with another config, so --resume auto will not continue \
@@ -52,6 +56,9 @@ pub fn decide(jobs_dir: &std::path::Path, loaded: &LoadedConfig) -> Result<Decis
             changed.join("; "),
             job.cli("resume")
         )));
+    }
+    if let (Some(workers), false) = (workers.first(), state.status == Status::Finished) {
+        outln!("--resume auto: job `{name}` continues with another number of workers ({workers})");
     }
     Ok(match state.status {
         Status::Finished => Decision::AlreadyFinished(format!(
@@ -63,6 +70,9 @@ pub fn decide(jobs_dir: &std::path::Path, loaded: &LoadedConfig) -> Result<Decis
         _ => Decision::Continue(name.clone()),
     })
 }
+
+/// The key whose change `--resume auto` follows rather than refuses.
+const WORKERS_KEY: &str = "distributed.nproc_per_node:";
 
 /// The keys whose resolved values differ, as `key: old -> new`.
 fn differences(frozen: &LoadedConfig, now: &LoadedConfig) -> Vec<String> {

@@ -514,6 +514,32 @@ fn run_resume_auto_continues_leaves_or_refuses_an_existing_job() {
     .fails_with(2, "cut");
 }
 
+/// `run --resume auto` given another number of workers (a requeued job's new allocation)
+/// continues the job re-sharded, as `resume --nproc-per-node` does, saying so.
+#[test]
+fn run_resume_auto_continues_on_another_number_of_workers() {
+    let t = TestJob::new();
+    let cfg = t.config("job", &job("adam", ""));
+    let n2 = ["--nproc-per-node", "2", "--name", "cut"];
+    run_with_fault(&t, &cfg, "rank=0,step=5,kind=preempt", &n2)
+        .fails_with(143, "interrupted by SIGTERM");
+    let again = t.run(
+        &cfg,
+        &["--nproc-per-node", "1", "--name", "cut", "--resume", "auto"],
+    );
+    again.success();
+    assert!(
+        again.stdout.contains(
+            "--resume auto: job `cut` continues with another number of workers \
+             (distributed.nproc_per_node: 2 -> 1)"
+        ),
+        "{}",
+        again.stdout
+    );
+    assert_eq!(t.json(&t.job("cut").join("state.json"))["status"], "finished");
+    assert_eq!(t.json(&t.job("cut").join("summary.json"))["world_size"], 1);
+}
+
 /// `model.freeze` on two workers: the frozen layer keeps the seed's values (the same in a job
 /// with another learning rate and optimizer, whose other layer ends elsewhere), a kill and
 /// `resume` end bit-identical, and a pattern that names nothing is refused before the job

@@ -206,14 +206,12 @@ fn progress(v: &JobView) -> String {
         Some(n) => format!("epoch {}/{n}", s.epoch.min(n)),
         None => format!("epoch {}", s.epoch),
     };
+    let step = v.step();
     if s.total_steps == 0 {
-        return format!("{epoch}, step {}", s.step);
+        return format!("{epoch}, step {step}");
     }
-    let pct = 100.0 * s.step as f64 / s.total_steps as f64;
-    format!(
-        "{epoch} done, step {}/{} ({pct:.0}%)",
-        s.step, s.total_steps
-    )
+    let pct = 100.0 * step as f64 / s.total_steps as f64;
+    format!("{epoch} done, step {step}/{} ({pct:.0}%)", s.total_steps)
 }
 
 /// `ddpjob list` columns: header and width (negative: left-aligned).
@@ -278,7 +276,7 @@ pub fn list(views: &[JobView], now: u64) -> String {
             v.data(),
             s.world_size.to_string(),
             epoch,
-            format!("{}/{}", s.step, s.total_steps),
+            format!("{}/{}", v.step(), s.total_steps),
             loss,
             best,
             expect,

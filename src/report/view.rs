@@ -90,6 +90,19 @@ impl JobView {
         }
     }
 
+    /// Optimizer steps done: for a job training now, its latest logged step (`state.json` is
+    /// written at checkpoints and epoch ends only); else where its state stands (a crashed
+    /// job's later log lines are past its checkpoint, where it resumes).
+    pub fn step(&self) -> usize {
+        let training = matches!(self.launcher, Some((_, true)))
+            && self.state.status == crate::jobdir::Status::Running;
+        let logged = self.history.train.last().map(|p| p.step);
+        match (training, logged) {
+            (true, Some(logged)) => self.state.step.max(logged),
+            _ => self.state.step,
+        }
+    }
+
     /// Every job under `jobs_dir` with a readable state, most recently updated first.
     pub fn load_all(jobs_dir: &Path) -> std::io::Result<Vec<JobView>> {
         Ok(crate::jobdir::list_jobs(jobs_dir)?

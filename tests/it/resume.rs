@@ -536,7 +536,10 @@ fn run_resume_auto_continues_on_another_number_of_workers() {
         "{}",
         again.stdout
     );
-    assert_eq!(t.json(&t.job("cut").join("state.json"))["status"], "finished");
+    assert_eq!(
+        t.json(&t.job("cut").join("state.json"))["status"],
+        "finished"
+    );
     assert_eq!(t.json(&t.job("cut").join("summary.json"))["world_size"], 1);
 }
 

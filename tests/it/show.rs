@@ -38,10 +38,12 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
     )
     .fails_with(1, "rank 0");
 
+    // One long epoch: its state.json stays at step 0 while it trains.
     let long = t.config(
         "long",
         &TINY
-            .replace("epochs = 2", "epochs = 100000")
+            .replace("epochs = 2", "epochs = 1")
+            .replace("train_samples = 512", "train_samples = 2000000")
             .replace("log_every = 4", "log_every = 8"),
     );
     let mut live = t.spawn_run(&long, "jobs", &["--name", "live"]);
@@ -95,7 +97,14 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
         );
     }
 
-    // Running: the live launcher's pid, progress so far.
+    // Running: the live launcher's pid, progress so far (its latest logged step at least).
+    let logged = t
+        .metrics("live")
+        .iter()
+        .filter_map(|m| m["step"].as_u64())
+        .max()
+        .unwrap();
+    assert!(logged > 0);
     let show = t.ddpjob(&["show", "live", "--jobs-dir", jobs]);
     show.success();
     let pid = live.child.id();
@@ -105,11 +114,18 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
         "{}",
         show.stdout
     );
-    assert!(
-        show.stdout.contains("progress    epoch "),
-        "{}",
-        show.stdout
-    );
+    let progress = show
+        .stdout
+        .lines()
+        .find(|l| l.contains("progress    epoch "))
+        .unwrap_or_else(|| panic!("{}", show.stdout));
+    let step: u64 = progress
+        .split("step ")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{progress}"));
+    assert!(step >= logged, "{progress} (logged: step {logged})");
 
     let list = t.ddpjob(&["list", "--jobs-dir", jobs]);
     list.success();

@@ -183,7 +183,26 @@ impl AdapterConfig {
             ("rank_pattern", !is_empty(&c["rank_pattern"])),
             ("alpha_pattern", !is_empty(&c["alpha_pattern"])),
             ("layers_to_transform", !is_empty(&c["layers_to_transform"])),
+            ("layer_replication", !is_empty(&c["layer_replication"])),
+            ("exclude_modules", !is_empty(&c["exclude_modules"])),
+            ("target_parameters", !is_empty(&c["target_parameters"])),
+            (
+                "trainable_token_indices",
+                !is_empty(&c["trainable_token_indices"]),
+            ),
+            (
+                "alora_invocation_tokens",
+                !is_empty(&c["alora_invocation_tokens"]),
+            ),
+            ("use_qalora", c["use_qalora"] == true),
         ];
+        if !c["task_type"].is_null() && c["task_type"] != "CAUSAL_LM" {
+            return Err(bad(format!(
+                "task_type {}: ddpjob continues causal language models' adapters \
+                 (\"CAUSAL_LM\")",
+                c["task_type"]
+            )));
+        }
         if let Some((key, _)) = unsupported.iter().find(|(_, on)| *on) {
             return Err(bad(format!(
                 "it sets {key}, which ddpjob's LoRA does not train (it trains PEFT's plain \
@@ -235,6 +254,14 @@ fn is_empty(v: &Value) -> bool {
 /// with its shape, and nothing else. Returns how many tensors were set.
 pub fn load_adapter(dir: &Path, params: &crate::models::Params) -> Result<usize, String> {
     let path = dir.join("adapter_model.safetensors");
+    if !path.is_file() && dir.join("adapter_model.bin").is_file() {
+        return Err(format!(
+            "`{}` holds the adapter as adapter_model.bin, which ddpjob does not read (a pickle): \
+             save it with `model.save_pretrained(dir, safe_serialization=True)` for \
+             adapter_model.safetensors",
+            dir.display()
+        ));
+    }
     let saved = candle_core::safetensors::load(&path, &candle_core::Device::Cpu)
         .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
     let mut saved: HashMap<String, Tensor> = saved
@@ -294,6 +321,39 @@ mod tests {
         // W + 2·[[0.5], [-1]]·[[1, 1]] = [[2, 3], [1, 2]].
         let w = merged["l.weight"].to_vec2::<f32>().unwrap();
         assert_eq!(w, vec![vec![2.0, 3.0], vec![1.0, 2.0]]);
+    }
+
+    #[test]
+    fn adapter_settings_ddpjob_does_not_train_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let read = |extra: &str| {
+            let config = format!(
+                r#"{{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                    "base_model_name_or_path": "nowhere"{extra}}}"#
+            );
+            std::fs::write(dir.path().join("adapter_config.json"), config).unwrap();
+            AdapterConfig::read(dir.path()).unwrap_err()
+        };
+        // Empty or off, they are PEFT's defaults: only the base is missing here.
+        let plain = read(
+            r#", "exclude_modules": null, "trainable_token_indices": [], "task_type": "CAUSAL_LM""#,
+        );
+        assert!(plain.contains("base_model_name_or_path"), "{plain}");
+        for (setting, key) in [
+            (r#", "exclude_modules": ["down_proj"]"#, "exclude_modules"),
+            (r#", "target_parameters": ["experts"]"#, "target_parameters"),
+            (
+                r#", "trainable_token_indices": [5]"#,
+                "trainable_token_indices",
+            ),
+            (r#", "rank_pattern": {"q_proj": 8}"#, "rank_pattern"),
+            (r#", "use_dora": true"#, "use_dora"),
+        ] {
+            let err = read(setting);
+            assert!(err.contains(&format!("it sets {key}")), "{err}");
+        }
+        let err = read(r#", "task_type": "SEQ_CLS""#);
+        assert!(err.contains("task_type \"SEQ_CLS\""), "{err}");
     }
 
     #[test]

@@ -290,19 +290,30 @@ fn parse_int(raw: &str) -> Result<i64, String> {
         })
 }
 
-/// Types a `--set` value by the key's schema kind: `--set data.root=x` needs no quotes.
+/// Types a `--set` value by the key's schema kind: `--set data.root=x` needs no quotes. A
+/// string in double quotes is read as TOML reads it, escapes and all (`"a\\.b"` is `a\.b`, as
+/// in the file); unquoted or in single quotes, as written.
 fn parse_override_value(kind: Kind, raw: &str) -> Result<toml::Value, String> {
     let unquoted = raw.trim_matches(|c| c == '"' || c == '\'');
+    let string = || {
+        let quoted = raw.len() >= 2 && raw.starts_with('"') && raw.ends_with('"');
+        let parsed = quoted
+            .then(|| toml::from_str::<toml::Table>(&format!("v = {raw}")).ok())
+            .flatten()
+            .and_then(|mut t| t.remove("v"));
+        match parsed {
+            Some(toml::Value::String(s)) => toml::Value::String(s),
+            _ => toml::Value::String(unquoted.to_string()),
+        }
+    };
     let value = match kind {
-        Kind::Str => toml::Value::String(unquoted.to_string()),
+        Kind::Str => string(),
         Kind::Int => toml::Value::Integer(parse_int(raw)?),
         Kind::Float => toml::Value::Float(raw.parse().map_err(|_| format!("`{raw}` is not one"))?),
         Kind::Bool => toml::Value::Boolean(raw.parse().map_err(|_| format!("`{raw}` is not one"))?),
         Kind::AutoOrInt if unquoted == "auto" => toml::Value::String("auto".into()),
         Kind::AutoOrInt => toml::Value::Integer(parse_int(raw)?),
-        Kind::StrListOrStr if !raw.trim_start().starts_with('[') => {
-            toml::Value::String(unquoted.to_string())
-        }
+        Kind::StrListOrStr if !raw.trim_start().starts_with('[') => string(),
         Kind::Table => return Err("it is a section; set one of its keys instead".into()),
         Kind::StrMap | Kind::IntList | Kind::FloatList | Kind::StrList | Kind::StrListOrStr => {
             let mut t: toml::Table = toml::from_str(&format!("v = {raw}"))

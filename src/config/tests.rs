@@ -171,6 +171,19 @@ fn overrides_are_typed_by_the_schema() {
     assert_eq!(loaded.spec.data.options()["root"].as_str(), Some("/tmp/d"));
     assert_eq!(loaded.spec.model, mlp(&[8, 4]));
     assert_eq!(loaded.spec.name, "other");
+    // A double-quoted string reads as in the file (escapes); unquoted or single-quoted, as is.
+    let root = |value: &str| {
+        let set = format!("data.root={value}");
+        let loaded = load_text("", &[set.as_str()]).unwrap();
+        loaded.spec.data.options()["root"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(root(r#""a\\.b""#), r"a\.b");
+    assert_eq!(root(r"a\.b"), r"a\.b");
+    assert_eq!(root(r"'a\.b'"), r"a\.b");
+    assert_eq!(root(r#""plain""#), "plain");
     let msg = load_text("", &["train.epochs=zero"])
         .unwrap_err()
         .to_string();

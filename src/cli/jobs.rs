@@ -295,10 +295,22 @@ pub(super) fn validate(args: &ConfigArgs) -> CliResult {
                 ));
             }
         }
-        Err(why) => outln!("memory_per_worker = not estimated ({why})"),
+        Err(NotEstimated::Unknown(why)) => outln!("memory_per_worker = not estimated ({why})"),
+        // What `run` refuses before the job exists (weights that do not fit the model, ...).
+        Err(NotEstimated::Refused(why)) => {
+            return Err((2, anyhow!("{}: {why}", args.config.display())));
+        }
     }
     errln!("{}: ok", args.config.display());
     Ok(())
+}
+
+/// Why `validate` gives no memory estimate.
+enum NotEstimated {
+    /// The data cannot be read here to size the model's input: said, not an error.
+    Unknown(String),
+    /// The model cannot be built (its `init_from` weights do not fit it): `run` refuses it.
+    Refused(String),
 }
 
 /// The memory estimate per worker (see `memory`), what sharding or activation checkpointing
@@ -310,21 +322,21 @@ fn memory_lines(
     world: usize,
     threads: usize,
     placement: &crate::device::Placement,
-) -> Result<(Vec<String>, bool), String> {
+) -> Result<(Vec<String>, bool), NotEstimated> {
     let gpus = &placement.gpus;
     use crate::memory::{Layout, estimate, fit};
     let input = match crate::registry::Registry::current().data_input(&spec.data) {
         Some(input) => input,
         None => crate::task::load(spec, None)
-            .map_err(|e| e.to_string())?
+            .map_err(|e| NotEstimated::Unknown(e.to_string()))?
             .input(),
     };
     let cpu = candle_core::Device::Cpu;
     let precision = spec.train.precision;
     // Blank weights (nothing drawn or loaded; a gpt's or llama's are zero pages, never
     // touched): only the shapes count, and a model too large for this machine must not fill it.
-    let model = crate::models::build(&spec.model, input, spec.seed, &cpu, precision, true)
-        .map_err(|e| e.to_string())?;
+    let model = crate::models::checked_blank(&spec.model, input, spec.seed, &cpu, precision)
+        .map_err(|e| NotEstimated::Refused(e.to_string()))?;
     let layout = Layout::of(spec, world, threads);
     let mine = estimate(spec, model.as_ref(), layout);
     // Without the activations, what is known of the rest, said so.

@@ -18,6 +18,26 @@ use thiserror::Error;
 use crate::models::Params;
 pub use export::{ExportDtype, export};
 
+thread_local! {
+    static CHECKING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with weights checked, not loaded: a model built inside reads only its files'
+/// headers, their names, shapes and types set against its parameters as a load would, and
+/// touches none of its blank memory. The launcher's and `validate`'s pre-flight of what every
+/// worker will load, so weights that do not fit are refused before the job exists.
+pub fn checking<T>(f: impl FnOnce() -> T) -> T {
+    let before = CHECKING.replace(true);
+    let out = f();
+    CHECKING.set(before);
+    out
+}
+
+/// Whether weights are only checked here (see [`checking`]).
+pub(crate) fn is_checking() -> bool {
+    CHECKING.get()
+}
+
 /// What an export writes: `config.json`'s fields and the tensors of `model.safetensors` by name.
 pub type HfParts = (
     Map<String, Value>,
@@ -153,6 +173,15 @@ impl HfDir {
             }
         })?;
         let present: HashSet<String> = tensors.tensors().into_iter().map(|(n, _)| n).collect();
+        if is_checking() {
+            // The header's shape, as a tensor that holds no data.
+            let header = |name: &str| {
+                let view = tensors.get(name)?;
+                DType::try_from(view.dtype())?;
+                candle_core::Tensor::zeros((), DType::F32, &Device::Cpu)?.broadcast_as(view.shape())
+            };
+            return self.load_from(&present, header, params, layout);
+        }
         self.load_from(
             &present,
             |name| tensors.load(name, &Device::Cpu),
@@ -199,11 +228,13 @@ impl HfDir {
                     var.dims()
                 )));
             }
-            tensor
-                .to_dtype(DType::F32)
-                .and_then(|t| t.to_device(var.device()))
-                .and_then(|t| var.set(&t))
-                .map_err(weights)?;
+            if !is_checking() {
+                tensor
+                    .to_dtype(DType::F32)
+                    .and_then(|t| t.to_device(var.device()))
+                    .and_then(|t| var.set(&t))
+                    .map_err(weights)?;
+            }
             used.insert(file_name);
         }
         let mut extra: Vec<&String> = present

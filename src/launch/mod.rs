@@ -521,7 +521,7 @@ fn blank_model(
         },
     };
     let device = candle_core::Device::Cpu;
-    crate::models::build(&spec.model, input, spec.seed, &device, precision, true)
+    crate::models::checked_blank(&spec.model, input, spec.seed, &device, precision)
         .map(Some)
         .map_err(|e| e.to_string())
 }

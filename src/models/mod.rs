@@ -610,6 +610,23 @@ fn with_precision(model: Box<dyn Model>, precision: Precision) -> Box<dyn Model>
     }
 }
 
+/// The model blank (nothing drawn; zero pages never touched), its `init_from` weights checked
+/// against it from their files' headers (names, shapes, types), not loaded: what the launcher
+/// and `validate` build to refuse weights that do not fit, and to estimate memory, before
+/// anything exists.
+pub(crate) fn checked_blank(
+    spec: &ModelSpec,
+    input: ModelInput,
+    seed: u64,
+    device: &Device,
+    precision: Precision,
+) -> Result<Box<dyn Model>> {
+    match spec.init_from() {
+        Some(_) => crate::hf::checking(|| build(spec, input, seed, device, precision, false)),
+        None => build(spec, input, seed, device, precision, true),
+    }
+}
+
 /// Builds the model of `spec` for `input` through the installed [`Registry`], computing in
 /// `precision` (f32 master weights either way). `restoring`: a checkpoint will replace the
 /// weights, so pretrained ones need not be loaded. A mismatch of model and data (a gpt on

@@ -437,6 +437,20 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
     run("truncated", &format!("init_from = \"{}\"", bare.display()))
         .fails_with(2, "model.safetensors` is not a whole safetensors file")
         .fails_with(2, "fetch it again");
+    // A config.json that does not describe its weights: refused from their headers, by
+    // `validate` as by `run`, before the job exists.
+    std::fs::write(bare.join("model.safetensors"), &weights).unwrap();
+    let config = std::fs::read_to_string(bare.join("config.json")).unwrap();
+    let wider = config.replace("\"hidden_size\": 32", "\"hidden_size\": 64");
+    assert_ne!(wider, config);
+    std::fs::write(bare.join("config.json"), wider).unwrap();
+    let mismatched = format!("init_from = \"{}\"", bare.display());
+    let expects = "tensor `model.embed_tokens.weight` has shape [320, 32], the model expects \
+                   [320, 64]";
+    run("mismatched", &mismatched).fails_with(2, expects);
+    let cfg = t.config("mismatched", &job(&text, &mismatched, ""));
+    t.ddpjob(&["validate", cfg.to_str().unwrap()])
+        .fails_with(2, expects);
     assert!(!t.jobs_dir().exists() || std::fs::read_dir(t.jobs_dir()).unwrap().next().is_none());
 }
 

@@ -180,7 +180,10 @@ pub fn save_tensors(
     tensors: &std::collections::HashMap<String, candle_core::Tensor>,
     path: &Path,
 ) -> candle_core::Result<()> {
-    candle_core::safetensors::save(tensors, path)?;
+    // The header metadata `save_pretrained` writes, which transformers before 4.38 requires.
+    let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::tensor::serialize_to_file(tensors, Some(metadata), path)
+        .map_err(|e| candle_core::Error::Msg(format!("cannot write `{}`: {e}", path.display())))?;
     use std::os::unix::fs::PermissionsExt;
     let mode = 0o666 & !process_umask();
     fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(candle_core::Error::from)

@@ -127,7 +127,15 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
                 ),
             ));
         }
-        (None, _) => tensors,
+        (None, merge) => {
+            if merge {
+                errln!(
+                    "note: job `{}` has no LoRA adapters: --merge-lora has nothing to fold",
+                    args.name
+                );
+            }
+            tensors
+        }
     };
     let (mut hf_config, tensors) =
         crate::models::hf_export_parts(&spec.model, tensors).map_err(|e| (2, anyhow!(e)))?;

@@ -127,7 +127,13 @@ pub(super) fn prepare_dir(dir: &Path, force: bool, flag: &str) -> Result<(), HfE
             )));
         }
     }
-    std::fs::create_dir_all(dir).map_err(io)
+    // The user's directory to choose: an error to fix (exit 2), said as a write.
+    std::fs::create_dir_all(dir).map_err(|cause| {
+        HfError::Invalid(format!(
+            "cannot create `{}`: {cause}; {flag} names a directory you can write to",
+            dir.display()
+        ))
+    })
 }
 
 /// After an export into `dir` wrote `written`: removes the model-directory files (see

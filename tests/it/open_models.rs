@@ -101,6 +101,11 @@ fn a_qwen2_checkpoint_fine_tunes_and_exports_back_to_hugging_face() {
     assert_eq!(config["architectures"][0], "Qwen2ForCausalLM");
     assert_eq!(config["tie_word_embeddings"], true);
     assert_eq!(config["eos_token_id"], 7);
+    // The header's metadata as `save_pretrained` writes it (older transformers require it).
+    let weights = std::fs::read(out.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&weights[8..8 + n]).unwrap();
+    assert_eq!(header["__metadata__"]["format"], "pt");
     // The weights are the job's, bit for bit; the tied head is left out as transformers does.
     let mut trained = load_weights(&t.job("ft").join("model.safetensors"));
     trained.remove("lm_head.weight");

@@ -130,14 +130,14 @@ impl Generator {
         how: Sampling,
         mut emit: impl FnMut(&str),
     ) -> Result<Vec<u32>, SampleError> {
-        let mut context = if prompt.is_empty() {
-            // nanoGPT's sample.py starts from a newline; else the first symbol.
-            self.vocab.encode("\n", "").unwrap_or_else(|_| vec![0])
-        } else if self.end_of_example.is_some() {
-            self.vocab.encode_prompt(prompt, "the prompt")?
-        } else {
-            self.vocab.encode(prompt, "the prompt")?
+        let mut context = match self.end_of_example {
+            Some(_) => self.vocab.encode_prompt(prompt, "the prompt")?,
+            None => self.vocab.encode(prompt, "the prompt")?,
         };
+        if context.is_empty() {
+            // nanoGPT's sample.py starts from a newline; else the first symbol.
+            context = self.vocab.encode("\n", "").unwrap_or_else(|_| vec![0]);
+        }
         let block = self.engine.block_size();
         if context.len() > block {
             context.drain(..context.len() - block);

@@ -265,27 +265,30 @@ impl JobDir {
         if let Some(parent) = self.root.parent() {
             fs::create_dir_all(parent).map_err(io(parent))?;
         }
-        match fs::create_dir(&self.root) {
-            Ok(()) => {}
+        let create = || fs::create_dir(&self.root);
+        let failed = |e: std::io::Error| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => JobDirError::ExistsForeign {
+                dir: self.root.clone(),
+            },
+            _ => JobDirError::Io {
+                path: self.root.clone(),
+                cause: e,
+            },
+        };
+        if let Err(e) = create() {
+            if e.kind() != std::io::ErrorKind::AlreadyExists {
+                return Err(failed(e));
+            }
             // Another launcher created it between the check and here: it locks it at once.
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                for _ in 0..40 {
-                    if self.running_launcher().is_some() {
-                        break;
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(50));
+            for _ in 0..40 {
+                if self.running_launcher().is_some() {
+                    break;
                 }
-                self.ensure_new(name)?;
-                return Err(JobDirError::ExistsForeign {
-                    dir: self.root.clone(),
-                });
+                std::thread::sleep(std::time::Duration::from_millis(50));
             }
-            Err(e) => {
-                return Err(JobDirError::Io {
-                    path: self.root.clone(),
-                    cause: e,
-                });
-            }
+            self.ensure_new(name)?;
+            // Gone again meanwhile: one more try.
+            create().map_err(failed)?;
         }
         for sub in [self.logs_dir(), self.checkpoints_dir()] {
             fs::create_dir(&sub).map_err(io(&sub))?;
@@ -478,11 +481,13 @@ impl JobDir {
         let path = self.root.join(".lock");
         let file = File::open(&path).ok()?;
         let free = try_flock(&file, libc::LOCK_SH);
+        // Locked a moment before its pid is written: "unknown" rather than nothing.
         (!free).then(|| {
-            fs::read_to_string(&path)
-                .unwrap_or_default()
-                .trim()
-                .to_string()
+            let pid = fs::read_to_string(&path).unwrap_or_default();
+            match pid.trim() {
+                "" => "unknown".to_string(),
+                pid => pid.to_string(),
+            }
         })
     }
 

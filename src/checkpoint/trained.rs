@@ -4,6 +4,7 @@
 //! source's model (its `job.toml`'s `[model]`) and its vocabulary (`vocab.json`), so the
 //! weights mean what they meant.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use crate::jobdir::JobDir;
@@ -83,11 +84,11 @@ impl Trained {
             weight_files: vec![self.weights.clone()],
         };
         let Some(scale) = self.adapters_to_fold(params, lora)? else {
-            return file.load_with(params, &Cropped(crop));
+            return file.load_with(params, &Cropped { crop, fold: false });
         };
         if crate::hf::is_checking() {
-            // Folded, the adapters leave their layers' shapes as they are.
-            return Ok(());
+            // Folded, the adapters leave their layers' shapes as they are: the rest is checked.
+            return file.load_with(params, &Cropped { crop, fold: true });
         }
         let unreadable = |cause| crate::hf::HfError::Weights {
             path: self.weights.clone(),
@@ -100,7 +101,7 @@ impl Trained {
         })?;
         let present = folded.keys().cloned().collect();
         let load = |name: &str| Ok(folded[name].clone());
-        file.load_from(&present, load, params, &Cropped(crop))
+        file.load_from(&present, load, params, &Cropped { crop, fold: false })
     }
 
     /// The scale (`alpha / r`) to fold the weights' adapters into their layers with, when
@@ -197,10 +198,19 @@ impl Trained {
     }
 }
 
-/// A job's own layout, one tensor's rows cut to the model's.
-struct Cropped<'a>(Option<&'a str>);
+/// A job's own layout, the rows of tensor `crop` cut to the model's; with `fold`, its LoRA
+/// adapters are not the model's (they are folded into their layers).
+struct Cropped<'a> {
+    crop: Option<&'a str>,
+    fold: bool,
+}
 
 impl crate::hf::FileLayout for Cropped<'_> {
+    fn file_name(&self, name: &str, present: &HashSet<String>) -> Option<String> {
+        let own = !(self.fold && crate::models::is_adapter(name));
+        (own && present.contains(name)).then(|| name.to_string())
+    }
+
     fn to_model(
         &self,
         name: &str,
@@ -208,15 +218,15 @@ impl crate::hf::FileLayout for Cropped<'_> {
         dims: &[usize],
     ) -> candle_core::Result<candle_core::Tensor> {
         match dims.first() {
-            Some(&rows) if Some(name) == self.0 && stored.dims().first() > Some(&rows) => {
+            Some(&rows) if Some(name) == self.crop && stored.dims().first() > Some(&rows) => {
                 stored.narrow(0, 0, rows)
             }
             _ => Ok(stored),
         }
     }
 
-    fn ignored(&self, _file_name: &str) -> bool {
-        false
+    fn ignored(&self, file_name: &str) -> bool {
+        self.fold && crate::models::is_adapter(file_name)
     }
 }
 

@@ -182,7 +182,8 @@ fn keep_special_token_ids(
         return;
     };
     for key in ["bos_token_id", "eos_token_id", "pad_token_id"] {
-        if let (Some(id), false) = (base_config.get(key), config.contains_key(key)) {
+        let unset = config.get(key).is_none_or(serde_json::Value::is_null);
+        if let (Some(id), true) = (base_config.get(key), unset) {
             config.insert(key.into(), id.clone());
         }
     }

@@ -89,12 +89,15 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
             args.steps
         );
         let given = global.is_none().then_some(share);
-        let status = run_once(args, &dir, &name, world, given).inspect_err(|(code, _)| {
-            // Interrupted: nothing to look at is left (a failed run's log stays).
-            if temporary && *code >= 128 {
+        let outcome = run_once(args, &dir, &name, world, given);
+        // Interrupted: nothing to look at is left (a failed run's log stays).
+        if crate::signals::received() > 0 {
+            if temporary {
                 std::fs::remove_dir_all(&dir).ok();
             }
-        })?;
+            return Err(interrupted(world));
+        }
+        let status = outcome?;
         let path = dir.join(&name).join("logs").join(WEIGHT_DIGESTS);
         let trace = if path.is_file() {
             read_digests(&path)?
@@ -206,34 +209,63 @@ fn run_once(
     cmd.env(crate::worker::env::TRACE_WEIGHTS, "1")
         .stdout(out.try_clone().map_err(failed)?)
         .stderr(out);
-    // SAFETY: prctl is async-signal-safe. The run dies with `verify` (killed, it cannot stop
-    // the run; its workers die with the run's launcher).
+    // SAFETY: prctl, getppid and _exit are async-signal-safe. The run dies with `verify`
+    // (killed, it cannot stop the run; its workers die with the run's launcher), also when
+    // `verify` died before the prctl.
+    let verify = std::process::id() as libc::pid_t;
     unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            if libc::getppid() != verify {
+                libc::_exit(1);
+            }
             Ok(())
         });
     }
     let mut child = cmd.spawn().map_err(failed)?;
+    let mut told = None;
     loop {
-        if let Some(status) = child.try_wait().map_err(failed)? {
-            return Ok(status);
-        }
-        // Stopped (Ctrl-C, a scheduler's SIGTERM to verify alone): the run goes too, at once.
-        if crate::signals::received() > 0 {
-            let _ = child.kill();
-            let _ = child.wait();
-            let signal = crate::signals::last();
-            return Err((
-                128 + signal as u8,
-                anyhow!(
-                    "interrupted by {} during the {world}-worker run, which was stopped",
-                    crate::launch::signal_name(signal)
-                ),
-            ));
+        let ended = child.try_wait().map_err(failed)?;
+        // Stopped (Ctrl-C, a scheduler's SIGTERM to verify alone): the run is told the same
+        // (its launcher stops its workers in order), and killed if it has not ended in time.
+        if crate::signals::received() == 0 {
+            if let Some(status) = ended {
+                return Ok(status);
+            }
+        } else if ended.is_some() {
+            return Err(interrupted(world));
+        } else {
+            match told {
+                None => {
+                    // SAFETY: a signal to our own child, not yet reaped.
+                    unsafe { libc::kill(child.id() as libc::pid_t, crate::signals::last()) };
+                    told = Some(std::time::Instant::now());
+                }
+                Some(at) if at.elapsed() >= STOP_GRACE => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(interrupted(world));
+                }
+                Some(_) => {}
+            }
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
+}
+
+/// How long a run told to stop has before it is killed.
+const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `verify` stopped by a signal while the `world`-worker run (or the comparison) went on.
+fn interrupted(world: usize) -> (u8, anyhow::Error) {
+    let signal = crate::signals::last();
+    (
+        128 + signal as u8,
+        anyhow!(
+            "interrupted by {} during the {world}-worker run, which was stopped",
+            crate::launch::signal_name(signal)
+        ),
+    )
 }
 
 /// A run's digests in step order; a step written twice (a restarted worker redoes the steps

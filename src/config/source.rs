@@ -92,7 +92,8 @@ impl Source {
         if schema::lookup(path).is_none() && is_option_key(path) {
             // Possibly an option of a registered model or dataset: typed by its own struct
             // later; an unknown key is reported then, naming this argument.
-            let value = parse_literal(raw_value.trim());
+            let value = parse_literal(raw_value.trim())
+                .map_err(|problem| bad(format!("`{path}`: {problem}")))?;
             self.insert_at(path, value).map_err(bad)?;
             self.overrides.insert(path.to_string(), arg.to_string());
             return Ok(());
@@ -200,11 +201,30 @@ fn from_flag(arg: &str) -> Option<String> {
 
 /// A `--set` value for a key the schema does not type: a TOML value (`8`, `0.5`, `true`,
 /// `[1, 2]`, `"x"`), else the text as a string.
-fn parse_literal(raw: &str) -> toml::Value {
-    toml::from_str::<toml::Table>(&format!("v = {raw}"))
+fn parse_literal(raw: &str) -> Result<toml::Value, String> {
+    if let Some(string) = quoted(raw) {
+        return string.map(toml::Value::String);
+    }
+    Ok(toml::from_str::<toml::Table>(&format!("v = {raw}"))
         .ok()
         .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(raw.to_string()))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string())))
+}
+
+/// A value in double quotes, read as TOML reads a string (escapes and all, as in the file);
+/// `None` for any other value.
+fn quoted(raw: &str) -> Option<Result<String, String>> {
+    if !(raw.len() >= 2 && raw.starts_with('"') && raw.ends_with('"')) {
+        return None;
+    }
+    let parsed = toml::from_str::<toml::Table>(&format!("v = {raw}")).map(|mut t| t.remove("v"));
+    Some(match parsed {
+        Ok(Some(toml::Value::String(s))) => Ok(s),
+        _ => Err(format!(
+            "`{raw}` is not a TOML string (in double quotes a backslash starts an escape, as in \
+             the file); in single quotes it is taken as written"
+        )),
+    })
 }
 
 /// Byte offsets of every key and value in the parsed file, by dotted path.
@@ -295,25 +315,18 @@ fn parse_int(raw: &str) -> Result<i64, String> {
 /// in the file); unquoted or in single quotes, as written.
 fn parse_override_value(kind: Kind, raw: &str) -> Result<toml::Value, String> {
     let unquoted = raw.trim_matches(|c| c == '"' || c == '\'');
-    let string = || {
-        let quoted = raw.len() >= 2 && raw.starts_with('"') && raw.ends_with('"');
-        let parsed = quoted
-            .then(|| toml::from_str::<toml::Table>(&format!("v = {raw}")).ok())
-            .flatten()
-            .and_then(|mut t| t.remove("v"));
-        match parsed {
-            Some(toml::Value::String(s)) => toml::Value::String(s),
-            _ => toml::Value::String(unquoted.to_string()),
-        }
+    let string = || match quoted(raw) {
+        Some(string) => string.map(toml::Value::String),
+        None => Ok(toml::Value::String(unquoted.to_string())),
     };
     let value = match kind {
-        Kind::Str => string(),
+        Kind::Str => string()?,
         Kind::Int => toml::Value::Integer(parse_int(raw)?),
         Kind::Float => toml::Value::Float(raw.parse().map_err(|_| format!("`{raw}` is not one"))?),
         Kind::Bool => toml::Value::Boolean(raw.parse().map_err(|_| format!("`{raw}` is not one"))?),
         Kind::AutoOrInt if unquoted == "auto" => toml::Value::String("auto".into()),
         Kind::AutoOrInt => toml::Value::Integer(parse_int(raw)?),
-        Kind::StrListOrStr if !raw.trim_start().starts_with('[') => string(),
+        Kind::StrListOrStr if !raw.trim_start().starts_with('[') => string()?,
         Kind::Table => return Err("it is a section; set one of its keys instead".into()),
         Kind::StrMap | Kind::IntList | Kind::FloatList | Kind::StrList | Kind::StrListOrStr => {
             let mut t: toml::Table = toml::from_str(&format!("v = {raw}"))

@@ -184,6 +184,10 @@ fn overrides_are_typed_by_the_schema() {
     assert_eq!(root(r"a\.b"), r"a\.b");
     assert_eq!(root(r"'a\.b'"), r"a\.b");
     assert_eq!(root(r#""plain""#), "plain");
+    let msg = load_text("", &[r#"data.root="a\d""#])
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("is not a TOML string"), "{msg}");
     let msg = load_text("", &["train.epochs=zero"])
         .unwrap_err()
         .to_string();

@@ -106,6 +106,9 @@ const ABANDONED_AFTER: Duration = Duration::from_secs(600);
 /// How often a download in progress says how far it is.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
+/// The longest a download may take in all (a day: a slow but steady link finishes).
+const BODY_AT_MOST: Duration = Duration::from_secs(24 * 3600);
+
 /// How long a mirror may send nothing, mid-body, before the next one is tried.
 const STALLED_AFTER: Duration = Duration::from_secs(30);
 
@@ -114,17 +117,20 @@ fn fetch_verified(url: &str, sha256: Option<&str>, tmp: &Path) -> Result<(), Str
 }
 
 /// [`fetch_verified`], giving up on a mirror that sends nothing for `stalled_after`. The body
-/// has no overall limit (a slow but steady link finishes), so each read is bounded instead:
-/// a thread reads, this one waits for each piece at most that long.
+/// has a day in all (a slow but steady link finishes), so each read is bounded instead: a
+/// thread reads, this one waits for each piece at most that long.
 fn fetch_within(
     url: &str,
     sha256: Option<&str>,
     tmp: &Path,
     stalled_after: Duration,
 ) -> Result<(), String> {
+    // The body's own bound only ends the reading thread of a mirror given up as stalled
+    // (one that never closes its connection); the stall limit below is what the user waits.
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_connect(Some(Duration::from_secs(15)))
         .timeout_recv_response(Some(stalled_after))
+        .timeout_recv_body(Some(BODY_AT_MOST))
         .build()
         .into();
     let response = agent.get(url).call().map_err(|e| e.to_string())?;
@@ -158,6 +164,11 @@ fn fetch_within(
             }
         }
     }
+    if let Some(total) = total.filter(|&t| t != got) {
+        return Err(format!(
+            "the mirror sent {got} of the {total} bytes it announced"
+        ));
+    }
     out.sync_all()
         .map_err(|e| format!("cannot sync {}: {e}", tmp.display()))?;
     let actual = hex(&hasher.finalize());
@@ -171,7 +182,7 @@ fn fetch_within(
 
 /// Reads `body` on its own thread, sending each piece (or the error that ended it); the
 /// channel closes at the end of the body. A stalled read keeps only that thread waiting: it
-/// ends when the connection does, its pieces unread.
+/// ends when the connection does (or at the body's time limit), its pieces unread.
 fn read_in_background(
     mut body: impl Read + Send + 'static,
 ) -> mpsc::Receiver<std::io::Result<Vec<u8>>> {

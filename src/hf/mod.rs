@@ -27,10 +27,15 @@ thread_local! {
 /// touches none of its blank memory. The launcher's and `validate`'s pre-flight of what every
 /// worker will load, so weights that do not fit are refused before the job exists.
 pub fn checking<T>(f: impl FnOnce() -> T) -> T {
-    let before = CHECKING.replace(true);
-    let out = f();
-    CHECKING.set(before);
-    out
+    /// Puts the flag back however `f` ends (a caught panic must not leave real loads dry).
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CHECKING.set(self.0);
+        }
+    }
+    let _restore = Restore(CHECKING.replace(true));
+    f()
 }
 
 /// Whether weights are only checked here (see [`checking`]).

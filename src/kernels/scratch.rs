@@ -4,8 +4,9 @@
 //! the CPU). Buffers are per thread, so shards never share one.
 //!
 //! A thread keeps, of each length, at most as many buffers as it has had out at once: what
-//! its next step takes again. Buffers handed back beyond that (made elsewhere, or taken on
-//! another thread) are freed, so the pool holds no more than a step's working set.
+//! its next step takes again. Buffers handed back beyond that count, or of a length this
+//! thread never takes (taken on another thread), are freed, so the pool holds no more than a
+//! step's working set.
 
 use std::cell::RefCell;
 

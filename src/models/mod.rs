@@ -621,9 +621,14 @@ pub(crate) fn checked_blank(
     device: &Device,
     precision: Precision,
 ) -> Result<Box<dyn Model>> {
+    // The built-in archs read their weights through `hf`, which honours `checking`; a
+    // registered model's own loading would read them all: left blank.
+    let built_in = matches!(spec.arch(), "gpt" | "llama");
     match spec.init_from() {
-        Some(_) => crate::hf::checking(|| build(spec, input, seed, device, precision, false)),
-        None => build(spec, input, seed, device, precision, true),
+        Some(_) if built_in => {
+            crate::hf::checking(|| build(spec, input, seed, device, precision, false))
+        }
+        _ => build(spec, input, seed, device, precision, true),
     }
 }
 

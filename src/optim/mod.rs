@@ -368,10 +368,9 @@ pub fn state_mismatch(spec: OptimizerSpec, names: &[&str], steps: u64) -> Option
         .iter()
         .filter_map(|k| k.rsplit_once('.').map(|(_, suffix)| suffix))
         .find(|suffix| *suffix != first && (second.is_empty() || *suffix != second));
-    let keeps_state = match spec {
-        OptimizerSpec::Sgd { momentum, .. } => momentum > 0.0,
-        _ => true,
-    };
+    // A missing momentum buffer starts afresh as torch's does (`buf = g`); missing moments
+    // would leave Adam's bias correction at the restored step.
+    let adam = !matches!(spec, OptimizerSpec::Sgd { .. });
     let now = spec.name();
     let fix = "set train.optimizer (and its keys) in job.toml back to what the job trained with";
     match foreign {
@@ -386,7 +385,7 @@ pub fn state_mismatch(spec: OptimizerSpec, names: &[&str], steps: u64) -> Option
                  {fix}"
             ))
         }
-        None if names.is_empty() && steps > 0 && keeps_state => Some(format!(
+        None if names.is_empty() && steps > 0 && adam => Some(format!(
             "it holds no optimizer state after {steps} steps (the job trained with plain SGD), \
              which train.optimizer = \"{now}\" keeps; {fix}"
         )),

@@ -246,14 +246,22 @@ mod tests {
         assert!(live.exists() && other.exists() && fresh.exists());
     }
 
-    #[test]
-    fn a_mirror_that_stops_sending_mid_body_is_given_up_after_the_stall_limit() {
-        let tmp = tempfile::tempdir().unwrap();
+    /// The URL of a server on 127.0.0.1 that reads one request and answers it with `answer`.
+    fn serve_once(answer: impl FnOnce(&mut std::net::TcpStream) + Send + 'static) -> String {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}/f.bin", listener.local_addr().unwrap());
         std::thread::spawn(move || {
             let (mut stream, _) = listener.accept().unwrap();
             let _ = stream.read(&mut [0u8; 1024]);
+            answer(&mut stream);
+        });
+        url
+    }
+
+    #[test]
+    fn a_mirror_that_stops_sending_mid_body_is_given_up_after_the_stall_limit() {
+        let tmp = tempfile::tempdir().unwrap();
+        let url = serve_once(|stream| {
             stream
                 .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n0123456789")
                 .unwrap();
@@ -281,11 +289,7 @@ mod tests {
     #[test]
     fn a_slow_body_that_keeps_coming_is_downloaded_whole() {
         let tmp = tempfile::tempdir().unwrap();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}/f.bin", listener.local_addr().unwrap());
-        std::thread::spawn(move || {
-            let (mut stream, _) = listener.accept().unwrap();
-            let _ = stream.read(&mut [0u8; 1024]);
+        let url = serve_once(|stream| {
             stream
                 .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\n")
                 .unwrap();

@@ -141,7 +141,18 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         crate::models::hf_export_parts(&spec.model, tensors).map_err(|e| (2, anyhow!(e)))?;
     let tokenizer = tokenizer_files(&spec, &job);
     keep_special_token_ids(&mut hf_config, &spec, &tokenizer);
+    let end = end_of_examples(&spec, &tokenizer);
+    if let Some((_, id)) = &end {
+        let ids = match hf_config.get("eos_token_id") {
+            list @ Some(serde_json::Value::Array(_)) => hf::led_by(*id, list),
+            _ => (*id).into(),
+        };
+        hf_config.insert("eos_token_id".into(), ids);
+    }
     hf::export(hf_dir, hf_config, tensors, &tokenizer, dtype, args.force).map_err(export_error)?;
+    if let Some((token, id)) = &end {
+        hf::mark_end_token(hf_dir, token, *id).map_err(export_error)?;
+    }
     outln!(
         "exported `{}` to `{}`{}",
         weights.display(),
@@ -187,6 +198,21 @@ fn keep_special_token_ids(
             config.insert(key.into(), id.clone());
         }
     }
+}
+
+/// The token (and its id) an instruction-tuned job (`data.dataset = "jsonl"`) ended every
+/// example with, when the export carries the tokenizer that has it: what the exported model
+/// learnt to end an answer with, which may not be the base's end of sequence (`<|im_end|>`
+/// after a base's `<|endoftext|>`).
+fn end_of_examples(spec: &config::JobSpec, tokenizer: &[PathBuf]) -> Option<(String, u32)> {
+    if spec.data.name() != "jsonl" {
+        return None;
+    }
+    let token = spec.data.options().get("eos_token")?.as_str()?;
+    let id = crate::data::hf_tokenizer::HfTokenizer::load(tokenizer.first()?)
+        .ok()?
+        .token_id(token)?;
+    Some((token.to_string(), id))
 }
 
 /// An export's error with its exit code: 2 for what the user can fix (a directory, a flag).

@@ -5,7 +5,7 @@ mod builtin;
 mod catalog;
 pub mod download;
 pub(crate) mod fingerprint;
-mod hf_tokenizer;
+pub(crate) mod hf_tokenizer;
 pub mod idx;
 mod jsonl;
 mod jsonl_index;

@@ -212,6 +212,62 @@ pub(super) fn save_weights(
     })
 }
 
+/// Marks `token` (id `id`) as the end of sequence of the model exported to `dir`, the token an
+/// instruction-tuned job taught it to end each answer with: `tokenizer_config.json`'s
+/// `eos_token`, and `generation_config.json`'s `eos_token_id` led by `id` (the base's ids kept
+/// after it, as an instruct release lists both), so `generate` stops where the model answers.
+pub fn mark_end_token(dir: &Path, token: &str, id: u32) -> Result<(), HfError> {
+    let edit = |name: &str, change: &dyn Fn(&mut Map<String, Value>)| {
+        let path = dir.join(name);
+        let Ok(text) = std::fs::read(&path) else {
+            return Ok(());
+        };
+        let Ok(Value::Object(mut json)) = serde_json::from_slice(&text) else {
+            return Ok(());
+        };
+        let before = json.clone();
+        change(&mut json);
+        if json == before {
+            return Ok(());
+        }
+        let text = serde_json::to_string_pretty(&Value::Object(json)).unwrap_or_default();
+        write_atomically(&path, text.as_bytes())
+    };
+    edit("tokenizer_config.json", &|json| {
+        match json.get_mut("eos_token") {
+            // An AddedToken written out whole: keep its flags, change its text.
+            Some(Value::Object(added)) => {
+                added.insert("content".into(), token.into());
+            }
+            _ => {
+                json.insert("eos_token".into(), token.into());
+            }
+        }
+    })?;
+    edit("generation_config.json", &|json| {
+        json.insert("eos_token_id".into(), led_by(id, json.get("eos_token_id")));
+    })
+}
+
+/// `id`, then the ids of `ids` (one id or a list) that are not `id`: one id alone as a number.
+pub fn led_by(id: u32, ids: Option<&Value>) -> Value {
+    let mut all = vec![Value::from(id)];
+    let others = match ids {
+        Some(Value::Array(list)) => list.clone(),
+        Some(one @ Value::Number(_)) => vec![one.clone()],
+        _ => Vec::new(),
+    };
+    for other in others {
+        if other.as_u64() != Some(u64::from(id)) && !all.contains(&other) {
+            all.push(other);
+        }
+    }
+    match all.len() {
+        1 => all.remove(0),
+        _ => Value::Array(all),
+    }
+}
+
 pub(super) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), HfError> {
     let partial = path.with_extension("partial");
     std::fs::write(&partial, bytes).map_err(|cause| HfError::Io {
@@ -227,6 +283,16 @@ pub(super) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), HfError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_end_token_leads_the_ids_it_joins() {
+        let json = |text: &str| serde_json::from_str::<Value>(text).unwrap();
+        assert_eq!(led_by(7, None), json("7"));
+        assert_eq!(led_by(7, Some(&json("7"))), json("7"));
+        assert_eq!(led_by(7, Some(&json("2"))), json("[7, 2]"));
+        assert_eq!(led_by(7, Some(&json("[2, 7, 9]"))), json("[7, 2, 9]"));
+        assert_eq!(led_by(7, Some(&Value::Null)), json("7"));
+    }
 
     #[test]
     fn an_export_replaces_the_model_files_of_its_kind_and_leaves_the_rest() {

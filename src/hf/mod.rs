@@ -16,7 +16,7 @@ use serde_json::{Map, Value};
 use thiserror::Error;
 
 use crate::models::Params;
-pub use export::{ExportDtype, export};
+pub use export::{ExportDtype, export, led_by, mark_end_token};
 
 thread_local! {
     static CHECKING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };

@@ -350,3 +350,33 @@ fn sample_of_an_instruction_tuned_job_stops_at_the_end_of_sequence_token() {
     assert_eq!(line["text"], " ok", "{line}");
     assert_eq!(line["ended"], true, "{line}");
 }
+
+/// A job that ended its examples with another token than the base's end of sequence exports a
+/// model that ends there too: `config.json`, `generation_config.json` and the tokenizer's
+/// `eos_token` name it, as an instruct release's files do, so `generate` stops after an answer.
+#[test]
+fn an_instruction_tuned_export_ends_where_its_examples_ended() {
+    let t = TestJob::new();
+    let data = examples(&t);
+    let text = job(&data, "eos_token = \"#\"", "max_steps = 2");
+    t.run(&t.config("ends", &text), &[]).success();
+    let out = t.path("exported");
+    let jobs = t.jobs_dir().display().to_string();
+    let exported = t.ddpjob(&[
+        "export",
+        "ends",
+        "--hf",
+        &out.display().to_string(),
+        "--merge-lora",
+        "--jobs-dir",
+        &jobs,
+    ]);
+    exported.success();
+    let json = |name: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(out.join(name)).unwrap()).unwrap()
+    };
+    // "#" is id 3 of the fixture's tokenizer; the base names none in config.json.
+    assert_eq!(json("config.json")["eos_token_id"], 3);
+    assert_eq!(json("generation_config.json")["eos_token_id"], 3);
+    assert_eq!(json("tokenizer_config.json")["eos_token"], "#");
+}

@@ -286,6 +286,7 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
         Decision::Continue(_) => {
             // A job stopped before its first checkpoint starts again from the beginning.
             let choice = resume::choose_checkpoint(&job, &spec.name, true)?;
+            resume::fits(spec, &choice, &job)?;
             resume::start_continuing(&job, spec, &choice, layout.world_size())?;
             Plan::Continue {
                 from: choice.usable.map(|d| absolute(&d)),

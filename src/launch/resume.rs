@@ -71,10 +71,7 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     };
     let loaded = config::load(&job.job_toml(), &overrides)?;
     let spec = &loaded.spec;
-    if let (Some(p), Some(dir)) = (&choice.position, &choice.usable) {
-        past_the_end(spec, p, &job)?;
-        other_optimizer(spec, p, dir, &job)?;
-    }
+    fits(spec, &choice, &job)?;
     let layout = Layout::new(&NodeOptions::default(), spec)?;
     let token = store::random_token();
     let (server, client, port) = meet(&layout, &token, spec)?;
@@ -94,6 +91,20 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     let outcome = group.execute(choice.usable.clone());
     let summary = record_outcome(&job, spec, opts.started, outcome)?;
     Ok(Resumed::Finished(job, Box::new(summary)))
+}
+
+/// Refuses to continue from `choice` what `job.toml` no longer fits (see [`past_the_end`] and
+/// [`other_optimizer`]), before anything of the job changes.
+pub(super) fn fits(
+    spec: &config::JobSpec,
+    choice: &checkpoint::Choice,
+    job: &JobDir,
+) -> Result<(), RunError> {
+    if let (Some(p), Some(dir)) = (&choice.position, &choice.usable) {
+        past_the_end(spec, p, job)?;
+        other_optimizer(spec, p, dir, job)?;
+    }
+    Ok(())
 }
 
 /// Refuses a checkpoint past the end of the job as `job.toml` now plans it (its epochs or

@@ -754,13 +754,19 @@ fn a_checkpoint_of_another_optimizer_is_refused() {
         let frozen = std::fs::read_to_string(&toml).unwrap();
         let edited = frozen.replace("optimizer = \"sgd\"", "optimizer = \"adamw\"");
         assert_ne!(edited, frozen);
-        std::fs::write(&toml, edited).unwrap();
+        std::fs::write(&toml, &edited).unwrap();
         let refused = resume(&t, &[name]);
         match momentum.is_empty() {
             false => refused.fails_with(2, "its optimizer state is SGD with momentum"),
             true => refused.fails_with(2, "it holds no optimizer state after 20 steps"),
         }
         .fails_with(2, "set train.optimizer (and its keys) in job.toml back");
+        // A requeued `run --resume auto` of the config edited the same way is refused alike.
+        if momentum.is_empty() {
+            let edited_config = t.config(&format!("{name}-edited"), &edited);
+            t.run(&edited_config, &["--name", name, "--resume", "auto"])
+                .fails_with(2, "it holds no optimizer state after 20 steps");
+        }
         assert_eq!(
             t.json(&t.job(name).join("state.json"))["status"],
             "interrupted"

@@ -106,6 +106,8 @@ impl Checkpoints {
             .map(|entries| {
                 entries
                     .filter_map(|e| e.ok())
+                    // A directory without weights (emptied, half copied) is none to pick.
+                    .filter(|e| e.path().join("model.safetensors").is_file())
                     .map(|e| e.file_name().to_string_lossy().into_owned())
                     .filter(|n| n == "best" || n.starts_with("step-"))
                     .collect()
@@ -193,6 +195,7 @@ mod tests {
         let (_tmp, job) = job_with_checkpoints();
         let c = Checkpoints::of(&job);
         let step = |s: &str| c.dir().join(s).join("model.safetensors");
+        std::fs::create_dir(c.dir().join("step-00000005")).unwrap();
         assert_eq!(c.weights(None).unwrap(), step("step-00000020"));
         assert_eq!(c.weights(Some("latest")).unwrap(), step("step-00000020"));
         assert_eq!(c.weights(Some("step-10")).unwrap(), step("step-00000010"));
@@ -201,6 +204,7 @@ mod tests {
             err.contains("there are: step-00000010, step-00000020"),
             "{err}"
         );
+        std::fs::remove_dir(c.dir().join("step-00000005")).unwrap();
         assert!(
             c.weights(Some("newest"))
                 .unwrap_err()

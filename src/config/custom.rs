@@ -29,6 +29,9 @@ struct Section {
     /// default builder's keys beside the archs that always took them (job files switch `arch`
     /// and keep them, and the `job.toml` of older versions writes them for those archs).
     tolerated: &'static [(&'static str, &'static str)],
+    /// More such pairs, dropped only in a stored job's `job.toml` (an older version wrote
+    /// them); a job file is told of them.
+    tolerated_in_stored_jobs: &'static [(&'static str, &'static str)],
     /// The registry's side of it: what a name is, and the names.
     kind: fn(&Registry, &str) -> Known,
     names: fn(&Registry) -> Vec<&str>,
@@ -40,6 +43,7 @@ const MODEL: Section = Section {
     default: "mlp",
     own: &["arch", "freeze", "lora"],
     tolerated: &[("cnn", "hidden"), ("gpt", "hidden")],
+    tolerated_in_stored_jobs: &[],
     kind: Registry::model_kind,
     names: Registry::model_names,
 };
@@ -50,6 +54,7 @@ const DATA: Section = Section {
     default: "mnist",
     own: &["dataset", "drop_last"],
     tolerated: crate::data::TOLERATED,
+    tolerated_in_stored_jobs: crate::data::TOLERATED_IN_STORED_JOBS,
     kind: Registry::dataset_kind,
     names: Registry::dataset_names,
 };
@@ -116,6 +121,7 @@ fn take(
         }
     };
     let mut options = toml::Table::new();
+    let stored_job = source.is_stored_job();
     if let Some(toml::Value::Table(table)) = source.table.get_mut(section.name) {
         let theirs: Vec<String> = table
             .keys()
@@ -124,7 +130,9 @@ fn take(
             .collect();
         for key in theirs {
             let read = fields.is_none_or(|f| f.contains(&key.as_str()));
-            let tolerated = section.tolerated.contains(&(chosen.as_str(), key.as_str()));
+            let pair = (chosen.as_str(), key.as_str());
+            let tolerated = section.tolerated.contains(&pair)
+                || (stored_job && section.tolerated_in_stored_jobs.contains(&pair));
             if let Some(value) = table.remove(&key)
                 && (read || !tolerated)
             {
@@ -207,7 +215,16 @@ fn take(
                     .contains_key(top)
                     .then(|| format!("{}.{path}", section.name))
             };
-            let key = stopped_in().or(key).or_else(holding);
+            let stopped = stopped_in();
+            // Said once: the key the error is reported under.
+            let problem = match &stopped {
+                Some(_) => problem
+                    .trim_end()
+                    .rsplit_once('\n')
+                    .map_or(&*problem, |(p, _)| p),
+                None => &problem,
+            };
+            let key = stopped.or(key).or_else(holding);
             let at = match &key {
                 Some(k)
                     if options.contains_key(

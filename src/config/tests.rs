@@ -475,6 +475,15 @@ fn older_data(dataset: &str, own: &str) -> String {
     )
 }
 
+/// `text` loaded as the `job.toml` of a stored job (a `state.json` beside it).
+fn load_stored(text: &str) -> Result<LoadedConfig, ConfigError> {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("state.json"), "{}").unwrap();
+    let path = tmp.path().join("job.toml");
+    std::fs::write(&path, text).unwrap();
+    load(&path, &[])
+}
+
 /// Jobs started by older versions still resume: the keys their `job.toml` wrote for every
 /// dataset are dropped beside the ones that do not read them, and the rest read as before.
 #[test]
@@ -484,7 +493,7 @@ fn job_toml_of_older_versions_still_loads() {
         "text",
         "path = \"x.txt\"\ntokenizer = \"byte\"\nval_fraction = 0.2\n",
     );
-    let spec = load_text(&format!("{gpt}{text}"), &[]).unwrap().spec;
+    let spec = load_stored(&format!("{gpt}{text}")).unwrap().spec;
     let options = spec.data.options();
     assert_eq!(spec.data.name(), "text");
     assert!(spec.data.drop_last);
@@ -495,20 +504,29 @@ fn job_toml_of_older_versions_still_loads() {
         "tokens",
         "train_path = \"t.bin\"\nval_path = \"v.bin\"\ntoken_dtype = \"u32\"\n",
     );
-    let spec = load_text(&format!("{gpt}{tokens}"), &[]).unwrap().spec;
+    let spec = load_stored(&format!("{gpt}{tokens}")).unwrap().spec;
     assert_eq!(spec.data.options()["token_dtype"].as_str(), Some("u32"));
     assert_eq!(spec.data.options().len(), 3, "{:?}", spec.data.options());
-    let spec = load_text(&older_data("mnist", ""), &[]).unwrap().spec;
+    let spec = load_stored(&older_data("mnist", "")).unwrap().spec;
     assert_eq!(spec.data.options()["root"].as_str(), Some("data/x"));
     assert!(!spec.data.options().contains_key("synthetic"));
-    let spec = load_text(&older_data("synthetic", ""), &[]).unwrap().spec;
+    let spec = load_stored(&older_data("synthetic", "")).unwrap().spec;
     let keys: Vec<&String> = spec.data.options().keys().collect();
     assert_eq!(keys, ["mean", "std", "synthetic"]);
+    // A user's job file is told of what its dataset does not read (a tokens job's
+    // `download = true` would otherwise download nothing, silently).
+    let msg = error(&format!("{gpt}{tokens}"));
+    assert!(
+        msg.contains("unknown key `download` in [data] (dataset = \"tokens\")"),
+        "{msg}"
+    );
     // What the dataset does not read and older versions never wrote is still refused.
-    let msg = error(&format!(
+    let msg = load_stored(&format!(
         "{gpt}{}",
         older_data("text", "path = \"x.txt\"\ntoken_dtype = \"u16\"\n")
-    ));
+    ))
+    .unwrap_err()
+    .to_string();
     assert!(
         msg.contains("unknown key `token_dtype` in [data] (dataset = \"text\")")
             && msg.contains("it is a key of data.dataset = \"tokens\""),
@@ -536,6 +554,14 @@ fn nested_dataset_keys_are_set_and_named() {
     assert!(
         msg.contains("`data.synthetic.shape` (configs/x.toml:6:9)")
             && msg.contains("the cnn needs images of at least 6x6, got 4x4"),
+        "{msg}"
+    );
+    // A misspelt key is refused, not left for its default.
+    let msg = error("[data]\ndataset = \"synthetic\"\n[data.synthetic]\nclases = 5\n");
+    assert!(
+        msg.contains("`data.synthetic` (configs/x.toml:3:1)")
+            && msg.contains("unknown field `clases`, expected one of")
+            && !msg.contains("in `synthetic`"),
         "{msg}"
     );
     let msg = error("[model]\narch = \"gpt\"\n[data]\ndataset = \"synthetic\"\n");

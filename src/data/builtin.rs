@@ -34,8 +34,9 @@ pub(crate) fn register_builtin(registry: Registry) -> Registry {
         .documented_dataset("jsonl", JSONL_KEYS)
 }
 
-/// The `[data]` keys older versions wrote into every `job.toml` whatever the dataset: dropped
-/// beside a dataset that does not read them, so those jobs still resume.
+/// The image datasets' keys dropped beside the image dataset that does not read them: a job
+/// file switches `dataset` between them and keeps the others' keys (as `configs/mnist.toml`
+/// shows every key), and older versions wrote them into every `job.toml`.
 pub(crate) const TOLERATED: &[(&str, &str)] = &[
     ("mnist", "synthetic"),
     ("fashion-mnist", "synthetic"),
@@ -43,6 +44,12 @@ pub(crate) const TOLERATED: &[(&str, &str)] = &[
     ("synthetic", "download"),
     ("synthetic", "mirrors"),
     ("synthetic", "checksums"),
+];
+
+/// The `[data]` keys older versions wrote into every `job.toml` whatever the dataset: dropped
+/// beside a text dataset in a stored job's `job.toml`, so those jobs still resume; a job file
+/// is told of them (a tokens job's `download = true` would download nothing).
+pub(crate) const TOLERATED_IN_STORED_JOBS: &[(&str, &str)] = &[
     ("text", "root"),
     ("text", "mean"),
     ("text", "std"),
@@ -201,6 +208,7 @@ impl<S: IdxSet> DatasetOptions for IdxOptions<S> {
 /// `data.dataset = "synthetic"`: class patterns plus noise, made from the seed (the
 /// `[data.synthetic]` table).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SyntheticSpec {
     #[serde(default = "synthetic_train")]
     pub train_samples: usize,

@@ -158,9 +158,17 @@ impl JobState {
     }
 }
 
+/// The directory `path` is in: `.` for a bare file name (whose `parent()` is empty).
+pub fn directory_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
 /// Writes `bytes` to `path` through a temp file, fsync and rename: readers see old or new, whole.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
+    let dir = directory_of(path);
     let tmp = dir.join(format!(
         ".{}.tmp",
         path.file_name()

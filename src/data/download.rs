@@ -20,7 +20,7 @@ pub fn download(
     sha256: Option<&str>,
     dest: &Path,
 ) -> Result<(), DataError> {
-    let dir = dest.parent().unwrap_or(Path::new("."));
+    let dir = crate::jobdir::directory_of(dest);
     let dir_existed = dir.exists();
     // A directory that cannot take the file is the config's to fix, not the network's.
     let unwritable = |cause: std::io::Error| {

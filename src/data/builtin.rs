@@ -141,7 +141,15 @@ const IDX_KEYS: &[KeyDoc] = &[
 impl<S: IdxSet> IdxOptions<S> {
     fn open(&self, _: &DataContext) -> Result<Dataset, DataError> {
         let paths = self.locate(self.download)?;
-        Dataset::from_idx_files(&paths, normalization(&self.mean, &self.std).as_ref())
+        let classes = match self.input() {
+            Some(ModelInput::Image { classes, .. }) => classes,
+            _ => 10,
+        };
+        Dataset::from_idx_files(
+            &paths,
+            classes,
+            normalization(&self.mean, &self.std).as_ref(),
+        )
     }
 
     fn locate(&self, download: bool) -> Result<[PathBuf; 4], DataError> {

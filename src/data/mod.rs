@@ -116,9 +116,11 @@ impl Dataset {
         }
     }
 
-    /// Reads train images, train labels, test images, test labels (the `FILES` order).
+    /// Reads train images, train labels, test images, test labels (the `FILES` order), of a
+    /// set whose labels are `0..classes`.
     pub fn from_idx_files(
         paths: &[PathBuf; 4],
+        classes: usize,
         normalize: Option<&(Vec<f32>, Vec<f32>)>,
     ) -> Result<Self, DataError> {
         let train = split_from(&paths[0], &paths[1])?;
@@ -132,14 +134,23 @@ impl Dataset {
                 paths[2].display()
             )));
         }
-        let classes = train
-            .labels
-            .iter()
-            .chain(&test.labels)
-            .copied()
-            .max()
-            .map_or(1, |m| m as usize + 1)
-            .max(2);
+        // A label past the set's classes is a damaged file, not a wider model.
+        for (split, labels) in [(&train, &paths[1]), (&test, &paths[3])] {
+            if let Some((i, &label)) = split
+                .labels
+                .iter()
+                .enumerate()
+                .find(|(_, l)| usize::from(**l) >= classes)
+            {
+                return Err(DataError::Corrupt {
+                    path: labels.clone(),
+                    problem: format!(
+                        "label {label} of item {i} is not one of the set's {classes} classes                          (0 to {}); the file is damaged: delete it to download it again, or                          put the original there",
+                        classes - 1
+                    ),
+                });
+            }
+        }
         Ok(Dataset::new(train, test, classes, normalize))
     }
 
@@ -244,5 +255,32 @@ mod tests {
             "{err}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_label_past_the_sets_classes_is_a_damaged_file_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = |name: &str| tmp.path().join(name);
+        let paths = [
+            path("train-images"),
+            path("train-labels"),
+            path("test-images"),
+            path("test-labels"),
+        ];
+        for (images, labels, ys) in [(0, 1, [1, 9]), (2, 3, [0, 200])] {
+            std::fs::write(&paths[images], idx::encode_idx(&[2, 2, 2], &[0; 8])).unwrap();
+            std::fs::write(&paths[labels], idx::encode_idx(&[2], &ys)).unwrap();
+        }
+        let err = Dataset::from_idx_files(&paths, 10, None)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("test-labels") && err.contains("label 200 of item 1 is not one of"),
+            "{err}"
+        );
+        std::fs::write(&paths[3], idx::encode_idx(&[2], &[0, 9])).unwrap();
+        let data = Dataset::from_idx_files(&paths, 10, None).unwrap();
+        assert_eq!(data.classes, 10);
     }
 }

@@ -826,3 +826,41 @@ fn a_stored_job_with_a_key_earlier_versions_ignored_still_loads() {
     std::fs::write(tmp.path().join("state.json"), "{}").unwrap();
     crate::config::load(&job, &[]).unwrap();
 }
+
+/// Text settings that cannot work are refused at `validate`: a pretrained model fed
+/// characters numbered afresh, a download with nowhere to download from.
+#[test]
+fn text_data_a_pretrained_model_cannot_learn_or_cannot_fetch_is_refused() {
+    let llama = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama");
+    let text = format!(
+        "[model]\ninit_from = \"{}\"\nblock_size = 16\n[data]\ndataset = \"text\"\n\
+         path = \"x.txt\"\n",
+        llama.display()
+    );
+    assert!(load_text(&text, &[]).is_ok());
+    for kind in ["char", "byte"] {
+        let msg = load_text(&text, &[&format!("data.tokenizer=\"{kind}\"")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains(&format!(
+                "data.tokenizer = \"{kind}\" numbers the text afresh"
+            )) && msg.contains("leave data.tokenizer out"),
+            "{msg}"
+        );
+    }
+    let msg = load_text(&text, &["data.download=true"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("data.download = true needs data.mirrors"),
+        "{msg}"
+    );
+    assert!(
+        load_text(
+            &text,
+            &["data.download=true", "data.mirrors=[\"http://m\"]"]
+        )
+        .is_ok()
+    );
+}

@@ -126,7 +126,7 @@ impl TextOptions {
             .file_name()
             .map(|f| f.to_string_lossy().into_owned())
             .unwrap_or_default();
-        if !self.download || self.mirrors.is_empty() {
+        if !self.download {
             return Err(DataError::Mismatch(format!(
                 "data.path `{}` does not exist; put the text there, or set data.download = true \
                  and data.mirrors to where `{file}` can be fetched (with its SHA-256 in \
@@ -151,16 +151,35 @@ impl DatasetOptions for TextOptions {
             }
         }
         // A pretrained model's own tokenizer unless the job names another.
+        let own = cx.language.as_ref().and_then(|l| l.tokenizer.clone());
         let tokenizer = match self.tokenizer.take() {
             Some(t) => t,
-            None => match cx.language.as_ref().and_then(|l| l.tokenizer.clone()) {
+            None => match own.clone() {
                 Some(path) if !path.is_file() => return Err(missing_tokenizer(&path)),
                 Some(path) => path.display().to_string(),
                 None => "char".into(),
             },
         };
+        // A pretrained model's embeddings are its tokenizer's ids: characters or bytes
+        // numbered afresh would train it on nonsense, silently.
+        if let (Some(own), "char" | "byte") = (&own, tokenizer.as_str()) {
+            return Err(format!(
+                "data.tokenizer = \"{tokenizer}\" numbers the text afresh, but the pretrained \
+                 model (model.init_from) learnt the ids of its own tokenizer `{}`: leave \
+                 data.tokenizer out to use that one",
+                own.display()
+            ));
+        }
         tokenizer_kind(&tokenizer)?;
         self.tokenizer = Some(tokenizer);
+        if self.download && self.mirrors.is_empty() {
+            return Err(
+                "data.download = true needs data.mirrors: text data has no mirror of \
+                        its own; list the base URLs its file can be fetched from, or put the \
+                        file at data.path and leave data.download out"
+                    .into(),
+            );
+        }
         if !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
             return Err(format!(
                 "data.val_fraction = {}: must be in (0, 1); 0.1 keeps the last 10% for validation",

@@ -13,6 +13,7 @@ use super::checks::{
     zero_is_off, zero_is_off_f64,
 };
 use super::declare::section;
+use super::error::Origin;
 use super::spec::{
     Backend, DeviceChoice, Monitor, OnWriteError, OptimizerSpec, Precision, ScheduleKind, Sharding,
 };
@@ -402,6 +403,17 @@ fn only_with(
 ) {
     // A job an earlier version created with such a key (then ignored) still resumes.
     if set && !needed.contains(&chosen) && !c.source.is_stored_job() {
+        // The choice switched on the command line (`--set train.optimizer=sgd` on a file
+        // tuned for Adam): the file's keys of the other choice go, as a CLI sweep expects.
+        let (by, at) = (c.source.value_origin(choice), c.source.value_origin(key));
+        if let (Origin::Override(_), Origin::File { .. }) = (&by, &at) {
+            errln!(
+                "note: {key} ({at}) is ignored: it applies only with {choice} = {}, and {by} \
+                 chose \"{chosen}\"",
+                needed.join(" or ")
+            );
+            return;
+        }
         let needed: Vec<String> = needed.iter().map(|n| format!("\"{n}\"")).collect();
         let needed = needed.join(" or ");
         c.fail(

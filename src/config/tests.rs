@@ -864,3 +864,29 @@ fn text_data_a_pretrained_model_cannot_learn_or_cannot_fetch_is_refused() {
         .is_ok()
     );
 }
+
+/// `--set` may switch the optimizer or schedule of a file tuned for another (a CLI sweep): the
+/// file's keys of the other choice are then ignored (said on stderr); set on the command line
+/// or chosen in the file, they are still refused.
+#[test]
+fn a_choice_switched_by_set_leaves_the_files_keys_of_the_other_behind() {
+    let file = "[train]\noptimizer = \"adamw\"\nbetas = [0.9, 0.95]\n[train.scheduler]\n\
+                kind = \"step\"\ngamma = 0.5\n";
+    let spec = load_text(
+        file,
+        &["train.optimizer=\"sgd\"", "train.scheduler.kind=\"cosine\""],
+    )
+    .unwrap()
+    .spec;
+    assert!(matches!(spec.train.optimizer, OptimizerSpec::Sgd { .. }));
+    assert!(matches!(
+        spec.train.schedule.kind,
+        ScheduleKind::Cosine { .. }
+    ));
+    let msg = load_text(file, &["train.optimizer=\"sgd\"", "train.betas=[0.8, 0.9]"])
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("applies only with train.optimizer"), "{msg}");
+    let msg = error(&file.replace("adamw", "sgd"));
+    assert!(msg.contains("applies only with train.optimizer"), "{msg}");
+}

@@ -29,7 +29,9 @@ impl Schedule {
             ScheduleKind::Step { step_size, gamma } => {
                 self.peak * gamma.powi((epoch / step_size) as i32)
             }
-            // Cosine from peak (after warm-up) to min_lr at the last step.
+            // Cosine from peak (after warm-up) to min_lr at step `total_steps`, one past the
+            // last step taken: transformers' get_cosine_schedule_with_warmup and torch's
+            // CosineAnnealingLR(T_max = total steps) alike.
             ScheduleKind::Cosine { min_lr } => {
                 let span = self.total_steps.saturating_sub(warmup).max(1) as f64;
                 let progress = (step.saturating_sub(warmup) as f64 / span).min(1.0);

@@ -32,6 +32,15 @@ pub struct EvalPoint {
     pub test_accuracy: f64,
 }
 
+/// One evaluation of either kind: `epoch` is the 0-based epoch of an end-of-epoch one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Evaluated {
+    pub step: usize,
+    pub epoch: Option<usize>,
+    pub test_loss: f64,
+    pub test_accuracy: f64,
+}
+
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct History {
     pub train: Vec<TrainPoint>,
@@ -110,15 +119,30 @@ impl History {
         self.epochs.last()
     }
 
-    /// The epoch with the highest test accuracy (the earliest of equals).
-    pub fn best_epoch(&self) -> Option<&EpochPoint> {
-        self.epochs
-            .iter()
+    /// The most accurate evaluation, periodic or end of epoch, as the lowest loss is found
+    /// (the earliest of equals; the step-0 evaluation of the starting weights is none).
+    pub fn most_accurate(&self) -> Option<Evaluated> {
+        let periodic = self.evals.iter().filter(|e| e.step > 0).map(|e| Evaluated {
+            step: e.step,
+            epoch: None,
+            test_loss: e.test_loss,
+            test_accuracy: e.test_accuracy,
+        });
+        let epoch_ends = self.epochs.iter().map(|e| Evaluated {
+            step: e.step,
+            epoch: Some(e.epoch),
+            test_loss: e.test_loss,
+            test_accuracy: e.test_accuracy,
+        });
+        let mut all: Vec<Evaluated> = periodic
+            .chain(epoch_ends)
             .filter(|e| e.test_accuracy.is_finite())
-            .fold(None, |best: Option<&EpochPoint>, e| match best {
-                Some(b) if b.test_accuracy >= e.test_accuracy => Some(b),
-                _ => Some(e),
-            })
+            .collect();
+        all.sort_by_key(|e| e.step);
+        all.into_iter().fold(None, |best, e| match best {
+            Some(b) if b.test_accuracy >= e.test_accuracy => Some(b),
+            _ => Some(e),
+        })
     }
 
     /// The lowest test loss of any evaluation, periodic or end of epoch: (step, loss), the
@@ -210,7 +234,14 @@ mod tests {
         assert_eq!(h.evals.len(), 1);
         assert_eq!(h.lowest_test_loss(), Some((10, 1.1)));
         assert_eq!(h.skipped, 1);
-        assert_eq!(h.best_epoch().unwrap().epoch, 0);
+        assert_eq!(h.most_accurate().unwrap().epoch, Some(0));
+        // A periodic evaluation more accurate than every epoch's is the best.
+        let more = format!(
+            "{text}\n{}",
+            r#"{"kind":"eval","epoch":1,"step":14,"test_loss":1.4,"test_accuracy":0.7}"#
+        );
+        let best = History::parse(&more).most_accurate().unwrap();
+        assert_eq!((best.step, best.epoch, best.test_accuracy), (14, None, 0.7));
         assert_eq!(h.last_epoch().unwrap().test_accuracy, 0.55);
         assert_eq!(h.last_train_loss(), Some(0.9));
         assert_eq!(h.train[1].lr, 0.005);

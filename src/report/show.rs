@@ -102,7 +102,7 @@ pub fn show(v: &JobView, now: u64) -> String {
         && !v.history.evals.is_empty()
         && let Some((step, loss)) = v.history.lowest_test_loss()
     {
-        line("lowest test loss", format!("{loss:.4} at step {step}"));
+        line("lowest loss", format!("{loss:.4} at step {step}"));
     }
     if let Some(sum) = &v.summary {
         line(

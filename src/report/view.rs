@@ -146,15 +146,15 @@ impl JobView {
     }
 
     /// The best evaluation by the headline metric: (step, epoch if an epoch's, loss,
-    /// accuracy). A classifier's is its most accurate epoch; a language model's its lowest
-    /// loss, periodic evaluations included.
+    /// accuracy). A classifier's is its most accurate, a language model's its lowest loss,
+    /// periodic evaluations included.
     pub fn best(&self) -> Option<Best> {
         let h = &self.history;
         if self.metrics()[0] == crate::task::Metric::Accuracy {
-            let e = h.best_epoch()?;
+            let e = h.most_accurate()?;
             return Some(Best {
                 step: e.step,
-                epoch: Some(e.epoch),
+                epoch: e.epoch,
                 loss: e.test_loss,
                 accuracy: e.test_accuracy,
             });

@@ -49,9 +49,13 @@ use step::{MicroBatch, StepContext, StepError};
 #[derive(Debug, Error)]
 pub enum TrainError {
     #[error(
-        "training loss became {value} in epoch {}, between optimizer steps {first_step} and {last_step}; \
-         lower train.lr, set train.grad_clip_norm, or check the data",
-        epoch + 1
+        "training loss became {value} in epoch {}, {}; lower train.lr, set \
+         train.grad_clip_norm, or check the data",
+        epoch + 1,
+        match first_step == last_step {
+            true => format!("at optimizer step {first_step}"),
+            false => format!("between optimizer steps {first_step} and {last_step}"),
+        }
     )]
     NonFinite {
         value: f64,

@@ -39,6 +39,18 @@ impl LoadedConfig {
     /// The resolved config as TOML: what `validate` prints and `run` freezes into `job.toml`.
     /// The model's and the dataset's sections hold their selector and options only.
     pub fn resolved_toml(&self) -> String {
+        self.render(None)
+    }
+
+    /// [`Self::resolved_toml`] with the paths a job reads relative to the working directory
+    /// (`data.path`, `model.init_from`, ...) made absolute against `base`: what `run` freezes
+    /// into `job.toml`, so that `resume`, `eval` or a requeue started elsewhere read the same
+    /// files.
+    pub fn frozen_toml(&self, base: &Path) -> String {
+        self.render(Some(base))
+    }
+
+    fn render(&self, base: Option<&Path>) -> String {
         let render = || -> Result<String, toml::ser::Error> {
             let mut doc = match toml::Value::try_from(&self.resolved)? {
                 toml::Value::Table(t) => t,
@@ -67,11 +79,57 @@ impl LoadedConfig {
             {
                 train.remove("batch_size");
             }
+            if let Some(base) = base {
+                self.make_paths_absolute(&mut doc, base);
+            }
             toml::to_string_pretty(&doc)
         };
         render().unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
     }
+
+    /// The relative paths of [`PATH_KEYS`] in `doc` joined onto `base`; a registered
+    /// dataset's keys are its own to read, so only ddpjob's datasets' are touched.
+    fn make_paths_absolute(&self, doc: &mut toml::Table, base: &Path) {
+        let own_data = BUILT_IN_DATASETS.contains(&self.spec.data.name());
+        for key in PATH_KEYS {
+            if key.starts_with("data.") && !own_data {
+                continue;
+            }
+            let mut parts = key.split('.').peekable();
+            let mut table = &mut *doc;
+            while let Some(part) = parts.next() {
+                if parts.peek().is_none() {
+                    if let Some(toml::Value::String(path)) = table.get_mut(part)
+                        && !path.is_empty()
+                        && !["char", "byte"].contains(&path.as_str())
+                        && Path::new(path.as_str()).is_relative()
+                    {
+                        *path = base.join(path.as_str()).display().to_string();
+                    }
+                    break;
+                }
+                match table.get_mut(part) {
+                    Some(toml::Value::Table(inner)) => table = inner,
+                    _ => break,
+                }
+            }
+        }
+    }
 }
+
+/// The keys whose values are paths read relative to the working directory.
+const PATH_KEYS: &[&str] = &[
+    "model.init_from",
+    "model.lora.adapter",
+    "data.path",
+    "data.root",
+    "data.train_path",
+    "data.val_path",
+    "data.tokenizer",
+];
+
+/// ddpjob's own datasets, whose path keys are [`PATH_KEYS`].
+const BUILT_IN_DATASETS: &[&str] = &["mnist", "fashion-mnist", "text", "tokens", "jsonl"];
 
 /// `model.arch` from `model.init_from` when the job leaves it out: a pretrained checkpoint's
 /// `config.json`, or the `job.toml` of the ddpjob job whose weights it names, says what it is.

@@ -76,9 +76,11 @@ const WORKERS_KEY: &str = "distributed.nproc_per_node:";
 
 /// The keys whose resolved values differ, as `key: old -> new`.
 fn differences(frozen: &LoadedConfig, now: &LoadedConfig) -> Vec<String> {
+    // Paths compared as the files they name from here (a job.toml freezes them absolute).
+    let here = std::env::current_dir().unwrap_or_default();
     let (old, new) = (
-        flatten(&frozen.resolved_toml()),
-        flatten(&now.resolved_toml()),
+        flatten(&frozen.frozen_toml(&here)),
+        flatten(&now.frozen_toml(&here)),
     );
     let keys: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
     let show = |v: Option<&String>| v.cloned().unwrap_or_else(|| "(unset)".into());

@@ -604,9 +604,13 @@ fn write_job_toml(job: &JobDir, opts: &RunOptions) -> Result<(), RunError> {
         loaded.spec.name,
         opts.config.display()
     );
+    let here = std::env::current_dir().map_err(|cause| JobDirError::Io {
+        path: ".".into(),
+        cause,
+    })?;
     job.write_file(
         &job.job_toml(),
-        (header + &loaded.resolved_toml()).as_bytes(),
+        (header + &loaded.frozen_toml(&here)).as_bytes(),
     )?;
     Ok(())
 }

@@ -846,3 +846,48 @@ fn resume_takes_auto_workers_as_run_does() {
         resumed.stdout
     );
 }
+
+/// A job started with relative data paths resumes, and is scored, from any directory: its
+/// `job.toml` freezes them absolute (a requeue or a later `resume` need not start where `run`
+/// did). The same config run with `--resume auto` where it started is still the same job.
+#[test]
+fn a_job_with_relative_paths_resumes_and_is_scored_from_another_directory() {
+    let t = TestJob::new();
+    std::fs::create_dir(t.path("data")).unwrap();
+    let text: String = (0..400)
+        .map(|i| format!("line {i} of the text\n"))
+        .collect();
+    std::fs::write(t.path("data/text.txt"), text).unwrap();
+    let cfg = t.config(
+        "rel",
+        "seed = 1\n[model]\narch = \"gpt\"\nn_layer = 1\nn_head = 2\nn_embd = 16\n\
+         block_size = 16\n[data]\ndataset = \"text\"\npath = \"data/text.txt\"\n[train]\n\
+         epochs = 2\nbatch_size = 16\nlog_every = 10\n[checkpoint]\nevery_steps = 10\n",
+    );
+    run_with_fault(&t, &cfg, "rank=0,step=12,kind=preempt", &[])
+        .fails_with(143, "interrupted by SIGTERM");
+    let frozen = std::fs::read_to_string(t.job("rel").join("job.toml")).unwrap();
+    let absolute = t.path("data/text.txt").display().to_string();
+    assert!(
+        frozen.contains(&format!("path = \"{absolute}\"")),
+        "{frozen}"
+    );
+    let elsewhere = tempfile::tempdir().unwrap();
+    let jobs = t.jobs_dir().display().to_string();
+    let from_elsewhere = |args: &[&str]| -> crate::common::Run {
+        let mut cmd = t.command(args, &[]);
+        cmd.current_dir(elsewhere.path());
+        cmd.output().unwrap().into()
+    };
+    from_elsewhere(&["resume", "rel", "--jobs-dir", &jobs]).success();
+    let scored = from_elsewhere(&["eval", "rel", "--jobs-dir", &jobs]);
+    scored.success();
+    assert!(scored.stdout.contains("val loss"), "{}", scored.stdout);
+    let again = t.run(&cfg, &["--resume", "auto"]);
+    again.success();
+    assert!(
+        again.stdout.contains("already finished"),
+        "{}",
+        again.stdout
+    );
+}

@@ -387,9 +387,14 @@ fn memory_lines(
 /// Where `validate`'s count of training samples comes from, when it opened the data.
 fn opened(spec: &config::JobSpec, task: &dyn crate::task::Task) -> String {
     match spec.model.language() {
+        // What was truncated or left out is said here, not first in the run's log.
         Some(_) if task.masks_targets() => format!(
-            "examples, each up to block_size + 1 tokens; {} for evaluation",
-            task.eval_len()
+            "examples, each up to block_size + 1 tokens; {} for evaluation{}",
+            task.eval_len(),
+            task.batches(&candle_core::Device::Cpu)
+                .ok()
+                .and_then(|b| b.note())
+                .map_or(String::new(), |note| format!("; {note}"))
         ),
         Some(_) => format!(
             "windows of block_size + 1 tokens; {} for evaluation",

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::DataError;
 use super::hf_tokenizer::HfTokenizer;
-use super::jsonl_index::{Examples, Indexing, index_file};
+use super::jsonl_index::{Counts, Examples, Indexing, index_file};
 use super::text_options::named_file;
 use super::vocab::Vocab;
 use crate::registry::{BuildError, DataContext, DatasetOptions, JobFile, KeyDoc};
@@ -195,10 +195,11 @@ impl JsonlOptions {
                 let n = ((train.len() as f64) * self.val_fraction).ceil() as usize;
                 if train.len() < 2 {
                     return Err(DataError::Mismatch(format!(
-                        "`{}` has {} usable example(s): a validation split needs at least 2, \
+                        "`{}` has {} usable example(s){}: a validation split needs at least 2, \
                          or data.val_path",
                         train_path.display(),
-                        train.len()
+                        train.len(),
+                        left_out(&train.counts, block)
                     )));
                 }
                 train.split_off_last(n.clamp(1, train.len() - 1))
@@ -207,7 +208,8 @@ impl JsonlOptions {
         for (split, examples) in [("training", &train), ("validation", &val)] {
             if examples.len() == 0 {
                 return Err(DataError::Mismatch(format!(
-                    "the {split} split of data.dataset = \"jsonl\" has no usable example"
+                    "the {split} split of data.dataset = \"jsonl\" has no usable example{}",
+                    left_out(&examples.counts, block)
                 )));
             }
         }
@@ -281,6 +283,29 @@ fn pack(examples: &Examples, block: usize) -> Vec<Range<usize>> {
         packs.push(start..examples.len());
     }
     packs
+}
+
+/// Why examples of a split were not used, for an error about too few: empty when none was
+/// left out.
+fn left_out(counts: &Counts, block_size: usize) -> String {
+    let mut why = Vec::new();
+    if counts.empty > 0 {
+        why.push(format!(
+            "{} left out with nothing to predict (empty, or a prompt that fills \
+             model.block_size = {block_size}: raise it, or shorten the prompts)",
+            counts.empty
+        ));
+    }
+    if counts.bad_lines > 0 {
+        why.push(format!(
+            "{} bad lines skipped (data.skip_bad_lines)",
+            counts.bad_lines
+        ));
+    }
+    match why.is_empty() {
+        true => String::new(),
+        false => format!(" ({})", why.join("; ")),
+    }
 }
 
 /// The id of `token`, the end-of-sequence token, in `tokenizer`.

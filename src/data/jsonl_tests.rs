@@ -177,6 +177,22 @@ fn an_example_whose_prompt_fills_the_window_is_left_out_unless_prompts_are_train
         note.contains("1 examples with nothing to predict left out"),
         "{note}"
     );
+    // When that leaves too few, the error says why they went.
+    let only_long = format!(
+        "{{\"prompt\": \"{long}\", \"completion\": \"yes\"}}\n\
+         {{\"prompt\": \"{long}\", \"completion\": \"no\"}}\n"
+    );
+    let other = tempfile::tempdir().unwrap();
+    let err = options(other.path(), &only_long)
+        .open(&context(8, None))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("0 usable example(s) (2 left out with nothing to predict")
+            && err.contains("model.block_size = 8"),
+        "{err}"
+    );
     // Every row of what is left has targets.
     let (_, ys) = source.train(0, &[0, 1]).unwrap();
     let ys: Vec<Vec<u32>> = ys.to_vec2().unwrap();

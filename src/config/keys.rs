@@ -100,8 +100,9 @@ section! {
     /// `[data]`: the dataset. Its other keys are the dataset's own (its options struct's
     /// fields; `ddpjob keys data.<dataset>` lists them).
     RawData at "data", checked into DataKeys {
-        /// `"mnist"`, `"fashion-mnist"`, `"synthetic"`, `"text"` (a UTF-8 file) or `"tokens"`
-        /// (pre-tokenised `.bin` files), or a dataset your own binary registers
+        /// `"mnist"`, `"fashion-mnist"`, `"synthetic"`, `"text"` (a UTF-8 file), `"tokens"`
+        /// (pre-tokenised `.bin` files) or `"jsonl"` (instruction or text examples, one JSON
+        /// object a line), or a dataset your own binary registers
         dataset: String = "mnist".into() => dataset: String = any();
         /// drop the tail that does not divide among the workers instead of padding it
         drop_last: bool = false => drop_last: bool = any();

@@ -118,8 +118,8 @@ impl Source {
     /// Puts `value` at the dotted `path`, making the tables on the way.
     fn insert_at(&mut self, path: &str, value: toml::Value) -> Result<(), String> {
         let mut table = &mut self.table;
-        let mut segments: Vec<&str> = path.split('.').collect();
-        let leaf = segments.pop().unwrap_or(path);
+        let mut segments = key_segments(path);
+        let leaf = segments.pop().unwrap_or_else(|| path.to_string());
         for (i, segment) in segments.iter().enumerate() {
             let entry = table
                 .entry(segment.to_string())
@@ -339,4 +339,20 @@ fn parse_override_value(kind: Kind, raw: &str) -> Result<toml::Value, String> {
     } else {
         Err(format!("`{raw}` has the wrong type"))
     }
+}
+
+/// The keys of a dotted TOML key path, a quoted key kept whole: `data.checksums."a.txt"` is
+/// `data`, `checksums`, `a.txt`, as TOML reads it.
+fn key_segments(path: &str) -> Vec<String> {
+    let mut segments = vec![String::new()];
+    let mut quote = None;
+    for c in path.chars() {
+        match (quote, c) {
+            (None, '"' | '\'') => quote = Some(c),
+            (Some(q), c) if c == q => quote = None,
+            (None, '.') => segments.push(String::new()),
+            (_, c) => segments.last_mut().expect("one segment").push(c),
+        }
+    }
+    segments.into_iter().map(|s| s.trim().to_string()).collect()
 }

@@ -890,3 +890,16 @@ fn a_choice_switched_by_set_leaves_the_files_keys_of_the_other_behind() {
     let msg = error(&file.replace("adamw", "sgd"));
     assert!(msg.contains("applies only with train.optimizer"), "{msg}");
 }
+
+/// `--set` takes a quoted key as TOML does: its dots are the name's, not tables.
+#[test]
+fn a_quoted_key_in_set_is_one_key() {
+    let digest = "a".repeat(64);
+    let loaded = load_text(
+        "[data]\ndataset = \"text\"\npath = \"shake.txt\"\n[model]\narch = \"gpt\"\n",
+        &[&format!("data.checksums.\"shake.txt\"=\"{digest}\"")],
+    )
+    .unwrap();
+    let checksums = loaded.spec.data.options()["checksums"].as_table().unwrap();
+    assert_eq!(checksums["shake.txt"].as_str(), Some(digest.as_str()));
+}

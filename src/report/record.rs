@@ -23,6 +23,10 @@ pub enum Record {
         lr: f64,
         #[serde(default = "nan", deserialize_with = "nan_if_null")]
         samples_per_s: f64,
+        /// The global gradient norm before clipping at the interval's last step, with
+        /// `train.grad_clip_norm` (as transformers' Trainer logs `grad_norm`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        grad_norm: Option<f64>,
         #[serde(default)]
         time: u64,
     },
@@ -175,14 +179,31 @@ mod tests {
             loss: 2.5,
             lr: 0.01,
             samples_per_s: 1000.0,
+            grad_norm: None,
             time: 7,
         };
         let line = train.to_line();
         assert!(
-            line.starts_with(r#"{"kind":"train","epoch":0,"step":4,"loss":2.5"#),
+            line.starts_with(r#"{"kind":"train","epoch":0,"step":4,"loss":2.5"#)
+                && !line.contains("grad_norm"),
             "{line}"
         );
-        assert_eq!(Record::parse(&line), Some(train));
+        assert_eq!(Record::parse(&line), Some(train.clone()));
+        let clipped = Record::Train {
+            epoch: 0,
+            step: 4,
+            loss: 2.5,
+            lr: 0.01,
+            samples_per_s: 1000.0,
+            grad_norm: Some(1.5),
+            time: 7,
+        };
+        let clipped_line = clipped.to_line();
+        assert!(
+            clipped_line.contains(r#""grad_norm":1.5"#),
+            "{clipped_line}"
+        );
+        assert_eq!(Record::parse(&clipped_line), Some(clipped));
 
         let eval =
             r#"{"kind":"eval","epoch":1,"step":9,"test_loss":null,"test_accuracy":0.5,"time":3}"#;

@@ -13,11 +13,13 @@ pub fn scalars(record: &super::Record) -> Vec<(&'static str, f64)> {
             loss,
             lr,
             samples_per_s,
+            grad_norm,
             ..
         } => vec![
             ("train/loss", *loss),
             ("train/lr", *lr),
             ("train/samples_per_s", *samples_per_s),
+            ("train/grad_norm", grad_norm.unwrap_or(f64::NAN)),
         ],
         Record::Epoch {
             loss,

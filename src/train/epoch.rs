@@ -42,7 +42,7 @@ impl Trainer<'_> {
                 trace_samples(path, epoch, run.step + 1, group)?;
             }
             let vote = self.hooks.stop.load(Ordering::SeqCst);
-            let (loss_sum, samples, votes) = self.optimizer_step(
+            let stepped = self.optimizer_step(
                 batches,
                 &mut run.optimizer,
                 (epoch, run.step + 1),
@@ -50,6 +50,7 @@ impl Trainer<'_> {
                 lr,
                 vote,
             )?;
+            let (samples, votes) = (stepped.samples, &stepped.stop);
             run.step += 1;
             let step = run.step;
             if let Some(path) = &self.hooks.trace_weights {
@@ -71,7 +72,8 @@ impl Trainer<'_> {
                 (at_log || step.is_multiple_of(self.hooks.vote_every.max(1))) && votes.read()?;
             // The step's time includes reading the vote, which on a GPU waits for the device
             // to finish the step's work so far (the rest is waited for with the loss).
-            interval.add(loss_sum, samples, started.elapsed());
+            let elapsed = started.elapsed();
+            interval.add(stepped.loss_sum, samples, elapsed, stepped.grad_norm);
             let mut status = None;
             if at_log || stop {
                 let steps = (interval_first_step, step);
@@ -152,7 +154,7 @@ impl Trainer<'_> {
             run.total_steps,
         ));
         if let Some(leader) = &self.leader {
-            leader.log_step(epoch, step, loss, lr, rate)?;
+            leader.log_step(epoch, step, loss, lr, rate, reduced.grad_norm)?;
         }
         Ok(text)
     }

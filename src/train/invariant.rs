@@ -93,15 +93,17 @@ pub(super) fn optimizer_step(
         let (grads, votes) = across_ranks(cx.comm, mine, stop_vote)?;
         (grads, StopVote::Reduced(votes))
     };
-    if let Some(max_norm) = cx.grad_clip_norm {
-        clip_grad_norm(&mut grads, max_norm)?;
-    }
+    let grad_norm = match cx.grad_clip_norm {
+        Some(max_norm) => Some(clip_grad_norm(&mut grads, max_norm)?),
+        None => None,
+    };
     optimizer.step(params, &grads, lr)?;
     let loss_sum = loss_sum.map_or_else(|| Tensor::zeros((), DType::F32, cx.device), Ok)?;
     Ok(StepResult {
         loss_sum,
         samples: rows,
         stop,
+        grad_norm,
     })
 }
 

@@ -115,6 +115,7 @@ impl Leader {
         loss: f64,
         lr: f64,
         samples_per_s: f64,
+        grad_norm: Option<f64>,
     ) -> Result<(), TrainError> {
         self.record(&Record::Train {
             epoch,
@@ -122,6 +123,7 @@ impl Leader {
             loss,
             lr,
             samples_per_s: round(samples_per_s),
+            grad_norm,
             time: now_unix(),
         })
     }

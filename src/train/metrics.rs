@@ -126,6 +126,8 @@ pub(super) struct LossTally {
     step_sums: Vec<Tensor>,
     samples: usize,
     time: Duration,
+    /// The gradient norm of the interval's last step, when clipping computed it.
+    grad_norm: Option<Tensor>,
 }
 
 /// A log interval's loss over all ranks.
@@ -134,6 +136,8 @@ pub(super) struct IntervalLoss {
     pub step_sums: Vec<f64>,
     pub samples: f64,
     pub secs: f64,
+    /// The global gradient norm before clipping at the interval's last step (every rank's).
+    pub grad_norm: Option<f64>,
 }
 
 impl IntervalLoss {
@@ -143,10 +147,17 @@ impl IntervalLoss {
 }
 
 impl LossTally {
-    pub(super) fn add(&mut self, loss_sum: Tensor, samples: usize, time: Duration) {
+    pub(super) fn add(
+        &mut self,
+        loss_sum: Tensor,
+        samples: usize,
+        time: Duration,
+        grad_norm: Option<Tensor>,
+    ) {
         self.step_sums.push(loss_sum);
         self.samples += samples;
         self.time += time;
+        self.grad_norm = grad_norm;
     }
 
     /// The interval over all ranks — a collective. Each step's sum is kept apart, added over
@@ -177,11 +188,16 @@ impl LossTally {
             .map(|i| ranks.iter().map(|r| r[i]).fold(0.0, |sum, x| sum + x))
             .collect();
         let samples = ranks.iter().map(|r| r[local.len()]).sum();
+        let grad_norm = match self.grad_norm.take() {
+            Some(norm) => Some(norm.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?),
+            None => None,
+        };
         *self = LossTally::default();
         Ok(IntervalLoss {
             step_sums,
             samples,
             secs,
+            grad_norm,
         })
     }
 }

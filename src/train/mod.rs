@@ -21,12 +21,12 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use thiserror::Error;
 
 use crate::checkpoint::{CheckpointError, MetricState, Restored, TensorFile, TrainPosition};
 use crate::comm::buckets::ShardPlan;
-use crate::comm::{CommError, Communicator, StopVote, broadcast_params};
+use crate::comm::{CommError, Communicator, broadcast_params};
 use crate::config::{JobSpec, OnWriteError, Plan, Sharding};
 use crate::data::{DataError, DistributedSampler};
 use crate::fault::Fault;
@@ -44,7 +44,7 @@ pub use metrics::{EarlyStop, Summary, WeightDigests, eval_names};
 /// The file under a job's `logs/` where `DDPJOB_TRACE_WEIGHTS` puts each step's weight digests.
 pub const WEIGHT_DIGESTS: &str = "weights.jsonl";
 pub use resume::Start;
-use step::{MicroBatch, StepContext, StepError};
+use step::{MicroBatch, StepContext, StepError, StepResult};
 
 #[derive(Debug, Error)]
 pub enum TrainError {
@@ -483,7 +483,7 @@ impl Trainer<'_> {
         group: &[&[usize]],
         lr: f64,
         stop_vote: bool,
-    ) -> Result<(Tensor, usize, StopVote), TrainError> {
+    ) -> Result<StepResult, TrainError> {
         let seed = self.spec.seed;
         let batches = group
             .iter()
@@ -521,8 +521,9 @@ impl Trainer<'_> {
             sharded_parameters: self.sharded_parameters.as_ref(),
             overlap_comm: self.spec.distributed.overlap_comm,
         };
-        let r = step::optimizer_step(&cx, optimizer, &batches, lr, stop_vote, None)?;
-        Ok((r.loss_sum, r.samples, r.stop))
+        Ok(step::optimizer_step(
+            &cx, optimizer, &batches, lr, stop_vote, None,
+        )?)
     }
 
     /// Evaluates on the whole evaluation split, or on `train.eval_batches` batches of it when

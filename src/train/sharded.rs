@@ -90,12 +90,12 @@ pub(super) fn reduce_bucket(
 /// Scales the pieces so the global gradient norm (over every rank's pieces) is at most
 /// `max_norm`, as `clip_grad_norm_` on the whole gradient would; the norm's squares are
 /// summed in f64 per rank and all-reduced, so the coefficient may differ from an unsharded
-/// job's in its last bits.
+/// job's in its last bits. Returns the norm before clipping.
 pub(super) fn clip_pieces(
     cx: &StepContext,
     pieces: &mut [Tensor],
     max_norm: f64,
-) -> Result<(), StepError> {
+) -> Result<f64, StepError> {
     let mut squares = [crate::optim::sum_of_squares(pieces)?];
     cx.comm.all_reduce_sum_f64(&mut squares)?;
     let norm = squares[0].sqrt();
@@ -103,7 +103,7 @@ pub(super) fn clip_pieces(
     if coef < 1.0 {
         crate::optim::scale(pieces, coef)?;
     }
-    Ok(())
+    Ok(norm)
 }
 
 /// Updates this rank's pieces, then gives every rank every rank's updated pieces, bucket by

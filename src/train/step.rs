@@ -59,6 +59,9 @@ pub struct StepResult {
     pub samples: usize,
     /// Whether any rank voted to stop, read when the trainer decides (a device round trip).
     pub stop: StopVote,
+    /// The global gradient norm before clipping (a scalar, the same on every rank), when
+    /// `train.grad_clip_norm` computed it; read only when it is logged.
+    pub grad_norm: Option<Tensor>,
 }
 
 /// Forward and backward over each micro-batch, gradients summed with weights
@@ -141,6 +144,7 @@ pub fn optimizer_step(
             .map(|(i, var)| grads[i].take().map_or_else(|| var.zeros_like(), Ok))
             .collect::<Result<Vec<_>, _>>()
     };
+    let mut grad_norm = None;
     let stop = match optimizer.plan() {
         Some(plan) => {
             let (mut pieces, vote) = match streamed {
@@ -152,7 +156,8 @@ pub fn optimizer_step(
             };
             clock.lap(Phase::Sync)?;
             if let Some(max_norm) = cx.grad_clip_norm {
-                super::sharded::clip_pieces(cx, &mut pieces, max_norm)?;
+                let norm = super::sharded::clip_pieces(cx, &mut pieces, max_norm)?;
+                grad_norm = Some(Tensor::new(norm as f32, &candle_core::Device::Cpu)?);
             }
             let stop = match cx.sharded_parameters {
                 Some(_) => super::full::update(cx, optimizer, &pieces, lr, stop_vote)?,
@@ -166,7 +171,7 @@ pub fn optimizer_step(
             let stop = average_gradients(cx.comm, &mut grads, cx.bucket_bytes, stop_vote)?;
             clock.lap(Phase::Sync)?;
             if let Some(max_norm) = cx.grad_clip_norm {
-                clip_grad_norm(&mut grads, max_norm)?;
+                grad_norm = Some(clip_grad_norm(&mut grads, max_norm)?);
             }
             optimizer.step(params, &grads, lr)?;
             clock.lap(Phase::Update)?;
@@ -181,6 +186,7 @@ pub fn optimizer_step(
         loss_sum,
         samples: n_step,
         stop,
+        grad_norm,
     })
 }
 

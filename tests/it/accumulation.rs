@@ -55,4 +55,24 @@ fn accumulating_two_micro_batches_equals_one_double_batch() {
     assert!(moved > 1e-3, "training barely moved the weights ({moved})");
     let summary = t.json(&t.job("b16x2").join("summary.json"));
     assert_eq!(summary["steps"], 6);
+    // With clipping, each log line carries the step's gradient norm before clipping (as
+    // transformers' Trainer logs `grad_norm`): the same gradient, the same norm.
+    let norms = |name: &str| -> Vec<f64> {
+        t.metrics(name)
+            .iter()
+            .filter(|l| l["kind"] == "train")
+            .map(|l| l["grad_norm"].as_f64().expect("grad_norm on a train line"))
+            .collect()
+    };
+    let (na, nb) = (norms("b16x2"), norms("b32x1"));
+    assert_eq!(na.len(), 2, "{na:?}");
+    for (x, y) in na.iter().zip(&nb) {
+        assert!(*x > 0.0 && (x - y).abs() <= 1e-4 * y, "{na:?} vs {nb:?}");
+    }
+    assert!(
+        t.metrics("one-step")
+            .iter()
+            .all(|l| l.get("grad_norm").is_none()),
+        "no clipping, no norm computed"
+    );
 }

@@ -179,8 +179,16 @@ impl Trainer<'_> {
         };
         let lr = run.schedule.lr(step.saturating_sub(1), epoch);
         let rate = n / secs.max(1e-9);
+        // An epoch that train.max_steps or early stopping cut short is said to be.
+        let ended = match epoch_run.done < epoch_run.groups {
+            true => format!(
+                "ended after {} of its {} steps",
+                epoch_run.done, epoch_run.groups
+            ),
+            false => "done".to_string(),
+        };
         self.reporter.line(&format!(
-            "epoch {}/{} done: train loss {train_loss:.4}, {}, {rate:.0} samples/s, {secs:.1} s",
+            "epoch {}/{} {ended}: train loss {train_loss:.4}, {}, {rate:.0} samples/s, {secs:.1} s",
             epoch + 1,
             t.epochs,
             eval.describe(),

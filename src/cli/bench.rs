@@ -47,6 +47,7 @@ pub(super) fn bench_step(
     json: bool,
 ) -> CliResult {
     let loaded = config::load(config, set).map_err(|e| (2, e.into()))?;
+    loaded.print_notes();
     let threads =
         threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let options = bench::StepOptions {

@@ -25,6 +25,7 @@ pub(super) fn run(args: RunArgs, started: Instant) -> CliResult {
         Ok(loaded) => loaded,
         Err(e) => return reporting.finish(Err((2, anyhow::Error::new(e)))),
     };
+    loaded.print_notes();
     let scheduler = SchedulerEnv::from_process();
     let flags = NodeFlags {
         nnodes: args.nnodes.map(usize::from),
@@ -140,6 +141,7 @@ fn already_finished(job: JobDir, message: String) -> Ending {
 
 pub(super) fn validate(args: &ConfigArgs) -> CliResult {
     let loaded = config::load(&args.config, &args.overrides()).map_err(|e| (2, anyhow!(e)))?;
+    loaded.print_notes();
     let spec = &loaded.spec;
     let counted = crate::registry::Registry::current().train_samples(&spec.data);
     let mut examples = false;

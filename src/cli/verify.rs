@@ -41,6 +41,7 @@ pub(super) struct VerifyArgs {
 pub(super) fn verify(args: &VerifyArgs) -> CliResult {
     let usage = |e: anyhow::Error| (2, e);
     let loaded = config::load(&args.config, &args.set).map_err(|e| usage(anyhow!(e)))?;
+    loaded.print_notes();
     // With train.global_batch_size each run derives its own share; else train.batch_size is
     // read as the global batch, and each run is given its share.
     let global = loaded.spec.train.global_batch_size;

@@ -72,6 +72,7 @@ pub fn extract(source: &mut Source, registry: &Registry) -> Result<CustomParts, 
         arch: arch.clone(),
         language: registry.language(arch, options).and_then(Result::ok),
         job: None,
+        stored_job: source.is_stored_job(),
     });
     let resolve_data = |dataset: &str, t: &toml::Table| match &cx {
         Some(cx) => registry.resolve_dataset(dataset, t, cx),

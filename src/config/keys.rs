@@ -14,6 +14,7 @@ use super::checks::{
 };
 use super::declare::section;
 use super::error::Origin;
+use super::source::Source;
 use super::spec::{
     Backend, DeviceChoice, Monitor, OnWriteError, OptimizerSpec, Precision, ScheduleKind, Sharding,
 };
@@ -404,17 +405,6 @@ fn only_with(
 ) {
     // A job an earlier version created with such a key (then ignored) still resumes.
     if set && !needed.contains(&chosen) && !c.source.is_stored_job() {
-        // The choice switched on the command line (`--set train.optimizer=sgd` on a file
-        // tuned for Adam): the file's keys of the other choice go, as a CLI sweep expects.
-        let (by, at) = (c.source.value_origin(choice), c.source.value_origin(key));
-        if let (Origin::Override(_), Origin::File { .. }) = (&by, &at) {
-            errln!(
-                "note: {key} ({at}) is ignored: it applies only with {choice} = {}, and {by} \
-                 chose \"{chosen}\"",
-                needed.join(" or ")
-            );
-            return;
-        }
         let needed: Vec<String> = needed.iter().map(|n| format!("\"{n}\"")).collect();
         let needed = needed.join(" or ");
         c.fail(
@@ -424,6 +414,71 @@ fn only_with(
                  the key or set {choice} = {needed}"
             ),
         );
+    }
+}
+
+/// The keys that apply with only some values of a choice: (choice, key, those values).
+const CHOICE_KEYS: &[(&str, &str, &[&str])] = &[
+    ("train.optimizer", "train.momentum", &["sgd"]),
+    ("train.optimizer", "train.nesterov", &["sgd"]),
+    ("train.optimizer", "train.betas", &["adam", "adamw"]),
+    ("train.optimizer", "train.eps", &["adam", "adamw"]),
+    (
+        "train.scheduler.kind",
+        "train.scheduler.step_size",
+        &["step"],
+    ),
+    ("train.scheduler.kind", "train.scheduler.gamma", &["step"]),
+    (
+        "train.scheduler.kind",
+        "train.scheduler.min_lr",
+        &["cosine"],
+    ),
+];
+
+/// A choice switched on the command line (`--set train.optimizer=sgd` on a file tuned for
+/// Adam): the file's keys of the other choice are taken out, as a CLI sweep expects (they
+/// could not be unset with `--set`), so neither the checks nor `job.toml` see them. Returns a
+/// note for each.
+pub(super) fn leave_other_choices(source: &mut Source) -> Vec<String> {
+    let mut notes = Vec::new();
+    for &(choice, key, applies) in CHOICE_KEYS {
+        let (by, at) = (source.value_origin(choice), source.value_origin(key));
+        let (Origin::Override(_), Origin::File { .. }) = (&by, &at) else {
+            continue;
+        };
+        let chosen = value_at(&source.table, choice).and_then(toml::Value::as_str);
+        let Some(chosen) = chosen.filter(|c| !applies.contains(c)).map(str::to_string) else {
+            continue;
+        };
+        let (parent, leaf) = key.rsplit_once('.').expect("a dotted key");
+        if let Some(toml::Value::Table(table)) = value_at_mut(&mut source.table, parent) {
+            table.remove(leaf);
+        }
+        notes.push(format!(
+            "{key} ({at}) is left out: it applies only with {choice} = \"{}\", and {by} chose \
+             \"{chosen}\"",
+            applies.join("\" or \"")
+        ));
+    }
+    notes
+}
+
+fn value_at<'a>(table: &'a toml::Table, path: &str) -> Option<&'a toml::Value> {
+    let (first, rest) = path.split_once('.').unwrap_or((path, ""));
+    let value = table.get(first)?;
+    match rest {
+        "" => Some(value),
+        rest => value_at(value.as_table()?, rest),
+    }
+}
+
+fn value_at_mut<'a>(table: &'a mut toml::Table, path: &str) -> Option<&'a mut toml::Value> {
+    let (first, rest) = path.split_once('.').unwrap_or((path, ""));
+    let value = table.get_mut(first)?;
+    match rest {
+        "" => Some(value),
+        rest => value_at_mut(value.as_table_mut()?, rest),
     }
 }
 

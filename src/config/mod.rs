@@ -20,7 +20,7 @@ use crate::registry::Registry;
 
 pub use error::{ConfigError, Origin};
 pub use keys::RawConfig;
-pub use source::{Source, flag_override};
+pub use source::{STORED_JOB_HEADER, Source, flag_override};
 pub(crate) use spec::Backend;
 pub use spec::{
     Check, CheckpointSpec, DataSpec, DeviceChoice, DistributedSpec, Expectation, JobSpec,
@@ -33,9 +33,19 @@ pub use spec::{
 pub struct LoadedConfig {
     pub spec: JobSpec,
     pub resolved: RawConfig,
+    /// What the loading decided for the user that they should hear (keys left out), for the
+    /// command to print.
+    pub notes: Vec<String>,
 }
 
 impl LoadedConfig {
+    /// Prints [`Self::notes`] on stderr, each as `note: ...`.
+    pub fn print_notes(&self) {
+        for note in &self.notes {
+            errln!("note: {note}");
+        }
+    }
+
     /// The resolved config as TOML: what `validate` prints and `run` freezes into `job.toml`.
     /// The model's and the dataset's sections hold their selector and options only.
     pub fn resolved_toml(&self) -> String {
@@ -210,6 +220,7 @@ pub fn load_str_with(
     registry: &Registry,
 ) -> Result<LoadedConfig, ConfigError> {
     let mut source = Source::parse(path, text, overrides)?;
+    let notes = keys::leave_other_choices(&mut source);
     adapter::resolve(&mut source)?;
     arch_from_init(&mut source, registry)?;
     let custom = custom::extract(&mut source, registry)?;
@@ -227,7 +238,11 @@ pub fn load_str_with(
         .map_or("job".into(), |s| s.to_string_lossy().into_owned());
     let spec = JobSpec::from_raw(&resolved, &source, &default_name, custom, registry)?;
     resolved.name = Some(spec.name.clone());
-    Ok(LoadedConfig { spec, resolved })
+    Ok(LoadedConfig {
+        spec,
+        resolved,
+        notes,
+    })
 }
 
 /// Numbers derived from the spec and the training-set size: what `validate` shows.

@@ -22,12 +22,18 @@ pub struct Source {
     overrides: HashMap<String, String>,
 }
 
+/// How the `job.toml` that `run` freezes begins.
+pub const STORED_JOB_HEADER: &str = "# Resolved config of job `";
+
 impl Source {
-    /// Whether this is a job's own `job.toml` (beside its `state.json`): what an earlier
-    /// version wrote, read again to resume, restart, export or show the job.
+    /// Whether this is a job's own `job.toml` (beside its `state.json`, or headed as `run`
+    /// writes it when that is lost or not there, as on a node without the shared job
+    /// directory): what an earlier version wrote, read again to resume, restart, export or
+    /// show the job.
     pub fn is_stored_job(&self) -> bool {
         self.path.file_name().is_some_and(|n| n == "job.toml")
-            && self.path.with_file_name("state.json").exists()
+            && (self.path.with_file_name("state.json").exists()
+                || self.text.starts_with(STORED_JOB_HEADER))
     }
 
     /// Parses `text` (read from `path`) and applies `overrides` (`key.path=value`).

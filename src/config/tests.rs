@@ -506,6 +506,12 @@ fn job_toml_of_older_versions_still_loads() {
     );
     let spec = load_stored(&format!("{gpt}{tokens}")).unwrap().spec;
     assert_eq!(spec.data.options()["token_dtype"].as_str(), Some("u32"));
+    // Its state.json lost (or a node's copy without one): the header says what it is.
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("job.toml");
+    let headed = format!("{STORED_JOB_HEADER}x`, frozen by `ddpjob run x.toml`\n{gpt}{tokens}");
+    std::fs::write(&path, headed).unwrap();
+    assert_eq!(load(&path, &[]).unwrap().spec, spec);
     assert_eq!(spec.data.options().len(), 3, "{:?}", spec.data.options());
     let spec = load_stored(&older_data("mnist", "")).unwrap().spec;
     assert_eq!(spec.data.options()["root"].as_str(), Some("data/x"));
@@ -863,21 +869,37 @@ fn text_data_a_pretrained_model_cannot_learn_or_cannot_fetch_is_refused() {
         )
         .is_ok()
     );
+    // A file already there needs no mirror; a job that trained so is kept (it resumes).
+    let tmp = tempfile::tempdir().unwrap();
+    let present = tmp.path().join("x.txt");
+    std::fs::write(&present, "text").unwrap();
+    let here = format!("data.path=\"{}\"", present.display());
+    assert!(load_text(&text, &[&here, "data.download=true"]).is_ok());
+    let stored = format!("{text}tokenizer = \"char\"\n");
+    assert!(load_stored(&stored).is_ok());
 }
 
 /// `--set` may switch the optimizer or schedule of a file tuned for another (a CLI sweep): the
-/// file's keys of the other choice are then ignored (said on stderr); set on the command line
+/// file's keys of the other choice are then left out (said in a note); set on the command line
 /// or chosen in the file, they are still refused.
 #[test]
 fn a_choice_switched_by_set_leaves_the_files_keys_of_the_other_behind() {
     let file = "[train]\noptimizer = \"adamw\"\nbetas = [0.9, 0.95]\n[train.scheduler]\n\
                 kind = \"step\"\ngamma = 0.5\n";
-    let spec = load_text(
+    let loaded = load_text(
         file,
         &["train.optimizer=\"sgd\"", "train.scheduler.kind=\"cosine\""],
     )
-    .unwrap()
-    .spec;
+    .unwrap();
+    assert_eq!(loaded.notes.len(), 2, "{:?}", loaded.notes);
+    assert!(
+        loaded.notes[0].contains("train.betas (configs/x.toml:3:9) is left out"),
+        "{:?}",
+        loaded.notes
+    );
+    // Left out of the resolved config too: what `job.toml` freezes loads anywhere, as is.
+    load_str(Path::new("elsewhere.toml"), loaded.resolved_toml(), &[]).unwrap();
+    let spec = loaded.spec;
     assert!(matches!(spec.train.optimizer, OptimizerSpec::Sgd { .. }));
     assert!(matches!(
         spec.train.schedule.kind,

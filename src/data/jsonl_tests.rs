@@ -18,6 +18,7 @@ fn context(block: usize, job: Option<PathBuf>) -> DataContext {
             tokenizer: Some(tokenizer_path()),
             vocabulary: None,
         }),
+        stored_job: job.is_some(),
         job,
     }
 }

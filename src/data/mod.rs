@@ -145,7 +145,9 @@ impl Dataset {
                 return Err(DataError::Corrupt {
                     path: labels.clone(),
                     problem: format!(
-                        "label {label} of item {i} is not one of the set's {classes} classes                          (0 to {}); the file is damaged: delete it to download it again, or                          put the original there",
+                        "label {label} of item {i} is not one of the set's {classes} classes (0 to \
+                         {}); the file is damaged: delete it to download it again, or put \
+                         the original there",
                         classes - 1
                     ),
                 });

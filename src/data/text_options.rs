@@ -126,7 +126,7 @@ impl TextOptions {
             .file_name()
             .map(|f| f.to_string_lossy().into_owned())
             .unwrap_or_default();
-        if !self.download {
+        if !self.download || self.mirrors.is_empty() {
             return Err(DataError::Mismatch(format!(
                 "data.path `{}` does not exist; put the text there, or set data.download = true \
                  and data.mirrors to where `{file}` can be fetched (with its SHA-256 in \
@@ -161,8 +161,12 @@ impl DatasetOptions for TextOptions {
             },
         };
         // A pretrained model's embeddings are its tokenizer's ids: characters or bytes
-        // numbered afresh would train it on nonsense, silently.
-        if let (Some(own), "char" | "byte") = (&own, tokenizer.as_str()) {
+        // numbered afresh would train it on nonsense, silently. (A job that did is kept.)
+        if let (Some(own), "char" | "byte", false) = (
+            own.filter(|o| o.is_file()),
+            tokenizer.as_str(),
+            cx.stored_job,
+        ) {
             return Err(format!(
                 "data.tokenizer = \"{tokenizer}\" numbers the text afresh, but the pretrained \
                  model (model.init_from) learnt the ids of its own tokenizer `{}`: leave \
@@ -172,7 +176,8 @@ impl DatasetOptions for TextOptions {
         }
         tokenizer_kind(&tokenizer)?;
         self.tokenizer = Some(tokenizer);
-        if self.download && self.mirrors.is_empty() {
+        let present = Path::new(self.path.as_deref().unwrap_or_default()).is_file();
+        if self.download && self.mirrors.is_empty() && !present {
             return Err(
                 "data.download = true needs data.mirrors: text data has no mirror of \
                         its own; list the base URLs its file can be fetched from, or put the \

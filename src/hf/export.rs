@@ -213,8 +213,8 @@ pub(super) fn save_weights(
 }
 
 /// Marks `token` (id `id`) as the end of sequence of the model exported to `dir`, the token an
-/// instruction-tuned job taught it to end each answer with: `tokenizer_config.json`'s
-/// `eos_token`, and `generation_config.json`'s `eos_token_id` led by `id` (the base's ids kept
+/// instruction-tuned job taught it to end each answer with: `tokenizer_config.json`'s (and
+/// `special_tokens_map.json`'s) `eos_token`, and `generation_config.json`'s `eos_token_id` led by `id` (the base's ids kept
 /// after it, as an instruct release lists both), so `generate` stops where the model answers.
 pub fn mark_end_token(dir: &Path, token: &str, id: u32) -> Result<(), HfError> {
     let edit = |name: &str, change: &dyn Fn(&mut Map<String, Value>)| {
@@ -233,17 +233,18 @@ pub fn mark_end_token(dir: &Path, token: &str, id: u32) -> Result<(), HfError> {
         let text = serde_json::to_string_pretty(&Value::Object(json)).unwrap_or_default();
         write_atomically(&path, text.as_bytes())
     };
-    edit("tokenizer_config.json", &|json| {
-        match json.get_mut("eos_token") {
-            // An AddedToken written out whole: keep its flags, change its text.
-            Some(Value::Object(added)) => {
-                added.insert("content".into(), token.into());
-            }
-            _ => {
-                json.insert("eos_token".into(), token.into());
-            }
+    let name_it = |json: &mut Map<String, Value>| match json.get_mut("eos_token") {
+        // An AddedToken written out whole: keep its flags, change its text.
+        Some(Value::Object(added)) => {
+            added.insert("content".into(), token.into());
         }
-    })?;
+        _ => {
+            json.insert("eos_token".into(), token.into());
+        }
+    };
+    // Both: an older tokenizer_config.json lets special_tokens_map.json's override it.
+    edit("tokenizer_config.json", &name_it)?;
+    edit("special_tokens_map.json", &name_it)?;
     edit("generation_config.json", &|json| {
         json.insert("eos_token_id".into(), led_by(id, json.get("eos_token_id")));
     })
@@ -283,6 +284,34 @@ pub(super) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), HfError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_end_token_is_named_in_every_file_that_names_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let write = |name: &str, json: &str| std::fs::write(dir.join(name), json).unwrap();
+        write(
+            "tokenizer_config.json",
+            r#"{"eos_token": {"content": "</s>", "special": true}, "x": 1}"#,
+        );
+        write("special_tokens_map.json", r#"{"eos_token": "</s>"}"#);
+        write("generation_config.json", r#"{"eos_token_id": [2, 5]}"#);
+        mark_end_token(dir, "<|im_end|>", 7).unwrap();
+        let read = |name: &str| -> Value {
+            serde_json::from_str(&std::fs::read_to_string(dir.join(name)).unwrap()).unwrap()
+        };
+        let config = read("tokenizer_config.json");
+        assert_eq!(config["eos_token"]["content"], "<|im_end|>");
+        assert_eq!(
+            (config["eos_token"]["special"].clone(), config["x"].clone()),
+            (true.into(), 1.into())
+        );
+        assert_eq!(read("special_tokens_map.json")["eos_token"], "<|im_end|>");
+        assert_eq!(
+            read("generation_config.json")["eos_token_id"],
+            serde_json::json!([7, 2, 5])
+        );
+    }
 
     #[test]
     fn the_end_token_leads_the_ids_it_joins() {

@@ -136,4 +136,30 @@ mod tests {
             ["train.epochs: 1 -> 3", "train.lr: 0.01 -> 0.02"]
         );
     }
+
+    /// Paths are compared as the files they name from here: a `job.toml` that froze them
+    /// absolute (or, from an older version, kept them relative) is the config that names them
+    /// relative; a path to another file is a difference.
+    #[test]
+    fn paths_differ_only_when_they_name_other_files() {
+        let text = |path: &str| {
+            format!(
+                "name = \"j\"\n[model]\narch = \"gpt\"\nblock_size = 8\n[data]\n\
+                 dataset = \"text\"\npath = \"{path}\"\n"
+            )
+        };
+        let relative = loaded(&text("data/x.txt"), &[]);
+        let here = std::env::current_dir().unwrap().join("data/x.txt");
+        let frozen = loaded(&text(&here.display().to_string()), &[]);
+        assert!(differences(&frozen, &relative).is_empty());
+        assert!(differences(&relative, &relative).is_empty());
+        let frozen_toml = relative.frozen_toml(std::path::Path::new("/base"));
+        assert!(
+            frozen_toml.contains("path = \"/base/data/x.txt\"")
+                && frozen_toml.contains("tokenizer = \"char\""),
+            "{frozen_toml}"
+        );
+        let other = loaded(&text("data/y.txt"), &[]);
+        assert_eq!(differences(&frozen, &other).len(), 1);
+    }
 }

@@ -600,7 +600,8 @@ pub(super) fn join_job(job: &JobDir, opts: &RunOptions) -> Result<(), RunError> 
 fn write_job_toml(job: &JobDir, opts: &RunOptions) -> Result<(), RunError> {
     let loaded = &opts.loaded;
     let header = format!(
-        "# Resolved config of job `{}`, frozen by `ddpjob run {}`; resume reads this file.\n\n",
+        "{}{}`, frozen by `ddpjob run {}`; resume reads this file.\n\n",
+        crate::config::STORED_JOB_HEADER,
         loaded.spec.name,
         opts.config.display()
     );

@@ -81,6 +81,9 @@ pub struct DataContext {
     /// The job's directory once it exists: where the files [`DatasetOptions::prepare`]
     /// returned are kept (a resumed job reads its data as it first did).
     pub job: Option<std::path::PathBuf>,
+    /// The options are read again from an existing job's `job.toml` (to resume, score or
+    /// show it): what a new job is refused for, an existing one keeps.
+    pub stored_job: bool,
 }
 
 impl DataContext {
@@ -91,6 +94,7 @@ impl DataContext {
             arch: spec.model.arch().to_string(),
             language: spec.model.language(),
             job: job.map(std::path::Path::to_path_buf),
+            stored_job: job.is_some(),
         }
     }
 }

@@ -196,11 +196,12 @@ impl Engine {
     fn advance(&self, context: &[u32], cache: &mut KvCache) -> Result<Tensor, SampleError> {
         let block = self.block_size;
         match self.model.kv_decoder() {
-            // The window is full: keep its newer half and go on from there, so the cost
-            // stays bounded by the window, not the text so far.
+            // The window is full: the last block_size tokens again, from a fresh cache, as
+            // nanoGPT's sample.py crops its context (learnt positions cannot slide, so each
+            // token past the window costs the window's forward pass, as there).
             Some(decoder) if cache.len() >= block => {
                 cache.clear();
-                let keep = (block / 2).max(1);
+                let keep = block.min(context.len());
                 Ok(decoder.forward_cached(&context[context.len() - keep..], cache)?)
             }
             Some(decoder) => Ok(decoder.forward_cached(&context[context.len() - 1..], cache)?),
@@ -296,7 +297,7 @@ mod tests {
     }
 
     #[test]
-    fn the_windowed_engine_gives_the_cached_engines_logits_while_the_context_fits() {
+    fn the_cached_engine_gives_the_windowed_engines_logits_within_and_past_the_window() {
         let config = GptConfig {
             vocab_size: 13,
             block_size: 8,
@@ -333,7 +334,8 @@ mod tests {
         assert_eq!(x.dims(), [13]);
         assert!(diff(&x, &y) < 1e-5);
         assert!(diff(&x, &other.start(&context, &mut c).unwrap()) > 1e-4);
-        for next in [1u32, 5, 9, 2, 6] {
+        // Past block_size 8 too: both see the last 8 tokens, however long the text.
+        for next in [1u32, 5, 9, 2, 6, 7, 0, 12, 3, 8, 4, 11] {
             context.push(next);
             let (x, y) = (
                 cached.advance(&context, &mut a).unwrap(),

@@ -56,11 +56,12 @@ pub fn parse_sizes(text: &str) -> Result<Vec<usize>, BenchError> {
                 .ok()
                 .map(|v| (v * scale).round())
                 // At most what an address space could hold in f32s.
-                .filter(|v| v.is_finite() && *v >= 0.0 && *v <= (usize::MAX / 4) as f64)
+                .filter(|v| v.is_finite() && *v >= 1.0 && *v <= (usize::MAX / 4) as f64)
                 .map(|v| v as usize)
                 .ok_or_else(|| {
                     BenchError::Usage(format!(
-                        "--sizes: cannot read {p:?}; write float counts like 1M,10M,100M or 4096"
+                        "--sizes: cannot read {p:?}; write float counts (at least 1) like \
+                         1M,10M,100M or 4096"
                     ))
                 })
         })
@@ -410,5 +411,7 @@ mod tests {
         assert!(parse_sizes("ten").is_err());
         assert!(parse_sizes("99999999999999999999").is_err());
         assert!(parse_sizes("1M,,2").is_err());
+        // A size that rounds to no float at all measures nothing.
+        assert!(parse_sizes("0").is_err() && parse_sizes("0.4").is_err());
     }
 }

@@ -73,19 +73,25 @@ pub(super) fn sample(args: &SampleArgs) -> CliResult {
     let started = Instant::now();
     let mut stdout = std::io::stdout().lock();
     let mut text = String::new();
-    if !args.json {
-        let _ = write!(stdout, "{}", args.prompt);
-    }
+    // The prompt is echoed once it is known to encode: a usage error leaves stdout empty.
+    let mut echoed = args.json;
     let ids = generator
         .generate(&args.prompt, args.tokens, how, |piece| {
             if args.json {
                 text.push_str(piece);
             } else {
+                if !echoed {
+                    let _ = write!(stdout, "{}", args.prompt);
+                    echoed = true;
+                }
                 let _ = write!(stdout, "{piece}");
                 let _ = stdout.flush();
             }
         })
         .map_err(exit)?;
+    if !echoed {
+        let _ = write!(stdout, "{}", args.prompt);
+    }
     let secs = started.elapsed().as_secs_f64();
     if args.json {
         let line = serde_json::json!({

@@ -753,6 +753,12 @@ fn a_flag_that_sets_a_key_is_named_as_typed() {
     assert!(err.contains("(--set name=../x)"), "{err}");
     let named = load_text("", &[&super::flag_override("--name", "exp-1")]).unwrap();
     assert_eq!(named.spec.name, "exp-1");
+    // A name the CLI would read as a flag (`show -x`) is refused.
+    let err = load_text("", &["name=\"-x\""]).unwrap_err().to_string();
+    assert!(
+        err.contains("beginning with a letter, digit or '_'"),
+        "{err}"
+    );
 }
 
 #[test]

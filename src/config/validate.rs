@@ -33,12 +33,12 @@ impl JobSpec {
         let keys = raw.check(&mut c);
         let name = keys.name.unwrap_or_else(|| default_name.to_string());
         if name.is_empty()
-            || name.starts_with('.')
+            || name.starts_with(['.', '-'])
             || !name
                 .chars()
                 .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch))
         {
-            c.fail("name", format!("\"{name}\" is not a usable directory name; use letters, digits, '-', '_' or '.' (not first)"));
+            c.fail("name", format!("\"{name}\" is not a usable directory name (nor a command-line argument); use letters, digits, '-', '_' or '.', beginning with a letter, digit or '_'"));
         } else if name.len() > MAX_NAME_LEN {
             // Past a file system's 255-byte limit once `checkpoints/` files sit beside it.
             c.fail(

@@ -156,7 +156,9 @@ fn a_tiny_gpt_learns_text_and_samples_from_it() {
         sample(&["--prompt", "the cat", "--seed", "4"]).stdout
     );
     sample(&["--checkpoint", "best", "--json"]).success();
-    sample(&["--prompt", "Zebra"]).fails_with(2, "'Z'");
+    let refused = sample(&["--prompt", "Zebra"]);
+    refused.fails_with(2, "'Z'");
+    assert_eq!(refused.stdout, "", "a refused prompt is not echoed");
     // The job has finished: its final weights are there to sample, not a step-999.
     sample(&["--checkpoint", "step-999"])
         .fails_with(2, "no checkpoint for --checkpoint step-999")

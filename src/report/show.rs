@@ -149,7 +149,7 @@ pub fn show(v: &JobView, now: u64) -> String {
         };
         line(
             "",
-            format!("{}  {at:<26} {:>10}{latest}", c.name, bytes(c.bytes)),
+            format!("{:<13}  {at:<26} {:>10}{latest}", c.name, bytes(c.bytes)),
         );
     }
     match (&v.summary, &v.spec) {

@@ -56,9 +56,13 @@ impl JobView {
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok());
         let stored = checkpoint::Checkpoints::of(&job);
+        // `best` (checkpoint.keep_best) is one more on disk, listed after the steps.
+        let best =
+            Some(stored.dir().join("best")).filter(|b| b.join("model.safetensors").is_file());
         let checkpoints = stored
             .steps()
             .into_iter()
+            .chain(best)
             .map(|dir| CheckpointInfo {
                 name: dir
                     .file_name()

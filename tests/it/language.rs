@@ -156,6 +156,17 @@ fn a_tiny_gpt_learns_text_and_samples_from_it() {
         sample(&["--prompt", "the cat", "--seed", "4"]).stdout
     );
     sample(&["--checkpoint", "best", "--json"]).success();
+    // `show` counts and lists the `best` checkpoint beside the steps.
+    let shown = t.ddpjob(&["show", "lm", "--jobs-dir", &jobs]);
+    shown.success();
+    assert!(
+        shown
+            .stdout
+            .lines()
+            .any(|l| l.trim_start().starts_with("best           step ")),
+        "{}",
+        shown.stdout
+    );
     let refused = sample(&["--prompt", "Zebra"]);
     refused.fails_with(2, "'Z'");
     assert_eq!(refused.stdout, "", "a refused prompt is not echoed");

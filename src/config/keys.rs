@@ -189,7 +189,7 @@ section! {
         step_size: i64 = 1 => step_size: usize = step_size_of_step;
         /// step: decay factor
         gamma: f64 = 0.1 => gamma: f64 = gamma_of_step;
-        /// cosine: the rate it decays to, reached one step past the last (as transformers' get_cosine_schedule_with_warmup)
+        /// cosine: the rate it decays to, reached one step past the last (as in transformers)
         min_lr: f64 = 0.0 => min_lr: f64 = min_lr_of_cosine;
         /// linear warm-up steps
         warmup_steps: i64 = 0 => warmup_steps: usize = at_least(0);

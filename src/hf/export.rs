@@ -214,8 +214,9 @@ pub(super) fn save_weights(
 
 /// Marks `token` (id `id`) as the end of sequence of the model exported to `dir`, the token an
 /// instruction-tuned job taught it to end each answer with: `tokenizer_config.json`'s (and
-/// `special_tokens_map.json`'s) `eos_token`, and `generation_config.json`'s `eos_token_id` led by `id` (the base's ids kept
-/// after it, as an instruct release lists both), so `generate` stops where the model answers.
+/// `special_tokens_map.json`'s) `eos_token`, and `generation_config.json`'s `eos_token_id`
+/// led by `id` (the base's ids kept after it, as an instruct release lists both), so
+/// `generate` stops where the model answers.
 pub fn mark_end_token(dir: &Path, token: &str, id: u32) -> Result<(), HfError> {
     let edit = |name: &str, change: &dyn Fn(&mut Map<String, Value>)| {
         let path = dir.join(name);

@@ -14,7 +14,7 @@ use super::checks::{
 };
 use super::declare::section;
 use super::error::Origin;
-use super::source::Source;
+use super::source::{Source, value_at, value_at_mut};
 use super::spec::{
     Backend, DeviceChoice, Monitor, OnWriteError, OptimizerSpec, Precision, ScheduleKind, Sharding,
 };
@@ -462,24 +462,6 @@ pub(super) fn leave_other_choices(source: &mut Source) -> Vec<String> {
         ));
     }
     notes
-}
-
-fn value_at<'a>(table: &'a toml::Table, path: &str) -> Option<&'a toml::Value> {
-    let (first, rest) = path.split_once('.').unwrap_or((path, ""));
-    let value = table.get(first)?;
-    match rest {
-        "" => Some(value),
-        rest => value_at(value.as_table()?, rest),
-    }
-}
-
-fn value_at_mut<'a>(table: &'a mut toml::Table, path: &str) -> Option<&'a mut toml::Value> {
-    let (first, rest) = path.split_once('.').unwrap_or((path, ""));
-    let value = table.get_mut(first)?;
-    match rest {
-        "" => Some(value),
-        rest => value_at_mut(value.as_table_mut()?, rest),
-    }
 }
 
 const SGD: (&str, &[&str]) = ("train.optimizer", &["sgd"]);

@@ -105,23 +105,12 @@ impl LoadedConfig {
             if key.starts_with("data.") && !own_data {
                 continue;
             }
-            let mut parts = key.split('.').peekable();
-            let mut table = &mut *doc;
-            while let Some(part) = parts.next() {
-                if parts.peek().is_none() {
-                    if let Some(toml::Value::String(path)) = table.get_mut(part)
-                        && !path.is_empty()
-                        && !["char", "byte"].contains(&path.as_str())
-                        && Path::new(path.as_str()).is_relative()
-                    {
-                        *path = base.join(path.as_str()).display().to_string();
-                    }
-                    break;
-                }
-                match table.get_mut(part) {
-                    Some(toml::Value::Table(inner)) => table = inner,
-                    _ => break,
-                }
+            if let Some(toml::Value::String(path)) = source::value_at_mut(doc, key)
+                && !path.is_empty()
+                && !["char", "byte"].contains(&path.as_str())
+                && Path::new(path.as_str()).is_relative()
+            {
+                *path = base.join(path.as_str()).display().to_string();
             }
         }
     }

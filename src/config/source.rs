@@ -362,3 +362,26 @@ fn key_segments(path: &str) -> Vec<String> {
     }
     segments.into_iter().map(|s| s.trim().to_string()).collect()
 }
+
+/// The value at the dotted `path` of `table` (no quoted keys), if there is one.
+pub(super) fn value_at<'a>(table: &'a toml::Table, path: &str) -> Option<&'a toml::Value> {
+    let (first, rest) = path.split_once('.').unwrap_or((path, ""));
+    let value = table.get(first)?;
+    match rest {
+        "" => Some(value),
+        rest => value_at(value.as_table()?, rest),
+    }
+}
+
+/// As [`value_at`], to change it.
+pub(super) fn value_at_mut<'a>(
+    table: &'a mut toml::Table,
+    path: &str,
+) -> Option<&'a mut toml::Value> {
+    let (first, rest) = path.split_once('.').unwrap_or((path, ""));
+    let value = table.get_mut(first)?;
+    match rest {
+        "" => Some(value),
+        rest => value_at_mut(value.as_table_mut()?, rest),
+    }
+}

@@ -119,9 +119,9 @@ impl History {
         self.epochs.last()
     }
 
-    /// The most accurate evaluation, periodic or end of epoch, as the lowest loss is found
-    /// (the earliest of equals; the step-0 evaluation of the starting weights is none).
-    pub fn most_accurate(&self) -> Option<Evaluated> {
+    /// Every evaluation, periodic or end of epoch, by step; the step-0 evaluation (of the
+    /// starting weights) is none, as for the `best` checkpoint.
+    fn evaluations(&self) -> Vec<Evaluated> {
         let periodic = self.evals.iter().filter(|e| e.step > 0).map(|e| Evaluated {
             step: e.step,
             epoch: None,
@@ -134,37 +134,33 @@ impl History {
             test_loss: e.test_loss,
             test_accuracy: e.test_accuracy,
         });
-        let mut all: Vec<Evaluated> = periodic
-            .chain(epoch_ends)
-            .filter(|e| e.test_accuracy.is_finite())
-            .collect();
+        let mut all: Vec<Evaluated> = periodic.chain(epoch_ends).collect();
         all.sort_by_key(|e| e.step);
-        all.into_iter().fold(None, |best, e| match best {
-            Some(b) if b.test_accuracy >= e.test_accuracy => Some(b),
-            _ => Some(e),
-        })
+        all
     }
 
-    /// The lowest test loss of any evaluation, periodic or end of epoch: (step, loss), the
-    /// earliest of equals. Language models are judged by it rather than by accuracy. The
-    /// step-0 evaluation (of the starting weights) is no candidate, as for the `best`
-    /// checkpoint.
+    /// The most accurate evaluation (see [`Self::evaluations`]), the earliest of equals.
+    pub fn most_accurate(&self) -> Option<Evaluated> {
+        self.evaluations()
+            .into_iter()
+            .filter(|e| e.test_accuracy.is_finite())
+            .fold(None, |best, e| match best {
+                Some(b) if b.test_accuracy >= e.test_accuracy => Some(b),
+                _ => Some(e),
+            })
+    }
+
+    /// The lowest test loss of any evaluation (see [`Self::evaluations`]): (step, loss), the
+    /// earliest of equals. Language models are judged by it rather than by accuracy.
     pub fn lowest_test_loss(&self) -> Option<(usize, f64)> {
-        let periodic = self
-            .evals
-            .iter()
-            .filter(|e| e.step > 0)
-            .map(|e| (e.step, e.test_loss));
-        let epoch_ends = self.epochs.iter().map(|e| (e.step, e.test_loss));
-        let mut all: Vec<(usize, f64)> = periodic
-            .chain(epoch_ends)
+        self.evaluations()
+            .into_iter()
+            .map(|e| (e.step, e.test_loss))
             .filter(|p| p.1.is_finite())
-            .collect();
-        all.sort_by_key(|p| p.0);
-        all.into_iter().fold(None, |best, p| match best {
-            Some(b) if b.1 <= p.1 => Some(b),
-            _ => Some(p),
-        })
+            .fold(None, |best, p| match best {
+                Some(b) if b.1 <= p.1 => Some(b),
+                _ => Some(p),
+            })
     }
 
     /// The newest training loss, from a log-interval or an epoch line.

@@ -72,8 +72,12 @@ impl Trainer<'_> {
                 (at_log || step.is_multiple_of(self.hooks.vote_every.max(1))) && votes.read()?;
             // The step's time includes reading the vote, which on a GPU waits for the device
             // to finish the step's work so far (the rest is waited for with the loss).
-            let elapsed = started.elapsed();
-            interval.add(stepped.loss_sum, samples, elapsed, stepped.grad_norm);
+            interval.add(
+                stepped.loss_sum,
+                samples,
+                started.elapsed(),
+                stepped.grad_norm,
+            );
             let mut status = None;
             if at_log || stop {
                 let steps = (interval_first_step, step);

@@ -60,10 +60,15 @@ const DATA: Section = Section {
 };
 
 /// Takes the registered builders' options out of `source`; see the module docs.
-pub fn extract(source: &mut Source, registry: &Registry) -> Result<CustomParts, ConfigError> {
+/// Keys of another builder that a `--set` switch of the builder left behind are said in `notes`.
+pub fn extract(
+    source: &mut Source,
+    registry: &Registry,
+    notes: &mut Vec<String>,
+) -> Result<CustomParts, ConfigError> {
     let mut errors = Vec::new();
     let resolve_model = |arch: &str, t: &toml::Table| registry.resolve_model(arch, t);
-    let model = take(source, &MODEL, registry, &resolve_model, &mut errors);
+    let model = take(source, &MODEL, registry, &resolve_model, &mut errors, notes);
     // The data is completed for the model it feeds; with no model to fit (its own errors are
     // reported), only its keys are read.
     let seed = source.table.get("seed").and_then(toml::Value::as_integer);
@@ -78,7 +83,7 @@ pub fn extract(source: &mut Source, registry: &Registry) -> Result<CustomParts, 
         Some(cx) => registry.resolve_dataset(dataset, t, cx),
         None => registry.resolve_dataset_keys(dataset, t),
     };
-    let data = take(source, &DATA, registry, &resolve_data, &mut errors);
+    let data = take(source, &DATA, registry, &resolve_data, &mut errors, notes);
     ConfigError::collect(errors)?;
     Ok(CustomParts { model, data })
 }
@@ -91,6 +96,7 @@ fn take(
     registry: &Registry,
     resolve: &Resolve<'_>,
     errors: &mut Vec<ConfigError>,
+    notes: &mut Vec<String>,
 ) -> Option<(String, toml::Table)> {
     let table = source
         .table
@@ -123,7 +129,45 @@ fn take(
     };
     let mut options = toml::Table::new();
     let stored_job = source.is_stored_job();
+    // `--set data.dataset=tokens` on a file written for text data (a CLI sweep): the file's
+    // keys only the other builders read are left behind, as a switched optimizer's are.
+    let selector = format!("{}.{}", section.name, section.selector);
+    let switched_by = match source.value_origin(&selector) {
+        by @ Origin::Override(_) => Some(by),
+        _ => None,
+    };
+    let left_behind = |key: &&String| {
+        let at = source.key_origin(&format!("{}.{key}", section.name));
+        switched_by.is_some()
+            && matches!(at, Origin::File { .. })
+            && !owners_of(registry, section, key).is_empty()
+    };
+    let left: Vec<String> = source
+        .table
+        .get(section.name)
+        .and_then(toml::Value::as_table)
+        .into_iter()
+        .flat_map(|t| t.keys())
+        .filter(|k| !section.own.contains(&k.as_str()))
+        .filter(|k| fields.is_some_and(|f| !f.contains(&k.as_str())))
+        .filter(left_behind)
+        .cloned()
+        .collect();
+    if let Some(by) = switched_by.filter(|_| !left.is_empty()) {
+        let keys: Vec<String> = left
+            .iter()
+            .map(|k| format!("{}.{k}", section.name))
+            .collect();
+        notes.push(format!(
+            "{} ({}) left out: {by} chose \"{chosen}\", which does not read them",
+            keys.join(", "),
+            source.path.display()
+        ));
+    }
     if let Some(toml::Value::Table(table)) = source.table.get_mut(section.name) {
+        for key in &left {
+            table.remove(key);
+        }
         let theirs: Vec<String> = table
             .keys()
             .filter(|k| !section.own.contains(&k.as_str()))

@@ -464,6 +464,43 @@ pub(super) fn leave_other_choices(source: &mut Source) -> Vec<String> {
     notes
 }
 
+/// `--set data.path=mine.txt` on a file that checks its own text's download
+/// (`configs/shakespeare-char.toml`'s `data.checksums."input.txt"`): the file's digests of
+/// files the new path does not name are left out (each said in a note), as they would never be
+/// checked.
+pub(super) fn leave_stale_checksums(source: &mut Source) -> Vec<String> {
+    let by = source.value_origin("data.path");
+    let Origin::Override(_) = by else {
+        return Vec::new();
+    };
+    let named = value_at(&source.table, "data.path")
+        .and_then(toml::Value::as_str)
+        .and_then(|p| std::path::Path::new(p).file_name())
+        .map(|f| f.to_string_lossy().into_owned());
+    let stale: Vec<(String, Origin)> = value_at(&source.table, "data.checksums")
+        .and_then(toml::Value::as_table)
+        .into_iter()
+        .flat_map(|t| t.keys())
+        .filter(|file| Some(*file) != named.as_ref())
+        .map(|file| {
+            let at = source.key_origin(&format!("data.checksums.{file}"));
+            (file.clone(), at)
+        })
+        .filter(|(_, at)| matches!(at, Origin::File { .. }))
+        .collect();
+    let Some(toml::Value::Table(sums)) = value_at_mut(&mut source.table, "data.checksums") else {
+        return Vec::new();
+    };
+    let notes = stale.into_iter().map(|(file, at)| {
+        sums.remove(&file);
+        format!(
+            "data.checksums.\"{file}\" ({at}) is left out: {by} names another file, so it \
+             would never be checked"
+        )
+    });
+    notes.collect()
+}
+
 const SGD: (&str, &[&str]) = ("train.optimizer", &["sgd"]);
 const ADAM: (&str, &[&str]) = ("train.optimizer", &["adam", "adamw"]);
 const STEP: (&str, &[&str]) = ("train.scheduler.kind", &["step"]);

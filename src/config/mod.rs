@@ -209,10 +209,11 @@ pub fn load_str_with(
     registry: &Registry,
 ) -> Result<LoadedConfig, ConfigError> {
     let mut source = Source::parse(path, text, overrides)?;
-    let notes = keys::leave_other_choices(&mut source);
+    let mut notes = keys::leave_other_choices(&mut source);
+    notes.extend(keys::leave_stale_checksums(&mut source));
     adapter::resolve(&mut source)?;
     arch_from_init(&mut source, registry)?;
-    let custom = custom::extract(&mut source, registry)?;
+    let custom = custom::extract(&mut source, registry, &mut notes)?;
     source.check_keys()?;
     let mut resolved =
         RawConfig::deserialize(toml::Value::Table(source.table.clone())).map_err(|e| {

@@ -919,6 +919,74 @@ fn a_choice_switched_by_set_leaves_the_files_keys_of_the_other_behind() {
     assert!(msg.contains("applies only with train.optimizer"), "{msg}");
 }
 
+/// `--set data.dataset=tokens` on a file written for text data: the file's keys only other
+/// datasets read are left out in one note; the same keys set on the command line, or a
+/// dataset chosen in the file, are still refused.
+#[test]
+fn a_dataset_switched_by_set_leaves_the_files_keys_of_the_other_behind() {
+    let file = "[model]\narch = \"gpt\"\nvocab_size = 64\n[data]\ndataset = \"text\"\n\
+                path = \"input.txt\"\ndownload = true\ntokenizer = \"char\"\n";
+    let tokens = [
+        "data.dataset=\"tokens\"",
+        "data.train_path=\"t.bin\"",
+        "data.val_path=\"v.bin\"",
+    ];
+    let loaded = load_text(file, &tokens).unwrap();
+    assert_eq!(loaded.notes.len(), 1, "{:?}", loaded.notes);
+    assert!(
+        loaded.notes[0].starts_with(
+            "data.download, data.path, data.tokenizer (configs/x.toml) left out: --set \
+             data.dataset=\"tokens\" chose \"tokens\""
+        ),
+        "{:?}",
+        loaded.notes
+    );
+    assert!(!loaded.resolved_toml().contains("download"));
+    let keys: Vec<&String> = loaded.spec.data.options().keys().collect();
+    assert!(!keys.iter().any(|k| *k == "path"), "{keys:?}");
+    let with = |extra: &str| {
+        let mut o = tokens.to_vec();
+        o.push(extra);
+        load_text(file, &o).unwrap_err().to_string()
+    };
+    let msg = with("data.mirrors=[\"https://example.com\"]");
+    assert!(msg.contains("unknown key `mirrors`"), "{msg}");
+    let msg = with("data.tokenzier=\"char\"");
+    assert!(msg.contains("unknown key `tokenzier`"), "{msg}");
+    let in_file = file.replace("\"text\"", "\"tokens\"");
+    let msg = load_text(&in_file, &tokens[1..]).unwrap_err().to_string();
+    assert!(msg.contains("unknown key `download`"), "{msg}");
+}
+
+/// `--set data.path=mine.txt` on a file checking its own text's download: that digest is left
+/// out (it would never be checked), one for the new file kept and checked.
+#[test]
+fn a_path_set_on_the_command_line_leaves_the_files_other_digests_behind() {
+    let digest = "a".repeat(64);
+    let file = format!(
+        "[model]\narch = \"gpt\"\n[data]\ndataset = \"text\"\npath = \"data/input.txt\"\n\
+         download = false\n[data.checksums]\n\"input.txt\" = \"{digest}\"\n\"mine.txt\" = \"{digest}\"\n"
+    );
+    let loaded = load_text(&file, &["data.path=\"other/mine.txt\""]).unwrap();
+    assert_eq!(loaded.notes.len(), 1, "{:?}", loaded.notes);
+    assert!(
+        loaded.notes[0].starts_with(
+            "data.checksums.\"input.txt\" (configs/x.toml:8:1) is left out: --set \
+             data.path=\"other/mine.txt\" names another file"
+        ),
+        "{:?}",
+        loaded.notes
+    );
+    let sums = loaded.spec.data.options()["checksums"].as_table().unwrap();
+    assert_eq!(sums.keys().collect::<Vec<_>>(), ["mine.txt"]);
+    // In the file, the path and its digests must still agree.
+    let msg = error(&file);
+    assert!(
+        msg.contains("data.checksums.mine.txt: not a file this dataset downloads"),
+        "{msg}"
+    );
+}
+
 /// `--set` takes a quoted key as TOML does: its dots are the name's, not tables.
 #[test]
 fn a_quoted_key_in_set_is_one_key() {

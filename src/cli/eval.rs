@@ -39,13 +39,35 @@ pub(super) fn eval(args: &EvalArgs) -> CliResult {
     let model = which_model(args)?;
     let fail = |e: evaluate::EvalError| (e.exit_code(), anyhow!(e));
     let spec = evaluate::spec_for(&model, args.data.as_deref(), &args.set).map_err(fail)?;
-    let report = evaluate::run(&model, &spec).map_err(fail)?;
+    let report = evaluate::run(&model, &spec).map_err(|e| match model_overrides(args, &e) {
+        Some(set) => (
+            2,
+            anyhow!(e).context(format!(
+                "{set} changed the model these weights were trained as; score them without it \
+                 (the job's own [model])"
+            )),
+        ),
+        None => fail(e),
+    })?;
     if args.json {
         outln!("{}", report.json());
     } else {
         outln!("{}", report.describe());
     }
     Ok(())
+}
+
+/// The `--set model.…` arguments, when they are why a job's weights do not fit its model.
+fn model_overrides(args: &EvalArgs, e: &evaluate::EvalError) -> Option<String> {
+    let weights = matches!(e, evaluate::EvalError::Weights(w)
+        if matches!(**w, crate::generate::SampleError::Weights { .. }));
+    let set: Vec<String> = args
+        .set
+        .iter()
+        .filter(|s| s.starts_with("model."))
+        .map(|s| format!("--set {s}"))
+        .collect();
+    (weights && !set.is_empty()).then(|| set.join(" "))
 }
 
 /// A job when `--jobs-dir` has one of that name, else a model directory.

@@ -114,6 +114,19 @@ fn an_sft_lora_job_trains_on_completions_resumes_and_two_workers_match_one() {
     let scored: serde_json::Value = serde_json::from_str(&eval.stdout).unwrap();
     let loss = scored["loss"].as_f64().unwrap();
     assert!(loss.is_finite() && loss > 0.0, "{scored}");
+    // A model key changed on the command line is the user's to fix (2), not a broken job.
+    let deeper = [
+        "eval",
+        "whole",
+        "--set",
+        "model.lora.r=8",
+        "--jobs-dir",
+        &jobs,
+    ];
+    t.ddpjob(&deeper).fails_with(
+        2,
+        "--set model.lora.r=8 changed the model these weights were trained as",
+    );
 }
 
 #[test]

@@ -110,6 +110,14 @@ impl Source {
             let hint = suggestion.map_or(String::new(), |s| format!("; did you mean `{s}`?"));
             return Err(bad(format!("unknown key `{path}`{hint}")));
         };
+        if spec.kind == Kind::Table {
+            let example = schema::children(path).next().map_or(String::new(), |key| {
+                format!(", e.g. --set {path}.{key}=...")
+            });
+            return Err(bad(format!(
+                "`{path}` is a section, not a value: set its keys one by one{example}"
+            )));
+        }
         let value = parse_override_value(spec.kind, raw_value.trim()).map_err(|problem| {
             bad(format!(
                 "`{path}` must be {}: {problem}",
@@ -333,7 +341,7 @@ fn parse_override_value(kind: Kind, raw: &str) -> Result<toml::Value, String> {
         Kind::AutoOrInt if unquoted == "auto" => toml::Value::String("auto".into()),
         Kind::AutoOrInt => toml::Value::Integer(parse_int(raw)?),
         Kind::StrListOrStr if !raw.trim_start().starts_with('[') => string()?,
-        Kind::Table => return Err("it is a section; set one of its keys instead".into()),
+        Kind::Table => return Err("a section is set key by key".into()),
         Kind::StrMap | Kind::IntList | Kind::FloatList | Kind::StrList | Kind::StrListOrStr => {
             let mut t: toml::Table = toml::from_str(&format!("v = {raw}"))
                 .map_err(|_| format!("`{raw}` is not TOML (e.g. [1, 2])"))?;

@@ -999,3 +999,16 @@ fn a_quoted_key_in_set_is_one_key() {
     let checksums = loaded.spec.data.options()["checksums"].as_table().unwrap();
     assert_eq!(checksums["shake.txt"].as_str(), Some(digest.as_str()));
 }
+
+/// `--set expect={}` names the section as one and shows how its keys are set.
+#[test]
+fn a_section_given_a_value_by_set_is_told_to_set_its_keys() {
+    let msg = load_text("", &["expect={}"]).unwrap_err().to_string();
+    assert!(
+        msg.contains(
+            "`expect` is a section, not a value: set its keys one by one, e.g. --set expect."
+        ),
+        "{msg}"
+    );
+    assert!(!msg.contains("must be"), "{msg}");
+}

@@ -12,8 +12,8 @@ use super::CliResult;
 use crate::config;
 use crate::data::vocab::Vocab;
 use crate::generate::{SampleError, weights_path};
+use crate::hf::job_tokenizer::{self, TokenizerFiles};
 use crate::hf::{self, ExportDtype};
-use crate::jobdir::JobDir;
 
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("format").required(true).args(["hf", "peft"])))]
@@ -139,8 +139,8 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
     };
     let (mut hf_config, tensors) =
         crate::models::hf_export_parts(&spec.model, tensors).map_err(|e| (2, anyhow!(e)))?;
-    let tokenizer = tokenizer_files(&spec, &job);
-    keep_special_token_ids(&mut hf_config, &spec, &tokenizer);
+    let tokenizer = job_tokenizer::of_job(&spec, &job.root);
+    keep_special_token_ids(&mut hf_config, &tokenizer);
     let end = end_of_examples(&spec, &tokenizer);
     if let Some((_, id)) = &end {
         let ids = match hf_config.get("eos_token_id") {
@@ -149,7 +149,15 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         };
         hf_config.insert("eos_token_id".into(), ids);
     }
-    hf::export(hf_dir, hf_config, tensors, &tokenizer, dtype, args.force).map_err(export_error)?;
+    hf::export(
+        hf_dir,
+        hf_config,
+        tensors,
+        &tokenizer.files,
+        dtype,
+        args.force,
+    )
+    .map_err(export_error)?;
     if let Some((token, id)) = &end {
         hf::mark_end_token(hf_dir, token, *id).map_err(export_error)?;
     }
@@ -159,6 +167,16 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         hf_dir.display(),
         match (tokenizer.is_empty(), spec.data.name()) {
             (false, _) => "",
+            // A job of an older version, whose tokenizer was not kept, moved since.
+            (true, _)
+                if matches!(
+                    Vocab::load(&Vocab::path_in(&job.root)),
+                    Ok(Vocab::HuggingFace(_))
+                ) =>
+            {
+                " (no tokenizer: the tokenizer.json the job trained with is no longer where its \
+                 job.toml says; copy it beside the model)"
+            }
             (true, "tokens") => {
                 " (no tokenizer: the job trained on pre-tokenised ids (data.dataset = \
                  \"tokens\"); put the tokenizer that made them beside the model)"
@@ -177,25 +195,11 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
 /// `model.config.eos_token_id` means is that tokenizer's.
 fn keep_special_token_ids(
     config: &mut serde_json::Map<String, serde_json::Value>,
-    spec: &config::JobSpec,
-    tokenizer: &[PathBuf],
+    tokenizer: &TokenizerFiles,
 ) {
-    let Some(base) = pretrained_dir(spec) else {
-        return;
-    };
-    if tokenizer.first().and_then(|t| t.parent()) != Some(base.as_path()) {
-        return;
-    }
-    let Some(serde_json::Value::Object(base_config)) = std::fs::read(base.join("config.json"))
-        .ok()
-        .and_then(|text| serde_json::from_slice(&text).ok())
-    else {
-        return;
-    };
-    for key in ["bos_token_id", "eos_token_id", "pad_token_id"] {
-        let unset = config.get(key).is_none_or(serde_json::Value::is_null);
-        if let (Some(id), true) = (base_config.get(key), unset) {
-            config.insert(key.into(), id.clone());
+    for (key, id) in &tokenizer.base_ids {
+        if config.get(key).is_none_or(serde_json::Value::is_null) {
+            config.insert(key.clone(), id.clone());
         }
     }
 }
@@ -204,12 +208,12 @@ fn keep_special_token_ids(
 /// example with, when the export carries the tokenizer that has it: what the exported model
 /// learnt to end an answer with, which may not be the base's end of sequence (`<|im_end|>`
 /// after a base's `<|endoftext|>`).
-fn end_of_examples(spec: &config::JobSpec, tokenizer: &[PathBuf]) -> Option<(String, u32)> {
+fn end_of_examples(spec: &config::JobSpec, tokenizer: &TokenizerFiles) -> Option<(String, u32)> {
     if spec.data.name() != "jsonl" {
         return None;
     }
     let token = spec.data.options().get("eos_token")?.as_str()?;
-    let id = crate::data::hf_tokenizer::HfTokenizer::load(tokenizer.first()?)
+    let id = crate::data::hf_tokenizer::HfTokenizer::load(tokenizer.files.first()?)
         .ok()?
         .token_id(token)?;
     Some((token.to_string(), id))
@@ -222,44 +226,6 @@ fn export_error(e: hf::HfError) -> (u8, anyhow::Error) {
         _ => 1,
     };
     (code, anyhow!(e))
-}
-
-/// The job's `tokenizer.json` and the files that go with it in its model directory.
-fn tokenizer_files(spec: &config::JobSpec, job: &JobDir) -> Vec<PathBuf> {
-    let data = crate::registry::Registry::current().data_tokenizer(&spec.data);
-    match data {
-        Some(path) => {
-            let dir = path.parent().unwrap_or(Path::new("."));
-            companions(dir, Some(path.clone()))
-        }
-        // Text in ddpjob's own char or byte vocabulary (kept in the job) has no file to write.
-        None if Vocab::path_in(&job.root).is_file() => Vec::new(),
-        None => pretrained_dir(spec).map_or_else(Vec::new, |d| companions(&d, None)),
-    }
-}
-
-fn pretrained_dir(spec: &config::JobSpec) -> Option<PathBuf> {
-    spec.model.init_from().map(PathBuf::from)
-}
-
-/// `tokenizer` (or `dir/tokenizer.json`) and the tokenizer's companions found in `dir`.
-fn companions(dir: &Path, tokenizer: Option<PathBuf>) -> Vec<PathBuf> {
-    let main = tokenizer.unwrap_or_else(|| dir.join("tokenizer.json"));
-    if !main.is_file() {
-        return Vec::new();
-    }
-    let mut files = vec![main];
-    for name in [
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "generation_config.json",
-    ] {
-        let path = dir.join(name);
-        if path.is_file() {
-            files.push(path);
-        }
-    }
-    files
 }
 
 /// The whole model of a checkpoint that holds only what trains (see `checkpoint::base`): the

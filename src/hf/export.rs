@@ -28,7 +28,7 @@ impl ExportDtype {
 }
 
 /// Writes `config` as `config.json`, `tensors` as `model.safetensors` (in `dtype`) and copies
-/// `tokenizer_files` into `dir`. A `dir` that exists and is not empty is refused unless
+/// `tokenizer_files` (`tokenizer.json` first, then its companions) into `dir`. A `dir` that exists and is not empty is refused unless
 /// `force`.
 pub fn export(
     dir: &Path,
@@ -41,8 +41,14 @@ pub fn export(
     prepare_dir(dir, force, "--hf")?;
     save_weights(dir, "model.safetensors", tensors, dtype)?;
     let mut written = vec!["model.safetensors".to_string(), "config.json".to_string()];
-    for file in tokenizer_files {
-        if let Some(name) = file.file_name() {
+    for (i, file) in tokenizer_files.iter().enumerate() {
+        // The tokenizer first, under the name transformers looks for (`data.tokenizer` may
+        // name it otherwise).
+        let name = match i {
+            0 => Some(std::ffi::OsStr::new("tokenizer.json")),
+            _ => file.file_name(),
+        };
+        if let Some(name) = name {
             let to = dir.join(name);
             std::fs::copy(file, &to).map_err(|cause| HfError::Io {
                 path: file.clone(),

@@ -208,8 +208,13 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
         EvalModel::Job { job, checkpoint } => weights_path(job, checkpoint.as_deref())?,
         EvalModel::Pretrained(dir) => dir.clone(),
     };
+    // A job's weights hold its adapters as trained; a PEFT adapter directory's are loaded.
+    let model_spec = match job {
+        Some(_) => spec.model.without_adapter(),
+        None => spec.model.clone(),
+    };
     let built = crate::models::build(
-        &spec.model,
+        &model_spec,
         task.input(),
         spec.seed,
         &device,

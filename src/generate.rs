@@ -91,7 +91,7 @@ impl Generator {
         };
         let blank = restoring(&weights);
         let model = crate::models::build(
-            &spec.model,
+            &spec.model.without_adapter(),
             input,
             spec.seed,
             &Device::Cpu,

@@ -240,8 +240,15 @@ fn over_base(
         .input();
     let device = candle_core::Device::Cpu;
     let precision = crate::config::Precision::F32;
-    let model = crate::models::build(&spec.model, input, spec.seed, &device, precision, false)
-        .map_err(|e| (1, anyhow!(e)))?;
+    let model = crate::models::build(
+        &spec.model.without_adapter(),
+        input,
+        spec.seed,
+        &device,
+        precision,
+        false,
+    )
+    .map_err(|e| (1, anyhow!(e)))?;
     crate::generate::load_weights(model.params(), weights).map_err(|e| (1, anyhow!(e)))?;
     Ok(model.params().named_tensors())
 }

@@ -32,6 +32,9 @@ pub(super) fn resolve(source: &mut Source) -> Result<(), ConfigError> {
         (Some(d), _) if AdapterConfig::is_adapter_dir(Path::new(d)) => {
             (d.to_string(), "model.init_from", true)
         }
+        // A stored job's `[model.lora]` holds what the adapter said when the job began, and
+        // its weights the adapters as trained: the directory may have moved or changed since.
+        (_, Some(_)) if source.is_stored_job() => return Ok(()),
         (_, Some(d)) if !d.is_empty() => (d.to_string(), "model.lora.adapter", false),
         _ => return Ok(()),
     };

@@ -73,6 +73,17 @@ impl ModelSpec {
         self.lora.as_ref()
     }
 
+    /// This model without the PEFT adapter its LoRA layers start from: built to load weights
+    /// of the job that hold the adapters as trained (a checkpoint, the final weights), which
+    /// need the adapter's directory no more.
+    pub fn without_adapter(&self) -> ModelSpec {
+        let mut spec = self.clone();
+        if let Some(lora) = &mut spec.lora {
+            lora.adapter = None;
+        }
+        spec
+    }
+
     /// The window and tokenizer of a language model; `None` for a classifier.
     pub fn language(&self) -> Option<LanguageModelSpec> {
         self.language.clone()

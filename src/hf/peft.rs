@@ -222,6 +222,8 @@ impl AdapterConfig {
         let base = [Path::new(named).to_path_buf(), dir.join(named)]
             .into_iter()
             .find(|p| !named.is_empty() && p.join("config.json").is_file())
+            // Not through the adapter's directory (`adapter/../base`), which may move.
+            .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
             .ok_or_else(|| {
                 bad(format!(
                     "its base_model_name_or_path \"{named}\" is not a model directory here \

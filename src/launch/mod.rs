@@ -483,7 +483,9 @@ fn frozen_counts(
         return Ok(None);
     }
     let params = model.params();
-    if let Some(dir) = spec.model.lora().and_then(|l| l.adapter.as_ref()) {
+    // A job resumed after its adapter's directory moved: its checkpoint holds the adapters.
+    let adapter = spec.model.lora().and_then(|l| l.adapter.as_ref());
+    if let Some(dir) = adapter.filter(|d| crate::hf::peft::AdapterConfig::is_adapter_dir(d)) {
         crate::hf::peft::load_adapter(dir, params)
             .map_err(|e| format!("model.lora.adapter: {e}"))?;
     }

@@ -407,8 +407,13 @@ fn train(
     let restoring = resume
         .as_ref()
         .is_some_and(|r| r.position.base_sha256.is_none());
+    // Resumed, the adapters LoRA started from are the checkpoint's as trained.
+    let model_spec = match &resume {
+        Some(_) => spec.model.without_adapter(),
+        None => spec.model.clone(),
+    };
     let model = models::build(
-        &spec.model,
+        &model_spec,
         data.input(),
         spec.seed,
         &device,

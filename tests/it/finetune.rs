@@ -229,7 +229,14 @@ fn lora_checkpoints_hold_the_adapters_and_resume_refuses_a_changed_base() {
 fn a_job_continues_a_peft_adapter_and_its_export_continues_again() {
     let t = TestJob::new();
     let data = examples(&t);
-    let adapter = qwen2().with_file_name("qwen2-lora");
+    // A copy beside the base it names (`../qwen2`): it moves away once the job has begun.
+    let adapter = t.path("qwen2-lora");
+    std::fs::create_dir_all(&adapter).unwrap();
+    for entry in std::fs::read_dir(qwen2().with_file_name("qwen2-lora")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), adapter.join(entry.file_name())).unwrap();
+    }
+    std::os::unix::fs::symlink(qwen2(), t.path("qwen2")).unwrap();
     let text = job(&data, "", "max_steps = 6\neval_every = 3\neval_batches = 2").replace(
         &qwen2().display().to_string(),
         &adapter.display().to_string(),
@@ -239,10 +246,20 @@ fn a_job_continues_a_peft_adapter_and_its_export_continues_again() {
     let end = text.find("[data]").unwrap();
     let text = format!("{}{}", &text[..start], &text[end..]);
     let cfg = t.config("continued", &text);
-    t.run(&cfg, &["--nproc-per-node", "2"]).success();
+    let cut = t.run_env(
+        &cfg,
+        &["--nproc-per-node", "2"],
+        &[("DDPJOB_FAULT", "rank=0,step=4,kind=preempt")],
+    );
+    cut.fails_with(143, "interrupted by SIGTERM");
     let frozen = std::fs::read_to_string(t.job("continued").join("job.toml")).unwrap();
     assert!(frozen.contains("adapter = "), "{frozen}");
-    assert!(frozen.contains("qwen2-lora/../qwen2"), "{frozen}");
+    // The base the adapter names, as a path of its own (the adapter's directory may move).
+    let base = std::fs::canonicalize(qwen2()).unwrap();
+    assert!(
+        frozen.contains(&format!("init_from = \"{}\"", base.display())),
+        "{frozen}"
+    );
 
     let metrics = std::fs::read_to_string(t.job("continued").join("metrics.jsonl")).unwrap();
     let first_eval: serde_json::Value = metrics
@@ -270,7 +287,15 @@ fn a_job_continues_a_peft_adapter_and_its_export_continues_again() {
         "{job_loss} vs {eval_loss}"
     );
 
+    // The job holds the adapters as trained: it resumes, scores and exports without the
+    // directory it started from.
+    std::fs::rename(&adapter, t.path("moved")).unwrap();
     let jobs = t.jobs_dir().display().to_string();
+    t.ddpjob(&["resume", "continued", "--jobs-dir", &jobs])
+        .success();
+    t.ddpjob(&["eval", "continued", "--jobs-dir", &jobs])
+        .success();
+    std::fs::rename(t.path("moved"), &adapter).unwrap();
     let out = t.path("exported");
     let out_s = out.display().to_string();
     t.ddpjob(&["export", "continued", "--peft", &out_s, "--jobs-dir", &jobs])

@@ -557,7 +557,14 @@ fn a_peft_adapter_named_by_init_from_gives_peft_logits() {
     );
     assert_eq!(
         spec.init_from(),
-        Some(dir.join("../qwen2").display().to_string().as_str())
+        Some(
+            fixture("qwen2")
+                .canonicalize()
+                .unwrap()
+                .display()
+                .to_string()
+                .as_str()
+        )
     );
     let input = ModelInput::Tokens {
         vocab_size: 320,

@@ -322,6 +322,10 @@ fn announce(env: Option<&WorkerEnv>, error: &WorkerError) {
     }
 }
 
+fn stop_requested() -> bool {
+    crate::signals::stop_flag().load(std::sync::atomic::Ordering::SeqCst)
+}
+
 /// Registers this rank and waits for every other; a timeout names the ranks (and nodes) missing.
 fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result<(), WorkerError> {
     store.set(
@@ -331,7 +335,17 @@ fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result
     let keys: Vec<String> = (0..env.world_size)
         .map(|rank| Key::Registered { rank }.to_string())
         .collect();
-    store.wait(&keys, timeout).map_err(|e| {
+    // In slices, so a stop signal (Ctrl-C on a node waiting for the others) ends the wait.
+    let started = std::time::Instant::now();
+    let waited = loop {
+        let left = timeout.saturating_sub(started.elapsed());
+        match store.wait(&keys, left.min(Duration::from_secs(1))) {
+            Err(crate::store::StoreError::Timeout { .. })
+                if !left.is_zero() && !stop_requested() => {}
+            done => break done,
+        }
+    };
+    waited.map_err(|e| {
         let missing = e.missing_ranks(crate::store::REGISTERED_PREFIX);
         if missing.is_empty() {
             return WorkerError::Store(e);
@@ -346,6 +360,12 @@ fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result
             ),
             _ => String::new(),
         };
+        if stop_requested() {
+            return WorkerError::Rendezvous(format!(
+                "stopped by a signal while ranks {missing:?} (nodes {nodes:?}) had not joined \
+                 yet; nothing trained"
+            ));
+        }
         WorkerError::Rendezvous(format!(
             "ranks {missing:?} (nodes {nodes:?}) did not join within {} s \
              (distributed.timeout_s){refused}; start `ddpjob run` on every node with the same \

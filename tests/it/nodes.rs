@@ -198,3 +198,38 @@ fn a_duplicated_node_rank_is_refused_and_the_job_goes_on() {
     out0.fails_with(130, "interrupted by SIGINT");
     n1.wait_for(Duration::from_secs(60)).expect("node 1 hung");
 }
+
+/// Ctrl-C on node 0 while it waits for a node that never comes ends the wait at once, not
+/// after `distributed.timeout_s`.
+#[test]
+fn a_stop_signal_ends_node_0s_wait_for_the_other_nodes() {
+    let t = TestJob::new();
+    let cfg = job(&t);
+    let port = free_port().to_string();
+    let extra = ["--set", "distributed.timeout_s=600"];
+    let mut n0 = node(&t, &cfg, "0", &port, &extra, &[]);
+    // Its worker started (a child of the launcher), then a moment to reach the rendezvous.
+    let pid = n0.child.id();
+    let children = format!("/proc/{pid}/task/{pid}/children");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_to_string(&children)
+        .unwrap_or_default()
+        .trim()
+        .is_empty()
+    {
+        assert!(Instant::now() < deadline, "node 0's worker never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    unsafe { libc::kill(n0.child.id() as i32, libc::SIGINT) };
+    let out0 = n0
+        .wait_for(Duration::from_secs(60))
+        .expect("node 0 went on waiting for node 1");
+    out0.fails_with(130, "interrupted by SIGINT");
+    assert!(
+        out0.stderr
+            .contains("while ranks [1] (nodes [1]) had not joined yet"),
+        "{}",
+        out0.stderr
+    );
+}

@@ -169,7 +169,9 @@ pub fn resolve(flags: &NodeFlags, env: &SchedulerEnv) -> Result<Resolution, Stri
 
     let port_found = match env.number(&["PET_MASTER_PORT", "MASTER_PORT"])? {
         Some((n, p)) => Some((n.to_string(), port(n, p)?)),
-        None => slurm.as_ref().map(|s| {
+        // A one-node step's store listens on loopback on a free port, as torchrun's
+        // --standalone: steps of one allocation run side by side (a sweep of `srun -N1 ... &`).
+        None => slurm.as_ref().filter(|s| s.nnodes > 1).map(|s| {
             (
                 format!("{} (15000 + job id mod 20000)", s.job_id_source),
                 s.port,

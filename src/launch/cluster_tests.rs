@@ -109,6 +109,16 @@ fn slurm_mistakes_are_refused_with_what_to_do() {
     ]);
     let r = resolve(&NodeFlags::default(), &one).unwrap();
     assert_eq!((r.node.nnodes, r.node.master_addr), (1, None));
+    // A one-node srun step takes a free port, not the job id's: steps run side by side.
+    let step = env(&[
+        ("SLURM_JOB_ID", "7".into()),
+        ("SLURM_STEP_ID", "1".into()),
+        ("SLURM_STEP_NUM_NODES", "1".into()),
+        ("SLURM_NODEID", "0".into()),
+        ("SLURM_STEP_NODELIST", "gpu01".into()),
+    ]);
+    let r = resolve(&NodeFlags::default(), &step).unwrap();
+    assert_eq!((r.node.nnodes, r.node.master_port), (1, None));
 }
 
 #[test]

@@ -144,6 +144,12 @@ impl Layout {
             }
         };
         let master_port = match (opts.master_port, nnodes) {
+            (Some(0), 2..) => {
+                return Err(RunError::Usage(format!(
+                    "--master-port 0 (any free port) cannot be found by the other nodes: give \
+                     every node the same port of node 0 (default {DEFAULT_MASTER_PORT})"
+                )));
+            }
             (Some(p), _) => Some(p),
             (None, 1) => None,
             (None, _) => Some(DEFAULT_MASTER_PORT),

@@ -19,8 +19,8 @@ pub use server::StoreServer;
 pub enum StoreError {
     #[error(
         "cannot listen on {addr} for the rendezvous store: {cause}; \
-         if the port is taken (another job?), choose another with --master-port, \
-         or leave --master-port out on a single node to get a free one"
+         if the port is taken (another job?), choose another with --master-port (or \
+         MASTER_PORT), or leave both out on a single node to get a free one"
     )]
     Bind {
         addr: SocketAddr,

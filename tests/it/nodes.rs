@@ -233,3 +233,17 @@ fn a_stop_signal_ends_node_0s_wait_for_the_other_nodes() {
         out0.stderr
     );
 }
+
+/// Port 0 (any free one) on several nodes: the others could never find it; refused at once.
+#[test]
+fn a_random_master_port_is_refused_for_several_nodes() {
+    let t = TestJob::new();
+    let cfg = job(&t);
+    let flags = two_node_flags("0", "0");
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    t.run(&cfg, &flags).fails_with(
+        2,
+        "--master-port 0 (any free port) cannot be found by the other nodes",
+    );
+    assert!(!t.job("pair").exists());
+}

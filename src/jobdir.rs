@@ -299,9 +299,26 @@ impl JobDir {
             create().map_err(failed)?;
         }
         for sub in [self.logs_dir(), self.checkpoints_dir()] {
-            fs::create_dir(&sub).map_err(io(&sub))?;
+            if let Err(e) = fs::create_dir(&sub) {
+                // Half made, it would block the name without being a job.
+                let _ = fs::remove_dir_all(&self.root);
+                return Err(io(&sub)(e));
+            }
         }
         Ok(())
+    }
+
+    /// [`create`](Self::create), then `fill` it: a directory left half made (a full disk)
+    /// would be no job yet block the name, so it is removed when `fill` fails.
+    pub fn create_with<T, E: From<JobDirError>>(
+        &self,
+        name: &str,
+        fill: impl FnOnce() -> Result<T, E>,
+    ) -> Result<T, E> {
+        self.create(name)?;
+        fill().inspect_err(|_| {
+            let _ = fs::remove_dir_all(&self.root);
+        })
     }
 
     pub fn job_toml(&self) -> PathBuf {
@@ -625,6 +642,25 @@ mod tests {
             "{err}"
         );
         assert_eq!(fs::read_to_string(&file).unwrap(), "notes");
+    }
+
+    /// A job directory whose filling failed (a full disk) is removed: the name is free again,
+    /// not blocked by a directory that is no job.
+    #[test]
+    fn a_job_directory_that_could_not_be_filled_is_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let job = JobDir::open(tmp.path(), "x");
+        let failed: Result<(), JobDirError> = job.create_with("x", || {
+            fs::write(job.root.join("job.toml"), "half").unwrap();
+            Err(std::io::Error::other("No space left on device")).map_err(|cause| JobDirError::Io {
+                path: job.root.join("state.json"),
+                cause,
+            })
+        });
+        assert!(failed.is_err());
+        assert!(!job.root.exists());
+        job.create_with("x", || Ok::<_, JobDirError>(())).unwrap();
+        assert!(job.logs_dir().is_dir() && job.checkpoints_dir().is_dir());
     }
 
     #[test]

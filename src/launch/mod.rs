@@ -585,20 +585,21 @@ fn create_job(
     kept: &[JobFile],
 ) -> Result<crate::jobdir::JobLock, RunError> {
     let spec = &opts.loaded.spec;
-    job.create(&spec.name)?;
-    let lock = job.lock(&spec.name)?;
-    write_job_toml(job, opts)?;
-    for file in kept {
-        job.write_file(&job.root.join(&file.name), &file.bytes)?;
-    }
-    // What an export ships, as it is now: the base may move or change later.
-    crate::hf::job_tokenizer::keep(spec, &job.root).map_err(|cause| JobDirError::Io {
-        path: job.root.join(crate::hf::job_tokenizer::DIR),
-        cause,
-    })?;
-    // Rank 0 fills in total_steps once it has read the data.
-    job.write_state(&JobState::running(layout.world_size(), 0))?;
-    Ok(lock)
+    job.create_with(&spec.name, || {
+        let lock = job.lock(&spec.name)?;
+        write_job_toml(job, opts)?;
+        for file in kept {
+            job.write_file(&job.root.join(&file.name), &file.bytes)?;
+        }
+        // What an export ships, as it is now: the base may move or change later.
+        crate::hf::job_tokenizer::keep(spec, &job.root).map_err(|cause| JobDirError::Io {
+            path: job.root.join(crate::hf::job_tokenizer::DIR),
+            cause,
+        })?;
+        // Rank 0 fills in total_steps once it has read the data.
+        job.write_state(&JobState::running(layout.world_size(), 0))?;
+        Ok(lock)
+    })
 }
 
 /// Nodes > 0: their own job directory (or node 0's, on a shared file system) for their logs.

@@ -13,9 +13,11 @@ use thiserror::Error;
 pub enum JobDirError {
     #[error(
         "job `{name}` already exists in `{}` ({status}, epoch {epoch}, step {step}) and is not finished; \
-         continue it with `ddpjob resume {name}{}` (or run with --resume auto), or choose \
-         another name with --name",
-        dir.display(), jobs_dir_flag(dir)
+         {}, or choose another name with --name",
+        dir.display(), match checkpointed {
+            true => format!("continue it with `ddpjob resume {name}{}` (or run with --resume auto)", jobs_dir_flag(dir)),
+            false => format!("it has no checkpoint: train it again with `ddpjob resume {name}{} --from-scratch`", jobs_dir_flag(dir)),
+        }
     )]
     ExistsUnfinished {
         name: String,
@@ -23,6 +25,7 @@ pub enum JobDirError {
         status: Status,
         epoch: usize,
         step: usize,
+        checkpointed: bool,
     },
     #[error("job `{name}` already finished in `{}`; pick a new name with --name {name}-2 (runs are never overwritten)", dir.display())]
     ExistsFinished { name: String, dir: PathBuf },
@@ -252,6 +255,7 @@ impl JobDir {
             }),
             Some(s) => Err(JobDirError::ExistsUnfinished {
                 name: name.into(),
+                checkpointed: self.checkpoints_dir().join("latest").is_file(),
                 dir,
                 status: s.status,
                 epoch: s.epoch,

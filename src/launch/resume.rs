@@ -244,20 +244,41 @@ pub fn target(opts: &ResumeOptions) -> Result<String, RunError> {
 }
 
 fn most_recent_unfinished(opts: &ResumeOptions) -> Result<String, RunError> {
+    if let Some(what) = jobdir::not_a_directory(&opts.jobs_dir) {
+        let dir = opts.jobs_dir.clone();
+        return Err(JobDirError::JobsDirIsAFile { dir, what }.into());
+    }
     let jobs = jobdir::list_jobs(&opts.jobs_dir).map_err(|cause| JobDirError::Io {
         path: opts.jobs_dir.clone(),
         cause,
     })?;
-    // Jobs another launcher is running now are not candidates: they are not stopped.
+    // Jobs another launcher is running now are not candidates: they are not stopped. One
+    // with a checkpoint comes before newer ones without (which `resume` would refuse).
     let mut running = Vec::new();
+    let mut without_checkpoint = Vec::new();
     for (name, state) in jobs {
         if state.status == Status::Finished {
             continue;
         }
-        match JobDir::open(&opts.jobs_dir, &name).running_launcher() {
+        let job = JobDir::open(&opts.jobs_dir, &name);
+        match job.running_launcher() {
             Some(pid) => running.push(format!("`{name}` (pid {pid})")),
-            None => return Ok(name),
+            None if opts.from_scratch || job.checkpoints_dir().join("latest").is_file() => {
+                if !without_checkpoint.is_empty() {
+                    errln!(
+                        "note: resuming `{name}`, the newest unfinished job with a checkpoint \
+                         ({} newer, without one)",
+                        without_checkpoint.join(", ")
+                    );
+                }
+                return Ok(name);
+            }
+            None => without_checkpoint.push(format!("`{name}`")),
         }
+    }
+    // None has one: the newest, whose refusal says how to train it again.
+    if let Some(newest) = without_checkpoint.first() {
+        return Ok(newest.trim_matches('`').to_string());
     }
     let running = match running.is_empty() {
         true => String::new(),

@@ -891,3 +891,36 @@ fn a_job_with_relative_paths_resumes_and_is_scored_from_another_directory() {
         again.stdout
     );
 }
+
+/// A job that failed before its first checkpoint: `run` of it again says to train it from the
+/// start (`resume` would refuse without --from-scratch), and a bare `resume` passes over it
+/// for an older job that has a checkpoint, saying so.
+#[test]
+fn a_bare_resume_picks_the_newest_job_it_can_continue() {
+    let t = TestJob::new();
+    let jobs = t.jobs_dir().display().to_string();
+    let fault = |step: &str, kind: &str| format!("rank=0,step={step},kind={kind}");
+    let older = t.config("older", crate::common::TINY);
+    t.run_env(&older, &[], &[("DDPJOB_FAULT", &fault("5", "preempt"))])
+        .fails_with(143, "interrupted by SIGTERM");
+    let newer = t.config("newer", crate::common::TINY);
+    t.run_env(&newer, &[], &[("DDPJOB_FAULT", &fault("2", "exit"))])
+        .fails_with(1, "injected failure");
+    t.run(&newer, &[]).fails_with(
+        2,
+        "it has no checkpoint: train it again with `ddpjob resume newer",
+    );
+    let resumed = t.ddpjob(&["resume", "--jobs-dir", &jobs]);
+    resumed.success();
+    assert!(
+        resumed
+            .stderr
+            .contains("resuming `older`, the newest unfinished job with a checkpoint (`newer` newer, without one)"),
+        "{}",
+        resumed.stderr
+    );
+    assert_eq!(
+        t.json(&t.job("older").join("state.json"))["status"],
+        "finished"
+    );
+}

@@ -13,7 +13,7 @@ use super::checks::{
     zero_is_off, zero_is_off_f64,
 };
 use super::declare::section;
-use super::error::Origin;
+use super::error::{ConfigError, Origin};
 use super::source::{Source, value_at, value_at_mut};
 use super::spec::{
     Backend, DeviceChoice, Monitor, OnWriteError, OptimizerSpec, Precision, ScheduleKind, Sharding,
@@ -462,6 +462,25 @@ pub(super) fn leave_other_choices(source: &mut Source) -> Vec<String> {
         ));
     }
     notes
+}
+
+/// PEFT's `LoraConfig` calls two of `[model.lora]`'s keys `lora_alpha` and `lora_dropout`: a
+/// config written with those names reads as if it used ddpjob's (`alpha`, `dropout`); both
+/// names at once are refused.
+pub(super) fn read_peft_names(source: &mut Source) -> Result<(), ConfigError> {
+    for (peft, ours) in [("lora_alpha", "alpha"), ("lora_dropout", "dropout")] {
+        let (from, to) = (format!("model.lora.{peft}"), format!("model.lora.{ours}"));
+        if let Err((at, other)) = source.rename(&from, &to) {
+            return Err(ConfigError::Invalid {
+                key: from,
+                at,
+                problem: format!(
+                    "PEFT's name for model.lora.{ours}, which is set too ({other}); keep one"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `--set data.path=mine.txt` on a file that checks its own text's download

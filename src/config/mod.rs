@@ -209,6 +209,7 @@ pub fn load_str_with(
     registry: &Registry,
 ) -> Result<LoadedConfig, ConfigError> {
     let mut source = Source::parse(path, text, overrides)?;
+    keys::read_peft_names(&mut source)?;
     let mut notes = keys::leave_other_choices(&mut source);
     notes.extend(keys::leave_stale_checksums(&mut source));
     adapter::resolve(&mut source)?;

@@ -63,6 +63,36 @@ impl Source {
         Ok(source)
     }
 
+    /// Moves the value at the dotted `from` to `to` in the same table, with where it was set
+    /// (a key another tool names otherwise, read under ddpjob's name). `Err` with both
+    /// origins when `to` is set too.
+    pub fn rename(&mut self, from: &str, to: &str) -> Result<(), (Origin, Origin)> {
+        let (parent, from_leaf) = from.rsplit_once('.').expect("a dotted key");
+        let to_leaf = to.rsplit_once('.').map_or(to, |(_, leaf)| leaf);
+        let Some(toml::Value::Table(table)) = value_at(&self.table, parent) else {
+            return Ok(());
+        };
+        match (table.contains_key(from_leaf), table.contains_key(to_leaf)) {
+            (false, _) => return Ok(()),
+            (true, true) => return Err((self.key_origin(from), self.key_origin(to))),
+            (true, false) => {}
+        }
+        if let Some(toml::Value::Table(table)) = value_at_mut(&mut self.table, parent)
+            && let Some(value) = table.remove(from_leaf)
+        {
+            table.insert(to_leaf.to_string(), value);
+        }
+        for offsets in [&mut self.key_offsets, &mut self.value_offsets] {
+            if let Some(at) = offsets.remove(from) {
+                offsets.insert(to.to_string(), at);
+            }
+        }
+        if let Some(arg) = self.overrides.remove(from) {
+            self.overrides.insert(to.to_string(), arg);
+        }
+        Ok(())
+    }
+
     /// Where the key `path` was set (its key, for unknown-key errors).
     pub fn key_origin(&self, path: &str) -> Origin {
         self.origin(path, &self.key_offsets)

@@ -1012,3 +1012,29 @@ fn a_section_given_a_value_by_set_is_told_to_set_its_keys() {
     );
     assert!(!msg.contains("must be"), "{msg}");
 }
+
+/// `[model.lora]` written with PEFT's `LoraConfig` names reads as ddpjob's; both at once are
+/// refused, naming where each was set.
+#[test]
+fn lora_keys_take_pefts_names_too() {
+    let gpt = "[data]\ndataset = \"text\"\npath = \"shake.txt\"\n[model]\narch = \"gpt\"\n\
+               [model.lora]\nr = 4\n";
+    let spec = load_text(&format!("{gpt}lora_alpha = 16\nlora_dropout = 0.05\n"), &[])
+        .unwrap()
+        .spec;
+    let lora = spec.model.lora().unwrap();
+    assert_eq!((lora.alpha, lora.dropout), (16.0, 0.05));
+    let msg = load_text(&format!("{gpt}lora_alpha = 16\n"), &["model.lora.alpha=4"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("`model.lora.lora_alpha` (configs/x.toml:8:1): PEFT's name for model.lora.alpha, which is set too (--set model.lora.alpha=4)"),
+        "{msg}"
+    );
+    // A bad value is still named where the file set it.
+    let msg = error(&format!("{gpt}lora_dropout = 2.0\n"));
+    assert!(
+        msg.contains("`model.lora.dropout` (configs/x.toml:8:16)"),
+        "{msg}"
+    );
+}

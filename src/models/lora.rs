@@ -264,8 +264,20 @@ mod tests {
         .unwrap()
         .to_string();
         assert!(
-            err.contains("names none of the model's linear layers")
+            err.contains("names \"c_attn\", which matches none of the model's linear layers")
                 && err.contains("down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"),
+            "{err}"
+        );
+        // One name of several matching nothing is refused too (PEFT would adapt fewer layers).
+        let err = build(
+            "llama",
+            "[model.lora]\nr = 4\ntarget_modules = [\"q_proj\", \"v_prj\"]",
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            err.contains("names \"v_prj\" (did you mean \"v_proj\"?), which matches none"),
             "{err}"
         );
     }

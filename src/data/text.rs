@@ -118,7 +118,8 @@ impl Tokens {
                 path,
                 problem: format!(
                     "token {} at byte offset {} (token {index}) is outside the vocabulary of \
-                     model.vocab_size = {vocab}; set model.vocab_size to the tokenizer's size",
+                     model.vocab_size = {vocab}; set model.vocab_size to the tokenizer's size \
+                     (a pretrained model's is its checkpoint's: make the ids with its tokenizer)",
                     out[from + bad],
                     index * bytes
                 ),
@@ -173,9 +174,30 @@ impl TextTask {
                 let (ids, vocab) = encode_file(t, stored.as_deref())?;
                 let size = vocab.size();
                 if let Some(v) = lm.vocab_size.filter(|&v| v < size) {
+                    // A pretrained model's size is its checkpoint's: no key can change it.
+                    let fix = match (&lm.tokenizer, &t.tokenizer) {
+                        (Some(own), crate::config::TokenizerKind::HuggingFace(used))
+                            if own == used =>
+                        {
+                            format!(
+                                "the model directory's `{}` does not belong to its weights (their \
+                                 vocabulary, config.json's vocab_size: {v}); put the tokenizer \
+                                 the model was trained with there",
+                                own.display()
+                            )
+                        }
+                        (Some(own), crate::config::TokenizerKind::HuggingFace(used)) => format!(
+                            "the tokenizer `{}` does not belong to this model (its checkpoint's \
+                             vocabulary: {v}; its own tokenizer: `{}`); encode with the \
+                             tokenizer the model was trained with",
+                            used.display(),
+                            own.display()
+                        ),
+                        _ => format!("leave it out for text data, or make it at least {size}"),
+                    };
                     return Err(DataError::Mismatch(format!(
                         "model.vocab_size = {v} is smaller than the vocabulary of `{}` ({size} \
-                         symbols); leave it out for text data, or make it at least {size}",
+                         symbols); {fix}",
                         t.path.display()
                     )));
                 }

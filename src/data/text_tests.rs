@@ -195,3 +195,46 @@ fn a_job_keeps_the_kind_of_tokenizer_it_started_with() {
     );
     assert_eq!(data("char").unwrap().vocab, Some(vocab));
 }
+
+/// A pretrained model's vocabulary is its checkpoint's: a tokenizer larger than it is named as
+/// not the model's, not met with advice to set `model.vocab_size` (which it refuses).
+#[test]
+fn a_tokenizer_larger_than_a_pretrained_models_vocabulary_is_not_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = dir.path().join("tokenizer.json");
+    let text = "the cat sat on the mat. the dog sat on the log.\n".repeat(20);
+    crate::data::hf_tokenizer::tests::train_bpe(&text, 300, &tokenizer);
+    let path = dir.path().join("in.txt");
+    std::fs::write(&path, &text).unwrap();
+    let data = format!(
+        "dataset = \"text\"\npath = \"{}\"\ntokenizer = \"{}\"\n",
+        path.display(),
+        tokenizer.display()
+    );
+    let spec = spec_for(dir.path(), &data, 4);
+    let options = toml::Value::Table(spec.data.options().clone());
+    let source = TextSource::Text(TextOptions::deserialize(options).unwrap().spec());
+    let mut cx = DataContext::of(&spec, None);
+    let model_dir = |name: &str| Some(dir.path().join(name).join("tokenizer.json"));
+    let pretrained = |own| {
+        Some(crate::registry::LanguageModelSpec {
+            block_size: 4,
+            vocab_size: Some(50),
+            tokenizer: own,
+            vocabulary: None,
+        })
+    };
+    cx.language = pretrained(model_dir("model"));
+    let err = TextTask::open(&source, &cx).err().unwrap().to_string();
+    assert!(
+        err.contains("does not belong to this model (its checkpoint's vocabulary: 50")
+            && !err.contains("make it at least"),
+        "{err}"
+    );
+    cx.language = pretrained(Some(tokenizer.clone()));
+    let err = TextTask::open(&source, &cx).err().unwrap().to_string();
+    assert!(
+        err.contains("the model directory's") && err.contains("config.json's vocab_size: 50"),
+        "{err}"
+    );
+}

@@ -371,7 +371,10 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
             scratch()
         ),
     )
-    .fails_with(2, "names \"c_attn\", which matches none of the model's linear layers")
+    .fails_with(
+        2,
+        "names \"c_attn\", which matches none of the model's linear layers",
+    )
     .fails_with(
         2,
         "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj",

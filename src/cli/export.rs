@@ -93,22 +93,26 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         })?;
         // GPT-2's layers are Conv1D, weights stored [in, out]: PEFT's fan_in_fan_out.
         let fan_in_fan_out = spec.model.arch() == "gpt";
+        let base = adapters_base(&spec);
         let layers = hf::peft::write_adapter(
             dir,
             tensors,
             lora,
             fan_in_fan_out,
-            spec.model.init_from(),
+            base.as_ref().ok().map(String::as_str),
             dtype,
             args.force,
         )
         .map_err(export_error)?;
+        let loads = match base {
+            Ok(_) => "PeftModel.from_pretrained(base, \"DIR\") loads them".to_string(),
+            Err(why) => format!("{why}; then PeftModel.from_pretrained(base, \"DIR\") loads them"),
+        };
         outln!(
-            "exported the LoRA adapters of {layers} layers of `{}` to `{}`: \
-             PeftModel.from_pretrained(base, \"{}\") loads them",
+            "exported the LoRA adapters of {layers} layers of `{}` to `{}`: {}",
             weights.display(),
             dir.display(),
-            dir.display()
+            loads.replace("DIR", &dir.display().to_string())
         );
         return Ok(());
     }
@@ -188,6 +192,54 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         }
     );
     Ok(())
+}
+
+/// The model directory the job's adapters go over, for `base_model_name_or_path`: its
+/// `init_from`, or when that is another job's weights, the base that job's adapters went over
+/// (the adapters continued as they were). `Err` saying what to do when no directory holds the
+/// base: a job whose adapters were folded into its layers, or a full fine-tune.
+fn adapters_base(spec: &config::JobSpec) -> Result<String, String> {
+    let mut init_from = spec.model.init_from().map(str::to_string);
+    let mut lora = spec.model.lora().cloned();
+    // A chain of jobs, each continuing the last one's adapters.
+    for _ in 0..64 {
+        let Some(from) = init_from.clone() else {
+            return Err("the job started from random weights, so no base holds them".into());
+        };
+        let Some(Ok(trained)) = crate::checkpoint::Trained::find(Path::new(&from)) else {
+            return Ok(from);
+        };
+        let name = trained.job.name();
+        let source = config::load(&trained.job.job_toml(), &[])
+            .map_err(|e| format!("job `{name}`'s job.toml: {e}"))?
+            .spec;
+        let same = |theirs: Option<&crate::models::LoraSpec>| match (&lora, theirs) {
+            (Some(ours), Some(theirs)) => {
+                (ours.r, ours.alpha, &ours.target_modules)
+                    == (theirs.r, theirs.alpha, &theirs.target_modules)
+            }
+            _ => false,
+        };
+        if !same(source.model.lora()) {
+            return Err(format!(
+                "their base is the weights of job `{name}`{}, which no model directory holds: \
+                 write it with `{} --hf BASE{}` and set base_model_name_or_path in \
+                 adapter_config.json to BASE",
+                match source.model.lora() {
+                    Some(_) => " with its adapters folded in",
+                    None => "",
+                },
+                trained.job.cli("export"),
+                match source.model.lora() {
+                    Some(_) => " --merge-lora",
+                    None => "",
+                },
+            ));
+        }
+        init_from = source.model.init_from().map(str::to_string);
+        lora = source.model.lora().cloned();
+    }
+    Err("its model.init_from chain of jobs does not end".into())
 }
 
 /// The base model's `bos_token_id`, `eos_token_id` and `pad_token_id` (which the model's own

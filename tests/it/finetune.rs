@@ -344,6 +344,29 @@ fn a_job_started_from_a_lora_job_starts_from_its_adapters_folded_in() {
         assert_eq!(step, 0, "{name}");
         assert!((loss - trained).abs() < 1e-6, "{name}: {loss} vs {trained}");
     }
+
+    // Exported for PEFT, adapters that continued the source's go over the source's base;
+    // folded ones over weights no directory holds, said, with how to write them.
+    t.run(&t.config("same", &next), &[]).success();
+    let jobs = t.jobs_dir().display().to_string();
+    let base_of = |name: &str| {
+        let out = t.path(&format!("peft-{name}"));
+        let out_s = out.display().to_string();
+        let exported = t.ddpjob(&["export", name, "--peft", &out_s, "--jobs-dir", &jobs]);
+        exported.success();
+        let config = t.json(&out.join("adapter_config.json"));
+        (config["base_model_name_or_path"].clone(), exported.stdout)
+    };
+    let (base, _) = base_of("same");
+    let qwen2 = std::fs::canonicalize(qwen2()).unwrap();
+    assert_eq!(base, qwen2.display().to_string());
+    let (base, said) = base_of("rank8");
+    assert!(base.is_null(), "{base}");
+    assert!(
+        said.contains("their base is the weights of job `adapted` with its adapters folded in")
+            && said.contains("--merge-lora"),
+        "{said}"
+    );
 }
 
 /// `sample` of a job trained on prompt/completion examples stops where its model ends the

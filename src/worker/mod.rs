@@ -335,13 +335,38 @@ fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result
     let keys: Vec<String> = (0..env.world_size)
         .map(|rank| Key::Registered { rank }.to_string())
         .collect();
-    // In slices, so a stop signal (Ctrl-C on a node waiting for the others) ends the wait.
+    // In slices, so a stop signal (Ctrl-C on a node waiting for the others) ends the wait,
+    // and rank 0 says what it waits for (and a launcher refused meanwhile) as it happens.
     let started = std::time::Instant::now();
+    let (mut said_waiting, mut said_refused) = (env.rank != 0, env.rank != 0);
     let waited = loop {
         let left = timeout.saturating_sub(started.elapsed());
         match store.wait(&keys, left.min(Duration::from_secs(1))) {
-            Err(crate::store::StoreError::Timeout { .. })
-                if !left.is_zero() && !stop_requested() => {}
+            Err(e @ crate::store::StoreError::Timeout { .. })
+                if !left.is_zero() && !stop_requested() =>
+            {
+                let missing = e.missing_ranks(crate::store::REGISTERED_PREFIX);
+                if !said_waiting && !missing.is_empty() {
+                    said_waiting = true;
+                    let mut nodes: Vec<usize> =
+                        missing.iter().map(|r| r / env.local_world_size).collect();
+                    nodes.dedup();
+                    outln!(
+                        "waiting for node(s) {nodes:?} to join (up to {} s, \
+                         distributed.timeout_s; Ctrl-C stops)",
+                        timeout.as_secs()
+                    );
+                }
+                if !said_refused && let Ok(Some(host)) = store.get(&Key::Refused.to_string()) {
+                    said_refused = true;
+                    errln!(
+                        "warning: a launcher on {} was refused: it runs another config, job \
+                         name, --nnodes or --nproc-per-node than this node (its job token \
+                         differs); still waiting for the right one",
+                        String::from_utf8_lossy(&host)
+                    );
+                }
+            }
             done => break done,
         }
     };

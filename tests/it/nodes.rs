@@ -232,6 +232,12 @@ fn a_stop_signal_ends_node_0s_wait_for_the_other_nodes() {
         "{}",
         out0.stderr
     );
+    // It said what it was waiting for, not nothing.
+    let all = format!("{}{}", out0.stdout, out0.stderr);
+    assert!(
+        all.contains("waiting for node(s) [1] to join (up to 600 s"),
+        "{all}"
+    );
 }
 
 /// Port 0 (any free one) on several nodes: the others could never find it; refused at once.

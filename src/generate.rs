@@ -74,15 +74,24 @@ impl Generator {
             )));
         };
         let vocab_path = Vocab::path_in(&job.root);
-        if !vocab_path.is_file() {
-            return Err(SampleError::Usage(format!(
-                "job `{}` has no vocabulary (`{}`): it trained on pre-tokenised ids, which \
-                 `sample` cannot turn into text",
-                job.name(),
-                vocab_path.display()
-            )));
-        }
-        let vocab = Vocab::load(&vocab_path)?;
+        // Pre-tokenised ids of a pretrained model: its tokenizer, kept when the job began (the
+        // one `export` ships), made them.
+        let kept = job
+            .root
+            .join(crate::hf::job_tokenizer::DIR)
+            .join("tokenizer.json");
+        let vocab = match (vocab_path.is_file(), kept.is_file()) {
+            (true, _) => Vocab::load(&vocab_path)?,
+            (false, true) => Vocab::build(&config::TokenizerKind::HuggingFace(kept), "")?,
+            (false, false) => {
+                return Err(SampleError::Usage(format!(
+                    "job `{}` has no vocabulary (`{}`): it trained on pre-tokenised ids, which \
+                     `sample` cannot turn into text",
+                    job.name(),
+                    vocab_path.display()
+                )));
+            }
+        };
         let weights = weights_path(job, checkpoint)?;
         let vocab_size = language.vocab_size.unwrap_or(vocab.size());
         let input = ModelInput::Tokens {

@@ -586,3 +586,32 @@ fn a_lora_job_trains_its_adapters_resumes_and_exports_for_peft() {
         "job {job_loss} vs merged {merged_loss}"
     );
 }
+
+/// Pre-tokenised ids of a pretrained model (`data.dataset = "tokens"`) were made by its
+/// tokenizer, which the job keeps: `sample` turns them into text with it.
+#[test]
+fn sample_of_a_pretrained_models_token_job_decodes_with_its_tokenizer() {
+    let t = TestJob::new();
+    let ids: Vec<u8> = (0..4000u16)
+        .flat_map(|i| ((i * 7) % 300).to_le_bytes())
+        .collect();
+    std::fs::write(t.path("train.bin"), &ids).unwrap();
+    std::fs::write(t.path("val.bin"), &ids[..1000]).unwrap();
+    let text = format!(
+        "[model]\ninit_from = \"{}\"\nblock_size = 16\n[data]\ndataset = \"tokens\"\n\
+         train_path = \"{}\"\nval_path = \"{}\"\n[train]\nmax_steps = 2\nbatch_size = 4\n",
+        fixture("llama").display(),
+        t.path("train.bin").display(),
+        t.path("val.bin").display()
+    );
+    t.run(&t.config("ids", &text), &[]).success();
+    assert!(t.job("ids").join("tokenizer/tokenizer.json").is_file());
+    let jobs = t.jobs_dir().display().to_string();
+    let args = [
+        "sample", "ids", "--prompt", "ROMEO:", "--tokens", "5", "--json",
+    ];
+    let sampled = t.ddpjob(&[&args[..], &["--jobs-dir", &jobs]].concat());
+    sampled.success();
+    let line: serde_json::Value = serde_json::from_str(sampled.stdout.trim()).unwrap();
+    assert_eq!(line["tokens"], 5, "{line}");
+}

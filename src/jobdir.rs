@@ -65,7 +65,17 @@ fn jobs_dir_flag(dir: &Path) -> String {
 pub fn jobs_dir_option(jobs_dir: &Path) -> String {
     match jobs_dir {
         dir if dir == Path::new("jobs") || dir.as_os_str().is_empty() => String::new(),
-        dir => format!(" --jobs-dir {}", dir.display()),
+        dir => format!(" --jobs-dir {}", shell_word(&dir.display().to_string())),
+    }
+}
+
+/// `word` as a shell reads it back: as it is when it holds nothing a shell would split or
+/// expand, else in single quotes (a path with spaces pasted from a message must still work).
+pub fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_-./:@%+=,".contains(c);
+    match !word.is_empty() && word.chars().all(plain) {
+        true => word.to_string(),
+        false => format!("'{}'", word.replace('\'', "'\\''")),
     }
 }
 
@@ -359,7 +369,7 @@ impl JobDir {
     pub fn cli(&self, command: &str) -> String {
         format!(
             "ddpjob {command} {}{}",
-            self.name(),
+            shell_word(&self.name()),
             jobs_dir_flag(&self.root)
         )
     }
@@ -646,6 +656,25 @@ mod tests {
             "{err}"
         );
         assert_eq!(fs::read_to_string(&file).unwrap(), "notes");
+    }
+
+    /// Commands printed for the user to paste name odd paths so a shell reads them back.
+    #[test]
+    fn printed_commands_quote_what_a_shell_would_split() {
+        assert_eq!(shell_word("jobs/run-1.x"), "jobs/run-1.x");
+        assert_eq!(shell_word("dir with spaces"), "'dir with spaces'");
+        assert_eq!(shell_word("it's"), "'it'\\''s'");
+        assert_eq!(shell_word("ünï"), "'ünï'");
+        assert_eq!(shell_word(""), "''");
+        assert_eq!(
+            jobs_dir_option(Path::new("/tmp/a b/jobs")),
+            " --jobs-dir '/tmp/a b/jobs'"
+        );
+        let job = JobDir::open(Path::new("/tmp/a b/jobs"), "x");
+        assert_eq!(
+            job.cli("resume"),
+            "ddpjob resume x --jobs-dir '/tmp/a b/jobs'"
+        );
     }
 
     /// A job directory whose filling failed (a full disk) is removed: the name is free again,

@@ -107,12 +107,12 @@ fn which_model(args: &EvalArgs) -> Result<EvalModel, (u8, anyhow::Error)> {
     Err((
         2,
         anyhow!(
-            "`{}` is neither a job in `{}` (`ddpjob list --jobs-dir {}` shows them) nor a \
-             Hugging Face model directory (with config.json) or PEFT adapter directory (with \
+            "`{}` is neither a job in `{}` (`ddpjob list{}` shows them) nor a Hugging Face \
+             model directory (with config.json) or PEFT adapter directory (with \
              adapter_config.json)",
             args.model,
             args.jobs_dir.display(),
-            args.jobs_dir.display()
+            crate::jobdir::jobs_dir_option(&args.jobs_dir)
         ),
     ))
 }

@@ -52,9 +52,9 @@ pub(super) fn show(jobs_dir: &Path, name: &str) -> CliResult {
         None => Err((
             2,
             anyhow!(
-                "no job `{name}` in `{}`; `ddpjob list --jobs-dir {}` shows the jobs there",
+                "no job `{name}` in `{}`; `ddpjob list{}` shows the jobs there",
                 jobs_dir.display(),
-                jobs_dir.display()
+                crate::jobdir::jobs_dir_option(&jobs_dir)
             ),
         )),
     }

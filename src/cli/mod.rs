@@ -335,9 +335,9 @@ fn existing_job(
         return Err((
             2,
             anyhow::anyhow!(
-                "no job `{name}` in `{}`; `ddpjob list --jobs-dir {}` shows the jobs there",
+                "no job `{name}` in `{}`; `ddpjob list{}` shows the jobs there",
                 jobs_dir.display(),
-                jobs_dir.display()
+                crate::jobdir::jobs_dir_option(&jobs_dir)
             ),
         ));
     }

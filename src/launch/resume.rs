@@ -43,9 +43,9 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
             )
         } else {
             format!(
-                "no job `{name}` in `{}`; `ddpjob list --jobs-dir {}` shows the jobs there",
+                "no job `{name}` in `{}`; `ddpjob list{}` shows the jobs there",
                 opts.jobs_dir.display(),
-                opts.jobs_dir.display()
+                crate::jobdir::jobs_dir_option(&opts.jobs_dir)
             )
         }));
     };
@@ -285,10 +285,10 @@ fn most_recent_unfinished(opts: &ResumeOptions) -> Result<String, RunError> {
         false => format!(" ({} running now)", running.join(", ")),
     };
     Err(RunError::Usage(format!(
-        "no unfinished job in `{}` to resume{running}; `ddpjob list --jobs-dir {}` shows the \
-         jobs there, `ddpjob resume NAME{}` picks one",
+        "no unfinished job in `{}` to resume{running}; `ddpjob list{}` shows the jobs there, \
+         `ddpjob resume NAME{}` picks one",
         opts.jobs_dir.display(),
-        opts.jobs_dir.display(),
+        crate::jobdir::jobs_dir_option(&opts.jobs_dir),
         crate::jobdir::jobs_dir_option(&opts.jobs_dir)
     )))
 }

@@ -54,7 +54,7 @@ pub(super) fn show(jobs_dir: &Path, name: &str) -> CliResult {
             anyhow!(
                 "no job `{name}` in `{}`; `ddpjob list{}` shows the jobs there",
                 jobs_dir.display(),
-                crate::jobdir::jobs_dir_option(&jobs_dir)
+                crate::jobdir::jobs_dir_option(jobs_dir)
             ),
         )),
     }

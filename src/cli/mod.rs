@@ -337,7 +337,7 @@ fn existing_job(
             anyhow::anyhow!(
                 "no job `{name}` in `{}`; `ddpjob list{}` shows the jobs there",
                 jobs_dir.display(),
-                crate::jobdir::jobs_dir_option(&jobs_dir)
+                crate::jobdir::jobs_dir_option(jobs_dir)
             ),
         ));
     }

@@ -292,16 +292,42 @@ fn take(
                 }
                 _ => source.key_origin(section.name),
             };
-            let at = match at {
-                Origin::Defaulted(_) => {
-                    source.key_origin(&format!("{}.{}", section.name, section.selector))
+            // A size the job does not set, read from the checkpoint `init_from` names: its
+            // config.json is what to fix, not the job file.
+            let top = |k: &String| {
+                k[section.name.len() + 1..]
+                    .split('.')
+                    .next()
+                    .map(String::from)
+            };
+            let from_checkpoint = match (&key, options.get("init_from")) {
+                (Some(k), Some(toml::Value::String(dir)))
+                    if top(k).is_some_and(|t| !options.contains_key(&t)) =>
+                {
+                    Some(std::path::Path::new(dir).join("config.json"))
+                        .filter(|p| p.is_file())
+                        .map(|p| (p, source.value_origin("model.init_from")))
                 }
-                other => other,
+                _ => None,
+            };
+            let (at, whose) = match (from_checkpoint, at) {
+                (Some((file, init_from)), _) => (
+                    init_from,
+                    format!(
+                        " (the value of `{}`, the checkpoint model.init_from names)",
+                        file.display()
+                    ),
+                ),
+                (None, Origin::Defaulted(_)) => (
+                    source.key_origin(&format!("{}.{}", section.name, section.selector)),
+                    String::new(),
+                ),
+                (None, other) => (other, String::new()),
             };
             errors.push(ConfigError::Invalid {
                 key: key.unwrap_or_else(|| what.clone()),
                 at,
-                problem: format!("{what}: {}", problem.trim()),
+                problem: format!("{what}: {}{whose}", problem.trim()),
             });
             None
         }

@@ -409,6 +409,24 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
     std::fs::write(other.join("config.json"), r#"{"model_type": "gpt2"}"#).unwrap();
     run("gpt2", &format!("init_from = \"{}\"", other.display()))
         .fails_with(2, "has no \"n_embd\", which is required");
+    // A size of the checkpoint's own config.json is named there, not in the job file.
+    let heads = t.path("llama-kv3");
+    std::fs::create_dir(&heads).unwrap();
+    for entry in std::fs::read_dir(fixture("llama")).unwrap() {
+        let from = entry.unwrap().path();
+        std::fs::copy(&from, heads.join(from.file_name().unwrap())).unwrap();
+    }
+    let config = std::fs::read_to_string(heads.join("config.json")).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    config["num_key_value_heads"] = 3.into();
+    std::fs::write(heads.join("config.json"), config.to_string()).unwrap();
+    run("kv3", &format!("init_from = \"{}\"", heads.display())).fails_with(
+        2,
+        &format!(
+            "(the value of `{}`, the checkpoint model.init_from names)",
+            heads.join("config.json").display()
+        ),
+    );
     // A tokenizer with more tokens than the model has rows.
     let small = format!("{}\nvocab_size = 100", scratch());
     let cfg = t.config(

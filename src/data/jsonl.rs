@@ -636,10 +636,11 @@ impl BatchSource for JsonlBatches<'_> {
             "jsonl: {} training and {} validation examples, loss on {}",
             t.train.len(),
             t.val.len(),
-            if t.train_on_prompt {
-                "prompts and completions"
-            } else {
-                "completions only"
+            match (t.train_on_prompt, t.train.has_prompts()) {
+                (true, _) => "prompts and completions",
+                // {"text": ...} examples only: nothing is a prompt.
+                (false, false) => "every token (text examples)",
+                (false, true) => "completions only",
             }
         )];
         if let Some(packs) = &t.packs {

@@ -118,6 +118,11 @@ impl Examples {
         )
     }
 
+    /// Whether any example has a prompt (else all are plain text, scored whole).
+    pub fn has_prompts(&self) -> bool {
+        self.prompts.iter().any(|&p| p > 0)
+    }
+
     /// All tokens (for range checks against the model).
     pub fn tokens(&self) -> &[u32] {
         self.tokens.as_slice()

@@ -521,9 +521,14 @@ fn train(
     let params = model.params();
     let frozen = params.frozen_count();
     if frozen > 0 {
+        let why = match (spec.model.freeze().is_empty(), spec.model.lora().is_some()) {
+            (false, true) => "model.freeze, [model.lora]",
+            (false, false) => "model.freeze",
+            (true, _) => "[model.lora]",
+        };
         reporter.line(&format!(
-            "frozen: {frozen} of {} parameter tensors (model.freeze, [model.lora]); {} of {} values train, \
-             and only their gradients are averaged",
+            "frozen: {frozen} of {} parameter tensors ({why}); {} of {} values train, and only \
+             their gradients are averaged",
             params.len(),
             params.trainable_element_count(),
             params.element_count()

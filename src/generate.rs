@@ -76,14 +76,13 @@ impl Generator {
         let vocab_path = Vocab::path_in(&job.root);
         // Pre-tokenised ids of a pretrained model: its tokenizer, kept when the job began (the
         // one `export` ships), made them.
-        let kept = job
-            .root
-            .join(crate::hf::job_tokenizer::DIR)
-            .join("tokenizer.json");
-        let vocab = match (vocab_path.is_file(), kept.is_file()) {
+        let kept = crate::hf::job_tokenizer::of_job(&spec, &job.root);
+        let vocab = match (vocab_path.is_file(), kept.files.first()) {
             (true, _) => Vocab::load(&vocab_path)?,
-            (false, true) => Vocab::build(&config::TokenizerKind::HuggingFace(kept), "")?,
-            (false, false) => {
+            (false, Some(kept)) => {
+                Vocab::build(&config::TokenizerKind::HuggingFace(kept.clone()), "")?
+            }
+            (false, None) => {
                 return Err(SampleError::Usage(format!(
                     "job `{}` has no vocabulary (`{}`): it trained on pre-tokenised ids, which \
                      `sample` cannot turn into text",
@@ -224,6 +223,9 @@ impl Engine {
     }
 }
 
+/// How a weights error that is a mismatch with the model (not a damaged file) ends.
+pub(crate) const DOES_NOT_FIT: &str = "; the file does not fit this job's model";
+
 /// Sets every parameter of `params` from the `model.safetensors` at `path` (a job's final
 /// weights or a checkpoint's), converted to the parameter's dtype and device.
 pub(crate) fn load_weights(params: &Params, path: &Path) -> Result<(), SampleError> {
@@ -233,11 +235,8 @@ pub(crate) fn load_weights(params: &Params, path: &Path) -> Result<(), SampleErr
     };
     let saved = candle_core::safetensors::load(path, &Device::Cpu).map_err(fail)?;
     let base = crate::checkpoint::base::of_weights(path);
-    crate::checkpoint::base::set_from(params, &saved, base.as_deref()).map_err(|problem| {
-        fail(candle_core::Error::Msg(format!(
-            "{problem}; the file does not fit this job's model"
-        )))
-    })
+    crate::checkpoint::base::set_from(params, &saved, base.as_deref())
+        .map_err(|problem| fail(candle_core::Error::Msg(format!("{problem}{DOES_NOT_FIT}"))))
 }
 
 /// Whether a model for the weights at `path` is built blank (they replace every weight) or

@@ -265,7 +265,7 @@ impl JobDir {
             }),
             Some(s) => Err(JobDirError::ExistsUnfinished {
                 name: name.into(),
-                checkpointed: self.checkpoints_dir().join("latest").is_file(),
+                checkpointed: self.has_checkpoint(),
                 dir,
                 status: s.status,
                 epoch: s.epoch,
@@ -333,6 +333,17 @@ impl JobDir {
         fill().inspect_err(|_| {
             let _ = fs::remove_dir_all(&self.root);
         })
+    }
+
+    /// Whether it has a checkpoint to resume from (one `resume` may still find damaged).
+    pub fn has_checkpoint(&self) -> bool {
+        let dir = self.checkpoints_dir();
+        dir.join("latest").is_file()
+            || fs::read_dir(&dir).is_ok_and(|entries| {
+                entries
+                    .flatten()
+                    .any(|e| e.file_name().to_string_lossy().starts_with("step-"))
+            })
     }
 
     pub fn job_toml(&self) -> PathBuf {

@@ -180,6 +180,15 @@ impl Trained {
     /// The Hugging Face `tokenizer.json` the source job's text data named, if any: the new
     /// job's default `data.tokenizer`.
     pub fn tokenizer(&self) -> Option<PathBuf> {
+        // The copy the job kept when it began (its base may have moved since).
+        let kept = self
+            .job
+            .root
+            .join(crate::hf::job_tokenizer::DIR)
+            .join("tokenizer.json");
+        if kept.is_file() {
+            return Some(kept);
+        }
         let text = std::fs::read_to_string(self.job.job_toml()).ok()?;
         let doc: toml::Table = text.parse().ok()?;
         let named = doc.get("data")?.get("tokenizer")?.as_str()?;

@@ -59,8 +59,10 @@ pub(super) fn eval(args: &EvalArgs) -> CliResult {
 
 /// The `--set model.…` arguments, when they are why a job's weights do not fit its model.
 fn model_overrides(args: &EvalArgs, e: &evaluate::EvalError) -> Option<String> {
+    // The weights' names or shapes differ from the model's (a damaged file is not this).
     let weights = matches!(e, evaluate::EvalError::Weights(w)
-        if matches!(**w, crate::generate::SampleError::Weights { .. }));
+        if matches!(**w, crate::generate::SampleError::Weights { .. })
+            && w.to_string().ends_with(crate::generate::DOES_NOT_FIT));
     let set: Vec<String> = args
         .set
         .iter()

@@ -104,15 +104,18 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
             args.force,
         )
         .map_err(export_error)?;
+        let loads = format!(
+            "PeftModel.from_pretrained(base, \"{}\") loads them",
+            dir.display()
+        );
         let loads = match base {
-            Ok(_) => "PeftModel.from_pretrained(base, \"DIR\") loads them".to_string(),
-            Err(why) => format!("{why}; then PeftModel.from_pretrained(base, \"DIR\") loads them"),
+            Ok(_) => loads,
+            Err(why) => format!("{why}; then {loads}"),
         };
         outln!(
-            "exported the LoRA adapters of {layers} layers of `{}` to `{}`: {}",
+            "exported the LoRA adapters of {layers} layers of `{}` to `{}`: {loads}",
             weights.display(),
             dir.display(),
-            loads.replace("DIR", &dir.display().to_string())
         );
         return Ok(());
     }
@@ -199,8 +202,11 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
 /// (the adapters continued as they were). `Err` saying what to do when no directory holds the
 /// base: a job whose adapters were folded into its layers, or a full fine-tune.
 fn adapters_base(spec: &config::JobSpec) -> Result<String, String> {
+    let ours = spec.model.lora().map(|l| {
+        let targets = serde_json::to_value(&l.target_modules).unwrap_or_default();
+        (l.r as f64, l.alpha, targets_key(&targets))
+    });
     let mut init_from = spec.model.init_from().map(str::to_string);
-    let mut lora = spec.model.lora().cloned();
     // A chain of jobs, each continuing the last one's adapters.
     for _ in 0..64 {
         let Some(from) = init_from.clone() else {
@@ -209,37 +215,62 @@ fn adapters_base(spec: &config::JobSpec) -> Result<String, String> {
         let Some(Ok(trained)) = crate::checkpoint::Trained::find(Path::new(&from)) else {
             return Ok(from);
         };
-        let name = trained.job.name();
-        let source = config::load(&trained.job.job_toml(), &[])
-            .map_err(|e| format!("job `{name}`'s job.toml: {e}"))?
-            .spec;
-        let same = |theirs: Option<&crate::models::LoraSpec>| match (&lora, theirs) {
-            (Some(ours), Some(theirs)) => {
-                (ours.r, ours.alpha, &ours.target_modules)
-                    == (theirs.r, theirs.alpha, &theirs.target_modules)
-            }
-            _ => false,
+        // As the job froze it (read whole: its own base may have moved since).
+        let model = trained.model_table()?;
+        let lora = model.get("lora").and_then(toml::Value::as_table);
+        let number = |key: &str| match lora.and_then(|l| l.get(key)) {
+            Some(toml::Value::Integer(i)) => Some(*i as f64),
+            Some(toml::Value::Float(f)) => Some(*f),
+            _ => None,
         };
-        if !same(source.model.lora()) {
+        let theirs = match (number("r"), number("alpha")) {
+            (Some(r), Some(alpha)) if r > 0.0 => {
+                let targets = lora.and_then(|l| l.get("target_modules"));
+                let targets = serde_json::to_value(targets).unwrap_or_default();
+                Some((r, alpha, targets_key(&targets)))
+            }
+            _ => None,
+        };
+        if theirs.is_none() || theirs != ours {
+            let (folded, merge) = match theirs {
+                Some(_) => (" with its adapters folded in", " --merge-lora"),
+                None => ("", ""),
+            };
+            let checkpoint = match trained.weights.parent() {
+                Some(dir) if dir != trained.job.root => {
+                    dir.file_name().map_or(String::new(), |n| {
+                        format!(" --checkpoint {}", n.to_string_lossy())
+                    })
+                }
+                _ => String::new(),
+            };
             return Err(format!(
-                "their base is the weights of job `{name}`{}, which no model directory holds: \
-                 write it with `{} --hf BASE{}` and set base_model_name_or_path in \
-                 adapter_config.json to BASE",
-                match source.model.lora() {
-                    Some(_) => " with its adapters folded in",
-                    None => "",
-                },
+                "their base is the weights of job `{}`{folded}, which no model directory \
+                 holds: write it with `{} --hf BASE{merge}{checkpoint}` and set \
+                 base_model_name_or_path in adapter_config.json to BASE",
+                trained.job.name(),
                 trained.job.cli("export"),
-                match source.model.lora() {
-                    Some(_) => " --merge-lora",
-                    None => "",
-                },
             ));
         }
-        init_from = source.model.init_from().map(str::to_string);
-        lora = source.model.lora().cloned();
+        init_from = model
+            .get("init_from")
+            .and_then(toml::Value::as_str)
+            .map(str::to_string);
     }
     Err("its model.init_from chain of jobs does not end".into())
+}
+
+/// `target_modules` as a list of names in order (or a pattern): the same layers however the
+/// list was ordered.
+fn targets_key(targets: &serde_json::Value) -> String {
+    match targets {
+        serde_json::Value::Array(names) => {
+            let mut names: Vec<String> = names.iter().map(ToString::to_string).collect();
+            names.sort();
+            names.join(",")
+        }
+        other => other.to_string(),
+    }
 }
 
 /// The base model's `bos_token_id`, `eos_token_id` and `pad_token_id` (which the model's own

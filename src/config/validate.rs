@@ -215,6 +215,11 @@ fn check_model(
         target_modules: l.target_modules.clone(),
         adapter: (!l.adapter.is_empty()).then(|| l.adapter.clone().into()),
     });
+    if let Some(lora) = &lora
+        && !c.source.is_stored_job()
+    {
+        unmatched_targets(c, &m.arch, lora);
+    }
     let others = !l.target_modules.is_default() || !l.adapter.is_empty();
     if l.r == 0 && (l.dropout != 0.0 || others || l.alpha != 8.0) {
         c.fail(
@@ -267,5 +272,38 @@ fn check_data(
         dataset,
         options,
         drop_last: d.drop_last,
+    }
+}
+
+/// A listed `target_modules` name whose last part is none of the arch's linear layers: PEFT
+/// adapts the names that match and ignores the others, so a misspelt `v_prj` beside `q_proj`
+/// would adapt less, silently. Checked for a new job only (an older job's `job.toml` keeps
+/// what it trained with), and not for a PEFT adapter's list (one list may serve several
+/// architectures).
+fn unmatched_targets(c: &mut Checker, arch: &str, lora: &crate::models::LoraSpec) {
+    let (crate::models::TargetModules::Names(names), None) = (&lora.target_modules, &lora.adapter)
+    else {
+        return;
+    };
+    let Some(kinds) = crate::models::linear_kinds(arch) else {
+        return;
+    };
+    let unmatched = names.iter().find(|name| {
+        let last = name.rsplit('.').next().unwrap_or(name);
+        *name != "all-linear" && !kinds.contains(&last)
+    });
+    if let Some(name) = unmatched {
+        let mut sorted = kinds.to_vec();
+        sorted.sort();
+        let hint = super::schema::closest(name, kinds.iter().copied())
+            .map_or(String::new(), |k| format!(" (did you mean \"{k}\"?)"));
+        c.fail(
+            "model.lora.target_modules",
+            format!(
+                "names \"{name}\"{hint}, which matches none of the model's linear layers: {}, \
+                 or \"all-linear\"",
+                sorted.join(", ")
+            ),
+        );
     }
 }

@@ -110,7 +110,10 @@ fn bad_lines_name_the_file_and_line_or_are_counted_and_skipped() {
     let note = task.batches(&Device::Cpu).unwrap().note().unwrap();
     assert!(note.contains("2 bad lines skipped"), "{note}");
     // Text examples only: no token is a prompt's, the loss is on all.
-    assert!(note.contains("loss on every token (text examples)"), "{note}");
+    assert!(
+        note.contains("loss on every token (text examples)"),
+        "{note}"
+    );
 
     // Bytes that are not UTF-8 make a bad line like any other; a byte-order mark is no line's.
     let mut latin1 = b"\xEF\xBB\xBF{\"text\": \"one\"}\n{\"text\": \"caf\xE9\"}\n".to_vec();

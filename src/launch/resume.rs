@@ -263,22 +263,26 @@ fn most_recent_unfinished(opts: &ResumeOptions) -> Result<String, RunError> {
         let job = JobDir::open(&opts.jobs_dir, &name);
         match job.running_launcher() {
             Some(pid) => running.push(format!("`{name}` (pid {pid})")),
-            None if opts.from_scratch || job.checkpoints_dir().join("latest").is_file() => {
+            None if opts.from_scratch || job.has_checkpoint() => {
                 if !without_checkpoint.is_empty() {
+                    let newer: Vec<String> = without_checkpoint
+                        .iter()
+                        .map(|n| format!("`{n}`"))
+                        .collect();
                     errln!(
                         "note: resuming `{name}`, the newest unfinished job with a checkpoint \
                          ({} newer, without one)",
-                        without_checkpoint.join(", ")
+                        newer.join(", ")
                     );
                 }
                 return Ok(name);
             }
-            None => without_checkpoint.push(format!("`{name}`")),
+            None => without_checkpoint.push(name),
         }
     }
     // None has one: the newest, whose refusal says how to train it again.
-    if let Some(newest) = without_checkpoint.first() {
-        return Ok(newest.trim_matches('`').to_string());
+    if let Some(newest) = without_checkpoint.into_iter().next() {
+        return Ok(newest);
     }
     let running = match running.is_empty() {
         true => String::new(),

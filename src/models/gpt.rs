@@ -833,28 +833,12 @@ impl<'a> GptInit<'a> {
         self
     }
 
-    /// An error when LoRA is on and no linear layer took an adapter, or a listed name takes
-    /// none, listing the layers.
+    /// An error when LoRA is on and no linear layer took an adapter, listing them.
     pub(super) fn check_lora(&self) -> Result<()> {
         let Some((lora, defaults, _)) = &self.lora else {
             return Ok(());
         };
-        // PEFT takes a list of which only some match; a misspelt name would adapt less,
-        // silently.
-        let unmatched = match &lora.target_modules {
-            crate::models::TargetModules::Names(names) => names
-                .iter()
-                .find(|name| {
-                    *name != "all-linear"
-                        && !self
-                            .linear_names
-                            .iter()
-                            .any(|layer| layer == *name || layer.ends_with(&format!(".{name}")))
-                })
-                .cloned(),
-            _ => None,
-        };
-        if unmatched.is_none() && self.entries.iter().any(|(n, _)| is_adapter(n)) {
+        if self.entries.iter().any(|(n, _)| is_adapter(n)) {
             return Ok(());
         }
         let mut kinds: Vec<&str> = self
@@ -868,16 +852,9 @@ impl<'a> GptInit<'a> {
             true => format!("{defaults:?} (the default)"),
             false => lora.target_modules.to_string(),
         };
-        let what = match &unmatched {
-            Some(name) => {
-                let hint = crate::config::schema::closest(name, kinds.iter().copied())
-                    .map_or(String::new(), |k| format!(" (did you mean \"{k}\"?)"));
-                format!("\"{name}\"{hint}, which matches none of the model's linear layers")
-            }
-            None => "none of the model's linear layers".into(),
-        };
         Err(Error::Msg(format!(
-            "model.lora.target_modules = {targets} names {what}: {} (e.g. {}), or \"all-linear\"",
+            "model.lora.target_modules = {targets} names none of the model's linear layers: \
+             {} (e.g. {}), or \"all-linear\"",
             kinds.join(", "),
             self.linear_names.first().map_or("", String::as_str)
         )))

@@ -28,6 +28,24 @@ pub struct LoraSpec {
     pub adapter: Option<std::path::PathBuf>,
 }
 
+/// The kinds of linear layer (a layer name's last part) LoRA can adapt in `arch`, for the
+/// archs that take adapters.
+pub fn linear_kinds(arch: &str) -> Option<&'static [&'static str]> {
+    match arch {
+        "gpt" => Some(&["c_attn", "c_proj", "c_fc"]),
+        "llama" => Some(&[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]),
+        _ => None,
+    }
+}
+
 impl LoraSpec {
     /// `alpha / r`.
     pub fn scale(&self) -> f64 {

@@ -338,7 +338,9 @@ fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result
     // In slices, so a stop signal (Ctrl-C on a node waiting for the others) ends the wait,
     // and rank 0 says what it waits for (and a launcher refused meanwhile) as it happens.
     let started = std::time::Instant::now();
-    let (mut said_waiting, mut said_refused) = (env.rank != 0, env.rank != 0);
+    // One node's own workers starting slowly is no wait for nodes.
+    let several_nodes = env.world_size > env.local_world_size;
+    let (mut said_waiting, mut said_refused) = (env.rank != 0 || !several_nodes, env.rank != 0);
     let waited = loop {
         let left = timeout.saturating_sub(started.elapsed());
         match store.wait(&keys, left.min(Duration::from_secs(1))) {
@@ -346,11 +348,14 @@ fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result
                 if !left.is_zero() && !stop_requested() =>
             {
                 let missing = e.missing_ranks(crate::store::REGISTERED_PREFIX);
-                if !said_waiting && !missing.is_empty() {
+                let mut nodes: Vec<usize> = missing
+                    .iter()
+                    .map(|r| r / env.local_world_size)
+                    .filter(|&n| n != env.node_rank)
+                    .collect();
+                nodes.dedup();
+                if !said_waiting && !nodes.is_empty() {
                     said_waiting = true;
-                    let mut nodes: Vec<usize> =
-                        missing.iter().map(|r| r / env.local_world_size).collect();
-                    nodes.dedup();
                     outln!(
                         "waiting for node(s) {nodes:?} to join (up to {} s, \
                          distributed.timeout_s; Ctrl-C stops)",

@@ -370,3 +370,13 @@ pub fn preempt_resume_and_compare(t: &TestJob, cfg: &Path, args: &[&str], fault:
         &t.job("cut").join("model.safetensors"),
     );
 }
+
+/// A copy of the files of directory `from` (a model fixture) as the new directory `to`, to
+/// change or move under a job.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}

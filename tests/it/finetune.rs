@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::common::{TestJob, load_weights, max_abs_diff, preempt_resume_and_compare};
+use crate::common::{TestJob, copy_dir, load_weights, max_abs_diff, preempt_resume_and_compare};
 
 fn qwen2() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/qwen2")
@@ -176,11 +176,7 @@ fn lora_checkpoints_hold_the_adapters_and_resume_refuses_a_changed_base() {
     let data = examples(&t);
     // A base of our own, to change under the job.
     let base = t.path("base");
-    std::fs::create_dir(&base).unwrap();
-    for entry in std::fs::read_dir(qwen2()).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), base.join(entry.file_name())).unwrap();
-    }
+    copy_dir(&qwen2(), &base);
     let text = job(&data, "", "max_steps = 12")
         .replace(&qwen2().display().to_string(), &base.display().to_string());
     let cfg = t.config("adapters", &text);
@@ -231,11 +227,7 @@ fn a_job_continues_a_peft_adapter_and_its_export_continues_again() {
     let data = examples(&t);
     // A copy beside the base it names (`../qwen2`): it moves away once the job has begun.
     let adapter = t.path("qwen2-lora");
-    std::fs::create_dir_all(&adapter).unwrap();
-    for entry in std::fs::read_dir(qwen2().with_file_name("qwen2-lora")).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), adapter.join(entry.file_name())).unwrap();
-    }
+    copy_dir(&qwen2().with_file_name("qwen2-lora"), &adapter);
     std::os::unix::fs::symlink(qwen2(), t.path("qwen2")).unwrap();
     let text = job(&data, "", "max_steps = 6\neval_every = 3\neval_batches = 2").replace(
         &qwen2().display().to_string(),
@@ -287,15 +279,16 @@ fn a_job_continues_a_peft_adapter_and_its_export_continues_again() {
         "{job_loss} vs {eval_loss}"
     );
 
-    // The job holds the adapters as trained: it resumes, scores and exports without the
-    // directory it started from.
+    // The job holds the adapters as trained: it resumes, scores, samples and exports without
+    // the directory it started from.
     std::fs::rename(&adapter, t.path("moved")).unwrap();
     let jobs = t.jobs_dir().display().to_string();
     t.ddpjob(&["resume", "continued", "--jobs-dir", &jobs])
         .success();
     t.ddpjob(&["eval", "continued", "--jobs-dir", &jobs])
         .success();
-    std::fs::rename(t.path("moved"), &adapter).unwrap();
+    t.ddpjob(&["sample", "continued", "--tokens", "3", "--jobs-dir", &jobs])
+        .success();
     let out = t.path("exported");
     let out_s = out.display().to_string();
     t.ddpjob(&["export", "continued", "--peft", &out_s, "--jobs-dir", &jobs])

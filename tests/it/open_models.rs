@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::common::{TestJob, load_weights, max_abs_diff, preempt_resume_and_compare};
+use crate::common::{TestJob, copy_dir, load_weights, max_abs_diff, preempt_resume_and_compare};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -58,11 +58,7 @@ fn a_qwen2_checkpoint_fine_tunes_and_exports_back_to_hugging_face() {
     let text = text(&t);
     // The fixture with an end-of-sequence id, which the export must carry over.
     let dir = t.path("qwen2");
-    std::fs::create_dir_all(&dir).unwrap();
-    for entry in std::fs::read_dir(fixture("qwen2")).unwrap() {
-        let from = entry.unwrap().path();
-        std::fs::copy(&from, dir.join(from.file_name().unwrap())).unwrap();
-    }
+    copy_dir(&fixture("qwen2"), &dir);
     let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
     let config = config.replace("\"eos_token_id\": null", "\"eos_token_id\": 7");
     std::fs::write(dir.join("config.json"), config).unwrap();
@@ -411,11 +407,7 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
         .fails_with(2, "has no \"n_embd\", which is required");
     // A size of the checkpoint's own config.json is named there, not in the job file.
     let heads = t.path("llama-kv3");
-    std::fs::create_dir(&heads).unwrap();
-    for entry in std::fs::read_dir(fixture("llama")).unwrap() {
-        let from = entry.unwrap().path();
-        std::fs::copy(&from, heads.join(from.file_name().unwrap())).unwrap();
-    }
+    copy_dir(&fixture("llama"), &heads);
     let config = std::fs::read_to_string(heads.join("config.json")).unwrap();
     let mut config: serde_json::Value = serde_json::from_str(&config).unwrap();
     config["num_key_value_heads"] = 3.into();

@@ -181,13 +181,8 @@ impl Trained {
     /// job's default `data.tokenizer`.
     pub fn tokenizer(&self) -> Option<PathBuf> {
         // The copy the job kept when it began (its base may have moved since).
-        let kept = self
-            .job
-            .root
-            .join(crate::hf::job_tokenizer::DIR)
-            .join("tokenizer.json");
-        if kept.is_file() {
-            return Some(kept);
+        if let Some(kept) = crate::hf::job_tokenizer::kept(&self.job.root) {
+            return Some(kept.join("tokenizer.json"));
         }
         let text = std::fs::read_to_string(self.job.job_toml()).ok()?;
         let doc: toml::Table = text.parse().ok()?;

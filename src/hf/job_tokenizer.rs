@@ -42,14 +42,19 @@ impl TokenizerFiles {
 /// for a job of an older version, where its config says the tokenizer is now. Nothing for
 /// ddpjob's own char and byte vocabularies.
 pub fn of_job(spec: &JobSpec, job_root: &Path) -> TokenizerFiles {
-    let kept = job_root.join(DIR);
-    if kept.join(MAIN).is_file() {
+    if let Some(kept) = kept(job_root) {
         return read(&kept);
     }
     match Vocab::load(&Vocab::path_in(job_root)) {
         Ok(Vocab::HuggingFace(_)) | Err(_) => named_by(spec),
         Ok(_) => TokenizerFiles::default(),
     }
+}
+
+/// The directory of the copy the job at `job_root` kept, if it has one.
+pub fn kept(job_root: &Path) -> Option<PathBuf> {
+    let dir = job_root.join(DIR);
+    dir.join(MAIN).is_file().then_some(dir)
 }
 
 /// Copies the tokenizer `spec` names (see [`named_by`]) into the new job at `job_root`.
@@ -81,9 +86,12 @@ fn named_by(spec: &JobSpec) -> TokenizerFiles {
     let data = crate::registry::Registry::current().data_tokenizer(&spec.data);
     let main = match (data, &base) {
         (Some(file), _) => file,
+        (None, Some(base)) if base.join(MAIN).is_file() => base.join(MAIN),
         // A job's (`init_from = "jobs/NAME"`): the copy it kept.
-        (None, Some(base)) if !base.join(MAIN).is_file() => base.join(DIR).join(MAIN),
-        (None, Some(base)) => base.join(MAIN),
+        (None, Some(base)) => match kept(base) {
+            Some(kept) => kept.join(MAIN),
+            None => return TokenizerFiles::default(),
+        },
         (None, None) => return TokenizerFiles::default(),
     };
     if !main.is_file() {
@@ -93,13 +101,7 @@ fn named_by(spec: &JobSpec) -> TokenizerFiles {
     if dir.join(BASE_IDS).is_file() {
         return read(dir);
     }
-    let mut files = vec![main.clone()];
-    files.extend(
-        COMPANIONS
-            .iter()
-            .map(|name| dir.join(name))
-            .filter(|p| p.is_file()),
-    );
+    let files = with_companions(main.clone(), dir);
     let own = base.as_deref().is_some_and(|b| same_dir(b, dir));
     let base_ids = match (own, &base) {
         (true, Some(base)) => special_ids(&base.join("config.json")),
@@ -110,17 +112,18 @@ fn named_by(spec: &JobSpec) -> TokenizerFiles {
 
 /// A kept copy, as [`keep`] wrote it.
 fn read(dir: &Path) -> TokenizerFiles {
-    let mut files = vec![dir.join(MAIN)];
-    files.extend(
-        COMPANIONS
-            .iter()
-            .map(|name| dir.join(name))
-            .filter(|p| p.is_file()),
-    );
     TokenizerFiles {
-        files,
+        files: with_companions(dir.join(MAIN), dir),
         base_ids: special_ids(&dir.join(BASE_IDS)),
     }
+}
+
+/// `main`, then the companions of it that `dir` has.
+fn with_companions(main: PathBuf, dir: &Path) -> Vec<PathBuf> {
+    let companions = COMPANIONS.iter().map(|name| dir.join(name));
+    std::iter::once(main)
+        .chain(companions.filter(|p| p.is_file()))
+        .collect()
 }
 
 /// `bos_token_id`, `eos_token_id` and `pad_token_id` of a JSON object file (a `config.json`),

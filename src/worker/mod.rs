@@ -322,6 +322,13 @@ fn announce(env: Option<&WorkerEnv>, error: &WorkerError) {
     }
 }
 
+/// The nodes of `ranks` (in order, each once).
+fn nodes_of(ranks: &[usize], env: &WorkerEnv) -> Vec<usize> {
+    let mut nodes: Vec<usize> = ranks.iter().map(|r| r / env.local_world_size).collect();
+    nodes.dedup();
+    nodes
+}
+
 fn stop_requested() -> bool {
     crate::signals::stop_flag().load(std::sync::atomic::Ordering::SeqCst)
 }
@@ -348,12 +355,8 @@ fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result
                 if !left.is_zero() && !stop_requested() =>
             {
                 let missing = e.missing_ranks(crate::store::REGISTERED_PREFIX);
-                let mut nodes: Vec<usize> = missing
-                    .iter()
-                    .map(|r| r / env.local_world_size)
-                    .filter(|&n| n != env.node_rank)
-                    .collect();
-                nodes.dedup();
+                let mut nodes = nodes_of(&missing, env);
+                nodes.retain(|&n| n != env.node_rank);
                 if !said_waiting && !nodes.is_empty() {
                     said_waiting = true;
                     outln!(
@@ -380,8 +383,7 @@ fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result
         if missing.is_empty() {
             return WorkerError::Store(e);
         }
-        let mut nodes: Vec<usize> = missing.iter().map(|r| r / env.local_world_size).collect();
-        nodes.dedup();
+        let nodes = nodes_of(&missing, env);
         let refused = match store.get(&Key::Refused.to_string()) {
             Ok(Some(host)) => format!(
                 "; a launcher on {} was refused: it runs another config, job name, --nnodes \

@@ -469,7 +469,6 @@ impl JobDir {
         Some(state)
     }
 
-    /// Appends one JSON object as a line to `metrics.jsonl`.
     /// Appends one line (a [`crate::report::Record`]'s JSON) to `metrics.jsonl`.
     pub fn append_metrics_line(&self, line: &str) -> Result<(), JobDirError> {
         let path = self.metrics_path();

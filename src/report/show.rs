@@ -276,7 +276,7 @@ pub fn list(views: &[JobView], now: u64) -> String {
             v.data(),
             s.world_size.to_string(),
             epoch,
-            format!("{}/{}", v.step(), s.total_steps),
+            step_of_total(v.step(), s.total_steps),
             loss,
             best,
             expect,
@@ -285,6 +285,15 @@ pub fn list(views: &[JobView], now: u64) -> String {
         ]);
     }
     out
+}
+
+/// `760/4700`; `760/?` while the total is not known (a run that has not read its data yet,
+/// or a state rebuilt from a checkpoint).
+fn step_of_total(step: usize, total: usize) -> String {
+    match total {
+        0 => format!("{step}/?"),
+        _ => format!("{step}/{total}"),
+    }
 }
 
 fn ago(now: u64, then: u64) -> String {

@@ -400,15 +400,20 @@ mod tests {
     struct Rows {
         #[serde(default)]
         rows: Option<usize>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        file: Option<String>,
     }
 
     impl DatasetOptions for Rows {
+        const PATHS: &'static [&'static str] = &["file"];
+
         fn complete(self, cx: &DataContext) -> Result<Self, String> {
             if cx.language.is_some() {
                 return Err(format!("data.rows: \"{}\" is a language model", cx.arch));
             }
             Ok(Rows {
                 rows: Some(self.rows.unwrap_or(if cx.arch == "tiny" { 8 } else { 4 })),
+                ..self
             })
         }
 
@@ -432,6 +437,29 @@ mod tests {
         let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
         load_str_with(Path::new("job.toml"), text.into(), &overrides, &registry())
             .map_err(|e| e.to_string())
+    }
+
+    /// `job.toml` holds a registered dataset's declared path keys made absolute, so a job
+    /// resumed from another directory reads the same file; an opener registered without
+    /// [`DatasetOptions`] declares none, and its keys are written as given.
+    #[test]
+    fn a_registered_datasets_declared_paths_are_frozen_absolute() {
+        let base = Path::new("/base");
+        let hooked = load(
+            "[model]\narch = \"tiny\"\nwidth = 8\n[data]\ndataset = \"rows\"\nfile = \"d/rows.txt\"\n",
+            &[],
+        )
+        .unwrap();
+        let frozen = hooked.frozen_toml(base);
+        assert!(frozen.contains("file = \"/base/d/rows.txt\""), "{frozen}");
+        assert!(hooked.resolved_toml().contains("file = \"d/rows.txt\""));
+        let plain = load(
+            "[model]\narch = \"tiny\"\nwidth = 8\n[data]\ndataset = \"my-csv\"\npath = \"x.csv\"\n",
+            &[],
+        )
+        .unwrap();
+        let frozen = plain.frozen_toml(base);
+        assert!(frozen.contains("path = \"x.csv\""), "{frozen}");
     }
 
     #[test]

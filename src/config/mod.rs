@@ -97,15 +97,13 @@ impl LoadedConfig {
         render().unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
     }
 
-    /// The relative paths of [`PATH_KEYS`] in `doc` joined onto `base`; a registered
-    /// dataset's keys are its own to read, so only ddpjob's datasets' are touched.
+    /// The relative paths of [`MODEL_PATH_KEYS`] and of the dataset's path keys (its
+    /// [`crate::DatasetOptions::PATHS`]) in `doc` joined onto `base`.
     fn make_paths_absolute(&self, doc: &mut toml::Table, base: &Path) {
-        let own_data = BUILT_IN_DATASETS.contains(&self.spec.data.name());
-        for key in PATH_KEYS {
-            if key.starts_with("data.") && !own_data {
-                continue;
-            }
-            if let Some(toml::Value::String(path)) = source::value_at_mut(doc, key)
+        let data_keys = self.spec.data.paths.iter().map(|key| format!("data.{key}"));
+        let keys = MODEL_PATH_KEYS.iter().map(|key| key.to_string());
+        for key in keys.chain(data_keys) {
+            if let Some(toml::Value::String(path)) = source::value_at_mut(doc, &key)
                 && !path.is_empty()
                 && !["char", "byte"].contains(&path.as_str())
                 && Path::new(path.as_str()).is_relative()
@@ -116,19 +114,9 @@ impl LoadedConfig {
     }
 }
 
-/// The keys whose values are paths read relative to the working directory.
-const PATH_KEYS: &[&str] = &[
-    "model.init_from",
-    "model.lora.adapter",
-    "data.path",
-    "data.root",
-    "data.train_path",
-    "data.val_path",
-    "data.tokenizer",
-];
-
-/// ddpjob's own datasets, whose path keys are [`PATH_KEYS`].
-const BUILT_IN_DATASETS: &[&str] = &["mnist", "fashion-mnist", "text", "tokens", "jsonl"];
+/// The `[model]` keys whose values are paths read relative to the working directory (a
+/// dataset's are its [`crate::DatasetOptions::PATHS`]).
+const MODEL_PATH_KEYS: &[&str] = &["model.init_from", "model.lora.adapter"];
 
 /// `model.arch` from `model.init_from` when the job leaves it out: a pretrained checkpoint's
 /// `config.json`, or the `job.toml` of the ddpjob job whose weights it names, says what it is.

@@ -269,6 +269,7 @@ fn check_data(
     c.one_of("data.dataset", &d.dataset, &registry.dataset_names());
     let (dataset, options) = custom.unwrap_or_else(|| (d.dataset.clone(), toml::Table::new()));
     DataSpec {
+        paths: registry.dataset_paths(&dataset),
         dataset,
         options,
         drop_last: d.drop_last,

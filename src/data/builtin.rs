@@ -164,6 +164,8 @@ impl<S: IdxSet> IdxOptions<S> {
 }
 
 impl<S: IdxSet> DatasetOptions for IdxOptions<S> {
+    const PATHS: &'static [&'static str] = &["root"];
+
     fn complete(self, cx: &DataContext) -> Result<Self, String> {
         images_for(S::CATALOG.name, cx)?;
         if self.root.trim().is_empty() {

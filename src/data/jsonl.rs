@@ -346,6 +346,8 @@ fn eos_beside(tokenizer: &Path) -> Option<String> {
 }
 
 impl DatasetOptions for JsonlOptions {
+    const PATHS: &'static [&'static str] = &["train_path", "val_path", "tokenizer"];
+
     fn complete(mut self, cx: &DataContext) -> Result<Self, String> {
         if cx.language.is_none() {
             return Err(format!(

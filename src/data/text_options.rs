@@ -140,6 +140,8 @@ impl TextOptions {
 }
 
 impl DatasetOptions for TextOptions {
+    const PATHS: &'static [&'static str] = &["path", "tokenizer"];
+
     fn complete(mut self, cx: &DataContext) -> Result<Self, String> {
         tokens_for("text", cx)?;
         match self.path.as_deref() {
@@ -282,6 +284,8 @@ impl TokensOptions {
 }
 
 impl DatasetOptions for TokensOptions {
+    const PATHS: &'static [&'static str] = &["train_path", "val_path"];
+
     fn complete(self, cx: &DataContext) -> Result<Self, String> {
         tokens_for("tokens", cx)?;
         for (key, value, example) in [

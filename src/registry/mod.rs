@@ -113,6 +113,12 @@ pub struct JobFile {
 /// [`Registry::dataset_with`], its hooks run where ddpjob needs them. Every method has a
 /// default, so `impl DatasetOptions for MyOptions {}` is the plain [`Registry::dataset`].
 pub trait DatasetOptions: DeserializeOwned + Serialize + 'static {
+    /// The option keys whose values are file or directory paths, read relative to the working
+    /// directory `run` started in (`["train_path", "test_path"]`). `run` writes them into
+    /// `job.toml` made absolute, so `resume`, `eval` or a requeue started from another
+    /// directory reads the same files, as it does ddpjob's own `data.path`.
+    const PATHS: &'static [&'static str] = &[];
+
     /// The options with what they derive filled in (from the model: `cx.language`), or why the
     /// data cannot feed that model; at `validate`/`run`, before anything exists (`job.toml`
     /// holds the result, so a resumed job opens the same data). `cx.job` is `None` here.
@@ -239,6 +245,7 @@ pub(crate) struct DatasetDocs<'a> {
 /// A dataset's [`DatasetOptions`] hooks on its resolved options.
 #[derive(Clone, Copy)]
 struct DataHooks {
+    paths: &'static [&'static str],
     complete: DataResolveFn,
     prepare: fn(&toml::Table, &DataContext) -> Result<Vec<JobFile>, BuildError>,
     train_samples: fn(&toml::Table) -> Option<(usize, String)>,
@@ -250,6 +257,7 @@ struct DataHooks {
 impl DataHooks {
     fn of<O: DatasetOptions>() -> Self {
         DataHooks {
+            paths: O::PATHS,
             complete: |t, cx| write_back(&parse::<O>(t)?.complete(cx)?),
             prepare: |t, cx| parse::<O>(t)?.prepare(cx),
             train_samples: |t| parse::<O>(t).ok()?.train_samples(),
@@ -589,6 +597,11 @@ impl Registry {
 
     fn data_hooks(&self, name: &str) -> Option<DataHooks> {
         self.datasets.get(name)?.data
+    }
+
+    /// The dataset `name`'s option keys that hold paths (see [`DatasetOptions::PATHS`]).
+    pub(crate) fn dataset_paths(&self, name: &str) -> &'static [&'static str] {
+        self.data_hooks(name).map_or(&[], |hooks| hooks.paths)
     }
 
     /// Finds, downloads and checks the data of `spec` in the launcher (see

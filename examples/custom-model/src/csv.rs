@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ddpjob::{BuildError, DataContext, TensorDataset};
+use ddpjob::{BuildError, DataContext, DatasetOptions, TensorDataset};
 use serde::{Deserialize, Serialize};
 
 /// `[data]` keys besides `dataset = "csv"` and `drop_last`.
@@ -19,6 +19,12 @@ pub struct Options {
     /// Classes (default: the largest label + 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub classes: Option<usize>,
+}
+
+/// `train_path` and `test_path` are frozen absolute into `job.toml`, so `custom-model resume`
+/// works from any directory.
+impl DatasetOptions for Options {
+    const PATHS: &'static [&'static str] = &["train_path", "test_path"];
 }
 
 pub struct CsvDataset;

@@ -12,6 +12,6 @@ fn main() -> ExitCode {
     ddpjob::cli::main_with(
         Registry::builtin()
             .model("tiny-resnet", resnet::TinyResNet::build)
-            .dataset("csv", csv::CsvDataset::open),
+            .dataset_with("csv", csv::CsvDataset::open),
     )
 }

@@ -30,8 +30,12 @@ impl Dir {
     }
 
     fn run(&self, args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+        self.run_in(self.path(), args, env)
+    }
+
+    fn run_in(&self, cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
         let mut cmd = Command::new(BIN);
-        cmd.args(args).current_dir(self.path());
+        cmd.args(args).current_dir(cwd);
         // Scheduler variables of an outer job must not make this a multi-node run.
         for (key, _) in std::env::vars() {
             if key.starts_with("SLURM_") || key.starts_with("PET_") || key == "WORLD_SIZE" {
@@ -131,7 +135,12 @@ fn trains_on_two_workers_and_resumes_after_sigterm_bit_for_bit() {
     );
     std::fs::write(&frozen, text).unwrap();
 
-    let (code, out, err) = d.run(&["resume", "cut"], &[]);
+    // From another directory: job.toml holds the CSV paths (the dataset's `PATHS`) absolute.
+    let elsewhere = d.path().join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let jobs = d.path().join("jobs").display().to_string();
+    let args = ["resume", "cut", "--jobs-dir", &jobs];
+    let (code, out, err) = d.run_in(&elsewhere, &args, &[]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("resuming job `cut`"), "{out}");
     assert_eq!(

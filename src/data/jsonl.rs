@@ -173,6 +173,13 @@ impl JsonlOptions {
             let ((train, eos), (val, _)) = (read(STORED[0])?, read(STORED[1])?);
             return Ok((train, val, eos));
         }
+        let train_path = PathBuf::from(self.train_path.clone().unwrap_or_default());
+        let fix = "put the examples there (one JSON object a line) or correct the path";
+        named_file("train_path", &train_path, fix)?;
+        if let Some(val) = &self.val_path {
+            named_file("val_path", Path::new(val), fix)?;
+        }
+        named_file("tokenizer", &self.tokenizer_path(), TOKENIZER_FIX)?;
         let tokenizer = HfTokenizer::load(&self.tokenizer_path())?;
         let eos = eos_id(&tokenizer, self.eos_token.as_deref().unwrap_or_default())?;
         let block = cx.language.as_ref().map_or(0, |l| l.block_size);
@@ -187,7 +194,6 @@ impl JsonlOptions {
             skip_bad_lines: self.skip_bad_lines,
             train_on_prompt: self.train_on_prompt,
         };
-        let train_path = PathBuf::from(self.train_path.clone().unwrap_or_default());
         let mut train = index_file(&train_path, &how)?;
         let val = match &self.val_path {
             Some(path) => index_file(Path::new(path), &how)?,
@@ -205,10 +211,19 @@ impl JsonlOptions {
                 train.split_off_last(n.clamp(1, train.len() - 1))
             }
         };
-        for (split, examples) in [("training", &train), ("validation", &val)] {
+        let val_file = match &self.val_path {
+            Some(path) => format!("data.val_path `{path}`"),
+            None => format!("the last data.val_fraction of `{}`", train_path.display()),
+        };
+        let train_file = format!("data.train_path `{}`", train_path.display());
+        for (split, examples, file) in [
+            ("training", &train, train_file),
+            ("validation", &val, val_file),
+        ] {
             if examples.len() == 0 {
                 return Err(DataError::Mismatch(format!(
-                    "the {split} split of data.dataset = \"jsonl\" has no usable example{}",
+                    "the {split} split of data.dataset = \"jsonl\" ({file}) has no usable \
+                     example{}",
                     left_out(&examples.counts, block)
                 )));
             }
@@ -434,15 +449,6 @@ impl DatasetOptions for JsonlOptions {
     /// Reads and tokenises both files once (bad lines create no job); the job keeps the
     /// examples and the tokenizer.
     fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
-        // A job that stored its examples reads them, not the files (which may be gone).
-        if cx.job.as_deref().is_none_or(|job| !self.stored_in(job)) {
-            let fix = "put the examples there (one JSON object a line) or correct the path";
-            let train = Path::new(self.train_path.as_deref().unwrap_or_default());
-            named_file("train_path", train, fix)?;
-            if let Some(val) = &self.val_path {
-                named_file("val_path", Path::new(val), fix)?;
-            }
-        }
         named_file("tokenizer", &self.tokenizer_path(), TOKENIZER_FIX)?;
         let task = self.open(cx)?;
         // The stored form counts in u32.

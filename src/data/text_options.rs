@@ -105,7 +105,15 @@ impl TextOptions {
     }
 
     pub(super) fn open(&self, cx: &DataContext) -> Result<TextTask, DataError> {
-        TextTask::open(&TextSource::Text(self.spec()), cx)
+        let spec = self.spec();
+        if !spec.path.is_file() {
+            return Err(self.absent(&spec.path));
+        }
+        if let TokenizerKind::HuggingFace(tokenizer) = &spec.tokenizer {
+            let fix = "name the Hugging Face tokenizer.json the text is to be encoded with";
+            named_file("tokenizer", tokenizer, fix)?;
+        }
+        TextTask::open(&TextSource::Text(spec), cx)
     }
 
     /// Makes sure the file is on disk (downloading it into place if allowed; SHA-256 checked
@@ -115,27 +123,41 @@ impl TextOptions {
         if path.is_file() {
             return Ok(());
         }
-        if path.is_dir() {
-            return Err(DataError::Mismatch(format!(
-                "data.path `{}` is a directory; name the text file in it (e.g. `{}`)",
-                path.display(),
-                path.join("input.txt").display()
-            )));
+        if path.is_dir() || !self.download || self.mirrors.is_empty() {
+            return Err(self.absent(&path));
         }
         let file = path
             .file_name()
             .map(|f| f.to_string_lossy().into_owned())
             .unwrap_or_default();
-        if !self.download || self.mirrors.is_empty() {
-            return Err(DataError::Mismatch(format!(
-                "data.path `{}` does not exist; put the text there, or set data.download = true \
-                 and data.mirrors to where `{file}` can be fetched (with its SHA-256 in \
-                 data.checksums)",
-                path.display()
-            )));
-        }
         let digest = self.checksums.get(&file).map(String::as_str);
         download(&self.mirrors, &file, digest, &path)
+    }
+
+    /// Why the text file at `path` (not a file) cannot be read, and the fix.
+    fn absent(&self, path: &Path) -> DataError {
+        if path.is_dir() {
+            return DataError::Mismatch(format!(
+                "data.path `{}` is a directory; name the text file in it (e.g. `{}`)",
+                path.display(),
+                path.join("input.txt").display()
+            ));
+        }
+        let file = path
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let fix = match self.download && !self.mirrors.is_empty() {
+            true => "`ddpjob run` downloads it from data.mirrors".to_string(),
+            false => format!(
+                "put the text there, or set data.download = true and data.mirrors to where \
+                 `{file}` can be fetched (with its SHA-256 in data.checksums)"
+            ),
+        };
+        DataError::Mismatch(format!(
+            "data.path `{}` does not exist; {fix}",
+            path.display()
+        ))
     }
 }
 
@@ -279,7 +301,11 @@ impl TokensOptions {
     }
 
     pub(super) fn open(&self, cx: &DataContext) -> Result<TextTask, DataError> {
-        TextTask::open(&TextSource::Tokens(self.spec()), cx)
+        let spec = self.spec();
+        let fix = "prepare the token files (e.g. nanoGPT's prepare.py) or correct the path";
+        named_file("train_path", &spec.train_path, fix)?;
+        named_file("val_path", &spec.val_path, fix)?;
+        TextTask::open(&TextSource::Tokens(spec), cx)
     }
 }
 
@@ -318,11 +344,8 @@ impl DatasetOptions for TokensOptions {
     /// Maps the files (cheap: tokens are range-checked as they are read), so a damaged one is
     /// refused before the job exists; keeps (or, resuming, compares) their record.
     fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
-        let spec = self.spec();
-        let fix = "prepare the token files (e.g. nanoGPT's prepare.py) or correct the path";
-        named_file("train_path", &spec.train_path, fix)?;
-        named_file("val_path", &spec.val_path, fix)?;
         self.open(cx)?;
+        let spec = self.spec();
         let paths = [spec.train_path.as_path(), spec.val_path.as_path()];
         Ok(super::fingerprint::keep_or_compare(
             &paths,

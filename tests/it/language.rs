@@ -405,9 +405,13 @@ optimizer = "adamw"
         .fails_with(1, "601 bytes, is not a multiple of 2");
     assert!(!t.job("odd").exists());
     // A path that leads nowhere is the config's mistake: exit 2, naming the key.
-    t.run(&t.config("nope", &job("nope.bin")), &[])
+    let nope = t.config("nope", &job("nope.bin"));
+    t.run(&nope, &[])
         .fails_with(2, "data.val_path `nope.bin` does not exist (relative to `");
     assert!(!t.job("nope").exists());
+    // `validate` names it the same way (it was a bare "cannot read `nope.bin`").
+    t.ddpjob(&["validate", nope.to_str().unwrap()])
+        .fails_with(2, "data.val_path `nope.bin` does not exist (relative to `");
 }
 
 #[test]
@@ -450,6 +454,9 @@ fn bad_text_jobs_are_refused_before_anything_is_created() {
             &format!("dataset = \"text\"\ntokenizer = \"{tokenizer}\""),
         )
     };
+    let nowhere = t.path("nowhere.json").display().to_string();
+    run("no-tokenizer", with_tokenizer(&nowhere))
+        .fails_with(2, &format!("data.tokenizer `{nowhere}` does not exist"));
     run("gpt2", with_tokenizer("gpt2"))
         .fails_with(2, "`data.tokenizer`")
         .fails_with(2, "ending in .json");

@@ -98,6 +98,10 @@ pub struct MetricState {
     pub evals_without_improvement: usize,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub early_stopping_on: Option<crate::config::Monitor>,
+    /// Steps were counted since the last epoch's end: a run stopped after an epoch's last
+    /// step, before that epoch's evaluation and train loss, has them still to do.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub epoch_open: bool,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -119,6 +123,7 @@ impl MetricState {
         }
         self.epoch_samples += samples;
         self.epoch_secs += secs;
+        self.epoch_open = true;
     }
 
     /// Counts an evaluation's `value` of `monitor` for early stopping (Lightning's rule: an
@@ -153,6 +158,7 @@ impl MetricState {
         self.total_samples += self.epoch_samples;
         self.train_s += self.epoch_secs;
         self.last_epoch_loss = Some(loss);
+        self.epoch_open = false;
         loss
     }
 }

@@ -106,6 +106,12 @@ pub fn supervise(
                 .iter()
                 .all(|w| w.status.is_some_and(|s| s.success()))
             {
+                errln!(
+                    "note: {} came after the last training step: the workers finished the job \
+                     (its final evaluation and weights) instead of stopping; nothing is left \
+                     to resume",
+                    signal_name(signal)
+                );
                 return Outcome::Finished;
             }
             return Outcome::Interrupted { signal, clean };

@@ -14,12 +14,17 @@ use crate::jobdir::JobDirError;
 /// `summary.json` (**contract**: the first seven fields).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
+    // A figure that is not a number (no epoch's train loss) is written as JSON `null`, so
+    // `null` reads back as NaN: a summary must always read back.
+    #[serde(deserialize_with = "null_as_nan")]
     pub test_accuracy: f64,
+    #[serde(deserialize_with = "null_as_nan")]
     pub test_loss: f64,
     /// e^test_loss, when the task declares it (a language model's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_perplexity: Option<f64>,
     /// Mean training loss over the last epoch (sample-weighted, all ranks).
+    #[serde(deserialize_with = "null_as_nan")]
     pub final_train_loss: f64,
     pub epochs: usize,
     pub steps: usize,
@@ -52,6 +57,10 @@ pub struct Summary {
     /// `[expect]` results, filled in by the launcher when the run ends.
     #[serde(default)]
     pub expectations: Vec<crate::report::ExpectationResult>,
+}
+
+fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// Why and where `train.early_stopping` ended a run.
@@ -268,4 +277,25 @@ pub(super) fn trace_weights(
                 cause,
             })
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Summary;
+
+    /// A NaN figure is written as `null` (JSON has no NaN) and must read back: the launcher
+    /// reads every run's summary to finish the job.
+    #[test]
+    fn a_summary_with_figures_that_are_not_numbers_reads_back() {
+        let json = serde_json::json!({
+            "test_accuracy": null, "test_loss": 1.5, "final_train_loss": f64::NAN,
+            "epochs": 1, "steps": 40, "train_samples_per_s": 10.0, "wall_s": 1.0,
+            "train_s": 1.0, "samples": 320, "world_size": 2, "parameters": 100,
+        });
+        let text = serde_json::to_string(&json).unwrap();
+        assert!(text.contains("\"final_train_loss\":null"), "{text}");
+        let summary: Summary = serde_json::from_str(&text).unwrap();
+        assert!(summary.final_train_loss.is_nan() && summary.test_accuracy.is_nan());
+        assert_eq!((summary.test_loss, summary.steps), (1.5, 40));
+    }
 }

@@ -245,11 +245,14 @@ impl Trainer<'_> {
         let mut sampler = DistributedSampler::new(train_len, world, self.comm.rank(), spec.seed)
             .with_drop_last(spec.data.drop_last);
         for epoch in start.epoch..t.epochs {
-            if run.step >= run.total_steps || run.stopped_early.is_some() {
+            let resumed_here = position.is_some() && epoch == start.epoch;
+            // A run stopped after its last step, before that epoch's end (its evaluation,
+            // record and train loss): the resumed run ends the epoch, with no step to take.
+            let unfinished = resumed_here && start.metrics.epoch_open;
+            if (run.step >= run.total_steps && !unfinished) || run.stopped_early.is_some() {
                 break;
             }
             sampler.set_epoch(epoch as u64);
-            let resumed_here = position.is_some() && epoch == start.epoch;
             let indices = if resumed_here && start.reshard {
                 sampler.indices_after(start.consumed)
             } else {

@@ -96,11 +96,13 @@ fn sigterm_then_resume_ends_bit_identical() {
     // (workers, optimizer, stop after step): sgd with momentum on one worker, adam and adamw on
     // two; all accumulate, clip and follow a cosine schedule with warm-up. Step 13 is mid-epoch
     // on one worker (16 steps per epoch), step 20 mid-way through the last epoch on two (8 steps
-    // each), between log lines; step 8 ends the first epoch on two, before its evaluation.
+    // each), between log lines; step 8 ends the first epoch on two, before its evaluation;
+    // step 24 is the job's last, before the last epoch's end (the resumed run takes no step).
     for (workers, optimizer, momentum, stop) in [
         ("1", "sgd", "momentum = 0.9", 13),
         ("2", "adam", "", 20),
         ("2", "adamw", "", 8),
+        ("2", "sgd", "", 24),
     ] {
         let t = TestJob::new();
         let text =

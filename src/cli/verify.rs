@@ -65,6 +65,7 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
         })
         .collect::<Result<Vec<usize>, String>>()
         .map_err(|e| usage(anyhow!(e)))?;
+    steps_within_the_job(&loaded.spec, args, &shares).map_err(usage)?;
     crate::signals::install();
     let (dir, temporary) = match &args.jobs_dir {
         Some(dir) => (dir.clone(), false),
@@ -137,6 +138,40 @@ pub(super) fn verify(args: &VerifyArgs) -> CliResult {
             anyhow!("{difference} (the runs are in {})", dir.display()),
         )),
     }
+}
+
+/// Refuses `--steps` beyond what the job's `train.epochs` hold on some world size before
+/// anything runs: its runs would stop short, which is the job's length, not a difference.
+fn steps_within_the_job(
+    spec: &config::JobSpec,
+    args: &VerifyArgs,
+    shares: &[usize],
+) -> anyhow::Result<()> {
+    let samples = match crate::registry::Registry::current().train_samples(&spec.data) {
+        Some((n, _)) => n,
+        None => crate::task::load(spec, None)
+            .map_err(|e| anyhow!(e))?
+            .train_len(),
+    };
+    // Data not on disk yet (a download): the runs find it, and their length is told after.
+    if samples == 0 {
+        return Ok(());
+    }
+    for (&world, &share) in args.world_sizes.iter().zip(shares) {
+        let mut run = spec.clone();
+        (run.train.batch_size, run.train.max_steps) = (share, None);
+        let held = run.plan(samples, world).total_steps;
+        if args.steps > held {
+            anyhow::bail!(
+                "--steps {}: the job's train.epochs = {} hold {held} optimizer steps on {world} \
+                 worker(s) ({samples} training samples); ask for --steps {held} or fewer, or \
+                 give the job more epochs (--set train.epochs=N)",
+                args.steps,
+                spec.train.epochs
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Whether a run that exited 1 did so only because its summary's `[expect]` was unmet (its

@@ -60,27 +60,42 @@ fn verify_passes_on_one_world_size_and_names_where_two_part() {
     t.ddpjob(&["verify", cfg, "--world-sizes", "2,2", "--jobs-dir", dir])
         .fails_with(2, "already exists (an earlier verify's run)");
 
-    // Runs that finish their epochs (32 steps) before --steps, missing the job's [expect]
-    // (exit 1 from `run`), did not fail: verify says where they ended.
+    // Runs that finish their epochs (32 steps) missing the job's [expect] (exit 1 from `run`)
+    // did not fail: their weights are compared.
     let strict = t.config(
         "strict",
         &format!("{TINY}[expect]\nmin_test_accuracy = 0.999\n"),
     );
-    let ended = t.ddpjob(&[
-        "verify",
-        strict.to_str().unwrap(),
-        "--world-sizes",
-        "2,2",
-        "--steps",
-        "40",
-        "--jobs-dir",
-        t.path("strict-runs").to_str().unwrap(),
-    ]);
-    ended.fails_with(
-        1,
-        "every run ended after step 32 (the job's train.epochs hold no more)",
+    let strict_runs = t.path("strict-runs");
+    let verify_strict = |steps: &str| {
+        t.ddpjob(&[
+            "verify",
+            strict.to_str().unwrap(),
+            "--world-sizes",
+            "2,2",
+            "--steps",
+            steps,
+            "--jobs-dir",
+            strict_runs.to_str().unwrap(),
+        ])
+    };
+    // More steps than the epochs hold is the request's mistake, said before anything runs
+    // (it ran every world size, then exited 1 as if the weights had differed).
+    verify_strict("40").fails_with(
+        2,
+        "--steps 40: the job's train.epochs = 2 hold 32 optimizer steps on 2 worker(s) (512 \
+         training samples); ask for --steps 32 or fewer",
     );
-    assert!(!ended.stderr.contains("run failed"), "{}", ended.stderr);
+    assert!(!strict_runs.exists());
+    let ended = verify_strict("32");
+    ended.success();
+    assert!(
+        ended
+            .stdout
+            .contains("bit-identical weights at every one of 32 steps"),
+        "{}",
+        ended.stdout
+    );
 }
 
 #[test]
@@ -106,7 +121,7 @@ fn verify_stopped_by_a_signal_stops_its_run() {
             "verify",
             cfg.to_str().unwrap(),
             "--steps",
-            "10000000",
+            "1000000",
             "--jobs-dir",
         ])
         .arg(&runs)

@@ -45,7 +45,9 @@ pub fn alternatives(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Vec<(S
     let mut best = sharded_parts(&mine);
     let mut out = Vec::new();
     let world = layout.world;
-    for &(sharding, name) in modes.iter().skip(current + 1).filter(|_| world > 1) {
+    // World-size-invariant training sums in its fixed tree, which no sharding keeps.
+    let shards = world > 1 && !spec.distributed.world_size_invariant;
+    for &(sharding, name) in modes.iter().skip(current + 1).filter(|_| shards) {
         let other = estimate(spec, model, Layout { sharding, ..layout });
         if sharded_parts(&other) < best {
             best = sharded_parts(&other);
@@ -55,6 +57,22 @@ pub fn alternatives(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Vec<(S
     }
     out.extend(checkpointing);
     out
+}
+
+/// The advice when no one setting of [`alternatives`] makes `spec`'s workers fit.
+fn last_resort(spec: &JobSpec) -> &'static str {
+    match spec.distributed.world_size_invariant {
+        true => {
+            "no single setting makes it fit: use more workers, or more \
+                 distributed.virtual_shards (smaller pieces of the batch, computed one at a \
+                 time)"
+        }
+        false => {
+            "no single setting makes it fit: lower train.batch_size (with \
+                  train.accumulation to keep the step's batch), or use more workers with \
+                  distributed.sharding"
+        }
+    }
 }
 
 /// What must fit: the whole estimate, or its known parts when the model does not say what
@@ -69,11 +87,12 @@ fn needed(e: &Estimate) -> u64 {
 pub fn verdict(
     mine: &Estimate,
     alternatives: &[(String, Estimate)],
+    otherwise: &str,
     gpu: usize,
     free: u64,
 ) -> Result<(), String> {
     let place = format!("GPU {gpu} has {} free", gb(free));
-    verdict_for(mine, alternatives, free, &place)
+    verdict_for(mine, alternatives, otherwise, free, &place)
 }
 
 /// [`verdict`] for a worker that may use `free` bytes, which `place` describes ("GPU 0 has
@@ -81,6 +100,7 @@ pub fn verdict(
 fn verdict_for(
     mine: &Estimate,
     alternatives: &[(String, Estimate)],
+    otherwise: &str,
     free: u64,
     place: &str,
 ) -> Result<(), String> {
@@ -102,10 +122,7 @@ fn verdict_for(
         true if mine.runtime > free => "even an idle worker's runtime does not fit in its \
                                         share: use fewer workers (--nproc-per-node)"
             .to_string(),
-        true => "no single setting makes it fit: lower train.batch_size (with \
-                 train.accumulation to keep the step's batch), or use more workers with \
-                 distributed.sharding"
-            .to_string(),
+        true => otherwise.to_string(),
         false => format!("it would fit with {}", fitting.join(", or ")),
     };
     Err(format!(
@@ -161,7 +178,7 @@ pub fn check_host(
             gb(share)
         ),
     };
-    verdict_for(&mine, &alternatives, share, &place)
+    verdict_for(&mine, &alternatives, last_resort(spec), share, &place)
 }
 
 /// Free memory of each of `ordinals` (among the visible GPUs), in bytes, from the driver.
@@ -211,7 +228,10 @@ pub fn gpu_verdicts(
         .collect();
     gpus.iter()
         .zip(free)
-        .map(|(&gpu, free)| (gpu, free, verdict(&mine, &alternatives, gpu, free)))
+        .map(|(&gpu, free)| {
+            let verdict = verdict(&mine, &alternatives, last_resort(spec), gpu, free);
+            (gpu, free, verdict)
+        })
         .collect()
 }
 
@@ -232,6 +252,8 @@ pub fn check_gpus(
 mod tests {
     use super::*;
 
+    const OTHERWISE: &str = "no single setting makes it fit: lower train.batch_size";
+
     fn estimate(weights: u64, activations: Option<u64>) -> Estimate {
         Estimate {
             weights,
@@ -248,7 +270,7 @@ mod tests {
     #[test]
     fn a_worker_that_does_not_fit_is_told_which_setting_would_make_it() {
         let mine = estimate(1_000_000_000, Some(30_000_000_000));
-        assert!(verdict(&mine, &[], 0, 40_000_000_000).is_ok());
+        assert!(verdict(&mine, &[], OTHERWISE, 0, 40_000_000_000).is_ok());
         let options = [
             (
                 "sharding".to_string(),
@@ -259,7 +281,7 @@ mod tests {
                 estimate(1_000_000_000, Some(2e9 as u64)),
             ),
         ];
-        let why = verdict(&mine, &options, 3, 10_000_000_000).unwrap_err();
+        let why = verdict(&mine, &options, OTHERWISE, 3, 10_000_000_000).unwrap_err();
         assert!(why.contains("34.00 GB"), "{why}");
         assert!(why.contains("GPU 3 has 10.00 GB free"), "{why}");
         assert!(
@@ -267,14 +289,14 @@ mod tests {
             "{why}"
         );
         assert!(!why.contains("sharding ("), "{why}");
-        let why = verdict(&mine, &options, 0, 1_000_000_000).unwrap_err();
+        let why = verdict(&mine, &options, OTHERWISE, 0, 1_000_000_000).unwrap_err();
         assert!(why.contains("no single setting makes it fit"), "{why}");
         // Workers so many that the runtime alone is over a worker's share: fewer of them.
         let idle = Estimate {
             runtime: 40_000_000,
             ..estimate(1_000, Some(1_000))
         };
-        let why = verdict(&idle, &[], 0, 245_000).unwrap_err();
+        let why = verdict(&idle, &[], OTHERWISE, 0, 245_000).unwrap_err();
         assert!(
             why.contains("use fewer workers (--nproc-per-node)"),
             "{why}"
@@ -284,8 +306,8 @@ mod tests {
     #[test]
     fn unknown_activations_leave_the_known_parts_to_fit() {
         let mine = estimate(1_000_000_000, None);
-        assert!(verdict(&mine, &[], 0, 4_000_000_000).is_ok());
-        let why = verdict(&mine, &[], 0, 3_000_000_000).unwrap_err();
+        assert!(verdict(&mine, &[], OTHERWISE, 0, 4_000_000_000).is_ok());
+        let why = verdict(&mine, &[], OTHERWISE, 0, 3_000_000_000).unwrap_err();
         assert!(why.contains("activations not counted"), "{why}");
         assert!(why.contains("but GPU 0 has 3.00 GB free"), "{why}");
     }

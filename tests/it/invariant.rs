@@ -188,3 +188,28 @@ fn what_the_mode_cannot_do_is_refused_naming_the_key() {
     );
     assert!(!t.job("small").exists());
 }
+
+/// `validate`'s memory lines offer only what the mode allows: no sharding (which it refuses),
+/// as they do for the same job without it.
+#[test]
+fn memory_advice_offers_no_sharding_the_mode_refuses() {
+    let t = TestJob::new();
+    let text = TINY.replace("batch_size = 32", "global_batch_size = 32");
+    let validate = |name: &str, text: String| {
+        let cfg = t.config(name, &text);
+        let run = t.ddpjob(&["validate", cfg.to_str().unwrap(), "--nproc-per-node", "2"]);
+        run.success();
+        run.stdout
+    };
+    let plain = validate("plain", text.clone());
+    assert!(plain.contains("with distributed.sharding = "), "{plain}");
+    let invariant = validate(
+        "invariant",
+        text + "[distributed]\ndeterministic = \"world-size-invariant\"\n",
+    );
+    assert!(invariant.contains("memory_per_worker"), "{invariant}");
+    assert!(
+        !invariant.contains("with distributed.sharding"),
+        "{invariant}"
+    );
+}

@@ -341,11 +341,19 @@ impl Trainer<'_> {
                             spec.model.arch()
                         ))
                     })?;
+                    let trainable = sizes.iter().sum::<usize>();
+                    // Only what trains is in the buckets that are sharded.
+                    let frozen = match params.element_count() - trainable {
+                        0 => String::new(),
+                        n => format!(
+                            "; the {n} frozen values (model.freeze, LoRA's base) are not \
+                             sharded: every worker keeps them whole"
+                        ),
+                    };
                     self.reporter.line(&format!(
                         "parameters sharded too: each block's gathered for its forward and \
-                         its backward only ({} values at most, of {})",
+                         its backward only ({} values at most, of {trainable}){frozen}",
                         units.largest_block(params),
-                        sizes.iter().sum::<usize>()
                     ));
                     self.sharded_parameters = Some(units);
                 }

@@ -261,7 +261,11 @@ fn fully_sharded_lora_on_instruction_data_trains_the_gradients_jobs_adapters() {
                 "--name",
                 &job_name,
             ];
-            t.run(&cfg, &args).success();
+            let run = t.run(&cfg, &args);
+            run.success();
+            // The base is frozen, so not in the sharded buckets: the log says it is kept whole.
+            let whole = "frozen values (model.freeze, LoRA's base) are not sharded";
+            assert_eq!(run.stdout.contains(whole), m == "full", "{}", run.stdout);
         }
         let weights = |m: &str| t.job(&format!("{name}-{m}")).join("model.safetensors");
         assert_same_bits(&weights("gradients"), &weights("full"));

@@ -12,19 +12,23 @@ const ERROR_LINES: usize = 12;
 /// `ddpjob show`: status, config digest, progress, metrics, checkpoints, expectations.
 pub fn show(v: &JobView, now: u64) -> String {
     let s = &v.state;
-    let resume = crate::jobdir::JobDir {
+    let job = crate::jobdir::JobDir {
         root: v.dir.clone(),
-    }
-    .cli("resume");
+    };
+    // Without a checkpoint a plain `resume` is refused: starting over is what is left.
+    let resume = match job.has_checkpoint() {
+        true => format!("`{}` continues it", job.cli("resume")),
+        false => format!(
+            "no checkpoint yet: `{} --from-scratch` starts it over",
+            job.cli("resume")
+        ),
+    };
     let status = match (v.launcher, s.status) {
         (Some((pid, true)), _) => format!("running (launcher pid {pid})"),
         (Some((pid, false)), _) => format!(
-            "stale: state.json says running, but its launcher (pid {pid}) is gone; `{resume}` \
-             continues it"
+            "stale: state.json says running, but its launcher (pid {pid}) is gone; {resume}"
         ),
-        (None, Status::Interrupted | Status::Failed) => {
-            format!("{} (`{resume}` continues it)", s.status)
-        }
+        (None, Status::Interrupted | Status::Failed) => format!("{} ({resume})", s.status),
         (None, status) => status.to_string(),
     };
     let mut out = format!(

@@ -97,6 +97,26 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
         );
     }
 
+    // Failed before its first checkpoint (16 steps, an epoch): a plain resume is refused, so
+    // the way on is starting over, and that command works.
+    t.run_env(
+        &cfg,
+        &["--name", "early"],
+        &[("DDPJOB_FAULT", "rank=0,step=10,kind=exit")],
+    )
+    .fails_with(1, "rank 0");
+    let show = t.ddpjob(&["show", "early", "--jobs-dir", jobs]);
+    let over = format!("ddpjob resume early --jobs-dir {jobs} --from-scratch");
+    let expected = format!("job early: failed (no checkpoint yet: `{over}` starts it over)");
+    assert!(show.stdout.contains(&expected), "{}", show.stdout);
+    // Exit 1 for the unmet max_test_loss, as `done`'s; but the job ran to its end.
+    t.ddpjob(&["resume", "early", "--jobs-dir", jobs, "--from-scratch"])
+        .fails_with(1, "max_test_loss");
+    assert_eq!(
+        t.json(&t.job("early").join("state.json"))["status"],
+        "finished"
+    );
+
     // Running: the live launcher's pid, progress so far (its latest logged step at least).
     let logged = t
         .metrics("live")

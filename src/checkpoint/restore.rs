@@ -35,13 +35,7 @@ impl Choice {
         let mut lines = Vec::new();
         for (dir, why) in &self.skipped {
             let name = dir.file_name().map_or("".into(), |n| n.to_string_lossy());
-            let aside = (1..)
-                .map(|n| match n {
-                    1 => dir.with_file_name(format!("damaged-{name}")),
-                    n => dir.with_file_name(format!("damaged-{name}-{n}")),
-                })
-                .find(|aside| !aside.exists())
-                .expect("an unused name");
+            let aside = unused_name(&dir.with_file_name(format!("damaged-{name}")));
             std::fs::rename(dir, &aside)?;
             lines.push(format!(
                 "checkpoint `{name}` is damaged ({why}); skipped, and kept as `{}`",
@@ -50,6 +44,41 @@ impl Choice {
         }
         Ok(lines)
     }
+
+    /// `checkpoints/best` taken after the step this choice continues from (by the run the
+    /// resume rewinds: its evaluation leaves `metrics.jsonl` and the restored best record) is
+    /// renamed `discarded-best-step-N`, so `best` never holds weights the job's record does
+    /// not describe; the resumed run writes it again when an evaluation earns it. Returns the
+    /// line for the user.
+    pub fn set_aside_later_best(&self, dir: &Path) -> std::io::Result<Option<String>> {
+        let best = dir.join("best");
+        let from = self.position.as_ref().map_or(0, |p| p.step);
+        let Ok(taken) = read_position(&best) else {
+            return Ok(None);
+        };
+        if taken.step <= from {
+            return Ok(None);
+        }
+        let aside = unused_name(&dir.join(format!("discarded-best-step-{:08}", taken.step)));
+        std::fs::rename(&best, &aside)?;
+        Ok(Some(format!(
+            "`best` holds the weights evaluated after step {}, past step {from} where the job \
+             continues; kept as `{}`, and `best` is written again when an evaluation earns it",
+            taken.step,
+            aside.display()
+        )))
+    }
+}
+
+/// `path`, or `path-2`, `path-3`, ... when it is taken (a step set aside before).
+fn unused_name(path: &Path) -> PathBuf {
+    (1..)
+        .map(|n| match n {
+            1 => path.to_path_buf(),
+            n => PathBuf::from(format!("{}-{n}", path.display())),
+        })
+        .find(|aside| !aside.exists())
+        .expect("an unused name")
 }
 
 /// Verifies checkpoints from the newest down and stops at the first good one. A missing

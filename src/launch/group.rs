@@ -360,6 +360,9 @@ pub(super) fn rewind_to(job: &JobDir, choice: &checkpoint::Choice) -> Result<(),
     for warning in choice.set_aside().map_err(io)? {
         errln!("warning: {warning}");
     }
+    if let Some(note) = choice.set_aside_later_best(&dir).map_err(io)? {
+        errln!("note: {note}");
+    }
     let to = choice.position.as_ref().map(|p| (p.epoch, p.step));
     Ok(job.rewind_metrics(to)?)
 }

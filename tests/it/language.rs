@@ -355,6 +355,53 @@ fn sigterm_then_resume_is_bit_identical_for_a_gpt() {
     assert_eq!(sa["best_step"], sb["best_step"]);
 }
 
+/// A run that dies after `best` was written past its newest checkpoint: the resume sets that
+/// `best` aside (its evaluation is rewound out of the job's record) and earns it again.
+#[test]
+fn a_best_past_the_resumed_checkpoint_is_set_aside_and_earned_again() {
+    let t = TestJob::new();
+    let text = write_corpus(&t);
+    let text = gpt_job(&text, "keep_best = true\nevery_steps = 10")
+        .replace("[train]", "[train]\neval_every = 7");
+    let cfg = t.config("job", &text);
+    t.run(&cfg, &["--name", "whole"]).success();
+    let cut = t.run_env(
+        &cfg,
+        &["--name", "cut"],
+        &[("DDPJOB_FAULT", "rank=0,step=16,kind=exit")],
+    );
+    cut.fails_with(1, "injected");
+    let best_step = |name: &str| {
+        let state = t.job(name).join("checkpoints/best/state.json");
+        t.json(&state)["step"].as_u64().unwrap()
+    };
+    // Evaluated after step 14, past `step-00000010`.
+    assert_eq!(best_step("cut"), 14);
+    let jobs = t.jobs_dir().to_string_lossy().into_owned();
+    let resumed = t.ddpjob(&["resume", "cut", "--jobs-dir", &jobs]);
+    resumed.success();
+    assert!(
+        resumed
+            .stderr
+            .contains("`best` holds the weights evaluated after step 14, past step 10"),
+        "{}",
+        resumed.stderr
+    );
+    assert!(
+        t.job("cut")
+            .join("checkpoints/discarded-best-step-00000014/model.safetensors")
+            .is_file()
+    );
+    // The best the finished job records is the one `best` holds, as in the run never cut.
+    let summary = t.json(&t.job("cut").join("summary.json"));
+    assert_eq!(summary["best_step"].as_u64(), Some(best_step("cut")));
+    assert_eq!(best_step("cut"), best_step("whole"));
+    assert_same_bits(
+        &t.job("whole").join("checkpoints/best/model.safetensors"),
+        &t.job("cut").join("checkpoints/best/model.safetensors"),
+    );
+}
+
 #[test]
 fn memory_mapped_tokens_train_and_bad_tokens_are_named() {
     let t = TestJob::new();

@@ -138,9 +138,7 @@ fn take(
     };
     let left_behind = |key: &&String| {
         let at = source.key_origin(&format!("{}.{key}", section.name));
-        switched_by.is_some()
-            && matches!(at, Origin::File { .. })
-            && !owners_of(registry, section, key).is_empty()
+        switched_by.is_some() && at.is_written() && !owners_of(registry, section, key).is_empty()
     };
     let left: Vec<String> = source
         .table
@@ -190,14 +188,17 @@ fn take(
         if let Some(fields) = fields.filter(|f| !f.contains(&key.as_str())) {
             let owners = owners_of(registry, section, key);
             let candidates = fields.iter().chain(section.own).copied();
-            let hint = match owners.is_empty() {
-                true => Hint::closest(key, candidates),
-                false => Some(Hint::BelongsTo(format!(
-                    "{}.{} = {}",
-                    section.name,
-                    section.selector,
-                    owners.join(" or ")
-                ))),
+            let selector = format!("{}.{}", section.name, section.selector);
+            let owner = format!("{selector} = {}", owners.join(" or "));
+            let chosen_by_default = matches!(source.value_origin(&selector), Origin::Defaulted(_));
+            let hint = match (owners.is_empty(), chosen_by_default) {
+                (true, _) => Hint::closest(key, candidates),
+                (false, false) => Some(Hint::BelongsTo(owner)),
+                (false, true) => Some(Hint::Unchosen {
+                    owner,
+                    selector,
+                    default: chosen.clone(),
+                }),
             };
             errors.push(ConfigError::UnknownKey {
                 key: key.clone(),

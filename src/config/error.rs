@@ -17,6 +17,16 @@ pub enum Origin {
     Override(String),
     /// Not written anywhere: a default, or a combination of keys. Names the file only.
     Defaulted(PathBuf),
+    /// A config put together from several files (`eval JOB --data FILE`): what it was made
+    /// of, with no line (the text read was not any one file's).
+    Composed(String),
+}
+
+impl Origin {
+    /// Written in the config's text (not an override, not a default).
+    pub fn is_written(&self) -> bool {
+        matches!(self, Origin::File { .. } | Origin::Composed(_))
+    }
 }
 
 impl fmt::Display for Origin {
@@ -27,6 +37,7 @@ impl fmt::Display for Origin {
             Origin::Override(arg) if arg.starts_with("--") => write!(f, "{arg}"),
             Origin::Override(arg) => write!(f, "--set {arg}"),
             Origin::Defaulted(path) => write!(f, "{}, default value", path.display()),
+            Origin::Composed(label) => write!(f, "{label}"),
         }
     }
 }
@@ -80,6 +91,13 @@ pub enum Hint {
     /// The other choice it is a key of (`data.dataset = "text"`): left behind when a job
     /// switched models or datasets.
     BelongsTo(String),
+    /// As `BelongsTo`, with the choice itself left at its default (`eval DIR --set
+    /// data.path=...`): the fix is to make it, naming the selector and its default.
+    Unchosen {
+        owner: String,
+        selector: String,
+        default: String,
+    },
 }
 
 impl Hint {
@@ -92,6 +110,14 @@ impl Hint {
 fn hint_text(hint: &Option<Hint>) -> String {
     match hint {
         Some(Hint::BelongsTo(owner)) => format!("; it is a key of {owner}: remove it"),
+        Some(Hint::Unchosen {
+            owner,
+            selector,
+            default,
+        }) => format!(
+            "; it is a key of {owner}, and {selector} is not set (its default is \"{default}\"): \
+             set it"
+        ),
         Some(Hint::Closest(s)) => format!("; did you mean `{s}`?"),
         None => String::new(),
     }

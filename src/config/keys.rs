@@ -505,7 +505,7 @@ pub(super) fn leave_stale_checksums(source: &mut Source) -> Vec<String> {
             let at = source.key_origin(&format!("data.checksums.{file}"));
             (file.clone(), at)
         })
-        .filter(|(_, at)| matches!(at, Origin::File { .. }))
+        .filter(|(_, at)| at.is_written())
         .collect();
     let Some(toml::Value::Table(sums)) = value_at_mut(&mut source.table, "data.checksums") else {
         return Vec::new();

@@ -196,7 +196,23 @@ pub fn load_str_with(
     overrides: &[String],
     registry: &Registry,
 ) -> Result<LoadedConfig, ConfigError> {
-    let mut source = Source::parse(path, text, overrides)?;
+    load_source(Source::parse(path, text, overrides)?, registry)
+}
+
+/// As [`load_str`], for `text` put together from the files `label` names (`path` is the
+/// file it stands for): messages name `label` rather than lines of `text`.
+pub fn load_composed(
+    path: &Path,
+    label: String,
+    text: String,
+    overrides: &[String],
+) -> Result<LoadedConfig, ConfigError> {
+    let source = Source::parse(path, text, overrides)?.composed_of(label);
+    load_source(source, Registry::current())
+}
+
+fn load_source(mut source: Source, registry: &Registry) -> Result<LoadedConfig, ConfigError> {
+    let path = source.path.clone();
     keys::read_peft_names(&mut source)?;
     let mut notes = keys::leave_other_choices(&mut source);
     notes.extend(keys::leave_stale_checksums(&mut source));
@@ -208,7 +224,7 @@ pub fn load_str_with(
         RawConfig::deserialize(toml::Value::Table(source.table.clone())).map_err(|e| {
             ConfigError::Invalid {
                 key: "(document)".into(),
-                at: Origin::Defaulted(path.into()),
+                at: Origin::Defaulted(path.clone()),
                 problem: e.to_string(),
             }
         })?;

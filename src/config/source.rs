@@ -20,6 +20,9 @@ pub struct Source {
     text: String,
     /// `--set` argument that last set each dotted path.
     overrides: HashMap<String, String>,
+    /// Set when `text` was put together from other files: what every origin names instead
+    /// of a line of `text`.
+    composed: Option<String>,
 }
 
 /// How the `job.toml` that `run` freezes begins.
@@ -56,11 +59,19 @@ impl Source {
             value_offsets,
             text,
             overrides: HashMap::new(),
+            composed: None,
         };
         for arg in overrides {
             source.apply_override(arg)?;
         }
         Ok(source)
+    }
+
+    /// Marks the text as put together from the files `label` names: origins name that, not
+    /// lines of the text.
+    pub fn composed_of(mut self, label: String) -> Self {
+        self.composed = Some(label);
+        self
     }
 
     /// Moves the value at the dotted `from` to `to` in the same table, with where it was set
@@ -108,6 +119,7 @@ impl Source {
             return Origin::Override(arg.clone());
         }
         match offsets.get(path).or_else(|| self.key_offsets.get(path)) {
+            Some(_) if let Some(label) = &self.composed => Origin::Composed(label.clone()),
             Some(&offset) => file_origin(&self.path, &self.text, offset),
             None => Origin::Defaulted(self.path.clone()),
         }

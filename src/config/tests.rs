@@ -540,6 +540,23 @@ fn job_toml_of_older_versions_still_loads() {
     );
 }
 
+/// A key of another dataset is to be removed when the file chose its dataset, and the choice
+/// to be made when it left it at its default (`eval DIR --set data.path=...`).
+#[test]
+fn a_key_of_a_dataset_not_chosen_says_to_choose_it() {
+    let chosen = error("[data]\ndataset = \"mnist\"\npath = \"x.txt\"\n");
+    assert!(
+        chosen.contains("it is a key of data.dataset = \"text\" or \"jsonl\": remove it")
+            || chosen.contains("it is a key of data.dataset = \"text\": remove it"),
+        "{chosen}"
+    );
+    let defaulted = error("[data]\npath = \"x.txt\"\n");
+    assert!(
+        defaulted.contains("and data.dataset is not set (its default is \"mnist\"): set it"),
+        "{defaulted}"
+    );
+}
+
 /// A dataset's nested keys are set as its flat ones are, and its checks name the nested key.
 #[test]
 fn nested_dataset_keys_are_set_and_named() {

@@ -385,8 +385,10 @@ fn encode_file(t: &TextSpec, stored: Option<&Path>) -> Result<(Vec<u32>, Vocab),
     let ids = vocab.encode(&text, &what).map_err(|e| match built_fresh {
         true => e,
         false => DataError::Mismatch(format!(
-            "{e}. The text changed since the job started: its vocabulary (vocab.json in the job \
-             directory) no longer covers it; restore the original file or start a new job"
+            "{e}. The job's vocabulary (vocab.json in its directory, made from the text it \
+             trained on) does not cover this text: if it is the job's own text, it changed since \
+             the job started (restore it, or start a new job); other text to score with the \
+             job must use only the job's characters"
         )),
     })?;
     Ok((ids, vocab))

@@ -168,6 +168,13 @@ fn a_stored_vocabulary_that_no_longer_covers_the_text_is_an_error() {
         .unwrap()
         .to_string();
     assert!(err.contains("'c'") && err.contains("vocab.json"), "{err}");
+    // Either the job's text changed or other text is being scored (`eval --set data.path`):
+    // both are named, not only the first.
+    assert!(
+        err.contains("if it is the job's own text, it changed")
+            && err.contains("other text to score with the job must use only the job's"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -202,6 +202,26 @@ fn a_gpt2_checkpoint_fine_tunes_evaluates_and_exports_back() {
     assert_eq!(pretrained["loss"].as_f64(), Some(start.1));
     let trained = eval_json(&t, &["ft"]);
     assert_eq!(trained["loss"].as_f64(), Some(end.1));
+    // A bad key of the data file is named with both files: the text checked is put together
+    // from them, so a line of it is no line of the data file (it said `bad.toml:14:16`).
+    let bad = t.config("bad", &file.replace("[data]", "[data]\nval_fraction = 2.0"));
+    let jobs = t.jobs_dir().display().to_string();
+    let refused = t.ddpjob(&[
+        "eval",
+        "ft",
+        "--data",
+        bad.to_str().unwrap(),
+        "--jobs-dir",
+        &jobs,
+    ]);
+    refused.fails_with(
+        2,
+        &format!(
+            "invalid `data.val_fraction` ({} with [data] from {}): ",
+            t.job("ft").join("job.toml").display(),
+            bad.display()
+        ),
+    );
     let tokens = trained["tokens"].as_u64().unwrap();
     let perplexity = trained["perplexity"].as_f64().unwrap();
     assert!(tokens > 100 && (perplexity - end.1.exp()).abs() < 1e-9);

@@ -194,11 +194,9 @@ fn take(
             let hint = match (owners.is_empty(), chosen_by_default) {
                 (true, _) => Hint::closest(key, candidates),
                 (false, false) => Some(Hint::BelongsTo(owner)),
-                (false, true) => Some(Hint::Unchosen {
-                    owner,
-                    selector,
-                    default: chosen.clone(),
-                }),
+                (false, true) => Some(Hint::Unchosen(format!(
+                    "{owner}, and {selector} is not set (its default is \"{chosen}\")"
+                ))),
             };
             errors.push(ConfigError::UnknownKey {
                 key: key.clone(),

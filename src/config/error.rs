@@ -92,12 +92,8 @@ pub enum Hint {
     /// switched models or datasets.
     BelongsTo(String),
     /// As `BelongsTo`, with the choice itself left at its default (`eval DIR --set
-    /// data.path=...`): the fix is to make it, naming the selector and its default.
-    Unchosen {
-        owner: String,
-        selector: String,
-        default: String,
-    },
+    /// data.path=...`): the fix is to make it. The owner, then the selector and its default.
+    Unchosen(String),
 }
 
 impl Hint {
@@ -110,14 +106,9 @@ impl Hint {
 fn hint_text(hint: &Option<Hint>) -> String {
     match hint {
         Some(Hint::BelongsTo(owner)) => format!("; it is a key of {owner}: remove it"),
-        Some(Hint::Unchosen {
-            owner,
-            selector,
-            default,
-        }) => format!(
-            "; it is a key of {owner}, and {selector} is not set (its default is \"{default}\"): \
-             set it"
-        ),
+        Some(Hint::Unchosen(owner_and_default)) => {
+            format!("; it is a key of {owner_and_default}: set it")
+        }
         Some(Hint::Closest(s)) => format!("; did you mean `{s}`?"),
         None => String::new(),
     }

@@ -143,7 +143,8 @@ impl Source {
             let value = parse_literal(raw_value.trim())
                 .map_err(|problem| bad(format!("`{path}`: {problem}")))?;
             self.insert_at(path, value).map_err(bad)?;
-            self.overrides.insert(path.to_string(), arg.to_string());
+            self.overrides
+                .insert(key_segments(path).join("."), arg.to_string());
             return Ok(());
         }
         let Some(spec) = schema::lookup(path) else {
@@ -167,7 +168,10 @@ impl Source {
             ))
         })?;
         self.insert_at(path, value).map_err(bad)?;
-        self.overrides.insert(path.to_string(), arg.to_string());
+        // Keyed as the file's keys are (`data.checksums.input.txt`, not its quoted form), so
+        // the override is found as the origin of what it set.
+        self.overrides
+            .insert(key_segments(path).join("."), arg.to_string());
         Ok(())
     }
 

@@ -975,29 +975,35 @@ fn a_dataset_switched_by_set_leaves_the_files_keys_of_the_other_behind() {
     assert!(msg.contains("unknown key `download`"), "{msg}");
 }
 
-/// `--set data.path=mine.txt` on a file checking its own text's download: that digest is left
-/// out (it would never be checked), one for the new file kept and checked.
+/// `--set data.path=...` on a file pinning its own text: that digest is of the file's path,
+/// not of the new one (even under the same file name), so it is left out; one given with the
+/// override is kept and checked.
 #[test]
-fn a_path_set_on_the_command_line_leaves_the_files_other_digests_behind() {
+fn a_path_set_on_the_command_line_leaves_the_files_digests_behind() {
     let digest = "a".repeat(64);
     let file = format!(
         "[model]\narch = \"gpt\"\n[data]\ndataset = \"text\"\npath = \"data/input.txt\"\n\
-         download = false\n[data.checksums]\n\"input.txt\" = \"{digest}\"\n\"mine.txt\" = \"{digest}\"\n"
+         download = false\n[data.checksums]\n\"input.txt\" = \"{digest}\"\n"
     );
-    let loaded = load_text(&file, &["data.path=\"other/mine.txt\""]).unwrap();
+    let loaded = load_text(&file, &["data.path=\"other/input.txt\""]).unwrap();
     assert_eq!(loaded.notes.len(), 1, "{:?}", loaded.notes);
-    assert!(
-        loaded.notes[0].starts_with(
-            "data.checksums.\"input.txt\" (configs/x.toml:8:1) is left out: --set \
-             data.path=\"other/mine.txt\" names another file"
-        ),
-        "{:?}",
-        loaded.notes
+    assert_eq!(
+        loaded.notes[0],
+        "data.checksums.\"input.txt\" (configs/x.toml:8:1) is left out: it pins the file's own \
+         data.path, which --set data.path=\"other/input.txt\" replaced"
     );
+    let sums = loaded.spec.data.options().get("checksums");
+    assert!(
+        sums.is_none_or(|s| s.as_table().unwrap().is_empty()),
+        "{sums:?}"
+    );
+    let pinned = format!("data.checksums.\"input.txt\"=\"{}\"", "b".repeat(64));
+    let loaded = load_text(&file, &["data.path=\"other/input.txt\"", &pinned]).unwrap();
     let sums = loaded.spec.data.options()["checksums"].as_table().unwrap();
-    assert_eq!(sums.keys().collect::<Vec<_>>(), ["mine.txt"]);
+    assert_eq!(sums["input.txt"].as_str(), Some("b".repeat(64).as_str()));
     // In the file, the path and its digests must still agree.
-    let msg = error(&file);
+    let other = file.replace("\"input.txt\" =", "\"mine.txt\" =");
+    let msg = error(&other);
     assert!(
         msg.contains("data.checksums.mine.txt: not a file this dataset downloads"),
         "{msg}"

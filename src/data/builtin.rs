@@ -132,7 +132,8 @@ const IDX_KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "checksums",
         default: "built in",
-        doc: "table: SHA-256 per file name (for private mirrors)",
+        doc: "table: SHA-256 per file name (for private mirrors), checked when a file is \
+              downloaded",
     },
     MEAN,
     STD,

@@ -71,6 +71,11 @@ pub struct TrainPosition {
     /// SHA-256 of the frozen (base) weights it was trained over (see [`base`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_sha256: Option<String>,
+    /// World-size-invariant training (`distributed.deterministic`): the pieces each step's
+    /// batch was cut into (`distributed.virtual_shards`), whose tree sets every sum. `None`:
+    /// ordinary training, or a checkpoint written before this was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_shards: Option<usize>,
 }
 
 /// Running sums behind the epoch's train loss and the summary's throughput.
@@ -404,6 +409,7 @@ mod tests {
             metrics: MetricState::default(),
             format: FORMAT,
             base_sha256: None,
+            virtual_shards: None,
         }
     }
 

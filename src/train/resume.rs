@@ -82,13 +82,14 @@ impl Start {
                 false => format!("global batch {before} -> {now}"),
             };
             // World-size-invariant training computes the same weights on any world size that
-            // divides its virtual shards (`verify` checks it); the rest cannot promise that.
-            let outcome = match spec.distributed.world_size_invariant {
-                true => {
+            // divides its virtual shards (`verify` checks it), when the checkpoint was trained
+            // on the same ones; the rest cannot promise that.
+            let outcome = match (spec.distributed.world_size_invariant, from.virtual_shards) {
+                (true, Some(v)) if v == spec.distributed.virtual_shards => {
                     "the weights stay bit-identical to an uninterrupted run \
-                         (distributed.deterministic = \"world-size-invariant\")"
+                     (distributed.deterministic = \"world-size-invariant\")"
                 }
-                false => "the result will not be bit-identical to an uninterrupted run",
+                _ => "the result will not be bit-identical to an uninterrupted run",
             };
             text += &format!(
                 "; world size changed from {} to {world}: {batch}, the rest of the epoch is \
@@ -96,7 +97,30 @@ impl Start {
                 from.world_size, self.total_steps, from.world_size
             );
         }
+        if let Some(changed) = changed_tree(spec, from) {
+            text += &format!(
+                "; {changed}: the result will not be bit-identical to an uninterrupted run"
+            );
+        }
         text
+    }
+}
+
+/// How the sums of world-size-invariant training changed since the checkpoint (`job.toml`
+/// edited): each step's gradients are then summed in another order, whatever the world size.
+fn changed_tree(spec: &JobSpec, from: &TrainPosition) -> Option<String> {
+    let now = spec
+        .distributed
+        .world_size_invariant
+        .then_some(spec.distributed.virtual_shards);
+    match (from.virtual_shards, now) {
+        (Some(before), Some(now)) if before != now => Some(format!(
+            "distributed.virtual_shards changed from {before} to {now}"
+        )),
+        (Some(_), None) => {
+            Some("distributed.deterministic is no longer \"world-size-invariant\"".into())
+        }
+        _ => None,
     }
 }
 

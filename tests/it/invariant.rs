@@ -151,6 +151,44 @@ fn a_resume_on_another_world_size_ends_with_the_uninterrupted_weights() {
         state["step"],
         t.json(&t.job("whole").join("state.json"))["step"]
     );
+
+    // `job.toml` edited to cut the batch into other pieces: every sum changes, so nothing
+    // is promised, and the log says why (it promised the same weights).
+    t.run_env(
+        &cfg,
+        &["--nproc-per-node", "2", "--name", "edited"],
+        &[("DDPJOB_FAULT", "rank=0,step=7,kind=preempt")],
+    )
+    .fails_with(143, "after checkpoint `step-00000007`");
+    let frozen = t.job("edited").join("job.toml");
+    let text = std::fs::read_to_string(&frozen).unwrap();
+    std::fs::write(
+        &frozen,
+        text.replace("virtual_shards = 4", "virtual_shards = 2"),
+    )
+    .unwrap();
+    let args = [
+        "resume",
+        "edited",
+        "--jobs-dir",
+        &jobs,
+        "--nproc-per-node",
+        "1",
+    ];
+    let resumed = t.ddpjob(&args);
+    resumed.success();
+    let stdout = &resumed.stdout;
+    assert!(
+        !stdout.contains("the weights stay bit-identical"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(
+            "distributed.virtual_shards changed from 4 to 2: the result will not be \
+             bit-identical to an uninterrupted run"
+        ),
+        "{stdout}"
+    );
 }
 
 #[test]

@@ -419,11 +419,12 @@ impl JobDir {
         if let Some(state) = self.read_state() {
             return Some(state);
         }
-        // A job's directory: its config and what only a job's run leaves (a checkpoint, or
-        // its results). Another node's copy of a multi-node job (config and logs only) is not
-        // one to list or resume.
+        // A job's directory: its config and what only a job's run leaves (a checkpoint, its
+        // results, or rank 0's metrics). Another node's copy of a multi-node job (config and
+        // logs only) is not one to list or resume.
         let ran = self.checkpoints_dir().join("latest").is_file()
-            || (self.summary_path().is_file() && self.model_path().is_file());
+            || (self.summary_path().is_file() && self.model_path().is_file())
+            || self.metrics_path().is_file();
         if !self.job_toml().is_file() || !ran {
             return None;
         }

@@ -673,11 +673,15 @@ fn a_running_job_is_left_to_its_launcher_and_an_unfinished_one_pointed_to_resume
 #[test]
 fn a_job_whose_state_json_is_damaged_is_still_listed_and_resumed() {
     let t = TestJob::new();
-    let (_, cut) = whole_then_cut(&t, "rank=0,step=6,kind=preempt");
+    let (cfg, cut) = whole_then_cut(&t, "rank=0,step=6,kind=preempt");
     cut.fails_with(143, "interrupted by SIGTERM");
+    // One that failed before its first checkpoint: its metrics say it ran.
+    let two = ["--nproc-per-node", "2", "--name", "early"];
+    run_with_fault(&t, &cfg, "rank=0,step=5,kind=exit", &two).fails_with(1, "injected");
     let jobs = t.jobs_dir().display().to_string();
     std::fs::write(t.job("cut").join("state.json"), "{\"status\": \"interr").unwrap();
     std::fs::remove_file(t.job("whole").join("state.json")).unwrap();
+    std::fs::remove_file(t.job("early").join("state.json")).unwrap();
     let list = t.ddpjob(&["list", "--jobs-dir", &jobs]);
     list.success();
     let line = |name: &str| {
@@ -691,6 +695,11 @@ fn a_job_whose_state_json_is_damaged_is_still_listed_and_resumed() {
     // The checkpoint gives the step; the run's total is not known until it reads its data.
     assert!(line("cut").contains(" 6/? "), "{}", list.stdout);
     assert!(line("whole").contains("finished"), "{}", list.stdout);
+    assert!(line("early").contains("interrupted"), "{}", list.stdout);
+    let early = t.ddpjob(&["show", "early", "--jobs-dir", &jobs]);
+    early.success();
+    let over = "no checkpoint yet: `ddpjob resume early --jobs-dir";
+    assert!(early.stdout.contains(over), "{}", early.stdout);
     let show = t.ddpjob(&["show", "cut", "--jobs-dir", &jobs]);
     show.success();
     assert!(

@@ -26,7 +26,9 @@ pub(super) struct SampleArgs {
     #[arg(long, default_value_t = 500)]
     tokens: usize,
     /// Softmax temperature; 0 always takes the most likely token.
-    #[arg(long, default_value_t = 0.8)]
+    // A negative value reaches the check below, which says what is allowed (clap's own
+    // message took `-1` for an option).
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f64,
     /// Sample among the K most likely tokens only (0: all).
     #[arg(long, default_value_t = 200, value_name = "K")]

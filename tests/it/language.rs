@@ -202,6 +202,12 @@ fn sampling_never_draws_the_padding_of_a_padded_vocabulary() {
         .collect();
     assert!(strays.is_empty(), "drew {strays:?} in {:?}", out.stdout);
     assert!(out.stdout.chars().count() >= 400, "{}", out.stdout);
+    // A negative temperature is told what is allowed (not to write `-- -1`).
+    t.ddpjob(&[&args[..], &["--temperature", "-1"][..]].concat())
+        .fails_with(
+            2,
+            "--temperature must be a finite number, 0 or more, got -1",
+        );
 }
 
 /// A byte-level BPE (GPT-2's kind of tokenizer) of about `size` tokens learned from `text`,

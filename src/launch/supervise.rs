@@ -271,9 +271,9 @@ fn failure_report(workers: &[Worker], watch: &Watchdog) -> (String, String, bool
             false,
         );
     };
-    let step = watch
-        .last_step(w.rank)
-        .map_or(String::new(), |s| format!(" (last heartbeat at step {s})"));
+    let step = watch.last_step(w.rank).map_or(String::new(), |s| {
+        format!(" (at step {s} or later, by its last heartbeat)")
+    });
     let tail = log_tail(&w.log, 12);
     // Its failure record says why (a hang names the ranks that never arrived; a panic its
     // message and where).

@@ -277,7 +277,7 @@ pub fn list(views: &[JobView], now: u64) -> String {
             v.name.clone(),
             v.status(),
             model.to_string(),
-            v.data(),
+            fit_data(&v.data(), COLUMNS[3].1.unsigned_abs() as usize),
             s.world_size.to_string(),
             epoch,
             step_of_total(v.step(), s.total_steps),
@@ -289,6 +289,27 @@ pub fn list(views: &[JobView], now: u64) -> String {
         ]);
     }
     out
+}
+
+/// A DATA cell of at most `width` characters: `job.toml` holds absolute paths, so `text
+/// /home/me/data/input.txt` becomes `text …/input.txt` (and its end, when that is still too
+/// long), keeping `list`'s columns aligned. `show` has the whole path.
+fn fit_data(data: &str, width: usize) -> String {
+    if data.chars().count() <= width {
+        return data.to_string();
+    }
+    let (kind, path) = data.split_once(' ').unwrap_or(("", data));
+    let name = std::path::Path::new(path)
+        .file_name()
+        .map_or(path.into(), |n| n.to_string_lossy());
+    let short = format!("{kind} …/{name}");
+    let chars: Vec<char> = short.chars().collect();
+    match chars.len() <= width {
+        true => short,
+        false => std::iter::once('…')
+            .chain(chars[chars.len() - (width - 1)..].iter().copied())
+            .collect(),
+    }
 }
 
 /// `760/4700`; `760/?` while the total is not known (a run that has not read its data yet,
@@ -316,5 +337,22 @@ fn bytes(n: u64) -> String {
         1024..1_048_576 => format!("{:.1} KiB", n as f64 / 1024.0),
         1_048_576..1_073_741_824 => format!("{:.1} MiB", n as f64 / 1_048_576.0),
         _ => format!("{:.2} GiB", n as f64 / 1_073_741_824.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fit_data;
+
+    #[test]
+    fn a_long_data_cell_keeps_its_kind_and_file_name_within_the_column() {
+        assert_eq!(fit_data("synthetic 2048/512", 18), "synthetic 2048/512");
+        assert_eq!(
+            fit_data("text /home/me/data/shakespeare/input.txt", 18),
+            "text …/input.txt"
+        );
+        let long = fit_data("tokens /data/owt/openwebtext-train-2024.bin", 18);
+        assert_eq!(long, "…xt-train-2024.bin");
+        assert_eq!(long.chars().count(), 18);
     }
 }

@@ -114,6 +114,12 @@ fn a_tiny_gpt_learns_text_and_samples_from_it() {
         "{}",
         list.stdout
     );
+    // The data's absolute path (as job.toml holds it) fits its column: `text …/corpus.txt`.
+    assert!(
+        list.stdout.contains(" text …/corpus.txt "),
+        "{}",
+        list.stdout
+    );
     // nanoGPT's parameter names; the tied head is there under its own name too.
     let weights = load_weights(&job.join("model.safetensors"));
     for name in [

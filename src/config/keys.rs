@@ -444,9 +444,9 @@ pub(super) fn leave_other_choices(source: &mut Source) -> Vec<String> {
     let mut notes = Vec::new();
     for &(choice, key, applies) in CHOICE_KEYS {
         let (by, at) = (source.value_origin(choice), source.value_origin(key));
-        let (Origin::Override(_), Origin::File { .. }) = (&by, &at) else {
+        if !(matches!(by, Origin::Override(_)) && at.is_written()) {
             continue;
-        };
+        }
         let chosen = value_at(&source.table, choice).and_then(toml::Value::as_str);
         let Some(chosen) = chosen.filter(|c| !applies.contains(c)).map(str::to_string) else {
             continue;
@@ -483,19 +483,24 @@ pub(super) fn read_peft_names(source: &mut Source) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// `--set data.path=mine.txt` on a file that pins its own text
-/// (`configs/shakespeare-char.toml`'s `data.checksums."input.txt"`): the file's digests are of
-/// the file it named, not of the one the override names (even under the same file name, as
-/// `mine/input.txt`), so they are left out, each said in a note.
+/// `--set data.path=mine.txt` on a file that checks its own text's download
+/// (`configs/shakespeare-char.toml`'s `data.checksums."input.txt"`): the file's digests of
+/// files the new path does not name are left out (each said in a note), as they would never be
+/// checked.
 pub(super) fn leave_stale_checksums(source: &mut Source) -> Vec<String> {
     let by = source.value_origin("data.path");
     let Origin::Override(_) = by else {
         return Vec::new();
     };
+    let named = value_at(&source.table, "data.path")
+        .and_then(toml::Value::as_str)
+        .and_then(|p| std::path::Path::new(p).file_name())
+        .map(|f| f.to_string_lossy().into_owned());
     let stale: Vec<(String, Origin)> = value_at(&source.table, "data.checksums")
         .and_then(toml::Value::as_table)
         .into_iter()
         .flat_map(|t| t.keys())
+        .filter(|file| Some(*file) != named.as_ref())
         .map(|file| {
             let at = source.key_origin(&format!("data.checksums.{file}"));
             (file.clone(), at)
@@ -508,8 +513,8 @@ pub(super) fn leave_stale_checksums(source: &mut Source) -> Vec<String> {
     let notes = stale.into_iter().map(|(file, at)| {
         sums.remove(&file);
         format!(
-            "data.checksums.\"{file}\" ({at}) is left out: it pins the file's own data.path, \
-             which {by} replaced"
+            "data.checksums.\"{file}\" ({at}) is left out: {by} names another file, so it \
+             would never be checked"
         )
     });
     notes.collect()

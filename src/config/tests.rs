@@ -540,6 +540,30 @@ fn job_toml_of_older_versions_still_loads() {
     );
 }
 
+/// A config put together from several files (`eval JOB --data FILE`) names them in messages
+/// and otherwise reads as a file does: a switched optimizer leaves the other's keys out.
+#[test]
+fn a_composed_config_names_its_files_and_reads_as_a_file() {
+    let text = "[train]\noptimizer = \"adam\"\neps = 1e-6\nlr = -1.0\n".to_string();
+    let label = "jobs/a/job.toml with [data] from d.toml".to_string();
+    let path = Path::new("d.toml");
+    let err = load_composed(path, label.clone(), text.clone(), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("invalid `train.lr` (jobs/a/job.toml with [data] from d.toml)"),
+        "{err}"
+    );
+    let fixed = text.replace("lr = -1.0", "lr = 0.1");
+    let sgd = ["train.optimizer=sgd".to_string()];
+    let loaded = load_composed(path, label, fixed, &sgd).unwrap();
+    assert!(
+        loaded.notes.iter().any(|n| n.contains("train.eps")),
+        "{:?}",
+        loaded.notes
+    );
+}
+
 /// A key of another dataset is to be removed when the file chose its dataset, and the choice
 /// to be made when it left it at its default (`eval DIR --set data.path=...`).
 #[test]
@@ -975,35 +999,39 @@ fn a_dataset_switched_by_set_leaves_the_files_keys_of_the_other_behind() {
     assert!(msg.contains("unknown key `download`"), "{msg}");
 }
 
-/// `--set data.path=...` on a file pinning its own text: that digest is of the file's path,
-/// not of the new one (even under the same file name), so it is left out; one given with the
-/// override is kept and checked.
+/// `--set data.path=mine.txt` on a file checking its own text's download: that digest is left
+/// out (it would never be checked), one for the new file kept and checked.
 #[test]
-fn a_path_set_on_the_command_line_leaves_the_files_digests_behind() {
+fn a_path_set_on_the_command_line_leaves_the_files_other_digests_behind() {
     let digest = "a".repeat(64);
     let file = format!(
         "[model]\narch = \"gpt\"\n[data]\ndataset = \"text\"\npath = \"data/input.txt\"\n\
-         download = false\n[data.checksums]\n\"input.txt\" = \"{digest}\"\n"
+         download = false\n[data.checksums]\n\"input.txt\" = \"{digest}\"\n\"mine.txt\" = \"{digest}\"\n"
     );
-    let loaded = load_text(&file, &["data.path=\"other/input.txt\""]).unwrap();
+    let loaded = load_text(&file, &["data.path=\"other/mine.txt\""]).unwrap();
     assert_eq!(loaded.notes.len(), 1, "{:?}", loaded.notes);
-    assert_eq!(
-        loaded.notes[0],
-        "data.checksums.\"input.txt\" (configs/x.toml:8:1) is left out: it pins the file's own \
-         data.path, which --set data.path=\"other/input.txt\" replaced"
-    );
-    let sums = loaded.spec.data.options().get("checksums");
     assert!(
-        sums.is_none_or(|s| s.as_table().unwrap().is_empty()),
-        "{sums:?}"
+        loaded.notes[0].starts_with(
+            "data.checksums.\"input.txt\" (configs/x.toml:8:1) is left out: --set \
+             data.path=\"other/mine.txt\" names another file"
+        ),
+        "{:?}",
+        loaded.notes
     );
-    let pinned = format!("data.checksums.\"input.txt\"=\"{}\"", "b".repeat(64));
-    let loaded = load_text(&file, &["data.path=\"other/input.txt\"", &pinned]).unwrap();
     let sums = loaded.spec.data.options()["checksums"].as_table().unwrap();
-    assert_eq!(sums["input.txt"].as_str(), Some("b".repeat(64).as_str()));
+    assert_eq!(sums.keys().collect::<Vec<_>>(), ["mine.txt"]);
+    // A digest set on the command line under its quoted name is the command line's: named
+    // so in messages (it was taken for the file's, and named at its line).
+    let pinned = format!("data.checksums.\"input.txt\"=\"{}\"", "b".repeat(64));
+    let err = load_text(&file, &["data.path=\"other/mine.txt\"", &pinned])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("(--set {pinned})")) && err.contains("not a file this dataset"),
+        "{err}"
+    );
     // In the file, the path and its digests must still agree.
-    let other = file.replace("\"input.txt\" =", "\"mine.txt\" =");
-    let msg = error(&other);
+    let msg = error(&file);
     assert!(
         msg.contains("data.checksums.mine.txt: not a file this dataset downloads"),
         "{msg}"

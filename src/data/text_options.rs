@@ -86,8 +86,8 @@ pub(super) const TEXT_KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "checksums",
         default: "none",
-        doc: "table: SHA-256 per file name, checked when it is downloaded and, for a file \
-              already at `path`, when a job starts",
+        doc: "table: SHA-256 per file name, checked when the file is downloaded (a file \
+              already at `path` is read as it is)",
     },
 ];
 
@@ -117,12 +117,12 @@ impl TextOptions {
         TextTask::open(&TextSource::Text(spec), cx)
     }
 
-    /// Makes sure the file is on disk (downloading it into place if allowed), with the SHA-256
-    /// `checksums` pins for it, if any: a file already there is checked too, as pinning asks.
+    /// Makes sure the file is on disk (downloading it into place if allowed; SHA-256 checked
+    /// when `checksums` names it).
     fn ensure_present(&self) -> Result<(), DataError> {
         let path = self.spec().path;
         if path.is_file() {
-            return self.check_pinned(&path);
+            return Ok(());
         }
         if path.is_dir() || !self.download || self.mirrors.is_empty() {
             return Err(self.absent(&path));
@@ -133,28 +133,6 @@ impl TextOptions {
             .unwrap_or_default();
         let digest = self.checksums.get(&file).map(String::as_str);
         download(&self.mirrors, &file, digest, &path)
-    }
-
-    /// The file at `path` against its `checksums` digest, when one names it.
-    fn check_pinned(&self, path: &Path) -> Result<(), DataError> {
-        let file = path.file_name().map(|f| f.to_string_lossy().into_owned());
-        let Some((file, expected)) = file.and_then(|f| self.checksums.get(&f).map(|d| (f, d)))
-        else {
-            return Ok(());
-        };
-        let actual = crate::checkpoint::sha256_file(path).map_err(|cause| DataError::Io {
-            path: path.into(),
-            cause,
-        })?;
-        if actual.eq_ignore_ascii_case(expected.trim()) {
-            return Ok(());
-        }
-        Err(DataError::Mismatch(format!(
-            "data.path `{}` is not the file data.checksums.\"{file}\" pins: its SHA-256 is \
-             {actual}, not {expected}; put the pinned file there, or correct or remove the \
-             checksum",
-            path.display()
-        )))
     }
 
     /// Why the text file at `path` (not a file) cannot be read, and the fix.

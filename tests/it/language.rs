@@ -4,8 +4,6 @@
 
 use std::path::Path;
 
-use sha2::Digest;
-
 use crate::common::{TestJob, assert_same_bits, corpus, load_weights};
 
 fn gpt_job(text_path: &Path, extra: &str) -> String {
@@ -504,23 +502,6 @@ fn bad_text_jobs_are_refused_before_anything_is_created() {
     run("latin1", gpt_job(&t.path("latin1.txt"), ""))
         .fails_with(1, "not UTF-8")
         .fails_with(1, "offset 3");
-    // A pinned digest is checked for a file already there, not only for a download.
-    let pinned = |digest: &str| {
-        gpt_job(&text, "").replace(
-            "[train]",
-            &format!("[data.checksums]\n\"corpus.txt\" = \"{digest}\"\n[train]"),
-        )
-    };
-    run("pinned", pinned(&"0".repeat(64))).fails_with(
-        2,
-        "is not the file data.checksums.\"corpus.txt\" pins: its SHA-256 is ",
-    );
-    let digest: String = sha2::Sha256::digest(std::fs::read(&text).unwrap())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    t.run(&t.config("pinned-right", &pinned(&digest)), &[])
-        .success();
     std::fs::write(t.path("short.txt"), "tiny text").unwrap();
     run("short", gpt_job(&t.path("short.txt"), "")).fails_with(2, "fewer than one window");
     run("missing", gpt_job(&t.path("nowhere.txt"), "")).fails_with(2, "does not exist");

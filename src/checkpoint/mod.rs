@@ -104,9 +104,10 @@ pub struct MetricState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub early_stopping_on: Option<crate::config::Monitor>,
     /// Steps were counted since the last epoch's end: a run stopped after an epoch's last
-    /// step, before that epoch's evaluation and train loss, has them still to do.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub epoch_open: bool,
+    /// step, before that epoch's evaluation and train loss, has them still to do. `None` in
+    /// a checkpoint of an older build: see [`MetricState::is_epoch_open`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch_open: Option<bool>,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -128,7 +129,18 @@ impl MetricState {
         }
         self.epoch_samples += samples;
         self.epoch_secs += secs;
-        self.epoch_open = true;
+        self.epoch_open = Some(true);
+    }
+
+    /// Whether the epoch in progress has steps its end has not closed. An older build's
+    /// checkpoint does not say: its epoch is open when it counted samples whose mean is not
+    /// the last epoch's loss, which closing it stores exactly (the JSON round trip keeps every
+    /// bit).
+    pub fn is_epoch_open(&self) -> bool {
+        self.epoch_open.unwrap_or_else(|| {
+            self.epoch_samples > 0.0
+                && self.last_epoch_loss != Some(self.epoch_loss_x_n / self.epoch_samples.max(1.0))
+        })
     }
 
     /// Counts an evaluation's `value` of `monitor` for early stopping (Lightning's rule: an
@@ -163,7 +175,7 @@ impl MetricState {
         self.total_samples += self.epoch_samples;
         self.train_s += self.epoch_secs;
         self.last_epoch_loss = Some(loss);
-        self.epoch_open = false;
+        self.epoch_open = Some(false);
         loss
     }
 }
@@ -394,6 +406,26 @@ pub fn verify(checkpoint: &Path) -> Result<(), String> {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// Whether an epoch's end is still to come, as recorded, and as read from an older
+    /// build's checkpoint that does not record it (its JSON without the field).
+    #[test]
+    fn an_epoch_is_open_between_its_steps_and_its_end_in_old_checkpoints_too() {
+        let older = |m: &MetricState| -> MetricState {
+            let mut json = serde_json::to_value(m).unwrap();
+            json.as_object_mut().unwrap().remove("epoch_open");
+            serde_json::from_value(json).unwrap()
+        };
+        let mut m = MetricState::default();
+        assert!(!m.is_epoch_open() && !older(&m).is_epoch_open());
+        m.add_interval(&[3.0 * 8.0, 2.5 * 8.0], 16.0, 1.0);
+        assert!(m.is_epoch_open() && older(&m).is_epoch_open());
+        m.finish_epoch();
+        assert!(!m.is_epoch_open() && !older(&m).is_epoch_open());
+        m.start_epoch();
+        m.add_interval(&[2.0 * 8.0], 8.0, 1.0);
+        assert!(m.is_epoch_open() && older(&m).is_epoch_open());
+    }
 
     /// A position after `step` steps of epoch 0, 8 samples a step.
     pub(super) fn position(step: usize) -> TrainPosition {

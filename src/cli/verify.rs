@@ -149,9 +149,9 @@ fn steps_within_the_job(
 ) -> anyhow::Result<()> {
     let samples = match crate::registry::Registry::current().train_samples(&spec.data) {
         Some((n, _)) => n,
-        None => crate::task::load(spec, None)
-            .map_err(|e| anyhow!(e))?
-            .train_len(),
+        // Data that cannot be opened yet (a registered dataset that downloads when a job
+        // starts) is the runs' to find: 0, not checked.
+        None => crate::task::load(spec, None).map_or(0, |task| task.train_len()),
     };
     // Data not on disk yet (a download): the runs find it, and their length is told after.
     if samples == 0 {

@@ -248,7 +248,9 @@ impl Trainer<'_> {
             let resumed_here = position.is_some() && epoch == start.epoch;
             // A run stopped after its last step, before that epoch's end (its evaluation,
             // record and train loss): the resumed run ends the epoch, with no step to take.
-            let unfinished = resumed_here && start.metrics.epoch_open;
+            // (Exactly at its end: a job edited to fewer steps has nothing to end.)
+            let unfinished =
+                resumed_here && start.metrics.is_epoch_open() && run.step == run.total_steps;
             if (run.step >= run.total_steps && !unfinished) || run.stopped_early.is_some() {
                 break;
             }

@@ -89,6 +89,11 @@ impl Start {
                     "the weights stay bit-identical to an uninterrupted run \
                      (distributed.deterministic = \"world-size-invariant\")"
                 }
+                (true, None) => {
+                    "the weights stay bit-identical to an uninterrupted run if the checkpoint \
+                     was trained in this mode with the same distributed.virtual_shards (it \
+                     does not record them)"
+                }
                 _ => "the result will not be bit-identical to an uninterrupted run",
             };
             text += &format!(

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use crate::common::{TestJob, assert_same_bits, corpus, load_weights};
+use crate::common::{Run, TestJob, assert_same_bits, corpus, load_weights};
 
 fn gpt_job(text_path: &Path, extra: &str) -> String {
     format!(
@@ -328,6 +328,13 @@ fn two_workers_with_half_the_batch_match_one_with_dropout() {
     }
 }
 
+/// The job `text` run whole (job `whole`), then again as job `cut` with `fault` injected.
+fn whole_then_cut(t: &TestJob, text: &str, fault: &str) -> Run {
+    let cfg = t.config("job", text);
+    t.run(&cfg, &["--name", "whole"]).success();
+    t.run_env(&cfg, &["--name", "cut"], &[("DDPJOB_FAULT", fault)])
+}
+
 #[test]
 fn sigterm_then_resume_is_bit_identical_for_a_gpt() {
     let t = TestJob::new();
@@ -335,14 +342,8 @@ fn sigterm_then_resume_is_bit_identical_for_a_gpt() {
     let text = gpt_job(&text, "keep_best = true")
         .replace("bias = false", "dropout = 0.1")
         .replace("[train]", "[train]\neval_every = 7");
-    let cfg = t.config("job", &text);
-    t.run(&cfg, &["--name", "whole"]).success();
-    let cut = t.run_env(
-        &cfg,
-        &["--name", "cut"],
-        &[("DDPJOB_FAULT", "rank=0,step=23,kind=preempt")],
-    );
-    cut.fails_with(143, "interrupted by SIGTERM");
+    whole_then_cut(&t, &text, "rank=0,step=23,kind=preempt")
+        .fails_with(143, "interrupted by SIGTERM");
     let jobs = t.jobs_dir().to_string_lossy().into_owned();
     // The text changed meanwhile (its characters still in the vocabulary): every window and
     // the split would move, so the job is not continued on it.
@@ -375,14 +376,7 @@ fn a_best_past_the_resumed_checkpoint_is_set_aside_and_earned_again() {
     let text = write_corpus(&t);
     let text = gpt_job(&text, "keep_best = true\nevery_steps = 10")
         .replace("[train]", "[train]\neval_every = 7");
-    let cfg = t.config("job", &text);
-    t.run(&cfg, &["--name", "whole"]).success();
-    let cut = t.run_env(
-        &cfg,
-        &["--name", "cut"],
-        &[("DDPJOB_FAULT", "rank=0,step=16,kind=exit")],
-    );
-    cut.fails_with(1, "injected");
+    whole_then_cut(&t, &text, "rank=0,step=16,kind=exit").fails_with(1, "injected");
     let best_step = |name: &str| {
         let state = t.job(name).join("checkpoints/best/state.json");
         t.json(&state)["step"].as_u64().unwrap()

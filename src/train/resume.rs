@@ -94,13 +94,18 @@ impl Start {
                      was trained in this mode with the same distributed.virtual_shards (it \
                      does not record them)"
                 }
+                // An edited tree is said below, with its reason.
+                _ if changed_tree(spec, from).is_some() => "",
                 _ => "the result will not be bit-identical to an uninterrupted run",
             };
             text += &format!(
                 "; world size changed from {} to {world}: {batch}, the rest of the epoch is \
-                 re-sharded over {world} ranks, {} steps in all (was planned on {}); {outcome}",
+                 re-sharded over {world} ranks, {} steps in all (was planned on {})",
                 from.world_size, self.total_steps, from.world_size
             );
+            if !outcome.is_empty() {
+                text += &format!("; {outcome}");
+            }
         }
         if let Some(changed) = changed_tree(spec, from) {
             text += &format!(

@@ -182,6 +182,12 @@ fn a_resume_on_another_world_size_ends_with_the_uninterrupted_weights() {
         !stdout.contains("the weights stay bit-identical"),
         "{stdout}"
     );
+    // Said once, with its reason (the world size changed too).
+    assert_eq!(
+        stdout.matches("will not be bit-identical").count(),
+        1,
+        "{stdout}"
+    );
     assert!(
         stdout.contains(
             "distributed.virtual_shards changed from 4 to 2: the result will not be \

@@ -175,15 +175,13 @@ pub fn spec_for(
     }
     let text = toml::to_string(&doc).map_err(|e| EvalError::Usage(e.to_string()))?;
     // The text is not any one file's: messages name the files, not its lines.
-    let label = match (model, data_from) {
-        (EvalModel::Pretrained(dir), None) => dir.display().to_string(),
-        (EvalModel::Job { .. }, None) => path.display().to_string(),
-        (EvalModel::Pretrained(dir), Some(file)) => {
-            format!("{} with [data] from {}", dir.display(), file.display())
-        }
-        (EvalModel::Job { .. }, Some(file)) => {
-            format!("{} with [data] from {}", path.display(), file.display())
-        }
+    let model_file = match model {
+        EvalModel::Pretrained(dir) => dir.display().to_string(),
+        EvalModel::Job { .. } => path.display().to_string(),
+    };
+    let label = match data_from {
+        Some(file) => format!("{model_file} with [data] from {}", file.display()),
+        None => model_file,
     };
     let origin = data_from.map_or(path, Path::to_path_buf);
     Ok(config::load_composed(&origin, label, text, overrides)?.spec)

@@ -70,6 +70,8 @@ impl Start {
             self.step,
             self.consumed
         );
+        // An edited tree is said last, with its reason, for any world size.
+        let changed = changed_tree(spec, from);
         if self.reshard {
             let t = &spec.train;
             let batch = |w: usize| match t.global_batch_size {
@@ -94,8 +96,6 @@ impl Start {
                      was trained in this mode with the same distributed.virtual_shards (it \
                      does not record them)"
                 }
-                // An edited tree is said below, with its reason.
-                _ if changed_tree(spec, from).is_some() => "",
                 _ => "the result will not be bit-identical to an uninterrupted run",
             };
             text += &format!(
@@ -103,11 +103,11 @@ impl Start {
                  re-sharded over {world} ranks, {} steps in all (was planned on {})",
                 from.world_size, self.total_steps, from.world_size
             );
-            if !outcome.is_empty() {
+            if changed.is_none() {
                 text += &format!("; {outcome}");
             }
         }
-        if let Some(changed) = changed_tree(spec, from) {
+        if let Some(changed) = changed {
             text += &format!(
                 "; {changed}: the result will not be bit-identical to an uninterrupted run"
             );

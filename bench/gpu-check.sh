@@ -21,7 +21,8 @@
 # memory estimate with the GPU's free memory; `run` refuses a GPT of 11 B parameters, exit 2,
 # before creating its job), zero (`distributed.sharding = "full"` against `"gradients"`, bit
 # for bit: two workers sharing the GPU over tcp, and one through NCCL with its collectives
-# exercised: parameters gathered into device storage and let go of), cnn (a Fashion-MNIST cnn epoch against
+# exercised: parameters gathered into device storage and let go of), recompute (the GPT recipe
+# with `train.activation_checkpointing` against the same job without it, bit for bit), cnn (a Fashion-MNIST cnn epoch against
 # torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), llama (a SmolLM2-135M-shaped
 # `llama` from a Hugging Face directory, bf16, against transformers on the same device: training
 # and `eval` tokens/s, the first steps' losses), bench (`bench step` of BENCH_CONFIG and of the step the cnn
@@ -48,7 +49,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-all_steps=(driver warmup kernels cnn bench profile smoke nccl tcp2 memory zero gpt llama resume)
+all_steps=(driver warmup kernels cnn bench profile smoke nccl tcp2 memory zero recompute gpt llama resume)
 wanted=("$@")
 [ $# -gt 0 ] || wanted=("${all_steps[@]}")
 for s in "${wanted[@]}"; do
@@ -407,6 +408,26 @@ if wants zero; then
     fi
   else
     record "sharding full vs gradients" skipped "DEVICE=cpu dry run"
+  fi
+fi
+
+# Activation checkpointing on the device: each block's forward run again in backward must give
+# the weights of the job that kept its activations, bit for bit (dropout included).
+if wants recompute; then
+  if [ "$device" = cuda ]; then
+    for ckpt in false true; do
+      ddpjob run configs/shakespeare-char-gpu.toml --jobs-dir "$jobs" --name "recompute-$ckpt" \
+        "${gpu[@]}" --set "data.path=\"$text\"" --set train.max_steps=20 --set train.batch_size=16 \
+        --set train.eval_every=10 --set train.eval_batches=2 \
+        --set "train.activation_checkpointing=$ckpt" > "$logs/recompute-$ckpt.log" 2>&1
+    done
+    if same=$(compare_weights "$jobs/recompute-false" "$jobs/recompute-true" 0); then
+      record "activation checkpointing" ok "against activations kept: $same"
+    else
+      record "activation checkpointing" FAIL "${same:-} $(tail_of "$logs/recompute-true.log" 2)"
+    fi
+  else
+    record "activation checkpointing" skipped "DEVICE=cpu dry run"
   fi
 fi
 

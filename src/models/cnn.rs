@@ -143,9 +143,21 @@ mod tests {
         (loss, per_param)
     }
 
+    /// The largest difference between two parameters' gradients, and the reference's scale.
+    fn worst_difference(ours: &[f32], theirs: &[f32]) -> (f32, f32) {
+        let scale = theirs.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let worst = ours
+            .iter()
+            .zip(theirs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        (worst, scale)
+    }
+
     /// Runs where a GPU is: the cnn through autograd on the GPU (its unfolded convolutions and
-    /// its linear layers' finishing kernel) gives the CPU's loss and gradients, and in bf16
-    /// stays near them.
+    /// its linear layers' finishing kernel) gives the CPU's loss and gradients in f32; in bf16
+    /// it strays from them no further than the CPU's own bf16 does (on this small net, with
+    /// pre-activations near zero, that is up to about 30% of a gradient's largest value).
     #[test]
     fn the_gpu_cnn_gives_the_cpus_loss_and_gradients() {
         let (cpu_loss, cpu_grads) = loss_and_grads(&Device::Cpu, DType::F32);
@@ -156,24 +168,35 @@ mod tests {
             eprintln!("skipping: no GPU");
             return;
         };
-        for (dtype, tolerance) in [(DType::F32, 1e-4), (DType::BF16, 5e-2)] {
-            let (loss, grads) = loss_and_grads(&gpu, dtype);
+        let (loss, grads) = loss_and_grads(&gpu, DType::F32);
+        assert!(
+            (loss - cpu_loss).abs() <= 1e-4 * cpu_loss.abs(),
+            "F32: loss {loss} on the GPU, {cpu_loss} on the CPU"
+        );
+        for ((name, ours), (_, theirs)) in grads.iter().zip(&cpu_grads) {
+            let (worst, scale) = worst_difference(ours, theirs);
             assert!(
-                (loss - cpu_loss).abs() <= tolerance * cpu_loss.abs(),
-                "{dtype:?}: loss {loss} on the GPU, {cpu_loss} on the CPU"
+                worst <= 1e-4 * scale,
+                "F32 {name}: gradients differ by {worst} (scale {scale})"
             );
-            for ((name, ours), (_, theirs)) in grads.iter().zip(&cpu_grads) {
-                let scale = theirs.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-                let worst = ours
-                    .iter()
-                    .zip(theirs)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0f32, f32::max);
-                assert!(
-                    worst <= tolerance * scale,
-                    "{dtype:?} {name}: gradients differ by {worst} (scale {scale})"
-                );
-            }
+        }
+        let (cpu_bf16_loss, cpu_bf16_grads) = loss_and_grads(&Device::Cpu, DType::BF16);
+        let (loss, grads) = loss_and_grads(&gpu, DType::BF16);
+        let cpu_bf16_loss_error = (cpu_bf16_loss - cpu_loss).abs();
+        assert!(
+            (loss - cpu_loss).abs() <= 2.0 * cpu_bf16_loss_error + 1e-2 * cpu_loss.abs(),
+            "BF16: loss {loss} on the GPU, {cpu_bf16_loss} on the CPU, {cpu_loss} in f32"
+        );
+        for (((name, ours), (_, cpu_bf16)), (_, f32s)) in
+            grads.iter().zip(&cpu_bf16_grads).zip(&cpu_grads)
+        {
+            let (worst, scale) = worst_difference(ours, f32s);
+            let (cpu_worst, _) = worst_difference(cpu_bf16, f32s);
+            assert!(
+                worst <= 2.0 * cpu_worst + 1e-2 * scale,
+                "BF16 {name}: the GPU's gradients differ from f32's by {worst}, the CPU's bf16 \
+                 by {cpu_worst} (scale {scale})"
+            );
         }
     }
 }

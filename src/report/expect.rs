@@ -118,6 +118,7 @@ mod tests {
             samples: 640,
             world_size: 1,
             parameters: 100,
+            trainable_parameters: None,
             train_tokens_per_s: None,
             best_test_loss: None,
             best_step: None,

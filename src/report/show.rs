@@ -198,7 +198,16 @@ pub fn show(v: &JobView, now: u64) -> String {
 
 fn model_line(v: &JobView) -> String {
     match &v.summary {
-        Some(s) => format!("{}, {} parameters", v.model(), s.parameters),
+        Some(s) => match s.trainable_parameters {
+            // peft's print_trainable_parameters, in a line.
+            Some(trainable) => format!(
+                "{}, {} parameters, {trainable} of them trained ({:.2}%)",
+                v.model(),
+                s.parameters,
+                100.0 * trainable as f64 / s.parameters.max(1) as f64
+            ),
+            None => format!("{}, {} parameters", v.model(), s.parameters),
+        },
         None => v.model(),
     }
 }

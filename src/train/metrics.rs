@@ -36,6 +36,10 @@ pub struct Summary {
     pub samples: u64,
     pub world_size: usize,
     pub parameters: usize,
+    /// The values that train, when some are frozen (`[model.lora]`, `model.freeze`), as peft's
+    /// `print_trainable_parameters` gives them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainable_parameters: Option<usize>,
     /// Language models: training tokens of all ranks per second (samples × block_size).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub train_tokens_per_s: Option<f64>,

@@ -457,6 +457,12 @@ impl Trainer<'_> {
     }
 
     /// `summary.json` of a completed run, its final evaluation `eval`.
+    /// The values that train, when some parameter tensors are frozen.
+    fn trainable_parameters(&self) -> Option<usize> {
+        let params = self.model.params();
+        (params.frozen_count() > 0).then(|| params.trainable_element_count())
+    }
+
     fn summary(&self, run: &RunState, eval: &EvalResult) -> Summary {
         let metrics = &run.metrics;
         let train_s = metrics.train_s;
@@ -479,6 +485,7 @@ impl Trainer<'_> {
             samples: metrics.total_samples as u64,
             world_size: self.comm.world_size(),
             parameters: self.model.params().element_count(),
+            trainable_parameters: self.trainable_parameters(),
             peak_rss_bytes: Vec::new(),
             estimated_peak_bytes: None,
             stopped_early: run.stopped_early,

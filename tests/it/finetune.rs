@@ -114,6 +114,28 @@ fn an_sft_lora_job_trains_on_completions_resumes_and_two_workers_match_one() {
     let scored: serde_json::Value = serde_json::from_str(&eval.stdout).unwrap();
     let loss = scored["loss"].as_f64().unwrap();
     assert!(loss.is_finite() && loss > 0.0, "{scored}");
+
+    // The adapters are what trains: summary.json and `show` say how much of the model that is,
+    // the same count the launch log gave.
+    let summary = t.json(&t.job("whole").join("summary.json"));
+    let all = summary["parameters"].as_u64().unwrap();
+    let trained = summary["trainable_parameters"].as_u64().unwrap();
+    assert!(0 < trained && trained < all, "{summary}");
+    assert!(
+        whole
+            .stdout
+            .contains(&format!("{trained} of {all} values train")),
+        "{}",
+        whole.stdout
+    );
+    let show = t.ddpjob(&["show", "whole", "--jobs-dir", &jobs]);
+    show.success();
+    assert!(
+        show.stdout
+            .contains(&format!("{all} parameters, {trained} of them trained (")),
+        "{}",
+        show.stdout
+    );
     // A model key changed on the command line is the user's to fix (2), not a broken job.
     let deeper = [
         "eval",

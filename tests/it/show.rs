@@ -75,6 +75,10 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
     ] {
         assert!(out.contains(expected), "show lacks {expected:?}:\n{out}");
     }
+    // Nothing frozen: one count, and summary.json without a trainable one.
+    assert!(!out.contains("trained"), "{out}");
+    let summary = t.json(&t.job("done").join("summary.json"));
+    assert!(summary.get("trainable_parameters").is_none(), "{summary}");
     let spark = out
         .lines()
         .find(|l| l.contains("train loss  "))

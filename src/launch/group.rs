@@ -88,7 +88,7 @@ impl Group<'_> {
                              failure came before training and a restart would meet it again; \
                              fix it, then run the job again (`--resume auto` continues it)"
                         ),
-                        _ => String::new(),
+                        _ => self.after_failure(),
                     };
                     return Err(RunError::Failed {
                         name: self.name(),
@@ -99,7 +99,7 @@ impl Group<'_> {
                     name: self.name(),
                     restarts: max_restarts,
                     failures: failures.join("\n"),
-                    report: failed.report,
+                    report: failed.report + &self.after_failure(),
                 });
             }
             resume_from = self.next_start(attempt, &failed)?;
@@ -272,6 +272,37 @@ impl Group<'_> {
     }
 
     /// What an interrupted job left behind, for the message.
+    /// What continues a failed job once its cause is fixed: from the newest checkpoint, or
+    /// from the start where none was written.
+    fn after_failure(&self) -> String {
+        match (self.latest_checkpoint(), self.layout.nnodes) {
+            (Some(latest), 1) => format!(
+                "\nonce the cause is fixed, `{}` continues from checkpoint `{latest}`",
+                self.job.cli("resume")
+            ),
+            (None, 1) => format!(
+                "\nno checkpoint was written; once the cause is fixed, `{} --from-scratch` \
+                 trains it again",
+                self.job.cli("resume")
+            ),
+            (latest, n) => format!(
+                "\nonce the cause is fixed, the same `ddpjob run` command on the {n} nodes with \
+                 `--resume auto` {}",
+                latest.map_or("trains it again (no checkpoint was written)".into(), |l| {
+                    format!("continues from checkpoint `{l}`")
+                })
+            ),
+        }
+    }
+
+    /// The name `checkpoints/latest` holds, if any.
+    fn latest_checkpoint(&self) -> Option<String> {
+        std::fs::read_to_string(self.job.checkpoints_dir().join("latest"))
+            .map(|s| s.trim().to_string())
+            .ok()
+            .filter(|s| !s.is_empty())
+    }
+
     fn after_interrupt(&self, clean: bool) -> String {
         let resume = match self.layout.nnodes {
             1 => format!("continue with `{}`", self.job.cli("resume")),
@@ -281,17 +312,16 @@ impl Group<'_> {
                 self.job.cli("resume")
             ),
         };
-        let latest = std::fs::read_to_string(self.job.checkpoints_dir().join("latest"))
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default();
-        match (clean, latest.is_empty()) {
-            (true, false) => format!("every worker stopped after checkpoint `{latest}`; {resume}"),
-            (true, true) => "the workers stopped before training began; nothing to resume".into(),
-            (false, false) => format!(
+        match (clean, self.latest_checkpoint()) {
+            (true, Some(latest)) => {
+                format!("every worker stopped after checkpoint `{latest}`; {resume}")
+            }
+            (true, None) => "the workers stopped before training began; nothing to resume".into(),
+            (false, Some(latest)) => format!(
                 "the workers were stopped before all of them had checkpointed; the newest \
                  checkpoint is `{latest}`; {resume}"
             ),
-            (false, true) => "the workers were stopped; no checkpoint was written".into(),
+            (false, None) => "the workers were stopped; no checkpoint was written".into(),
         }
     }
 

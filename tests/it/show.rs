@@ -36,7 +36,15 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
         &["--name", "broken"],
         &[("DDPJOB_FAULT", "rank=0,step=20,kind=exit")],
     )
-    .fails_with(1, "rank 0");
+    .fails_with(1, "rank 0")
+    // The last line says how to go on.
+    .fails_with(
+        1,
+        &format!(
+            "once the cause is fixed, `ddpjob resume broken --jobs-dir {jobs}` continues from \
+             checkpoint `step-00000016`"
+        ),
+    );
 
     // One long epoch: its state.json stays at step 0 while it trains.
     let long = t.config(

@@ -6,9 +6,9 @@ use anyhow::anyhow;
 
 use super::CliResult;
 use crate::jobdir::now_unix;
-use crate::report::{JobView, show};
+use crate::report::{self, JobView, show};
 
-pub(super) fn list(jobs_dir: &Path) -> CliResult {
+pub(super) fn list(jobs_dir: &Path, json: bool) -> CliResult {
     if let Some(what) = crate::jobdir::not_a_directory(jobs_dir) {
         return Err((
             2,
@@ -25,6 +25,11 @@ pub(super) fn list(jobs_dir: &Path) -> CliResult {
             anyhow!("cannot read jobs directory `{}`: {e}", jobs_dir.display()),
         )
     })?;
+    if json {
+        // No jobs is an empty array: a script reads the same shape either way.
+        outln!("{}", report::json::list(&views));
+        return Ok(());
+    }
     if views.is_empty() {
         match jobs_dir.exists() {
             true => outln!("no jobs in {}", jobs_dir.display()),
@@ -36,8 +41,12 @@ pub(super) fn list(jobs_dir: &Path) -> CliResult {
     Ok(())
 }
 
-pub(super) fn show(jobs_dir: &Path, name: &str) -> CliResult {
+pub(super) fn show(jobs_dir: &Path, name: &str, json: bool) -> CliResult {
     match JobView::load(jobs_dir, name) {
+        Some(view) if json => {
+            outln!("{}", report::json::job(&view));
+            Ok(())
+        }
         Some(view) => {
             out!("{}", show::show(&view, now_unix()));
             Ok(())

@@ -230,6 +230,9 @@ struct ListArgs {
     /// Where jobs live.
     #[arg(long, default_value = "jobs")]
     jobs_dir: PathBuf,
+    /// Print the jobs as a JSON array (one object per job, as `show --json` prints it).
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -239,6 +242,10 @@ struct ShowArgs {
     /// Where jobs live.
     #[arg(long, default_value = "jobs")]
     jobs_dir: PathBuf,
+    /// Print the job as one JSON object: status, progress, best evaluation, checkpoints and
+    /// summary.json.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Entry point used by `main.rs`: the command line with ddpjob's own models and datasets.
@@ -285,8 +292,8 @@ fn dispatch(command: Command, started: Instant) -> ExitCode {
         Command::Run(args) => jobs::run(args, started),
         Command::Resume(args) => jobs::resume(args, started),
         Command::Validate(args) => jobs::validate(&args),
-        Command::List(args) => inspect::list(&args.jobs_dir),
-        Command::Show(args) => inspect::show(&args.jobs_dir, &args.name),
+        Command::List(args) => inspect::list(&args.jobs_dir, args.json),
+        Command::Show(args) => inspect::show(&args.jobs_dir, &args.name, args.json),
         Command::Sample(args) => sample::sample(&args),
         Command::Export(args) => export::export(&args),
         Command::Eval(args) => eval::eval(&args),

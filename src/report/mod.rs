@@ -1,9 +1,11 @@
 //! What a run tells its users besides its weights: `[expect]` checked against the summary, the
-//! JUnit report for CI, the curves drawn from `metrics.jsonl`, and the job views of `show`/`list`.
+//! JUnit report for CI, the curves drawn from `metrics.jsonl`, and the job views of `show`/`list`
+//! (as text and as JSON).
 
 pub mod curves;
 pub mod expect;
 pub mod history;
+pub mod json;
 pub mod junit;
 pub mod record;
 pub mod show;

@@ -175,6 +175,62 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
     );
     assert!(done.contains("1 unmet"), "{done}");
 
+    // The same for scripts: `list --json` holds each job's `show --json` object.
+    let listed = t.ddpjob(&["list", "--jobs-dir", jobs, "--json"]);
+    listed.success();
+    let listed: serde_json::Value = serde_json::from_str(&listed.stdout).unwrap();
+    let listed_job = |name: &str| {
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|j| j["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} in {listed}"))
+    };
+    let running = listed_job("live");
+    assert_eq!(running["status"], "running");
+    assert_eq!(running["launcher_pid"], pid);
+    let broken = listed_job("broken");
+    assert_eq!(broken["status"], "failed");
+    assert!(
+        broken["error"].as_str().unwrap().contains("rank 0"),
+        "{broken}"
+    );
+    assert_eq!(broken["checkpoints"][0]["step"], 16, "{broken}");
+    assert!(broken["summary"].is_null(), "{broken}");
+    let shown = t.ddpjob(&["show", "done", "--jobs-dir", jobs, "--json"]);
+    shown.success();
+    let finished: serde_json::Value = serde_json::from_str(&shown.stdout).unwrap();
+    assert_eq!(finished, listed_job("done"));
+    for (key, value) in [
+        ("status", serde_json::json!("finished")),
+        ("arch", "mlp".into()),
+        ("data", "synthetic 512/256".into()),
+        ("global_batch", 32.into()),
+        ("step", 32.into()),
+        ("total_steps", 32.into()),
+        ("epochs", 2.into()),
+        ("metric", "accuracy".into()),
+        ("summary", summary.clone()),
+    ] {
+        assert_eq!(finished[key], value, "{key}: {finished}");
+    }
+    let accuracy = finished["best"]["test_accuracy"].as_f64().unwrap();
+    assert!(accuracy > 0.0 && accuracy <= 1.0, "{finished}");
+    let latest: Vec<_> = finished["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["latest"] == true)
+        .collect();
+    assert_eq!(latest.len(), 1, "{finished}");
+    assert_eq!(latest[0]["name"], "step-00000032");
+    // No jobs: an empty array, the same shape.
+    let none = t.path("no-jobs-here").display().to_string();
+    let empty = t.ddpjob(&["list", "--jobs-dir", &none, "--json"]);
+    assert_eq!(empty.success().stdout.trim(), "[]");
+
     // Interrupted: Ctrl-C to the launcher.
     // SAFETY: SIGINT to the launcher this test spawned.
     unsafe { libc::kill(pid as i32, libc::SIGINT) };

@@ -273,7 +273,7 @@ if wants profile; then
     elif timeout -k 10 "$limit" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
            --print-summary per-kernel --launch-count "$launches" \
            "${bin[@]}" bench step "${profiled[@]}" "${gpu[@]}" \
-           --steps 1 --warmup 1 > "$csv_out" 2> "$logs/profile-$profiled_model.err" \
+           --steps 1 --warmup 1 --no-peak > "$csv_out" 2> "$logs/profile-$profiled_model.err" \
          && detail=$("$python" - "$csv_out" "$txt_out" <<'PY'
 import collections, csv, sys
 rows = list(csv.reader(line for line in open(sys.argv[1]) if line.startswith('"')))

@@ -26,6 +26,8 @@ pub struct StepOptions {
     pub warmup: usize,
     /// Threads for the step's kernels (rayon's pool), as one worker of `run` would get.
     pub threads: usize,
+    /// Whether to measure the matrix-product peak after the steps.
+    pub peak: bool,
 }
 
 /// The result, per optimizer step.
@@ -69,8 +71,8 @@ pub struct StepBench {
     /// GFLOP/s the steps reached: `train_flops_per_sample` × `samples_per_s`.
     pub achieved_gflops: Option<f64>,
     /// This machine's matrix-product rate with the same threads and precision, measured after
-    /// the steps.
-    pub gemm_peak_gflops: f64,
+    /// the steps (`None` with `--no-peak`).
+    pub gemm_peak_gflops: Option<f64>,
     /// `achieved_gflops` / `gemm_peak_gflops`: how close the step is to the arithmetic limit.
     pub fraction_of_peak: Option<f64>,
 }
@@ -179,10 +181,11 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     let samples_per_s = (samples * options.steps) as f64 / total.as_secs_f64().max(1e-12);
     let flops = model.train_flops_per_sample();
     let achieved_gflops = flops.map(|f| f * samples_per_s / 1e9);
-    let gemm_peak_gflops = match &device {
-        Device::Cpu => crate::kernels::gemm_rate(PEAK_SIZE, PEAK_REPS),
-        gpu => device_gemm_rate(gpu, spec.train.precision)?,
-    } / 1e9;
+    let gemm_peak_gflops = match (&device, options.peak) {
+        (_, false) => None,
+        (Device::Cpu, true) => Some(crate::kernels::gemm_rate(PEAK_SIZE, PEAK_REPS) / 1e9),
+        (gpu, true) => Some(device_gemm_rate(gpu, spec.train.precision)? / 1e9),
+    };
     let per_step = |d: Duration| d.as_secs_f64() * 1e3 / phase_steps as f64;
     Ok(StepBench {
         model: spec.model.describe(),
@@ -214,7 +217,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         train_flops_per_sample: flops,
         achieved_gflops,
         gemm_peak_gflops,
-        fraction_of_peak: achieved_gflops.map(|a| a / gemm_peak_gflops),
+        fraction_of_peak: achieved_gflops.zip(gemm_peak_gflops).map(|(a, p)| a / p),
     })
 }
 
@@ -331,23 +334,29 @@ pub fn step_table(r: &StepBench) -> String {
     let arithmetic = match (
         r.train_flops_per_sample,
         r.achieved_gflops,
-        r.fraction_of_peak,
+        r.gemm_peak_gflops,
     ) {
-        (Some(flops), Some(achieved), Some(fraction)) => format!(
+        (Some(flops), Some(achieved), Some(peak)) => format!(
             "# arithmetic: {:.1} MFLOP per sample -> {achieved:.1} GFLOP/s of this machine's \
-             measured GEMM peak, {:.1} GFLOP/s on {}: {:.1}% (limit {:.0} samples/s)\n",
+             measured GEMM peak, {peak:.1} GFLOP/s on {}: {:.1}% (limit {:.0} samples/s)\n",
             flops / 1e6,
-            r.gemm_peak_gflops,
             peak_on(r),
-            100.0 * fraction,
-            r.gemm_peak_gflops * 1e9 / flops,
+            100.0 * achieved / peak,
+            peak * 1e9 / flops,
         ),
-        _ => format!(
-            "# arithmetic: this model's FLOPs are not known; measured GEMM peak {:.1} GFLOP/s \
-             on {}\n",
-            r.gemm_peak_gflops,
+        (Some(flops), Some(achieved), None) => format!(
+            "# arithmetic: {:.1} MFLOP per sample -> {achieved:.1} GFLOP/s; GEMM peak not \
+             measured (--no-peak)\n",
+            flops / 1e6
+        ),
+        (_, _, Some(peak)) => format!(
+            "# arithmetic: this model's FLOPs are not known; measured GEMM peak {peak:.1} \
+             GFLOP/s on {}\n",
             peak_on(r)
         ),
+        (_, _, None) => "# arithmetic: this model's FLOPs are not known; GEMM peak not \
+                         measured (--no-peak)\n"
+            .to_string(),
     };
     let table = format!(
         "# training step: {} ({} parameters), {}, batch {} x accumulation {}, 1 process x {} \

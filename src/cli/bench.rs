@@ -41,9 +41,7 @@ pub(super) fn bench_failure(e: bench::BenchError) -> (u8, anyhow::Error) {
 pub(super) fn bench_step(
     config: &Path,
     set: &[String],
-    steps: usize,
-    warmup: usize,
-    threads: Option<usize>,
+    (steps, warmup, threads, peak): (usize, usize, Option<usize>, bool),
     json: bool,
 ) -> CliResult {
     let loaded = config::load(config, set).map_err(|e| (2, e.into()))?;
@@ -54,6 +52,7 @@ pub(super) fn bench_step(
         steps,
         warmup,
         threads,
+        peak,
     };
     // One process: a train.global_batch_size is all this worker's.
     let spec = loaded

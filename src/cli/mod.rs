@@ -132,6 +132,10 @@ enum BenchCommand {
         /// Threads (default: every core, as a single worker of `run` gets).
         #[arg(long)]
         threads: Option<usize>,
+        /// Skip the matrix-product peak measured after the steps (its products would otherwise
+        /// be in a profiler's trace, e.g. ncu or nsys, beside the step's kernels).
+        #[arg(long)]
+        no_peak: bool,
         /// Print the result as JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -315,8 +319,9 @@ fn dispatch(command: Command, started: Instant) -> ExitCode {
             steps,
             warmup,
             threads,
+            no_peak,
             json,
-        }) => bench::bench_step(&config, &set, steps, warmup, threads, json),
+        }) => bench::bench_step(&config, &set, (steps, warmup, threads, !no_peak), json),
         Command::BenchWorker { sizes, algorithm } => crate::bench::parse_sizes(&sizes)
             .and_then(|s| crate::bench::worker(&s, algorithm == "tree"))
             .map_err(|e| (1, e.into())),

@@ -97,6 +97,44 @@ fn bench_step_times_the_configured_model_and_reports_json() {
         table.stdout
     );
 
+    // --no-peak (for profilers' traces): the step alone, no peak and no fraction of it.
+    let quiet = t.ddpjob(&[
+        "bench",
+        "step",
+        "--config",
+        cfg,
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--no-peak",
+        "--json",
+    ]);
+    quiet.success();
+    let r: serde_json::Value = serde_json::from_str(quiet.stdout.trim()).expect("one JSON line");
+    assert!(
+        r["gemm_peak_gflops"].is_null() && r["fraction_of_peak"].is_null(),
+        "{r}"
+    );
+    assert!(r["achieved_gflops"].as_f64().unwrap() > 0.0, "{r}");
+    let table = t.ddpjob(&[
+        "bench",
+        "step",
+        "--config",
+        cfg,
+        "--steps",
+        "3",
+        "--no-peak",
+    ]);
+    assert!(
+        table
+            .success()
+            .stdout
+            .contains("GEMM peak not measured (--no-peak)"),
+        "{}",
+        table.stdout
+    );
+
     // A world-size-invariant step's phases are not timed, and it says so.
     let text = TINY.replace("batch_size = 32", "global_batch_size = 16")
         + "[distributed]\ndeterministic = \"world-size-invariant\"\nvirtual_shards = 2\n";

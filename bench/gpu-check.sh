@@ -414,7 +414,9 @@ fi
 # Activation checkpointing on the device: each block's forward run again in backward must give
 # the weights of the job that kept its activations, bit for bit (dropout included).
 if wants recompute; then
-  if [ "$device" = cuda ]; then
+  if [ ! -f "$text" ]; then
+    record "activation checkpointing" FAIL "no $text (carry the tiny Shakespeare text)"
+  elif [ "$device" = cuda ]; then
     for ckpt in false true; do
       ddpjob run configs/shakespeare-char-gpu.toml --jobs-dir "$jobs" --name "recompute-$ckpt" \
         "${gpu[@]}" --set "data.path=\"$text\"" --set train.max_steps=20 --set train.batch_size=16 \

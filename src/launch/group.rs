@@ -271,26 +271,31 @@ impl Group<'_> {
         Ok(())
     }
 
-    /// What an interrupted job left behind, for the message.
     /// What continues a failed job once its cause is fixed: from the newest checkpoint, or
-    /// from the start where none was written.
+    /// from the start where none was written. `resume` reads the job's own `job.toml`, so a
+    /// setting's fix goes there. On several nodes only node 0's directory is sure to hold the
+    /// checkpoints, so no checkpoint is named.
     fn after_failure(&self) -> String {
-        match (self.latest_checkpoint(), self.layout.nnodes) {
-            (Some(latest), 1) => format!(
-                "\nonce the cause is fixed, `{}` continues from checkpoint `{latest}`",
+        if self.layout.nnodes > 1 {
+            return format!(
+                "\nonce the cause is fixed, the same `ddpjob run` command on the {} nodes with \
+                 `--resume auto` continues from the newest checkpoint (or trains it again \
+                 without one)",
+                self.layout.nnodes
+            );
+        }
+        let settings = format!(
+            "once the cause is fixed (a setting's fix goes in `{}`, which resume reads)",
+            self.job.job_toml().display()
+        );
+        match self.latest_checkpoint() {
+            Some(latest) => format!(
+                "\n{settings}, `{}` continues from checkpoint `{latest}`",
                 self.job.cli("resume")
             ),
-            (None, 1) => format!(
-                "\nno checkpoint was written; once the cause is fixed, `{} --from-scratch` \
-                 trains it again",
+            None => format!(
+                "\nno checkpoint was written; {settings}, `{} --from-scratch` trains it again",
                 self.job.cli("resume")
-            ),
-            (latest, n) => format!(
-                "\nonce the cause is fixed, the same `ddpjob run` command on the {n} nodes with \
-                 `--resume auto` {}",
-                latest.map_or("trains it again (no checkpoint was written)".into(), |l| {
-                    format!("continues from checkpoint `{l}`")
-                })
             ),
         }
     }
@@ -303,6 +308,7 @@ impl Group<'_> {
             .filter(|s| !s.is_empty())
     }
 
+    /// What an interrupted job left behind, for the message.
     fn after_interrupt(&self, clean: bool) -> String {
         let resume = match self.layout.nnodes {
             1 => format!("continue with `{}`", self.job.cli("resume")),

@@ -44,7 +44,8 @@ pub fn job(v: &JobView) -> Value {
         "name": v.name,
         "dir": v.dir.display().to_string(),
         "status": v.status(),
-        "launcher_pid": v.launcher.map(|(pid, _)| pid),
+        // A stale job's pid is gone, and may be another process's by now.
+        "launcher_pid": v.launcher.filter(|&(_, alive)| alive).map(|(pid, _)| pid),
         "error": s.error,
         "restarts": s.restarts,
         "updated_unix": s.updated_unix,

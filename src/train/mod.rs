@@ -456,13 +456,13 @@ impl Trainer<'_> {
         Ok(peaks.into_iter().map(|b| b as u64).collect())
     }
 
-    /// `summary.json` of a completed run, its final evaluation `eval`.
     /// The values that train, when some parameter tensors are frozen.
     fn trainable_parameters(&self) -> Option<usize> {
         let params = self.model.params();
         (params.frozen_count() > 0).then(|| params.trainable_element_count())
     }
 
+    /// `summary.json` of a completed run, its final evaluation `eval`.
     fn summary(&self, run: &RunState, eval: &EvalResult) -> Summary {
         let metrics = &run.metrics;
         let train_s = metrics.train_s;

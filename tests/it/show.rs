@@ -37,13 +37,16 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
         &[("DDPJOB_FAULT", "rank=0,step=20,kind=exit")],
     )
     .fails_with(1, "rank 0")
-    // The last line says how to go on.
+    // The last line says how to go on, and where a setting's fix goes.
     .fails_with(
         1,
         &format!(
-            "once the cause is fixed, `ddpjob resume broken --jobs-dir {jobs}` continues from \
-             checkpoint `step-00000016`"
+            "`ddpjob resume broken --jobs-dir {jobs}` continues from checkpoint `step-00000016`"
         ),
+    )
+    .fails_with(
+        1,
+        &format!("once the cause is fixed (a setting's fix goes in `{jobs}/broken/job.toml`"),
     );
 
     // One long epoch: its state.json stays at step 0 while it trains.
@@ -116,7 +119,12 @@ fn show_and_list_describe_finished_failed_running_and_interrupted_jobs() {
         &["--name", "early"],
         &[("DDPJOB_FAULT", "rank=0,step=10,kind=exit")],
     )
-    .fails_with(1, "rank 0");
+    .fails_with(1, "rank 0")
+    .fails_with(
+        1,
+        &format!("`ddpjob resume early --jobs-dir {jobs} --from-scratch` trains it again"),
+    )
+    .fails_with(1, "no checkpoint was written; once the cause is fixed");
     let show = t.ddpjob(&["show", "early", "--jobs-dir", jobs]);
     let over = format!("ddpjob resume early --jobs-dir {jobs} --from-scratch");
     let expected = format!("job early: failed (no checkpoint yet: `{over}` starts it over)");
@@ -288,6 +296,11 @@ fn a_running_job_whose_launcher_was_killed_shows_as_stale() {
     );
     let list = t.ddpjob(&["list", "--jobs-dir", jobs]);
     assert_eq!(status_column(&list_line(&list.stdout, "orphan")), "stale");
+    // As JSON: stale, and no pid (the dead launcher's may be another process's by now).
+    let shown = t.ddpjob(&["show", "orphan", "--jobs-dir", jobs, "--json"]);
+    let orphan: serde_json::Value = serde_json::from_str(&shown.success().stdout).unwrap();
+    assert_eq!(orphan["status"], "stale", "{orphan}");
+    assert!(orphan["launcher_pid"].is_null(), "{orphan}");
 
     t.ddpjob(&["show", "nothing", "--jobs-dir", jobs])
         .fails_with(2, "no job `nothing` in");

@@ -273,6 +273,14 @@ pub enum Sharding {
     Full,
 }
 
+impl DistributedSpec {
+    /// The pieces each step's batch is cut into under world-size-invariant training (whose
+    /// tree sets every sum); `None` for ordinary training.
+    pub fn invariant_shards(&self) -> Option<usize> {
+        self.world_size_invariant.then_some(self.virtual_shards)
+    }
+}
+
 impl Sharding {
     /// Whether the optimizer state is sharded (every mode but `None`).
     pub fn shards_optimizer(self) -> bool {

@@ -288,7 +288,7 @@ impl Group<'_> {
             "once the cause is fixed (a setting's fix goes in `{}`, which resume reads)",
             self.job.job_toml().display()
         );
-        match self.latest_checkpoint() {
+        match crate::checkpoint::Checkpoints::of(self.job).latest_name() {
             Some(latest) => format!(
                 "\n{settings}, `{}` continues from checkpoint `{latest}`",
                 self.job.cli("resume")
@@ -298,14 +298,6 @@ impl Group<'_> {
                 self.job.cli("resume")
             ),
         }
-    }
-
-    /// The name `checkpoints/latest` holds, if any.
-    fn latest_checkpoint(&self) -> Option<String> {
-        std::fs::read_to_string(self.job.checkpoints_dir().join("latest"))
-            .map(|s| s.trim().to_string())
-            .ok()
-            .filter(|s| !s.is_empty())
     }
 
     /// What an interrupted job left behind, for the message.
@@ -318,7 +310,10 @@ impl Group<'_> {
                 self.job.cli("resume")
             ),
         };
-        match (clean, self.latest_checkpoint()) {
+        match (
+            clean,
+            crate::checkpoint::Checkpoints::of(self.job).latest_name(),
+        ) {
             (true, Some(latest)) => {
                 format!("every worker stopped after checkpoint `{latest}`; {resume}")
             }

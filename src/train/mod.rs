@@ -726,11 +726,7 @@ impl Trainer<'_> {
             metrics: metrics.clone(),
             format: crate::checkpoint::FORMAT,
             base_sha256: self.base_sha256.clone(),
-            virtual_shards: self
-                .spec
-                .distributed
-                .world_size_invariant
-                .then_some(self.spec.distributed.virtual_shards),
+            virtual_shards: self.spec.distributed.invariant_shards(),
         }
     }
 

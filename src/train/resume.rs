@@ -119,11 +119,7 @@ impl Start {
 /// How the sums of world-size-invariant training changed since the checkpoint (`job.toml`
 /// edited): each step's gradients are then summed in another order, whatever the world size.
 fn changed_tree(spec: &JobSpec, from: &TrainPosition) -> Option<String> {
-    let now = spec
-        .distributed
-        .world_size_invariant
-        .then_some(spec.distributed.virtual_shards);
-    match (from.virtual_shards, now) {
+    match (from.virtual_shards, spec.distributed.invariant_shards()) {
         (Some(before), Some(now)) if before != now => Some(format!(
             "distributed.virtual_shards changed from {before} to {now}"
         )),

@@ -203,7 +203,7 @@ pub fn set_matmul_precision(device: &Device, precision: Precision) {
         #[cfg(not(feature = "cuda"))]
         let _ = reduced;
     } else {
-        crate::kernels::set_bf16_products(precision == Precision::Bf16Matmul);
+        ddpjob_kernels::set_bf16_products(precision == Precision::Bf16Matmul);
     }
 }
 
@@ -215,7 +215,7 @@ pub fn describe_precision(device: &Device, precision: Precision) -> &'static str
         Precision::Bf16 => " in bf16 autocast",
         Precision::Tf32 | Precision::Bf16Matmul if device.is_cuda() => " with TF32 matrix products",
         Precision::Tf32 => " in f32 (the CPU has no TF32)",
-        Precision::Bf16Matmul if crate::kernels::bf16_products() => {
+        Precision::Bf16Matmul if ddpjob_kernels::bf16_products() => {
             " with bf16 matrix products (AVX512_BF16)"
         }
         Precision::Bf16Matmul => " in f32 (this CPU has no AVX512_BF16 for bf16 products)",

@@ -9,12 +9,12 @@ use std::time::Instant;
 
 use thiserror::Error;
 
-use crate::comm::LocalCommunicator;
 use crate::config::{self, ConfigError, JobSpec};
 use crate::data::DataError;
 use crate::generate::{SampleError, load_weights, weights_path};
 use crate::jobdir::JobDir;
 use crate::train::{EvalResult, EvalThreads, evaluate, shards::ShardPool};
+use ddpjob_comm::LocalCommunicator;
 
 #[derive(Debug, Error)]
 pub enum EvalError {

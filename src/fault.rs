@@ -2,7 +2,7 @@
 //! be exercised deterministically: `DDPJOB_FAULT="rank=1,step=5,kind=kill"` makes rank 1 fail
 //! as it begins optimizer step 5, on the first attempt only (`attempt=N` picks another,
 //! `attempt=any` fails every attempt).
-//! Not for production use; documented in the README's testing section.
+//! Not for production use; documented in docs/src/resume.md, "Testing failure paths".
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;

@@ -16,8 +16,8 @@ use crate::data::DataError;
 use crate::data::vocab::Vocab;
 use crate::jobdir::JobDir;
 use crate::models::{KvCache, Mode, Model, Params};
-use crate::rng::Mt19937;
 use crate::task::ModelInput;
+use ddpjob_rng::Mt19937;
 
 #[derive(Debug, Error)]
 pub enum SampleError {

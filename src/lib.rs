@@ -92,17 +92,14 @@ macro_rules! errln {
 mod bench;
 mod checkpoint;
 pub mod cli;
-mod comm;
 mod config;
 mod data;
 mod device;
 mod evaluate;
 mod fault;
 mod generate;
-mod heartbeat;
 mod hf;
 mod jobdir;
-mod kernels;
 mod launch;
 mod memory;
 mod models;
@@ -111,9 +108,7 @@ mod optim;
 mod progress;
 mod registry;
 mod report;
-mod rng;
 mod signals;
-mod store;
 mod task;
 mod train;
 mod worker;
@@ -124,8 +119,8 @@ mod backprop_tests;
 
 pub use std::process::ExitCode;
 
-pub use comm::{CommError, Communicator};
 pub use data::{DataError, TensorDataset};
+pub use ddpjob_comm::{CommError, Communicator};
 
 pub use models::gate::{self as block_gate, BlockGate, Unit as BlockUnit};
 pub use models::{GradientSink, Mode, Model, ParamStore, Params, TrainPass};

@@ -9,7 +9,7 @@ use crate::models::Model;
 /// The process itself: code, thread stacks, the data's buffers and the allocator's slack,
 /// fitted to the peaks of eight CPU jobs of an 85 M-parameter GPT (AMD EPYC, 2026-11-26: 1, 2
 /// and 4 workers, sharded or not, context 256 and 1024, checkpointing on and off; the
-/// estimates are within 10% of each; see README, "Memory per worker").
+/// estimates are within 10% of each; see docs/src/memory.md).
 const RUNTIME_BYTES: u64 = 40_000_000;
 
 /// A worker's expected peak, in bytes, by what holds it.

@@ -9,7 +9,7 @@
 //! accuracy, a language model its loss, perplexity and next-token accuracy. The log, the
 //! records, `summary.json`, `eval`, `show`, TensorBoard and `[expect]` report what it declares.
 
-use candle_core::{D, DType, Device, Result as TensorResult, Tensor};
+use candle_core::{Device, Tensor};
 
 use crate::config::JobSpec;
 use crate::data::{DataError, Dataset};
@@ -153,95 +153,9 @@ pub fn load(spec: &JobSpec, job: Option<&JobDir>) -> Result<Box<dyn Task>, DataE
     Registry::current().open_dataset(&spec.data, &cx)
 }
 
-/// A target that scores nothing: its position has no loss, no gradient, and is not counted in
-/// a mean or an accuracy (a prompt's tokens in instruction data, padding). PyTorch's
-/// `ignore_index = -100` as an unsigned id.
-pub const IGNORE_TARGET: u32 = u32::MAX;
-
-/// Mean cross-entropy of `logits` [.., classes] against integer `targets` [..], over the
-/// targets that are not [`IGNORE_TARGET`] (0 when none is).
-/// On a GPU one kernel each way over logits in f32 or bf16 (see
-/// `kernels::row_cross_entropy`), and one for the mean (`kernels::scored_mean`).
-pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> TensorResult<Tensor> {
-    let classes = logits.dim(D::Minus1)?;
-    let (logits, targets) = (logits.reshape(((), classes))?, targets.flatten_all()?);
-    if crate::kernels::row_cross_entropy_applies(&logits) {
-        let targets = targets.to_dtype(DType::U32)?;
-        let losses = crate::kernels::row_cross_entropy(&logits, &targets)?;
-        return crate::kernels::scored_mean(&losses, &targets);
-    }
-    if !may_ignore(&targets)? {
-        return candle_nn::loss::cross_entropy(&logits, &targets);
-    }
-    let (picked, scored) = masked_log_likelihoods(&logits, &targets)?;
-    let count = scored.sum_all()?.maximum(1f64)?;
-    picked.sum_all()?.neg()?.broadcast_div(&count)
-}
-
-/// Whether `targets` may hold [`IGNORE_TARGET`]: read on the CPU, assumed on a device (where
-/// reading would wait for it).
-fn may_ignore(targets: &Tensor) -> TensorResult<bool> {
-    if !targets.device().is_cpu() {
-        return Ok(true);
-    }
-    Ok(targets
-        .flatten_all()?
-        .to_dtype(DType::U32)?
-        .to_vec1::<u32>()?
-        .contains(&IGNORE_TARGET))
-}
-
-/// 1 (u8) where a u32 target scores, 0 where it is [`IGNORE_TARGET`].
-fn scoring(targets: &Tensor) -> TensorResult<Tensor> {
-    targets.ne(&Tensor::full(
-        IGNORE_TARGET,
-        targets.shape(),
-        targets.device(),
-    )?)
-}
-
-/// Per target of `targets` [n]: log softmax(`logits` [n, classes]) at the target (0 where
-/// ignored), and 1 where it scores, 0 where ignored (f32).
-fn masked_log_likelihoods(logits: &Tensor, targets: &Tensor) -> TensorResult<(Tensor, Tensor)> {
-    let targets = targets.to_dtype(DType::U32)?;
-    let kept = scoring(&targets)?;
-    let safe = kept.where_cond(&targets, &targets.zeros_like()?)?;
-    let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
-    let scored = kept.to_dtype(DType::F32)?;
-    let picked = log_probs
-        .gather(&safe.unsqueeze(1)?, 1)?
-        .squeeze(1)?
-        .to_dtype(DType::F32)?
-        .mul(&scored)?;
-    Ok((picked, scored))
-}
-
-/// The targets of `targets` that score (are not [`IGNORE_TARGET`]).
-pub fn scored_targets(targets: &Tensor) -> TensorResult<usize> {
-    if !may_ignore(targets)? {
-        return Ok(targets.elem_count());
-    }
-    let ignore = Tensor::full(IGNORE_TARGET, targets.shape(), targets.device())?;
-    let scored = targets.to_dtype(DType::U32)?.ne(&ignore)?;
-    Ok(scored.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as usize)
-}
-
-/// Σ cross-entropy and the number of exactly predicted targets, for evaluation; targets that
-/// are [`IGNORE_TARGET`] count in neither.
-pub fn loss_sum_and_correct(logits: &Tensor, targets: &Tensor) -> TensorResult<(f64, usize)> {
-    let classes = logits.dim(D::Minus1)?;
-    let (logits, targets) = (logits.reshape(((), classes))?, targets.flatten_all()?);
-    let (picked, scored) = masked_log_likelihoods(&logits, &targets)?;
-    let loss = -picked.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-    let correct = logits
-        .argmax(D::Minus1)?
-        .eq(&targets.to_dtype(DType::U32)?)?
-        .to_dtype(DType::F32)?
-        .mul(&scored)?
-        .sum_all()?
-        .to_scalar::<f32>()?;
-    Ok((loss, correct as usize))
-}
+pub use ddpjob_kernels::loss::{
+    IGNORE_TARGET, cross_entropy, loss_sum_and_correct, scored_targets,
+};
 
 /// The seed of a training sample's random choices (dropout): a function of the job's seed, the
 /// epoch and the sample's index only, so it is the same whichever rank or batch the sample

@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::BenchError;
-use crate::comm::{Communicator, TcpCommunicator, spin_for};
 use crate::launch::supervise::{self, Outcome};
 use crate::launch::watch::Watchdog;
-use crate::store::{self, StoreClient, StoreServer};
 use crate::worker::WorkerEnv;
+use ddpjob_comm::{Communicator, TcpCommunicator, spin_for};
+use ddpjob_store::{self as store, StoreClient, StoreServer};
 
 /// Where rank 0 writes its results for the parent.
 const OUT_ENV: &str = "DDPJOB_BENCH_OUT";
@@ -329,9 +329,9 @@ mod gpu {
     use candle_core::Tensor;
 
     use super::{AllReduceRow, BenchError, RING, TIMEOUT, check_result, iterations, report, row};
-    use crate::comm::{Communicator, NcclCommunicator};
-    use crate::store::StoreClient;
     use crate::worker::WorkerEnv;
+    use ddpjob_comm::{Communicator, NcclCommunicator};
+    use ddpjob_store::StoreClient;
 
     pub fn worker(env: &WorkerEnv, store: &StoreClient, sizes: &[usize]) -> Result<(), BenchError> {
         let device =

@@ -6,8 +6,8 @@ mod step;
 
 use thiserror::Error;
 
-use crate::comm::CommError;
-use crate::store::StoreError;
+use ddpjob_comm::CommError;
+use ddpjob_store::StoreError;
 
 pub use allreduce::{allreduce, allreduce_on_gpus, parse_sizes, table, tree_on_cpus, worker};
 pub use step::{StepOptions, step, step_table};

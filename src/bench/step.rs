@@ -11,13 +11,13 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::BenchError;
-use crate::comm::LocalCommunicator;
 use crate::config::{JobSpec, Precision};
 use crate::models::{self, Mode};
 use crate::optim::Optimizer;
-use crate::rng::Mt19937;
 use crate::task::ModelInput;
 use crate::train::step::{MicroBatch, Phases, StepContext, optimizer_step};
+use ddpjob_comm::LocalCommunicator;
+use ddpjob_rng::Mt19937;
 
 /// How long to measure.
 #[derive(Debug, Clone, Copy)]
@@ -85,7 +85,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     // As a worker does, before any thread starts (threads inherit the mode).
     crate::numerics::set_for_this_thread(spec.train.flush_denormals);
     use_threads(options.threads)?;
-    crate::kernels::keep_freed_memory();
+    ddpjob_kernels::keep_freed_memory();
     let crate::device::OneProcess {
         device,
         name: device_name,
@@ -183,7 +183,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     let achieved_gflops = flops.map(|f| f * samples_per_s / 1e9);
     let gemm_peak_gflops = match (&device, options.peak) {
         (_, false) => None,
-        (Device::Cpu, true) => Some(crate::kernels::gemm_rate(PEAK_SIZE, PEAK_REPS) / 1e9),
+        (Device::Cpu, true) => Some(ddpjob_kernels::gemm_rate(PEAK_SIZE, PEAK_REPS) / 1e9),
         (gpu, true) => Some(device_gemm_rate(gpu, spec.train.precision)? / 1e9),
     };
     let per_step = |d: Duration| d.as_secs_f64() * 1e3 / phase_steps as f64;
@@ -194,7 +194,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         accumulation: t.accumulation,
         optimizer: t.optimizer.name().to_string(),
         threads: options.threads,
-        bf16_products: device.is_cpu() && crate::kernels::bf16_products(),
+        bf16_products: device.is_cpu() && ddpjob_kernels::bf16_products(),
         flush_denormals: device.is_cpu()
             && spec.train.flush_denormals
             && crate::numerics::flushing(),

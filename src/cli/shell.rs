@@ -1,5 +1,6 @@
-//! Shell integration from the one CLI definition: completion scripts (clap_complete) and man
-//! pages (clap_mangen), so neither can drift from the real flags.
+//! Shell integration from the one CLI definition: completion scripts (clap_complete), man
+//! pages (clap_mangen) and the book's CLI reference (`docs/src/reference/cli.md`, kept equal to
+//! [`markdown_reference`] by a test), so none can drift from the real flags.
 
 use std::io::Write;
 use std::path::Path;
@@ -61,4 +62,73 @@ fn write_stdout(bytes: &[u8]) -> CliResult {
         .write_all(bytes)
         .and_then(|()| stdout.flush())
         .map_err(|e| (1, anyhow!("cannot write to stdout: {e}")))
+}
+
+/// The CLI reference in Markdown: every public command and subcommand with its `--help` text
+/// (clap's long help, as `ddpjob <command> --help` prints it), depth first.
+#[cfg(test)]
+fn markdown_reference() -> String {
+    let mut out = String::new();
+    let mut root = public_command().bin_name("ddpjob");
+    root.build();
+    describe(&root, "ddpjob", &mut out);
+    out
+}
+
+#[cfg(test)]
+fn describe(command: &clap::Command, path: &str, out: &mut String) {
+    use std::fmt::Write as _;
+    let mut command = command.clone().bin_name(path);
+    let help = command.render_long_help().to_string();
+    let level = "#".repeat(2 + path.matches(' ').count().min(2));
+    let _ = write!(
+        out,
+        "{level} `{path}`\n\n```text\n{}\n```\n\n",
+        help.trim_end()
+    );
+    for sub in command.get_subcommands().filter(|s| !s.is_hide_set()) {
+        if sub.get_name() == "help" {
+            continue;
+        }
+        describe(sub, &format!("{path} {}", sub.get_name()), out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The book's CLI reference is generated from the clap definitions: it cannot drift. After
+    /// changing a flag or a help text, `DDPJOB_BLESS=1 cargo test cli_reference` rewrites it.
+    #[test]
+    fn cli_reference_is_the_clis() {
+        const START: &str =
+            "<!-- cli reference: generated from the clap definitions in src/cli -->\n";
+        const END: &str = "<!-- end of cli reference -->";
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/src/reference/cli.md");
+        let page = std::fs::read_to_string(path).unwrap();
+        let start = page
+            .find(START)
+            .expect("docs/src/reference/cli.md lacks the reference's start marker")
+            + START.len();
+        let end = page[start..]
+            .find(END)
+            .expect("docs/src/reference/cli.md lacks the reference's end marker")
+            + start;
+        let reference = super::markdown_reference();
+        assert!(reference.contains("## `ddpjob run`"), "{reference}");
+        assert!(
+            !reference.contains("`ddpjob worker`"),
+            "a hidden command is listed"
+        );
+        if page[start..end] != reference {
+            if std::env::var_os("DDPJOB_BLESS").is_some() {
+                let page = format!("{}{reference}{}", &page[..start], &page[end..]);
+                std::fs::write(path, page).unwrap();
+            } else {
+                panic!(
+                    "docs/src/reference/cli.md differs from the CLI's definitions in src/cli; run \
+                     `DDPJOB_BLESS=1 cargo test cli_reference` to regenerate it"
+                );
+            }
+        }
+    }
 }

@@ -1,7 +1,7 @@
 //! `section!`: one declaration per config key. A key is written once, in `keys.rs`, with its
 //! documentation, its serde type and default, and the check that turns its value into the
 //! typed one the program uses; the macro makes the serde struct, its `Default`, the checked
-//! struct, and the key table that unknown-key errors, `--set`, `ddpjob keys` and the README's
+//! struct, and the key table that unknown-key errors, `--set`, `ddpjob keys` and the book's
 //! config table are made from (rustc declares its `-C` options the same way).
 
 use std::collections::BTreeMap;
@@ -73,7 +73,7 @@ pub fn one_line(lines: &[&str]) -> String {
         .join(" ")
 }
 
-/// How the README shows a default: `shown` when the declaration words it, else the TOML value
+/// How the config reference shows a default: `shown` when the declaration words it, else the TOML value
 /// in backticks (`none` for an absent optional key).
 pub fn shown_default<T: serde::Serialize>(value: &T, shown: Option<&str>) -> String {
     if let Some(words) = shown {
@@ -110,7 +110,7 @@ pub fn entries<T: ValueKind>(path: String, default: String, doc: String) -> Vec<
 /// Declares a config section: its serde struct (`$raw`, every key optional in the file, unknown
 /// keys refused), the struct of its checked values (`$checked`, with `+ Copy` and such for
 /// more derives), and, per key, what it means
-/// (the doc comment), its serde type and default, optionally how the README words the default
+/// (the doc comment), its serde type and default, optionally how the config reference words the default
 /// (`shown`), and `=> field: Type = check`: the checked struct's field and the check that
 /// makes it, called as `check(checker, "section.key", &value, &section)`.
 macro_rules! section {

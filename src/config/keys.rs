@@ -1,5 +1,5 @@
 //! Every key of a job file, declared once: what it means (the doc comment, which is also its
-//! line in the README's config table and in `ddpjob keys`), its TOML type and default, and its
+//! line in the book's config reference and in `ddpjob keys`), its TOML type and default, and its
 //! check, which makes the typed value the program sees. Checks that relate keys of different
 //! sections (a gpt's data, devices and build) are in `validate.rs`.
 //!
@@ -25,7 +25,7 @@ const MAX_TIMEOUT_S: i64 = 7 * 24 * 3600;
 
 /// How to get GPU workers, for messages of a build without them.
 pub(super) const GPU_BUILD: &str = "this ddpjob was built without GPU support; build it with \
-     `cargo build --release --features cuda` (needs the CUDA toolkit; see the README's GPU section)";
+     `cargo build --release --features cuda` (needs the CUDA toolkit; see docs/src/gpus.md)";
 
 section! {
     /// A job file.

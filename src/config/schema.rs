@@ -1,6 +1,6 @@
 //! The table of every config key (made from the declarations in `keys.rs`): its type, default
 //! and meaning. One source of truth for unknown-key detection ("did you mean"), type checks,
-//! `--set` typing, `ddpjob keys` and the README reference.
+//! `--set` typing, `ddpjob keys` and the book's config reference.
 
 use std::sync::LazyLock;
 
@@ -46,8 +46,8 @@ impl Kind {
     }
 }
 
-/// One known key: dotted path from the document root, its kind, its default as the README
-/// shows it, and what it does. The README's config table is generated from these (a test
+/// One known key: dotted path from the document root, its kind, its default as the config
+/// reference shows it, and what it does. The book's config table is generated from these (a test
 /// fails when it differs).
 #[derive(Debug, Clone)]
 pub struct KeySpec {
@@ -63,7 +63,7 @@ pub struct KeySpec {
 pub static KEYS: LazyLock<Vec<KeySpec>> =
     LazyLock::new(|| <super::keys::RawConfig as ValueKind>::keys_under(""));
 
-/// The README's config table: every key that is not a section, in this table's order, with
+/// The book's config table (`docs/src/reference/config.md`): every key that is not a section, in this table's order, with
 /// each built-in model's own keys after `model.arch` and each dataset's after `data.dataset`.
 #[cfg(test)]
 pub fn markdown_table() -> String {

@@ -355,21 +355,21 @@ fn a_global_batch_refuses_a_batch_size_beside_it_and_an_uneven_accumulation() {
     assert!(by_override.is_err());
 }
 
-/// The README's config table is generated from the schema: it can never drift. After
-/// changing a key, `DDPJOB_BLESS=1 cargo test readme_config_table` rewrites it.
+/// The book's config reference is generated from the schema: it can never drift. After
+/// changing a key, `DDPJOB_BLESS=1 cargo test config_reference` rewrites it.
 #[test]
-fn readme_config_table_is_the_schemas() {
+fn config_reference_is_the_schemas() {
     const START: &str = "<!-- config table: generated from src/config/keys.rs -->\n";
     const END: &str = "<!-- end of config table -->";
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/src/reference/config.md");
     let readme = std::fs::read_to_string(path).unwrap();
     let start = readme
         .find(START)
-        .expect("README.md lacks the config table's start marker")
+        .expect("docs/src/reference/config.md lacks the config table's start marker")
         + START.len();
     let end = readme[start..]
         .find(END)
-        .expect("README.md lacks the config table's end marker")
+        .expect("docs/src/reference/config.md lacks the config table's end marker")
         + start;
     let table = schema::markdown_table();
     if readme[start..end] != table {
@@ -381,8 +381,8 @@ fn readme_config_table_is_the_schemas() {
             .unwrap();
         } else {
             panic!(
-                "README.md's config table differs from the key declarations in src/config/keys.rs; run \
-                 `DDPJOB_BLESS=1 cargo test readme_config_table` to regenerate it"
+                "docs/src/reference/config.md's table differs from the key declarations in \
+                 src/config/keys.rs; run `DDPJOB_BLESS=1 cargo test config_reference` to regenerate it"
             );
         }
     }

@@ -2,7 +2,7 @@
 //! the index list is padded by wrapping around to a multiple of the world size (or truncated with
 //! `drop_last`); rank r takes indices r, r + world, r + 2·world, ...
 
-use crate::rng::Mt19937;
+use ddpjob_rng::Mt19937;
 
 /// Samples each rank sees per epoch, as torch computes `num_samples`.
 pub fn samples_per_rank(len: usize, world: usize, drop_last: bool) -> usize {

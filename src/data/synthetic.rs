@@ -2,7 +2,7 @@
 //! Gaussian noise, stored as u8 pixels exactly like MNIST so the same pipeline runs.
 
 use super::SyntheticSpec;
-use crate::rng::Mt19937;
+use ddpjob_rng::Mt19937;
 
 use super::Split;
 

@@ -13,8 +13,8 @@ use super::{Layout, RunError, absolute};
 use crate::checkpoint;
 use crate::config::JobSpec;
 use crate::jobdir::{JobDir, JobDirError, now_unix, now_unix_ms};
-use crate::store::{LAUNCH_PREFIX, StoreClient, StoreServer};
 use crate::worker::{self, WorkerEnv};
+use ddpjob_store::{LAUNCH_PREFIX, StoreClient, StoreServer};
 
 /// Everything needed to start this node's workers, attempt after attempt.
 pub(super) struct Group<'a> {
@@ -195,7 +195,7 @@ impl Group<'_> {
         })
     }
 
-    fn node0_gone(&self, e: crate::store::StoreError, report: &str) -> RunError {
+    fn node0_gone(&self, e: ddpjob_store::StoreError, report: &str) -> RunError {
         RunError::Failed {
             name: self.name(),
             report: format!(

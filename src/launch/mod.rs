@@ -25,8 +25,8 @@ use crate::data::DataError;
 use crate::device::{self, DeviceError, Placement};
 use crate::jobdir::{JobDir, JobDirError, JobState, Status, now_unix};
 use crate::registry::{DataContext, JobFile, Registry};
-use crate::store::{self, Key, StoreClient, StoreError, StoreServer};
 use crate::train::Summary;
+use ddpjob_store::{self as store, Key, StoreClient, StoreError, StoreServer};
 
 use auto::{Decision, ResumeMode};
 use group::Group;
@@ -556,8 +556,7 @@ fn check_memory(
         let memory = crate::memory::Layout::of(spec, layout.world_size(), 1);
         crate::memory::fit::check_gpus(spec, model, memory, gpus)
     };
-    checked
-        .map_err(|why| format!("{why} (checked before launch; see README, \"Memory per worker\")"))
+    checked.map_err(|why| format!("{why} (checked before launch; see docs/src/memory.md)"))
 }
 
 /// `distributed.sharding = "full"` with a registered model (validation knows the built-ins):

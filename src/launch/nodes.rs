@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{RunError, RunOptions, join_job};
 use crate::jobdir::JobDir;
-use crate::store::{Key, StoreClient, StoreError};
+use ddpjob_store::{Key, StoreClient, StoreError};
 
 /// How the job goes on, as node 0 decided it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -309,7 +309,7 @@ pub fn check_shared(path: &Path, node_rank: usize, what: &str) -> Result<(), Str
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::StoreServer;
+    use ddpjob_store::StoreServer;
 
     fn pair() -> (StoreServer, StoreClient, StoreClient) {
         let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "t").unwrap();

@@ -10,8 +10,8 @@ use super::{Layout, NodeOptions, RunError, meet, record_outcome};
 use crate::checkpoint;
 use crate::config;
 use crate::jobdir::{self, JobDir, JobDirError, JobState, Status, now_unix};
-use crate::store;
 use crate::train::Summary;
+use ddpjob_store as store;
 
 pub struct ResumeOptions {
     /// `None`: the most recently updated unfinished job.

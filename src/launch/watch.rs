@@ -5,9 +5,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::heartbeat::Beat;
-use crate::store::Key;
-use crate::store::StoreClient;
+use ddpjob_comm::heartbeat::Beat;
+use ddpjob_store::Key;
+use ddpjob_store::StoreClient;
 
 /// How often the launcher reads heartbeats.
 const CHECK_EVERY: Duration = Duration::from_millis(500);
@@ -74,7 +74,7 @@ impl<'a> Watchdog<'a> {
     /// last was: when another rank failed waiting in a collective, the one it waited for.
     pub fn stalled(&mut self, ranks: &[(usize, u32)]) -> Option<(usize, u32, Duration, Beat)> {
         let store = self.store?;
-        let quiet = 2 * crate::heartbeat::interval_for(self.stale_after) + CHECK_EVERY;
+        let quiet = 2 * ddpjob_comm::heartbeat::interval_for(self.stale_after) + CHECK_EVERY;
         let now = Instant::now();
         ranks.iter().find_map(|&(rank, pid)| {
             let (beat, silent) = self.observe(store, rank, now)?;

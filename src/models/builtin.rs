@@ -105,7 +105,7 @@ pub(super) fn token_windows(arch: &str, cx: &ModelContext) -> Result<(usize, usi
 mod tests {
     use crate::registry::Registry;
 
-    /// `ddpjob keys` and the README list what each built-in model's options struct reads: a
+    /// `ddpjob keys` and the config reference list what each built-in model's options struct reads: a
     /// field added without its line, or a line for a field that is gone, fails here.
     #[test]
     fn every_builtin_models_keys_are_documented_in_field_order() {

@@ -8,9 +8,9 @@
 use candle_core::{DType, Result, Tensor, bail};
 
 use super::{Conv2d, Linear, Params, TrainPass};
-use crate::kernels::{
-    self, ConvGeometry, ConvLayer, ConvOutput, Pooling, Wanted, linear_backward, linear_forward,
-    relu_grad, relu_in_place, scratch, with_all_values, with_values,
+use ddpjob_kernels::{
+    self as kernels, ConvGeometry, ConvLayer, ConvOutput, Pooling, Wanted, linear_backward,
+    linear_forward, relu_grad, relu_in_place, scratch, with_all_values, with_values,
 };
 
 /// One layer of a chain.

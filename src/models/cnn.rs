@@ -5,7 +5,7 @@ use candle_core::{Device, Result, Tensor};
 
 use super::chain::{self, Layer};
 use super::{Conv2d, Init, Linear, Mode, Model, Params, TrainPass};
-use crate::kernels::Pooling;
+use ddpjob_kernels::Pooling;
 
 pub struct Cnn {
     conv1: Conv2d,
@@ -84,7 +84,7 @@ mod tests {
     use candle_core::DType;
 
     use super::*;
-    use crate::rng::Mt19937;
+    use ddpjob_rng::Mt19937;
 
     #[test]
     fn matches_the_torch_reference_shapes() {

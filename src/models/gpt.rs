@@ -40,8 +40,8 @@ use candle_core::{DType, Device, Error, Result, Tensor, Var};
 use super::gate::{self, Unit};
 use super::lora::Adapter;
 use super::{FrozenSet, LoraSpec, Mode, Model, Params, TrainPass, is_adapter};
-use crate::kernels;
-use crate::rng::Mt19937;
+use ddpjob_kernels as kernels;
+use ddpjob_rng::Mt19937;
 use dropout::Dropout;
 pub use ops::Activation;
 

@@ -9,7 +9,7 @@
 use candle_core::{Result, Tensor, Var};
 
 use super::FrozenSet;
-use crate::kernels;
+use ddpjob_kernels as kernels;
 
 /// `[model.lora]` once it is on (`r` > 0).
 #[derive(Debug, Clone, PartialEq)]

@@ -17,10 +17,10 @@ mod store;
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use crate::config::{ModelSpec, Precision};
-use crate::kernels::{self, ConvGeometry, Pooling};
 use crate::registry::{ModelContext, Registry};
-use crate::rng::Mt19937;
 use crate::task::ModelInput;
+use ddpjob_kernels::{self as kernels, ConvGeometry, Pooling};
+use ddpjob_rng::Mt19937;
 
 pub(crate) use builtin::register_builtin;
 

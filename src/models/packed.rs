@@ -86,7 +86,7 @@ impl Packing {
 /// else composed from candle's ops under [`Packing::mask`] (scores and softmax in f32).
 pub fn attention(qkv: &Tensor, heads: usize, packing: &Packing) -> Result<Tensor> {
     let (n, t, c3) = qkv.dims3()?;
-    if crate::kernels::applies(qkv) {
+    if ddpjob_kernels::applies(qkv) {
         let rows = qkv.reshape((n * t, c3))?;
         let y = super::gpt::attention::packed_attention(&rows, heads, t, packing.starts.clone())?;
         return y.reshape((n, t, c3 / 3));
@@ -196,8 +196,8 @@ mod tests {
             d.max(0).unwrap().to_scalar().unwrap()
         };
         assert!(diff(&fused, &composed) < 1e-5);
-        let gf = crate::kernels::uneven_sum(&fused).backward().unwrap();
-        let gc = crate::kernels::uneven_sum(&composed).backward().unwrap();
+        let gf = ddpjob_kernels::uneven_sum(&fused).backward().unwrap();
+        let gc = ddpjob_kernels::uneven_sum(&composed).backward().unwrap();
         assert!(diff(gf.get(&qkv).unwrap(), gc.get(&qkv).unwrap()) < 1e-5);
     }
 }

@@ -10,7 +10,7 @@ use candle_nn::{Init, VarBuilder, init::NormalOrUniform, var_builder::SimpleBack
 
 use super::Params;
 use crate::registry::ModelContext;
-use crate::rng::Mt19937;
+use ddpjob_rng::Mt19937;
 
 /// Last name components that are buffers, not parameters: candle_nn's BatchNorm statistics.
 const BUFFER_NAMES: &[&str] = &["running_mean", "running_var"];

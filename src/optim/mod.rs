@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use candle_core::{Result, Tensor};
 
 use crate::config::OptimizerSpec;
-use crate::kernels::{self, AdamStep, SgdStep};
 use crate::models::Params;
+use ddpjob_kernels::{self as kernels, AdamStep, SgdStep};
 
 pub use schedule::Schedule;
 

@@ -15,10 +15,10 @@ use candle_core::{Result, Tensor};
 
 use super::{Buffer, Optimizer, Slot};
 use crate::checkpoint::StreamedSafetensors;
-use crate::comm::buckets::ShardPlan;
-use crate::comm::{CommError, Communicator};
 use crate::config::OptimizerSpec;
 use crate::models::Params;
+use ddpjob_comm::buckets::ShardPlan;
+use ddpjob_comm::{CommError, Communicator};
 
 /// What a sharded optimizer knows of the shards: the plan and the parameter index of each
 /// trainable position (the plan counts trainable tensors only).

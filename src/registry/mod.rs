@@ -165,7 +165,7 @@ type HfExportFn = fn(
     std::collections::HashMap<String, candle_core::Tensor>,
 ) -> Result<crate::hf::HfParts, String>;
 
-/// One documented option key of a built-in model: what `ddpjob keys` and the README's config
+/// One documented option key of a built-in model: what `ddpjob keys` and the book's config
 /// table show (a test keeps the list equal to the options struct's fields).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct KeyDoc {

@@ -6,9 +6,9 @@
 
 use candle_core::Tensor;
 
-use crate::comm::Communicator;
 use crate::models::Model;
 use crate::task::{BatchSource, Metric, Task};
+use ddpjob_comm::Communicator;
 
 use super::TrainError;
 use super::shards::ShardPool;

@@ -23,12 +23,12 @@ use candle_core::{Tensor, Var};
 
 use super::step::{StepContext, StepError};
 use crate::checkpoint::StreamedSafetensors;
-use crate::comm::buckets::ShardPlan;
-use crate::comm::{Communicator, StopVote};
-use crate::kernels::storage;
 use crate::models::gate::{BlockGate, Unit};
 use crate::models::{Model, Params};
 use crate::optim::{GatherError, Optimizer};
+use ddpjob_comm::buckets::ShardPlan;
+use ddpjob_comm::{Communicator, StopVote};
+use ddpjob_kernels::storage;
 
 /// The model's blocks as trainable positions (the plan's numbering), and the rest.
 #[derive(Debug, Clone)]

@@ -21,9 +21,9 @@ use std::sync::OnceLock;
 use candle_core::{DType, Tensor};
 
 use super::step::{MicroBatch, StepContext, StepError, StepResult, shard_forward_backward};
-use crate::comm::{Communicator, StopVote};
 use crate::models::Mode;
 use crate::optim::{Optimizer, clip_grad_norm};
+use ddpjob_comm::{Communicator, StopVote};
 
 /// One step of `virtual_shards` pieces over this rank's `batch` (the step's one micro-batch).
 pub(super) fn optimizer_step(
@@ -35,7 +35,7 @@ pub(super) fn optimizer_step(
     stop_vote: bool,
 ) -> Result<StepResult, StepError> {
     let params = cx.model.params();
-    crate::comm::broadcast_buffers(cx.comm, params)?;
+    ddpjob_comm::broadcast_vars(cx.comm, params.buffers().map(|(_, var)| var))?;
     let world = cx.comm.world_size();
     let rows = batch.targets.dims().first().copied().unwrap_or(1);
     let local = virtual_shards / world;
@@ -186,10 +186,10 @@ impl PartialSums {
 fn add_lists(a: &[Tensor], b: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
     if a.iter()
         .chain(b)
-        .all(|t| crate::kernels::applies(t) && t.is_contiguous())
+        .all(|t| ddpjob_kernels::applies(t) && t.is_contiguous())
     {
         let pairs: Vec<(&Tensor, &Tensor)> = a.iter().zip(b).collect();
-        return crate::kernels::add_pairs(&pairs);
+        return ddpjob_kernels::add_pairs(&pairs);
     }
     a.iter().zip(b).map(|(a, b)| a + b).collect()
 }
@@ -208,9 +208,9 @@ fn across_ranks(
         .map(|t| t.to_dtype(DType::F32))
         .collect::<candle_core::Result<Vec<_>>>()?;
     let vote = if stop_vote { 1.0 } else { 0.0 };
-    let mut flat = crate::comm::flat_bucket(&summed, Some(vote))?;
+    let mut flat = ddpjob_comm::flat_bucket(&summed, Some(vote))?;
     comm.tree_sum(&mut flat)?;
-    crate::comm::unflatten_into(&flat, &mut summed)?;
+    ddpjob_comm::unflatten_into(&flat, &mut summed)?;
     let summed = summed
         .iter()
         .zip(&mine)
@@ -285,11 +285,11 @@ mod tests {
         for world in [1, 2, 4, 8] {
             let reference = tree_sum((0..world).map(sums_of).collect()).unwrap();
             let bits = |list: &[Tensor]| -> Vec<u32> {
-                list.iter().flat_map(crate::kernels::f32_bits).collect()
+                list.iter().flat_map(ddpjob_kernels::f32_bits).collect()
             };
             for tree in [false, true] {
                 // Rank 1 alone votes to stop: every rank hears of it.
-                let results = crate::comm::tcp::ranks_joined(world, tree, |rank, comm| {
+                let results = ddpjob_comm::tcp::ranks_joined(world, tree, |rank, comm| {
                     let (sums, votes) = across_ranks(&comm, sums_of(rank), rank == 1).unwrap();
                     (bits(&sums), votes.to_vec1::<f32>().unwrap())
                 });
@@ -321,7 +321,7 @@ mod tests {
         assert_eq!(super::bit_reversed(1), vec![0]);
         let parts: Vec<Vec<Tensor>> = (0..8).map(sums_of).collect();
         let bits = |list: &[Tensor]| -> Vec<u32> {
-            list.iter().flat_map(crate::kernels::f32_bits).collect()
+            list.iter().flat_map(ddpjob_kernels::f32_bits).collect()
         };
         let want = bits(&tree_sum(parts.clone()).unwrap());
         let mut partial = super::PartialSums::default();

@@ -7,9 +7,9 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
-use crate::comm::Communicator;
 use crate::config::Monitor;
 use crate::jobdir::JobDirError;
+use ddpjob_comm::Communicator;
 
 /// `summary.json` (**contract**: the first seven fields).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

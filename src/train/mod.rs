@@ -25,17 +25,17 @@ use candle_core::Device;
 use thiserror::Error;
 
 use crate::checkpoint::{CheckpointError, MetricState, Restored, TensorFile, TrainPosition};
-use crate::comm::buckets::ShardPlan;
-use crate::comm::{CommError, Communicator, broadcast_params};
 use crate::config::{JobSpec, OnWriteError, Plan, Sharding};
 use crate::data::{DataError, DistributedSampler};
 use crate::fault::Fault;
-use crate::heartbeat::Beacon;
 use crate::jobdir::JobDirError;
 use crate::models::{Mode, Model};
 use crate::optim::{GatherError, Gathered, Optimizer, Schedule};
 use crate::progress::Reporter;
 use crate::task::{BatchSource, ModelInput, Task, sample_seed};
+use ddpjob_comm::buckets::ShardPlan;
+use ddpjob_comm::heartbeat::Beacon;
+use ddpjob_comm::{CommError, Communicator, broadcast_vars};
 
 pub use eval::{EvalResult, EvalThreads, evaluate};
 pub use leader::{Leader, Weights};
@@ -376,7 +376,7 @@ impl Trainer<'_> {
         } else if let Some(leader) = &self.leader {
             leader.start(world, start.total_steps)?;
         }
-        broadcast_params(self.comm, self.model.params())?;
+        broadcast_vars(self.comm, self.model.params().vars())?;
         self.base_sha256 = crate::checkpoint::base::fingerprint(self.model.params())?;
         // With sharded parameters, from here on this rank keeps its pieces only.
         if self.sharded_parameters.is_some() {
@@ -569,7 +569,7 @@ impl Trainer<'_> {
     fn evaluate_now(&self, batches: &dyn BatchSource) -> Result<EvalResult, TrainError> {
         let t = &self.spec.train;
         // Every rank scores its share with rank 0's buffers (BatchNorm statistics).
-        crate::comm::broadcast_buffers(self.comm, self.model.params())?;
+        ddpjob_comm::broadcast_vars(self.comm, self.model.params().buffers().map(|(_, var)| var))?;
         let threads = match self.spec.distributed.world_size_invariant {
             _ if self.sharded_parameters.is_some() => EvalThreads::Lockstep,
             true => EvalThreads::Pieces {

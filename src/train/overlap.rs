@@ -19,7 +19,7 @@
 //!
 //! What it buys is the collectives' waiting on a network. It costs a core's share where the
 //! passes already fill every core, and memory: three blocks gathered at once, buckets waiting,
-//! and what the allocator keeps apart for the second thread (measured in the README). Only on
+//! and what the allocator keeps apart for the second thread (measured in docs/src/sharding.md). Only on
 //! the CPU: on a GPU, collectives and kernels go into the worker's one stream in order, so a
 //! thread of their own would buy nothing; they stay inline there.
 
@@ -32,11 +32,11 @@ use super::full::{Sharded, Units};
 use super::sharded::{ReducedBucket, reduce_bucket};
 use super::step::StepError;
 use super::streamed::{BucketVia, Reduced};
-use crate::comm::Communicator;
-use crate::comm::buckets::ShardPlan;
 use crate::models::Params;
 use crate::models::gate::{self, BlockGate, Unit};
 use crate::optim::Optimizer;
+use ddpjob_comm::Communicator;
+use ddpjob_comm::buckets::ShardPlan;
 
 /// What a pass asks of the step's thread.
 enum Request {

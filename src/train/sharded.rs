@@ -13,9 +13,9 @@
 use candle_core::Tensor;
 
 use super::step::{StepContext, StepError};
-use crate::comm::buckets::ShardPlan;
-use crate::comm::{Communicator, StopVote, flat_bucket};
 use crate::optim::Optimizer;
+use ddpjob_comm::buckets::ShardPlan;
+use ddpjob_comm::{Communicator, StopVote, flat_bucket};
 
 /// This rank's averaged gradient pieces (one per piece of the plan, 1-D) and, when it owns
 /// it, the ranks' mean stop vote. `grads` (one per trainable tensor) are consumed bucket by
@@ -120,7 +120,7 @@ pub(super) fn update_and_gather(
     let plan = optimizer.plan().expect("a sharded optimizer");
     let on_host = params
         .vars()
-        .all(|v| crate::kernels::applies(v.as_tensor()));
+        .all(|v| ddpjob_kernels::applies(v.as_tensor()));
     gather_parameters(cx, plan, vote, on_host)
 }
 
@@ -172,7 +172,7 @@ fn host_bucket(
     let bucket = &plan.buckets[b];
     let mut flat = vec![0f32; bucket.len];
     for p in plan.pieces.iter().filter(|p| p.bucket == b) {
-        crate::kernels::with_values(vars[p.tensor], |v| {
+        ddpjob_kernels::with_values(vars[p.tensor], |v| {
             flat[p.at..p.at + p.within.len()].copy_from_slice(&v[p.within.clone()]);
             Ok(())
         })?;
@@ -199,13 +199,13 @@ fn write_back(
 ) -> Result<(), StepError> {
     let bucket = &plan.buckets[b];
     if on_host {
-        return Ok(crate::kernels::with_values(flat, |all| {
+        return Ok(ddpjob_kernels::with_values(flat, |all| {
             let mut offset = 0;
             for t in bucket.tensors.clone() {
                 let n = vars[t].elem_count();
                 let mine = plan.pieces.iter().find(|p| p.tensor == t);
                 let keep = mine.map_or(0..0, |p| p.within.clone());
-                crate::kernels::overwrite_except(vars[t], &all[offset..offset + n], keep)?;
+                ddpjob_kernels::overwrite_except(vars[t], &all[offset..offset + n], keep)?;
                 offset += n;
             }
             Ok(())

@@ -4,15 +4,15 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::comm::{CommError, Communicator, StopVote, average_gradients};
 use crate::models::{GradientSink, Mode, Model};
 use crate::optim::{Optimizer, clip_grad_norm};
+use ddpjob_comm::{CommError, Communicator, StopVote, average_gradients};
 
 pub use super::phase_clock::Phases;
 use super::phase_clock::{Mark, Phase, PhaseClock};
 use super::shards::ShardPool;
 use super::streamed::{BucketVia, Here, Reduced};
-use crate::comm::buckets::ShardPlan;
+use ddpjob_comm::buckets::ShardPlan;
 
 /// One micro-batch: inputs, integer targets, and how the forward pass runs (the row seeds of
 /// its dropout).
@@ -86,7 +86,7 @@ pub fn optimizer_step(
         return super::invariant::optimizer_step(cx, optimizer, batch, pieces, lr, stop_vote);
     }
     let params = cx.model.params();
-    crate::comm::broadcast_buffers(cx.comm, params)?;
+    ddpjob_comm::broadcast_vars(cx.comm, params.buffers().map(|(_, var)| var))?;
     // Samples (rows) weight the micro-batches; a language model's rows all hold block_size
     // targets, so this is also the weighting by targets.
     let rows = |b: &MicroBatch| b.targets.dims().first().copied().unwrap_or(1);
@@ -282,7 +282,7 @@ pub(super) fn accumulate(
     acc: &mut [Option<Tensor>],
     new: Vec<Option<Tensor>>,
 ) -> candle_core::Result<()> {
-    let host = |t: &Tensor| crate::kernels::applies(t) && t.is_contiguous();
+    let host = |t: &Tensor| ddpjob_kernels::applies(t) && t.is_contiguous();
     let mut pairs = Vec::new();
     for (i, (slot, g)) in acc.iter_mut().zip(new).enumerate() {
         match (slot.take(), g) {
@@ -295,7 +295,7 @@ pub(super) fn accumulate(
         return Ok(());
     }
     let operands: Vec<(&Tensor, &Tensor)> = pairs.iter().map(|(_, a, g)| (a, g)).collect();
-    let sums = crate::kernels::add_pairs(&operands)?;
+    let sums = ddpjob_kernels::add_pairs(&operands)?;
     for ((i, ..), sum) in pairs.iter().zip(sums) {
         acc[*i] = Some(sum);
     }

@@ -25,9 +25,9 @@ use candle_core::Tensor;
 use super::sharded::{ReducedBucket, reduce_bucket};
 use super::shards::ShardPool;
 use super::step::{ShardResult, StepError, accumulate};
-use crate::comm::Communicator;
-use crate::comm::buckets::ShardPlan;
 use crate::models::{GradientSink, Params};
+use ddpjob_comm::Communicator;
+use ddpjob_comm::buckets::ShardPlan;
 
 /// This rank's averaged pieces (in plan order) and, when it owns it, the mean stop vote: what
 /// `sharded::reduce_scatter_gradients` gives.

@@ -5,10 +5,10 @@ use candle_core::{Device, Tensor};
 
 use super::shards::ShardPool;
 use super::*;
-use crate::comm::LocalCommunicator;
 use crate::config::load_str;
 use crate::models;
 use crate::progress::Silent;
+use ddpjob_comm::LocalCommunicator;
 
 fn spec(overrides: &[&str]) -> JobSpec {
     let base = "[data]\ndataset = \"synthetic\"\n[data.synthetic]\ntrain_samples = 100\ntest_samples = 37\n\
@@ -214,7 +214,7 @@ struct CountingComm {
     gathered: std::cell::Cell<usize>,
 }
 
-impl crate::comm::Communicator for CountingComm {
+impl ddpjob_comm::Communicator for CountingComm {
     fn rank(&self) -> usize {
         0
     }
@@ -224,32 +224,32 @@ impl crate::comm::Communicator for CountingComm {
     fn all_reduce_mean(
         &self,
         flat: &mut candle_core::Tensor,
-    ) -> Result<(), crate::comm::CommError> {
+    ) -> Result<(), ddpjob_comm::CommError> {
         self.reduced.set(self.reduced.get() + flat.elem_count());
         Ok(())
     }
     fn reduce_scatter_mean(
         &self,
         flat: &mut candle_core::Tensor,
-    ) -> Result<(), crate::comm::CommError> {
+    ) -> Result<(), ddpjob_comm::CommError> {
         self.reduced.set(self.reduced.get() + flat.elem_count());
         Ok(())
     }
-    fn all_gather(&self, flat: &mut candle_core::Tensor) -> Result<(), crate::comm::CommError> {
+    fn all_gather(&self, flat: &mut candle_core::Tensor) -> Result<(), ddpjob_comm::CommError> {
         self.gathered.set(self.gathered.get() + flat.elem_count());
         Ok(())
     }
-    fn all_reduce_sum_f64(&self, _: &mut [f64]) -> Result<(), crate::comm::CommError> {
+    fn all_reduce_sum_f64(&self, _: &mut [f64]) -> Result<(), ddpjob_comm::CommError> {
         Ok(())
     }
     fn broadcast(
         &self,
         _: &mut candle_core::Tensor,
         _: usize,
-    ) -> Result<(), crate::comm::CommError> {
+    ) -> Result<(), ddpjob_comm::CommError> {
         Ok(())
     }
-    fn barrier(&self) -> Result<(), crate::comm::CommError> {
+    fn barrier(&self) -> Result<(), ddpjob_comm::CommError> {
         Ok(())
     }
     fn skips_collectives(&self) -> bool {
@@ -383,11 +383,11 @@ fn frozen_parameters_stay_put_keep_no_state_and_are_not_reduced() {
 /// the state, and it sends exactly the all-reduce's bytes.
 #[test]
 fn a_sharded_optimizer_moves_the_all_reduces_bytes_and_gives_its_bits() {
-    use crate::comm::buckets::ShardPlan;
+    use ddpjob_comm::buckets::ShardPlan;
     let spec = spec(&["train.optimizer=\"adamw\"", "model.hidden=[24]"]);
     // (sharded, streamed): "none", "optimizer", "gradients".
     let run = |world: usize, (sharded, streamed): (bool, bool)| {
-        crate::comm::tcp_ranks(world, |rank, comm| {
+        ddpjob_comm::tcp_ranks(world, |rank, comm| {
             let (data, model) = data_and_model(&spec);
             let params = model.params();
             let mut optimizer = match sharded {
@@ -477,10 +477,10 @@ fn a_sharded_optimizer_moves_the_all_reduces_bytes_and_gives_its_bits() {
 /// alone in their buckets included; the vote reaches every rank.
 #[test]
 fn sharded_parameters_gather_alike_on_the_host_and_through_tensor_ops() {
-    use crate::comm::buckets::ShardPlan;
+    use ddpjob_comm::buckets::ShardPlan;
     let spec = spec(&[]);
     let gathered = |on_host: bool| {
-        crate::comm::tcp_ranks(2, |rank, comm| {
+        ddpjob_comm::tcp_ranks(2, |rank, comm| {
             let (_, model) = data_and_model(&spec);
             let params = model.params();
             let sizes: Vec<usize> = params.vars().map(|v| v.elem_count()).collect();
@@ -533,8 +533,8 @@ fn sharded_parameters_gather_alike_on_the_host_and_through_tensor_ops() {
 /// reduces waiting for a shard that will never hand anything over.
 #[test]
 fn a_panicking_shard_of_a_streamed_step_panics_the_step_instead_of_hanging() {
-    use crate::comm::buckets::ShardPlan;
     use crate::models::{Mode, Model, Params};
+    use ddpjob_comm::buckets::ShardPlan;
     /// The spec's model, whose shard of 3 rows panics.
     struct Panicky(Box<dyn Model>);
     impl Model for Panicky {

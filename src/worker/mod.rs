@@ -17,17 +17,17 @@ use candle_core::Device;
 use thiserror::Error;
 
 use crate::checkpoint::{self, CheckpointError};
-use crate::comm::{CommError, Communicator, LocalCommunicator, TcpCommunicator, spin_for};
 use crate::config::{self, ConfigError, JobSpec};
 use crate::data::DataError;
 use crate::fault::Fault;
-use crate::heartbeat::{self, Beacon, Heartbeat};
 use crate::jobdir::{JobDir, JobDirError};
 use crate::models;
 use crate::progress::{self, Logged, Reporter};
-use crate::store::{Key, StoreClient, StoreError};
 use crate::task::{self, Task};
 use crate::train::{Ending, Hooks, Leader, TrainError, Trainer};
+use ddpjob_comm::heartbeat::{self, Beacon, Heartbeat};
+use ddpjob_comm::{CommError, Communicator, LocalCommunicator, TcpCommunicator, spin_for};
+use ddpjob_store::{Key, StoreClient, StoreError};
 
 /// How long non-zero local ranks wait for local rank 0 to have the data (it may be
 /// downloading); the launcher stops everyone at once if local rank 0 fails.
@@ -88,7 +88,7 @@ impl WorkerError {
 /// The `worker` subcommand's body; `Ok(true)` if it stopped on request after a checkpoint.
 pub fn run() -> Result<bool, WorkerError> {
     let started = Instant::now();
-    crate::kernels::keep_freed_memory();
+    ddpjob_kernels::keep_freed_memory();
     // SIGTERM, SIGINT, and SIGUSR1 (Slurm's `--signal=USR1@N` without `B:` reaches every
     // process of the step): finish the current optimizer step, checkpoint, exit.
     crate::signals::install();
@@ -180,7 +180,7 @@ fn connect(
         && spec.distributed.backend != crate::config::Backend::Tcp
         && (!alone || always || spec.distributed.backend == crate::config::Backend::Nccl)
     {
-        let comm = crate::comm::NcclCommunicator::connect(
+        let comm = ddpjob_comm::NcclCommunicator::connect(
             store,
             env.rank,
             env.world_size,
@@ -192,12 +192,12 @@ fn connect(
             || std::process::exit(1),
         )?;
         if alone && always {
-            return Ok(Box::new(crate::comm::Exercised(comm)));
+            return Ok(Box::new(ddpjob_comm::Exercised(comm)));
         }
         return Ok(Box::new(comm));
     }
     if alone && always {
-        return Ok(Box::new(crate::comm::Exercised(LocalCommunicator)));
+        return Ok(Box::new(ddpjob_comm::Exercised(LocalCommunicator)));
     }
     if alone {
         return Ok(Box::new(LocalCommunicator));
@@ -229,7 +229,7 @@ fn connect(
 fn nccl_failure(
     env: WorkerEnv,
     timeout: Duration,
-) -> impl FnOnce(&crate::comm::watchdog::Verdict) + Send + 'static {
+) -> impl FnOnce(&ddpjob_comm::watchdog::Verdict) + Send + 'static {
     move |verdict| {
         let mut message = verdict.describe(env.rank, timeout);
         if let Some(seq) = verdict.hung_seq()
@@ -351,10 +351,10 @@ fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result
     let waited = loop {
         let left = timeout.saturating_sub(started.elapsed());
         match store.wait(&keys, left.min(Duration::from_secs(1))) {
-            Err(e @ crate::store::StoreError::Timeout { .. })
+            Err(e @ ddpjob_store::StoreError::Timeout { .. })
                 if !left.is_zero() && !stop_requested() =>
             {
-                let missing = e.missing_ranks(crate::store::REGISTERED_PREFIX);
+                let missing = e.missing_ranks(ddpjob_store::REGISTERED_PREFIX);
                 let mut nodes = nodes_of(&missing, env);
                 nodes.retain(|&n| n != env.node_rank);
                 if !said_waiting && !nodes.is_empty() {
@@ -379,7 +379,7 @@ fn rendezvous(store: &StoreClient, env: &WorkerEnv, timeout: Duration) -> Result
         }
     };
     waited.map_err(|e| {
-        let missing = e.missing_ranks(crate::store::REGISTERED_PREFIX);
+        let missing = e.missing_ranks(ddpjob_store::REGISTERED_PREFIX);
         if missing.is_empty() {
             return WorkerError::Store(e);
         }

@@ -6,6 +6,7 @@ mod accumulation;
 mod bench;
 mod ci;
 mod cluster;
+mod compat;
 mod devices;
 mod distributed;
 mod download;

@@ -4,7 +4,7 @@ use crate::common::{TINY, TestJob, load_weights};
 fn smoke_config_trains_and_fills_the_job_directory() {
     let t = TestJob::new();
     let smoke = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/smoke.toml");
-    // As docs/ci.md runs it (a report named without a directory, written where it runs): the
+    // As docs/src/ci.md runs it (a report named without a directory, written where it runs): the
     // shipped expectations hold.
     let report = t.path("smoke.xml");
     t.run(&smoke, &["--junit", "smoke.xml"]).success();

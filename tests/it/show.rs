@@ -269,8 +269,11 @@ fn a_running_job_whose_launcher_was_killed_shows_as_stale() {
     let long = t.config("long", &TINY.replace("epochs = 2", "epochs = 100000"));
     let mut launcher = t.spawn_run(&long, "jobs", &["--name", "orphan"]);
     let deadline = Instant::now() + Duration::from_secs(30);
-    while t.metrics_lines("orphan") < 1 {
-        assert!(Instant::now() < deadline, "the job never logged");
+    // Its first checkpoint (epoch 1's), which the hint below names; waiting for a logged line
+    // instead raced it on a loaded machine (the kill landed between epoch 1's evaluation and
+    // its checkpoint, and the hint rightly said to start over).
+    while !t.job("orphan").join("checkpoints/latest").is_file() {
+        assert!(Instant::now() < deadline, "the job never checkpointed");
         std::thread::sleep(Duration::from_millis(50));
     }
     // SIGKILL: the launcher cannot record anything; then its worker, so nothing is left.

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::ops::{self, values, with_values};
 #[cfg(target_arch = "x86_64")]
 use super::tiles;
-use crate::kernels;
+use ddpjob_kernels as kernels;
 
 /// Causal attention of `qkv` [n·t, 3C] (sequences of `t` rows; q, k, v side by side, heads of
 /// `C / heads` columns each): the attended values [n·t, C], heads side by side, before the

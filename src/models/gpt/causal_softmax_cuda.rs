@@ -11,7 +11,7 @@ use candle_core::{Error, Layout, Result};
 use half::bf16;
 
 use super::causal_softmax::{CausalSoftmax, CausalSoftmaxGrad, Rows};
-use crate::kernels::nvrtc;
+use ddpjob_kernels::nvrtc;
 
 const SOURCE: &str = r#"
 // The row a warp owns, and the keys it sees; false past the last row (the whole warp).

@@ -12,7 +12,7 @@ use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapE
 use candle_core::{CpuStorage, CustomOp1, DType, Error, Layout, Result, Shape, Tensor};
 use half::bf16;
 
-use crate::kernels::nvrtc;
+use ddpjob_kernels::nvrtc;
 
 /// `out[i]` for row `i / row_len`, element `i % row_len`: 0 or `keep`, as the host draws it.
 pub(super) const SPLITMIX: &str = r#"
@@ -69,7 +69,7 @@ const FUNCTION: &str = "ddpjob_dropout_mask";
 const MODULE: &str = "ddpjob_dropout";
 
 pub(super) fn ptx() -> Result<&'static str> {
-    static PTX: crate::kernels::nvrtc::Compiled = crate::kernels::nvrtc::Compiled::new();
+    static PTX: ddpjob_kernels::nvrtc::Compiled = ddpjob_kernels::nvrtc::Compiled::new();
     PTX.get(
         &[nvrtc::ELEMENTS, SPLITMIX, KEPT, SOURCE],
         "the dropout kernels",
@@ -216,7 +216,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor};
 
     use super::super::dropout::{MaskOp, mask};
-    use crate::kernels::f32_bits;
+    use ddpjob_kernels::f32_bits;
 
     /// Runs where a GPU is: the device's mask is the host's, bit for bit.
     #[test]

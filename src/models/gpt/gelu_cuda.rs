@@ -11,7 +11,7 @@ use candle_core::{Error, Layout, Result};
 use half::bf16;
 
 use super::ops::Activation;
-use crate::kernels::nvrtc;
+use ddpjob_kernels::nvrtc;
 
 const SOURCE: &str = r#"
 #define SQRT_HALF 0.70710678118654752f

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use super::attention::{View, gemm_into};
 use super::ops::{exp, max, sum_map, values, with_values};
 use super::vocab_blocks::{self, Kept};
-use crate::kernels::{indices, indices_of};
+use ddpjob_kernels::{indices, indices_of};
 
 /// A target that scores nothing (a prompt's tokens, padding): `task::IGNORE_TARGET` as the
 /// kernels read targets. Its row has no loss, no gradient, and is not counted in the mean.
@@ -89,7 +89,7 @@ pub fn kept_logit_bytes(rows: usize, vocab: usize) -> usize {
 }
 
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
-    crate::kernels::applies(x) && crate::kernels::applies(w)
+    ddpjob_kernels::applies(x) && ddpjob_kernels::applies(w)
 }
 
 /// The op of one loss: its forward keeps each row's log-sum-exp (for a vocabulary made in

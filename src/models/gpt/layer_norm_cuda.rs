@@ -5,8 +5,8 @@ use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{Error, Layout, Result};
 
-use crate::kernels::nvrtc;
-use crate::kernels::rows_and_channels;
+use ddpjob_kernels::nvrtc;
+use ddpjob_kernels::rows_and_channels;
 
 const SOURCE: &str = r#"
 // The row's mean and standard deviation (with eps), every lane of the warp.

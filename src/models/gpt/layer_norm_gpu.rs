@@ -5,8 +5,8 @@
 //! input's gradient plus two column sums (the gain's and bias's). The host version is the
 //! reference the GPU's kernels are held to; on the CPU the model keeps its own fused op.
 
-use crate::kernels::{self, rows_and_channels, values};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
+use ddpjob_kernels::{self as kernels, rows_and_channels, values};
 
 /// LayerNorm over the last dimension of `x` (f32 on a GPU): `(x - mean) / sqrt(var + eps) ·
 /// gain + bias`, f32; differentiable in all three.

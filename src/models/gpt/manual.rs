@@ -11,8 +11,8 @@ use rayon::prelude::*;
 
 use super::ops;
 use super::{Gpt, attention, dropout, head};
-use crate::kernels::{self, linear_backward, linear_forward, scratch, with_all_values};
 use crate::models::{CollectedGradients, GradientSink, Mode, TrainPass};
+use ddpjob_kernels::{self as kernels, linear_backward, linear_forward, scratch, with_all_values};
 
 const EPS: f32 = 1e-5;
 

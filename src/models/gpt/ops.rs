@@ -11,7 +11,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use crate::kernels;
+use ddpjob_kernels as kernels;
 
 /// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) · gain + bias`, computed
 /// in f32 whatever the dtype of `x` (as torch's autocast does); the result is f32. One op on
@@ -119,7 +119,7 @@ pub fn gelu(x: &Tensor, activation: Activation) -> Result<Tensor> {
 /// The row loops, where the GPT's ops and layers reach them.
 pub(super) use super::rows::{exp, max, simd, sum_map};
 /// The kernels' accessors of f32 CPU values, shared by the GPT's ops.
-pub(super) use crate::kernels::{values, with_values};
+pub(super) use ddpjob_kernels::{values, with_values};
 
 /// Rows handed to one rayon task: below this a fork costs more than it saves.
 const ROWS_PER_TASK: usize = 64;

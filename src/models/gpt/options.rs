@@ -56,7 +56,7 @@ pub struct GptOptions {
     pub init_from: Option<String>,
 }
 
-/// The keys as `ddpjob keys` and the README show them, in the struct's order.
+/// The keys as `ddpjob keys` and the config reference show them, in the struct's order.
 pub(crate) const KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "n_layer",

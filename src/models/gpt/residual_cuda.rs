@@ -12,7 +12,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Error, Layout, Result, Shape, Te
 use half::bf16;
 
 use super::dropout_cuda::{KEPT, Masks, SPLITMIX, launch_masked};
-use crate::kernels::nvrtc;
+use ddpjob_kernels::nvrtc;
 
 const SOURCE: &str = r#"
 #define RESIDUAL(NAME, T) \
@@ -183,7 +183,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor, Var};
 
     use super::super::dropout::{Dropout, add_dropped};
-    use crate::kernels::f32_bits;
+    use ddpjob_kernels::f32_bits;
 
     /// Runs where a GPU is: the fused residual gives the host's separate ops bit for bit:
     /// the sum, the stream's gradient and the branch's, with and without dropout, for an f32

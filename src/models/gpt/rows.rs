@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-pub(super) use crate::kernels::sum_map;
+pub(super) use ddpjob_kernels::sum_map;
 
 /// Mean and 1/std of one row (two passes, as torch).
 #[inline(always)]

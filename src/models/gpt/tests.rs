@@ -202,7 +202,7 @@ fn compare_with_ops(
     let x = Var::from_tensor(&Tensor::randn(0f32, 1., shape, &dev).unwrap()).unwrap();
     let run = |h: &dyn Fn(&Tensor) -> Tensor| {
         let y = h(x.as_tensor());
-        let grads = crate::kernels::uneven_sum(&y).backward().unwrap();
+        let grads = ddpjob_kernels::uneven_sum(&y).backward().unwrap();
         let mut all = vec![values(&y)];
         for v in std::iter::once(&&x).chain(params) {
             all.push(values(grads.get(v.as_tensor()).unwrap()));
@@ -561,7 +561,7 @@ fn the_hand_written_pass_matches_autograd() {
         // Gains and biases away from 1 and 0, so their gradients are exercised too; q, k and
         // v 40 times GPT-2's scale, so each head's probabilities are far from uniform (and a
         // backward that used the wrong head's would be seen).
-        let mut rng = crate::rng::Mt19937::new(9);
+        let mut rng = ddpjob_rng::Mt19937::new(9);
         for (name, var) in model.params().iter() {
             let gain = if name.ends_with("c_attn.weight") {
                 40.0
@@ -621,7 +621,7 @@ fn the_hand_written_score_matches_the_logits_of_the_ops_forward() {
         let model = gpt(&config(bias, 0.0));
         // 150 windows of 7: more positions than one piece of the hand-written score holds, the
         // last piece a partial one.
-        let mut rng = crate::rng::Mt19937::new(4);
+        let mut rng = ddpjob_rng::Mt19937::new(4);
         let mut draw = || (rng.normal().abs() * 4.0) as u32 % 11;
         let (xs, ys): (Vec<u32>, Vec<u32>) = (0..150 * 7).map(|_| (draw(), draw())).unzip();
         let x = Tensor::from_vec(xs, (150, 7), &Device::Cpu).unwrap();
@@ -807,7 +807,7 @@ fn training_bits(model: &Gpt, x: &Tensor, y: &Tensor, mode: &Mode) -> Vec<Option
             (loss, grads.collect())
         }
     };
-    let bits = |t: &Tensor| crate::kernels::f32_bits(&t.to_dtype(DType::F32).unwrap());
+    let bits = |t: &Tensor| ddpjob_kernels::f32_bits(&t.to_dtype(DType::F32).unwrap());
     std::iter::once(Some(bits(&loss)))
         .chain(grads.iter().map(|g| g.as_ref().map(bits)))
         .collect()

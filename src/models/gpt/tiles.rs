@@ -13,7 +13,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::ops::simd;
-use crate::kernels::{scratch, transpose};
+use ddpjob_kernels::{scratch, transpose};
 
 /// Rows of C per tile; the context length is a multiple of 8, so row tiles never run over.
 const ROWS: usize = 4;

@@ -36,7 +36,7 @@ use candle_core::{D, DType, Device, Error, Result, Tensor, Var};
 use super::gpt::{GptInit, Linear, add_residual, attention, head};
 use super::packed::{self, Packing};
 use super::{Mode, Model, Params, TrainPass};
-use crate::kernels;
+use ddpjob_kernels as kernels;
 pub(crate) use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
 use rope::{Llama3Scaling, RopeTables};
 
@@ -476,8 +476,7 @@ impl Model for Llama {
     /// logits where it keeps them for its backward (a large vocabulary, within 256 MB). With
     /// checkpointing: each layer's input and one layer's
     /// tensors (recomputed, then differentiated). Within 10% of the measured peaks of two
-    /// llamas (35 M and 6 M parameters, with and without checkpointing; see README, "Memory
-    /// per worker").
+    /// llamas (35 M and 6 M parameters, with and without checkpointing; see docs/src/memory.md).
     fn activation_bytes_per_sample(&self, checkpointing: bool) -> Option<f64> {
         if self.compute != DType::F32 || !self.embed.as_tensor().device().is_cpu() {
             return None;

@@ -8,8 +8,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
-use crate::kernels::{self, values, with_values};
 use crate::models::gpt::rows::exp;
+use ddpjob_kernels::{self as kernels, values, with_values};
 
 /// Rows handed to one rayon task.
 const ROWS_PER_TASK: usize = 32;
@@ -327,7 +327,7 @@ mod tests {
         let run = |f: &dyn Fn(&[&Tensor]) -> Tensor| {
             let xs: Vec<&Tensor> = inputs.iter().map(|v| v.as_tensor()).collect();
             let y = f(&xs);
-            let grads = crate::kernels::uneven_sum(&y).backward().unwrap();
+            let grads = ddpjob_kernels::uneven_sum(&y).backward().unwrap();
             let mut all = vec![y.flatten_all().unwrap().to_vec1::<f32>().unwrap()];
             for v in inputs {
                 let g = grads
@@ -350,7 +350,7 @@ mod tests {
     }
 
     fn random(shape: &[usize], mean: f32, seed: u64) -> Var {
-        let mut rng = crate::rng::Mt19937::new(seed);
+        let mut rng = ddpjob_rng::Mt19937::new(seed);
         let n = shape.iter().product();
         let values: Vec<f32> = (0..n).map(|_| mean + rng.normal()).collect();
         Var::from_tensor(&Tensor::from_vec(values, shape, &Device::Cpu).unwrap()).unwrap()

@@ -84,7 +84,7 @@ pub enum RopeType {
     Llama3,
 }
 
-/// The keys as `ddpjob keys` and the README show them, in the struct's order. Their names and
+/// The keys as `ddpjob keys` and the config reference show them, in the struct's order. Their names and
 /// meanings are `config.json`'s; with `init_from` each defaults to the checkpoint's.
 pub(crate) const KEYS: &[KeyDoc] = &[
     KeyDoc {

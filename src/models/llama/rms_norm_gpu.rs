@@ -4,8 +4,8 @@
 //! pass for the input's gradient plus a column sum for the weight's. The host version is the
 //! reference the GPU's kernels are held to; on the CPU the model keeps its own fused op.
 
-use crate::kernels::{self, rows_and_channels, values};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
+use ddpjob_kernels::{self as kernels, rows_and_channels, values};
 
 /// `x / sqrt(mean(x²) + eps) · weight` over the last dimension of `x`, in f32; differentiable
 /// in both.
@@ -189,7 +189,7 @@ mod tests {
     }
 
     fn worst(a: &[f32], b: &[f32]) -> f32 {
-        crate::kernels::worst_relative(a, b, 1.0)
+        ddpjob_kernels::worst_relative(a, b, 1.0)
     }
 
     /// The op and its gradients equal candle's ops' (the composed RMSNorm).

@@ -90,7 +90,7 @@ impl RopeTables {
     /// Rotates `x` [n, t, heads, head_dim] whose positions are `positions` ([n·t] u32, each
     /// row's own: packed examples restart at 0), in f32 (the result has the dtype of `x`).
     pub fn apply_at(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
-        if crate::kernels::applies(x) {
+        if ddpjob_kernels::applies(x) {
             let rows = |m: &Tensor| {
                 m.index_select(positions, 0)?
                     .flatten_all()?

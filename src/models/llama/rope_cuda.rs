@@ -8,7 +8,7 @@ use candle_core::{Error, Layout, Result};
 use half::bf16;
 
 use super::rope_gpu::Geometry;
-use crate::kernels::nvrtc;
+use ddpjob_kernels::nvrtc;
 
 const SOURCE: &str = r#"
 // y = x·cos + sign·rotate_half(x)·sin at each value of x [.., t, heads, hd], position

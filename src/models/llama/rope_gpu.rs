@@ -86,8 +86,8 @@ impl CustomOp3 for Rope {
     ) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::of(lx, lcos, lsin, self.offset)?;
         let (cos, sin) = (
-            crate::kernels::values(cos, lcos)?,
-            crate::kernels::values(sin, lsin)?,
+            ddpjob_kernels::values(cos, lcos)?,
+            ddpjob_kernels::values(sin, lsin)?,
         );
         let rotate = |x: &[f32]| -> Vec<f32> {
             let (hd, half) = (g.head_dim, g.head_dim / 2);
@@ -159,8 +159,8 @@ mod tests {
     use candle_core::{DType, Device, Tensor, Var};
 
     use super::rope;
-    use crate::kernels::f32_bits;
     use crate::models::llama::rope::{RopeTables, inverse_frequencies};
+    use ddpjob_kernels::f32_bits;
 
     /// The rotation of fixed values [2, 5, 3, 8] at positions 3.. and x's gradient under an
     /// uneven weighting, on `device` in `dtype`, by the op or by candle's ops. The weights are

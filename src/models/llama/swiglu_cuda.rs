@@ -8,7 +8,7 @@ use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{Error, Layout, Result};
 use half::bf16;
 
-use crate::kernels::nvrtc;
+use ddpjob_kernels::nvrtc;
 
 const SOURCE: &str = r#"
 __device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }

@@ -7,7 +7,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
 
-use crate::kernels;
+use ddpjob_kernels as kernels;
 
 /// `silu(gate) · up` of a GPU's f32 or bf16 values; differentiable in both.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
@@ -151,7 +151,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor, Var};
 
     use super::swiglu;
-    use crate::kernels::uneven_sum;
+    use ddpjob_kernels::uneven_sum;
 
     /// The output and both gradients (under an uneven weighting) of fixed [7, 131] values on
     /// `device` in `dtype`, by the op or by candle's ops, as f32.
@@ -187,7 +187,7 @@ mod tests {
     }
 
     fn worst(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-        crate::kernels::worst_relative(&a.concat(), &b.concat(), 1.0)
+        ddpjob_kernels::worst_relative(&a.concat(), &b.concat(), 1.0)
     }
 
     /// On the host the op gives candle's ops' values and gradients: to f32 rounding in f32,

@@ -663,7 +663,7 @@ fn training_bits(model: &dyn Model, x: &Tensor, y: &Tensor) -> (u32, Vec<Option<
             (loss, grads.collect())
         }
     };
-    let bits = |t: &Tensor| crate::kernels::f32_bits(&t.to_dtype(DType::F32).unwrap());
+    let bits = |t: &Tensor| ddpjob_kernels::f32_bits(&t.to_dtype(DType::F32).unwrap());
     let loss = loss
         .to_dtype(DType::F32)
         .unwrap()

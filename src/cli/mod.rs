@@ -358,7 +358,7 @@ fn existing_job(
 
 /// `ddpjob keys [PREFIX]`.
 fn keys(prefix: Option<&str>) -> CliResult {
-    match crate::config::schema::reference(prefix) {
+    match crate::config::schema::reference(prefix, crate::registry::Registry::current()) {
         Some(text) => {
             out!("{text}");
             Ok(())

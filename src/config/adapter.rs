@@ -9,9 +9,9 @@
 use std::path::Path;
 
 use super::ConfigError;
+use super::lora::TargetModules;
+use super::peft_adapter::AdapterConfig;
 use super::source::Source;
-use crate::hf::peft::AdapterConfig;
-use crate::models::TargetModules;
 
 /// Rewrites `source`'s `[model]` when `model.init_from` or `model.lora.adapter` names an
 /// adapter directory. Keys the job sets itself must agree with the adapter's (but `dropout`,

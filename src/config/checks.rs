@@ -75,7 +75,7 @@ impl Checker<'_> {
 
 /// LoRA's target modules, a regular expression checked to be one.
 pub fn target_modules<S>()
--> impl Fn(&mut Checker, &str, &crate::models::TargetModules, &S) -> crate::models::TargetModules {
+-> impl Fn(&mut Checker, &str, &super::lora::TargetModules, &S) -> super::lora::TargetModules {
     |c, key, v, _| {
         if let Err(problem) = v.check() {
             c.fail(key, problem);

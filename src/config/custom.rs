@@ -5,10 +5,10 @@
 //! deserialised once, the data's completed for the model, so their errors surface at
 //! `validate`, not in a worker.
 
+use super::builders::{Builders, DataContext, Known};
 use super::error::{ConfigError, Hint, Origin};
 use super::schema;
 use super::source::Source;
-use crate::registry::{DataContext, Known, Registry};
 
 /// A registered model's or dataset's name and its resolved options (defaults written out).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -25,16 +25,10 @@ struct Section {
     default: &'static str,
     /// ddpjob's own keys in the section, kept for the schema.
     own: &'static [&'static str],
-    /// (selector value, key) pairs dropped when the chosen builder does not read the key: the
-    /// default builder's keys beside the archs that always took them (job files switch `arch`
-    /// and keep them, and the `job.toml` of older versions writes them for those archs).
-    tolerated: &'static [(&'static str, &'static str)],
-    /// More such pairs, dropped only in a stored job's `job.toml` (an older version wrote
-    /// them); a job file is told of them.
-    tolerated_in_stored_jobs: &'static [(&'static str, &'static str)],
-    /// The registry's side of it: what a name is, and the names.
-    kind: fn(&Registry, &str) -> Known,
-    names: fn(&Registry) -> Vec<&str>,
+    /// The registry's side of it: what a name is (with the keys it tolerates beside it, see
+    /// [`Known::Registered`]), and the names.
+    kind: fn(&dyn Builders, &str) -> Known,
+    names: for<'a> fn(&'a dyn Builders) -> Vec<&'a str>,
 }
 
 const MODEL: Section = Section {
@@ -42,10 +36,8 @@ const MODEL: Section = Section {
     selector: "arch",
     default: "mlp",
     own: &["arch", "freeze", "lora"],
-    tolerated: &[("cnn", "hidden"), ("gpt", "hidden")],
-    tolerated_in_stored_jobs: &[],
-    kind: Registry::model_kind,
-    names: Registry::model_names,
+    kind: |b, name| b.model_kind(name),
+    names: |b| b.model_names(),
 };
 
 const DATA: Section = Section {
@@ -53,17 +45,15 @@ const DATA: Section = Section {
     selector: "dataset",
     default: "mnist",
     own: &["dataset", "drop_last"],
-    tolerated: crate::data::TOLERATED,
-    tolerated_in_stored_jobs: crate::data::TOLERATED_IN_STORED_JOBS,
-    kind: Registry::dataset_kind,
-    names: Registry::dataset_names,
+    kind: |b, name| b.dataset_kind(name),
+    names: |b| b.dataset_names(),
 };
 
 /// Takes the registered builders' options out of `source`; see the module docs.
 /// Keys of another builder that a `--set` switch of the builder left behind are said in `notes`.
 pub fn extract(
     source: &mut Source,
-    registry: &Registry,
+    registry: &dyn Builders,
     notes: &mut Vec<String>,
 ) -> Result<CustomParts, ConfigError> {
     let mut errors = Vec::new();
@@ -93,7 +83,7 @@ type Resolve<'a> = dyn Fn(&str, &toml::Table) -> Result<toml::Table, String> + '
 fn take(
     source: &mut Source,
     section: &Section,
-    registry: &Registry,
+    registry: &dyn Builders,
     resolve: &Resolve<'_>,
     errors: &mut Vec<ConfigError>,
     notes: &mut Vec<String>,
@@ -107,8 +97,12 @@ fn take(
         .and_then(toml::Value::as_str)
         .unwrap_or(section.default)
         .to_string();
-    let fields = match (section.kind)(registry, &chosen) {
-        Known::Registered { fields } => fields,
+    let (fields, tolerated, tolerated_in_stored_jobs) = match (section.kind)(registry, &chosen) {
+        Known::Registered {
+            fields,
+            tolerated,
+            tolerated_in_stored_jobs,
+        } => (fields, tolerated, tolerated_in_stored_jobs),
         Known::Unknown => {
             // Said first: the section's other keys would otherwise read as unknown keys.
             let key = format!("{}.{}", section.name, section.selector);
@@ -173,9 +167,8 @@ fn take(
             .collect();
         for key in theirs {
             let read = fields.is_none_or(|f| f.contains(&key.as_str()));
-            let pair = (chosen.as_str(), key.as_str());
-            let tolerated = section.tolerated.contains(&pair)
-                || (stored_job && section.tolerated_in_stored_jobs.contains(&pair));
+            let tolerated = tolerated.contains(&key.as_str())
+                || (stored_job && tolerated_in_stored_jobs.contains(&key.as_str()));
             if let Some(value) = table.remove(&key)
                 && (read || !tolerated)
             {
@@ -334,10 +327,12 @@ fn take(
 }
 
 /// The other registered names of `section` that read `key`, quoted.
-fn owners_of(registry: &Registry, section: &Section, key: &str) -> Vec<String> {
+fn owners_of(registry: &dyn Builders, section: &Section, key: &str) -> Vec<String> {
     let names = (section.names)(registry);
     let reads = |name: &str| match (section.kind)(registry, name) {
-        Known::Registered { fields: Some(f) } => f.contains(&key),
+        Known::Registered {
+            fields: Some(f), ..
+        } => f.contains(&key),
         _ => false,
     };
     let owners = names.into_iter().filter(|n| reads(n));

@@ -35,7 +35,7 @@ value_kind! {
     Vec<f64> => FloatList,
     Vec<String> => StrList,
     // `model.lora.target_modules`: names, or one regular expression (PEFT's two forms).
-    crate::models::TargetModules => StrListOrStr,
+    super::lora::TargetModules => StrListOrStr,
     BTreeMap<String, String> => StrMap,
     // The one key that takes either: `nproc_per_node = "auto"` or a number.
     toml::Value => AutoOrInt,

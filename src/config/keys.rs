@@ -14,11 +14,11 @@ use super::checks::{
 };
 use super::declare::section;
 use super::error::{ConfigError, Origin};
+use super::lora::TargetModules;
 use super::source::{Source, value_at, value_at_mut};
 use super::spec::{
     Backend, DeviceChoice, Monitor, OnWriteError, OptimizerSpec, Precision, ScheduleKind, Sharding,
 };
-use crate::models::TargetModules;
 
 /// A week: longer than any collective should stall, and safe to add to a clock.
 const MAX_TIMEOUT_S: i64 = 7 * 24 * 3600;

@@ -2,11 +2,14 @@
 //! Errors name the file, line and column (or the `--set` argument), the key, and the fix.
 
 mod adapter;
+mod builders;
 mod checks;
 mod custom;
 mod declare;
 mod error;
 mod keys;
+mod lora;
+mod peft_adapter;
 pub mod schema;
 mod source;
 mod spec;
@@ -18,8 +21,13 @@ use serde::Deserialize;
 
 use crate::registry::Registry;
 
+pub use builders::{
+    Builders, DataContext, DatasetDocs, KeyDoc, Known, LanguageModelSpec, ModelDocs,
+};
 pub use error::{ConfigError, Origin};
 pub use keys::RawConfig;
+pub use lora::{LoraSpec, TargetModules, is_adapter};
+pub use peft_adapter::AdapterConfig;
 pub use source::{STORED_JOB_HEADER, Source, flag_override};
 pub(crate) use spec::Backend;
 pub use spec::{
@@ -120,7 +128,7 @@ const MODEL_PATH_KEYS: &[&str] = &["model.init_from", "model.lora.adapter"];
 
 /// `model.arch` from `model.init_from` when the job leaves it out: a pretrained checkpoint's
 /// `config.json`, or the `job.toml` of the ddpjob job whose weights it names, says what it is.
-fn arch_from_init(source: &mut Source, registry: &Registry) -> Result<(), ConfigError> {
+fn arch_from_init(source: &mut Source, registry: &dyn Builders) -> Result<(), ConfigError> {
     let Some(toml::Value::Table(model)) = source.table.get("model") else {
         return Ok(());
     };
@@ -130,41 +138,13 @@ fn arch_from_init(source: &mut Source, registry: &Registry) -> Result<(), Config
     if model.contains_key("arch") {
         return Ok(());
     }
-    let fail = |source: &Source, problem: String| ConfigError::Invalid {
-        key: "model.init_from".into(),
-        at: source.value_origin("model.init_from"),
-        problem,
-    };
-    if let Some(trained) = crate::checkpoint::Trained::find(Path::new(dir)) {
-        let arch = trained.and_then(|t| t.model_table()).and_then(|m| {
-            m.get("arch")
-                .and_then(toml::Value::as_str)
-                .map(String::from)
-                .ok_or_else(|| format!("`{dir}`'s job.toml has no model.arch"))
-        });
-        let arch = arch.map_err(|e| fail(source, e))?;
-        if let Some(toml::Value::Table(model)) = source.table.get_mut("model") {
-            model.insert("arch".into(), arch.into());
-        }
-        return Ok(());
-    }
-    let hf = crate::hf::HfDir::open(Path::new(dir)).map_err(|e| fail(source, e.to_string()))?;
-    let model_type = hf.model_type().map_err(|e| fail(source, e.to_string()))?;
-    let Some(arch) = registry.arch_for_model_type(model_type) else {
-        let readable: Vec<String> = registry
-            .hf_model_types()
-            .iter()
-            .map(|(t, arch)| format!("\"{t}\" (model.arch = \"{arch}\")"))
-            .collect();
-        return Err(fail(
-            source,
-            format!(
-                "`{dir}` holds a \"{model_type}\" model; this ddpjob reads {}",
-                readable.join(", ")
-            ),
-        ));
-    };
-    let arch = arch.to_string();
+    let arch = registry
+        .arch_of_init(Path::new(dir))
+        .map_err(|problem| ConfigError::Invalid {
+            key: "model.init_from".into(),
+            at: source.value_origin("model.init_from"),
+            problem,
+        })?;
     if let Some(toml::Value::Table(model)) = source.table.get_mut("model") {
         model.insert("arch".into(), arch.into());
     }
@@ -194,7 +174,7 @@ pub fn load_str_with(
     path: &Path,
     text: String,
     overrides: &[String],
-    registry: &Registry,
+    registry: &dyn Builders,
 ) -> Result<LoadedConfig, ConfigError> {
     load_source(Source::parse(path, text, overrides)?, registry)
 }
@@ -211,7 +191,7 @@ pub fn load_composed(
     load_source(source, Registry::current())
 }
 
-fn load_source(mut source: Source, registry: &Registry) -> Result<LoadedConfig, ConfigError> {
+fn load_source(mut source: Source, registry: &dyn Builders) -> Result<LoadedConfig, ConfigError> {
     let path = source.path.clone();
     keys::read_peft_names(&mut source)?;
     let mut notes = keys::leave_other_choices(&mut source);
@@ -316,14 +296,12 @@ impl JobSpec {
         if self.distributed.world_size_invariant {
             return samples / (t.batch_size * t.accumulation * world_size).max(1) * t.accumulation;
         }
-        crate::data::sampler::samples_per_rank(samples, world_size, self.data.drop_last)
-            .div_ceil(t.batch_size)
+        samples_per_rank(samples, world_size, self.data.drop_last).div_ceil(t.batch_size)
     }
 
     pub fn plan(&self, train_samples: usize, world_size: usize) -> Plan {
         let t = &self.train;
-        let samples_per_rank =
-            crate::data::sampler::samples_per_rank(train_samples, world_size, self.data.drop_last);
+        let samples_per_rank = samples_per_rank(train_samples, world_size, self.data.drop_last);
         let micro_batches_per_epoch = self.micro_batches_for(train_samples, world_size);
         let steps_per_epoch = micro_batches_per_epoch.div_ceil(t.accumulation);
         let uncapped = steps_per_epoch * t.epochs;
@@ -375,6 +353,17 @@ fn invariant_needs_a_batch(train_samples: usize, global: usize) -> String {
          the {train_samples} training samples are fewer than train.global_batch_size = {global}: \
          lower it (a multiple of distributed.virtual_shards) or give more data"
     )
+}
+
+/// Samples each rank sees per epoch, as torch's `DistributedSampler` computes `num_samples`:
+/// the index list padded by wrapping around to a multiple of `world`, or cut to one with
+/// `drop_last`.
+pub fn samples_per_rank(len: usize, world: usize, drop_last: bool) -> usize {
+    if drop_last && !len.is_multiple_of(world) {
+        len.saturating_sub(world).div_ceil(world)
+    } else {
+        len.div_ceil(world)
+    }
 }
 
 #[cfg(test)]

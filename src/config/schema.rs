@@ -4,8 +4,8 @@
 
 use std::sync::LazyLock;
 
+use super::builders::{Builders, KeyDoc};
 use super::declare::ValueKind;
-use crate::registry::KeyDoc;
 
 /// What a key's value must look like.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,13 +66,12 @@ pub static KEYS: LazyLock<Vec<KeySpec>> =
 /// The book's config table (`docs/src/reference/config.md`): every key that is not a section, in this table's order, with
 /// each built-in model's own keys after `model.arch` and each dataset's after `data.dataset`.
 #[cfg(test)]
-pub fn markdown_table() -> String {
-    let registry = crate::registry::Registry::builtin();
+pub fn markdown_table(registry: &dyn Builders) -> String {
     let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
     for k in KEYS.iter().filter(|k| k.kind != Kind::Table) {
         out += &format!("| `{}` | {} | {} |\n", k.path, k.default, k.doc);
         if let Some(section) = OptionSection::selected_by(&k.path) {
-            for (owner, key) in section.keys(&registry) {
+            for (owner, key) in section.keys(registry) {
                 out += &format!(
                     "| `{}.{}` | {} | {owner}: {} |\n",
                     section.name, key.key, key.default, key.doc
@@ -111,7 +110,7 @@ impl OptionSection {
     /// Every registered name's option keys, by name (undocumented fields of a user's
     /// options struct included). Keys several names read alike are listed once, for the names
     /// together (`mnist, fashion-mnist: root`).
-    fn keys(self, registry: &crate::registry::Registry) -> Vec<(String, KeyDoc)> {
+    fn keys(self, registry: &dyn Builders) -> Vec<(String, KeyDoc)> {
         let docs: Vec<(&str, &[KeyDoc], &[&str])> = match self.name {
             "model" => registry
                 .model_docs()
@@ -153,13 +152,12 @@ impl OptionSection {
 
 /// `ddpjob keys [PREFIX]`: the keys under `prefix` (all without one) with their type, default
 /// and meaning, as plain text (backticks dropped). `None` when no key matches.
-pub fn reference(prefix: Option<&str>) -> Option<String> {
+pub fn reference(prefix: Option<&str>, registry: &dyn Builders) -> Option<String> {
     let plain = |s: &str| s.replace('`', "");
     let matches =
         |k: &&KeySpec| prefix.is_none_or(|p| k.path == p || k.path.starts_with(&format!("{p}.")));
     let keys: Vec<&KeySpec> = KEYS.iter().filter(matches).collect();
     // `model.gpt` (or `model.gpt.n_layer`) picks one arch's keys, `data.text` one dataset's.
-    let registry = crate::registry::Registry::current();
     let option_lines = |section: OptionSection| {
         let name = section.name;
         let lines = section.keys(registry).into_iter().filter(|(owners, k)| {

@@ -3,7 +3,8 @@
 
 use std::path::PathBuf;
 
-pub use crate::registry::LanguageModelSpec;
+pub use super::builders::LanguageModelSpec;
+use super::lora::LoraSpec;
 
 // The sections whose checked keys are the spec itself, declared in `keys.rs`.
 pub use super::keys::{CheckpointSpec, DistributedSpec, LoggingSpec, ScheduleSpec, TrainSpec};
@@ -32,7 +33,7 @@ pub struct ModelSpec {
     /// `model.freeze`: names, module prefixes or globs of the parameters that do not train.
     pub freeze: Vec<String>,
     /// `[model.lora]`, when `r` > 0.
-    pub lora: Option<crate::models::LoraSpec>,
+    pub lora: Option<LoraSpec>,
     /// For a language model: its window and tokenizer.
     pub language: Option<LanguageModelSpec>,
 }
@@ -69,7 +70,7 @@ impl ModelSpec {
     }
 
     /// `[model.lora]`, when on.
-    pub fn lora(&self) -> Option<&crate::models::LoraSpec> {
+    pub fn lora(&self) -> Option<&LoraSpec> {
         self.lora.as_ref()
     }
 

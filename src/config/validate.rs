@@ -4,14 +4,15 @@
 //! model, are their options structs' checks (`custom.rs`). All problems are reported at once,
 //! each with its key and where it was written (file:line:col or `--set`).
 
+use super::builders::Builders;
 use super::checks::Checker;
 use super::custom::CustomParts;
 use super::declare::Section;
 use super::error::{ConfigError, Origin};
 use super::keys::{DataKeys, ExpectKeys, ModelKeys, RawConfig};
+use super::lora::{LoraSpec, TargetModules};
 use super::source::Source;
 use super::spec::{Check, DataSpec, Expectation, JobSpec, ModelSpec, ScheduleKind};
-use crate::registry::Registry;
 
 /// The longest job name: a directory name, with room for the temporary names beside it.
 const MAX_NAME_LEN: usize = 200;
@@ -24,7 +25,7 @@ impl JobSpec {
         source: &Source,
         default_name: &str,
         custom: CustomParts,
-        registry: &Registry,
+        registry: &dyn Builders,
     ) -> Result<Self, ConfigError> {
         let mut c = Checker {
             source,
@@ -195,7 +196,7 @@ fn check_model(
     c: &mut Checker,
     m: &ModelKeys,
     custom: Option<(String, toml::Table)>,
-    registry: &Registry,
+    registry: &dyn Builders,
 ) -> ModelSpec {
     c.one_of("model.arch", &m.arch, &registry.model_names());
     let (arch, options) = custom.unwrap_or_else(|| (m.arch.clone(), toml::Table::new()));
@@ -208,7 +209,7 @@ fn check_model(
         None => None,
     };
     let l = &m.lora;
-    let lora = (l.r > 0).then(|| crate::models::LoraSpec {
+    let lora = (l.r > 0).then(|| LoraSpec {
         r: l.r,
         alpha: l.alpha,
         dropout: l.dropout,
@@ -218,7 +219,7 @@ fn check_model(
     if let Some(lora) = &lora
         && !c.source.is_stored_job()
     {
-        unmatched_targets(c, &m.arch, lora);
+        unmatched_targets(c, &m.arch, lora, registry);
     }
     let others = !l.target_modules.is_default() || !l.adapter.is_empty();
     if l.r == 0 && (l.dropout != 0.0 || others || l.alpha != 8.0) {
@@ -264,7 +265,7 @@ fn check_data(
     c: &mut Checker,
     d: &DataKeys,
     custom: Option<(String, toml::Table)>,
-    registry: &Registry,
+    registry: &dyn Builders,
 ) -> DataSpec {
     c.one_of("data.dataset", &d.dataset, &registry.dataset_names());
     let (dataset, options) = custom.unwrap_or_else(|| (d.dataset.clone(), toml::Table::new()));
@@ -281,12 +282,11 @@ fn check_data(
 /// would adapt less, silently. Checked for a new job only (an older job's `job.toml` keeps
 /// what it trained with), and not for a PEFT adapter's list (one list may serve several
 /// architectures).
-fn unmatched_targets(c: &mut Checker, arch: &str, lora: &crate::models::LoraSpec) {
-    let (crate::models::TargetModules::Names(names), None) = (&lora.target_modules, &lora.adapter)
-    else {
+fn unmatched_targets(c: &mut Checker, arch: &str, lora: &LoraSpec, registry: &dyn Builders) {
+    let (TargetModules::Names(names), None) = (&lora.target_modules, &lora.adapter) else {
         return;
     };
-    let Some(kinds) = crate::models::linear_kinds(arch) else {
+    let Some(kinds) = registry.lora_layers(arch) else {
         return;
     };
     let unmatched = names.iter().find(|name| {

@@ -32,35 +32,31 @@ pub(crate) fn register_builtin(registry: Registry) -> Registry {
         .documented_dataset("text", TEXT_KEYS)
         .documented_dataset("tokens", TOKENS_KEYS)
         .documented_dataset("jsonl", JSONL_KEYS)
+        .dataset_tolerates("mnist", IDX_TOLERATES, &[])
+        .dataset_tolerates("fashion-mnist", IDX_TOLERATES, &[])
+        .dataset_tolerates("synthetic", SYNTHETIC_TOLERATES, &[])
+        .dataset_tolerates("text", &[], TEXT_TOLERATES_IN_STORED_JOBS)
+        .dataset_tolerates("tokens", &[], TOKENS_TOLERATES_IN_STORED_JOBS)
 }
 
 /// The image datasets' keys dropped beside the image dataset that does not read them: a job
 /// file switches `dataset` between them and keeps the others' keys (as `configs/mnist.toml`
 /// shows every key), and older versions wrote them into every `job.toml`.
-pub(crate) const TOLERATED: &[(&str, &str)] = &[
-    ("mnist", "synthetic"),
-    ("fashion-mnist", "synthetic"),
-    ("synthetic", "root"),
-    ("synthetic", "download"),
-    ("synthetic", "mirrors"),
-    ("synthetic", "checksums"),
-];
+const IDX_TOLERATES: &[&str] = &["synthetic"];
+const SYNTHETIC_TOLERATES: &[&str] = &["root", "download", "mirrors", "checksums"];
 
 /// The `[data]` keys older versions wrote into every `job.toml` whatever the dataset: dropped
 /// beside a text dataset in a stored job's `job.toml`, so those jobs still resume; a job file
 /// is told of them (a tokens job's `download = true` would download nothing).
-pub(crate) const TOLERATED_IN_STORED_JOBS: &[(&str, &str)] = &[
-    ("text", "root"),
-    ("text", "mean"),
-    ("text", "std"),
-    ("text", "synthetic"),
-    ("tokens", "root"),
-    ("tokens", "download"),
-    ("tokens", "mirrors"),
-    ("tokens", "checksums"),
-    ("tokens", "mean"),
-    ("tokens", "std"),
-    ("tokens", "synthetic"),
+const TEXT_TOLERATES_IN_STORED_JOBS: &[&str] = &["root", "mean", "std", "synthetic"];
+const TOKENS_TOLERATES_IN_STORED_JOBS: &[&str] = &[
+    "root",
+    "download",
+    "mirrors",
+    "checksums",
+    "mean",
+    "std",
+    "synthetic",
 ];
 
 /// An MNIST-format set of IDX files: which one.

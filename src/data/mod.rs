@@ -26,7 +26,7 @@ use pixels::PixelMap;
 
 pub use batches::Batches;
 pub use builtin::SyntheticSpec;
-pub(crate) use builtin::{TOLERATED, TOLERATED_IN_STORED_JOBS, register_builtin};
+pub(crate) use builtin::register_builtin;
 pub use sampler::DistributedSampler;
 pub use tensors::TensorDataset;
 

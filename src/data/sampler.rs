@@ -4,14 +4,7 @@
 
 use ddpjob_rng::Mt19937;
 
-/// Samples each rank sees per epoch, as torch computes `num_samples`.
-pub fn samples_per_rank(len: usize, world: usize, drop_last: bool) -> usize {
-    if drop_last && !len.is_multiple_of(world) {
-        len.saturating_sub(world).div_ceil(world)
-    } else {
-        len.div_ceil(world)
-    }
-}
+pub use crate::config::samples_per_rank;
 
 #[derive(Debug, Clone)]
 pub struct DistributedSampler {

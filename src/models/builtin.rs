@@ -59,7 +59,26 @@ pub(crate) fn register_builtin(registry: Registry) -> Registry {
         .documented("mlp", MLP_KEYS)
         .documented("gpt", super::gpt::options::KEYS)
         .documented("llama", super::llama::KEYS)
+        .lora_layers("gpt", GPT_LINEAR_LAYERS)
+        .lora_layers("llama", LLAMA_LINEAR_LAYERS)
+        // `hidden` is the default model's (mlp) key; job files switching `arch` keep it.
+        .model_tolerates("cnn", &["hidden"])
+        .model_tolerates("gpt", &["hidden"])
 }
+
+/// The linear layers of a `gpt` LoRA adapts (their names' last part), as PEFT names GPT-2's.
+const GPT_LINEAR_LAYERS: &[&str] = &["c_attn", "c_proj", "c_fc"];
+
+/// The linear layers of a `llama` LoRA adapts, as PEFT names them.
+const LLAMA_LINEAR_LAYERS: &[&str] = &[
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
 
 fn precision(cx: &ModelContext) -> Precision {
     if cx.compute_dtype == DType::BF16 {

@@ -29,7 +29,7 @@ pub(crate) use freeze::FrozenSet;
 pub use gpt::KvCache;
 #[cfg(test)]
 pub use gpt::{Activation as GptActivation, Gpt, GptConfig};
-pub use lora::{LoraSpec, TargetModules, is_adapter, linear_kinds};
+pub use lora::{LoraSpec, TargetModules, is_adapter};
 pub use mlp::Mlp;
 pub use store::ParamStore;
 

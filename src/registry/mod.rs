@@ -16,6 +16,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::config::Precision;
+pub use crate::config::{
+    Builders, DataContext, DatasetDocs, KeyDoc, Known, LanguageModelSpec, ModelDocs,
+};
 use crate::data::DataError;
 use crate::models::Model;
 use crate::task::{ModelInput, Task};
@@ -62,39 +65,6 @@ impl ModelContext {
             compute_dtype: precision.compute_dtype(),
             restoring,
             lora: None,
-        }
-    }
-}
-
-/// What a dataset opener (and a [`DatasetOptions`] hook) gets besides its options. Relative
-/// paths in the options are read from the working directory, as `data.root` and `data.path`
-/// are.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct DataContext {
-    /// The job's seed (for data made up or split at random).
-    pub seed: u64,
-    /// `model.arch`: the model the data feeds.
-    pub arch: String,
-    /// The model's window and tokenizer, when it is a language model.
-    pub language: Option<LanguageModelSpec>,
-    /// The job's directory once it exists: where the files [`DatasetOptions::prepare`]
-    /// returned are kept (a resumed job reads its data as it first did).
-    pub job: Option<std::path::PathBuf>,
-    /// The options are read again from an existing job's `job.toml` (to resume, score or
-    /// show it): what a new job is refused for, an existing one keeps.
-    pub stored_job: bool,
-}
-
-impl DataContext {
-    /// The context of the job `spec` describes, in its directory `job` when it has one.
-    pub(crate) fn of(spec: &crate::config::JobSpec, job: Option<&std::path::Path>) -> Self {
-        DataContext {
-            seed: spec.seed,
-            arch: spec.model.arch().to_string(),
-            language: spec.model.language(),
-            job: job.map(std::path::Path::to_path_buf),
-            stored_job: job.is_some(),
         }
     }
 }
@@ -165,24 +135,6 @@ type HfExportFn = fn(
     std::collections::HashMap<String, candle_core::Tensor>,
 ) -> Result<crate::hf::HfParts, String>;
 
-/// One documented option key of a built-in model: what `ddpjob keys` and the book's config
-/// table show (a test keeps the list equal to the options struct's fields).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct KeyDoc {
-    pub key: &'static str,
-    /// Markdown, as the schema's defaults are shown.
-    pub default: &'static str,
-    /// Markdown, one line.
-    pub doc: &'static str,
-}
-
-/// What [`Registry::model_docs`] says of one model.
-pub(crate) struct ModelDocs<'a> {
-    pub arch: &'a str,
-    pub keys: &'static [KeyDoc],
-    pub fields: &'static [&'static str],
-}
-
 /// How a model family meets Hugging Face checkpoints: the `model_type`s of `config.json` it
 /// reads (`init_from` of such a directory picks this arch), and how `export --hf` writes it.
 #[derive(Clone, Copy)]
@@ -220,26 +172,6 @@ pub trait LanguageModelOptions: DeserializeOwned + Serialize + 'static {
     fn vocabulary(&self) -> Option<std::path::PathBuf> {
         crate::models::pretrained_vocabulary(self.init_from()?)
     }
-}
-
-/// What token data needs to know of a language model.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LanguageModelSpec {
-    /// Tokens per window.
-    pub block_size: usize,
-    /// The model's vocabulary size, when it fixes one.
-    pub vocab_size: Option<usize>,
-    /// The model's own `tokenizer.json`, the default of `data.tokenizer`.
-    pub tokenizer: Option<std::path::PathBuf>,
-    /// The `vocab.json` the model's weights were trained with, if another job trained them.
-    pub vocabulary: Option<std::path::PathBuf>,
-}
-
-/// One documented option key of a dataset: as [`KeyDoc`], by `data.dataset`.
-pub(crate) struct DatasetDocs<'a> {
-    pub dataset: &'a str,
-    pub keys: &'static [KeyDoc],
-    pub fields: &'static [&'static str],
 }
 
 /// A dataset's [`DatasetOptions`] hooks on its resolved options.
@@ -280,6 +212,11 @@ struct Entry<F: ?Sized> {
     /// A dataset's hooks, when registered with [`Registry::dataset_with`].
     data: Option<DataHooks>,
     docs: &'static [KeyDoc],
+    /// Keys of its section it does not read, dropped beside it (see [`Known::Registered`]).
+    tolerated: &'static [&'static str],
+    tolerated_in_stored_jobs: &'static [&'static str],
+    /// A model's linear layers LoRA can adapt (their names' last part), when it takes adapters.
+    lora_layers: Option<&'static [&'static str]>,
 }
 
 impl<F: ?Sized> Clone for Entry<F> {
@@ -292,6 +229,9 @@ impl<F: ?Sized> Clone for Entry<F> {
             hf: self.hf,
             data: self.data,
             docs: self.docs,
+            tolerated: self.tolerated,
+            tolerated_in_stored_jobs: self.tolerated_in_stored_jobs,
+            lora_layers: self.lora_layers,
         }
     }
 }
@@ -310,17 +250,6 @@ impl std::fmt::Debug for Registry {
             .field("datasets", &self.dataset_names())
             .finish()
     }
-}
-
-/// What a name refers to, for the config's checks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Known {
-    /// Registered (ddpjob's own models and datasets, or the binary's author's): its keys are
-    /// its options struct's fields (`None`: not a struct, any key is taken).
-    Registered {
-        fields: Option<&'static [&'static str]>,
-    },
-    Unknown,
 }
 
 impl Registry {
@@ -357,6 +286,9 @@ impl Registry {
             hf: None,
             data: None,
             docs: &[],
+            tolerated: &[],
+            tolerated_in_stored_jobs: &[],
+            lora_layers: None,
         };
         self.models.insert(name.to_string(), entry);
         self
@@ -393,6 +325,39 @@ impl Registry {
                 model_types,
                 export,
             });
+        }
+        self
+    }
+
+    /// Says which linear layers of the model `name` LoRA adapts (their names' last part):
+    /// `[model.lora]` on this model is checked against them.
+    pub(crate) fn lora_layers(mut self, name: &str, layers: &'static [&'static str]) -> Self {
+        if let Some(entry) = self.models.get_mut(name) {
+            entry.lora_layers = Some(layers);
+        }
+        self
+    }
+
+    /// Lets a `[model]` beside the model `name` hold `keys` it does not read (the default
+    /// model's, which job files switching `arch` keep): dropped, not refused.
+    pub(crate) fn model_tolerates(mut self, name: &str, keys: &'static [&'static str]) -> Self {
+        if let Some(entry) = self.models.get_mut(name) {
+            entry.tolerated = keys;
+        }
+        self
+    }
+
+    /// As [`Registry::model_tolerates`], for the dataset `name`; `in_stored_jobs` are dropped
+    /// only from a stored job's `job.toml` (keys older versions wrote there).
+    pub(crate) fn dataset_tolerates(
+        mut self,
+        name: &str,
+        keys: &'static [&'static str],
+        in_stored_jobs: &'static [&'static str],
+    ) -> Self {
+        if let Some(entry) = self.datasets.get_mut(name) {
+            entry.tolerated = keys;
+            entry.tolerated_in_stored_jobs = in_stored_jobs;
         }
         self
     }
@@ -482,6 +447,9 @@ impl Registry {
             hf: None,
             data: None,
             docs: &[],
+            tolerated: &[],
+            tolerated_in_stored_jobs: &[],
+            lora_layers: None,
         };
         self.datasets.insert(name.to_string(), entry);
         self
@@ -690,10 +658,93 @@ impl Registry {
 
 static INSTALLED: OnceLock<Registry> = OnceLock::new();
 
+impl Builders for Registry {
+    fn model_names(&self) -> Vec<&str> {
+        Registry::model_names(self)
+    }
+    fn dataset_names(&self) -> Vec<&str> {
+        Registry::dataset_names(self)
+    }
+    fn model_kind(&self, name: &str) -> Known {
+        Registry::model_kind(self, name)
+    }
+    fn dataset_kind(&self, name: &str) -> Known {
+        Registry::dataset_kind(self, name)
+    }
+    fn resolve_model(&self, name: &str, options: &toml::Table) -> Result<toml::Table, String> {
+        Registry::resolve_model(self, name, options)
+    }
+    fn language(
+        &self,
+        name: &str,
+        options: &toml::Table,
+    ) -> Option<Result<LanguageModelSpec, String>> {
+        Registry::language(self, name, options)
+    }
+    fn resolve_dataset(
+        &self,
+        name: &str,
+        options: &toml::Table,
+        cx: &DataContext,
+    ) -> Result<toml::Table, String> {
+        Registry::resolve_dataset(self, name, options, cx)
+    }
+    fn resolve_dataset_keys(
+        &self,
+        name: &str,
+        options: &toml::Table,
+    ) -> Result<toml::Table, String> {
+        Registry::resolve_dataset_keys(self, name, options)
+    }
+    fn dataset_paths(&self, name: &str) -> &'static [&'static str] {
+        Registry::dataset_paths(self, name)
+    }
+    fn lora_layers(&self, arch: &str) -> Option<&'static [&'static str]> {
+        self.models.get(arch)?.lora_layers
+    }
+    fn arch_of_init(&self, dir: &std::path::Path) -> Result<String, String> {
+        if let Some(trained) = crate::checkpoint::Trained::find(dir) {
+            return trained.and_then(|t| t.model_table()).and_then(|m| {
+                m.get("arch")
+                    .and_then(toml::Value::as_str)
+                    .map(String::from)
+                    .ok_or_else(|| format!("`{}`'s job.toml has no model.arch", dir.display()))
+            });
+        }
+        let hf = crate::hf::HfDir::open(dir).map_err(|e| e.to_string())?;
+        let model_type = hf.model_type().map_err(|e| e.to_string())?;
+        match self.arch_for_model_type(model_type) {
+            Some(arch) => Ok(arch.to_string()),
+            None => {
+                let readable: Vec<String> = self
+                    .hf_model_types()
+                    .iter()
+                    .map(|(t, arch)| format!("\"{t}\" (model.arch = \"{arch}\")"))
+                    .collect();
+                Err(format!(
+                    "`{}` holds a \"{model_type}\" model; this ddpjob reads {}",
+                    dir.display(),
+                    readable.join(", ")
+                ))
+            }
+        }
+    }
+    fn model_docs(&self) -> Vec<ModelDocs<'_>> {
+        Registry::model_docs(self)
+    }
+    fn dataset_docs(&self) -> Vec<DatasetDocs<'_>> {
+        Registry::dataset_docs(self)
+    }
+}
+
 fn known<F: ?Sized>(entry: Option<&Entry<F>>) -> Known {
     match entry {
         None => Known::Unknown,
-        Some(e) => Known::Registered { fields: e.fields },
+        Some(e) => Known::Registered {
+            fields: e.fields,
+            tolerated: e.tolerated,
+            tolerated_in_stored_jobs: e.tolerated_in_stored_jobs,
+        },
     }
 }
 

@@ -1,6 +1,5 @@
 use std::path::Path;
 
-use super::keys::RawConfig;
 use super::*;
 
 fn load_text(text: &str, overrides: &[&str]) -> Result<LoadedConfig, ConfigError> {

@@ -9,18 +9,16 @@ fn tokenizer_path() -> PathBuf {
 }
 
 fn context(block: usize, job: Option<PathBuf>) -> DataContext {
-    DataContext {
-        seed: 1,
-        arch: "llama".into(),
-        language: Some(LanguageModelSpec {
-            block_size: block,
-            vocab_size: Some(320),
-            tokenizer: Some(tokenizer_path()),
-            vocabulary: None,
-        }),
-        stored_job: job.is_some(),
-        job,
-    }
+    let language = LanguageModelSpec {
+        block_size: block,
+        vocab_size: Some(320),
+        tokenizer: Some(tokenizer_path()),
+        vocabulary: None,
+    };
+    let mut cx = DataContext::new(1, "llama", Some(language));
+    cx.stored_job = job.is_some();
+    cx.job = job;
+    cx
 }
 
 fn options(dir: &Path, lines: &str) -> JsonlOptions {

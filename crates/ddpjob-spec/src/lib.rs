@@ -1,5 +1,14 @@
 //! Job files: TOML → raw serde structs (unknown keys rejected) → a validated [`JobSpec`].
 //! Errors name the file, line and column (or the `--set` argument), the key, and the fix.
+//!
+//! Every key is declared once (`keys.rs`): its meaning, type, default and check, which make
+//! the typed value, `ddpjob keys`, `--set` typing and the book's config reference. The
+//! registered models' and datasets' own keys are read through [`Builders`], which the
+//! registry above implements.
+//!
+//! This crate is the ground floor of the job types: it imports no other ddpjob crate (candle
+//! only for [`Precision`]'s dtype), so everything that runs a job can depend on the spec, and
+//! the spec on nothing that runs one.
 
 mod adapter;
 mod builders;
@@ -19,8 +28,6 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::registry::Registry;
-
 pub use builders::{
     Builders, DataContext, DatasetDocs, KeyDoc, Known, LanguageModelSpec, ModelDocs,
 };
@@ -29,7 +36,7 @@ pub use keys::RawConfig;
 pub use lora::{LoraSpec, TargetModules, is_adapter};
 pub use peft_adapter::AdapterConfig;
 pub use source::{STORED_JOB_HEADER, Source, flag_override};
-pub(crate) use spec::Backend;
+pub use spec::Backend;
 pub use spec::{
     Check, CheckpointSpec, DataSpec, DeviceChoice, DistributedSpec, Expectation, JobSpec,
     ModelSpec, Monitor, OnWriteError, OptimizerSpec, Precision, ScheduleKind, ScheduleSpec,
@@ -49,8 +56,9 @@ pub struct LoadedConfig {
 impl LoadedConfig {
     /// Prints [`Self::notes`] on stderr, each as `note: ...`.
     pub fn print_notes(&self) {
+        use std::io::Write as _;
         for note in &self.notes {
-            errln!("note: {note}");
+            let _ = writeln!(std::io::stderr(), "note: {note}");
         }
     }
 
@@ -106,7 +114,7 @@ impl LoadedConfig {
     }
 
     /// The relative paths of [`MODEL_PATH_KEYS`] and of the dataset's path keys (its
-    /// [`crate::DatasetOptions::PATHS`]) in `doc` joined onto `base`.
+    /// `DatasetOptions::PATHS`) in `doc` joined onto `base`.
     fn make_paths_absolute(&self, doc: &mut toml::Table, base: &Path) {
         let data_keys = self.spec.data.paths.iter().map(|key| format!("data.{key}"));
         let keys = MODEL_PATH_KEYS.iter().map(|key| key.to_string());
@@ -123,7 +131,7 @@ impl LoadedConfig {
 }
 
 /// The `[model]` keys whose values are paths read relative to the working directory (a
-/// dataset's are its [`crate::DatasetOptions::PATHS`]).
+/// dataset's are its `DatasetOptions::PATHS`).
 const MODEL_PATH_KEYS: &[&str] = &["model.init_from", "model.lora.adapter"];
 
 /// `model.arch` from `model.init_from` when the job leaves it out: a pretrained checkpoint's
@@ -151,25 +159,21 @@ fn arch_from_init(source: &mut Source, registry: &dyn Builders) -> Result<(), Co
     Ok(())
 }
 
-/// Reads and validates the job file at `path`, with `--set key.path=value` overrides applied.
-pub fn load(path: &Path, overrides: &[String]) -> Result<LoadedConfig, ConfigError> {
+/// Reads and validates the job file at `path`, with `--set key.path=value` overrides applied,
+/// its model and dataset those `registry` has.
+pub fn load_with(
+    path: &Path,
+    overrides: &[String],
+    registry: &dyn Builders,
+) -> Result<LoadedConfig, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
         path: path.into(),
         cause,
     })?;
-    load_str(path, text, overrides)
+    load_str_with(path, text, overrides, registry)
 }
 
-/// As [`load`], from text already read (`path` is used for messages and the default name).
-pub fn load_str(
-    path: &Path,
-    text: String,
-    overrides: &[String],
-) -> Result<LoadedConfig, ConfigError> {
-    load_str_with(path, text, overrides, Registry::current())
-}
-
-/// As [`load_str`], with the models and datasets of `registry` rather than the installed one.
+/// As [`load_with`], from text already read (`path` is used for messages and the default name).
 pub fn load_str_with(
     path: &Path,
     text: String,
@@ -179,16 +183,17 @@ pub fn load_str_with(
     load_source(Source::parse(path, text, overrides)?, registry)
 }
 
-/// As [`load_str`], for `text` put together from the files `label` names (`path` is the
+/// As [`load_str_with`], for `text` put together from the files `label` names (`path` is the
 /// file it stands for): messages name `label` rather than lines of `text`.
-pub fn load_composed(
+pub fn load_composed_with(
     path: &Path,
     label: String,
     text: String,
     overrides: &[String],
+    registry: &dyn Builders,
 ) -> Result<LoadedConfig, ConfigError> {
     let source = Source::parse(path, text, overrides)?.composed_of(label);
-    load_source(source, Registry::current())
+    load_source(source, registry)
 }
 
 fn load_source(mut source: Source, registry: &dyn Builders) -> Result<LoadedConfig, ConfigError> {
@@ -365,6 +370,3 @@ pub fn samples_per_rank(len: usize, world: usize, drop_last: bool) -> usize {
         len.div_ceil(world)
     }
 }
-
-#[cfg(test)]
-mod tests;

@@ -135,7 +135,7 @@ pub struct DataSpec {
     pub dataset: String,
     pub options: toml::Table,
     /// The keys of `options` that hold paths relative to the working directory
-    /// ([`crate::DatasetOptions::PATHS`]).
+    /// (`DatasetOptions::PATHS`).
     pub paths: &'static [&'static str],
     /// DistributedSampler's `drop_last`: drop the tail instead of padding it by wrap-around.
     pub drop_last: bool,

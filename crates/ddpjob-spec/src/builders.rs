@@ -107,8 +107,20 @@ pub struct DataContext {
 }
 
 impl DataContext {
+    /// A new job's data (no directory yet) feeding the model `arch`, its `language` when it
+    /// is a language model.
+    pub fn new(seed: u64, arch: &str, language: Option<LanguageModelSpec>) -> Self {
+        DataContext {
+            seed,
+            arch: arch.to_string(),
+            language,
+            job: None,
+            stored_job: false,
+        }
+    }
+
     /// The context of the job `spec` describes, in its directory `job` when it has one.
-    pub(crate) fn of(spec: &JobSpec, job: Option<&Path>) -> Self {
+    pub fn of(spec: &JobSpec, job: Option<&Path>) -> Self {
         DataContext {
             seed: spec.seed,
             arch: spec.model.arch().to_string(),

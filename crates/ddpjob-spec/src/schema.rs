@@ -65,7 +65,6 @@ pub static KEYS: LazyLock<Vec<KeySpec>> =
 
 /// The book's config table (`docs/src/reference/config.md`): every key that is not a section, in this table's order, with
 /// each built-in model's own keys after `model.arch` and each dataset's after `data.dataset`.
-#[cfg(test)]
 pub fn markdown_table(registry: &dyn Builders) -> String {
     let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
     for k in KEYS.iter().filter(|k| k.kind != Kind::Table) {

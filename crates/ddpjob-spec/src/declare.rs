@@ -153,35 +153,35 @@ macro_rules! section {
             )+
         }
 
-        impl $crate::config::declare::ValueKind for $raw {
-            const KIND: $crate::config::schema::Kind = $crate::config::schema::Kind::Table;
+        impl $crate::declare::ValueKind for $raw {
+            const KIND: $crate::schema::Kind = $crate::schema::Kind::Table;
 
-            fn keys_under(path: &str) -> Vec<$crate::config::schema::KeySpec> {
+            fn keys_under(path: &str) -> Vec<$crate::schema::KeySpec> {
                 let defaults = $raw::default();
                 let mut out = Vec::new();
                 $(
-                    out.extend($crate::config::declare::entries::<$raw_ty>(
-                        $crate::config::declare::join(path, stringify!($key)),
-                        $crate::config::declare::shown_default(
+                    out.extend($crate::declare::entries::<$raw_ty>(
+                        $crate::declare::join(path, stringify!($key)),
+                        $crate::declare::shown_default(
                             &defaults.$key,
                             None$(.or(Some($shown)))?,
                         ),
-                        $crate::config::declare::one_line(&[$($doc),+]),
+                        $crate::declare::one_line(&[$($doc),+]),
                     ));
                 )+
                 out
             }
         }
 
-        impl $crate::config::declare::Section for $raw {
+        impl $crate::declare::Section for $raw {
             type Checked = $checked;
 
-            fn check(&self, c: &mut $crate::config::checks::Checker) -> $checked {
+            fn check(&self, c: &mut $crate::checks::Checker) -> $checked {
                 $checked {
                     $(
                         $field: ($check)(
                             c,
-                            &$crate::config::declare::join($path, stringify!($key)),
+                            &$crate::declare::join($path, stringify!($key)),
                             &self.$key,
                             self,
                         ),
@@ -197,8 +197,8 @@ pub(crate) use section;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::checks::{Checker, at_least, zero_is_off};
-    use crate::config::source::Source;
+    use crate::checks::{Checker, at_least, zero_is_off};
+    use crate::source::Source;
 
     section! {
         /// A section made for this test.

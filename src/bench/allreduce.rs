@@ -14,7 +14,7 @@ use super::BenchError;
 use crate::launch::supervise::{self, Outcome};
 use crate::launch::watch::Watchdog;
 use crate::worker::WorkerEnv;
-use ddpjob_comm::{Communicator, TcpCommunicator, spin_for};
+use ddpjob_comm::Communicator;
 use ddpjob_store::{self as store, StoreClient, StoreServer};
 
 /// Where rank 0 writes its results for the parent.
@@ -221,20 +221,7 @@ pub fn worker(sizes: &[usize], tree: bool) -> Result<(), BenchError> {
         )));
     }
     let bind = store.local_addr().ip();
-    let spin = spin_for(env.local_world_size);
-    let comm = TcpCommunicator::connect(
-        &store,
-        &env.token,
-        env.rank,
-        env.world_size,
-        bind,
-        TIMEOUT,
-        spin,
-    )?;
-    let comm = match tree {
-        true => comm.with_tree(&store, &env.token, bind, spin)?,
-        false => comm,
-    };
+    let comm = ddpjob_comm::join_tcp(&rendezvous(&env, &store), bind, tree)?;
     let world = env.world_size;
     let mut rows = Vec::new();
     for &floats in sizes {
@@ -268,6 +255,20 @@ pub fn worker(sizes: &[usize], tree: bool) -> Result<(), BenchError> {
     report(&env, &rows)?;
     comm.barrier()?;
     Ok(())
+}
+
+/// The benchmark's place in the collectives: the worker's rank, no restarts, [`TIMEOUT`].
+fn rendezvous<'a>(env: &'a WorkerEnv, store: &'a StoreClient) -> ddpjob_comm::Rendezvous<'a> {
+    ddpjob_comm::Rendezvous {
+        store,
+        token: &env.token,
+        rank: env.rank,
+        world_size: env.world_size,
+        local_world_size: env.local_world_size,
+        attempt: 0,
+        timeout: TIMEOUT,
+        beacon: Default::default(),
+    }
 }
 
 /// Every element of an all-reduced buffer is `want`.
@@ -323,31 +324,23 @@ fn report(env: &WorkerEnv, rows: &[AllReduceRow]) -> Result<(), BenchError> {
 /// GPU's queue.
 #[cfg(feature = "cuda")]
 mod gpu {
-    use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     use candle_core::Tensor;
 
     use super::{AllReduceRow, BenchError, RING, TIMEOUT, check_result, iterations, report, row};
     use crate::worker::WorkerEnv;
-    use ddpjob_comm::{Communicator, NcclCommunicator};
+    use ddpjob_comm::Communicator;
     use ddpjob_store::StoreClient;
 
     pub fn worker(env: &WorkerEnv, store: &StoreClient, sizes: &[usize]) -> Result<(), BenchError> {
         let device =
             crate::device::open(Some(&env.device)).map_err(|e| BenchError::Usage(e.to_string()))?;
         let rank = env.rank;
-        let comm = NcclCommunicator::connect(
-            store,
-            rank,
-            env.world_size,
-            0,
-            &device,
-            TIMEOUT,
-            Arc::default(),
-            move |verdict| errln!("error: {}", verdict.describe(rank, TIMEOUT)),
-            || std::process::exit(1),
-        )?;
+        let report = move |verdict: &ddpjob_comm::watchdog::Verdict| {
+            errln!("error: {}", verdict.describe(rank, TIMEOUT))
+        };
+        let comm = ddpjob_comm::join_nccl(&super::rendezvous(env, store), &device, report)?;
         let gpu = |e: candle_core::Error| BenchError::Comm(e.into());
         let world = env.world_size;
         let mut rows: Vec<AllReduceRow> = Vec::new();

@@ -8,7 +8,6 @@ pub mod failure;
 pub use environment::{WorkerEnv, env};
 
 use std::io::Write;
-use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,7 +25,7 @@ use crate::progress::{self, Logged, Reporter};
 use crate::task::{self, Task};
 use crate::train::{Ending, Hooks, Leader, TrainError, Trainer};
 use ddpjob_comm::heartbeat::{self, Beacon, Heartbeat};
-use ddpjob_comm::{CommError, Communicator, LocalCommunicator, TcpCommunicator, spin_for};
+use ddpjob_comm::{CommError, Communicator};
 use ddpjob_store::{Key, StoreClient, StoreError};
 
 /// How long non-zero local ranks wait for local rank 0 to have the data (it may be
@@ -163,8 +162,8 @@ pub fn run() -> Result<bool, WorkerError> {
 /// This rank's collectives: NCCL for GPU workers (unless `backend = "tcp"`), the tcp ring
 /// between CPU workers, nothing to connect for a single one unless its collectives are to run
 /// anyway (`distributed.collectives = "always"`: NCCL on a GPU, the identity on the CPU; the
-/// trainer then goes through its buckets and broadcasts as a multi-rank job does).
-#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+/// trainer then goes through its buckets and broadcasts as a multi-rank job does). The
+/// backend is built by name from the rendezvous (`ddpjob_comm::connect`).
 fn connect(
     store: &StoreClient,
     env: &WorkerEnv,
@@ -173,59 +172,42 @@ fn connect(
     beacon: Arc<Beacon>,
     timeout: Duration,
 ) -> Result<Box<dyn Communicator>, WorkerError> {
+    let backend = spec.distributed.backend;
     let always = spec.distributed.always_collectives;
     let alone = env.world_size == 1;
-    #[cfg(feature = "cuda")]
-    if device.is_cuda()
-        && spec.distributed.backend != crate::config::Backend::Tcp
-        && (!alone || always || spec.distributed.backend == crate::config::Backend::Nccl)
+    let name = if device.is_cuda()
+        && backend != crate::config::Backend::Tcp
+        && (!alone || always || backend == crate::config::Backend::Nccl)
     {
-        let comm = ddpjob_comm::NcclCommunicator::connect(
-            store,
-            env.rank,
-            env.world_size,
-            env.restart_count,
-            device,
-            timeout,
-            beacon,
-            nccl_failure(env.clone(), timeout),
-            || std::process::exit(1),
-        )?;
-        if alone && always {
-            return Ok(Box::new(ddpjob_comm::Exercised(comm)));
-        }
-        return Ok(Box::new(comm));
-    }
-    if alone && always {
-        return Ok(Box::new(ddpjob_comm::Exercised(LocalCommunicator)));
-    }
-    if alone {
-        return Ok(Box::new(LocalCommunicator));
-    }
-    let bind: IpAddr = store.local_addr().ip();
-    let spin = spin_for(env.local_world_size);
-    let comm = TcpCommunicator::connect(
+        "nccl"
+    } else if alone {
+        "local"
+    } else {
+        "tcp"
+    };
+    let rendezvous = ddpjob_comm::Rendezvous {
         store,
-        &env.token,
-        env.rank,
-        env.world_size,
-        bind,
+        token: &env.token,
+        rank: env.rank,
+        world_size: env.world_size,
+        local_world_size: env.local_world_size,
+        attempt: env.restart_count,
         timeout,
-        spin,
-    )?
-    .with_beacon(beacon)
-    .with_ranks_per_node(env.local_world_size);
-    if spec.distributed.world_size_invariant {
-        return Ok(Box::new(comm.with_tree(store, &env.token, bind, spin)?));
-    }
-    Ok(Box::new(comm))
+        beacon,
+    };
+    let options = ddpjob_comm::Options {
+        device,
+        always,
+        tree: spec.distributed.world_size_invariant,
+        on_nccl_failure: Box::new(nccl_failure(env.clone(), timeout)),
+    };
+    Ok(ddpjob_comm::connect(name, &rendezvous, options)?)
 }
 
 /// What the NCCL watchdog reports when a collective hangs or fails, before it aborts the
 /// communicator (which may block) and ends this worker, whose main thread may be blocked in a
 /// GPU synchronisation: which collective and, from the heartbeats, who never arrived, as the
 /// failure record the launcher reads.
-#[cfg(feature = "cuda")]
 fn nccl_failure(
     env: WorkerEnv,
     timeout: Duration,

@@ -9,6 +9,7 @@
 
 pub mod buckets;
 mod butterfly;
+mod connect;
 pub mod heartbeat;
 mod local;
 #[cfg(feature = "cuda")]
@@ -22,6 +23,9 @@ use std::ops::Range;
 use candle_core::{Tensor, Var};
 use thiserror::Error;
 
+#[cfg(feature = "cuda")]
+pub use connect::join_nccl;
+pub use connect::{BACKENDS, Options, Rendezvous, connect, join_tcp};
 pub use local::{Exercised, LocalCommunicator};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclCommunicator;

@@ -111,15 +111,9 @@ impl Generator {
             model,
             block_size: language.block_size,
         };
-        let end_of_example = match spec.data.name() {
-            "jsonl" => spec
-                .data
-                .options()
-                .get("eos_token")
-                .and_then(|t| t.as_str()),
-            _ => None,
-        }
-        .and_then(|token| vocab.token_id(token));
+        let end_of_example = crate::registry::Registry::current()
+            .data_end_of_example(&spec.data)
+            .and_then(|token| vocab.token_id(&token));
         Ok(Generator {
             engine,
             vocab,

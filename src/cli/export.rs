@@ -14,6 +14,7 @@ use crate::data::vocab::Vocab;
 use crate::generate::{SampleError, weights_path};
 use crate::hf::job_tokenizer::{self, TokenizerFiles};
 use crate::hf::{self, ExportDtype};
+use crate::registry::Registry;
 
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("format").required(true).args(["hf", "peft"])))]
@@ -91,8 +92,7 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
                 ),
             )
         })?;
-        // GPT-2's layers are Conv1D, weights stored [in, out]: PEFT's fan_in_fan_out.
-        let fan_in_fan_out = spec.model.arch() == "gpt";
+        let fan_in_fan_out = Registry::current().fan_in_fan_out(spec.model.arch());
         let base = adapters_base(&spec);
         let layers = hf::peft::write_adapter(
             dir,
@@ -292,14 +292,11 @@ fn keep_special_token_ids(
 /// learnt to end an answer with, which may not be the base's end of sequence (`<|im_end|>`
 /// after a base's `<|endoftext|>`).
 fn end_of_examples(spec: &config::JobSpec, tokenizer: &TokenizerFiles) -> Option<(String, u32)> {
-    if spec.data.name() != "jsonl" {
-        return None;
-    }
-    let token = spec.data.options().get("eos_token")?.as_str()?;
+    let token = Registry::current().data_end_of_example(&spec.data)?;
     let id = crate::data::hf_tokenizer::HfTokenizer::load(tokenizer.files.first()?)
         .ok()?
-        .token_id(token)?;
-    Some((token.to_string(), id))
+        .token_id(&token)?;
+    Some((token, id))
 }
 
 /// An export's error with its exit code: 2 for what the user can fix (a directory, a flag).

@@ -363,6 +363,10 @@ fn eos_beside(tokenizer: &Path) -> Option<String> {
 impl DatasetOptions for JsonlOptions {
     const PATHS: &'static [&'static str] = &["train_path", "val_path", "tokenizer"];
 
+    fn end_of_example(&self) -> Option<String> {
+        self.eos_token.clone()
+    }
+
     fn complete(mut self, cx: &DataContext) -> Result<Self, String> {
         if cx.language.is_none() {
             return Err(format!(

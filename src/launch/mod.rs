@@ -559,11 +559,15 @@ fn check_memory(
     checked.map_err(|why| format!("{why} (checked before launch; see docs/src/memory.md)"))
 }
 
-/// `distributed.sharding = "full"` with a registered model (validation knows the built-ins):
-/// refused before anything is created when the model cannot gather its blocks one at a time.
+/// `distributed.sharding = "full"` with a model whose registration does not say whether it has
+/// blocks (validation judged those that do): refused before anything is created when the model
+/// cannot gather its blocks one at a time.
 fn check_full_sharding(spec: &JobSpec, model: &dyn crate::models::Model) -> Result<(), String> {
-    let built_in = ["gpt", "llama", "mlp", "cnn"].contains(&spec.model.arch());
-    if spec.distributed.sharding != crate::config::Sharding::Full || built_in {
+    use crate::config::Builders as _;
+    let declared = crate::registry::Registry::current()
+        .has_blocks(spec.model.arch())
+        .is_some();
+    if spec.distributed.sharding != crate::config::Sharding::Full || declared {
         return Ok(());
     }
     model.shard_parameters().map(drop).map_err(|why| {

@@ -49,16 +49,27 @@ pub(crate) fn register_builtin(registry: Registry) -> Registry {
         .model("mlp", build_mlp)
         .model("cnn", build_cnn)
         .language_model("gpt", super::gpt::options::build_gpt)
+        // GPT-2's layers are Conv1D, weights stored [in, out]: PEFT's fan_in_fan_out.
         .hf_family(
             "gpt",
             &super::gpt::options::MODEL_TYPES,
             super::gpt::options::hf_parts,
+            true,
         )
         .language_model("llama", super::llama::build_llama)
-        .hf_family("llama", &super::llama::MODEL_TYPES, super::llama::hf_parts)
+        .hf_family(
+            "llama",
+            &super::llama::MODEL_TYPES,
+            super::llama::hf_parts,
+            false,
+        )
         .documented("mlp", MLP_KEYS)
         .documented("gpt", super::gpt::options::KEYS)
         .documented("llama", super::llama::KEYS)
+        .blocks("mlp", false)
+        .blocks("cnn", false)
+        .blocks("gpt", true)
+        .blocks("llama", true)
         .lora_layers("gpt", GPT_LINEAR_LAYERS)
         .lora_layers("llama", LLAMA_LINEAR_LAYERS)
         // `hidden` is the default model's (mlp) key; job files switching `arch` keep it.

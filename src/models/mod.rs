@@ -621,11 +621,11 @@ pub(crate) fn checked_blank(
     device: &Device,
     precision: Precision,
 ) -> Result<Box<dyn Model>> {
-    // The built-in archs read their weights through `hf`, which honours `checking`; a
-    // registered model's own loading would read them all: left blank.
-    let built_in = matches!(spec.arch(), "gpt" | "llama");
+    // A model with a Hugging Face family reads its weights through `hf`, which honours
+    // `checking`; a registered model's own loading would read them all: left blank.
+    let through_hf = Registry::current().reads_hf_weights(spec.arch());
     match spec.init_from() {
-        Some(_) if built_in => {
+        Some(_) if through_hf => {
             crate::hf::checking(|| build(spec, input, seed, device, precision, false))
         }
         _ => build(spec, input, seed, device, precision, true),

@@ -122,6 +122,12 @@ pub trait DatasetOptions: DeserializeOwned + Serialize + 'static {
     fn tokenizer_file(&self) -> Option<std::path::PathBuf> {
         None
     }
+    /// The token the data ends every example with (instruction data's `eos_token`): what a
+    /// model trained on it learnt to end an answer with, which `sample` stops at and
+    /// `export --hf` writes as the model's end of sequence.
+    fn end_of_example(&self) -> Option<String> {
+        None
+    }
 }
 
 type ModelFn =
@@ -141,6 +147,8 @@ type HfExportFn = fn(
 struct HfFamily {
     model_types: &'static [&'static str],
     export: HfExportFn,
+    /// Its linear layers store weights [in, out] (GPT-2's Conv1D): PEFT's `fan_in_fan_out`.
+    fan_in_fan_out: bool,
 }
 
 /// The options of a model that learns from token windows: registered with
@@ -184,6 +192,7 @@ struct DataHooks {
     input: fn(&toml::Table) -> Option<ModelInput>,
     describe: fn(&toml::Table) -> Option<String>,
     tokenizer_file: fn(&toml::Table) -> Option<std::path::PathBuf>,
+    end_of_example: fn(&toml::Table) -> Option<String>,
 }
 
 impl DataHooks {
@@ -196,6 +205,7 @@ impl DataHooks {
             input: |t| parse::<O>(t).ok()?.input(),
             describe: |t| parse::<O>(t).ok()?.describe(),
             tokenizer_file: |t| parse::<O>(t).ok()?.tokenizer_file(),
+            end_of_example: |t| parse::<O>(t).ok()?.end_of_example(),
         }
     }
 }
@@ -217,6 +227,8 @@ struct Entry<F: ?Sized> {
     tolerated_in_stored_jobs: &'static [&'static str],
     /// A model's linear layers LoRA can adapt (their names' last part), when it takes adapters.
     lora_layers: Option<&'static [&'static str]>,
+    /// Whether a model is made of blocks (see [`Builders::has_blocks`]), when declared.
+    blocks: Option<bool>,
 }
 
 impl<F: ?Sized> Clone for Entry<F> {
@@ -232,6 +244,7 @@ impl<F: ?Sized> Clone for Entry<F> {
             tolerated: self.tolerated,
             tolerated_in_stored_jobs: self.tolerated_in_stored_jobs,
             lora_layers: self.lora_layers,
+            blocks: self.blocks,
         }
     }
 }
@@ -289,6 +302,7 @@ impl Registry {
             tolerated: &[],
             tolerated_in_stored_jobs: &[],
             lora_layers: None,
+            blocks: None,
         };
         self.models.insert(name.to_string(), entry);
         self
@@ -319,11 +333,13 @@ impl Registry {
         name: &str,
         model_types: &'static [&'static str],
         export: HfExportFn,
+        fan_in_fan_out: bool,
     ) -> Self {
         if let Some(entry) = self.models.get_mut(name) {
             entry.hf = Some(HfFamily {
                 model_types,
                 export,
+                fan_in_fan_out,
             });
         }
         self
@@ -336,6 +352,37 @@ impl Registry {
             entry.lora_layers = Some(layers);
         }
         self
+    }
+
+    /// Declares whether the model `name` is made of blocks it gathers one at a time and
+    /// recomputes: validation then refuses full sharding and activation checkpointing for a
+    /// model without them, and takes a model with them without building it.
+    pub(crate) fn blocks(mut self, name: &str, blocks: bool) -> Self {
+        if let Some(entry) = self.models.get_mut(name) {
+            entry.blocks = Some(blocks);
+        }
+        self
+    }
+
+    /// Whether the model `name` reads its weights through [`crate::hf`] (it has a Hugging
+    /// Face family), which can check a checkpoint's files against it without loading them.
+    pub(crate) fn reads_hf_weights(&self, name: &str) -> bool {
+        self.models.get(name).is_some_and(|e| e.hf.is_some())
+    }
+
+    /// Whether the adapters of the model `name` are exported with PEFT's `fan_in_fan_out`
+    /// (its linear layers store weights [in, out], as GPT-2's Conv1D).
+    pub(crate) fn fan_in_fan_out(&self, name: &str) -> bool {
+        self.models
+            .get(name)
+            .and_then(|e| e.hf)
+            .is_some_and(|hf| hf.fan_in_fan_out)
+    }
+
+    /// The token the data of `spec` ends every example with (instruction data's
+    /// `eos_token`), which an exported or sampled model learnt to end an answer with.
+    pub(crate) fn data_end_of_example(&self, spec: &crate::config::DataSpec) -> Option<String> {
+        (self.data_hooks(spec.name())?.end_of_example)(spec.options())
     }
 
     /// Lets a `[model]` beside the model `name` hold `keys` it does not read (the default
@@ -450,6 +497,7 @@ impl Registry {
             tolerated: &[],
             tolerated_in_stored_jobs: &[],
             lora_layers: None,
+            blocks: None,
         };
         self.datasets.insert(name.to_string(), entry);
         self
@@ -701,6 +749,9 @@ impl Builders for Registry {
     }
     fn lora_layers(&self, arch: &str) -> Option<&'static [&'static str]> {
         self.models.get(arch)?.lora_layers
+    }
+    fn has_blocks(&self, arch: &str) -> Option<bool> {
+        self.models.get(arch)?.blocks
     }
     fn arch_of_init(&self, dir: &std::path::Path) -> Result<String, String> {
         if let Some(trained) = crate::checkpoint::Trained::find(dir) {

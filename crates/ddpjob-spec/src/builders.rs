@@ -46,6 +46,10 @@ pub trait Builders {
     /// The kinds of linear layer (a layer name's last part) LoRA can adapt in the model `arch`;
     /// `None` for a model that declares none.
     fn lora_layers(&self, arch: &str) -> Option<&'static [&'static str]>;
+    /// Whether the model `arch` is made of blocks it can gather one at a time (for
+    /// `distributed.sharding = "full"`) and recompute (for `train.activation_checkpointing`),
+    /// when its registration says; `None`: known only once it is built.
+    fn has_blocks(&self, arch: &str) -> Option<bool>;
     /// `model.arch` of the weights `model.init_from` names when the job leaves it out: another
     /// job's `job.toml`, or a Hugging Face `config.json`'s `model_type`; or why it is not known.
     fn arch_of_init(&self, dir: &Path) -> Result<String, String>;

@@ -98,11 +98,12 @@ impl JobSpec {
             }
         }
         invariance_problems(&mut c, &train, &keys.distributed);
-        if let Some(why) = checkpointing_problem(&model, &train) {
+        let blockless = registry.has_blocks(model.arch()) == Some(false);
+        if let Some(why) = checkpointing_problem(&model, &train, blockless) {
             c.fail("train.activation_checkpointing", why);
         }
         let sharding = keys.distributed.sharding;
-        if let ("mlp" | "cnn", super::spec::Sharding::Full) = (model.arch(), sharding) {
+        if blockless && sharding == super::spec::Sharding::Full {
             c.fail(
                 "distributed.sharding",
                 format!(
@@ -174,20 +175,21 @@ fn invariance_problems(
     }
 }
 
-/// Why `train.activation_checkpointing` cannot apply to a built-in model as configured, if
-/// it cannot (a registered model of a user's says so itself when it is built).
-fn checkpointing_problem(model: &ModelSpec, train: &super::spec::TrainSpec) -> Option<String> {
-    if !train.activation_checkpointing {
-        return None;
-    }
-    let arch = model.arch();
-    match arch {
-        "mlp" | "cnn" => Some(format!(
-            "model.arch = \"{arch}\" does not recompute its activations (the gpt and the llama \
-             do); set it to false"
-        )),
-        _ => None,
-    }
+/// Why `train.activation_checkpointing` cannot apply to the model as configured, if its
+/// registration says it has no blocks to recompute (`blockless`); a model whose registration
+/// does not say (a user's) says so itself when it is built.
+fn checkpointing_problem(
+    model: &ModelSpec,
+    train: &super::spec::TrainSpec,
+    blockless: bool,
+) -> Option<String> {
+    (train.activation_checkpointing && blockless).then(|| {
+        format!(
+            "model.arch = \"{}\" does not recompute its activations (the gpt and the llama \
+             do); set it to false",
+            model.arch()
+        )
+    })
 }
 
 /// The model: its registered options, already read, and for a language model its window and

@@ -11,7 +11,7 @@ use std::path::Path;
 use candle_core::{DType, Tensor};
 use sha2::{Digest, Sha256};
 
-use crate::data::download::hex;
+use crate::jobdir::hex;
 use crate::models::Params;
 
 /// SHA-256 over the frozen parameters, in order: each one's name, then its values as f32

@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 use crate::config::CheckpointSpec;
-use crate::data::download::hex;
+use crate::jobdir::hex;
 use crate::jobdir::{sync_dir, write_atomic};
 
 #[derive(Debug, Error)]

@@ -209,10 +209,7 @@ fn read_in_background(
     pieces
 }
 
-/// Lowercase hex of a digest.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+use crate::jobdir::hex;
 
 #[cfg(test)]
 mod tests {

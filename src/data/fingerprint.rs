@@ -47,7 +47,7 @@ fn fingerprint(path: &Path) -> Result<Fingerprint, DataError> {
     Ok(Fingerprint {
         path: path.display().to_string(),
         bytes,
-        ends_sha256: super::download::hex(&hash.finalize()),
+        ends_sha256: crate::jobdir::hex(&hash.finalize()),
     })
 }
 

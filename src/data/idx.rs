@@ -59,7 +59,7 @@ pub fn parse_idx(path: &Path, bytes: &[u8]) -> Result<IdxArray, DataError> {
             format!(
                 "bad magic 0x{}: not an IDX file (one starts with two zero bytes, a type byte \
                  and its number of dimensions)",
-                super::download::hex(&bytes[..4])
+                crate::jobdir::hex(&bytes[..4])
             ),
         ));
     }

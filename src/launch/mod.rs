@@ -189,7 +189,7 @@ impl Layout {
         let mut h = Sha256::new();
         h.update(loaded.resolved_toml().as_bytes());
         h.update(format!("nnodes={} nproc={}", self.nnodes, self.nproc).as_bytes());
-        crate::data::download::hex(&h.finalize())[..32].to_string()
+        crate::jobdir::hex(&h.finalize())[..32].to_string()
     }
 }
 

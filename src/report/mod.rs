@@ -7,7 +7,8 @@ pub mod expect;
 pub mod history;
 pub mod json;
 pub mod junit;
-pub mod record;
+/// The `metrics.jsonl` records: the job directory's format, read and written there.
+pub use crate::jobdir::record;
 pub mod show;
 pub mod sink;
 pub mod tensorboard;

@@ -1,6 +1,8 @@
 //! The job directory contract: `jobs/<name>/` with job.toml, state.json, metrics.jsonl, logs/,
 //! checkpoints/, model.safetensors, summary.json and curves.svg. Files are replaced atomically.
 
+pub mod record;
+
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -470,7 +472,7 @@ impl JobDir {
         Some(state)
     }
 
-    /// Appends one line (a [`crate::report::Record`]'s JSON) to `metrics.jsonl`.
+    /// Appends one line (a [`record::Record`]'s JSON) to `metrics.jsonl`.
     pub fn append_metrics_line(&self, line: &str) -> Result<(), JobDirError> {
         let path = self.metrics_path();
         let mut f = OpenOptions::new()
@@ -546,7 +548,7 @@ impl JobDir {
     /// starts over from nothing, whose history starts over too.
     pub fn rewind_metrics(&self, to: Option<(usize, usize)>) -> Result<(), JobDirError> {
         let path = self.metrics_path();
-        let text = match crate::report::record::read_text(&path) {
+        let text = match record::read_text(&path) {
             Ok(Some(text)) => text,
             Ok(None) => return Ok(()),
             Err(e) => return Err(JobDirError::Io { path, cause: e }),
@@ -554,12 +556,11 @@ impl JobDir {
         let kept: String = text
             .lines()
             .filter(|line| {
-                let (Some(record), Some((epoch, step))) = (crate::report::Record::parse(line), to)
-                else {
+                let (Some(record), Some((epoch, step))) = (record::Record::parse(line), to) else {
                     return false;
                 };
                 let (at, of_epoch) = (record.step(), record.epoch());
-                let is_epoch = matches!(record, crate::report::Record::Epoch { .. });
+                let is_epoch = matches!(record, record::Record::Epoch { .. });
                 // An epoch line at the checkpoint's step belongs to it only if that epoch ended
                 // before the checkpoint (an epoch-boundary one).
                 at < step || (at == step && (!is_epoch || of_epoch < epoch))
@@ -591,6 +592,11 @@ pub fn list_jobs(jobs_dir: &Path) -> std::io::Result<Vec<(String, JobState)>> {
             .then_with(|| a.0.cmp(&b.0))
     });
     Ok(jobs)
+}
+
+/// Lowercase hex of a digest (the checksums of `MANIFEST` and of downloaded files).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::path::Path;
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// A line of `metrics.jsonl` (**contract**: `kind`, `epoch`, `step` and the named metrics; an
-/// evaluation's are those its task declares, see [`crate::task::Metric`]).
+/// evaluation's are those its task declares, see the task seam's `Metric`).
 /// Metrics that were not finite are written as `null` and read back as NaN, as are metrics a
 /// line lacks (files of older versions).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

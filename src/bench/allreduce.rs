@@ -337,10 +337,10 @@ mod gpu {
         let device =
             crate::device::open(Some(&env.device)).map_err(|e| BenchError::Usage(e.to_string()))?;
         let rank = env.rank;
-        let report = move |verdict: &ddpjob_comm::watchdog::Verdict| {
+        let on_failure = move |verdict: &ddpjob_comm::watchdog::Verdict| {
             errln!("error: {}", verdict.describe(rank, TIMEOUT))
         };
-        let comm = ddpjob_comm::join_nccl(&super::rendezvous(env, store), &device, report)?;
+        let comm = ddpjob_comm::join_nccl(&super::rendezvous(env, store), &device, on_failure)?;
         let gpu = |e: candle_core::Error| BenchError::Comm(e.into());
         let world = env.world_size;
         let mut rows: Vec<AllReduceRow> = Vec::new();

@@ -87,7 +87,14 @@ pub struct Compiled {
     fmad: bool,
 }
 
+impl Default for Compiled {
+    fn default() -> Self {
+        Compiled::new()
+    }
+}
+
 impl Compiled {
+    /// Compiled with NVRTC's defaults (fused multiply-adds allowed); `const`, for a `static`.
     pub const fn new() -> Self {
         Compiled {
             ptx: OnceLock::new(),

@@ -230,7 +230,7 @@ const PEAK_REPS: usize = 8;
 /// of a few 4096³ products, each timed to the end of the GPU's queue.
 fn device_gemm_rate(device: &Device, precision: Precision) -> Result<f64, BenchError> {
     let fail = |e: candle_core::Error| BenchError::Train(crate::train::TrainError::from(e));
-    let dtype = precision.compute_dtype();
+    let dtype = crate::device::compute_dtype(precision);
     let n = GPU_PEAK_SIZE;
     let a = Tensor::ones((n, n), dtype, device).map_err(fail)?;
     let b = Tensor::ones((n, n), dtype, device).map_err(fail)?;

@@ -62,7 +62,7 @@ impl ModelContext {
             input,
             seed,
             device: device.clone(),
-            compute_dtype: precision.compute_dtype(),
+            compute_dtype: crate::device::compute_dtype(precision),
             restoring,
             lora: None,
         }

@@ -6,9 +6,9 @@
 //! registered models' and datasets' own keys are read through [`Builders`], which the
 //! registry above implements.
 //!
-//! This crate is the ground floor of the job types: it imports no other ddpjob crate (candle
-//! only for [`Precision`]'s dtype), so everything that runs a job can depend on the spec, and
-//! the spec on nothing that runs one.
+//! This crate is the ground floor of the job types: it imports no other ddpjob crate, nor
+//! candle (a clean build compiles it beside candle, off the critical path), so everything that
+//! runs a job can depend on the spec, and the spec on nothing that runs one.
 
 mod adapter;
 mod builders;

@@ -337,12 +337,9 @@ pub enum Precision {
 }
 
 impl Precision {
-    /// The dtype the forward and backward passes compute in.
-    pub fn compute_dtype(self) -> candle_core::DType {
-        match self {
-            Precision::F32 | Precision::Tf32 | Precision::Bf16Matmul => candle_core::DType::F32,
-            Precision::Bf16 => candle_core::DType::BF16,
-        }
+    /// Whether the forward and backward passes compute in bf16 (else in f32).
+    pub fn computes_in_bf16(self) -> bool {
+        self == Precision::Bf16
     }
 }
 

@@ -358,7 +358,7 @@ fn a_global_batch_refuses_a_batch_size_beside_it_and_an_uneven_accumulation() {
 /// changing a key, `DDPJOB_BLESS=1 cargo test config_reference` rewrites it.
 #[test]
 fn config_reference_is_the_schemas() {
-    const START: &str = "<!-- config table: generated from src/config/keys.rs -->\n";
+    const START: &str = "<!-- config table: generated from crates/ddpjob-spec/src/keys.rs -->\n";
     const END: &str = "<!-- end of config table -->";
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/src/reference/config.md");
     let readme = std::fs::read_to_string(path).unwrap();
@@ -381,7 +381,8 @@ fn config_reference_is_the_schemas() {
         } else {
             panic!(
                 "docs/src/reference/config.md's table differs from the key declarations in \
-                 src/config/keys.rs; run `DDPJOB_BLESS=1 cargo test config_reference` to regenerate it"
+                 crates/ddpjob-spec/src/keys.rs; run `DDPJOB_BLESS=1 cargo test \
+                 config_reference` to regenerate it"
             );
         }
     }

@@ -469,10 +469,11 @@ fn normalization(mean: &[f64], std: &[f64]) -> Option<(Vec<f32>, Vec<f32>)> {
 
 #[cfg(test)]
 mod tests {
+    use crate::config::Builders as _;
     use crate::registry::Registry;
 
-    /// `ddpjob keys` and the config reference list what each built-in dataset's options struct reads
-    /// (a table's keys as `table.key`), and show its real defaults.
+    /// `ddpjob keys` and the config reference list what each built-in dataset's options struct
+    /// reads (a table's keys as `table.key`), and show its real defaults.
     #[test]
     fn every_builtin_datasets_keys_are_documented_with_their_defaults() {
         let registry = Registry::builtin();

@@ -133,10 +133,11 @@ pub(super) fn token_windows(arch: &str, cx: &ModelContext) -> Result<(usize, usi
 
 #[cfg(test)]
 mod tests {
+    use crate::config::Builders as _;
     use crate::registry::Registry;
 
-    /// `ddpjob keys` and the config reference list what each built-in model's options struct reads: a
-    /// field added without its line, or a line for a field that is gone, fails here.
+    /// `ddpjob keys` and the config reference list what each built-in model's options struct
+    /// reads: a field added without its line, or a line for a field that is gone, fails here.
     #[test]
     fn every_builtin_models_keys_are_documented_in_field_order() {
         let registry = Registry::builtin();

@@ -417,16 +417,6 @@ impl Registry {
         self
     }
 
-    /// Each model's documented keys and its options struct's fields, by arch.
-    pub(crate) fn model_docs(&self) -> Vec<ModelDocs<'_>> {
-        let docs = self.models.iter().map(|(name, e)| ModelDocs {
-            arch: name,
-            keys: e.docs,
-            fields: e.fields.unwrap_or_default(),
-        });
-        docs.collect()
-    }
-
     /// The arch that reads Hugging Face checkpoints of `model_type`.
     pub(crate) fn arch_for_model_type(&self, model_type: &str) -> Option<&str> {
         self.models
@@ -528,16 +518,6 @@ impl Registry {
         self
     }
 
-    /// Each dataset's documented keys and its options struct's fields.
-    pub(crate) fn dataset_docs(&self) -> Vec<DatasetDocs<'_>> {
-        let docs = self.datasets.iter().map(|(name, e)| DatasetDocs {
-            dataset: name,
-            keys: e.docs,
-            fields: e.fields.unwrap_or_default(),
-        });
-        docs.collect()
-    }
-
     /// The registered model names (`model.arch` values), sorted.
     pub fn model_names(&self) -> Vec<&str> {
         self.models.keys().map(String::as_str).collect()
@@ -548,76 +528,8 @@ impl Registry {
         self.datasets.keys().map(String::as_str).collect()
     }
 
-    pub(crate) fn model_kind(&self, name: &str) -> Known {
-        known(self.models.get(name))
-    }
-
-    pub(crate) fn dataset_kind(&self, name: &str) -> Known {
-        known(self.datasets.get(name))
-    }
-
-    /// `options` with the defaults of the model's options struct written out, or why they
-    /// do not deserialise.
-    pub(crate) fn resolve_model(
-        &self,
-        name: &str,
-        options: &toml::Table,
-    ) -> Result<toml::Table, String> {
-        match self.models.get(name) {
-            Some(e) => (e.resolve)(options),
-            None => Err(format!("no model is registered as \"{name}\"")),
-        }
-    }
-
-    /// The window and tokenizer of the language model `name` with resolved `options`; `None`
-    /// for a model that is not one (or not registered).
-    pub(crate) fn language(
-        &self,
-        name: &str,
-        options: &toml::Table,
-    ) -> Option<Result<LanguageModelSpec, String>> {
-        let language = self.models.get(name)?.language?;
-        Some(language(options))
-    }
-
-    /// As [`Registry::resolve_model`], then completed for the model in `cx` when the dataset
-    /// has [`DatasetOptions`] hooks.
-    pub(crate) fn resolve_dataset(
-        &self,
-        name: &str,
-        options: &toml::Table,
-        cx: &DataContext,
-    ) -> Result<toml::Table, String> {
-        let Some(e) = self.datasets.get(name) else {
-            return Err(format!("no dataset is registered as \"{name}\""));
-        };
-        let resolved = (e.resolve)(options)?;
-        match e.data {
-            Some(hooks) => (hooks.complete)(&resolved, cx),
-            None => Ok(resolved),
-        }
-    }
-
-    /// As [`Registry::resolve_model`]: the options read, not completed (when there is no model
-    /// to complete them for).
-    pub(crate) fn resolve_dataset_keys(
-        &self,
-        name: &str,
-        options: &toml::Table,
-    ) -> Result<toml::Table, String> {
-        match self.datasets.get(name) {
-            Some(e) => (e.resolve)(options),
-            None => Err(format!("no dataset is registered as \"{name}\"")),
-        }
-    }
-
     fn data_hooks(&self, name: &str) -> Option<DataHooks> {
         self.datasets.get(name)?.data
-    }
-
-    /// The dataset `name`'s option keys that hold paths (see [`DatasetOptions::PATHS`]).
-    pub(crate) fn dataset_paths(&self, name: &str) -> &'static [&'static str] {
-        self.data_hooks(name).map_or(&[], |hooks| hooks.paths)
     }
 
     /// Finds, downloads and checks the data of `spec` in the launcher (see
@@ -706,6 +618,7 @@ impl Registry {
 
 static INSTALLED: OnceLock<Registry> = OnceLock::new();
 
+/// What validation asks of the registered models and datasets (see [`Builders`]).
 impl Builders for Registry {
     fn model_names(&self) -> Vec<&str> {
         Registry::model_names(self)
@@ -714,38 +627,61 @@ impl Builders for Registry {
         Registry::dataset_names(self)
     }
     fn model_kind(&self, name: &str) -> Known {
-        Registry::model_kind(self, name)
+        known(self.models.get(name))
     }
     fn dataset_kind(&self, name: &str) -> Known {
-        Registry::dataset_kind(self, name)
+        known(self.datasets.get(name))
     }
+    /// `options` with the defaults of the model's options struct written out, or why they
+    /// do not deserialise.
     fn resolve_model(&self, name: &str, options: &toml::Table) -> Result<toml::Table, String> {
-        Registry::resolve_model(self, name, options)
+        match self.models.get(name) {
+            Some(e) => (e.resolve)(options),
+            None => Err(format!("no model is registered as \"{name}\"")),
+        }
     }
+    /// The window and tokenizer of the language model `name` with resolved `options`; `None`
+    /// for a model that is not one (or not registered).
     fn language(
         &self,
         name: &str,
         options: &toml::Table,
     ) -> Option<Result<LanguageModelSpec, String>> {
-        Registry::language(self, name, options)
+        let language = self.models.get(name)?.language?;
+        Some(language(options))
     }
+    /// As [`Registry::resolve_model`], then completed for the model in `cx` when the dataset
+    /// has [`DatasetOptions`] hooks.
     fn resolve_dataset(
         &self,
         name: &str,
         options: &toml::Table,
         cx: &DataContext,
     ) -> Result<toml::Table, String> {
-        Registry::resolve_dataset(self, name, options, cx)
+        let Some(e) = self.datasets.get(name) else {
+            return Err(format!("no dataset is registered as \"{name}\""));
+        };
+        let resolved = (e.resolve)(options)?;
+        match e.data {
+            Some(hooks) => (hooks.complete)(&resolved, cx),
+            None => Ok(resolved),
+        }
     }
+    /// As [`Registry::resolve_model`]: the options read, not completed (when there is no model
+    /// to complete them for).
     fn resolve_dataset_keys(
         &self,
         name: &str,
         options: &toml::Table,
     ) -> Result<toml::Table, String> {
-        Registry::resolve_dataset_keys(self, name, options)
+        match self.datasets.get(name) {
+            Some(e) => (e.resolve)(options),
+            None => Err(format!("no dataset is registered as \"{name}\"")),
+        }
     }
+    /// The dataset `name`'s option keys that hold paths (see [`DatasetOptions::PATHS`]).
     fn dataset_paths(&self, name: &str) -> &'static [&'static str] {
-        Registry::dataset_paths(self, name)
+        self.data_hooks(name).map_or(&[], |hooks| hooks.paths)
     }
     fn lora_layers(&self, arch: &str) -> Option<&'static [&'static str]> {
         self.models.get(arch)?.lora_layers
@@ -780,11 +716,23 @@ impl Builders for Registry {
             }
         }
     }
+    /// Each model's documented keys and its options struct's fields, by arch.
     fn model_docs(&self) -> Vec<ModelDocs<'_>> {
-        Registry::model_docs(self)
+        let docs = self.models.iter().map(|(name, e)| ModelDocs {
+            arch: name,
+            keys: e.docs,
+            fields: e.fields.unwrap_or_default(),
+        });
+        docs.collect()
     }
+    /// Each dataset's documented keys and its options struct's fields.
     fn dataset_docs(&self) -> Vec<DatasetDocs<'_>> {
-        Registry::dataset_docs(self)
+        let docs = self.datasets.iter().map(|(name, e)| DatasetDocs {
+            dataset: name,
+            keys: e.docs,
+            fields: e.fields.unwrap_or_default(),
+        });
+        docs.collect()
     }
 }
 

@@ -19,8 +19,8 @@
 //!
 //! What it buys is the collectives' waiting on a network. It costs a core's share where the
 //! passes already fill every core, and memory: three blocks gathered at once, buckets waiting,
-//! and what the allocator keeps apart for the second thread (measured in docs/src/sharding.md). Only on
-//! the CPU: on a GPU, collectives and kernels go into the worker's one stream in order, so a
+//! and what the allocator keeps apart for the second thread (measured in docs/src/sharding.md).
+//! Only on the CPU: on a GPU, collectives and kernels go into the worker's one stream in order, so a
 //! thread of their own would buy nothing; they stay inline there.
 
 use std::collections::VecDeque;

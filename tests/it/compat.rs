@@ -74,28 +74,19 @@ fn jobs_cut_before_the_workspace_resume_bit_identical() {
         &t.job("lm-whole").join("model.safetensors"),
     );
 
-    let resumed = resume(&t, "cut");
-    resumed.success();
-    assert!(
-        resumed.stdout.contains("step-00000005"),
-        "{}",
-        resumed.stdout
-    );
-    assert_same_bits(
-        &t.job("whole").join("model.safetensors"),
-        &t.job("cut").join("model.safetensors"),
-    );
-    let resumed = resume(&t, "lm-cut");
-    resumed.success();
-    assert!(
-        resumed.stdout.contains("step-00000010"),
-        "{}",
-        resumed.stdout
-    );
-    assert_same_bits(
-        &t.job("lm-whole").join("model.safetensors"),
-        &t.job("lm-cut").join("model.safetensors"),
-    );
+    // Each old job resumed from its newest checkpoint ends as today's uninterrupted run.
+    for (cut, whole, checkpoint) in [
+        ("cut", "whole", "step-00000005"),
+        ("lm-cut", "lm-whole", "step-00000010"),
+    ] {
+        let resumed = resume(&t, cut);
+        resumed.success();
+        assert!(resumed.stdout.contains(checkpoint), "{}", resumed.stdout);
+        assert_same_bits(
+            &t.job(whole).join("model.safetensors"),
+            &t.job(cut).join("model.safetensors"),
+        );
+    }
     let state = t.json(&t.job("lm-cut").join("state.json"));
     assert_eq!(state["status"], "finished", "{state}");
 }

@@ -52,7 +52,6 @@ pub struct RingLinks {
     /// Zero when workers outnumber cores, where spinning would steal a peer's core.
     spin: Duration,
     /// Bytes written to the next rank so far (what the sharding tests compare).
-    /// Payload and header bytes written (the tests of what a collective sends).
     sent: u64,
 }
 

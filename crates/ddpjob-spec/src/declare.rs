@@ -73,8 +73,8 @@ pub fn one_line(lines: &[&str]) -> String {
         .join(" ")
 }
 
-/// How the config reference shows a default: `shown` when the declaration words it, else the TOML value
-/// in backticks (`none` for an absent optional key).
+/// How the config reference shows a default: `shown` when the declaration words it, else the
+/// TOML value in backticks (`none` for an absent optional key).
 pub fn shown_default<T: serde::Serialize>(value: &T, shown: Option<&str>) -> String {
     if let Some(words) = shown {
         return words.to_string();
@@ -109,9 +109,8 @@ pub fn entries<T: ValueKind>(path: String, default: String, doc: String) -> Vec<
 
 /// Declares a config section: its serde struct (`$raw`, every key optional in the file, unknown
 /// keys refused), the struct of its checked values (`$checked`, with `+ Copy` and such for
-/// more derives), and, per key, what it means
-/// (the doc comment), its serde type and default, optionally how the config reference words the default
-/// (`shown`), and `=> field: Type = check`: the checked struct's field and the check that
+/// more derives), and, per key, what it means (the doc comment), its serde type and default,
+/// optionally how the config reference words the default (`shown`), and `=> field: Type = check`: the checked struct's field and the check that
 /// makes it, called as `check(checker, "section.key", &value, &section)`.
 macro_rules! section {
     (

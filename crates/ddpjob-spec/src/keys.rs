@@ -3,7 +3,7 @@
 //! check, which makes the typed value the program sees. Checks that relate keys of different
 //! sections (a gpt's data, devices and build) are in `validate.rs`.
 //!
-//! To add a key: one declaration here, then `DDPJOB_BLESS=1 cargo test readme_config_table`.
+//! To add a key: one declaration here, then `DDPJOB_BLESS=1 cargo test config_reference`.
 
 // A check takes a reference to its key's declared type (`&String`, `&Vec<i64>`).
 #![allow(clippy::ptr_arg)]

@@ -63,8 +63,9 @@ pub struct KeySpec {
 pub static KEYS: LazyLock<Vec<KeySpec>> =
     LazyLock::new(|| <super::keys::RawConfig as ValueKind>::keys_under(""));
 
-/// The book's config table (`docs/src/reference/config.md`): every key that is not a section, in this table's order, with
-/// each built-in model's own keys after `model.arch` and each dataset's after `data.dataset`.
+/// The book's config table (`docs/src/reference/config.md`): every key that is not a section,
+/// in this table's order, with each registered model's own keys after `model.arch` and each
+/// dataset's after `data.dataset`.
 pub fn markdown_table(registry: &dyn Builders) -> String {
     let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
     for k in KEYS.iter().filter(|k| k.kind != Kind::Table) {

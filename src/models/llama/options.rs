@@ -84,8 +84,8 @@ pub enum RopeType {
     Llama3,
 }
 
-/// The keys as `ddpjob keys` and the config reference show them, in the struct's order. Their names and
-/// meanings are `config.json`'s; with `init_from` each defaults to the checkpoint's.
+/// The keys as `ddpjob keys` and the config reference show them, in the struct's order. Their
+/// names and meanings are `config.json`'s; with `init_from` each defaults to the checkpoint's.
 pub(crate) const KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "init_from",

@@ -192,14 +192,7 @@ pub fn open(value: Option<&str>) -> Result<Device, DeviceError> {
     }
 }
 
-/// The dtype the forward and backward passes compute in for `precision` (the parameters
-/// stay f32).
-pub fn compute_dtype(precision: Precision) -> candle_core::DType {
-    match precision.computes_in_bf16() {
-        true => candle_core::DType::BF16,
-        false => candle_core::DType::F32,
-    }
-}
+pub use ddpjob_seam::compute_dtype;
 
 /// Sets how the process's f32 matrix products round (the switches are per process, as torch's
 /// `allow_tf32`): on a GPU, TF32 tensor cores for `"tf32"` and `"bf16-matmul"`; on the CPU,

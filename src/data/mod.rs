@@ -20,7 +20,6 @@ pub mod vocab;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use thiserror::Error;
 
 use pixels::PixelMap;
 
@@ -30,48 +29,7 @@ pub(crate) use builtin::register_builtin;
 pub use sampler::DistributedSampler;
 pub use tensors::TensorDataset;
 
-/// Why data could not be found, read or batched; each names the file and the fix.
-#[allow(missing_docs)] // fields: the file, and what went wrong with it
-#[derive(Debug, Error)]
-pub enum DataError {
-    /// A file could not be read.
-    #[error("cannot read `{}`: {cause}", path.display())]
-    Io {
-        path: PathBuf,
-        cause: std::io::Error,
-    },
-    /// A file's contents are not what its format says.
-    #[error("`{}` is damaged: {problem}", path.display())]
-    Corrupt { path: PathBuf, problem: String },
-    /// A built-in dataset's files are not on disk and may not be downloaded.
-    #[error(
-        "{dataset}: missing {} (looked in {}); put the IDX files (.gz or raw) in data.root, \
-         install Debian's dataset-{dataset} package if there is one, or set data.download = true",
-        missing.join(", "),
-        searched.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(" and ")
-    )]
-    NotFound {
-        dataset: String,
-        missing: Vec<String>,
-        searched: Vec<PathBuf>,
-    },
-    /// Every mirror failed for a file.
-    #[error("could not download {file} to `{}`; every mirror failed:\n  {}\n\
-             check the network, set data.mirrors, or copy the file there by hand",
-            dest.display(), failures.join("\n  "))]
-    Download {
-        file: String,
-        dest: PathBuf,
-        failures: Vec<String>,
-    },
-    /// Data that does not fit the job (shapes, vocabularies, labels), or a dataset opener's
-    /// error.
-    #[error("{0}")]
-    Mismatch(String),
-    /// A tensor operation failed.
-    #[error(transparent)]
-    Tensor(#[from] candle_core::Error),
-}
+pub use ddpjob_seam::DataError;
 
 /// One split: `len` images of `shape` = [channels, height, width], pixels row-major as u8.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -213,6 +171,34 @@ fn split_from(images: &Path, labels: &Path) -> Result<Split, DataError> {
         labels: lab.data,
         shape,
     })
+}
+
+impl crate::task::Task for Dataset {
+    fn train_len(&self) -> usize {
+        self.train.len()
+    }
+
+    fn eval_len(&self) -> usize {
+        self.test.len()
+    }
+
+    fn targets_per_sample(&self) -> usize {
+        1
+    }
+
+    fn input(&self) -> crate::task::ModelInput {
+        crate::task::ModelInput::Image {
+            shape: self.train.shape,
+            classes: self.classes,
+        }
+    }
+
+    fn batches<'a>(
+        &'a self,
+        device: &Device,
+    ) -> Result<Box<dyn crate::task::BatchSource + 'a>, DataError> {
+        Ok(Box::new(Batches::new(self, device)?))
+    }
 }
 
 #[cfg(test)]

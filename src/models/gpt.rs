@@ -39,7 +39,7 @@ use candle_core::{DType, Device, Error, Result, Tensor, Var};
 
 use super::gate::{self, Unit};
 use super::lora::Adapter;
-use super::{FrozenSet, LoraSpec, Mode, Model, Params, TrainPass, is_adapter};
+use super::{FrozenSet, KvCache, LoraSpec, Mode, Model, Params, TrainPass, is_adapter};
 use ddpjob_kernels as kernels;
 use ddpjob_rng::Mt19937;
 use dropout::Dropout;
@@ -93,29 +93,6 @@ impl GptConfig {
             return fail(format!("dropout {} is not in [0, 1)", self.dropout));
         }
         Ok(())
-    }
-}
-
-/// Keys and values of the positions fed so far to [`Gpt::forward_cached`], per layer, each
-/// [1, n_head, t, head_dim].
-#[derive(Default)]
-pub struct KvCache {
-    layers: Vec<(Tensor, Tensor)>,
-}
-
-impl KvCache {
-    /// Positions cached.
-    pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, |(k, _)| k.dims()[2])
-    }
-
-    pub fn clear(&mut self) {
-        self.layers.clear();
-    }
-
-    #[cfg(test)]
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -265,7 +242,7 @@ impl Gpt {
 
     /// Token plus position embeddings of `ids` ([n·t], positions from `offset`): [n·t, C].
     fn embed(&self, ids: &Tensor, n: usize, t: usize, offset: usize) -> Result<Tensor> {
-        let tokens = lookup(&self.params.frozen.as_input(&self.wte), ids)?;
+        let tokens = lookup(&self.params.frozen().as_input(&self.wte), ids)?;
         self.with_positions(&tokens, (n, t), offset, None)
     }
 
@@ -278,7 +255,7 @@ impl Gpt {
         offset: usize,
         packing: Option<&super::packed::Packing>,
     ) -> Result<Tensor> {
-        let (c, frozen) = (self.config.n_embd, &self.params.frozen);
+        let (c, frozen) = (self.config.n_embd, self.params.frozen());
         if let Some(p) = packing {
             return tokens + lookup(&frozen.as_input(&self.wpe), &p.positions)?;
         }
@@ -296,7 +273,7 @@ impl Gpt {
 
     /// Logits x·wteᵀ in f32 of the final LayerNorm's output `x`.
     fn project(&self, x: &Tensor) -> Result<Tensor> {
-        let wte = &self.params.frozen.as_input(&self.wte);
+        let wte = &self.params.frozen().as_input(&self.wte);
         if self.compute == DType::F32 && kernels::applies(x) {
             return kernels::linear(x, wte, &self.head_bias, false);
         }
@@ -402,7 +379,7 @@ impl Model for Gpt {
     fn train_flops_per_sample(&self) -> Option<f64> {
         let c = &self.config;
         // A frozen parameter forms no weight gradient: its forward and input gradient only.
-        let frozen = &self.params.frozen;
+        let frozen = self.params.frozen();
         let (wpe, wpe_frozen) = (self.wpe.elem_count() as f64, frozen.contains(&self.wpe));
         let mut trainable = self.params.trainable_element_count() as f64;
         let mut held = self.params.element_count() as f64 - trainable;
@@ -469,7 +446,7 @@ impl Gpt {
         let dropout = self.dropout(mode, shape)?;
         let (packing, dropout) = (packing.as_ref(), dropout.as_ref());
         let detached = |x: Tensor| if scoring { x.detach() } else { x };
-        let tokens = lookup(&self.params.frozen.as_input(&self.wte), &ids)?;
+        let tokens = lookup(&self.params.frozen().as_input(&self.wte), &ids)?;
         let mut x = detached(self.embedded(&tokens, shape, packing, dropout)?);
         for i in 0..self.blocks.len() {
             // Scoring asks for each block's parameters (a training graph would need them kept).
@@ -558,7 +535,7 @@ impl Gpt {
     /// logits (see `head`).
     fn loss_of(&self, last: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let x = self.ln_f.forward(last)?;
-        let wte = &self.params.frozen.as_input(&self.wte);
+        let wte = &self.params.frozen().as_input(&self.wte);
         if self.compute == DType::F32 && head::applies(&x, wte) {
             return head::loss(&x, wte, &targets.flatten_all()?);
         }

@@ -11,124 +11,19 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
-use candle_core::{DType, Device};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::config::Precision;
 pub use crate::config::{
     Builders, DataContext, DatasetDocs, KeyDoc, Known, LanguageModelSpec, ModelDocs,
 };
 use crate::data::DataError;
 use crate::models::Model;
 use crate::task::{ModelInput, Task};
+pub use ddpjob_seam::{BuildError, DatasetOptions, JobFile, ModelContext};
 
 mod fields;
 pub use fields::struct_fields;
-
-/// An error a user's builder returned (any error type converts into it).
-pub type BuildError = Box<dyn std::error::Error + Send + Sync>;
-
-/// What a model builder gets besides its options.
-#[derive(Debug, Clone)]
-pub struct ModelContext {
-    /// The shape of the data the model learns from (images and classes, or token windows).
-    pub input: ModelInput,
-    /// The job's seed: initialise from it (see [`crate::models::ParamStore`]) so every run
-    /// and every rank starts from the same weights.
-    pub seed: u64,
-    /// Where the parameters live (the worker's CPU or GPU).
-    pub device: Device,
-    /// `train.precision`: the dtype the forward pass should compute in (the parameters stay
-    /// f32; casting is the model's business).
-    pub compute_dtype: DType,
-    /// A checkpoint's weights will replace the ones built (resume, restart): a builder may
-    /// skip loading pretrained weights, and must not fail because they are gone.
-    pub restoring: bool,
-    /// `[model.lora]`, when on: the adapters `gpt` and `llama` put beside their linear layers
-    /// (a model of your own without linear layers that take them is refused).
-    pub lora: Option<crate::models::LoraSpec>,
-}
-
-impl ModelContext {
-    pub(crate) fn new(
-        input: ModelInput,
-        seed: u64,
-        device: &Device,
-        precision: Precision,
-        restoring: bool,
-    ) -> Self {
-        ModelContext {
-            input,
-            seed,
-            device: device.clone(),
-            compute_dtype: crate::device::compute_dtype(precision),
-            restoring,
-            lora: None,
-        }
-    }
-}
-
-/// A file a dataset keeps in the job directory (text data's `vocab.json`): written when the
-/// job is created, found there by every later open.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct JobFile {
-    /// Its name in the job directory.
-    pub name: String,
-    /// Its contents.
-    pub bytes: Vec<u8>,
-}
-
-/// The options of a dataset that does more than open: registered with
-/// [`Registry::dataset_with`], its hooks run where ddpjob needs them. Every method has a
-/// default, so `impl DatasetOptions for MyOptions {}` is the plain [`Registry::dataset`].
-pub trait DatasetOptions: DeserializeOwned + Serialize + 'static {
-    /// The option keys whose values are file or directory paths, read relative to the working
-    /// directory `run` started in (`["train_path", "test_path"]`). `run` writes them into
-    /// `job.toml` made absolute, so `resume`, `eval` or a requeue started from another
-    /// directory reads the same files, as it does ddpjob's own `data.path`.
-    const PATHS: &'static [&'static str] = &[];
-
-    /// The options with what they derive filled in (from the model: `cx.language`), or why the
-    /// data cannot feed that model; at `validate`/`run`, before anything exists (`job.toml`
-    /// holds the result, so a resumed job opens the same data). `cx.job` is `None` here.
-    fn complete(self, cx: &DataContext) -> Result<Self, String> {
-        let _ = cx;
-        Ok(self)
-    }
-    /// In the launcher, before the workers start (and before a new job's directory exists):
-    /// find or download the files and check them, so bad data creates nothing. Returns the
-    /// files the job keeps (see [`JobFile`]).
-    fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
-        let _ = cx;
-        Ok(Vec::new())
-    }
-    /// The number of training samples and where it comes from, known without opening the data
-    /// (`validate`); `None`: `validate` opens it to count.
-    fn train_samples(&self) -> Option<(usize, String)> {
-        None
-    }
-    /// What a model of this data takes, when known without reading it (`bench step` makes
-    /// random batches of it); `None`: it is opened to find out.
-    fn input(&self) -> Option<ModelInput> {
-        None
-    }
-    /// A few words for `show` and `list` (`text data/input.txt`); `None`: the dataset's name.
-    fn describe(&self) -> Option<String> {
-        None
-    }
-    /// The `tokenizer.json` the data is encoded with, which `export --hf` writes beside the
-    /// weights.
-    fn tokenizer_file(&self) -> Option<std::path::PathBuf> {
-        None
-    }
-    /// The token the data ends every example with (instruction data's `eos_token`): what a
-    /// model trained on it learnt to end an answer with, which `sample` stops at and
-    /// `export --hf` writes as the model's end of sequence.
-    fn end_of_example(&self) -> Option<String> {
-        None
-    }
-}
 
 type ModelFn =
     dyn Fn(&toml::Table, &ModelContext) -> Result<Box<dyn Model>, BuildError> + Send + Sync;

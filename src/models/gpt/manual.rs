@@ -311,7 +311,7 @@ impl TrainPass for Pass<'_> {
         let (c, rows) = (cfg.n_embd, n * t);
         let mut grads = Handover::new(gpt, sink);
         // A frozen (tied) embedding gets no gradient from the head or the lookup.
-        let want_wte = !gpt.params.frozen.contains(&gpt.wte);
+        let want_wte = !gpt.params.frozen().contains(&gpt.wte);
         with_all_values(&weight_tensors(gpt), |all| {
             let weights = Weights(all);
             let wte = weights.get(0);
@@ -608,7 +608,7 @@ impl<'s> Handover<'s> {
             .vars()
             .enumerate()
             .map(|(i, var)| {
-                let wanted = !gpt.params.frozen.contains(var);
+                let wanted = !gpt.params.frozen().contains(var);
                 (var.as_tensor().id(), wanted.then_some(i))
             })
             .collect();

@@ -13,7 +13,7 @@ impl Stack for Gpt {
     fn embed(&self, xs: &Tensor, mode: &Mode) -> Result<(TokenBatch, Tensor)> {
         let (ids, packing, shape) = self.window(xs)?;
         let dropout = self.dropout(mode, shape)?;
-        let tokens = lookup(&self.params.frozen.as_input(&self.wte), &ids)?;
+        let tokens = lookup(&self.params.frozen().as_input(&self.wte), &ids)?;
         let x = self.embedded(&tokens, shape, packing.as_ref(), dropout.as_ref())?;
         let batch = TokenBatch {
             ids,
@@ -56,7 +56,7 @@ impl Stack for Gpt {
         held: Vec<Option<Tensor>>,
         sink: &mut dyn GradientSink,
     ) -> Result<()> {
-        let frozen = &self.params.frozen;
+        let frozen = self.params.frozen();
         let table = frozen.as_input(&self.wte);
         let by_index = !frozen.contains(&self.wte) && !one_hot_applies(&table, table.dim(0)?);
         let tokens = lookup(&table, &b.ids)?;

@@ -219,7 +219,7 @@ impl Llama {
 
     /// A parameter as the ops take it: detached when frozen (see `models::freeze`).
     fn input(&self, var: &Var) -> Tensor {
-        self.params.frozen.as_input(var)
+        self.params.frozen().as_input(var)
     }
 
     /// Token ids [n, t] → the final RMSNorm's output [n·t, hidden], f32.
@@ -510,7 +510,7 @@ impl Model for Llama {
         if !c.tie_word_embeddings {
             // The untied embedding is a lookup, whether it trains or not.
             let embed = (c.vocab_size * c.hidden_size) as f64;
-            match self.params.frozen.contains(&self.embed) {
+            match self.params.frozen().contains(&self.embed) {
                 true => frozen -= embed,
                 false => trainable -= embed,
             }

@@ -56,7 +56,7 @@ impl Stack for Llama {
         let (Some(i), Some(held)) = (self.embedding_params().first().copied(), held.first()) else {
             return Ok(());
         };
-        if self.params.frozen.contains(&self.embed) {
+        if self.params.frozen().contains(&self.embed) {
             return sink.put(i, held.clone());
         }
         let onto = match held {

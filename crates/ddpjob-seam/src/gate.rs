@@ -7,8 +7,8 @@
 //! evaluation's). With none installed (every other mode, `sample`, `eval`) both do nothing.
 //!
 //! A thread-local rather than an argument: the gate holds the communicator (the collectives
-//! that gather), which lives with the trainer, while [`super::Model::train_pass`] and
-//! [`super::TrainPass::backward_to`] are the model's seam for any user's model, unchanged.
+//! that gather), which lives with the trainer, while [`crate::Model::train_pass`] and
+//! [`crate::TrainPass::backward_to`] are the model's seam for any user's model, unchanged.
 
 use std::cell::Cell;
 use std::ptr::NonNull;
@@ -18,7 +18,7 @@ use candle_core::Result;
 /// A unit of parameters that a pass gathers and releases as one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unit {
-    /// Block `i`'s (what [`super::Model::shard_parameters`] lists as its i-th block).
+    /// Block `i`'s (what [`crate::Model::shard_parameters`] lists as its i-th block).
     Block(usize),
     /// Every parameter of no block (embeddings, the final norm, the head): gathered from the
     /// start of a pass's forward to the end of its backward, as FSDP keeps its root unit's.

@@ -8,8 +8,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Result, Shape, Tensor, Var};
 use candle_nn::{Init, VarBuilder, init::NormalOrUniform, var_builder::SimpleBackend};
 
-use super::Params;
-use crate::registry::ModelContext;
+use crate::{ModelContext, Params};
 use ddpjob_rng::Mt19937;
 
 /// Last name components that are buffers, not parameters: candle_nn's BatchNorm statistics.
@@ -19,7 +18,7 @@ const BUFFER_NAMES: &[&str] = &["running_mean", "running_var"];
 ///
 /// ```
 /// use candle_core::{Device, DType};
-/// use ddpjob::{ModelContext, ModelInput, ParamStore};
+/// use ddpjob_seam::{ModelContext, ModelInput, ParamStore};
 ///
 /// let cx = ModelContext {
 ///     input: ModelInput::Image { shape: [1, 4, 4], classes: 3 },
@@ -108,13 +107,13 @@ impl SimpleBackend for ParamStore {
         let rng = &mut inner.rng;
         let dims = shape.dims();
         let values = match init {
-            Init::Const(v) if v.to_bits() == 0 => super::zeroed_parameter_values(name, dims)?,
-            Init::Const(v) => super::parameter_values(name, dims, || v as f32)?,
+            Init::Const(v) if v.to_bits() == 0 => crate::zeroed_parameter_values(name, dims)?,
+            Init::Const(v) => crate::parameter_values(name, dims, || v as f32)?,
             Init::Randn { mean, stdev } => {
-                super::parameter_values(name, dims, || mean as f32 + stdev as f32 * rng.normal())?
+                crate::parameter_values(name, dims, || mean as f32 + stdev as f32 * rng.normal())?
             }
             Init::Uniform { lo, up } => {
-                super::parameter_values(name, dims, || rng.uniform(lo as f32, up as f32))?
+                crate::parameter_values(name, dims, || rng.uniform(lo as f32, up as f32))?
             }
             Init::Kaiming {
                 dist,
@@ -124,11 +123,11 @@ impl SimpleBackend for ParamStore {
                 let std = non_linearity.gain() / (fan.for_shape(&shape) as f64).sqrt();
                 match dist {
                     NormalOrUniform::Normal => {
-                        super::parameter_values(name, dims, || std as f32 * rng.normal())?
+                        crate::parameter_values(name, dims, || std as f32 * rng.normal())?
                     }
                     NormalOrUniform::Uniform => {
                         let bound = (3f64.sqrt() * std) as f32;
-                        super::parameter_values(name, dims, || rng.uniform(-bound, bound))?
+                        crate::parameter_values(name, dims, || rng.uniform(-bound, bound))?
                     }
                 }
             }
@@ -226,7 +225,7 @@ mod tests {
 mod name_tests {
     use candle_core::{DType, Device, Tensor, Var};
 
-    use crate::models::Params;
+    use crate::Params;
 
     #[test]
     fn a_repeated_parameter_name_is_found() {

@@ -14,22 +14,22 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{Tensor, TensorId, Var};
 
-use super::Params;
+use crate::Params;
 
 /// The tensors of a model that do not train, set once when the model is frozen.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct FrozenSet(Arc<OnceLock<HashSet<TensorId>>>);
+pub struct FrozenSet(Arc<OnceLock<HashSet<TensorId>>>);
 
 impl FrozenSet {
     /// Whether `var` is frozen.
-    pub(crate) fn contains(&self, var: &Var) -> bool {
+    pub fn contains(&self, var: &Var) -> bool {
         self.0
             .get()
             .is_some_and(|set| set.contains(&var.as_tensor().id()))
     }
 
     /// `var` as a layer's op should take it: detached when frozen, so no gradient is formed.
-    pub(crate) fn as_input(&self, var: &Var) -> Tensor {
+    pub fn as_input(&self, var: &Var) -> Tensor {
         match self.contains(var) {
             true => var.as_detached_tensor(),
             false => var.as_tensor().clone(),
@@ -49,7 +49,7 @@ impl Params {
 
     /// [`Params::freeze`], freezing too every parameter whose name `also` holds for (LoRA's
     /// base: everything but the adapters).
-    pub(crate) fn freeze_also(
+    pub fn freeze_also(
         &self,
         patterns: &[String],
         also: impl Fn(&str) -> bool,
@@ -116,7 +116,7 @@ impl Params {
     }
 
     /// Shares `frozen` with these parameters (the set their layers were built with).
-    pub(crate) fn share_frozen(&mut self, frozen: FrozenSet) {
+    pub fn share_frozen(&mut self, frozen: FrozenSet) {
         self.frozen = frozen;
     }
 

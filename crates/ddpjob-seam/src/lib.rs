@@ -1,0 +1,27 @@
+//! The seams every other room of ddpjob meets at: the [`Model`] a trainer drives and the
+//! [`Params`] it names, the [`Task`] a job learns from with its metrics and batches, and what a
+//! model or dataset builder is handed ([`ModelContext`]) and may return. The model families,
+//! the storage (checkpoints, Hugging Face directories), the data sets, the trainer and the
+//! registry all depend on these types and on nothing of each other's through them.
+//!
+//! It depends on candle, the job spec (`ddpjob-spec`: precision, LoRA), the seeded RNG and the
+//! shared loss (`ddpjob-kernels`) only: never on a model family, a dataset, a checkpoint or
+//! the registry.
+
+mod context;
+pub mod freeze;
+pub mod gate;
+mod model;
+mod params;
+mod store;
+pub mod task;
+
+pub use context::{BuildError, DatasetOptions, JobFile, ModelContext, compute_dtype};
+pub use freeze::FrozenSet;
+pub use model::{
+    CollectedGradients, GradientSink, KvCache, KvDecoder, Mode, Model, TrainPass,
+    chain_train_flops, hand_over_all,
+};
+pub use params::{Params, parameter_values, zeroed_parameter_values};
+pub use store::ParamStore;
+pub use task::{BatchSource, DataError, Metric, ModelInput, Task};

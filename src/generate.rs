@@ -76,7 +76,11 @@ impl Generator {
         let vocab_path = Vocab::path_in(&job.root);
         // Pre-tokenised ids of a pretrained model: its tokenizer, kept when the job began (the
         // one `export` ships), made them.
-        let kept = crate::hf::job_tokenizer::of_job(&spec, &job.root);
+        let kept = crate::hf::job_tokenizer::of_job(
+            &spec,
+            crate::registry::Registry::current().data_tokenizer(&spec.data),
+            &job.root,
+        );
         let vocab = match (vocab_path.is_file(), kept.files.first()) {
             (true, _) => Vocab::load(&vocab_path)?,
             (false, Some(kept)) => {

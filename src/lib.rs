@@ -90,7 +90,7 @@ macro_rules! errln {
 }
 
 mod bench;
-mod checkpoint;
+use ddpjob_storage::{checkpoint, hf, jobdir};
 pub mod cli;
 mod config;
 mod data;
@@ -98,8 +98,6 @@ mod device;
 mod evaluate;
 mod fault;
 mod generate;
-mod hf;
-mod jobdir;
 mod launch;
 mod memory;
 mod models;

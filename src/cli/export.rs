@@ -146,7 +146,11 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
     };
     let (mut hf_config, tensors) =
         crate::models::hf_export_parts(&spec.model, tensors).map_err(|e| (2, anyhow!(e)))?;
-    let tokenizer = job_tokenizer::of_job(&spec, &job.root);
+    let tokenizer = job_tokenizer::of_job(
+        &spec,
+        Registry::current().data_tokenizer(&spec.data),
+        &job.root,
+    );
     keep_special_token_ids(&mut hf_config, &tokenizer);
     let end = end_of_examples(&spec, &tokenizer);
     if let Some((_, id)) = &end {

@@ -645,7 +645,7 @@ fn lora_target_modules_take_names_or_one_regular_expression() {
     let lora = regex.spec.model.lora().unwrap();
     assert_eq!(
         lora.target_modules,
-        crate::models::TargetModules::Regex(r".*\.h\.1\..*".into())
+        crate::config::TargetModules::Regex(r".*\.h\.1\..*".into())
     );
     let err = load("target_modules = '(unclosed'", &[])
         .unwrap_err()
@@ -657,12 +657,12 @@ fn lora_target_modules_take_names_or_one_regular_expression() {
     let names = set("[\"c_attn\"]");
     assert_eq!(
         names.spec.model.lora().unwrap().target_modules,
-        crate::models::TargetModules::Names(vec!["c_attn".into()])
+        crate::config::TargetModules::Names(vec!["c_attn".into()])
     );
     let one = set(".*c_fc");
     assert_eq!(
         one.spec.model.lora().unwrap().target_modules,
-        crate::models::TargetModules::Regex(".*c_fc".into())
+        crate::config::TargetModules::Regex(".*c_fc".into())
     );
 }
 

@@ -5,7 +5,7 @@ mod builtin;
 mod catalog;
 pub mod download;
 pub(crate) mod fingerprint;
-pub(crate) mod hf_tokenizer;
+pub(crate) use ddpjob_storage::hf_tokenizer;
 pub mod idx;
 mod jsonl;
 mod jsonl_index;
@@ -15,7 +15,7 @@ mod synthetic;
 mod tensors;
 pub mod text;
 mod text_options;
-pub mod vocab;
+pub use ddpjob_storage::vocab;
 
 use std::path::{Path, PathBuf};
 

@@ -210,7 +210,7 @@ fn a_tokenizer_larger_than_a_pretrained_models_vocabulary_is_not_its_own() {
     let dir = tempfile::tempdir().unwrap();
     let tokenizer = dir.path().join("tokenizer.json");
     let text = "the cat sat on the mat. the dog sat on the log.\n".repeat(20);
-    crate::data::hf_tokenizer::tests::train_bpe(&text, 300, &tokenizer);
+    crate::data::hf_tokenizer::testing::train_bpe(&text, 300, &tokenizer);
     let path = dir.path().join("in.txt");
     std::fs::write(&path, &text).unwrap();
     let data = format!(

@@ -595,7 +595,12 @@ fn create_job(
             job.write_file(&job.root.join(&file.name), &file.bytes)?;
         }
         // What an export ships, as it is now: the base may move or change later.
-        crate::hf::job_tokenizer::keep(spec, &job.root).map_err(|cause| JobDirError::Io {
+        crate::hf::job_tokenizer::keep(
+            spec,
+            Registry::current().data_tokenizer(&spec.data),
+            &job.root,
+        )
+        .map_err(|cause| JobDirError::Io {
             path: job.root.join(crate::hf::job_tokenizer::DIR),
             cause,
         })?;

@@ -11,7 +11,7 @@ use candle_core::{Result, Tensor, Var};
 use super::FrozenSet;
 use ddpjob_kernels as kernels;
 
-pub use crate::config::{LoraSpec, TargetModules, is_adapter};
+pub use crate::config::{LoraSpec, is_adapter};
 
 /// One linear layer's adapter.
 pub(crate) struct Adapter {
@@ -49,6 +49,7 @@ impl Adapter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::TargetModules;
 
     #[test]
     fn targets_follow_peft_suffix_matching() {

@@ -29,7 +29,7 @@ pub use ddpjob_seam::{
 };
 #[cfg(test)]
 pub use gpt::{Activation as GptActivation, Gpt, GptConfig};
-pub use lora::{LoraSpec, TargetModules, is_adapter};
+pub use lora::{LoraSpec, is_adapter};
 pub use mlp::Mlp;
 
 /// The thread `compile_gpu_kernels_ahead` started, until `finish_compiling_gpu_kernels`.

@@ -74,9 +74,9 @@ impl Trained {
     /// `merge_and_unload`, and the new job's adapters start afresh.
     pub fn load_into(
         &self,
-        params: &crate::models::Params,
+        params: &ddpjob_seam::Params,
         crop: Option<&str>,
-        lora: Option<&crate::models::LoraSpec>,
+        lora: Option<&ddpjob_spec::LoraSpec>,
     ) -> Result<(), crate::hf::HfError> {
         let file = crate::hf::HfDir {
             root: self.job.root.clone(),
@@ -108,8 +108,8 @@ impl Trained {
     /// they have adapters that `params` (whose LoRA is `lora`) do not take as they are.
     fn adapters_to_fold(
         &self,
-        params: &crate::models::Params,
-        lora: Option<&crate::models::LoraSpec>,
+        params: &ddpjob_seam::Params,
+        lora: Option<&ddpjob_spec::LoraSpec>,
     ) -> Result<Option<f64>, crate::hf::HfError> {
         // SAFETY: read-only mapping, read while it lives (as in `HfDir::load_with`).
         let file = unsafe { candle_core::safetensors::MmapedSafetensors::new(&self.weights) }
@@ -120,7 +120,7 @@ impl Trained {
         let adapters: Vec<(String, Vec<usize>)> = file
             .tensors()
             .into_iter()
-            .filter(|(name, _)| crate::models::is_adapter(name))
+            .filter(|(name, _)| ddpjob_spec::is_adapter(name))
             .map(|(name, view)| (name, view.shape().to_vec()))
             .collect();
         if adapters.is_empty() {
@@ -129,7 +129,7 @@ impl Trained {
         let scale = self.lora_scale().map_err(crate::hf::HfError::Invalid)?;
         let wanted: std::collections::HashMap<&str, Vec<usize>> = params
             .iter()
-            .filter(|(name, _)| crate::models::is_adapter(name))
+            .filter(|(name, _)| ddpjob_spec::is_adapter(name))
             .map(|(name, var)| (name, var.dims().to_vec()))
             .collect();
         let same_adapters = wanted.len() == adapters.len()
@@ -192,13 +192,13 @@ impl Trained {
 
     /// The number of symbols of the source job's vocabulary, if it has one.
     pub fn vocabulary_size(&self) -> Option<usize> {
-        let vocab = crate::data::vocab::Vocab::load(&self.vocabulary()?).ok()?;
+        let vocab = crate::vocab::Vocab::load(&self.vocabulary()?).ok()?;
         Some(vocab.size())
     }
 
     /// The source job's vocabulary (`vocab.json`), which the new job's text is encoded with.
     pub fn vocabulary(&self) -> Option<PathBuf> {
-        Some(crate::data::vocab::Vocab::path_in(&self.job.root)).filter(|p| p.is_file())
+        Some(crate::vocab::Vocab::path_in(&self.job.root)).filter(|p| p.is_file())
     }
 }
 
@@ -211,7 +211,7 @@ struct Cropped<'a> {
 
 impl crate::hf::FileLayout for Cropped<'_> {
     fn file_name(&self, name: &str, present: &HashSet<String>) -> Option<String> {
-        let own = !(self.fold && crate::models::is_adapter(name));
+        let own = !(self.fold && ddpjob_spec::is_adapter(name));
         (own && present.contains(name)).then(|| name.to_string())
     }
 
@@ -230,7 +230,7 @@ impl crate::hf::FileLayout for Cropped<'_> {
     }
 
     fn ignored(&self, file_name: &str) -> bool {
-        self.fold && crate::models::is_adapter(file_name)
+        self.fold && ddpjob_spec::is_adapter(file_name)
     }
 }
 

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::config::JobSpec;
-use crate::data::vocab::Vocab;
+use crate::vocab::Vocab;
+use ddpjob_spec::JobSpec;
 
 /// The job's copy, under its directory.
 pub const DIR: &str = "tokenizer";
@@ -40,13 +40,14 @@ impl TokenizerFiles {
 
 /// The tokenizer of the job in `job_root` as an export carries it: the copy the job kept, or,
 /// for a job of an older version, where its config says the tokenizer is now. Nothing for
-/// ddpjob's own char and byte vocabularies.
-pub fn of_job(spec: &JobSpec, job_root: &Path) -> TokenizerFiles {
+/// ddpjob's own char and byte vocabularies. `data_tokenizer`: the `tokenizer.json` the job's
+/// data names (its dataset's `tokenizer_file`, which the registry knows).
+pub fn of_job(spec: &JobSpec, data_tokenizer: Option<PathBuf>, job_root: &Path) -> TokenizerFiles {
     if let Some(kept) = kept(job_root) {
         return read(&kept);
     }
     match Vocab::load(&Vocab::path_in(job_root)) {
-        Ok(Vocab::HuggingFace(_)) | Err(_) => named_by(spec),
+        Ok(Vocab::HuggingFace(_)) | Err(_) => named_by(spec, data_tokenizer),
         Ok(_) => TokenizerFiles::default(),
     }
 }
@@ -58,8 +59,12 @@ pub fn kept(job_root: &Path) -> Option<PathBuf> {
 }
 
 /// Copies the tokenizer `spec` names (see [`named_by`]) into the new job at `job_root`.
-pub fn keep(spec: &JobSpec, job_root: &Path) -> std::io::Result<()> {
-    let found = named_by(spec);
+pub fn keep(
+    spec: &JobSpec,
+    data_tokenizer: Option<PathBuf>,
+    job_root: &Path,
+) -> std::io::Result<()> {
+    let found = named_by(spec, data_tokenizer);
     let Some((main, companions)) = found.files.split_first() else {
         return Ok(());
     };
@@ -78,13 +83,12 @@ pub fn keep(spec: &JobSpec, job_root: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Where `spec` says the tokenizer is: `data.tokenizer`'s file, else the `tokenizer.json` of
+/// Where `spec` says the tokenizer is: the data's `tokenizer.json` (`data_tokenizer`), else the `tokenizer.json` of
 /// `model.init_from` (a model directory, or a job's kept copy); its companions from the same
 /// directory; the base's special-token ids when it is the base's own tokenizer.
-fn named_by(spec: &JobSpec) -> TokenizerFiles {
+fn named_by(spec: &JobSpec, data_tokenizer: Option<PathBuf>) -> TokenizerFiles {
     let base = spec.model.init_from().map(PathBuf::from);
-    let data = crate::registry::Registry::current().data_tokenizer(&spec.data);
-    let main = match (data, &base) {
+    let main = match (data_tokenizer, &base) {
         (Some(file), _) => file,
         (None, Some(base)) if base.join(MAIN).is_file() => base.join(MAIN),
         // A job's (`init_from = "jobs/NAME"`): the copy it kept.

@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::DataError;
 use super::hf_tokenizer::HfTokenizer;
-use crate::config::TokenizerKind;
+use ddpjob_seam::DataError;
+use ddpjob_spec::TokenizerKind;
 
 /// A vocabulary: token id ↔ symbol.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -286,7 +286,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tokenizer.json");
         let text = "the cat sat on the mat. the dog sat on the log.\n".repeat(20);
-        crate::data::hf_tokenizer::tests::train_bpe(&text, 280, &path);
+        crate::hf_tokenizer::testing::train_bpe(&text, 280, &path);
         let v = Vocab::build(&TokenizerKind::HuggingFace(path.clone()), "").unwrap();
         assert!(v.is_kind(&TokenizerKind::HuggingFace("elsewhere.json".into())));
         assert!(!v.is_kind(&TokenizerKind::Char));

@@ -98,7 +98,7 @@ pub fn not_a_directory(dir: &Path) -> Option<String> {
 }
 
 /// Maps an I/O error on `path` to [`JobDirError::Io`].
-pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JobDirError + '_ {
+pub fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JobDirError + '_ {
     move |cause| JobDirError::Io {
         path: path.to_path_buf(),
         cause,

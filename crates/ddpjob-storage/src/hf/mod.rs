@@ -16,7 +16,7 @@ use candle_core::{DType, Device};
 use serde_json::{Map, Value};
 use thiserror::Error;
 
-use crate::models::Params;
+use ddpjob_seam::Params;
 pub use export::{ExportDtype, export, led_by, mark_end_token};
 
 thread_local! {
@@ -40,7 +40,7 @@ pub fn checking<T>(f: impl FnOnce() -> T) -> T {
 }
 
 /// Whether weights are only checked here (see [`checking`]).
-pub(crate) fn is_checking() -> bool {
+pub fn is_checking() -> bool {
     CHECKING.get()
 }
 
@@ -213,7 +213,7 @@ impl HfDir {
         let mut used = HashSet::new();
         for (name, var) in params.iter() {
             let file_name = layout.file_name(name, present);
-            if file_name.is_none() && crate::models::is_adapter(name) {
+            if file_name.is_none() && ddpjob_spec::is_adapter(name) {
                 // A LoRA adapter the base weights do not have: it stays as drawn (B = 0).
                 continue;
             }

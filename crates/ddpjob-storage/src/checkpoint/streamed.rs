@@ -7,7 +7,7 @@ use std::path::Path;
 
 /// A safetensors file of f32 tensors written front to back: the header, from the names and
 /// shapes known in advance, then each tensor's values as they arrive, in the header's order.
-pub(crate) struct StreamedSafetensors {
+pub struct StreamedSafetensors {
     out: std::io::BufWriter<std::fs::File>,
     expected: usize,
     written: usize,
@@ -16,7 +16,7 @@ pub(crate) struct StreamedSafetensors {
 impl StreamedSafetensors {
     /// A file at `path` for the f32 tensors `layout` names, with their shapes, in the order
     /// their values will be appended.
-    pub(crate) fn create(path: &Path, layout: &[(String, Vec<usize>)]) -> std::io::Result<Self> {
+    pub fn create(path: &Path, layout: &[(String, Vec<usize>)]) -> std::io::Result<Self> {
         let mut header = serde_json::Map::new();
         let mut offset = 0;
         for (name, shape) in layout {
@@ -45,13 +45,13 @@ impl StreamedSafetensors {
     }
 
     /// The next tensor's values (or the next part of them).
-    pub(crate) fn append(&mut self, values: &[f32]) -> std::io::Result<()> {
+    pub fn append(&mut self, values: &[f32]) -> std::io::Result<()> {
         self.written += 4 * values.len();
         self.out.write_all(bytemuck::cast_slice(values))
     }
 
     /// Flushed and synced, once every value the header promised is written.
-    pub(crate) fn finish(mut self) -> std::io::Result<()> {
+    pub fn finish(mut self) -> std::io::Result<()> {
         if self.written != self.expected {
             return Err(std::io::Error::other(format!(
                 "{} bytes of tensors written, {} expected",

@@ -12,7 +12,7 @@ use candle_core::{DType, Tensor};
 use sha2::{Digest, Sha256};
 
 use crate::jobdir::hex;
-use crate::models::Params;
+use ddpjob_seam::Params;
 
 /// SHA-256 over the frozen parameters, in order: each one's name, then its values as f32
 /// little-endian. `None` when nothing is frozen.
@@ -112,7 +112,7 @@ fn set_one(
 
 /// Sets `var` (the parameter `name`) to `tensor`, converted to its dtype and device; `Err` when
 /// the shapes differ.
-pub(crate) fn put(name: &str, var: &candle_core::Var, tensor: &Tensor) -> Result<(), String> {
+pub fn put(name: &str, var: &candle_core::Var, tensor: &Tensor) -> Result<(), String> {
     if tensor.dims() != var.dims() {
         return Err(format!(
             "`{name}` has shape {:?} there but {:?} in this model",

@@ -9,7 +9,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
 
-use super::DataError;
+use ddpjob_seam::DataError;
 
 /// A text is encoded in pieces of at least this many bytes, each ending at a line end, side
 /// by side (a corpus of many MB would otherwise be one long sequential pass).
@@ -158,8 +158,9 @@ fn pieces(text: &str, size: usize) -> Vec<&str> {
     out
 }
 
-#[cfg(test)]
-pub(crate) mod tests {
+/// What the tests of this crate and of `ddpjob` train a tokenizer with; not part of the API.
+#[doc(hidden)]
+pub mod testing {
     use super::*;
     use tokenizers::AddedToken;
     use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -169,7 +170,7 @@ pub(crate) mod tests {
 
     /// A byte-level BPE (GPT-2's kind) of about `size` tokens learned from `text`, saved as
     /// `path`.
-    pub(crate) fn train_bpe(text: &str, size: usize, path: &Path) {
+    pub fn train_bpe(text: &str, size: usize, path: &Path) {
         let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
             .vocab_size(size)
             .show_progress(false)
@@ -188,6 +189,12 @@ pub(crate) mod tests {
             .unwrap();
         tokenizer.save(path, false).unwrap();
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::train_bpe;
+    use super::*;
 
     #[test]
     fn pieces_end_at_line_ends_and_cover_the_text() {

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 use super::HfError;
 use super::export::{ExportDtype, prepare_dir, save_weights, write_atomically};
-use crate::models::{LoraSpec, is_adapter};
+use ddpjob_spec::{LoraSpec, is_adapter};
 
 /// The prefix PEFT gives a causal language model's modules in its files.
 const PEFT_PREFIX: &str = "base_model.model.";
@@ -118,8 +118,8 @@ pub fn write_adapter(
         "lora_dropout": lora.dropout,
         // A regular expression names the layers it named; names, by their last parts.
         "target_modules": match &lora.target_modules {
-            crate::models::TargetModules::Regex(pattern) => json!(pattern),
-            crate::models::TargetModules::Names(_) => json!(modules),
+            ddpjob_spec::TargetModules::Regex(pattern) => json!(pattern),
+            ddpjob_spec::TargetModules::Names(_) => json!(modules),
         },
         "bias": "none",
         "fan_in_fan_out": fan_in_fan_out,
@@ -140,12 +140,12 @@ pub fn write_adapter(
     Ok(layers.len())
 }
 
-pub use crate::config::AdapterConfig;
+pub use ddpjob_spec::AdapterConfig;
 
 /// Sets the adapters of `params` from the PEFT adapter in `dir` (`adapter_model.safetensors`,
 /// keys `base_model.model.<layer>.lora_A.weight`): every adapter of the model must be there
 /// with its shape, and nothing else. Returns how many tensors were set.
-pub fn load_adapter(dir: &Path, params: &crate::models::Params) -> Result<usize, String> {
+pub fn load_adapter(dir: &Path, params: &ddpjob_seam::Params) -> Result<usize, String> {
     let path = dir.join("adapter_model.safetensors");
     if !path.is_file() && dir.join("adapter_model.bin").is_file() {
         return Err(format!(
@@ -292,7 +292,7 @@ mod tests {
             r: 1,
             alpha: 2.0,
             dropout: 0.0,
-            target_modules: crate::models::TargetModules::Regex(pattern.into()),
+            target_modules: ddpjob_spec::TargetModules::Regex(pattern.into()),
             adapter: None,
         };
         write_adapter(&out, tensors, &lora, false, None, ExportDtype::F32, false).unwrap();

@@ -7,7 +7,7 @@ mod dir;
 mod streamed;
 mod trained;
 pub use dir::{Checkpoints, FORMAT, read_position};
-pub(crate) use streamed::StreamedSafetensors;
+pub use streamed::StreamedSafetensors;
 pub use trained::Trained;
 
 use std::collections::HashMap;
@@ -20,9 +20,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
-use crate::config::CheckpointSpec;
 use crate::jobdir::hex;
 use crate::jobdir::{sync_dir, write_atomic};
+use ddpjob_spec::CheckpointSpec;
 
 #[derive(Debug, Error)]
 pub enum CheckpointError {
@@ -102,7 +102,7 @@ pub struct MetricState {
     #[serde(default, skip_serializing_if = "is_zero")]
     pub evals_without_improvement: usize,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub early_stopping_on: Option<crate::config::Monitor>,
+    pub early_stopping_on: Option<ddpjob_spec::Monitor>,
     /// Steps were counted since the last epoch's end: a run stopped after an epoch's last
     /// step, before that epoch's evaluation and train loss, has them still to do. `None` in
     /// a checkpoint of an older build: see [`MetricState::is_epoch_open`].
@@ -149,7 +149,7 @@ impl MetricState {
     pub fn count_for_early_stopping(
         &mut self,
         value: f64,
-        monitor: crate::config::Monitor,
+        monitor: ddpjob_spec::Monitor,
         min_delta: f64,
     ) -> usize {
         if self.early_stopping_on.unwrap_or_default() != monitor {
@@ -491,7 +491,7 @@ mod tests {
 
     #[test]
     fn early_stopping_counts_evaluations_that_do_not_beat_the_best_by_min_delta() {
-        use crate::config::Monitor::{Accuracy, Loss};
+        use ddpjob_spec::Monitor::{Accuracy, Loss};
         let mut m = MetricState::default();
         let counts: Vec<usize> = [1.0, 0.95, 0.97, 0.96, f64::NAN, 0.5]
             .iter()
@@ -536,7 +536,7 @@ mod tests {
             every_steps: Some(100),
             keep_last: None,
             keep_best: false,
-            on_write_error: crate::config::OnWriteError::Fail,
+            on_write_error: ddpjob_spec::OnWriteError::Fail,
         };
         assert!(due_after_epoch(&spec, 4) && !due_after_epoch(&spec, 0));
         assert!(due_after_step(&spec, 200) && !due_after_step(&spec, 150));

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Packs what bench/gpu-check.sh needs on a GPU machine into target/gpu-carry/ (about 51 MB, under
 # the device tool's 64 MiB carry limit): the CUDA binary from ../shared/gpu/build-cuda.sh
-# (xz-compressed: 59 MB -> 9 MB), the library's unit tests built for CUDA (its `kernels` step
-# runs their GPU tests; 11 MB; KERNEL_TESTS=0 leaves them out), run-gpu.sh, Fashion-MNIST's
+# (xz-compressed: 59 MB -> 9 MB), the unit tests of the crates with GPU tests built for CUDA
+# (its `kernels` step runs their GPU tests; KERNEL_TESTS=0 leaves them out), run-gpu.sh, Fashion-MNIST's
 # four .gz files, the tiny Shakespeare text and the two PyTorch reference scripts.
 #
 #   bash ../shared/gpu/build-cuda.sh && bench/gpu-pack.sh
@@ -28,13 +28,19 @@ if [ "${KERNEL_TESTS:-1}" != 0 ]; then
   # The same toolchain and target folder as build-cuda.sh; cargo names the test executable.
   venv=${VENV:-$HOME/.cache/ddpjob-cuda-venv}
   cu13=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia/cu13
-  tests=$(PATH=$cu13/bin:$PATH CUDA_HOME=$cu13 CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} \
+  # Every crate whose unit tests hold GPU tests (`the_gpu_*`): the root's, the kernels' and
+  # the model families'; one executable each, `ddpjob-tests-<crate>.xz`.
+  PATH=$cu13/bin:$PATH CUDA_HOME=$cu13 CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} \
       CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda} \
-      cargo test --release --features cuda --lib --no-run --message-format=json |
+      cargo test --release --features cuda -p ddpjob -p ddpjob-kernels -p ddpjob-models --lib \
+        --no-run --message-format=json |
     python3 -c 'import json, sys
-print(next(m["executable"] for m in map(json.loads, sys.stdin)
-           if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]))')
-  strip -o "$carry/ddpjob-tests" "$tests"
-  xz -T2 -6 "$carry/ddpjob-tests"
+for m in map(json.loads, sys.stdin):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
+        print(m["target"]["name"], m["executable"])' |
+    while read -r name exe; do
+      strip -o "$carry/ddpjob-tests-$name" "$exe"
+      xz -T2 -6 "$carry/ddpjob-tests-$name"
+    done
 fi
 du -sh "$carry"

@@ -118,19 +118,6 @@ fn build_cnn(_: &CnnOptions, cx: &ModelContext) -> Result<Box<dyn Model>, BuildE
     Ok(with_precision(Box::new(cnn), precision(cx)))
 }
 
-/// (vocab_size, block_size) of a language model's input.
-pub(super) fn token_windows(arch: &str, cx: &ModelContext) -> Result<(usize, usize), BuildError> {
-    match cx.input {
-        ModelInput::Tokens {
-            vocab_size,
-            block_size,
-        } => Ok((vocab_size, block_size)),
-        other => {
-            Err(format!("model.arch = \"{arch}\" learns from token windows, not {other:?}").into())
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use crate::config::Builders as _;

@@ -20,6 +20,7 @@ pub use crate::config::{
 use crate::data::DataError;
 use crate::models::Model;
 use crate::task::{ModelInput, Task};
+pub use ddpjob_models::LanguageModelOptions;
 pub use ddpjob_seam::{BuildError, DatasetOptions, JobFile, ModelContext};
 
 mod fields;
@@ -44,37 +45,6 @@ struct HfFamily {
     export: HfExportFn,
     /// Its linear layers store weights [in, out] (GPT-2's Conv1D): PEFT's `fan_in_fan_out`.
     fan_in_fan_out: bool,
-}
-
-/// The options of a model that learns from token windows: registered with
-/// [`Registry::language_model`], it trains on the built-in `text` and `tokens` data, which cut
-/// windows of its `block_size` and tokenise with its tokenizer unless the job names another.
-pub trait LanguageModelOptions: DeserializeOwned + Serialize + 'static {
-    /// The options with what they leave to be derived filled in (sizes read from a pretrained
-    /// checkpoint's config, defaults), or why that fails: `job.toml` holds the result, so a
-    /// resumed job builds the same model.
-    fn complete(self) -> Result<Self, String> {
-        Ok(self)
-    }
-    /// Tokens per window.
-    fn block_size(&self) -> usize;
-    /// The vocabulary size, when the model fixes it (`None`: the data's).
-    fn vocab_size(&self) -> Option<usize>;
-    /// The checkpoint the weights start from: a Hugging Face directory, another job, or a
-    /// checkpoint of one (`model.init_from`). Its tokenizer and vocabulary are the defaults of
-    /// [`Self::tokenizer`] and [`Self::vocabulary`].
-    fn init_from(&self) -> Option<&str> {
-        None
-    }
-    /// A `tokenizer.json` that comes with the model (a pretrained checkpoint's).
-    fn tokenizer(&self) -> Option<std::path::PathBuf> {
-        crate::models::pretrained_tokenizer(self.init_from()?)
-    }
-    /// A ddpjob `vocab.json` the weights were trained with (another job's, when the model
-    /// starts from it): text is encoded with it rather than with a vocabulary of its own.
-    fn vocabulary(&self) -> Option<std::path::PathBuf> {
-        crate::models::pretrained_vocabulary(self.init_from()?)
-    }
 }
 
 /// A dataset's [`DatasetOptions`] hooks on its resolved options.

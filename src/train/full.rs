@@ -3,7 +3,7 @@
 //! [`Optimizer::hold_parameters`]); a parameter's storage is let go of and given back in
 //! place (`kernels::storage`). A training pass asks for each block's parameters before the
 //! block's forward and again before its backward, and lets them go after each
-//! (`models::gate`); the rest (embeddings, final norm, head) is gathered for the whole pass.
+//! (`ddpjob_seam::gate`); the rest (embeddings, final norm, head) is gathered for the whole pass.
 //! Gradients are reduce-scattered bucket by bucket as the backward forms them (as with
 //! `"gradients"`), and the update touches only this rank's pieces: nothing is all-gathered
 //! after it. Evaluation goes block by block alike (every rank asking as often, see

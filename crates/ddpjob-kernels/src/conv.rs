@@ -25,7 +25,7 @@ pub enum Pooling {
     Max2,
 }
 
-/// `pool(relu(conv2d(x, weight) + bias))` for `x` [n, c, h, w], `weight` [o, c, k, k], `bias` [o].
+/// `pool(relu(conv2d(x, weight) + bias))` for `x` [n, c, h, w], `weight` [o, c, k, k], `bias` `[o]`.
 pub fn conv2d(
     x: &Tensor,
     weight: &Tensor,
@@ -76,7 +76,7 @@ impl ConvLayer {
         }
     }
 
-    /// The layer on `x` [n, c, h, w] (`x_dims`) with `w` [o, c, k, k] (`w_dims`) and `b` [o].
+    /// The layer on `x` [n, c, h, w] (`x_dims`) with `w` [o, c, k, k] (`w_dims`) and `b` `[o]`.
     pub fn forward(
         &self,
         x: &[f32],

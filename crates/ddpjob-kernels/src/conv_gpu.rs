@@ -27,7 +27,7 @@ pub fn applies(x: &Tensor) -> bool {
 }
 
 /// `pool(relu(conv2d(x, weight) + bias))` for `x` [n, c, h, w], `weight` [o, c, k, k] and
-/// `bias` [o], all of one dtype (f32 or bf16), differentiable in all three.
+/// `bias` `[o]`, all of one dtype (f32 or bf16), differentiable in all three.
 pub fn conv2d_unfolded(
     x: &Tensor,
     weight: &Tensor,
@@ -54,7 +54,7 @@ pub fn conv2d_unfolded(
 }
 
 /// `relu(z + bias)` (`z + bias` without `relu`) for a linear layer's product `z` [n, o] and
-/// `bias` [o] of its dtype on a GPU: the convolution's finishing kernel on 1×1 images. One
+/// `bias` `[o]` of its dtype on a GPU: the convolution's finishing kernel on 1×1 images. One
 /// kernel forward where candle's broadcast addition and ReLU take two; back, one kernel and
 /// the bias's column sums where candle's ReLU takes a fill, a comparison, a cast and a product
 /// before its sum.

@@ -13,7 +13,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 
 use crate::loss::IGNORE_TARGET;
 
-/// −log softmax(`logits` [rows, classes])[target] per row, f32 [rows]: 0 where the target is
+/// −log softmax(`logits` [rows, classes])`[target]` per row, f32 `[rows]`: 0 where the target is
 /// [`IGNORE_TARGET`], NaN where it is out of range. `logits` f32 or bf16 (read in f32);
 /// differentiable in `logits`.
 pub fn row_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {

@@ -190,7 +190,7 @@ pub fn values<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]>
     }
 }
 
-/// Σ over the rows of `t` viewed as [rows, c]: [c] (a gain's or bias's gradient). On a GPU, in
+/// Σ over the rows of `t` viewed as [rows, c]: `[c]` (a gain's or bias's gradient). On a GPU, in
 /// f32 without TF32, as the product ones[1, rows] · t, a GEMM: candle's sum over the first
 /// dimension gives each column one block reading down it, ~49 µs for a [16384, 384] f32
 /// gradient on an H200 where the product takes a few (ncu, 2026-11-26).

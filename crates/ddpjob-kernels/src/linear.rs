@@ -5,7 +5,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::{Mat, gemm, product, threads, values, with_values};
 
-/// `relu(x·Wᵀ + b)` (or without the ReLU) for `x` [n, in], `weight` [out, in], `bias` [out].
+/// `relu(x·Wᵀ + b)` (or without the ReLU) for `x` [n, in], `weight` [out, in], `bias` `[out]`.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor, relu: bool) -> Result<Tensor> {
     x.contiguous()?.apply_op3(
         &weight.contiguous()?,
@@ -69,7 +69,7 @@ impl CustomOp3 for LinearOp {
             })?),
             false => None,
         };
-        // A frozen weight or bias comes detached (see `models::freeze`): no gradient for it.
+        // A frozen weight or bias comes detached (see `ddpjob_seam::freeze`): no gradient for it.
         let wanted = Wanted {
             input: x.track_op(),
             weight: w.track_op(),
@@ -97,7 +97,7 @@ impl CustomOp3 for LinearOp {
     }
 }
 
-/// `x·Wᵀ + b` for the rows `x` (`n` of them), `w` [out, in], `b` [out]: [n, out].
+/// `x·Wᵀ + b` for the rows `x` (`n` of them), `w` [out, in], `b` `[out]`: [n, out].
 pub fn forward(x: &[f32], w: &[f32], b: &[f32], n: usize) -> Vec<f32> {
     let outputs = b.len();
     let inputs = w.len() / outputs.max(1);

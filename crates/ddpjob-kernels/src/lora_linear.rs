@@ -31,7 +31,7 @@ impl AdapterDropout {
 }
 
 /// `x·Wᵀ + b + scale·(d(x)·Aᵀ)·Bᵀ` for `x` [n, in], frozen `weight` [out, in] and `bias`
-/// [out], the adapter's `a` [r, in] and `b` [r, out]ᵀ = [out, r]; differentiable in `x`, `a` and
+/// `[out]`, the adapter's `a` [r, in] and `b` [r, out]ᵀ = [out, r]; differentiable in `x`, `a` and
 /// `b`. CPU f32 (see [`super::applies`]).
 pub fn lora_linear(
     x: &Tensor,

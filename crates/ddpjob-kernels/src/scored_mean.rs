@@ -62,7 +62,7 @@ extern "C" __global__ void ddpjob_scored_mean_grad(const float* g, const unsigne
 }
 "#;
 
-/// Σ `losses` [rows] (f32) / max(scored targets, 1), an f32 scalar: the mean cross-entropy of
+/// Σ `losses` `[rows]` (f32) / max(scored targets, 1), an f32 scalar: the mean cross-entropy of
 /// the rows whose target is not [`IGNORE_TARGET`] (an ignored row's loss is 0). Differentiable
 /// in `losses`.
 pub fn scored_mean(losses: &Tensor, targets: &Tensor) -> Result<Tensor> {

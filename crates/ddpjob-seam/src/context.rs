@@ -74,8 +74,8 @@ pub struct JobFile {
 }
 
 /// The options of a dataset that does more than open: registered with
-/// [`Registry::dataset_with`], its hooks run where ddpjob needs them. Every method has a
-/// default, so `impl DatasetOptions for MyOptions {}` is the plain [`Registry::dataset`].
+/// `ddpjob::Registry::dataset_with`, its hooks run where ddpjob needs them. Every method has
+/// a default, so `impl DatasetOptions for MyOptions {}` is the plain `Registry::dataset`.
 pub trait DatasetOptions: DeserializeOwned + Serialize + 'static {
     /// The option keys whose values are file or directory paths, read relative to the working
     /// directory `run` started in (`["train_path", "test_path"]`). `run` writes them into

@@ -75,8 +75,8 @@ pub trait Model: Send + Sync {
     }
 
     /// `distributed.sharding = "full"`: from now on a training pass goes block by block,
-    /// calls [`gate::gather`] before each block's forward and again before its backward and
-    /// [`gate::release`] after each (for [`gate::Unit::Rest`], around the whole pass), and
+    /// calls [`crate::gate::gather`] before each block's forward and again before its backward and
+    /// [`crate::gate::release`] after each (for [`crate::gate::Unit::Rest`], around the whole pass), and
     /// hands its gradients over as [`Model::stream_gradients`] says; [`Model::score`] asks
     /// the same way (evaluation runs with the parameters sharded). Returns each block's
     /// parameters, as positions in [`Model::params`]; any other is the rest's. `Err`: why this

@@ -58,7 +58,7 @@ pub fn kept(job_root: &Path) -> Option<PathBuf> {
     dir.join(MAIN).is_file().then_some(dir)
 }
 
-/// Copies the tokenizer `spec` names (see [`named_by`]) into the new job at `job_root`.
+/// Copies the tokenizer `spec` names (the data's, else the base's) into the new job at `job_root`.
 pub fn keep(
     spec: &JobSpec,
     data_tokenizer: Option<PathBuf>,

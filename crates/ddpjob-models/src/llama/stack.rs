@@ -4,10 +4,10 @@
 use candle_core::{Result, Tensor};
 
 use super::Llama;
-use crate::models::GradientSink;
-use crate::models::layered::{Stack, TokenBatch};
-use crate::models::packed;
-use crate::models::{Mode, Params};
+use crate::GradientSink;
+use crate::layered::{Stack, TokenBatch};
+use crate::packed;
+use crate::{Mode, Params};
 
 impl Stack for Llama {
     type Batch = TokenBatch;

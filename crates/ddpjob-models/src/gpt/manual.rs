@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::ops;
 use super::{Gpt, attention, dropout, head};
-use crate::models::{CollectedGradients, GradientSink, Mode, TrainPass};
+use crate::{CollectedGradients, GradientSink, Mode, TrainPass};
 use ddpjob_kernels::{self as kernels, linear_backward, linear_forward, scratch, with_all_values};
 
 const EPS: f32 = 1e-5;
@@ -58,7 +58,7 @@ struct Activations {
 pub(super) fn applies(gpt: &Gpt) -> bool {
     // LoRA's adapters are differentiated by autograd (their own ops), the whole model with
     // them.
-    let adapters = gpt.params.iter().any(|(n, _)| crate::models::is_adapter(n));
+    let adapters = gpt.params.iter().any(|(n, _)| crate::is_adapter(n));
     gpt.compute == DType::F32 && kernels::applies(gpt.wte.as_tensor()) && !adapters
 }
 

@@ -149,7 +149,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor, Var};
 
     use super::rms_norm;
-    use crate::models::llama::rms_norm_with_ops;
+    use crate::llama::rms_norm_with_ops;
 
     /// Output and both gradients of `norm` on `device`, for fixed inputs.
     fn run(

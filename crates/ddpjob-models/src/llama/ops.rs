@@ -8,7 +8,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
-use crate::models::gpt::rows::exp;
+use crate::gpt::rows::exp;
 use ddpjob_kernels::{self as kernels, values, with_values};
 
 /// Rows handed to one rayon task.

@@ -16,7 +16,7 @@
 //!
 //! Each block's parameters are asked for ([`gate::gather`]) before its forward and again
 //! before its backward, and let go after each; the rest's from the start of the forward to
-//! the end of the backward: what `distributed.sharding = "full"` needs (see `models::gate`).
+//! the end of the backward: what `distributed.sharding = "full"` needs (see `ddpjob_seam::gate`).
 
 use candle_core::backprop::GradStore;
 use candle_core::{Error, Result, Tensor, Var};
@@ -26,7 +26,7 @@ use super::{CollectedGradients, GradientSink, Mode, Params, TrainPass};
 
 /// A model as a layered pass sees it: an embedding stage, blocks over a residual stream, a
 /// head that ends in the loss.
-pub(crate) trait Stack: Sync {
+pub trait Stack: Sync {
     /// What the blocks and the embedding's backward need of the batch (shape, packing,
     /// dropout seeds, token ids).
     type Batch: Send + Sync;
@@ -57,17 +57,17 @@ pub(crate) trait Stack: Sync {
 }
 
 /// What the blocks of a language model's pass need of its batch (a [`Stack::Batch`]).
-pub(crate) struct TokenBatch {
+pub struct TokenBatch {
     /// The token ids, as the model's embedding reads them.
-    pub(crate) ids: Tensor,
+    pub ids: Tensor,
     /// (n, t): windows and positions.
-    pub(crate) shape: (usize, usize),
-    pub(crate) packing: Option<super::packed::Packing>,
+    pub shape: (usize, usize),
+    pub packing: Option<super::packed::Packing>,
     /// Training (with the rows' dropout seeds) or evaluation.
-    pub(crate) mode: Mode,
+    pub mode: Mode,
 }
 
-pub(crate) struct Layered<'a, S: Stack> {
+pub struct Layered<'a, S: Stack> {
     model: &'a S,
     batch: S::Batch,
     /// What each block kept for its backward, first block first.
@@ -88,7 +88,7 @@ enum Kept {
 impl<'a, S: Stack> Layered<'a, S> {
     /// The forward pass, each block apart: its graph is dropped as soon as its output is
     /// (detached and) handed to the next block when `recompute`, else kept.
-    pub(crate) fn forward(
+    pub fn forward(
         model: &'a S,
         xs: &Tensor,
         targets: &Tensor,
@@ -192,7 +192,7 @@ impl<S: Stack> TrainPass for Layered<'_, S> {
 
 /// The parameters of each of `depth` blocks, as positions in `params`: those whose names
 /// start with `prefix(i)` (what [`super::Model::shard_parameters`] returns).
-pub(crate) fn blocks_by_name(
+pub fn blocks_by_name(
     params: &Params,
     depth: usize,
     prefix: impl Fn(usize) -> String,

@@ -105,7 +105,7 @@ pub fn of_parts(
 }
 
 /// q, k and v of `qkv` [n, t, 3C], each [n, heads, t, C / heads].
-pub(crate) fn split_heads(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
+pub fn split_heads(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
     let (n, t, c3) = qkv.dims3()?;
     let hd = c3 / 3 / heads;
     let qkv = qkv

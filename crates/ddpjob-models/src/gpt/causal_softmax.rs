@@ -243,10 +243,10 @@ impl CustomOp2 for CausalSoftmaxGrad {
 mod tests {
     use candle_core::{DType, Device, Tensor, Var};
 
-    use crate::models::gpt::tests::max_difference;
+    use crate::gpt::tests::max_difference;
 
     use super::causal_softmax;
-    use crate::models::gpt::ops::causal_softmax_with_ops;
+    use crate::gpt::ops::causal_softmax_with_ops;
 
     fn mask(t: usize) -> Tensor {
         let values: Vec<f32> = (0..t * t)

@@ -134,7 +134,7 @@ fn bad_configs_are_refused() {
 fn packed_examples_are_computed_as_if_alone() {
     let mut c = config(true, 0.0);
     (c.vocab_size, c.block_size) = (300, 16);
-    crate::models::packed::check_examples_are_computed_alone(&gpt(&c));
+    crate::packed::check_examples_are_computed_alone(&gpt(&c));
 }
 
 #[test]
@@ -469,7 +469,7 @@ fn fused_head_matches_composed(rows: usize, channels: usize, vocab: usize, maske
     let w = Var::from_tensor(&Tensor::randn(0f32, 0.5, (vocab, channels), &dev).unwrap()).unwrap();
     let ids: Vec<u32> = (0..rows as u32)
         .map(|i| match masked && i % 3 == 1 {
-            true => crate::task::IGNORE_TARGET,
+            true => ddpjob_seam::task::IGNORE_TARGET,
             false => (i * 7 + 3) % vocab as u32,
         })
         .collect();
@@ -484,7 +484,7 @@ fn fused_head_matches_composed(rows: usize, channels: usize, vocab: usize, maske
         ]
     };
     let fused = run(head::loss(x.as_tensor(), w.as_tensor(), &targets).unwrap());
-    let composed = run(crate::task::cross_entropy(&composed_logits, &targets).unwrap());
+    let composed = run(ddpjob_seam::task::cross_entropy(&composed_logits, &targets).unwrap());
     for (i, (a, b)) in fused.iter().zip(&composed).enumerate() {
         let diff = max_diff(a, b);
         assert!(
@@ -493,7 +493,8 @@ fn fused_head_matches_composed(rows: usize, channels: usize, vocab: usize, maske
         );
     }
     let (sum, correct) = head::score(x.as_tensor(), w.as_tensor(), &targets).unwrap();
-    let (sum2, correct2) = crate::task::loss_sum_and_correct(&composed_logits, &targets).unwrap();
+    let (sum2, correct2) =
+        ddpjob_seam::task::loss_sum_and_correct(&composed_logits, &targets).unwrap();
     assert!((sum - sum2).abs() < 1e-3, "{sum} vs {sum2}");
     assert_eq!(correct, correct2);
     // The forward keeps its log-sum-exps and logits (for a vocabulary made in blocks) for the
@@ -629,7 +630,8 @@ fn the_hand_written_score_matches_the_logits_of_the_ops_forward() {
         const { assert!(150 * 7 > 2 * super::manual::SCORE_POSITIONS) };
         let (sum, correct) = model.score(&x, &y).unwrap();
         let logits = model.forward(&x, &Mode::Eval).unwrap();
-        let (want_sum, want_correct) = crate::task::loss_sum_and_correct(&logits, &y).unwrap();
+        let (want_sum, want_correct) =
+            ddpjob_seam::task::loss_sum_and_correct(&logits, &y).unwrap();
         assert!(
             (sum - want_sum).abs() < 1e-4 * want_sum,
             "bias {bias}: loss sum {sum} vs {want_sum}"

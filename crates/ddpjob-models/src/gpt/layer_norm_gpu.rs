@@ -183,10 +183,10 @@ impl CustomOp3 for LayerNormGrad {
 mod tests {
     use candle_core::{Device, Tensor, Var};
 
-    use crate::models::gpt::tests::max_difference;
+    use crate::gpt::tests::max_difference;
 
     use super::layer_norm;
-    use crate::models::gpt::ops::layer_norm_with_ops;
+    use crate::gpt::ops::layer_norm_with_ops;
 
     /// Output and the three gradients of `ln` on `device`, for fixed random inputs.
     fn run(

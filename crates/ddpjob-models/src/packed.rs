@@ -110,8 +110,8 @@ pub fn attention_with_ops(qkv: &Tensor, heads: usize, mask: &Tensor) -> Result<T
 /// changing one example leaves the others' logits bit for bit (for each language model's
 /// tests).
 #[cfg(test)]
-pub(crate) fn check_examples_are_computed_alone(model: &dyn crate::models::Model) {
-    use crate::models::Mode;
+pub fn check_examples_are_computed_alone(model: &dyn crate::Model) {
+    use crate::Mode;
     let dev = &Device::Cpu;
     let packed = |a: &[u32], b: &[u32]| {
         let pairs: Vec<u32> = a

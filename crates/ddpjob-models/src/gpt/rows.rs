@@ -352,7 +352,7 @@ fn erf_with_exp<const FMA: bool>(z: f32, e: f32) -> f32 {
 /// the exponent bits), branch-free so loops over it vectorise, unlike libm's `expf` calls.
 /// Inputs are clamped to [-87, 88]: below, the result flushes to about 1.6e-38, not 0.
 #[inline(always)]
-pub(in crate::models) fn exp(x: f32) -> f32 {
+pub fn exp(x: f32) -> f32 {
     exp_with::<false>(x)
 }
 

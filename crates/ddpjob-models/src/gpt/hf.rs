@@ -10,8 +10,8 @@ use candle_core::{DType, Tensor};
 use serde_json::{Map, Value, json};
 
 use super::{Activation, Gpt};
-use crate::hf::{FileLayout, HfDir, HfError, HfParts};
-use crate::models::Model;
+use crate::Model;
+use ddpjob_storage::hf::{FileLayout, HfDir, HfError, HfParts};
 
 /// A GPT-2 checkpoint's shape, from its `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -113,7 +113,7 @@ impl FileLayout for Gpt2Layout {
     fn to_model(&self, name: &str, stored: Tensor, dims: &[usize]) -> candle_core::Result<Tensor> {
         if CONV1D.iter().any(|suffix| name.ends_with(suffix)) {
             // Checked, not loaded: the transposed shape alone, no copy of a header's zeros.
-            return match crate::hf::is_checking() {
+            return match ddpjob_storage::hf::is_checking() {
                 true => stored.t(),
                 false => stored.t()?.contiguous(),
             };
@@ -222,12 +222,12 @@ mod tests {
     use candle_core::{DType, Device, Tensor};
 
     use super::*;
-    use crate::hf::ExportDtype;
-    use crate::models::{GptConfig, Mode};
+    use crate::{GptConfig, Mode};
+    use ddpjob_storage::hf::ExportDtype;
 
     fn fixture(name: &str) -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures/hf")
+            .join("../../tests/fixtures/hf")
             .join(name)
     }
 
@@ -335,7 +335,7 @@ mod tests {
                 [8, 24]
             );
             let dir = tmp.path().join(format!("bias-{bias}"));
-            crate::hf::export(&dir, json, tensors, &[], ExportDtype::F32, false).unwrap();
+            ddpjob_storage::hf::export(&dir, json, tensors, &[], ExportDtype::F32, false).unwrap();
             let back = pretrained(&dir, 16);
             let shape = read_shape(&HfDir::open(&dir).unwrap()).unwrap();
             assert_eq!(

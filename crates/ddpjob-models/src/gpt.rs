@@ -18,13 +18,13 @@ mod dropout_cuda;
 #[cfg(feature = "cuda")]
 mod gelu_cuda;
 pub(super) mod head;
-pub(crate) mod hf;
+pub mod hf;
 #[cfg(feature = "cuda")]
 mod layer_norm_cuda;
 mod layer_norm_gpu;
 mod manual;
 mod ops;
-pub(crate) mod options;
+pub mod options;
 #[cfg(feature = "cuda")]
 mod residual_cuda;
 pub(super) mod rows;
@@ -46,7 +46,7 @@ use dropout::Dropout;
 pub use ops::Activation;
 
 /// Compiles (NVRTC) the GPT's GPU kernels ahead of their first use (see
-/// [`crate::models::compile_gpu_kernels_ahead`]).
+/// [`crate::compile_gpu_kernels_ahead`]).
 #[cfg(feature = "cuda")]
 pub(super) fn compile_gpu_kernels() {
     let compiled = [
@@ -127,7 +127,7 @@ impl Gpt {
     }
 
     /// `compute`: DType::F32 or DType::BF16 (f32 master weights cast per use, f32 logits).
-    #[cfg(test)]
+    #[doc(hidden)]
     pub fn new(config: &GptConfig, seed: u64, device: &Device, compute: DType) -> Result<Self> {
         Self::build(config, GptInit::new(seed, device), compute)
     }
@@ -204,7 +204,7 @@ impl Gpt {
     }
 
     /// Feeds `tokens` (the prompt, then one token at a time) after the positions in `cache`
-    /// and returns the f32 logits [vocab] of the last one. No dropout. Errors when the total
+    /// and returns the f32 logits `[vocab]` of the last one. No dropout. Errors when the total
     /// would exceed `block_size`: the caller crops the context and starts a new cache.
     pub fn forward_cached(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
         let past = cache.len();
@@ -300,7 +300,7 @@ impl Model for Gpt {
     }
 
     /// On the CPU in f32, the hand-written forward (see `manual`), a few windows at a time.
-    /// With sharded parameters, block by block (asking for each, see `models::gate`).
+    /// With sharded parameters, block by block (asking for each, see `ddpjob_seam::gate`).
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
         let gated = self.gated.load(std::sync::atomic::Ordering::Relaxed);
         if manual::applies(self) && xs.rank() == 2 && !gated {
@@ -314,7 +314,7 @@ impl Model for Gpt {
         let wte = self.wte.as_tensor();
         let scored = match self.compute == DType::F32 && head::applies(&x, wte) {
             true => head::score(&x, wte, &targets.flatten_all()?),
-            false => crate::task::loss_sum_and_correct(&self.project(&x)?, targets),
+            false => ddpjob_seam::task::loss_sum_and_correct(&self.project(&x)?, targets),
         };
         gate::release(Unit::Rest)?;
         scored
@@ -539,7 +539,7 @@ impl Gpt {
         if self.compute == DType::F32 && head::applies(&x, wte) {
             return head::loss(&x, wte, &targets.flatten_all()?);
         }
-        crate::task::cross_entropy(&self.project(&x)?, targets)
+        ddpjob_seam::task::cross_entropy(&self.project(&x)?, targets)
     }
 }
 
@@ -776,7 +776,7 @@ pub(super) struct GptInit<'a> {
     pub(super) device: &'a Device,
     pub(super) entries: Vec<(String, Var)>,
     pub(super) no_decay: Vec<usize>,
-    /// Shared with the layers made and the [`Params`] they end in (see `models::freeze`).
+    /// Shared with the layers made and the [`Params`] they end in (see `ddpjob_seam::freeze`).
     pub(super) frozen: FrozenSet,
     /// `[model.lora]`, the arch's default targets, and the generator of the adapters' `A`
     /// (drawn even when the weights are loaded: a zero `A` would never learn).
@@ -800,7 +800,7 @@ impl<'a> GptInit<'a> {
 
     /// Adapters beside the linear layers `lora` targets (`defaults`: the arch's targets when
     /// it names none), their `A` drawn from `seed`.
-    pub(crate) fn with_lora(
+    pub fn with_lora(
         mut self,
         lora: Option<&LoraSpec>,
         defaults: &'static [&'static str],

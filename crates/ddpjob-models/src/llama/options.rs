@@ -10,10 +10,12 @@ use serde_json::{Map, Value};
 
 use super::rope::Llama3Scaling;
 use super::{GptInit, Llama, LlamaConfig};
-use crate::checkpoint::Trained;
-use crate::hf::HfDir;
-use crate::models::Model;
-use crate::registry::{BuildError, KeyDoc, LanguageModelOptions, ModelContext};
+use crate::LanguageModelOptions;
+use crate::Model;
+use ddpjob_seam::{BuildError, ModelContext};
+use ddpjob_spec::KeyDoc;
+use ddpjob_storage::checkpoint::Trained;
+use ddpjob_storage::hf::HfDir;
 
 /// The `model_type`s read as `arch = "llama"`.
 pub const MODEL_TYPES: [&str; 3] = ["llama", "mistral", "qwen2"];
@@ -86,7 +88,7 @@ pub enum RopeType {
 
 /// The keys as `ddpjob keys` and the config reference show them, in the struct's order. Their
 /// names and meanings are `config.json`'s; with `init_from` each defaults to the checkpoint's.
-pub(crate) const KEYS: &[KeyDoc] = &[
+pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "init_from",
         default: "none (random weights)",
@@ -374,7 +376,7 @@ fn from_trained(trained: &Trained) -> Result<LlamaOptions, String> {
 
 /// The options `config.json` of `dir` describes (`block_size` = its maximum context).
 fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, String> {
-    let s = |e: crate::hf::HfError| e.to_string();
+    let s = |e: ddpjob_storage::hf::HfError| e.to_string();
     let model_type = dir.model_type().map_err(s)?;
     if !MODEL_TYPES.contains(&model_type) {
         return Err(format!(
@@ -606,7 +608,7 @@ fn check(o: &LlamaOptions) -> Result<(), String> {
         ("block_size", o.block_size),
         ("max_position_embeddings", o.max_position_embeddings),
     ];
-    crate::models::no_zero_size(&sizes)?;
+    crate::no_zero_size(&sizes)?;
     // Each a number the model divides by, takes a logarithm of or adds to a variance: out of
     // range, it trains on NaN (reported as a diverging loss, with the wrong advice).
     let positive = |key: &str, v: Option<f64>| match v {
@@ -646,11 +648,8 @@ const LORA_TARGETS: [&str; 2] = ["q_proj", "v_proj"];
 
 /// The registry's builder of `arch = "llama"`: random weights from the job's seed, or
 /// `init_from`'s weights (unless a checkpoint will replace them).
-pub(crate) fn build_llama(
-    o: &LlamaOptions,
-    cx: &ModelContext,
-) -> Result<Box<dyn Model>, BuildError> {
-    let (vocab_size, block_size) = crate::models::builtin::token_windows("llama", cx)?;
+pub fn build_llama(o: &LlamaOptions, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
+    let (vocab_size, block_size) = crate::token_windows("llama", cx)?;
     let config = o.config(vocab_size, block_size);
     // `blank`: weights to be read, nothing drawn (but LoRA's adapters, see `GptInit`).
     let build = |blank: bool| {
@@ -683,10 +682,10 @@ pub(crate) fn build_llama(
 /// `config.json` and the tensors of a Hugging Face export of a llama job whose resolved
 /// `[model]` options are `options` and whose weights are `tensors` (named as trained; the
 /// tied `lm_head.weight` left out, as `save_pretrained` leaves it).
-pub(crate) fn hf_parts(
+pub fn hf_parts(
     options: &toml::Table,
     mut tensors: std::collections::HashMap<String, candle_core::Tensor>,
-) -> Result<crate::hf::HfParts, String> {
+) -> Result<ddpjob_storage::hf::HfParts, String> {
     let o: LlamaOptions = LlamaOptions::deserialize(toml::Value::Table(options.clone()))
         .map_err(|e| format!("the job's [model] does not read as llama options: {e}"))?;
     let embed = tensors

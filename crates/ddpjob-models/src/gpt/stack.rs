@@ -4,8 +4,8 @@
 use candle_core::{Result, Tensor, Var};
 
 use super::{Gpt, lookup, one_hot_applies};
-use crate::models::layered::{Stack, TokenBatch};
-use crate::models::{GradientSink, Mode, Params};
+use crate::layered::{Stack, TokenBatch};
+use crate::{GradientSink, Mode, Params};
 
 impl Stack for Gpt {
     type Batch = TokenBatch;

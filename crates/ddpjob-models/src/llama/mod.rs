@@ -17,7 +17,7 @@ mod options;
 #[cfg(feature = "cuda")]
 mod rms_norm_cuda;
 mod rms_norm_gpu;
-pub(crate) mod rope;
+pub mod rope;
 #[cfg(feature = "cuda")]
 mod rope_cuda;
 mod rope_gpu;
@@ -28,7 +28,7 @@ mod swiglu_gpu;
 #[cfg(test)]
 mod tests;
 
-use crate::models::gate::{self, Unit};
+use crate::gate::{self, Unit};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{D, DType, Device, Error, Result, Tensor, Var};
@@ -37,7 +37,7 @@ use super::gpt::{GptInit, Linear, add_residual, attention, head};
 use super::packed::{self, Packing};
 use super::{Mode, Model, Params, TrainPass};
 use ddpjob_kernels as kernels;
-pub(crate) use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
+pub use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
 use rope::{Llama3Scaling, RopeTables};
 
 /// Compiles (NVRTC) the llama's own GPU kernels ahead of their first use (see
@@ -217,7 +217,7 @@ impl Llama {
         self.input(self.lm_head.as_ref().unwrap_or(&self.embed))
     }
 
-    /// A parameter as the ops take it: detached when frozen (see `models::freeze`).
+    /// A parameter as the ops take it: detached when frozen (see `ddpjob_seam::freeze`).
     fn input(&self, var: &Var) -> Tensor {
         self.params.frozen().as_input(var)
     }
@@ -256,7 +256,7 @@ impl Llama {
     ) -> Result<Tensor> {
         let mut x = self.embed_tokens(ids)?.detach();
         for (i, layer) in self.layers.iter().enumerate() {
-            // With sharded parameters, each layer's gathered for its turn (see `models::gate`).
+            // With sharded parameters, each layer's gathered for its turn (see `ddpjob_seam::gate`).
             gate::gather(Unit::Block(i))?;
             x = self.block(layer, &x, shape, packing, mode)?.detach();
             gate::release(Unit::Block(i))?;
@@ -369,9 +369,9 @@ impl Llama {
         let logits = self.logits(x)?;
         if kernels::row_cross_entropy_applies(&logits) {
             // The GPU's cross-entropy reads bf16 logits as they are: no f32 copy of them.
-            return crate::task::cross_entropy(&logits, targets);
+            return ddpjob_seam::task::cross_entropy(&logits, targets);
         }
-        crate::task::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
+        ddpjob_seam::task::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
     }
 
     /// Logits [rows, vocab] in f32 of the final norm's output `x`.
@@ -415,7 +415,7 @@ impl Model for Llama {
         if !recompute && !self.stream.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        let pass = crate::models::layered::Layered::forward(self, xs, targets, mode, recompute)?;
+        let pass = crate::layered::Layered::forward(self, xs, targets, mode, recompute)?;
         Ok(Some(Box::new(pass)))
     }
 
@@ -439,11 +439,9 @@ impl Model for Llama {
     fn shard_parameters(&self) -> std::result::Result<Vec<Vec<usize>>, String> {
         self.stream_gradients();
         let depth = self.layers.len();
-        Ok(crate::models::layered::blocks_by_name(
-            &self.params,
-            depth,
-            |i| format!("model.layers.{i}."),
-        ))
+        Ok(crate::layered::blocks_by_name(&self.params, depth, |i| {
+            format!("model.layers.{i}.")
+        }))
     }
 
     /// Layer by layer, each layer's output detached: the parameters are variables, so autograd
@@ -458,7 +456,7 @@ impl Model for Llama {
         let w = self.head_weight().detach();
         let scored = match self.compute == DType::F32 && head::applies(&x, &w) {
             true => head::score(&x, &w, &targets.flatten_all()?),
-            false => crate::task::loss_sum_and_correct(&self.project(&x)?, targets),
+            false => ddpjob_seam::task::loss_sum_and_correct(&self.project(&x)?, targets),
         };
         gate::release(Unit::Rest)?;
         scored

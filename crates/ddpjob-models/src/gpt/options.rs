@@ -11,10 +11,12 @@ use serde::{Deserialize, Serialize};
 
 use super::hf::{Gpt2Export, Gpt2Shape};
 use super::{Activation, Gpt, GptConfig, GptInit};
-use crate::checkpoint::Trained;
-use crate::hf::HfDir;
-use crate::models::{Model, builtin::token_windows};
-use crate::registry::{BuildError, KeyDoc, LanguageModelOptions, ModelContext};
+use crate::LanguageModelOptions;
+use crate::{Model, token_windows};
+use ddpjob_seam::{BuildError, ModelContext};
+use ddpjob_spec::KeyDoc;
+use ddpjob_storage::checkpoint::Trained;
+use ddpjob_storage::hf::HfDir;
 
 /// The `model_type` a gpt reads and exports.
 pub const MODEL_TYPES: [&str; 1] = ["gpt2"];
@@ -57,7 +59,7 @@ pub struct GptOptions {
 }
 
 /// The keys as `ddpjob keys` and the config reference show them, in the struct's order.
-pub(crate) const KEYS: &[KeyDoc] = &[
+pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "n_layer",
         default: "`4`; a checkpoint's own",
@@ -184,7 +186,7 @@ impl GptOptions {
             ("block_size", self.block_size),
             ("vocab_size", self.vocab_size),
         ];
-        crate::models::no_zero_size(&sizes)?;
+        crate::no_zero_size(&sizes)?;
         if let Some(v) = self.vocab_size.filter(|&v| v > 1 << 31) {
             return Err(format!(
                 "model.vocab_size = {v} is more than token ids hold (2^31); use at most {}",
@@ -243,7 +245,7 @@ fn pretrained(given: &GptOptions, dir: &str) -> Result<GptOptions, String> {
             "job.toml",
         ),
         None => {
-            let read = || -> Result<Gpt2Shape, crate::hf::HfError> {
+            let read = || -> Result<Gpt2Shape, ddpjob_storage::hf::HfError> {
                 let hf = HfDir::open(Path::new(dir))?;
                 let shape = super::hf::read_shape(&hf)?;
                 hf.check_weight_files()?;
@@ -340,7 +342,7 @@ fn trained_shape(t: &Trained) -> Result<Gpt2Shape, String> {
 
 /// The registry's builder of `arch = "gpt"`: random weights from the job's seed, or
 /// `init_from`'s weights (unless a checkpoint will replace them).
-pub(crate) fn build_gpt(o: &GptOptions, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
+pub fn build_gpt(o: &GptOptions, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
     let (vocab_size, block_size) = token_windows("gpt", cx)?;
     let config = o.config(vocab_size, block_size);
     // The gpt does its own autocast: its inputs are token ids, not values to cast.
@@ -376,10 +378,10 @@ pub(crate) fn build_gpt(o: &GptOptions, cx: &ModelContext) -> Result<Box<dyn Mod
 
 /// `config.json` and tensors of a `gpt2` export of a gpt job whose resolved `[model]` is
 /// `options` and whose weights are `tensors`.
-pub(crate) fn hf_parts(
+pub fn hf_parts(
     options: &toml::Table,
     tensors: HashMap<String, Tensor>,
-) -> Result<crate::hf::HfParts, String> {
+) -> Result<ddpjob_storage::hf::HfParts, String> {
     let o = GptOptions::from_table(options)?;
     // The vocabulary is the weights' (`hf_parts` reads it from them).
     let c = o.config(0, o.block_size());

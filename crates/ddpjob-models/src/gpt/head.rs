@@ -16,7 +16,7 @@ use ddpjob_kernels::{indices, indices_of};
 
 /// A target that scores nothing (a prompt's tokens, padding): `task::IGNORE_TARGET` as the
 /// kernels read targets. Its row has no loss, no gradient, and is not counted in the mean.
-pub(crate) const IGNORED: usize = crate::task::IGNORE_TARGET as usize;
+pub const IGNORED: usize = ddpjob_seam::task::IGNORE_TARGET as usize;
 
 /// The targets that score, the denominator of the mean (1 when none do: their loss is 0).
 fn scored(ids: &[usize]) -> usize {
@@ -36,7 +36,7 @@ const LOGITS_PER_CHUNK: usize = 32 * 1024;
 const MIN_CHUNK: usize = 128;
 
 /// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C]) against `targets` [n] (u32),
-/// over the targets that are not [`crate::task::IGNORE_TARGET`]; differentiable in `x` and
+/// over the targets that are not [`ddpjob_seam::task::IGNORE_TARGET`]; differentiable in `x` and
 /// `w`. CPU f32 only (see [`applies`]).
 pub fn loss(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op3(

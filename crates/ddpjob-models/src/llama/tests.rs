@@ -4,12 +4,13 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::options::{LlamaOptions, build_llama};
 use super::{repeat_kv, rms_norm};
-use crate::models::{Mode, Model};
-use crate::registry::{LanguageModelOptions, ModelContext};
-use crate::task::ModelInput;
+use crate::LanguageModelOptions;
+use crate::{Mode, Model};
+use ddpjob_seam::ModelContext;
+use ddpjob_seam::task::ModelInput;
 
 fn fixture(name: &str) -> PathBuf {
-    let built_in = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
+    let built_in = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf");
     // A test binary carried to another machine (the GPU check) runs from the repository root.
     let root = match built_in.exists() {
         true => built_in,
@@ -246,8 +247,8 @@ fn each_key_value_head_serves_its_group_of_query_heads() {
 
 #[test]
 fn packed_examples_are_computed_as_if_alone() {
-    crate::models::packed::check_examples_are_computed_alone(pretrained("qwen2").as_ref());
-    crate::models::packed::check_examples_are_computed_alone(pretrained("llama").as_ref());
+    crate::packed::check_examples_are_computed_alone(pretrained("qwen2").as_ref());
+    crate::packed::check_examples_are_computed_alone(pretrained("llama").as_ref());
 }
 
 #[test]
@@ -539,111 +540,6 @@ fn a_checkpoint_sharded_by_an_index_loads_as_the_single_file_does() {
     assert!(err.contains(shards[1].0), "{err}");
 }
 
-/// `tests/fixtures/hf/qwen2-lora`: an adapter `peft` saved (make_peft_fixture.py), with
-/// `B` drawn at random so it changes the outputs.
-#[test]
-fn a_peft_adapter_named_by_init_from_gives_peft_logits() {
-    let dir = fixture("qwen2-lora");
-    let text = format!(
-        "[model]\ninit_from = \"{}\"\n[data]\ndataset = \"tokens\"\ntrain_path = \"t.bin\"\nval_path = \"v.bin\"\n",
-        dir.display()
-    );
-    let loaded = crate::config::load_str(std::path::Path::new("j.toml"), text, &[]).unwrap();
-    let spec = &loaded.spec.model;
-    let lora = spec.lora().unwrap();
-    assert_eq!(
-        (lora.r, lora.alpha, lora.adapter.as_ref()),
-        (4, 8.0, Some(&dir))
-    );
-    assert_eq!(
-        spec.init_from(),
-        Some(
-            fixture("qwen2")
-                .canonicalize()
-                .unwrap()
-                .display()
-                .to_string()
-                .as_str()
-        )
-    );
-    let input = ModelInput::Tokens {
-        vocab_size: 320,
-        block_size: 64,
-    };
-    let model = crate::models::build(
-        spec,
-        input,
-        1,
-        &Device::Cpu,
-        crate::config::Precision::F32,
-        false,
-    )
-    .unwrap();
-    let r =
-        candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
-    let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
-    let logits = model.forward(&ids, &Mode::Eval).unwrap();
-    let diff = max_abs_diff(&logits, &r["logits"]);
-    assert!(diff < 1e-4, "logits differ from peft's by {diff}");
-    // The adapter matters: the base alone is far from them.
-    let base = pretrained("qwen2").forward(&ids, &Mode::Eval).unwrap();
-    assert!(max_abs_diff(&base, &r["logits"]) > 1e-2);
-}
-
-#[test]
-fn an_adapter_that_does_not_fit_its_job_is_refused() {
-    let dir = fixture("qwen2-lora");
-    let load = |extra: &str| {
-        let text = format!(
-            "[model]\ninit_from = \"{}\"\n{extra}\n[data]\ndataset = \"tokens\"\ntrain_path = \"t.bin\"\nval_path = \"v.bin\"\n",
-            dir.display()
-        );
-        crate::config::load_str(std::path::Path::new("j.toml"), text, &[])
-    };
-    let err = load("[model.lora]\nr = 8").unwrap_err().to_string();
-    assert!(
-        err.contains("model.lora.r") && err.contains("has 4"),
-        "{err}"
-    );
-    // Dropout may change; other targets than the adapter's may not.
-    assert!(load("[model.lora]\ndropout = 0.1").is_ok());
-    let err = load("[model.lora]\ntarget_modules = [\"q_proj\"]")
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("model.lora.target_modules"), "{err}");
-
-    // The adapter over another base (a llama of another width): refused when the model is
-    // built, naming the tensor.
-    let text = format!(
-        "[model]\narch = \"llama\"\nhidden_size = 16\nintermediate_size = 24\n\
-         num_hidden_layers = 2\nnum_attention_heads = 2\nnum_key_value_heads = 1\n\
-         block_size = 8\nvocab_size = 320\n[model.lora]\nr = 4\nalpha = 8.0\n\
-         adapter = \"{}\"\ntarget_modules = [\"q_proj\", \"v_proj\", \"down_proj\"]\n\
-         [data]\ndataset = \"tokens\"\ntrain_path = \"t.bin\"\nval_path = \"v.bin\"\n",
-        dir.display()
-    );
-    let spec = crate::config::load_str(std::path::Path::new("j.toml"), text, &[])
-        .unwrap()
-        .spec
-        .model;
-    let input = ModelInput::Tokens {
-        vocab_size: 320,
-        block_size: 64,
-    };
-    let err = crate::models::build(
-        &spec,
-        input,
-        1,
-        &Device::Cpu,
-        crate::config::Precision::F32,
-        false,
-    )
-    .err()
-    .unwrap()
-    .to_string();
-    assert!(err.contains("model.lora.adapter"), "{err}");
-}
-
 /// The loss's bits and every parameter's gradient's bits from `model`'s training pass for
 /// `scale` · loss: autograd over the whole model unless the model recomputes its layers.
 fn training_bits(model: &dyn Model, x: &Tensor, y: &Tensor) -> (u32, Vec<Option<Vec<u32>>>) {
@@ -736,20 +632,25 @@ fn built(name: &str, dtype: DType) -> Box<dyn Model> {
     build_llama(&o, &context(320, o.block_size(), dtype)).unwrap()
 }
 
-/// qwen2 with the `qwen2-lora` fixture's adapters (its base frozen).
+/// qwen2 with the `qwen2-lora` fixture's adapters (its base frozen), as a job whose
+/// `init_from` names the adapter builds it (`adapter_config.json`: r 4, alpha 8, no dropout).
 fn with_adapter() -> Box<dyn Model> {
-    let dir = fixture("qwen2-lora");
-    let text = format!(
-        "[model]\ninit_from = \"{}\"\n[data]\ndataset = \"tokens\"\ntrain_path = \"t.bin\"\nval_path = \"v.bin\"\n",
-        dir.display()
-    );
-    let loaded = crate::config::load_str(std::path::Path::new("j.toml"), text, &[]).unwrap();
-    let input = ModelInput::Tokens {
-        vocab_size: 320,
-        block_size: 64,
+    let lora = ddpjob_spec::LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        target_modules: ddpjob_spec::TargetModules::Names(vec![
+            "down_proj".into(),
+            "q_proj".into(),
+            "v_proj".into(),
+        ]),
+        adapter: Some(fixture("qwen2-lora")),
     };
-    let f32 = crate::config::Precision::F32;
-    crate::models::build(&loaded.spec.model, input, 1, &Device::Cpu, f32, false).unwrap()
+    let o = options_from("qwen2");
+    let mut cx = context(320, 64, DType::F32);
+    cx.lora = Some(lora.clone());
+    let model = Box::new(build_llama(&o, &cx).unwrap());
+    crate::adapt(model, "llama", Some(&lora), &[], false).unwrap()
 }
 
 /// The memory estimate's share of a sample: per position, every layer's tensors and one

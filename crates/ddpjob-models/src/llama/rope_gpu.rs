@@ -159,7 +159,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor, Var};
 
     use super::rope;
-    use crate::models::llama::rope::{RopeTables, inverse_frequencies};
+    use crate::llama::rope::{RopeTables, inverse_frequencies};
     use ddpjob_kernels::f32_bits;
 
     /// The rotation of fixed values [2, 5, 3, 8] at positions 3.. and x's gradient under an

@@ -90,6 +90,7 @@ macro_rules! errln {
 }
 
 mod bench;
+use ddpjob_optim as optim;
 use ddpjob_storage::{checkpoint, hf, jobdir};
 pub mod cli;
 mod config;
@@ -102,7 +103,6 @@ mod launch;
 mod memory;
 mod models;
 mod numerics;
-mod optim;
 mod progress;
 mod registry;
 mod report;

@@ -803,14 +803,5 @@ fn from_gather(e: GatherError) -> TrainError {
     }
 }
 
-impl Gathered {
-    fn as_checkpoint(&self) -> TensorFile<'_> {
-        match self {
-            Gathered::Tensors(t) => TensorFile::Tensors(t),
-            Gathered::Written(path) => TensorFile::Written(path),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests;

@@ -13,7 +13,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::*;
-use crate::models::Params;
+use ddpjob_seam::Params;
 
 const GRADS: [[f32; 2]; 3] = [[0.5, 0.3], [-0.2, 0.1], [0.4, -0.6]];
 

@@ -14,16 +14,16 @@ use std::path::{Path, PathBuf};
 use candle_core::{Result, Tensor};
 
 use super::{Buffer, Optimizer, Slot};
-use crate::checkpoint::StreamedSafetensors;
-use crate::config::OptimizerSpec;
-use crate::models::Params;
 use ddpjob_comm::buckets::ShardPlan;
 use ddpjob_comm::{CommError, Communicator};
+use ddpjob_seam::Params;
+use ddpjob_spec::OptimizerSpec;
+use ddpjob_storage::checkpoint::StreamedSafetensors;
 
 /// What a sharded optimizer knows of the shards: the plan and the parameter index of each
 /// trainable position (the plan counts trainable tensors only).
 #[derive(Debug)]
-pub(super) struct Shards {
+pub struct Shards {
     plan: ShardPlan,
     trainable: Vec<usize>,
     /// With the parameters sharded too (`"full"`): this rank's pieces of them, by position in
@@ -258,7 +258,7 @@ impl Optimizer {
 
     /// [`Optimizer::load_state`] for a sharded optimizer: each piece's part of the
     /// per-parameter state.
-    pub(super) fn load_pieces(
+    pub fn load_pieces(
         &mut self,
         params: &Params,
         tensors: &HashMap<String, Tensor>,
@@ -290,6 +290,16 @@ pub enum Gathered {
     Tensors(HashMap<String, Tensor>),
     /// A sharded optimizer's, streamed into this safetensors file.
     Written(PathBuf),
+}
+
+impl Gathered {
+    /// The state as a checkpoint writes it.
+    pub fn as_checkpoint(&self) -> ddpjob_storage::checkpoint::TensorFile<'_> {
+        match self {
+            Gathered::Tensors(t) => ddpjob_storage::checkpoint::TensorFile::Tensors(t),
+            Gathered::Written(path) => ddpjob_storage::checkpoint::TensorFile::Written(path),
+        }
+    }
 }
 
 /// Why gathering a sharded state for a checkpoint failed.

@@ -1,7 +1,7 @@
 //! Learning-rate schedules as pure functions of the optimizer step and epoch, so resuming only
 //! needs the position (saved in every checkpoint).
 
-use crate::config::{ScheduleKind, ScheduleSpec};
+use ddpjob_spec::{ScheduleKind, ScheduleSpec};
 
 #[derive(Debug, Clone, Copy)]
 pub struct Schedule {

@@ -1,5 +1,10 @@
 //! Optimizers with the formulas of `torch.optim` and state that can be saved and restored
-//! exactly (candle-nn keeps its optimizers' state private), plus gradient clipping.
+//! exactly (candle-nn keeps its optimizers' state private), plus gradient clipping, the
+//! learning-rate schedules, and the sharded optimizer state of ZeRO-1 and FSDP.
+//!
+//! It depends on the seams (a model's [`Params`]), the spec (`[optimizer]`), the kernels (the
+//! fused updates), the collectives (gathering shards) and the checkpoint's streamed tensors
+//! only: never on a model family, the data or the trainer.
 
 pub mod schedule;
 mod sharded;
@@ -10,9 +15,9 @@ use std::collections::HashMap;
 
 use candle_core::{Result, Tensor};
 
-use crate::config::OptimizerSpec;
-use crate::models::Params;
 use ddpjob_kernels::{self as kernels, AdamStep, SgdStep};
+use ddpjob_seam::Params;
+use ddpjob_spec::OptimizerSpec;
 
 pub use schedule::Schedule;
 
@@ -519,7 +524,7 @@ fn l2(grad: &Tensor, p: &Tensor, weight_decay: f64) -> Result<Tensor> {
 /// Scales `grads` in place so their global L2 norm is at most `max_norm`, as
 /// `torch.nn.utils.clip_grad_norm_`: coefficient min(1, max_norm / (norm + 1e-6)), computed as
 /// tensors so the step needs no host round trip (on the CPU, on the host: see
-/// [`clip_on_host`]). Returns the norm before clipping (a scalar).
+/// `clip_on_host`). Returns the norm before clipping (a scalar).
 pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<Tensor> {
     if !grads.is_empty() && grads.iter().all(kernels::applies) {
         return clip_on_host(grads, max_norm);

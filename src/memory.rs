@@ -5,6 +5,7 @@
 
 use crate::config::{Backend, DeviceChoice, JobSpec, OptimizerSpec, Sharding};
 use crate::models::Model;
+pub(crate) use ddpjob_data::host::gb;
 
 /// The process itself: code, thread stacks, the data's buffers and the allocator's slack,
 /// fitted to the peaks of eight CPU jobs of an 85 M-parameter GPT (AMD EPYC, 2026-11-26: 1, 2
@@ -237,11 +238,6 @@ impl Estimate {
             gb(self.runtime)
         )
     }
-}
-
-/// `bytes` in decimal gigabytes, two decimals: `1.98 GB`.
-pub(crate) fn gb(bytes: u64) -> String {
-    format!("{:.2} GB", bytes as f64 / 1e9)
 }
 
 /// This process's peak resident set size in bytes (`ru_maxrss`), 0 where the kernel does not

@@ -4,6 +4,7 @@
 
 use crate::config::{JobSpec, Sharding};
 use crate::models::Model;
+pub use ddpjob_data::host::available_host_memory;
 
 use super::{Estimate, Layout, estimate, gb};
 
@@ -134,22 +135,6 @@ fn verdict_for(
         gb(mine.optimizer),
         gb(mine.runtime),
     ))
-}
-
-/// This machine's memory a new process can have, in bytes: `MemAvailable` plus `SwapFree`
-/// from `/proc/meminfo` (`None` where it does not say, e.g. not Linux).
-pub fn available_host_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib = |key: &str| -> Option<u64> {
-        let line = info.lines().find(|l| l.starts_with(key))?;
-        line[key.len()..]
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()
-            .ok()
-    };
-    Some((kib("MemAvailable:")? + kib("SwapFree:").unwrap_or(0)) * 1024)
 }
 
 /// Before a job of `workers` CPU workers on this machine starts: `Err` (exit 2) when their

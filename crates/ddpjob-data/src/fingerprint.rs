@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::DataError;
-use crate::registry::JobFile;
+use ddpjob_seam::JobFile;
 
 /// The file in the job directory.
 pub const FILE: &str = "data-files.json";
@@ -47,7 +47,7 @@ fn fingerprint(path: &Path) -> Result<Fingerprint, DataError> {
     Ok(Fingerprint {
         path: path.display().to_string(),
         bytes,
-        ends_sha256: crate::jobdir::hex(&hash.finalize()),
+        ends_sha256: ddpjob_storage::jobdir::hex(&hash.finalize()),
     })
 }
 

@@ -11,53 +11,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::catalog::{self, Catalog, Locate};
-use super::jsonl::{JSONL_KEYS, JsonlOptions};
-use super::text_options::{TEXT_KEYS, TOKENS_KEYS, TextOptions, TokensOptions};
 use super::{DataError, Dataset, idx, synthetic};
-use crate::registry::{BuildError, DataContext, DatasetOptions, JobFile, KeyDoc, Registry};
-use crate::task::ModelInput;
-
-/// ddpjob's data sets, registered as a user's binary registers its own.
-pub(crate) fn register_builtin(registry: Registry) -> Registry {
-    registry
-        .dataset_with("mnist", IdxOptions::<Mnist>::open)
-        .dataset_with("fashion-mnist", IdxOptions::<FashionMnist>::open)
-        .dataset_with("synthetic", SyntheticOptions::open)
-        .dataset_with("text", TextOptions::open)
-        .dataset_with("tokens", TokensOptions::open)
-        .dataset_with("jsonl", JsonlOptions::open)
-        .documented_dataset("mnist", IDX_KEYS)
-        .documented_dataset("fashion-mnist", IDX_KEYS)
-        .documented_dataset("synthetic", SYNTHETIC_KEYS)
-        .documented_dataset("text", TEXT_KEYS)
-        .documented_dataset("tokens", TOKENS_KEYS)
-        .documented_dataset("jsonl", JSONL_KEYS)
-        .dataset_tolerates("mnist", IDX_TOLERATES, &[])
-        .dataset_tolerates("fashion-mnist", IDX_TOLERATES, &[])
-        .dataset_tolerates("synthetic", SYNTHETIC_TOLERATES, &[])
-        .dataset_tolerates("text", &[], TEXT_TOLERATES_IN_STORED_JOBS)
-        .dataset_tolerates("tokens", &[], TOKENS_TOLERATES_IN_STORED_JOBS)
-}
-
-/// The image datasets' keys dropped beside the image dataset that does not read them: a job
-/// file switches `dataset` between them and keeps the others' keys (as `configs/mnist.toml`
-/// shows every key), and older versions wrote them into every `job.toml`.
-const IDX_TOLERATES: &[&str] = &["synthetic"];
-const SYNTHETIC_TOLERATES: &[&str] = &["root", "download", "mirrors", "checksums"];
-
-/// The `[data]` keys older versions wrote into every `job.toml` whatever the dataset: dropped
-/// beside a text dataset in a stored job's `job.toml`, so those jobs still resume; a job file
-/// is told of them (a tokens job's `download = true` would download nothing).
-const TEXT_TOLERATES_IN_STORED_JOBS: &[&str] = &["root", "mean", "std", "synthetic"];
-const TOKENS_TOLERATES_IN_STORED_JOBS: &[&str] = &[
-    "root",
-    "download",
-    "mirrors",
-    "checksums",
-    "mean",
-    "std",
-    "synthetic",
-];
+use ddpjob_seam::task::ModelInput;
+use ddpjob_seam::{BuildError, DatasetOptions, JobFile};
+use ddpjob_spec::{DataContext, KeyDoc};
 
 /// An MNIST-format set of IDX files: which one.
 pub trait IdxSet: 'static {
@@ -109,7 +66,7 @@ const MEAN: KeyDoc = KeyDoc {
 };
 const STD: KeyDoc = KeyDoc { key: "std", ..MEAN };
 
-const IDX_KEYS: &[KeyDoc] = &[
+pub const IDX_KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "root",
         default: "`\"data/<dataset>\"`",
@@ -136,7 +93,8 @@ const IDX_KEYS: &[KeyDoc] = &[
 ];
 
 impl<S: IdxSet> IdxOptions<S> {
-    fn open(&self, _: &DataContext) -> Result<Dataset, DataError> {
+    /// The set, from its files (found or downloaded by `prepare`).
+    pub fn open(&self, _: &DataContext) -> Result<Dataset, DataError> {
         let paths = self.locate(self.download)?;
         let classes = match self.input() {
             Some(ModelInput::Image { classes, .. }) => classes,
@@ -270,7 +228,7 @@ pub struct SyntheticOptions {
     pub std: Vec<f64>,
 }
 
-const SYNTHETIC_KEYS: &[KeyDoc] = &[
+pub const SYNTHETIC_KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "synthetic.train_samples",
         default: "`4096`",
@@ -301,7 +259,8 @@ const SYNTHETIC_KEYS: &[KeyDoc] = &[
 ];
 
 impl SyntheticOptions {
-    fn open(&self, cx: &DataContext) -> Result<Dataset, DataError> {
+    /// The set, drawn from the job's seed.
+    pub fn open(&self, cx: &DataContext) -> Result<Dataset, DataError> {
         let s = &self.synthetic;
         let (train, test) = synthetic::generate(s, cx.seed);
         let normalize = normalization(&self.mean, &self.std);
@@ -314,7 +273,7 @@ impl SyntheticOptions {
 fn synthetic_too_large(s: &SyntheticSpec) -> Option<String> {
     let pixels = s.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
     let bytes = pixels.and_then(|p| s.train_samples.checked_add(s.test_samples)?.checked_mul(p));
-    let available = crate::memory::fit::available_host_memory();
+    let available = crate::host::available_host_memory();
     match (bytes, available) {
         (Some(bytes), Some(available)) if bytes as u64 <= available => None,
         (Some(_), None) => None,
@@ -327,7 +286,7 @@ fn synthetic_too_large(s: &SyntheticSpec) -> Option<String> {
             (s.train_samples as f64 + s.test_samples as f64)
                 * s.shape.iter().map(|&d| d as f64).product::<f64>()
                 / 1e9,
-            available.map_or("unknown".into(), crate::memory::gb),
+            available.map_or("unknown".into(), crate::host::gb),
         )),
     }
 }
@@ -404,10 +363,7 @@ fn images_for(dataset: &str, cx: &DataContext) -> Result<(), String> {
 
 /// `data.checksums`: each a SHA-256 digest, of one of the files `names` the dataset downloads
 /// (a digest under another name would never be checked).
-pub(super) fn sha256_digests(
-    sums: &BTreeMap<String, String>,
-    names: &[String],
-) -> Result<(), String> {
+pub fn sha256_digests(sums: &BTreeMap<String, String>, names: &[String]) -> Result<(), String> {
     for (file, digest) in sums {
         if !names.contains(file) {
             return Err(format!(
@@ -465,80 +421,4 @@ fn normalization(mean: &[f64], std: &[f64]) -> Option<(Vec<f32>, Vec<f32>)> {
     }
     let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect();
     Some((f32s(mean), f32s(std)))
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::config::Builders as _;
-    use crate::registry::Registry;
-
-    /// `ddpjob keys` and the config reference list what each built-in dataset's options struct
-    /// reads (a table's keys as `table.key`), and show its real defaults.
-    #[test]
-    fn every_builtin_datasets_keys_are_documented_with_their_defaults() {
-        let registry = Registry::builtin();
-        let docs = registry.dataset_docs();
-        let names: Vec<&str> = docs.iter().map(|d| d.dataset).collect();
-        assert_eq!(
-            names,
-            [
-                "fashion-mnist",
-                "jsonl",
-                "mnist",
-                "synthetic",
-                "text",
-                "tokens"
-            ]
-        );
-        let mut compared = 0;
-        for d in docs {
-            let mut tops: Vec<&str> = Vec::new();
-            for k in d.keys {
-                let top = k.key.split('.').next().unwrap();
-                if tops.last() != Some(&top) {
-                    tops.push(top);
-                }
-            }
-            assert_eq!(tops, d.fields, "data.dataset = \"{}\"", d.dataset);
-            let defaults = registry
-                .resolve_dataset_keys(d.dataset, &toml::Table::new())
-                .unwrap();
-            for k in d.keys {
-                // `"data/<dataset>"` names a pattern, not a value.
-                let literal = k
-                    .default
-                    .strip_prefix('`')
-                    .and_then(|s| s.strip_suffix('`'));
-                let Some(literal) = literal.filter(|l| !l.contains('<')) else {
-                    continue;
-                };
-                let Ok(mut shown) = toml::from_str::<toml::Table>(&format!("v = {literal}")) else {
-                    continue;
-                };
-                let (parent, leaf) = k.key.rsplit_once('.').unwrap_or(("", k.key));
-                let table = if parent.is_empty() {
-                    Some(&defaults)
-                } else {
-                    parent
-                        .split('.')
-                        .try_fold(&defaults, |t, part| t.get(part)?.as_table())
-                };
-                let value = table.and_then(|t| t.get(leaf));
-                let value =
-                    value.unwrap_or_else(|| panic!("{}: no default for {}", d.dataset, k.key));
-                let shown = shown.remove("v").unwrap();
-                let same = match (&shown, value) {
-                    (toml::Value::Integer(a), toml::Value::Float(b)) => *a as f64 == *b,
-                    (a, b) => a == b,
-                };
-                assert!(
-                    same,
-                    "data.{} of {}: shown {shown}, default {value}",
-                    k.key, d.dataset
-                );
-                compared += 1;
-            }
-        }
-        assert!(compared >= 10, "only {compared} defaults compared");
-    }
 }

@@ -5,12 +5,13 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::DataError;
-use crate::task::{BatchSource, ModelInput, Task};
+use ddpjob_seam::task::{BatchSource, ModelInput, Task};
 
 /// Labelled samples of one shape, a training and an evaluation split.
 ///
 /// ```
-/// use ddpjob::{Task, TensorDataset};
+/// use ddpjob_data::TensorDataset;
+/// use ddpjob_seam::Task;
 ///
 /// // Four samples of 2 features (shape [1, 1, 2]), two classes; one evaluation sample.
 /// let data = TensorDataset::classification(
@@ -19,7 +20,7 @@ use crate::task::{BatchSource, ModelInput, Task};
 ///     vec![0.1, 0.8], vec![0],
 /// )?;
 /// assert_eq!((data.train_len(), data.eval_len()), (4, 1));
-/// # Ok::<(), ddpjob::DataError>(())
+/// # Ok::<(), ddpjob_seam::DataError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct TensorDataset {

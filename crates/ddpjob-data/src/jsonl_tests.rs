@@ -1,11 +1,11 @@
 use std::path::PathBuf;
 
 use super::*;
-use crate::registry::LanguageModelSpec;
+use ddpjob_spec::LanguageModelSpec;
 
 /// The llama fixture's byte-level BPE (300 tokens, `<|endoftext|>` = 0).
 fn tokenizer_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama/tokenizer.json")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/llama/tokenizer.json")
 }
 
 fn context(block: usize, job: Option<PathBuf>) -> DataContext {

@@ -3,34 +3,67 @@ use std::path::Path;
 use serde::Deserialize;
 
 use super::*;
-use crate::config::{self, JobSpec};
-use crate::data::text_options::{TextOptions, TokensOptions};
-use crate::jobdir::JobDir;
+use crate::text_options::{TextOptions, TokensOptions};
+use ddpjob_seam::DatasetOptions;
+use ddpjob_spec::{LanguageModelSpec, TokenizerKind};
+use ddpjob_storage::jobdir::JobDir;
 
-/// The `text` or `tokens` data of the job `spec`, with `job`'s stored vocabulary if any.
-fn load(spec: &JobSpec, job: Option<&JobDir>) -> Result<TextTask, DataError> {
-    let cx = DataContext::of(spec, job.map(|j| j.root.as_path()));
-    let options = toml::Value::Table(spec.data.options().clone());
-    let source = match spec.data.name() {
+/// A job's `[data]` as its loaded spec holds it: the dataset, its options completed as
+/// validation completes them, and the context of the model it feeds.
+struct DataSpec {
+    name: String,
+    options: toml::Table,
+    cx: DataContext,
+}
+
+/// The `text` or `tokens` data of `spec`, with `job`'s stored vocabulary if any.
+fn load(spec: &DataSpec, job: Option<&JobDir>) -> Result<TextTask, DataError> {
+    let mut cx = spec.cx.clone();
+    cx.job = job.map(|j| j.root.clone());
+    cx.stored_job = job.is_some();
+    let options = toml::Value::Table(spec.options.clone());
+    let source = match spec.name.as_str() {
         "text" => TextSource::Text(TextOptions::deserialize(options).unwrap().spec()),
         _ => TextSource::Tokens(TokensOptions::deserialize(options).unwrap().spec()),
     };
     TextTask::open(&source, &cx)
 }
 
-fn spec_for(dir: &Path, data: &str, block: usize) -> JobSpec {
-    let text = format!(
-        "seed = 3\n[model]\narch = \"gpt\"\nblock_size = {block}\nn_layer = 1\nn_head = 1\n\
-         n_embd = 4\n{}[data]\n{data}\n",
-        if data.contains("tokens") {
-            "vocab_size = 100\n"
-        } else {
-            ""
-        }
-    );
-    let path = dir.join("job.toml");
-    std::fs::write(&path, &text).unwrap();
-    config::load(&path, &[]).unwrap().spec
+/// The `[data]` table `data` of a job (seed 3) training a scratch gpt of window `block` (its
+/// vocabulary 100 for token files), as `ddpjob validate` completes it.
+fn spec_for(_dir: &Path, data: &str, block: usize) -> DataSpec {
+    let mut table: toml::Table = data.parse().unwrap();
+    let name = table
+        .remove("dataset")
+        .unwrap()
+        .as_str()
+        .unwrap()
+        .to_string();
+    let language = LanguageModelSpec {
+        block_size: block,
+        vocab_size: (name == "tokens").then_some(100),
+        tokenizer: None,
+        vocabulary: None,
+    };
+    let cx = DataContext::new(3, "gpt", Some(language));
+    let value = toml::Value::Table(table);
+    let options = match name.as_str() {
+        "text" => toml::Table::try_from(
+            TextOptions::deserialize(value)
+                .unwrap()
+                .complete(&cx)
+                .unwrap(),
+        )
+        .unwrap(),
+        _ => toml::Table::try_from(
+            TokensOptions::deserialize(value)
+                .unwrap()
+                .complete(&cx)
+                .unwrap(),
+        )
+        .unwrap(),
+    };
+    DataSpec { name, options, cx }
 }
 
 fn ids(t: &Tensor) -> Vec<Vec<u32>> {
@@ -160,7 +193,7 @@ fn a_stored_vocabulary_that_no_longer_covers_the_text_is_an_error() {
         root: dir.path().join("job"),
     };
     std::fs::create_dir_all(&job.root).unwrap();
-    let vocab = Vocab::build(&crate::config::TokenizerKind::Char, "ab").unwrap();
+    let vocab = Vocab::build(&TokenizerKind::Char, "ab").unwrap();
     std::fs::write(Vocab::path_in(&job.root), vocab.to_json()).unwrap();
     let data = format!("dataset = \"text\"\npath = \"{}\"\n", path.display());
     let err = load(&spec_for(dir.path(), &data, 2), Some(&job))
@@ -186,7 +219,7 @@ fn a_job_keeps_the_kind_of_tokenizer_it_started_with() {
         root: dir.path().join("job"),
     };
     std::fs::create_dir_all(&job.root).unwrap();
-    let vocab = Vocab::build(&crate::config::TokenizerKind::Char, "ab").unwrap();
+    let vocab = Vocab::build(&TokenizerKind::Char, "ab").unwrap();
     std::fs::write(Vocab::path_in(&job.root), vocab.to_json()).unwrap();
     let data = |tokenizer: &str| {
         let text = format!(
@@ -210,7 +243,7 @@ fn a_tokenizer_larger_than_a_pretrained_models_vocabulary_is_not_its_own() {
     let dir = tempfile::tempdir().unwrap();
     let tokenizer = dir.path().join("tokenizer.json");
     let text = "the cat sat on the mat. the dog sat on the log.\n".repeat(20);
-    crate::data::hf_tokenizer::testing::train_bpe(&text, 300, &tokenizer);
+    crate::hf_tokenizer::testing::train_bpe(&text, 300, &tokenizer);
     let path = dir.path().join("in.txt");
     std::fs::write(&path, &text).unwrap();
     let data = format!(
@@ -219,12 +252,12 @@ fn a_tokenizer_larger_than_a_pretrained_models_vocabulary_is_not_its_own() {
         tokenizer.display()
     );
     let spec = spec_for(dir.path(), &data, 4);
-    let options = toml::Value::Table(spec.data.options().clone());
+    let options = toml::Value::Table(spec.options.clone());
     let source = TextSource::Text(TextOptions::deserialize(options).unwrap().spec());
-    let mut cx = DataContext::of(&spec, None);
+    let mut cx = spec.cx.clone();
     let model_dir = |name: &str| Some(dir.path().join(name).join("tokenizer.json"));
     let pretrained = |own| {
-        Some(crate::registry::LanguageModelSpec {
+        Some(LanguageModelSpec {
             block_size: 4,
             vocab_size: Some(50),
             tokenizer: own,

@@ -4,7 +4,7 @@
 
 use ddpjob_rng::Mt19937;
 
-pub use crate::config::samples_per_rank;
+pub use ddpjob_spec::samples_per_rank;
 
 #[derive(Debug, Clone)]
 pub struct DistributedSampler {

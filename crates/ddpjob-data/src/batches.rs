@@ -5,7 +5,7 @@
 use candle_core::{Device, Tensor};
 
 use super::{DataError, Dataset, Split};
-use crate::task::BatchSource;
+use ddpjob_seam::task::BatchSource;
 
 /// Splits larger than this together stay on the host (a GPU has other uses for its memory).
 pub const MAX_RESIDENT_BYTES: usize = 4 << 30;
@@ -47,7 +47,7 @@ pub enum Batches<'a> {
 }
 
 impl<'a> Batches<'a> {
-    /// Resident on a GPU when both splits fit in [`MAX_RESIDENT_BYTES`], else built per step.
+    /// Resident on a GPU when both splits fit in `MAX_RESIDENT_BYTES`, else built per step.
     pub fn new(data: &'a Dataset, device: &Device) -> Result<Self, DataError> {
         let bytes = (data.train.images.len() + data.test.images.len()) * 4;
         if device.is_cpu() || bytes > MAX_RESIDENT_BYTES {
@@ -112,7 +112,7 @@ impl BatchSource for Batches<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::SyntheticSpec;
+    use crate::SyntheticSpec;
 
     #[test]
     fn resident_batches_equal_the_host_built_ones() {

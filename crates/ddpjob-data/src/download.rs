@@ -12,6 +12,11 @@ use sha2::{Digest, Sha256};
 
 use super::DataError;
 
+/// Prints a line of the download's progress; a closed stdout drops it (the download goes on).
+fn say(line: std::fmt::Arguments) {
+    let _ = writeln!(std::io::stdout(), "{line}");
+}
+
 /// Downloads `file_name` from the first mirror that serves it with digest `sha256` (lowercase
 /// hex; `None` skips the check) to `dest`. Every mirror's failure is reported if all fail.
 pub fn download(
@@ -20,7 +25,7 @@ pub fn download(
     sha256: Option<&str>,
     dest: &Path,
 ) -> Result<(), DataError> {
-    let dir = crate::jobdir::directory_of(dest);
+    let dir = ddpjob_storage::jobdir::directory_of(dest);
     let dir_existed = dir.exists();
     // A directory that cannot take the file is the config's to fix, not the network's.
     let unwritable = |cause: std::io::Error| {
@@ -39,7 +44,7 @@ pub fn download(
     for (i, mirror) in mirrors.iter().enumerate() {
         let url = format!("{}/{file_name}", mirror.trim_end_matches('/'));
         let tmp = dir.join(format!(".{file_name}.part-{}", std::process::id()));
-        outln!("downloading {file_name} from {url} ...");
+        say(format_args!("downloading {file_name} from {url} ..."));
         match fetch_verified(&url, sha256, &tmp) {
             Ok(()) => {
                 return std::fs::rename(&tmp, dest).map_err(|cause| {
@@ -53,7 +58,7 @@ pub fn download(
             Err(problem) => {
                 let _ = std::fs::remove_file(&tmp);
                 if i + 1 < mirrors.len() {
-                    outln!("  {url}: {problem}; trying the next mirror");
+                    say(format_args!("  {url}: {problem}; trying the next mirror"));
                 }
                 failures.push(format!("{url}: {problem}"));
             }
@@ -159,8 +164,8 @@ fn fetch_within(
             said = Instant::now();
             let mb = |b: u64| b as f64 / 1e6;
             match total {
-                Some(t) => outln!("  {:.1} of {:.1} MB", mb(got), mb(t)),
-                None => outln!("  {:.1} MB", mb(got)),
+                Some(t) => say(format_args!("  {:.1} of {:.1} MB", mb(got), mb(t))),
+                None => say(format_args!("  {:.1} MB", mb(got))),
             }
         }
     }
@@ -209,7 +214,7 @@ fn read_in_background(
     pieces
 }
 
-use crate::jobdir::hex;
+use ddpjob_storage::jobdir::hex;
 
 #[cfg(test)]
 mod tests {

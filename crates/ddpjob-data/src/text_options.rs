@@ -12,8 +12,9 @@ use super::builtin::sha256_digests;
 use super::download::download;
 use super::text::{TextSource, TextTask};
 use super::vocab::Vocab;
-use crate::config::{TokenDtype, TokenizerKind};
-use crate::registry::{BuildError, DataContext, DatasetOptions, JobFile, KeyDoc};
+use ddpjob_seam::{BuildError, DatasetOptions, JobFile};
+use ddpjob_spec::{DataContext, KeyDoc};
+use ddpjob_spec::{TokenDtype, TokenizerKind};
 
 /// `data.dataset = "text"` as the data module reads it.
 #[derive(Debug, Clone, PartialEq)]
@@ -54,7 +55,7 @@ fn a_tenth() -> f64 {
     0.1
 }
 
-pub(super) const TEXT_KEYS: &[KeyDoc] = &[
+pub const TEXT_KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "path",
         default: "required",
@@ -105,7 +106,7 @@ impl TextOptions {
         }
     }
 
-    pub(super) fn open(&self, cx: &DataContext) -> Result<TextTask, DataError> {
+    pub fn open(&self, cx: &DataContext) -> Result<TextTask, DataError> {
         let spec = self.spec();
         if !spec.path.is_file() {
             return Err(self.absent(&spec.path));
@@ -272,7 +273,7 @@ fn u16_tokens() -> String {
     "u16".into()
 }
 
-pub(super) const TOKENS_KEYS: &[KeyDoc] = &[
+pub const TOKENS_KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "train_path",
         default: "required",
@@ -301,7 +302,7 @@ impl TokensOptions {
         }
     }
 
-    pub(super) fn open(&self, cx: &DataContext) -> Result<TextTask, DataError> {
+    pub fn open(&self, cx: &DataContext) -> Result<TextTask, DataError> {
         let spec = self.spec();
         let fix = "prepare the token files (e.g. nanoGPT's prepare.py) or correct the path";
         named_file("train_path", &spec.train_path, fix)?;
@@ -406,7 +407,7 @@ fn token_dtype(value: &str) -> Result<TokenDtype, String> {
 
 /// `data.<key>`'s file is there, or an error (a config error: exit 2) naming the key, the path
 /// and what to do.
-pub(crate) fn named_file(key: &str, path: &Path, fix: &str) -> Result<(), DataError> {
+pub fn named_file(key: &str, path: &Path, fix: &str) -> Result<(), DataError> {
     if path.is_file() {
         return Ok(());
     }
@@ -429,7 +430,7 @@ pub(crate) fn named_file(key: &str, path: &Path, fix: &str) -> Result<(), DataEr
 /// `tokenizer.json`, or the one the job they come from trained with) is missing: those weights
 /// index their embeddings by its ids, so ddpjob's own vocabulary (the fallback for a model from
 /// scratch) would train them on meaningless ids.
-pub(crate) fn missing_tokenizer(path: &Path) -> String {
+pub fn missing_tokenizer(path: &Path) -> String {
     format!(
         "`{}` does not exist: it is the tokenizer whose ids the weights of model.init_from \
          read; set data.tokenizer to that tokenizer's tokenizer.json (e.g. from the model's \

@@ -59,7 +59,7 @@ pub fn parse_idx(path: &Path, bytes: &[u8]) -> Result<IdxArray, DataError> {
             format!(
                 "bad magic 0x{}: not an IDX file (one starts with two zero bytes, a type byte \
                  and its number of dimensions)",
-                crate::jobdir::hex(&bytes[..4])
+                ddpjob_storage::jobdir::hex(&bytes[..4])
             ),
         ));
     }
@@ -113,7 +113,7 @@ pub fn parse_idx(path: &Path, bytes: &[u8]) -> Result<IdxArray, DataError> {
 }
 
 #[cfg(test)]
-pub(crate) fn encode_idx(dims: &[u32], data: &[u8]) -> Vec<u8> {
+pub fn encode_idx(dims: &[u32], data: &[u8]) -> Vec<u8> {
     let mut out = vec![0, 0, 0x08, dims.len() as u8];
     for d in dims {
         out.extend_from_slice(&d.to_be_bytes());

@@ -16,8 +16,9 @@ use super::hf_tokenizer::HfTokenizer;
 use super::jsonl_index::{Counts, Examples, Indexing, index_file};
 use super::text_options::named_file;
 use super::vocab::Vocab;
-use crate::registry::{BuildError, DataContext, DatasetOptions, JobFile, KeyDoc};
-use crate::task::{BatchSource, IGNORE_TARGET, ModelInput, Task};
+use ddpjob_seam::task::{BatchSource, IGNORE_TARGET, ModelInput, Task};
+use ddpjob_seam::{BuildError, DatasetOptions, JobFile};
+use ddpjob_spec::{DataContext, KeyDoc};
 
 /// `data.dataset = "jsonl"`: its keys. `tokenizer` and `eos_token` are written out by
 /// `complete` (the model's).
@@ -61,7 +62,7 @@ impl Default for JsonlOptions {
     }
 }
 
-pub(super) const JSONL_KEYS: &[KeyDoc] = &[
+pub const JSONL_KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "train_path",
         default: "required",
@@ -231,7 +232,7 @@ impl JsonlOptions {
         Ok((train, val, eos))
     }
 
-    pub(super) fn open(&self, cx: &DataContext) -> Result<JsonlTask, DataError> {
+    pub fn open(&self, cx: &DataContext) -> Result<JsonlTask, DataError> {
         let Some(lm) = &cx.language else {
             return Err(DataError::Mismatch(format!(
                 "jsonl data needs a language model, not \"{}\"",

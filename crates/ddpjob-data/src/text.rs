@@ -18,9 +18,9 @@ use memmap2::Mmap;
 use super::DataError;
 use super::text_options::{TextSpec, TokensSpec};
 use super::vocab::{Vocab, read_text};
-use crate::config::TokenDtype;
-use crate::registry::DataContext;
-use crate::task::{BatchSource, ModelInput, Task};
+use ddpjob_seam::task::{BatchSource, ModelInput, Task};
+use ddpjob_spec::DataContext;
+use ddpjob_spec::TokenDtype;
 
 /// Where a language model's tokens come from.
 pub enum TextSource {
@@ -71,6 +71,11 @@ impl Tokens {
         }
         let path = path.to_path_buf();
         Ok(Tokens::Mapped { map, dtype, path })
+    }
+
+    /// Whether it holds no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     pub fn len(&self) -> usize {
@@ -176,7 +181,7 @@ impl TextTask {
                 if let Some(v) = lm.vocab_size.filter(|&v| v < size) {
                     // A pretrained model's size is its checkpoint's: no key can change it.
                     let fix = match (&lm.tokenizer, &t.tokenizer) {
-                        (Some(own), crate::config::TokenizerKind::HuggingFace(used))
+                        (Some(own), ddpjob_spec::TokenizerKind::HuggingFace(used))
                             if own == used =>
                         {
                             format!(
@@ -186,7 +191,7 @@ impl TextTask {
                                 own.display()
                             )
                         }
-                        (Some(own), crate::config::TokenizerKind::HuggingFace(used)) => format!(
+                        (Some(own), ddpjob_spec::TokenizerKind::HuggingFace(used)) => format!(
                             "the tokenizer `{}` does not belong to this model (its checkpoint's \
                              vocabulary: {v}; its own tokenizer: `{}`); encode with the \
                              tokenizer the model was trained with",
@@ -275,8 +280,8 @@ impl TextTask {
         let windows = train_windows(n, self.block);
         let slack = n - 1 - windows * self.block;
         let phases = slack.min(self.block - 1) + 1;
-        (crate::task::sample_seed(self.seed ^ 0x0070_6861_7365, epoch, usize::MAX) % phases as u64)
-            as usize
+        (ddpjob_seam::task::sample_seed(self.seed ^ 0x0070_6861_7365, epoch, usize::MAX)
+            % phases as u64) as usize
     }
 
     /// Inputs and targets [n, block] (u32) for windows starting at `starts` of `tokens`.
@@ -368,7 +373,7 @@ fn encode_file(t: &TextSpec, stored: Option<&Path>) -> Result<(Vec<u32>, Vocab),
         }
         None => None,
     };
-    if t.tokenizer == crate::config::TokenizerKind::Byte {
+    if t.tokenizer == ddpjob_spec::TokenizerKind::Byte {
         let bytes = std::fs::read(&t.path).map_err(|cause| DataError::Io {
             path: t.path.clone(),
             cause,

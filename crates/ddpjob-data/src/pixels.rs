@@ -5,12 +5,12 @@
 
 /// Each channel's (mean, std); (0, 1) without normalisation.
 #[derive(Debug, Clone)]
-pub(super) struct PixelMap {
+pub struct PixelMap {
     per_channel: Vec<(f32, f32)>,
 }
 
 impl PixelMap {
-    pub(super) fn new(channels: usize, normalize: Option<&(Vec<f32>, Vec<f32>)>) -> Self {
+    pub fn new(channels: usize, normalize: Option<&(Vec<f32>, Vec<f32>)>) -> Self {
         let per_channel = (0..channels)
             .map(|c| normalize.map_or((0.0, 1.0), |(m, s)| (m[c], s[c])))
             .collect();
@@ -19,7 +19,7 @@ impl PixelMap {
 
     /// Appends the values of one sample's `pixels` (its channels' planes one after another,
     /// `plane` pixels each) to `out`.
-    pub(super) fn extend(&self, out: &mut Vec<f32>, pixels: &[u8], plane: usize) {
+    pub fn extend(&self, out: &mut Vec<f32>, pixels: &[u8], plane: usize) {
         for (channel, &(mean, std)) in pixels.chunks_exact(plane).zip(&self.per_channel) {
             out.reserve(channel.len());
             let start = out.len();

@@ -90,11 +90,11 @@ macro_rules! errln {
 }
 
 mod bench;
+use ddpjob_data as data;
 use ddpjob_optim as optim;
 use ddpjob_storage::{checkpoint, hf, jobdir};
 pub mod cli;
 mod config;
-mod data;
 mod device;
 mod evaluate;
 mod fault;

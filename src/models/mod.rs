@@ -1,8 +1,7 @@
-//! The models a job builds: ddpjob's own families and kit (`ddpjob-models`), registered with
-//! the registry (`builtin`), and building the model a job's spec names through the installed
-//! [`Registry`], with its LoRA, freezing and precision applied.
+//! The models a job builds: ddpjob's own families and kit (`ddpjob-models`), and building the
+//! model a job's spec names through the installed [`Registry`], with its LoRA, freezing and
+//! precision applied.
 
-mod builtin;
 #[cfg(test)]
 mod tests;
 
@@ -12,7 +11,6 @@ use crate::config::{ModelSpec, Precision};
 use crate::registry::{ModelContext, Registry};
 use crate::task::ModelInput;
 
-pub(crate) use builtin::register_builtin;
 pub use ddpjob_models::*;
 
 /// The model blank (nothing drawn; zero pages never touched), its `init_from` weights checked

@@ -14,15 +14,16 @@ use std::sync::{Arc, OnceLock};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-pub use crate::config::{
+pub use ddpjob_models::LanguageModelOptions;
+use ddpjob_seam::DataError;
+use ddpjob_seam::Model;
+pub use ddpjob_seam::{BuildError, DatasetOptions, JobFile, ModelContext};
+use ddpjob_seam::{ModelInput, Task};
+pub use ddpjob_spec::{
     Builders, DataContext, DatasetDocs, KeyDoc, Known, LanguageModelSpec, ModelDocs,
 };
-use crate::data::DataError;
-use crate::models::Model;
-use crate::task::{ModelInput, Task};
-pub use ddpjob_models::LanguageModelOptions;
-pub use ddpjob_seam::{BuildError, DatasetOptions, JobFile, ModelContext};
 
+mod builtin;
 mod fields;
 pub use fields::struct_fields;
 
@@ -35,7 +36,7 @@ type LanguageFn = fn(&toml::Table) -> Result<LanguageModelSpec, String>;
 type HfExportFn = fn(
     &toml::Table,
     std::collections::HashMap<String, candle_core::Tensor>,
-) -> Result<crate::hf::HfParts, String>;
+) -> Result<ddpjob_storage::hf::HfParts, String>;
 
 /// How a model family meets Hugging Face checkpoints: the `model_type`s of `config.json` it
 /// reads (`init_from` of such a directory picks this arch), and how `export --hf` writes it.
@@ -139,7 +140,7 @@ impl Registry {
     /// ddpjob's own models (`mlp`, `cnn`, `gpt`, `llama`) and datasets (`mnist`,
     /// `fashion-mnist`, `synthetic`, `text`, `tokens`).
     pub fn builtin() -> Self {
-        crate::data::register_builtin(crate::models::register_builtin(Registry::empty()))
+        builtin::data(builtin::models(Registry::empty()))
     }
 
     /// Registers the model `name` (`model.arch = "name"`): `build` receives the rest of
@@ -246,7 +247,7 @@ impl Registry {
 
     /// The token the data of `spec` ends every example with (instruction data's
     /// `eos_token`), which an exported or sampled model learnt to end an answer with.
-    pub(crate) fn data_end_of_example(&self, spec: &crate::config::DataSpec) -> Option<String> {
+    pub(crate) fn data_end_of_example(&self, spec: &ddpjob_spec::DataSpec) -> Option<String> {
         (self.data_hooks(spec.name())?.end_of_example)(spec.options())
     }
 
@@ -308,7 +309,7 @@ impl Registry {
         name: &str,
         options: &toml::Table,
         tensors: std::collections::HashMap<String, candle_core::Tensor>,
-    ) -> Result<crate::hf::HfParts, String> {
+    ) -> Result<ddpjob_storage::hf::HfParts, String> {
         match self.models.get(name).and_then(|e| e.hf) {
             Some(hf) => (hf.export)(options, tensors),
             None => {
@@ -401,7 +402,7 @@ impl Registry {
     /// [`DatasetOptions::prepare`]): the files the job keeps.
     pub(crate) fn prepare_data(
         &self,
-        spec: &crate::config::DataSpec,
+        spec: &ddpjob_spec::DataSpec,
         cx: &DataContext,
     ) -> Result<Vec<JobFile>, DataError> {
         match self.data_hooks(spec.name()) {
@@ -411,17 +412,17 @@ impl Registry {
     }
 
     /// `validate`'s count of `spec`'s training samples, when known without opening it.
-    pub(crate) fn train_samples(&self, spec: &crate::config::DataSpec) -> Option<(usize, String)> {
+    pub(crate) fn train_samples(&self, spec: &ddpjob_spec::DataSpec) -> Option<(usize, String)> {
         (self.data_hooks(spec.name())?.train_samples)(spec.options())
     }
 
     /// What a model of `spec`'s data takes, when known without opening it.
-    pub(crate) fn data_input(&self, spec: &crate::config::DataSpec) -> Option<ModelInput> {
+    pub(crate) fn data_input(&self, spec: &ddpjob_spec::DataSpec) -> Option<ModelInput> {
         (self.data_hooks(spec.name())?.input)(spec.options())
     }
 
     /// `show`'s and `list`'s words for `spec`'s data.
-    pub(crate) fn describe_data(&self, spec: &crate::config::DataSpec) -> String {
+    pub(crate) fn describe_data(&self, spec: &ddpjob_spec::DataSpec) -> String {
         let described = self
             .data_hooks(spec.name())
             .and_then(|hooks| (hooks.describe)(spec.options()));
@@ -431,7 +432,7 @@ impl Registry {
     /// The `tokenizer.json` `spec`'s data is encoded with, if any.
     pub(crate) fn data_tokenizer(
         &self,
-        spec: &crate::config::DataSpec,
+        spec: &ddpjob_spec::DataSpec,
     ) -> Option<std::path::PathBuf> {
         (self.data_hooks(spec.name())?.tokenizer_file)(spec.options())
     }
@@ -454,7 +455,7 @@ impl Registry {
 
     pub(crate) fn open_dataset(
         &self,
-        spec: &crate::config::DataSpec,
+        spec: &ddpjob_spec::DataSpec,
         cx: &DataContext,
     ) -> Result<Box<dyn Task>, DataError> {
         let name = spec.name();
@@ -555,7 +556,7 @@ impl Builders for Registry {
         self.models.get(arch)?.blocks
     }
     fn arch_of_init(&self, dir: &std::path::Path) -> Result<String, String> {
-        if let Some(trained) = crate::checkpoint::Trained::find(dir) {
+        if let Some(trained) = ddpjob_storage::checkpoint::Trained::find(dir) {
             return trained.and_then(|t| t.model_table()).and_then(|m| {
                 m.get("arch")
                     .and_then(toml::Value::as_str)
@@ -563,7 +564,7 @@ impl Builders for Registry {
                     .ok_or_else(|| format!("`{}`'s job.toml has no model.arch", dir.display()))
             });
         }
-        let hf = crate::hf::HfDir::open(dir).map_err(|e| e.to_string())?;
+        let hf = ddpjob_storage::hf::HfDir::open(dir).map_err(|e| e.to_string())?;
         let model_type = hf.model_type().map_err(|e| e.to_string())?;
         match self.arch_for_model_type(model_type) {
             Some(arch) => Ok(arch.to_string()),
@@ -614,7 +615,7 @@ fn known<F: ?Sized>(entry: Option<&Entry<F>>) -> Known {
 
 /// A dataset's error as the data seam's: ddpjob's own as they are (they name their file and
 /// fix), a user's opener's under its `data.dataset`.
-fn data_error(spec: &crate::config::DataSpec, e: BuildError) -> DataError {
+fn data_error(spec: &ddpjob_spec::DataSpec, e: BuildError) -> DataError {
     match e.downcast::<DataError>() {
         Ok(own) => *own,
         Err(e) => DataError::Mismatch(format!("data.dataset = \"{}\": {e}", spec.name())),
@@ -640,6 +641,7 @@ fn language_of<O: LanguageModelOptions>(table: &toml::Table) -> Result<LanguageM
         vocab_size: options.vocab_size(),
         tokenizer: options.tokenizer(),
         vocabulary: options.vocabulary(),
+        packed_rows: options.reads_packed_rows(),
     })
 }
 

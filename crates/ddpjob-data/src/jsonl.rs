@@ -131,9 +131,6 @@ pub const JSONL_KEYS: &[KeyDoc] = &[
     },
 ];
 
-/// The models that read packed rows (see `models::packed`).
-const PACKS: [&str; 2] = ["gpt", "llama"];
-
 /// The stored examples' names in the job directory.
 const STORED: [&str; 2] = ["jsonl-train.bin", "jsonl-val.bin"];
 
@@ -383,11 +380,11 @@ impl DatasetOptions for JsonlOptions {
                     .into(),
             );
         }
-        if self.pack && !PACKS.contains(&cx.arch.as_str()) {
+        if self.pack && !cx.language.as_ref().is_some_and(|l| l.packed_rows) {
             return Err(format!(
                 "data.pack = true needs a model that reads packed rows (restarting positions \
-                 and attention at each example): {}, not \"{}\"; use pack = false",
-                PACKS.join(" or "),
+                 and attention at each example), and model.arch = \"{}\" does not (its \
+                 LanguageModelOptions::reads_packed_rows); use pack = false",
                 cx.arch
             ));
         }

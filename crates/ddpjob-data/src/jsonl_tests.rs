@@ -14,6 +14,7 @@ fn context(block: usize, job: Option<PathBuf>) -> DataContext {
         vocab_size: Some(320),
         tokenizer: Some(tokenizer_path()),
         vocabulary: None,
+        packed_rows: true,
     };
     let mut cx = DataContext::new(1, "llama", Some(language));
     cx.stored_job = job.is_some();
@@ -299,8 +300,14 @@ fn options_are_checked_before_anything_is_read() {
     };
     let mut other_lm = context(32, None);
     other_lm.arch = "my-lm".into();
+    if let Some(language) = other_lm.language.as_mut() {
+        language.packed_rows = false;
+    }
     let refused = packed.clone().complete(&other_lm).unwrap_err();
-    assert!(refused.contains("gpt or llama, not \"my-lm\""), "{refused}");
+    assert!(
+        refused.contains("model.arch = \"my-lm\" does not") && refused.contains("pack = false"),
+        "{refused}"
+    );
     assert!(packed.complete(&cx).is_ok());
     let fraction = JsonlOptions {
         val_fraction: 1.5,

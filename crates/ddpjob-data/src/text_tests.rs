@@ -44,6 +44,7 @@ fn spec_for(_dir: &Path, data: &str, block: usize) -> DataSpec {
         vocab_size: (name == "tokens").then_some(100),
         tokenizer: None,
         vocabulary: None,
+        packed_rows: true,
     };
     let cx = DataContext::new(3, "gpt", Some(language));
     let value = toml::Value::Table(table);
@@ -262,6 +263,7 @@ fn a_tokenizer_larger_than_a_pretrained_models_vocabulary_is_not_its_own() {
             vocab_size: Some(50),
             tokenizer: own,
             vocabulary: None,
+            packed_rows: true,
         })
     };
     cx.language = pretrained(model_dir("model"));

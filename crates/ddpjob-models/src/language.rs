@@ -29,6 +29,13 @@ pub trait LanguageModelOptions: DeserializeOwned + Serialize + 'static {
     fn tokenizer(&self) -> Option<std::path::PathBuf> {
         pretrained_tokenizer(self.init_from()?)
     }
+    /// Whether the model reads packed rows (`data.pack = true`): inputs [n, t, 2] of each
+    /// position's token id and its position within its example, positions restarting and
+    /// attention stopping where an example starts (see `ddpjob_models::packed`). `false`
+    /// (the default): `data.pack` is refused for it.
+    fn reads_packed_rows(&self) -> bool {
+        false
+    }
     /// A ddpjob `vocab.json` the weights were trained with (another job's, when the model
     /// starts from it): text is encoded with it rather than with a vocabulary of its own.
     fn vocabulary(&self) -> Option<std::path::PathBuf> {

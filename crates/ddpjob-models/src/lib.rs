@@ -12,6 +12,7 @@
 mod chain;
 mod cnn;
 pub mod gpt;
+pub mod image;
 mod language;
 mod layered;
 pub mod llama;

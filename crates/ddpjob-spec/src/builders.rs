@@ -88,6 +88,9 @@ pub struct LanguageModelSpec {
     pub tokenizer: Option<PathBuf>,
     /// The `vocab.json` the model's weights were trained with, if another job trained them.
     pub vocabulary: Option<PathBuf>,
+    /// The model reads packed rows (`data.pack`): each position's token id with its position
+    /// in its example, restarting positions and attention where an example starts.
+    pub packed_rows: bool,
 }
 
 /// What a dataset opener (and a `DatasetOptions` hook) gets besides its options. Relative

@@ -128,6 +128,12 @@ pub fn scratch_defaults() -> GptOptions {
 }
 
 impl LanguageModelOptions for GptOptions {
+    /// Packed rows restart their positions (and the rotary angles or position embeddings
+    /// with them) and attend within their example only.
+    fn reads_packed_rows(&self) -> bool {
+        true
+    }
+
     /// Every key filled: from `init_from` (a key the job restates must agree with it; the
     /// window may be shorter, as nanoGPT's `crop_block_size`), else nanoGPT's defaults. A
     /// resumed job's `job.toml` has them all; its `init_from` is not read again when gone.

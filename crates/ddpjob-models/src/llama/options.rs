@@ -199,6 +199,12 @@ fn scratch_defaults() -> LlamaOptions {
 }
 
 impl LanguageModelOptions for LlamaOptions {
+    /// Packed rows restart their positions (and the rotary angles or position embeddings
+    /// with them) and attend within their example only.
+    fn reads_packed_rows(&self) -> bool {
+        true
+    }
+
     /// Fills every key: from `init_from`'s `config.json` (refusing one the job restates
     /// differently), else from the scratch defaults. A resumed job's `job.toml` has them all
     /// already; its `init_from` is then not read again when it is gone.

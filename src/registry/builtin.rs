@@ -1,11 +1,63 @@
-//! The data a job learns from: ddpjob's data sets and sampler (`ddpjob-data`), registered with
-//! the registry (`register_builtin`).
+//! ddpjob's own models and data sets, registered exactly as a user's binary registers its own
+//! (see `examples/custom-model`): each is built by its crate (`ddpjob-models`,
+//! `ddpjob-data`); what the registry knows of it (its keys, Hugging Face family, LoRA layers,
+//! blocks, the keys it tolerates) is declared here, on its entry, and nowhere else.
 
-use crate::registry::Registry;
-pub use ddpjob_data::*;
+use super::Registry;
+use ddpjob_data::{
+    FashionMnist, IDX_KEYS, IdxOptions, JSONL_KEYS, JsonlOptions, Mnist, SYNTHETIC_KEYS,
+    SyntheticOptions, TEXT_KEYS, TOKENS_KEYS, TextOptions, TokensOptions,
+};
+use ddpjob_models::image::{MLP_KEYS, build_cnn, build_mlp};
+use ddpjob_models::{gpt, llama};
+
+/// ddpjob's own models, registered as a user's binary registers its own: each owns its
+/// `[model]` keys (its options struct's fields), and the language models their Hugging Face
+/// `model_type`s and export.
+pub(super) fn models(registry: Registry) -> Registry {
+    registry
+        .model("mlp", build_mlp)
+        .model("cnn", build_cnn)
+        .language_model("gpt", gpt::options::build_gpt)
+        // GPT-2's layers are Conv1D, weights stored [in, out]: PEFT's fan_in_fan_out.
+        .hf_family(
+            "gpt",
+            &gpt::options::MODEL_TYPES,
+            gpt::options::hf_parts,
+            true,
+        )
+        .language_model("llama", llama::build_llama)
+        .hf_family("llama", &llama::MODEL_TYPES, llama::hf_parts, false)
+        .documented("mlp", MLP_KEYS)
+        .documented("gpt", gpt::options::KEYS)
+        .documented("llama", llama::KEYS)
+        .blocks("mlp", false)
+        .blocks("cnn", false)
+        .blocks("gpt", true)
+        .blocks("llama", true)
+        .lora_layers("gpt", GPT_LINEAR_LAYERS)
+        .lora_layers("llama", LLAMA_LINEAR_LAYERS)
+        // `hidden` is the default model's (mlp) key; job files switching `arch` keep it.
+        .model_tolerates("cnn", &["hidden"])
+        .model_tolerates("gpt", &["hidden"])
+}
+
+/// The linear layers of a `gpt` LoRA adapts (their names' last part), as PEFT names GPT-2's.
+const GPT_LINEAR_LAYERS: &[&str] = &["c_attn", "c_proj", "c_fc"];
+
+/// The linear layers of a `llama` LoRA adapts, as PEFT names them.
+const LLAMA_LINEAR_LAYERS: &[&str] = &[
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
 
 /// ddpjob's data sets, registered as a user's binary registers its own.
-pub(crate) fn register_builtin(registry: Registry) -> Registry {
+pub(super) fn data(registry: Registry) -> Registry {
     registry
         .dataset_with("mnist", IdxOptions::<Mnist>::open)
         .dataset_with("fashion-mnist", IdxOptions::<FashionMnist>::open)
@@ -48,9 +100,22 @@ const TOKENS_TOLERATES_IN_STORED_JOBS: &[&str] = &[
 
 #[cfg(test)]
 mod tests {
-    use crate::config::Builders as _;
-    use crate::registry::Registry;
+    use super::*;
+    use ddpjob_spec::Builders as _;
 
+    /// `ddpjob keys` and the config reference list what each built-in model's options struct
+    /// reads: a field added without its line, or a line for a field that is gone, fails here.
+    #[test]
+    fn every_builtin_models_keys_are_documented_in_field_order() {
+        let registry = Registry::builtin();
+        let docs = registry.model_docs();
+        let archs: Vec<&str> = docs.iter().map(|m| m.arch).collect();
+        assert_eq!(archs, ["cnn", "gpt", "llama", "mlp"]);
+        for m in docs {
+            let documented: Vec<&str> = m.keys.iter().map(|k| k.key).collect();
+            assert_eq!(documented, m.fields, "model.arch = \"{}\"", m.arch);
+        }
+    }
     /// `ddpjob keys` and the config reference list what each built-in dataset's options struct
     /// reads (a table's keys as `table.key`), and show its real defaults.
     #[test]

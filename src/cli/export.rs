@@ -176,29 +176,31 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         "exported `{}` to `{}`{}",
         weights.display(),
         hf_dir.display(),
-        match (tokenizer.is_empty(), spec.data.name()) {
+        match (tokenizer.is_empty(), vocabulary(&job.root)) {
             (false, _) => "",
             // A job of an older version, whose tokenizer was not kept, moved since.
-            (true, _)
-                if matches!(
-                    Vocab::load(&Vocab::path_in(&job.root)),
-                    Ok(Vocab::HuggingFace(_))
-                ) =>
-            {
+            (true, Some(Ok(Vocab::HuggingFace(_)))) => {
                 " (no tokenizer: the tokenizer.json the job trained with is no longer where its \
                  job.toml says; copy it beside the model)"
             }
-            (true, "tokens") => {
-                " (no tokenizer: the job trained on pre-tokenised ids (data.dataset = \
-                 \"tokens\"); put the tokenizer that made them beside the model)"
+            // Its data came as token ids (`tokens`, or a dataset of the user's own).
+            (true, None) => {
+                " (no tokenizer: the job trained on token ids it was given and kept no \
+                 vocabulary; put the tokenizer that made them beside the model)"
             }
-            (true, _) => {
+            (true, Some(_)) => {
                 " (no tokenizer: the job's vocabulary is ddpjob's own char/byte one, which \
                  transformers cannot load)"
             }
         }
     );
     Ok(())
+}
+
+/// The vocabulary the job at `root` encoded its text with, if it kept one.
+fn vocabulary(root: &Path) -> Option<Result<Vocab, crate::data::DataError>> {
+    let path = Vocab::path_in(root);
+    path.is_file().then(|| Vocab::load(&path))
 }
 
 /// The model directory the job's adapters go over, for `base_model_name_or_path`: its

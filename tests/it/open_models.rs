@@ -645,3 +645,36 @@ fn sample_of_a_pretrained_models_token_job_decodes_with_its_tokenizer() {
     let line: serde_json::Value = serde_json::from_str(sampled.stdout.trim()).unwrap();
     assert_eq!(line["tokens"], 5, "{line}");
 }
+
+/// A job that trained on token ids it was given (`data.dataset = "tokens"`, a scratch model)
+/// kept no tokenizer and no vocabulary: `export --hf` writes the weights and says what to put
+/// beside them.
+#[test]
+fn export_of_a_token_job_without_a_tokenizer_says_which_tokenizer_is_missing() {
+    let t = TestJob::new();
+    let ids: Vec<u8> = (0..2000u16)
+        .flat_map(|i| ((i * 7) % 50).to_le_bytes())
+        .collect();
+    std::fs::write(t.path("train.bin"), &ids).unwrap();
+    std::fs::write(t.path("val.bin"), &ids[..800]).unwrap();
+    let text = format!(
+        "[model]\narch = \"gpt\"\nn_layer = 1\nn_head = 1\nn_embd = 8\nblock_size = 8\n\
+         vocab_size = 64\n[data]\ndataset = \"tokens\"\ntrain_path = \"{}\"\nval_path = \"{}\"\n\
+         [train]\nmax_steps = 2\nbatch_size = 4\n",
+        t.path("train.bin").display(),
+        t.path("val.bin").display()
+    );
+    t.run(&t.config("ids", &text), &[]).success();
+    let out = t.path("hf-ids").display().to_string();
+    let jobs = t.jobs_dir().display().to_string();
+    let exported = t.ddpjob(&["export", "ids", "--hf", &out, "--jobs-dir", &jobs]);
+    exported.success();
+    assert!(
+        exported
+            .stdout
+            .contains("the job trained on token ids it was given and kept no vocabulary"),
+        "{}",
+        exported.stdout
+    );
+    assert!(t.path("hf-ids").join("model.safetensors").is_file());
+}

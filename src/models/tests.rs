@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::config::Precision;
+use crate::models::testing::max_difference as max_abs_diff;
 use crate::models::{Mode, Model, is_adapter};
 use crate::task::ModelInput;
 
@@ -160,19 +161,6 @@ fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/hf")
         .join(name)
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// The pretrained fixture `name`, as a job whose `init_from` names it builds it.

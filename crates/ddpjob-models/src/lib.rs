@@ -19,6 +19,8 @@ pub mod llama;
 mod lora;
 mod mlp;
 pub mod packed;
+#[doc(hidden)]
+pub mod testing;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 

@@ -255,10 +255,7 @@ mod tests {
         gpt
     }
 
-    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
-        d.max(0).unwrap().to_scalar::<f32>().unwrap()
-    }
+    use crate::testing::max_difference as max_abs_diff;
 
     #[test]
     fn logits_and_loss_equal_transformers_whichever_way_the_file_names_tensors() {

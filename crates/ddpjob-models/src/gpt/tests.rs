@@ -30,12 +30,7 @@ fn values(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
 
-/// The largest |a − b| of two tensors of one shape, in f32 (whatever their dtype).
-pub(super) fn max_difference(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
-    let d = d.abs().unwrap().flatten_all().unwrap();
-    d.max(0).unwrap().to_scalar().unwrap()
-}
+pub(super) use crate::testing::max_difference;
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());

@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::options::{LlamaOptions, build_llama};
 use super::{repeat_kv, rms_norm};
 use crate::LanguageModelOptions;
+use crate::testing::max_difference as max_abs_diff;
 use crate::{Mode, Model};
 use ddpjob_seam::ModelContext;
 use ddpjob_seam::task::ModelInput;
@@ -55,19 +56,6 @@ fn reference(name: &str) -> (Tensor, Tensor, Tensor, f32) {
     let ids = |k: &str| r[k].to_dtype(DType::U32).unwrap();
     let loss = r["loss"].to_vec1::<f32>().unwrap()[0];
     (ids("input_ids"), ids("targets"), r["logits"].clone(), loss)
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 #[test]

@@ -41,8 +41,7 @@ impl Checkpoints {
 
     /// The checkpoint `latest` points to, by name.
     pub fn latest_name(&self) -> Option<String> {
-        let text = std::fs::read_to_string(self.dir().join("latest")).ok()?;
-        Some(text.trim().to_string()).filter(|n| !n.is_empty())
+        super::layout::latest_name(&self.dir())
     }
 
     /// The newest checkpoint that verifies, and the newer ones that do not (see [`choose`]).

@@ -4,6 +4,7 @@
 
 pub mod base;
 mod dir;
+pub mod layout;
 mod streamed;
 mod trained;
 pub use dir::{Checkpoints, FORMAT, read_position};

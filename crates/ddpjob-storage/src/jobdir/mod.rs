@@ -339,13 +339,7 @@ impl JobDir {
 
     /// Whether it has a checkpoint to resume from (one `resume` may still find damaged).
     pub fn has_checkpoint(&self) -> bool {
-        let dir = self.checkpoints_dir();
-        dir.join("latest").is_file()
-            || fs::read_dir(&dir).is_ok_and(|entries| {
-                entries
-                    .flatten()
-                    .any(|e| e.file_name().to_string_lossy().starts_with("step-"))
-            })
+        crate::checkpoint::layout::any_in(&self.checkpoints_dir())
     }
 
     pub fn job_toml(&self) -> PathBuf {
@@ -424,7 +418,7 @@ impl JobDir {
         // A job's directory: its config and what only a job's run leaves (a checkpoint, its
         // results, or rank 0's metrics). Another node's copy of a multi-node job (config and
         // logs only) is not one to list or resume.
-        let ran = self.checkpoints_dir().join("latest").is_file()
+        let ran = crate::checkpoint::layout::has_latest(&self.checkpoints_dir())
             || (self.summary_path().is_file() && self.model_path().is_file())
             || self.metrics_path().is_file();
         if !self.job_toml().is_file() || !ran {
@@ -463,9 +457,8 @@ impl JobDir {
             state.last_loss = summary["final_train_loss"].as_f64();
             return Some(state);
         }
-        let checkpoints = self.checkpoints_dir();
-        let latest = fs::read_to_string(checkpoints.join("latest")).unwrap_or_default();
-        if let Some(position) = json(checkpoints.join(latest.trim()).join("state.json")) {
+        if let Some(position) = crate::checkpoint::layout::latest_position(&self.checkpoints_dir())
+        {
             (state.epoch, state.step) = (number(&position, "epoch"), number(&position, "step"));
             state.world_size = number(&position, "world_size").max(1);
         }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Packs what bench/gpu-check.sh needs on a GPU machine into target/gpu-carry/ (about 51 MB, under
+# Packs what bench/gpu-check.sh needs on a GPU machine into target/gpu-carry/ (about 62 MB, just under
 # the device tool's 64 MiB carry limit): the CUDA binary from ../shared/gpu/build-cuda.sh
 # (xz-compressed: 59 MB -> 9 MB), the unit tests of the crates with GPU tests built for CUDA
 # (its `kernels` step runs their GPU tests; KERNEL_TESTS=0 leaves them out), run-gpu.sh, Fashion-MNIST's

@@ -128,9 +128,9 @@ def resolve(mods, table, here, path, depth=0):
             base, rest = base[:-1], rest[1:]
     elif head == "self":
         base = list(here)
-    elif (head,) in mods and head not in EXTERNAL:
-        base, rest = [head], rest  # a path from the crate root (`use gpt::X` in lib.rs)
-        return resolve(mods, table, here, ["crate", head] + rest, depth)
+    elif tuple(here) + (head,) in mods:
+        # A child module named bare (`use gpt::X` in lib.rs, `use options::Y` in llama/).
+        return resolve(mods, table, here, ["self", head] + rest, depth)
     else:
         return None
     parts = base + rest
@@ -149,10 +149,6 @@ def resolve(mods, table, here, path, depth=0):
             if got not in (None, module):
                 return got
     return module
-
-
-# Paths that start with an external crate's name.
-EXTERNAL = {"std", "core", "alloc"}
 
 
 def graph(src):

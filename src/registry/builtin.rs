@@ -116,6 +116,7 @@ mod tests {
             assert_eq!(documented, m.fields, "model.arch = \"{}\"", m.arch);
         }
     }
+
     /// `ddpjob keys` and the config reference list what each built-in dataset's options struct
     /// reads (a table's keys as `table.key`), and show its real defaults.
     #[test]

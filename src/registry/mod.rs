@@ -15,10 +15,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use ddpjob_models::LanguageModelOptions;
-use ddpjob_seam::DataError;
-use ddpjob_seam::Model;
 pub use ddpjob_seam::{BuildError, DatasetOptions, JobFile, ModelContext};
-use ddpjob_seam::{ModelInput, Task};
+use ddpjob_seam::{DataError, Model, ModelInput, Task};
 pub use ddpjob_spec::{
     Builders, DataContext, DatasetDocs, KeyDoc, Known, LanguageModelSpec, ModelDocs,
 };

@@ -1,23 +1,8 @@
 //! `[expect]` checked against a finished run's summary: the verdict a CI smoke job needs beyond
 //! "it did not crash". Results are recorded in `summary.json` and decide the exit status.
 
-use serde::{Deserialize, Serialize};
-
 use crate::config::{Check, Expectation};
-use crate::train::Summary;
-
-/// One checked expectation, as `summary.json` records it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ExpectationResult {
-    /// The `[expect]` key, e.g. `min_test_accuracy`.
-    pub name: String,
-    /// The `summary.json` field compared, e.g. `test_accuracy`.
-    pub metric: String,
-    pub threshold: f64,
-    /// The run's value; `null` when it was not a number (a diverged loss).
-    pub value: Option<f64>,
-    pub met: bool,
-}
+use crate::train::{ExpectationResult, Summary};
 
 impl ExpectationResult {
     /// `min_test_accuracy: test_accuracy 0.8531 is below the minimum 0.9`.

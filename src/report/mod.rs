@@ -14,6 +14,6 @@ pub mod sink;
 pub mod tensorboard;
 pub mod view;
 
-pub use expect::{ExpectationResult, check, unmet_report};
+pub use expect::{check, unmet_report};
 pub use record::Record;
 pub use view::JobView;

@@ -60,7 +60,7 @@ pub struct Summary {
     pub stopped_early: Option<EarlyStop>,
     /// `[expect]` results, filled in by the launcher when the run ends.
     #[serde(default)]
-    pub expectations: Vec<crate::report::ExpectationResult>,
+    pub expectations: Vec<ExpectationResult>,
 }
 
 fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
@@ -115,6 +115,19 @@ impl EarlyStop {
             if self.evaluations == 1 { "" } else { "s" },
         )
     }
+}
+
+/// One checked `[expect]` entry, as `summary.json` records it (`report::check` makes them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpectationResult {
+    /// The `[expect]` key, e.g. `min_test_accuracy`.
+    pub name: String,
+    /// The `summary.json` field compared, e.g. `test_accuracy`.
+    pub metric: String,
+    pub threshold: f64,
+    /// The run's value; `null` when it was not a number (a diverged loss).
+    pub value: Option<f64>,
+    pub met: bool,
 }
 
 impl Summary {

@@ -39,7 +39,7 @@ use ddpjob_comm::{CommError, Communicator, broadcast_vars};
 
 pub use eval::{EvalResult, EvalThreads, evaluate};
 pub use leader::{Leader, Weights};
-pub use metrics::{EarlyStop, Summary, WeightDigests, eval_names};
+pub use metrics::{EarlyStop, ExpectationResult, Summary, WeightDigests, eval_names};
 
 /// The file under a job's `logs/` where `DDPJOB_TRACE_WEIGHTS` puts each step's weight digests.
 pub const WEIGHT_DIGESTS: &str = "weights.jsonl";

@@ -6,8 +6,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 /// The options of a model that learns from token windows: registered with
-/// `Registry::language_model` (in `ddpjob`), it trains on the built-in `text` and `tokens` data, which cut
-/// windows of its `block_size` and tokenise with its tokenizer unless the job names another.
+/// `Registry::language_model` (in `ddpjob`), it trains on the built-in `text`, `tokens` and
+/// `jsonl` data, which cut windows of its `block_size` and tokenise with its tokenizer unless
+/// the job names another.
 pub trait LanguageModelOptions: DeserializeOwned + Serialize + 'static {
     /// The options with what they leave to be derived filled in (sizes read from a pretrained
     /// checkpoint's config, defaults), or why that fails: `job.toml` holds the result, so a
@@ -29,17 +30,17 @@ pub trait LanguageModelOptions: DeserializeOwned + Serialize + 'static {
     fn tokenizer(&self) -> Option<std::path::PathBuf> {
         pretrained_tokenizer(self.init_from()?)
     }
+    /// A ddpjob `vocab.json` the weights were trained with (another job's, when the model
+    /// starts from it): text is encoded with it rather than with a vocabulary of its own.
+    fn vocabulary(&self) -> Option<std::path::PathBuf> {
+        pretrained_vocabulary(self.init_from()?)
+    }
     /// Whether the model reads packed rows (`data.pack = true`): inputs [n, t, 2] of each
     /// position's token id and its position within its example, positions restarting and
     /// attention stopping where an example starts (see `ddpjob_models::packed`). `false`
     /// (the default): `data.pack` is refused for it.
     fn reads_packed_rows(&self) -> bool {
         false
-    }
-    /// A ddpjob `vocab.json` the weights were trained with (another job's, when the model
-    /// starts from it): text is encoded with it rather than with a vocabulary of its own.
-    fn vocabulary(&self) -> Option<std::path::PathBuf> {
-        pretrained_vocabulary(self.init_from()?)
     }
 }
 

@@ -22,6 +22,6 @@ pub use model::{
     CollectedGradients, GradientSink, KvCache, KvDecoder, Mode, Model, TrainPass,
     chain_train_flops, hand_over_all,
 };
-pub use params::{Params, parameter_values, zeroed_parameter_values};
+pub use params::{Params, parameter_values, set_parameter, zeroed_parameter_values};
 pub use store::ParamStore;
 pub use task::{BatchSource, DataError, Metric, ModelInput, Task};

@@ -147,6 +147,23 @@ impl Params {
     }
 }
 
+/// Sets `var` (the parameter `name`) to `tensor`, converted to its dtype and device; `Err` when
+/// the shapes differ.
+pub fn set_parameter(name: &str, var: &Var, tensor: &Tensor) -> std::result::Result<(), String> {
+    if tensor.dims() != var.dims() {
+        return Err(format!(
+            "`{name}` has shape {:?} there but {:?} in this model",
+            tensor.dims(),
+            var.dims()
+        ));
+    }
+    tensor
+        .to_dtype(var.dtype())
+        .and_then(|t| t.to_device(var.device()))
+        .and_then(|t| var.set(&t))
+        .map_err(|e| format!("`{name}`: {e}"))
+}
+
 /// A new parameter's values, `shape`'s count of them drawn by `draw`; where this machine
 /// cannot give them memory (a mistyped width, say) an error naming the parameter and its size,
 /// so that the model is refused instead of the process aborted.

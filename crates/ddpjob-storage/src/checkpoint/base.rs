@@ -107,24 +107,7 @@ fn set_one(
     let tensor = saved
         .get(name)
         .ok_or_else(|| format!("it has no parameter or buffer `{name}`"))?;
-    put(name, var, tensor)
-}
-
-/// Sets `var` (the parameter `name`) to `tensor`, converted to its dtype and device; `Err` when
-/// the shapes differ.
-pub fn put(name: &str, var: &candle_core::Var, tensor: &Tensor) -> Result<(), String> {
-    if tensor.dims() != var.dims() {
-        return Err(format!(
-            "`{name}` has shape {:?} there but {:?} in this model",
-            tensor.dims(),
-            var.dims()
-        ));
-    }
-    tensor
-        .to_dtype(var.dtype())
-        .and_then(|t| t.to_device(var.device()))
-        .and_then(|t| var.set(&t))
-        .map_err(|e| format!("`{name}`: {e}"))
+    ddpjob_seam::set_parameter(name, var, tensor)
 }
 
 #[cfg(test)]

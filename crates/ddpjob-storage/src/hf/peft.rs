@@ -170,7 +170,7 @@ pub fn load_adapter(dir: &Path, params: &ddpjob_seam::Params) -> Result<usize, S
                 path.display()
             )
         })?;
-        crate::checkpoint::base::put(name, var, &tensor).map_err(|e| {
+        ddpjob_seam::set_parameter(name, var, &tensor).map_err(|e| {
             format!(
                 "`{}`: {e}: the adapter's base is another model",
                 path.display()

@@ -90,8 +90,8 @@ impl EvalReport {
         self.result.perplexity()
     }
 
-    /// One JSON object: `loss`, `perplexity` and `tokens` for a language model, `loss`,
-    /// `accuracy` and `samples` for a classifier; where the weights came from, the seconds
+    /// One JSON object: `loss`, `accuracy`, every other metric the task declares by name
+    /// (`perplexity` for a language model), `tokens` (a language model's) or `samples`; where the weights came from, the seconds
     /// loading them and scoring took, and the tokens (samples) scored per second.
     pub fn json(&self) -> serde_json::Value {
         let r = &self.result;
@@ -103,8 +103,11 @@ impl EvalReport {
             "eval_s": self.eval_s,
             "per_s": r.samples as f64 / self.eval_s.max(1e-9),
         });
-        if let Some(perplexity) = self.perplexity() {
-            line["perplexity"] = perplexity.into();
+        // Whatever else the task declares, by name.
+        for (name, value) in r.values.iter() {
+            line[name] = value.into();
+        }
+        if self.perplexity().is_some() {
             line["tokens"] = r.samples.into();
         } else {
             line["samples"] = r.samples.into();

@@ -126,7 +126,7 @@ pub use registry::{
     BuildError, DataContext, DatasetOptions, JobFile, LanguageModelOptions, LanguageModelSpec,
     ModelContext, Registry,
 };
-pub use task::{BatchSource, IGNORE_TARGET, ModelInput, Task};
+pub use task::{BatchSource, EvalSums, IGNORE_TARGET, Metric, MetricInfo, ModelInput, Task};
 
 /// What the end-to-end tests compare against; not part of the API.
 #[doc(hidden)]

@@ -11,6 +11,7 @@ use plotters::prelude::*;
 
 use super::history::History;
 use crate::jobdir::JobDir;
+use crate::task::MetricInfo;
 
 const SIZE: (u32, u32) = (960, 900);
 /// A long job logs many intervals; more points than this add bytes, not information.
@@ -26,23 +27,36 @@ pub const ACCURACY_COLOR: RGBColor = RGBColor(44, 160, 44);
 pub const LR_COLOR: RGBColor = RGBColor(148, 103, 189);
 const RESUME_COLOR: RGBColor = RGBColor(150, 150, 150);
 
-/// Redraws `curves.svg` of `job` from its `metrics.jsonl`; the error is a warning's text.
+/// Redraws `curves.svg` of `job` from its `metrics.jsonl`, its metrics as its task declared
+/// them in `state.json`; the error is a warning's text.
 pub fn draw(job: &JobDir) -> Result<(), String> {
     let title = format!("ddpjob: {}", job.name());
-    write(&job.metrics_path(), &job.curves_path(), &title)
+    let declared = job.read_state().map(|s| s.metrics).unwrap_or_default();
+    write(&job.metrics_path(), &job.curves_path(), &declared, &title)
 }
 
 /// Reads `metrics` and writes the chart to `out` (atomically: a viewer never sees half a file).
-pub fn write(metrics: &Path, out: &Path, title: &str) -> Result<(), String> {
+/// `declared`: the task's metrics (empty: inferred from the records).
+pub fn write(
+    metrics: &Path,
+    out: &Path,
+    declared: &[MetricInfo],
+    title: &str,
+) -> Result<(), String> {
     let history =
         History::read(metrics).map_err(|e| format!("cannot read `{}`: {e}", metrics.display()))?;
-    let svg = render(&history, title)?;
+    let declared = match declared {
+        [] => MetricInfo::inferred(history.metric_names.iter().map(|n| n.as_str())),
+        given => given.to_vec(),
+    };
+    let svg = render(&history, &declared, title)?;
     crate::jobdir::write_atomic(out, svg.as_bytes())
         .map_err(|e| format!("cannot write `{}`: {e}", out.display()))
 }
 
-/// The chart as an SVG document: three panels sharing the step axis.
-pub fn render(history: &History, title: &str) -> Result<String, String> {
+/// The chart as an SVG document: three panels sharing the step axis: the losses, the task's
+/// second metric (see [`second_metric`]), the learning rate.
+pub fn render(history: &History, metrics: &[MetricInfo], title: &str) -> Result<String, String> {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
@@ -51,7 +65,9 @@ pub fn render(history: &History, title: &str) -> Result<String, String> {
         let panels = root.split_evenly((3, 1));
         let steps = step_range(history);
         loss_panel(&panels[0], history, steps.clone()).map_err(draw_error)?;
-        accuracy_panel(&panels[1], history, steps.clone()).map_err(draw_error)?;
+        if let Some(metric) = second_metric(metrics) {
+            metric_panel(&panels[1], history, metric, steps.clone()).map_err(draw_error)?;
+        }
         lr_panel(&panels[2], history, steps).map_err(draw_error)?;
         root.present().map_err(draw_error)?;
     }
@@ -155,8 +171,8 @@ fn legend_box<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, position: SeriesLabelPositi
 
 fn loss_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
     let train = thin(finite(h.train.iter().map(|p| (p.step as f64, p.loss))));
-    let test = finite(h.epochs.iter().map(|e| (e.step as f64, e.test_loss)));
-    let periodic = finite(h.evals.iter().map(|e| (e.step as f64, e.test_loss)));
+    let test = finite(h.epochs.iter().map(|e| (e.step as f64, e.test_loss())));
+    let periodic = finite(h.evals.iter().map(|e| (e.step as f64, e.test_loss())));
     let ys = y_range(train.iter().chain(&test).chain(&periodic), Some(0.0));
     let plain = |y: &f64| format!("{y:.2}");
     let mut chart = axes(area, "Loss", "loss", &plain, steps, ys.clone())?;
@@ -190,22 +206,36 @@ fn loss_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
     legend_box(&mut chart, SeriesLabelPosition::UpperRight)
 }
 
-fn accuracy_panel(area: &Area, h: &History, steps: Range<f64>) -> DrawResult {
+/// The metric the middle panel plots: the task's first after the loss that is a fraction
+/// (accuracy, for the built-in tasks), else its first after the loss.
+pub fn second_metric(metrics: &[MetricInfo]) -> Option<&MetricInfo> {
+    let others = || metrics.iter().filter(|m| m.name != "loss");
+    others().find(|m| m.percent).or_else(|| others().next())
+}
+
+fn metric_panel(area: &Area, h: &History, metric: &MetricInfo, steps: Range<f64>) -> DrawResult {
+    let scale = if metric.percent { 100.0 } else { 1.0 };
     let acc = finite(
         h.epochs
             .iter()
-            .map(|e| (e.step as f64, e.test_accuracy * 100.0)),
+            .map(|e| (e.step as f64, e.metrics.value(&metric.name) * scale)),
     );
     let ys = y_range(acc.iter(), None);
-    let ys = ys.start.max(0.0)..ys.end.min(100.0).max(ys.start.max(0.0) + 1.0);
-    let percent = |y: &f64| format!("{y:.1}");
-    // A language model's task reports next-token accuracy.
-    let (title, label) = if h.perplexity {
-        ("Next-token accuracy", "next-token accuracy (per epoch)")
-    } else {
-        ("Test accuracy", "test accuracy (per epoch)")
+    let ys = match metric.percent {
+        true => ys.start.max(0.0)..ys.end.min(100.0).max(ys.start.max(0.0) + 1.0),
+        false => ys,
     };
-    let mut chart = axes(area, title, "accuracy (%)", &percent, steps, ys)?;
+    let plain = |y: &f64| format!("{y:.1}");
+    let mut title = metric.label.clone();
+    if let Some(first) = title.get_mut(0..1) {
+        first.make_ascii_uppercase();
+    }
+    let label = format!("{} (per epoch)", metric.label);
+    let unit = match metric.percent {
+        true => format!("{} (%)", metric.name),
+        false => metric.name.clone(),
+    };
+    let mut chart = axes(area, &title, &unit, &plain, steps, ys)?;
     chart
         .draw_series(LineSeries::new(acc.clone(), ACCURACY_COLOR.stroke_width(2)))?
         .label(label)
@@ -267,8 +297,24 @@ mod tests {
 
     #[test]
     fn an_empty_history_still_draws_a_valid_chart() {
-        let svg = render(&History::default(), "job `x`").unwrap();
+        let classes = MetricInfo::inferred(["accuracy", "loss"]);
+        let svg = render(&History::default(), &classes, "job `x`").unwrap();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-        assert!(svg.contains("Learning rate"));
+        assert!(svg.contains("Learning rate") && svg.contains("Test accuracy"));
+    }
+
+    #[test]
+    fn the_middle_panel_plots_what_the_task_declared() {
+        // A language model's: next-token accuracy, not perplexity (a fraction goes first).
+        let lm = MetricInfo::inferred(["loss", "perplexity", "accuracy"]);
+        assert_eq!(second_metric(&lm).unwrap().label, "next-token accuracy");
+        // A task's own metric, drawn under its own label from the records.
+        let margins = MetricInfo::new("rewards/margins", "reward margin");
+        let declared = [MetricInfo::new("loss", "loss"), margins];
+        assert_eq!(second_metric(&declared).unwrap().name, "rewards/margins");
+        let text = r#"{"kind":"epoch","epoch":0,"step":4,"loss":0.7,"lr":0.1,"test_loss":0.6,"test_rewards/margins":0.25}"#;
+        let svg = render(&History::parse(text), &declared, "job").unwrap();
+        assert!(svg.contains("Reward margin"), "no panel title");
+        assert!(second_metric(&declared[..1]).is_none());
     }
 }

@@ -46,7 +46,7 @@ pub fn check(expect: &[Expectation], summary: &Summary) -> Vec<ExpectationResult
             let value = match e.check {
                 Check::MinTestAccuracy => summary.test_accuracy,
                 Check::MaxTestLoss => summary.test_loss,
-                Check::MaxTestPerplexity => summary.test_perplexity.unwrap_or(f64::NAN),
+                Check::MaxTestPerplexity => summary.more_metrics.value("perplexity"),
                 Check::MaxFinalLoss => summary.final_train_loss,
                 Check::MaxWallS => summary.wall_s,
                 Check::MinTrainSamplesPerS => summary.train_samples_per_s,
@@ -93,7 +93,7 @@ mod tests {
         Summary {
             test_accuracy: 0.85,
             test_loss: 0.4,
-            test_perplexity: None,
+            more_metrics: Default::default(),
             final_train_loss: f64::NAN,
             epochs: 1,
             steps: 10,
@@ -111,6 +111,7 @@ mod tests {
             estimated_peak_bytes: None,
             stopped_early: None,
             expectations: Vec::new(),
+            metrics: Vec::new(),
         }
     }
 
@@ -180,10 +181,8 @@ mod tests {
         let limit = [expect(Check::MaxTestPerplexity, 1.5)];
         // A classifier's summary has none: never met.
         assert_eq!(check(&limit, &summary())[0].value, None);
-        let language = Summary {
-            test_perplexity: Some(0.4f64.exp()),
-            ..summary()
-        };
+        let mut language = summary();
+        language.more_metrics.set("perplexity", 0.4f64.exp());
         let result = &check(&limit, &language)[0];
         assert!(result.met, "{}", result.describe());
         assert_eq!(

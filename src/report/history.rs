@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use super::record::{self, Record};
+use crate::task::{MetricInfo, MetricValues};
 
 /// One log-interval line (`"kind": "train"`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -14,31 +15,41 @@ pub struct TrainPoint {
 }
 
 /// One end-of-epoch line (`"kind": "epoch"`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EpochPoint {
     pub epoch: usize,
     pub step: usize,
     pub train_loss: f64,
-    pub test_loss: f64,
-    pub test_accuracy: f64,
+    /// The evaluation after it, as its task declared it.
+    pub metrics: MetricValues,
     pub lr: f64,
 }
 
 /// One evaluation every `train.eval_every` steps (`"kind": "eval"`), often on part of the split.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EvalPoint {
     pub step: usize,
-    pub test_loss: f64,
-    pub test_accuracy: f64,
+    pub metrics: MetricValues,
 }
 
 /// One evaluation of either kind: `epoch` is the 0-based epoch of an end-of-epoch one.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Evaluated {
     pub step: usize,
     pub epoch: Option<usize>,
-    pub test_loss: f64,
-    pub test_accuracy: f64,
+    pub metrics: MetricValues,
+}
+
+impl EpochPoint {
+    pub fn test_loss(&self) -> f64 {
+        self.metrics.value("loss")
+    }
+}
+
+impl EvalPoint {
+    pub fn test_loss(&self) -> f64 {
+        self.metrics.value("loss")
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -53,8 +64,8 @@ pub struct History {
     pub resumed_by_user: usize,
     /// Lines that were not JSON objects of a known kind (a torn last line after a crash).
     pub skipped: usize,
-    /// Whether its evaluations carry perplexity (their task is a language model's).
-    pub perplexity: bool,
+    /// The names of the metrics its evaluations carry, in the order first seen.
+    pub metric_names: Vec<String>,
 }
 
 impl History {
@@ -77,35 +88,22 @@ impl History {
                     step,
                     loss,
                     lr,
-                    test_loss,
-                    test_accuracy,
-                    test_perplexity,
+                    metrics,
                     ..
-                } => h.epochs.push({
-                    h.perplexity |= test_perplexity.is_some();
-                    EpochPoint {
+                } => {
+                    h.note_names(&metrics);
+                    h.epochs.push(EpochPoint {
                         epoch,
                         step,
                         train_loss: loss,
-                        test_loss,
-                        test_accuracy,
+                        metrics,
                         lr,
-                    }
-                }),
-                Record::Eval {
-                    step,
-                    test_loss,
-                    test_accuracy,
-                    test_perplexity,
-                    ..
-                } => h.evals.push({
-                    h.perplexity |= test_perplexity.is_some();
-                    EvalPoint {
-                        step,
-                        test_loss,
-                        test_accuracy,
-                    }
-                }),
+                    })
+                }
+                Record::Eval { step, metrics, .. } => {
+                    h.note_names(&metrics);
+                    h.evals.push(EvalPoint { step, metrics })
+                }
                 Record::Resume { step, restart, .. } => {
                     h.resumes.push(step);
                     h.resumed_by_user += usize::from(restart == 0);
@@ -113,6 +111,14 @@ impl History {
             }
         }
         h
+    }
+
+    fn note_names(&mut self, metrics: &MetricValues) {
+        for name in metrics.names() {
+            if !self.metric_names.iter().any(|n| n == name) {
+                self.metric_names.push(name.into());
+            }
+        }
     }
 
     pub fn last_epoch(&self) -> Option<&EpochPoint> {
@@ -125,42 +131,40 @@ impl History {
         let periodic = self.evals.iter().filter(|e| e.step > 0).map(|e| Evaluated {
             step: e.step,
             epoch: None,
-            test_loss: e.test_loss,
-            test_accuracy: e.test_accuracy,
+            metrics: e.metrics.clone(),
         });
         let epoch_ends = self.epochs.iter().map(|e| Evaluated {
             step: e.step,
             epoch: Some(e.epoch),
-            test_loss: e.test_loss,
-            test_accuracy: e.test_accuracy,
+            metrics: e.metrics.clone(),
         });
         let mut all: Vec<Evaluated> = periodic.chain(epoch_ends).collect();
         all.sort_by_key(|e| e.step);
         all
     }
 
-    /// The most accurate evaluation (see [`Self::evaluations`]), the earliest of equals.
-    pub fn most_accurate(&self) -> Option<Evaluated> {
+    /// The best evaluation by `metric` (see [`Self::evaluations`]), the earliest of equals.
+    pub fn best_by(&self, metric: &MetricInfo) -> Option<Evaluated> {
         self.evaluations()
             .into_iter()
-            .filter(|e| e.test_accuracy.is_finite())
+            .filter(|e| e.metrics.value(&metric.name).is_finite())
             .fold(None, |best, e| match best {
-                Some(b) if b.test_accuracy >= e.test_accuracy => Some(b),
+                Some(b)
+                    if !metric
+                        .better(e.metrics.value(&metric.name), b.metrics.value(&metric.name)) =>
+                {
+                    Some(b)
+                }
                 _ => Some(e),
             })
     }
 
     /// The lowest test loss of any evaluation (see [`Self::evaluations`]): (step, loss), the
-    /// earliest of equals. Language models are judged by it rather than by accuracy.
+    /// earliest of equals.
     pub fn lowest_test_loss(&self) -> Option<(usize, f64)> {
-        self.evaluations()
-            .into_iter()
-            .map(|e| (e.step, e.test_loss))
-            .filter(|p| p.1.is_finite())
-            .fold(None, |best, p| match best {
-                Some(b) if b.1 <= p.1 => Some(b),
-                _ => Some(p),
-            })
+        let loss = MetricInfo::new("loss", "loss");
+        self.best_by(&loss)
+            .map(|e| (e.step, e.metrics.value("loss")))
     }
 
     /// The newest training loss, from a log-interval or an epoch line.
@@ -230,34 +234,38 @@ mod tests {
         assert_eq!(h.evals.len(), 1);
         assert_eq!(h.lowest_test_loss(), Some((10, 1.1)));
         assert_eq!(h.skipped, 1);
-        assert_eq!(h.most_accurate().unwrap().epoch, Some(0));
+        let accuracy = MetricInfo::inferred(["accuracy"]).remove(0);
+        assert_eq!(h.best_by(&accuracy).unwrap().epoch, Some(0));
         // A periodic evaluation more accurate than every epoch's is the best.
         let more = format!(
             "{text}\n{}",
             r#"{"kind":"eval","epoch":1,"step":14,"test_loss":1.4,"test_accuracy":0.7}"#
         );
-        let best = History::parse(&more).most_accurate().unwrap();
-        assert_eq!((best.step, best.epoch, best.test_accuracy), (14, None, 0.7));
-        assert_eq!(h.last_epoch().unwrap().test_accuracy, 0.55);
+        let best = History::parse(&more).best_by(&accuracy).unwrap();
+        let best_accuracy = best.metrics.value("accuracy");
+        assert_eq!((best.step, best.epoch, best_accuracy), (14, None, 0.7));
+        assert_eq!(h.last_epoch().unwrap().metrics.get("accuracy"), Some(0.55));
+        assert_eq!(h.metric_names, ["loss", "accuracy"]);
         assert_eq!(h.last_train_loss(), Some(0.9));
         assert_eq!(h.train[1].lr, 0.005);
     }
 
-    /// A language model's records: perplexity marks them; the step-0 evaluation of the
-    /// starting weights is never the lowest loss, however low.
+    /// A language model's records carry perplexity; the step-0 evaluation of the starting
+    /// weights is never the lowest loss, however low.
     #[test]
-    fn perplexity_marks_a_language_model_and_step_0_is_no_candidate() {
+    fn records_name_their_metrics_and_step_0_is_no_candidate() {
         let text = r#"{"kind":"eval","epoch":0,"step":0,"test_loss":0.5,"test_accuracy":0.1,"test_perplexity":1.6487}
 {"kind":"eval","epoch":0,"step":10,"test_loss":0.9,"test_accuracy":0.1,"test_perplexity":2.4596}"#;
         let h = History::parse(text);
-        assert!(h.perplexity);
+        assert_eq!(h.metric_names, ["loss", "accuracy", "perplexity"]);
         assert_eq!(h.lowest_test_loss(), Some((10, 0.9)));
-        assert!(
-            !History::parse(
-                r#"{"kind":"eval","epoch":0,"step":3,"test_loss":1.0,"test_accuracy":0.5}"#
-            )
-            .perplexity
-        );
+        // Whatever a task declared is read the same way, and judged by its direction.
+        let rewards = r#"{"kind":"eval","epoch":0,"step":5,"test_loss":0.7,"test_rewards/margins":0.2}
+{"kind":"eval","epoch":0,"step":9,"test_loss":0.6,"test_rewards/margins":0.5}"#;
+        let h = History::parse(rewards);
+        let margins = MetricInfo::new("rewards/margins", "margins").higher_better();
+        assert_eq!(h.best_by(&margins).map(|e| e.step), Some(9));
+        assert_eq!(h.metric_names, ["loss", "rewards/margins"]);
     }
 
     #[test]

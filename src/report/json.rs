@@ -4,7 +4,6 @@
 use serde_json::{Value, json};
 
 use super::view::JobView;
-use crate::task::Metric;
 
 /// `list --json`: every job's object, most recently updated first (as `list` prints them).
 pub fn list(views: &[JobView]) -> Value {
@@ -16,17 +15,21 @@ pub fn list(views: &[JobView]) -> Value {
 pub fn job(v: &JobView) -> Value {
     let s = &v.state;
     let spec = v.spec.as_ref();
-    let headline = match v.metrics()[0] {
-        Metric::Accuracy => "accuracy",
-        _ => "loss",
-    };
+    let metrics = v.metrics();
+    let headline = metrics.first().map(|m| m.name.clone());
+    // The best evaluation's every metric as a `test_<name>` field (`null` when not a number),
+    // `test_loss` and `test_accuracy` always there.
     let best = v.best().map(|b| {
-        json!({
+        let mut best = json!({
             "step": b.step,
             "epoch": b.epoch.map(|e| e + 1),
-            "test_loss": finite(b.loss),
-            "test_accuracy": finite(b.accuracy),
-        })
+            "test_loss": finite(b.metrics.value("loss")),
+            "test_accuracy": finite(b.metrics.value("accuracy")),
+        });
+        for (name, value) in b.metrics.iter() {
+            best[format!("test_{name}")] = json!(finite(value));
+        }
+        best
     });
     let checkpoints: Vec<Value> = v
         .checkpoints
@@ -60,6 +63,7 @@ pub fn job(v: &JobView) -> Value {
         "total_steps": (s.total_steps > 0).then_some(s.total_steps),
         "last_train_loss": v.history.last_train_loss().or(s.last_loss).and_then(finite),
         "metric": headline,
+        "metrics": metrics,
         "best": best,
         "checkpoints": checkpoints,
         "summary": v.summary,
@@ -91,6 +95,7 @@ mod tests {
                 last_loss: Some(f64::NAN),
                 error: Some("rank 1 exited".into()),
                 restarts: 1,
+                metrics: Vec::new(),
             },
             launcher: None,
             spec: None,

@@ -67,17 +67,20 @@ pub fn render(job: &str, expect: &[Expectation], completion: &Completion, wall_s
     let _ = writeln!(xml, "  <testsuite {suite_attrs}>");
     if let Completion::Finished(s) = completion {
         xml.push_str("    <properties>\n");
-        for (name, value) in [
-            ("test_accuracy", s.test_accuracy),
-            ("test_loss", s.test_loss),
-            ("test_perplexity", s.test_perplexity.unwrap_or(f64::NAN)),
+        // `test_accuracy` and `test_loss` always; the task's other metrics when they are
+        // numbers.
+        let contract = [("accuracy", s.test_accuracy), ("loss", s.test_loss)];
+        let more = s.more_metrics.iter().filter(|(_, v)| v.is_finite());
+        let metrics = contract
+            .into_iter()
+            .chain(more)
+            .map(|(name, value)| (format!("test_{name}"), value));
+        let run = [
             ("final_train_loss", s.final_train_loss),
             ("train_samples_per_s", s.train_samples_per_s),
             ("wall_s", s.wall_s),
-        ]
-        .into_iter()
-        .filter(|(name, value)| *name != "test_perplexity" || value.is_finite())
-        {
+        ];
+        for (name, value) in metrics.chain(run.map(|(n, v)| (n.to_string(), v))) {
             let _ = writeln!(xml, "      <property name=\"{name}\" value=\"{value}\"/>");
         }
         xml.push_str("    </properties>\n");

@@ -5,7 +5,6 @@ use std::fmt::Write;
 use super::history::sparkline;
 use super::view::JobView;
 use crate::jobdir::Status;
-use crate::task::Metric;
 
 const ERROR_LINES: usize = 12;
 
@@ -74,11 +73,9 @@ pub fn show(v: &JobView, now: u64) -> String {
     if let Some(summary) = &v.summary
         && let Some(early) = summary.stopped_early
     {
-        let names = crate::train::eval_names(summary.test_perplexity.is_some());
-        line("early stop", early.describe(names));
+        line("early stop", early.describe(&summary.metrics()));
     }
     let metrics = v.metrics();
-    let eval = |loss: f64, accuracy: f64| Metric::describe_all(metrics, loss, accuracy);
     if let Some(e) = v.history.last_epoch() {
         line(
             "last epoch",
@@ -86,7 +83,7 @@ pub fn show(v: &JobView, now: u64) -> String {
                 "{}: train loss {:.4}, {}",
                 e.epoch + 1,
                 e.train_loss,
-                eval(e.test_loss, e.test_accuracy)
+                e.metrics.describe(&metrics)
             ),
         );
     }
@@ -95,14 +92,14 @@ pub fn show(v: &JobView, now: u64) -> String {
             Some(epoch) => format!("epoch {} (step {})", epoch + 1, b.step),
             None => format!("step {}", b.step),
         };
-        let headline = metrics[0];
-        let value = headline.value(b.loss, b.accuracy);
         line(
             "best",
-            format!("{} at {at}", headline.describe(value, metrics)),
+            format!("{} at {at}", b.headline.describe(b.value())),
         );
     }
-    if metrics[0] == Metric::Accuracy
+    // A best judged by another metric than the loss: the lowest loss too, when periodic
+    // evaluations may have had it between epochs.
+    if metrics.first().is_some_and(|m| m.name != "loss")
         && !v.history.evals.is_empty()
         && let Some((step, loss)) = v.history.lowest_test_loss()
     {
@@ -113,7 +110,7 @@ pub fn show(v: &JobView, now: u64) -> String {
             "final",
             format!(
                 "{}, train loss {:.4}; {:.0} samples/s, {:.1} s",
-                eval(sum.test_loss, sum.test_accuracy),
+                sum.describe_eval(),
                 sum.final_train_loss,
                 sum.train_samples_per_s,
                 sum.wall_s
@@ -237,7 +234,8 @@ const COLUMNS: [(&str, i32); 12] = [
     ("EPOCH", 7),
     ("STEP", 13),
     ("LOSS", 8),
-    // The most accurate epoch's accuracy, or a language model's lowest validation loss.
+    // The best evaluation by the task's headline metric: a classifier's accuracy, a language
+    // model's loss.
     ("BEST", 8),
     ("EXPECT", -7),
     ("LOSS CURVE", -12),
@@ -273,10 +271,7 @@ pub fn list(views: &[JobView], now: u64) -> String {
             .last_train_loss()
             .or(s.last_loss)
             .map_or("-".into(), |l| format!("{l:.4}"));
-        let best = v.best().map_or("-".into(), |b| match v.metrics()[0] {
-            Metric::Accuracy => format!("{:.2}%", b.accuracy * 100.0),
-            _ => format!("{:.4}", b.loss),
-        });
+        let best = v.best().map_or("-".into(), |b| b.headline.show(b.value()));
         let expect = match v.expectations_met() {
             Some((met, total)) if met == total => format!("{met} met"),
             Some((met, total)) => format!("{} unmet", total - met),

@@ -94,7 +94,7 @@ impl TensorBoardSink {
     fn append(&mut self, record: &Record, wall_time: f64) -> Result<(), JobDirError> {
         for (tag, value) in tensorboard::scalars(record) {
             let event =
-                tensorboard::scalar_event(wall_time, record.step() as i64, tag, value as f32);
+                tensorboard::scalar_event(wall_time, record.step() as i64, &tag, value as f32);
             self.emit(&event)?;
         }
         Ok(())

@@ -5,9 +5,22 @@
 
 use std::io::Write;
 
-/// The scalars of one record, as (tag, value) at a step; what a TensorBoard user sees.
-pub fn scalars(record: &super::Record) -> Vec<(&'static str, f64)> {
+/// The scalars of one record, as (tag, value) at a step; what a TensorBoard user sees. An
+/// evaluation's are the metrics its task declared, each `test/<name>`.
+pub fn scalars(record: &super::Record) -> Vec<(String, f64)> {
     use super::Record;
+    let evaluated = |metrics: &crate::task::MetricValues| {
+        metrics
+            .iter()
+            .map(|(name, value)| (format!("test/{name}"), value))
+            .collect::<Vec<_>>()
+    };
+    let named = |pairs: &[(&str, f64)]| {
+        pairs
+            .iter()
+            .map(|&(tag, value)| (tag.to_string(), value))
+            .collect::<Vec<_>>()
+    };
     match record {
         Record::Train {
             loss,
@@ -15,34 +28,18 @@ pub fn scalars(record: &super::Record) -> Vec<(&'static str, f64)> {
             samples_per_s,
             grad_norm,
             ..
-        } => vec![
+        } => named(&[
             ("train/loss", *loss),
             ("train/lr", *lr),
             ("train/samples_per_s", *samples_per_s),
             ("train/grad_norm", grad_norm.unwrap_or(f64::NAN)),
-        ],
-        Record::Epoch {
-            loss,
-            test_loss,
-            test_accuracy,
-            test_perplexity,
-            ..
-        } => vec![
-            ("train/epoch_loss", *loss),
-            ("test/loss", *test_loss),
-            ("test/accuracy", *test_accuracy),
-            ("test/perplexity", test_perplexity.unwrap_or(f64::NAN)),
-        ],
-        Record::Eval {
-            test_loss,
-            test_accuracy,
-            test_perplexity,
-            ..
-        } => vec![
-            ("test/loss", *test_loss),
-            ("test/accuracy", *test_accuracy),
-            ("test/perplexity", test_perplexity.unwrap_or(f64::NAN)),
-        ],
+        ]),
+        Record::Epoch { loss, metrics, .. } => {
+            let mut all = named(&[("train/epoch_loss", *loss)]);
+            all.extend(evaluated(metrics));
+            all
+        }
+        Record::Eval { metrics, .. } => evaluated(metrics),
         Record::Resume { .. } => Vec::new(),
     }
     .into_iter()

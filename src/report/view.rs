@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use crate::checkpoint::{self, TrainPosition};
 use crate::config::{self, JobSpec};
 use crate::jobdir::{JobDir, JobState, Status};
+use crate::task::{MetricInfo, MetricValues};
 use crate::train::Summary;
 
 use super::history::History;
@@ -130,57 +131,50 @@ impl JobView {
             .map_or("?".into(), |s| registry.describe_data(&s.data))
     }
 
-    /// What the job's evaluations report (see [`crate::task::Metric`]): a language model's
-    /// when its records or summary carry perplexity, or its config is one.
-    pub fn metrics(&self) -> &'static [crate::task::Metric] {
-        let recorded = self.history.perplexity
-            || self
-                .summary
-                .as_ref()
-                .is_some_and(|s| s.test_perplexity.is_some());
+    /// What the job's evaluations report, the headline first (see the task seam's
+    /// `Metric`): as its task declared them in `state.json` or `summary.json`; for a job of
+    /// an older version, inferred from the metrics its records and summary hold, or from its
+    /// config before any evaluation.
+    pub fn metrics(&self) -> Vec<MetricInfo> {
+        if !self.state.metrics.is_empty() {
+            return self.state.metrics.clone();
+        }
+        if let Some(s) = self.summary.as_ref().filter(|s| !s.metrics.is_empty()) {
+            return s.metrics.clone();
+        }
+        let mut names: Vec<&str> = self
+            .history
+            .metric_names
+            .iter()
+            .map(|n| n.as_str())
+            .collect();
+        if let Some(summary) = &self.summary {
+            names.extend(["loss", "accuracy"]);
+            names.extend(summary.more_metrics.names());
+        }
         let language = self
             .spec
             .as_ref()
             .is_some_and(|s| s.model.language().is_some());
-        if recorded || language {
-            crate::task::LANGUAGE_METRICS
-        } else {
-            crate::task::CLASSIFIER_METRICS
+        if language && !names.contains(&"perplexity") {
+            names.push("perplexity");
         }
+        if names.is_empty() {
+            names.extend(["loss", "accuracy"]);
+        }
+        MetricInfo::inferred(names)
     }
 
-    /// The best evaluation by the headline metric: (step, epoch if an epoch's, loss,
-    /// accuracy). A classifier's is its most accurate, a language model's its lowest loss,
-    /// periodic evaluations included.
+    /// The best evaluation by the headline metric (a classifier's most accurate, a language
+    /// model's lowest loss), periodic evaluations included.
     pub fn best(&self) -> Option<Best> {
-        let h = &self.history;
-        if self.metrics()[0] == crate::task::Metric::Accuracy {
-            let e = h.most_accurate()?;
-            return Some(Best {
-                step: e.step,
-                epoch: e.epoch,
-                loss: e.test_loss,
-                accuracy: e.test_accuracy,
-            });
-        }
-        let (step, loss) = h.lowest_test_loss()?;
-        let epoch = h
-            .epochs
-            .iter()
-            .find(|e| e.step == step && e.test_loss == loss);
-        let eval = h
-            .evals
-            .iter()
-            .find(|e| e.step == step && e.test_loss == loss);
-        let accuracy = epoch
-            .map(|e| e.test_accuracy)
-            .or(eval.map(|e| e.test_accuracy))
-            .unwrap_or(f64::NAN);
+        let headline = self.metrics().into_iter().next()?;
+        let e = self.history.best_by(&headline)?;
         Some(Best {
-            step,
-            epoch: epoch.map(|e| e.epoch),
-            loss,
-            accuracy,
+            step: e.step,
+            epoch: e.epoch,
+            headline,
+            metrics: e.metrics,
         })
     }
 
@@ -210,13 +204,22 @@ impl JobView {
 }
 
 /// The best evaluation of a job (see [`JobView::best`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Best {
     pub step: usize,
     /// The 0-based epoch, for an end-of-epoch evaluation.
     pub epoch: Option<usize>,
-    pub loss: f64,
-    pub accuracy: f64,
+    /// The metric it is the best by.
+    pub headline: MetricInfo,
+    /// Every metric of that evaluation.
+    pub metrics: MetricValues,
+}
+
+impl Best {
+    /// The value of the metric it is the best by.
+    pub fn value(&self) -> f64 {
+        self.metrics.value(&self.headline.name)
+    }
 }
 
 /// The pid in `.lock` and whether that process still exists.

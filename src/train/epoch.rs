@@ -177,6 +177,7 @@ impl Trainer<'_> {
         run.epochs_done = epoch + 1;
 
         let fresh = run.fresh_eval.take();
+        let was_fresh = fresh.is_some();
         let eval = match fresh {
             Some(eval) => eval,
             None => self.evaluate(batches, &run.optimizer)?,
@@ -212,12 +213,12 @@ impl Trainer<'_> {
                 self.reporter.line(&format!("warning: {warning}"));
             }
         }
-        run.last_eval = Some(eval);
         let done = epoch_run.done;
         let at = self.epoch_end_position(epoch_run, done, step, &run.optimizer, lr, &run.metrics);
-        if fresh.is_none() {
+        if !was_fresh {
             run.stopped_early = self.record_eval(&eval, run, at, false)?;
         }
+        run.last_eval = Some(eval);
         // The last step's mid-epoch checkpoint is taken here, after evaluation, as an epoch one.
         if checkpoint::due_after_epoch(&spec.checkpoint, epoch)
             || checkpoint::due_after_step(&spec.checkpoint, step)

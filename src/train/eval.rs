@@ -7,38 +7,45 @@
 use candle_core::Tensor;
 
 use crate::models::Model;
-use crate::task::{BatchSource, Metric, Task};
+use crate::task::{BatchSource, EvalSums, MetricInfo, MetricValues, Task};
 use ddpjob_comm::Communicator;
 
 use super::TrainError;
 use super::shards::ShardPool;
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EvalResult {
+    /// Mean cross-entropy per target: what the best checkpoint and early stopping watch.
     pub loss: f64,
+    /// The fraction of targets predicted exactly.
     pub accuracy: f64,
     /// Targets scored (samples for a classifier, tokens for a language model).
     pub samples: usize,
-    /// What the task reports of it (see [`Task::metrics`]).
-    pub metrics: &'static [Metric],
+    /// What the task reports of it (see [`Task::metrics`]), by name in its order.
+    pub values: MetricValues,
+    /// How each of them reads.
+    pub metrics: Vec<MetricInfo>,
 }
 
 impl EvalResult {
-    /// The value of `metric` when the task declares it.
-    pub fn get(&self, metric: Metric) -> Option<f64> {
-        self.metrics
-            .contains(&metric)
-            .then(|| metric.value(self.loss, self.accuracy))
+    /// The value of metric `name` when the task declares it.
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.values.get(name)
     }
 
     pub fn perplexity(&self) -> Option<f64> {
-        self.get(Metric::Perplexity)
+        self.get("perplexity")
     }
 
     /// `val loss 1.6527, perplexity 5.221, next-token accuracy 45.12%`.
     pub fn describe(&self) -> String {
-        Metric::describe_all(self.metrics, self.loss, self.accuracy)
+        self.values.describe(&self.metrics)
     }
+}
+
+/// How `task`'s evaluations read: what it declares, in order.
+pub fn declared_metrics(task: &dyn Task) -> Vec<MetricInfo> {
+    task.metrics().iter().map(|m| m.info()).collect()
 }
 
 /// How a rank's evaluation batches use its threads.
@@ -229,13 +236,19 @@ fn in_pieces(
     Ok(sums)
 }
 
-fn result(task: &dyn Task, sums: [f64; 3]) -> EvalResult {
-    let samples = sums[2].max(1.0);
+fn result(task: &dyn Task, [loss, correct, targets]: [f64; 3]) -> EvalResult {
+    let sums = EvalSums {
+        loss,
+        correct,
+        targets,
+    };
+    let metrics = task.metrics();
     EvalResult {
-        loss: sums[0] / samples,
-        accuracy: sums[1] / samples,
-        samples: sums[2] as usize,
-        metrics: task.metrics(),
+        loss: sums.mean_loss(),
+        accuracy: sums.accuracy(),
+        samples: targets as usize,
+        values: MetricValues::of(&metrics, &sums),
+        metrics: metrics.iter().map(|m| m.info()).collect(),
     }
 }
 

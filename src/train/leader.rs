@@ -9,6 +9,7 @@ use crate::jobdir::{JobDir, JobDirError, JobState, now_unix};
 use crate::models::Params;
 use crate::report::Record;
 use crate::report::sink::{JsonlSink, MetricsSink, TensorBoardSink};
+use crate::task::MetricInfo;
 
 use super::{EvalResult, Summary, TrainError};
 
@@ -20,6 +21,8 @@ pub struct Leader {
     /// `[logging] tensorboard`: add a TensorBoard sink when training starts.
     tensorboard: bool,
     sinks: Mutex<Vec<Box<dyn MetricsSink>>>,
+    /// What the task's evaluations report, kept in `state.json` for `show` and `list`.
+    metrics: Vec<MetricInfo>,
 }
 
 impl Leader {
@@ -39,6 +42,22 @@ impl Leader {
             restart_count,
             tensorboard,
             sinks: Mutex::new(sinks),
+            metrics: Vec::new(),
+        }
+    }
+
+    /// The same, recording that its task's evaluations report `metrics`.
+    pub fn declaring(mut self, metrics: Vec<MetricInfo>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// `state.json` of a running job.
+    fn running(&self, world_size: usize, total_steps: usize) -> JobState {
+        JobState {
+            restarts: self.restarts(),
+            metrics: self.metrics.clone(),
+            ..JobState::running(world_size, total_steps)
         }
     }
 
@@ -64,10 +83,7 @@ impl Leader {
     /// Records the plan in `state.json` as training starts.
     pub fn start(&self, world_size: usize, total_steps: usize) -> Result<(), TrainError> {
         self.start_sinks()?;
-        let state = JobState {
-            restarts: self.restarts(),
-            ..JobState::running(world_size, total_steps)
-        };
+        let state = self.running(world_size, total_steps);
         Ok(self.job.write_state(&state)?)
     }
 
@@ -97,8 +113,7 @@ impl Leader {
             epoch: p.epoch,
             step: p.step,
             last_loss: p.metrics.last_epoch_loss,
-            restarts: self.restarts(),
-            ..JobState::running(world_size, total_steps)
+            ..self.running(world_size, total_steps)
         };
         Ok(self.job.write_state(&state)?)
     }
@@ -146,9 +161,7 @@ impl Leader {
             loss: train_loss,
             lr,
             samples_per_s: round(samples_per_s),
-            test_loss: eval.loss,
-            test_accuracy: eval.accuracy,
-            test_perplexity: eval.perplexity(),
+            metrics: eval.values.clone(),
             train_s: epoch_train_s,
             time: now_unix(),
         })?;
@@ -156,8 +169,7 @@ impl Leader {
             epoch: epoch + 1,
             step,
             last_loss: Some(train_loss),
-            restarts: self.restarts(),
-            ..JobState::running(self.world_size, total_steps)
+            ..self.running(self.world_size, total_steps)
         };
         Ok(self.job.write_state(&state)?)
     }
@@ -167,9 +179,7 @@ impl Leader {
         self.record(&Record::Eval {
             epoch,
             step,
-            test_loss: eval.loss,
-            test_accuracy: eval.accuracy,
-            test_perplexity: eval.perplexity(),
+            metrics: eval.values.clone(),
             time: now_unix(),
         })
     }

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::TrainError;
 use crate::config::Monitor;
 use crate::jobdir::JobDirError;
+use crate::task::{MetricInfo, MetricValues};
 use ddpjob_comm::Communicator;
 
 /// `summary.json` (**contract**: the first seven fields).
@@ -20,9 +21,10 @@ pub struct Summary {
     pub test_accuracy: f64,
     #[serde(deserialize_with = "null_as_nan")]
     pub test_loss: f64,
-    /// e^test_loss, when the task declares it (a language model's).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub test_perplexity: Option<f64>,
+    /// The final evaluation's other metrics, as its task declared them (`test_perplexity` for
+    /// a language model, `test_<name>` for whatever a task declares).
+    #[serde(flatten)]
+    pub more_metrics: MetricValues,
     /// Mean training loss over the last epoch (sample-weighted, all ranks).
     #[serde(deserialize_with = "null_as_nan")]
     pub final_train_loss: f64,
@@ -61,6 +63,10 @@ pub struct Summary {
     /// `[expect]` results, filled in by the launcher when the run ends.
     #[serde(default)]
     pub expectations: Vec<ExpectationResult>,
+    /// What the task's evaluations report, the headline first (absent in older summaries:
+    /// inferred from the metrics they hold).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub metrics: Vec<MetricInfo>,
 }
 
 fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
@@ -85,26 +91,19 @@ pub struct EarlyStop {
     pub best: Option<f64>,
 }
 
-/// What an evaluation's loss and accuracy are called in messages: a language model's
-/// (`language`) or a classifier's.
-pub fn eval_names(language: bool) -> (&'static str, &'static str) {
-    match language {
-        true => ("validation loss", "next-token accuracy"),
-        false => ("test loss", "test accuracy"),
-    }
-}
-
 impl EarlyStop {
     /// `stopped early after step 700 of 1000: 3 evaluations in a row did not improve on test
-    /// loss 0.4123 (train.early_stopping)`, given what the loss and accuracy are called.
-    pub fn describe(&self, (loss_name, accuracy_name): (&str, &str)) -> String {
-        let beat = match (self.monitor, self.best) {
-            (Monitor::Loss, Some(loss)) => format!("improve on {loss_name} {loss:.4}"),
-            (Monitor::Accuracy, Some(a)) => {
-                format!("improve on {accuracy_name} {:.2}%", a * 100.0)
-            }
-            (Monitor::Loss, None) => format!("give a finite {loss_name}"),
-            (Monitor::Accuracy, None) => format!("give a finite {accuracy_name}"),
+    /// loss 0.4123 (train.early_stopping)`, worded as `metrics` (the task's) word the figure.
+    pub fn describe(&self, metrics: &[MetricInfo]) -> String {
+        let name = self.monitor.metric();
+        let info = metrics
+            .iter()
+            .find(|m| m.name == name)
+            .cloned()
+            .unwrap_or_else(|| MetricInfo::new(name, name));
+        let beat = match self.best {
+            Some(best) => format!("improve on {}", info.describe(best)),
+            None => format!("give a finite {}", info.label),
         };
         format!(
             "stopped early after step {} of {}: {} evaluation{} in a row did not {beat} \
@@ -130,19 +129,44 @@ pub struct ExpectationResult {
     pub met: bool,
 }
 
+/// The metrics `summary.json` names a field of its own (**contract**).
+const SUMMARY_FIELDS: [&str; 2] = ["accuracy", "loss"];
+
 impl Summary {
-    /// The metrics its run's task declared: a language model's when it reports perplexity.
-    pub fn metrics(&self) -> &'static [crate::task::Metric] {
-        match self.test_perplexity {
-            Some(_) => crate::task::LANGUAGE_METRICS,
-            None => crate::task::CLASSIFIER_METRICS,
+    /// What of `values` is not in a field of its own.
+    pub fn more(values: &MetricValues) -> MetricValues {
+        values.without(&SUMMARY_FIELDS)
+    }
+
+    /// The final evaluation's metrics, in the order its task declared them.
+    pub fn values(&self) -> MetricValues {
+        let mut all = MetricValues::default();
+        for info in self.metrics() {
+            let value = match info.name.as_str() {
+                "accuracy" => Some(self.test_accuracy),
+                "loss" => Some(self.test_loss),
+                name => self.more_metrics.get(name),
+            };
+            if let Some(v) = value {
+                all.set(&info.name, v);
+            }
         }
+        all
+    }
+
+    /// The metrics its run's task declared (inferred from the values of an older summary).
+    pub fn metrics(&self) -> Vec<MetricInfo> {
+        if !self.metrics.is_empty() {
+            return self.metrics.clone();
+        }
+        let names = SUMMARY_FIELDS.into_iter().chain(self.more_metrics.names());
+        MetricInfo::inferred(names)
     }
 
     /// `test accuracy 87.50%, test loss 0.4099` or `val loss 1.6527, perplexity 5.221,
     /// next-token accuracy 45.12%`.
     pub fn describe_eval(&self) -> String {
-        crate::task::Metric::describe_all(self.metrics(), self.test_loss, self.test_accuracy)
+        self.values().describe(&self.metrics())
     }
 }
 

@@ -37,9 +37,9 @@ use ddpjob_comm::buckets::ShardPlan;
 use ddpjob_comm::heartbeat::Beacon;
 use ddpjob_comm::{CommError, Communicator, broadcast_vars};
 
-pub use eval::{EvalResult, EvalThreads, evaluate};
+pub use eval::{EvalResult, EvalThreads, declared_metrics, evaluate};
 pub use leader::{Leader, Weights};
-pub use metrics::{EarlyStop, ExpectationResult, Summary, WeightDigests, eval_names};
+pub use metrics::{EarlyStop, ExpectationResult, Summary, WeightDigests};
 
 /// The file under a job's `logs/` where `DDPJOB_TRACE_WEIGHTS` puts each step's weight digests.
 pub const WEIGHT_DIGESTS: &str = "weights.jsonl";
@@ -287,7 +287,8 @@ impl Trainer<'_> {
             self.end_epoch(&mut run, &epoch_run, batches)?;
         }
         if let Some(stop) = &run.stopped_early {
-            self.reporter.line(&stop.describe(self.eval_names()));
+            self.reporter
+                .line(&stop.describe(&declared_metrics(self.data)));
         }
         let eval = match run.last_eval.take() {
             Some(e) => e,
@@ -475,7 +476,8 @@ impl Trainer<'_> {
                 .then(|| samples_per_s * self.data.targets_per_sample() as f64),
             test_accuracy: eval.accuracy,
             test_loss: eval.loss,
-            test_perplexity: eval.perplexity(),
+            more_metrics: Summary::more(&eval.values),
+            metrics: eval.metrics.clone(),
             final_train_loss: metrics.last_epoch_loss.unwrap_or(f64::NAN),
             epochs: run.epochs_done,
             steps: run.step,
@@ -606,7 +608,7 @@ impl Trainer<'_> {
         // Every rank holds the same all-reduced loss, so every rank decides alike.
         let early = self.spec.train.early_stopping;
         if early.patience.is_some() {
-            let value = early.monitor.of(eval.loss, eval.accuracy);
+            let value = eval.values.value(early.monitor.metric());
             metrics.count_for_early_stopping(value, early.monitor, early.min_delta);
         }
         // The plan's last evaluation ends the run anyway: no early stop to report.
@@ -670,13 +672,12 @@ impl Trainer<'_> {
         })
     }
 
-    /// What the evaluation's loss and accuracy are called in messages.
-    fn eval_names(&self) -> (&'static str, &'static str) {
-        metrics::eval_names(matches!(self.data.input(), ModelInput::Tokens { .. }))
-    }
-
-    fn loss_name(&self) -> &'static str {
-        self.eval_names().0
+    /// What the evaluation's loss is called in messages, as the task words it.
+    fn loss_name(&self) -> String {
+        declared_metrics(self.data)
+            .into_iter()
+            .find(|m| m.name == "loss")
+            .map_or_else(|| "loss".into(), |m| m.label)
     }
 
     /// The position after `done` steps of `run`'s epoch: the next epoch's start when it is

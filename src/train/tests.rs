@@ -588,3 +588,125 @@ fn a_panicking_shard_of_a_streamed_step_panics_the_step_instead_of_hanging() {
     let said = panic.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(said.contains("the shard of 3 rows fails"), "{said}");
 }
+
+/// The synthetic task, declaring a metric of its own in place of the built-in ones.
+struct Declaring(Box<dyn crate::task::Task>);
+
+/// 1 − accuracy, in percent, lower being better: a metric no report knows by name.
+struct ErrorRate;
+
+impl crate::task::Metric for ErrorRate {
+    fn info(&self) -> crate::task::MetricInfo {
+        crate::task::MetricInfo::new("error_rate", "error rate").in_percent()
+    }
+    fn value(&self, sums: &crate::task::EvalSums) -> f64 {
+        1.0 - sums.accuracy()
+    }
+}
+
+impl crate::task::Task for Declaring {
+    fn train_len(&self) -> usize {
+        self.0.train_len()
+    }
+    fn eval_len(&self) -> usize {
+        self.0.eval_len()
+    }
+    fn targets_per_sample(&self) -> usize {
+        self.0.targets_per_sample()
+    }
+    fn input(&self) -> crate::task::ModelInput {
+        self.0.input()
+    }
+    fn batches<'a>(
+        &'a self,
+        device: &Device,
+    ) -> Result<Box<dyn crate::task::BatchSource + 'a>, crate::task::DataError> {
+        self.0.batches(device)
+    }
+    fn metrics(&self) -> Vec<Box<dyn crate::task::Metric>> {
+        vec![
+            Box::new(ErrorRate),
+            Box::new(crate::task::MeanLoss { label: "test loss" }),
+        ]
+    }
+}
+
+#[test]
+fn a_metric_the_task_declares_is_recorded_summarised_plotted_and_shown() {
+    let jobs = std::env::temp_dir().join(format!("ddpjob-declared-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&jobs);
+    let root = jobs.join("declared");
+    std::fs::create_dir_all(&root).unwrap();
+    let spec = spec(&["train.epochs=2"]);
+    let (data, model) = data_and_model(&spec);
+    let data = Declaring(data);
+    let job = crate::jobdir::JobDir { root: root.clone() };
+    let leader = Leader::new(job.clone(), None, 1, 0, true).declaring(declared_metrics(&data));
+    let mut reporter = Silent;
+    let mut trainer = Trainer {
+        spec: &spec,
+        data: &data,
+        comm: &LocalCommunicator,
+        model,
+        device: Device::Cpu,
+        reporter: &mut reporter,
+        leader: Some(leader),
+        started: Instant::now(),
+        resume: None,
+        base_sha256: None,
+        sharded_parameters: None,
+        hooks: Hooks {
+            vote_every: 1,
+            stop: &AtomicBool::new(false),
+            fault: None,
+            beacon: Default::default(),
+            trace_samples: None,
+            trace_weights: None,
+        },
+    };
+    let Ending::Completed(summary) = trainer.run().unwrap() else {
+        panic!("not completed")
+    };
+    // The records carry what the task declared, and nothing it did not.
+    let history = crate::report::history::History::read(&job.metrics_path()).unwrap();
+    assert_eq!(history.metric_names, ["error_rate", "loss"]);
+    let last = history.last_epoch().unwrap();
+    let rate = last.metrics.value("error_rate");
+    assert!(
+        (rate - (1.0 - summary.test_accuracy)).abs() < 1e-12,
+        "{rate}"
+    );
+    // The summary keeps its contract fields, the declared metric beside them, and how to
+    // read it; TensorBoard gets it under its own tag.
+    assert_eq!(summary.more_metrics.get("error_rate"), Some(rate));
+    assert_eq!(summary.metrics[0].name, "error_rate");
+    let line = std::fs::read_to_string(job.metrics_path()).unwrap();
+    assert!(line.contains("\"test_error_rate\":"), "{line}");
+    let epoch_line = line
+        .lines()
+        .rev()
+        .find(|l| l.contains("\"epoch\","))
+        .unwrap();
+    let record = crate::report::Record::parse(epoch_line).unwrap();
+    let tags: Vec<String> = crate::report::tensorboard::scalars(&record)
+        .into_iter()
+        .map(|(tag, _)| tag)
+        .collect();
+    assert!(tags.contains(&"test/error_rate".to_string()), "{tags:?}");
+    // `show` and `list` read what is declared from `state.json`: the best by error rate
+    // (lower is better), worded as the task words it; the curves plot it.
+    let view = crate::report::JobView::load(&jobs, "declared").unwrap();
+    assert_eq!(view.best().unwrap().headline.name, "error_rate");
+    let shown = crate::report::show::show(&view, crate::jobdir::now_unix());
+    assert!(
+        shown.contains(&format!("error rate {:.2}%", rate * 100.0)),
+        "{shown}"
+    );
+    crate::report::curves::draw(&job).unwrap();
+    let svg = std::fs::read_to_string(job.curves_path()).unwrap();
+    assert!(
+        svg.contains("Error rate"),
+        "the middle panel plots the declared metric"
+    );
+    std::fs::remove_dir_all(&jobs).unwrap();
+}

@@ -556,6 +556,7 @@ fn train(
                 env.restart_count,
                 spec.logging.tensorboard,
             )
+            .declaring(crate::train::declared_metrics(data))
         }),
         started: env.since_launch(started),
         resume,

@@ -94,6 +94,19 @@ fn a_tiny_gpt_learns_text_and_samples_from_it() {
     }
     let ppl = summary["test_perplexity"].as_f64().unwrap();
     assert!((ppl - val.exp()).abs() < 1e-9 * ppl, "{summary}");
+    // What the task declared travels with the job: in `state.json` as it trains, in the
+    // summary at the end, the headline first.
+    let state = t.json(&job.join("state.json"));
+    for declared in [&summary["metrics"], &state["metrics"]] {
+        let names: Vec<&str> = declared
+            .as_array()
+            .unwrap_or_else(|| panic!("no declared metrics: {summary} / {state}"))
+            .iter()
+            .map(|m| m["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["loss", "perplexity", "accuracy"]);
+    }
+    assert_eq!(summary["metrics"][2]["label"], "next-token accuracy");
     let jobs = t.jobs_dir().to_string_lossy().into_owned();
     let show = t.ddpjob(&["show", "lm", "--jobs-dir", &jobs]);
     show.success();

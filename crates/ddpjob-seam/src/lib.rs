@@ -11,6 +11,7 @@
 mod context;
 pub mod freeze;
 pub mod gate;
+pub mod metric;
 mod model;
 mod params;
 mod store;
@@ -18,10 +19,11 @@ pub mod task;
 
 pub use context::{BuildError, DatasetOptions, JobFile, ModelContext, compute_dtype};
 pub use freeze::FrozenSet;
+pub use metric::{EvalSums, Metric, MetricInfo, MetricValues};
 pub use model::{
     CollectedGradients, GradientSink, KvCache, KvDecoder, Mode, Model, TrainPass,
     chain_train_flops, hand_over_all,
 };
 pub use params::{Params, parameter_values, set_parameter, zeroed_parameter_values};
 pub use store::ParamStore;
-pub use task::{BatchSource, DataError, Metric, ModelInput, Task};
+pub use task::{BatchSource, DataError, ModelInput, Task};

@@ -5,14 +5,20 @@
 //!
 //! Both tasks share one loss: logits whose last dimension is the classes (or the vocabulary)
 //! against integer targets of the same leading shape, mean cross-entropy per target. What an
-//! evaluation reports is the task's to declare ([`Task::metrics`]): a classifier its loss and
-//! accuracy, a language model its loss, perplexity and next-token accuracy. The log, the
-//! records, `summary.json`, `eval`, `show`, TensorBoard and `[expect]` report what it declares.
+//! evaluation reports is the task's to declare ([`Task::metrics`], the seam in `metric`): a
+//! classifier its accuracy and loss, a language model its loss, perplexity and next-token
+//! accuracy. The log, the records, `summary.json`, `eval`, `show`, TensorBoard and the curves
+//! report what it declares.
 
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 use thiserror::Error;
+
+pub use crate::metric::{
+    Accuracy, EvalSums, MeanLoss, Metric, MetricInfo, MetricValues, Perplexity, classifier_metrics,
+    language_metrics,
+};
 
 /// What a model is built for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,82 +58,20 @@ pub trait Task: Send + Sync {
     fn masks_targets(&self) -> bool {
         false
     }
-    /// What its evaluations report, the headline one first (`show`'s best, `list`'s column).
-    /// The default: a language model's for token windows, a classifier's for images.
-    fn metrics(&self) -> &'static [Metric] {
-        Metric::for_input(self.input())
+    /// What its evaluations report, the headline one first (`show`'s best, `list`'s column,
+    /// the best checkpoint). The default: a language model's for token windows, a
+    /// classifier's for images (see [`metrics_for`]).
+    fn metrics(&self) -> Vec<Box<dyn Metric>> {
+        metrics_for(self.input())
     }
 }
 
-/// A number an evaluation reports: each is the mean cross-entropy per target and the fraction
-/// of targets predicted exactly, seen one way.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Metric {
-    /// Mean cross-entropy per target (nats): `test_loss`.
-    Loss,
-    /// e^loss: `test_perplexity`.
-    Perplexity,
-    /// The fraction of targets predicted exactly: `test_accuracy` (next-token accuracy for a
-    /// language model).
-    Accuracy,
-}
-
-/// A classifier's metrics: accuracy is the headline.
-pub const CLASSIFIER_METRICS: &[Metric] = &[Metric::Accuracy, Metric::Loss];
-/// A language model's: its loss is the headline.
-pub const LANGUAGE_METRICS: &[Metric] = &[Metric::Loss, Metric::Perplexity, Metric::Accuracy];
-
-impl Metric {
-    /// The metrics of a task whose model takes `input`.
-    pub fn for_input(input: ModelInput) -> &'static [Metric] {
-        match input {
-            ModelInput::Image { .. } => CLASSIFIER_METRICS,
-            ModelInput::Tokens { .. } => LANGUAGE_METRICS,
-        }
-    }
-
-    /// Its field in `metrics.jsonl` and `summary.json`.
-    pub fn field(self) -> &'static str {
-        match self {
-            Metric::Loss => "test_loss",
-            Metric::Perplexity => "test_perplexity",
-            Metric::Accuracy => "test_accuracy",
-        }
-    }
-
-    /// Its value, from an evaluation's mean loss and accuracy.
-    pub fn value(self, loss: f64, accuracy: f64) -> f64 {
-        match self {
-            Metric::Loss => loss,
-            Metric::Perplexity => loss.exp(),
-            Metric::Accuracy => accuracy,
-        }
-    }
-
-    pub fn higher_is_better(self) -> bool {
-        self == Metric::Accuracy
-    }
-
-    /// `test loss 0.4099` / `val loss 1.6527`, `perplexity 5.221`, `test accuracy 87.50%` /
-    /// `next-token accuracy 45.12%`, as the log, `eval` and `show` word it.
-    pub fn describe(self, value: f64, metrics: &[Metric]) -> String {
-        let language = metrics.contains(&Metric::Perplexity);
-        match (self, language) {
-            (Metric::Loss, false) => format!("test loss {value:.4}"),
-            (Metric::Loss, true) => format!("val loss {value:.4}"),
-            (Metric::Perplexity, _) => format!("perplexity {value:.3}"),
-            (Metric::Accuracy, false) => format!("test accuracy {:.2}%", value * 100.0),
-            (Metric::Accuracy, true) => format!("next-token accuracy {:.2}%", value * 100.0),
-        }
-    }
-
-    /// `metrics` of an evaluation of `loss` and `accuracy`, described in their order.
-    pub fn describe_all(metrics: &[Metric], loss: f64, accuracy: f64) -> String {
-        let parts: Vec<String> = metrics
-            .iter()
-            .map(|m| m.describe(m.value(loss, accuracy), metrics))
-            .collect();
-        parts.join(", ")
+/// The built-in metrics of a task whose model takes `input`: a classifier's accuracy and loss,
+/// a language model's loss, perplexity and next-token accuracy.
+pub fn metrics_for(input: ModelInput) -> Vec<Box<dyn Metric>> {
+    match input {
+        ModelInput::Image { .. } => classifier_metrics(),
+        ModelInput::Tokens { .. } => language_metrics(),
     }
 }
 

@@ -311,11 +311,11 @@ impl Monitor {
         }
     }
 
-    /// The figure of an evaluation of `loss` and `accuracy` it watches.
-    pub fn of(self, loss: f64, accuracy: f64) -> f64 {
+    /// The name of the evaluation metric it watches (see the task seam's `Metric`).
+    pub fn metric(self) -> &'static str {
         match self {
-            Monitor::Loss => loss,
-            Monitor::Accuracy => accuracy,
+            Monitor::Loss => "loss",
+            Monitor::Accuracy => "accuracy",
         }
     }
 }

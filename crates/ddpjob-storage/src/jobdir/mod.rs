@@ -142,6 +142,11 @@ pub struct JobState {
     /// Automatic restarts of the worker group so far (`distributed.max_restarts`).
     #[serde(default)]
     pub restarts: usize,
+    /// What the task's evaluations report, the headline first (the task seam's
+    /// `MetricInfo`), written as training starts so `show` and `list` word a running job's
+    /// metrics as its task declared them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub metrics: Vec<ddpjob_seam::MetricInfo>,
 }
 
 pub fn now_unix() -> u64 {
@@ -169,6 +174,7 @@ impl JobState {
             last_loss: None,
             error: None,
             restarts: 0,
+            metrics: Vec::new(),
         }
     }
 }
@@ -446,6 +452,7 @@ impl JobDir {
             last_loss: None,
             error: Some(note.into()),
             restarts: 0,
+            metrics: Vec::new(),
         };
         if let Some(summary) = json(self.summary_path()).filter(|s| s.is_object())
             && self.model_path().is_file()

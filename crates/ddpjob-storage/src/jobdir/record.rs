@@ -4,6 +4,7 @@
 
 use std::path::Path;
 
+use ddpjob_seam::MetricValues;
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// A line of `metrics.jsonl` (**contract**: `kind`, `epoch`, `step` and the named metrics; an
@@ -40,13 +41,10 @@ pub enum Record {
         lr: f64,
         #[serde(default = "nan", deserialize_with = "nan_if_null")]
         samples_per_s: f64,
-        #[serde(default = "nan", deserialize_with = "nan_if_null")]
-        test_loss: f64,
-        #[serde(default = "nan", deserialize_with = "nan_if_null")]
-        test_accuracy: f64,
-        /// e^test_loss, when the task declares it (a language model's).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        test_perplexity: Option<f64>,
+        /// The evaluation's metrics, as its task declared them: `test_loss`,
+        /// `test_accuracy`, `test_perplexity`, … (see the seam's `MetricValues`).
+        #[serde(flatten)]
+        metrics: MetricValues,
         #[serde(default = "nan", deserialize_with = "nan_if_null")]
         train_s: f64,
         #[serde(default)]
@@ -56,13 +54,10 @@ pub enum Record {
     Eval {
         epoch: usize,
         step: usize,
-        #[serde(default = "nan", deserialize_with = "nan_if_null")]
-        test_loss: f64,
-        #[serde(default = "nan", deserialize_with = "nan_if_null")]
-        test_accuracy: f64,
-        /// e^test_loss, when the task declares it (a language model's).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        test_perplexity: Option<f64>,
+        /// The evaluation's metrics, as its task declared them: `test_loss`,
+        /// `test_accuracy`, `test_perplexity`, … (see the seam's `MetricValues`).
+        #[serde(flatten)]
+        metrics: MetricValues,
         #[serde(default)]
         time: u64,
     },
@@ -207,12 +202,50 @@ mod tests {
 
         let eval =
             r#"{"kind":"eval","epoch":1,"step":9,"test_loss":null,"test_accuracy":0.5,"time":3}"#;
-        let Some(Record::Eval { test_loss, .. }) = Record::parse(eval) else {
+        let Some(Record::Eval { metrics, .. }) = Record::parse(eval) else {
             panic!("not an eval record")
         };
-        assert!(test_loss.is_nan());
+        assert!(metrics.value("loss").is_nan());
+        assert_eq!(metrics.get("accuracy"), Some(0.5));
         let (records, skipped) = parse_all(&format!("{line}\n{eval}\n{{\"kind\":\"tra"));
         assert_eq!((records.len(), skipped), (2, 1));
         assert_eq!(records[1].step(), 9);
+    }
+
+    #[test]
+    fn an_evaluation_carries_the_metrics_its_task_declared() {
+        // Whatever a task declares is a `test_<name>` field beside the record's own, and reads
+        // back in its order; a record of an older version's three fields reads the same way.
+        let mut metrics = MetricValues::default();
+        metrics.set("loss", 0.5);
+        metrics.set("rewards/accuracies", 0.75);
+        let epoch = Record::Epoch {
+            epoch: 0,
+            step: 4,
+            loss: 0.6,
+            lr: 0.1,
+            samples_per_s: 10.0,
+            metrics,
+            train_s: 1.0,
+            time: 2,
+        };
+        let line = epoch.to_line();
+        assert!(
+            line.contains(r#""test_loss":0.5,"test_rewards/accuracies":0.75"#),
+            "{line}"
+        );
+        assert_eq!(Record::parse(&line), Some(epoch));
+        let old = r#"{"kind":"epoch","epoch":0,"step":8,"loss":1.5,"lr":0.01,"samples_per_s":3,"test_loss":1.2,"test_accuracy":0.6,"test_perplexity":3.32,"train_s":1,"time":1}"#;
+        let Some(Record::Epoch {
+            metrics, train_s, ..
+        }) = Record::parse(old)
+        else {
+            panic!("not an epoch record")
+        };
+        let names: Vec<&str> = metrics.names().collect();
+        assert_eq!(
+            (names, train_s),
+            (vec!["loss", "accuracy", "perplexity"], 1.0)
+        );
     }
 }

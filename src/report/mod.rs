@@ -7,11 +7,10 @@ pub mod expect;
 pub mod history;
 pub mod json;
 pub mod junit;
-/// The `metrics.jsonl` records: the job directory's format, read and written there.
-pub use crate::jobdir::record;
+/// The `metrics.jsonl` records and where rank 0 sends them (`metrics.jsonl`, TensorBoard):
+/// the job directory's formats, read and written in the storage crate.
+pub use crate::jobdir::{record, sink};
 pub mod show;
-pub mod sink;
-pub mod tensorboard;
 pub mod view;
 
 pub use expect::{check, unmet_report};

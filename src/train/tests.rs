@@ -688,7 +688,7 @@ fn a_metric_the_task_declares_is_recorded_summarised_plotted_and_shown() {
         .find(|l| l.contains("\"epoch\","))
         .unwrap();
     let record = crate::report::Record::parse(epoch_line).unwrap();
-    let tags: Vec<String> = crate::report::tensorboard::scalars(&record)
+    let tags: Vec<String> = crate::jobdir::tensorboard::scalars(&record)
         .into_iter()
         .map(|(tag, _)| tag)
         .collect();

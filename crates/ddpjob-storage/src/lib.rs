@@ -1,5 +1,5 @@
-//! Everything ddpjob keeps on disk and reads back: the job directory and its records
-//! ([`jobdir`]), checkpoints that are complete or absent ([`checkpoint`], the only code that
+//! Everything ddpjob keeps on disk and reads back: the job directory, its records and where
+//! rank 0 sends them (`metrics.jsonl`, TensorBoard event files) ([`jobdir`]), checkpoints that are complete or absent ([`checkpoint`], the only code that
 //! knows their layout), Hugging Face model directories and PEFT adapters in and out ([`hf`]),
 //! and the vocabularies and tokenizers text is encoded with ([`vocab`], [`hf_tokenizer`]).
 //!

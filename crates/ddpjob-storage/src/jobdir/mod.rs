@@ -2,6 +2,8 @@
 //! checkpoints/, model.safetensors, summary.json and curves.svg. Files are replaced atomically.
 
 pub mod record;
+pub mod sink;
+pub mod tensorboard;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;

@@ -5,11 +5,12 @@
 
 use std::io::Write;
 
+use super::record::Record;
+
 /// The scalars of one record, as (tag, value) at a step; what a TensorBoard user sees. An
 /// evaluation's are the metrics its task declared, each `test/<name>`.
-pub fn scalars(record: &super::Record) -> Vec<(String, f64)> {
-    use super::Record;
-    let evaluated = |metrics: &crate::task::MetricValues| {
+pub fn scalars(record: &Record) -> Vec<(String, f64)> {
+    let evaluated = |metrics: &ddpjob_seam::MetricValues| {
         metrics
             .iter()
             .map(|(name, value)| (format!("test/{name}"), value))

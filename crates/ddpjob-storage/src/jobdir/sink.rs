@@ -6,9 +6,9 @@ use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::Record;
+use super::record::Record;
 use super::tensorboard;
-use crate::jobdir::{JobDir, JobDirError, io};
+use super::{JobDir, JobDirError, io};
 
 /// A destination of metric records.
 pub trait MetricsSink: Send {

@@ -28,11 +28,11 @@ if [ "${KERNEL_TESTS:-1}" != 0 ]; then
   # The same toolchain and target folder as build-cuda.sh; cargo names the test executable.
   venv=${VENV:-$HOME/.cache/ddpjob-cuda-venv}
   cu13=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia/cu13
-  # Every crate whose unit tests hold GPU tests (`the_gpu_*`): the root's, the kernels' and
-  # the model families'; one executable each, `ddpjob-tests-<crate>.xz`.
+  # Every crate whose unit tests hold GPU tests (`the_gpu_*`): the root's, the kernels', the
+  # model families' and the trainer's; one executable each, `ddpjob-tests-<crate>.xz`.
   PATH=$cu13/bin:$PATH CUDA_HOME=$cu13 CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} \
       CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda} \
-      cargo test --release --features cuda -p ddpjob -p ddpjob-kernels -p ddpjob-models --lib \
+      cargo test --release --features cuda -p ddpjob -p ddpjob-kernels -p ddpjob-models -p ddpjob-train --lib \
         --no-run --message-format=json |
     python3 -c 'import json, sys
 for m in map(json.loads, sys.stdin):

@@ -66,44 +66,25 @@
 
 #![warn(missing_docs)]
 
-// Printing that never panics. `println!` panics when stdout is a closed pipe (`ddpjob run
-// job.toml | head`), which killed a training job (its launcher or its rank 0) over a display;
-// these drop what cannot be written, as the job's logs keep every line. Defined before the
-// modules, so every one of them can use them.
-macro_rules! outln {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stdout(), $($arg)*);
-    }};
-}
-macro_rules! out {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = write!(std::io::stdout(), $($arg)*);
-    }};
-}
-macro_rules! errln {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
-    }};
-}
+// Printing that never panics (`outln!`, `out!`, `errln!`: a closed pipe drops the line), as
+// the trainer prints; in scope for every module below.
+#[macro_use]
+extern crate ddpjob_train;
 
 mod bench;
 use ddpjob_data as data;
 use ddpjob_optim as optim;
 use ddpjob_storage::{checkpoint, hf, jobdir};
+use ddpjob_train::{fault, progress};
 pub mod cli;
 mod config;
 mod device;
 mod evaluate;
-mod fault;
 mod generate;
 mod launch;
 mod memory;
 mod models;
 mod numerics;
-mod progress;
 mod registry;
 mod report;
 mod signals;

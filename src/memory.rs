@@ -240,21 +240,6 @@ impl Estimate {
     }
 }
 
-/// This process's peak resident set size in bytes (`ru_maxrss`), 0 where the kernel does not
-/// say.
-pub fn peak_rss_bytes() -> u64 {
-    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage fills the struct it is given; zeroed is a valid rusage.
-    let usage = unsafe {
-        if libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) != 0 {
-            return 0;
-        }
-        usage.assume_init()
-    };
-    // Linux reports kilobytes.
-    (usage.ru_maxrss.max(0) as u64) * 1024
-}
-
 pub(crate) mod fit;
 
 #[cfg(test)]

@@ -4,20 +4,6 @@ use candle_core::Device;
 
 use super::*;
 
-#[test]
-fn the_peak_grows_with_what_the_process_touches() {
-    let before = peak_rss_bytes();
-    assert!(
-        before > 1 << 20,
-        "a test process uses more than 1 MB: {before}"
-    );
-    // More than any other test uses beside it, written so every page is resident.
-    let touched = std::hint::black_box(vec![1u8; 512 << 20]);
-    let after = peak_rss_bytes();
-    assert!(std::hint::black_box(&touched).iter().all(|&b| b == 1));
-    assert!(after >= 512 << 20, "{before} -> {after}");
-}
-
 fn gpt_job(extra: &[&str]) -> (JobSpec, Box<dyn Model>) {
     gpt_job_with("batch_size = 8", extra)
 }

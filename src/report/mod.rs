@@ -7,12 +7,11 @@ pub mod expect;
 pub mod history;
 pub mod json;
 pub mod junit;
-/// The `metrics.jsonl` records and where rank 0 sends them (`metrics.jsonl`, TensorBoard):
-/// the job directory's formats, read and written in the storage crate.
-pub use crate::jobdir::{record, sink};
+/// The `metrics.jsonl` records: the job directory's format, read and written in the storage
+/// crate.
+pub use crate::jobdir::record;
 pub mod show;
 pub mod view;
 
 pub use expect::{check, unmet_report};
-pub use record::Record;
 pub use view::JobView;

@@ -1,11 +1,12 @@
 use std::path::Path;
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 
 use super::shards::ShardPool;
 use super::*;
-use crate::config::load_str;
+use crate::config::{JobSpec, load_str};
 use crate::models;
 use crate::progress::Silent;
 use ddpjob_comm::LocalCommunicator;
@@ -472,62 +473,6 @@ fn a_sharded_optimizer_moves_the_all_reduces_bytes_and_gives_its_bits() {
     }
 }
 
-/// The sharded parameters' all-gather gives every rank the same weights, each value from the
-/// rank that owns it, on the host and through tensor ops (a GPU's way) alike, parameters
-/// alone in their buckets included; the vote reaches every rank.
-#[test]
-fn sharded_parameters_gather_alike_on_the_host_and_through_tensor_ops() {
-    use ddpjob_comm::buckets::ShardPlan;
-    let spec = spec(&[]);
-    let gathered = |on_host: bool| {
-        ddpjob_comm::tcp_ranks(2, |rank, comm| {
-            let (_, model) = data_and_model(&spec);
-            let params = model.params();
-            let sizes: Vec<usize> = params.vars().map(|v| v.elem_count()).collect();
-            // 4 bytes a bucket: every tensor alone in its own.
-            let plan = ShardPlan::new(&sizes, 4, &comm);
-            let vars: Vec<_> = params.vars().collect();
-            for p in &plan.pieces {
-                let var = vars[p.tensor];
-                let mut v = var.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                for i in p.within.clone() {
-                    v[i] = (1000 * (rank + 1) + i) as f32;
-                }
-                let v = Tensor::from_vec(v, var.shape(), &Device::Cpu).unwrap();
-                var.set(&v).unwrap();
-            }
-            let cx = step::StepContext {
-                model: model.as_ref(),
-                comm: &comm,
-                device: &Device::Cpu,
-                grad_clip_norm: None,
-                bucket_bytes: 4,
-                shards: None,
-                masked_targets: false,
-                virtual_shards: None,
-                scrambled_pieces: false,
-                stream_gradients: false,
-                sharded_parameters: None,
-                overlap_comm: false,
-            };
-            let vote = plan.owns_vote().then_some(1.0);
-            let stop = sharded::gather_parameters(&cx, &plan, vote, on_host).unwrap();
-            assert!(stop.read().unwrap(), "rank {rank}: the vote was lost");
-            let values = |v: &&candle_core::Var| v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            vars.iter().map(values).collect::<Vec<Vec<f32>>>()
-        })
-    };
-    let (host, ops) = (gathered(true), gathered(false));
-    assert_eq!(host[0], host[1]);
-    assert_eq!(host, ops);
-    // Every value is its owner's: 1000 or 2000 plus its index, and both ranks own some.
-    let owners: std::collections::BTreeSet<usize> = host[0]
-        .iter()
-        .flat_map(|t| t.iter().enumerate().map(|(i, &v)| (v as usize - i) / 1000))
-        .collect();
-    assert_eq!(owners, [1, 2].into());
-}
-
 /// A row shard that panics while its step streams gradients (`sharding = "gradients"`) ends
 /// the step with the panic once the other shard is done, instead of leaving the thread that
 /// reduces waiting for a shard that will never hand anything over.
@@ -687,7 +632,7 @@ fn a_metric_the_task_declares_is_recorded_summarised_plotted_and_shown() {
         .rev()
         .find(|l| l.contains("\"epoch\","))
         .unwrap();
-    let record = crate::report::Record::parse(epoch_line).unwrap();
+    let record = crate::jobdir::record::Record::parse(epoch_line).unwrap();
     let tags: Vec<String> = crate::jobdir::tensorboard::scalars(&record)
         .into_iter()
         .map(|(tag, _)| tag)

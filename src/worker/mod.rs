@@ -557,6 +557,7 @@ fn train(
                 spec.logging.tensorboard,
             )
             .declaring(crate::train::declared_metrics(data))
+            .drawing_curves(crate::report::curves::draw)
         }),
         started: env.since_launch(started),
         resume,

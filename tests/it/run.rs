@@ -308,7 +308,7 @@ fn a_panicking_worker_is_reported_with_its_message_and_leaves_no_process() {
     );
     run.fails_with(1, "rank 1 (pid")
         .fails_with(1, "exited with status 101")
-        .fails_with(1, "panicked at src/fault.rs:")
+        .fails_with(1, "panicked at crates/ddpjob-train/src/fault.rs:")
         .fails_with(1, "DDPJOB_FAULT: injected panic at step 3");
     let record = t.json(&t.job("panicky").join("logs/rank-1.failure.json"));
     assert_eq!(

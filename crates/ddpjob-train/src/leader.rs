@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use crate::checkpoint::{Checkpointer, Restored, TensorFile, TrainPosition};
+use crate::jobdir::record::Record;
+use crate::jobdir::sink::{JsonlSink, MetricsSink, TensorBoardSink};
 use crate::jobdir::{JobDir, JobDirError, JobState, now_unix};
 use crate::models::Params;
-use crate::report::Record;
-use crate::report::sink::{JsonlSink, MetricsSink, TensorBoardSink};
 use crate::task::MetricInfo;
 
 use super::{EvalResult, Summary, TrainError};
@@ -23,7 +23,12 @@ pub struct Leader {
     sinks: Mutex<Vec<Box<dyn MetricsSink>>>,
     /// What the task's evaluations report, kept in `state.json` for `show` and `list`.
     metrics: Vec<MetricInfo>,
+    /// Redraws the job's `curves.svg` from its records (the reports' job, not the trainer's).
+    curves: Option<DrawCurves>,
 }
+
+/// Draws a job's curves from its records; the error is a warning's text.
+pub type DrawCurves = fn(&JobDir) -> Result<(), String>;
 
 impl Leader {
     pub fn new(
@@ -43,7 +48,14 @@ impl Leader {
             tensorboard,
             sinks: Mutex::new(sinks),
             metrics: Vec::new(),
+            curves: None,
         }
+    }
+
+    /// The same, redrawing the curves with `draw` at every epoch end.
+    pub fn drawing_curves(mut self, draw: DrawCurves) -> Self {
+        self.curves = Some(draw);
+        self
     }
 
     /// The same, recording that its task's evaluations report `metrics`.
@@ -219,9 +231,10 @@ impl Leader {
             .join(format!(".tmp-optimizer-{}.safetensors", std::process::id()))
     }
 
-    /// Redraws `curves.svg`; a failure is only worth a warning (returned as its text).
+    /// Redraws `curves.svg` with the function it was handed ([`Self::drawing_curves`]); a
+    /// failure is only worth a warning (returned as its text).
     pub fn draw_curves(&self) -> Result<(), String> {
-        crate::report::curves::draw(&self.job)
+        self.curves.map_or(Ok(()), |draw| draw(&self.job))
     }
 
     pub fn checkpoint(

@@ -129,6 +129,40 @@ pub struct ExpectationResult {
     pub met: bool,
 }
 
+impl ExpectationResult {
+    /// `min_test_accuracy: test_accuracy 0.8531 is below the minimum 0.9`.
+    pub fn describe(&self) -> String {
+        // The threshold as written; the value rounded unless rounding would blur the verdict
+        // (0.84996 shown as 0.85 "below the minimum 0.85").
+        let threshold = format!("{}", self.threshold);
+        let value = self.value.map_or("NaN".into(), |v| {
+            let short = fmt_number(v);
+            let rounded: f64 = short.parse().unwrap_or(v);
+            let same_side = rounded.partial_cmp(&self.threshold) == v.partial_cmp(&self.threshold);
+            if same_side { short } else { format!("{v}") }
+        });
+        let minimum = self.name.starts_with("min_");
+        let relation = match (self.value, self.met, minimum) {
+            (None, _, _) => format!("is not a number (threshold {threshold})"),
+            (_, true, true) => format!("is at least the minimum {threshold}"),
+            (_, true, false) => format!("is at most the maximum {threshold}"),
+            (_, false, true) => format!("is below the minimum {threshold}"),
+            (_, false, false) => format!("is above the maximum {threshold}"),
+        };
+        format!("{}: {} {value} {relation}", self.name, self.metric)
+    }
+}
+
+/// Numbers as people read them: up to 4 decimals for small ones, no trailing zeros.
+fn fmt_number(x: f64) -> String {
+    if x.abs() >= 1000.0 {
+        format!("{x:.0}")
+    } else {
+        let s = format!("{x:.4}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    }
+}
+
 /// The metrics `summary.json` names a field of its own (**contract**).
 const SUMMARY_FIELDS: [&str; 2] = ["accuracy", "loss"];
 

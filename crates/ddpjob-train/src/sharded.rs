@@ -221,3 +221,67 @@ fn write_back(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+
+    /// The sharded parameters' all-gather gives every rank the same weights, each value from the
+    /// rank that owns it, on the host and through tensor ops (a GPU's way) alike, parameters
+    /// alone in their buckets included; the vote reaches every rank.
+    #[test]
+    fn sharded_parameters_gather_alike_on_the_host_and_through_tensor_ops() {
+        let gathered = |on_host: bool| {
+            ddpjob_comm::tcp_ranks(2, |rank, comm| {
+                // The MLP of 1×4×4 images, 8 hidden units, 3 classes, from seed 0.
+                let mlp = ddpjob_models::Mlp::new([1, 4, 4], &[8], 3, 0, &Device::Cpu);
+                let model: Box<dyn crate::models::Model> = Box::new(mlp.unwrap());
+                let params = model.params();
+                let sizes: Vec<usize> = params.vars().map(|v| v.elem_count()).collect();
+                // 4 bytes a bucket: every tensor alone in its own.
+                let plan = ShardPlan::new(&sizes, 4, &comm);
+                let vars: Vec<_> = params.vars().collect();
+                for p in &plan.pieces {
+                    let var = vars[p.tensor];
+                    let mut v = var.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    for i in p.within.clone() {
+                        v[i] = (1000 * (rank + 1) + i) as f32;
+                    }
+                    let v = Tensor::from_vec(v, var.shape(), &Device::Cpu).unwrap();
+                    var.set(&v).unwrap();
+                }
+                let cx = StepContext {
+                    model: model.as_ref(),
+                    comm: &comm,
+                    device: &Device::Cpu,
+                    grad_clip_norm: None,
+                    bucket_bytes: 4,
+                    shards: None,
+                    masked_targets: false,
+                    virtual_shards: None,
+                    scrambled_pieces: false,
+                    stream_gradients: false,
+                    sharded_parameters: None,
+                    overlap_comm: false,
+                };
+                let vote = plan.owns_vote().then_some(1.0);
+                let stop = gather_parameters(&cx, &plan, vote, on_host).unwrap();
+                assert!(stop.read().unwrap(), "rank {rank}: the vote was lost");
+                let values =
+                    |v: &&candle_core::Var| v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                vars.iter().map(values).collect::<Vec<Vec<f32>>>()
+            })
+        };
+        let (host, ops) = (gathered(true), gathered(false));
+        assert_eq!(host[0], host[1]);
+        assert_eq!(host, ops);
+        // Every value is its owner's: 1000 or 2000 plus its index, and both ranks own some.
+        let owners: std::collections::BTreeSet<usize> = host[0]
+            .iter()
+            .flat_map(|t| t.iter().enumerate().map(|(i, &v)| (v as usize - i) / 1000))
+            .collect();
+        assert_eq!(owners, [1, 2].into());
+    }
+}

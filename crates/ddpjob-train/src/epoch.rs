@@ -1,12 +1,13 @@
-//! One epoch of a run: its optimizer steps (with their log lines, stop vote, mid-epoch
-//! evaluations and checkpoints), then its evaluation, record and checkpoint.
+//! One epoch of a run: its optimizer steps, each followed by the events due after it (see
+//! [`Events`]: the log line, the stop vote, a mid-epoch evaluation, a checkpoint), then its
+//! evaluation, record and checkpoint.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use super::events::Events;
 use super::metrics::{LossTally, trace_samples, trace_weights};
 use super::{Ending, EpochRun, RunState, TrainError, Trainer};
-use crate::checkpoint;
 use crate::task::BatchSource;
 
 impl Trainer<'_> {
@@ -20,7 +21,8 @@ impl Trainer<'_> {
         groups: &[&[&[usize]]],
         batches: &dyn BatchSource,
     ) -> Result<Option<Ending>, TrainError> {
-        let (spec, t, world) = (self.spec, &self.spec.train, self.comm.world_size());
+        let (t, world) = (&self.spec.train, self.comm.world_size());
+        let events = Events::of(self.spec, self.hooks.vote_every);
         let epoch = epoch_run.epoch;
         let steps_now = groups
             .len()
@@ -63,13 +65,10 @@ impl Trainer<'_> {
             }
             epoch_run.consumed += samples * world;
             let in_epoch = epoch_run.skip + i + 1;
-            let checkpoint_due =
-                checkpoint::due_after_step(&spec.checkpoint, step) && i + 1 < steps_now;
-            let at_log = step.is_multiple_of(t.log_every) || i + 1 == steps_now || checkpoint_due;
-            // Every rank reads the vote after the same steps (the schedule depends on the
-            // step alone), so all stop after the same one. A rank's vote stays up once cast.
-            let stop =
-                (at_log || step.is_multiple_of(self.hooks.vote_every.max(1))) && votes.read()?;
+            let due = events.after_step(step, i + 1 == steps_now);
+            // Every rank reads the vote after the same steps, so all stop after the same one.
+            // A rank's vote stays up once cast.
+            let stop = due.vote && votes.read()?;
             // The step's time includes reading the vote, which on a GPU waits for the device
             // to finish the step's work so far (the rest is waited for with the loss).
             interval.add(
@@ -79,7 +78,7 @@ impl Trainer<'_> {
                 stepped.grad_norm,
             );
             let mut status = None;
-            if at_log || stop {
+            if due.log || stop {
                 let steps = (interval_first_step, step);
                 status = Some(self.log_interval(run, &mut interval, epoch, steps, lr)?);
                 interval_first_step = step + 1;
@@ -88,8 +87,7 @@ impl Trainer<'_> {
             let at = |me: &Self, run: &RunState| {
                 me.position(epoch_run, in_epoch, step, &run.optimizer, lr, &run.metrics)
             };
-            let eval_due = t.eval_every.is_some_and(|n| step.is_multiple_of(n));
-            if eval_due && i + 1 < steps_now {
+            if due.eval {
                 let eval = self.evaluate(batches, &run.optimizer)?;
                 self.reporter.line(&format!(
                     "step {step}/{}: {}",
@@ -119,7 +117,7 @@ impl Trainer<'_> {
                 ));
                 return Ok(Some(Ending::Stopped { step }));
             }
-            if checkpoint_due {
+            if due.checkpoint {
                 self.save_checkpoint(&run.optimizer, &at(self, run))?;
             }
         }
@@ -220,9 +218,8 @@ impl Trainer<'_> {
         }
         run.last_eval = Some(eval);
         // The last step's mid-epoch checkpoint is taken here, after evaluation, as an epoch one.
-        if checkpoint::due_after_epoch(&spec.checkpoint, epoch)
-            || checkpoint::due_after_step(&spec.checkpoint, step)
-        {
+        let events = Events::of(spec, self.hooks.vote_every);
+        if events.checkpoint_after_epoch(epoch, step) {
             let position =
                 self.epoch_end_position(epoch_run, done, step, &run.optimizer, lr, &run.metrics);
             self.save_checkpoint(&run.optimizer, &position)?;

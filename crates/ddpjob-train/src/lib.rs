@@ -49,6 +49,7 @@ use ddpjob_storage::{checkpoint, jobdir};
 
 mod epoch;
 mod eval;
+pub mod events;
 pub mod fault;
 mod full;
 mod invariant;

@@ -23,7 +23,6 @@ use thiserror::Error;
 
 use crate::jobdir::hex;
 use crate::jobdir::{sync_dir, write_atomic};
-use ddpjob_spec::CheckpointSpec;
 
 #[derive(Debug, Error)]
 pub enum CheckpointError {
@@ -179,16 +178,6 @@ impl MetricState {
         self.epoch_open = Some(false);
         loss
     }
-}
-
-/// When checkpoints are due (the policy), apart from writing them.
-pub fn due_after_step(spec: &CheckpointSpec, step: usize) -> bool {
-    spec.every_steps.is_some_and(|n| step.is_multiple_of(n))
-}
-
-pub fn due_after_epoch(spec: &CheckpointSpec, epoch: usize) -> bool {
-    spec.every_epochs
-        .is_some_and(|n| (epoch + 1).is_multiple_of(n))
 }
 
 /// A checkpoint's weights or optimizer state: tensors to write, or the safetensors file
@@ -528,18 +517,5 @@ mod tests {
             (old.early_stopping_best, old.evals_without_improvement),
             (None, 0)
         );
-    }
-
-    #[test]
-    fn policy_counts_from_one() {
-        let spec = CheckpointSpec {
-            every_epochs: Some(5),
-            every_steps: Some(100),
-            keep_last: None,
-            keep_best: false,
-            on_write_error: ddpjob_spec::OnWriteError::Fail,
-        };
-        assert!(due_after_epoch(&spec, 4) && !due_after_epoch(&spec, 0));
-        assert!(due_after_step(&spec, 200) && !due_after_step(&spec, 150));
     }
 }

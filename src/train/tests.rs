@@ -66,7 +66,7 @@ fn train_hooked(
     .unwrap();
     let mut reporter = Silent;
     let mut trainer = Trainer {
-        spec,
+        plan: spec.train_plan(),
         data: data.as_ref(),
         comm: &LocalCommunicator,
         model,
@@ -589,7 +589,7 @@ fn a_metric_the_task_declares_is_recorded_summarised_plotted_and_shown() {
     let leader = Leader::new(job.clone(), None, 1, 0, true).declaring(declared_metrics(&data));
     let mut reporter = Silent;
     let mut trainer = Trainer {
-        spec: &spec,
+        plan: spec.train_plan(),
         data: &data,
         comm: &LocalCommunicator,
         model,

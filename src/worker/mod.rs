@@ -542,7 +542,7 @@ fn train(
         );
     }
     let mut trainer = Trainer {
-        spec,
+        plan: spec.train_plan(),
         data,
         comm,
         model,

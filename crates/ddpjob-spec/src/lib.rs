@@ -40,7 +40,7 @@ pub use spec::Backend;
 pub use spec::{
     Check, CheckpointSpec, DataSpec, DeviceChoice, DistributedSpec, Expectation, JobSpec,
     ModelSpec, Monitor, OnWriteError, OptimizerSpec, Precision, ScheduleKind, ScheduleSpec,
-    Sharding, TokenDtype, TokenizerKind,
+    Sharding, TokenDtype, TokenizerKind, TrainSpec,
 };
 
 /// A validated job and the fully resolved config it came from (every default written out).
@@ -288,6 +288,61 @@ impl JobSpec {
         Ok(spec)
     }
 
+    /// What the trainer is given of it (see [`TrainPlan`]).
+    pub fn train_plan(&self) -> TrainPlan<'_> {
+        TrainPlan {
+            seed: self.seed,
+            train: &self.train,
+            checkpoint: &self.checkpoint,
+            distributed: &self.distributed,
+            drop_last: self.data.drop_last,
+            model: self.model.arch(),
+        }
+    }
+
+    /// `distributed.virtual_shards` when training is world-size-invariant.
+    pub fn virtual_shards(&self) -> Option<usize> {
+        self.train_plan().virtual_shards()
+    }
+
+    /// Micro-batches an epoch's `samples` make on each of `world_size` ranks (see
+    /// [`TrainPlan::micro_batches_for`]).
+    pub fn micro_batches_for(&self, samples: usize, world_size: usize) -> usize {
+        self.train_plan().micro_batches_for(samples, world_size)
+    }
+
+    /// The steps of `train_samples` on `world_size` ranks (see [`TrainPlan::plan`]).
+    pub fn plan(&self, train_samples: usize, world_size: usize) -> Plan {
+        self.train_plan().plan(train_samples, world_size)
+    }
+
+    /// Why a job would take no optimizer step (see [`TrainPlan::no_steps`]).
+    pub fn no_steps(&self, train_samples: usize, world_size: usize) -> Option<String> {
+        self.train_plan().no_steps(train_samples, world_size)
+    }
+
+    /// Optimizer steps that `samples` samples of one epoch take on `world_size` ranks.
+    pub fn steps_for(&self, samples: usize, world_size: usize) -> usize {
+        self.train_plan().steps_for(samples, world_size)
+    }
+}
+
+/// What the trainer needs of a job, and all it is given: its `[train]`, `[checkpoint]` and
+/// `[distributed]`, the seed, whether the sampler drops the tail, and the model's name for its
+/// messages. The data's and the model's own keys, logging and `[expect]` are not its business.
+#[derive(Debug, Clone, Copy)]
+pub struct TrainPlan<'a> {
+    pub seed: u64,
+    pub train: &'a TrainSpec,
+    pub checkpoint: &'a CheckpointSpec,
+    pub distributed: &'a DistributedSpec,
+    /// `data.drop_last`.
+    pub drop_last: bool,
+    /// `model.arch`.
+    pub model: &'a str,
+}
+
+impl TrainPlan<'_> {
     /// `distributed.virtual_shards` when training is world-size-invariant.
     pub fn virtual_shards(&self) -> Option<usize> {
         let d = &self.distributed;
@@ -301,12 +356,12 @@ impl JobSpec {
         if self.distributed.world_size_invariant {
             return samples / (t.batch_size * t.accumulation * world_size).max(1) * t.accumulation;
         }
-        samples_per_rank(samples, world_size, self.data.drop_last).div_ceil(t.batch_size)
+        samples_per_rank(samples, world_size, self.drop_last).div_ceil(t.batch_size)
     }
 
     pub fn plan(&self, train_samples: usize, world_size: usize) -> Plan {
         let t = &self.train;
-        let samples_per_rank = samples_per_rank(train_samples, world_size, self.data.drop_last);
+        let samples_per_rank = samples_per_rank(train_samples, world_size, self.drop_last);
         let micro_batches_per_epoch = self.micro_batches_for(train_samples, world_size);
         let steps_per_epoch = micro_batches_per_epoch.div_ceil(t.accumulation);
         let uncapped = steps_per_epoch * t.epochs;
@@ -328,7 +383,7 @@ impl JobSpec {
             return None;
         }
         let global = self.train.batch_size * self.train.accumulation * world_size;
-        Some(match (train_samples, self.data.drop_last) {
+        Some(match (train_samples, self.drop_last) {
             (0, _) => "the training split has no samples: give the job data".into(),
             (n, _) if self.distributed.world_size_invariant && n < global => {
                 invariant_needs_a_batch(n, global)

@@ -21,8 +21,8 @@ impl Trainer<'_> {
         groups: &[&[&[usize]]],
         batches: &dyn BatchSource,
     ) -> Result<Option<Ending>, TrainError> {
-        let (t, world) = (&self.spec.train, self.comm.world_size());
-        let events = Events::of(self.spec, self.hooks.vote_every);
+        let (t, world) = (&self.plan.train, self.comm.world_size());
+        let events = Events::of(self.plan, self.hooks.vote_every);
         let epoch = epoch_run.epoch;
         let steps_now = groups
             .len()
@@ -152,7 +152,7 @@ impl Trainer<'_> {
         self.reporter.interval(&format!(
             "epoch {}/{} step {step}/{}  {text}",
             epoch + 1,
-            self.spec.train.epochs,
+            self.plan.train.epochs,
             run.total_steps,
         ));
         if let Some(leader) = &self.leader {
@@ -168,7 +168,7 @@ impl Trainer<'_> {
         epoch_run: &EpochRun,
         batches: &dyn BatchSource,
     ) -> Result<(), TrainError> {
-        let (spec, t, epoch, step) = (self.spec, &self.spec.train, epoch_run.epoch, run.step);
+        let (spec, t, epoch, step) = (self.plan, &self.plan.train, epoch_run.epoch, run.step);
         self.reporter.epoch_end();
         let (n, secs) = (run.metrics.epoch_samples, run.metrics.epoch_secs);
         let train_loss = run.metrics.finish_epoch();

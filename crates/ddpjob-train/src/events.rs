@@ -5,7 +5,7 @@
 //! reduce, the vote's read, the evaluation's sums, a sharded checkpoint's gather). The epoch
 //! loop asks [`Events::after_step`] what is due and does it; each policy is tested here, alone.
 
-use crate::config::JobSpec;
+use crate::config::TrainPlan;
 
 /// The schedule of a run's events, from `[train]` and `[checkpoint]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,14 +35,14 @@ pub struct Due {
 }
 
 impl Events {
-    /// The events of `spec`, the stop vote read every `vote_every` steps.
-    pub fn of(spec: &JobSpec, vote_every: usize) -> Self {
+    /// The events of `plan`, the stop vote read every `vote_every` steps.
+    pub fn of(plan: TrainPlan<'_>, vote_every: usize) -> Self {
         Events {
-            log_every: spec.train.log_every,
+            log_every: plan.train.log_every,
             vote_every,
-            eval_every: spec.train.eval_every,
-            checkpoint_every_steps: spec.checkpoint.every_steps,
-            checkpoint_every_epochs: spec.checkpoint.every_epochs,
+            eval_every: plan.train.eval_every,
+            checkpoint_every_steps: plan.checkpoint.every_steps,
+            checkpoint_every_epochs: plan.checkpoint.every_epochs,
         }
     }
 

@@ -1,6 +1,8 @@
 //! The trainer: epochs of optimizer steps over DistributedSampler shards, gradient
 //! accumulation, one gradient average per step through the [`Communicator`], clipping, the
-//! schedule, evaluation, metrics and checkpoints. The same code for one worker or many. Also
+//! schedule, evaluation, metrics and checkpoints. The same code for one worker or many. It is
+//! given a [`TrainPlan`] (what it needs of the job, not the whole spec); after each step it
+//! does what [`events`] says is due. Also
 //! what it reports to while it runs ([`progress`]) and the faults tests inject into it
 //! ([`fault`]).
 //!
@@ -73,7 +75,7 @@ use candle_core::Device;
 use thiserror::Error;
 
 use crate::checkpoint::{CheckpointError, MetricState, Restored, TensorFile, TrainPosition};
-use crate::config::{JobSpec, OnWriteError, Plan, Sharding};
+use crate::config::{OnWriteError, Plan, Sharding, TrainPlan};
 use crate::data::{DataError, DistributedSampler};
 use crate::jobdir::JobDirError;
 use crate::models::{Mode, Model};
@@ -184,7 +186,8 @@ pub enum Ending {
 }
 
 pub struct Trainer<'a> {
-    pub spec: &'a JobSpec,
+    /// What it is given of the job (see [`TrainPlan`]).
+    pub plan: TrainPlan<'a>,
     pub data: &'a dyn Task,
     pub comm: &'a dyn Communicator,
     pub model: Box<dyn Model>,
@@ -237,14 +240,14 @@ struct EpochRun {
 
 impl Trainer<'_> {
     pub fn plan(&self) -> Plan {
-        self.spec
+        self.plan
             .plan(self.data.train_len(), self.comm.world_size())
     }
 
     /// Trains to the end of the plan, or until every rank agrees to stop: the start (restored
     /// or fresh), the epochs (each its steps, then its evaluation and checkpoint), the summary.
     pub fn run(&mut self) -> Result<Ending, TrainError> {
-        let spec = self.spec;
+        let spec = self.plan;
         let t = &spec.train;
         let world = self.comm.world_size();
         let train_len = self.data.train_len();
@@ -291,7 +294,7 @@ impl Trainer<'_> {
             }
         }
         let mut sampler = DistributedSampler::new(train_len, world, self.comm.rank(), spec.seed)
-            .with_drop_last(spec.data.drop_last);
+            .with_drop_last(spec.drop_last);
         for epoch in start.epoch..t.epochs {
             let resumed_here = position.is_some() && epoch == start.epoch;
             // A run stopped after its last step, before that epoch's end (its evaluation,
@@ -352,7 +355,7 @@ impl Trainer<'_> {
     /// The optimizer, restored from the checkpoint (with a line and a `resume` record) or
     /// fresh; every rank then starts from rank 0's parameters.
     fn begin(&mut self, start: &Start) -> Result<Optimizer, TrainError> {
-        let (spec, world) = (self.spec, self.comm.world_size());
+        let (spec, world) = (self.plan, self.comm.world_size());
         let params = self.model.params();
         let mut optimizer = match spec.distributed.sharding {
             // A single rank that skips its collectives has nothing to share its state with.
@@ -389,7 +392,7 @@ impl Trainer<'_> {
                         TrainError::Unfit(format!(
                             "distributed.sharding = \"full\": model.arch = \"{}\" cannot \
                              gather its parameters block by block: {why}; use \"gradients\"",
-                            spec.model.arch()
+                            spec.model
                         ))
                     })?;
                     let trainable = sizes.iter().sum::<usize>();
@@ -554,7 +557,7 @@ impl Trainer<'_> {
         lr: f64,
         stop_vote: bool,
     ) -> Result<StepResult, TrainError> {
-        let seed = self.spec.seed;
+        let seed = self.plan.seed;
         let batches = group
             .iter()
             .map(|micro| {
@@ -571,25 +574,25 @@ impl Trainer<'_> {
             model: self.model.as_ref(),
             comm: self.comm,
             device: &self.device,
-            grad_clip_norm: self.spec.train.grad_clip_norm,
-            bucket_bytes: self.spec.distributed.bucket_bytes,
+            grad_clip_norm: self.plan.train.grad_clip_norm,
+            bucket_bytes: self.plan.distributed.bucket_bytes,
             // Row shards would split a BatchNorm's batch statistics; with sharded parameters
             // the pass runs on the thread that gathers them.
             shards: shards::ShardPool::for_device(&self.device)
                 .filter(|_| self.model.rows_independent() && self.sharded_parameters.is_none()),
             masked_targets: self.data.masks_targets(),
-            virtual_shards: self.spec.virtual_shards(),
+            virtual_shards: self.plan.virtual_shards(),
             scrambled_pieces: self
                 .hooks
                 .fault
                 .as_ref()
                 .is_some_and(|f| f.scrambles_pieces(step)),
             stream_gradients: matches!(
-                self.spec.distributed.sharding,
+                self.plan.distributed.sharding,
                 Sharding::Gradients | Sharding::Full
             ),
             sharded_parameters: self.sharded_parameters.as_ref(),
-            overlap_comm: self.spec.distributed.overlap_comm,
+            overlap_comm: self.plan.distributed.overlap_comm,
         };
         Ok(step::optimizer_step(
             &cx, optimizer, &batches, lr, stop_vote, None,
@@ -617,10 +620,10 @@ impl Trainer<'_> {
     }
 
     fn evaluate_now(&self, batches: &dyn BatchSource) -> Result<EvalResult, TrainError> {
-        let t = &self.spec.train;
+        let t = &self.plan.train;
         // Every rank scores its share with rank 0's buffers (BatchNorm statistics).
         ddpjob_comm::broadcast_vars(self.comm, self.model.params().buffers().map(|(_, var)| var))?;
-        let threads = match self.spec.distributed.world_size_invariant {
+        let threads = match self.plan.distributed.world_size_invariant {
             _ if self.sharded_parameters.is_some() => EvalThreads::Lockstep,
             true => EvalThreads::Pieces {
                 cpu: self.device.is_cpu(),
@@ -654,7 +657,7 @@ impl Trainer<'_> {
             leader.log_eval(at.epoch, step, eval)?;
         }
         // Every rank holds the same all-reduced loss, so every rank decides alike.
-        let early = self.spec.train.early_stopping;
+        let early = self.plan.train.early_stopping;
         if early.patience.is_some() {
             let value = eval.values.value(early.monitor.metric());
             metrics.count_for_early_stopping(value, early.monitor, early.min_delta);
@@ -671,7 +674,7 @@ impl Trainer<'_> {
         at.metrics.early_stopping_best = metrics.early_stopping_best;
         at.metrics.evals_without_improvement = metrics.evals_without_improvement;
         at.metrics.early_stopping_on = metrics.early_stopping_on;
-        if better && self.spec.checkpoint.keep_best {
+        if better && self.plan.checkpoint.keep_best {
             self.save_best(eval, &run.optimizer, &at)?;
         }
         Ok(stop)
@@ -695,7 +698,7 @@ impl Trainer<'_> {
             )),
             Ok(None) => {}
             Err(TrainError::Checkpoint(e))
-                if self.spec.checkpoint.on_write_error == OnWriteError::Warn =>
+                if self.plan.checkpoint.on_write_error == OnWriteError::Warn =>
             {
                 self.reporter.line(&format!("warning: {e}; training on"));
             }
@@ -707,7 +710,7 @@ impl Trainer<'_> {
     /// Where `train.early_stopping` ends the run, by `metrics`' count after `step` of `planned`
     /// (`None` while it goes on).
     fn early_stop(&self, metrics: &MetricState, step: usize, planned: usize) -> Option<EarlyStop> {
-        let early = self.spec.train.early_stopping;
+        let early = self.plan.train.early_stopping;
         let patience = early.patience?;
         // A count of another figure (job.toml's monitor edited since) does not end this run.
         let counted = metrics.early_stopping_on.unwrap_or_default() == early.monitor;
@@ -769,13 +772,13 @@ impl Trainer<'_> {
             step,
             optimizer_steps: optimizer.steps(),
             world_size: self.comm.world_size(),
-            seed: self.spec.seed,
+            seed: self.plan.seed,
             lr,
             consumed_in_epoch: run.consumed,
             metrics: metrics.clone(),
             format: crate::checkpoint::FORMAT,
             base_sha256: self.base_sha256.clone(),
-            virtual_shards: self.spec.distributed.invariant_shards(),
+            virtual_shards: self.plan.distributed.invariant_shards(),
         }
     }
 
@@ -800,7 +803,7 @@ impl Trainer<'_> {
                 .line(&format!("checkpoint written: {}", dir.display())),
             Ok(None) => {}
             Err(TrainError::Checkpoint(e))
-                if self.spec.checkpoint.on_write_error == OnWriteError::Warn =>
+                if self.plan.checkpoint.on_write_error == OnWriteError::Warn =>
             {
                 self.reporter.line(&format!(
                     "warning: {e}; training on (checkpoint.on_write_error = \"warn\")"

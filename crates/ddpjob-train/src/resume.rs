@@ -3,7 +3,7 @@
 //! from the epoch's global sample position and says what changed.
 
 use crate::checkpoint::{MetricState, Restored, TrainPosition};
-use crate::config::JobSpec;
+use crate::config::TrainPlan;
 use crate::models::Params;
 use crate::optim::Optimizer;
 
@@ -29,7 +29,7 @@ impl Start {
     /// Where to start on `world` ranks, given the checkpoint position (if resuming) and the
     /// total steps an uninterrupted run on `world` ranks takes.
     pub fn new(
-        spec: &JobSpec,
+        plan: TrainPlan<'_>,
         train_len: usize,
         world: usize,
         planned_total: usize,
@@ -44,10 +44,10 @@ impl Start {
         let reshard = p.world_size != world;
         let total_steps = if reshard {
             let rest_of_epoch =
-                spec.steps_for(train_len.saturating_sub(p.consumed_in_epoch), world);
-            let later_epochs = spec.train.epochs.saturating_sub(p.epoch + 1);
-            let uncapped = p.step + rest_of_epoch + later_epochs * spec.steps_for(train_len, world);
-            spec.train.max_steps.map_or(uncapped, |m| m.min(uncapped))
+                plan.steps_for(train_len.saturating_sub(p.consumed_in_epoch), world);
+            let later_epochs = plan.train.epochs.saturating_sub(p.epoch + 1);
+            let uncapped = p.step + rest_of_epoch + later_epochs * plan.steps_for(train_len, world);
+            plan.train.max_steps.map_or(uncapped, |m| m.min(uncapped))
         } else {
             planned_total
         };
@@ -63,7 +63,7 @@ impl Start {
     }
 
     /// What a user should know about a resumed run, for the log.
-    pub fn describe(&self, spec: &JobSpec, from: &TrainPosition, world: usize) -> String {
+    pub fn describe(&self, plan: TrainPlan<'_>, from: &TrainPosition, world: usize) -> String {
         let mut text = format!(
             "resuming at epoch {}, step {} ({} samples of the epoch done)",
             self.epoch + 1,
@@ -71,9 +71,9 @@ impl Start {
             self.consumed
         );
         // An edited tree is said last, with its reason, for any world size.
-        let changed = changed_tree(spec, from);
+        let changed = changed_tree(plan, from);
         if self.reshard {
-            let t = &spec.train;
+            let t = &plan.train;
             let batch = |w: usize| match t.global_batch_size {
                 Some(global) => global,
                 None => t.batch_size * t.accumulation * w,
@@ -86,8 +86,8 @@ impl Start {
             // World-size-invariant training computes the same weights on any world size that
             // divides its virtual shards (`verify` checks it), when the checkpoint was trained
             // on the same ones; the rest cannot promise that.
-            let outcome = match (spec.distributed.world_size_invariant, from.virtual_shards) {
-                (true, Some(v)) if v == spec.distributed.virtual_shards => {
+            let outcome = match (plan.distributed.world_size_invariant, from.virtual_shards) {
+                (true, Some(v)) if v == plan.distributed.virtual_shards => {
                     "the weights stay bit-identical to an uninterrupted run \
                      (distributed.deterministic = \"world-size-invariant\")"
                 }
@@ -118,8 +118,8 @@ impl Start {
 
 /// How the sums of world-size-invariant training changed since the checkpoint (`job.toml`
 /// edited): each step's gradients are then summed in another order, whatever the world size.
-fn changed_tree(spec: &JobSpec, from: &TrainPosition) -> Option<String> {
-    match (from.virtual_shards, spec.distributed.invariant_shards()) {
+fn changed_tree(plan: TrainPlan<'_>, from: &TrainPosition) -> Option<String> {
+    match (from.virtual_shards, plan.distributed.invariant_shards()) {
         (Some(before), Some(now)) if before != now => Some(format!(
             "distributed.virtual_shards changed from {before} to {now}"
         )),

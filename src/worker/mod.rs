@@ -172,19 +172,13 @@ fn connect(
     beacon: Arc<Beacon>,
     timeout: Duration,
 ) -> Result<Box<dyn Communicator>, WorkerError> {
-    let backend = spec.distributed.backend;
     let always = spec.distributed.always_collectives;
-    let alone = env.world_size == 1;
-    let name = if device.is_cuda()
-        && backend != crate::config::Backend::Tcp
-        && (!alone || always || backend == crate::config::Backend::Nccl)
-    {
-        "nccl"
-    } else if alone {
-        "local"
-    } else {
-        "tcp"
+    let placement = ddpjob_comm::Placement {
+        gpu: device.is_cuda(),
+        world_size: env.world_size,
+        always,
     };
+    let name = ddpjob_comm::choose(spec.distributed.backend.name(), placement);
     let rendezvous = ddpjob_comm::Rendezvous {
         store,
         token: &env.token,

@@ -51,6 +51,32 @@ pub struct Options<'a> {
 /// The backends a job may name, in `distributed.backend`'s words (`auto` picks one of them).
 pub const BACKENDS: &[&str] = &["local", "tcp", "nccl"];
 
+/// Where a rank runs, for [`choose`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    /// On a GPU (not the CPU).
+    pub gpu: bool,
+    pub world_size: usize,
+    /// A single rank still runs its collectives (`distributed.collectives = "always"`).
+    pub always: bool,
+}
+
+/// The backend a rank joins when the job asks for `requested` (`auto`, or one of
+/// [`BACKENDS`]): NCCL between GPUs unless `tcp` is asked for (on a single GPU only when its
+/// collectives run anyway or `nccl` is named), nothing to connect for a single rank otherwise
+/// (`local`), the tcp ring between CPU workers. Every backend's placement is decided here, so
+/// the worker holds no test of its own.
+pub fn choose(requested: &str, at: Placement) -> &'static str {
+    let alone = at.world_size == 1;
+    if at.gpu && requested != "tcp" && (!alone || at.always || requested == "nccl") {
+        "nccl"
+    } else if alone {
+        "local"
+    } else {
+        "tcp"
+    }
+}
+
 /// This rank's collectives through the backend `name` (one of [`BACKENDS`]).
 pub fn connect(
     name: &str,
@@ -171,6 +197,28 @@ mod tests {
             timeout: Duration::from_secs(20),
             beacon: Arc::default(),
         }
+    }
+
+    #[test]
+    fn the_backend_follows_the_device_the_world_and_what_is_asked_for() {
+        let at = |gpu, world_size, always| Placement {
+            gpu,
+            world_size,
+            always,
+        };
+        // CPU workers: nothing to connect alone, the ring between several, whatever is asked.
+        for asked in ["auto", "tcp"] {
+            assert_eq!(choose(asked, at(false, 1, false)), "local");
+            assert_eq!(choose(asked, at(false, 4, false)), "tcp");
+        }
+        // GPUs: NCCL between several, or alone when its collectives run or it is named; the
+        // ring between GPU workers when asked for.
+        assert_eq!(choose("auto", at(true, 2, false)), "nccl");
+        assert_eq!(choose("auto", at(true, 1, false)), "local");
+        assert_eq!(choose("auto", at(true, 1, true)), "nccl");
+        assert_eq!(choose("nccl", at(true, 1, false)), "nccl");
+        assert_eq!(choose("tcp", at(true, 2, false)), "tcp");
+        assert_eq!(choose("tcp", at(true, 1, true)), "local");
     }
 
     /// Every named backend over one real store: `local` alone, `tcp` between two ranks, and an

@@ -25,7 +25,7 @@ use thiserror::Error;
 
 #[cfg(feature = "cuda")]
 pub use connect::join_nccl;
-pub use connect::{BACKENDS, Options, Rendezvous, connect, join_tcp};
+pub use connect::{BACKENDS, Options, Placement, Rendezvous, choose, connect, join_tcp};
 pub use local::{Exercised, LocalCommunicator};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclCommunicator;

@@ -259,6 +259,17 @@ pub enum Backend {
     Nccl,
 }
 
+impl Backend {
+    /// Its name as the key says it (`ddpjob_comm::choose` picks the backend by it).
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Tcp => "tcp",
+            Backend::Nccl => "nccl",
+        }
+    }
+}
+
 /// `distributed.sharding`: what each worker keeps of the training state (ZeRO's stages).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sharding {

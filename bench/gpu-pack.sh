@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Packs what bench/gpu-check.sh needs on a GPU machine into target/gpu-carry/ (about 62 MB, just under
+# Packs what bench/gpu-check.sh needs on a GPU machine into target/gpu-carry/ (about 62 MB, under
 # the device tool's 64 MiB carry limit): the CUDA binary from ../shared/gpu/build-cuda.sh
 # (xz-compressed: 59 MB -> 9 MB), the unit tests of the crates with GPU tests built for CUDA
 # (its `kernels` step runs their GPU tests; KERNEL_TESTS=0 leaves them out), run-gpu.sh, Fashion-MNIST's
@@ -28,11 +28,12 @@ if [ "${KERNEL_TESTS:-1}" != 0 ]; then
   # The same toolchain and target folder as build-cuda.sh; cargo names the test executable.
   venv=${VENV:-$HOME/.cache/ddpjob-cuda-venv}
   cu13=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia/cu13
-  # Every crate whose unit tests hold GPU tests (`the_gpu_*`): the root's, the kernels', the
-  # model families' and the trainer's; one executable each, `ddpjob-tests-<crate>.xz`.
+  # Every crate whose unit tests hold GPU tests (`the_gpu_*`): the kernels', the model
+  # families' and the trainer's (the root has none); one executable each,
+  # `ddpjob-tests-<crate>.xz`.
   PATH=$cu13/bin:$PATH CUDA_HOME=$cu13 CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} \
       CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda} \
-      cargo test --release --features cuda -p ddpjob -p ddpjob-kernels -p ddpjob-models -p ddpjob-train --lib \
+      cargo test --release --features cuda -p ddpjob-kernels -p ddpjob-models -p ddpjob-train --lib \
         --no-run --message-format=json |
     python3 -c 'import json, sys
 for m in map(json.loads, sys.stdin):

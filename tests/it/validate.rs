@@ -164,6 +164,11 @@ fn bad_configs_exit_2_with_their_specific_error() {
             "`train.lr` (bad.toml:2:6) must be a number, found the string \"high\"",
         ),
         ("[train\n", "TOML syntax error in bad.toml:1:7"),
+        // What a model requires of its data is the model's to say, whatever the dataset.
+        (
+            "[model]\narch = \"cnn\"\n[data]\ndataset = \"synthetic\"\n[data.synthetic]\nshape = [1, 4, 4]\n",
+            "model.arch = \"cnn\": the cnn needs images of at least 6x6 (two 3x3 convolutions, then a 2x2 pooling), got 4x4",
+        ),
     ];
     for (text, message) in cases {
         t.config("bad", text);

@@ -316,12 +316,6 @@ impl DatasetOptions for SyntheticOptions {
             ))
         } else if let Some(why) = synthetic_too_large(s) {
             Some(why)
-        } else if cx.arch == "cnn" && (s.shape[1] < 6 || s.shape[2] < 6) {
-            // The cnn's two 2x2 poolings after 3x3 convolutions need this much.
-            Some(format!(
-                "data.synthetic.shape: the cnn needs images of at least 6x6, got {}x{}",
-                s.shape[1], s.shape[2]
-            ))
         } else {
             None
         };

@@ -18,8 +18,19 @@ pub struct Cnn {
 }
 
 impl Cnn {
+    /// The smallest image side it takes: two 3×3 convolutions take 4 off each side, and the
+    /// 2×2 pooling after them needs 2 left.
+    pub const SMALLEST_SIDE: usize = 6;
+
     pub fn new(shape: [usize; 3], classes: usize, seed: u64, device: &Device) -> Result<Self> {
         let [c, h, w] = shape;
+        let least = Self::SMALLEST_SIDE;
+        if h < least || w < least {
+            return Err(candle_core::Error::Msg(format!(
+                "the cnn needs images of at least {least}x{least} (two 3x3 convolutions, then a \
+                 2x2 pooling), got {h}x{w}: use larger images, or model.arch = \"mlp\""
+            )));
+        }
         let flat = 64 * ((h - 4) / 2) * ((w - 4) / 2);
         let mut init = Init::new(seed, device);
         let conv1 = init.conv2d("conv1", c, 32, 3)?;

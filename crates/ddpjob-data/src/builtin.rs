@@ -314,10 +314,8 @@ impl DatasetOptions for SyntheticOptions {
                 "data.synthetic.noise = {}: must be at least 0",
                 s.noise
             ))
-        } else if let Some(why) = synthetic_too_large(s) {
-            Some(why)
         } else {
-            None
+            synthetic_too_large(s)
         };
         if let Some(problem) = problem {
             return Err(problem);

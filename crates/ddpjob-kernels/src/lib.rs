@@ -1,6 +1,8 @@
 //! ddpjob's kernels: the ops its models are made of, each with its CPU reference, its fused CPU
 //! fast path and, behind the `cuda` feature, its CUDA source (compiled at run time by NVRTC,
-//! `nvrtc`), plus the loss every task shares ([`loss`]).
+//! `nvrtc`), plus the loss every task shares ([`loss`]). An op with a device kernel is a
+//! folder (`conv/`, `cross_entropy/`, `optim/`, `scored_mean/`): its CPU paths in `mod.rs`,
+//! its launches in `cuda.rs`, beside its source; `nvrtc` holds what every launch shares.
 //!
 //! Fused CPU kernels for the layers ddpjob's models are made of. Candle's CPU ops allocate a
 //! tensor per op and its autograd computes a gradient for every input of every op; a layer here
@@ -14,12 +16,7 @@
 
 mod bf16_products;
 mod conv;
-#[cfg(feature = "cuda")]
-mod conv_cuda;
-mod conv_gpu;
 mod cross_entropy;
-#[cfg(feature = "cuda")]
-mod cross_entropy_cuda;
 mod device_code;
 mod linear;
 mod lora_linear;
@@ -27,12 +24,8 @@ pub mod loss;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
 mod optim;
-#[cfg(feature = "cuda")]
-mod optim_cuda;
 mod pool;
 mod scored_mean;
-#[cfg(feature = "cuda")]
-mod scored_mean_cuda;
 pub mod scratch;
 pub mod storage;
 mod swap_middle;
@@ -45,20 +38,20 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 pub use bf16_products::{bf16_products, set_bf16_products};
+pub use conv::unfolded::{applies as conv2d_unfolded_applies, bias_relu, conv2d_unfolded};
 pub use conv::{ConvGeometry, Pooling, conv2d};
 pub use conv::{ConvLayer, ConvOutput};
-pub use conv_gpu::{applies as conv2d_unfolded_applies, bias_relu, conv2d_unfolded};
 pub use cross_entropy::{applies as row_cross_entropy_applies, row_cross_entropy};
 pub use linear::linear;
 pub use linear::{
     Wanted, backward as linear_backward, forward as linear_forward, relu_grad, relu_in_place,
 };
 pub use lora_linear::{AdapterDropout, lora_linear};
+#[cfg(feature = "cuda")]
+pub use optim::cuda::adam_step_on_gpu;
 pub use optim::{
     AdamStep, SgdStep, adam_step, add_pairs, overwrite_except, scaled, sgd_step, sum_of_squares,
 };
-#[cfg(feature = "cuda")]
-pub use optim_cuda::adam_step_on_gpu;
 pub use scored_mean::scored_mean;
 pub use swap_middle::swap_middle;
 pub use transpose::transpose;
@@ -124,10 +117,10 @@ pub fn uneven_sum(y: &Tensor) -> Tensor {
 #[cfg(feature = "cuda")]
 pub fn compile_gpu_kernels() {
     let compiled = [
-        conv_cuda::ptx(),
-        cross_entropy_cuda::ptx(),
-        optim_cuda::ptx(),
-        scored_mean_cuda::ptx(),
+        conv::cuda::ptx(),
+        cross_entropy::cuda::ptx(),
+        optim::cuda::ptx(),
+        scored_mean::cuda::ptx(),
         swap_middle::cuda::ptx(),
     ];
     drop(compiled);

@@ -3,6 +3,10 @@
 //! in its cache. Backward: the weight gradient is gz·colsᵀ summed over samples, the input
 //! gradient Wᵀ·gz folded back with col2im, and skipped when the input is data.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+pub(crate) mod unfolded;
+
 use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};

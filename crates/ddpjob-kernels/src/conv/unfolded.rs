@@ -14,12 +14,12 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape};
 use candle_core::{Tensor, bail};
 
-use super::conv::{ConvGeometry, Dims, Pooling};
+use super::{ConvGeometry, Dims, Pooling};
 
 /// The kernels (one thread per output value; f32 arithmetic over f32 or bf16 values, no fused
 /// multiply-adds: only sums, so they round as the host references do).
 #[cfg(any(feature = "cuda", test))]
-pub(super) const SOURCE: &str = include_str!("conv_gpu/kernels.cu");
+pub(super) const SOURCE: &str = include_str!("kernels.cu");
 
 /// Whether [`conv2d_unfolded`] is how a layer runs on `x`'s device: a GPU, f32 or bf16.
 pub fn applies(x: &Tensor) -> bool {
@@ -165,8 +165,8 @@ pub(super) fn geometry_scalars(d: &Dims) -> [u32; 8] {
 
 /// Host references, value `i` of each op's output computed as its kernel's thread `i` does.
 mod host {
-    use super::super::pool::pool_window;
     use super::{Dims, Finish};
+    use crate::pool::pool_window;
 
     pub(super) fn unfolded(x: &[f32], d: &Dims, i: usize) -> f32 {
         let (row, col) = (i / d.ckk, i % d.ckk);
@@ -248,7 +248,7 @@ mod host {
 
 /// `count` values made by `value` (f32), stored in `dtype`.
 fn host_made(count: usize, dtype: DType, value: impl Fn(usize) -> f32) -> CpuStorage {
-    super::narrowed((0..count).map(value).collect(), dtype)
+    crate::narrowed((0..count).map(value).collect(), dtype)
 }
 
 /// Checks that a layout holds `shape`, contiguously.
@@ -267,7 +267,7 @@ impl CustomOp1 for Unfold {
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = &self.0;
         expect_shape(lx, &d.image(), "unfold")?;
-        let (x, dtype) = super::widened(x, lx, "unfold")?;
+        let (x, dtype) = crate::widened(x, lx, "unfold")?;
         let cols = host_made(d.n * d.l * d.ckk, dtype, |i| host::unfolded(&x, d, i));
         Ok((cols, Shape::from(&d.windows()[..])))
     }
@@ -280,7 +280,7 @@ impl CustomOp1 for Unfold {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = &self.0;
         expect_shape(lx, &d.image(), "unfold")?;
-        let cols = super::conv_cuda::unfold(x, lx, d)?;
+        let cols = super::cuda::unfold(x, lx, d)?;
         Ok((cols, Shape::from(&d.windows()[..])))
     }
 
@@ -297,7 +297,7 @@ impl CustomOp1 for Fold {
     fn cpu_fwd(&self, cols: &CpuStorage, lc: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = &self.0;
         expect_shape(lc, &d.windows(), "fold")?;
-        let (cols, dtype) = super::widened(cols, lc, "fold")?;
+        let (cols, dtype) = crate::widened(cols, lc, "fold")?;
         let x = host_made(d.n * d.input(), dtype, |i| host::folded(&cols, d, i));
         Ok((x, Shape::from(&d.image()[..])))
     }
@@ -310,7 +310,7 @@ impl CustomOp1 for Fold {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = &self.0;
         expect_shape(lc, &d.windows(), "fold")?;
-        let x = super::conv_cuda::fold(cols, lc, d)?;
+        let x = super::cuda::fold(cols, lc, d)?;
         Ok((x, Shape::from(&d.image()[..])))
     }
 }
@@ -338,8 +338,8 @@ impl CustomOp2 for Finish {
     ) -> Result<(CpuStorage, Shape)> {
         let shape = self.check(lz, lb)?;
         let ((z, dtype), (b, _)) = (
-            super::widened(z, lz, "conv2d")?,
-            super::widened(b, lb, "conv2d")?,
+            crate::widened(z, lz, "conv2d")?,
+            crate::widened(b, lb, "conv2d")?,
         );
         let y = host_made(shape.elem_count(), dtype, |i| {
             host::finished(self, &z, &b, i)
@@ -356,7 +356,7 @@ impl CustomOp2 for Finish {
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let shape = self.check(lz, lb)?;
-        let y = super::conv_cuda::finish(self, (z, lz), (b, lb), shape.elem_count())?;
+        let y = super::cuda::finish(self, (z, lz), (b, lb), shape.elem_count())?;
         Ok((y, shape))
     }
 
@@ -368,7 +368,7 @@ impl CustomOp2 for Finish {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let gz = z.apply_op3_no_bwd(b, &grad.contiguous()?, &FinishGrad(*self))?;
-        let gb = super::column_sums(&gz, self.d.o)?;
+        let gb = crate::column_sums(&gz, self.d.o)?;
         Ok((Some(gz), Some(gb)))
     }
 }
@@ -390,10 +390,10 @@ impl CustomOp3 for FinishGrad {
         let f = &self.0;
         let out = f.check(lz, lb)?;
         expect_shape(lg, out.dims(), "conv2d's output gradient")?;
-        let (z, dtype) = super::widened(z, lz, "conv2d backward")?;
+        let (z, dtype) = crate::widened(z, lz, "conv2d backward")?;
         let ((b, _), (g, _)) = (
-            super::widened(b, lb, "conv2d")?,
-            super::widened(g, lg, "conv2d")?,
+            crate::widened(b, lb, "conv2d")?,
+            crate::widened(g, lg, "conv2d")?,
         );
         let gz = host_made(z.len(), dtype, |i| host::finish_grad(f, &z, &b, &g, i));
         Ok((gz, lz.shape().clone()))
@@ -411,11 +411,10 @@ impl CustomOp3 for FinishGrad {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let out = self.0.check(lz, lb)?;
         expect_shape(lg, out.dims(), "conv2d's output gradient")?;
-        let gz = super::conv_cuda::finish_grad(&self.0, (z, lz), (b, lb), (g, lg))?;
+        let gz = super::cuda::finish_grad(&self.0, (z, lz), (b, lb), (g, lg))?;
         Ok((gz, lz.shape().clone()))
     }
 }
 
 #[cfg(test)]
-#[path = "conv_gpu/tests.rs"]
 mod tests;

@@ -7,8 +7,8 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Storage, Tensor, bail};
 
-use super::nvrtc;
-use super::optim::{Adam, AdamStep};
+use super::{Adam, AdamStep};
+use crate::nvrtc;
 
 const SOURCE: &str = r#"
 extern "C" __global__ void ddpjob_adam(float* p, const float* g, float* m, float* v,
@@ -152,7 +152,7 @@ impl InplaceOp2 for AdamOnGpu {
 mod tests {
     use candle_core::{Device, Tensor};
 
-    use super::super::optim::{AdamStep, adam_step};
+    use super::super::{AdamStep, adam_step};
     use super::adam_step_on_gpu;
 
     /// NVRTC compiles the kernel (it needs no GPU, only its library).

@@ -3,12 +3,12 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::super::tests::{
+use super::*;
+use crate::device_code::host::{Buffer, HostKernel};
+use crate::tests::{
     CONV_CASES, ConvCase, LINEAR_CASES, assert_layers_agree, assert_runs_agree, candle_linear,
     random, run,
 };
-use super::*;
-use crate::device_code::host::{Buffer, HostKernel};
 use crate::{conv2d, f32_bits};
 use ddpjob_rng::Mt19937;
 

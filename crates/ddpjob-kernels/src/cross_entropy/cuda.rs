@@ -9,7 +9,7 @@ use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice, WrapEr
 use candle_core::{Error, Layout, Result};
 use half::bf16;
 
-use super::nvrtc;
+use crate::nvrtc;
 
 const SOURCE: &str = r#"
 #define IGNORED 0xffffffffu
@@ -78,7 +78,7 @@ CROSS_ENTROPY(bf16, unsigned short)
 
 const MODULE: &str = "ddpjob_cross_entropy";
 
-pub(super) fn ptx() -> Result<&'static str> {
+pub(crate) fn ptx() -> Result<&'static str> {
     static PTX: nvrtc::Compiled = nvrtc::Compiled::new();
     PTX.get(&[nvrtc::ELEMENTS, SOURCE], "the cross-entropy kernels")
 }

@@ -2,6 +2,9 @@
 //! the parameter updated in place and the new moment buffers written once, where candle's
 //! tensor ops would make a dozen passes with a fresh tensor each.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+
 use std::cell::RefCell;
 
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
@@ -251,7 +254,7 @@ impl InplaceOp2 for AdamOp<'_> {
 }
 
 /// Adam's per-element constants, as plain copies so the loop reads no captured memory (the
-/// GPU kernel takes the same ones: `optim_cuda`).
+/// GPU kernel takes the same ones: `optim::cuda`).
 #[derive(Clone, Copy)]
 pub(super) struct Adam {
     pub(super) b1: f32,

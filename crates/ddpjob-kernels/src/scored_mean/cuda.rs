@@ -4,12 +4,12 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{Error, Layout, Result};
 
-use super::nvrtc;
-use super::scored_mean::{SOURCE, THREADS};
+use super::{SOURCE, THREADS};
+use crate::nvrtc;
 
 const MODULE: &str = "ddpjob_scored_mean";
 
-pub(super) fn ptx() -> Result<&'static str> {
+pub(crate) fn ptx() -> Result<&'static str> {
     static PTX: nvrtc::Compiled = nvrtc::Compiled::rounding_as_the_host();
     PTX.get(&[SOURCE], "the scored mean's kernels")
 }

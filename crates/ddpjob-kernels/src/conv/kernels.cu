@@ -1,8 +1,8 @@
-// The convolution layer's kernels (see conv_gpu.rs, whose `host` module is their reference,
+// The convolution layer's kernels (see unfolded.rs, whose `host` module is their reference,
 // index for index). x [n, c, h, w]; cols [n·oh·ow, c·k·k] (a window per row); z [n·oh·ow, o]
 // (cols · weightᵀ); y [n, o, oh', ow'] (oh' = oh / 2 when pooled, else oh; ow' alike).
 // `load` and `store` (from ELEMENTS) read and write f32 or bf16 values as f32. A launch holds
-// at most 2³² threads (conv_cuda.rs), so a thread's own index and what is divided out of it
+// at most 2³² threads (cuda.rs), so a thread's own index and what is divided out of it
 // fit 32 bits (64-bit division is many instructions on a GPU); addresses are 64-bit.
 
 // The four values of z's 2×2 window, each plus the bias: the largest, and the place (0-3,

@@ -8,6 +8,9 @@
 //! log-sum-exp rather than keeping it. The host version is the reference the kernels are held
 //! to.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
 
@@ -109,7 +112,7 @@ impl CustomOp2 for RowLosses {
         lt: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rows, classes) = check(l, lt)?;
-        let out = super::cross_entropy_cuda::run((logits, l), (targets, lt), None, rows, classes)?;
+        let out = cuda::run((logits, l), (targets, lt), None, rows, classes)?;
         Ok((out, Shape::from(rows)))
     }
 
@@ -177,13 +180,7 @@ impl CustomOp3 for RowLossesGrad {
         if lg.dims() != [rows] || !lg.is_contiguous() {
             bail!("cross_entropy gradient: {:?} for {rows} rows", lg.dims());
         }
-        let dx = super::cross_entropy_cuda::run(
-            (logits, l),
-            (targets, lt),
-            Some((grad, lg)),
-            rows,
-            classes,
-        )?;
+        let dx = cuda::run((logits, l), (targets, lt), Some((grad, lg)), rows, classes)?;
         Ok((dx, l.shape().clone()))
     }
 }

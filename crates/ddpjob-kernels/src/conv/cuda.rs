@@ -1,4 +1,4 @@
-//! Launches of the convolution layer's kernels (see `conv_gpu`, which holds their source and
+//! Launches of the convolution layer's kernels (see `unfolded`, which holds their source and
 //! host references): one thread per output value, f32 or bf16 values.
 
 use candle_core::cuda_backend::cudarc::driver::{
@@ -8,13 +8,13 @@ use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{Error, Layout, Result};
 use half::bf16;
 
-use super::conv::Dims;
-use super::conv_gpu::{Finish, SOURCE, geometry_scalars};
-use super::nvrtc;
+use super::Dims;
+use super::unfolded::{Finish, SOURCE, geometry_scalars};
+use crate::nvrtc;
 
 const MODULE: &str = "ddpjob_conv";
 
-pub(super) fn ptx() -> Result<&'static str> {
+pub(crate) fn ptx() -> Result<&'static str> {
     static PTX: nvrtc::Compiled = nvrtc::Compiled::rounding_as_the_host();
     PTX.get(&[nvrtc::ELEMENTS, SOURCE], "the convolution kernels")
 }

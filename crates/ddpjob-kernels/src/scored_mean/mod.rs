@@ -7,6 +7,9 @@
 //! The host version, which sums in the kernel's order, is the reference it is held to bit for
 //! bit.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 
 use crate::loss::IGNORE_TARGET;
@@ -149,7 +152,7 @@ impl CustomOp2 for ScoredMean {
         lt: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let rows = rows_of(l, lt)?;
-        let out = super::scored_mean_cuda::run((losses, l), (targets, lt), rows, false)?;
+        let out = cuda::run((losses, l), (targets, lt), rows, false)?;
         Ok((out, Shape::from(())))
     }
 
@@ -205,7 +208,7 @@ impl CustomOp2 for ScoredMeanGrad {
                 lg.dims()
             );
         }
-        let out = super::scored_mean_cuda::run((grad, lg), (targets, lt), rows, true)?;
+        let out = cuda::run((grad, lg), (targets, lt), rows, true)?;
         Ok((out, Shape::from(rows)))
     }
 }

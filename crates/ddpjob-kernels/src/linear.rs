@@ -3,7 +3,7 @@
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{Mat, gemm, product, threads, values, with_values};
+use crate::host::{Mat, gemm, product, threads, values, with_values};
 
 /// `relu(x·Wᵀ + b)` (or without the ReLU) for `x` [n, in], `weight` [out, in], `bias` `[out]`.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor, relu: bool) -> Result<Tensor> {

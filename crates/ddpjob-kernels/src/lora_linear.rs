@@ -8,7 +8,7 @@
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
 
-use super::{Mat, gemm, product, threads, values, with_values};
+use crate::host::{Mat, gemm, product, threads, values, with_values};
 
 /// The adapter's input dropout: each row's seed, the layer's site and the probability; the
 /// mask is a function of these (see `models::gpt::dropout`).

@@ -6,10 +6,7 @@
 
 use candle_core::{D, DType, Result as TensorResult, Tensor};
 
-/// A target that scores nothing: its position has no loss, no gradient, and is not counted in
-/// a mean or an accuracy (a prompt's tokens in instruction data, padding). PyTorch's
-/// `ignore_index = -100` as an unsigned id.
-pub const IGNORE_TARGET: u32 = u32::MAX;
+pub use crate::cross_entropy::IGNORE_TARGET;
 
 /// Mean cross-entropy of `logits` [.., classes] against integer `targets` [..], over the
 /// targets that are not [`IGNORE_TARGET`] (0 when none is).

@@ -4,6 +4,7 @@
 use candle_core::{Device, Tensor, Var};
 
 use super::*;
+use candle_core::{CpuStorage, Result};
 use ddpjob_rng::Mt19937;
 
 pub(super) fn random(rng: &mut Mt19937, shape: &[usize]) -> Tensor {

@@ -11,8 +11,9 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
 
-use super::pool::{Maps, bias_relu_pool, pool_grad};
-use super::{Mat, gemm, per_sample, scratch, sum_parts, transpose, values, with_values};
+use crate::host::{Mat, gemm, per_sample, sum_parts, values, with_values};
+use crate::pool::{Maps, bias_relu_pool, pool_grad};
+use crate::{scratch, transpose};
 
 /// Stride and zero padding, the same along both spatial axes (dilation 1, one group).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -387,7 +388,7 @@ impl ConvOp {
                     let arg = argmax.get(at.clone()).unwrap_or_default();
                     self.grad_at_conv(&g[at.clone()], &y[at], arg, &d, &mut gz);
                     for (acc, row) in gb.iter_mut().zip(gz.chunks_exact(d.l)) {
-                        *acc += super::sum_map(row, |v| v);
+                        *acc += crate::host::sum_map(row, |v| v);
                     }
                     im2col(&x[s * d.input()..][..d.input()], &d, &mut cols);
                     gemm(

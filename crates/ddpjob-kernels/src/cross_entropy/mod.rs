@@ -14,8 +14,10 @@ pub(crate) mod cuda;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
 
-use crate::loss::IGNORE_TARGET;
-
+/// A target that scores nothing: its position has no loss, no gradient, and is not counted in
+/// a mean or an accuracy (a prompt's tokens in instruction data, padding). PyTorch's
+/// `ignore_index = -100` as an unsigned id.
+pub const IGNORE_TARGET: u32 = u32::MAX;
 /// −log softmax(`logits` [rows, classes])`[target]` per row, f32 `[rows]`: 0 where the target is
 /// [`IGNORE_TARGET`], NaN where it is out of range. `logits` f32 or bf16 (read in f32);
 /// differentiable in `logits`.
@@ -49,7 +51,7 @@ fn rows_of(
     let &[rows, classes] = l.dims() else {
         bail!("cross_entropy: logits [rows, classes], not {:?}", l.dims());
     };
-    let (x, _) = super::widened(logits, l, "cross_entropy's logits")?;
+    let (x, _) = crate::host::widened(logits, l, "cross_entropy's logits")?;
     let targets = targets.as_slice::<u32>()?[ts..te].to_vec();
     if targets.len() != rows {
         bail!("cross_entropy: {} targets for {rows} rows", targets.len());
@@ -145,7 +147,7 @@ impl CustomOp3 for RowLossesGrad {
         lg: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, targets, classes) = rows_of(logits, l, targets, lt)?;
-        let g = super::values(grad, lg)?;
+        let g = crate::host::values(grad, lg)?;
         let mut dx = vec![0f32; x.len()];
         for (((row, d), &t), &g) in x
             .chunks_exact(classes)
@@ -162,7 +164,7 @@ impl CustomOp3 for RowLossesGrad {
                 *d = ((v - lse).exp() - hot) * g;
             }
         }
-        let dx = super::narrowed(dx, BackendStorage::dtype(logits));
+        let dx = crate::host::narrowed(dx, BackendStorage::dtype(logits));
         Ok((dx, l.shape().clone()))
     }
 

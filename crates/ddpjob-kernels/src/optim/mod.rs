@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
 use rayon::prelude::*;
 
-use super::{threads, values};
+use crate::host::{threads, values};
 
 /// Elements per parallel task: large enough that splitting pays.
 const CHUNK: usize = 1 << 15;
@@ -75,7 +75,7 @@ pub fn sgd_step(param: &Tensor, grad: &Tensor, buffer: &mut Vec<f32>, h: SgdStep
 /// cut (a sharded optimizer sums its pieces, then the ranks' sums) the total differs only in
 /// the last digits of an f64, and the clipping coefficient, rounded to f32, almost never.
 pub fn sum_of_squares(g: &Tensor) -> Result<f64> {
-    super::with_values(g, |g| {
+    crate::host::with_values(g, |g| {
         let mut lanes = [0f64; 4];
         let chunks = g.chunks_exact(4);
         let square = |v: f32| (v as f64) * (v as f64);
@@ -91,7 +91,7 @@ pub fn sum_of_squares(g: &Tensor) -> Result<f64> {
 
 /// `g` · `factor` as a new CPU f32 tensor, one parallel pass.
 pub fn scaled(g: &Tensor, factor: f32) -> Result<Tensor> {
-    let values = super::with_values(g, |g| {
+    let values = crate::host::with_values(g, |g| {
         Ok(g.par_chunks(CHUNK)
             .flat_map_iter(|chunk| chunk.iter().map(move |v| v * factor))
             .collect::<Vec<f32>>())
@@ -105,7 +105,7 @@ pub fn scaled(g: &Tensor, factor: f32) -> Result<Tensor> {
 /// about 1% of a GPT step).
 pub fn add_pairs(pairs: &[(&Tensor, &Tensor)]) -> Result<Vec<Tensor>> {
     let operands: Vec<&Tensor> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
-    let sums = super::with_all_values(&operands, |values| {
+    let sums = crate::host::with_all_values(&operands, |values| {
         let mut sums: Vec<Vec<f32>> = Vec::with_capacity(pairs.len());
         let mut tasks = Vec::new();
         for pair in values.chunks_exact(2) {

@@ -12,7 +12,7 @@ pub(crate) mod cuda;
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 
-use crate::loss::IGNORE_TARGET;
+use crate::cross_entropy::IGNORE_TARGET;
 
 /// Threads of the one block each kernel runs; the host sums in their order.
 pub(super) const THREADS: usize = 256;
@@ -137,7 +137,7 @@ impl CustomOp2 for ScoredMean {
         targets: &CpuStorage,
         lt: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let losses = super::values(losses, l)?;
+        let losses = crate::host::values(losses, l)?;
         let targets = targets_of(targets, lt, losses.len())?;
         let mean = block_sum(losses) / divisor(targets);
         Ok((CpuStorage::F32(vec![mean]), Shape::from(())))
@@ -183,7 +183,7 @@ impl CustomOp2 for ScoredMeanGrad {
     ) -> Result<(CpuStorage, Shape)> {
         let rows = lt.shape().elem_count();
         let targets = targets_of(targets, lt, rows)?;
-        let &[g] = super::values(grad, lg)? else {
+        let &[g] = crate::host::values(grad, lg)? else {
             bail!(
                 "scored mean gradient: one value expected, not {:?}",
                 lg.dims()

@@ -156,13 +156,7 @@ impl JobView {
             .spec
             .as_ref()
             .is_some_and(|s| s.model.language().is_some());
-        if language && !names.contains(&"perplexity") {
-            names.push("perplexity");
-        }
-        if names.is_empty() {
-            names.extend(["loss", "accuracy"]);
-        }
-        MetricInfo::inferred(names)
+        inferred_metrics(names, language)
     }
 
     /// The best evaluation by the headline metric (a classifier's most accurate, a language
@@ -201,6 +195,19 @@ impl JobView {
         let results = &self.summary.as_ref()?.expectations;
         (!results.is_empty()).then(|| (results.iter().filter(|r| r.met).count(), results.len()))
     }
+}
+
+/// The metrics of a job of an older version, from the names its records and summary hold and
+/// whether its config is a language model's: with nothing evaluated yet, the built-in ones its
+/// task reports.
+fn inferred_metrics(mut names: Vec<&str>, language: bool) -> Vec<MetricInfo> {
+    if names.is_empty() {
+        names.extend(["loss", "accuracy"]);
+    }
+    if language && !names.contains(&"perplexity") {
+        names.push("perplexity");
+    }
+    MetricInfo::inferred(names)
 }
 
 /// The best evaluation of a job (see [`JobView::best`]).
@@ -242,4 +249,24 @@ fn dir_size(dir: &Path) -> u64 {
                 .sum()
         })
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::inferred_metrics;
+
+    #[test]
+    fn a_job_not_yet_evaluated_is_judged_by_its_tasks_built_in_headline() {
+        let names = |infos: Vec<crate::task::MetricInfo>| -> Vec<String> {
+            infos.into_iter().map(|i| i.name).collect()
+        };
+        assert_eq!(
+            names(inferred_metrics(vec![], true)),
+            ["loss", "perplexity", "accuracy"]
+        );
+        assert_eq!(names(inferred_metrics(vec![], false)), ["accuracy", "loss"]);
+        // What its records hold decides once there are some.
+        let recorded = vec!["loss", "accuracy", "perplexity"];
+        assert_eq!(names(inferred_metrics(recorded, false))[0], "loss");
+    }
 }

@@ -614,7 +614,7 @@ fn a_metric_the_task_declares_is_recorded_summarised_plotted_and_shown() {
     };
     // The records carry what the task declared, and nothing it did not.
     let history = crate::report::history::History::read(&job.metrics_path()).unwrap();
-    assert_eq!(history.metric_names, ["error_rate", "loss"]);
+    assert_eq!(history.metric_names, ["loss", "error_rate"]);
     let last = history.last_epoch().unwrap();
     let rate = last.metrics.value("error_rate");
     assert!(

@@ -267,6 +267,19 @@ impl MetricValues {
         self.0.is_empty()
     }
 
+    /// The same with `names` first (those it has, in that order), the rest as they were.
+    pub fn with_first(&self, names: &[&str]) -> Self {
+        let first = names
+            .iter()
+            .filter_map(|n| self.get(n).map(|v| (n.to_string(), v)));
+        let rest = self
+            .0
+            .iter()
+            .filter(|(n, _)| !names.contains(&n.as_str()))
+            .cloned();
+        MetricValues(first.chain(rest).collect())
+    }
+
     /// The same without `names` (the fields a type records by name of its own).
     pub fn without(&self, names: &[&str]) -> Self {
         MetricValues(

@@ -173,7 +173,7 @@ impl Leader {
             loss: train_loss,
             lr,
             samples_per_s: round(samples_per_s),
-            metrics: eval.values.clone(),
+            metrics: recorded(&eval.values),
             train_s: epoch_train_s,
             time: now_unix(),
         })?;
@@ -191,7 +191,7 @@ impl Leader {
         self.record(&Record::Eval {
             epoch,
             step,
-            metrics: eval.values.clone(),
+            metrics: recorded(&eval.values),
             time: now_unix(),
         })
     }
@@ -329,6 +329,13 @@ fn round(x: f64) -> f64 {
     (x * scale).round() / scale
 }
 
+/// An evaluation's metrics as a record holds them: `test_loss` and `test_accuracy` first, as
+/// every version has written them (a task's own after them, in its order), whatever order the
+/// task declared them in (`state.json` keeps that).
+fn recorded(values: &crate::task::MetricValues) -> crate::task::MetricValues {
+    values.with_first(&["loss", "accuracy"])
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -338,5 +345,19 @@ mod tests {
         assert_eq!(super::round(0.683_649), 0.6836);
         assert_eq!(super::round(0.0), 0.0);
         assert!(super::round(f64::NAN).is_nan());
+    }
+
+    #[test]
+    fn records_keep_loss_and_accuracy_first_whatever_the_declared_order() {
+        use crate::task::{EvalSums, MetricValues, classifier_metrics};
+        let sums = EvalSums {
+            loss: 2.0,
+            correct: 3.0,
+            targets: 4.0,
+        };
+        // A classifier declares its accuracy first; its records read as they always have.
+        let values = MetricValues::of(&classifier_metrics(), &sums);
+        let line = serde_json::to_string(&super::recorded(&values)).unwrap();
+        assert_eq!(line, r#"{"test_loss":0.5,"test_accuracy":0.75}"#);
     }
 }

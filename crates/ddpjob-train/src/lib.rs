@@ -659,7 +659,13 @@ impl Trainer<'_> {
         // Every rank holds the same all-reduced loss, so every rank decides alike.
         let early = self.plan.train.early_stopping;
         if early.patience.is_some() {
-            let value = eval.values.value(early.monitor.metric());
+            // The watched metric as the task declared it; a task that does not declare it
+            // still has the loss and accuracy every evaluation sums.
+            let name = early.monitor.metric();
+            let value = eval.get(name).unwrap_or(match name {
+                "accuracy" => eval.accuracy,
+                _ => eval.loss,
+            });
             metrics.count_for_early_stopping(value, early.monitor, early.min_delta);
         }
         // The plan's last evaluation ends the run anyway: no early stop to report.

@@ -41,8 +41,8 @@ pub enum Record {
         lr: f64,
         #[serde(default = "nan", deserialize_with = "nan_if_null")]
         samples_per_s: f64,
-        /// The evaluation's metrics, as its task declared them: `test_loss`,
-        /// `test_accuracy`, `test_perplexity`, … (see the seam's `MetricValues`).
+        /// The evaluation's metrics, those its task declared: `test_loss` and
+        /// `test_accuracy` first, then `test_perplexity`, … (see the seam's `MetricValues`).
         #[serde(flatten)]
         metrics: MetricValues,
         #[serde(default = "nan", deserialize_with = "nan_if_null")]
@@ -54,8 +54,8 @@ pub enum Record {
     Eval {
         epoch: usize,
         step: usize,
-        /// The evaluation's metrics, as its task declared them: `test_loss`,
-        /// `test_accuracy`, `test_perplexity`, … (see the seam's `MetricValues`).
+        /// The evaluation's metrics, those its task declared: `test_loss` and
+        /// `test_accuracy` first, then `test_perplexity`, … (see the seam's `MetricValues`).
         #[serde(flatten)]
         metrics: MetricValues,
         #[serde(default)]

@@ -149,8 +149,7 @@ impl JobView {
             .map(|n| n.as_str())
             .collect();
         if let Some(summary) = &self.summary {
-            names.extend(["loss", "accuracy"]);
-            names.extend(summary.more_metrics.names());
+            names.extend(summary.metric_names());
         }
         let language = self
             .spec

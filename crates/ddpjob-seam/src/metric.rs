@@ -331,7 +331,7 @@ impl<'de> Deserialize<'de> for MetricValues {
                     let value: MaybeNumber = map.next_value()?;
                     if let (Some(name), MaybeNumber::Number(v)) = (key.strip_prefix("test_"), value)
                     {
-                        values.set(name, v);
+                        values.set(name, v.unwrap_or(f64::NAN));
                     }
                 }
                 Ok(values)
@@ -341,61 +341,12 @@ impl<'de> Deserialize<'de> for MetricValues {
     }
 }
 
-/// A field's value: a number (`null` read as NaN), or anything else, which is not a metric.
+/// A field's value: a number or `null` (read as NaN), or anything else, which is not a metric.
+#[derive(Deserialize)]
+#[serde(untagged)]
 enum MaybeNumber {
-    Number(f64),
-    Other,
-}
-
-impl<'de> Deserialize<'de> for MaybeNumber {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Any;
-        impl<'de> Visitor<'de> for Any {
-            type Value = MaybeNumber;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("any value")
-            }
-            fn visit_f64<E>(self, v: f64) -> Result<MaybeNumber, E> {
-                Ok(MaybeNumber::Number(v))
-            }
-            fn visit_i64<E>(self, v: i64) -> Result<MaybeNumber, E> {
-                Ok(MaybeNumber::Number(v as f64))
-            }
-            fn visit_u64<E>(self, v: u64) -> Result<MaybeNumber, E> {
-                Ok(MaybeNumber::Number(v as f64))
-            }
-            fn visit_unit<E>(self) -> Result<MaybeNumber, E> {
-                Ok(MaybeNumber::Number(f64::NAN))
-            }
-            fn visit_none<E>(self) -> Result<MaybeNumber, E> {
-                Ok(MaybeNumber::Number(f64::NAN))
-            }
-            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<MaybeNumber, D::Error> {
-                MaybeNumber::deserialize(d)
-            }
-            fn visit_bool<E>(self, _: bool) -> Result<MaybeNumber, E> {
-                Ok(MaybeNumber::Other)
-            }
-            fn visit_str<E>(self, _: &str) -> Result<MaybeNumber, E> {
-                Ok(MaybeNumber::Other)
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut a: A,
-            ) -> Result<Self::Value, A::Error> {
-                while a.next_element::<serde::de::IgnoredAny>()?.is_some() {}
-                Ok(MaybeNumber::Other)
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Self::Value, A::Error> {
-                while a
-                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
-                    .is_some()
-                {}
-                Ok(MaybeNumber::Other)
-            }
-        }
-        d.deserialize_any(Any)
-    }
+    Number(Option<f64>),
+    Other(serde::de::IgnoredAny),
 }
 
 #[cfg(test)]

@@ -193,8 +193,12 @@ impl Summary {
         if !self.metrics.is_empty() {
             return self.metrics.clone();
         }
-        let names = SUMMARY_FIELDS.into_iter().chain(self.more_metrics.names());
-        MetricInfo::inferred(names)
+        MetricInfo::inferred(self.metric_names())
+    }
+
+    /// The names of the metrics it holds: its own fields' and the others beside them.
+    pub fn metric_names(&self) -> impl Iterator<Item = &str> {
+        SUMMARY_FIELDS.into_iter().chain(self.more_metrics.names())
     }
 
     /// `test accuracy 87.50%, test loss 0.4099` or `val loss 1.6527, perplexity 5.221,

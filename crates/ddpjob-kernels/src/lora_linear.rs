@@ -11,7 +11,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
 use crate::host::{Mat, gemm, product, threads, values, with_values};
 
 /// The adapter's input dropout: each row's seed, the layer's site and the probability; the
-/// mask is a function of these (see `models::gpt::dropout`).
+/// mask is a function of these (see `dropout`).
 #[derive(Clone)]
 pub struct AdapterDropout {
     pub row_seeds: Vec<u64>,

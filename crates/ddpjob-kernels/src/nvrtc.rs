@@ -1,65 +1,10 @@
 //! Kernels compiled by NVRTC at first use: the PTX of each source once per process, or the
-//! reason it could not be, kept for every later launch.
+//! reason it could not be, kept for every later launch; and the CUDA helpers sources share.
+//! Launching is `launch`'s.
 
 use std::sync::OnceLock;
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
-use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
-use candle_core::{Error, Layout, Result};
-
-/// A storage's values of type `T` from its layout's first element, as many as the layout holds
-/// (an error if the storage holds another type).
-pub fn view<'a, T: candle_core::cuda_backend::CudaDType>(
-    s: &'a CudaStorage,
-    l: &Layout,
-) -> Result<CudaView<'a, T>> {
-    let (start, n) = (l.start_offset(), l.shape().elem_count());
-    Ok(s.as_cuda_slice::<T>()?.slice(start..start + n))
-}
-
-/// An f32 storage's values from its layout's first element (`what` names the op in an error).
-pub fn f32_view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, f32>> {
-    match &s.slice {
-        CudaStorageSlice::F32(v) => {
-            let (start, n) = (l.start_offset(), l.shape().elem_count());
-            Ok(v.slice(start..start + n))
-        }
-        _ => Err(Error::Msg(format!("{what} on a GPU: f32 values expected"))),
-    }
-}
-
-/// What the f32 or the bf16 instance of a kernel made over `values`' dtype, as a storage
-/// (`what` names the op in an error).
-pub fn f32_or_bf16(
-    values: &CudaStorage,
-    what: &str,
-    f32: impl FnOnce() -> Result<CudaSlice<f32>>,
-    bf16: impl FnOnce() -> Result<CudaSlice<half::bf16>>,
-) -> Result<CudaStorage> {
-    let device = values.device.clone();
-    match &values.slice {
-        CudaStorageSlice::F32(_) => Ok(CudaStorage::wrap_cuda_slice(f32()?, device)),
-        CudaStorageSlice::BF16(_) => Ok(CudaStorage::wrap_cuda_slice(bf16()?, device)),
-        _ => Err(Error::Msg(format!(
-            "{what} on a GPU: f32 or bf16 values, not {:?}",
-            candle_core::backend::BackendStorage::dtype(values)
-        ))),
-    }
-}
-
-/// Rows per block of 256 threads in the kernels that give each row a warp.
-const ROWS_PER_BLOCK: usize = 8;
-
-/// The launch of a kernel that gives each of `rows` rows a warp (`what` names it in an error).
-pub fn warp_per_row(rows: usize, what: &str) -> Result<LaunchConfig> {
-    let blocks = u32::try_from(rows.div_ceil(ROWS_PER_BLOCK))
-        .map_err(|_| Error::Msg(format!("{what}: {rows} rows, more than a launch holds")))?;
-    Ok(LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (32 * ROWS_PER_BLOCK as u32, 1, 1),
-        shared_mem_bytes: 0,
-    })
-}
+use candle_core::{Error, Result};
 
 pub use super::device_code::ELEMENTS;
 

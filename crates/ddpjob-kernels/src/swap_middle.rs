@@ -99,7 +99,7 @@ pub(super) mod cuda {
     use candle_core::{Error, Result};
 
     use super::SwapMiddle;
-    use crate::nvrtc;
+    use crate::launch::Module;
 
     /// One thread per word (2 to 16 bytes of a row), in output order; `T` only moves bits.
     const SOURCE: &str = r#"
@@ -119,11 +119,10 @@ extern "C" __global__ void ddpjob_swap_middle_##NAME(const T* x, T* y, unsigned 
     SWAP(b128, uint4)
     "#;
 
-    const MODULE: &str = "ddpjob_swap_middle";
+    static MODULE: Module = Module::new("ddpjob_swap_middle", "the head-swap kernel", &[SOURCE]);
 
     pub(crate) fn ptx() -> Result<&'static str> {
-        static PTX: nvrtc::Compiled = nvrtc::Compiled::new();
-        PTX.get(&[SOURCE], "the head-swap kernel")
+        MODULE.ptx()
     }
 
     pub(super) fn launch(s: &CudaStorage, start: usize, op: SwapMiddle) -> Result<CudaStorage> {
@@ -173,7 +172,9 @@ extern "C" __global__ void ddpjob_swap_middle_##NAME(const T* x, T* y, unsigned 
         let count = u32::try_from(a * b * c * words).map_err(|_| too_many())?;
         let dims = [a, b, c, words].map(|v| v as u32);
         let bits = word * 8;
-        let func = device.get_or_load_custom_func(&format!("{MODULE}_b{bits}"), MODULE, ptx()?)?;
+        // Words of any type: not an f32-or-bf16 launch (`Call`), so its own arguments.
+        let kernel = format!("ddpjob_swap_middle_b{bits}");
+        let func = device.get_or_load_custom_func(&kernel, MODULE.name(), ptx()?)?;
         let x = x.slice(start..start + n);
         // SAFETY: the kernel writes each of the `n` elements.
         let mut y = unsafe { device.alloc::<T>(n.max(1))? };

@@ -8,62 +8,22 @@
 //! on each row's seed (see `dropout`), and an [n, heads, t, t] mask per layer would cost more
 //! to draw than the attention itself.
 
-pub(super) mod attention;
-mod causal_softmax;
-#[cfg(feature = "cuda")]
-mod causal_softmax_cuda;
-mod dropout;
-#[cfg(feature = "cuda")]
-mod dropout_cuda;
-#[cfg(feature = "cuda")]
-mod gelu_cuda;
-pub(super) mod head;
 pub mod hf;
-#[cfg(feature = "cuda")]
-mod layer_norm_cuda;
-mod layer_norm_gpu;
 mod manual;
-mod ops;
 pub mod options;
-#[cfg(feature = "cuda")]
-mod residual_cuda;
-pub(super) mod rows;
 mod stack;
 #[cfg(test)]
 mod tests;
-#[cfg(target_arch = "x86_64")]
-mod tiles;
-mod vocab_blocks;
 
 use candle_core::{DType, Device, Error, Result, Tensor, Var};
 
+use crate::kit::{LayerNorm, Linear, ParamBuilder, attention, head};
+
 use super::gate::{self, Unit};
-use super::lora::Adapter;
-use super::{FrozenSet, KvCache, LoraSpec, Mode, Model, Params, TrainPass, is_adapter};
+use super::{KvCache, Mode, Model, Params, TrainPass};
 use ddpjob_kernels as kernels;
-use ddpjob_rng::Mt19937;
-use dropout::Dropout;
-pub use ops::Activation;
-
-/// Compiles (NVRTC) the GPT's GPU kernels ahead of their first use (see
-/// [`crate::compile_gpu_kernels_ahead`]).
-#[cfg(feature = "cuda")]
-pub(super) fn compile_gpu_kernels() {
-    let compiled = [
-        causal_softmax_cuda::ptx(),
-        dropout_cuda::ptx(),
-        gelu_cuda::ptx(),
-        layer_norm_cuda::ptx(),
-        residual_cuda::ptx(),
-    ];
-    drop(compiled);
-}
-
-/// `x + (y as f32)`: a residual branch `y` added to the f32 stream `x`, one kernel each way on
-/// a GPU (see `residual_cuda`), bit for bit the cast and the addition.
-pub(super) fn add_residual(x: &Tensor, y: &Tensor) -> Result<Tensor> {
-    dropout::add_dropped(x, y, None, 0)
-}
+pub use ddpjob_kernels::Activation;
+use ddpjob_kernels::dropout::{self, Dropout};
 
 /// nanoGPT's `GPTConfig`.
 #[derive(Debug, Clone, PartialEq)]
@@ -129,17 +89,21 @@ impl Gpt {
     /// `compute`: DType::F32 or DType::BF16 (f32 master weights cast per use, f32 logits).
     #[doc(hidden)]
     pub fn new(config: &GptConfig, seed: u64, device: &Device, compute: DType) -> Result<Self> {
-        Self::build(config, GptInit::new(seed, device), compute)
+        Self::build(config, ParamBuilder::new(seed, device), compute)
     }
 
     /// A gpt whose weights are about to be loaded (a checkpoint, a pretrained model): zeros,
     /// nothing drawn, so a 124M-parameter model costs no random draws.
     #[cfg(test)]
     pub fn for_loading(config: &GptConfig, device: &Device, compute: DType) -> Result<Self> {
-        Self::build(config, GptInit::blank(device), compute)
+        Self::build(config, ParamBuilder::blank(device), compute)
     }
 
-    pub(super) fn build(config: &GptConfig, mut init: GptInit, compute: DType) -> Result<Self> {
+    pub(super) fn build(
+        config: &GptConfig,
+        mut init: ParamBuilder,
+        compute: DType,
+    ) -> Result<Self> {
         let device = init.device;
         config.validate()?;
         if !matches!(compute, DType::F32 | DType::BF16) {
@@ -253,7 +217,7 @@ impl Gpt {
         tokens: &Tensor,
         (n, t): (usize, usize),
         offset: usize,
-        packing: Option<&super::packed::Packing>,
+        packing: Option<&crate::kit::packed::Packing>,
     ) -> Result<Tensor> {
         let (c, frozen) = (self.config.n_embd, self.params.frozen());
         if let Some(p) = packing {
@@ -288,7 +252,7 @@ impl Model for Gpt {
     /// Token ids [n, t] (t ≤ block_size; [n, t, 2] packed, see `models::packed`) → f32
     /// logits [n, t, vocab].
     fn forward(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
-        let (n, t) = super::packed::rows(xs)?;
+        let (n, t) = crate::kit::packed::rows(xs)?;
         self.head(&self.trunk(xs, mode)?)?
             .reshape((n, t, self.config.vocab_size))
     }
@@ -342,7 +306,7 @@ impl Model for Gpt {
         if !recompute && !self.stream.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(None);
         }
-        let pass = super::layered::Layered::forward(self, xs, targets, mode, recompute)?;
+        let pass = crate::kit::layered::Layered::forward(self, xs, targets, mode, recompute)?;
         Ok(Some(Box::new(pass)))
     }
 
@@ -368,9 +332,11 @@ impl Model for Gpt {
         self.stream_gradients();
         self.gated.store(true, std::sync::atomic::Ordering::Relaxed);
         let depth = self.config.n_layer;
-        Ok(super::layered::blocks_by_name(&self.params, depth, |i| {
-            format!("transformer.h.{i}.")
-        }))
+        Ok(crate::kit::layered::blocks_by_name(
+            &self.params,
+            depth,
+            |i| format!("transformer.h.{i}."),
+        ))
     }
 
     /// nanoGPT's `estimate_mfu` count (the PaLM paper's): 6 operations per parameter per
@@ -466,8 +432,8 @@ impl Gpt {
     fn window(
         &self,
         xs: &Tensor,
-    ) -> Result<(Tensor, Option<super::packed::Packing>, (usize, usize))> {
-        let (xs, packing) = super::packed::split(xs)?;
+    ) -> Result<(Tensor, Option<crate::kit::packed::Packing>, (usize, usize))> {
+        let (xs, packing) = crate::kit::packed::split(xs)?;
         let (n, t) = xs.dims2()?;
         if t == 0 || t > self.config.block_size {
             let block = self.config.block_size;
@@ -503,7 +469,7 @@ impl Gpt {
         &self,
         tokens: &Tensor,
         shape: (usize, usize),
-        packing: Option<&super::packed::Packing>,
+        packing: Option<&crate::kit::packed::Packing>,
         dropout: Option<&Dropout>,
     ) -> Result<Tensor> {
         let x = self.with_positions(tokens, shape, 0, packing)?;
@@ -519,7 +485,7 @@ impl Gpt {
         i: usize,
         x: &Tensor,
         shape: (usize, usize),
-        packing: Option<&super::packed::Packing>,
+        packing: Option<&crate::kit::packed::Packing>,
         mode: &Mode,
         dropout: Option<&Dropout>,
     ) -> Result<Tensor> {
@@ -559,7 +525,7 @@ impl Block {
         &self,
         x: &Tensor,
         (n, t): (usize, usize),
-        packing: Option<&super::packed::Packing>,
+        packing: Option<&crate::kit::packed::Packing>,
         gpt: &Gpt,
         mode: &Mode,
     ) -> Result<Tensor> {
@@ -573,7 +539,7 @@ impl Block {
         let qkv = self.c_attn.forward_mode(&input, gpt.compute, mode)?;
         let y = if let Some(packing) = packing {
             let qkv = qkv.reshape((n, t, 3 * c))?;
-            super::packed::attention(&qkv, h, packing)?.reshape((n * t, c))?
+            crate::kit::packed::attention(&qkv, h, packing)?.reshape((n * t, c))?
         } else if kernels::applies(&qkv) {
             attention::causal_attention(&qkv, h, t)?
         } else {
@@ -592,7 +558,7 @@ impl Block {
             .c_fc
             .forward_mode(&self.ln_2.forward(x)?, compute, mode)?;
         self.mlp_proj
-            .forward_mode(&ops::gelu(&hidden, activation)?, compute, mode)
+            .forward_mode(&kernels::gelu(&hidden, activation)?, compute, mode)
     }
 }
 
@@ -629,321 +595,4 @@ fn one_hot_applies(table: &Tensor, rows: usize) -> bool {
     }
     let _ = (table, rows);
     false
-}
-
-/// `y = x·Wᵀ + b` for x [m, in], W [out, in] as torch's `nn.Linear`; without bias, `b` is a
-/// constant zero vector (so the fused CPU kernel applies either way).
-pub(super) struct Linear {
-    pub(super) weight: Var,
-    pub(super) bias: Option<Var>,
-    zeros: Tensor,
-    pub(super) frozen: FrozenSet,
-    /// A LoRA adapter beside it (`[model.lora]`).
-    pub(super) adapter: Option<Adapter>,
-    /// Its position among the model's linear layers: its adapter's dropout site.
-    index: usize,
-}
-
-/// The first dropout site of LoRA adapters' inputs, past the model's own sites.
-const LORA_DROPOUT_SITES: usize = 1 << 20;
-
-impl Linear {
-    fn bias_or_zeros(&self) -> &Tensor {
-        self.bias.as_ref().map_or(&self.zeros, |b| b.as_tensor())
-    }
-
-    /// The layer in evaluation (no adapter dropout).
-    pub(super) fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
-        self.forward_mode(x, compute, &Mode::Eval)
-    }
-
-    /// The layer, its LoRA adapter's input dropped out in training (masks keyed by each
-    /// row's seed and this layer's own site, as the model's dropout is).
-    pub(super) fn forward_mode(&self, x: &Tensor, compute: DType, mode: &Mode) -> Result<Tensor> {
-        let bias = self
-            .bias
-            .as_ref()
-            .map_or_else(|| self.zeros.clone(), |b| self.frozen.as_input(b));
-        let weight = self.frozen.as_input(&self.weight);
-        if let Some(adapter) = &self.adapter
-            && compute == DType::F32
-            && kernels::applies(x)
-            && self.frozen.contains(&self.weight)
-        {
-            // The frozen base and its adapter as one op (see `kernels::lora_linear`).
-            let dropout = match mode {
-                Mode::Train { row_seeds } if adapter.dropout > 0.0 && !row_seeds.is_empty() => {
-                    Some(kernels::AdapterDropout {
-                        row_seeds: row_seeds.clone(),
-                        site: LORA_DROPOUT_SITES + self.index,
-                        p: adapter.dropout,
-                        mask: dropout::mask,
-                    })
-                }
-                _ => None,
-            };
-            let ab = (
-                &self.frozen.as_input(&adapter.a),
-                &self.frozen.as_input(&adapter.b),
-            );
-            return kernels::lora_linear(x, &weight, &bias, ab, adapter.scale, dropout);
-        }
-        let y = if compute == DType::F32 && kernels::applies(x) {
-            kernels::linear(x, &weight, &bias, false)?
-        } else {
-            let y = x
-                .to_dtype(compute)?
-                .matmul(&weight.to_dtype(compute)?.t()?)?;
-            match &self.bias {
-                Some(_) => y.broadcast_add(&bias.to_dtype(compute)?)?,
-                None => y,
-            }
-        };
-        let Some(adapter) = &self.adapter else {
-            return Ok(y);
-        };
-        let dropout = match mode {
-            Mode::Train { row_seeds } if adapter.dropout > 0.0 && !row_seeds.is_empty() => {
-                let row_len = x.elem_count() / row_seeds.len();
-                Dropout::new(row_seeds, adapter.dropout, row_len)
-            }
-            _ => None,
-        };
-        let dropped = match dropout {
-            Some(d) => d.apply(x, LORA_DROPOUT_SITES + self.index)?,
-            None => x.clone(),
-        };
-        y + adapter.forward(&dropped, compute, &self.frozen)?
-    }
-
-    /// The fused q, k, v projection (no adapter) as three products by the thirds of its
-    /// weight and bias, in the compute dtype: each [m, out / 3] (see `attention::of_parts`).
-    pub(super) fn forward_thirds(&self, x: &Tensor, compute: DType) -> Result<[Tensor; 3]> {
-        let weight = self.frozen.as_input(&self.weight).to_dtype(compute)?;
-        let bias = match &self.bias {
-            Some(b) => Some(self.frozen.as_input(b).to_dtype(compute)?),
-            None => None,
-        };
-        let (x, third) = (x.to_dtype(compute)?, weight.dim(0)? / 3);
-        let product = |i: usize| -> Result<Tensor> {
-            let y = x.matmul(&weight.narrow(0, i * third, third)?.t()?)?;
-            match &bias {
-                Some(b) => y.broadcast_add(&b.narrow(0, i * third, third)?),
-                None => Ok(y),
-            }
-        };
-        Ok([product(0)?, product(1)?, product(2)?])
-    }
-
-    /// Which gradients its backward forms: none for what is frozen.
-    pub(super) fn wanted(&self) -> kernels::Wanted {
-        kernels::Wanted {
-            input: true,
-            weight: !self.frozen.contains(&self.weight),
-            bias: self.bias.as_ref().is_some_and(|b| !self.frozen.contains(b)),
-        }
-    }
-}
-
-/// LayerNorm (eps 1e-5) over the channels, in f32; without bias, a constant zero vector.
-struct LayerNorm {
-    weight: Var,
-    bias: Option<Var>,
-    zeros: Tensor,
-    frozen: FrozenSet,
-}
-
-impl LayerNorm {
-    fn bias_or_zeros(&self) -> &Tensor {
-        self.bias.as_ref().map_or(&self.zeros, |b| b.as_tensor())
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let bias = match &self.bias {
-            Some(b) => self.frozen.as_input(b),
-            None => self.zeros.clone(),
-        };
-        ops::layer_norm(x, &self.frozen.as_input(&self.weight), &bias, 1e-5)
-    }
-}
-
-/// Creates parameters in registration order, weights drawn N(0, std) from `Mt19937(seed)` as
-/// nanoGPT's `_init_weights` (biases 0, gains 1, which draw nothing), and records which ones
-/// are exempt from weight decay (fewer than 2 dimensions).
-pub(super) struct GptInit<'a> {
-    /// `None`: weights are zeros, to be loaded (see [`GptInit::blank`]).
-    rng: Option<Mt19937>,
-    pub(super) device: &'a Device,
-    pub(super) entries: Vec<(String, Var)>,
-    pub(super) no_decay: Vec<usize>,
-    /// Shared with the layers made and the [`Params`] they end in (see `ddpjob_seam::freeze`).
-    pub(super) frozen: FrozenSet,
-    /// `[model.lora]`, the arch's default targets, and the generator of the adapters' `A`
-    /// (drawn even when the weights are loaded: a zero `A` would never learn).
-    lora: Option<(LoraSpec, &'static [&'static str], Mt19937)>,
-    /// Every linear layer made, for the message when no adapter target names one.
-    linear_names: Vec<String>,
-}
-
-impl<'a> GptInit<'a> {
-    pub(super) fn new(seed: u64, device: &'a Device) -> Self {
-        GptInit {
-            rng: Some(Mt19937::new(seed)),
-            device,
-            entries: Vec::new(),
-            no_decay: Vec::new(),
-            frozen: FrozenSet::default(),
-            lora: None,
-            linear_names: Vec::new(),
-        }
-    }
-
-    /// Adapters beside the linear layers `lora` targets (`defaults`: the arch's targets when
-    /// it names none), their `A` drawn from `seed`.
-    pub fn with_lora(
-        mut self,
-        lora: Option<&LoraSpec>,
-        defaults: &'static [&'static str],
-        seed: u64,
-    ) -> Self {
-        self.lora = lora.map(|l| (l.clone(), defaults, Mt19937::new(seed ^ 0x4c6f_5241)));
-        self
-    }
-
-    /// An error when LoRA is on and no linear layer took an adapter, listing them.
-    pub(super) fn check_lora(&self) -> Result<()> {
-        let Some((lora, defaults, _)) = &self.lora else {
-            return Ok(());
-        };
-        if self.entries.iter().any(|(n, _)| is_adapter(n)) {
-            return Ok(());
-        }
-        let mut kinds: Vec<&str> = self
-            .linear_names
-            .iter()
-            .map(|n| n.rsplit('.').next().unwrap_or(n))
-            .collect();
-        kinds.sort();
-        kinds.dedup();
-        let targets = match lora.target_modules.is_default() {
-            true => format!("{defaults:?} (the default)"),
-            false => lora.target_modules.to_string(),
-        };
-        Err(Error::Msg(format!(
-            "model.lora.target_modules = {targets} names none of the model's linear layers: \
-             {} (e.g. {}), or \"all-linear\"",
-            kinds.join(", "),
-            self.linear_names.first().map_or("", String::as_str)
-        )))
-    }
-
-    /// Parameters of the right names and shapes whose values will be loaded: nothing drawn.
-    pub(super) fn blank(device: &'a Device) -> Self {
-        GptInit {
-            rng: None,
-            ..GptInit::new(0, device)
-        }
-    }
-
-    fn push(&mut self, name: String, shape: &[usize], values: Vec<f32>) -> Result<Var> {
-        let var = Var::from_vec(values, shape, self.device)?;
-        if shape.len() < 2 {
-            self.no_decay.push(self.entries.len());
-        }
-        self.entries.push((name, var.clone()));
-        Ok(var)
-    }
-
-    pub(super) fn normal(&mut self, name: &str, shape: &[usize], std: f32) -> Result<Var> {
-        let values = match &mut self.rng {
-            Some(rng) => super::parameter_values(name, shape, || rng.normal() * std)?,
-            None => super::zeroed_parameter_values(name, shape)?,
-        };
-        self.push(name.to_string(), shape, values)
-    }
-
-    pub(super) fn constant(&mut self, name: String, size: usize, value: f32) -> Result<Var> {
-        let values = super::parameter_values(&name, &[size], || value)?;
-        self.push(name, &[size], values)
-    }
-
-    pub(super) fn linear(
-        &mut self,
-        name: &str,
-        inputs: usize,
-        outputs: usize,
-        std: f32,
-        bias: bool,
-    ) -> Result<Linear> {
-        let weight = self.normal(&format!("{name}.weight"), &[outputs, inputs], std)?;
-        let bias = match bias {
-            true => Some(self.constant(format!("{name}.bias"), outputs, 0.0)?),
-            false => None,
-        };
-        let zeros = Tensor::zeros(outputs, DType::F32, self.device)?;
-        let adapter = match &mut self.lora {
-            Some((lora, defaults, rng)) if lora.targets(name, defaults) => {
-                // PEFT's init: A as torch's kaiming_uniform_(a=sqrt(5)), B zeros.
-                let (r, bound) = (lora.r, 1.0 / (inputs as f32).sqrt());
-                let a: Vec<f32> = (0..r * inputs)
-                    .map(|_| (2.0 * rng.next_f32() - 1.0) * bound)
-                    .collect();
-                let (scale, dropout) = (lora.scale(), lora.dropout);
-                let a = self.push(format!("{name}.lora_A.weight"), &[r, inputs], a)?;
-                let zeros_b = vec![0.0; outputs * r];
-                let b = self.push(format!("{name}.lora_B.weight"), &[outputs, r], zeros_b)?;
-                let zeros = (
-                    Tensor::zeros(r, DType::F32, self.device)?,
-                    Tensor::zeros(outputs, DType::F32, self.device)?,
-                );
-                Some(Adapter {
-                    a,
-                    b,
-                    scale,
-                    dropout,
-                    zeros,
-                })
-            }
-            _ => None,
-        };
-        self.linear_names.push(name.to_string());
-        Ok(Linear {
-            weight,
-            bias,
-            zeros,
-            frozen: self.frozen.clone(),
-            adapter,
-            index: self.linear_names.len() - 1,
-        })
-    }
-
-    fn layer_norm(&mut self, name: &str, size: usize, bias: bool) -> Result<LayerNorm> {
-        let weight = self.constant(format!("{name}.weight"), size, 1.0)?;
-        let bias = match bias {
-            true => Some(self.constant(format!("{name}.bias"), size, 0.0)?),
-            false => None,
-        };
-        let zeros = Tensor::zeros(size, DType::F32, self.device)?;
-        Ok(LayerNorm {
-            weight,
-            bias,
-            zeros,
-            frozen: self.frozen.clone(),
-        })
-    }
-}
-
-/// NVRTC compiles every kernel source of the GPT (it needs no GPU, only its library).
-#[cfg(all(test, feature = "cuda"))]
-#[test]
-fn every_gpu_kernel_compiles() {
-    for (what, ptx) in [
-        ("dropout", dropout_cuda::ptx()),
-        ("causal softmax", causal_softmax_cuda::ptx()),
-        ("layer norm", layer_norm_cuda::ptx()),
-        ("gelu", gelu_cuda::ptx()),
-        ("residual", residual_cuda::ptx()),
-    ] {
-        assert!(ptx.is_ok(), "{what}: {}", ptx.err().unwrap());
-    }
 }

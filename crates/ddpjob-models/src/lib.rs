@@ -1,9 +1,10 @@
-//! The model kit and ddpjob's own families: the image models (`mlp`, `cnn`) with their fused
-//! hand-written passes, the GPT-2 and Llama families exchanged exactly with `transformers`
-//! (`gpt`, `llama`: Qwen2, SmolLM2, Mistral and the rest of the Llama line), and the layers
-//! they share (LoRA beside a linear layer, packed rows, block-by-block passes). Parameters are
-//! named as a PyTorch user names them (`fc1.weight`) and initialised like torch's defaults from
-//! our own seeded RNG.
+//! ddpjob's model families and the kit they are built from: the image models (`mlp`, `cnn`)
+//! with their fused hand-written passes, and the GPT-2 and Llama families exchanged exactly
+//! with `transformers` (`gpt`, `llama`: Qwen2, SmolLM2, Mistral and the rest of the Llama
+//! line), each its own wiring of the [`kit`]'s layers (parameters from a `ParamBuilder`,
+//! linear layers with LoRA, LayerNorm, attention, the head, packed rows, block-by-block
+//! passes) over the ops of `ddpjob-kernels`. Parameters are named as a PyTorch user names them
+//! (`fc1.weight`) and initialised like torch's defaults from our own seeded RNG.
 //!
 //! It depends on the seams (`ddpjob-seam`), the spec, the kernels and the storage (a family
 //! reads its Hugging Face directory through `ddpjob-storage`): never on the registry, the data
@@ -13,12 +14,10 @@ mod chain;
 mod cnn;
 pub mod gpt;
 pub mod image;
+pub mod kit;
 mod language;
-mod layered;
 pub mod llama;
-mod lora;
 mod mlp;
-pub mod packed;
 #[doc(hidden)]
 pub mod testing;
 
@@ -36,10 +35,11 @@ pub use ddpjob_seam::{
 };
 #[doc(hidden)]
 pub use gpt::{Activation as GptActivation, Gpt, GptConfig};
+pub use kit::lora::{LoraSpec, is_adapter};
+pub use kit::packed;
 pub use language::{
     LanguageModelOptions, pretrained_tokenizer, pretrained_vocabulary, token_windows,
 };
-pub use lora::{LoraSpec, is_adapter};
 pub use mlp::Mlp;
 
 /// The thread `compile_gpu_kernels_ahead` started, until `finish_compiling_gpu_kernels`.
@@ -63,8 +63,6 @@ pub fn compile_gpu_kernels_ahead() {
         .name("ddpjob-nvrtc".into())
         .spawn(|| {
             kernels::compile_gpu_kernels();
-            gpt::compile_gpu_kernels();
-            llama::compile_gpu_kernels();
         })
         .ok();
 }

@@ -1,37 +1,26 @@
 //! Launches of the convolution layer's kernels (see `unfolded`, which holds their source and
 //! host references): one thread per output value, f32 or bf16 values.
 
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
-use candle_core::{Error, Layout, Result};
-use half::bf16;
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::{Layout, Result};
 
 use super::Dims;
 use super::unfolded::{Finish, SOURCE, geometry_scalars};
+use crate::launch::Module;
 use crate::nvrtc;
 
-const MODULE: &str = "ddpjob_conv";
+static MODULE: Module = Module::rounding_as_the_host(
+    "ddpjob_conv",
+    "the convolution kernels",
+    &[nvrtc::ELEMENTS, SOURCE],
+);
 
 pub(crate) fn ptx() -> Result<&'static str> {
-    static PTX: nvrtc::Compiled = nvrtc::Compiled::rounding_as_the_host();
-    PTX.get(&[nvrtc::ELEMENTS, SOURCE], "the convolution kernels")
-}
-
-/// A thread per value (one block for none: a launch needs one), at most 2³² of them, which the
-/// kernels' 32-bit index arithmetic relies on.
-fn config(n: usize, what: &str) -> Result<LaunchConfig> {
-    let n = u32::try_from(n).map_err(|_| {
-        Error::Msg(format!(
-            "{what} on a GPU: {n} values, more than a launch holds; use smaller batches"
-        ))
-    })?;
-    Ok(LaunchConfig::for_num_elems(n.max(1)))
+    MODULE.ptx()
 }
 
 /// Runs kernel `name` (its f32 or bf16 instance, by `first`'s dtype) over `inputs` into a new
-/// buffer of `n` values, with the count and `scalars` after the buffers.
+/// buffer of `n` values, a thread per value, with the count and `scalars` after the buffers.
 fn launch(
     name: &str,
     first: &CudaStorage,
@@ -39,42 +28,17 @@ fn launch(
     n: usize,
     scalars: &[u32],
 ) -> Result<CudaStorage> {
-    nvrtc::f32_or_bf16(
-        first,
-        name,
-        || launch_typed::<f32>(&format!("{name}_f32"), inputs, n, scalars),
-        || launch_typed::<bf16>(&format!("{name}_bf16"), inputs, n, scalars),
-    )
-}
-
-fn launch_typed<T: CudaDType + DeviceRepr>(
-    kernel: &str,
-    inputs: &[(&CudaStorage, &Layout)],
-    n: usize,
-    scalars: &[u32],
-) -> Result<CudaSlice<T>> {
-    let device = &inputs[0].0.device;
-    let func = device.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
-    let views = inputs
-        .iter()
-        .map(|(s, l)| nvrtc::view::<T>(s, l))
-        .collect::<Result<Vec<_>>>()?;
-    // SAFETY: the kernel writes each of the `n` values.
-    let mut out = unsafe { device.alloc::<T>(n.max(1))? };
-    let count = n as u64;
-    let mut builder = func.builder();
-    for v in &views {
-        builder.arg(v);
+    let mut call = MODULE.call(name, name);
+    for &input in inputs {
+        call = call.values(input);
     }
-    builder.arg(&mut out);
-    builder.arg(&count);
-    for s in scalars {
-        builder.arg(s);
+    call = call.output(n).u64(n as u64);
+    for &s in scalars {
+        call = call.u32(s);
     }
     // SAFETY: the ops pass the buffers, count and scalars each kernel declares, in its order;
     // they checked every input's shape against the geometry the indices are computed from.
-    unsafe { builder.launch(config(n, kernel)?) }.w()?;
-    Ok(out)
+    unsafe { call.per_value(n).run(first) }
 }
 
 /// x [n, c, h, w] → cols [n·oh·ow, c·k·k].

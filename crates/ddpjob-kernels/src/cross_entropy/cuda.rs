@@ -2,13 +2,10 @@
 //! thread an online maximum and sum of exponentials over its strided share of the row, merged
 //! across the warp and then the block.
 
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDType, CudaStorage, CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::CudaStorage;
 use candle_core::{Error, Layout, Result};
-use half::bf16;
 
+use crate::launch::Module;
 use crate::nvrtc;
 
 const SOURCE: &str = r#"
@@ -76,15 +73,18 @@ CROSS_ENTROPY(f32, float)
 CROSS_ENTROPY(bf16, unsigned short)
 "#;
 
-const MODULE: &str = "ddpjob_cross_entropy";
+static MODULE: Module = Module::new(
+    "ddpjob_cross_entropy",
+    "the cross-entropy kernels",
+    &[nvrtc::ELEMENTS, SOURCE],
+);
 
 pub(crate) fn ptx() -> Result<&'static str> {
-    static PTX: nvrtc::Compiled = nvrtc::Compiled::new();
-    PTX.get(&[nvrtc::ELEMENTS, SOURCE], "the cross-entropy kernels")
+    MODULE.ptx()
 }
 
 /// The rows' losses [rows] f32 (no gradient), or the logits' gradient [rows, classes] in their
-/// dtype given the rows' gradients (f32 [rows]).
+/// dtype given the rows' gradients (f32 [rows]); a block of 256 threads per row.
 pub(super) fn run(
     logits: (&CudaStorage, &Layout),
     targets: (&CudaStorage, &Layout),
@@ -93,99 +93,26 @@ pub(super) fn run(
     classes: usize,
 ) -> Result<CudaStorage> {
     let what = "cross_entropy";
-    match grad {
+    u32::try_from(rows).map_err(|_| Error::Msg(format!("{what} on a GPU: {rows} rows")))?;
+    let call = match grad {
         // The losses are f32 whatever the logits' dtype.
-        None => {
-            let f32_logits = matches!(logits.0.slice, CudaStorageSlice::F32(_));
-            let out = match f32_logits {
-                true => losses::<f32>("f32", logits, targets, rows, classes)?,
-                false => losses::<bf16>("bf16", logits, targets, rows, classes)?,
-            };
-            Ok(CudaStorage::wrap_cuda_slice(out, logits.0.device.clone()))
-        }
-        Some(g) => nvrtc::f32_or_bf16(
-            logits.0,
-            what,
-            || gradient::<f32>("f32", logits, targets, g, rows, classes),
-            || gradient::<bf16>("bf16", logits, targets, g, rows, classes),
-        ),
-    }
-}
-
-/// A block of 256 threads per row.
-fn per_row(rows: usize, classes: usize) -> Result<LaunchConfig> {
-    let rows = u32::try_from(rows)
-        .map_err(|_| Error::Msg(format!("cross_entropy on a GPU: {rows} rows")))?;
-    u32::try_from(classes)
-        .map_err(|_| Error::Msg(format!("cross_entropy on a GPU: {classes} classes")))?;
-    Ok(LaunchConfig {
-        grid_dim: (rows, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    })
-}
-
-fn losses<T: DeviceRepr + CudaDType>(
-    dtype: &str,
-    (x, lx): (&CudaStorage, &Layout),
-    (t, lt): (&CudaStorage, &Layout),
-    rows: usize,
-    classes: usize,
-) -> Result<CudaSlice<f32>> {
-    let device = &x.device;
-    let func =
-        device.get_or_load_custom_func(&format!("ddpjob_cross_entropy_{dtype}"), MODULE, ptx()?)?;
-    let x = x
-        .as_cuda_slice::<T>()?
-        .slice(lx.start_offset()..lx.start_offset() + rows * classes);
-    let t = t
-        .as_cuda_slice::<u32>()?
-        .slice(lt.start_offset()..lt.start_offset() + rows);
-    // SAFETY: the kernel writes each row's loss.
-    let mut out = unsafe { device.alloc::<f32>(rows)? };
-    let c = classes as u32;
-    let mut builder = func.builder();
-    builder.arg(&x);
-    builder.arg(&t);
-    builder.arg(&mut out);
-    builder.arg(&c);
-    // SAFETY: the arguments match the kernel's parameters in order and type; a block per row
-    // of `classes` values.
-    unsafe { builder.launch(per_row(rows, classes)?) }.w()?;
-    Ok(out)
-}
-
-fn gradient<T: DeviceRepr + CudaDType>(
-    dtype: &str,
-    (x, lx): (&CudaStorage, &Layout),
-    (t, lt): (&CudaStorage, &Layout),
-    (g, lg): (&CudaStorage, &Layout),
-    rows: usize,
-    classes: usize,
-) -> Result<CudaSlice<T>> {
-    let device = &x.device;
-    let name = format!("ddpjob_cross_entropy_grad_{dtype}");
-    let func = device.get_or_load_custom_func(&name, MODULE, ptx()?)?;
-    let n = rows * classes;
-    let x = x
-        .as_cuda_slice::<T>()?
-        .slice(lx.start_offset()..lx.start_offset() + n);
-    let t = t
-        .as_cuda_slice::<u32>()?
-        .slice(lt.start_offset()..lt.start_offset() + rows);
-    let g = nvrtc::f32_view(g, lg, "cross_entropy")?;
-    // SAFETY: the kernel writes every value of every row.
-    let mut out = unsafe { device.alloc::<T>(n)? };
-    let c = classes as u32;
-    let mut builder = func.builder();
-    builder.arg(&x);
-    builder.arg(&t);
-    builder.arg(&g);
-    builder.arg(&mut out);
-    builder.arg(&c);
-    // SAFETY: as in `losses`; `g` holds a value per row, `out` rows · classes.
-    unsafe { builder.launch(per_row(rows, classes)?) }.w()?;
-    Ok(out)
+        None => MODULE
+            .call("ddpjob_cross_entropy", what)
+            .values(logits)
+            .u32s(targets)
+            .output_f32(rows),
+        Some(g) => MODULE
+            .call("ddpjob_cross_entropy_grad", what)
+            .values(logits)
+            .u32s(targets)
+            .f32s(g)
+            .output(rows * classes),
+    };
+    let call = call.u32_of(classes, "classes")?.blocks(rows, 256);
+    // SAFETY: the arguments match the kernels' parameters in order and type: the logits hold
+    // rows · classes values, the targets and the rows' gradients one per row, the output a
+    // loss per row or a value per logit; a block per row.
+    unsafe { call.run(logits.0) }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use candle_core::cuda_backend::{CudaStorage, WrapErr};
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Storage, Tensor, bail};
 
 use super::{Adam, AdamStep};
-use crate::nvrtc;
+use crate::launch::Module;
 
 const SOURCE: &str = r#"
 extern "C" __global__ void ddpjob_adam(float* p, const float* g, float* m, float* v,
@@ -28,9 +28,10 @@ extern "C" __global__ void ddpjob_adam(float* p, const float* g, float* m, float
 }
 "#;
 
+static MODULE: Module = Module::rounding_as_the_host("ddpjob_adam", "the Adam kernel", &[SOURCE]);
+
 pub fn ptx() -> Result<&'static str> {
-    static PTX: nvrtc::Compiled = nvrtc::Compiled::rounding_as_the_host();
-    PTX.get(&[SOURCE], "the Adam kernel")
+    MODULE.ptx()
 }
 
 /// Updates `param` (f32 on a GPU, contiguous) in place from `grad`, and its moments
@@ -102,7 +103,8 @@ impl InplaceOp2 for AdamOnGpu {
         };
         let n = p_end - p_start;
         let device = p.device.clone();
-        let func = device.get_or_load_custom_func("ddpjob_adam", "ddpjob_adam", ptx()?)?;
+        // In place: not a `Call` (which writes one new buffer), so its own arguments.
+        let func = device.get_or_load_custom_func("ddpjob_adam", MODULE.name(), ptx()?)?;
         let (m_storage, m_layout) = self.moments.0.storage_and_layout();
         let (v_storage, v_layout) = self.moments.1.storage_and_layout();
         let (m, v) = (

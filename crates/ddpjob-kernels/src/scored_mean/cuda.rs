@@ -1,54 +1,40 @@
 //! Launches the GPU scored mean's kernels (their source is in `scored_mean`).
 
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaStorage, WrapErr};
-use candle_core::{Error, Layout, Result};
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::{Layout, Result};
 
 use super::{SOURCE, THREADS};
-use crate::nvrtc;
+use crate::launch::Module;
 
-const MODULE: &str = "ddpjob_scored_mean";
+static MODULE: Module =
+    Module::rounding_as_the_host("ddpjob_scored_mean", "the scored mean's kernels", &[SOURCE]);
 
 pub(crate) fn ptx() -> Result<&'static str> {
-    static PTX: nvrtc::Compiled = nvrtc::Compiled::rounding_as_the_host();
-    PTX.get(&[SOURCE], "the scored mean's kernels")
+    MODULE.ptx()
 }
 
 /// The mean [1] from the rows' losses (`grad` false), or the rows' gradient [rows] from the
-/// mean's (`grad` true): f32 `values` and u32 `targets` [rows].
+/// mean's (`grad` true): f32 `values` and u32 `targets` [rows]; one block for all.
 pub(super) fn run(
-    (values, lv): (&CudaStorage, &Layout),
-    (targets, lt): (&CudaStorage, &Layout),
+    values: (&CudaStorage, &Layout),
+    targets: (&CudaStorage, &Layout),
     rows: usize,
     grad: bool,
 ) -> Result<CudaStorage> {
-    let device = &values.device;
-    let name = match grad {
-        false => "ddpjob_scored_mean",
-        true => "ddpjob_scored_mean_grad",
+    let (name, outputs) = match grad {
+        false => ("ddpjob_scored_mean", 1),
+        true => ("ddpjob_scored_mean_grad", rows),
     };
-    let func = device.get_or_load_custom_func(name, MODULE, ptx()?)?;
-    let values = nvrtc::f32_view(values, lv, "scored mean")?;
-    let targets = nvrtc::view::<u32>(targets, lt)?;
-    let rows_u32 = u32::try_from(rows)
-        .map_err(|_| Error::Msg(format!("scored mean on a GPU: {rows} rows")))?;
-    let outputs = if grad { rows } else { 1 };
-    // SAFETY: the kernel writes every output (thread 0 the mean; the threads every row).
-    let mut out = unsafe { device.alloc::<f32>(outputs)? };
-    let mut builder = func.builder();
-    builder.arg(&values);
-    builder.arg(&targets);
-    builder.arg(&mut out);
-    builder.arg(&rows_u32);
-    let one_block = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let call = MODULE
+        .call(name, "scored mean")
+        .f32s(values)
+        .u32s(targets)
+        .output_f32(outputs)
+        .u32_of(rows, "rows")?
+        .blocks(1, THREADS as u32);
     // SAFETY: the arguments match the kernel's parameters in order and type; `values` holds
-    // `rows` losses (or the one gradient), `targets` `rows` values, `out` `outputs`.
-    unsafe { builder.launch(one_block) }.w()?;
-    Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
+    // `rows` losses (or the one gradient), `targets` `rows` values, the output `outputs`.
+    unsafe { call.run_f32(&values.0.device) }
 }
 
 #[cfg(test)]

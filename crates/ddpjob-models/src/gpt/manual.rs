@@ -9,9 +9,10 @@
 use candle_core::{DType, Result, Tensor, bail};
 use rayon::prelude::*;
 
-use super::ops;
-use super::{Gpt, attention, dropout, head};
+use super::Gpt;
+use crate::kit::{attention, head};
 use crate::{CollectedGradients, GradientSink, Mode, TrainPass};
+use ddpjob_kernels::dropout;
 use ddpjob_kernels::{self as kernels, linear_backward, linear_forward, scratch, with_all_values};
 
 const EPS: f32 = 1e-5;
@@ -32,7 +33,7 @@ pub(super) struct Pass<'a> {
     last: Vec<f32>,
     normed: Vec<f32>,
     /// What the head kept for its backward (see `head::mean_loss`).
-    kept: super::vocab_blocks::Kept,
+    kept: crate::kit::head::vocab_blocks::Kept,
     loss: Tensor,
 }
 
@@ -489,7 +490,7 @@ const ELEMENTS_PER_TASK: usize = 1 << 14;
 /// LayerNorm of the rows of `x` (as many as fit `gain`'s width), into a reused buffer.
 fn layer_norm(x: &[f32], gain: &[f32], bias: &[f32]) -> Vec<f32> {
     let mut y = scratch::take(x.len());
-    ops::layer_norm_into(x, gain, bias, EPS, &mut y);
+    kernels::layer_norm_into(x, gain, bias, EPS, &mut y);
     y
 }
 
@@ -502,7 +503,7 @@ fn layer_norm_bwd(
     dx: &mut [f32],
     accumulate: bool,
 ) -> (Vec<f32>, Vec<f32>) {
-    ops::layer_norm_bwd_into(x, gy, gain, EPS, dx, accumulate)
+    kernels::layer_norm_bwd_into(x, gy, gain, EPS, dx, accumulate)
 }
 
 /// `sum` + `x`, in `sum`'s buffer.

@@ -10,8 +10,9 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use super::hf::{Gpt2Export, Gpt2Shape};
-use super::{Activation, Gpt, GptConfig, GptInit};
+use super::{Activation, Gpt, GptConfig};
 use crate::LanguageModelOptions;
+use crate::kit::ParamBuilder;
 use crate::{Model, token_windows};
 use ddpjob_seam::{BuildError, ModelContext};
 use ddpjob_spec::KeyDoc;
@@ -353,11 +354,11 @@ pub fn build_gpt(o: &GptOptions, cx: &ModelContext) -> Result<Box<dyn Model>, Bu
     let config = o.config(vocab_size, block_size);
     // The gpt does its own autocast: its inputs are token ids, not values to cast.
     let (device, dtype) = (&cx.device, cx.compute_dtype);
-    // `blank`: weights to be read, nothing drawn (but LoRA's adapters, see `GptInit`).
+    // `blank`: weights to be read, nothing drawn (but LoRA's adapters, see `ParamBuilder`).
     let init = |blank: bool| {
         let init = match blank {
-            true => GptInit::blank(device),
-            false => GptInit::new(cx.seed, device),
+            true => ParamBuilder::blank(device),
+            false => ParamBuilder::new(cx.seed, device),
         };
         init.with_lora(cx.lora.as_ref(), &LORA_TARGETS, cx.seed)
     };

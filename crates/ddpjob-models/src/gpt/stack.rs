@@ -4,7 +4,7 @@
 use candle_core::{Result, Tensor, Var};
 
 use super::{Gpt, lookup, one_hot_applies};
-use crate::layered::{Stack, TokenBatch};
+use crate::kit::layered::{Stack, TokenBatch};
 use crate::{GradientSink, Mode, Params};
 
 impl Stack for Gpt {

@@ -2,6 +2,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 
 use super::*;
+use crate::kit::head::vocab_blocks;
 
 fn config(bias: bool, dropout: f64) -> GptConfig {
     GptConfig {
@@ -29,8 +30,6 @@ fn ids(rows: &[&[u32]]) -> Tensor {
 fn values(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
-
-pub(super) use crate::testing::max_difference;
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -129,7 +128,7 @@ fn bad_configs_are_refused() {
 fn packed_examples_are_computed_as_if_alone() {
     let mut c = config(true, 0.0);
     (c.vocab_size, c.block_size) = (300, 16);
-    crate::packed::check_examples_are_computed_alone(&gpt(&c));
+    crate::kit::packed::check_examples_are_computed_alone(&gpt(&c));
 }
 
 #[test]
@@ -155,34 +154,6 @@ fn attention_is_causal() {
             }
         }
     }
-}
-
-#[test]
-fn layer_norm_and_gelu_match_torch() {
-    // torch.nn.functional.layer_norm(torch.tensor([1., 2., 3., 4.]), (4,)) and
-    // torch.nn.functional.gelu(torch.tensor([1., -1.])) (exact erf form), torch 2.x.
-    let dev = Device::Cpu;
-    let x = Tensor::new(&[[1f32, 2., 3., 4.]], &dev).unwrap();
-    let (g, b) = (
-        Tensor::ones(4, DType::F32, &dev).unwrap(),
-        Tensor::zeros(4, DType::F32, &dev).unwrap(),
-    );
-    let want = [-1.3416f32, -0.4472, 0.4472, 1.3416];
-    assert!(max_diff(&values(&ops::layer_norm(&x, &g, &b, 1e-5).unwrap()), &want) < 1e-4);
-    assert!(
-        max_diff(
-            &values(&ops::layer_norm_with_ops(&x, &g, &b, 1e-5).unwrap()),
-            &want
-        ) < 1e-4
-    );
-    let gelu = values(&Tensor::new(&[1f32, -1.], &dev).unwrap().gelu_erf().unwrap());
-    assert!(max_diff(&gelu, &[0.841_344_7, -0.158_655_3]) < 1e-6);
-    // torch.nn.functional.gelu(x, approximate="tanh") (transformers' gelu_new), torch 2.15:
-    // both far tails, the middle, and the fused op against it.
-    let x = Tensor::new(&[1f32, -1., 3., -0.1, -12., 12.], &dev).unwrap();
-    let want = [0.841_192, -0.158_808, 2.996_363_7, -0.046_017_2, 0.0, 12.0];
-    let fused = values(&ops::gelu(&x, Activation::GeluNew).unwrap());
-    assert!(max_diff(&fused, &want) < 1e-6, "{fused:?}");
 }
 
 /// Values and gradients (of the input and of `params`) of `f` (fused) and `g` (composed) on
@@ -216,29 +187,7 @@ fn compare_with_ops(
 }
 
 #[test]
-fn fused_cpu_ops_match_candle_ops_with_gradients() {
-    let dev = Device::Cpu;
-    let gain = Var::from_tensor(&Tensor::randn(1f32, 0.5, 16, &dev).unwrap()).unwrap();
-    let bias = Var::from_tensor(&Tensor::randn(0f32, 0.5, 16, &dev).unwrap()).unwrap();
-    let (g, b) = (gain.as_tensor(), bias.as_tensor());
-    compare_with_ops(
-        &[70, 16],
-        &[&gain, &bias],
-        |x| ops::layer_norm(x, g, b, 1e-5).unwrap(),
-        |x| ops::layer_norm_with_ops(x, g, b, 1e-5).unwrap(),
-    );
-    compare_with_ops(
-        &[3, 700],
-        &[],
-        |x| ops::gelu(x, Activation::Gelu).unwrap(),
-        |x| x.gelu_erf().unwrap(),
-    );
-    compare_with_ops(
-        &[3, 700],
-        &[],
-        |x| ops::gelu(x, Activation::GeluNew).unwrap(),
-        |x| x.gelu().unwrap(),
-    );
+fn fused_cpu_attention_matches_candle_ops_with_gradients() {
     let model = gpt(&config(true, 0.0));
     compare_with_ops(
         &[3, 8, 24],
@@ -271,15 +220,6 @@ fn fused_cpu_ops_match_candle_ops_with_gradients() {
                 .0
         },
     );
-    // The exponential the fused ops use, against the standard library's.
-    for i in -8_000..=8_000 {
-        let x = i as f32 / 100.0;
-        let (fast, std) = (ops::exp(x), x.exp());
-        assert!(
-            (fast - std).abs() <= 2e-7 * std,
-            "exp({x}): {fast} vs {std}"
-        );
-    }
 }
 
 #[test]
@@ -642,6 +582,7 @@ fn attention_tiles_match_candle_ops_and_kept_or_recomputed_probabilities_alike()
     // has AVX2 and FMA (the others, above, take gemm).
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        use crate::kit::attention::tiles;
         assert!(tiles::applies(64, 32) && tiles::applies(16, 8));
         assert!(!tiles::applies(70, 32) && !tiles::applies(64, 4));
     }

@@ -6,47 +6,29 @@
 //! checkpoint as is.
 //!
 //! On the CPU in f32 the attention and the output projection with its cross-entropy run as
-//! the GPT's fused ops (`gpt::attention`, `gpt::head`), and RMSNorm, RoPE and SwiGLU as this
-//! module's (`ops`); on a GPU RMSNorm (`rms_norm_gpu`), the rotary embedding (`rope_gpu`),
-//! SwiGLU (`swiglu_gpu`), the residual additions and the causal softmax (the GPT's) are one
-//! kernel each way, and the attention takes q, k and v apart as the GPT's does there;
-//! elsewhere candle's ops compute it.
+//! the model kit's fused ops (`kit::attention`, `kit::head`); RMSNorm, RoPE and SwiGLU are the
+//! kernels crate's ops (one fused op on the CPU in f32 and on a GPU, each way), as are the
+//! residual additions and the causal softmax; on a GPU the attention takes q, k and v apart
+//! as the GPT's does there; elsewhere candle's ops compute it.
 
-mod ops;
 mod options;
-#[cfg(feature = "cuda")]
-mod rms_norm_cuda;
-mod rms_norm_gpu;
-pub mod rope;
-#[cfg(feature = "cuda")]
-mod rope_cuda;
-mod rope_gpu;
 mod stack;
-#[cfg(feature = "cuda")]
-mod swiglu_cuda;
-mod swiglu_gpu;
 #[cfg(test)]
 mod tests;
 
 use crate::gate::{self, Unit};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_core::{D, DType, Device, Error, Result, Tensor, Var};
+use candle_core::{DType, Device, Error, Result, Tensor, Var};
 
-use super::gpt::{GptInit, Linear, add_residual, attention, head};
-use super::packed::{self, Packing};
 use super::{Mode, Model, Params, TrainPass};
+use crate::kit::packed::{self, Packing};
+use crate::kit::{Linear, ParamBuilder, add_residual, attention, head};
 use ddpjob_kernels as kernels;
+pub use ddpjob_kernels::rope;
+pub use ddpjob_kernels::{rms_norm, rms_norm_with_ops};
 pub use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
 use rope::{Llama3Scaling, RopeTables};
-
-/// Compiles (NVRTC) the llama's own GPU kernels ahead of their first use (see
-/// [`super::compile_gpu_kernels_ahead`]).
-#[cfg(feature = "cuda")]
-pub(super) fn compile_gpu_kernels() {
-    let compiled = [rms_norm_cuda::ptx(), rope_cuda::ptx(), swiglu_cuda::ptx()];
-    drop(compiled);
-}
 
 /// The shape of a Llama-family model, in `transformers`' `config.json` names.
 #[derive(Debug, Clone, PartialEq)]
@@ -138,7 +120,11 @@ impl Llama {
     /// A llama of `config` whose parameters `init` makes (random weights as `transformers`'
     /// `_init_weights` draws them: normal with std `initializer_range`, biases 0, norms 1; or
     /// blank, to be loaded). `compute`: F32 or BF16.
-    pub(super) fn build(config: &LlamaConfig, mut init: GptInit, compute: DType) -> Result<Self> {
+    pub(super) fn build(
+        config: &LlamaConfig,
+        mut init: ParamBuilder,
+        compute: DType,
+    ) -> Result<Self> {
         let device = init.device;
         config.validate()?;
         if !matches!(compute, DType::F32 | DType::BF16) {
@@ -154,14 +140,14 @@ impl Llama {
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
-            let attn = |init: &mut GptInit, name: &str, i: usize, o: usize, bias: bool| {
+            let attn = |init: &mut ParamBuilder, name: &str, i: usize, o: usize, bias: bool| {
                 init.linear(&format!("{p}.self_attn.{name}"), i, o, std, bias)
             };
             let q = attn(&mut init, "q_proj", hidden, q_out, c.qkv_bias)?;
             let k = attn(&mut init, "k_proj", hidden, kv_out, c.qkv_bias)?;
             let v = attn(&mut init, "v_proj", hidden, kv_out, c.qkv_bias)?;
             let o = attn(&mut init, "o_proj", q_out, hidden, c.o_bias)?;
-            let mlp = |init: &mut GptInit, name: &str, i: usize, o: usize| {
+            let mlp = |init: &mut ParamBuilder, name: &str, i: usize, o: usize| {
                 init.linear(&format!("{p}.mlp.{name}"), i, o, std, false)
             };
             let gate = mlp(&mut init, "gate_proj", hidden, c.intermediate_size)?;
@@ -352,11 +338,7 @@ impl Llama {
     fn mlp(&self, layer: &Layer, h: &Tensor, mode: &Mode) -> Result<Tensor> {
         let gate = layer.gate.forward_mode(h, self.compute, mode)?;
         let up = layer.up.forward_mode(h, self.compute, mode)?;
-        let hidden = match ops::swiglu(&gate, &up) {
-            Some(fused) => fused?,
-            None if swiglu_gpu::applies(&gate, &up) => swiglu_gpu::swiglu(&gate, &up)?,
-            None => (gate.silu()? * up)?,
-        };
+        let hidden = kernels::swiglu(&gate, &up)?;
         layer.down.forward_mode(&hidden, self.compute, mode)
     }
 
@@ -397,7 +379,7 @@ impl Model for Llama {
     }
 
     /// On the CPU in f32 the output projection and the cross-entropy are one op that never
-    /// holds all the logits (see `gpt::head`).
+    /// holds all the logits (see `kit::head`).
     fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
         self.loss_of(&self.trunk(xs, mode)?, targets)
     }
@@ -415,7 +397,7 @@ impl Model for Llama {
         if !recompute && !self.stream.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        let pass = crate::layered::Layered::forward(self, xs, targets, mode, recompute)?;
+        let pass = crate::kit::layered::Layered::forward(self, xs, targets, mode, recompute)?;
         Ok(Some(Box::new(pass)))
     }
 
@@ -439,9 +421,11 @@ impl Model for Llama {
     fn shard_parameters(&self) -> std::result::Result<Vec<Vec<usize>>, String> {
         self.stream_gradients();
         let depth = self.layers.len();
-        Ok(crate::layered::blocks_by_name(&self.params, depth, |i| {
-            format!("model.layers.{i}.")
-        }))
+        Ok(crate::kit::layered::blocks_by_name(
+            &self.params,
+            depth,
+            |i| format!("model.layers.{i}."),
+        ))
     }
 
     /// Layer by layer, each layer's output detached: the parameters are variables, so autograd
@@ -519,25 +503,6 @@ impl Model for Llama {
         let attention = 12.0 * c.num_hidden_layers as f64 * width * t;
         Some((6.0 * trainable + 4.0 * frozen + attention) * t)
     }
-}
-
-/// `x * rsqrt(mean(x²) + eps) * weight` over the last dimension, in f32 (`LlamaRMSNorm`).
-pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    if let Some(fused) = ops::rms_norm(x, weight, eps) {
-        return fused;
-    }
-    if x.device().is_cuda() {
-        return rms_norm_gpu::rms_norm(x, weight, eps);
-    }
-    rms_norm_with_ops(x, weight, eps)
-}
-
-/// [`rms_norm`] composed from candle's ops (bf16 on the CPU; the fused ops' reference).
-pub fn rms_norm_with_ops(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let x = x.to_dtype(DType::F32)?;
-    let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
-    x.broadcast_div(&(mean_square + eps)?.sqrt()?)?
-        .broadcast_mul(weight)
 }
 
 /// [t, t]: 0 on and below the diagonal, -inf above. Made per call: a checkpoint's context

@@ -9,9 +9,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::rope::Llama3Scaling;
-use super::{GptInit, Llama, LlamaConfig};
+use super::{Llama, LlamaConfig};
 use crate::LanguageModelOptions;
 use crate::Model;
+use crate::kit::ParamBuilder;
 use ddpjob_seam::{BuildError, ModelContext};
 use ddpjob_spec::KeyDoc;
 use ddpjob_storage::checkpoint::Trained;
@@ -657,11 +658,11 @@ const LORA_TARGETS: [&str; 2] = ["q_proj", "v_proj"];
 pub fn build_llama(o: &LlamaOptions, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
     let (vocab_size, block_size) = crate::token_windows("llama", cx)?;
     let config = o.config(vocab_size, block_size);
-    // `blank`: weights to be read, nothing drawn (but LoRA's adapters, see `GptInit`).
+    // `blank`: weights to be read, nothing drawn (but LoRA's adapters, see `ParamBuilder`).
     let build = |blank: bool| {
         let init = match blank {
-            true => GptInit::blank(&cx.device),
-            false => GptInit::new(cx.seed, &cx.device),
+            true => ParamBuilder::blank(&cx.device),
+            false => ParamBuilder::new(cx.seed, &cx.device),
         };
         let init = init.with_lora(cx.lora.as_ref(), &LORA_TARGETS, cx.seed);
         Llama::build(&config, init, cx.compute_dtype)

@@ -5,8 +5,8 @@ use candle_core::{Result, Tensor};
 
 use super::Llama;
 use crate::GradientSink;
-use crate::layered::{Stack, TokenBatch};
-use crate::packed;
+use crate::kit::layered::{Stack, TokenBatch};
+use crate::kit::packed;
 use crate::{Mode, Params};
 
 impl Stack for Llama {

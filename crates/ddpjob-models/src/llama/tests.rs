@@ -235,8 +235,8 @@ fn each_key_value_head_serves_its_group_of_query_heads() {
 
 #[test]
 fn packed_examples_are_computed_as_if_alone() {
-    crate::packed::check_examples_are_computed_alone(pretrained("qwen2").as_ref());
-    crate::packed::check_examples_are_computed_alone(pretrained("llama").as_ref());
+    crate::kit::packed::check_examples_are_computed_alone(pretrained("qwen2").as_ref());
+    crate::kit::packed::check_examples_are_computed_alone(pretrained("llama").as_ref());
 }
 
 #[test]

@@ -9,8 +9,7 @@ use std::collections::{HashMap, HashSet};
 use candle_core::{DType, Tensor};
 use serde_json::{Map, Value, json};
 
-use super::{Activation, Gpt};
-use crate::Model;
+use super::Activation;
 use ddpjob_storage::hf::{FileLayout, HfDir, HfError, HfParts};
 
 /// A GPT-2 checkpoint's shape, from its `config.json`.
@@ -94,12 +93,9 @@ pub fn read_shape(dir: &HfDir) -> Result<Gpt2Shape, HfError> {
     })
 }
 
-/// Sets `gpt`'s weights from `dir` (see the module docs for the layouts read).
-pub fn load(gpt: &Gpt, dir: &HfDir) -> Result<(), HfError> {
-    dir.load_with(gpt.params(), &Gpt2Layout)
-}
-
-struct Gpt2Layout;
+/// Where GPT-2's files hold each parameter, and how (see the module docs): what
+/// `build_gpt`'s [`crate::kit::Reading`] reads a Hugging Face directory with.
+pub(crate) struct Gpt2Layout;
 
 impl FileLayout for Gpt2Layout {
     fn file_name(&self, name: &str, present: &HashSet<String>) -> Option<String> {
@@ -222,7 +218,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor};
 
     use super::*;
-    use crate::{GptConfig, Mode};
+    use crate::{Gpt, GptConfig, Mode, Model};
     use ddpjob_storage::hf::ExportDtype;
 
     fn fixture(name: &str) -> PathBuf {
@@ -251,7 +247,7 @@ mod tests {
     fn pretrained(dir: &Path, block_size: usize) -> Gpt {
         let hf = HfDir::open(dir).unwrap();
         let gpt = shaped_as(&hf, block_size);
-        load(&gpt, &hf).unwrap();
+        hf.load_with(gpt.params(), &Gpt2Layout).unwrap();
         gpt
     }
 
@@ -393,7 +389,9 @@ mod tests {
             .unwrap();
             let hf = HfDir::open(tmp.path()).unwrap();
             let gpt = shaped_as(&hf, 64);
-            load(&gpt, &hf).unwrap_err().to_string()
+            hf.load_with(gpt.params(), &Gpt2Layout)
+                .unwrap_err()
+                .to_string()
         };
         assert!(
             err.contains(

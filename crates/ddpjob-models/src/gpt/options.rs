@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::hf::{Gpt2Export, Gpt2Shape};
 use super::{Activation, Gpt, GptConfig};
 use crate::LanguageModelOptions;
-use crate::kit::ParamBuilder;
+use crate::kit::{Reading, WeightSource};
 use crate::{Model, token_windows};
 use ddpjob_seam::{BuildError, ModelContext};
 use ddpjob_spec::KeyDoc;
@@ -352,34 +352,15 @@ fn trained_shape(t: &Trained) -> Result<Gpt2Shape, String> {
 pub fn build_gpt(o: &GptOptions, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
     let (vocab_size, block_size) = token_windows("gpt", cx)?;
     let config = o.config(vocab_size, block_size);
+    let source = WeightSource::for_job(cx, o.init_from.as_deref())?;
     // The gpt does its own autocast: its inputs are token ids, not values to cast.
-    let (device, dtype) = (&cx.device, cx.compute_dtype);
-    // `blank`: weights to be read, nothing drawn (but LoRA's adapters, see `ParamBuilder`).
-    let init = |blank: bool| {
-        let init = match blank {
-            true => ParamBuilder::blank(device),
-            false => ParamBuilder::new(cx.seed, device),
-        };
-        init.with_lora(cx.lora.as_ref(), &LORA_TARGETS, cx.seed)
-    };
-    if cx.restoring {
-        // A checkpoint's weights replace these: nothing to draw or read.
-        return Ok(Box::new(Gpt::build(&config, init(true), dtype)?));
-    }
-    let Some(dir) = &o.init_from else {
-        return Ok(Box::new(Gpt::build(&config, init(false), dtype)?));
-    };
-    let gpt = Gpt::build(&config, init(true), dtype)?;
-    let dir = Path::new(dir);
-    match Trained::find(dir) {
+    let gpt = Gpt::build(&config, source.builder(cx, &LORA_TARGETS), cx.compute_dtype)?;
+    let reading = Reading {
+        hf: &super::hf::Gpt2Layout,
         // Another job's gpt: its position table cut to this job's window.
-        Some(trained) => trained?.load_into(
-            gpt.params(),
-            Some("transformer.wpe.weight"),
-            cx.lora.as_ref(),
-        )?,
-        None => super::hf::load(&gpt, &HfDir::open(dir)?)?,
-    }
+        crop: Some("transformer.wpe.weight"),
+    };
+    source.fill(gpt.params(), reading, cx)?;
     Ok(Box::new(gpt))
 }
 

@@ -12,11 +12,11 @@ use super::rope::Llama3Scaling;
 use super::{Llama, LlamaConfig};
 use crate::LanguageModelOptions;
 use crate::Model;
-use crate::kit::ParamBuilder;
+use crate::kit::{Reading, WeightSource};
 use ddpjob_seam::{BuildError, ModelContext};
 use ddpjob_spec::KeyDoc;
 use ddpjob_storage::checkpoint::Trained;
-use ddpjob_storage::hf::HfDir;
+use ddpjob_storage::hf::{HfDir, SameLayout};
 
 /// The `model_type`s read as `arch = "llama"`.
 pub const MODEL_TYPES: [&str; 3] = ["llama", "mistral", "qwen2"];
@@ -658,31 +658,14 @@ const LORA_TARGETS: [&str; 2] = ["q_proj", "v_proj"];
 pub fn build_llama(o: &LlamaOptions, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
     let (vocab_size, block_size) = crate::token_windows("llama", cx)?;
     let config = o.config(vocab_size, block_size);
-    // `blank`: weights to be read, nothing drawn (but LoRA's adapters, see `ParamBuilder`).
-    let build = |blank: bool| {
-        let init = match blank {
-            true => ParamBuilder::blank(&cx.device),
-            false => ParamBuilder::new(cx.seed, &cx.device),
-        };
-        let init = init.with_lora(cx.lora.as_ref(), &LORA_TARGETS, cx.seed);
-        Llama::build(&config, init, cx.compute_dtype)
-    };
-    if cx.restoring {
-        // A checkpoint's weights replace these: nothing to draw or read.
-        return Ok(Box::new(build(true)?));
-    }
-    let model = build(o.init_from.is_some())?;
-    if let Some(trained) = o
-        .init_from
-        .as_deref()
-        .and_then(|d| Trained::find(Path::new(d)))
-    {
-        trained?.load_into(model.params(), None, cx.lora.as_ref())?;
-    } else if let Some(dir) = &o.init_from {
-        let dir = HfDir::open(Path::new(dir))?;
+    let source = WeightSource::for_job(cx, o.init_from.as_deref())?;
+    let model = Llama::build(&config, source.builder(cx, &LORA_TARGETS), cx.compute_dtype)?;
+    let reading = Reading {
         // Buffers older files carry: rotary inverse frequencies, recomputed here.
-        dir.load_into(model.params(), |name| name.ends_with("rotary_emb.inv_freq"))?;
-    }
+        hf: &SameLayout(|name: &str| name.ends_with("rotary_emb.inv_freq")),
+        crop: None,
+    };
+    source.fill(model.params(), reading, cx)?;
     Ok(Box::new(model))
 }
 

@@ -281,7 +281,7 @@ pub trait FileLayout {
 }
 
 /// Names and layouts as the model's, some tensors ignored.
-struct SameLayout<F>(F);
+pub struct SameLayout<F>(pub F);
 
 impl<F: Fn(&str) -> bool> FileLayout for SameLayout<F> {
     fn ignored(&self, file_name: &str) -> bool {

@@ -1,5 +1,5 @@
 //! The model kit: the layers every family builds from, so that a family is a file or a small
-//! folder of its own wiring. Parameters come from a `ParamBuilder`, which a [`WeightSource`]
+//! folder of its own wiring. Parameters come from a `ParamBuilder`, which a `WeightSource`
 //! gives and then fills (drawn, blank for a checkpoint, or read from what `init_from`
 //! names); `Linear` (with its LoRA adapter), `LayerNorm` and the residual addition are the
 //! layers; `attention` is the

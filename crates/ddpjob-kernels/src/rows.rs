@@ -1,8 +1,8 @@
-//! The GPT's row and element loops on f32 slices: LayerNorm, the causal softmax and exact GELU
-//! with their backwards, and the lane sums and exponential they share. Each loop is compiled
-//! for AVX2 with FMA, AVX2 alone and the baseline, and [`simd`] picks the best the CPU has at
-//! run time; the fused ops (`ops`), the hand-written pass (`manual`) and the attention call
-//! them.
+//! The row and element loops on f32 slices: LayerNorm, the causal softmax and exact GELU with
+//! their backwards, and the lane sums and exponential they share. Each loop is compiled for
+//! AVX2 with FMA, AVX2 alone and the baseline, and [`simd`] picks the best the CPU has at run
+//! time; the fused ops (`layer_norm`, `gelu`, `swiglu`), the GPT's hand-written pass and the
+//! model kit's attention and head call them.
 
 use std::ops::Range;
 

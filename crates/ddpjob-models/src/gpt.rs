@@ -5,7 +5,7 @@
 //!
 //! Dropout follows nanoGPT at the embedding sum and after both residual projections, but
 //! attention-probability dropout (nanoGPT's `attn_dropout`) is not applied: masks depend only
-//! on each row's seed (see `dropout`), and an [n, heads, t, t] mask per layer would cost more
+//! on each row's seed (see `ddpjob_kernels::dropout`), and an [n, heads, t, t] mask per layer would cost more
 //! to draw than the attention itself.
 
 pub mod hf;

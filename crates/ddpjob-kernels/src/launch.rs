@@ -352,11 +352,7 @@ fn blocks(blocks: usize, threads: u32, what: &str) -> std::result::Result<Launch
 
 /// A storage's values of type `T` from its layout's first element, as many as the layout
 /// holds; an error naming the op when the storage holds another type.
-pub fn view<'a, T: CudaDType>(
-    s: &'a CudaStorage,
-    l: &Layout,
-    what: &str,
-) -> Result<CudaView<'a, T>> {
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
     let (start, n) = (l.start_offset(), l.shape().elem_count());
     let slice = s.as_cuda_slice::<T>().map_err(|_| {
         Error::Msg(format!(

@@ -15,7 +15,7 @@
 //! candle's own ops, which the tests check these against.
 //!
 //! This crate sits at the bottom of the workspace: it depends on candle and numeric crates
-//! only, never on another ddpjob crate (its tests use `ddpjob-rng`), so a model, an optimiser
+//! only (and serde, for GELU's form, which job files name), never on another ddpjob crate (its tests use `ddpjob-rng`), so a model, an optimiser
 //! or a loss can use any kernel without a circle.
 
 mod bf16_products;

@@ -25,7 +25,7 @@ runs = {"ring": [], "tree": []}
 for line in open(sys.argv[1]):
     who, _, text = line.partition(" ")
     runs[who].append(json.loads(text))
-print(f"# all-reduce sum f32, {sys.argv[2]} processes, medians of {len(runs['ring'])} alternating runs")
+print(f"# all-reduce f32 (ring: average, tree: sum, as training calls them), {sys.argv[2]} processes, medians of {len(runs['ring'])} alternating runs")
 print(f"{'floats':>11} {'ring ms':>9} {'tree ms':>9} {'ring busbw':>11} {'tree busbw':>11} {'tree/ring':>10}")
 for i, row in enumerate(runs["ring"][0]):
     ring = statistics.median(r[i]["time_ms"] for r in runs["ring"])

@@ -1,13 +1,16 @@
 //! `ddpjob bench allreduce`: the all-reduce of the backend `run` uses (the tcp ring between CPU
 //! workers, NCCL between GPUs), or with `--algorithm tree` the tree-ordered one of
 //! world-size-invariant training, timed between real worker processes, reported as nccl-tests
-//! does (time, algorithm and bus bandwidth per size).
+//! does (time, algorithm and bus bandwidth per size). The workers join the collectives through
+//! `ddpjob_comm::connect`, by the name the trainer's worker would choose, and time the
+//! `Communicator` calls the trainer makes: no backend is built here.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::BenchError;
@@ -206,48 +209,66 @@ pub fn allreduce(
     serde_json::from_slice(&text).map_err(|e| BenchError::Worker(format!("bad results: {e}")))
 }
 
-/// The hidden `bench-worker` subcommand: join the ring (or NCCL; and the tree's partners when
-/// `tree`), time each size, rank 0 reports.
+/// The hidden `bench-worker` subcommand: open the worker's device, join the collectives `run`
+/// would join there (built by name, as the trainer's are: the tcp ring between CPU workers, with
+/// its tree partners when `tree`; NCCL between GPUs), time each size through the trainer's own
+/// calls (`all_reduce_mean`, or `tree_sum`), rank 0 reports.
 pub fn worker(sizes: &[usize], tree: bool) -> Result<(), BenchError> {
     let env = WorkerEnv::from_env().map_err(|e| BenchError::Usage(e.to_string()))?;
     let store = StoreClient::connect(&env.master(), &env.token, TIMEOUT)?;
-    if env.device != "cpu" {
-        #[cfg(feature = "cuda")]
-        return gpu::worker(&env, &store, sizes);
-        #[cfg(not(feature = "cuda"))]
-        return Err(BenchError::Usage(format!(
-            "{} needs a `--features cuda` build",
-            env.device
-        )));
-    }
-    let bind = store.local_addr().ip();
-    let comm = ddpjob_comm::join_tcp(&rendezvous(&env, &store), bind, tree)?;
+    let device =
+        crate::device::open(Some(&env.device)).map_err(|e| BenchError::Usage(e.to_string()))?;
+    let rank = env.rank;
+    let placement = ddpjob_comm::Placement {
+        gpu: device.is_cuda(),
+        world_size: env.world_size,
+        always: false,
+    };
+    let options = ddpjob_comm::Options {
+        device: &device,
+        always: false,
+        tree,
+        on_nccl_failure: Box::new(move |verdict: &ddpjob_comm::watchdog::Verdict| {
+            errln!("error: {}", verdict.describe(rank, TIMEOUT))
+        }),
+    };
+    let name = ddpjob_comm::choose("auto", placement);
+    let comm = ddpjob_comm::connect(name, &rendezvous(&env, &store), options)?;
+    let tensor = |e: candle_core::Error| BenchError::Comm(e.into());
     let world = env.world_size;
     let mut rows = Vec::new();
     for &floats in sizes {
         let iters = iterations(floats);
-        let mut buf = vec![0f32; floats];
         let mut elapsed = Duration::ZERO;
-        // One untimed warm-up, then the timed iterations, each from fresh inputs.
+        let mut buf = Tensor::zeros(floats, DType::F32, &device).map_err(tensor)?;
+        // One untimed warm-up, then the timed iterations, each from fresh inputs (a new
+        // contiguous buffer, as the trainer's buckets are) and timed to the end of the device's
+        // queue.
         for i in 0..=iters {
-            buf.fill((env.rank + 1) as f32);
+            buf = Tensor::full((rank + 1) as f32, floats, &device).map_err(tensor)?;
+            device.synchronize().map_err(tensor)?;
             comm.barrier()?;
             let started = Instant::now();
             match tree {
-                true => comm.tree_sum_values(&mut buf)?,
-                false => comm.all_reduce_sum(&mut buf)?,
+                true => comm.tree_sum(&mut buf)?,
+                false => comm.all_reduce_mean(&mut buf)?,
             }
+            device.synchronize().map_err(tensor)?;
             if i > 0 {
                 elapsed += started.elapsed();
             }
         }
-        let want = (world * (world + 1) / 2) as f32;
-        check_result(&buf, want)?;
+        // The tree sums; the all-reduce averages (as training does: ncclAvg on GPUs).
+        let want = match tree {
+            true => (world * (world + 1) / 2) as f32,
+            false => (world + 1) as f32 / 2.0,
+        };
+        check_result(&buf.to_vec1::<f32>().map_err(tensor)?, want)?;
         let algorithm = if tree { TREE } else { RING };
         rows.push(row(
-            &comm,
+            comm.as_ref(),
             algorithm,
-            (env.rank, world),
+            (rank, world),
             (floats, iters),
             elapsed,
         )?);
@@ -320,62 +341,12 @@ fn report(env: &WorkerEnv, rows: &[AllReduceRow]) -> Result<(), BenchError> {
     })
 }
 
-/// The GPU side: NCCL's all-reduce on device buffers, each iteration timed to the end of the
-/// GPU's queue.
-#[cfg(feature = "cuda")]
-mod gpu {
-    use std::time::{Duration, Instant};
-
-    use candle_core::Tensor;
-
-    use super::{AllReduceRow, BenchError, RING, TIMEOUT, check_result, iterations, report, row};
-    use crate::worker::WorkerEnv;
-    use ddpjob_comm::Communicator;
-    use ddpjob_store::StoreClient;
-
-    pub fn worker(env: &WorkerEnv, store: &StoreClient, sizes: &[usize]) -> Result<(), BenchError> {
-        let device =
-            crate::device::open(Some(&env.device)).map_err(|e| BenchError::Usage(e.to_string()))?;
-        let rank = env.rank;
-        let on_failure = move |verdict: &ddpjob_comm::watchdog::Verdict| {
-            errln!("error: {}", verdict.describe(rank, TIMEOUT))
-        };
-        let comm = ddpjob_comm::join_nccl(&super::rendezvous(env, store), &device, on_failure)?;
-        let gpu = |e: candle_core::Error| BenchError::Comm(e.into());
-        let world = env.world_size;
-        let mut rows: Vec<AllReduceRow> = Vec::new();
-        for &floats in sizes {
-            let iters = iterations(floats);
-            let mut elapsed = Duration::ZERO;
-            let mut buf = Tensor::zeros(floats, candle_core::DType::F32, &device).map_err(gpu)?;
-            for i in 0..=iters {
-                buf = Tensor::full((rank + 1) as f32, floats, &device).map_err(gpu)?;
-                device.synchronize().map_err(gpu)?;
-                comm.barrier()?;
-                let started = Instant::now();
-                comm.all_reduce_mean(&mut buf)?;
-                device.synchronize().map_err(gpu)?;
-                if i > 0 {
-                    elapsed += started.elapsed();
-                }
-            }
-            // NCCL averages in place (ncclAvg, as training does): every element is the mean.
-            let values: Vec<f32> = buf.to_vec1().map_err(gpu)?;
-            check_result(&values, (world + 1) as f32 / 2.0)?;
-            rows.push(row(&comm, RING, (rank, world), (floats, iters), elapsed)?);
-        }
-        report(env, &rows)?;
-        comm.barrier()?;
-        Ok(())
-    }
-}
-
 /// A table like nccl-tests' for a terminal.
 pub fn table(world: usize, on_gpus: bool, tree: bool, rows: &[AllReduceRow]) -> String {
     let backend = match (on_gpus, tree) {
         (true, _) => "(average, f32), NCCL between GPUs",
         (false, true) => "(sum, f32), tcp backend's tree order (recursive halving, partners)",
-        (false, false) => "(sum, f32), tcp ring backend",
+        (false, false) => "(average, f32), tcp ring backend",
     };
     let mut s = format!(
         "# all-reduce {backend}, {world} worker processes on this node\n\

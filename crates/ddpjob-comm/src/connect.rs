@@ -103,12 +103,8 @@ pub fn connect(
 }
 
 /// The tcp ring between CPU workers (with its butterfly partners when `tree`), listening on
-/// `bind`: what [`connect`] builds for `tcp`, typed, for what times the ring's own operations.
-pub fn join_tcp(
-    rv: &Rendezvous<'_>,
-    bind: IpAddr,
-    tree: bool,
-) -> Result<TcpCommunicator, CommError> {
+/// `bind`: what [`connect`] builds for `tcp`.
+fn join_tcp(rv: &Rendezvous<'_>, bind: IpAddr, tree: bool) -> Result<TcpCommunicator, CommError> {
     let spin = spin_for(rv.local_world_size);
     let ring = TcpCommunicator::connect(
         rv.store,
@@ -151,11 +147,11 @@ fn nccl(rv: &Rendezvous<'_>, _: Options<'_>, _: bool) -> Result<Box<dyn Communic
     })
 }
 
-/// NCCL on `device` (a GPU), every rank joining together: what [`connect`] builds for `nccl`,
-/// typed. A collective still queued after the rendezvous' timeout goes to `report`, then the
+/// NCCL on `device` (a GPU), every rank joining together: what [`connect`] builds for `nccl`.
+/// A collective still queued after the rendezvous' timeout goes to `report`, then the
 /// communicator is aborted and the process ends (exit status 1).
 #[cfg(feature = "cuda")]
-pub fn join_nccl(
+fn join_nccl(
     rv: &Rendezvous<'_>,
     device: &Device,
     report: impl FnOnce(&Verdict) + Send + 'static,

@@ -23,9 +23,7 @@ use std::ops::Range;
 use candle_core::{Tensor, Var};
 use thiserror::Error;
 
-#[cfg(feature = "cuda")]
-pub use connect::join_nccl;
-pub use connect::{BACKENDS, Options, Placement, Rendezvous, choose, connect, join_tcp};
+pub use connect::{BACKENDS, Options, Placement, Rendezvous, choose, connect};
 pub use local::{Exercised, LocalCommunicator};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclCommunicator;

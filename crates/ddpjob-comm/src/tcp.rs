@@ -317,15 +317,9 @@ impl TcpCommunicator {
         })
     }
 
-    /// Sums a plain buffer in place, with no tensor conversion: what `ddpjob bench` times.
+    /// Sums a plain buffer in place, with no tensor conversion (the f64 sums and the barrier).
     pub fn all_reduce_sum<T: Element>(&self, buf: &mut [T]) -> Result<(), CommError> {
         self.collective(Op::AllReduceSum, buf.len(), |l| l.all_reduce_sum(buf))
-    }
-
-    /// [`Communicator::tree_sum`] of a plain buffer, over the partners' links (joined with
-    /// [`TcpCommunicator::with_tree`]): what `ddpjob bench allreduce --algorithm tree` times.
-    pub fn tree_sum_values(&self, buf: &mut [f32]) -> Result<(), CommError> {
-        self.tree_collective(buf)
     }
 
     /// Payload bytes this rank has sent to the next (collective headers not counted).

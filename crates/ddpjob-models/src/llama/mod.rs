@@ -25,8 +25,8 @@ use super::{Mode, Model, Params, TrainPass};
 use crate::kit::packed::{self, Packing};
 use crate::kit::{Linear, ParamBuilder, add_residual, attention, head};
 use ddpjob_kernels as kernels;
-use ddpjob_kernels::rope;
 use ddpjob_kernels::rms_norm;
+use ddpjob_kernels::rope;
 pub use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
 use rope::{Llama3Scaling, RopeTables};
 

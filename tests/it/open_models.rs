@@ -150,6 +150,97 @@ fn a_qwen2_checkpoint_fine_tunes_and_exports_back_to_hugging_face() {
     t.run(&cfg, &[]).success();
 }
 
+/// The fixture `name` fine-tuned, scored by `eval` as the run did (the directory at step 0, the
+/// job at its end), exported with `export --hf`, the export scored with the job's loss, and
+/// sampled; the export's `config.json`, weights and the `job.toml` it froze.
+fn fine_tune_evaluate_and_export(
+    name: &str,
+) -> (
+    serde_json::Value,
+    std::collections::BTreeMap<String, Vec<f32>>,
+    String,
+) {
+    let t = TestJob::new();
+    let text = text(&t);
+    let dir = fixture(name);
+    let model = format!("init_from = \"{}\"\nblock_size = 16", dir.display());
+    let file = job(&text, &model, "").replace("log_every = 1", "log_every = 1\neval_every = 10");
+    let cfg = t.config("ft", &file);
+    t.run(&cfg, &[]).success();
+    let frozen = std::fs::read_to_string(t.job("ft").join("job.toml")).unwrap();
+    assert!(
+        frozen.contains(&format!("model_type = \"{name}\"")),
+        "{frozen}"
+    );
+    let evals: Vec<(u64, f64)> = t
+        .metrics("ft")
+        .iter()
+        .filter(|m| m["kind"] == "eval" || m["kind"] == "epoch")
+        .filter_map(|m| Some((m["step"].as_u64()?, m["test_loss"].as_f64()?)))
+        .collect();
+    let (start, end) = (evals[0], *evals.last().unwrap());
+    assert_eq!(start.0, 0, "{name}: {evals:?}");
+    assert!(
+        end.1 < start.1 - 0.3,
+        "{name}: val loss {start:?} → {end:?}"
+    );
+    let cfg_s = cfg.display().to_string();
+    let pretrained = eval_json(&t, &[dir.to_str().unwrap(), "--data", &cfg_s]);
+    assert_eq!(pretrained["loss"].as_f64(), Some(start.1), "{name}");
+    let trained = eval_json(&t, &["ft"]);
+    assert_eq!(trained["loss"].as_f64(), Some(end.1), "{name}");
+
+    let out = t.path("out");
+    let out_s = out.display().to_string();
+    let jobs = t.jobs_dir().display().to_string();
+    t.ddpjob(&["export", "ft", "--hf", &out_s, "--jobs-dir", &jobs])
+        .success();
+    let again = eval_json(&t, &[&out_s, "--data", &cfg_s]);
+    let (a, b) = (again["loss"].as_f64().unwrap(), end.1);
+    assert!((a - b).abs() < 1e-5, "{name}: export {a} vs job {b}");
+    let sample = t.ddpjob(&[
+        "sample",
+        "ft",
+        "--tokens",
+        "5",
+        "--json",
+        "--jobs-dir",
+        &jobs,
+    ]);
+    sample.success();
+    let config = t.json(&out.join("config.json"));
+    (config, load_weights(&out.join("model.safetensors")), frozen)
+}
+
+/// Qwen3 (per-head q/k norms, `head_dim` not hidden / heads): exported as `Qwen3ForCausalLM`
+/// with its norms.
+#[test]
+fn a_qwen3_checkpoint_fine_tunes_evaluates_and_exports_back() {
+    let (config, weights, frozen) = fine_tune_evaluate_and_export("qwen3");
+    assert!(frozen.contains("head_dim = 16"), "{frozen}");
+    assert_eq!(config["architectures"][0], "Qwen3ForCausalLM");
+    assert_eq!(config["head_dim"], 16);
+    assert_eq!(config["attention_bias"], false);
+    assert!(weights.contains_key("model.layers.1.self_attn.k_norm.weight"));
+}
+
+/// SmolLM3 (layers 2 and 4 without positions): exported as `SmolLM3ForCausalLM` with its
+/// `no_rope_layers`.
+#[test]
+fn a_smollm3_checkpoint_fine_tunes_evaluates_and_exports_back() {
+    let (config, weights, frozen) = fine_tune_evaluate_and_export("smollm3");
+    let frozen: toml::Table = toml::from_str(&frozen).unwrap();
+    let layers = frozen["model"]["no_rope_layers"].as_array().unwrap();
+    let layers: Vec<i64> = layers.iter().filter_map(toml::Value::as_integer).collect();
+    assert_eq!(layers, [1, 0, 1, 0]);
+    assert_eq!(config["architectures"][0], "SmolLM3ForCausalLM");
+    assert_eq!(config["no_rope_layers"], serde_json::json!([1, 0, 1, 0]));
+    assert_eq!(config["attention_bias"], true);
+    // Not SmolLM3Config's defaults (its own tokenizer's ids, past this vocabulary).
+    assert!(config["pad_token_id"].is_null(), "{config}");
+    assert!(weights.contains_key("lm_head.weight"));
+}
+
 /// `ddpjob eval ... --json`'s object.
 fn eval_json(t: &TestJob, args: &[&str]) -> serde_json::Value {
     let jobs = t.jobs_dir().display().to_string();

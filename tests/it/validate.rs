@@ -15,6 +15,8 @@ fn every_shipped_config_validates() {
             if text.contains("init_from = \"models/") {
                 let arch = if text.contains("models/gpt2") {
                     "gpt2"
+                } else if text.contains("models/Qwen3") {
+                    "qwen3"
                 } else {
                     "llama"
                 };

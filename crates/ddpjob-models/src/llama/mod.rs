@@ -1,6 +1,7 @@
-//! `llama`: the decoder of the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) as
-//! `transformers`' `LlamaForCausalLM` computes it: RMSNorm → grouped-query causal attention
-//! with rotary positions → residual → RMSNorm → SwiGLU MLP → residual; final RMSNorm; output
+//! `llama`: the decoder of the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2,
+//! Qwen3) as `transformers`' `LlamaForCausalLM` computes it: RMSNorm → grouped-query causal
+//! attention with rotary positions (Qwen3: each head's q and k RMS-normed first; SmolLM3: some
+//! layers without positions) → residual → RMSNorm → SwiGLU MLP → residual; final RMSNorm; output
 //! projection tied to the embedding or not. Parameter names are `transformers`' own
 //! (`model.layers.0.self_attn.q_proj.weight`), so a `model.safetensors` is a Hugging Face
 //! checkpoint as is.
@@ -49,6 +50,12 @@ pub struct LlamaConfig {
     /// Biases on q, k and v (Qwen2), on o too (Llama's `attention_bias`).
     pub qkv_bias: bool,
     pub o_bias: bool,
+    /// An RMSNorm of `head_dim` over each head's q and over each head's k, after the
+    /// projection and before the rotation (Qwen3's `q_norm` and `k_norm`).
+    pub qk_norm: bool,
+    /// Per layer, whether it rotates q and k; `None`: every layer does (SmolLM3's
+    /// `no_rope_layers` leaves some without positions, NoPE).
+    pub rotary: Option<Vec<bool>>,
     /// Std of the normal initial weights (`initializer_range`).
     pub initializer_range: f64,
 }
@@ -75,6 +82,15 @@ impl LlamaConfig {
             let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
             return fail(format!(
                 "num_attention_heads {h} is not a multiple of num_key_value_heads {kv}"
+            ));
+        }
+        if let Some(rotary) = &self.rotary
+            && rotary.len() != self.num_hidden_layers
+        {
+            return fail(format!(
+                "{} layers say whether they rotate, for {} layers",
+                rotary.len(),
+                self.num_hidden_layers
             ));
         }
         if !self.head_dim.is_multiple_of(2) {
@@ -110,6 +126,10 @@ struct Layer {
     k: Linear,
     v: Linear,
     o: Linear,
+    /// Qwen3's per-head RMSNorm weights of q and k ([`LlamaConfig::qk_norm`]).
+    qk_norm: Option<(Var, Var)>,
+    /// Whether q and k are rotated ([`LlamaConfig::rotary`]).
+    rotary: bool,
     post_norm: Var,
     gate: Linear,
     up: Linear,
@@ -147,6 +167,13 @@ impl Llama {
             let k = attn(&mut init, "k_proj", hidden, kv_out, c.qkv_bias)?;
             let v = attn(&mut init, "v_proj", hidden, kv_out, c.qkv_bias)?;
             let o = attn(&mut init, "o_proj", q_out, hidden, c.o_bias)?;
+            let qk_norm = match c.qk_norm {
+                true => Some((
+                    init.constant(format!("{p}.self_attn.q_norm.weight"), hd, 1.0)?,
+                    init.constant(format!("{p}.self_attn.k_norm.weight"), hd, 1.0)?,
+                )),
+                false => None,
+            };
             let mlp = |init: &mut ParamBuilder, name: &str, i: usize, o: usize| {
                 init.linear(&format!("{p}.mlp.{name}"), i, o, std, false)
             };
@@ -162,6 +189,8 @@ impl Llama {
                 k,
                 v,
                 o,
+                qk_norm,
+                rotary: c.rotary.as_ref().is_none_or(|r| r[i]),
                 post_norm,
                 gate,
                 up,
@@ -301,7 +330,19 @@ impl Llama {
             .v
             .forward_mode(h, self.compute, mode)?
             .reshape((n, t, kv_heads, hd))?;
+        // Qwen3: each head's q and k RMS-normed over its channels (in f32, back in the
+        // projection's dtype, as transformers' Qwen3RMSNorm returns them).
+        let (q, k) = match &layer.qk_norm {
+            Some((qw, kw)) => {
+                let eps = c.rms_norm_eps;
+                let norm =
+                    |x: &Tensor, w: &Var| rms_norm(x, &self.input(w), eps)?.to_dtype(x.dtype());
+                (norm(&q, qw)?, norm(&k, kw)?)
+            }
+            None => (q, k),
+        };
         let rope = |x: &Tensor| match packing {
+            _ if !layer.rotary => Ok(x.clone()),
             Some(p) => self.rope.apply_at(x, &p.positions),
             None => self.rope.apply(x, 0),
         };
@@ -470,7 +511,9 @@ impl Model for Llama {
             c.num_key_value_heads * c.head_dim,
         );
         let repeated = if kv < q { 2 * q } else { 0 };
-        let layer = 6 * hidden + 6 * q + repeated + 3 * kv + 3 * inner;
+        // Qwen3's normed q and k, kept beside the projections.
+        let normed = if c.qk_norm { q + kv } else { 0 };
+        let layer = 6 * hidden + 6 * q + repeated + 3 * kv + 3 * inner + normed;
         let layers = c.num_hidden_layers;
         let per_position = match checkpointing {
             false => (layers + 1) * layer,

@@ -19,7 +19,7 @@ use ddpjob_storage::checkpoint::Trained;
 use ddpjob_storage::hf::{HfDir, SameLayout};
 
 /// The `model_type`s read as `arch = "llama"`.
-pub const MODEL_TYPES: [&str; 3] = ["llama", "mistral", "qwen2"];
+pub const MODEL_TYPES: [&str; 5] = ["llama", "mistral", "qwen2", "qwen3", "smollm3"];
 
 /// `model.arch = "llama"`. Every key but `init_from` has a default or comes from
 /// `init_from`'s `config.json`; `job.toml` holds them all written out.
@@ -30,7 +30,9 @@ pub struct LlamaOptions {
     /// (`"jobs/NAME"`, or a checkpoint directory of it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_from: Option<String>,
-    /// `"llama"`, `"mistral"` or `"qwen2"` (q/k/v biases): what `export --hf` writes.
+    /// `"llama"`, `"mistral"`, `"qwen2"` (q/k/v biases), `"qwen3"` (each head's q and k
+    /// RMS-normed) or `"smollm3"` (layers without positions, `no_rope_layers`): what
+    /// `export --hf` writes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_type: Option<String>,
     /// Context length in tokens (the window length of the data); at most
@@ -63,6 +65,10 @@ pub struct LlamaOptions {
     /// `original_max_position_embeddings` (Llama 3.1/3.2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<RopeScalingOptions>,
+    /// SmolLM3: per layer, 1 where the layer rotates q and k, 0 where it has no positional
+    /// encoding at all (NoPE).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_rope_layers: Option<Vec<usize>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tie_word_embeddings: Option<bool>,
     /// Biases on q, k, v and o (Llama's `attention_bias`; Qwen2 has q/k/v biases always).
@@ -93,13 +99,15 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "init_from",
         default: "none (random weights)",
-        doc: "a Hugging Face `llama`, `mistral` or `qwen2` directory (`config.json`, \
+        doc: "a Hugging Face `llama`, `mistral`, `qwen2`, `qwen3` or `smollm3` directory (`config.json`, \
               `model.safetensors` or an index's shards, `tokenizer.json`), or another llama job",
     },
     KeyDoc {
         key: "model_type",
         default: "`\"llama\"`",
-        doc: "`\"llama\"`, `\"mistral\"` or `\"qwen2\"` (q/k/v biases): what `export --hf` writes",
+        doc: "`\"llama\"`, `\"mistral\"`, `\"qwen2\"` (q/k/v biases), `\"qwen3\"` (each \
+              head's q and k RMS-normed) or `\"smollm3\"` (layers without positions): what \
+              `export --hf` writes",
     },
     KeyDoc {
         key: "block_size",
@@ -161,6 +169,12 @@ pub const KEYS: &[KeyDoc] = &[
         default: "none",
         doc: "`{ rope_type = \"llama3\", factor, low_freq_factor, high_freq_factor, \
               original_max_position_embeddings }` (Llama 3.1/3.2)",
+    },
+    KeyDoc {
+        key: "no_rope_layers",
+        default: "none (every layer rotates)",
+        doc: "`model_type = \"smollm3\"`: one entry per layer, 1 where it rotates q and k, 0 \
+              where it has no positional encoding (NoPE)",
     },
     KeyDoc {
         key: "tie_word_embeddings",
@@ -277,6 +291,7 @@ impl LlamaOptions {
         let hidden = pick(self.hidden_size, d.hidden_size);
         let heads = pick(self.num_attention_heads, d.num_attention_heads);
         let qwen = self.model_type.as_deref() == Some("qwen2");
+        let qk_norm = self.model_type.as_deref() == Some("qwen3");
         let attention_bias = self.attention_bias.unwrap_or(false);
         LlamaConfig {
             vocab_size: self.vocab_size.unwrap_or(vocab_size),
@@ -298,17 +313,24 @@ impl LlamaOptions {
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(true),
             qkv_bias: qwen || attention_bias,
             o_bias: !qwen && attention_bias,
+            qk_norm,
+            rotary: self
+                .no_rope_layers
+                .as_ref()
+                .map(|layers| layers.iter().map(|&r| r != 0).collect()),
             initializer_range: self.initializer_range.unwrap_or(0.02),
         }
     }
 
     /// `config.json` for `transformers`, as its `LlamaConfig` / `MistralConfig` /
-    /// `Qwen2Config` writes it, for a model of `config`.
+    /// `Qwen2Config` / `Qwen3Config` writes it, for a model of `config`.
     pub fn hf_config(&self, config: &LlamaConfig) -> Map<String, Value> {
         let model_type = self.model_type.as_deref().unwrap_or("llama");
         let architecture = match model_type {
             "mistral" => "MistralForCausalLM",
             "qwen2" => "Qwen2ForCausalLM",
+            "qwen3" => "Qwen3ForCausalLM",
+            "smollm3" => "SmolLM3ForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let c = config;
@@ -347,8 +369,30 @@ impl LlamaOptions {
             "qwen2" => {
                 m.insert("use_sliding_window".into(), false.into());
             }
+            "qwen3" => {
+                m.insert("attention_bias".into(), c.qkv_bias.into());
+                m.insert("use_sliding_window".into(), false.into());
+                m.insert("sliding_window".into(), Value::Null);
+            }
             "mistral" => {
                 m.insert("sliding_window".into(), Value::Null);
+            }
+            "smollm3" => {
+                m.insert("attention_bias".into(), c.o_bias.into());
+                m.insert("mlp_bias".into(), false.into());
+                m.insert("use_sliding_window".into(), false.into());
+                m.insert("sliding_window".into(), Value::Null);
+                let layers = self
+                    .no_rope_layers
+                    .clone()
+                    .unwrap_or_else(|| vec![1; c.num_hidden_layers]);
+                m.insert("no_rope_layers".into(), serde_json::json!(layers));
+                // SmolLM3Config's defaults are SmolLM3's own tokenizer's ids (a pad id of
+                // 128004, past a smaller vocabulary, is refused by the embedding): none unless
+                // the export's tokenizer says (the export fills in the base's).
+                for key in ["bos_token_id", "eos_token_id", "pad_token_id"] {
+                    m.insert(key.into(), Value::Null);
+                }
             }
             _ => {
                 m.insert("attention_bias".into(), c.o_bias.into());
@@ -409,7 +453,11 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
     }
     let max_positions = dir.usize_or("max_position_embeddings", None).map_err(s)?;
     let sliding = match model_type {
-        "qwen2" if !dir.bool_or("use_sliding_window", false).map_err(s)? => None,
+        "qwen2" | "qwen3" | "smollm3"
+            if !dir.bool_or("use_sliding_window", false).map_err(s)? =>
+        {
+            None
+        }
         _ => match dir.config.get("sliding_window") {
             None | Some(Value::Null) => None,
             Some(v) => Some(v.as_u64().unwrap_or(0) as usize),
@@ -418,6 +466,11 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
     let hidden = dir.usize_or("hidden_size", None).map_err(s)?;
     let heads = dir.usize_or("num_attention_heads", None).map_err(s)?;
     let (theta, scaling) = rope_parameters(dir)?;
+    let layers = dir.usize_or("num_hidden_layers", None).map_err(s)?;
+    let no_rope_layers = match model_type {
+        "smollm3" => Some(no_rope_layers(dir, layers)?),
+        _ => None,
+    };
     let options = LlamaOptions {
         init_from: None,
         model_type: Some(model_type.into()),
@@ -426,7 +479,7 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
         vocab_size: Some(dir.usize_or("vocab_size", None).map_err(s)?),
         hidden_size: Some(hidden),
         intermediate_size: Some(dir.usize_or("intermediate_size", None).map_err(s)?),
-        num_hidden_layers: Some(dir.usize_or("num_hidden_layers", None).map_err(s)?),
+        num_hidden_layers: Some(layers),
         num_attention_heads: Some(heads),
         num_key_value_heads: Some(
             dir.usize_or("num_key_value_heads", Some(heads))
@@ -439,6 +492,7 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
         rms_norm_eps: Some(dir.f64_or("rms_norm_eps", 1e-6).map_err(s)?),
         rope_theta: Some(theta),
         rope_scaling: scaling,
+        no_rope_layers,
         tie_word_embeddings: Some(dir.bool_or("tie_word_embeddings", false).map_err(s)?),
         attention_bias: Some(dir.bool_or("attention_bias", false).map_err(s)?),
         initializer_range: Some(dir.f64_or("initializer_range", 0.02).map_err(s)?),
@@ -453,6 +507,37 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
         ));
     }
     Ok(options)
+}
+
+/// SmolLM3's `no_rope_layers` (one 0 or 1 per layer), or as transformers makes it when the file
+/// has none: every `no_rope_layer_interval`-th layer (default 4) without positions.
+fn no_rope_layers(dir: &HfDir, layers: usize) -> Result<Vec<usize>, String> {
+    let where_ = dir.root.join("config.json");
+    match dir.config.get("no_rope_layers") {
+        None | Some(Value::Null) => {
+            let interval = dir
+                .usize_or("no_rope_layer_interval", Some(4))
+                .map_err(|e| e.to_string())?
+                .max(1);
+            Ok((0..layers)
+                .map(|i| usize::from((i + 1) % interval != 0))
+                .collect())
+        }
+        Some(Value::Array(values)) => values
+            .iter()
+            .map(|v| v.as_u64().filter(|&v| v <= 1).map(|v| v as usize))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                format!(
+                    "`{}`: no_rope_layers must be a list of 0 and 1, one per layer",
+                    where_.display()
+                )
+            }),
+        Some(other) => Err(format!(
+            "`{}`: no_rope_layers must be a list of 0 and 1, one per layer, not {other}",
+            where_.display()
+        )),
+    }
 }
 
 /// `rope_theta` and `rope_scaling` at the top level (transformers 4.x) or inside
@@ -551,6 +636,7 @@ fn merge(given: LlamaOptions, base: LlamaOptions, source: &str) -> Result<LlamaO
         rms_norm_eps: take!(rms_norm_eps),
         rope_theta: take!(rope_theta),
         rope_scaling: take!(rope_scaling),
+        no_rope_layers: take!(no_rope_layers),
         tie_word_embeddings: take!(tie_word_embeddings),
         attention_bias: take!(attention_bias),
         initializer_range: take!(initializer_range),
@@ -589,6 +675,22 @@ fn check(o: &LlamaOptions) -> Result<(), String> {
             "model.model_type = \"{t}\" is not one of {}",
             MODEL_TYPES.map(|t| format!("\"{t}\"")).join(", ")
         ));
+    }
+    if let Some(layers) = &o.no_rope_layers {
+        let depth = get(o.num_hidden_layers);
+        if o.model_type.as_deref() != Some("smollm3") {
+            return Err(format!(
+                "model.no_rope_layers is SmolLM3's (model_type = \"smollm3\"), not {:?}'s: \
+                 transformers would rotate every layer of the export",
+                o.model_type.as_deref().unwrap_or("llama")
+            ));
+        }
+        if layers.len() != depth || layers.iter().any(|&r| r > 1) {
+            return Err(format!(
+                "model.no_rope_layers = {layers:?} must hold one 0 or 1 per layer: \
+                 num_hidden_layers = {depth}"
+            ));
+        }
     }
     let (block, max) = (get(o.block_size), get(o.max_position_embeddings));
     if block > max {

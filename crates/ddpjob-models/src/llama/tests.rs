@@ -61,8 +61,10 @@ fn reference(name: &str) -> (Tensor, Tensor, Tensor, f32) {
 #[test]
 fn logits_and_loss_equal_transformers_for_every_model_type() {
     // llama: rope_scaling llama3, untied head; llama-v4: the same in transformers 4.x's
-    // config layout; qwen2: q/k/v biases, tied head, rope_theta 1e6; mistral.
-    for name in ["llama", "llama-v4", "qwen2", "mistral"] {
+    // config layout; qwen2: q/k/v biases, tied head, rope_theta 1e6; mistral; qwen3: each
+    // head's q and k RMS-normed (weights drawn away from 1), head_dim 16 of hidden 32 / 4 heads;
+    // smollm3: layers 2 and 4 of 4 without positions, attention biases, untied head.
+    for name in ["llama", "llama-v4", "qwen2", "mistral", "qwen3", "smollm3"] {
         let reference_name = if name == "llama-v4" { "llama" } else { name };
         let (x, y, logits, loss) = reference(reference_name);
         let model = pretrained(name);
@@ -90,7 +92,7 @@ fn the_gpu_llama_gives_transformers_loss_and_the_cpus_gradients() {
         eprintln!("skipping: no GPU");
         return;
     };
-    for name in ["llama", "qwen2", "mistral"] {
+    for name in ["llama", "qwen2", "mistral", "qwen3", "smollm3"] {
         let (x, y, _, loss) = reference(name);
         let o = options_from(name);
         let run = |device: &Device, dtype: DType| {
@@ -237,6 +239,8 @@ fn each_key_value_head_serves_its_group_of_query_heads() {
 fn packed_examples_are_computed_as_if_alone() {
     crate::kit::packed::check_examples_are_computed_alone(pretrained("qwen2").as_ref());
     crate::kit::packed::check_examples_are_computed_alone(pretrained("llama").as_ref());
+    crate::kit::packed::check_examples_are_computed_alone(pretrained("qwen3").as_ref());
+    crate::kit::packed::check_examples_are_computed_alone(pretrained("smollm3").as_ref());
 }
 
 #[test]
@@ -259,17 +263,54 @@ fn a_position_never_sees_later_ones() {
 
 #[test]
 fn bf16_computes_close_to_transformers_f32() {
-    let (x, y, logits, loss) = reference("qwen2");
-    let o = options_from("qwen2");
-    let bf16 = build_llama(&o, &context(320, 64, DType::BF16)).unwrap();
-    let l = bf16
-        .loss(&x, &y, &Mode::Eval)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    assert!((l - loss).abs() < 0.05, "bf16 loss {l} vs {loss}");
-    let diff = max_abs_diff(&bf16.forward(&x, &Mode::Eval).unwrap(), &logits);
-    assert!(diff < 0.1, "bf16 logits differ by {diff}");
+    for name in ["qwen2", "qwen3"] {
+        let (x, y, logits, loss) = reference(name);
+        let o = options_from(name);
+        let bf16 = build_llama(&o, &context(320, 64, DType::BF16)).unwrap();
+        let l = bf16
+            .loss(&x, &y, &Mode::Eval)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!((l - loss).abs() < 0.05, "{name}: bf16 loss {l} vs {loss}");
+        let diff = max_abs_diff(&bf16.forward(&x, &Mode::Eval).unwrap(), &logits);
+        assert!(diff < 0.1, "{name}: bf16 logits differ by {diff}");
+    }
+}
+
+/// Qwen3's q/k norms are read and used: its checkpoint has them, a qwen3 of `head_dim` 16
+/// projects q to 4 × 16 channels, and the same weights without the norms give other logits.
+#[test]
+fn qwen3_norms_each_head_of_q_and_k() {
+    let o = options_from("qwen3");
+    assert_eq!(o.model_type.as_deref(), Some("qwen3"));
+    assert_eq!((o.hidden_size, o.head_dim), (Some(32), Some(16)));
+    let model = pretrained("qwen3");
+    let names: Vec<&str> = model.params().iter().map(|(n, _)| n).collect();
+    for n in [
+        "model.layers.1.self_attn.q_norm.weight",
+        "model.layers.1.self_attn.k_norm.weight",
+    ] {
+        assert!(names.contains(&n), "{n} missing from {names:?}");
+    }
+    assert!(!names.iter().any(|n| n.ends_with("q_proj.bias")));
+    // Read as a llama, the checkpoint's norms are tensors that model lacks: refused by name.
+    let as_llama = LlamaOptions {
+        model_type: Some("llama".into()),
+        ..o.clone()
+    };
+    let cx = context(320, o.block_size(), DType::F32);
+    let err = build_llama(&as_llama, &cx).err().unwrap().to_string();
+    assert!(err.contains("self_attn.k_norm.weight"), "{err}");
+    // The fixture's norms are not the identity: set to 1, the logits leave transformers'.
+    let (x, _, logits, _) = reference("qwen3");
+    for (n, v) in model.params().iter() {
+        if n.ends_with("_norm.weight") && n.contains("self_attn") {
+            v.set(&v.ones_like().unwrap()).unwrap();
+        }
+    }
+    let diff = max_abs_diff(&model.forward(&x, &Mode::Eval).unwrap(), &logits);
+    assert!(diff > 1e-2, "the norms changed nothing: {diff}");
 }
 
 #[test]
@@ -576,7 +617,15 @@ fn recomputed_layers_give_the_whole_models_gradients_bit_for_bit() {
         .flat_map(|(i, &id)| [id, ((i % t) % (t / 2 + 1)) as u32])
         .collect();
     let packed = Tensor::from_vec(packed, (x.dims()[0], t, 2), &Device::Cpu).unwrap();
-    for name in ["llama f32", "qwen2 f32", "qwen2 bf16", "qwen2 + LoRA"] {
+    for name in [
+        "llama f32",
+        "qwen2 f32",
+        "qwen2 bf16",
+        "qwen2 + LoRA",
+        "qwen3 f32",
+        "qwen3 bf16",
+        "smollm3 f32",
+    ] {
         let build = || match name {
             "qwen2 + LoRA" => with_adapter(),
             _ => {
@@ -667,4 +716,92 @@ fn activations_per_sample_count_the_layers_kept() {
     assert_eq!(kept, (t * 49_152 * 4) as f64);
     let bf16 = build_llama(&o, &context(65, t, DType::BF16)).unwrap();
     assert_eq!(bf16.activation_bytes_per_sample(false), None);
+}
+
+/// LoRA on a qwen3 with PEFT's `all-linear`: an adapter pair beside each of the seven
+/// projections of every layer, none on the per-head norms (not linear layers) or the head.
+#[test]
+fn qwen3_lora_adapts_every_projection_and_no_norm() {
+    let o = options_from("qwen3");
+    let mut cx = context(320, o.block_size(), DType::F32);
+    cx.lora = Some(ddpjob_spec::LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        target_modules: ddpjob_spec::TargetModules::Regex("all-linear".into()),
+        adapter: None,
+    });
+    let model = build_llama(&o, &cx).unwrap();
+    let adapted: Vec<&str> = model
+        .params()
+        .iter()
+        .map(|(n, _)| n)
+        .filter(|n| n.contains(".lora_A."))
+        .collect();
+    assert_eq!(adapted.len(), 2 * 7, "{adapted:?}");
+    assert!(adapted.iter().all(|n| n.contains("_proj.")), "{adapted:?}");
+    // The adapters start at zero (B = 0): the model is still transformers' qwen3.
+    let (x, _, logits, _) = reference("qwen3");
+    let diff = max_abs_diff(&model.forward(&x, &Mode::Eval).unwrap(), &logits);
+    assert!(diff < 1e-4, "{diff}");
+}
+
+/// SmolLM3's NoPE layers: read from `no_rope_layers`, and they matter (rotating every layer
+/// gives other logits); the list must fit the layers and belongs to smollm3 alone.
+#[test]
+fn smollm3_layers_without_positions_are_read_and_checked() {
+    let o = options_from("smollm3");
+    assert_eq!(o.no_rope_layers, Some(vec![1, 0, 1, 0]));
+    let (x, _, logits, _) = reference("smollm3");
+    let cx = context(320, o.block_size(), DType::F32);
+    let everywhere = LlamaOptions {
+        no_rope_layers: Some(vec![1; 4]),
+        ..o.clone()
+    };
+    let rotated = build_llama(&everywhere, &cx).unwrap();
+    let diff = max_abs_diff(&rotated.forward(&x, &Mode::Eval).unwrap(), &logits);
+    assert!(diff > 1e-3, "NoPE changed nothing: {diff}");
+    let refused = |o: LlamaOptions| {
+        LlamaOptions {
+            init_from: None,
+            ..o
+        }
+        .complete()
+        .unwrap_err()
+    };
+    let short = refused(LlamaOptions {
+        no_rope_layers: Some(vec![1, 0]),
+        ..o.clone()
+    });
+    assert!(
+        short.contains("one 0 or 1 per layer: num_hidden_layers = 4"),
+        "{short}"
+    );
+    let llama = refused(LlamaOptions {
+        model_type: Some("llama".into()),
+        ..o.clone()
+    });
+    assert!(
+        llama.contains("model.no_rope_layers is SmolLM3's"),
+        "{llama}"
+    );
+}
+
+/// A smollm3 `config.json` without `no_rope_layers` gets transformers' default: every 4th layer
+/// (`no_rope_layer_interval`) without positions.
+#[test]
+fn smollm3_without_a_list_takes_transformers_interval() {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture("smollm3")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, tmp.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let config_path = tmp.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("no_rope_layers");
+    config["no_rope_layer_interval"] = 2.into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let o = complete_ok(tmp.path());
+    assert_eq!(o.no_rope_layers, Some(vec![1, 0, 1, 0]));
 }

@@ -84,7 +84,10 @@ fn which_model(args: &EvalArgs) -> Result<EvalModel, (u8, anyhow::Error)> {
     let dir = Path::new(&args.model);
     // A PEFT adapter directory is scored over its base, as `model.init_from` reads it.
     let adapter = crate::hf::peft::AdapterConfig::is_adapter_dir(dir);
-    if dir.join("config.json").is_file() || adapter {
+    // A Hub id (`Qwen/Qwen3-0.6B`, no such path here) is read as `model.init_from` reads it:
+    // from the Hugging Face cache, downloaded when missing.
+    let hub_id = !dir.exists() && ddpjob_storage::hf::hub::looks_like_id(&args.model);
+    if dir.join("config.json").is_file() || adapter || hub_id {
         if args.checkpoint.is_some() {
             return Err((
                 2,
@@ -110,8 +113,8 @@ fn which_model(args: &EvalArgs) -> Result<EvalModel, (u8, anyhow::Error)> {
         2,
         anyhow!(
             "`{}` is neither a job in `{}` (`ddpjob list{}` shows them) nor a Hugging Face \
-             model directory (with config.json) or PEFT adapter directory (with \
-             adapter_config.json)",
+             model directory (with config.json), PEFT adapter directory (with \
+             adapter_config.json) or Hub model id (`org/name`)",
             args.model,
             args.jobs_dir.display(),
             crate::jobdir::jobs_dir_option(&args.jobs_dir)

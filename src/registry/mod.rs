@@ -580,6 +580,24 @@ impl Builders for Registry {
             }
         }
     }
+    /// Through the Hugging Face cache, downloading what it lacks (`ddpjob_storage::hf::hub`).
+    fn hub_model(&self, id: &str, revision: &str) -> Option<Result<(String, String), String>> {
+        use ddpjob_storage::hf::hub;
+        if !hub::looks_like_id(id) {
+            return None;
+        }
+        let resolved = hub::resolve(id, revision, &hub::HubEnv::from_env());
+        Some(resolved.map_err(|e| e.to_string()).map(|model| {
+            if model.downloaded {
+                errln!(
+                    "downloaded {id} (revision {revision}, commit {}) into {}",
+                    model.commit,
+                    model.dir.display()
+                );
+            }
+            (model.dir.display().to_string(), model.commit)
+        }))
+    }
     /// Each model's documented keys and its options struct's fields, by arch.
     fn model_docs(&self) -> Vec<ModelDocs<'_>> {
         let docs = self.models.iter().map(|(name, e)| ModelDocs {

@@ -99,6 +99,7 @@ impl TestJob {
     pub fn command(&self, args: &[&str], env: &[(&str, &str)]) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddpjob"));
         without_scheduler(&mut cmd);
+        away_from_the_hub(&mut cmd, self.dir.path());
         cmd.args(args)
             .current_dir(self.dir.path())
             .env("DDPJOB_PLAIN", "1")
@@ -241,6 +242,7 @@ impl TestJob {
     ) -> Background {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddpjob"));
         without_scheduler(&mut cmd);
+        away_from_the_hub(&mut cmd, self.dir.path());
         let child = cmd
             .arg("run")
             .arg(config)
@@ -256,6 +258,22 @@ impl TestJob {
             .expect("spawn ddpjob");
         Background { child }
     }
+}
+
+/// Points the Hugging Face Hub at a port where nothing listens and its cache into the test's
+/// directory, so no test reads the machine's cache or reaches the real Hub (a Hub test sets its
+/// own server and cache after this).
+pub fn away_from_the_hub(cmd: &mut Command, dir: &Path) {
+    for key in [
+        "HF_HUB_CACHE",
+        "HF_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_HUB_OFFLINE",
+    ] {
+        cmd.env_remove(key);
+    }
+    cmd.env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .env("HF_HOME", dir.join("hf-home"));
 }
 
 /// Removes the variables a scheduler sets (Slurm's, torchrun's, a PyTorchJob's), which

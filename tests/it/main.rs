@@ -15,6 +15,7 @@ mod finetune;
 mod full_sharding;
 mod gpu_check;
 mod hangs;
+mod hub;
 mod invariant;
 mod language;
 mod nodes;

@@ -453,12 +453,19 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
         let cfg = t.config(name, &job(&text, model, ""));
         t.run(&cfg, &[])
     };
+    // No `models/` folder here: read as a Hub id, which the Hub (none, in tests) cannot give.
     run("missing", "init_from = \"models/SmolLM2-135M\"")
         .fails_with(
             2,
-            "the model directory `models/SmolLM2-135M` does not exist",
+            "\"models/SmolLM2-135M\" is no path here, so it names a Hub model: cannot download",
         )
         .fails_with(2, "`model.init_from` (");
+    // With a `models/` folder it is a path, and its absence says how to make it.
+    std::fs::create_dir_all(t.path("models")).unwrap();
+    run("missing-dir", "init_from = \"models/SmolLM2-135M\"").fails_with(
+        2,
+        "the model directory `models/SmolLM2-135M` does not exist",
+    );
     let llama = fixture("llama").display().to_string();
     run(
         "restated",

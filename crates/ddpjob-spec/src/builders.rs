@@ -53,6 +53,13 @@ pub trait Builders {
     /// `model.arch` of the weights `model.init_from` names when the job leaves it out: another
     /// job's `job.toml`, or a Hugging Face `config.json`'s `model_type`; or why it is not known.
     fn arch_of_init(&self, dir: &Path) -> Result<String, String>;
+    /// `model.init_from`'s value as a Hugging Face Hub model id, at `revision`: `None` when it
+    /// is not one (a path), else the cache's directory of the commit it is (downloaded when
+    /// missing) and that commit, or why it cannot be had. No Hub unless the builders say.
+    fn hub_model(&self, id: &str, revision: &str) -> Option<Result<(String, String), String>> {
+        let _ = (id, revision);
+        None
+    }
     /// Each model's documented keys and its options struct's fields, by arch.
     fn model_docs(&self) -> Vec<ModelDocs<'_>>;
     /// Each dataset's documented keys and its options struct's fields.

@@ -64,6 +64,10 @@ section! {
         /// parameters that do not train (no gradient is averaged, no optimizer state): names,
         /// module prefixes (`"model.layers.0"`) or globs (`"model.layers.*.mlp.*"`)
         freeze: Vec<String> = Vec::new(), shown "none" => freeze: Vec<String> = patterns;
+        /// with a Hub id as `init_from` (`"Qwen/Qwen3-0.6B"`): its branch, tag or commit;
+        /// `job.toml` records the commit it was, which `resume` reads again
+        #[serde(skip_serializing_if = "String::is_empty")]
+        revision: String = String::new(), shown "`\"main\"`" => revision: String = any();
         /// low-rank adapters (LoRA)
         #[serde(skip_serializing_if = "RawLora::is_off")]
         lora: RawLora = RawLora::default() => lora: LoraKeys = nested();

@@ -87,10 +87,12 @@ impl LoadedConfig {
             if !self.spec.model.freeze().is_empty() {
                 model.insert("freeze".into(), self.spec.model.freeze().to_vec().into());
             }
-            if let Some(toml::Value::Table(raw)) = doc.get("model")
-                && let Some(lora) = raw.get("lora")
-            {
-                model.insert("lora".into(), lora.clone());
+            if let Some(toml::Value::Table(raw)) = doc.get("model") {
+                for key in ["lora", "revision"] {
+                    if let Some(value) = raw.get(key) {
+                        model.insert(key.into(), value.clone());
+                    }
+                }
             }
             model.extend(self.spec.model.options().clone());
             doc.insert("model".into(), model.into());
@@ -133,6 +135,66 @@ impl LoadedConfig {
 /// The `[model]` keys whose values are paths read relative to the working directory (a
 /// dataset's are its `DatasetOptions::PATHS`).
 const MODEL_PATH_KEYS: &[&str] = &["model.init_from", "model.lora.adapter"];
+
+/// `model.init_from` naming a Hub model (`"Qwen/Qwen3-0.6B"`, where no such path is) becomes
+/// the cache's directory of the commit `model.revision` (default `main`) is, downloaded when
+/// missing, and `model.revision` that commit: `job.toml` records it, so `resume` reads the
+/// same files again (a newer upload never replaces them). A path wins over an id, and so does
+/// a path whose first folder exists here (`models/...` of a `models/` folder).
+fn init_from_hub(source: &mut Source, registry: &dyn Builders) -> Result<(), ConfigError> {
+    let Some(toml::Value::Table(model)) = source.table.get("model") else {
+        return Ok(());
+    };
+    let revision = model.get("revision").and_then(toml::Value::as_str);
+    let invalid = |key: &str, problem: String| ConfigError::Invalid {
+        key: key.into(),
+        at: source.value_origin(key),
+        problem,
+    };
+    let Some(init) = model.get("init_from").and_then(toml::Value::as_str) else {
+        return match revision {
+            Some(_) => Err(invalid(
+                "model.revision",
+                "a revision is of a Hub model named by model.init_from, and there is none".into(),
+            )),
+            None => Ok(()),
+        };
+    };
+    let path = Path::new(init);
+    let local = path.exists()
+        || path
+            .components()
+            .next()
+            .is_some_and(|first| Path::new(first.as_os_str()).is_dir());
+    let hub = match local {
+        true => None,
+        false => registry.hub_model(init, revision.unwrap_or("main")),
+    };
+    let Some(resolved) = hub else {
+        // A path: a revision beside it is the commit its cache directory was resolved to.
+        return match revision {
+            Some(r) if path.file_name().is_none_or(|name| name != r) => Err(invalid(
+                "model.revision",
+                format!(
+                    "\"{r}\" is a revision of a Hub model, and model.init_from = \"{init}\" is a \
+                     path; leave model.revision out, or name the model by its Hub id"
+                ),
+            )),
+            _ => Ok(()),
+        };
+    };
+    let (dir, commit) = resolved.map_err(|problem| {
+        invalid(
+            "model.init_from",
+            format!("\"{init}\" is no path here, so it names a Hub model: {problem}"),
+        )
+    })?;
+    if let Some(toml::Value::Table(model)) = source.table.get_mut("model") {
+        model.insert("init_from".into(), dir.into());
+        model.insert("revision".into(), commit.into());
+    }
+    Ok(())
+}
 
 /// `model.arch` from `model.init_from` when the job leaves it out: a pretrained checkpoint's
 /// `config.json`, or the `job.toml` of the ddpjob job whose weights it names, says what it is.
@@ -201,6 +263,7 @@ fn load_source(mut source: Source, registry: &dyn Builders) -> Result<LoadedConf
     keys::read_peft_names(&mut source)?;
     let mut notes = keys::leave_other_choices(&mut source);
     notes.extend(keys::leave_stale_checksums(&mut source));
+    init_from_hub(&mut source, registry)?;
     adapter::resolve(&mut source)?;
     arch_from_init(&mut source, registry)?;
     let custom = custom::extract(&mut source, registry, &mut notes)?;

@@ -108,8 +108,9 @@ pub const KEYS: &[KeyDoc] = &[
         key: "init_from",
         default: "none (random weights)",
         doc: "a Hugging Face GPT-2 directory (`config.json`, `model.safetensors`, \
-              `tokenizer.json`), e.g. `\"models/gpt2\"`, or another gpt job (`\"jobs/NAME\"` or \
-              a checkpoint directory of it); the shape comes from it",
+              `tokenizer.json`), e.g. `\"models/gpt2\"`, or its Hub id \
+              (`\"openai-community/gpt2\"`: the HF cache, downloaded if missing), or another \
+              gpt job (`\"jobs/NAME\"` or a checkpoint directory of it); the shape comes from it",
     },
 ];
 

@@ -26,7 +26,8 @@ pub const MODEL_TYPES: [&str; 5] = ["llama", "mistral", "qwen2", "qwen3", "smoll
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LlamaOptions {
     /// A Hugging Face model directory (`config.json`, `model.safetensors`, `tokenizer.json`)
-    /// whose weights the job starts from, e.g. `"models/SmolLM2-135M"`, or another llama job
+    /// whose weights the job starts from, e.g. `"models/SmolLM2-135M"` (a Hub id is resolved
+    /// to its cache directory before the options are read), or another llama job
     /// (`"jobs/NAME"`, or a checkpoint directory of it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_from: Option<String>,
@@ -99,8 +100,10 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "init_from",
         default: "none (random weights)",
-        doc: "a Hugging Face `llama`, `mistral`, `qwen2`, `qwen3` or `smollm3` directory (`config.json`, \
-              `model.safetensors` or an index's shards, `tokenizer.json`), or another llama job",
+        doc: "a Hugging Face `llama`, `mistral`, `qwen2`, `qwen3` or `smollm3` directory \
+              (`config.json`, `model.safetensors` or an index's shards, `tokenizer.json`), or its \
+              Hub id (`\"Qwen/Qwen3-0.6B\"`: the HF cache, downloaded if missing), or another \
+              llama job",
     },
     KeyDoc {
         key: "model_type",

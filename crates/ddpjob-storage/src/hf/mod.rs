@@ -5,6 +5,7 @@
 //! a model's parameters, and writes an export that `transformers` loads.
 
 mod export;
+pub mod hub;
 pub mod job_tokenizer;
 pub mod peft;
 

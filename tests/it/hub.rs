@@ -249,8 +249,17 @@ fn hub_ids_download_into_the_cache_then_read_it_pinned_and_offline() {
             .ends_with(".part")
     }));
 
-    // main moves to a new commit upstream: the job's own job.toml still reads commit A, from
-    // the cache, without asking the Hub.
+    // The same job preempted (SIGTERM at step 2, its checkpoint written) ...
+    let mut cut_env = env("0");
+    cut_env.push(("DDPJOB_FAULT", "rank=0,step=2,kind=preempt".into()));
+    let cut_env: Vec<(&str, &str)> = cut_env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let cfg = t.config("cut", &job(&t, "tiny/qwen3"));
+    t.run_env(&cfg, &[], &cut_env)
+        .fails_with(143, "interrupted by SIGTERM");
+
+    // ... then main moves to a new commit upstream: the jobs' own job.toml still read commit A,
+    // from the cache, without asking the Hub, and the preempted one resumes offline to the bits
+    // of the run never interrupted.
     hub.lock()
         .unwrap()
         .repos
@@ -258,6 +267,22 @@ fn hub_ids_download_into_the_cache_then_read_it_pinned_and_offline() {
         .unwrap()
         .branches
         .insert("main".into(), B.into());
+    let jobs = t.jobs_dir().display().to_string();
+    let offline = env("1");
+    let offline: Vec<(&str, &str)> = offline.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let resumed = t
+        .command(&["resume", "cut", "--jobs-dir", &jobs], &offline)
+        .output()
+        .unwrap();
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+    crate::common::assert_same_bits(
+        &t.job("ft").join("model.safetensors"),
+        &t.job("cut").join("model.safetensors"),
+    );
     let before = requests(&hub);
     let frozen_path = t.job("ft").join("job.toml").display().to_string();
     let envs = env("0");

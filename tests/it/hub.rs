@@ -29,6 +29,8 @@ struct Hub {
     repos: HashMap<String, Repo>,
     /// Every request's path, in order.
     requests: Vec<String>,
+    /// A file whose downloads break off halfway (the connection closes early).
+    cut: Option<String>,
 }
 
 /// Serves `hub` until the test process ends; returns its URL.
@@ -91,6 +93,11 @@ fn answer(hub: &mut Hub, path: &str, range: Option<String>, auth: Option<String>
         None => (0, size.saturating_sub(1)),
     };
     let chunk = &body[start.min(size)..(end + 1).min(size)];
+    // A broken download: the length promised, half of it sent.
+    let sent = match hub.cut.as_deref() == Some(file) && chunk.len() > 1 {
+        true => &chunk[..chunk.len() / 2],
+        false => chunk,
+    };
     let etag: String = format!("{:x}", md5ish(body));
     let mut reply = format!(
         "HTTP/1.1 206 Partial Content\r\nContent-Length: {}\r\nContent-Range: bytes {start}-{end}/{size}\r\n\
@@ -98,7 +105,7 @@ fn answer(hub: &mut Hub, path: &str, range: Option<String>, auth: Option<String>
         chunk.len()
     )
     .into_bytes();
-    reply.extend_from_slice(chunk);
+    reply.extend_from_slice(sent);
     reply
 }
 
@@ -337,6 +344,36 @@ fn hub_ids_download_into_the_cache_then_read_it_pinned_and_offline() {
         "{}",
         String::from_utf8_lossy(&ok.stderr)
     );
+
+    // A download that breaks off leaves a `.part` beside the blobs and no file in the snapshot
+    // (exit 2, nothing created); the next run resumes it and gets the whole file.
+    let smol = files_of(&fixture("smollm3"));
+    let weights = smol["model.safetensors"].clone();
+    {
+        let mut h = hub.lock().unwrap();
+        h.repos.insert("tiny/smol".into(), repo(A, smol, false));
+        h.cut = Some("model.safetensors".into());
+    }
+    run("broken", "tiny/smol", &[], "0").fails_with(2, "cannot download `model.safetensors`");
+    assert!(!t.job("broken").exists());
+    let smol_dir = home.join("hub/models--tiny--smol");
+    assert!(
+        !smol_dir
+            .join("snapshots")
+            .join(A)
+            .join("model.safetensors")
+            .exists()
+    );
+    let parts: Vec<PathBuf> = std::fs::read_dir(smol_dir.join("blobs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".part"))
+        .collect();
+    assert_eq!(parts.len(), 1, "{parts:?}");
+    hub.lock().unwrap().cut = None;
+    run("mended", "tiny/smol", &[], "0").success();
+    let got = std::fs::read(smol_dir.join("snapshots").join(A).join("model.safetensors")).unwrap();
+    assert!(got == weights, "the resumed download differs");
 
     // Sharded: the index and every shard it names, and the job trains from them.
     run("shards", "tiny/sharded", &[], "0").success();

@@ -1,7 +1,7 @@
 //! `llama`: the decoder of the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2,
 //! Qwen3) as `transformers`' `LlamaForCausalLM` computes it: RMSNorm → grouped-query causal
 //! attention with rotary positions (Qwen3: each head's q and k RMS-normed first; SmolLM3: some
-//! layers without positions) → residual → RMSNorm → SwiGLU MLP → residual; final RMSNorm; output
+//! layers without positions; Mistral: within a sliding window) → residual → RMSNorm → SwiGLU MLP → residual; final RMSNorm; output
 //! projection tied to the embedding or not. Parameter names are `transformers`' own
 //! (`model.layers.0.self_attn.q_proj.weight`), so a `model.safetensors` is a Hugging Face
 //! checkpoint as is.
@@ -56,6 +56,8 @@ pub struct LlamaConfig {
     /// Per layer, whether it rotates q and k; `None`: every layer does (SmolLM3's
     /// `no_rope_layers` leaves some without positions, NoPE).
     pub rotary: Option<Vec<bool>>,
+    /// Mistral's window: query i sees key j when 0 ≤ i − j < window.
+    pub sliding_window: Option<usize>,
     /// Std of the normal initial weights (`initializer_range`).
     pub initializer_range: f64,
 }
@@ -350,6 +352,18 @@ impl Llama {
         let k = repeat_kv(&rope(&k)?, heads / kv_heads)?;
         let v = repeat_kv(&v, heads / kv_heads)?;
         let width = heads * hd;
+        // A window shorter than the rows: scores under a mask that also hides the keys it
+        // leaves behind (composed from candle's ops; the fused kernels attend to the whole
+        // causal past).
+        if let Some(window) = c.sliding_window.filter(|&w| w < t) {
+            let mut mask = windowed_causal_mask(t, window, h.device())?;
+            if let Some(p) = packing {
+                mask = p.mask()?.broadcast_add(&mask)?;
+            }
+            let qkv = Tensor::cat(&[&q, &k, &v], 2)?.reshape((n, t, 3 * width))?;
+            let y = packed::attention_with_ops(&qkv, heads, &mask)?.reshape((n * t, width))?;
+            return layer.o.forward_mode(&y, self.compute, mode);
+        }
         if h.device().is_cuda() && packing.is_none() {
             // As the GPT's on a GPU: q, k and v apart (no [n·t, 3C] concatenation, whose
             // backward is three zero-padded gradients and their sums), the heads moved by one
@@ -557,6 +571,20 @@ fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
                 f32::NEG_INFINITY
             } else {
                 0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(mask, (t, t), device)
+}
+
+/// [t, t]: 0 where query i may see key j (0 ≤ i − j < window), -inf elsewhere.
+fn windowed_causal_mask(t: usize, window: usize, device: &Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..t * t)
+        .map(|at| {
+            let (i, j) = (at / t, at % t);
+            match j <= i && i - j < window {
+                true => 0.0,
+                false => f32::NEG_INFINITY,
             }
         })
         .collect();

@@ -70,6 +70,9 @@ pub struct LlamaOptions {
     /// encoding at all (NoPE).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub no_rope_layers: Option<Vec<usize>>,
+    /// Mistral: each position attends to itself and the `sliding_window - 1` before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tie_word_embeddings: Option<bool>,
     /// Biases on q, k, v and o (Llama's `attention_bias`; Qwen2 has q/k/v biases always).
@@ -178,6 +181,12 @@ pub const KEYS: &[KeyDoc] = &[
         default: "none (every layer rotates)",
         doc: "`model_type = \"smollm3\"`: one entry per layer, 1 where it rotates q and k, 0 \
               where it has no positional encoding (NoPE)",
+    },
+    KeyDoc {
+        key: "sliding_window",
+        default: "none (the whole context)",
+        doc: "`model_type = \"mistral\"`: each position attends to itself and the \
+              `sliding_window - 1` positions before it",
     },
     KeyDoc {
         key: "tie_word_embeddings",
@@ -321,6 +330,7 @@ impl LlamaOptions {
                 .no_rope_layers
                 .as_ref()
                 .map(|layers| layers.iter().map(|&r| r != 0).collect()),
+            sliding_window: self.sliding_window,
             initializer_range: self.initializer_range.unwrap_or(0.02),
         }
     }
@@ -378,7 +388,8 @@ impl LlamaOptions {
                 m.insert("sliding_window".into(), Value::Null);
             }
             "mistral" => {
-                m.insert("sliding_window".into(), Value::Null);
+                let window = c.sliding_window.map_or(Value::Null, Value::from);
+                m.insert("sliding_window".into(), window);
             }
             "smollm3" => {
                 m.insert("attention_bias".into(), c.o_bias.into());
@@ -496,12 +507,14 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
         rope_theta: Some(theta),
         rope_scaling: scaling,
         no_rope_layers,
+        // Mistral's window is computed; the others' (Qwen's `use_sliding_window`) refused below.
+        sliding_window: sliding.filter(|_| model_type == "mistral"),
         tie_word_embeddings: Some(dir.bool_or("tie_word_embeddings", false).map_err(s)?),
         attention_bias: Some(dir.bool_or("attention_bias", false).map_err(s)?),
         initializer_range: Some(dir.f64_or("initializer_range", 0.02).map_err(s)?),
     };
     let block = wanted_block.unwrap_or(max_positions);
-    if let Some(window) = sliding.filter(|&w| w < block) {
+    if let Some(window) = sliding.filter(|&w| w < block && model_type != "mistral") {
         return Err(format!(
             "`{}`: a sliding attention window of {window} positions is in effect for \
              model.block_size = {block}, and ddpjob attends to the whole window; set \
@@ -640,6 +653,7 @@ fn merge(given: LlamaOptions, base: LlamaOptions, source: &str) -> Result<LlamaO
         rope_theta: take!(rope_theta),
         rope_scaling: take!(rope_scaling),
         no_rope_layers: take!(no_rope_layers),
+        sliding_window: take!(sliding_window),
         tie_word_embeddings: take!(tie_word_embeddings),
         attention_bias: take!(attention_bias),
         initializer_range: take!(initializer_range),
@@ -693,6 +707,18 @@ fn check(o: &LlamaOptions) -> Result<(), String> {
                 "model.no_rope_layers = {layers:?} must hold one 0 or 1 per layer: \
                  num_hidden_layers = {depth}"
             ));
+        }
+    }
+    if let Some(window) = o.sliding_window {
+        if o.model_type.as_deref() != Some("mistral") {
+            return Err(format!(
+                "model.sliding_window is Mistral's (model_type = \"mistral\"), not {:?}'s: \
+                 transformers would attend to the whole context of the export",
+                o.model_type.as_deref().unwrap_or("llama")
+            ));
+        }
+        if window == 0 {
+            return Err("model.sliding_window must be at least 1 (a position sees itself)".into());
         }
     }
     let (block, max) = (get(o.block_size), get(o.max_position_embeddings));

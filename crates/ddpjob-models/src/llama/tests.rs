@@ -63,8 +63,17 @@ fn logits_and_loss_equal_transformers_for_every_model_type() {
     // llama: rope_scaling llama3, untied head; llama-v4: the same in transformers 4.x's
     // config layout; qwen2: q/k/v biases, tied head, rope_theta 1e6; mistral; qwen3: each
     // head's q and k RMS-normed (weights drawn away from 1), head_dim 16 of hidden 32 / 4 heads;
-    // smollm3: layers 2 and 4 of 4 without positions, attention biases, untied head.
-    for name in ["llama", "llama-v4", "qwen2", "mistral", "qwen3", "smollm3"] {
+    // smollm3: layers 2 and 4 of 4 without positions, attention biases, untied head;
+    // mistral-sw: a sliding window of 4 over the reference's 12 positions.
+    for name in [
+        "llama",
+        "llama-v4",
+        "qwen2",
+        "mistral",
+        "qwen3",
+        "smollm3",
+        "mistral-sw",
+    ] {
         let reference_name = if name == "llama-v4" { "llama" } else { name };
         let (x, y, logits, loss) = reference(reference_name);
         let model = pretrained(name);
@@ -92,7 +101,14 @@ fn the_gpu_llama_gives_transformers_loss_and_the_cpus_gradients() {
         eprintln!("skipping: no GPU");
         return;
     };
-    for name in ["llama", "qwen2", "mistral", "qwen3", "smollm3"] {
+    for name in [
+        "llama",
+        "qwen2",
+        "mistral",
+        "qwen3",
+        "smollm3",
+        "mistral-sw",
+    ] {
         let (x, y, _, loss) = reference(name);
         let o = options_from(name);
         let run = |device: &Device, dtype: DType| {
@@ -241,6 +257,7 @@ fn packed_examples_are_computed_as_if_alone() {
     crate::kit::packed::check_examples_are_computed_alone(pretrained("llama").as_ref());
     crate::kit::packed::check_examples_are_computed_alone(pretrained("qwen3").as_ref());
     crate::kit::packed::check_examples_are_computed_alone(pretrained("smollm3").as_ref());
+    crate::kit::packed::check_examples_are_computed_alone(pretrained("mistral-sw").as_ref());
 }
 
 #[test]
@@ -480,14 +497,19 @@ fn complete_ok(dir: &std::path::Path) -> LlamaOptions {
 }
 
 #[test]
-fn a_sliding_window_shorter_than_the_context_is_refused() {
+fn a_qwen_sliding_window_shorter_than_the_context_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     for file in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixture("mistral").join(file), tmp.path().join(file)).unwrap();
+        std::fs::copy(fixture("qwen2").join(file), tmp.path().join(file)).unwrap();
     }
     let config = std::fs::read_to_string(tmp.path().join("config.json")).unwrap();
-    let windowed = config.replace("\"sliding_window\": null", "\"sliding_window\": 16");
-    assert_ne!(config, windowed, "the fixture has a sliding_window key");
+    let windowed = config
+        .replace("\"sliding_window\": null", "\"sliding_window\": 16")
+        .replace(
+            "\"use_sliding_window\": false",
+            "\"use_sliding_window\": true",
+        );
+    assert_ne!(config, windowed, "the fixture has the sliding_window keys");
     std::fs::write(tmp.path().join("config.json"), windowed).unwrap();
     let err = LlamaOptions {
         init_from: Some(tmp.path().display().to_string()),
@@ -625,6 +647,7 @@ fn recomputed_layers_give_the_whole_models_gradients_bit_for_bit() {
         "qwen3 f32",
         "qwen3 bf16",
         "smollm3 f32",
+        "mistral-sw f32",
     ] {
         let build = || match name {
             "qwen2 + LoRA" => with_adapter(),
@@ -804,4 +827,42 @@ fn smollm3_without_a_list_takes_transformers_interval() {
     std::fs::write(&config_path, config.to_string()).unwrap();
     let o = complete_ok(tmp.path());
     assert_eq!(o.no_rope_layers, Some(vec![1, 0, 1, 0]));
+}
+
+/// Mistral's window at its edges: query i sees key j exactly when 0 ≤ i − j < window, checked
+/// against the definition position by position; the fixture's window is read, and it matters
+/// (attending to the whole past gives other logits).
+#[test]
+fn mistral_attends_within_its_sliding_window() {
+    for (t, window) in [(6, 1), (6, 3), (6, 6), (9, 4)] {
+        let mask: Vec<Vec<f32>> = super::windowed_causal_mask(t, window, &Device::Cpu)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        for (i, row) in mask.iter().enumerate() {
+            for (j, &m) in row.iter().enumerate() {
+                let sees = j <= i && i - j < window;
+                assert_eq!(m == 0.0, sees, "t {t} window {window}: ({i}, {j})");
+            }
+        }
+    }
+    let o = options_from("mistral-sw");
+    assert_eq!(o.sliding_window, Some(4));
+    let (x, _, logits, _) = reference("mistral-sw");
+    let whole = LlamaOptions {
+        sliding_window: None,
+        ..o.clone()
+    };
+    let model = build_llama(&whole, &context(320, o.block_size(), DType::F32)).unwrap();
+    let diff = max_abs_diff(&model.forward(&x, &Mode::Eval).unwrap(), &logits);
+    assert!(diff > 1e-3, "the window changed nothing: {diff}");
+    // Only Mistral's files carry a window.
+    let err = LlamaOptions {
+        init_from: None,
+        model_type: Some("llama".into()),
+        ..o
+    }
+    .complete()
+    .unwrap_err();
+    assert!(err.contains("model.sliding_window is Mistral's"), "{err}");
 }

@@ -170,6 +170,11 @@ fn sharded(t: &TestJob) -> HashMap<String, Vec<u8>> {
     files
 }
 
+/// `(key, value)` pairs as `TestJob::command` takes them.
+fn pairs<'a>(env: &'a [(&'a str, String)]) -> Vec<(&'a str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
 fn repo(commit: &str, files: HashMap<String, Vec<u8>>, gated: bool) -> Repo {
     Repo {
         branches: HashMap::from([("main".to_string(), commit.to_string())]),
@@ -221,7 +226,7 @@ fn hub_ids_download_into_the_cache_then_read_it_pinned_and_offline() {
     let run = |name: &str, init_from: &str, extra: &[&str], offline: &str| {
         let cfg = t.config(name, &job(&t, init_from));
         let env = env(offline);
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let env = pairs(&env);
         t.run_env(&cfg, extra, &env)
     };
     let requests = |hub: &Arc<Mutex<Hub>>| hub.lock().unwrap().requests.len();
@@ -259,7 +264,7 @@ fn hub_ids_download_into_the_cache_then_read_it_pinned_and_offline() {
     // The same job preempted (SIGTERM at step 2, its checkpoint written) ...
     let mut cut_env = env("0");
     cut_env.push(("DDPJOB_FAULT", "rank=0,step=2,kind=preempt".into()));
-    let cut_env: Vec<(&str, &str)> = cut_env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let cut_env = pairs(&cut_env);
     let cfg = t.config("cut", &job(&t, "tiny/qwen3"));
     t.run_env(&cfg, &[], &cut_env)
         .fails_with(143, "interrupted by SIGTERM");
@@ -276,16 +281,13 @@ fn hub_ids_download_into_the_cache_then_read_it_pinned_and_offline() {
         .insert("main".into(), B.into());
     let jobs = t.jobs_dir().display().to_string();
     let offline = env("1");
-    let offline: Vec<(&str, &str)> = offline.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let resumed = t
-        .command(&["resume", "cut", "--jobs-dir", &jobs], &offline)
-        .output()
-        .unwrap();
-    assert!(
-        resumed.status.success(),
-        "{}",
-        String::from_utf8_lossy(&resumed.stderr)
-    );
+    let offline = pairs(&offline);
+    crate::common::Run::from(
+        t.command(&["resume", "cut", "--jobs-dir", &jobs], &offline)
+            .output()
+            .unwrap(),
+    )
+    .success();
     crate::common::assert_same_bits(
         &t.job("ft").join("model.safetensors"),
         &t.job("cut").join("model.safetensors"),
@@ -293,16 +295,13 @@ fn hub_ids_download_into_the_cache_then_read_it_pinned_and_offline() {
     let before = requests(&hub);
     let frozen_path = t.job("ft").join("job.toml").display().to_string();
     let envs = env("0");
-    let envs: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let validate = t
-        .command(&["validate", &frozen_path], &envs)
-        .output()
-        .unwrap();
-    assert!(
-        validate.status.success(),
-        "{}",
-        String::from_utf8_lossy(&validate.stderr)
-    );
+    let envs = pairs(&envs);
+    crate::common::Run::from(
+        t.command(&["validate", &frozen_path], &envs)
+            .output()
+            .unwrap(),
+    )
+    .success();
     // A commit sha already in the cache: no request either.
     run(
         "pinned",
@@ -336,14 +335,9 @@ fn hub_ids_download_into_the_cache_then_read_it_pinned_and_offline() {
     let mut envs = env("0");
     envs.retain(|(k, _)| *k != "HF_TOKEN");
     envs.push(("HF_TOKEN", TOKEN.into()));
-    let envs: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let envs = pairs(&envs);
     let cfg_s = cfg.display().to_string();
-    let ok = t.command(&["validate", &cfg_s], &envs).output().unwrap();
-    assert!(
-        ok.status.success(),
-        "{}",
-        String::from_utf8_lossy(&ok.stderr)
-    );
+    crate::common::Run::from(t.command(&["validate", &cfg_s], &envs).output().unwrap()).success();
 
     // A download that breaks off leaves a `.part` beside the blobs and no file in the snapshot
     // (exit 2, nothing created); the next run resumes it and gets the whole file.
@@ -392,7 +386,7 @@ fn hub_ids_download_into_the_cache_then_read_it_pinned_and_offline() {
         .to_string();
     let jobs = t.jobs_dir().display().to_string();
     let envs = env("1");
-    let envs: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let envs = pairs(&envs);
     let args = [
         "eval",
         "tiny/qwen3",

@@ -588,6 +588,9 @@ impl Builders for Registry {
         }
         let resolved = hub::resolve(id, revision, &hub::HubEnv::from_env());
         Some(resolved.map_err(|e| e.to_string()).map(|model| {
+            if let Some(why) = &model.unchecked {
+                errln!("warning: {why}");
+            }
             if model.downloaded {
                 errln!(
                     "downloaded {id} (revision {revision}, commit {}) into {}",

@@ -311,6 +311,18 @@ fn hub_ids_download_into_the_cache_then_read_it_pinned_and_offline() {
     )
     .success();
     assert_eq!(requests(&hub), before, "the cache was enough");
+    // The Hub out of reach (nothing listens there): the cached revision, with a warning.
+    let cfg = t.config("unreached", &job(&t, "tiny/qwen3"));
+    let mut unreached = env("0");
+    unreached.retain(|(k, _)| *k != "HF_ENDPOINT");
+    unreached.push(("HF_ENDPOINT", "http://127.0.0.1:9".into()));
+    let unreached = t.run_env(&cfg, &[], &pairs(&unreached));
+    unreached.success();
+    assert!(
+        unreached.stderr.contains("is out of reach") && unreached.stderr.contains(A),
+        "{}",
+        unreached.stderr
+    );
     // Offline: refs/main, as cached, is read (and the Hub is never asked).
     run("offline", "tiny/qwen3", &[], "1").success();
     assert_eq!(requests(&hub), before);

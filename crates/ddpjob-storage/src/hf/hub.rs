@@ -42,6 +42,9 @@ pub struct HubModel {
     pub dir: PathBuf,
     /// Whether anything was downloaded.
     pub downloaded: bool,
+    /// Why the cache was read without asking the Hub whether the revision moved (it could not
+    /// be reached), for a warning.
+    pub unchecked: Option<String>,
 }
 
 /// Where the Hub and its cache are, from the environment as `huggingface_hub` reads it.
@@ -113,6 +116,7 @@ pub fn resolve(id: &str, revision: &str, env: &HubEnv) -> Result<HubModel, HfErr
         dir: snapshot(env, id, &commit),
         commit,
         downloaded,
+        unchecked: None,
     };
     if env.offline {
         return match cached {
@@ -139,11 +143,23 @@ pub fn resolve(id: &str, revision: &str, env: &HubEnv) -> Result<HubModel, HfErr
         RepoType::Model,
         revision.into(),
     ));
-    let commit = api
-        .metadata(&asked.url("config.json"))
-        .map_err(|e| hub_error(e, id, revision, "config.json", env))?
-        .commit_hash()
-        .to_string();
+    let commit = match api.metadata(&asked.url("config.json")) {
+        Ok(found) => found.commit_hash().to_string(),
+        // The Hub out of reach (no answer at all) and the revision whole in the cache: that,
+        // as `from_pretrained` falls back to it.
+        Err(e) if status(&e).is_none() && cached.is_some() => {
+            let commit = cached.unwrap_or_default();
+            return Ok(HubModel {
+                unchecked: Some(format!(
+                    "the Hub ({}) is out of reach ({e}): `{id}` revision {revision} read from the \
+                     cache as commit {commit}, which may not be its newest",
+                    env.endpoint
+                )),
+                ..model(commit, false)
+            });
+        }
+        Err(e) => return Err(hub_error(e, id, revision, "config.json", env)),
+    };
     let pinned = api.repo(Repo::with_revision(
         id.into(),
         RepoType::Model,

@@ -1,7 +1,8 @@
 //! `llama`: the decoder of the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2,
-//! Qwen3) as `transformers`' `LlamaForCausalLM` computes it: RMSNorm → grouped-query causal
-//! attention with rotary positions (Qwen3: each head's q and k RMS-normed first; SmolLM3: some
-//! layers without positions; Mistral: within a sliding window) → residual → RMSNorm → SwiGLU MLP → residual; final RMSNorm; output
+//! Qwen3, SmolLM3) as `transformers`' `LlamaForCausalLM` computes it: RMSNorm → grouped-query
+//! causal attention with rotary positions (Qwen3: each head's q and k RMS-normed first;
+//! SmolLM3: some layers without positions; Mistral: within a sliding window) → residual →
+//! RMSNorm → SwiGLU MLP → residual; final RMSNorm; output
 //! projection tied to the embedding or not. Parameter names are `transformers`' own
 //! (`model.layers.0.self_attn.q_proj.weight`), so a `model.safetensors` is a Hugging Face
 //! checkpoint as is.
@@ -382,9 +383,14 @@ impl Llama {
             attention::causal_attention(&qkv, heads, t)?
         } else {
             let qkv = qkv.reshape((n, t, 3 * width))?;
-            attention::with_ops(&qkv, heads, None, &causal_mask(t, qkv.device())?)?
-                .0
-                .reshape((n * t, width))?
+            attention::with_ops(
+                &qkv,
+                heads,
+                None,
+                &windowed_causal_mask(t, t, qkv.device())?,
+            )?
+            .0
+            .reshape((n * t, width))?
         };
         layer.o.forward_mode(&y, self.compute, mode)
     }
@@ -562,22 +568,9 @@ impl Model for Llama {
     }
 }
 
-/// [t, t]: 0 on and below the diagonal, -inf above. Made per call: a checkpoint's context
-/// (8k to 128k positions) would make a [block, block] mask of gigabytes.
-fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
-    let mask: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Tensor::from_vec(mask, (t, t), device)
-}
-
-/// [t, t]: 0 where query i may see key j (0 ≤ i − j < window), -inf elsewhere.
+/// [t, t]: 0 where query i may see key j (0 ≤ i − j < window; a window of t is the plain
+/// causal mask), -inf elsewhere. Made per call: a checkpoint's context (8k to 128k positions)
+/// would make a [block, block] mask of gigabytes.
 fn windowed_causal_mask(t: usize, window: usize, device: &Device) -> Result<Tensor> {
     let mask: Vec<f32> = (0..t * t)
         .map(|at| {

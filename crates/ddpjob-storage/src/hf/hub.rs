@@ -32,11 +32,7 @@ const WEIGHTS: &str = "model.safetensors";
 /// A Hub model resolved to a directory of the cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HubModel {
-    /// `org/name`.
-    pub id: String,
-    /// What was asked for (`main`, a tag, a branch or a sha).
-    pub revision: String,
-    /// The commit it is.
+    /// The commit the revision asked for is.
     pub commit: String,
     /// `snapshots/{commit}` in the cache: a Hugging Face model directory.
     pub dir: PathBuf,
@@ -111,8 +107,6 @@ pub fn looks_like_id(text: &str) -> bool {
 pub fn resolve(id: &str, revision: &str, env: &HubEnv) -> Result<HubModel, HfError> {
     let cached = cached_commit(env, id, revision).filter(|c| complete(&snapshot(env, id, c)));
     let model = |commit: String, downloaded| HubModel {
-        id: id.into(),
-        revision: revision.into(),
         dir: snapshot(env, id, &commit),
         commit,
         downloaded,
@@ -131,9 +125,8 @@ pub fn resolve(id: &str, revision: &str, env: &HubEnv) -> Result<HubModel, HfErr
         };
     }
     // A commit sha already whole in the cache is what it will always be: no request.
-    if let Some(commit) = cached
-        .as_ref()
-        .filter(|c| is_commit(revision) && c == &revision)
+    if is_commit(revision)
+        && let Some(commit) = &cached
     {
         return Ok(model(commit.clone(), false));
     }

@@ -25,6 +25,7 @@ mod cross_entropy;
 mod device_code;
 pub mod dropout;
 mod gelu;
+mod grouped_linear;
 mod host;
 #[cfg(feature = "cuda")]
 pub mod launch;
@@ -55,6 +56,9 @@ pub use conv::{ConvGeometry, Pooling, conv2d};
 pub use conv::{ConvLayer, ConvOutput};
 pub use cross_entropy::{applies as row_cross_entropy_applies, row_cross_entropy};
 pub use gelu::{Activation, gelu};
+pub use grouped_linear::{
+    applies as grouped_linear_applies, grouped_linear, grouped_linear_with_ops,
+};
 pub use host::*;
 pub use layer_norm::{layer_norm, layer_norm_bwd_into, layer_norm_into, layer_norm_with_ops};
 pub use linear::linear;

@@ -22,6 +22,27 @@ pub trait Model: Send + Sync {
         crate::task::cross_entropy(&self.forward(xs, mode)?, targets)
     }
 
+    /// The terms of the training objective beyond the task's loss that the model logs apart
+    /// (a router's load balancing: `aux_loss`), as the train records name them
+    /// (`metrics.jsonl`'s `aux_loss`, TensorBoard's `train/aux_loss`). None by default.
+    fn loss_terms(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// [`Model::loss`] and what is logged of it: the objective training differentiates, and
+    /// a vector [1 + terms] of the task's loss then each of [`Model::loss_terms`] (detached).
+    /// The default: the loss alone.
+    fn loss_with_terms(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        mode: &Mode,
+    ) -> Result<(Tensor, Tensor)> {
+        let loss = self.loss(xs, targets, mode)?;
+        let logged = loss.detach().reshape(1)?;
+        Ok((loss, logged))
+    }
+
     /// Σ cross-entropy and the number of targets predicted exactly, for evaluation.
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
         crate::task::loss_sum_and_correct(&self.forward(xs, &Mode::Eval)?, targets)
@@ -114,6 +135,10 @@ pub trait KvDecoder {
 pub trait TrainPass {
     /// The mean loss of the pass (a scalar, as [`Model::loss`] returns it).
     fn loss(&self) -> &Tensor;
+    /// What is logged of the loss, as [`Model::loss_with_terms`] gives it: [1 + terms].
+    fn logged(&self) -> Result<Tensor> {
+        self.loss().detach().reshape(1)
+    }
     /// The gradient of `scale` · loss for each parameter, in [`Model::params`] order (`None`
     /// for one the loss does not depend on).
     fn backward(self: Box<Self>, scale: f64) -> Result<Vec<Option<Tensor>>>;
@@ -238,6 +263,19 @@ impl Model for Box<dyn Model> {
 
     fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
         self.as_ref().loss(xs, targets, mode)
+    }
+
+    fn loss_terms(&self) -> Vec<String> {
+        self.as_ref().loss_terms()
+    }
+
+    fn loss_with_terms(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        mode: &Mode,
+    ) -> Result<(Tensor, Tensor)> {
+        self.as_ref().loss_with_terms(xs, targets, mode)
     }
 
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {

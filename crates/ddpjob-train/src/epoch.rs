@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::events::Events;
 use super::metrics::{LossTally, trace_samples, trace_weights};
 use super::{Ending, EpochRun, RunState, TrainError, Trainer};
+use crate::jobdir::record::TrainTerms;
 use crate::task::BatchSource;
 
 impl Trainer<'_> {
@@ -148,7 +149,15 @@ impl Trainer<'_> {
         }
         run.metrics.add_interval(&reduced.step_sums, n, secs);
         let rate = n / secs.max(1e-9);
-        let text = format!("loss {loss:.4}  lr {lr:.2e}  {rate:.0} samples/s");
+        let names = self.model.loss_terms();
+        let terms = TrainTerms(
+            names
+                .into_iter()
+                .zip(reduced.terms.iter().copied())
+                .collect(),
+        );
+        let shown: String = terms.iter().map(|(n, v)| format!("  {n} {v:.4}")).collect();
+        let text = format!("loss {loss:.4}{shown}  lr {lr:.2e}  {rate:.0} samples/s");
         self.reporter.interval(&format!(
             "epoch {}/{} step {step}/{}  {text}",
             epoch + 1,
@@ -156,7 +165,7 @@ impl Trainer<'_> {
             run.total_steps,
         ));
         if let Some(leader) = &self.leader {
-            leader.log_step(epoch, step, loss, lr, rate, reduced.grad_norm)?;
+            leader.log_step(epoch, step, (loss, lr, rate), reduced.grad_norm, terms)?;
         }
         Ok(text)
     }

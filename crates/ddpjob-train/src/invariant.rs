@@ -98,7 +98,7 @@ pub(super) fn optimizer_step(
         None => None,
     };
     optimizer.step(params, &grads, lr)?;
-    let loss_sum = loss_sum.map_or_else(|| Tensor::zeros((), DType::F32, cx.device), Ok)?;
+    let loss_sum = loss_sum.map_or_else(|| super::step::no_loss(cx), Ok)?;
     Ok(StepResult {
         loss_sum,
         samples: rows,

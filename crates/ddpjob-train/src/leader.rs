@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use crate::checkpoint::{Checkpointer, Restored, TensorFile, TrainPosition};
-use crate::jobdir::record::Record;
+use crate::jobdir::record::{Record, TrainTerms};
 use crate::jobdir::sink::{JsonlSink, MetricsSink, TensorBoardSink};
 use crate::jobdir::{JobDir, JobDirError, JobState, now_unix};
 use crate::models::Params;
@@ -139,10 +139,9 @@ impl Leader {
         &self,
         epoch: usize,
         step: usize,
-        loss: f64,
-        lr: f64,
-        samples_per_s: f64,
+        (loss, lr, samples_per_s): (f64, f64, f64),
         grad_norm: Option<f64>,
+        metrics: TrainTerms,
     ) -> Result<(), TrainError> {
         self.record(&Record::Train {
             epoch,
@@ -151,6 +150,7 @@ impl Leader {
             lr,
             samples_per_s: round(samples_per_s),
             grad_norm,
+            metrics,
             time: now_unix(),
         })
     }

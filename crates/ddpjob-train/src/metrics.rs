@@ -208,7 +208,8 @@ impl Summary {
     }
 }
 
-/// Each step's sum of loss × samples and the sample count, over some steps.
+/// Each step's sum of loss × samples (with the model's other terms beside it) and the sample
+/// count, over some steps.
 #[derive(Default)]
 pub(super) struct LossTally {
     step_sums: Vec<Tensor>,
@@ -222,6 +223,9 @@ pub(super) struct LossTally {
 pub(super) struct IntervalLoss {
     /// Each step's sum of loss × samples over all ranks, in step order.
     pub step_sums: Vec<f64>,
+    /// The interval's mean of each of the model's other logged terms (`aux_loss`), in the
+    /// order [`crate::models::Model::loss_terms`] names them.
+    pub terms: Vec<f64>,
     pub samples: f64,
     pub secs: f64,
     /// The global gradient norm before clipping at the interval's last step (every rank's).
@@ -263,6 +267,8 @@ impl LossTally {
                 .to_dtype(candle_core::DType::F64)?
                 .to_vec1::<f64>()?,
         };
+        // Each step's sums: its loss, then the model's other terms.
+        let per_step = local.len() / self.step_sums.len().max(1);
         let secs = (self.time + waited.elapsed()).as_secs_f64();
         // Each rank's numbers in a slot of its own, zeros elsewhere: the sum over ranks is then
         // exact whatever order a backend adds in, and the ranks are added here, in order.
@@ -272,10 +278,17 @@ impl LossTally {
         slots[rank * width + local.len()] = self.samples as f64;
         comm.all_reduce_sum_f64(&mut slots)?;
         let ranks: Vec<&[f64]> = slots.chunks(width).collect();
-        let step_sums = (0..local.len())
+        let sums: Vec<f64> = (0..local.len())
             .map(|i| ranks.iter().map(|r| r[i]).fold(0.0, |sum, x| sum + x))
             .collect();
-        let samples = ranks.iter().map(|r| r[local.len()]).sum();
+        let samples: f64 = ranks.iter().map(|r| r[local.len()]).sum();
+        let step_sums = sums.iter().step_by(per_step.max(1)).copied().collect();
+        let terms = (1..per_step)
+            .map(|j| {
+                let sum: f64 = sums.iter().skip(j).step_by(per_step).sum();
+                sum / samples.max(1.0)
+            })
+            .collect();
         let grad_norm = match self.grad_norm.take() {
             Some(norm) => Some(norm.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?),
             None => None,
@@ -283,6 +296,7 @@ impl LossTally {
         *self = LossTally::default();
         Ok(IntervalLoss {
             step_sums,
+            terms,
             samples,
             secs,
             grad_norm,

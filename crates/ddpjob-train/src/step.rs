@@ -52,8 +52,14 @@ pub struct StepContext<'a> {
     pub overlap_comm: bool,
 }
 
-/// What one step produced: Σ loss·n over its samples (a scalar, read only at log intervals),
-/// the sample count, and whether any rank voted to stop.
+/// Σ loss·n of a step that computed none: zeros, one per logged value.
+pub(super) fn no_loss(cx: &StepContext) -> candle_core::Result<Tensor> {
+    Tensor::zeros(1 + cx.model.loss_terms().len(), DType::F32, cx.device)
+}
+
+/// What one step produced: Σ loss·n over its samples ([1 + terms]: the task's loss, then each
+/// of the model's [`Model::loss_terms`]; read only at log intervals), the sample count, and
+/// whether any rank voted to stop.
 pub struct StepResult {
     pub loss_sum: Tensor,
     pub samples: usize,
@@ -181,7 +187,7 @@ pub fn optimizer_step(
     if let Some(phases) = phases {
         clock.finish(phases)?;
     }
-    let loss_sum = loss_sum.map_or_else(|| Tensor::zeros((), DType::F32, cx.device), Ok)?;
+    let loss_sum = loss_sum.map_or_else(|| no_loss(cx), Ok)?;
     Ok(StepResult {
         loss_sum,
         samples: n_step,
@@ -368,8 +374,8 @@ pub(super) fn shard_forward_backward(
     (timed, sharded): (bool, bool),
     sink: Option<&mut dyn GradientSink>,
 ) -> Result<ShardResult, StepError> {
-    let (loss, pass) = match model.train_pass(&batch.inputs, &batch.targets, &batch.mode)? {
-        Some(pass) => (pass.loss().clone(), Some(pass)),
+    let (loss, logged, pass) = match model.train_pass(&batch.inputs, &batch.targets, &batch.mode)? {
+        Some(pass) => (pass.loss().clone(), pass.logged()?, Some(pass)),
         // Autograd over `Model::loss` would read every parameter, which sharded ones do not
         // hold between their gathers.
         None if sharded => {
@@ -377,10 +383,11 @@ pub(super) fn shard_forward_backward(
                        blocks (Model::train_pass returned None after Model::shard_parameters)";
             return Err(candle_core::Error::Msg(why.into()).into());
         }
-        None => (
-            model.loss(&batch.inputs, &batch.targets, &batch.mode)?,
-            None,
-        ),
+        None => {
+            let (loss, logged) =
+                model.loss_with_terms(&batch.inputs, &batch.targets, &batch.mode)?;
+            (loss, logged, None)
+        }
     };
     let forward_end = match timed {
         true => Some(Mark::now(loss.device())?),
@@ -410,7 +417,7 @@ pub(super) fn shard_forward_backward(
     };
     Ok(ShardResult {
         grads,
-        loss_sum: (loss.detach() * loss_weight)?,
+        loss_sum: (logged * loss_weight)?,
         forward_end,
     })
 }

@@ -9,6 +9,7 @@ use crate::{GradientSink, Mode, Params};
 
 impl Stack for Gpt {
     type Batch = TokenBatch;
+    type Side = ();
 
     fn embed(&self, xs: &Tensor, mode: &Mode) -> Result<(TokenBatch, Tensor)> {
         let (ids, packing, shape) = self.window(xs)?;

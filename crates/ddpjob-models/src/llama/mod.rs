@@ -13,7 +13,10 @@
 //! residual additions and the causal softmax; on a GPU the attention takes q, k and v apart
 //! as the GPT's does there; elsewhere candle's ops compute it.
 
+mod moe;
+mod moe_options;
 mod options;
+mod routed;
 mod stack;
 #[cfg(test)]
 mod tests;
@@ -29,6 +32,7 @@ use crate::kit::{Linear, ParamBuilder, add_residual, attention, head};
 use ddpjob_kernels as kernels;
 use ddpjob_kernels::rms_norm;
 use ddpjob_kernels::rope;
+pub use moe::{ExpertNames, MoeConfig};
 pub use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
 use rope::{Llama3Scaling, RopeTables};
 
@@ -51,9 +55,9 @@ pub struct LlamaConfig {
     /// Biases on q, k and v (Qwen2), on o too (Llama's `attention_bias`).
     pub qkv_bias: bool,
     pub o_bias: bool,
-    /// An RMSNorm of `head_dim` over each head's q and over each head's k, after the
-    /// projection and before the rotation (Qwen3's `q_norm` and `k_norm`).
-    pub qk_norm: bool,
+    /// An RMSNorm of q and of k after the projection, before the rotation: over each head
+    /// (Qwen3's `q_norm` and `k_norm` of `head_dim`) or over the whole projection (OLMoE's).
+    pub qk_norm: QkNorm,
     /// Per layer, whether it rotates q and k; `None`: every layer does (SmolLM3's
     /// `no_rope_layers` leaves some without positions, NoPE).
     pub rotary: Option<Vec<bool>>,
@@ -61,6 +65,18 @@ pub struct LlamaConfig {
     pub sliding_window: Option<usize>,
     /// Std of the normal initial weights (`initializer_range`).
     pub initializer_range: f64,
+    /// A mixture of experts in place of the MLP of some layers (Qwen3-MoE, Mixtral, OLMoE).
+    pub moe: Option<MoeConfig>,
+}
+
+/// Where q and k are RMS-normed ([`LlamaConfig::qk_norm`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Each head's q and k over its `head_dim` channels (Qwen3).
+    PerHead,
+    /// The whole q and k projections (OLMoE: weights of q's and k's widths).
+    Whole,
 }
 
 impl LlamaConfig {
@@ -96,6 +112,22 @@ impl LlamaConfig {
                 self.num_hidden_layers
             ));
         }
+        if let Some(m) = &self.moe {
+            if m.num_experts == 0 || m.top_k == 0 || m.top_k > m.num_experts || m.expert_size == 0 {
+                return fail(format!(
+                    "a mixture of {} experts, {} per token, each {} wide: experts and their width \
+                     must be positive and at most every expert chosen",
+                    m.num_experts, m.top_k, m.expert_size
+                ));
+            }
+            if m.sparse.len() != self.num_hidden_layers {
+                return fail(format!(
+                    "{} layers say whether they are sparse, for {} layers",
+                    m.sparse.len(),
+                    self.num_hidden_layers
+                ));
+            }
+        }
         if !self.head_dim.is_multiple_of(2) {
             return fail(format!(
                 "head_dim {} is odd; rotary embeddings need pairs",
@@ -129,14 +161,24 @@ struct Layer {
     k: Linear,
     v: Linear,
     o: Linear,
-    /// Qwen3's per-head RMSNorm weights of q and k ([`LlamaConfig::qk_norm`]).
+    /// The RMSNorm weights of q and k ([`LlamaConfig::qk_norm`]).
     qk_norm: Option<(Var, Var)>,
     /// Whether q and k are rotated ([`LlamaConfig::rotary`]).
     rotary: bool,
     post_norm: Var,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    mlp: Mlp,
+}
+
+/// A layer's feed-forward part.
+enum Mlp {
+    /// `down(silu(gate(h)) · up(h))`.
+    Dense {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
+    /// A mixture of such MLPs, each token routed to a few (see `moe`).
+    Sparse(moe::Moe),
 }
 
 impl Llama {
@@ -170,19 +212,32 @@ impl Llama {
             let k = attn(&mut init, "k_proj", hidden, kv_out, c.qkv_bias)?;
             let v = attn(&mut init, "v_proj", hidden, kv_out, c.qkv_bias)?;
             let o = attn(&mut init, "o_proj", q_out, hidden, c.o_bias)?;
+            let norms = |init: &mut ParamBuilder, q: usize, k: usize| -> Result<_> {
+                Ok(Some((
+                    init.constant(format!("{p}.self_attn.q_norm.weight"), q, 1.0)?,
+                    init.constant(format!("{p}.self_attn.k_norm.weight"), k, 1.0)?,
+                )))
+            };
             let qk_norm = match c.qk_norm {
-                true => Some((
-                    init.constant(format!("{p}.self_attn.q_norm.weight"), hd, 1.0)?,
-                    init.constant(format!("{p}.self_attn.k_norm.weight"), hd, 1.0)?,
-                )),
-                false => None,
+                QkNorm::PerHead => norms(&mut init, hd, hd)?,
+                QkNorm::Whole => norms(&mut init, q_out, kv_out)?,
+                QkNorm::None => None,
             };
-            let mlp = |init: &mut ParamBuilder, name: &str, i: usize, o: usize| {
-                init.linear(&format!("{p}.mlp.{name}"), i, o, std, false)
+            let mlp = match &c.moe {
+                Some(m) if m.sparse[i] => {
+                    Mlp::Sparse(moe::Moe::build(&mut init, &p, hidden, m, std)?)
+                }
+                _ => {
+                    let mlp = |init: &mut ParamBuilder, name: &str, i: usize, o: usize| {
+                        init.linear(&format!("{p}.mlp.{name}"), i, o, std, false)
+                    };
+                    Mlp::Dense {
+                        gate: mlp(&mut init, "gate_proj", hidden, c.intermediate_size)?,
+                        up: mlp(&mut init, "up_proj", hidden, c.intermediate_size)?,
+                        down: mlp(&mut init, "down_proj", c.intermediate_size, hidden)?,
+                    }
+                }
             };
-            let gate = mlp(&mut init, "gate_proj", hidden, c.intermediate_size)?;
-            let up = mlp(&mut init, "up_proj", hidden, c.intermediate_size)?;
-            let down = mlp(&mut init, "down_proj", c.intermediate_size, hidden)?;
             let input_norm = init.constant(format!("{p}.input_layernorm.weight"), hidden, 1.0)?;
             let post_norm =
                 init.constant(format!("{p}.post_attention_layernorm.weight"), hidden, 1.0)?;
@@ -195,9 +250,7 @@ impl Llama {
                 qk_norm,
                 rotary: c.rotary.as_ref().is_none_or(|r| r[i]),
                 post_norm,
-                gate,
-                up,
-                down,
+                mlp,
             });
         }
         let norm = init.constant("model.norm.weight".into(), hidden, 1.0)?;
@@ -242,13 +295,21 @@ impl Llama {
 
     /// Token ids [n, t] → the final RMSNorm's output [n·t, hidden], f32.
     fn trunk(&self, xs: &Tensor, mode: &Mode) -> Result<Tensor> {
+        Ok(self.trunk_routed(xs, mode)?.0)
+    }
+
+    /// [`Llama::trunk`] and what each sparse layer's router chose, first layer first.
+    fn trunk_routed(&self, xs: &Tensor, mode: &Mode) -> Result<(Tensor, Vec<moe::Routing>)> {
         let (ids, packing) = packed::split(xs)?;
         let shape = self.check_window(&ids)?;
         let mut x = self.embed_tokens(&ids)?;
+        let mut routings = Vec::new();
         for layer in &self.layers {
-            x = self.block(layer, &x, shape, packing.as_ref(), mode)?;
+            let (y, routing) = self.block_routed(layer, &x, shape, packing.as_ref(), mode)?;
+            x = y;
+            routings.extend(routing);
         }
-        self.final_norm(&x)
+        Ok((self.final_norm(&x)?, routings))
     }
 
     /// (n, t) of token ids [n, t], when t fits the model's window.
@@ -296,13 +357,25 @@ impl Llama {
         packing: Option<&Packing>,
         mode: &Mode,
     ) -> Result<Tensor> {
+        Ok(self.block_routed(layer, x, shape, packing, mode)?.0)
+    }
+
+    /// [`Llama::block`] and, for a sparse layer, what its router chose.
+    fn block_routed(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        shape: (usize, usize),
+        packing: Option<&Packing>,
+        mode: &Mode,
+    ) -> Result<(Tensor, Option<moe::Routing>)> {
         let eps = self.config.rms_norm_eps;
         let h = rms_norm(x, &self.input(&layer.input_norm), eps)?;
         let y = self.attention(layer, &h, shape, packing, mode)?;
         let x = add_residual(x, &y)?;
         let h = rms_norm(&x, &self.input(&layer.post_norm), eps)?;
-        let y = self.mlp(layer, &h, mode)?;
-        add_residual(&x, &y)
+        let (y, routing) = self.mlp(layer, &h, mode)?;
+        Ok((add_residual(&x, &y)?, routing))
     }
 
     fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
@@ -333,13 +406,23 @@ impl Llama {
             .v
             .forward_mode(h, self.compute, mode)?
             .reshape((n, t, kv_heads, hd))?;
-        // Qwen3: each head's q and k RMS-normed over its channels (in f32, back in the
-        // projection's dtype, as transformers' Qwen3RMSNorm returns them).
+        // Qwen3: each head's q and k RMS-normed over its channels; OLMoE: the whole
+        // projections (in f32, back in the projection's dtype, as transformers' RMSNorm
+        // returns them).
         let (q, k) = match &layer.qk_norm {
             Some((qw, kw)) => {
                 let eps = c.rms_norm_eps;
-                let norm =
-                    |x: &Tensor, w: &Var| rms_norm(x, &self.input(w), eps)?.to_dtype(x.dtype());
+                let norm = |x: &Tensor, w: &Var| -> Result<Tensor> {
+                    let normed = match c.qk_norm {
+                        QkNorm::Whole => {
+                            let (n, t, h, d) = x.dims4()?;
+                            let whole = x.reshape((n * t, h * d))?;
+                            rms_norm(&whole, &self.input(w), eps)?.reshape((n, t, h, d))?
+                        }
+                        _ => rms_norm(x, &self.input(w), eps)?,
+                    };
+                    normed.to_dtype(x.dtype())
+                };
                 (norm(&q, qw)?, norm(&k, kw)?)
             }
             None => (q, k),
@@ -395,12 +478,25 @@ impl Llama {
         layer.o.forward_mode(&y, self.compute, mode)
     }
 
-    /// `down(silu(gate(h)) · up(h))`.
-    fn mlp(&self, layer: &Layer, h: &Tensor, mode: &Mode) -> Result<Tensor> {
-        let gate = layer.gate.forward_mode(h, self.compute, mode)?;
-        let up = layer.up.forward_mode(h, self.compute, mode)?;
-        let hidden = kernels::swiglu(&gate, &up)?;
-        layer.down.forward_mode(&hidden, self.compute, mode)
+    /// `down(silu(gate(h)) · up(h))`, or the mixture of such MLPs with its routing.
+    fn mlp(
+        &self,
+        layer: &Layer,
+        h: &Tensor,
+        mode: &Mode,
+    ) -> Result<(Tensor, Option<moe::Routing>)> {
+        match &layer.mlp {
+            Mlp::Dense { gate, up, down } => {
+                let gate = gate.forward_mode(h, self.compute, mode)?;
+                let up = up.forward_mode(h, self.compute, mode)?;
+                let hidden = kernels::swiglu(&gate, &up)?;
+                Ok((down.forward_mode(&hidden, self.compute, mode)?, None))
+            }
+            Mlp::Sparse(moe) => {
+                let (y, routing) = moe.forward(h, self.compute, mode, |v| self.input(v))?;
+                Ok((y, Some(routing)))
+            }
+        }
     }
 
     /// The mean cross-entropy of the final norm's output `x` [n·t, hidden] against `targets`.
@@ -442,7 +538,26 @@ impl Model for Llama {
     /// On the CPU in f32 the output projection and the cross-entropy are one op that never
     /// holds all the logits (see `kit::head`).
     fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
-        self.loss_of(&self.trunk(xs, mode)?, targets)
+        Ok(self.loss_with_terms(xs, targets, mode)?.0)
+    }
+
+    /// A mixture of experts' load-balancing loss beside the language model's (see `moe`).
+    fn loss_terms(&self) -> Vec<String> {
+        match self.config.moe {
+            Some(_) => vec!["aux_loss".into()],
+            None => Vec::new(),
+        }
+    }
+
+    fn loss_with_terms(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        mode: &Mode,
+    ) -> Result<(Tensor, Tensor)> {
+        let (x, routings) = self.trunk_routed(xs, mode)?;
+        let loss = self.loss_of(&x, targets)?;
+        self.with_aux(loss, &routings, targets)
     }
 
     /// With `train.activation_checkpointing`, a pass that keeps each layer's input only; with
@@ -532,7 +647,7 @@ impl Model for Llama {
         );
         let repeated = if kv < q { 2 * q } else { 0 };
         // Qwen3's normed q and k, kept beside the projections.
-        let normed = if c.qk_norm { q + kv } else { 0 };
+        let normed = if c.qk_norm == QkNorm::None { 0 } else { q + kv };
         let layer = 6 * hidden + 6 * q + repeated + 3 * kv + 3 * inner + normed;
         let layers = c.num_hidden_layers;
         let per_position = match checkpointing {
@@ -558,6 +673,14 @@ impl Model for Llama {
             match self.params.frozen().contains(&self.embed) {
                 true => frozen -= embed,
                 false => trainable -= embed,
+            }
+        }
+        // A token reaches k of a sparse layer's E experts: the others' products are not its.
+        for layer in &self.layers {
+            if let Mlp::Sparse(moe) = &layer.mlp {
+                let (t, f) = moe.inactive_elements(self.params.frozen());
+                trainable -= t;
+                frozen -= f;
             }
         }
         // A frozen parameter forms no weight gradient: its forward and input gradient only.

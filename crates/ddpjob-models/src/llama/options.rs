@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::rope::Llama3Scaling;
-use super::{Llama, LlamaConfig};
+use super::{Llama, LlamaConfig, QkNorm};
 use crate::LanguageModelOptions;
 use crate::Model;
 use crate::kit::{Reading, WeightSource};
@@ -19,7 +19,16 @@ use ddpjob_storage::checkpoint::Trained;
 use ddpjob_storage::hf::{HfDir, SameLayout};
 
 /// The `model_type`s read as `arch = "llama"`.
-pub const MODEL_TYPES: [&str; 5] = ["llama", "mistral", "qwen2", "qwen3", "smollm3"];
+pub const MODEL_TYPES: [&str; 8] = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "smollm3",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+];
 
 /// `model.arch = "llama"`. Every key but `init_from` has a default or comes from
 /// `init_from`'s `config.json`; `job.toml` holds them all written out.
@@ -80,6 +89,31 @@ pub struct LlamaOptions {
     pub attention_bias: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initializer_range: Option<f64>,
+    /// Mixtures of experts (`qwen3_moe`, `mixtral`, `olmoe`): the experts of a sparse layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_experts: Option<usize>,
+    /// The experts each token is routed to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_experts_per_tok: Option<usize>,
+    /// Qwen3-MoE: each expert's width (Mixtral's and OLMoE's is `intermediate_size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe_intermediate_size: Option<usize>,
+    /// The chosen experts' weights renormalised to sum 1 (Mixtral: always).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_topk_prob: Option<bool>,
+    /// Qwen3-MoE: every `decoder_sparse_step`-th layer is sparse.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decoder_sparse_step: Option<usize>,
+    /// Qwen3-MoE: layers with a dense MLP of `intermediate_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp_only_layers: Option<Vec<usize>>,
+    /// The load-balancing loss's weight in the objective.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_aux_loss_coef: Option<f64>,
+    /// Whether the load-balancing loss is in the training objective (as transformers adds it
+    /// with `output_router_logits`); it is logged as `aux_loss` either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_router_logits: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -203,6 +237,49 @@ pub const KEYS: &[KeyDoc] = &[
         default: "`0.02`",
         doc: "std of the normal initialisation from scratch",
     },
+    KeyDoc {
+        key: "num_experts",
+        default: "the checkpoint's (`num_experts`, 5.x `num_local_experts`)",
+        doc: "`qwen3_moe`, `mixtral`, `olmoe`: experts per sparse layer",
+    },
+    KeyDoc {
+        key: "num_experts_per_tok",
+        default: "the checkpoint's",
+        doc: "experts each token is routed to (top k of the router's softmax)",
+    },
+    KeyDoc {
+        key: "moe_intermediate_size",
+        default: "the checkpoint's",
+        doc: "`qwen3_moe`: each expert's SwiGLU width (Mixtral's and OLMoE's experts are \
+              `intermediate_size` wide)",
+    },
+    KeyDoc {
+        key: "norm_topk_prob",
+        default: "the checkpoint's (`false`; Mixtral: always)",
+        doc: "the chosen experts' weights renormalised to sum 1",
+    },
+    KeyDoc {
+        key: "decoder_sparse_step",
+        default: "`1`",
+        doc: "`qwen3_moe`: layer i is sparse when (i + 1) is a multiple of it",
+    },
+    KeyDoc {
+        key: "mlp_only_layers",
+        default: "`[]`",
+        doc: "`qwen3_moe`: layers with a dense MLP of `intermediate_size`",
+    },
+    KeyDoc {
+        key: "router_aux_loss_coef",
+        default: "the checkpoint's (`0.001`; OLMoE `0.01`)",
+        doc: "the load-balancing loss's weight in the objective",
+    },
+    KeyDoc {
+        key: "output_router_logits",
+        default: "the checkpoint's (`false`)",
+        doc: "`true`: the load-balancing loss (times `router_aux_loss_coef`) is trained on, as \
+              transformers adds it; it is logged as `aux_loss` (`train/aux_loss`) either way, \
+              per sequence (see the open-models chapter)",
+    },
 ];
 
 /// The defaults of a model trained from scratch: 4 layers of 128 channels, 4 query and 2
@@ -303,7 +380,11 @@ impl LlamaOptions {
         let hidden = pick(self.hidden_size, d.hidden_size);
         let heads = pick(self.num_attention_heads, d.num_attention_heads);
         let qwen = self.model_type.as_deref() == Some("qwen2");
-        let qk_norm = self.model_type.as_deref() == Some("qwen3");
+        let qk_norm = match self.model_type.as_deref() {
+            Some("qwen3" | "qwen3_moe") => QkNorm::PerHead,
+            Some("olmoe") => QkNorm::Whole,
+            _ => QkNorm::None,
+        };
         let attention_bias = self.attention_bias.unwrap_or(false);
         LlamaConfig {
             vocab_size: self.vocab_size.unwrap_or(vocab_size),
@@ -332,6 +413,7 @@ impl LlamaOptions {
                 .map(|layers| layers.iter().map(|&r| r != 0).collect()),
             sliding_window: self.sliding_window,
             initializer_range: self.initializer_range.unwrap_or(0.02),
+            moe: super::moe_options::moe_config(self),
         }
     }
 
@@ -344,6 +426,9 @@ impl LlamaOptions {
             "qwen2" => "Qwen2ForCausalLM",
             "qwen3" => "Qwen3ForCausalLM",
             "smollm3" => "SmolLM3ForCausalLM",
+            "qwen3_moe" => "Qwen3MoeForCausalLM",
+            "mixtral" => "MixtralForCausalLM",
+            "olmoe" => "OlmoeForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let c = config;
@@ -378,6 +463,7 @@ impl LlamaOptions {
         m.insert("tie_word_embeddings".into(), c.tie_word_embeddings.into());
         m.insert("initializer_range".into(), c.initializer_range.into());
         m.insert("use_cache".into(), true.into());
+        super::moe_options::write_moe(self, &mut m);
         match model_type {
             "qwen2" => {
                 m.insert("use_sliding_window".into(), false.into());
@@ -387,9 +473,18 @@ impl LlamaOptions {
                 m.insert("use_sliding_window".into(), false.into());
                 m.insert("sliding_window".into(), Value::Null);
             }
-            "mistral" => {
+            "mistral" | "mixtral" => {
                 let window = c.sliding_window.map_or(Value::Null, Value::from);
                 m.insert("sliding_window".into(), window);
+            }
+            "qwen3_moe" => {
+                m.insert("attention_bias".into(), c.qkv_bias.into());
+                m.insert("use_sliding_window".into(), false.into());
+                m.insert("sliding_window".into(), Value::Null);
+            }
+            "olmoe" => {
+                m.insert("attention_bias".into(), c.o_bias.into());
+                m.insert("clip_qkv".into(), Value::Null);
             }
             "smollm3" => {
                 m.insert("attention_bias".into(), c.o_bias.into());
@@ -467,7 +562,7 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
     }
     let max_positions = dir.usize_or("max_position_embeddings", None).map_err(s)?;
     let sliding = match model_type {
-        "qwen2" | "qwen3" | "smollm3"
+        "qwen2" | "qwen3" | "smollm3" | "qwen3_moe"
             if !dir.bool_or("use_sliding_window", false).map_err(s)? =>
         {
             None
@@ -508,13 +603,14 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
         rope_scaling: scaling,
         no_rope_layers,
         // Mistral's window is computed; the others' (Qwen's `use_sliding_window`) refused below.
-        sliding_window: sliding.filter(|_| model_type == "mistral"),
+        sliding_window: sliding.filter(|_| windowed(model_type)),
         tie_word_embeddings: Some(dir.bool_or("tie_word_embeddings", false).map_err(s)?),
         attention_bias: Some(dir.bool_or("attention_bias", false).map_err(s)?),
         initializer_range: Some(dir.f64_or("initializer_range", 0.02).map_err(s)?),
+        ..super::moe_options::moe_from_hf(dir, model_type)?
     };
     let block = wanted_block.unwrap_or(max_positions);
-    if let Some(window) = sliding.filter(|&w| w < block && model_type != "mistral") {
+    if let Some(window) = sliding.filter(|&w| w < block && !windowed(model_type)) {
         return Err(format!(
             "`{}`: a sliding attention window of {window} positions is in effect for \
              model.block_size = {block}, and ddpjob attends to the whole window; set \
@@ -523,6 +619,11 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
         ));
     }
     Ok(options)
+}
+
+/// Whether the family attends within `sliding_window` (Mistral's and Mixtral's).
+fn windowed(model_type: &str) -> bool {
+    matches!(model_type, "mistral" | "mixtral")
 }
 
 /// SmolLM3's `no_rope_layers` (one 0 or 1 per layer), or as transformers makes it when the file
@@ -657,6 +758,14 @@ fn merge(given: LlamaOptions, base: LlamaOptions, source: &str) -> Result<LlamaO
         tie_word_embeddings: take!(tie_word_embeddings),
         attention_bias: take!(attention_bias),
         initializer_range: take!(initializer_range),
+        num_experts: take!(num_experts),
+        num_experts_per_tok: take!(num_experts_per_tok),
+        moe_intermediate_size: take!(moe_intermediate_size),
+        norm_topk_prob: take!(norm_topk_prob),
+        decoder_sparse_step: take!(decoder_sparse_step),
+        mlp_only_layers: take!(mlp_only_layers),
+        router_aux_loss_coef: take!(router_aux_loss_coef),
+        output_router_logits: take!(output_router_logits),
     };
     if !conflicts.is_empty() {
         return Err(format!(
@@ -709,10 +818,12 @@ fn check(o: &LlamaOptions) -> Result<(), String> {
             ));
         }
     }
+    super::moe_options::check_moe(o)?;
     if let Some(window) = o.sliding_window {
-        if o.model_type.as_deref() != Some("mistral") {
+        if !windowed(o.model_type.as_deref().unwrap_or("llama")) {
             return Err(format!(
-                "model.sliding_window is Mistral's (model_type = \"mistral\"), not {:?}'s: \
+                "model.sliding_window is Mistral's and Mixtral's (model_type = \"mistral\" or \
+                 \"mixtral\"), not {:?}'s: \
                  transformers would attend to the whole context of the export",
                 o.model_type.as_deref().unwrap_or("llama")
             ));

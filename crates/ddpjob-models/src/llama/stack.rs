@@ -4,13 +4,16 @@
 use candle_core::{Result, Tensor};
 
 use super::Llama;
+use super::moe::Routing;
 use crate::GradientSink;
-use crate::kit::layered::{Stack, TokenBatch};
+use crate::kit::layered::{SideLoss, Stack, TokenBatch};
 use crate::kit::packed;
 use crate::{Mode, Params};
 
 impl Stack for Llama {
     type Batch = TokenBatch;
+    /// A sparse layer's routing, for the load-balancing loss.
+    type Side = Routing;
 
     fn embed(&self, xs: &Tensor, mode: &Mode) -> Result<(TokenBatch, Tensor)> {
         let (ids, packing) = packed::split(xs)?;
@@ -34,6 +37,27 @@ impl Stack for Llama {
 
     fn block(&self, i: usize, x: &Tensor, b: &TokenBatch) -> Result<Tensor> {
         self.block(&self.layers[i], x, b.shape, b.packing.as_ref(), &b.mode)
+    }
+
+    fn block_with_side(
+        &self,
+        i: usize,
+        x: &Tensor,
+        b: &TokenBatch,
+    ) -> Result<(Tensor, Option<Routing>)> {
+        self.block_routed(&self.layers[i], x, b.shape, b.packing.as_ref(), &b.mode)
+    }
+
+    fn side_loss(
+        &self,
+        sides: &[Option<Routing>],
+        _batch: &TokenBatch,
+        targets: &Tensor,
+    ) -> Result<Option<Box<dyn SideLoss<Routing> + '_>>> {
+        let routings: Vec<&Routing> = sides.iter().flatten().collect();
+        Ok(self
+            .aux_weights(&routings, targets)?
+            .map(|aux| Box::new(aux) as Box<dyn SideLoss<Routing>>))
     }
 
     fn head_loss(&self, last: &Tensor, targets: &Tensor) -> Result<Tensor> {

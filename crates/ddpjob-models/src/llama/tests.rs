@@ -64,7 +64,8 @@ fn logits_and_loss_equal_transformers_for_every_model_type() {
     // config layout; qwen2: q/k/v biases, tied head, rope_theta 1e6; mistral; qwen3: each
     // head's q and k RMS-normed (weights drawn away from 1), head_dim 16 of hidden 32 / 4 heads;
     // smollm3: layers 2 and 4 of 4 without positions, attention biases, untied head;
-    // mistral-sw: a sliding window of 4 over the reference's 12 positions.
+    // mistral-sw: a sliding window of 4 over the reference's 12 positions; qwen3-moe, mixtral,
+    // olmoe: mixtures of experts (see make_fixtures_2026.py).
     for name in [
         "llama",
         "llama-v4",
@@ -73,6 +74,9 @@ fn logits_and_loss_equal_transformers_for_every_model_type() {
         "qwen3",
         "smollm3",
         "mistral-sw",
+        "qwen3-moe",
+        "mixtral",
+        "olmoe",
     ] {
         let reference_name = if name == "llama-v4" { "llama" } else { name };
         let (x, y, logits, loss) = reference(reference_name);
@@ -648,6 +652,9 @@ fn recomputed_layers_give_the_whole_models_gradients_bit_for_bit() {
         "qwen3 bf16",
         "smollm3 f32",
         "mistral-sw f32",
+        "qwen3-moe f32",
+        "mixtral bf16",
+        "olmoe f32",
     ] {
         let build = || match name {
             "qwen2 + LoRA" => with_adapter(),

@@ -7,6 +7,44 @@ use std::path::Path;
 use ddpjob_seam::MetricValues;
 use serde::{Deserialize, Deserializer, Serialize};
 
+/// A training record's other loss terms by name, in the order the model names them
+/// (`{"aux_loss": 0.0123}`); a value that is not finite is `null`, read back as NaN.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TrainTerms(pub Vec<(String, f64)>);
+
+impl TrainTerms {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// (name, value) in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, f64)> {
+        self.0.iter().map(|(n, v)| (n.as_str(), *v))
+    }
+}
+
+impl Serialize for TrainTerms {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (name, value) in &self.0 {
+            map.serialize_entry(name, &value.is_finite().then_some(*value))?;
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for TrainTerms {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let map: serde_json::Map<String, serde_json::Value> = Deserialize::deserialize(d)?;
+        let values = map
+            .into_iter()
+            .map(|(name, v)| (name, v.as_f64().unwrap_or(f64::NAN)))
+            .collect();
+        Ok(TrainTerms(values))
+    }
+}
+
 /// A line of `metrics.jsonl` (**contract**: `kind`, `epoch`, `step` and the named metrics; an
 /// evaluation's are those its task declares, see the task seam's `Metric`).
 /// Metrics that were not finite are written as `null` and read back as NaN, as are metrics a
@@ -28,6 +66,10 @@ pub enum Record {
         /// `train.grad_clip_norm` (as transformers' Trainer logs `grad_norm`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         grad_norm: Option<f64>,
+        /// The interval's means of the model's other loss terms, by name (a mixture of
+        /// experts' `aux_loss`); absent for a model without any.
+        #[serde(default, skip_serializing_if = "TrainTerms::is_empty")]
+        metrics: TrainTerms,
         #[serde(default)]
         time: u64,
     },
@@ -175,6 +217,7 @@ mod tests {
             lr: 0.01,
             samples_per_s: 1000.0,
             grad_norm: None,
+            metrics: TrainTerms::default(),
             time: 7,
         };
         let line = train.to_line();
@@ -191,14 +234,20 @@ mod tests {
             lr: 0.01,
             samples_per_s: 1000.0,
             grad_norm: Some(1.5),
+            metrics: TrainTerms(vec![("aux_loss".into(), 1.25), ("z".into(), f64::NAN)]),
             time: 7,
         };
         let clipped_line = clipped.to_line();
         assert!(
-            clipped_line.contains(r#""grad_norm":1.5"#),
+            clipped_line.contains(r#""grad_norm":1.5"#)
+                && clipped_line.contains(r#""metrics":{"aux_loss":1.25,"z":null}"#),
             "{clipped_line}"
         );
-        assert_eq!(Record::parse(&clipped_line), Some(clipped));
+        let Some(Record::Train { metrics, .. }) = Record::parse(&clipped_line) else {
+            panic!("not a train record")
+        };
+        assert_eq!(metrics.0[0], ("aux_loss".into(), 1.25));
+        assert!(metrics.0[1].1.is_nan());
 
         let eval =
             r#"{"kind":"eval","epoch":1,"step":9,"test_loss":null,"test_accuracy":0.5,"time":3}"#;

@@ -28,13 +28,18 @@ pub fn scalars(record: &Record) -> Vec<(String, f64)> {
             lr,
             samples_per_s,
             grad_norm,
+            metrics,
             ..
-        } => named(&[
-            ("train/loss", *loss),
-            ("train/lr", *lr),
-            ("train/samples_per_s", *samples_per_s),
-            ("train/grad_norm", grad_norm.unwrap_or(f64::NAN)),
-        ]),
+        } => {
+            let mut all = named(&[
+                ("train/loss", *loss),
+                ("train/lr", *lr),
+                ("train/samples_per_s", *samples_per_s),
+                ("train/grad_norm", grad_norm.unwrap_or(f64::NAN)),
+            ]);
+            all.extend(metrics.iter().map(|(name, v)| (format!("train/{name}"), v)));
+            all
+        }
         Record::Epoch { loss, metrics, .. } => {
             let mut all = named(&[("train/epoch_loss", *loss)]);
             all.extend(evaluated(metrics));

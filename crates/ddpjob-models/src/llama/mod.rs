@@ -15,6 +15,8 @@
 
 mod moe;
 mod moe_options;
+#[cfg(test)]
+mod moe_tests;
 mod options;
 mod routed;
 mod stack;

@@ -10,7 +10,7 @@ use crate::{Mode, Model};
 use ddpjob_seam::ModelContext;
 use ddpjob_seam::task::ModelInput;
 
-fn fixture(name: &str) -> PathBuf {
+pub(super) fn fixture(name: &str) -> PathBuf {
     let built_in = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf");
     // A test binary carried to another machine (the GPU check) runs from the repository root.
     let root = match built_in.exists() {
@@ -20,7 +20,7 @@ fn fixture(name: &str) -> PathBuf {
     root.join(name)
 }
 
-fn options_from(name: &str) -> LlamaOptions {
+pub(super) fn options_from(name: &str) -> LlamaOptions {
     let dir = fixture(name).display().to_string();
     LlamaOptions {
         init_from: Some(dir),
@@ -30,7 +30,7 @@ fn options_from(name: &str) -> LlamaOptions {
     .unwrap()
 }
 
-fn context(vocab_size: usize, block_size: usize, dtype: DType) -> ModelContext {
+pub(super) fn context(vocab_size: usize, block_size: usize, dtype: DType) -> ModelContext {
     ModelContext {
         input: ModelInput::Tokens {
             vocab_size,
@@ -44,13 +44,13 @@ fn context(vocab_size: usize, block_size: usize, dtype: DType) -> ModelContext {
     }
 }
 
-fn pretrained(name: &str) -> Box<dyn Model> {
+pub(super) fn pretrained(name: &str) -> Box<dyn Model> {
     let o = options_from(name);
     build_llama(&o, &context(320, o.block_size(), DType::F32)).unwrap()
 }
 
 /// `transformers`' inputs, targets, logits and loss for a fixture (see make_fixtures.py).
-fn reference(name: &str) -> (Tensor, Tensor, Tensor, f32) {
+pub(super) fn reference(name: &str) -> (Tensor, Tensor, Tensor, f32) {
     let path = fixture(name).join("reference.safetensors");
     let r = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
     let ids = |k: &str| r[k].to_dtype(DType::U32).unwrap();
@@ -597,7 +597,11 @@ fn a_checkpoint_sharded_by_an_index_loads_as_the_single_file_does() {
 
 /// The loss's bits and every parameter's gradient's bits from `model`'s training pass for
 /// `scale` · loss: autograd over the whole model unless the model recomputes its layers.
-fn training_bits(model: &dyn Model, x: &Tensor, y: &Tensor) -> (u32, Vec<Option<Vec<u32>>>) {
+pub(super) fn training_bits(
+    model: &dyn Model,
+    x: &Tensor,
+    y: &Tensor,
+) -> (u32, Vec<Option<Vec<u32>>>) {
     let mode = Mode::Train {
         row_seeds: vec![7; x.dims()[0]],
     };
@@ -694,7 +698,7 @@ fn recomputed_layers_give_the_whole_models_gradients_bit_for_bit() {
     );
 }
 
-fn built(name: &str, dtype: DType) -> Box<dyn Model> {
+pub(super) fn built(name: &str, dtype: DType) -> Box<dyn Model> {
     let o = options_from(name);
     build_llama(&o, &context(320, o.block_size(), dtype)).unwrap()
 }

@@ -18,6 +18,7 @@ mod hangs;
 mod hub;
 mod invariant;
 mod language;
+mod moe;
 mod nodes;
 mod open_models;
 mod recompute;

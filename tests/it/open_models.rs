@@ -7,20 +7,20 @@ use std::path::{Path, PathBuf};
 
 use crate::common::{TestJob, copy_dir, load_weights, max_abs_diff, preempt_resume_and_compare};
 
-fn fixture(name: &str) -> PathBuf {
+pub(crate) fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/hf")
         .join(name)
 }
 
-fn text(t: &TestJob) -> PathBuf {
+pub(crate) fn text(t: &TestJob) -> PathBuf {
     let path = t.path("corpus.txt");
     let shakespeare = include_str!("../fixtures/hf/sample.txt");
     std::fs::write(&path, shakespeare).unwrap();
     path
 }
 
-fn job(text: &Path, model: &str, extra: &str) -> String {
+pub(crate) fn job(text: &Path, model: &str, extra: &str) -> String {
     format!(
         r#"
 seed = 5
@@ -153,9 +153,28 @@ fn a_qwen2_checkpoint_fine_tunes_and_exports_back_to_hugging_face() {
 /// The fixture `name` fine-tuned, scored by `eval` as the run did (the directory at step 0, the
 /// job at its end), exported with `export --hf`, the export scored with the job's loss, and
 /// sampled; the export's `config.json`, weights and the `job.toml` it froze.
-fn fine_tune_evaluate_and_export(
+/// The fixture `name` (of `model_type` `name`) fine-tuned, evaluated (`eval` of the base and
+/// of the job agree with the job's own validation losses), exported and scored again.
+pub(crate) fn fine_tune_evaluate_and_export(
     name: &str,
 ) -> (
+    serde_json::Value,
+    std::collections::BTreeMap<String, Vec<f32>>,
+    String,
+) {
+    let (t, config, weights, frozen) = fine_tune_evaluate_and_export_in(name, name, "");
+    drop(t);
+    (config, weights, frozen)
+}
+
+/// [`fine_tune_evaluate_and_export`] of the fixture directory `name`, whose `model_type` is
+/// `model_type`, with `extra` lines in `[model]`; the test directory kept for more checks.
+pub(crate) fn fine_tune_evaluate_and_export_in(
+    name: &str,
+    model_type: &str,
+    extra: &str,
+) -> (
+    TestJob,
     serde_json::Value,
     std::collections::BTreeMap<String, Vec<f32>>,
     String,
@@ -163,13 +182,16 @@ fn fine_tune_evaluate_and_export(
     let t = TestJob::new();
     let text = text(&t);
     let dir = fixture(name);
-    let model = format!("init_from = \"{}\"\nblock_size = 16", dir.display());
+    let model = format!(
+        "init_from = \"{}\"\nblock_size = 16\n{extra}",
+        dir.display()
+    );
     let file = job(&text, &model, "").replace("log_every = 1", "log_every = 1\neval_every = 10");
     let cfg = t.config("ft", &file);
     t.run(&cfg, &[]).success();
     let frozen = std::fs::read_to_string(t.job("ft").join("job.toml")).unwrap();
     assert!(
-        frozen.contains(&format!("model_type = \"{name}\"")),
+        frozen.contains(&format!("model_type = \"{model_type}\"")),
         "{frozen}"
     );
     let evals: Vec<(u64, f64)> = t
@@ -209,7 +231,8 @@ fn fine_tune_evaluate_and_export(
     ]);
     sample.success();
     let config = t.json(&out.join("config.json"));
-    (config, load_weights(&out.join("model.safetensors")), frozen)
+    let weights = load_weights(&out.join("model.safetensors"));
+    (t, config, weights, frozen)
 }
 
 /// Qwen3 (per-head q/k norms, `head_dim` not hidden / heads): exported as `Qwen3ForCausalLM`
@@ -242,7 +265,7 @@ fn a_smollm3_checkpoint_fine_tunes_evaluates_and_exports_back() {
 }
 
 /// `ddpjob eval ... --json`'s object.
-fn eval_json(t: &TestJob, args: &[&str]) -> serde_json::Value {
+pub(crate) fn eval_json(t: &TestJob, args: &[&str]) -> serde_json::Value {
     let jobs = t.jobs_dir().display().to_string();
     let mut all = vec!["eval"];
     all.extend(args);

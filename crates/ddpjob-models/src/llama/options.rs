@@ -764,8 +764,10 @@ fn merge(given: LlamaOptions, base: LlamaOptions, source: &str) -> Result<LlamaO
         norm_topk_prob: take!(norm_topk_prob),
         decoder_sparse_step: take!(decoder_sparse_step),
         mlp_only_layers: take!(mlp_only_layers),
-        router_aux_loss_coef: take!(router_aux_loss_coef),
-        output_router_logits: take!(output_router_logits),
+        // How the mixture trains, not what the checkpoint is (transformers takes both as
+        // `from_pretrained` arguments): the job's choice wins.
+        router_aux_loss_coef: given.router_aux_loss_coef.or(base.router_aux_loss_coef),
+        output_router_logits: given.output_router_logits.or(base.output_router_logits),
     };
     if !conflicts.is_empty() {
         return Err(format!(

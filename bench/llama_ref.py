@@ -1,8 +1,12 @@
 """The transformers side of bench/llama-vs-transformers.sh: a LlamaForCausalLM of SmolLM2-135M's
 shape (30 layers, hidden 576, 9 heads, 3 key/value heads, intermediate 1536, vocabulary 49152),
 trained and evaluated as ddpjob's job does, from the same weights on the same windows.
+`--shape qwen3-0.6b`: a Qwen3ForCausalLM of Qwen3-0.6B's shape (28 layers, hidden 1024, 16
+heads, 8 key/value heads, head_dim 128, intermediate 3072, vocabulary 151,936, context 512);
+`--shape qwen3-moe`: a small Qwen3MoeForCausalLM (8 layers, hidden 512, 8 heads, 4 key/value
+heads, 64 experts of width 256, 8 per token, renormalised, vocabulary 151,936, context 256).
 
-    python bench/llama_ref.py prepare DIR TEXT [--layers 30]   # DIR/model, DIR/{train,val}.bin, DIR/job.toml
+    python bench/llama_ref.py prepare DIR TEXT [--layers 30] [--shape smollm2]
     python bench/llama_ref.py train DIR --steps 10 --threads 2  # one JSON line
     python bench/llama_ref.py train DIR --lora 16               # peft's LoRA (all 7 projections)
     python bench/llama_ref.py train DIR --device cuda --precision bf16 --attn sdpa --batch 32
@@ -49,6 +53,40 @@ SMOLLM2 = dict(
     rope_theta=100000.0,
     tie_word_embeddings=True,
 )
+QWEN3_06B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+QWEN3_MOE = dict(
+    vocab_size=151936,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=64,
+    num_experts_per_tok=8,
+    moe_intermediate_size=256,
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+# name: (config class, sizes, block, batch)
+SHAPES = {
+    "smollm2": ("LlamaConfig", "LlamaForCausalLM", SMOLLM2, 256, 4),
+    "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_06B, 512, 1),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE, 256, 4),
+}
 BLOCK, BATCH, LR, SEED = 256, 4, 3e-4, 0
 
 
@@ -75,8 +113,11 @@ def phase(n, block, seed, epoch):
 
 
 def prepare(args):
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    global BLOCK, BATCH
+    config_class, model_class, sizes, BLOCK, BATCH = SHAPES[args.shape]
 
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,14 +127,17 @@ def prepare(args):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=8000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([text], trainer)
-    ids = np.array(tok.encode(text).ids, dtype=np.uint16)
+    # ddpjob reads token files of the model's vocabulary: u32 past 65,536 tokens.
+    wide = sizes["vocab_size"] > 65536
+    ids = np.array(tok.encode(text).ids, dtype=np.uint32 if wide else np.uint16)
     split = int(len(ids) * 0.9)
     ids[:split].tofile(out / "train.bin")
     # The validation split: 64 windows, scored whole.
     ids[split : split + 64 * BLOCK + 1].tofile(out / "val.bin")
     torch.manual_seed(SEED)
-    config = LlamaConfig(**{**SMOLLM2, "num_hidden_layers": args.layers})
-    model = LlamaForCausalLM(config)
+    layers = args.layers if args.layers else sizes["num_hidden_layers"]
+    config = getattr(transformers, config_class)(**{**sizes, "num_hidden_layers": layers})
+    model = getattr(transformers, model_class)(config)
     model.save_pretrained(out / "model", safe_serialization=True)
     tok.save(str(out / "model" / "tokenizer.json"))
     (out / "job.toml").write_text(
@@ -105,6 +149,7 @@ init_from = "{out / 'model'}"
 block_size = {BLOCK}
 [data]
 dataset = "tokens"
+token_dtype = "{'u32' if wide else 'u16'}"
 train_path = "{out / 'train.bin'}"
 val_path = "{out / 'val.bin'}"
 [train]
@@ -131,6 +176,13 @@ def train(args):
 
     from transformers import AutoModelForCausalLM
 
+    # The job's window and batch (prepare wrote them).
+    global BLOCK
+    job = (Path(args.dir) / "job.toml").read_text()
+    BLOCK = int(job.split("block_size = ")[1].split()[0])
+    if args.batch is None:
+        args.batch = int(job.split("batch_size = ")[1].split()[0])
+
     torch.set_num_threads(args.threads)
     if args.precision == "bf16-matmul":
         torch.set_float32_matmul_precision("medium")
@@ -148,11 +200,14 @@ def train(args):
             torch.cuda.synchronize()
         return time.perf_counter()
     d = Path(args.dir)
-    train_ids = torch.from_numpy(np.fromfile(d / "train.bin", dtype=np.uint16).astype(np.int64))
-    val_ids = torch.from_numpy(np.fromfile(d / "val.bin", dtype=np.uint16).astype(np.int64))
+    wide = 'token_dtype = "u32"' in job
+    dtype = np.uint32 if wide else np.uint16
+    train_ids = torch.from_numpy(np.fromfile(d / "train.bin", dtype=dtype).astype(np.int64))
+    val_ids = torch.from_numpy(np.fromfile(d / "val.bin", dtype=dtype).astype(np.int64))
     started = time.perf_counter()
+    extra = {"experts_implementation": args.experts} if args.experts else {}
     model = AutoModelForCausalLM.from_pretrained(
-        d / "model", attn_implementation=args.attn, dtype=torch.float32
+        d / "model", attn_implementation=args.attn, dtype=torch.float32, **extra
     ).to(device)
     load_s = time.perf_counter() - started
     if args.lora:
@@ -229,7 +284,8 @@ def main():
     a = sub.add_parser("prepare")
     a.add_argument("dir")
     a.add_argument("text")
-    a.add_argument("--layers", type=int, default=30)
+    a.add_argument("--layers", type=int, default=0, help="default: the shape's")
+    a.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     b = sub.add_parser("train")
     b.add_argument("dir")
     b.add_argument("--steps", type=int, default=10)
@@ -238,7 +294,9 @@ def main():
     b.add_argument("--device", default="cpu")
     b.add_argument("--precision", choices=["f32", "bf16", "bf16-matmul"], default="f32")
     b.add_argument("--attn", choices=["eager", "sdpa"], default="eager")
-    b.add_argument("--batch", type=int, default=BATCH)
+    b.add_argument("--batch", type=int, default=None, help="default: the job's")
+    b.add_argument("--experts", choices=["eager", "grouped_mm", "batched_mm"], default=None,
+                   help="transformers' experts_implementation (default: its own choice)")
     args = p.parse_args()
     {"prepare": prepare, "train": train}[args.command](args)
 

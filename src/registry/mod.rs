@@ -572,8 +572,11 @@ impl Builders for Registry {
                     .iter()
                     .map(|(t, arch)| format!("\"{t}\" (model.arch = \"{arch}\")"))
                     .collect();
+                // A feature ddpjob does not compute, named by its key, before the list.
+                let why = ddpjob_models::llama::unsupported_features(&hf.config, model_type)
+                    .map_or_else(String::new, |why| format!("{why}; "));
                 Err(format!(
-                    "`{}` holds a \"{model_type}\" model; this ddpjob reads {}",
+                    "`{}` holds a \"{model_type}\" model: {why}this ddpjob reads {}",
                     dir.display(),
                     readable.join(", ")
                 ))

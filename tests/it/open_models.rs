@@ -541,8 +541,13 @@ fn bad_open_model_jobs_exit_2_before_anything_is_created() {
     std::fs::write(other.join("model.safetensors"), b"").unwrap();
     run("falcon", &format!("init_from = \"{}\"", other.display())).fails_with(
         2,
-        "holds a \"falcon\" model; this ddpjob reads \"gpt2\" (model.arch = \"gpt\")",
+        "holds a \"falcon\" model: this ddpjob reads \"gpt2\" (model.arch = \"gpt\")",
     );
+    // A newer family's feature is named by its key (Qwen3-Next's linear attention).
+    let next = r#"{"model_type": "qwen3_next", "layer_types": ["linear_attention"]}"#;
+    std::fs::write(other.join("config.json"), next).unwrap();
+    run("next", &format!("init_from = \"{}\"", other.display()))
+        .fails_with(2, "has linear-attention layers (`layer_types` holds");
     std::fs::write(other.join("config.json"), r#"{"model_type": "gpt2"}"#).unwrap();
     run("gpt2", &format!("init_from = \"{}\"", other.display()))
         .fails_with(2, "has no \"n_embd\", which is required");

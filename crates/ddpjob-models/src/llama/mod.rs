@@ -18,6 +18,7 @@ mod moe_options;
 #[cfg(test)]
 mod moe_tests;
 mod options;
+mod refusals;
 mod routed;
 mod stack;
 #[cfg(test)]
@@ -36,6 +37,7 @@ use ddpjob_kernels::rms_norm;
 use ddpjob_kernels::rope;
 pub use moe::{ExpertNames, MoeConfig};
 pub use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
+pub use refusals::refusal as unsupported_features;
 use rope::{Llama3Scaling, RopeTables};
 
 /// The shape of a Llama-family model, in `transformers`' `config.json` names.

@@ -538,6 +538,12 @@ fn from_trained(trained: &Trained) -> Result<LlamaOptions, String> {
 fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, String> {
     let s = |e: ddpjob_storage::hf::HfError| e.to_string();
     let model_type = dir.model_type().map_err(s)?;
+    if let Some(why) = super::refusals::refusal(&dir.config, model_type) {
+        return Err(format!(
+            "`{}`: {why}",
+            dir.root.join("config.json").display()
+        ));
+    }
     if !MODEL_TYPES.contains(&model_type) {
         return Err(format!(
             "`{}`: model_type \"{model_type}\" is not supported by model.arch = \"llama\"; \

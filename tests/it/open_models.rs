@@ -264,6 +264,32 @@ fn a_smollm3_checkpoint_fine_tunes_evaluates_and_exports_back() {
     assert!(weights.contains_key("lm_head.weight"));
 }
 
+/// Gemma 3 (sliding and full layers, RoPE bases per type, (1 + w) norms, GeGLU): exported as
+/// `Gemma3ForCausalLM` in transformers 5.x's layout, whichever layout it was read from.
+#[test]
+fn a_gemma3_checkpoint_fine_tunes_evaluates_and_exports_back() {
+    let (_t, config, weights, frozen) =
+        fine_tune_evaluate_and_export_in("gemma3-v4", "gemma3_text", "");
+    assert!(
+        frozen.contains("rope_local_base_freq = 10000.0"),
+        "{frozen}"
+    );
+    assert_eq!(config["architectures"][0], "Gemma3ForCausalLM");
+    assert_eq!(
+        config["layer_types"],
+        serde_json::json!(["sliding_attention", "full_attention", "sliding_attention"])
+    );
+    assert_eq!(
+        config["rope_parameters"]["full_attention"]["rope_type"],
+        "linear"
+    );
+    assert_eq!(config["rope_parameters"]["full_attention"]["factor"], 8.0);
+    assert_eq!(config["query_pre_attn_scalar"], 24);
+    assert_eq!(config["sliding_window"], 4);
+    assert!(weights.contains_key("model.layers.2.post_feedforward_layernorm.weight"));
+    assert!(!weights.contains_key("lm_head.weight"), "tied: left out");
+}
+
 /// `ddpjob eval ... --json`'s object.
 pub(crate) fn eval_json(t: &TestJob, args: &[&str]) -> serde_json::Value {
     let jobs = t.jobs_dir().display().to_string();

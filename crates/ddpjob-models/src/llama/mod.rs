@@ -13,6 +13,7 @@
 //! residual additions and the causal softmax; on a GPU the attention takes q, k and v apart
 //! as the GPT's does there; elsewhere candle's ops compute it.
 
+mod gemma;
 mod moe;
 mod moe_options;
 #[cfg(test)]
@@ -35,6 +36,7 @@ use crate::kit::{Linear, ParamBuilder, add_residual, attention, head};
 use ddpjob_kernels as kernels;
 use ddpjob_kernels::rms_norm;
 use ddpjob_kernels::rope;
+pub use gemma::GemmaConfig;
 pub use moe::{ExpertNames, MoeConfig};
 pub use options::{KEYS, MODEL_TYPES, build_llama, hf_parts};
 pub use refusals::refusal as unsupported_features;
@@ -55,6 +57,8 @@ pub struct LlamaConfig {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub rope_scaling: Option<Llama3Scaling>,
+    /// A linear RoPE scaling: every frequency divided by this (Gemma 3's full layers).
+    pub rope_linear: Option<f64>,
     pub tie_word_embeddings: bool,
     /// Biases on q, k and v (Qwen2), on o too (Llama's `attention_bias`).
     pub qkv_bias: bool,
@@ -71,6 +75,10 @@ pub struct LlamaConfig {
     pub initializer_range: f64,
     /// A mixture of experts in place of the MLP of some layers (Qwen3-MoE, Mixtral, OLMoE).
     pub moe: Option<MoeConfig>,
+    /// Gemma 3: (1 + w) RMSNorms, four a layer; the embedding scaled by √hidden; GeGLU;
+    /// scores scaled by `query_pre_attn_scalar`^-½; `sliding_window` and a RoPE base of their
+    /// own on the sliding layers only.
+    pub gemma: Option<GemmaConfig>,
 }
 
 /// Where q and k are RMS-normed ([`LlamaConfig::qk_norm`]).
@@ -150,6 +158,8 @@ pub struct Llama {
     /// `lm_head.weight` when not tied to the embedding.
     lm_head: Option<Var>,
     rope: RopeTables,
+    /// Gemma 3's sliding layers' RoPE.
+    local_rope: Option<RopeTables>,
     compute: DType,
     params: Params,
     /// `train.activation_checkpointing`: training passes keep each layer's input only.
@@ -169,7 +179,16 @@ struct Layer {
     qk_norm: Option<(Var, Var)>,
     /// Whether q and k are rotated ([`LlamaConfig::rotary`]).
     rotary: bool,
+    /// The window its queries see, when shorter than the whole past can be (Mistral's every
+    /// layer, Gemma 3's sliding layers).
+    window: Option<usize>,
+    /// Gemma 3's sliding layers rotate with a base of their own.
+    local_rope: bool,
+    /// Before the MLP (Gemma's `pre_feedforward_layernorm`).
     post_norm: Var,
+    /// Gemma's norms of the attention's and the MLP's outputs (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`).
+    output_norms: Option<(Var, Var)>,
     mlp: Mlp,
 }
 
@@ -216,10 +235,11 @@ impl Llama {
             let k = attn(&mut init, "k_proj", hidden, kv_out, c.qkv_bias)?;
             let v = attn(&mut init, "v_proj", hidden, kv_out, c.qkv_bias)?;
             let o = attn(&mut init, "o_proj", q_out, hidden, c.o_bias)?;
+            let one = if c.gemma.is_some() { 0.0 } else { 1.0 };
             let norms = |init: &mut ParamBuilder, q: usize, k: usize| -> Result<_> {
                 Ok(Some((
-                    init.constant(format!("{p}.self_attn.q_norm.weight"), q, 1.0)?,
-                    init.constant(format!("{p}.self_attn.k_norm.weight"), k, 1.0)?,
+                    init.constant(format!("{p}.self_attn.q_norm.weight"), q, one)?,
+                    init.constant(format!("{p}.self_attn.k_norm.weight"), k, one)?,
                 )))
             };
             let qk_norm = match c.qk_norm {
@@ -242,9 +262,30 @@ impl Llama {
                     }
                 }
             };
-            let input_norm = init.constant(format!("{p}.input_layernorm.weight"), hidden, 1.0)?;
-            let post_norm =
-                init.constant(format!("{p}.post_attention_layernorm.weight"), hidden, 1.0)?;
+            // Gemma stores its norms' weights as offsets from 1: 0 is the identity.
+            let one = if c.gemma.is_some() { 0.0 } else { 1.0 };
+            let input_norm = init.constant(format!("{p}.input_layernorm.weight"), hidden, one)?;
+            let (post_norm, output_norms) = match c.gemma {
+                Some(_) => {
+                    let attn =
+                        init.constant(format!("{p}.post_attention_layernorm.weight"), hidden, 0.0)?;
+                    let pre = init.constant(
+                        format!("{p}.pre_feedforward_layernorm.weight"),
+                        hidden,
+                        0.0,
+                    )?;
+                    let mlp = init.constant(
+                        format!("{p}.post_feedforward_layernorm.weight"),
+                        hidden,
+                        0.0,
+                    )?;
+                    (pre, Some((attn, mlp)))
+                }
+                None => (
+                    init.constant(format!("{p}.post_attention_layernorm.weight"), hidden, 1.0)?,
+                    None,
+                ),
+            };
             layers.push(Layer {
                 input_norm,
                 q,
@@ -253,11 +294,18 @@ impl Llama {
                 o,
                 qk_norm,
                 rotary: c.rotary.as_ref().is_none_or(|r| r[i]),
+                window: match &c.gemma {
+                    Some(g) => c.sliding_window.filter(|_| g.sliding[i]),
+                    None => c.sliding_window,
+                },
+                local_rope: c.gemma.as_ref().is_some_and(|g| g.sliding[i]),
                 post_norm,
+                output_norms,
                 mlp,
             });
         }
-        let norm = init.constant("model.norm.weight".into(), hidden, 1.0)?;
+        let one = if c.gemma.is_some() { 0.0 } else { 1.0 };
+        let norm = init.constant("model.norm.weight".into(), hidden, one)?;
         let lm_head = match c.tie_word_embeddings {
             true => None,
             false => Some(init.normal("lm_head.weight", &[c.vocab_size, hidden], std)?),
@@ -271,7 +319,17 @@ impl Llama {
         if c.tie_word_embeddings {
             params.tie("lm_head.weight", "model.embed_tokens.weight");
         }
-        let inv_freq = rope::inverse_frequencies(hd, c.rope_theta, c.rope_scaling);
+        let mut inv_freq = rope::inverse_frequencies(hd, c.rope_theta, c.rope_scaling);
+        if let Some(factor) = c.rope_linear {
+            inv_freq.iter_mut().for_each(|f| *f /= factor);
+        }
+        let local_rope = match &c.gemma {
+            Some(g) => {
+                let inv = rope::inverse_frequencies(hd, g.local_rope_theta, None);
+                Some(RopeTables::new(&inv, c.block_size, device)?)
+            }
+            None => None,
+        };
         Ok(Llama {
             config: config.clone(),
             embed,
@@ -279,6 +337,7 @@ impl Llama {
             norm,
             lm_head,
             rope: RopeTables::new(&inv_freq, c.block_size, device)?,
+            local_rope,
             compute,
             params,
             checkpoint: AtomicBool::new(false),
@@ -347,9 +406,27 @@ impl Llama {
         Ok(x)
     }
 
-    /// Token ids [n, t] → their embeddings [n·t, hidden].
+    /// Token ids [n, t] → their embeddings [n·t, hidden] (Gemma's times √hidden).
     fn embed_tokens(&self, ids: &Tensor) -> Result<Tensor> {
-        self.input(&self.embed).embedding(&ids.flatten_all()?)
+        let x = self.input(&self.embed).embedding(&ids.flatten_all()?)?;
+        match self.embed_scale() {
+            Some(scale) => x.affine(scale, 0.0),
+            None => Ok(x),
+        }
+    }
+
+    /// Gemma's embedding scale, √hidden as an f32 (transformers casts it to the weights' dtype).
+    fn embed_scale(&self) -> Option<f64> {
+        let hidden = self.config.hidden_size as f32;
+        self.config.gemma.as_ref().map(|_| hidden.sqrt() as f64)
+    }
+
+    /// An RMSNorm's weight as the norm multiplies by it: Gemma's `1 + w`.
+    fn norm_weight(&self, w: &Var) -> Result<Tensor> {
+        match self.config.gemma {
+            Some(_) => self.input(w).affine(1.0, 1.0),
+            None => Ok(self.input(w)),
+        }
     }
 
     /// One decoder layer over the residual stream `x` [n·t, hidden].
@@ -374,16 +451,22 @@ impl Llama {
         mode: &Mode,
     ) -> Result<(Tensor, Option<moe::Routing>)> {
         let eps = self.config.rms_norm_eps;
-        let h = rms_norm(x, &self.input(&layer.input_norm), eps)?;
-        let y = self.attention(layer, &h, shape, packing, mode)?;
+        let h = rms_norm(x, &self.norm_weight(&layer.input_norm)?, eps)?;
+        let mut y = self.attention(layer, &h, shape, packing, mode)?;
+        if let Some((attn, _)) = &layer.output_norms {
+            y = rms_norm(&y, &self.norm_weight(attn)?, eps)?;
+        }
         let x = add_residual(x, &y)?;
-        let h = rms_norm(&x, &self.input(&layer.post_norm), eps)?;
-        let (y, routing) = self.mlp(layer, &h, mode)?;
+        let h = rms_norm(&x, &self.norm_weight(&layer.post_norm)?, eps)?;
+        let (mut y, routing) = self.mlp(layer, &h, mode)?;
+        if let Some((_, mlp)) = &layer.output_norms {
+            y = rms_norm(&y, &self.norm_weight(mlp)?, eps)?;
+        }
         Ok((add_residual(&x, &y)?, routing))
     }
 
     fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
-        rms_norm(x, &self.input(&self.norm), self.config.rms_norm_eps)
+        rms_norm(x, &self.norm_weight(&self.norm)?, self.config.rms_norm_eps)
     }
 
     /// Grouped-query causal self-attention of `h` [n·t, hidden], projected: [n·t, hidden];
@@ -417,13 +500,14 @@ impl Llama {
             Some((qw, kw)) => {
                 let eps = c.rms_norm_eps;
                 let norm = |x: &Tensor, w: &Var| -> Result<Tensor> {
+                    let w = self.norm_weight(w)?;
                     let normed = match c.qk_norm {
                         QkNorm::Whole => {
                             let (n, t, h, d) = x.dims4()?;
                             let whole = x.reshape((n * t, h * d))?;
-                            rms_norm(&whole, &self.input(w), eps)?.reshape((n, t, h, d))?
+                            rms_norm(&whole, &w, eps)?.reshape((n, t, h, d))?
                         }
-                        _ => rms_norm(x, &self.input(w), eps)?,
+                        _ => rms_norm(x, &w, eps)?,
                     };
                     normed.to_dtype(x.dtype())
                 };
@@ -431,19 +515,27 @@ impl Llama {
             }
             None => (q, k),
         };
+        let tables = match (&self.local_rope, layer.local_rope) {
+            (Some(local), true) => local,
+            _ => &self.rope,
+        };
         let rope = |x: &Tensor| match packing {
             _ if !layer.rotary => Ok(x.clone()),
-            Some(p) => self.rope.apply_at(x, &p.positions),
-            None => self.rope.apply(x, 0),
+            Some(p) => tables.apply_at(x, &p.positions),
+            None => tables.apply(x, 0),
         };
-        let q = rope(&q)?;
+        let mut q = rope(&q)?;
+        if let Some(g) = &c.gemma {
+            // Gemma scores by query_pre_attn_scalar^-½; the attention ops by head_dim^-½.
+            q = q.affine((hd as f64 / g.query_pre_attn_scalar).sqrt(), 0.0)?;
+        }
         let k = repeat_kv(&rope(&k)?, heads / kv_heads)?;
         let v = repeat_kv(&v, heads / kv_heads)?;
         let width = heads * hd;
         // A window shorter than the rows: scores under a mask that also hides the keys it
         // leaves behind (composed from candle's ops; the fused kernels attend to the whole
         // causal past).
-        if let Some(window) = c.sliding_window.filter(|&w| w < t) {
+        if let Some(window) = layer.window.filter(|&w| w < t) {
             let mut mask = windowed_causal_mask(t, window, h.device())?;
             if let Some(p) = packing {
                 mask = p.mask()?.broadcast_add(&mask)?;
@@ -493,7 +585,11 @@ impl Llama {
             Mlp::Dense { gate, up, down } => {
                 let gate = gate.forward_mode(h, self.compute, mode)?;
                 let up = up.forward_mode(h, self.compute, mode)?;
-                let hidden = kernels::swiglu(&gate, &up)?;
+                let hidden = match self.config.gemma {
+                    // GeGLU: gelu_pytorch_tanh(gate) · up (candle's `gelu` is the tanh form).
+                    Some(_) => (gate.gelu()? * up)?,
+                    None => kernels::swiglu(&gate, &up)?,
+                };
                 Ok((down.forward_mode(&hidden, self.compute, mode)?, None))
             }
             Mlp::Sparse(moe) => {
@@ -652,6 +748,13 @@ impl Model for Llama {
         let repeated = if kv < q { 2 * q } else { 0 };
         // Qwen3's normed q and k, kept beside the projections.
         let normed = if c.qk_norm == QkNorm::None { 0 } else { q + kv };
+        // Gemma's two output norms, and GeGLU's activation beside its product.
+        let normed = normed
+            + if c.gemma.is_some() {
+                2 * hidden + inner
+            } else {
+                0
+            };
         let layer = 6 * hidden + 6 * q + repeated + 3 * kv + 3 * inner + normed;
         let layers = c.num_hidden_layers;
         let per_position = match checkpointing {

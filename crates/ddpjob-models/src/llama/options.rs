@@ -19,7 +19,7 @@ use ddpjob_storage::checkpoint::Trained;
 use ddpjob_storage::hf::{HfDir, SameLayout};
 
 /// The `model_type`s read as `arch = "llama"`.
-pub const MODEL_TYPES: [&str; 8] = [
+pub const MODEL_TYPES: [&str; 9] = [
     "llama",
     "mistral",
     "qwen2",
@@ -28,6 +28,7 @@ pub const MODEL_TYPES: [&str; 8] = [
     "qwen3_moe",
     "mixtral",
     "olmoe",
+    "gemma3_text",
 ];
 
 /// `model.arch = "llama"`. Every key but `init_from` has a default or comes from
@@ -114,14 +115,28 @@ pub struct LlamaOptions {
     /// with `output_router_logits`); it is logged as `aux_loss` either way.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_router_logits: Option<bool>,
+    /// Gemma 3: attention scores scaled by `query_pre_attn_scalar`^-½, not `head_dim`^-½.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Gemma 3: each layer's `"sliding_attention"` (within `sliding_window`, RoPE base
+    /// `rope_local_base_freq`) or `"full_attention"` (`rope_theta`, `rope_scaling`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_types: Option<Vec<String>>,
+    /// Gemma 3: the sliding layers' RoPE base.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_local_base_freq: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct RopeScalingOptions {
     pub rope_type: RopeType,
     pub factor: f64,
+    /// Llama 3's alone (0 for `"linear"`).
+    #[serde(default)]
     pub low_freq_factor: f64,
+    #[serde(default)]
     pub high_freq_factor: f64,
+    #[serde(default)]
     pub original_max_position_embeddings: usize,
 }
 
@@ -129,6 +144,8 @@ pub struct RopeScalingOptions {
 #[serde(rename_all = "lowercase")]
 pub enum RopeType {
     Llama3,
+    /// Every frequency divided by `factor` (positions interpolated; Gemma 3's full layers).
+    Linear,
 }
 
 /// The keys as `ddpjob keys` and the config reference show them, in the struct's order. Their
@@ -208,7 +225,8 @@ pub const KEYS: &[KeyDoc] = &[
         key: "rope_scaling",
         default: "none",
         doc: "`{ rope_type = \"llama3\", factor, low_freq_factor, high_freq_factor, \
-              original_max_position_embeddings }` (Llama 3.1/3.2)",
+              original_max_position_embeddings }` (Llama 3.1/3.2), or `{ rope_type = \
+              \"linear\", factor }` (positions interpolated; Gemma 3's full layers)",
     },
     KeyDoc {
         key: "no_rope_layers",
@@ -272,6 +290,23 @@ pub const KEYS: &[KeyDoc] = &[
         key: "router_aux_loss_coef",
         default: "the checkpoint's (`0.001`; OLMoE `0.01`)",
         doc: "the load-balancing loss's weight in the objective",
+    },
+    KeyDoc {
+        key: "query_pre_attn_scalar",
+        default: "the checkpoint's",
+        doc: "`gemma3_text`: attention scores scaled by its inverse square root (not \
+              `head_dim`'s)",
+    },
+    KeyDoc {
+        key: "layer_types",
+        default: "the checkpoint's (4.x: every `sliding_window_pattern`-th layer full)",
+        doc: "`gemma3_text`: one `\"sliding_attention\"` or `\"full_attention\"` per layer",
+    },
+    KeyDoc {
+        key: "rope_local_base_freq",
+        default: "the checkpoint's (`10000.0`)",
+        doc: "`gemma3_text`: the sliding layers' RoPE base (the full layers': `rope_theta`, \
+              `rope_scaling`)",
     },
     KeyDoc {
         key: "output_router_logits",
@@ -381,7 +416,7 @@ impl LlamaOptions {
         let heads = pick(self.num_attention_heads, d.num_attention_heads);
         let qwen = self.model_type.as_deref() == Some("qwen2");
         let qk_norm = match self.model_type.as_deref() {
-            Some("qwen3" | "qwen3_moe") => QkNorm::PerHead,
+            Some("qwen3" | "qwen3_moe" | "gemma3_text") => QkNorm::PerHead,
             Some("olmoe") => QkNorm::Whole,
             _ => QkNorm::None,
         };
@@ -397,12 +432,20 @@ impl LlamaOptions {
             head_dim: self.head_dim.unwrap_or(hidden / heads.max(1)),
             rms_norm_eps: self.rms_norm_eps.unwrap_or(1e-5),
             rope_theta: self.rope_theta.unwrap_or(10_000.0),
-            rope_scaling: self.rope_scaling.map(|s| Llama3Scaling {
-                factor: s.factor,
-                low_freq_factor: s.low_freq_factor,
-                high_freq_factor: s.high_freq_factor,
-                original_max_position_embeddings: s.original_max_position_embeddings,
-            }),
+            rope_scaling: self
+                .rope_scaling
+                .filter(|s| s.rope_type == RopeType::Llama3)
+                .map(|s| Llama3Scaling {
+                    factor: s.factor,
+                    low_freq_factor: s.low_freq_factor,
+                    high_freq_factor: s.high_freq_factor,
+                    original_max_position_embeddings: s.original_max_position_embeddings,
+                }),
+            rope_linear: self
+                .rope_scaling
+                .filter(|s| s.rope_type == RopeType::Linear)
+                .map(|s| s.factor),
+            gemma: super::gemma::gemma_config(self),
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(true),
             qkv_bias: qwen || attention_bias,
             o_bias: !qwen && attention_bias,
@@ -429,6 +472,7 @@ impl LlamaOptions {
             "qwen3_moe" => "Qwen3MoeForCausalLM",
             "mixtral" => "MixtralForCausalLM",
             "olmoe" => "OlmoeForCausalLM",
+            "gemma3_text" => "Gemma3ForCausalLM",
             _ => "LlamaForCausalLM",
         };
         let c = config;
@@ -450,14 +494,15 @@ impl LlamaOptions {
         m.insert("max_position_embeddings".into(), max_positions.into());
         m.insert("rms_norm_eps".into(), c.rms_norm_eps.into());
         m.insert("rope_theta".into(), c.rope_theta.into());
-        let scaling = self.rope_scaling.map(|s| {
-            serde_json::json!({
+        let scaling = self.rope_scaling.map(|s| match s.rope_type {
+            RopeType::Llama3 => serde_json::json!({
                 "rope_type": "llama3",
                 "factor": s.factor,
                 "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position_embeddings,
-            })
+            }),
+            RopeType::Linear => serde_json::json!({"rope_type": "linear", "factor": s.factor}),
         });
         m.insert("rope_scaling".into(), scaling.unwrap_or(Value::Null));
         m.insert("tie_word_embeddings".into(), c.tie_word_embeddings.into());
@@ -486,6 +531,7 @@ impl LlamaOptions {
                 m.insert("attention_bias".into(), c.o_bias.into());
                 m.insert("clip_qkv".into(), Value::Null);
             }
+            "gemma3_text" => super::gemma::write_gemma(self, c, &mut m),
             "smollm3" => {
                 m.insert("attention_bias".into(), c.o_bias.into());
                 m.insert("mlp_bias".into(), false.into());
@@ -552,7 +598,11 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
             MODEL_TYPES.map(|t| format!("\"{t}\"")).join(", ")
         ));
     }
-    let act = dir.str_or("hidden_act", "silu").map_err(s)?;
+    let act = match model_type {
+        // Gemma's MLP is GeGLU (`hidden_activation`), read in `gemma`.
+        "gemma3_text" => "silu",
+        _ => dir.str_or("hidden_act", "silu").map_err(s)?,
+    };
     if act != "silu" {
         return Err(format!(
             "`{}`: hidden_act \"{act}\" is not supported (the Llama family's MLP is SwiGLU: \
@@ -580,7 +630,10 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
     };
     let hidden = dir.usize_or("hidden_size", None).map_err(s)?;
     let heads = dir.usize_or("num_attention_heads", None).map_err(s)?;
-    let (theta, scaling) = rope_parameters(dir)?;
+    let (theta, scaling) = match model_type {
+        "gemma3_text" => super::gemma::full_rope(dir)?,
+        _ => rope_parameters(dir)?,
+    };
     let layers = dir.usize_or("num_hidden_layers", None).map_err(s)?;
     let no_rope_layers = match model_type {
         "smollm3" => Some(no_rope_layers(dir, layers)?),
@@ -615,6 +668,10 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
         initializer_range: Some(dir.f64_or("initializer_range", 0.02).map_err(s)?),
         ..super::moe_options::moe_from_hf(dir, model_type)?
     };
+    let options = match model_type {
+        "gemma3_text" => super::gemma::gemma_from_hf(dir, options, layers)?,
+        _ => options,
+    };
     let block = wanted_block.unwrap_or(max_positions);
     if let Some(window) = sliding.filter(|&w| w < block && !windowed(model_type)) {
         return Err(format!(
@@ -629,7 +686,7 @@ fn from_hf(dir: &HfDir, wanted_block: Option<usize>) -> Result<LlamaOptions, Str
 
 /// Whether the family attends within `sliding_window` (Mistral's and Mixtral's).
 fn windowed(model_type: &str) -> bool {
-    matches!(model_type, "mistral" | "mixtral")
+    matches!(model_type, "mistral" | "mixtral" | "gemma3_text")
 }
 
 /// SmolLM3's `no_rope_layers` (one 0 or 1 per layer), or as transformers makes it when the file
@@ -665,7 +722,7 @@ fn no_rope_layers(dir: &HfDir, layers: usize) -> Result<Vec<usize>, String> {
 
 /// `rope_theta` and `rope_scaling` at the top level (transformers 4.x) or inside
 /// `rope_parameters` (5.x).
-fn rope_parameters(dir: &HfDir) -> Result<(f64, Option<RopeScalingOptions>), String> {
+pub(super) fn rope_parameters(dir: &HfDir) -> Result<(f64, Option<RopeScalingOptions>), String> {
     let where_ = dir.root.join("config.json");
     let nested = dir.config.get("rope_parameters").and_then(Value::as_object);
     let theta = nested
@@ -685,13 +742,39 @@ fn rope_parameters(dir: &HfDir) -> Result<(f64, Option<RopeScalingOptions>), Str
     let Some(scaling) = scaling else {
         return Ok((theta, None));
     };
+    Ok((theta, rope_scaling_of(scaling, &where_)?))
+}
+
+/// A `rope_scaling` (or `rope_parameters`) object's scaling: `None` for `"default"`.
+pub(super) fn rope_scaling_of(
+    scaling: &Map<String, Value>,
+    where_: &Path,
+) -> Result<Option<RopeScalingOptions>, String> {
     let kind = scaling
         .get("rope_type")
         .or_else(|| scaling.get("type"))
         .and_then(Value::as_str)
         .unwrap_or("default");
     match kind {
-        "default" => Ok((theta, None)),
+        "default" => Ok(None),
+        "linear" => {
+            let factor = scaling
+                .get("factor")
+                .and_then(Value::as_f64)
+                .ok_or_else(|| {
+                    format!(
+                        "`{}`: rope scaling \"linear\" has no number \"factor\"",
+                        where_.display()
+                    )
+                })?;
+            Ok(Some(RopeScalingOptions {
+                rope_type: RopeType::Linear,
+                factor,
+                low_freq_factor: 0.0,
+                high_freq_factor: 0.0,
+                original_max_position_embeddings: 0,
+            }))
+        }
         "llama3" => {
             let num = |k: &str| {
                 scaling.get(k).and_then(Value::as_f64).ok_or_else(|| {
@@ -701,21 +784,17 @@ fn rope_parameters(dir: &HfDir) -> Result<(f64, Option<RopeScalingOptions>), Str
                     )
                 })
             };
-            Ok((
-                theta,
-                Some(RopeScalingOptions {
-                    rope_type: RopeType::Llama3,
-                    factor: num("factor")?,
-                    low_freq_factor: num("low_freq_factor")?,
-                    high_freq_factor: num("high_freq_factor")?,
-                    original_max_position_embeddings: num("original_max_position_embeddings")?
-                        as usize,
-                }),
-            ))
+            Ok(Some(RopeScalingOptions {
+                rope_type: RopeType::Llama3,
+                factor: num("factor")?,
+                low_freq_factor: num("low_freq_factor")?,
+                high_freq_factor: num("high_freq_factor")?,
+                original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
+            }))
         }
         other => Err(format!(
-            "`{}`: rope scaling of type \"{other}\" is not supported (\"default\" and \"llama3\" \
-             are)",
+            "`{}`: rope scaling of type \"{other}\" is not supported (\"default\", \"linear\" \
+             and \"llama3\" are)",
             where_.display()
         )),
     }
@@ -774,6 +853,9 @@ fn merge(given: LlamaOptions, base: LlamaOptions, source: &str) -> Result<LlamaO
         // `from_pretrained` arguments): the job's choice wins.
         router_aux_loss_coef: given.router_aux_loss_coef.or(base.router_aux_loss_coef),
         output_router_logits: given.output_router_logits.or(base.output_router_logits),
+        query_pre_attn_scalar: take!(query_pre_attn_scalar),
+        layer_types: take!(layer_types),
+        rope_local_base_freq: take!(rope_local_base_freq),
     };
     if !conflicts.is_empty() {
         return Err(format!(
@@ -881,7 +963,11 @@ fn check(o: &LlamaOptions) -> Result<(), String> {
     {
         return Err(format!("model.rms_norm_eps must be 0 or more, got {eps}"));
     }
-    if let Some(r) = &o.rope_scaling {
+    super::gemma::check_gemma(o)?;
+    if let Some(r) = o.rope_scaling.filter(|r| r.rope_type == RopeType::Linear) {
+        positive("rope_scaling.factor", Some(r.factor))?;
+    }
+    if let Some(r) = o.rope_scaling.filter(|r| r.rope_type == RopeType::Llama3) {
         positive("rope_scaling.factor", Some(r.factor))?;
         positive("rope_scaling.low_freq_factor", Some(r.low_freq_factor))?;
         if !(r.high_freq_factor.is_finite() && r.high_freq_factor > r.low_freq_factor) {

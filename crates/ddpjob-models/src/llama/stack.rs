@@ -87,7 +87,15 @@ impl Stack for Llama {
             Some(g) => g.clone(),
             None => self.embed.as_tensor().zeros_like()?,
         };
-        sink.put(i, Some(onto.index_add(&b.ids.flatten_all()?, upstream, 0)?))
+        // Gemma's scaled embedding: the scale's backward first, as autograd's.
+        let upstream = match self.embed_scale() {
+            Some(scale) => upstream.affine(scale, 0.0)?,
+            None => upstream.clone(),
+        };
+        sink.put(
+            i,
+            Some(onto.index_add(&b.ids.flatten_all()?, &upstream, 0)?),
+        )
     }
 
     fn params(&self) -> &Params {

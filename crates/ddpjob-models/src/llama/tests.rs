@@ -77,8 +77,14 @@ fn logits_and_loss_equal_transformers_for_every_model_type() {
         "qwen3-moe",
         "mixtral",
         "olmoe",
+        "gemma3",
+        "gemma3-v4",
     ] {
-        let reference_name = if name == "llama-v4" { "llama" } else { name };
+        let reference_name = match name {
+            "llama-v4" => "llama",
+            "gemma3-v4" => "gemma3",
+            _ => name,
+        };
         let (x, y, logits, loss) = reference(reference_name);
         let model = pretrained(name);
         let ours = model.forward(&x, &Mode::Eval).unwrap();
@@ -659,6 +665,8 @@ fn recomputed_layers_give_the_whole_models_gradients_bit_for_bit() {
         "qwen3-moe f32",
         "mixtral bf16",
         "olmoe f32",
+        "gemma3 f32",
+        "gemma3 bf16",
     ] {
         let build = || match name {
             "qwen2 + LoRA" => with_adapter(),

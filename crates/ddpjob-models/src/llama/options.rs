@@ -154,7 +154,8 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "init_from",
         default: "none (random weights)",
-        doc: "a Hugging Face `llama`, `mistral`, `qwen2`, `qwen3` or `smollm3` directory \
+        doc: "a Hugging Face `llama`, `mistral`, `qwen2`, `qwen3`, `smollm3`, `gemma3_text`, \
+              `qwen3_moe`, `mixtral` or `olmoe` directory \
               (`config.json`, `model.safetensors` or an index's shards, `tokenizer.json`), or its \
               Hub id (`\"Qwen/Qwen3-0.6B\"`: the HF cache, downloaded if missing), or another \
               llama job",
@@ -163,8 +164,9 @@ pub const KEYS: &[KeyDoc] = &[
         key: "model_type",
         default: "`\"llama\"`",
         doc: "`\"llama\"`, `\"mistral\"`, `\"qwen2\"` (q/k/v biases), `\"qwen3\"` (each \
-              head's q and k RMS-normed) or `\"smollm3\"` (layers without positions): what \
-              `export --hf` writes",
+              head's q and k RMS-normed), `\"smollm3\"` (layers without positions), \
+              `\"gemma3_text\"` (Gemma 3) or the mixtures of experts `\"qwen3_moe\"`, \
+              `\"mixtral\"`, `\"olmoe\"`: what `export --hf` writes",
     },
     KeyDoc {
         key: "block_size",
@@ -237,8 +239,8 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "sliding_window",
         default: "none (the whole context)",
-        doc: "`model_type = \"mistral\"`: each position attends to itself and the \
-              `sliding_window - 1` positions before it",
+        doc: "`mistral`, `mixtral` (every layer) and `gemma3_text` (its sliding layers): each \
+              position attends to itself and the `sliding_window - 1` positions before it",
     },
     KeyDoc {
         key: "tie_word_embeddings",

@@ -800,14 +800,14 @@ fn a_bad_value_inside_an_options_table_names_its_key_and_where_it_was_set() {
                  num_hidden_layers = 1\nnum_attention_heads = 2\nvocab_size = 64\n";
     let err = load_text(
         llama,
-        &["model.rope_scaling={rope_type=\"linear\", factor=2.0}"],
+        &["model.rope_scaling={rope_type=\"yarn\", factor=2.0}"],
     )
     .unwrap_err()
     .to_string();
     assert!(
         err.contains(
-            "invalid `model.rope_scaling.rope_type` (--set model.rope_scaling={rope_type=\"linear\""
-        ) && err.contains("unknown variant `linear`"),
+            "invalid `model.rope_scaling.rope_type` (--set model.rope_scaling={rope_type=\"yarn\""
+        ) && err.contains("unknown variant `yarn`"),
         "{err}"
     );
     let err = load_text(

@@ -294,6 +294,13 @@ pub const KEYS: &[KeyDoc] = &[
         doc: "the load-balancing loss's weight in the objective",
     },
     KeyDoc {
+        key: "output_router_logits",
+        default: "the checkpoint's (`false`)",
+        doc: "`true`: the load-balancing loss (times `router_aux_loss_coef`) is trained on, as \
+              transformers adds it; it is logged as `aux_loss` (`train/aux_loss`) either way, \
+              per sequence (see the open-models chapter)",
+    },
+    KeyDoc {
         key: "query_pre_attn_scalar",
         default: "the checkpoint's",
         doc: "`gemma3_text`: attention scores scaled by its inverse square root (not \
@@ -309,13 +316,6 @@ pub const KEYS: &[KeyDoc] = &[
         default: "the checkpoint's (`10000.0`)",
         doc: "`gemma3_text`: the sliding layers' RoPE base (the full layers': `rope_theta`, \
               `rope_scaling`)",
-    },
-    KeyDoc {
-        key: "output_router_logits",
-        default: "the checkpoint's (`false`)",
-        doc: "`true`: the load-balancing loss (times `router_aux_loss_coef`) is trained on, as \
-              transformers adds it; it is logged as `aux_loss` (`train/aux_loss`) either way, \
-              per sequence (see the open-models chapter)",
     },
 ];
 

@@ -13,6 +13,7 @@
 //! residual additions and the causal softmax; on a GPU the attention takes q, k and v apart
 //! as the GPT's does there; elsewhere candle's ops compute it.
 
+mod decode;
 mod gemma;
 mod moe;
 mod moe_options;
@@ -469,16 +470,16 @@ impl Llama {
         rms_norm(x, &self.norm_weight(&self.norm)?, self.config.rms_norm_eps)
     }
 
-    /// Grouped-query causal self-attention of `h` [n·t, hidden], projected: [n·t, hidden];
-    /// within each example, at its own positions, when `packing` says the rows are packed.
-    fn attention(
+    /// q [n, t, heads, hd], k and v [n, t, kv_heads, hd] of `h` [n·t, hidden]: projected,
+    /// normed (Qwen3, OLMoE, Gemma), q and k rotated at their positions, q scaled for Gemma.
+    fn rotated_qkv(
         &self,
         layer: &Layer,
         h: &Tensor,
         (n, t): (usize, usize),
-        packing: Option<&Packing>,
+        at: Position,
         mode: &Mode,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let c = &self.config;
         let (heads, kv_heads, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let q = layer
@@ -519,17 +520,34 @@ impl Llama {
             (Some(local), true) => local,
             _ => &self.rope,
         };
-        let rope = |x: &Tensor| match packing {
+        let rope = |x: &Tensor| match at {
             _ if !layer.rotary => Ok(x.clone()),
-            Some(p) => tables.apply_at(x, &p.positions),
-            None => tables.apply(x, 0),
+            Position::Packed(p) => tables.apply_at(x, &p.positions),
+            Position::From(offset) => tables.apply(x, offset),
         };
         let mut q = rope(&q)?;
         if let Some(g) = &c.gemma {
             // Gemma scores by query_pre_attn_scalar^-½; the attention ops by head_dim^-½.
             q = q.affine((hd as f64 / g.query_pre_attn_scalar).sqrt(), 0.0)?;
         }
-        let k = repeat_kv(&rope(&k)?, heads / kv_heads)?;
+        let k = rope(&k)?;
+        Ok((q, k, v))
+    }
+
+    /// Grouped-query causal self-attention of `h` [n·t, hidden], projected: [n·t, hidden];
+    /// within each example, at its own positions, when `packing` says the rows are packed.
+    fn attention(
+        &self,
+        layer: &Layer,
+        h: &Tensor,
+        (n, t): (usize, usize),
+        packing: Option<&Packing>,
+        mode: &Mode,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let (heads, kv_heads, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (q, k, v) = self.rotated_qkv(layer, h, (n, t), Position::from(packing), mode)?;
+        let k = repeat_kv(&k, heads / kv_heads)?;
         let v = repeat_kv(&v, heads / kv_heads)?;
         let width = heads * hd;
         // A window shorter than the rows: scores under a mask that also hides the keys it
@@ -726,6 +744,11 @@ impl Model for Llama {
         &self.params
     }
 
+    /// Keys and values kept per layer, each query within its layer's window (see `decode`).
+    fn kv_decoder(&self) -> Option<&dyn crate::KvDecoder> {
+        Some(self)
+    }
+
     /// What autograd keeps per position of a training pass on the CPU in f32 (bf16 and GPUs:
     /// not known): in each layer the two norms' outputs, q, k, v and their rotations, the key
     /// and value heads repeated for their groups, the concatenation the attention reads, its
@@ -824,4 +847,18 @@ fn repeat_kv(kv: &Tensor, groups: usize) -> Result<Tensor> {
     kv.unsqueeze(3)?
         .broadcast_as((n, t, kv_heads, groups, hd))?
         .reshape((n, t, kv_heads * groups, hd))
+}
+
+/// Where a pass's positions are: each row's own (packed examples restart at 0), or every row's
+/// from an offset (0, or the positions a KV cache already holds).
+#[derive(Clone, Copy)]
+enum Position<'a> {
+    Packed(&'a Packing),
+    From(usize),
+}
+
+impl<'a> From<Option<&'a Packing>> for Position<'a> {
+    fn from(packing: Option<&'a Packing>) -> Self {
+        packing.map_or(Position::From(0), Position::Packed)
+    }
 }

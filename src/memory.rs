@@ -122,9 +122,15 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
         Some((local, in_flight)) => t.batch_size / local * in_flight,
         None => t.batch_size,
     };
+    // Passes in flight, each with what it keeps whatever its rows (stacked experts).
+    let passes = match pieces {
+        Some((_, in_flight)) => in_flight,
+        None => layout.threads.clamp(1, t.batch_size.max(1)),
+    };
+    let per_pass = model.activation_bytes_per_pass(layout.checkpointing) * passes as f64;
     let activations = model
         .activation_bytes_per_sample(layout.checkpointing)
-        .map(|per_sample| (per_sample * live_rows as f64) as u64);
+        .map(|per_sample| (per_sample * live_rows as f64 + per_pass) as u64);
     Estimate {
         weights: weights.unwrap_or(4 * all),
         gradients: 4 * per_shard * shards + earlier + averaged,

@@ -77,6 +77,13 @@ pub trait Model: Send + Sync {
         None
     }
 
+    /// Bytes a training pass keeps whatever its number of samples (copies of weights made for
+    /// the pass, such as a mixture's experts stacked for one grouped product), added once per
+    /// pass in flight to [`Model::activation_bytes_per_sample`]'s share. 0 (the default): none.
+    fn activation_bytes_per_pass(&self, _checkpointing: bool) -> f64 {
+        0.0
+    }
+
     /// `train.activation_checkpointing`: from now on a training pass keeps only each block's
     /// input and recomputes the rest of the block in its backward, with the same results bit
     /// for bit (memory for time). `Err`: why this model cannot (the default: it has no
@@ -296,6 +303,10 @@ impl Model for Box<dyn Model> {
 
     fn activation_bytes_per_sample(&self, checkpointing: bool) -> Option<f64> {
         self.as_ref().activation_bytes_per_sample(checkpointing)
+    }
+
+    fn activation_bytes_per_pass(&self, checkpointing: bool) -> f64 {
+        self.as_ref().activation_bytes_per_pass(checkpointing)
     }
 
     fn stream_gradients(&self) -> Option<usize> {

@@ -752,12 +752,13 @@ impl Model for Llama {
     /// What autograd keeps per position of a training pass on the CPU in f32 (bf16 and GPUs:
     /// not known): in each layer the two norms' outputs, q, k, v and their rotations, the key
     /// and value heads repeated for their groups, the concatenation the attention reads, its
-    /// output and projection, the MLP's gate, up, SwiGLU and down, and the two residual sums;
-    /// the backward's gradients of one layer's; the embedding and the final norm; the head's
-    /// logits where it keeps them for its backward (a large vocabulary, within 256 MB). With
-    /// checkpointing: each layer's input and one layer's
-    /// tensors (recomputed, then differentiated). Within 10% of the measured peaks of two
-    /// llamas (35 M and 6 M parameters, with and without checkpointing; see docs/src/memory.md).
+    /// output and projection, the MLP's gate, up, SwiGLU and down (a mixture's router and its
+    /// k experts', `Moe::kept_per_token`), and the two residual sums; the backward's
+    /// gradients of the largest layer's; the embedding and the final norm; the head's logits
+    /// where it keeps them for its backward (a large vocabulary, within 256 MB). With
+    /// checkpointing: each layer's input and one layer's tensors (recomputed, then
+    /// differentiated). Within 10% of the measured peaks of two llamas (35 M and 6 M
+    /// parameters, with and without checkpointing) and of a mixture (see docs/src/memory.md).
     fn activation_bytes_per_sample(&self, checkpointing: bool) -> Option<f64> {
         if self.compute != DType::F32 || !self.embed.as_tensor().device().is_cpu() {
             return None;
@@ -778,16 +779,39 @@ impl Model for Llama {
             } else {
                 0
             };
-        let layer = 6 * hidden + 6 * q + repeated + 3 * kv + 3 * inner + normed;
-        let layers = c.num_hidden_layers;
+        let attention = 6 * hidden + 6 * q + repeated + 3 * kv + normed;
+        let kept: Vec<usize> = (self.layers.iter())
+            .map(|layer| match &layer.mlp {
+                Mlp::Dense { .. } => attention + 3 * inner,
+                Mlp::Sparse(moe) => attention + moe.kept_per_token(hidden),
+            })
+            .collect();
+        let largest = kept.iter().copied().max().unwrap_or(0);
         let per_position = match checkpointing {
-            false => (layers + 1) * layer,
-            true => layers * hidden + layer,
+            false => kept.iter().sum::<usize>() + largest,
+            true => kept.len() * hidden + largest,
         } + 2 * hidden;
         // The head's logits, kept for its backward when a sample's fit in its budget (counted
         // per sample: a pass of several keeps them only within the same budget).
         let logits = head::kept_logit_bytes(c.block_size, c.vocab_size);
         Some((per_position * c.block_size * 4 + logits) as f64)
+    }
+
+    /// The mixtures' experts stacked for their grouped products, every sparse layer's (kept
+    /// to the backward), or one layer's at a time with checkpointing (recomputed).
+    fn activation_bytes_per_pass(&self, checkpointing: bool) -> f64 {
+        if self.compute != DType::F32 || !self.embed.as_tensor().device().is_cpu() {
+            return 0.0;
+        }
+        let stacked = self.layers.iter().map(|layer| match &layer.mlp {
+            Mlp::Dense { .. } => 0,
+            Mlp::Sparse(moe) => moe.stacked_elements(),
+        });
+        let elements = match checkpointing {
+            false => stacked.sum::<usize>(),
+            true => stacked.max().unwrap_or(0),
+        };
+        (elements * 4) as f64
     }
 
     /// 6 operations per trained parameter per token, 4 per frozen one (no weight gradient),

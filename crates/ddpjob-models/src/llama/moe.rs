@@ -140,6 +140,31 @@ impl Moe {
         out
     }
 
+    /// Values autograd keeps per token of a training pass on the CPU in f32: the router's
+    /// logits, shifted, exponentiated and normalised ([E] each), the k weights picked and
+    /// renormalised, and per chosen expert its gathered input, gate, up, SwiGLU, output and
+    /// weighted output; the sum the outputs are added into.
+    pub(super) fn kept_per_token(&self, hidden: usize) -> usize {
+        let (e, k) = (self.experts.len(), self.top_k);
+        let width = self.experts[0].gate.weight.dims()[0];
+        4 * e + 2 * k + k * (3 * hidden + 3 * width) + 2 * hidden
+    }
+
+    /// Values a training pass on the CPU in f32 keeps whatever its tokens: the experts' gate, up
+    /// and down weights stacked [E, out, in] for the grouped products (read again by their
+    /// backward). None without adapters on the experts (they run one expert at a time).
+    pub(super) fn stacked_elements(&self) -> usize {
+        match self.experts_have_adapters() {
+            true => 0,
+            false => self
+                .experts
+                .iter()
+                .flat_map(|x| [&x.gate, &x.up, &x.down])
+                .map(|l| l.weight.elem_count())
+                .sum(),
+        }
+    }
+
     /// Whether any expert has a LoRA adapter (adapter dropout is not applied to them).
     pub(super) fn experts_have_adapters(&self) -> bool {
         self.experts.iter().any(|e| {

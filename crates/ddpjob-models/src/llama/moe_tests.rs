@@ -248,3 +248,33 @@ fn moe_keys_are_read_and_checked() {
         "{err}"
     );
 }
+
+/// The memory estimate counts a mixture's router and its k experts per token, not a dense
+/// MLP's, and once per pass the experts stacked for the grouped products (every sparse
+/// layer's; one at a time with checkpointing). The `qwen3-moe` fixture: layer 0 sparse (8
+/// experts of 16, top 2), layer 1 dense (64), hidden 32, q 4 × 16, key/value 2 × 16.
+#[test]
+fn the_memory_estimate_counts_the_router_the_chosen_experts_and_their_stacked_weights() {
+    let o = options_from("qwen3-moe");
+    let t = o.block_size();
+    let model = build_llama(&o, &context(320, t, DType::F32)).unwrap();
+    let (h, q, kv, e, k, s, inner) = (32, 64, 32, 8, 2, 16, 64);
+    let attention = 6 * h + 6 * q + 2 * q + 3 * kv + (q + kv);
+    let sparse = attention + 4 * e + 2 * k + k * (3 * h + 3 * s) + 2 * h;
+    let dense = attention + 3 * inner;
+    let bytes = |per_position: usize| ((per_position + 2 * h) * t * 4) as f64;
+    assert_eq!(
+        model.activation_bytes_per_sample(false),
+        Some(bytes(sparse + dense + sparse.max(dense)))
+    );
+    assert_eq!(
+        model.activation_bytes_per_sample(true),
+        Some(bytes(2 * h + sparse.max(dense)))
+    );
+    let stacked = (3 * e * s * h * 4) as f64;
+    assert_eq!(model.activation_bytes_per_pass(false), stacked);
+    assert_eq!(model.activation_bytes_per_pass(true), stacked);
+    // bf16: not known.
+    let bf16 = build_llama(&o, &context(320, t, DType::BF16)).unwrap();
+    assert_eq!(bf16.activation_bytes_per_pass(false), 0.0);
+}

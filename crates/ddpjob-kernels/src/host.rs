@@ -17,15 +17,21 @@ use crate::bf16_products;
 /// 3–5% of a CNN step). Raising the mmap threshold is not enough for a large model: it stops at
 /// 32 MiB, and a 135M-parameter llama's embedding gradients (113 MB) and a step's freed
 /// activations (gigabytes, over any trim threshold) came back as fresh pages every step, the
-/// kernel zeroing them for 23% of the step's time. So: no mmap'd blocks at all, and the heap
-/// trimmed only past 2 GiB free (SmolLM2-135M's shape: 6.0 → 5.4 s a step, peak RSS 5.0 →
-/// 5.2 GB; the GPT recipe's step unchanged). Called once at the start of a worker.
+/// kernel zeroing them for 23% of the step's time. So: no mmap'd blocks, the heap never
+/// trimmed (-1: "disables trimming completely", mallopt(3)), and one arena: a thread's own
+/// arena lives in 64 MiB heaps that glibc unmaps as soon as they empty and that cannot hold a
+/// block larger than that at all (it is mmap'd whatever M_MMAP_MAX says), so Qwen3-0.6B's
+/// step (0.6 G parameters, context 512) still spent 20% of its time in the kernel's
+/// page zeroing with a trim threshold of 2 GiB: 16.9 → 13.3 s a step (Intel Xeon, 2 threads),
+/// peak RSS 12.2 GB. Must run before any thread starts (glibc fixes its number of arenas at
+/// the first thread's first allocation): `main` calls it first, a worker again.
 pub fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets allocator parameters; called before the worker's threads start.
     unsafe {
         libc::mallopt(libc::M_MMAP_MAX, 0);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, -1);
+        libc::mallopt(libc::M_ARENA_MAX, 1);
     }
 }
 

@@ -391,12 +391,16 @@ fn opened(spec: &config::JobSpec, task: &dyn crate::task::Task) -> String {
     match spec.model.language() {
         // What was truncated or left out is said here, not first in the run's log.
         Some(_) if task.masks_targets() => format!(
-            "examples, each up to block_size + 1 tokens; {} for evaluation{}",
+            "examples, each up to block_size + 1 tokens; {} for evaluation{}{}",
             task.eval_len(),
             task.batches(&candle_core::Device::Cpu)
                 .ok()
                 .and_then(|b| b.note())
-                .map_or(String::new(), |note| format!("; {note}"))
+                .map_or(String::new(), |note| format!("; {note}")),
+            task.example_counts().map_or(String::new(), |c| format!(
+                "; {}",
+                super::preview::describe(&c)
+            ))
         ),
         Some(_) => format!(
             "windows of block_size + 1 tokens; {} for evaluation",

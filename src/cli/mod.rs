@@ -7,6 +7,7 @@ mod export;
 mod inspect;
 mod jobs;
 mod output;
+mod preview;
 mod sample;
 mod shell;
 mod verify;
@@ -50,6 +51,10 @@ enum Command {
         /// A section or key: `train`, `model.arch`.
         prefix: Option<String>,
     },
+    /// The first training examples exactly as the trainer sees them, before packing: the
+    /// decoded text with the trained tokens highlighted, or (--json) Hugging Face's
+    /// input_ids and labels (-100 where not trained).
+    Preview(preview::PreviewArgs),
     /// Generate text with a trained language-model job's weights (gpt, llama), streamed as it
     /// is generated.
     Sample(sample::SampleArgs),
@@ -298,6 +303,7 @@ fn dispatch(command: Command, started: Instant) -> ExitCode {
         Command::Validate(args) => jobs::validate(&args),
         Command::List(args) => inspect::list(&args.jobs_dir, args.json),
         Command::Show(args) => inspect::show(&args.jobs_dir, &args.name, args.json),
+        Command::Preview(args) => preview::preview(&args),
         Command::Sample(args) => sample::sample(&args),
         Command::Export(args) => export::export(&args),
         Command::Eval(args) => eval::eval(&args),

@@ -5,8 +5,9 @@
 
 use super::Registry;
 use ddpjob_data::{
-    FashionMnist, IDX_KEYS, IdxOptions, JSONL_KEYS, JsonlOptions, Mnist, SYNTHETIC_KEYS,
-    SyntheticOptions, TEXT_KEYS, TOKENS_KEYS, TextOptions, TokensOptions,
+    FashionMnist, IDX_KEYS, IdxOptions, JSONL_KEYS, JsonlOptions, Mnist, PARQUET_KEYS,
+    ParquetOptions, SYNTHETIC_KEYS, SyntheticOptions, TEXT_KEYS, TOKENS_KEYS, TextOptions,
+    TokensOptions,
 };
 use ddpjob_models::image::{MLP_KEYS, build_cnn, build_mlp};
 use ddpjob_models::{gpt, llama};
@@ -65,12 +66,14 @@ pub(super) fn data(registry: Registry) -> Registry {
         .dataset_with("text", TextOptions::open)
         .dataset_with("tokens", TokensOptions::open)
         .dataset_with("jsonl", JsonlOptions::open)
+        .dataset_with("parquet", ParquetOptions::open)
         .documented_dataset("mnist", IDX_KEYS)
         .documented_dataset("fashion-mnist", IDX_KEYS)
         .documented_dataset("synthetic", SYNTHETIC_KEYS)
         .documented_dataset("text", TEXT_KEYS)
         .documented_dataset("tokens", TOKENS_KEYS)
         .documented_dataset("jsonl", JSONL_KEYS)
+        .documented_dataset("parquet", PARQUET_KEYS.as_slice())
         .dataset_tolerates("mnist", IDX_TOLERATES, &[])
         .dataset_tolerates("fashion-mnist", IDX_TOLERATES, &[])
         .dataset_tolerates("synthetic", SYNTHETIC_TOLERATES, &[])
@@ -130,6 +133,7 @@ mod tests {
                 "fashion-mnist",
                 "jsonl",
                 "mnist",
+                "parquet",
                 "synthetic",
                 "text",
                 "tokens"

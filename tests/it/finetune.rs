@@ -69,7 +69,7 @@ keep_last = 0
 
 /// Runs `one` (batch 8) on one worker, as batch 4 on two, and as batch 4 with 2 accumulated
 /// micro-batches on one: the weights must agree.
-fn one_worker_matches_two(t: &TestJob, one: &str) {
+pub(crate) fn one_worker_matches_two(t: &TestJob, one: &str) {
     let half = one.replace("batch_size = 8", "batch_size = 4");
     t.run(&t.config("one", one), &[]).success();
     t.run(&t.config("two", &half), &["--nproc-per-node", "2"])

@@ -4,6 +4,7 @@ mod common;
 
 mod accumulation;
 mod bench;
+mod chat;
 mod ci;
 mod cluster;
 mod compat;

@@ -1,22 +1,22 @@
-//! Instruction data, `data.dataset = "jsonl"`: prompt/completion (or plain text) examples, one
-//! JSON object a line, for supervised fine-tuning. A sample is one example; a batch pads its
-//! examples on the right to the longest of them (causal attention never looks right, so the
-//! padding changes no real position) and its targets are [`IGNORE_TARGET`] where they do not
-//! score: padding, and the prompt's tokens unless `train_on_prompt`. The loss is then the mean
-//! over the scored targets of the whole global batch (see `train::step`), so 2 × B/2 is 1 × B.
+//! Instruction data, `data.dataset = "jsonl"` (and, read from parquet, `"parquet"`): its keys,
+//! checked once into complete options (the model's tokenizer, end-of-sequence token and chat
+//! template found), the files tokenised once into the job's stored examples, and the task
+//! that batches them (see `examples_task`). Prompt/completion, plain text or conversations, one
+//! JSON object a line, for supervised fine-tuning.
 
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::DataError;
+use super::chat::ChatTemplate;
+pub use super::examples_task::JsonlTask;
+use super::examples_task::pack;
 use super::hf_tokenizer::HfTokenizer;
-use super::jsonl_index::{Counts, Examples, Indexing, index_file};
+use super::jsonl_index::{Counts, Examples, Indexing, index_file, index_parquet};
+use super::parquet_rows;
 use super::text_options::named_file;
 use super::vocab::Vocab;
-use ddpjob_seam::task::{BatchSource, IGNORE_TARGET, ModelInput, Task};
 use ddpjob_seam::{BuildError, DatasetOptions, JobFile};
 use ddpjob_spec::{DataContext, KeyDoc};
 
@@ -33,6 +33,9 @@ pub struct JsonlOptions {
     pub text_field: String,
     pub prompt_field: String,
     pub completion_field: String,
+    pub messages_field: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<String>,
     pub train_on_prompt: bool,
     pub pack: bool,
     pub truncate: bool,
@@ -41,6 +44,28 @@ pub struct JsonlOptions {
     pub tokenizer: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eos_token: Option<String>,
+    /// What the files are: JSON Lines, or parquet (`data.dataset = "parquet"`, see
+    /// `ParquetOptions`); not a key.
+    #[serde(skip)]
+    pub(crate) format: Format,
+}
+
+/// The files' format.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Format {
+    #[default]
+    Jsonl,
+    Parquet,
+}
+
+impl Format {
+    /// Its `data.dataset` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Jsonl => "jsonl",
+            Format::Parquet => "parquet",
+        }
+    }
 }
 
 impl Default for JsonlOptions {
@@ -52,12 +77,15 @@ impl Default for JsonlOptions {
             text_field: "text".into(),
             prompt_field: "prompt".into(),
             completion_field: "completion".into(),
+            messages_field: "messages".into(),
+            chat_template: None,
             train_on_prompt: false,
             pack: false,
             truncate: true,
             skip_bad_lines: false,
             tokenizer: None,
             eos_token: None,
+            format: Format::Jsonl,
         }
     }
 }
@@ -66,8 +94,10 @@ pub const JSONL_KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "train_path",
         default: "required",
-        doc: "JSONL, one object a line: `{\"prompt\": ..., \"completion\": ...}` or \
-              `{\"text\": ...}`; read once, streaming",
+        doc: "JSONL, one object a line: `{\"prompt\": ..., \"completion\": ...}`, \
+              `{\"text\": ...}`, or a conversation `{\"messages\": [{\"role\", \"content\"}, \
+              ...]}` (TRL's formats; a prompt and completion may be lists of messages too); \
+              read once, streaming",
     },
     KeyDoc {
         key: "val_path",
@@ -96,9 +126,23 @@ pub const JSONL_KEYS: &[KeyDoc] = &[
         doc: "the completion; a line that has it is a prompt/completion example",
     },
     KeyDoc {
+        key: "messages_field",
+        default: "`\"messages\"`",
+        doc: "a line with it is a conversation, rendered through the chat template",
+    },
+    KeyDoc {
+        key: "chat_template",
+        default: "the model's",
+        doc: "a Jinja file that renders conversations, instead of the model's own \
+              (`chat_template.jinja` beside its tokenizer, or `tokenizer_config.json`'s \
+              `chat_template`)",
+    },
+    KeyDoc {
         key: "train_on_prompt",
         default: "`false`",
-        doc: "`false`: the loss is on the completion's tokens only (the SFT default)",
+        doc: "`false`: the loss is on the completion's tokens only (the SFT default), in a \
+              conversation on the assistant's turns (the template's `{% generation %}` blocks, \
+              or each assistant message found by rendering the conversation's prefixes)",
     },
     KeyDoc {
         key: "pack",
@@ -139,6 +183,13 @@ impl JsonlOptions {
         PathBuf::from(self.tokenizer.clone().unwrap_or_default())
     }
 
+    /// The chat template conversations are rendered with: `chat_template`'s file, else the
+    /// model's beside its tokenizer; `None` when there is none.
+    fn template(&self) -> Result<Option<ChatTemplate>, DataError> {
+        let path = self.chat_template.as_deref().map(Path::new);
+        ChatTemplate::for_tokenizer(&self.tokenizer_path(), path).map_err(DataError::Mismatch)
+    }
+
     /// Whether the job in `job` stored its examples from these options (the same files, fields
     /// and tokenizer; `train_on_prompt` and `pack` act when batching, so they may differ): not
     /// when `eval --data` names other data.
@@ -150,9 +201,10 @@ impl JsonlOptions {
         else {
             return false;
         };
-        let Ok(stored) = data.try_into::<JsonlOptions>() else {
+        let Ok(mut stored) = data.try_into::<JsonlOptions>() else {
             return false;
         };
+        stored.format = self.format;
         let source = |o: &JsonlOptions| JsonlOptions {
             train_on_prompt: false,
             pack: false,
@@ -172,29 +224,43 @@ impl JsonlOptions {
             return Ok((train, val, eos));
         }
         let train_path = PathBuf::from(self.train_path.clone().unwrap_or_default());
-        let fix = "put the examples there (one JSON object a line) or correct the path";
-        named_file("train_path", &train_path, fix)?;
-        if let Some(val) = &self.val_path {
-            named_file("val_path", Path::new(val), fix)?;
+        if self.format == Format::Jsonl {
+            let fix = "put the examples there (one JSON object a line) or correct the path";
+            named_file("train_path", &train_path, fix)?;
+            if let Some(val) = &self.val_path {
+                named_file("val_path", Path::new(val), fix)?;
+            }
         }
         named_file("tokenizer", &self.tokenizer_path(), TOKENIZER_FIX)?;
         let tokenizer = HfTokenizer::load(&self.tokenizer_path())?;
         let eos = eos_id(&tokenizer, self.eos_token.as_deref().unwrap_or_default())?;
         let block = cx.language.as_ref().map_or(0, |l| l.block_size);
+        let template = self.template()?;
+        let no_template = format!(
+            "the model has no chat template (no chat_template.jinja or tokenizer_config.json \
+             chat_template beside `{}`): set data.chat_template = \"path/to/template.jinja\"",
+            self.tokenizer_path().display()
+        );
         let how = Indexing {
             tokenizer: &tokenizer,
             eos,
             text_field: &self.text_field,
             prompt_field: &self.prompt_field,
             completion_field: &self.completion_field,
+            messages_field: &self.messages_field,
+            chat: template.as_ref().ok_or(no_template.as_str()),
             max_tokens: block + 1,
             truncate: self.truncate,
             skip_bad_lines: self.skip_bad_lines,
             train_on_prompt: self.train_on_prompt,
         };
-        let mut train = index_file(&train_path, &how)?;
+        let read = |path: &str, key: &str| match self.format {
+            Format::Jsonl => index_file(Path::new(path), &how),
+            Format::Parquet => index_parquet(&parquet_rows::sources(path, key)?, &how),
+        };
+        let mut train = read(self.train_path.as_deref().unwrap_or_default(), "train_path")?;
         let val = match &self.val_path {
-            Some(path) => index_file(Path::new(path), &how)?,
+            Some(path) => read(path, "val_path")?,
             None => {
                 let n = ((train.len() as f64) * self.val_fraction).ceil() as usize;
                 if train.len() < 2 {
@@ -220,8 +286,9 @@ impl JsonlOptions {
         ] {
             if examples.len() == 0 {
                 return Err(DataError::Mismatch(format!(
-                    "the {split} split of data.dataset = \"jsonl\" ({file}) has no usable \
+                    "the {split} split of data.dataset = \"{}\" ({file}) has no usable \
                      example{}",
+                    self.format.name(),
                     left_out(&examples.counts, block)
                 )));
             }
@@ -232,7 +299,8 @@ impl JsonlOptions {
     pub fn open(&self, cx: &DataContext) -> Result<JsonlTask, DataError> {
         let Some(lm) = &cx.language else {
             return Err(DataError::Mismatch(format!(
-                "jsonl data needs a language model, not \"{}\"",
+                "{} data needs a language model, not \"{}\"",
+                self.format.name(),
                 cx.arch
             )));
         };
@@ -275,27 +343,9 @@ impl JsonlOptions {
             block: lm.block_size,
             vocab_size,
             train_on_prompt: self.train_on_prompt,
+            format: self.format,
         })
     }
-}
-
-/// `examples` packed in order into rows of at most `block` positions (an example of L tokens
-/// takes L - 1): the next example starts a new row when it does not fit the current one's rest.
-fn pack(examples: &Examples, block: usize) -> Vec<Range<usize>> {
-    let mut packs = Vec::new();
-    let (mut start, mut used) = (0, 0);
-    for i in 0..examples.len() {
-        let positions = examples.get(i).0.len() - 1;
-        if used + positions > block && i > start {
-            packs.push(start..i);
-            (start, used) = (i, 0);
-        }
-        used += positions;
-    }
-    if start < examples.len() {
-        packs.push(start..examples.len());
-    }
-    packs
 }
 
 /// Why examples of a split were not used, for an error about too few: empty when none was
@@ -359,7 +409,8 @@ fn eos_beside(tokenizer: &Path) -> Option<String> {
 }
 
 impl DatasetOptions for JsonlOptions {
-    const PATHS: &'static [&'static str] = &["train_path", "val_path", "tokenizer"];
+    const PATHS: &'static [&'static str] =
+        &["train_path", "val_path", "tokenizer", "chat_template"];
 
     fn end_of_example(&self) -> Option<String> {
         self.eos_token.clone()
@@ -368,17 +419,19 @@ impl DatasetOptions for JsonlOptions {
     fn complete(mut self, cx: &DataContext) -> Result<Self, String> {
         if cx.language.is_none() {
             return Err(format!(
-                "data.dataset = \"jsonl\" is token sequences: it needs a language model \
+                "data.dataset = \"{}\" is token sequences: it needs a language model \
                  (model.arch = \"gpt\" or \"llama\"), not \"{}\"",
+                self.format.name(),
                 cx.arch
             ));
         }
         if self.train_path.as_deref().is_none_or(str::is_empty) {
-            return Err(
-                "data.train_path is required for data.dataset = \"jsonl\", e.g. \
-                        train_path = \"data/sft/train.jsonl\""
-                    .into(),
-            );
+            return Err(format!(
+                "data.train_path is required for data.dataset = \"{}\", e.g. train_path \
+                     = \"data/sft/train.{}\"",
+                self.format.name(),
+                self.format.name()
+            ));
         }
         if self.pack && !cx.language.as_ref().is_some_and(|l| l.packed_rows) {
             return Err(format!(
@@ -396,7 +449,7 @@ impl DatasetOptions for JsonlOptions {
                 }
                 Some(path) => path.display().to_string(),
                 None => {
-                    return Err("data.dataset = \"jsonl\" is encoded with a Hugging Face \
+                    return Err("instruction data is encoded with a Hugging Face \
                                 tokenizer: set model.init_from to a model directory that has a \
                                 tokenizer.json, or data.tokenizer = \"path/to/tokenizer.json\""
                         .into());
@@ -405,7 +458,7 @@ impl DatasetOptions for JsonlOptions {
         };
         if !tokenizer.ends_with(".json") {
             return Err(format!(
-                "data.tokenizer = \"{tokenizer}\": jsonl data needs the path of a Hugging Face \
+                "data.tokenizer = \"{tokenizer}\": instruction data needs the path of a Hugging Face \
                  tokenizer.json"
             ));
         }
@@ -436,10 +489,20 @@ impl DatasetOptions for JsonlOptions {
                 self.val_fraction
             ));
         }
+        if let Some(path) = &self.chat_template {
+            named_file(
+                "chat_template",
+                Path::new(path),
+                "name the Jinja file conversations are rendered with, or leave the key out to \
+                 use the model's own template",
+            )
+            .map_err(|e| e.to_string())?;
+        }
         for (key, value) in [
             ("text_field", &self.text_field),
             ("prompt_field", &self.prompt_field),
             ("completion_field", &self.completion_field),
+            ("messages_field", &self.messages_field),
         ] {
             if value.is_empty() {
                 return Err(format!("data.{key} is empty: name a field of the lines"));
@@ -486,16 +549,21 @@ impl DatasetOptions for JsonlOptions {
 
     /// A file not there yet is not an error for `validate` (it is for `run`).
     fn train_samples(&self) -> Option<(usize, String)> {
-        let path = PathBuf::from(self.train_path.clone().unwrap_or_default());
-        (!path.is_file()).then(|| {
+        let path = self.train_path.clone().unwrap_or_default();
+        let found = match self.format {
+            Format::Jsonl => Path::new(&path).is_file(),
+            Format::Parquet => parquet_rows::sources(&path, "train_path").is_ok(),
+        };
+        (!found).then(|| {
             let why = "not found: put the examples there before `run`";
-            (0, format!("`{}` {why}", path.display()))
+            (0, format!("`{path}` {why}"))
         })
     }
 
     fn describe(&self) -> Option<String> {
         Some(format!(
-            "jsonl {}",
+            "{} {}",
+            self.format.name(),
             self.train_path.as_deref().unwrap_or_default()
         ))
     }
@@ -507,175 +575,6 @@ impl DatasetOptions for JsonlOptions {
 
 const TOKENIZER_FIX: &str =
     "name the Hugging Face tokenizer.json the examples are to be encoded with";
-
-/// Instruction examples of both splits, ready to batch.
-pub struct JsonlTask {
-    train: Examples,
-    val: Examples,
-    /// With `data.pack`: the examples of each training and validation row.
-    packs: Option<[Vec<Range<usize>>; 2]>,
-    /// Appended to every example; also the padding's input (its target is ignored).
-    eos: u32,
-    block: usize,
-    vocab_size: usize,
-    train_on_prompt: bool,
-}
-
-impl JsonlTask {
-    /// The examples of each row of `indices` (samples of `split`, 0 training, 1 validation):
-    /// one each, or a packed row's.
-    fn rows(&self, split: usize, indices: &[usize]) -> Vec<Range<usize>> {
-        match &self.packs {
-            Some(packs) => indices.iter().map(|&i| packs[split][i].clone()).collect(),
-            None => indices.iter().map(|&i| i..i + 1).collect(),
-        }
-    }
-
-    /// Inputs and targets [n, t] of rows of `examples`, t the longest row's positions: each
-    /// example's tokens but its last as inputs, all but its first as targets (ignored on its
-    /// prompt unless `train_on_prompt`), the row padded on the right with `eos`, whose targets
-    /// are ignored. Packed rows' inputs are [n, t, 2]: each token and its position within its
-    /// example (the padding counted as one more), see `models::packed`.
-    fn batch(
-        &self,
-        examples: &Examples,
-        rows: &[Range<usize>],
-        device: &Device,
-    ) -> Result<(Tensor, Tensor), DataError> {
-        let positions =
-            |r: &Range<usize>| -> usize { r.clone().map(|i| examples.get(i).0.len() - 1).sum() };
-        let longest = rows.iter().map(positions).max().unwrap_or(1);
-        let n = rows.len();
-        let mut xs = vec![self.eos; n * longest];
-        let mut at = vec![0u32; n * longest];
-        let mut ys = vec![IGNORE_TARGET; n * longest];
-        let count_from_zero = |a: &mut [u32]| {
-            a.iter_mut().enumerate().for_each(|(p, a)| *a = p as u32);
-        };
-        for (row, examples_of_row) in rows.iter().enumerate() {
-            let mut start = row * longest;
-            for i in examples_of_row.clone() {
-                let (tokens, prompt) = examples.get(i);
-                let len = tokens.len() - 1;
-                xs[start..start + len].copy_from_slice(&tokens[..len]);
-                count_from_zero(&mut at[start..start + len]);
-                // Target j is token j + 1: a prompt token when j + 1 < prompt.
-                let first = if self.train_on_prompt {
-                    0
-                } else {
-                    prompt.max(1) - 1
-                };
-                ys[start + first..start + len].copy_from_slice(&tokens[first + 1..]);
-                start += len;
-            }
-            count_from_zero(&mut at[start..(row + 1) * longest]);
-        }
-        let ys = Tensor::from_vec(ys, (n, longest), device)?;
-        if self.packs.is_none() {
-            return Ok((Tensor::from_vec(xs, (n, longest), device)?, ys));
-        }
-        let pairs: Vec<u32> = xs.iter().zip(&at).flat_map(|(&x, &p)| [x, p]).collect();
-        Ok((Tensor::from_vec(pairs, (n, longest, 2), device)?, ys))
-    }
-
-    /// Training (0) or validation (1) samples: examples, or packed rows.
-    fn samples(&self, split: usize) -> usize {
-        match &self.packs {
-            Some(packs) => packs[split].len(),
-            None if split == 0 => self.train.len(),
-            None => self.val.len(),
-        }
-    }
-}
-
-impl Task for JsonlTask {
-    fn train_len(&self) -> usize {
-        self.samples(0)
-    }
-
-    fn eval_len(&self) -> usize {
-        self.samples(1)
-    }
-
-    /// The mean sample's positions (an example's tokens but one, or a packed row's), padding
-    /// not counted.
-    fn targets_per_sample(&self) -> usize {
-        let positions = self.train.tokens().len() - self.train.len();
-        (positions / self.train_len().max(1)).max(1)
-    }
-
-    fn input(&self) -> ModelInput {
-        ModelInput::Tokens {
-            vocab_size: self.vocab_size,
-            block_size: self.block,
-        }
-    }
-
-    fn masks_targets(&self) -> bool {
-        true
-    }
-
-    fn batches<'a>(&'a self, device: &Device) -> Result<Box<dyn BatchSource + 'a>, DataError> {
-        Ok(Box::new(JsonlBatches {
-            task: self,
-            device: device.clone(),
-        }))
-    }
-}
-
-struct JsonlBatches<'a> {
-    task: &'a JsonlTask,
-    device: Device,
-}
-
-impl BatchSource for JsonlBatches<'_> {
-    fn train(&self, _epoch: usize, indices: &[usize]) -> Result<(Tensor, Tensor), DataError> {
-        let t = self.task;
-        t.batch(&t.train, &t.rows(0, indices), &self.device)
-    }
-
-    fn eval(&self, indices: &[usize]) -> Result<(Tensor, Tensor), DataError> {
-        let t = self.task;
-        t.batch(&t.val, &t.rows(1, indices), &self.device)
-    }
-
-    fn note(&self) -> Option<String> {
-        let t = self.task;
-        let c = t.train.counts;
-        let mut parts = vec![format!(
-            "jsonl: {} training and {} validation examples, loss on {}",
-            t.train.len(),
-            t.val.len(),
-            match (t.train_on_prompt, t.train.has_prompts()) {
-                (true, _) => "prompts and completions",
-                // {"text": ...} examples only: nothing is a prompt.
-                (false, false) => "every token (text examples)",
-                (false, true) => "completions only",
-            }
-        )];
-        if let Some(packs) = &t.packs {
-            parts.push(format!(
-                "packed into {} training and {} validation rows",
-                packs[0].len(),
-                packs[1].len()
-            ));
-        }
-        for (n, what) in [
-            (c.truncated, "truncated to model.block_size + 1 tokens"),
-            (c.bad_lines, "bad lines skipped"),
-            (
-                c.empty,
-                "examples with nothing to predict left out (empty, or a prompt that fills \
-                 model.block_size)",
-            ),
-        ] {
-            if n > 0 {
-                parts.push(format!("{n} {what}"));
-            }
-        }
-        Some(parts.join(", "))
-    }
-}
 
 #[cfg(test)]
 #[path = "jsonl_tests.rs"]

@@ -1,26 +1,36 @@
 //! Reading instruction data: a JSONL file streamed once, line by line (never held whole), each
-//! example tokenised with its prompt and completion apart, so the boundary between them is
-//! exact, and kept as token ids with the length of its prompt. The result is stored in the job
-//! directory (`jsonl-train.bin`, `jsonl-val.bin`): every worker, `resume` and `eval` read the
-//! examples exactly as the job first made them, without the tokenizer, whatever happened to
-//! the file since.
+//! line made an example: `{"text"}` trained whole, `{"prompt", "completion"}` tokenised apart
+//! so the boundary between them is exact, a conversation (`{"messages"}`, or a conversational
+//! prompt/completion) through the model's chat template (see `conversation`), each kept as
+//! token ids with the ranges its loss is on (see `examples`). The result is stored in the job
+//! directory: every worker, `resume` and `eval` read the examples exactly as the job first
+//! made them, without the tokenizer, whatever happened to the file since.
 
 use std::io::{BufRead, BufReader};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
 use super::DataError;
+use super::chat::ChatTemplate;
+use super::conversation;
+pub use super::examples::{Counts, Examples};
 use super::hf_tokenizer::HfTokenizer;
 
 /// How lines become examples.
 pub struct Indexing<'a> {
     pub tokenizer: &'a HfTokenizer,
-    /// Appended to every example (the model learns where a completion ends).
+    /// Appended to every text and prompt/completion example (the model learns where a
+    /// completion ends); a conversation's end is what its template writes.
     pub eos: u32,
     pub text_field: &'a str,
     pub prompt_field: &'a str,
     pub completion_field: &'a str,
+    pub messages_field: &'a str,
+    /// The model's chat template (or `data.chat_template`), for conversations; `Err`: why
+    /// there is none, for the error a conversation gets.
+    pub chat: Result<&'a ChatTemplate, &'a str>,
     /// The most tokens an example may have: `block_size + 1` (its inputs and targets).
     pub max_tokens: usize,
     /// Cut longer examples to `max_tokens` (counted) instead of refusing them.
@@ -32,227 +42,7 @@ pub struct Indexing<'a> {
     pub train_on_prompt: bool,
 }
 
-/// What indexing met besides the examples, for the log.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Counts {
-    pub bad_lines: usize,
-    pub truncated: usize,
-    /// Examples with nothing to predict (fewer than two tokens, or, with the loss on
-    /// completions only, a prompt that fills `max_tokens`), left out.
-    pub empty: usize,
-}
-
-/// One split's examples: all tokens flat, where each ends, and how many of its leading tokens
-/// are its prompt's.
-#[derive(Debug, Default)]
-pub struct Examples {
-    tokens: TokenStore,
-    ends: Vec<usize>,
-    prompts: Vec<u32>,
-    pub counts: Counts,
-}
-
-impl PartialEq for Examples {
-    fn eq(&self, other: &Self) -> bool {
-        self.tokens() == other.tokens()
-            && (&self.ends, &self.prompts, self.counts)
-                == (&other.ends, &other.prompts, other.counts)
-    }
-}
-
-/// The flat tokens: made here while indexing, or mapped from the job's stored file (a large
-/// corpus is then never copied into each worker's memory; the workers share the page cache).
-#[derive(Debug)]
-enum TokenStore {
-    Owned(Vec<u32>),
-    Mapped {
-        map: memmap2::Mmap,
-        start: usize,
-        len: usize,
-    },
-}
-
-impl Default for TokenStore {
-    fn default() -> Self {
-        TokenStore::Owned(Vec::new())
-    }
-}
-
-impl TokenStore {
-    fn as_slice(&self) -> &[u32] {
-        match self {
-            TokenStore::Owned(v) => v,
-            TokenStore::Mapped { map, start, len } => {
-                bytemuck::cast_slice(&map[*start..*start + 4 * *len])
-            }
-        }
-    }
-
-    /// The tokens to add to, while indexing.
-    fn owned(&mut self) -> &mut Vec<u32> {
-        if let TokenStore::Mapped { .. } = self {
-            *self = TokenStore::Owned(self.as_slice().to_vec());
-        }
-        match self {
-            TokenStore::Owned(v) => v,
-            TokenStore::Mapped { .. } => unreachable!("made owned above"),
-        }
-    }
-}
-
-/// The stored form's first bytes, and its version.
-const MAGIC: &[u8; 8] = b"DDPJSONL";
-const VERSION: u32 = 1;
-
-impl Examples {
-    pub fn len(&self) -> usize {
-        self.ends.len()
-    }
-
-    /// Example `i`'s tokens and its prompt's length.
-    pub fn get(&self, i: usize) -> (&[u32], usize) {
-        let start = if i == 0 { 0 } else { self.ends[i - 1] };
-        (
-            &self.tokens()[start..self.ends[i]],
-            self.prompts[i] as usize,
-        )
-    }
-
-    /// Whether any example has a prompt (else all are plain text, scored whole).
-    pub fn has_prompts(&self) -> bool {
-        self.prompts.iter().any(|&p| p > 0)
-    }
-
-    /// All tokens (for range checks against the model).
-    pub fn tokens(&self) -> &[u32] {
-        self.tokens.as_slice()
-    }
-
-    fn push(&mut self, tokens: &[u32], prompt: usize) {
-        let all = self.tokens.owned();
-        all.extend_from_slice(tokens);
-        self.ends.push(all.len());
-        self.prompts.push(prompt as u32);
-    }
-
-    /// Its last `n` examples, taken off (a validation split made from the training file).
-    pub fn split_off_last(&mut self, n: usize) -> Examples {
-        let keep = self.len() - n;
-        let cut = if keep == 0 { 0 } else { self.ends[keep - 1] };
-        Examples {
-            tokens: TokenStore::Owned(self.tokens.owned().split_off(cut)),
-            ends: self.ends.split_off(keep).iter().map(|e| e - cut).collect(),
-            prompts: self.prompts.split_off(keep),
-            counts: Counts::default(),
-        }
-    }
-
-    /// The stored form: magic, version, the end-of-sequence id, counts, then per example its
-    /// length and prompt length, then the tokens; little-endian u32 throughout.
-    pub fn to_bytes(&self, eos: u32) -> Vec<u8> {
-        let c = self.counts;
-        let mut out = MAGIC.to_vec();
-        let header = [
-            VERSION,
-            eos,
-            self.len() as u32,
-            self.tokens().len() as u32,
-            c.bad_lines as u32,
-            c.truncated as u32,
-            c.empty as u32,
-        ];
-        let lens = (0..self.len()).flat_map(|i| {
-            let (tokens, prompt) = self.get(i);
-            [tokens.len() as u32, prompt as u32]
-        });
-        for v in header
-            .into_iter()
-            .chain(lens)
-            .chain(self.tokens().iter().copied())
-        {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        out
-    }
-
-    /// Maps what [`Examples::to_bytes`] wrote to `path`: the examples (their tokens read in
-    /// place) and the end-of-sequence id.
-    pub fn open(path: &Path) -> Result<(Examples, u32), DataError> {
-        let io = |cause| DataError::Io {
-            path: path.into(),
-            cause,
-        };
-        let file = std::fs::File::open(path).map_err(io)?;
-        // SAFETY: the job's own file, written once when the job began and never again; like
-        // every reader of memory-mapped data, a run assumes nobody truncates it meanwhile.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        let corrupt = |problem: &str| DataError::Corrupt {
-            path: path.into(),
-            problem: format!("{problem}; delete the job and run it again"),
-        };
-        if !map.starts_with(MAGIC) {
-            return Err(corrupt("it is not ddpjob's stored instruction data"));
-        }
-        if map.len() % 4 != 0 || map.len() < MAGIC.len() + 7 * 4 {
-            return Err(corrupt(
-                "it is cut short, or its length does not match its header",
-            ));
-        }
-        // The map starts on a page, so its words past the 8-byte magic are aligned.
-        let words: &[u32] = bytemuck::cast_slice(&map[MAGIC.len()..]);
-        let [version, eos, n, total, bad_lines, truncated, empty] = match words.get(..7) {
-            Some(&[a, b, c, d, e, f, g]) => [a, b, c, d, e, f, g],
-            _ => return Err(corrupt("it is cut short")),
-        };
-        if version != VERSION {
-            return Err(corrupt(&format!(
-                "format {version}, this ddpjob reads {VERSION}"
-            )));
-        }
-        let (n, total) = (n as usize, total as usize);
-        if words.len() != 7 + 2 * n + total {
-            return Err(corrupt("its length does not match its header"));
-        }
-        let mut examples = Examples {
-            counts: Counts {
-                bad_lines: bad_lines as usize,
-                truncated: truncated as usize,
-                empty: empty as usize,
-            },
-            ..Examples::default()
-        };
-        let mut end = 0;
-        for pair in words[7..7 + 2 * n].chunks_exact(2) {
-            // As written: at least two tokens, a prompt no longer than its example.
-            if pair[0] < 2 || pair[1] > pair[0] {
-                return Err(corrupt(&format!(
-                    "example {} has {} tokens and a prompt of {}",
-                    examples.ends.len(),
-                    pair[0],
-                    pair[1]
-                )));
-            }
-            end += pair[0] as usize;
-            examples.ends.push(end);
-            examples.prompts.push(pair[1]);
-        }
-        if end != total {
-            return Err(corrupt("its examples' lengths do not add up to its tokens"));
-        }
-        let start = MAGIC.len() + 4 * (7 + 2 * n);
-        examples.tokens = TokenStore::Mapped {
-            map,
-            start,
-            len: total,
-        };
-        Ok((examples, eos))
-    }
-}
-
-/// Streams `path` once, one example a line (blank lines skipped): `{"text": ...}` is trained
-/// on whole, `{"prompt": ..., "completion": ...}` keeps its prompt's length for the loss mask.
-/// Each example is the tokenizer's encoding of the text or prompt (with the special tokens its
-/// template adds, e.g. a Llama's `<s>`), then of the completion, then `eos`.
+/// Streams `path` once, one example a line (blank lines skipped; see [`example`]).
 pub fn index_file(path: &Path, how: &Indexing) -> Result<Examples, DataError> {
     let io = |cause| DataError::Io {
         path: path.into(),
@@ -297,51 +87,99 @@ pub fn index_file(path: &Path, how: &Indexing) -> Result<Examples, DataError> {
         if line.trim().is_empty() {
             continue;
         }
-        match example(line, how) {
-            Ok((mut tokens, prompt)) => {
-                if tokens.len() > how.max_tokens {
-                    if !how.truncate {
-                        return Err(bad_line(
-                            path,
-                            number,
-                            &format!(
-                                "the example has {} tokens, more than model.block_size + 1 = {}; \
-                                 set data.truncate = true to cut such examples, or raise \
-                                 model.block_size",
-                                tokens.len(),
-                                how.max_tokens
-                            ),
-                            "",
-                        ));
-                    }
-                    tokens.truncate(how.max_tokens);
-                    examples.counts.truncated += 1;
-                }
-                // A target is a token after the first; with the loss on completions only, a
-                // token past the prompt. An example without one would score nothing.
-                let first_target = if how.train_on_prompt {
-                    1
-                } else {
-                    prompt.max(1)
-                };
-                if tokens.len() < 2 || first_target >= tokens.len() {
-                    examples.counts.empty += 1;
-                    continue;
-                }
-                examples.push(&tokens, prompt.min(tokens.len()));
-            }
-            Err(_) if how.skip_bad_lines => examples.counts.bad_lines += 1,
-            Err(problem) => {
-                return Err(bad_line(
-                    path,
-                    number,
-                    &problem,
-                    "; fix the line, or set data.skip_bad_lines = true to count and skip such lines",
-                ));
-            }
-        }
+        let made = serde_json::from_str::<Value>(line)
+            .map_err(|e| format!("it is not a JSON object ({e})"))
+            .and_then(|value| match value {
+                Value::Object(object) => example(&object, how),
+                _ => Err("it is not a JSON object".into()),
+            });
+        let bad = |problem: &str, fix: &str| bad_line(path, number, problem, fix);
+        examples.add(made, how, "line", bad)?;
     }
     Ok(examples)
+}
+
+/// Reads parquet `files` in order, one example a row (columns: as [`example`] reads a line's
+/// fields; a null value is a column the row does not have).
+pub fn index_parquet(files: &[PathBuf], how: &Indexing) -> Result<Examples, DataError> {
+    let wanted = [
+        how.messages_field,
+        how.text_field,
+        how.prompt_field,
+        how.completion_field,
+    ];
+    let mut examples = Examples::default();
+    for file in files {
+        super::parquet_rows::for_each_row(file, &wanted, |row, mut object| {
+            object.retain(|_, v| !v.is_null());
+            let made = example(&object, how);
+            let bad = |problem: &str, fix: &str| {
+                DataError::Mismatch(format!("`{}` row {row}: {problem}{fix}", file.display()))
+            };
+            examples.add(made, how, "row", bad)
+        })?;
+    }
+    Ok(examples)
+}
+
+impl Examples {
+    /// Adds what a record made (`made`: its tokens and trained token ranges, or what is wrong
+    /// with it) as `how` says: cut to `max_tokens` (or refused), left out when nothing is
+    /// left to train, a bad record counted with `skip_bad_lines`. `bad` makes the error that
+    /// names the record, a `record` ("line", "row").
+    pub fn add(
+        &mut self,
+        made: Result<(Vec<u32>, Vec<Range<usize>>), String>,
+        how: &Indexing,
+        record: &str,
+        bad: impl Fn(&str, &str) -> DataError,
+    ) -> Result<(), DataError> {
+        let (mut tokens, spans) = match made {
+            Ok(made) => made,
+            Err(_) if how.skip_bad_lines => {
+                self.counts.bad_lines += 1;
+                return Ok(());
+            }
+            Err(problem) => {
+                return Err(bad(
+                    &problem,
+                    &format!(
+                        "; fix the {record}, or set data.skip_bad_lines = true to count and skip \
+                         such {record}s"
+                    ),
+                ));
+            }
+        };
+        if tokens.len() > how.max_tokens {
+            if !how.truncate {
+                return Err(bad(
+                    &format!(
+                        "the example has {} tokens, more than model.block_size + 1 = {}; set \
+                         data.truncate = true to cut such examples, or raise model.block_size",
+                        tokens.len(),
+                        how.max_tokens
+                    ),
+                    "",
+                ));
+            }
+            tokens.truncate(how.max_tokens);
+            self.counts.truncated += 1;
+        }
+        // A target is a token after the first; with the loss on completions only, a trained
+        // one. An example without one would score nothing.
+        let scores = match how.train_on_prompt {
+            true => tokens.len() >= 2,
+            false => spans
+                .iter()
+                .any(|s| s.end.min(tokens.len()) > s.start.max(1)),
+        };
+        if tokens.len() < 2 || !scores {
+            self.counts.empty += 1;
+            return Ok(());
+        }
+        self.push(&tokens, &spans);
+        Ok(())
+    }
 }
 
 fn bad_line(path: &Path, number: usize, problem: &str, fix: &str) -> DataError {
@@ -351,13 +189,36 @@ fn bad_line(path: &Path, number: usize, problem: &str, fix: &str) -> DataError {
     ))
 }
 
-/// One line's tokens and its prompt's length, or what is wrong with it.
-fn example(line: &str, how: &Indexing) -> Result<(Vec<u32>, usize), String> {
-    let value: Value =
-        serde_json::from_str(line).map_err(|e| format!("it is not a JSON object ({e})"))?;
-    let Value::Object(object) = &value else {
-        return Err("it is not a JSON object".into());
+/// One record's example: its tokens and the token ranges its loss is on, or what is wrong
+/// with it. A conversation (`messages_field`, or a prompt and completion that are lists of
+/// messages) goes through the chat template; `{"text"}` is trained whole and a string prompt
+/// and completion on the completion, each the tokenizer's encoding (with the special tokens
+/// its template adds to the text or prompt, e.g. a Llama's `<s>`) and then `eos`.
+pub fn example(
+    object: &serde_json::Map<String, Value>,
+    how: &Indexing,
+) -> Result<(Vec<u32>, Vec<Range<usize>>), String> {
+    let chat = || {
+        how.chat
+            .map_err(|why| format!("it is a conversation, but {why}"))
     };
+    if let Some(messages) = object.get(how.messages_field) {
+        let messages = conversation::messages_of(messages, how.messages_field)?;
+        return conversation::encode(chat()?, how.tokenizer, &messages);
+    }
+    let completion = object.get(how.completion_field);
+    if let Some(Value::Array(_)) = completion {
+        let Some(prompt) = object.get(how.prompt_field) else {
+            return Err(format!(
+                "it has \"{}\" but no \"{}\" (data.prompt_field)",
+                how.completion_field, how.prompt_field
+            ));
+        };
+        let prompt = conversation::messages_of(prompt, how.prompt_field)?;
+        let completion =
+            conversation::messages_of(&object[how.completion_field], how.completion_field)?;
+        return conversation::encode_pair(chat()?, how.tokenizer, &prompt, &completion);
+    }
     let field = |name: &str| -> Result<Option<&str>, String> {
         match object.get(name) {
             None => Ok(None),
@@ -384,8 +245,10 @@ fn example(line: &str, how: &Indexing) -> Result<(Vec<u32>, usize), String> {
             None => {
                 let keys: Vec<&str> = object.keys().map(String::as_str).collect();
                 return Err(format!(
-                    "it has neither \"{}\" (data.text_field) nor \"{}\" and \"{}\" \
-                     (data.prompt_field, data.completion_field); its fields: {}",
+                    "it has neither \"{}\" (data.messages_field), \"{}\" (data.text_field) \
+                     nor \"{}\" and \"{}\" (data.prompt_field, data.completion_field); its \
+                     fields: {}",
+                    how.messages_field,
                     how.text_field,
                     how.prompt_field,
                     how.completion_field,
@@ -395,5 +258,6 @@ fn example(line: &str, how: &Indexing) -> Result<(Vec<u32>, usize), String> {
         },
     };
     tokens.push(how.eos);
-    Ok((tokens, prompt))
+    let trained = prompt..tokens.len();
+    Ok((tokens, vec![trained]))
 }

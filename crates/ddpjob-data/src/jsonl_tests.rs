@@ -1,7 +1,10 @@
 use std::path::PathBuf;
 
 use super::*;
+use candle_core::Device;
+use ddpjob_seam::task::{IGNORE_TARGET, Task};
 use ddpjob_spec::LanguageModelSpec;
+use std::ops::Range;
 
 /// The llama fixture's byte-level BPE (300 tokens, `<|endoftext|>` = 0).
 fn tokenizer_path() -> PathBuf {
@@ -53,10 +56,15 @@ fn examples_are_prompt_then_completion_then_eos_and_the_mask_starts_at_the_compl
     // Three examples (the blank line skipped): the last third is validation.
     assert_eq!((task.train_len(), task.eval_len()), (2, 1));
     let (prompt, completion) = (encode("ab", true), encode("cd", false));
-    let (tokens, p) = task.train.get(0);
-    assert_eq!(p, prompt.len());
+    let (tokens, spans) = task.train.get(0);
+    assert_eq!(spans, [[prompt.len() as u32, tokens.len() as u32]]);
     assert_eq!(tokens, [&prompt[..], &completion[..], &[0]].concat());
-    assert_eq!(task.train.get(1).1, 0, "a text example has no prompt");
+    let (text, spans) = task.train.get(1);
+    assert_eq!(
+        spans,
+        [[0, text.len() as u32]],
+        "a text example has no prompt"
+    );
 
     let batches = task.batches(&Device::Cpu).unwrap();
     let (xs, ys) = batches.train(0, &[0, 1]).unwrap();
@@ -66,7 +74,7 @@ fn examples_are_prompt_then_completion_then_eos_and_the_mask_starts_at_the_compl
     let (xs, ys) = (xs.to_vec2::<u32>().unwrap(), ys.to_vec2::<u32>().unwrap());
     // Row 0: targets ignored until the last prompt token predicts the completion's first.
     for j in 0..width {
-        let want = if j + 1 < p || j + 1 >= tokens.len() {
+        let want = if j + 1 < prompt.len() || j + 1 >= tokens.len() {
             IGNORE_TARGET
         } else {
             tokens[j + 1]
@@ -132,7 +140,7 @@ fn bad_lines_name_the_file_and_line_or_are_counted_and_skipped() {
 
     let fields = options(dir.path(), "{\"title\": \"x\"}\n");
     let err = fields.open(&context(32, None)).err().unwrap().to_string();
-    assert!(err.contains("line 1: it has neither \"text\""), "{err}");
+    assert!(err.contains("line 1: it has neither \"messages\""), "{err}");
     assert!(err.contains("its fields: title"), "{err}");
     let no_prompt = options(dir.path(), "{\"completion\": \"x\"}\n");
     let err = no_prompt
@@ -257,7 +265,7 @@ fn the_job_keeps_its_examples_and_reads_them_back_whatever_the_file_does() {
     // A length or prompt that cannot be is named too (it made the batches index past the
     // example).
     let good = files[1].bytes.clone();
-    let at = 8 + 7 * 4; // the magic, then the header's seven words
+    let at = 8 + 8 * 4; // the magic, then the header's eight words
     for (field, value) in [(1, 10_000u32), (0, 1)] {
         let mut bytes = good.clone();
         let offset = at + 4 * field;
@@ -356,7 +364,8 @@ fn packed_rows_hold_whole_examples_in_order_with_positions_restarted() {
     let ys = ys.to_vec2::<u32>().unwrap().remove(0);
     let mut at = 0;
     for i in packs[0][0].clone() {
-        let (tokens, prompt) = task.train.get(i);
+        let (tokens, spans) = task.train.get(i);
+        let prompt = spans[0][0] as usize;
         for (j, pair) in xs[at..at + tokens.len() - 1].iter().enumerate() {
             assert_eq!(*pair, [tokens[j], j as u32], "example {i} position {j}");
             let want = if j + 1 < prompt {
@@ -370,4 +379,120 @@ fn packed_rows_hold_whole_examples_in_order_with_positions_restarted() {
     }
     let note = task.batches(&Device::Cpu).unwrap().note().unwrap();
     assert!(note.contains("packed into"), "{note}");
+}
+
+/// The chat fixture's model directory (a tokenizer with ChatML's tokens and its template).
+fn chat_fixture(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/chat")
+        .join(path)
+}
+
+fn chat_context(block: usize) -> DataContext {
+    let language = LanguageModelSpec {
+        block_size: block,
+        vocab_size: Some(320),
+        tokenizer: Some(chat_fixture("model/tokenizer.json")),
+        vocabulary: None,
+        packed_rows: true,
+    };
+    DataContext::new(1, "llama", Some(language))
+}
+
+/// Conversations in a jsonl file go through the model's own template: each example's tokens
+/// are `apply_chat_template`'s, its targets scored on the assistant's tokens only (the
+/// reference's labels, shifted), and `train_on_prompt` scores them all. No eos is appended
+/// (the template writes the end of each turn).
+#[test]
+fn conversations_become_examples_trained_on_the_assistants_tokens() {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(chat_fixture("reference.json")).unwrap())
+            .unwrap();
+    let opts = JsonlOptions {
+        train_path: Some(chat_fixture("conversations.jsonl").display().to_string()),
+        val_path: Some(chat_fixture("conversations.jsonl").display().to_string()),
+        ..JsonlOptions::default()
+    }
+    .complete(&chat_context(512))
+    .unwrap();
+    assert_eq!(opts.eos_token.as_deref(), Some("<|im_end|>"));
+    let task = opts.open(&chat_context(512)).unwrap();
+    assert_eq!(task.train_len(), 6);
+    let batches = task.batches(&Device::Cpu).unwrap();
+    for (i, want) in reference["chatml"].as_array().unwrap().iter().enumerate() {
+        let ids: Vec<u32> = (want["input_ids"].as_array().unwrap().iter())
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(task.train.get(i).0, &ids[..], "conversation {i}");
+        let (_, ys) = batches.train(0, &[i]).unwrap();
+        let ys = ys.to_vec2::<u32>().unwrap().remove(0);
+        // HF labels are unshifted: target j is label j + 1.
+        let labels = want["labels"].as_array().unwrap();
+        for (j, y) in ys.iter().enumerate() {
+            let label = labels[j + 1].as_i64().unwrap();
+            let expected = if label < 0 {
+                IGNORE_TARGET
+            } else {
+                label as u32
+            };
+            assert_eq!(*y, expected, "conversation {i} target {j}");
+        }
+    }
+    let note = batches.note().unwrap();
+    assert!(note.contains("the assistant's turns"), "{note}");
+
+    let all = JsonlOptions {
+        train_on_prompt: true,
+        ..opts.clone()
+    };
+    let task = all.open(&chat_context(512)).unwrap();
+    let (_, ys) = task.batches(&Device::Cpu).unwrap().train(0, &[0]).unwrap();
+    let ys = ys.to_vec2::<u32>().unwrap().remove(0);
+    assert_eq!(ys, task.train.get(0).0[1..]);
+}
+
+/// A conversation without a template, a bad message and an unknown role are named with the
+/// file and line; `skip_bad_lines` counts them instead.
+#[test]
+fn bad_conversations_are_named_by_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("train.jsonl");
+    let good = r#"{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}"#;
+    let bad =
+        r#"{"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}"#;
+    std::fs::write(&path, format!("{good}\n{good}\n{bad}\n{good}\n")).unwrap();
+    let opts = JsonlOptions {
+        train_path: Some(path.display().to_string()),
+        val_fraction: 0.3,
+        ..JsonlOptions::default()
+    }
+    .complete(&chat_context(64))
+    .unwrap();
+    let err = opts.open(&chat_context(64)).err().unwrap().to_string();
+    assert!(
+        err.contains("line 3") && err.contains("\"robot\"") && err.contains("skip_bad_lines"),
+        "{err}"
+    );
+    let skipping = JsonlOptions {
+        skip_bad_lines: true,
+        ..opts.clone()
+    };
+    let task = skipping.open(&chat_context(64)).unwrap();
+    assert_eq!(task.train.counts.bad_lines, 1);
+
+    // The llama fixture's tokenizer has no chat template beside it.
+    std::fs::write(&path, format!("{good}\n{good}\n")).unwrap();
+    let plain = JsonlOptions {
+        train_path: Some(path.display().to_string()),
+        ..JsonlOptions::default()
+    }
+    .complete(&context(32, None))
+    .unwrap();
+    let err = plain.open(&context(32, None)).err().unwrap().to_string();
+    assert!(
+        err.contains("line 1")
+            && err.contains("no chat template")
+            && err.contains("data.chat_template"),
+        "{err}"
+    );
 }

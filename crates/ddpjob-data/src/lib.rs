@@ -1,6 +1,7 @@
 //! ddpjob's data sets and how batches are made from them: IDX images (MNIST, Fashion-MNIST,
 //! found, downloaded and checked), a synthetic set, text and pre-tokenised token files cut
-//! into windows, instruction data from JSON Lines (prompt masking, packing), tensors a user
+//! into windows, instruction data from JSON Lines (prompt masking, conversations through the
+//! model's chat template, packing), tensors a user
 //! hands over, and the `DistributedSampler` every rank draws its share with.
 //!
 //! It depends on the seams (`Task`, `DatasetOptions`), the spec and the storage (vocabularies,
@@ -10,13 +11,20 @@
 mod batches;
 mod builtin;
 mod catalog;
+pub mod chat;
+mod conversation;
 pub mod download;
+mod examples;
+mod examples_task;
 pub mod fingerprint;
 pub mod host;
 pub use ddpjob_storage::hf_tokenizer;
 pub mod idx;
+mod jinja_python;
 mod jsonl;
 mod jsonl_index;
+mod parquet;
+mod parquet_rows;
 mod pixels;
 pub mod sampler;
 mod synthetic;
@@ -35,7 +43,8 @@ pub use batches::Batches;
 pub use builtin::{
     FashionMnist, IDX_KEYS, IdxOptions, Mnist, SYNTHETIC_KEYS, SyntheticOptions, SyntheticSpec,
 };
-pub use jsonl::{JSONL_KEYS, JsonlOptions};
+pub use jsonl::{Format, JSONL_KEYS, JsonlOptions};
+pub use parquet::{PARQUET_KEYS, ParquetOptions};
 pub use sampler::DistributedSampler;
 pub use tensors::TensorDataset;
 pub use text_options::{TEXT_KEYS, TOKENS_KEYS, TextOptions, TokensOptions};

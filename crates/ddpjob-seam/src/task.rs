@@ -39,6 +39,39 @@ pub enum ModelInput {
     },
 }
 
+/// A training example as the trainer sees it before packing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Example {
+    pub ids: Vec<u32>,
+    /// Per token: whether the loss is on it (its prediction from the tokens before it
+    /// scores); never the first token.
+    pub trained: Vec<bool>,
+}
+
+impl Example {
+    /// Hugging Face's labels: the id where trained, -100 elsewhere (unshifted).
+    pub fn labels(&self) -> Vec<i64> {
+        (self.ids.iter().zip(&self.trained))
+            .map(|(&id, &t)| if t { id as i64 } else { -100 })
+            .collect()
+    }
+}
+
+/// What a task's training examples hold.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExampleCounts {
+    pub examples: usize,
+    pub tokens: usize,
+    /// Tokens the loss is on.
+    pub trained: usize,
+    /// Examples cut to the model's context.
+    pub truncated: usize,
+    /// Examples left out with nothing to train (e.g. a template that marks no token).
+    pub left_out: usize,
+    /// Records skipped as bad (`data.skip_bad_lines`).
+    pub bad_records: usize,
+}
+
 /// A data set a job trains on, whatever it predicts.
 pub trait Task: Send + Sync {
     /// Samples per epoch of the training split (images, or token windows).
@@ -57,6 +90,17 @@ pub trait Task: Send + Sync {
     /// default) and weigh samples by rows, with no extra collective.
     fn masks_targets(&self) -> bool {
         false
+    }
+    /// The first `n` training examples as the trainer sees them before packing
+    /// (`ddpjob preview`). Empty (the default): the task is not made of examples (windows of
+    /// a corpus, images).
+    fn examples(&self, _n: usize) -> Vec<Example> {
+        Vec::new()
+    }
+    /// What the training examples hold, for `validate` and `preview`; `None` (the default):
+    /// not a task of examples.
+    fn example_counts(&self) -> Option<ExampleCounts> {
+        None
     }
     /// What its evaluations report, the headline one first (`show`'s best, `list`'s column,
     /// the best checkpoint). The default: a language model's for token windows, a

@@ -15,6 +15,9 @@ use ddpjob_seam::DataError;
 /// by side (a corpus of many MB would otherwise be one long sequential pass).
 const PIECE_BYTES: usize = 1 << 20;
 
+/// Each token's byte range in the text it was encoded from.
+pub type Offsets = Vec<(usize, usize)>;
+
 /// A loaded tokenizer and the JSON it was loaded from.
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(try_from = "Stored", into = "Stored")]
@@ -119,6 +122,16 @@ impl HfTokenizer {
             .encode_fast(text, special)
             .map_err(|e| format!("the tokenizer cannot encode it: {e}"))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The ids of `text` (no special tokens added: a rendered chat template writes its own)
+    /// and each token's byte range in it.
+    pub fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Offsets), String> {
+        let encoding = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| format!("the tokenizer cannot encode it: {e}"))?;
+        Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
     }
 
     /// The id of the token written `token` (`</s>`, `<|endoftext|>`), added tokens included.

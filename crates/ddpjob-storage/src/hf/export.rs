@@ -79,6 +79,7 @@ const MODEL_DIR_FILES: &[&str] = &[
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
     "tokenizer.model",
     "vocab.json",
     "merges.txt",

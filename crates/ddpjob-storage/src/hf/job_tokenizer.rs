@@ -1,7 +1,8 @@
 //! The tokenizer an export ships, kept in the job when it starts (`tokenizer/` in the job
 //! directory): the model directory or tokenizer file the job named may move or change later,
 //! and an export must carry the tokenizer the job trained with, its companions
-//! (`tokenizer_config.json`, `special_tokens_map.json`, `generation_config.json`) and the ids
+//! (`tokenizer_config.json`, `special_tokens_map.json`, `generation_config.json`,
+//! `chat_template.jinja`) and the ids
 //! the base's `config.json` gave its special tokens.
 
 use std::path::{Path, PathBuf};
@@ -16,10 +17,12 @@ pub const DIR: &str = "tokenizer";
 /// The base's `bos_token_id`, `eos_token_id` and `pad_token_id`, kept beside its tokenizer.
 const BASE_IDS: &str = "base_token_ids.json";
 const MAIN: &str = "tokenizer.json";
-const COMPANIONS: [&str; 3] = [
+const COMPANIONS: [&str; 4] = [
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    // The chat template transformers 5 saves beside the tokenizer.
+    "chat_template.jinja",
 ];
 const SPECIAL_IDS: [&str; 3] = ["bos_token_id", "eos_token_id", "pad_token_id"];
 

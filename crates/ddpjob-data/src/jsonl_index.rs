@@ -17,6 +17,7 @@ use super::chat::ChatTemplate;
 use super::conversation;
 pub use super::examples::{Counts, Examples};
 use super::hf_tokenizer::HfTokenizer;
+use super::record_batches::Records;
 
 /// How lines become examples.
 pub struct Indexing<'a> {
@@ -42,18 +43,23 @@ pub struct Indexing<'a> {
     pub train_on_prompt: bool,
 }
 
-/// Streams `path` once, one example a line (blank lines skipped; see [`example`]).
+/// Streams `path` once, one example a line (blank lines skipped; see [`example`]), made on
+/// every core a chunk at a time (see `record_batches`).
 pub fn index_file(path: &Path, how: &Indexing) -> Result<Examples, DataError> {
     let io = |cause| DataError::Io {
         path: path.into(),
         cause,
     };
-    let mut reader = BufReader::new(std::fs::File::open(path).map_err(io)?);
-    let mut examples = Examples::default();
+    let file = std::fs::File::open(path).map_err(io)?;
+    let size = file.metadata().map_or(0, |m| m.len());
+    let mut reader = BufReader::new(file);
+    let mut records = Records::new(how, "line", size, true);
+    records.file(path)?;
     let (mut bytes, mut number) = (Vec::new(), 0);
     loop {
         bytes.clear();
-        if reader.read_until(b'\n', &mut bytes).map_err(io)? == 0 {
+        let read = reader.read_until(b'\n', &mut bytes).map_err(io)?;
+        if read == 0 {
             break;
         }
         number += 1;
@@ -63,44 +69,27 @@ pub fn index_file(path: &Path, how: &Indexing) -> Result<Examples, DataError> {
             _ => &bytes[..],
         };
         // Line by line, so bad bytes are a bad line: named, or skipped with skip_bad_lines.
-        let line = match std::str::from_utf8(text) {
-            Ok(line) => line,
-            Err(e) => {
-                let problem = format!(
-                    "it is not UTF-8 text (a byte that UTF-8 does not allow at byte {} of the \
-                     line)",
-                    e.valid_up_to() + 1
-                );
-                if how.skip_bad_lines {
-                    examples.counts.bad_lines += 1;
-                    continue;
-                }
-                return Err(bad_line(
-                    path,
-                    number,
-                    &problem,
-                    "; save the file as UTF-8, or set data.skip_bad_lines = true to count and \
-                     skip such lines",
-                ));
-            }
+        let record = match std::str::from_utf8(text) {
+            Ok(line) if line.trim().is_empty() => continue,
+            Ok(line) => serde_json::from_str::<Value>(line)
+                .map_err(|e| format!("it is not a JSON object ({e})"))
+                .and_then(|value| match value {
+                    Value::Object(object) => Ok(object),
+                    _ => Err("it is not a JSON object".into()),
+                }),
+            Err(e) => Err(format!(
+                "it is not UTF-8 text (a byte that UTF-8 does not allow at byte {} of the \
+                 line); save the file as UTF-8",
+                e.valid_up_to() + 1
+            )),
         };
-        if line.trim().is_empty() {
-            continue;
-        }
-        let made = serde_json::from_str::<Value>(line)
-            .map_err(|e| format!("it is not a JSON object ({e})"))
-            .and_then(|value| match value {
-                Value::Object(object) => example(&object, how),
-                _ => Err("it is not a JSON object".into()),
-            });
-        let bad = |problem: &str, fix: &str| bad_line(path, number, problem, fix);
-        examples.add(made, how, "line", bad)?;
+        records.push(number, record, read as u64)?;
     }
-    Ok(examples)
+    records.finish()
 }
 
 /// Reads parquet `files` in order, one example a row (columns: as [`example`] reads a line's
-/// fields; a null value is a column the row does not have).
+/// fields; a null value is a column the row does not have), made as `index_file`'s lines are.
 pub fn index_parquet(files: &[PathBuf], how: &Indexing) -> Result<Examples, DataError> {
     let wanted = [
         how.messages_field,
@@ -108,18 +97,19 @@ pub fn index_parquet(files: &[PathBuf], how: &Indexing) -> Result<Examples, Data
         how.prompt_field,
         how.completion_field,
     ];
-    let mut examples = Examples::default();
+    let mut total = 0;
     for file in files {
+        total += super::parquet_rows::row_count(file)?;
+    }
+    let mut records = Records::new(how, "row", total, false);
+    for file in files {
+        records.file(file)?;
         super::parquet_rows::for_each_row(file, &wanted, |row, mut object| {
             object.retain(|_, v| !v.is_null());
-            let made = example(&object, how);
-            let bad = |problem: &str, fix: &str| {
-                DataError::Mismatch(format!("`{}` row {row}: {problem}{fix}", file.display()))
-            };
-            examples.add(made, how, "row", bad)
+            records.push(row, Ok(object), 1)
         })?;
     }
-    Ok(examples)
+    records.finish()
 }
 
 impl Examples {
@@ -180,13 +170,6 @@ impl Examples {
         self.push(&tokens, &spans);
         Ok(())
     }
-}
-
-fn bad_line(path: &Path, number: usize, problem: &str, fix: &str) -> DataError {
-    DataError::Mismatch(format!(
-        "`{}` line {number}: {problem}{fix}",
-        PathBuf::from(path).display()
-    ))
 }
 
 /// One record's example: its tokens and the token ranges its loss is on, or what is wrong

@@ -26,6 +26,7 @@ mod jsonl_index;
 mod parquet;
 mod parquet_rows;
 mod pixels;
+mod record_batches;
 pub mod sampler;
 mod synthetic;
 mod tensors;

@@ -84,6 +84,25 @@ fn matches(pattern: &str, name: &str) -> bool {
     p[pi..].iter().all(|&c| c == '*')
 }
 
+/// The rows `path` holds, from its footer.
+pub fn row_count(path: &Path) -> Result<u64, DataError> {
+    let file = File::open(path).map_err(|cause| DataError::Io {
+        path: path.into(),
+        cause,
+    })?;
+    let reader = SerializedFileReader::new(file).map_err(|e| not_parquet(path, e))?;
+    Ok(reader.metadata().file_metadata().num_rows().max(0) as u64)
+}
+
+/// The user's file, not the job's own: a data error (exit 2), as a bad line of jsonl is.
+fn not_parquet(path: &Path, e: parquet::errors::ParquetError) -> DataError {
+    DataError::Mismatch(format!(
+        "`{}` is not a readable parquet file ({e}); check that it is the whole file, as \
+         written by pyarrow, datasets or the Hub",
+        path.display()
+    ))
+}
+
 /// Reads `path`'s rows, only the columns of `wanted` it has (at least one, or an error that
 /// lists its columns), calling `each` with the row's number (from 1) and its values.
 pub fn for_each_row(
@@ -91,14 +110,7 @@ pub fn for_each_row(
     wanted: &[&str],
     mut each: impl FnMut(usize, Map<String, Value>) -> Result<(), DataError>,
 ) -> Result<(), DataError> {
-    // The user's file, not the job's own: a data error (exit 2), as a bad line of jsonl is.
-    let corrupt = |e: parquet::errors::ParquetError| {
-        DataError::Mismatch(format!(
-            "`{}` is not a readable parquet file ({e}); check that it is the whole file, as \
-             written by pyarrow, datasets or the Hub",
-            path.display()
-        ))
-    };
+    let corrupt = |e| not_parquet(path, e);
     let file = File::open(path).map_err(|cause| DataError::Io {
         path: path.into(),
         cause,

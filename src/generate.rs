@@ -13,6 +13,7 @@ use crate::checkpoint::Checkpoints;
 use crate::config;
 use crate::config::Precision;
 use crate::data::DataError;
+use crate::data::chat::ChatTemplate;
 use crate::data::vocab::Vocab;
 use crate::jobdir::JobDir;
 use crate::models::{KvCache, Mode, Model, Params};
@@ -55,6 +56,8 @@ pub struct Generator {
     /// example ended with, where generation stops (as transformers' `generate` stops at
     /// `eos_token_id`); prompts are then encoded as the examples' were.
     end_of_example: Option<u32>,
+    /// The chat template its conversations were rendered with, when it has one (`--chat`).
+    chat_template: Option<ChatTemplate>,
     /// Where the weights came from, for messages.
     pub weights: PathBuf,
 }
@@ -118,10 +121,21 @@ impl Generator {
         let end_of_example = crate::registry::Registry::current()
             .data_end_of_example(&spec.data)
             .and_then(|token| vocab.token_id(&token));
+        // The template as the job rendered its data: data.chat_template, else the one kept
+        // beside the job's copy of the tokenizer.
+        let chosen = (spec.data.options().get("chat_template"))
+            .and_then(|v| v.as_str())
+            .map(PathBuf::from);
+        let chat_template = match kept.files.first() {
+            Some(tokenizer) => ChatTemplate::for_tokenizer(tokenizer, chosen.as_deref())
+                .map_err(SampleError::Usage)?,
+            None => None,
+        };
         Ok(Generator {
             engine,
             vocab,
             end_of_example,
+            chat_template,
             weights,
         })
     }
@@ -134,12 +148,46 @@ impl Generator {
         prompt: &str,
         tokens: usize,
         how: Sampling,
-        mut emit: impl FnMut(&str),
+        emit: impl FnMut(&str),
     ) -> Result<Vec<u32>, SampleError> {
-        let mut context = match self.end_of_example {
+        let context = match self.end_of_example {
             Some(_) => self.vocab.encode_prompt(prompt, "the prompt")?,
             None => self.vocab.encode(prompt, "the prompt")?,
         };
+        self.continue_ids(context, tokens, how, emit)
+    }
+
+    /// A user's `message` as a prompt: the conversation `[{"role": "user", "content":
+    /// message}]` rendered through the job's chat template with its generation prompt, and
+    /// its ids (encoded without adding special tokens, as `apply_chat_template` does), for
+    /// [`Generator::continue_ids`], which stops at the end-of-turn token (the data's end of
+    /// example).
+    pub fn chat_prompt(&self, message: &str) -> Result<(String, Vec<u32>), SampleError> {
+        let Some(template) = &self.chat_template else {
+            return Err(SampleError::Usage(
+                "--chat renders the message through the job's chat template, and this job has \
+                 none (no chat_template.jinja or tokenizer_config.json chat_template with its \
+                 tokenizer, no data.chat_template): use --prompt"
+                    .into(),
+            ));
+        };
+        let messages = [serde_json::json!({"role": "user", "content": message})];
+        let text = template
+            .render(&messages, true)
+            .map_err(SampleError::Usage)?
+            .text;
+        let ids = self.vocab.encode(&text, "the chat prompt")?;
+        Ok((text, ids))
+    }
+
+    /// [`Generator::generate`] after the ids of `context`.
+    pub fn continue_ids(
+        &self,
+        mut context: Vec<u32>,
+        tokens: usize,
+        how: Sampling,
+        mut emit: impl FnMut(&str),
+    ) -> Result<Vec<u32>, SampleError> {
         if context.is_empty() {
             // nanoGPT's sample.py starts from a newline; else the first symbol.
             context = self.vocab.encode("\n", "").unwrap_or_else(|_| vec![0]);

@@ -21,6 +21,11 @@ pub(super) struct SampleArgs {
     /// Text to continue (default: a newline, as nanoGPT's sample.py).
     #[arg(long, default_value = "")]
     prompt: String,
+    /// A user's message: rendered through the job's chat template with its generation prompt
+    /// (as `apply_chat_template(..., add_generation_prompt=True)`), the answer generated until
+    /// the end-of-turn token.
+    #[arg(long, value_name = "MESSAGE", conflicts_with = "prompt")]
+    chat: Option<String>,
     /// Tokens to generate (at most: a job trained on prompt/completion examples stops at
     /// the end-of-sequence token, as transformers' generate does).
     #[arg(long, default_value_t = 500)]
@@ -77,27 +82,40 @@ pub(super) fn sample(args: &SampleArgs) -> CliResult {
     let mut text = String::new();
     // The prompt is echoed once it is known to encode: a usage error leaves stdout empty.
     let mut echoed = args.json;
-    let ids = generator
-        .generate(&args.prompt, args.tokens, how, |piece| {
-            if args.json {
-                text.push_str(piece);
-            } else {
-                if !echoed {
-                    let _ = write!(stdout, "{}", args.prompt);
-                    echoed = true;
-                }
-                let _ = write!(stdout, "{piece}");
-                let _ = stdout.flush();
+    let mut prompt = args.prompt.clone();
+    let mut on_piece = |piece: &str, prompt: &str| {
+        if args.json {
+            text.push_str(piece);
+        } else {
+            if !echoed {
+                let _ = write!(stdout, "{prompt}");
+                echoed = true;
             }
-        })
-        .map_err(exit)?;
-    if !echoed {
-        let _ = write!(stdout, "{}", args.prompt);
+            let _ = write!(stdout, "{piece}");
+            let _ = stdout.flush();
+        }
+    };
+    let ids = match &args.chat {
+        Some(message) => {
+            let (shown, context) = generator.chat_prompt(message).map_err(exit)?;
+            prompt = shown;
+            generator
+                .continue_ids(context, args.tokens, how, |piece| on_piece(piece, &prompt))
+                .map_err(exit)?
+        }
+        None => generator
+            .generate(&args.prompt, args.tokens, how, |piece| {
+                on_piece(piece, &args.prompt)
+            })
+            .map_err(exit)?,
+    };
+    if !echoed && !args.json {
+        let _ = write!(stdout, "{prompt}");
     }
     let secs = started.elapsed().as_secs_f64();
     if args.json {
         let line = serde_json::json!({
-            "prompt": args.prompt, "text": text, "tokens": ids.len(),
+            "prompt": prompt, "text": text, "tokens": ids.len(),
             "ended": ids.len() < args.tokens,
             "tokens_per_s": (ids.len() as f64 / secs.max(1e-9)).round(),
             "weights": generator.weights.display().to_string(), "seed": args.seed,

@@ -137,6 +137,27 @@ fn a_parquet_conversation_job_resumes_bit_for_bit_and_two_workers_match_one() {
         "{}",
         whole.stdout
     );
+    // `sample --chat`: the message through the job's template with its generation prompt,
+    // as `apply_chat_template(messages, add_generation_prompt=True)` renders it.
+    let jobs = t.jobs_dir().display().to_string();
+    let chat = t.ddpjob(&[
+        "sample",
+        "whole",
+        "--jobs-dir",
+        &jobs,
+        "--chat",
+        "Speak, speak.",
+        "--tokens",
+        "4",
+        "--json",
+    ]);
+    chat.success();
+    let answer: serde_json::Value = serde_json::from_str(chat.stdout.trim()).unwrap();
+    assert_eq!(
+        answer["prompt"],
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n\
+         Speak, speak.<|im_end|>\n<|im_start|>assistant\n"
+    );
     preempt_resume_and_compare(&t, &cfg, &two, "rank=1,step=6,kind=preempt");
     one_worker_matches_two(&t, &job(&parquet(""), "max_steps = 3"));
 }

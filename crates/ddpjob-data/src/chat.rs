@@ -131,15 +131,15 @@ impl ChatTemplate {
         messages: &[Json],
         add_generation_prompt: bool,
     ) -> Result<Rendered, String> {
-        let mut context = serde_json::Map::new();
-        context.insert("messages".into(), Json::Array(messages.to_vec()));
-        context.insert("add_generation_prompt".into(), add_generation_prompt.into());
-        for (k, v) in &self.specials {
-            context.insert(k.clone(), Json::String(v.clone()));
-        }
+        // The messages are read where they are (no copy into a context object).
+        let context = minijinja::context! {
+            messages => Value::from(minijinja::value::Serde(messages)),
+            add_generation_prompt => add_generation_prompt,
+            ..Value::from(minijinja::value::Serde(&self.specials))
+        };
         let template = (self.env.get_template("chat_template")).map_err(|e| describe(&e))?;
         let out = template
-            .render(Value::from(minijinja::value::Serde(&context)))
+            .render(context)
             .map_err(|e| format!("chat template {}: {}", self.origin, describe(&e)))?;
         take_markers(&out)
     }

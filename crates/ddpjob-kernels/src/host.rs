@@ -24,7 +24,9 @@ use crate::bf16_products;
 /// step (0.6 G parameters, context 512) still spent 20% of its time in the kernel's
 /// page zeroing with a trim threshold of 2 GiB: 16.9 → 13.3 s a step (Intel Xeon, 2 threads),
 /// peak RSS 12.2 GB. Must run before any thread starts (glibc fixes its number of arenas at
-/// the first thread's first allocation): `main` calls it first, a worker again.
+/// the first thread's first allocation): `main` calls it first in the processes that train or
+/// evaluate (a worker again). Not in the launcher: one arena's lock halved the rate at which it
+/// tokenises a job's data on every core (allocation-heavy work on many threads).
 pub fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets allocator parameters; called before the worker's threads start.

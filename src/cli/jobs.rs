@@ -397,9 +397,12 @@ fn opened(spec: &config::JobSpec, task: &dyn crate::task::Task) -> String {
                 .ok()
                 .and_then(|b| b.note())
                 .map_or(String::new(), |note| format!("; {note}")),
+            // The note above says what was cut or left out; here the tokens trained on.
             task.example_counts().map_or(String::new(), |c| format!(
-                "; {}",
-                super::preview::describe(&c)
+                "; {} tokens, {} trained ({:.1}%)",
+                c.tokens,
+                c.trained,
+                100.0 * c.trained as f64 / c.tokens.max(1) as f64
             ))
         ),
         Some(_) => format!(

@@ -101,8 +101,8 @@ fn render(e: &Example, tokenizer: Option<&HfTokenizer>, colour: bool) -> String 
     out
 }
 
-/// The training set's counts in words (`validate` prints the same).
-pub(crate) fn describe(c: &ExampleCounts) -> String {
+/// The training set's counts in words.
+fn describe(c: &ExampleCounts) -> String {
     let mut text = format!(
         "training set: {} examples, {} tokens, {} trained ({:.1}%)",
         c.examples,

@@ -115,7 +115,7 @@ fn preview_shows_what_apply_chat_template_gives_and_what_is_trained() {
     let v = t.ddpjob(&["validate", &cfg.display().to_string()]);
     v.success();
     assert!(
-        v.stdout.contains("960 examples") && v.stdout.contains("trained ("),
+        v.stdout.contains("960 training") && v.stdout.contains("trained ("),
         "{}",
         v.stdout
     );

@@ -1,14 +1,10 @@
 fn main() -> std::process::ExitCode {
-    // The processes that train or evaluate keep the memory they free (one arena, never
-    // trimmed: see keep_freed_memory), set before any thread starts: glibc fixes its number of
-    // arenas at the first thread's allocation. The others keep glibc's arena per thread: the
-    // launcher tokenises a job's data on every core, and one arena's lock halved its rate.
-    let command = std::env::args().nth(1);
-    if matches!(
-        command.as_deref(),
-        Some("worker" | "bench-worker" | "bench" | "eval" | "sample")
-    ) {
-        ddpjob_kernels::keep_freed_memory();
+    // `eval` and `sample` keep the memory they free (see keep_freed_memory), set before any
+    // thread starts: glibc fixes its number of arenas at the first thread's allocation. A
+    // worker and `bench step` decide once they know their job's model; the launcher keeps
+    // glibc's arena per thread (it tokenises a job's data on every core).
+    if matches!(std::env::args().nth(1).as_deref(), Some("eval" | "sample")) {
+        ddpjob_kernels::keep_freed_memory(true);
     }
     ddpjob::cli::main()
 }

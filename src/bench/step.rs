@@ -82,10 +82,11 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     if options.steps == 0 {
         return Err(BenchError::Usage("--steps must be at least 1".into()));
     }
-    // As a worker does, before any thread starts (threads inherit the mode).
+    // As a worker does, before any thread starts (threads inherit the mode; glibc fixes its
+    // arenas at the first thread's allocation).
+    ddpjob_kernels::keep_freed_memory(crate::memory::one_allocator_arena(spec));
     crate::numerics::set_for_this_thread(spec.train.flush_denormals);
     use_threads(options.threads)?;
-    ddpjob_kernels::keep_freed_memory();
     let crate::device::OneProcess {
         device,
         name: device_name,

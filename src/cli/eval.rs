@@ -35,7 +35,7 @@ pub(super) struct EvalArgs {
 pub(super) fn eval(args: &EvalArgs) -> CliResult {
     // Freed activations stay in the process, as in a worker: without it the kernel zeroed
     // fresh pages for a quarter of a SmolLM2-135M evaluation's time (perf, 2026-11-26).
-    ddpjob_kernels::keep_freed_memory();
+    ddpjob_kernels::keep_freed_memory(true);
     let model = which_model(args)?;
     let fail = |e: evaluate::EvalError| (e.exit_code(), anyhow!(e));
     let spec = evaluate::spec_for(&model, args.data.as_deref(), &args.set).map_err(fail)?;

@@ -52,7 +52,7 @@ pub(super) struct SampleArgs {
 
 pub(super) fn sample(args: &SampleArgs) -> CliResult {
     // As `eval`: freed memory stays in the process rather than coming back as fresh pages.
-    ddpjob_kernels::keep_freed_memory();
+    ddpjob_kernels::keep_freed_memory(true);
     let job = super::existing_job(&args.jobs_dir, &args.name)?;
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
         return Err((

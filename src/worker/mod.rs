@@ -87,7 +87,6 @@ impl WorkerError {
 /// The `worker` subcommand's body; `Ok(true)` if it stopped on request after a checkpoint.
 pub fn run() -> Result<bool, WorkerError> {
     let started = Instant::now();
-    ddpjob_kernels::keep_freed_memory();
     // SIGTERM, SIGINT, and SIGUSR1 (Slurm's `--signal=USR1@N` without `B:` reaches every
     // process of the step): finish the current optimizer step, checkpoint, exit.
     crate::signals::install();
@@ -106,7 +105,9 @@ pub fn run() -> Result<bool, WorkerError> {
             at: config::Origin::Defaulted(job.job_toml()),
             problem,
         })?;
-    // Before this process starts any thread: threads inherit the mode of their creator.
+    // Before this process starts any thread: threads inherit the mode of their creator, and
+    // glibc fixes its arenas at the first thread's allocation.
+    ddpjob_kernels::keep_freed_memory(crate::memory::one_allocator_arena(&spec));
     crate::numerics::set_for_this_thread(spec.train.flush_denormals);
     crate::train::shards::start_global_pool(None).map_err(WorkerError::Threads)?;
     let timeout = Duration::from_secs(spec.distributed.timeout_s);

@@ -23,22 +23,27 @@ use crate::bf16_products;
 /// block larger than that at all (it is mmap'd whatever M_MMAP_MAX says), so Qwen3-0.6B's
 /// step (0.6 G parameters, context 512) still spent 20% of its time in the kernel's
 /// page zeroing with a trim threshold of 2 GiB: 16.9 → 13.3 s a step (Intel Xeon, 2 threads),
-/// peak RSS 12.2 GB; a 363 M Qwen3-MoE's 7.1 → 5.3 s. The price, one lock for every thread's
-/// allocations, shows on tiny models that allocate a lot per millisecond: the 2-layer MoE
-/// fixture's step 7.4 → 12–13 ms, a 2-layer llama's 29 → 31 ms, the GPT recipe's unchanged
-/// (21.7 ms). A top pad that keeps thread heaps alive instead was measured too: it fixes the
-/// small ones but not the large (16.2 s), whose blocks over 64 MiB a thread arena always mmaps. Must run before any thread starts (glibc fixes its number of arenas at
-/// the first thread's first allocation): `main` calls it first in the processes that train or
-/// evaluate (a worker again). Not in the launcher: one arena's lock halved the rate at which it
+/// peak RSS 12.2 GB; a 363 M Qwen3-MoE's 7.1 → 5.3 s (without one arena: 14.7 s and 7.3 s).
+/// One arena's single lock costs tiny models that allocate a lot per millisecond (the 2-layer
+/// MoE fixture's step 7.3 → 12–13 ms, a 2-layer llama's 28 → 31 ms), so `one_arena` is asked
+/// for where blocks over 64 MiB are expected (a large vocabulary's embedding and logits; see
+/// the caller's rule). A top pad that keeps thread heaps alive instead fixes the small ones
+/// but not the large (16.2 s): a thread arena mmaps every block over 64 MiB. Must run before any thread starts (glibc fixes its number of arenas at
+/// the first thread's first allocation): a worker calls it once it knows its job and before
+/// its first thread. Not in the launcher: one arena's lock halved the rate at which it
 /// tokenises a job's data on every core (allocation-heavy work on many threads).
-pub fn keep_freed_memory() {
+pub fn keep_freed_memory(one_arena: bool) {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets allocator parameters; called before the worker's threads start.
     unsafe {
         libc::mallopt(libc::M_MMAP_MAX, 0);
         libc::mallopt(libc::M_TRIM_THRESHOLD, -1);
-        libc::mallopt(libc::M_ARENA_MAX, 1);
+        if one_arena {
+            libc::mallopt(libc::M_ARENA_MAX, 1);
+        }
     }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    let _ = one_arena;
 }
 
 /// The bits of `t`'s values as f32 (from any float dtype, on any device): what the tests that

@@ -55,6 +55,9 @@ impl ChatTemplate {
                 .build()
                 .map_err(|e| e.to_string())?,
         );
+        // Jinja2's filters minijinja's core lacks (`truncate`, `striptags`, ...), and Python's
+        // string and dict methods.
+        minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",

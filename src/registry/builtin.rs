@@ -72,7 +72,7 @@ pub(super) fn data(registry: Registry) -> Registry {
         .documented_dataset("synthetic", SYNTHETIC_KEYS)
         .documented_dataset("text", TEXT_KEYS)
         .documented_dataset("tokens", TOKENS_KEYS)
-        .documented_dataset("jsonl", JSONL_KEYS)
+        .documented_dataset("jsonl", JSONL_KEYS.as_slice())
         .documented_dataset("parquet", PARQUET_KEYS.as_slice())
         .dataset_tolerates("mnist", IDX_TOLERATES, &[])
         .dataset_tolerates("fashion-mnist", IDX_TOLERATES, &[])

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use crate::common::{TestJob, preempt_resume_and_compare};
 use crate::finetune::one_worker_matches_two;
 
-fn fixture(path: &str) -> String {
+pub(crate) fn fixture(path: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/chat")
         .join(path)
@@ -18,7 +18,7 @@ fn fixture(path: &str) -> String {
 }
 
 /// A job of the fixture model on `data` (the `[data]` table's keys).
-fn job(data: &str, train: &str) -> String {
+pub(crate) fn job(data: &str, train: &str) -> String {
     format!(
         r#"
 seed = 5

@@ -5,6 +5,7 @@
 //! JSON object a line, for supervised fine-tuning.
 
 use std::path::{Path, PathBuf};
+use std::sync::LazyLock;
 
 use serde::{Deserialize, Serialize};
 
@@ -13,6 +14,7 @@ use super::chat::ChatTemplate;
 pub use super::examples_task::JsonlTask;
 use super::examples_task::pack;
 use super::hf_tokenizer::HfTokenizer;
+use super::hub_source::{self, HUB_KEYS};
 use super::jsonl_index::{Counts, Examples, Indexing, index_file, index_parquet};
 use super::parquet_rows;
 use super::text_options::named_file;
@@ -44,6 +46,17 @@ pub struct JsonlOptions {
     pub tokenizer: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eos_token: Option<String>,
+    /// A Hub dataset instead of paths, and which part of it (see `hub_source`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hub: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_split: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
     /// What the files are: JSON Lines, or parquet (`data.dataset = "parquet"`, see
     /// `ParquetOptions`); not a key.
     #[serde(skip)]
@@ -85,12 +98,21 @@ impl Default for JsonlOptions {
             skip_bad_lines: false,
             tokenizer: None,
             eos_token: None,
+            hub: None,
+            config: None,
+            split: None,
+            val_split: None,
+            revision: None,
             format: Format::Jsonl,
         }
     }
 }
 
-pub const JSONL_KEYS: &[KeyDoc] = &[
+/// `data.dataset = "jsonl"`'s keys: the rows' own, then the Hub's (refused for jsonl).
+pub static JSONL_KEYS: LazyLock<Vec<KeyDoc>> =
+    LazyLock::new(|| ROW_KEYS.iter().chain(HUB_KEYS).copied().collect());
+
+const ROW_KEYS: &[KeyDoc] = &[
     KeyDoc {
         key: "train_path",
         default: "required",
@@ -425,12 +447,17 @@ impl DatasetOptions for JsonlOptions {
                 cx.arch
             ));
         }
+        hub_source::resolve(&mut self, cx)?;
         if self.train_path.as_deref().is_none_or(str::is_empty) {
             return Err(format!(
                 "data.train_path is required for data.dataset = \"{}\", e.g. train_path \
-                     = \"data/sft/train.{}\"",
+                     = \"data/sft/train.{}\"{}",
                 self.format.name(),
-                self.format.name()
+                self.format.name(),
+                match self.format {
+                    Format::Parquet => ", or a Hub dataset: hub = \"org/name\"",
+                    Format::Jsonl => "",
+                }
             ));
         }
         if self.pack && !cx.language.as_ref().is_some_and(|l| l.packed_rows) {
@@ -561,11 +588,19 @@ impl DatasetOptions for JsonlOptions {
     }
 
     fn describe(&self) -> Option<String> {
-        Some(format!(
-            "{} {}",
-            self.format.name(),
-            self.train_path.as_deref().unwrap_or_default()
-        ))
+        let source = match &self.hub {
+            Some(id) => format!(
+                "{id} (Hub; config {}, split {}{}, commit {})",
+                self.config.as_deref().unwrap_or("default"),
+                self.split.as_deref().unwrap_or("train"),
+                self.val_split
+                    .as_deref()
+                    .map_or(String::new(), |v| format!(", validation {v}")),
+                self.revision.as_deref().unwrap_or("main")
+            ),
+            None => self.train_path.clone().unwrap_or_default(),
+        };
+        Some(format!("{} {source}", self.format.name()))
     }
 
     fn tokenizer_file(&self) -> Option<PathBuf> {

@@ -18,6 +18,7 @@ mod examples;
 mod examples_task;
 pub mod fingerprint;
 pub mod host;
+mod hub_source;
 pub use ddpjob_storage::hf_tokenizer;
 pub mod idx;
 mod jinja_python;

@@ -204,7 +204,7 @@ pub fn resolve(id: &str, revision: &str, env: &HubEnv) -> Result<HubModel, HfErr
     Ok(model(commit, downloaded))
 }
 
-fn api(env: &HubEnv) -> Result<Api, HfError> {
+pub(super) fn api(env: &HubEnv) -> Result<Api, HfError> {
     ApiBuilder::from_cache(Cache::new(env.cache.clone()))
         .with_endpoint(env.endpoint.clone())
         .with_token(env.token.clone())
@@ -227,7 +227,7 @@ fn snapshot(env: &HubEnv, id: &str, commit: &str) -> PathBuf {
     env.repo_dir(id).join("snapshots").join(commit)
 }
 
-fn is_commit(revision: &str) -> bool {
+pub(super) fn is_commit(revision: &str) -> bool {
     revision.len() == 40 && revision.chars().all(|c| c.is_ascii_hexdigit())
 }
 
@@ -270,7 +270,7 @@ fn shards(index: &Path) -> Result<Vec<String>, HfError> {
 }
 
 /// The HTTP status of a failed request, when the Hub answered.
-fn status(e: &ApiError) -> Option<u16> {
+pub(super) fn status(e: &ApiError) -> Option<u16> {
     match e {
         ApiError::RequestError(e) => match e.as_ref() {
             ureq::Error::StatusCode(code) => Some(*code),

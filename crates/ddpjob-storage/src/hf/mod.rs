@@ -4,8 +4,10 @@
 //! finds the files, reads the fields with errors that name them, memory-maps the weights into
 //! a model's parameters, and writes an export that `transformers` loads.
 
+pub mod dataset_layout;
 mod export;
 pub mod hub;
+pub mod hub_dataset;
 pub mod job_tokenizer;
 pub mod peft;
 

@@ -6,23 +6,40 @@
 # num_proc=<cores>)` on the same shards, with the same tokenizer (a 32,768-token byte-level BPE)
 # and template. Prints rows/s and peak memory of each and the ratio.
 #
-#   bench/tokenize-vs-datasets.sh            MB=50 (the set's size), PYTHON with datasets,
-#                                            transformers, pyarrow, tokenizers
+# KIND=text: documents (a `text` column) instead, which ddpjob reads as one corpus of token
+# windows; timed as the `ddpjob run` that tokenises them into a new job (one optimizer step of
+# a tiny model after), against `datasets.map(tokenizer(batch["text"]), batched=True,
+# num_proc=<cores>)`, run_clm.py's tokenising.
+#
+#   bench/tokenize-vs-datasets.sh            MB=50 (the set's size), KIND=chat|text, PYTHON
+#                                            with datasets, transformers, pyarrow, tokenizers
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
 mb=${MB:-50}
-work=${WORK:-/tmp/tokenize-bench-$mb}
-bin=$here/target/release/ddpjob
+kind=${KIND:-chat}
+work=${WORK:-/tmp/tokenize-bench-$kind-$mb}
+bin=${BIN:-$here/target/release/ddpjob}
 text=${TEXT:-$here/../shared/data/tinyshakespeare/input.txt}
 [ -x "$bin" ] || { echo "no $bin: run cargo build --release first" >&2; exit 2; }
-[ -f "$work/job.toml" ] || "$python" "$here/bench/tokenize_ref.py" prepare "$work" "$text" --mb "$mb"
+[ -f "$work/job.toml" ] || "$python" "$here/bench/tokenize_ref.py" prepare "$work" "$text" --mb "$mb" --kind "$kind"
 lscpu | sed -n 's/^Model name: *//p'
 cores=$(nproc)
 started=$(date +%s.%N)
-/usr/bin/time -f "%M" -o "$work/ddpjob-rss" "$bin" preview "$work/job.toml" --json --examples 0 \
-  > "$work/ddpjob.json"
-ended=$(date +%s.%N)
+if [ "$kind" = text ]; then
+  rm -rf "$work/jobs"
+  DDPJOB_PLAIN=1 /usr/bin/time -f "%M" -o "$work/ddpjob-rss" "$bin" run "$work/job.toml" \
+    --jobs-dir "$work/jobs" > "$work/ddpjob.log" 2>&1
+  ended=$(date +%s.%N)
+  # The corpus's tokens as the job keeps them (one end-of-sequence token a row more than
+  # datasets' ids).
+  sizes=$(stat -c %s "$work/jobs/tokenize-bench/rows-train.tokens" "$work/jobs/tokenize-bench/rows-val.tokens")
+  echo "{\"tokens\": $(( ($(echo "$sizes" | paste -sd+)) / 4 ))}" > "$work/ddpjob.json"
+else
+  /usr/bin/time -f "%M" -o "$work/ddpjob-rss" "$bin" preview "$work/job.toml" --json --examples 0 \
+    > "$work/ddpjob.json"
+  ended=$(date +%s.%N)
+fi
 "$python" "$here/bench/tokenize_ref.py" datasets "$work" --procs "$cores" 2>/dev/null | tail -1 > "$work/datasets.json"
 "$python" - "$work" "$started" "$ended" <<'PY'
 import json, sys

@@ -1,6 +1,6 @@
 """The Python side of bench/tokenize-vs-datasets.sh.
 
-    python bench/tokenize_ref.py prepare WORK TEXT --mb 50
+    python bench/tokenize_ref.py prepare WORK TEXT --mb 50 [--kind chat|text]
     python bench/tokenize_ref.py datasets WORK --procs N
 
 `prepare` writes WORK/tok/ (a byte-level BPE of 32,768 tokens trained on TEXT with ChatML's
@@ -12,6 +12,11 @@ WORK/job.toml, the ddpjob job that reads them. `datasets` tokenises the same sha
 transformers user does: `load_dataset("parquet")` then `.map(apply_chat_template(...,
 return_assistant_tokens_mask=True), batched=True, num_proc=N)`, and prints one JSON line:
 rows, seconds, rows/s and the peak RSS of the process and its workers.
+
+`--kind text` writes documents instead: a `text` column of the speeches (one a row, as
+wikitext's rows are paragraphs), which ddpjob reads as one corpus of token windows
+(`data.text_rows = "windows"`, parquet's default for it), and `datasets` tokenises as
+run_clm.py does: `.map(lambda b: tokenizer(b["text"]), batched=True, num_proc=N)`.
 """
 
 import argparse
@@ -36,7 +41,6 @@ def speeches(text):
 
 def prepare(args):
     import pyarrow as pa
-    import pyarrow.parquet as pq
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,22 +57,34 @@ def prepare(args):
     fast.chat_template = TEMPLATE.read_text()
     fast.save_pretrained(work / "tok")
     said = speeches(text)
-    rows = []
-    for i in range(0, len(said) - 1, 2):
-        m = [{"role": "user", "content": said[i]}, {"role": "assistant", "content": said[i + 1]}]
-        if len(rows) % 3 == 0:
-            m.insert(0, {"role": "system", "content": "You answer as a citizen of Rome."})
-        rows.append(m)
-    one = sum(len(json.dumps(r)) for r in rows)
-    copies = max(1, round(args.mb * 1e6 / one))
-    rows = rows * copies
-    message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    schema = pa.schema([("messages", pa.list_(message))])
+    (work / "kind").write_text(args.kind)
+    if args.kind == "text":
+        one = sum(len(r) for r in said)
+        rows = said * max(1, round(args.mb * 1e6 / one))
+        write(work, rows, "text", pa.schema([("text", pa.string())]))
+    else:
+        rows = []
+        for i in range(0, len(said) - 1, 2):
+            m = [{"role": "user", "content": said[i]},
+                 {"role": "assistant", "content": said[i + 1]}]
+            if len(rows) % 3 == 0:
+                m.insert(0, {"role": "system", "content": "You answer as a citizen of Rome."})
+            rows.append(m)
+        one = sum(len(json.dumps(r)) for r in rows)
+        rows = rows * max(1, round(args.mb * 1e6 / one))
+        message = pa.struct([("role", pa.string()), ("content", pa.string())])
+        write(work, rows, "messages", pa.schema([("messages", pa.list_(message))]))
+
+
+def write(work, rows, column, schema):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     (work / "data").mkdir(parents=True, exist_ok=True)
     quarter = (len(rows) + 3) // 4
     for s in range(4):
         part = rows[s * quarter:(s + 1) * quarter]
-        pq.write_table(pa.table({"messages": part}, schema=schema),
+        pq.write_table(pa.table({column: part}, schema=schema),
                        work / "data" / f"train-{s:05d}-of-00004.parquet", compression="snappy")
     (work / "job.toml").write_text(f"""# made by bench/tokenize_ref.py prepare
 name = "tokenize-bench"
@@ -86,6 +102,9 @@ tokenizer = "{work}/tok/tokenizer.json"
 [train]
 epochs = 1
 batch_size = 1
+max_steps = 1
+[checkpoint]
+every_epochs = 0
 """)
     print(json.dumps({"rows": len(rows), "bytes": sum(f.stat().st_size for f in (work / "data").iterdir())}))
 
@@ -105,7 +124,12 @@ def run_datasets(args):
                                       return_assistant_tokens_mask=True)
         return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
 
-    done = ds.map(tokenize, batched=True, num_proc=args.procs, remove_columns=["messages"],
+    def tokenize_text(batch):
+        return {"input_ids": tok(batch["text"])["input_ids"]}
+
+    kind = (work / "kind").read_text() if (work / "kind").exists() else "chat"
+    column, how = {"chat": ("messages", tokenize), "text": ("text", tokenize_text)}[kind]
+    done = ds.map(how, batched=True, num_proc=args.procs, remove_columns=[column],
                   load_from_cache_file=False)
     secs = time.perf_counter() - started
     tokens = sum(len(x) for x in done["input_ids"])
@@ -122,6 +146,7 @@ if __name__ == "__main__":
     a.add_argument("work")
     a.add_argument("text")
     a.add_argument("--mb", type=float, default=50)
+    a.add_argument("--kind", choices=["chat", "text"], default="chat")
     b = sub.add_parser("datasets")
     b.add_argument("work")
     b.add_argument("--procs", type=int, default=2)

@@ -35,8 +35,10 @@ pub(super) fn preview(args: &PreviewArgs) -> CliResult {
         return Err((
             2,
             anyhow!(
-                "{}: data.dataset = \"{}\" is not made of examples (preview shows instruction \
-                 and conversation data: dataset = \"jsonl\")",
+                "{}: data.dataset = \"{}\" is not made of examples here but of token windows \
+                 (images, text), every target trained; preview shows instruction and \
+                 conversation data, one example a row: dataset = \"jsonl\" or \"parquet\" \
+                 (with data.text_rows = \"examples\" for rows of text)",
                 args.config.config.display(),
                 spec.data.name()
             ),

@@ -14,7 +14,7 @@ pub mod watch;
 pub use resume::{ResumeOptions, Resumed, resume, target as resume_target};
 
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -266,7 +266,7 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
     let plan = match decision {
         Decision::Start => {
             // The data is found and checked before the job exists, so bad data creates nothing.
-            let kept = prepare_data(spec, None)?;
+            let kept = prepare_data(spec, &job, false)?;
             // A job that would take no step is refused before it exists, where the data says
             // its size without being read (else the workers refuse it; 0 is "not known yet").
             let counted = crate::registry::Registry::current().train_samples(&spec.data);
@@ -436,8 +436,14 @@ fn meet(
 /// [`crate::registry::DatasetOptions::prepare`]), so bad data creates no job and fails no
 /// worker; what the data keeps in the job directory (text data's vocabulary, read from `job`
 /// when it has one already).
-pub(crate) fn prepare_data(spec: &JobSpec, job: Option<&JobDir>) -> Result<Vec<JobFile>, RunError> {
-    let cx = DataContext::of(spec, job.map(|j| j.root.as_path()));
+pub(crate) fn prepare_data(
+    spec: &JobSpec,
+    job: &JobDir,
+    exists: bool,
+) -> Result<Vec<JobFile>, RunError> {
+    let mut cx = DataContext::of(spec, exists.then_some(job.root.as_path()));
+    // Beside where the job is or will be, so what the data keeps moves in without a copy.
+    cx.staging = job.root.parent().map(Path::to_path_buf);
     Ok(Registry::current().prepare_data(&spec.data, &cx)?)
 }
 
@@ -592,7 +598,7 @@ fn create_job(
         let lock = job.lock(&spec.name)?;
         write_job_toml(job, opts)?;
         for file in kept {
-            job.write_file(&job.root.join(&file.name), &file.bytes)?;
+            keep(job, file)?;
         }
         // What an export ships, as it is now: the base may move or change later.
         crate::hf::job_tokenizer::keep(
@@ -608,6 +614,13 @@ fn create_job(
         job.write_state(&JobState::running(layout.world_size(), 0))?;
         Ok(lock)
     })
+}
+
+/// Puts a file the data keeps into the job directory.
+pub(super) fn keep(job: &JobDir, file: &JobFile) -> Result<(), RunError> {
+    let path = job.root.join(&file.name);
+    file.keep_at(&path, crate::jobdir::write_atomic)
+        .map_err(|cause| JobDirError::Io { path, cause }.into())
 }
 
 /// Nodes > 0: their own job directory (or node 0's, on a shared file system) for their logs.

@@ -283,7 +283,7 @@ pub(super) fn follow_node0(
     // A new job reads its data afresh, as node 0 does: what a directory of the same name
     // holds on this node may be an earlier job's (its vocabulary, its record of the files).
     let continuing = matches!(plan, Plan::Continue { .. });
-    super::prepare_data(spec, continuing.then_some(job))?;
+    super::prepare_data(spec, job, continuing)?;
     join_job(job, opts)?;
     Ok(Followed::Train(match plan {
         Plan::Continue { from } => from,

@@ -208,10 +208,9 @@ pub(super) fn start_continuing(
     // The data must still be there, and text still encode with the vocabulary the job
     // trained with. What a job from before a file was kept (the record of its data files)
     // is kept from now on.
-    for file in super::prepare_data(spec, Some(job))? {
-        let path = job.root.join(&file.name);
-        if !path.exists() {
-            job.write_file(&path, &file.bytes)?;
+    for file in super::prepare_data(spec, job, true)? {
+        if !job.root.join(&file.name).exists() {
+            super::keep(job, &file)?;
         }
     }
     rewind_to(job, choice)?;

@@ -31,5 +31,6 @@ mod sharding;
 mod shell;
 mod show;
 mod tensorboard;
+mod text_rows;
 mod validate;
 mod verify;

@@ -116,6 +116,14 @@ impl Examples {
         self.tokens.as_slice()
     }
 
+    /// All tokens, end to end, taken, with the examples they made: only the counts stay.
+    pub fn drain_tokens(&mut self) -> Vec<u32> {
+        self.ends.clear();
+        self.spans.clear();
+        self.span_ends.clear();
+        std::mem::take(self.tokens.owned())
+    }
+
     /// Adds an example: `tokens` and its trained `spans` (in order, within it).
     pub fn push(&mut self, tokens: &[u32], spans: &[Range<usize>]) {
         let all = self.tokens.owned();
@@ -148,12 +156,12 @@ impl Examples {
         }
     }
 
-    /// The stored form: magic, version, the end-of-sequence id, counts, then per example its
-    /// length and number of spans, then the spans' [start, end), then the tokens;
-    /// little-endian u32 throughout.
-    pub fn to_bytes(&self, eos: u32) -> Vec<u8> {
+    /// Writes the stored form to `out` (a file, written as it goes): magic, version, the
+    /// end-of-sequence id, counts, then per example its length and number of spans, then the
+    /// spans' [start, end), then the tokens; little-endian u32 throughout.
+    pub fn write_to(&self, out: &mut impl std::io::Write, eos: u32) -> std::io::Result<()> {
         let c = self.counts;
-        let mut out = MAGIC.to_vec();
+        out.write_all(MAGIC)?;
         let header = [
             VERSION,
             eos,
@@ -171,12 +179,12 @@ impl Examples {
         let spans = self.spans.iter().flatten().copied();
         for v in (header.into_iter().chain(lens).chain(spans)).chain(self.tokens().iter().copied())
         {
-            out.extend_from_slice(&v.to_le_bytes());
+            out.write_all(&v.to_le_bytes())?;
         }
-        out
+        Ok(())
     }
 
-    /// Maps what [`Examples::to_bytes`] wrote to `path` (or the version before it, one prompt
+    /// Maps what [`Examples::write_to`] wrote to `path` (or the version before it, one prompt
     /// length per example): the examples (their tokens read in place) and the
     /// end-of-sequence id.
     pub fn open(path: &Path) -> Result<(Examples, u32), DataError> {

@@ -61,10 +61,7 @@ pub fn keep_or_compare(paths: &[&Path], job: Option<&Path>) -> Result<Vec<JobFil
     let stored = job.map(|j| j.join(FILE)).filter(|p| p.is_file());
     let Some(stored) = stored else {
         let bytes = serde_json::to_vec_pretty(&now).unwrap_or_default();
-        return Ok(vec![JobFile {
-            name: FILE.into(),
-            bytes,
-        }]);
+        return Ok(vec![JobFile::bytes(FILE, bytes)]);
     };
     let then: Vec<Fingerprint> = std::fs::read(&stored)
         .ok()
@@ -108,7 +105,7 @@ mod tests {
         std::fs::write(&text, &big).unwrap();
         let kept = keep_or_compare(&[&text], None).unwrap();
         assert_eq!(kept[0].name, FILE);
-        std::fs::write(job.join(FILE), &kept[0].bytes).unwrap();
+        std::fs::write(job.join(FILE), &*kept[0].read().unwrap()).unwrap();
         assert!(keep_or_compare(&[&text], Some(&job)).unwrap().is_empty());
         // Shortened: the length says so.
         std::fs::write(&text, &big[..big.len() - 1]).unwrap();

@@ -11,14 +11,17 @@ use serde::{Deserialize, Serialize};
 
 use super::DataError;
 use super::chat::ChatTemplate;
+use super::corpus::{self, TEXT_ROWS_KEY, TextRows};
 pub use super::examples_task::JsonlTask;
 use super::examples_task::pack;
 use super::hf_tokenizer::HfTokenizer;
 use super::hub_source::{self, HUB_KEYS};
-use super::jsonl_index::{Counts, Examples, Indexing, index_file, index_parquet};
+use super::jsonl_index::{Counts, Examples, Indexing, Sink, index_file, index_parquet};
+use super::kept::Staged;
 use super::parquet_rows;
 use super::text_options::named_file;
 use super::vocab::Vocab;
+use ddpjob_seam::task::Task;
 use ddpjob_seam::{BuildError, DatasetOptions, JobFile};
 use ddpjob_spec::{DataContext, KeyDoc};
 
@@ -42,6 +45,10 @@ pub struct JsonlOptions {
     pub pack: bool,
     pub truncate: bool,
     pub skip_bad_lines: bool,
+    /// Rows as examples or as one corpus of windows (see `corpus`); `complete` writes out
+    /// the default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text_rows: Option<TextRows>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -96,6 +103,7 @@ impl Default for JsonlOptions {
             pack: false,
             truncate: true,
             skip_bad_lines: false,
+            text_rows: None,
             tokenizer: None,
             eos_token: None,
             hub: None,
@@ -185,6 +193,7 @@ const ROW_KEYS: &[KeyDoc] = &[
         doc: "count and skip lines that are not JSON or lack the fields, instead of refusing \
               the file",
     },
+    TEXT_ROWS_KEY,
     KeyDoc {
         key: "tokenizer",
         default: "the model's `tokenizer.json`",
@@ -212,10 +221,10 @@ impl JsonlOptions {
         ChatTemplate::for_tokenizer(&self.tokenizer_path(), path).map_err(DataError::Mismatch)
     }
 
-    /// Whether the job in `job` stored its examples from these options (the same files, fields
-    /// and tokenizer; `train_on_prompt` and `pack` act when batching, so they may differ): not
-    /// when `eval --data` names other data.
-    fn stored_in(&self, job: &Path) -> bool {
+    /// Whether the job in `job` stored its examples (or windows' tokens, `file`) from these
+    /// options (the same files, fields and tokenizer; `train_on_prompt` and `pack` act when
+    /// batching, so they may differ): not when `eval --data` names other data.
+    pub(crate) fn stored_in(&self, job: &Path, file: &str) -> bool {
         let Some(data) = std::fs::read_to_string(job.join("job.toml"))
             .ok()
             .and_then(|t| t.parse::<toml::Table>().ok())
@@ -232,19 +241,26 @@ impl JsonlOptions {
             pack: false,
             ..o.clone()
         };
-        job.join(STORED[0]).is_file() && source(&stored) == source(self)
+        job.join(file).is_file() && source(&stored) == source(self)
     }
 
-    /// The examples of both splits and the end-of-sequence id: the job's stored ones when it
-    /// has them (for these options), else read from the files.
-    fn examples(&self, cx: &DataContext) -> Result<(Examples, Examples, u32), DataError> {
-        if let Some(job) = &cx.job
-            && self.stored_in(job)
-        {
-            let read = |name: &str| Examples::open(&job.join(name));
-            let ((train, eos), (val, _)) = (read(STORED[0])?, read(STORED[1])?);
-            return Ok((train, val, eos));
+    /// How the rows become samples: `text_rows`, else as [`corpus::default_rows`] decides.
+    fn rows(&self) -> Result<TextRows, DataError> {
+        match self.text_rows {
+            Some(rows) => Ok(rows),
+            None => corpus::default_rows(self),
         }
+    }
+
+    /// The records of `train_path` and of `val_path` (`None` without it) as `rows` says (one
+    /// example a record, or each whole for a corpus), and the end-of-sequence id.
+    /// With `sinks` (training's, validation's), the tokens go there as they are made.
+    pub(crate) fn read(
+        &self,
+        cx: &DataContext,
+        rows: TextRows,
+        sinks: [Option<&Sink>; 2],
+    ) -> Result<(Examples, Option<Examples>, u32), DataError> {
         let train_path = PathBuf::from(self.train_path.clone().unwrap_or_default());
         if self.format == Format::Jsonl {
             let fix = "put the examples there (one JSON object a line) or correct the path";
@@ -271,18 +287,49 @@ impl JsonlOptions {
             completion_field: &self.completion_field,
             messages_field: &self.messages_field,
             chat: template.as_ref().ok_or(no_template.as_str()),
-            max_tokens: block + 1,
+            max_tokens: match rows {
+                TextRows::Examples => block + 1,
+                TextRows::Windows => usize::MAX,
+            },
             truncate: self.truncate,
             skip_bad_lines: self.skip_bad_lines,
-            train_on_prompt: self.train_on_prompt,
+            train_on_prompt: self.train_on_prompt || rows == TextRows::Windows,
+            sink: None,
         };
-        let read = |path: &str, key: &str| match self.format {
-            Format::Jsonl => index_file(Path::new(path), &how),
-            Format::Parquet => index_parquet(&parquet_rows::sources(path, key)?, &how),
+        let read = |path: &str, key: &str, sink| {
+            let how = Indexing { sink, ..how };
+            match self.format {
+                Format::Jsonl => index_file(Path::new(path), &how),
+                Format::Parquet => index_parquet(&parquet_rows::sources(path, key)?, &how),
+            }
         };
-        let mut train = read(self.train_path.as_deref().unwrap_or_default(), "train_path")?;
+        let train = read(
+            self.train_path.as_deref().unwrap_or_default(),
+            "train_path",
+            sinks[0],
+        )?;
         let val = match &self.val_path {
-            Some(path) => read(path, "val_path")?,
+            Some(path) => Some(read(path, "val_path", sinks[1])?),
+            None => None,
+        };
+        Ok((train, val, eos))
+    }
+
+    /// The examples of both splits and the end-of-sequence id: the job's stored ones when it
+    /// has them (for these options), else read from the files.
+    fn examples(&self, cx: &DataContext) -> Result<(Examples, Examples, u32), DataError> {
+        if let Some(job) = &cx.job
+            && self.stored_in(job, STORED[0])
+        {
+            let read = |name: &str| Examples::open(&job.join(name));
+            let ((train, eos), (val, _)) = (read(STORED[0])?, read(STORED[1])?);
+            return Ok((train, val, eos));
+        }
+        let (mut train, val, eos) = self.read(cx, TextRows::Examples, [None, None])?;
+        let train_path = PathBuf::from(self.train_path.clone().unwrap_or_default());
+        let block = cx.language.as_ref().map_or(0, |l| l.block_size);
+        let val = match val {
+            Some(val) => val,
             None => {
                 let n = ((train.len() as f64) * self.val_fraction).ceil() as usize;
                 if train.len() < 2 {
@@ -318,7 +365,17 @@ impl JsonlOptions {
         Ok((train, val, eos))
     }
 
-    pub fn open(&self, cx: &DataContext) -> Result<JsonlTask, DataError> {
+    /// The task: one example a row, or the rows' windows (see `corpus`).
+    pub fn open(&self, cx: &DataContext) -> Result<Box<dyn Task>, DataError> {
+        Ok(match self.rows()? {
+            TextRows::Examples => Box::new(self.open_examples(cx)?),
+            TextRows::Windows => Box::new(corpus::open(self, cx, self.vocab_size(cx)?)?),
+        })
+    }
+
+    /// The model's vocabulary; for a model that takes it from the data (a gpt without
+    /// model.vocab_size), the tokenizer's, as the job stored it or from its file.
+    fn vocab_size(&self, cx: &DataContext) -> Result<usize, DataError> {
         let Some(lm) = &cx.language else {
             return Err(DataError::Mismatch(format!(
                 "{} data needs a language model, not \"{}\"",
@@ -326,10 +383,7 @@ impl JsonlOptions {
                 cx.arch
             )));
         };
-        let (train, val, eos) = self.examples(cx)?;
-        // A model that takes its vocabulary from the data (a gpt without model.vocab_size):
-        // the tokenizer's, as the job stored it or from its file.
-        let vocab_size = match lm.vocab_size {
+        Ok(match lm.vocab_size {
             Some(v) => v,
             None => match cx
                 .job
@@ -340,20 +394,35 @@ impl JsonlOptions {
                 Some(stored) => Vocab::load(&stored)?.size(),
                 None => HfTokenizer::load(&self.tokenizer_path())?.size(),
             },
-        };
-        for (split, examples) in [("training", &train), ("validation", &val)] {
-            if let Some(&bad) = examples
-                .tokens()
-                .iter()
-                .find(|&&t| t as usize >= vocab_size)
-            {
-                return Err(DataError::Mismatch(format!(
-                    "the {split} examples hold token {bad}, outside the model's vocabulary of \
-                     {vocab_size}: the tokenizer `{}` is not the model's",
-                    self.tokenizer_path().display()
-                )));
-            }
+        })
+    }
+
+    /// Refuses a `split`'s tokens outside the model's vocabulary: the tokenizer is not the
+    /// model's.
+    pub(crate) fn check_vocabulary(
+        &self,
+        split: &str,
+        tokens: &[u32],
+        vocab_size: usize,
+    ) -> Result<(), DataError> {
+        match tokens.iter().find(|&&t| t as usize >= vocab_size) {
+            Some(bad) => Err(DataError::Mismatch(format!(
+                "the {split} data holds token {bad}, outside the model's vocabulary of \
+                 {vocab_size}: the tokenizer `{}` is not the model's",
+                self.tokenizer_path().display()
+            ))),
+            None => Ok(()),
         }
+    }
+
+    /// One example a row.
+    fn open_examples(&self, cx: &DataContext) -> Result<JsonlTask, DataError> {
+        let vocab_size = self.vocab_size(cx)?;
+        let (train, val, eos) = self.examples(cx)?;
+        for (split, examples) in [("training", &train), ("validation", &val)] {
+            self.check_vocabulary(split, examples.tokens(), vocab_size)?;
+        }
+        let lm = cx.language.as_ref().expect("vocab_size checked it");
         let packs = self
             .pack
             .then(|| [&train, &val].map(|examples| pack(examples, lm.block_size)));
@@ -535,6 +604,22 @@ impl DatasetOptions for JsonlOptions {
                 return Err(format!("data.{key} is empty: name a field of the lines"));
             }
         }
+        if self.text_rows.is_none() {
+            // Written into job.toml, so the job keeps reading its rows one way; files not
+            // there yet (`validate`) are decided when the job is made.
+            self.text_rows = corpus::default_rows(&self).ok();
+        }
+        if self.text_rows == Some(TextRows::Windows) && self.pack {
+            return Err(format!(
+                "data.pack = true packs examples into rows, but data.text_rows = \"windows\"{} \
+                 lays the rows end to end already: drop pack, or set text_rows = \"examples\" \
+                 for one example a row",
+                match self.format {
+                    Format::Parquet => " (the default for parquet of only text)",
+                    Format::Jsonl => "",
+                }
+            ));
+        }
         Ok(self)
     }
 
@@ -542,7 +627,26 @@ impl DatasetOptions for JsonlOptions {
     /// examples and the tokenizer.
     fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
         named_file("tokenizer", &self.tokenizer_path(), TOKENIZER_FIX)?;
-        let task = self.open(cx)?;
+        let tokenizer = HfTokenizer::load(&self.tokenizer_path())?;
+        let vocab = JobFile::bytes(
+            Vocab::FILE,
+            Vocab::HuggingFace(Box::new(tokenizer))
+                .to_json()
+                .into_bytes(),
+        );
+        if self.rows()? == TextRows::Windows {
+            let mut files = corpus::job_files(self, cx, self.vocab_size(cx)?)?;
+            files.push(vocab);
+            return Ok(files);
+        }
+        if let Some(job) = cx.job.as_deref()
+            && self.stored_in(job, STORED[0])
+        {
+            // A resumed job keeps what it has; its examples are checked as they are mapped.
+            self.open_examples(cx)?;
+            return Ok(vec![vocab]);
+        }
+        let task = self.open_examples(cx)?;
         // The stored form counts in u32.
         for (split, examples) in [("training", &task.train), ("validation", &task.val)] {
             if examples.tokens().len() > u32::MAX as usize {
@@ -555,23 +659,15 @@ impl DatasetOptions for JsonlOptions {
                 .into());
             }
         }
-        let tokenizer = HfTokenizer::load(&self.tokenizer_path())?;
-        Ok(vec![
-            JobFile {
-                name: STORED[0].into(),
-                bytes: task.train.to_bytes(task.eos),
-            },
-            JobFile {
-                name: STORED[1].into(),
-                bytes: task.val.to_bytes(task.eos),
-            },
-            JobFile {
-                name: Vocab::FILE.into(),
-                bytes: Vocab::HuggingFace(Box::new(tokenizer))
-                    .to_json()
-                    .into_bytes(),
-            },
-        ])
+        // Written to disk as they are made into bytes, not copied whole in memory first.
+        let mut kept = Vec::new();
+        for (name, examples) in [(STORED[0], &task.train), (STORED[1], &task.val)] {
+            let mut file = Staged::create(cx, name)?;
+            file.write_with(|out| examples.write_to(out, task.eos))?;
+            kept.push(file.keep()?);
+        }
+        kept.push(vocab);
+        Ok(kept)
     }
 
     /// A file not there yet is not an error for `validate` (it is for `run`).

@@ -41,7 +41,14 @@ pub struct Indexing<'a> {
     /// The loss is on prompts too (else an example whose completion truncation cut away has
     /// nothing to predict).
     pub train_on_prompt: bool,
+    /// Where the tokens go as they are made, a chunk of records at a time, instead of
+    /// staying in the examples (a corpus larger than memory, see `corpus`); the examples'
+    /// counts are kept either way.
+    pub sink: Option<&'a Sink<'a>>,
 }
+
+/// Takes the tokens of the records made so far, in order.
+pub type Sink<'a> = dyn Fn(Vec<u32>) -> Result<(), DataError> + Sync + 'a;
 
 /// Streams `path` once, one example a line (blank lines skipped; see [`example`]), made on
 /// every core a chunk at a time (see `record_batches`).

@@ -52,7 +52,7 @@ fn examples_are_prompt_then_completion_then_eos_and_the_mask_starts_at_the_compl
     let dir = tempfile::tempdir().unwrap();
     let opts = options(dir.path(), LINES);
     assert_eq!(opts.eos_token.as_deref(), Some("<|endoftext|>"));
-    let task = opts.open(&context(32, None)).unwrap();
+    let task = opts.open_examples(&context(32, None)).unwrap();
     // Three examples (the blank line skipped): the last third is validation.
     assert_eq!((task.train_len(), task.eval_len()), (2, 1));
     let (prompt, completion) = (encode("ab", true), encode("cd", false));
@@ -92,7 +92,7 @@ fn examples_are_prompt_then_completion_then_eos_and_the_mask_starts_at_the_compl
         train_on_prompt: true,
         ..opts
     };
-    let task = all.open(&context(32, None)).unwrap();
+    let task = all.open_examples(&context(32, None)).unwrap();
     let (_, ys) = task.batches(&Device::Cpu).unwrap().train(0, &[0]).unwrap();
     assert_eq!(ys.to_vec2::<u32>().unwrap()[0], tokens[1..]);
 }
@@ -103,7 +103,11 @@ fn bad_lines_name_the_file_and_line_or_are_counted_and_skipped() {
     let lines = "{\"text\": \"one\"}\n{\"text\": \"two\"}\nnot json\n{\"title\": \"x\"}\n\
                  {\"text\": \"three\"}\n";
     let opts = options(dir.path(), lines);
-    let err = opts.open(&context(32, None)).err().unwrap().to_string();
+    let err = opts
+        .open_examples(&context(32, None))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("train.jsonl` line 3"), "{err}");
     assert!(err.contains("data.skip_bad_lines"), "{err}");
 
@@ -111,7 +115,7 @@ fn bad_lines_name_the_file_and_line_or_are_counted_and_skipped() {
         skip_bad_lines: true,
         ..opts.clone()
     };
-    let task = skip.open(&context(32, None)).unwrap();
+    let task = skip.open_examples(&context(32, None)).unwrap();
     assert_eq!(task.train.counts.bad_lines, 2);
     assert_eq!(task.train_len() + task.eval_len(), 3);
     let note = task.batches(&Device::Cpu).unwrap().note().unwrap();
@@ -126,7 +130,11 @@ fn bad_lines_name_the_file_and_line_or_are_counted_and_skipped() {
     let mut latin1 = b"\xEF\xBB\xBF{\"text\": \"one\"}\n{\"text\": \"caf\xE9\"}\n".to_vec();
     latin1.extend_from_slice(b"{\"text\": \"two\"}\n{\"text\": \"three\"}\n");
     std::fs::write(dir.path().join("train.jsonl"), &latin1).unwrap();
-    let err = opts.open(&context(32, None)).err().unwrap().to_string();
+    let err = opts
+        .open_examples(&context(32, None))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(
         err.contains(
             "train.jsonl` line 2: it is not UTF-8 text (a byte that UTF-8 does not \
@@ -134,17 +142,21 @@ fn bad_lines_name_the_file_and_line_or_are_counted_and_skipped() {
         ),
         "{err}"
     );
-    let task = skip.open(&context(32, None)).unwrap();
+    let task = skip.open_examples(&context(32, None)).unwrap();
     assert_eq!(task.train.counts.bad_lines, 1);
     assert_eq!(task.train_len() + task.eval_len(), 3);
 
     let fields = options(dir.path(), "{\"title\": \"x\"}\n");
-    let err = fields.open(&context(32, None)).err().unwrap().to_string();
+    let err = fields
+        .open_examples(&context(32, None))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("line 1: it has neither \"messages\""), "{err}");
     assert!(err.contains("its fields: title"), "{err}");
     let no_prompt = options(dir.path(), "{\"completion\": \"x\"}\n");
     let err = no_prompt
-        .open(&context(32, None))
+        .open_examples(&context(32, None))
         .err()
         .unwrap()
         .to_string();
@@ -157,14 +169,18 @@ fn long_examples_are_cut_to_the_window_or_refused() {
     let long = "the quick brown fox jumps over the lazy dog ".repeat(4);
     let lines = format!("{{\"text\": \"{long}\"}}\n{{\"text\": \"ok\"}}\n{{\"text\": \"fine\"}}\n");
     let opts = options(dir.path(), &lines);
-    let task = opts.open(&context(8, None)).unwrap();
+    let task = opts.open_examples(&context(8, None)).unwrap();
     assert_eq!(task.train.counts.truncated, 1);
     assert_eq!(task.train.get(0).0.len(), 9, "block_size + 1 tokens");
     let strict = JsonlOptions {
         truncate: false,
         ..opts
     };
-    let err = strict.open(&context(8, None)).err().unwrap().to_string();
+    let err = strict
+        .open_examples(&context(8, None))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("line 1: the example has"), "{err}");
     assert!(err.contains("model.block_size + 1 = 9"), "{err}");
 }
@@ -180,7 +196,7 @@ fn an_example_whose_prompt_fills_the_window_is_left_out_unless_prompts_are_train
     );
     let opts = options(dir.path(), &lines);
     // Truncated to 9 tokens, all of them the prompt's: nothing left to score.
-    let task = opts.open(&context(8, None)).unwrap();
+    let task = opts.open_examples(&context(8, None)).unwrap();
     let all = task.train.counts;
     assert_eq!((all.truncated, all.empty), (1, 1));
     assert_eq!(task.train_len() + task.eval_len(), 3);
@@ -197,7 +213,7 @@ fn an_example_whose_prompt_fills_the_window_is_left_out_unless_prompts_are_train
     );
     let other = tempfile::tempdir().unwrap();
     let err = options(other.path(), &only_long)
-        .open(&context(8, None))
+        .open_examples(&context(8, None))
         .err()
         .unwrap()
         .to_string();
@@ -217,7 +233,7 @@ fn an_example_whose_prompt_fills_the_window_is_left_out_unless_prompts_are_train
         train_on_prompt: true,
         ..opts
     };
-    let task = on_prompt.open(&context(8, None)).unwrap();
+    let task = on_prompt.open_examples(&context(8, None)).unwrap();
     assert_eq!(task.train.counts.empty, 0);
     assert_eq!(task.train_len() + task.eval_len(), 4);
 }
@@ -230,7 +246,7 @@ fn the_job_keeps_its_examples_and_reads_them_back_whatever_the_file_does() {
     let job = dir.path().join("job");
     std::fs::create_dir(&job).unwrap();
     for f in &files {
-        std::fs::write(job.join(&f.name), &f.bytes).unwrap();
+        std::fs::write(job.join(&f.name), &*f.read().unwrap()).unwrap();
     }
     let mut data = toml::Table::try_from(&opts).unwrap();
     data.insert("dataset".into(), "jsonl".into());
@@ -239,10 +255,10 @@ fn the_job_keeps_its_examples_and_reads_them_back_whatever_the_file_does() {
     std::fs::write(job.join("job.toml"), toml::to_string(&doc).unwrap()).unwrap();
     let names: Vec<&str> = files.iter().map(|f| f.name.as_str()).collect();
     assert_eq!(names, ["jsonl-train.bin", "jsonl-val.bin", "vocab.json"]);
-    let fresh = opts.open(&context(32, None)).unwrap();
+    let fresh = opts.open_examples(&context(32, None)).unwrap();
     // The file changes; the job reads what it stored.
     std::fs::write(dir.path().join("train.jsonl"), "{\"text\": \"zz\"}\n").unwrap();
-    let kept = opts.open(&context(32, Some(job.clone()))).unwrap();
+    let kept = opts.open_examples(&context(32, Some(job.clone()))).unwrap();
     assert_eq!(kept.train, fresh.train);
     assert_eq!(kept.val, fresh.val);
     assert_eq!(kept.eos, fresh.eos);
@@ -251,7 +267,10 @@ fn the_job_keeps_its_examples_and_reads_them_back_whatever_the_file_does() {
         val_fraction: 0.5,
         ..opts.clone()
     };
-    let read = other.open(&context(32, Some(job.clone()))).err().unwrap();
+    let read = other
+        .open_examples(&context(32, Some(job.clone())))
+        .err()
+        .unwrap();
     assert!(read.to_string().contains("1 usable example"), "{read}");
 
     let stored = job.join("jsonl-train.bin");
@@ -264,7 +283,7 @@ fn the_job_keeps_its_examples_and_reads_them_back_whatever_the_file_does() {
 
     // A length or prompt that cannot be is named too (it made the batches index past the
     // example).
-    let good = files[1].bytes.clone();
+    let good = files[1].read().unwrap().into_owned();
     let at = 8 + 8 * 4; // the magic, then the header's eight words
     for (field, value) in [(1, 10_000u32), (0, 1)] {
         let mut bytes = good.clone();
@@ -346,7 +365,7 @@ fn packed_rows_hold_whole_examples_in_order_with_positions_restarted() {
         ..options(dir.path(), &lines)
     };
     let block = 12;
-    let task = opts.open(&context(block, None)).unwrap();
+    let task = opts.open_examples(&context(block, None)).unwrap();
     let packs = task.packs.clone().unwrap();
     // Every training example once, in order, each row within the window.
     let flat: Vec<usize> = packs[0].iter().flat_map(|r| r.clone()).collect();
@@ -416,7 +435,7 @@ fn conversations_become_examples_trained_on_the_assistants_tokens() {
     .complete(&chat_context(512))
     .unwrap();
     assert_eq!(opts.eos_token.as_deref(), Some("<|im_end|>"));
-    let task = opts.open(&chat_context(512)).unwrap();
+    let task = opts.open_examples(&chat_context(512)).unwrap();
     assert_eq!(task.train_len(), 6);
     let batches = task.batches(&Device::Cpu).unwrap();
     for (i, want) in reference["chatml"].as_array().unwrap().iter().enumerate() {
@@ -445,7 +464,7 @@ fn conversations_become_examples_trained_on_the_assistants_tokens() {
         train_on_prompt: true,
         ..opts.clone()
     };
-    let task = all.open(&chat_context(512)).unwrap();
+    let task = all.open_examples(&chat_context(512)).unwrap();
     let (_, ys) = task.batches(&Device::Cpu).unwrap().train(0, &[0]).unwrap();
     let ys = ys.to_vec2::<u32>().unwrap().remove(0);
     assert_eq!(ys, task.train.get(0).0[1..]);
@@ -468,7 +487,11 @@ fn bad_conversations_are_named_by_file_and_line() {
     }
     .complete(&chat_context(64))
     .unwrap();
-    let err = opts.open(&chat_context(64)).err().unwrap().to_string();
+    let err = opts
+        .open_examples(&chat_context(64))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(
         err.contains("line 3") && err.contains("\"robot\"") && err.contains("skip_bad_lines"),
         "{err}"
@@ -477,7 +500,7 @@ fn bad_conversations_are_named_by_file_and_line() {
         skip_bad_lines: true,
         ..opts.clone()
     };
-    let task = skipping.open(&chat_context(64)).unwrap();
+    let task = skipping.open_examples(&chat_context(64)).unwrap();
     assert_eq!(task.train.counts.bad_lines, 1);
 
     // The llama fixture's tokenizer has no chat template beside it.
@@ -488,11 +511,86 @@ fn bad_conversations_are_named_by_file_and_line() {
     }
     .complete(&context(32, None))
     .unwrap();
-    let err = plain.open(&context(32, None)).err().unwrap().to_string();
+    let err = plain
+        .open_examples(&context(32, None))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(
         err.contains("line 1")
             && err.contains("no chat template")
             && err.contains("data.chat_template"),
         "{err}"
     );
+}
+
+/// `text_rows = "windows"`: every row's tokens whole (a prompt and completion too), each
+/// ended by the end-of-sequence token, end to end; the last `val_fraction` of the tokens
+/// validates; the job keeps them and reads them back whatever the file does.
+#[test]
+fn rows_as_windows_are_the_rows_end_to_end_and_the_job_keeps_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let texts: Vec<String> = (0..10)
+        .map(|i| format!("{i} the quick brown fox jumps over the lazy dog"))
+        .collect();
+    let mut lines: String = (texts.iter())
+        .map(|t| format!("{{\"text\": \"{t}\"}}\n"))
+        .collect();
+    lines.push_str("{\"prompt\": \"ab\", \"completion\": \"cd\"}\n");
+    let path = dir.path().join("train.jsonl");
+    std::fs::write(&path, &lines).unwrap();
+    let opts = JsonlOptions {
+        train_path: Some(path.display().to_string()),
+        val_fraction: 0.2,
+        text_rows: Some(TextRows::Windows),
+        ..JsonlOptions::default()
+    }
+    .complete(&context(8, None))
+    .unwrap();
+    let mut want = Vec::new();
+    for text in &texts {
+        want.extend(encode(text, true));
+        want.push(0);
+    }
+    want.extend(encode("ab", true));
+    want.extend(encode("cd", false));
+    want.push(0);
+    let files = opts.prepare(&context(8, None)).unwrap();
+    let names: Vec<&str> = files.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["rows-train.tokens", "rows-val.tokens", "vocab.json"]
+    );
+    let ids = |bytes: &[u8]| -> Vec<u32> {
+        (bytes.chunks_exact(4))
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let split = (want.len() as f64 * 0.8) as usize;
+    assert_eq!(ids(&files[0].read().unwrap()), want[..split]);
+    assert_eq!(ids(&files[1].read().unwrap()), want[split..]);
+
+    let job = dir.path().join("job");
+    std::fs::create_dir(&job).unwrap();
+    for f in &files {
+        std::fs::write(job.join(&f.name), &*f.read().unwrap()).unwrap();
+    }
+    let mut data = toml::Table::try_from(&opts).unwrap();
+    data.insert("dataset".into(), "jsonl".into());
+    let mut doc = toml::Table::new();
+    doc.insert("data".into(), data.into());
+    std::fs::write(job.join("job.toml"), toml::to_string(&doc).unwrap()).unwrap();
+    std::fs::write(&path, "{\"text\": \"zz\"}\n").unwrap();
+    let task = opts.open(&context(8, Some(job))).unwrap();
+    assert_eq!(task.train_len(), (split - 8) / 8);
+    assert_eq!(task.eval_len(), (want.len() - split - 1) / 8);
+    assert!(
+        !task.masks_targets(),
+        "every position of a window is a target"
+    );
+    let batches = task.batches(&Device::Cpu).unwrap();
+    let (x, y) = batches.eval(&[1]).unwrap();
+    let row = |t: candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+    assert_eq!(row(x), want[split + 8..split + 16]);
+    assert_eq!(row(y), want[split + 9..split + 17]);
 }

@@ -10,7 +10,8 @@ use std::sync::LazyLock;
 use serde::{Deserialize, Serialize};
 
 use super::DataError;
-use super::jsonl::{Format, JSONL_KEYS, JsonlOptions, JsonlTask};
+use super::jsonl::{Format, JSONL_KEYS, JsonlOptions};
+use ddpjob_seam::task::Task;
 use ddpjob_seam::{BuildError, DatasetOptions, JobFile};
 use ddpjob_spec::{DataContext, KeyDoc};
 
@@ -55,7 +56,7 @@ impl ParquetOptions {
         }
     }
 
-    pub fn open(&self, cx: &DataContext) -> Result<JsonlTask, DataError> {
+    pub fn open(&self, cx: &DataContext) -> Result<Box<dyn Task>, DataError> {
         self.inner().open(cx)
     }
 }

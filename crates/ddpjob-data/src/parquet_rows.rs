@@ -94,6 +94,21 @@ pub fn row_count(path: &Path) -> Result<u64, DataError> {
     Ok(reader.metadata().file_metadata().num_rows().max(0) as u64)
 }
 
+/// The names of `path`'s top-level columns, from its footer.
+pub fn columns(path: &Path) -> Result<Vec<String>, DataError> {
+    let file = File::open(path).map_err(|cause| DataError::Io {
+        path: path.into(),
+        cause,
+    })?;
+    let reader = SerializedFileReader::new(file).map_err(|e| not_parquet(path, e))?;
+    let schema = reader.metadata().file_metadata().schema();
+    Ok(schema
+        .get_fields()
+        .iter()
+        .map(|f| f.name().to_string())
+        .collect())
+}
+
 /// The user's file, not the job's own: a data error (exit 2), as a bad line of jsonl is.
 fn not_parquet(path: &Path, e: parquet::errors::ParquetError) -> DataError {
     DataError::Mismatch(format!(

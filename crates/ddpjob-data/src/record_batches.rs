@@ -117,6 +117,9 @@ impl<'a> Records<'a> {
             self.examples.add(made, how, kind, bad)?;
             self.made += 1;
         }
+        if let Some(sink) = how.sink {
+            sink(self.examples.drain_tokens())?;
+        }
         if let Some(bar) = &self.bar {
             let rate = self.made as f64 / self.started.elapsed().as_secs_f64().max(1e-9);
             bar.set_message(format!("{} {kind}s, {rate:.0} {kind}s/s", self.made));

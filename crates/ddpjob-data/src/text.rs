@@ -255,6 +255,28 @@ impl TextTask {
         Ok(task)
     }
 
+    /// A task over splits tokenised elsewhere (the text rows of jsonl or parquet, see
+    /// `corpus`), named `names` in errors; `vocab_size` bounds every token read.
+    pub fn from_splits(
+        train: Tokens,
+        val: Tokens,
+        vocab_size: usize,
+        names: [PathBuf; 2],
+        cx: &DataContext,
+    ) -> Result<TextTask, DataError> {
+        let block = cx.language.as_ref().map_or(0, |l| l.block_size);
+        let task = TextTask {
+            train,
+            val,
+            block,
+            vocab_size,
+            seed: cx.seed,
+            vocab: None,
+        };
+        task.check_lengths(&names)?;
+        Ok(task)
+    }
+
     fn check_lengths(&self, names: &[PathBuf; 2]) -> Result<(), DataError> {
         let need = self.block + 1;
         for (split, tokens, path) in [

@@ -231,10 +231,10 @@ impl DatasetOptions for TextOptions {
     fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
         self.ensure_present()?;
         let task = self.open(cx)?;
-        let kept = task.vocab.as_ref().map(|vocab| JobFile {
-            name: Vocab::FILE.into(),
-            bytes: vocab.to_json().into_bytes(),
-        });
+        let kept = task
+            .vocab
+            .as_ref()
+            .map(|vocab| JobFile::bytes(Vocab::FILE, vocab.to_json().into_bytes()));
         let path = self.spec().path;
         let record = super::fingerprint::keep_or_compare(&[&path], cx.job.as_deref())?;
         Ok(kept.into_iter().chain(record).collect())

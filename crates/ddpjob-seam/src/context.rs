@@ -3,6 +3,9 @@
 //! directory ([`JobFile`]) and the hooks of a dataset's options ([`DatasetOptions`]). The
 //! registry (in `ddpjob`) calls them; the families and datasets implement them.
 
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+
 use candle_core::{DType, Device};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -63,14 +66,81 @@ impl ModelContext {
     }
 }
 
-/// A file a dataset keeps in the job directory (text data's `vocab.json`): written when the
-/// job is created, found there by every later open.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A file a dataset keeps in the job directory (text data's `vocab.json`, instruction data's
+/// tokens): written when the job is created, found there by every later open.
+#[derive(Debug, PartialEq, Eq)]
 pub struct JobFile {
     /// Its name in the job directory.
     pub name: String,
-    /// Its contents.
-    pub bytes: Vec<u8>,
+    pub contents: Contents,
+}
+
+/// What a kept file holds.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Contents {
+    /// Bytes in memory: a small file.
+    Bytes(Vec<u8>),
+    /// A file `prepare` already wrote (in [`DataContext::staging_dir`], beside where the job
+    /// will be), moved into the job directory: data larger than memory is never held whole.
+    /// Removed when the `JobFile` is dropped without being kept (a job refused after its data
+    /// was prepared leaves nothing behind).
+    Staged(PathBuf),
+}
+
+impl JobFile {
+    /// A file of `bytes`.
+    pub fn bytes(name: impl Into<String>, bytes: Vec<u8>) -> JobFile {
+        JobFile {
+            name: name.into(),
+            contents: Contents::Bytes(bytes),
+        }
+    }
+
+    /// The file `prepare` wrote at `path`, to be moved into the job as `name`.
+    pub fn staged(name: impl Into<String>, path: PathBuf) -> JobFile {
+        JobFile {
+            name: name.into(),
+            contents: Contents::Staged(path),
+        }
+    }
+
+    /// Its contents (a staged file's read from disk).
+    pub fn read(&self) -> std::io::Result<Cow<'_, [u8]>> {
+        match &self.contents {
+            Contents::Bytes(bytes) => Ok(Cow::Borrowed(bytes)),
+            Contents::Staged(path) => std::fs::read(path).map(Cow::Owned),
+        }
+    }
+
+    /// Puts it at `dest` (in the job directory): a staged file is renamed there (copied when
+    /// it is on another file system), bytes are handed to `write` (the job's atomic write).
+    pub fn keep_at(
+        &self,
+        dest: &Path,
+        write: impl FnOnce(&Path, &[u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        match &self.contents {
+            Contents::Bytes(bytes) => write(dest, bytes),
+            Contents::Staged(path) => {
+                if std::fs::rename(path, dest).is_ok() {
+                    return Ok(());
+                }
+                let partial = dest.with_extension("partial");
+                std::fs::copy(path, &partial)?;
+                std::fs::rename(&partial, dest)?;
+                std::fs::remove_file(path)
+            }
+        }
+    }
+}
+
+impl Drop for JobFile {
+    fn drop(&mut self) {
+        if let Contents::Staged(path) = &self.contents {
+            // Gone already when it was kept.
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
 
 /// The options of a dataset that does more than open: registered with

@@ -17,7 +17,7 @@ mod params;
 mod store;
 pub mod task;
 
-pub use context::{BuildError, DatasetOptions, JobFile, ModelContext, compute_dtype};
+pub use context::{BuildError, Contents, DatasetOptions, JobFile, ModelContext, compute_dtype};
 pub use freeze::FrozenSet;
 pub use metric::{EvalSums, Metric, MetricInfo, MetricValues};
 pub use model::{

@@ -110,6 +110,38 @@ pub trait Task: Send + Sync {
     }
 }
 
+/// A task picked when the data is opened (rows as examples or as windows, say), boxed:
+/// everything forwarded, the defaults included.
+impl<T: Task + ?Sized> Task for Box<T> {
+    fn train_len(&self) -> usize {
+        (**self).train_len()
+    }
+    fn eval_len(&self) -> usize {
+        (**self).eval_len()
+    }
+    fn targets_per_sample(&self) -> usize {
+        (**self).targets_per_sample()
+    }
+    fn input(&self) -> ModelInput {
+        (**self).input()
+    }
+    fn batches<'a>(&'a self, device: &Device) -> Result<Box<dyn BatchSource + 'a>, DataError> {
+        (**self).batches(device)
+    }
+    fn masks_targets(&self) -> bool {
+        (**self).masks_targets()
+    }
+    fn examples(&self, n: usize) -> Vec<Example> {
+        (**self).examples(n)
+    }
+    fn example_counts(&self) -> Option<ExampleCounts> {
+        (**self).example_counts()
+    }
+    fn metrics(&self) -> Vec<Box<dyn Metric>> {
+        (**self).metrics()
+    }
+}
+
 /// The built-in metrics of a task whose model takes `input`: a classifier's accuracy and loss,
 /// a language model's loss, perplexity and next-token accuracy.
 pub fn metrics_for(input: ModelInput) -> Vec<Box<dyn Metric>> {

@@ -118,6 +118,9 @@ pub struct DataContext {
     /// The options are read again from an existing job's `job.toml` (to resume, score or
     /// show it): what a new job is refused for, an existing one keeps.
     pub stored_job: bool,
+    /// Where `DatasetOptions::prepare` writes large files the job will keep (the jobs
+    /// directory, so they move in without a copy); `None`: the system's temporary directory.
+    pub staging: Option<PathBuf>,
 }
 
 impl DataContext {
@@ -130,6 +133,7 @@ impl DataContext {
             language,
             job: None,
             stored_job: false,
+            staging: None,
         }
     }
 
@@ -141,7 +145,14 @@ impl DataContext {
             language: spec.model.language(),
             job: job.map(Path::to_path_buf),
             stored_job: job.is_some(),
+            staging: job.and_then(Path::parent).map(Path::to_path_buf),
         }
+    }
+
+    /// Where large kept files are written before the job exists (see `staging`; the
+    /// temporary directory while the jobs directory is not there yet).
+    pub fn staging_dir(&self) -> PathBuf {
+        (self.staging.clone().filter(|dir| dir.is_dir())).unwrap_or_else(std::env::temp_dir)
     }
 }
 

@@ -68,6 +68,7 @@ pub fn extract(
         language: registry.language(arch, options).and_then(Result::ok),
         job: None,
         stored_job: source.is_stored_job(),
+        staging: None,
     });
     let resolve_data = |dataset: &str, t: &toml::Table| match &cx {
         Some(cx) => registry.resolve_dataset(dataset, t, cx),

@@ -5,9 +5,9 @@
 
 use super::Registry;
 use ddpjob_data::{
-    FashionMnist, IDX_KEYS, IdxOptions, JSONL_KEYS, JsonlOptions, Mnist, PARQUET_KEYS,
-    ParquetOptions, SYNTHETIC_KEYS, SyntheticOptions, TEXT_KEYS, TOKENS_KEYS, TextOptions,
-    TokensOptions,
+    ARROW_KEYS, ArrowOptions, FashionMnist, IDX_KEYS, IdxOptions, JSONL_KEYS, JsonlOptions, Mnist,
+    PARQUET_KEYS, ParquetOptions, SYNTHETIC_KEYS, SyntheticOptions, TEXT_KEYS, TOKENS_KEYS,
+    TextOptions, TokensOptions,
 };
 use ddpjob_models::image::{MLP_KEYS, build_cnn, build_mlp};
 use ddpjob_models::{gpt, llama};
@@ -67,6 +67,7 @@ pub(super) fn data(registry: Registry) -> Registry {
         .dataset_with("tokens", TokensOptions::open)
         .dataset_with("jsonl", JsonlOptions::open)
         .dataset_with("parquet", ParquetOptions::open)
+        .dataset_with("arrow", ArrowOptions::open)
         .documented_dataset("mnist", IDX_KEYS)
         .documented_dataset("fashion-mnist", IDX_KEYS)
         .documented_dataset("synthetic", SYNTHETIC_KEYS)
@@ -74,6 +75,7 @@ pub(super) fn data(registry: Registry) -> Registry {
         .documented_dataset("tokens", TOKENS_KEYS)
         .documented_dataset("jsonl", JSONL_KEYS.as_slice())
         .documented_dataset("parquet", PARQUET_KEYS.as_slice())
+        .documented_dataset("arrow", ARROW_KEYS.as_slice())
         .dataset_tolerates("mnist", IDX_TOLERATES, &[])
         .dataset_tolerates("fashion-mnist", IDX_TOLERATES, &[])
         .dataset_tolerates("synthetic", SYNTHETIC_TOLERATES, &[])
@@ -130,6 +132,7 @@ mod tests {
         assert_eq!(
             names,
             [
+                "arrow",
                 "fashion-mnist",
                 "jsonl",
                 "mnist",

@@ -3,6 +3,7 @@
 mod common;
 
 mod accumulation;
+mod arrow_data;
 mod bench;
 mod chat;
 mod ci;

@@ -19,7 +19,6 @@ use serde::{Deserialize, Serialize};
 use super::DataError;
 use super::jsonl::{Format, JsonlOptions};
 use super::kept::Staged;
-use super::parquet_rows;
 use super::text::{TextTask, Tokens};
 use ddpjob_seam::JobFile;
 use ddpjob_seam::task::Task;
@@ -48,20 +47,24 @@ pub const TEXT_ROWS_KEY: KeyDoc = KeyDoc {
 /// The stored tokens' names in the job directory.
 pub const STORED: [&str; 2] = ["rows-train.tokens", "rows-val.tokens"];
 
-/// What `options` that leave `text_rows` out read their rows as: windows for parquet whose
-/// first training file has the text column and none of the example columns.
+/// What `options` that leave `text_rows` out read their rows as: windows for parquet (or
+/// Arrow) whose first training file has the text column and none of the example columns.
 pub fn default_rows(options: &JsonlOptions) -> Result<TextRows, DataError> {
-    if options.format != Format::Parquet {
+    if options.format == Format::Jsonl {
         return Ok(TextRows::Examples);
     }
     let path = options.train_path.as_deref().unwrap_or_default();
-    let Some(first) = parquet_rows::sources(path, "train_path")?
+    let Some(first) = options
+        .format
+        .sources(path, "train_path")?
         .into_iter()
         .next()
     else {
         return Ok(TextRows::Examples);
     };
-    let columns = parquet_rows::columns(&first)?;
+    let Some(columns) = options.format.columns(&first)? else {
+        return Ok(TextRows::Examples);
+    };
     let has = |name: &String| columns.contains(name);
     let examples = [
         &options.messages_field,

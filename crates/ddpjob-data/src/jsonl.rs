@@ -10,13 +10,16 @@ use std::sync::LazyLock;
 use serde::{Deserialize, Serialize};
 
 use super::DataError;
+use super::arrow_rows;
 use super::chat::ChatTemplate;
 use super::corpus::{self, TEXT_ROWS_KEY, TextRows};
 pub use super::examples_task::JsonlTask;
 use super::examples_task::pack;
 use super::hf_tokenizer::HfTokenizer;
 use super::hub_source::{self, HUB_KEYS};
-use super::jsonl_index::{Counts, Examples, Indexing, Sink, index_file, index_parquet};
+use super::jsonl_index::{
+    Counts, Examples, Indexing, Sink, index_arrow, index_file, index_parquet,
+};
 use super::kept::Staged;
 use super::parquet_rows;
 use super::text_options::named_file;
@@ -76,6 +79,8 @@ pub enum Format {
     #[default]
     Jsonl,
     Parquet,
+    /// Arrow IPC files, `datasets`' `save_to_disk` (see `arrow_rows`).
+    Arrow,
 }
 
 impl Format {
@@ -84,6 +89,26 @@ impl Format {
         match self {
             Format::Jsonl => "jsonl",
             Format::Parquet => "parquet",
+            Format::Arrow => "arrow",
+        }
+    }
+
+    /// The files `path` (the option `key`) names: a jsonl file is itself; parquet and Arrow
+    /// paths may be directories and globs.
+    pub(crate) fn sources(self, path: &str, key: &str) -> Result<Vec<PathBuf>, DataError> {
+        match self {
+            Format::Jsonl => Ok(vec![PathBuf::from(path)]),
+            Format::Parquet => parquet_rows::sources(path, key),
+            Format::Arrow => arrow_rows::sources(path, key),
+        }
+    }
+
+    /// The columns of `file`; `None` for jsonl, whose lines each say their own fields.
+    pub(crate) fn columns(self, file: &Path) -> Result<Option<Vec<String>>, DataError> {
+        match self {
+            Format::Jsonl => Ok(None),
+            Format::Parquet => parquet_rows::columns(file).map(Some),
+            Format::Arrow => arrow_rows::columns(file).map(Some),
         }
     }
 }
@@ -301,6 +326,7 @@ impl JsonlOptions {
             match self.format {
                 Format::Jsonl => index_file(Path::new(path), &how),
                 Format::Parquet => index_parquet(&parquet_rows::sources(path, key)?, &how),
+                Format::Arrow => index_arrow(&arrow_rows::sources(path, key)?, &how),
             }
         };
         let train = read(
@@ -525,7 +551,7 @@ impl DatasetOptions for JsonlOptions {
                 self.format.name(),
                 match self.format {
                     Format::Parquet => ", or a Hub dataset: hub = \"org/name\"",
-                    Format::Jsonl => "",
+                    Format::Jsonl | Format::Arrow => "",
                 }
             ));
         }
@@ -615,7 +641,7 @@ impl DatasetOptions for JsonlOptions {
                  lays the rows end to end already: drop pack, or set text_rows = \"examples\" \
                  for one example a row",
                 match self.format {
-                    Format::Parquet => " (the default for parquet of only text)",
+                    Format::Parquet | Format::Arrow => " (the default for a text column alone)",
                     Format::Jsonl => "",
                 }
             ));
@@ -675,7 +701,7 @@ impl DatasetOptions for JsonlOptions {
         let path = self.train_path.clone().unwrap_or_default();
         let found = match self.format {
             Format::Jsonl => Path::new(&path).is_file(),
-            Format::Parquet => parquet_rows::sources(&path, "train_path").is_ok(),
+            Format::Parquet | Format::Arrow => self.format.sources(&path, "train_path").is_ok(),
         };
         (!found).then(|| {
             let why = "not found: put the examples there before `run`";

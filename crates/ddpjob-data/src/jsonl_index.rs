@@ -119,6 +119,27 @@ pub fn index_parquet(files: &[PathBuf], how: &Indexing) -> Result<Examples, Data
     records.finish()
 }
 
+/// Reads Arrow IPC `files` in order (`datasets`' `save_to_disk`), one example a row, as
+/// `index_parquet` reads parquet's.
+pub fn index_arrow(files: &[PathBuf], how: &Indexing) -> Result<Examples, DataError> {
+    let wanted = [
+        how.messages_field,
+        how.text_field,
+        how.prompt_field,
+        how.completion_field,
+    ];
+    let total = files.iter().map(|f| super::arrow_rows::size(f)).sum();
+    let mut records = Records::new(how, "row", total, true);
+    for file in files {
+        records.file(file)?;
+        super::arrow_rows::for_each_row(file, &wanted, |row, mut object, bytes| {
+            object.retain(|_, v| !v.is_null());
+            records.push(row, Ok(object), bytes)
+        })?;
+    }
+    records.finish()
+}
+
 impl Examples {
     /// Adds what a record made (`made`: its tokens and trained token ranges, or what is wrong
     /// with it) as `how` says: cut to `max_tokens` (or refused), left out when nothing is

@@ -8,6 +8,7 @@
 //! tokenizers, the job directory's helpers) only: never on a model, the trainer or the
 //! registry, which registers these sets in `ddpjob` as a user's binary registers its own.
 
+mod arrow_rows;
 mod batches;
 mod builtin;
 mod catalog;
@@ -48,7 +49,7 @@ pub use builtin::{
     FashionMnist, IDX_KEYS, IdxOptions, Mnist, SYNTHETIC_KEYS, SyntheticOptions, SyntheticSpec,
 };
 pub use jsonl::{Format, JSONL_KEYS, JsonlOptions};
-pub use parquet::{PARQUET_KEYS, ParquetOptions};
+pub use parquet::{ARROW_KEYS, ArrowOptions, PARQUET_KEYS, ParquetOptions};
 pub use sampler::DistributedSampler;
 pub use tensors::TensorDataset;
 pub use text_options::{TEXT_KEYS, TOKENS_KEYS, TextOptions, TokensOptions};

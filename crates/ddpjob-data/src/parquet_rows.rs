@@ -18,13 +18,19 @@ use super::DataError;
 /// The files `path` names: itself, a directory's `*.parquet` files, or a glob's matches (`*`
 /// and `?` in the file name), sorted; `key` names the option in errors.
 pub fn sources(path: &str, key: &str) -> Result<Vec<PathBuf>, DataError> {
+    files_of(path, key, "parquet")
+}
+
+/// The files `path` names, as [`sources`] says, with `ext` files (`"parquet"`, `"arrow"`)
+/// for a directory's.
+pub fn files_of(path: &str, key: &str, ext: &str) -> Result<Vec<PathBuf>, DataError> {
     let p = Path::new(path);
     let missing = |why: String| DataError::Mismatch(format!("data.{key} = \"{path}\": {why}"));
     if p.is_file() {
         return Ok(vec![p.to_path_buf()]);
     }
     let (dir, pattern) = if p.is_dir() {
-        (p.to_path_buf(), "*.parquet".to_string())
+        (p.to_path_buf(), format!("*.{ext}"))
     } else {
         let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
         match name {
@@ -33,11 +39,10 @@ pub fn sources(path: &str, key: &str) -> Result<Vec<PathBuf>, DataError> {
                 (dir.unwrap_or(Path::new(".")).to_path_buf(), name)
             }
             _ => {
-                return Err(missing(
-                    "not found: name a parquet file, a directory of them, or a glob such as \
-                     \"data/train-*.parquet\""
-                        .into(),
-                ));
+                return Err(missing(format!(
+                    "not found: name a {ext} file, a directory of them, or a glob such as \
+                     \"data/train-*.{ext}\""
+                )));
             }
         }
     };

@@ -11,8 +11,12 @@
 # a tiny model after), against `datasets.map(tokenizer(batch["text"]), batched=True,
 # num_proc=<cores>)`, run_clm.py's tokenising.
 #
+# With TRL_PYTHON (a Python with torch and trl), conversations are also timed through TRL's own
+# preprocessing, `SFTTrainer(..., SFTConfig(assistant_only_loss=True, dataset_num_proc=<cores>))`.
+#
 #   bench/tokenize-vs-datasets.sh            MB=50 (the set's size), KIND=chat|text, PYTHON
-#                                            with datasets, transformers, pyarrow, tokenizers
+#                                            with datasets, transformers, pyarrow, tokenizers,
+#                                            TRL_PYTHON, BIN (default target/release/ddpjob)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
@@ -41,6 +45,11 @@ else
   ended=$(date +%s.%N)
 fi
 "$python" "$here/bench/tokenize_ref.py" datasets "$work" --procs "$cores" 2>/dev/null | tail -1 > "$work/datasets.json"
+# TRL's own preprocessing, for conversations, where a Python with torch and trl is given.
+rm -f "$work/trl.json"
+if [ "$kind" = chat ] && [ -n "${TRL_PYTHON:-}" ]; then
+  "$TRL_PYTHON" "$here/bench/tokenize_ref.py" trl "$work" --procs "$cores" 2>/dev/null | tail -1 > "$work/trl.json"
+fi
 "$python" - "$work" "$started" "$ended" <<'PY'
 import json, sys
 from pathlib import Path
@@ -48,13 +57,21 @@ work, t0, t1 = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 ours = json.loads((work / "ddpjob.json").read_text().strip().splitlines()[-1])
 secs = t1 - t0
 rss = int((work / "ddpjob-rss").read_text().split()[-1]) * 1024
-ref = json.loads((work / "datasets.json").read_text())
-print(f"{'':20}{'ddpjob':>12}{'datasets.map':>14}{'ratio':>8}")
+refs = [("datasets.map", json.loads((work / "datasets.json").read_text()))]
+if (work / "trl.json").exists():
+    refs.append(("TRL SFTTrainer", json.loads((work / "trl.json").read_text())))
+size = sum(f.stat().st_size for f in (work / "data").iterdir())
+print(f"{size / 1e6:.0f} MB of parquet ({(work / 'kind').read_text()})")
+print(f"{'':16}{'ddpjob':>12}" + "".join(f"{name:>16}{'ratio':>7}" for name, _ in refs))
 # Every row of the shards was read and tokenised (the validation fraction too).
-rate = ref["rows"] / secs
-print(f"{'rows':20}{ref['rows']:12d}{ref['rows']:14d}")
-print(f"{'train tokens':20}{ours['tokens']:12d}{ref['tokens']:14d}  (datasets: every row)")
-print(f"{'seconds':20}{secs:12.2f}{ref['seconds']:14.2f}")
-print(f"{'rows/s':20}{rate:12.0f}{ref['rows_per_s']:14.0f}{rate / ref['rows_per_s']:8.2f}")
-print(f"{'peak RSS MB':20}{rss / 1e6:12.0f}{ref['peak_rss_bytes'] / 1e6:14.0f}")
+rows = refs[0][1]["rows"]
+rate = rows / secs
+line = lambda label, ours, theirs: print(f"{label:16}{ours:>12}" + "".join(
+    f"{t:>16}{'':>7}" for t in theirs))
+line("rows", rows, [r["rows"] for _, r in refs])
+line("tokens", ours["tokens"], [r["tokens"] for _, r in refs])
+line("seconds", f"{secs:.2f}", [f"{r['seconds']:.2f}" for _, r in refs])
+print(f"{'rows/s':16}{rate:12.0f}" + "".join(
+    f"{r['rows_per_s']:16.0f}{rate / r['rows_per_s']:7.2f}" for _, r in refs))
+line("peak RSS MB", f"{rss / 1e6:.0f}", [f"{r['peak_rss_bytes'] / 1e6:.0f}" for _, r in refs])
 PY

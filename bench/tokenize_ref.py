@@ -2,6 +2,7 @@
 
     python bench/tokenize_ref.py prepare WORK TEXT --mb 50 [--kind chat|text]
     python bench/tokenize_ref.py datasets WORK --procs N
+    python bench/tokenize_ref.py trl WORK --procs N
 
 `prepare` writes WORK/tok/ (a byte-level BPE of 32,768 tokens trained on TEXT with ChatML's
 special tokens, `chat_template.jinja` with generation markers, as tests/fixtures/chat has) and
@@ -17,6 +18,11 @@ rows, seconds, rows/s and the peak RSS of the process and its workers.
 wikitext's rows are paragraphs), which ddpjob reads as one corpus of token windows
 (`data.text_rows = "windows"`, parquet's default for it), and `datasets` tokenises as
 run_clm.py does: `.map(lambda b: tokenizer(b["text"]), batched=True, num_proc=N)`.
+
+`trl` times TRL's own preprocessing of the conversations: `SFTTrainer(...)` with
+`SFTConfig(assistant_only_loss=True, dataset_num_proc=N, max_length=1024)` over the same
+shards (a one-layer llama of the tokenizer's vocabulary beside it), from `load_dataset` to the
+trainer's tokenised `train_dataset`; needs torch and trl.
 """
 
 import argparse
@@ -139,6 +145,34 @@ def run_datasets(args):
                       "rows_per_s": len(done) / secs, "peak_rss_bytes": peak}))
 
 
+def run_trl(args):
+    from datasets import disable_caching, load_dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    work = Path(args.work)
+    tok = AutoTokenizer.from_pretrained(work / "tok")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=8, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1)
+    model = LlamaForCausalLM(config)
+    # Every map computed afresh, as datasets.map's load_from_cache_file=False does above.
+    disable_caching()
+    started = time.perf_counter()
+    files = sorted(str(p) for p in (work / "data").glob("train-*.parquet"))
+    ds = load_dataset("parquet", data_files=files, split="train", cache_dir=str(work / "hf-cache"))
+    cfg = SFTConfig(output_dir=str(work / "trl-out"), dataset_num_proc=args.procs,
+                    assistant_only_loss=True, max_length=1024, packing=False, report_to=[],
+                    use_cpu=True, bf16=False)
+    trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
+    secs = time.perf_counter() - started
+    done = trainer.train_dataset
+    tokens = sum(len(x) for x in done["input_ids"])
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
+    print(json.dumps({"rows": len(done), "tokens": tokens, "seconds": secs,
+                      "rows_per_s": len(done) / secs, "peak_rss_bytes": peak}))
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -150,5 +184,8 @@ if __name__ == "__main__":
     b = sub.add_parser("datasets")
     b.add_argument("work")
     b.add_argument("--procs", type=int, default=2)
+    c = sub.add_parser("trl")
+    c.add_argument("work")
+    c.add_argument("--procs", type=int, default=2)
     args = p.parse_args()
-    {"prepare": prepare, "datasets": run_datasets}[args.cmd](args)
+    {"prepare": prepare, "datasets": run_datasets, "trl": run_trl}[args.cmd](args)

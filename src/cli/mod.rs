@@ -10,6 +10,7 @@ mod output;
 mod preview;
 mod sample;
 mod shell;
+mod sync;
 mod verify;
 
 use std::path::PathBuf;
@@ -67,6 +68,10 @@ enum Command {
     /// Run a job on several world sizes with the same global batch (train.batch_size) and
     /// compare every step's weights; exit 1 naming the first step and tensor that differ.
     Verify(verify::VerifyArgs),
+    /// Upload a job to an MLflow tracking server after it ran (offline, or while the server was
+    /// down): its params, every metric by step, artifacts and status, as the live run has
+    /// them; the job's run is continued, so nothing is sent twice.
+    Sync(sync::SyncArgs),
     /// Print a shell completion script: `ddpjob completions bash > /etc/bash_completion.d/ddpjob`.
     Completions {
         /// The shell to complete for.
@@ -308,6 +313,7 @@ fn dispatch(command: Command, started: Instant) -> ExitCode {
         Command::Export(args) => export::export(&args),
         Command::Eval(args) => eval::eval(&args),
         Command::Verify(args) => verify::verify(&args),
+        Command::Sync(args) => sync::sync(&args),
         Command::Keys { prefix } => keys(prefix.as_deref()),
         Command::Completions { shell } => shell::completions(shell),
         Command::Man { dir } => shell::man(dir.as_deref()),

@@ -9,6 +9,7 @@ mod group;
 mod nodes;
 mod resume;
 pub mod supervise;
+mod tracking;
 pub mod watch;
 
 pub use resume::{ResumeOptions, Resumed, resume, target as resume_target};
@@ -221,6 +222,10 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
     if let (Decision::AlreadyFinished(message), 1) = (&decision, layout.nnodes) {
         return Ok(Ended::AlreadyFinished(job, message.clone()));
     }
+    if layout.node_rank == 0 {
+        // A run asked of a tracker that is not named is refused before anything exists.
+        tracking::target(spec, &job.root)?;
+    }
     // Held to the end: a continued job is locked before the store binds, a new one once it
     // exists.
     let mut _lock = match decision {
@@ -319,9 +324,14 @@ pub fn run(opts: &RunOptions) -> Result<Ended, RunError> {
     if let Some(nodes) = &nodes {
         nodes.publish_plan(&absolute(&job.root), plan)?;
     }
-    let outcome = group(from, nodes);
-    record_outcome(&job, spec, opts.started, outcome)
-        .map(|s| Ended::Finished(job, Some(Box::new(s))))
+    let summary = tracking::followed(
+        &job,
+        spec,
+        layout.world_size(),
+        || group(from, nodes),
+        |outcome| record_outcome(&job, spec, opts.started, outcome),
+    )?;
+    Ok(Ended::Finished(job, Some(Box::new(summary))))
 }
 
 /// `path` made absolute (as it is when that fails): what other processes and nodes are told.
@@ -523,8 +533,18 @@ fn blank_model(
     // model's vocabulary).
     let language = spec.model.language();
     let fixed = language.as_ref().and_then(|l| {
+        // Else a vocabulary taken from the data is its tokenizer's (instruction data's): known
+        // without tokenising the data a second time.
+        let vocab_size = l.vocab_size.or_else(|| {
+            let path = Registry::current().data_tokenizer(&spec.data)?;
+            Some(
+                crate::data::hf_tokenizer::HfTokenizer::load(&path)
+                    .ok()?
+                    .size(),
+            )
+        })?;
         Some(crate::task::ModelInput::Tokens {
-            vocab_size: l.vocab_size?,
+            vocab_size,
             block_size: l.block_size,
         })
     });

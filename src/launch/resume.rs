@@ -72,6 +72,7 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
     let loaded = config::load(&job.job_toml(), &overrides)?;
     let spec = &loaded.spec;
     fits(spec, &choice, &job)?;
+    super::tracking::target(spec, &job.root)?;
     let layout = Layout::new(&NodeOptions::default(), spec)?;
     let token = store::random_token();
     let (server, client, port) = meet(&layout, &token, spec)?;
@@ -88,8 +89,13 @@ pub fn resume(opts: &ResumeOptions) -> Result<Resumed, RunError> {
         client: &client,
         nodes: None,
     };
-    let outcome = group.execute(choice.usable.clone());
-    let summary = record_outcome(&job, spec, opts.started, outcome)?;
+    let summary = super::tracking::followed(
+        &job,
+        spec,
+        layout.world_size(),
+        || group.execute(choice.usable.clone()),
+        |outcome| record_outcome(&job, spec, opts.started, outcome),
+    )?;
     Ok(Resumed::Finished(job, Box::new(summary)))
 }
 

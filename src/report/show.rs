@@ -70,6 +70,9 @@ pub fn show(v: &JobView, now: u64) -> String {
         );
     }
     line("progress", progress(v));
+    if let Some((uri, run)) = ddpjob_track::run_of(&v.dir) {
+        line("mlflow", format!("run {run} at {uri}"));
+    }
     if let Some(summary) = &v.summary
         && let Some(early) = summary.stopped_early
     {

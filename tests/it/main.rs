@@ -22,6 +22,7 @@ mod hub;
 mod hub_data;
 mod invariant;
 mod language;
+mod mlflow;
 mod moe;
 mod nodes;
 mod open_models;

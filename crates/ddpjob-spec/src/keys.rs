@@ -307,11 +307,28 @@ section! {
 
 section! {
     /// `[logging]`: where rank 0's metrics go besides `metrics.jsonl`.
-    RawLogging at "logging", checked into LoggingSpec + Copy + Eq {
+    RawLogging at "logging", checked into LoggingSpec + Eq {
         /// also write TensorBoard event files (train loss, lr, throughput, test loss and
         /// accuracy by step) under `<job>/tensorboard/`; a resumed job continues the same
         /// curves
         tensorboard: bool = false => tensorboard: bool = any();
+        /// also log the job to an MLflow tracking server as it trains: one run per job
+        /// (params, every metric by step, `summary.json`, `curves.svg`, `job.toml`, the
+        /// status), continued by `resume` and restarts; a job that ran without one is
+        /// uploaded by `ddpjob sync NAME`
+        mlflow: bool = false => mlflow: bool = any();
+        /// the tracking server, `http(s)://host:port` (auth: `MLFLOW_TRACKING_TOKEN`, or
+        /// `MLFLOW_TRACKING_USERNAME` and `MLFLOW_TRACKING_PASSWORD`)
+        #[serde(skip_serializing_if = "Option::is_none")]
+        mlflow_uri: Option<String> = None, shown "`MLFLOW_TRACKING_URI`"
+            => mlflow_uri: Option<String> = optional(tracking_uri);
+        /// the MLflow experiment of the run
+        #[serde(skip_serializing_if = "Option::is_none")]
+        mlflow_experiment: Option<String> = None,
+            shown "`MLFLOW_EXPERIMENT_NAME`, else the job's name"
+            => mlflow_experiment: Option<String> = any();
+        /// upload `model.safetensors` as an artifact of the run too
+        mlflow_log_model: bool = false => mlflow_log_model: bool = any();
     }
 }
 
@@ -733,4 +750,17 @@ fn accuracy_fraction(c: &mut Checker, key: &str, &threshold: &f64, _: &RawExpect
         );
     }
     threshold
+}
+
+fn tracking_uri(c: &mut Checker, key: &str, uri: &String, _: &RawLogging) -> String {
+    if !(uri.starts_with("http://") || uri.starts_with("https://")) {
+        c.fail(
+            key,
+            format!(
+                "\"{uri}\" is not an http(s) tracking server; ddpjob logs to a server (`mlflow \
+                 server --host 127.0.0.1 --port 5000`): e.g. \"http://127.0.0.1:5000\""
+            ),
+        );
+    }
+    uri.clone()
 }

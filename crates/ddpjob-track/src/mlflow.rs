@@ -1,0 +1,349 @@
+//! MLflow's REST API (2.0), the calls a run needs: the experiment found or made by name, the
+//! run created, metrics, params and tags logged in batches, artifacts put through the
+//! server's artifact proxy, the status set. Over ureq, as ddpjob's other HTTP is; auth as
+//! MLflow's own clients read it (`MLFLOW_TRACKING_TOKEN`, or `MLFLOW_TRACKING_USERNAME` and
+//! `MLFLOW_TRACKING_PASSWORD`). It knows nothing of jobs (see `run`).
+
+use std::time::Duration;
+
+use base64::Engine;
+use serde_json::{Value, json};
+
+use super::batch::Batch;
+
+/// What a call met: the server out of reach (worth trying again later), or a refusal.
+#[derive(Debug, thiserror::Error)]
+pub enum MlflowError {
+    #[error("the MLflow server at {uri} is unreachable ({cause})")]
+    Unreachable { uri: String, cause: String },
+    #[error("the MLflow server at {uri} refused {what}: HTTP {status}{}", hint(*status, message))]
+    Refused {
+        uri: String,
+        what: String,
+        status: u16,
+        message: String,
+    },
+}
+
+fn hint(status: u16, message: &str) -> String {
+    let fix = match status {
+        401 | 403 => {
+            " (check MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and \
+             MLFLOW_TRACKING_PASSWORD)"
+        }
+        404 => " (is it an MLflow tracking server? check logging.mlflow_uri)",
+        _ => "",
+    };
+    match message.is_empty() {
+        true => fix.to_string(),
+        false => format!(": {message}{fix}"),
+    }
+}
+
+impl MlflowError {
+    /// Whether to try again later: the server is down or overloaded, not refusing.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            MlflowError::Unreachable { .. } => true,
+            MlflowError::Refused { status, .. } => *status >= 500 || *status == 429,
+        }
+    }
+}
+
+/// How requests say who sends them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Auth {
+    None,
+    /// `Authorization: Bearer <token>` (`MLFLOW_TRACKING_TOKEN`).
+    Token(String),
+    /// `Authorization: Basic` (`MLFLOW_TRACKING_USERNAME`, `MLFLOW_TRACKING_PASSWORD`).
+    Basic {
+        user: String,
+        password: String,
+    },
+}
+
+impl Auth {
+    /// As MLflow's clients read the environment: a token first, else a user and password.
+    pub fn from_env() -> Auth {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        if let Some(token) = var("MLFLOW_TRACKING_TOKEN") {
+            return Auth::Token(token);
+        }
+        match (
+            var("MLFLOW_TRACKING_USERNAME"),
+            var("MLFLOW_TRACKING_PASSWORD"),
+        ) {
+            (Some(user), Some(password)) => Auth::Basic { user, password },
+            _ => Auth::None,
+        }
+    }
+
+    fn header(&self) -> Option<String> {
+        match self {
+            Auth::None => None,
+            Auth::Token(token) => Some(format!("Bearer {token}")),
+            Auth::Basic { user, password } => Some(format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+            )),
+        }
+    }
+}
+
+/// A tracking server.
+pub struct Client {
+    uri: String,
+    auth: Option<String>,
+    agent: ureq::Agent,
+}
+
+/// A run as the server made it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunInfo {
+    pub run_id: String,
+    pub experiment_id: String,
+    pub artifact_uri: String,
+}
+
+impl Client {
+    /// The server at `uri` (`http://host:5000`, https with the system's roots), or why that
+    /// is not a tracking URI ddpjob can talk to.
+    pub fn new(uri: &str, auth: Auth) -> Result<Client, String> {
+        let uri = uri.trim_end_matches('/').to_string();
+        if !(uri.starts_with("http://") || uri.starts_with("https://")) {
+            return Err(format!(
+                "the MLflow tracking URI \"{uri}\" is not an http(s) server: ddpjob logs to a \
+                 tracking server (`mlflow server`), e.g. \"http://127.0.0.1:5000\"; a local \
+                 ./mlruns store is uploaded with `ddpjob sync NAME --mlflow-uri ...` once a \
+                 server runs"
+            ));
+        }
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_connect(Some(Duration::from_secs(5)))
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .into();
+        Ok(Client {
+            uri,
+            auth: auth.header(),
+            agent,
+        })
+    }
+
+    pub fn uri(&self) -> &str {
+        &self.uri
+    }
+
+    /// `method` of `path` (under the server's root) with a JSON `body`: the answer's JSON.
+    fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        what: &str,
+    ) -> Result<Value, MlflowError> {
+        let url = format!("{}/{path}", self.uri);
+        let unreachable = |e: ureq::Error| MlflowError::Unreachable {
+            uri: self.uri.clone(),
+            cause: e.to_string(),
+        };
+        let response = match (method, body) {
+            ("GET", _) => {
+                let mut request = self.agent.get(&url);
+                if let Some(auth) = &self.auth {
+                    request = request.header("Authorization", auth);
+                }
+                request.call()
+            }
+            (_, body) => {
+                let mut request = match method {
+                    "PUT" => self.agent.put(&url),
+                    _ => self.agent.post(&url),
+                };
+                if let Some(auth) = &self.auth {
+                    request = request.header("Authorization", auth);
+                }
+                let text = body.map_or(String::from("{}"), Value::to_string);
+                request.content_type("application/json").send(text)
+            }
+        }
+        .map_err(unreachable)?;
+        self.answer(response, what)
+    }
+
+    fn answer(
+        &self,
+        response: ureq::http::Response<ureq::Body>,
+        what: &str,
+    ) -> Result<Value, MlflowError> {
+        let status = response.status().as_u16();
+        let text = response.into_body().read_to_string().unwrap_or_default();
+        if !(200..300).contains(&status) {
+            let message = serde_json::from_str::<Value>(&text)
+                .ok()
+                .and_then(|v| v.get("message")?.as_str().map(String::from))
+                .unwrap_or_else(|| text.chars().take(200).collect());
+            return Err(MlflowError::Refused {
+                uri: self.uri.clone(),
+                what: what.into(),
+                status,
+                message,
+            });
+        }
+        Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// The id of the experiment `name`, made if it is not there.
+    pub fn experiment_id(&self, name: &str) -> Result<String, MlflowError> {
+        let query = format!(
+            "api/2.0/mlflow/experiments/get-by-name?experiment_name={}",
+            encode(name)
+        );
+        match self.call("GET", &query, None, "the experiment lookup") {
+            Ok(found) => Ok(string(&found["experiment"]["experiment_id"])),
+            Err(MlflowError::Refused { status: 404, .. }) => {
+                let made = self.call(
+                    "POST",
+                    "api/2.0/mlflow/experiments/create",
+                    Some(&json!({ "name": name })),
+                    "a new experiment",
+                )?;
+                Ok(string(&made["experiment_id"]))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A new run named `name` in `experiment_id`, started at `start_ms` (Unix ms).
+    pub fn create_run(
+        &self,
+        experiment_id: &str,
+        name: &str,
+        start_ms: u64,
+        tags: &[(String, String)],
+    ) -> Result<RunInfo, MlflowError> {
+        let tags: Vec<Value> = (tags.iter())
+            .map(|(k, v)| json!({ "key": k, "value": v }))
+            .collect();
+        let body = json!({
+            "experiment_id": experiment_id,
+            "run_name": name,
+            "start_time": start_ms,
+            "tags": tags,
+        });
+        let made = self.call(
+            "POST",
+            "api/2.0/mlflow/runs/create",
+            Some(&body),
+            "a new run",
+        )?;
+        Ok(info(&made["run"]["info"]))
+    }
+
+    /// The run `run_id`; `None` when the server has no such run (deleted, another server).
+    pub fn run(&self, run_id: &str) -> Result<Option<RunInfo>, MlflowError> {
+        let path = format!("api/2.0/mlflow/runs/get?run_id={}", encode(run_id));
+        match self.call("GET", &path, None, "the run lookup") {
+            Ok(found) => Ok(Some(info(&found["run"]["info"]))),
+            Err(MlflowError::Refused { status: 404, .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// One `log-batch` call (see `batch` for MLflow's limits).
+    pub fn log_batch(&self, run_id: &str, batch: &Batch) -> Result<(), MlflowError> {
+        let body = batch.body(run_id);
+        self.call(
+            "POST",
+            "api/2.0/mlflow/runs/log-batch",
+            Some(&body),
+            "a batch",
+        )
+        .map(drop)
+    }
+
+    /// Sets the run's status (`RUNNING`, `FINISHED`, `FAILED`, `KILLED`), and its end time.
+    pub fn update_run(
+        &self,
+        run_id: &str,
+        status: &str,
+        end_ms: Option<u64>,
+    ) -> Result<(), MlflowError> {
+        let mut body = json!({ "run_id": run_id, "status": status });
+        if let Some(end) = end_ms {
+            body["end_time"] = json!(end);
+        }
+        self.call(
+            "POST",
+            "api/2.0/mlflow/runs/update",
+            Some(&body),
+            "the status",
+        )
+        .map(drop)
+    }
+
+    /// Puts `bytes` as the run's artifact `name`, through the server's artifact proxy
+    /// (`mlflow server` serves artifacts by default); `artifact_uri` is the run's.
+    pub fn upload_artifact(
+        &self,
+        artifact_uri: &str,
+        name: &str,
+        bytes: &[u8],
+    ) -> Result<(), MlflowError> {
+        let Some(place) = artifact_uri.strip_prefix("mlflow-artifacts:/") else {
+            return Err(MlflowError::Refused {
+                uri: self.uri.clone(),
+                what: format!("the artifact {name}"),
+                status: 0,
+                message: format!(
+                    "the run's artifacts go to \"{artifact_uri}\", which the server does not \
+                     proxy; start it with --serve-artifacts (the default of `mlflow server`)"
+                ),
+            });
+        };
+        let url = format!(
+            "{}/api/2.0/mlflow-artifacts/artifacts/{}/{name}",
+            self.uri,
+            place.trim_start_matches('/')
+        );
+        let mut request = self.agent.put(&url);
+        if let Some(auth) = &self.auth {
+            request = request.header("Authorization", auth);
+        }
+        let response =
+            (request.content_type("application/octet-stream").send(bytes)).map_err(|e| {
+                MlflowError::Unreachable {
+                    uri: self.uri.clone(),
+                    cause: e.to_string(),
+                }
+            })?;
+        self.answer(response, &format!("the artifact {name}"))
+            .map(drop)
+    }
+}
+
+fn string(v: &Value) -> String {
+    v.as_str().unwrap_or_default().to_string()
+}
+
+fn info(v: &Value) -> RunInfo {
+    RunInfo {
+        run_id: string(&v["run_id"]),
+        experiment_id: string(&v["experiment_id"]),
+        artifact_uri: string(&v["artifact_uri"]),
+    }
+}
+
+/// `s` percent-encoded for a query string.
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}

@@ -398,3 +398,53 @@ pub fn copy_dir(from: &Path, to: &Path) {
         std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
     }
 }
+
+/// Whether `python` imports `modules` (`"mlflow, flask_wtf"`).
+fn imports(python: &Path, modules: &str) -> bool {
+    Command::new(python)
+        .args(["-c", &format!("import {modules}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// A Python that imports `modules`: `DDPJOB_TEST_PYTHON` when it does (`.ci/run` makes one with
+/// every package the tests read back with), else `python3`, else a venv under `target/<venv>`
+/// with `packages` installed from PyPI. `None`: no Python on this machine (the test skips).
+pub fn python_with(modules: &str, packages: &[&str], venv: &str) -> Option<PathBuf> {
+    let given = std::env::var_os("DDPJOB_TEST_PYTHON").map(PathBuf::from);
+    if let Some(p) = given.filter(|p| imports(p, modules)) {
+        return Some(p);
+    }
+    let system = PathBuf::from("python3");
+    if Command::new(&system).arg("--version").output().is_err() {
+        return None;
+    }
+    if imports(&system, modules) {
+        return Some(system);
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target")
+        .join(venv);
+    let python = venv.join("bin/python");
+    if !imports(&python, modules) {
+        eprintln!("installing {} into {}", packages.join(" "), venv.display());
+        let made = Command::new(&system)
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status();
+        assert!(
+            made.is_ok_and(|s| s.success()),
+            "python3 -m venv failed (Debian: apt-get install python3-venv)"
+        );
+        let pip = Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet"])
+            .args(packages)
+            .status();
+        assert!(
+            pip.is_ok_and(|s| s.success()),
+            "pip install {} failed; set DDPJOB_TEST_PYTHON to a Python that has it",
+            packages.join(" ")
+        );
+    }
+    Some(python)
+}

@@ -12,52 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::common::{TINY, TestJob};
-
-fn imports_mlflow(python: &Path) -> bool {
-    Command::new(python)
-        .args(["-c", "import mlflow, flask_wtf"])
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// A Python that can import `mlflow` with its auth app (`mlflow[auth]`): `DDPJOB_TEST_PYTHON`,
-/// else `python3`, else a venv under target/ with the package installed from PyPI. `None`: no
-/// Python on this machine.
-fn python_with_mlflow() -> Option<PathBuf> {
-    let given = std::env::var_os("DDPJOB_TEST_PYTHON").map(PathBuf::from);
-    if let Some(p) = given.filter(|p| imports_mlflow(p)) {
-        return Some(p);
-    }
-    let system = PathBuf::from("python3");
-    if Command::new(&system).arg("--version").output().is_err() {
-        return None;
-    }
-    if imports_mlflow(&system) {
-        return Some(system);
-    }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/mlflow-venv");
-    let python = venv.join("bin/python");
-    if !imports_mlflow(&python) {
-        eprintln!("installing the mlflow package into {}", venv.display());
-        let made = Command::new(&system)
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status();
-        assert!(
-            made.is_ok_and(|s| s.success()),
-            "python3 -m venv failed (Debian: apt-get install python3-venv)"
-        );
-        let pip = Command::new(&python)
-            .args(["-m", "pip", "install", "--quiet", "mlflow[auth]"])
-            .status();
-        assert!(
-            pip.is_ok_and(|s| s.success()),
-            "pip install mlflow[auth] failed; set DDPJOB_TEST_PYTHON to a Python that has it"
-        );
-    }
-    Some(python)
-}
+use crate::common::{TINY, TestJob, python_with};
 
 /// A tracking server on 127.0.0.1, its store in `dir` (kept across a restart).
 struct Server {
@@ -257,7 +212,7 @@ fn tracked(uri: &str, extra: &str) -> String {
 
 #[test]
 fn jobs_are_mlflow_runs_resumed_as_one_and_synced_when_they_ran_offline() {
-    let Some(python) = python_with_mlflow() else {
+    let Some(python) = python_with("mlflow, flask_wtf", &["mlflow[auth]"], "mlflow-venv") else {
         eprintln!("skipped: no python3 on this machine to run an MLflow server");
         return;
     };
@@ -387,7 +342,7 @@ fn jobs_are_mlflow_runs_resumed_as_one_and_synced_when_they_ran_offline() {
 /// unharmed.
 #[test]
 fn the_tracking_credentials_are_mlflows_and_a_wrong_one_harms_no_job() {
-    let Some(python) = python_with_mlflow() else {
+    let Some(python) = python_with("mlflow, flask_wtf", &["mlflow[auth]"], "mlflow-venv") else {
         eprintln!("skipped: no python3 on this machine to run an MLflow server");
         return;
     };

@@ -3,12 +3,12 @@
 //! continues the same curves without repeating a step. Skipped, with the reason printed, only
 //! where there is no Python at all; `.ci/run` makes sure there is.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
 
-use crate::common::{TINY, TestJob};
+use crate::common::{TINY, TestJob, python_with};
 
 const READER: &str = r#"
 import json, sys
@@ -17,49 +17,6 @@ acc = EventAccumulator(sys.argv[1], size_guidance={"scalars": 0})
 acc.Reload()
 print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}))
 "#;
-
-fn imports_tensorboard(python: &Path) -> bool {
-    Command::new(python)
-        .args(["-c", "import tensorboard"])
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// A Python that can import `tensorboard`: `DDPJOB_TEST_PYTHON`, else `python3`, else a venv
-/// under target/ with the package installed from PyPI. `None`: no Python on this machine.
-fn python_with_tensorboard() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("DDPJOB_TEST_PYTHON") {
-        return Some(PathBuf::from(p));
-    }
-    let system = PathBuf::from("python3");
-    if Command::new(&system).arg("--version").output().is_err() {
-        return None;
-    }
-    if imports_tensorboard(&system) {
-        return Some(system);
-    }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tensorboard-venv");
-    let python = venv.join("bin/python");
-    if !imports_tensorboard(&python) {
-        eprintln!("installing the tensorboard package into {}", venv.display());
-        let made = Command::new(&system)
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status();
-        assert!(
-            made.is_ok_and(|s| s.success()),
-            "python3 -m venv failed (Debian: apt-get install python3-venv)"
-        );
-        let pip = Command::new(&python)
-            .args(["-m", "pip", "install", "--quiet", "tensorboard"])
-            .status();
-        assert!(
-            pip.is_ok_and(|s| s.success()),
-            "pip install tensorboard failed; set DDPJOB_TEST_PYTHON to a Python that has it"
-        );
-    }
-    Some(python)
-}
 
 fn scalars(python: &Path, dir: &Path) -> serde_json::Map<String, Value> {
     let out = Command::new(python)
@@ -91,7 +48,7 @@ fn series(scalars: &serde_json::Map<String, Value>, tag: &str) -> Vec<(u64, f64)
 
 #[test]
 fn tensorboard_reads_the_metrics_and_a_resumed_job_continues_its_curves() {
-    let Some(python) = python_with_tensorboard() else {
+    let Some(python) = python_with("tensorboard", &["tensorboard"], "tensorboard-venv") else {
         eprintln!("SKIPPED: no python3 on this machine to run TensorBoard's reader");
         return;
     };

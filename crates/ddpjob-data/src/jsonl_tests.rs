@@ -238,21 +238,27 @@ fn an_example_whose_prompt_fills_the_window_is_left_out_unless_prompts_are_train
     assert_eq!(task.train_len() + task.eval_len(), 4);
 }
 
+/// A job directory in `dir` as `run` leaves it: `files` kept, `opts` in its `job.toml`.
+fn keep_in_job(dir: &Path, opts: &JsonlOptions, files: &[JobFile]) -> PathBuf {
+    let job = dir.join("job");
+    std::fs::create_dir(&job).unwrap();
+    for f in files {
+        std::fs::write(job.join(&f.name), &*f.read().unwrap()).unwrap();
+    }
+    let mut data = toml::Table::try_from(opts).unwrap();
+    data.insert("dataset".into(), "jsonl".into());
+    let mut doc = toml::Table::new();
+    doc.insert("data".into(), data.into());
+    std::fs::write(job.join("job.toml"), toml::to_string(&doc).unwrap()).unwrap();
+    job
+}
+
 #[test]
 fn the_job_keeps_its_examples_and_reads_them_back_whatever_the_file_does() {
     let dir = tempfile::tempdir().unwrap();
     let opts = options(dir.path(), LINES);
     let files = opts.prepare(&context(32, None)).unwrap();
-    let job = dir.path().join("job");
-    std::fs::create_dir(&job).unwrap();
-    for f in &files {
-        std::fs::write(job.join(&f.name), &*f.read().unwrap()).unwrap();
-    }
-    let mut data = toml::Table::try_from(&opts).unwrap();
-    data.insert("dataset".into(), "jsonl".into());
-    let mut doc = toml::Table::new();
-    doc.insert("data".into(), data.into());
-    std::fs::write(job.join("job.toml"), toml::to_string(&doc).unwrap()).unwrap();
+    let job = keep_in_job(dir.path(), &opts, &files);
     let names: Vec<&str> = files.iter().map(|f| f.name.as_str()).collect();
     assert_eq!(names, ["jsonl-train.bin", "jsonl-val.bin", "vocab.json"]);
     let fresh = opts.open_examples(&context(32, None)).unwrap();
@@ -570,16 +576,7 @@ fn rows_as_windows_are_the_rows_end_to_end_and_the_job_keeps_them() {
     assert_eq!(ids(&files[0].read().unwrap()), want[..split]);
     assert_eq!(ids(&files[1].read().unwrap()), want[split..]);
 
-    let job = dir.path().join("job");
-    std::fs::create_dir(&job).unwrap();
-    for f in &files {
-        std::fs::write(job.join(&f.name), &*f.read().unwrap()).unwrap();
-    }
-    let mut data = toml::Table::try_from(&opts).unwrap();
-    data.insert("dataset".into(), "jsonl".into());
-    let mut doc = toml::Table::new();
-    doc.insert("data".into(), data.into());
-    std::fs::write(job.join("job.toml"), toml::to_string(&doc).unwrap()).unwrap();
+    let job = keep_in_job(dir.path(), &opts, &files);
     std::fs::write(&path, "{\"text\": \"zz\"}\n").unwrap();
     let task = opts.open(&context(8, Some(job))).unwrap();
     assert_eq!(task.train_len(), (split - 8) / 8);

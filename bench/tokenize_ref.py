@@ -109,6 +109,9 @@ tokenizer = "{work}/tok/tokenizer.json"
 epochs = 1
 batch_size = 1
 max_steps = 1
+# One evaluation batch: the job's time is its tokenising, not a full validation pass.
+eval_batches = 1
+eval_batch_size = 1
 [checkpoint]
 every_epochs = 0
 """)

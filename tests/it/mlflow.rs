@@ -1,9 +1,10 @@
 //! `[logging] mlflow = true` against a real MLflow tracking server (`mlflow server` with a
 //! sqlite store, started here on 127.0.0.1): one run per job with its params, every metric by
-//! step equal to `metrics.jsonl`, its artifacts and status; SIGTERM then `resume` is one run
-//! with no step twice; a server killed mid-run and started again loses nothing; a job that ran
-//! with its server out of reach warns once, finishes, and `ddpjob sync` uploads it. Skipped,
-//! with the reason printed, only where there is no Python at all; `.ci/run` installs mlflow.
+//! step equal to `metrics.jsonl`, its artifacts and status (FAILED with the error as a tag);
+//! a restart and SIGTERM then `resume` each stay one run with no step twice; a server killed
+//! mid-run and started again loses nothing; a job that ran with its server out of reach warns
+//! once, finishes, and `ddpjob sync` uploads it. Skipped, with the reason printed, only where
+//! there is no Python at all; `.ci/run` installs mlflow.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -240,6 +241,32 @@ fn jobs_are_mlflow_runs_resumed_as_one_and_synced_when_they_ran_offline() {
     let mut artifacts = server.artifacts(id);
     artifacts.sort();
     assert_eq!(artifacts, ["curves.svg", "job.toml", "summary.json"]);
+
+    // A worker killed and the group restarted from its checkpoint: the steps trained again are
+    // not logged twice.
+    let restarts = tracked(&uri, "").replace("[train]", "[distributed]\nmax_restarts = 1\n[train]");
+    let cfg = t.config("restarted", &restarts);
+    t.run_env(&cfg, &[], &[("DDPJOB_FAULT", "rank=0,step=20,kind=kill")])
+        .success();
+    let (restarted, _) = the_run(&server, &t, "restarted");
+    assert_eq!(restarted["info"]["status"], "FINISHED");
+
+    // A job that fails: FAILED, with its error as a tag.
+    let cfg = t.config("failed", &tracked(&uri, ""));
+    t.run_env(&cfg, &[], &[("DDPJOB_FAULT", "rank=0,step=6,kind=exit")])
+        .fails_with(1, "");
+    let (failed, _) = the_run(&server, &t, "failed");
+    assert_eq!(failed["info"]["status"], "FAILED");
+    let tags = failed["data"]["tags"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        tags.iter()
+            .any(|t| t["key"] == "ddpjob.error"
+                && t["value"].as_str().is_some_and(|v| !v.is_empty())),
+        "{tags:?}"
+    );
 
     // Preempted (KILLED), then resumed: one run, FINISHED, no step twice.
     let cut = t.config("cut", &tracked(&uri, ""));

@@ -2,8 +2,10 @@
 //! run created, metrics, params and tags logged in batches, artifacts put through the
 //! server's artifact proxy, the status set. Over ureq, as ddpjob's other HTTP is; auth as
 //! MLflow's own clients read it (`MLFLOW_TRACKING_TOKEN`, or `MLFLOW_TRACKING_USERNAME` and
-//! `MLFLOW_TRACKING_PASSWORD`). It knows nothing of jobs (see `run`).
+//! `MLFLOW_TRACKING_PASSWORD`); https verified against the system's roots or MLflow's
+//! `MLFLOW_TRACKING_SERVER_CERT_PATH`. It knows nothing of jobs (see `run`).
 
+use std::path::Path;
 use std::time::Duration;
 
 use base64::Engine;
@@ -120,6 +122,7 @@ impl Client {
             ));
         }
         let agent = ureq::Agent::config_builder()
+            .tls_config(tls())
             .http_status_as_error(false)
             .timeout_connect(Some(Duration::from_secs(5)))
             .timeout_global(Some(Duration::from_secs(30)))
@@ -322,6 +325,47 @@ impl Client {
         self.answer(response, &format!("the artifact {name}"))
             .map(drop)
     }
+}
+
+/// https as MLflow's clients verify it: `MLFLOW_TRACKING_SERVER_CERT_PATH` (a CA bundle),
+/// else the system's roots (`SSL_CERT_FILE`, or the distribution's bundle), else Mozilla's;
+/// `MLFLOW_TRACKING_INSECURE_TLS=true` verifies nothing.
+fn tls() -> ureq::tls::TlsConfig {
+    use ureq::tls::{PemItem, RootCerts, TlsConfig, parse_pem};
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let insecure =
+        var("MLFLOW_TRACKING_INSECURE_TLS").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    let bundles = [
+        "/etc/ssl/certs/ca-certificates.crt",
+        "/etc/pki/tls/certs/ca-bundle.crt",
+        "/etc/ssl/cert.pem",
+    ];
+    let bundle = (var("MLFLOW_TRACKING_SERVER_CERT_PATH"))
+        .or_else(|| var("SSL_CERT_FILE"))
+        .or_else(|| {
+            bundles
+                .iter()
+                .find(|p| Path::new(p).is_file())
+                .map(|p| p.to_string())
+        });
+    let certs: Vec<_> = (bundle.and_then(|path| std::fs::read(path).ok()))
+        .map(|pem| {
+            parse_pem(&pem)
+                .filter_map(|item| match item {
+                    Ok(PemItem::Certificate(c)) => Some(c.to_owned()),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let roots = match certs.is_empty() {
+        true => RootCerts::WebPki,
+        false => RootCerts::new_with_certs(&certs),
+    };
+    TlsConfig::builder()
+        .root_certs(roots)
+        .disable_verification(insecure)
+        .build()
 }
 
 fn string(v: &Value) -> String {

@@ -4,7 +4,7 @@
 //! `.arrow` file (stream or file format), a directory of them or a glob; a `DatasetDict`'s
 //! root (`dataset_dict.json`) is refused with its splits named, one of which to give. Read a
 //! record batch at a time through Apache Arrow's `arrow-ipc` crate, only the columns asked
-//! for, each row handed over as a JSON object as `parquet_rows` hands parquet's. It knows
+//! for decoded, each row handed over as a JSON object as `parquet_rows` hands parquet's. It knows
 //! nothing of tokenizers or examples (see `jsonl_index`).
 
 use std::fs::File;
@@ -89,8 +89,12 @@ fn not_arrow(path: &Path, e: impl std::fmt::Display) -> DataError {
     ))
 }
 
-/// The batches of `path` (the stream format, or the file format's `ARROW1` magic).
-fn batches(path: &Path) -> Result<Box<dyn RecordBatchReader>, DataError> {
+/// The batches of `path` (the stream format, or the file format's `ARROW1` magic), only the
+/// columns of `projection` (their indices, in order) when given.
+fn batches(
+    path: &Path,
+    projection: Option<Vec<usize>>,
+) -> Result<Box<dyn RecordBatchReader>, DataError> {
     let io = |cause| DataError::Io {
         path: path.into(),
         cause,
@@ -101,14 +105,16 @@ fn batches(path: &Path) -> Result<Box<dyn RecordBatchReader>, DataError> {
     file.seek(SeekFrom::Start(0)).map_err(io)?;
     let reader = BufReader::with_capacity(1 << 20, file);
     Ok(match is_file {
-        true => Box::new(FileReader::try_new(reader, None).map_err(|e| not_arrow(path, e))?),
-        false => Box::new(StreamReader::try_new(reader, None).map_err(|e| not_arrow(path, e))?),
+        true => Box::new(FileReader::try_new(reader, projection).map_err(|e| not_arrow(path, e))?),
+        false => {
+            Box::new(StreamReader::try_new(reader, projection).map_err(|e| not_arrow(path, e))?)
+        }
     })
 }
 
 /// The names of `path`'s columns.
 pub fn columns(path: &Path) -> Result<Vec<String>, DataError> {
-    let schema = batches(path)?.schema();
+    let schema = batches(path, None)?.schema();
     Ok(schema.fields().iter().map(|f| f.name().clone()).collect())
 }
 
@@ -125,8 +131,7 @@ pub fn for_each_row(
     wanted: &[&str],
     mut each: impl FnMut(usize, Map<String, Value>, u64) -> Result<(), DataError>,
 ) -> Result<(), DataError> {
-    let reader = batches(path)?;
-    let schema = reader.schema();
+    let schema = batches(path, None)?.schema();
     let picked: Vec<(usize, String)> = (schema.fields().iter().enumerate())
         .filter(|(_, f)| wanted.contains(&f.name().as_str()))
         .map(|(i, f)| (i, f.name().clone()))
@@ -144,6 +149,8 @@ pub fn for_each_row(
             names.join(", ")
         )));
     }
+    // Only the columns read are decoded (not a data set's images or audio beside its text).
+    let reader = batches(path, Some(picked.iter().map(|(i, _)| *i).collect()))?;
     let mut row = 0;
     for batch in reader {
         let batch: RecordBatch = batch.map_err(|e| not_arrow(path, e))?;
@@ -151,8 +158,8 @@ pub fn for_each_row(
         for i in 0..batch.num_rows() {
             row += 1;
             let mut values = Map::new();
-            for (column, name) in &picked {
-                values.insert(name.clone(), value(batch.column(*column).as_ref(), i));
+            for (column, (_, name)) in picked.iter().enumerate() {
+                values.insert(name.clone(), value(batch.column(column).as_ref(), i));
             }
             each(row, values, share)?;
         }

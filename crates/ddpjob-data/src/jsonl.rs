@@ -261,9 +261,11 @@ impl JsonlOptions {
             return false;
         };
         stored.format = self.format;
+        // A job stored before `text_rows` existed made examples of every row.
         let source = |o: &JsonlOptions| JsonlOptions {
             train_on_prompt: false,
             pack: false,
+            text_rows: o.text_rows.or(Some(TextRows::Examples)),
             ..o.clone()
         };
         job.join(file).is_file() && source(&stored) == source(self)
@@ -632,8 +634,12 @@ impl DatasetOptions for JsonlOptions {
         }
         if self.text_rows.is_none() {
             // Written into job.toml, so the job keeps reading its rows one way; files not
-            // there yet (`validate`) are decided when the job is made.
-            self.text_rows = corpus::default_rows(&self).ok();
+            // there yet (`validate`) are decided when the job is made. A job stored before the
+            // key existed read every row as an example, and keeps doing so.
+            self.text_rows = match cx.stored_job {
+                true => Some(TextRows::Examples),
+                false => corpus::default_rows(&self).ok(),
+            };
         }
         if self.text_rows == Some(TextRows::Windows) && self.pack {
             return Err(format!(

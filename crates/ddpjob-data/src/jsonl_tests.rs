@@ -591,3 +591,27 @@ fn rows_as_windows_are_the_rows_end_to_end_and_the_job_keeps_them() {
     assert_eq!(row(x), want[split + 8..split + 16]);
     assert_eq!(row(y), want[split + 9..split + 17]);
 }
+
+/// A job stored before `data.text_rows` existed (its job.toml without the key) keeps reading
+/// its stored examples: completed as a stored job, its rows stay examples and the stored files
+/// are its own.
+#[test]
+fn a_job_stored_before_text_rows_keeps_its_examples() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = options(dir.path(), LINES);
+    let files = opts.prepare(&context(32, None)).unwrap();
+    let old = JsonlOptions {
+        text_rows: None,
+        ..opts.clone()
+    };
+    let job = keep_in_job(dir.path(), &old, &files);
+    let text = std::fs::read_to_string(job.join("job.toml")).unwrap();
+    assert!(!text.contains("text_rows"), "{text}");
+    let stored = context(32, Some(job.clone()));
+    let resumed = old.clone().complete(&stored).unwrap();
+    assert_eq!(resumed.text_rows, Some(TextRows::Examples));
+    // The file changes; the job reads what it stored.
+    std::fs::write(dir.path().join("train.jsonl"), "{\"text\": \"zz\"}\n").unwrap();
+    let kept = resumed.open_examples(&stored).unwrap();
+    assert_eq!(kept.train_len(), 2);
+}

@@ -3,10 +3,11 @@
 //! before the job exists and moved in when it is made (see `ddpjob_seam::Contents::Staged`).
 //! Only the writing is here: what goes in the files is `corpus`'s and `examples`'s.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::DataError;
 use ddpjob_seam::JobFile;
@@ -24,17 +25,28 @@ pub struct Staged {
 
 impl Staged {
     /// A new, empty file in `cx`'s staging directory, named so that two launchers (or two
-    /// files of one) never share it.
+    /// files of one, or containers of the same pid on a shared file system) never share it;
+    /// files a launcher of this host that is gone left behind are removed first.
     pub fn create(cx: &DataContext, name: &'static str) -> Result<Staged, DataError> {
         static MADE: AtomicUsize = AtomicUsize::new(0);
+        let dir = cx.staging_dir();
+        sweep(&dir);
         let n = MADE.fetch_add(1, Ordering::Relaxed);
-        let path = cx
-            .staging_dir()
-            .join(format!(".ddpjob-{}-{n}-{name}", std::process::id()));
-        let file = File::create(&path).map_err(|cause| DataError::Io {
-            path: path.clone(),
-            cause,
-        })?;
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let path = dir.join(format!(
+            "{}{}-{n}-{nanos:09}-{name}",
+            prefix(),
+            std::process::id()
+        ));
+        let file =
+            (OpenOptions::new().write(true).create_new(true).open(&path)).map_err(|cause| {
+                DataError::Io {
+                    path: path.clone(),
+                    cause,
+                }
+            })?;
         Ok(Staged {
             name,
             path,
@@ -101,6 +113,36 @@ impl Staged {
         let file = out.into_inner().map_err(|e| self.io(e.into_error()))?;
         file.sync_all().map_err(|e| self.io(e))?;
         Ok(JobFile::staged(self.name, std::mem::take(&mut self.path)))
+    }
+}
+
+/// What this host's staged files are named from: `.ddpjob-staged-<host>-` then the pid.
+fn prefix() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
+    format!(".ddpjob-staged-{host}-")
+}
+
+/// Removes from `dir` the files staged on this host by launchers that are gone (killed while
+/// they tokenised: no `Drop` ran): their pid no longer runs.
+fn sweep(dir: &Path) {
+    let prefix = prefix();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(&prefix)
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 

@@ -126,8 +126,12 @@ impl JobFile {
                     return Ok(());
                 }
                 let partial = dest.with_extension("partial");
-                std::fs::copy(path, &partial)?;
-                std::fs::rename(&partial, dest)?;
+                let copied =
+                    std::fs::copy(path, &partial).and_then(|_| std::fs::rename(&partial, dest));
+                if copied.is_err() {
+                    let _ = std::fs::remove_file(&partial);
+                }
+                copied?;
                 std::fs::remove_file(path)
             }
         }

@@ -1,7 +1,8 @@
 //! MLflow's `log-batch` limits, kept here so no call is refused for its size: at most 1000
 //! metrics, 100 params and 100 tags a call, 1000 entities in all (MLflow's
-//! `MAX_METRICS_PER_BATCH`, `MAX_PARAMS_TAGS_PER_BATCH`, `MAX_ENTITIES_PER_BATCH`), and a
-//! param's value at most 6000 characters (`MAX_PARAM_VAL_LENGTH`), a key 250.
+//! `MAX_METRICS_PER_BATCH`, `MAX_PARAMS_TAGS_PER_BATCH`, `MAX_ENTITIES_PER_BATCH`), a param's
+//! value at most 6000 characters (`MAX_PARAM_VAL_LENGTH`), a tag's 5000 (older servers'), a
+//! key 250.
 
 use serde_json::{Value, json};
 
@@ -10,6 +11,8 @@ pub const MAX_PARAMS: usize = 100;
 pub const MAX_TAGS: usize = 100;
 pub const MAX_ENTITIES: usize = 1000;
 pub const MAX_PARAM_VALUE: usize = 6000;
+/// A tag's value: 8000 characters on MLflow 2.x and later servers, 5000 on older ones.
+pub const MAX_TAG_VALUE: usize = 5000;
 pub const MAX_KEY: usize = 250;
 
 /// A metric's value at a step, at a time (Unix ms).
@@ -87,7 +90,7 @@ pub fn batches(
         if current.tags.len() == MAX_TAGS || current.len() == MAX_ENTITIES {
             flush(&mut current);
         }
-        current.tags.push((cut(k, MAX_KEY), v));
+        current.tags.push((cut(k, MAX_KEY), cut(v, MAX_TAG_VALUE)));
     }
     for m in metrics {
         if current.metrics.len() == MAX_METRICS || current.len() == MAX_ENTITIES {

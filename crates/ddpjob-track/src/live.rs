@@ -15,6 +15,8 @@ use super::run::Tracker;
 const EVERY: Duration = Duration::from_secs(2);
 /// The longest wait between tries while it does not.
 const BACKOFF_AT_MOST: Duration = Duration::from_secs(30);
+/// The longest a backlog is sent before the thread looks whether the job has ended.
+const SLICE: Duration = Duration::from_secs(10);
 
 /// What the thread tells the user: a warning, or a note (the run's address).
 pub type Say = Box<dyn Fn(Note) + Send>;
@@ -47,9 +49,11 @@ impl Live {
                     Ok(()) | Err(RecvTimeoutError::Disconnected) => break,
                     Err(RecvTimeoutError::Timeout) => {}
                 }
+                // A backlog goes a slice at a time, so a stop is seen within a slice.
+                let slice = Some(Instant::now() + SLICE);
                 let tried = match first {
-                    true => tracker.running(world_size).and_then(|()| tracker.sync()),
-                    false => tracker.sync(),
+                    true => (tracker.running(world_size)).and_then(|()| tracker.sync_until(slice)),
+                    false => tracker.sync_until(slice),
                 };
                 // A run made is a server that answered, even if the rest then failed.
                 ever_up |= tracker.run_id().is_some();
@@ -105,7 +109,7 @@ impl Live {
         let until = Instant::now() + patience;
         let mut wait = Duration::from_millis(500);
         loop {
-            match tracker.finish() {
+            match tracker.finish_until(Some(until)) {
                 Ok(warnings) => {
                     for w in warnings {
                         say(Note::Warning(format!("mlflow: {w}")));

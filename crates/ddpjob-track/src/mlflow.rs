@@ -18,6 +18,8 @@ use super::batch::Batch;
 pub enum MlflowError {
     #[error("the MLflow server at {uri} is unreachable ({cause})")]
     Unreachable { uri: String, cause: String },
+    #[error("{left} metric values were not sent to {uri} in the time there was")]
+    Behind { uri: String, left: usize },
     #[error("the MLflow server at {uri} refused {what}: HTTP {status}{}", hint(*status, message))]
     Refused {
         uri: String,
@@ -46,7 +48,7 @@ impl MlflowError {
     /// Whether to try again later: the server is down or overloaded, not refusing.
     pub fn is_transient(&self) -> bool {
         match self {
-            MlflowError::Unreachable { .. } => true,
+            MlflowError::Unreachable { .. } | MlflowError::Behind { .. } => true,
             MlflowError::Refused { status, .. } => *status >= 500 || *status == 429,
         }
     }
@@ -98,6 +100,8 @@ pub struct Client {
     uri: String,
     auth: Option<String>,
     agent: ureq::Agent,
+    /// For artifacts (a model of gigabytes): no bound on the whole call, only on a stall.
+    uploads: ureq::Agent,
 }
 
 /// A run as the server made it.
@@ -128,10 +132,19 @@ impl Client {
             .timeout_global(Some(Duration::from_secs(30)))
             .build()
             .into();
+        let uploads = ureq::Agent::config_builder()
+            .tls_config(tls())
+            .http_status_as_error(false)
+            .timeout_connect(Some(Duration::from_secs(5)))
+            .timeout_send_body(Some(Duration::from_secs(3600)))
+            .timeout_recv_response(Some(Duration::from_secs(120)))
+            .build()
+            .into();
         Ok(Client {
             uri,
             auth: auth.header(),
             agent,
+            uploads,
         })
     }
 
@@ -212,8 +225,16 @@ impl Client {
                     "api/2.0/mlflow/experiments/create",
                     Some(&json!({ "name": name })),
                     "a new experiment",
-                )?;
-                Ok(string(&made["experiment_id"]))
+                );
+                match made {
+                    Ok(made) => Ok(string(&made["experiment_id"])),
+                    // Another job made it meanwhile (RESOURCE_ALREADY_EXISTS).
+                    Err(MlflowError::Refused { status: 400, .. }) => {
+                        let found = self.call("GET", &query, None, "the experiment lookup")?;
+                        Ok(string(&found["experiment"]["experiment_id"]))
+                    }
+                    Err(e) => Err(e),
+                }
             }
             Err(e) => Err(e),
         }
@@ -245,10 +266,12 @@ impl Client {
         Ok(info(&made["run"]["info"]))
     }
 
-    /// The run `run_id`; `None` when the server has no such run (deleted, another server).
+    /// The run `run_id`; `None` when the server has no such run (another server) or it was
+    /// deleted (MLflow keeps a deleted run, refusing what is logged to it).
     pub fn run(&self, run_id: &str) -> Result<Option<RunInfo>, MlflowError> {
         let path = format!("api/2.0/mlflow/runs/get?run_id={}", encode(run_id));
         match self.call("GET", &path, None, "the run lookup") {
+            Ok(found) if found["run"]["info"]["lifecycle_stage"] == "deleted" => Ok(None),
             Ok(found) => Ok(Some(info(&found["run"]["info"]))),
             Err(MlflowError::Refused { status: 404, .. }) => Ok(None),
             Err(e) => Err(e),
@@ -287,36 +310,38 @@ impl Client {
         .map(drop)
     }
 
-    /// Puts `bytes` as the run's artifact `name`, through the server's artifact proxy
-    /// (`mlflow server` serves artifacts by default); `artifact_uri` is the run's.
-    pub fn upload_artifact(
-        &self,
-        artifact_uri: &str,
-        name: &str,
-        bytes: &[u8],
-    ) -> Result<(), MlflowError> {
+    /// Puts the file `path` as the run's artifact of its name, streamed, through the server's
+    /// artifact proxy (`mlflow server` serves artifacts by default); `artifact_uri` is the
+    /// run's.
+    pub fn upload_artifact(&self, artifact_uri: &str, path: &Path) -> Result<(), MlflowError> {
+        let name = path
+            .file_name()
+            .map_or(String::new(), |n| n.to_string_lossy().into_owned());
+        let refused = |message: String| MlflowError::Refused {
+            uri: self.uri.clone(),
+            what: format!("the artifact {name}"),
+            status: 0,
+            message,
+        };
         let Some(place) = artifact_uri.strip_prefix("mlflow-artifacts:/") else {
-            return Err(MlflowError::Refused {
-                uri: self.uri.clone(),
-                what: format!("the artifact {name}"),
-                status: 0,
-                message: format!(
-                    "the run's artifacts go to \"{artifact_uri}\", which the server does not \
-                     proxy; start it with --serve-artifacts (the default of `mlflow server`)"
-                ),
-            });
+            return Err(refused(format!(
+                "the run's artifacts go to \"{artifact_uri}\", which the server does not \
+                 proxy; start it with --serve-artifacts (the default of `mlflow server`)"
+            )));
         };
         let url = format!(
             "{}/api/2.0/mlflow-artifacts/artifacts/{}/{name}",
             self.uri,
             place.trim_start_matches('/')
         );
-        let mut request = self.agent.put(&url);
+        let file =
+            std::fs::File::open(path).map_err(|e| refused(format!("`{}`: {e}", path.display())))?;
+        let mut request = self.uploads.put(&url);
         if let Some(auth) = &self.auth {
             request = request.header("Authorization", auth);
         }
         let response =
-            (request.content_type("application/octet-stream").send(bytes)).map_err(|e| {
+            (request.content_type("application/octet-stream").send(file)).map_err(|e| {
                 MlflowError::Unreachable {
                     uri: self.uri.clone(),
                     cause: e.to_string(),

@@ -12,9 +12,13 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::batch::{Metric, batches};
+use std::collections::VecDeque;
+use std::io::{Read, Seek, SeekFrom};
+use std::time::Instant;
+
+use super::batch::{Batch, MAX_METRICS, Metric, batches};
 use super::mlflow::{Auth, Client, MlflowError};
-use ddpjob_storage::jobdir::record::read_all;
+use ddpjob_storage::jobdir::record::{parse_all, read_all};
 use ddpjob_storage::jobdir::tensorboard::scalars;
 use ddpjob_storage::jobdir::{JobDir, Status, now_unix_ms};
 
@@ -50,8 +54,10 @@ pub struct Tracker {
     client: Client,
     target: Target,
     kept: Kept,
-    /// What `metrics.jsonl` held when last read (its length): nothing new to send when same.
-    read_len: Option<u64>,
+    /// How far `metrics.jsonl` has been read (bytes of whole lines).
+    offset: u64,
+    /// Values read from it and not sent yet, in order.
+    backlog: VecDeque<Metric>,
 }
 
 impl Tracker {
@@ -69,7 +75,8 @@ impl Tracker {
             client,
             target,
             kept,
-            read_len: None,
+            offset: 0,
+            backlog: VecDeque::new(),
         })
     }
 
@@ -143,6 +150,12 @@ impl Tracker {
     /// Sends what the job recorded and the server has not got; the number of metric values
     /// sent. On an error what was sent stays sent (and kept); the rest goes next time.
     pub fn sync(&mut self) -> Result<usize, MlflowError> {
+        self.sync_until(None)
+    }
+
+    /// [`Tracker::sync`], sending no more batches once `until` has passed (the rest waits for
+    /// the next call), so a backlog never holds up the end of a job for long.
+    pub fn sync_until(&mut self, until: Option<Instant>) -> Result<usize, MlflowError> {
         self.ensure_run()?;
         let run_id = self.kept.run_id.clone();
         if !self.kept.params_logged {
@@ -153,25 +166,60 @@ impl Tracker {
             self.kept.params_logged = true;
             self.keep();
         }
-        let path = self.job.metrics_path();
-        let len = std::fs::metadata(&path).map(|m| m.len()).ok();
-        if len.is_some() && len == self.read_len {
-            return Ok(0);
-        }
-        let (records, _) = read_all(&path).unwrap_or_default();
-        let fresh = unsent(&records, &self.kept.sent);
+        self.read_on();
         let mut sent = 0;
-        for batch in batches(fresh, Vec::new(), Vec::new()) {
+        while !self.backlog.is_empty() {
+            if until.is_some_and(|u| Instant::now() >= u) {
+                break;
+            }
+            let take = self.backlog.len().min(MAX_METRICS);
+            let batch = Batch {
+                metrics: self.backlog.iter().take(take).cloned().collect(),
+                ..Batch::default()
+            };
             self.client.log_batch(&run_id, &batch)?;
-            for m in &batch.metrics {
+            for m in self.backlog.drain(..take) {
                 let last = self.kept.sent.entry(m.key.clone()).or_insert(m.step);
                 *last = (*last).max(m.step);
             }
-            sent += batch.metrics.len();
+            sent += take;
             self.keep();
         }
-        self.read_len = len;
         Ok(sent)
+    }
+
+    /// Reads the whole lines `metrics.jsonl` gained since the last read into the backlog (only
+    /// values past each key's last step sent). A file shorter than what was read was rewound
+    /// (a resume, a restart): it is read again from the start, the steps already sent skipped.
+    fn read_on(&mut self) {
+        let path = self.job.metrics_path();
+        let Ok(mut file) = std::fs::File::open(&path) else {
+            return;
+        };
+        let len = file.metadata().map_or(0, |m| m.len());
+        if len < self.offset {
+            self.offset = 0;
+            self.backlog.clear();
+        }
+        if len == self.offset || file.seek(SeekFrom::Start(self.offset)).is_err() {
+            return;
+        }
+        let mut bytes = Vec::new();
+        if file.read_to_end(&mut bytes).is_err() {
+            return;
+        }
+        // A line still being written waits for the next read.
+        let Some(end) = bytes.iter().rposition(|&b| b == b'\n') else {
+            return;
+        };
+        let text = String::from_utf8_lossy(&bytes[..=end]);
+        let (records, _) = parse_all(&text);
+        let mut last = self.kept.sent.clone();
+        for m in &self.backlog {
+            last.insert(m.key.clone(), m.step);
+        }
+        self.backlog.extend(unsent(&records, &last));
+        self.offset += end as u64 + 1;
     }
 
     /// Marks the run running again (a resumed or restarted job), with its world size.
@@ -188,7 +236,18 @@ impl Tracker {
     /// the status `FINISHED`, `FAILED` (the error as the tag `ddpjob.error`) or `KILLED`
     /// (interrupted: SIGTERM, a preemption). Warnings for artifacts that could not go.
     pub fn finish(&mut self) -> Result<Vec<String>, MlflowError> {
-        self.sync()?;
+        self.finish_until(None)
+    }
+
+    /// [`Tracker::finish`], sending the backlog only until `until`.
+    pub fn finish_until(&mut self, until: Option<Instant>) -> Result<Vec<String>, MlflowError> {
+        self.sync_until(until)?;
+        if !self.backlog.is_empty() {
+            return Err(MlflowError::Behind {
+                uri: self.client.uri().to_string(),
+                left: self.backlog.len(),
+            });
+        }
         let state = self.job.read_state();
         let status = match state.as_ref().map(|s| s.status) {
             Some(Status::Finished) => "FINISHED",
@@ -212,18 +271,10 @@ impl Tracker {
         if self.target.log_model {
             files.push(self.job.model_path());
         }
+        // An artifact that does not go is a warning: the run's status is set whatever happens.
         for file in files.iter().filter(|f| f.is_file()) {
-            let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
-            let (Some(name), Ok(bytes)) = (name, std::fs::read(file)) else {
-                continue;
-            };
-            match self
-                .client
-                .upload_artifact(&self.kept.artifact_uri, &name, &bytes)
-            {
-                Ok(()) => {}
-                Err(e) if e.is_transient() => return Err(e),
-                Err(e) => warnings.push(e.to_string()),
+            if let Err(e) = self.client.upload_artifact(&self.kept.artifact_uri, file) {
+                warnings.push(e.to_string());
             }
         }
         let end = (status != "RUNNING").then_some(now_unix_ms() as u64);

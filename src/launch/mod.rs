@@ -452,15 +452,8 @@ pub(crate) fn prepare_data(
     exists: bool,
 ) -> Result<Vec<JobFile>, RunError> {
     let mut cx = DataContext::of(spec, exists.then_some(job.root.as_path()));
-    // Beside where the job is or will be, so what the data keeps moves in without a copy (the
-    // jobs directory made for it: the temporary directory may be another file system, or
-    // memory).
+    // Beside where the job is or will be, so what the data keeps moves in without a copy.
     cx.staging = job.root.parent().map(Path::to_path_buf);
-    if let Some(dir) = &cx.staging
-        && !dir.as_os_str().is_empty()
-    {
-        let _ = std::fs::create_dir_all(dir);
-    }
     Ok(Registry::current().prepare_data(&spec.data, &cx)?)
 }
 

@@ -1,32 +1,30 @@
-//! Instruction data, `data.dataset = "jsonl"` (and, read from parquet, `"parquet"`): its keys,
-//! checked once into complete options (the model's tokenizer, end-of-sequence token and chat
-//! template found), the files tokenised once into the job's stored examples, and the task
-//! that batches them (see `examples_task`). Prompt/completion, plain text or conversations, one
-//! JSON object a line, for supervised fine-tuning.
+//! Instruction data, `data.dataset = "jsonl"` (and, read from parquet or Arrow files,
+//! `"parquet"` and `"arrow"`): its options, and how they read the files: the model's tokenizer
+//! and chat template found, the records tokenised (one example a row, or a corpus of windows,
+//! see `corpus`), the job's stored examples read back, the task that batches them (see
+//! `examples_task`). Its keys' words are `jsonl_keys`'; its checks and what it keeps in the job
+//! are `jsonl_hooks`'. Prompt/completion, plain text or conversations, one JSON object a line,
+//! for supervised fine-tuning.
 
 use std::path::{Path, PathBuf};
-use std::sync::LazyLock;
 
 use serde::{Deserialize, Serialize};
 
 use super::DataError;
 use super::arrow_rows;
 use super::chat::ChatTemplate;
-use super::corpus::{self, TEXT_ROWS_KEY, TextRows};
+use super::corpus::{self, TextRows};
 pub use super::examples_task::JsonlTask;
 use super::examples_task::pack;
 use super::hf_tokenizer::HfTokenizer;
-use super::hub_source::{self, HUB_KEYS};
 use super::jsonl_index::{
     Counts, Examples, Indexing, Sink, index_arrow, index_file, index_parquet,
 };
-use super::kept::Staged;
 use super::parquet_rows;
 use super::text_options::named_file;
 use super::vocab::Vocab;
 use ddpjob_seam::task::Task;
-use ddpjob_seam::{BuildError, DatasetOptions, JobFile};
-use ddpjob_spec::{DataContext, KeyDoc};
+use ddpjob_spec::DataContext;
 
 /// `data.dataset = "jsonl"`: its keys. `tokenizer` and `eos_token` are written out by
 /// `complete` (the model's).
@@ -141,101 +139,13 @@ impl Default for JsonlOptions {
     }
 }
 
-/// `data.dataset = "jsonl"`'s keys: the rows' own, then the Hub's (refused for jsonl).
-pub static JSONL_KEYS: LazyLock<Vec<KeyDoc>> =
-    LazyLock::new(|| ROW_KEYS.iter().chain(HUB_KEYS).copied().collect());
-
-const ROW_KEYS: &[KeyDoc] = &[
-    KeyDoc {
-        key: "train_path",
-        default: "required",
-        doc: "JSONL, one object a line: `{\"prompt\": ..., \"completion\": ...}`, \
-              `{\"text\": ...}`, or a conversation `{\"messages\": [{\"role\", \"content\"}, \
-              ...]}` (TRL's formats; a prompt and completion may be lists of messages too); \
-              read once, streaming",
-    },
-    KeyDoc {
-        key: "val_path",
-        default: "none",
-        doc: "the validation examples, same format; without it the last `val_fraction` of \
-              `train_path`'s",
-    },
-    KeyDoc {
-        key: "val_fraction",
-        default: "`0.1`",
-        doc: "without `val_path`: this last fraction of the examples is the validation split",
-    },
-    KeyDoc {
-        key: "text_field",
-        default: "`\"text\"`",
-        doc: "a line without a completion: this field is the example, trained on whole",
-    },
-    KeyDoc {
-        key: "prompt_field",
-        default: "`\"prompt\"`",
-        doc: "the prompt of a prompt/completion line",
-    },
-    KeyDoc {
-        key: "completion_field",
-        default: "`\"completion\"`",
-        doc: "the completion; a line that has it is a prompt/completion example",
-    },
-    KeyDoc {
-        key: "messages_field",
-        default: "`\"messages\"`",
-        doc: "a line with it is a conversation, rendered through the chat template",
-    },
-    KeyDoc {
-        key: "chat_template",
-        default: "the model's",
-        doc: "a Jinja file that renders conversations, instead of the model's own \
-              (`chat_template.jinja` beside its tokenizer, or `tokenizer_config.json`'s \
-              `chat_template`)",
-    },
-    KeyDoc {
-        key: "train_on_prompt",
-        default: "`false`",
-        doc: "`false`: the loss is on the completion's tokens only (the SFT default), in a \
-              conversation on the assistant's turns (the template's `{% generation %}` blocks, \
-              or each assistant message found by rendering the conversation's prefixes)",
-    },
-    KeyDoc {
-        key: "pack",
-        default: "`false`",
-        doc: "`true`: several examples a row (in file order, up to `block_size` positions), \
-              positions and attention restarted at each; `false`: one example a row, padded to \
-              the longest in its batch",
-    },
-    KeyDoc {
-        key: "truncate",
-        default: "`true`",
-        doc: "cut an example longer than `model.block_size + 1` tokens (counted in the log); \
-              `false`: refuse it",
-    },
-    KeyDoc {
-        key: "skip_bad_lines",
-        default: "`false`",
-        doc: "count and skip lines that are not JSON or lack the fields, instead of refusing \
-              the file",
-    },
-    TEXT_ROWS_KEY,
-    KeyDoc {
-        key: "tokenizer",
-        default: "the model's `tokenizer.json`",
-        doc: "the Hugging Face `tokenizer.json` the examples are encoded with",
-    },
-    KeyDoc {
-        key: "eos_token",
-        default: "the tokenizer's (`tokenizer_config.json`, else `config.json`)",
-        doc: "appended to every example, e.g. `\"</s>\"`",
-    },
-];
+pub use super::jsonl_keys::JSONL_KEYS;
 
 /// The stored examples' names in the job directory.
-const STORED: [&str; 2] = ["jsonl-train.bin", "jsonl-val.bin"];
+pub(crate) const STORED: [&str; 2] = ["jsonl-train.bin", "jsonl-val.bin"];
 
 impl JsonlOptions {
-    fn tokenizer_path(&self) -> PathBuf {
+    pub(crate) fn tokenizer_path(&self) -> PathBuf {
         PathBuf::from(self.tokenizer.clone().unwrap_or_default())
     }
 
@@ -272,7 +182,7 @@ impl JsonlOptions {
     }
 
     /// How the rows become samples: `text_rows`, else as [`corpus::default_rows`] decides.
-    fn rows(&self) -> Result<TextRows, DataError> {
+    pub(crate) fn rows(&self) -> Result<TextRows, DataError> {
         match self.text_rows {
             Some(rows) => Ok(rows),
             None => corpus::default_rows(self),
@@ -403,7 +313,7 @@ impl JsonlOptions {
 
     /// The model's vocabulary; for a model that takes it from the data (a gpt without
     /// model.vocab_size), the tokenizer's, as the job stored it or from its file.
-    fn vocab_size(&self, cx: &DataContext) -> Result<usize, DataError> {
+    pub(crate) fn vocab_size(&self, cx: &DataContext) -> Result<usize, DataError> {
         let Some(lm) = &cx.language else {
             return Err(DataError::Mismatch(format!(
                 "{} data needs a language model, not \"{}\"",
@@ -444,7 +354,7 @@ impl JsonlOptions {
     }
 
     /// One example a row.
-    fn open_examples(&self, cx: &DataContext) -> Result<JsonlTask, DataError> {
+    pub(crate) fn open_examples(&self, cx: &DataContext) -> Result<JsonlTask, DataError> {
         let vocab_size = self.vocab_size(cx)?;
         let (train, val, eos) = self.examples(cx)?;
         for (split, examples) in [("training", &train), ("validation", &val)] {
@@ -502,7 +412,7 @@ fn eos_id(tokenizer: &HfTokenizer, token: &str) -> Result<u32, DataError> {
 
 /// The end-of-sequence token the files beside `tokenizer` name: `tokenizer_config.json`'s
 /// `eos_token`, else `config.json`'s `eos_token_id` (the first, when a list).
-fn eos_beside(tokenizer: &Path) -> Option<String> {
+pub(crate) fn eos_beside(tokenizer: &Path) -> Option<String> {
     let dir = tokenizer.parent()?;
     let read = |name: &str| -> Option<serde_json::Value> {
         serde_json::from_str(&std::fs::read_to_string(dir.join(name)).ok()?).ok()
@@ -527,216 +437,7 @@ fn eos_beside(tokenizer: &Path) -> Option<String> {
     loaded.id_to_token(u32::try_from(id).ok()?)
 }
 
-impl DatasetOptions for JsonlOptions {
-    const PATHS: &'static [&'static str] =
-        &["train_path", "val_path", "tokenizer", "chat_template"];
-
-    fn end_of_example(&self) -> Option<String> {
-        self.eos_token.clone()
-    }
-
-    fn complete(mut self, cx: &DataContext) -> Result<Self, String> {
-        if cx.language.is_none() {
-            return Err(format!(
-                "data.dataset = \"{}\" is token sequences: it needs a language model \
-                 (model.arch = \"gpt\" or \"llama\"), not \"{}\"",
-                self.format.name(),
-                cx.arch
-            ));
-        }
-        hub_source::resolve(&mut self, cx)?;
-        if self.train_path.as_deref().is_none_or(str::is_empty) {
-            return Err(format!(
-                "data.train_path is required for data.dataset = \"{}\", e.g. train_path \
-                     = \"data/sft/train.{}\"{}",
-                self.format.name(),
-                self.format.name(),
-                match self.format {
-                    Format::Parquet => ", or a Hub dataset: hub = \"org/name\"",
-                    Format::Jsonl | Format::Arrow => "",
-                }
-            ));
-        }
-        if self.pack && !cx.language.as_ref().is_some_and(|l| l.packed_rows) {
-            return Err(format!(
-                "data.pack = true needs a model that reads packed rows (restarting positions \
-                 and attention at each example), and model.arch = \"{}\" does not (its \
-                 LanguageModelOptions::reads_packed_rows); use pack = false",
-                cx.arch
-            ));
-        }
-        let tokenizer = match self.tokenizer.take() {
-            Some(t) => t,
-            None => match cx.language.as_ref().and_then(|l| l.tokenizer.clone()) {
-                Some(path) if !path.is_file() => {
-                    return Err(super::text_options::missing_tokenizer(&path));
-                }
-                Some(path) => path.display().to_string(),
-                None => {
-                    return Err("instruction data is encoded with a Hugging Face \
-                                tokenizer: set model.init_from to a model directory that has a \
-                                tokenizer.json, or data.tokenizer = \"path/to/tokenizer.json\""
-                        .into());
-                }
-            },
-        };
-        if !tokenizer.ends_with(".json") {
-            return Err(format!(
-                "data.tokenizer = \"{tokenizer}\": instruction data needs the path of a Hugging Face \
-                 tokenizer.json"
-            ));
-        }
-        if self.val_path.as_deref() == Some("") {
-            return Err(
-                "data.val_path is empty: name the validation examples' file, or leave \
-                        the key out to keep the last data.val_fraction of train_path's"
-                    .into(),
-            );
-        }
-        if self.eos_token.is_none() {
-            // Before a job exists (its job.toml has the token): the file must be there.
-            named_file("tokenizer", Path::new(&tokenizer), TOKENIZER_FIX)
-                .map_err(|e| e.to_string())?;
-            self.eos_token = Some(eos_beside(Path::new(&tokenizer)).ok_or_else(|| {
-                format!(
-                    "cannot tell the end-of-sequence token of `{tokenizer}`: no \
-                     tokenizer_config.json `eos_token` or config.json `eos_token_id` beside it; \
-                     set data.eos_token (e.g. \"</s>\")"
-                )
-            })?);
-        }
-        self.tokenizer = Some(tokenizer);
-        if !(self.val_fraction > 0.0 && self.val_fraction < 1.0) {
-            return Err(format!(
-                "data.val_fraction = {}: must be in (0, 1); 0.1 keeps the last 10% of the \
-                 examples for validation",
-                self.val_fraction
-            ));
-        }
-        if let Some(path) = &self.chat_template {
-            named_file(
-                "chat_template",
-                Path::new(path),
-                "name the Jinja file conversations are rendered with, or leave the key out to \
-                 use the model's own template",
-            )
-            .map_err(|e| e.to_string())?;
-        }
-        for (key, value) in [
-            ("text_field", &self.text_field),
-            ("prompt_field", &self.prompt_field),
-            ("completion_field", &self.completion_field),
-            ("messages_field", &self.messages_field),
-        ] {
-            if value.is_empty() {
-                return Err(format!("data.{key} is empty: name a field of the lines"));
-            }
-        }
-        if self.text_rows.is_none() {
-            // Written into job.toml, so the job keeps reading its rows one way; files not
-            // there yet (`validate`) are decided when the job is made. A job stored before the
-            // key existed read every row as an example, and keeps doing so.
-            self.text_rows = match cx.stored_job {
-                true => Some(TextRows::Examples),
-                false => corpus::default_rows(&self).ok(),
-            };
-        }
-        if self.text_rows == Some(TextRows::Windows) && self.pack {
-            return Err(format!(
-                "data.pack = true packs examples into rows, but data.text_rows = \"windows\"{} \
-                 lays the rows end to end already: drop pack, or set text_rows = \"examples\" \
-                 for one example a row",
-                match self.format {
-                    Format::Parquet | Format::Arrow => " (the default for a text column alone)",
-                    Format::Jsonl => "",
-                }
-            ));
-        }
-        Ok(self)
-    }
-
-    /// Reads and tokenises both files once (bad lines create no job); the job keeps the
-    /// examples and the tokenizer.
-    fn prepare(&self, cx: &DataContext) -> Result<Vec<JobFile>, BuildError> {
-        named_file("tokenizer", &self.tokenizer_path(), TOKENIZER_FIX)?;
-        let tokenizer = HfTokenizer::load(&self.tokenizer_path())?;
-        let vocab = JobFile::bytes(
-            Vocab::FILE,
-            Vocab::HuggingFace(Box::new(tokenizer))
-                .to_json()
-                .into_bytes(),
-        );
-        if self.rows()? == TextRows::Windows {
-            let mut files = corpus::job_files(self, cx, self.vocab_size(cx)?)?;
-            files.push(vocab);
-            return Ok(files);
-        }
-        if let Some(job) = cx.job.as_deref()
-            && self.stored_in(job, STORED[0])
-        {
-            // A resumed job keeps what it has; its examples are checked as they are mapped.
-            self.open_examples(cx)?;
-            return Ok(vec![vocab]);
-        }
-        let task = self.open_examples(cx)?;
-        // The stored form counts in u32.
-        for (split, examples) in [("training", &task.train), ("validation", &task.val)] {
-            if examples.tokens().len() > u32::MAX as usize {
-                return Err(format!(
-                    "the {split} examples hold {} tokens, more than the {} a job keeps; split \
-                     the data over several jobs",
-                    examples.tokens().len(),
-                    u32::MAX
-                )
-                .into());
-            }
-        }
-        // Written to disk as they are made into bytes, not copied whole in memory first.
-        let mut kept = Vec::new();
-        for (name, examples) in [(STORED[0], &task.train), (STORED[1], &task.val)] {
-            let mut file = Staged::create(cx, name)?;
-            file.write_with(|out| examples.write_to(out, task.eos))?;
-            kept.push(file.keep()?);
-        }
-        kept.push(vocab);
-        Ok(kept)
-    }
-
-    /// A file not there yet is not an error for `validate` (it is for `run`).
-    fn train_samples(&self) -> Option<(usize, String)> {
-        let path = self.train_path.clone().unwrap_or_default();
-        let found = match self.format {
-            Format::Jsonl => Path::new(&path).is_file(),
-            Format::Parquet | Format::Arrow => self.format.sources(&path, "train_path").is_ok(),
-        };
-        (!found).then(|| {
-            let why = "not found: put the examples there before `run`";
-            (0, format!("`{path}` {why}"))
-        })
-    }
-
-    fn describe(&self) -> Option<String> {
-        let source = match &self.hub {
-            Some(id) => format!(
-                "{id} (Hub; config {}, split {}{}, commit {})",
-                self.config.as_deref().unwrap_or("default"),
-                self.split.as_deref().unwrap_or("train"),
-                self.val_split
-                    .as_deref()
-                    .map_or(String::new(), |v| format!(", validation {v}")),
-                self.revision.as_deref().unwrap_or("main")
-            ),
-            None => self.train_path.clone().unwrap_or_default(),
-        };
-        Some(format!("{} {source}", self.format.name()))
-    }
-
-    fn tokenizer_file(&self) -> Option<PathBuf> {
-        Some(self.tokenizer_path())
-    }
-}
-
-const TOKENIZER_FIX: &str =
+pub(crate) const TOKENIZER_FIX: &str =
     "name the Hugging Face tokenizer.json the examples are to be encoded with";
 
 #[cfg(test)]

@@ -3,6 +3,7 @@ use std::path::PathBuf;
 use super::*;
 use candle_core::Device;
 use ddpjob_seam::task::{IGNORE_TARGET, Task};
+use ddpjob_seam::{DatasetOptions, JobFile};
 use ddpjob_spec::LanguageModelSpec;
 use std::ops::Range;
 

@@ -149,10 +149,24 @@ impl DataContext {
         }
     }
 
-    /// Where large kept files are written before the job exists (see `staging`; the
-    /// temporary directory while the jobs directory is not there yet).
+    /// Where large kept files are written before the job exists (see `staging`): while the
+    /// jobs directory is not there yet (bad data must create nothing), the nearest directory
+    /// above it that is, on the same file system as it will be, unlike a temporary directory
+    /// that may be memory.
     pub fn staging_dir(&self) -> PathBuf {
-        (self.staging.clone().filter(|dir| dir.is_dir())).unwrap_or_else(std::env::temp_dir)
+        let mut dir = self.staging.clone();
+        while let Some(d) = dir.take() {
+            let d = if d.as_os_str().is_empty() {
+                PathBuf::from(".")
+            } else {
+                d
+            };
+            if d.is_dir() {
+                return d;
+            }
+            dir = d.parent().map(Path::to_path_buf);
+        }
+        std::env::temp_dir()
     }
 }
 

@@ -1,3 +1,9 @@
+mod allocator;
+
+/// Chosen by the command, once (see `allocator`).
+#[global_allocator]
+static ALLOCATOR: allocator::ByCommand = allocator::ByCommand;
+
 fn main() -> std::process::ExitCode {
     // `eval` and `sample` keep the memory they free (see keep_freed_memory), set before any
     // thread starts: glibc fixes its number of arenas at the first thread's allocation. A

@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # Tokenising a conversational parquet set through the chat template: ddpjob (the records made
-# on every core, as `run` makes a job's examples; timed as `ddpjob preview --json --examples 0`,
-# which reads and tokenises the whole set and prints its counts) against Hugging Face
+# on every core; timed as the `ddpjob run` that makes a job of them, one optimizer step of a
+# tiny model and one evaluation batch after) against Hugging Face
 # `datasets.map(apply_chat_template(..., return_assistant_tokens_mask=True), batched=True,
 # num_proc=<cores>)` on the same shards, with the same tokenizer (a 32,768-token byte-level BPE)
 # and template. Prints rows/s and peak memory of each and the ratio.
 #
 # KIND=text: documents (a `text` column) instead, which ddpjob reads as one corpus of token
-# windows; timed as the `ddpjob run` that tokenises them into a new job (one optimizer step of
-# a tiny model after), against `datasets.map(tokenizer(batch["text"]), batched=True,
+# windows, timed the same way, against `datasets.map(tokenizer(batch["text"]), batched=True,
 # num_proc=<cores>)`, run_clm.py's tokenising.
 #
 # With TRL_PYTHON (a Python with torch and trl), conversations are also timed through TRL's own
@@ -30,19 +29,20 @@ text=${TEXT:-$here/../shared/data/tinyshakespeare/input.txt}
 lscpu | sed -n 's/^Model name: *//p'
 cores=$(nproc)
 started=$(date +%s.%N)
+rm -rf "$work/jobs"
+DDPJOB_PLAIN=1 /usr/bin/time -f "%M" -o "$work/ddpjob-rss" "$bin" run "$work/job.toml" \
+  --jobs-dir "$work/jobs" > "$work/ddpjob.log" 2>&1
+ended=$(date +%s.%N)
+job=$work/jobs/tokenize-bench
 if [ "$kind" = text ]; then
-  rm -rf "$work/jobs"
-  DDPJOB_PLAIN=1 /usr/bin/time -f "%M" -o "$work/ddpjob-rss" "$bin" run "$work/job.toml" \
-    --jobs-dir "$work/jobs" > "$work/ddpjob.log" 2>&1
-  ended=$(date +%s.%N)
   # The corpus's tokens as the job keeps them (one end-of-sequence token a row more than
   # datasets' ids).
-  sizes=$(stat -c %s "$work/jobs/tokenize-bench/rows-train.tokens" "$work/jobs/tokenize-bench/rows-val.tokens")
+  sizes=$(stat -c %s "$job/rows-train.tokens" "$job/rows-val.tokens")
   echo "{\"tokens\": $(( ($(echo "$sizes" | paste -sd+)) / 4 ))}" > "$work/ddpjob.json"
 else
-  /usr/bin/time -f "%M" -o "$work/ddpjob-rss" "$bin" preview "$work/job.toml" --json --examples 0 \
-    > "$work/ddpjob.json"
-  ended=$(date +%s.%N)
+  # The examples' tokens, from the stored files' headers (the fourth u32 after the magic).
+  "$python" -c 'import json,struct,sys; print(json.dumps({"tokens": sum(struct.unpack_from("<I", open(p, "rb").read(24), 20)[0] for p in sys.argv[1:])}))' \
+    "$job/jsonl-train.bin" "$job/jsonl-val.bin" > "$work/ddpjob.json"
 fi
 "$python" "$here/bench/tokenize_ref.py" datasets "$work" --procs "$cores" 2>/dev/null | tail -1 > "$work/datasets.json"
 # TRL's own preprocessing, for conversations, where a Python with torch and trl is given.

@@ -30,6 +30,9 @@ pub struct Examples {
     spans: Vec<[u32; 2]>,
     /// Where each example's spans end in `spans`.
     span_ends: Vec<usize>,
+    /// Tokens taken out already (written to a file as they were made, see
+    /// [`Examples::take_tokens`]): `ends` count from the first example's start all the same.
+    base: usize,
     pub counts: Counts,
 }
 
@@ -116,6 +119,42 @@ impl Examples {
         self.tokens.as_slice()
     }
 
+    /// The tokens made so far, taken (to be written as they are made); the examples' layout
+    /// stays (their lengths and trained spans), so the stored form can be written around the
+    /// tokens afterwards ([`Examples::write_layout`]).
+    pub fn take_tokens(&mut self) -> Vec<u32> {
+        let tokens = std::mem::take(self.tokens.owned());
+        self.base += tokens.len();
+        tokens
+    }
+
+    /// The tokens of all its examples, those taken out included.
+    pub fn token_count(&self) -> usize {
+        self.ends.last().copied().unwrap_or(0)
+    }
+
+    /// [`Examples::split_off_last`] of examples whose tokens were all taken out: the last `n`
+    /// examples' layout, and the token where they start (to cut the tokens' file there).
+    pub fn split_off_last_layout(&mut self, n: usize) -> (Examples, usize) {
+        assert!(self.tokens().is_empty(), "the tokens were taken out");
+        let keep = self.len() - n;
+        let cut = if keep == 0 { 0 } else { self.ends[keep - 1] };
+        let spans_cut = if keep == 0 {
+            0
+        } else {
+            self.span_ends[keep - 1]
+        };
+        let val = Examples {
+            ends: self.ends.split_off(keep).iter().map(|e| e - cut).collect(),
+            spans: self.spans.split_off(spans_cut),
+            span_ends: (self.span_ends.split_off(keep).iter())
+                .map(|e| e - spans_cut)
+                .collect(),
+            ..Examples::default()
+        };
+        (val, cut)
+    }
+
     /// All tokens, end to end, taken, with the examples they made: only the counts stay.
     pub fn drain_tokens(&mut self) -> Vec<u32> {
         self.ends.clear();
@@ -128,7 +167,7 @@ impl Examples {
     pub fn push(&mut self, tokens: &[u32], spans: &[Range<usize>]) {
         let all = self.tokens.owned();
         all.extend_from_slice(tokens);
-        self.ends.push(all.len());
+        self.ends.push(self.base + all.len());
         let clipped = spans.iter().map(|s| s.start..s.end.min(tokens.len()));
         let kept = clipped.filter(|s| s.start < s.end);
         self.spans
@@ -152,39 +191,44 @@ impl Examples {
             span_ends: (self.span_ends.split_off(keep).iter())
                 .map(|e| e - spans_cut)
                 .collect(),
+            base: 0,
             counts: Counts::default(),
         }
     }
 
-    /// Writes the stored form to `out` (a file, written as it goes): magic, version, the
-    /// end-of-sequence id, counts, then per example its length and number of spans, then the
-    /// spans' [start, end), then the tokens; little-endian u32 throughout.
-    pub fn write_to(&self, out: &mut impl std::io::Write, eos: u32) -> std::io::Result<()> {
+    /// The stored form up to its tokens, which follow it (written elsewhere as they were made,
+    /// then appended): magic, version, the end-of-sequence id, counts, then per example its
+    /// length and number of spans, then the spans' [start, end), then the tokens; little-endian
+    /// u32 throughout.
+    pub fn write_layout(&self, out: &mut impl std::io::Write, eos: u32) -> std::io::Result<()> {
         let c = self.counts;
         out.write_all(MAGIC)?;
         let header = [
             VERSION,
             eos,
             self.len() as u32,
-            self.tokens().len() as u32,
+            self.token_count() as u32,
             c.bad_lines as u32,
             c.truncated as u32,
             c.empty as u32,
             self.spans.len() as u32,
         ];
         let lens = (0..self.len()).flat_map(|i| {
-            let (tokens, spans) = self.get(i);
-            [tokens.len() as u32, spans.len() as u32]
+            let start = if i == 0 { 0 } else { self.ends[i - 1] };
+            let first = if i == 0 { 0 } else { self.span_ends[i - 1] };
+            [
+                (self.ends[i] - start) as u32,
+                (self.span_ends[i] - first) as u32,
+            ]
         });
         let spans = self.spans.iter().flatten().copied();
-        for v in (header.into_iter().chain(lens).chain(spans)).chain(self.tokens().iter().copied())
-        {
+        for v in header.into_iter().chain(lens).chain(spans) {
             out.write_all(&v.to_le_bytes())?;
         }
         Ok(())
     }
 
-    /// Maps what [`Examples::write_to`] wrote to `path` (or the version before it, one prompt
+    /// Maps what [`Examples::write_layout`] wrote to `path` (or the version before it, one prompt
     /// length per example): the examples (their tokens read in place) and the
     /// end-of-sequence id.
     pub fn open(path: &Path) -> Result<(Examples, u32), DataError> {

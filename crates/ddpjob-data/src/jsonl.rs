@@ -232,6 +232,7 @@ impl JsonlOptions {
             skip_bad_lines: self.skip_bad_lines,
             train_on_prompt: self.train_on_prompt || rows == TextRows::Windows,
             sink: None,
+            keep_layout: rows == TextRows::Examples,
         };
         let read = |path: &str, key: &str, sink| {
             let how = Indexing { sink, ..how };
@@ -264,6 +265,20 @@ impl JsonlOptions {
             return Ok((train, val, eos));
         }
         let (mut train, val, eos) = self.read(cx, TextRows::Examples, [None, None])?;
+        let val = self.validation(&mut train, val, cx, |train, n| Ok(train.split_off_last(n)))?;
+        Ok((train, val, eos))
+    }
+
+    /// The validation examples: `val_path`'s (`val`), or the last `val_fraction` of the
+    /// training examples, cut off by `split` (in memory, or where their tokens went); refused
+    /// when a split has no usable example.
+    pub(crate) fn validation(
+        &self,
+        train: &mut Examples,
+        val: Option<Examples>,
+        cx: &DataContext,
+        split: impl FnOnce(&mut Examples, usize) -> Result<Examples, DataError>,
+    ) -> Result<Examples, DataError> {
         let train_path = PathBuf::from(self.train_path.clone().unwrap_or_default());
         let block = cx.language.as_ref().map_or(0, |l| l.block_size);
         let val = match val {
@@ -279,7 +294,7 @@ impl JsonlOptions {
                         left_out(&train.counts, block)
                     )));
                 }
-                train.split_off_last(n.clamp(1, train.len() - 1))
+                split(train, n.clamp(1, train.len() - 1))?
             }
         };
         let val_file = match &self.val_path {
@@ -288,7 +303,7 @@ impl JsonlOptions {
         };
         let train_file = format!("data.train_path `{}`", train_path.display());
         for (split, examples, file) in [
-            ("training", &train, train_file),
+            ("training", &*train, train_file),
             ("validation", &val, val_file),
         ] {
             if examples.len() == 0 {
@@ -300,7 +315,7 @@ impl JsonlOptions {
                 )));
             }
         }
-        Ok((train, val, eos))
+        Ok(val)
     }
 
     /// The task: one example a row, or the rows' windows (see `corpus`).

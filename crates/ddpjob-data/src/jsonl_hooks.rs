@@ -4,7 +4,9 @@
 //! the launcher into the files the job keeps. What the options read and how is `jsonl`'s.
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
+use super::DataError;
 use super::corpus::{self, TextRows};
 use super::hf_tokenizer::HfTokenizer;
 use super::hub_source;
@@ -166,28 +168,7 @@ impl DatasetOptions for JsonlOptions {
             self.open_examples(cx)?;
             return Ok(vec![vocab]);
         }
-        let task = self.open_examples(cx)?;
-        // The stored form counts in u32.
-        for (split, examples) in [("training", &task.train), ("validation", &task.val)] {
-            if examples.tokens().len() > u32::MAX as usize {
-                return Err(format!(
-                    "the {split} examples hold {} tokens, more than the {} a job keeps; split \
-                     the data over several jobs",
-                    examples.tokens().len(),
-                    u32::MAX
-                )
-                .into());
-            }
-        }
-        // Written to disk as they are made into bytes, not copied whole in memory first.
-        let mut kept = Vec::new();
-        for (name, examples) in [(STORED[0], &task.train), (STORED[1], &task.val)] {
-            let mut file = Staged::create(cx, name)?;
-            file.write_with(|out| examples.write_to(out, task.eos))?;
-            kept.push(file.keep()?);
-        }
-        kept.push(vocab);
-        Ok(kept)
+        self.stream_examples(cx, vocab).map_err(Into::into)
     }
 
     /// A file not there yet is not an error for `validate` (it is for `run`).
@@ -221,5 +202,63 @@ impl DatasetOptions for JsonlOptions {
 
     fn tokenizer_file(&self) -> Option<PathBuf> {
         Some(self.tokenizer_path())
+    }
+}
+
+impl JsonlOptions {
+    /// The job's examples, their tokens written to staged files as they are made (only the
+    /// examples' lengths and trained spans stay in memory, so a set larger than memory is
+    /// never held), checked as `examples` checks them, then each split's stored form written
+    /// around its tokens.
+    fn stream_examples(&self, cx: &DataContext, vocab: JobFile) -> Result<Vec<JobFile>, DataError> {
+        let vocab_size = self.vocab_size(cx)?;
+        let tokens = [
+            Mutex::new(Staged::create(cx, "jsonl-train.tokens")?),
+            Mutex::new(Staged::create(cx, "jsonl-val.tokens")?),
+        ];
+        let (mut train, val, eos) = {
+            let sink = |i: usize, split: &'static str| {
+                let file = &tokens[i];
+                move |t: Vec<u32>| -> Result<(), DataError> {
+                    self.check_vocabulary(split, &t, vocab_size)?;
+                    let bytes: Vec<u8> = t.iter().flat_map(|t| t.to_le_bytes()).collect();
+                    file.lock().unwrap_or_else(|e| e.into_inner()).write(&bytes)
+                }
+            };
+            let (train, val) = (sink(0, "training"), sink(1, "validation"));
+            self.read(cx, TextRows::Examples, [Some(&train), Some(&val)])?
+        };
+        let [mut train_tokens, mut val_tokens] =
+            tokens.map(|f| f.into_inner().unwrap_or_else(|e| e.into_inner()));
+        let val = self.validation(&mut train, val, cx, |train, n| {
+            let (val, cut) = train.split_off_last_layout(n);
+            train_tokens.split_off_into(cut as u64 * 4, &mut val_tokens)?;
+            Ok(val)
+        })?;
+        let mut kept = Vec::new();
+        for (split, name, examples, tokens) in [
+            ("training", STORED[0], &train, &mut train_tokens),
+            ("validation", STORED[1], &val, &mut val_tokens),
+        ] {
+            // The stored form counts in u32.
+            if examples.token_count() > u32::MAX as usize {
+                return Err(DataError::Mismatch(format!(
+                    "the {split} examples hold {} tokens, more than the {} a job keeps; split \
+                     the data over several jobs",
+                    examples.token_count(),
+                    u32::MAX
+                )));
+            }
+            tokens.flush()?;
+            let mut file = Staged::create(cx, name)?;
+            let from = tokens.path().to_path_buf();
+            file.write_with(|out| {
+                examples.write_layout(out, eos)?;
+                std::io::copy(&mut std::fs::File::open(&from)?, out).map(drop)
+            })?;
+            kept.push(file.keep()?);
+        }
+        kept.push(vocab);
+        Ok(kept)
     }
 }

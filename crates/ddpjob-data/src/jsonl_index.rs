@@ -45,6 +45,9 @@ pub struct Indexing<'a> {
     /// staying in the examples (a corpus larger than memory, see `corpus`); the examples'
     /// counts are kept either way.
     pub sink: Option<&'a Sink<'a>>,
+    /// With a sink: keep the examples' layout (lengths, trained spans) as their tokens go, for
+    /// a stored file of examples; without, a corpus keeps nothing but the counts.
+    pub keep_layout: bool,
 }
 
 /// Takes the tokens of the records made so far, in order.

@@ -118,7 +118,10 @@ impl<'a> Records<'a> {
             self.made += 1;
         }
         if let Some(sink) = how.sink {
-            sink(self.examples.drain_tokens())?;
+            sink(match how.keep_layout {
+                true => self.examples.take_tokens(),
+                false => self.examples.drain_tokens(),
+            })?;
         }
         if let Some(bar) = &self.bar {
             let rate = self.made as f64 / self.started.elapsed().as_secs_f64().max(1e-9);

@@ -12,7 +12,6 @@
 //! `text`'s; this module only joins the two.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
@@ -152,24 +151,8 @@ fn stage(
     cx: &DataContext,
     vocab_size: usize,
 ) -> Result<[Staged; 2], DataError> {
-    let files = [
-        Mutex::new(Staged::create(cx, STORED[0])?),
-        Mutex::new(Staged::create(cx, STORED[1])?),
-    ];
-    {
-        let sink = |i: usize, split: &'static str| {
-            let file = &files[i];
-            move |tokens: Vec<u32>| -> Result<(), DataError> {
-                options.check_vocabulary(split, &tokens, vocab_size)?;
-                let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-                let mut file = file.lock().unwrap_or_else(|e| e.into_inner());
-                file.write(&bytes)
-            }
-        };
-        let (train, val) = (sink(0, "training"), sink(1, "validation"));
-        options.read(cx, TextRows::Windows, [Some(&train), Some(&val)])?;
-    }
-    let [mut train, mut val] = files.map(|f| f.into_inner().unwrap_or_else(|e| e.into_inner()));
+    let ([mut train, mut val], _) =
+        options.read_to_files(cx, TextRows::Windows, STORED, vocab_size)?;
     if options.val_path.is_none() {
         let tokens = train.len / 4;
         let split = ((tokens as f64) * (1.0 - options.val_fraction)) as u64;

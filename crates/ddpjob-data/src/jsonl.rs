@@ -7,6 +7,7 @@
 //! for supervised fine-tuning.
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
@@ -20,6 +21,7 @@ use super::hf_tokenizer::HfTokenizer;
 use super::jsonl_index::{
     Counts, Examples, Indexing, Sink, index_arrow, index_file, index_parquet,
 };
+use super::kept::Staged;
 use super::parquet_rows;
 use super::text_options::named_file;
 use super::vocab::Vocab;
@@ -70,6 +72,10 @@ pub struct JsonlOptions {
     #[serde(skip)]
     pub(crate) format: Format,
 }
+
+/// What [`JsonlOptions::read_to_files`] gives: the staged files (training's, validation's),
+/// the training records, `val_path`'s and the end-of-sequence id.
+pub(crate) type ReadToFiles = ([Staged; 2], (Examples, Option<Examples>, u32));
 
 /// The files' format.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -187,6 +193,36 @@ impl JsonlOptions {
             Some(rows) => Ok(rows),
             None => corpus::default_rows(self),
         }
+    }
+
+    /// [`JsonlOptions::read`], the tokens of each split written as they are made into a staged
+    /// file named as in `names` (training's, validation's), each checked against the model's
+    /// vocabulary of `vocab_size`: the files, then what `read` returns.
+    pub(crate) fn read_to_files(
+        &self,
+        cx: &DataContext,
+        rows: TextRows,
+        names: [&'static str; 2],
+        vocab_size: usize,
+    ) -> Result<ReadToFiles, DataError> {
+        let files = [
+            Mutex::new(Staged::create(cx, names[0])?),
+            Mutex::new(Staged::create(cx, names[1])?),
+        ];
+        let read = {
+            let sink = |i: usize, split: &'static str| {
+                let file = &files[i];
+                move |tokens: Vec<u32>| -> Result<(), DataError> {
+                    self.check_vocabulary(split, &tokens, vocab_size)?;
+                    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+                    file.lock().unwrap_or_else(|e| e.into_inner()).write(&bytes)
+                }
+            };
+            let (train, val) = (sink(0, "training"), sink(1, "validation"));
+            self.read(cx, rows, [Some(&train), Some(&val)])?
+        };
+        let files = files.map(|f| f.into_inner().unwrap_or_else(|e| e.into_inner()));
+        Ok((files, read))
     }
 
     /// The records of `train_path` and of `val_path` (`None` without it) as `rows` says (one

@@ -4,7 +4,6 @@
 //! the launcher into the files the job keeps. What the options read and how is `jsonl`'s.
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use super::DataError;
 use super::corpus::{self, TextRows};
@@ -212,24 +211,9 @@ impl JsonlOptions {
     /// around its tokens.
     fn stream_examples(&self, cx: &DataContext, vocab: JobFile) -> Result<Vec<JobFile>, DataError> {
         let vocab_size = self.vocab_size(cx)?;
-        let tokens = [
-            Mutex::new(Staged::create(cx, "jsonl-train.tokens")?),
-            Mutex::new(Staged::create(cx, "jsonl-val.tokens")?),
-        ];
-        let (mut train, val, eos) = {
-            let sink = |i: usize, split: &'static str| {
-                let file = &tokens[i];
-                move |t: Vec<u32>| -> Result<(), DataError> {
-                    self.check_vocabulary(split, &t, vocab_size)?;
-                    let bytes: Vec<u8> = t.iter().flat_map(|t| t.to_le_bytes()).collect();
-                    file.lock().unwrap_or_else(|e| e.into_inner()).write(&bytes)
-                }
-            };
-            let (train, val) = (sink(0, "training"), sink(1, "validation"));
-            self.read(cx, TextRows::Examples, [Some(&train), Some(&val)])?
-        };
-        let [mut train_tokens, mut val_tokens] =
-            tokens.map(|f| f.into_inner().unwrap_or_else(|e| e.into_inner()));
+        let names = ["jsonl-train.tokens", "jsonl-val.tokens"];
+        let ([mut train_tokens, mut val_tokens], (mut train, val, eos)) =
+            self.read_to_files(cx, TextRows::Examples, names, vocab_size)?;
         let val = self.validation(&mut train, val, cx, |train, n| {
             let (val, cut) = train.split_off_last_layout(n);
             train_tokens.split_off_into(cut as u64 * 4, &mut val_tokens)?;

@@ -7,6 +7,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{LazyLock, Once};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::DataError;
@@ -29,8 +30,9 @@ impl Staged {
     /// files a launcher of this host that is gone left behind are removed first.
     pub fn create(cx: &DataContext, name: &'static str) -> Result<Staged, DataError> {
         static MADE: AtomicUsize = AtomicUsize::new(0);
+        static SWEPT: Once = Once::new();
         let dir = cx.staging_dir();
-        sweep(&dir);
+        SWEPT.call_once(|| sweep(&dir));
         let n = MADE.fetch_add(1, Ordering::Relaxed);
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -117,11 +119,14 @@ impl Staged {
 }
 
 /// What this host's staged files are named from: `.ddpjob-staged-<host>-` then the pid.
-fn prefix() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_default();
-    format!(".ddpjob-staged-{host}-")
+fn prefix() -> &'static str {
+    static PREFIX: LazyLock<String> = LazyLock::new(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default();
+        format!(".ddpjob-staged-{host}-")
+    });
+    &PREFIX
 }
 
 /// Removes from `dir` the files staged on this host by launchers that are gone (killed while
@@ -134,7 +139,7 @@ fn sweep(dir: &Path) {
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some(pid) = name
-            .strip_prefix(&prefix)
+            .strip_prefix(prefix)
             .and_then(|rest| rest.split('-').next())
             .and_then(|pid| pid.parse::<u32>().ok())
         else {

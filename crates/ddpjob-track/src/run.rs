@@ -56,6 +56,9 @@ pub struct Tracker {
     kept: Kept,
     /// How far `metrics.jsonl` has been read (bytes of whole lines).
     offset: u64,
+    /// The server was seen to have the run (looked up or made by this tracker): not asked again
+    /// at every poll, only after a refused batch.
+    run_seen: bool,
     /// Values read from it and not sent yet, in order.
     backlog: VecDeque<Metric>,
 }
@@ -76,6 +79,7 @@ impl Tracker {
             target,
             kept,
             offset: 0,
+            run_seen: false,
             backlog: VecDeque::new(),
         })
     }
@@ -102,8 +106,12 @@ impl Tracker {
 
     /// Makes the run if there is none (or the server lost it), then logs its params.
     fn ensure_run(&mut self) -> Result<(), MlflowError> {
+        if self.run_seen {
+            return Ok(());
+        }
         if let Some(id) = self.run_id().map(String::from) {
             if self.client.run(&id)?.is_some() {
+                self.run_seen = true;
                 return Ok(());
             }
             self.kept = Kept::default();
@@ -144,6 +152,9 @@ impl Tracker {
             sent: BTreeMap::new(),
         };
         self.keep();
+        self.run_seen = true;
+        // A new run has none of the job's values: all are read again for it.
+        (self.offset, self.backlog) = (0, VecDeque::new());
         Ok(())
     }
 
@@ -177,7 +188,11 @@ impl Tracker {
                 metrics: self.backlog.iter().take(take).cloned().collect(),
                 ..Batch::default()
             };
-            self.client.log_batch(&run_id, &batch)?;
+            if let Err(e) = self.client.log_batch(&run_id, &batch) {
+                // Refused: perhaps the run was deleted meanwhile; look it up next time.
+                self.run_seen &= e.is_transient();
+                return Err(e);
+            }
             for m in self.backlog.drain(..take) {
                 let last = self.kept.sent.entry(m.key.clone()).or_insert(m.step);
                 *last = (*last).max(m.step);

@@ -236,6 +236,15 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
     if job.is_some() {
         load_weights(built.params(), &weights)?;
     }
+    let job_dir = job.map(|j| j.root.as_path());
+    let (built, _) = crate::objective::around(
+        built,
+        spec,
+        task.as_ref(),
+        &device,
+        job_dir,
+        &LocalCommunicator,
+    )?;
     let load_s = started.elapsed().as_secs_f64();
     if task.eval_len() == 0 {
         return Err(EvalError::Usage(

@@ -85,6 +85,7 @@ mod launch;
 mod memory;
 mod models;
 mod numerics;
+mod objective;
 mod registry;
 mod report;
 mod signals;

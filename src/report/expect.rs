@@ -16,6 +16,8 @@ pub fn check(expect: &[Expectation], summary: &Summary) -> Vec<ExpectationResult
                 Check::MaxFinalLoss => summary.final_train_loss,
                 Check::MaxWallS => summary.wall_s,
                 Check::MinTrainSamplesPerS => summary.train_samples_per_s,
+                Check::MinRewardsAccuracies => summary.more_metrics.value("rewards/accuracies"),
+                Check::MinRewardsMargins => summary.more_metrics.value("rewards/margins"),
             };
             let met = value.is_finite()
                 && if e.check.is_minimum() {

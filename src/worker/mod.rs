@@ -468,6 +468,9 @@ fn train(
             spec.model.arch()
         ))));
     }
+    let (model, objective) =
+        crate::objective::around(model, spec, data, &device, Some(&job.root), comm)
+            .map_err(WorkerError::Model)?;
     let leader = env.rank == 0;
     // Rank 0 drives the terminal and mirrors its lines into its log; the others' stdout is
     // their log file already.
@@ -501,6 +504,9 @@ fn train(
     ));
     if device.is_cpu() {
         reporter.line(&crate::numerics::report(spec.train.flush_denormals));
+    }
+    if let Some(line) = objective {
+        reporter.line(&line);
     }
     let params = model.params();
     let frozen = params.frozen_count();

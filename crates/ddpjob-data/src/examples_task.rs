@@ -64,7 +64,7 @@ impl JsonlTask {
     /// prompt unless `train_on_prompt`), the row padded on the right with `eos`, whose targets
     /// are ignored. Packed rows' inputs are [n, t, 2]: each token and its position within its
     /// example (the padding counted as one more), see `models::packed`.
-    fn batch(
+    pub(crate) fn batch(
         &self,
         examples: &Examples,
         rows: &[Range<usize>],
@@ -114,7 +114,7 @@ impl JsonlTask {
     }
 
     /// Training example `i` and the tokens its loss is on.
-    fn example(&self, i: usize) -> Example {
+    pub(crate) fn example(&self, i: usize) -> Example {
         let (tokens, spans) = self.train.get(i);
         let mut trained = vec![self.train_on_prompt; tokens.len()];
         if !self.train_on_prompt {

@@ -22,6 +22,8 @@ use super::jsonl_index::{
     Counts, Examples, Indexing, Sink, index_arrow, index_file, index_parquet,
 };
 use super::kept::Staged;
+use super::pairs::PairFields;
+use super::pairs_task::PairsTask;
 use super::parquet_rows;
 use super::text_options::named_file;
 use super::vocab::Vocab;
@@ -42,6 +44,9 @@ pub struct JsonlOptions {
     pub prompt_field: String,
     pub completion_field: String,
     pub messages_field: String,
+    /// A preference pair's completions (`train.objective = "dpo"`).
+    pub chosen_field: String,
+    pub rejected_field: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
     pub train_on_prompt: bool,
@@ -127,6 +132,8 @@ impl Default for JsonlOptions {
             prompt_field: "prompt".into(),
             completion_field: "completion".into(),
             messages_field: "messages".into(),
+            chosen_field: "chosen".into(),
+            rejected_field: "rejected".into(),
             chat_template: None,
             train_on_prompt: false,
             pack: false,
@@ -269,6 +276,10 @@ impl JsonlOptions {
             train_on_prompt: self.train_on_prompt || rows == TextRows::Windows,
             sink: None,
             keep_layout: rows == TextRows::Examples,
+            pairs: cx.pairs.then_some(PairFields {
+                chosen: &self.chosen_field,
+                rejected: &self.rejected_field,
+            }),
         };
         let read = |path: &str, key: &str, sink| {
             let how = Indexing { sink, ..how };
@@ -317,20 +328,25 @@ impl JsonlOptions {
     ) -> Result<Examples, DataError> {
         let train_path = PathBuf::from(self.train_path.clone().unwrap_or_default());
         let block = cx.language.as_ref().map_or(0, |l| l.block_size);
+        // A pair's two examples stay together: the split is in pairs.
+        let (unit, what) = match cx.pairs {
+            true => (2, "pair"),
+            false => (1, "example"),
+        };
         let val = match val {
             Some(val) => val,
             None => {
-                let n = ((train.len() as f64) * self.val_fraction).ceil() as usize;
-                if train.len() < 2 {
+                let records = train.len() / unit;
+                let n = ((records as f64) * self.val_fraction).ceil() as usize;
+                if records < 2 {
                     return Err(DataError::Mismatch(format!(
-                        "`{}` has {} usable example(s){}: a validation split needs at least 2, \
-                         or data.val_path",
+                        "`{}` has {records} usable {what}(s){}: a validation split needs at \
+                         least 2, or data.val_path",
                         train_path.display(),
-                        train.len(),
                         left_out(&train.counts, block)
                     )));
                 }
-                split(train, n.clamp(1, train.len() - 1))?
+                split(train, unit * n.clamp(1, records - 1))?
             }
         };
         let val_file = match &self.val_path {
@@ -354,8 +370,12 @@ impl JsonlOptions {
         Ok(val)
     }
 
-    /// The task: one example a row, or the rows' windows (see `corpus`).
+    /// The task: one example a row, a preference pair a sample (see `pairs_task`), or the
+    /// rows' windows (see `corpus`).
     pub fn open(&self, cx: &DataContext) -> Result<Box<dyn Task>, DataError> {
+        if cx.pairs {
+            return Ok(Box::new(PairsTask::new(self.open_examples(cx)?)));
+        }
         Ok(match self.rows()? {
             TextRows::Examples => Box::new(self.open_examples(cx)?),
             TextRows::Windows => Box::new(corpus::open(self, cx, self.vocab_size(cx)?)?),

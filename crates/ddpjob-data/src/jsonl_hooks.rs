@@ -121,6 +121,28 @@ impl DatasetOptions for JsonlOptions {
                 return Err(format!("data.{key} is empty: name a field of the lines"));
             }
         }
+        if cx.pairs {
+            if self.pack {
+                return Err("data.pack = true packs examples into rows, but train.objective = \
+                            \"dpo\" scores each pair's two completions side by side, one a \
+                            row: drop pack"
+                    .into());
+            }
+            if self.text_rows == Some(TextRows::Windows) {
+                return Err("data.text_rows = \"windows\" lays the rows end to end, but \
+                            train.objective = \"dpo\" reads each row as a pair: drop text_rows"
+                    .into());
+            }
+            self.text_rows = Some(TextRows::Examples);
+        }
+        for (key, value) in [
+            ("chosen_field", &self.chosen_field),
+            ("rejected_field", &self.rejected_field),
+        ] {
+            if value.is_empty() {
+                return Err(format!("data.{key} is empty: name a field of the lines"));
+            }
+        }
         if self.text_rows.is_none() {
             // Written into job.toml, so the job keeps reading its rows one way; files not
             // there yet (`validate`) are decided when the job is made. A job stored before the

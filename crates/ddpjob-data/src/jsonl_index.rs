@@ -17,6 +17,7 @@ use super::chat::ChatTemplate;
 use super::conversation;
 pub use super::examples::{Counts, Examples};
 use super::hf_tokenizer::HfTokenizer;
+use super::pairs::{Pair, PairFields};
 use super::record_batches::Records;
 
 /// How lines become examples.
@@ -48,6 +49,25 @@ pub struct Indexing<'a> {
     /// With a sink: keep the examples' layout (lengths, trained spans) as their tokens go, for
     /// a stored file of examples; without, a corpus keeps nothing but the counts.
     pub keep_layout: bool,
+    /// Each record a preference pair (`train.objective = "dpo"`): two examples, side by side
+    /// (see `pairs`).
+    pub pairs: Option<PairFields<'a>>,
+}
+
+impl Indexing<'_> {
+    /// The columns a parquet or Arrow row is read from: the fields a record may have.
+    fn columns(&self) -> Vec<&str> {
+        let mut wanted = vec![
+            self.messages_field,
+            self.text_field,
+            self.prompt_field,
+            self.completion_field,
+        ];
+        if let Some(pair) = self.pairs {
+            wanted.extend([pair.chosen, pair.rejected]);
+        }
+        wanted
+    }
 }
 
 /// Takes the tokens of the records made so far, in order.
@@ -101,12 +121,8 @@ pub fn index_file(path: &Path, how: &Indexing) -> Result<Examples, DataError> {
 /// Reads parquet `files` in order, one example a row (columns: as [`example`] reads a line's
 /// fields; a null value is a column the row does not have), made as `index_file`'s lines are.
 pub fn index_parquet(files: &[PathBuf], how: &Indexing) -> Result<Examples, DataError> {
-    let wanted = [
-        how.messages_field,
-        how.text_field,
-        how.prompt_field,
-        how.completion_field,
-    ];
+    let wanted = how.columns();
+    let wanted: Vec<&str> = wanted.iter().map(|s| &**s).collect();
     let mut total = 0;
     for file in files {
         total += super::parquet_rows::row_count(file)?;
@@ -125,12 +141,8 @@ pub fn index_parquet(files: &[PathBuf], how: &Indexing) -> Result<Examples, Data
 /// Reads Arrow IPC `files` in order (`datasets`' `save_to_disk`), one example a row, as
 /// `index_parquet` reads parquet's.
 pub fn index_arrow(files: &[PathBuf], how: &Indexing) -> Result<Examples, DataError> {
-    let wanted = [
-        how.messages_field,
-        how.text_field,
-        how.prompt_field,
-        how.completion_field,
-    ];
+    let wanted = how.columns();
+    let wanted: Vec<&str> = wanted.iter().map(|s| &**s).collect();
     let total = files.iter().map(|f| super::arrow_rows::size(f)).sum();
     let mut records = Records::new(how, "row", total, true);
     for file in files {
@@ -144,6 +156,49 @@ pub fn index_arrow(files: &[PathBuf], how: &Indexing) -> Result<Examples, DataEr
 }
 
 impl Examples {
+    /// Adds a record's pair (`made`, or what is wrong with it) as [`Examples::add`] adds an
+    /// example, the two as one: both cut to `max_tokens`, both left out (counted as
+    /// `empty`) when either has nothing left to train or the two are the same tokens (a pair
+    /// that teaches nothing), so examples 2i and 2i + 1 are always a pair's.
+    pub fn add_pair(
+        &mut self,
+        made: Result<Pair, String>,
+        how: &Indexing,
+        record: &str,
+        bad: impl Fn(&str, &str) -> DataError,
+    ) -> Result<(), DataError> {
+        let mut one = Examples::default();
+        let (truncated, empty) = (self.counts.truncated, self.counts.empty);
+        let bad_lines = self.counts.bad_lines;
+        let [chosen, rejected] = match made {
+            Ok(pair) => pair.map(Ok),
+            Err(problem) => [Err(problem.clone()), Err(problem)],
+        };
+        // The first error (or skip) is the pair's.
+        one.add(chosen, how, record, &bad)?;
+        if one.counts.bad_lines > 0 {
+            self.counts.bad_lines = bad_lines + 1;
+            return Ok(());
+        }
+        one.add(rejected, how, record, &bad)?;
+        let cut = one.counts.truncated > 0;
+        let same = one.len() == 2 && one.get(0).0 == one.get(1).0;
+        self.counts.truncated = truncated + usize::from(cut);
+        if one.len() < 2 || same {
+            self.counts.empty = empty + 1;
+            return Ok(());
+        }
+        for i in 0..2 {
+            let (tokens, spans) = one.get(i);
+            let spans: Vec<Range<usize>> = spans
+                .iter()
+                .map(|&[a, b]| a as usize..b as usize)
+                .collect();
+            self.push(tokens, &spans);
+        }
+        Ok(())
+    }
+
     /// Adds what a record made (`made`: its tokens and trained token ranges, or what is wrong
     /// with it) as `how` says: cut to `max_tokens` (or refused), left out when nothing is
     /// left to train, a bad record counted with `skip_bad_lines`. `bad` makes the error that

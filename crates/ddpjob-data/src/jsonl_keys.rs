@@ -53,6 +53,20 @@ const ROW_KEYS: &[KeyDoc] = &[
         doc: "a line with it is a conversation, rendered through the chat template",
     },
     KeyDoc {
+        key: "chosen_field",
+        default: "`\"chosen\"`",
+        doc: "`train.objective = \"dpo\"`: the preferred completion of a pair `{\"prompt\", \
+              \"chosen\", \"rejected\"}` (strings, or lists of messages; without a prompt, the \
+              beginning both completions share is the prompt, as TRL reads Anthropic HH). A \
+              pair left with nothing to learn (a completion empty after truncation, or chosen \
+              the same as rejected) is left out and counted",
+    },
+    KeyDoc {
+        key: "rejected_field",
+        default: "`\"rejected\"`",
+        doc: "`train.objective = \"dpo\"`: the dispreferred completion of a pair",
+    },
+    KeyDoc {
         key: "chat_template",
         default: "the model's",
         doc: "a Jinja file that renders conversations, instead of the model's own \

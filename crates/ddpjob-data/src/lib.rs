@@ -29,6 +29,8 @@ mod jsonl_hooks;
 mod jsonl_index;
 mod jsonl_keys;
 mod kept;
+mod pairs;
+mod pairs_task;
 mod parquet;
 mod parquet_rows;
 mod pixels;

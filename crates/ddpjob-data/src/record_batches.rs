@@ -13,6 +13,13 @@ use serde_json::{Map, Value};
 
 use super::DataError;
 use super::jsonl_index::{Examples, Indexing, example};
+use super::pairs::{Pair, pair};
+
+/// What a record made: an example, or a preference pair's two.
+enum Made {
+    One(Result<(Vec<u32>, Vec<std::ops::Range<usize>>), String>),
+    Pair(Result<Pair, String>),
+}
 
 /// Records made side by side at a time: enough that a chunk keeps every core busy, few enough
 /// that its objects stay small beside the examples.
@@ -101,9 +108,11 @@ impl<'a> Records<'a> {
     fn flush(&mut self) -> Result<(), DataError> {
         let how = self.how;
         let made: Vec<_> = (self.pending.par_iter())
-            .map(|(_, record)| match record {
-                Ok(fields) => example(fields, how),
-                Err(problem) => Err(problem.clone()),
+            .map(|(_, record)| match (record, how.pairs) {
+                (Ok(fields), None) => Made::One(example(fields, how)),
+                (Ok(fields), Some(names)) => Made::Pair(pair(fields, how, names)),
+                (Err(problem), None) => Made::One(Err(problem.clone())),
+                (Err(problem), Some(_)) => Made::Pair(Err(problem.clone())),
             })
             .collect();
         let (file, kind) = (&self.file, self.kind);
@@ -114,7 +123,10 @@ impl<'a> Records<'a> {
                     file.display()
                 ))
             };
-            self.examples.add(made, how, kind, bad)?;
+            match made {
+                Made::One(made) => self.examples.add(made, how, kind, bad)?,
+                Made::Pair(made) => self.examples.add_pair(made, how, kind, bad)?,
+            }
             self.made += 1;
         }
         if let Some(sink) = how.sink {

@@ -8,6 +8,7 @@
 //! shared loss (`ddpjob-kernels`) only: never on a model family, a dataset, a checkpoint or
 //! the registry.
 
+pub mod adapters;
 mod context;
 pub mod freeze;
 pub mod gate;

@@ -124,17 +124,53 @@ fn field_of(name: &str) -> String {
     format!("test_{name}")
 }
 
+/// Sums an objective adds up beside the loss, the correct predictions and the targets (a
+/// preference objective's: see [`preference_metrics`]); zero for the others.
+pub const EXTRA_SUMS: usize = 4;
+
 /// What every evaluation adds up over its batches and ranks, and every built-in metric is
 /// computed from: the summed loss per target (nats), the targets predicted exactly, the
-/// targets scored.
+/// targets scored (for a preference objective: its loss, the pairs ranked right, the pairs),
+/// and an objective's own sums ([`EXTRA_SUMS`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EvalSums {
     pub loss: f64,
     pub correct: f64,
     pub targets: f64,
+    pub extra: [f64; EXTRA_SUMS],
 }
 
 impl EvalSums {
+    /// Values an evaluation adds up per part (and all-reduces): [`EvalSums::slots`]'s length.
+    pub const SLOTS: usize = 3 + EXTRA_SUMS;
+
+    /// The sums as one flat array (an all-reduce's buffer), in field order.
+    pub fn slots(&self) -> [f64; Self::SLOTS] {
+        let mut out = [0.0; Self::SLOTS];
+        out[..3].copy_from_slice(&[self.loss, self.correct, self.targets]);
+        out[3..].copy_from_slice(&self.extra);
+        out
+    }
+
+    /// The sums from [`EvalSums::slots`]' array.
+    pub fn from_slots(slots: &[f64]) -> Self {
+        let mut extra = [0.0; EXTRA_SUMS];
+        extra.copy_from_slice(&slots[3..Self::SLOTS]);
+        EvalSums {
+            loss: slots[0],
+            correct: slots[1],
+            targets: slots[2],
+            extra,
+        }
+    }
+
+    /// Each sum plus `other`'s.
+    pub fn add(&mut self, other: &EvalSums) {
+        let (mut a, b) = (self.slots(), other.slots());
+        a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+        *self = EvalSums::from_slots(&a);
+    }
+
     /// Mean cross-entropy per target.
     pub fn mean_loss(&self) -> f64 {
         self.loss / self.targets.max(1.0)
@@ -214,6 +250,74 @@ pub fn language_metrics() -> Vec<Box<dyn Metric>> {
         Box::new(Perplexity),
         Box::new(Accuracy {
             label: "next-token accuracy",
+        }),
+    ]
+}
+
+/// Which of [`EvalSums::extra`] a preference objective fills: Σ over pairs of the chosen
+/// completion's reward β(logp_θ − logp_ref), the rejected one's, and the policy's summed
+/// log-probabilities of each.
+pub mod pair_sums {
+    pub const REWARD_CHOSEN: usize = 0;
+    pub const REWARD_REJECTED: usize = 1;
+    pub const LOGPS_CHOSEN: usize = 2;
+    pub const LOGPS_REJECTED: usize = 3;
+}
+
+/// A mean per pair of a preference evaluation (TRL's names: `rewards/margins`, ...).
+struct PairMean {
+    name: &'static str,
+    label: &'static str,
+    higher_better: bool,
+    of: fn(&EvalSums) -> f64,
+}
+
+impl Metric for PairMean {
+    fn info(&self) -> MetricInfo {
+        let info = MetricInfo::new(self.name, self.label);
+        match (self.higher_better, self.name == "rewards/accuracies") {
+            (_, true) => info.in_percent().higher_better(),
+            (true, false) => info.higher_better(),
+            (false, false) => info,
+        }
+    }
+    fn value(&self, sums: &EvalSums) -> f64 {
+        (self.of)(sums) / sums.targets.max(1.0)
+    }
+}
+
+/// A preference objective's (DPO's), named as TRL logs them: its loss is the headline (a mean
+/// per pair), then the pairs ranked right (`rewards/accuracies`), the mean reward margin, each
+/// completion's mean reward and the policy's mean summed log-probabilities of each.
+pub fn preference_metrics() -> Vec<Box<dyn Metric>> {
+    use pair_sums::*;
+    let mean = |name, label, higher_better, of| -> Box<dyn Metric> {
+        Box::new(PairMean {
+            name,
+            label,
+            higher_better,
+            of,
+        })
+    };
+    vec![
+        Box::new(MeanLoss { label: "val loss" }),
+        mean("rewards/accuracies", "rewards/accuracies", true, |s| {
+            s.correct
+        }),
+        mean("rewards/margins", "rewards/margins", true, |s| {
+            s.extra[REWARD_CHOSEN] - s.extra[REWARD_REJECTED]
+        }),
+        mean("rewards/chosen", "rewards/chosen", true, |s| {
+            s.extra[REWARD_CHOSEN]
+        }),
+        mean("rewards/rejected", "rewards/rejected", false, |s| {
+            s.extra[REWARD_REJECTED]
+        }),
+        mean("logps/chosen", "logps/chosen", true, |s| {
+            s.extra[LOGPS_CHOSEN]
+        }),
+        mean("logps/rejected", "logps/rejected", false, |s| {
+            s.extra[LOGPS_REJECTED]
         }),
     ]
 }
@@ -360,6 +464,7 @@ mod tests {
             loss: 4.0 * 2f64.ln(),
             correct: 3.0,
             targets: 4.0,
+            ..EvalSums::default()
         };
         let lm = MetricValues::of(&language_metrics(), &sums);
         let names: Vec<&str> = lm.names().collect();
@@ -373,6 +478,30 @@ mod tests {
         );
         let classes = MetricValues::of(&classifier_metrics(), &sums);
         assert_eq!(classes.names().next(), Some("accuracy"));
+    }
+
+    #[test]
+    fn preference_metrics_are_means_per_pair() {
+        // 4 pairs, 3 ranked right; rewards Σ 2.0 chosen, -1.0 rejected; logps Σ -8, -12.
+        let mut sums = EvalSums::from_slots(&[2.0, 3.0, 4.0, 2.0, -1.0, -8.0, -12.0]);
+        let v = MetricValues::of(&preference_metrics(), &sums);
+        let names: Vec<&str> = v.names().collect();
+        assert_eq!(
+            names,
+            [
+                "loss",
+                "rewards/accuracies",
+                "rewards/margins",
+                "rewards/chosen",
+                "rewards/rejected",
+                "logps/chosen",
+                "logps/rejected"
+            ]
+        );
+        let got: Vec<f64> = v.iter().map(|(_, x)| x).collect();
+        assert_eq!(got, [0.5, 0.75, 0.75, 0.5, -0.25, -2.0, -3.0]);
+        sums.add(&EvalSums::from_slots(&[1.0; 7]));
+        assert_eq!(sums.slots(), [3.0, 4.0, 5.0, 3.0, 0.0, -7.0, -11.0]);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 use candle_core::{Result, Tensor};
 
+use crate::metric::EvalSums;
 use crate::params::Params;
 
 /// A network mapping a batch of inputs to logits whose last dimension is the classes (or the
@@ -46,6 +47,19 @@ pub trait Model: Send + Sync {
     /// Σ cross-entropy and the number of targets predicted exactly, for evaluation.
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
         crate::task::loss_sum_and_correct(&self.forward(xs, &Mode::Eval)?, targets)
+    }
+
+    /// Everything an evaluation adds up for the batch: [`Model::score`]'s sums and the
+    /// targets that score (the default), or an objective's own (a preference objective's per
+    /// pair, see [`crate::metric::preference_metrics`]).
+    fn eval_sums(&self, xs: &Tensor, targets: &Tensor) -> Result<EvalSums> {
+        let (loss, correct) = self.score(xs, targets)?;
+        Ok(EvalSums {
+            loss,
+            correct: correct as f64,
+            targets: crate::task::scored_targets(targets)? as f64,
+            ..EvalSums::default()
+        })
     }
 
     /// Floating-point operations of one sample's training forward and backward passes, by
@@ -287,6 +301,10 @@ impl Model for Box<dyn Model> {
 
     fn score(&self, xs: &Tensor, targets: &Tensor) -> Result<(f64, usize)> {
         self.as_ref().score(xs, targets)
+    }
+
+    fn eval_sums(&self, xs: &Tensor, targets: &Tensor) -> Result<EvalSums> {
+        self.as_ref().eval_sums(xs, targets)
     }
 
     fn train_flops_per_sample(&self) -> Option<f64> {

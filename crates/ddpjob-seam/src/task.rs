@@ -17,7 +17,7 @@ use thiserror::Error;
 
 pub use crate::metric::{
     Accuracy, EvalSums, MeanLoss, Metric, MetricInfo, MetricValues, Perplexity, classifier_metrics,
-    language_metrics,
+    language_metrics, preference_metrics,
 };
 
 /// What a model is built for.

@@ -121,6 +121,9 @@ pub struct DataContext {
     /// Where `DatasetOptions::prepare` writes large files the job will keep (the jobs
     /// directory, so they move in without a copy); `None`: the system's temporary directory.
     pub staging: Option<PathBuf>,
+    /// `train.objective = "dpo"`: each record is a pair of completions of one prompt
+    /// (`{prompt, chosen, rejected}`), kept side by side.
+    pub pairs: bool,
 }
 
 impl DataContext {
@@ -134,6 +137,7 @@ impl DataContext {
             job: None,
             stored_job: false,
             staging: None,
+            pairs: false,
         }
     }
 
@@ -146,6 +150,7 @@ impl DataContext {
             job: job.map(Path::to_path_buf),
             stored_job: job.is_some(),
             staging: job.and_then(Path::parent).map(Path::to_path_buf),
+            pairs: spec.train.objective == super::spec::Objective::Dpo,
         }
     }
 

@@ -8,7 +8,7 @@
 use super::builders::{Builders, DataContext, Known};
 use super::error::{ConfigError, Hint, Origin};
 use super::schema;
-use super::source::Source;
+use super::source::{Source, value_at};
 
 /// A registered model's or dataset's name and its resolved options (defaults written out).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -62,6 +62,8 @@ pub fn extract(
     // The data is completed for the model it feeds; with no model to fit (its own errors are
     // reported), only its keys are read.
     let seed = source.table.get("seed").and_then(toml::Value::as_integer);
+    let objective = value_at(&source.table, "train.objective").and_then(toml::Value::as_str);
+    let pairs = objective == Some("dpo");
     let cx = model.as_ref().map(|(arch, options)| DataContext {
         seed: seed.unwrap_or(0) as u64,
         arch: arch.clone(),
@@ -69,6 +71,7 @@ pub fn extract(
         job: None,
         stored_job: source.is_stored_job(),
         staging: None,
+        pairs,
     });
     let resolve_data = |dataset: &str, t: &toml::Table| match &cx {
         Some(cx) => registry.resolve_dataset(dataset, t, cx),

@@ -17,7 +17,8 @@ use super::error::{ConfigError, Origin};
 use super::lora::TargetModules;
 use super::source::{Source, value_at, value_at_mut};
 use super::spec::{
-    Backend, DeviceChoice, Monitor, OnWriteError, OptimizerSpec, Precision, ScheduleKind, Sharding,
+    Backend, DeviceChoice, DpoLoss, Monitor, Objective, OnWriteError, OptimizerSpec, Precision,
+    ScheduleKind, Sharding,
 };
 
 /// A week: longer than any collective should stall, and safe to add to a clock.
@@ -177,11 +178,62 @@ section! {
         activation_checkpointing: bool = false => activation_checkpointing: bool = any();
         /// learning-rate schedule
         scheduler: RawScheduler = RawScheduler::default() => schedule: ScheduleSpec = nested();
+        /// what is learnt: `"lm"`, the task's own loss (next-token prediction, a classifier's
+        /// labels); `"dpo"`, Direct Preference Optimization on pairs `{prompt, chosen,
+        /// rejected}` against the model as the job started (see "Preference tuning")
+        objective: String = "lm".into()
+            => objective: Objective = choice(&[("lm", Objective::Lm), ("dpo", Objective::Dpo)]);
+        /// `objective = "dpo"`'s settings
+        #[serde(skip_serializing_if = "RawDpo::is_default")]
+        dpo: RawDpo = RawDpo::default() => dpo: DpoSpec = nested();
         /// stop when the evaluation loss stops improving
         #[serde(skip_serializing_if = "RawEarlyStopping::is_off")]
         early_stopping: RawEarlyStopping = RawEarlyStopping::default()
             => early_stopping: EarlyStoppingSpec = nested();
     }
+}
+
+section! {
+    /// `[train.dpo]`: Direct Preference Optimization (`train.objective = "dpo"`), as TRL's
+    /// `DPOTrainer` computes it: the policy's log-probabilities of each pair's completions
+    /// against the reference's (the model as the job started; with LoRA, the base with the
+    /// adapters off).
+    RawDpo at "train.dpo", checked into DpoSpec + Copy {
+        /// the strength of the pull towards the reference (TRL's `beta`)
+        beta: f64 = 0.1 => beta: f64 = positive();
+        /// `"sigmoid"` (the paper's), `"ipo"` (per-token mean log-probabilities, squared) or
+        /// `"hinge"` (SLiC's)
+        loss: String = "sigmoid".into()
+            => loss: DpoLoss = choice(&[("sigmoid", DpoLoss::Sigmoid), ("ipo", DpoLoss::Ipo), ("hinge", DpoLoss::Hinge)]);
+        /// sigmoid: the chance a pair's labels are flipped (cDPO): the loss is
+        /// −(1−ε)·log σ(d) − ε·log σ(−d)
+        label_smoothing: f64 = 0.0 => label_smoothing: f64 = smoothing_of_sigmoid;
+        /// `true`: the reference's log-probabilities computed once, before training, and kept in
+        /// the job (`dpo-reference.bin`); training then holds no reference model
+        precompute_reference: bool = false => precompute_reference: bool = any();
+    }
+}
+
+impl RawDpo {
+    /// Whether every key is its default (left out of `job.toml`).
+    pub fn is_default(&self) -> bool {
+        *self == RawDpo::default()
+    }
+}
+
+fn smoothing_of_sigmoid(c: &mut Checker, key: &str, &v: &f64, d: &RawDpo) -> f64 {
+    let v = c.in_range(key, v, 0.0, 0.5);
+    if v > 0.0 && d.loss != "sigmoid" {
+        c.fail(
+            key,
+            format!(
+                "applies only with train.dpo.loss = \"sigmoid\", and this job's is \"{}\"; \
+                 remove the key or use the sigmoid loss",
+                d.loss
+            ),
+        );
+    }
+    v
 }
 
 section! {
@@ -356,6 +408,16 @@ section! {
         #[serde(skip_serializing_if = "Option::is_none")]
         min_train_samples_per_s: Option<f64> = None
             => min_train_samples_per_s: Option<f64> = optional(positive());
+        /// `train.objective = "dpo"`: lowest acceptable final `rewards/accuracies` on the
+        /// validation pairs, a fraction
+        #[serde(skip_serializing_if = "Option::is_none")]
+        min_rewards_accuracies: Option<f64> = None
+            => min_rewards_accuracies: Option<f64> = optional(accuracy_fraction);
+        /// `train.objective = "dpo"`: lowest acceptable final `rewards/margins` on the
+        /// validation pairs
+        #[serde(skip_serializing_if = "Option::is_none")]
+        min_rewards_margins: Option<f64> = None
+            => min_rewards_margins: Option<f64> = optional(any());
     }
 }
 

@@ -38,8 +38,8 @@ pub use peft_adapter::AdapterConfig;
 pub use source::{STORED_JOB_HEADER, Source, flag_override};
 pub use spec::Backend;
 pub use spec::{
-    Check, CheckpointSpec, DataSpec, DeviceChoice, DistributedSpec, Expectation, JobSpec,
-    ModelSpec, Monitor, OnWriteError, OptimizerSpec, Precision, ScheduleKind, ScheduleSpec,
+    Check, CheckpointSpec, DataSpec, DeviceChoice, DistributedSpec, DpoLoss, Expectation, JobSpec,
+    ModelSpec, Monitor, Objective, OnWriteError, OptimizerSpec, Precision, ScheduleKind, ScheduleSpec,
     Sharding, TokenDtype, TokenizerKind, TrainSpec,
 };
 

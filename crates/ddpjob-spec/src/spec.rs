@@ -301,6 +301,39 @@ impl Sharding {
 }
 
 /// `train.early_stopping.monitor`: the evaluation figure early stopping watches, as
+/// `train.objective`: what a job learns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Objective {
+    /// The task's own loss: next-token cross-entropy, a classifier's labels.
+    #[default]
+    Lm,
+    /// Direct Preference Optimization on pairs of completions (`[train.dpo]`).
+    Dpo,
+}
+
+/// `train.dpo.loss`: how a pair's reward difference d is scored (TRL's `loss_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DpoLoss {
+    /// −log σ(d), with label smoothing ε: −(1−ε)·log σ(d) − ε·log σ(−d).
+    #[default]
+    Sigmoid,
+    /// IPO: per-token mean log-probabilities, (d/β − 1/(2β))².
+    Ipo,
+    /// SLiC's hinge: max(0, 1 − d).
+    Hinge,
+}
+
+impl DpoLoss {
+    /// Its `train.dpo.loss` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            DpoLoss::Sigmoid => "sigmoid",
+            DpoLoss::Ipo => "ipo",
+            DpoLoss::Hinge => "hinge",
+        }
+    }
+}
+
 /// Lightning's `monitor` with the `mode` that fits it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -371,16 +404,22 @@ pub enum Check {
     MaxFinalLoss,
     MaxWallS,
     MinTrainSamplesPerS,
+    /// A DPO job's: its task declares `rewards/accuracies`.
+    MinRewardsAccuracies,
+    /// A DPO job's `rewards/margins`.
+    MinRewardsMargins,
 }
 
 impl Check {
-    pub const ALL: [Check; 6] = [
+    pub const ALL: [Check; 8] = [
         Check::MinTestAccuracy,
         Check::MaxTestLoss,
         Check::MaxTestPerplexity,
         Check::MaxFinalLoss,
         Check::MaxWallS,
         Check::MinTrainSamplesPerS,
+        Check::MinRewardsAccuracies,
+        Check::MinRewardsMargins,
     ];
 
     /// The key under `[expect]`.
@@ -392,6 +431,8 @@ impl Check {
             Check::MaxFinalLoss => "max_final_loss",
             Check::MaxWallS => "max_wall_s",
             Check::MinTrainSamplesPerS => "min_train_samples_per_s",
+            Check::MinRewardsAccuracies => "min_rewards_accuracies",
+            Check::MinRewardsMargins => "min_rewards_margins",
         }
     }
 
@@ -404,11 +445,19 @@ impl Check {
             Check::MaxFinalLoss => "final_train_loss",
             Check::MaxWallS => "wall_s",
             Check::MinTrainSamplesPerS => "train_samples_per_s",
+            Check::MinRewardsAccuracies => "test_rewards/accuracies",
+            Check::MinRewardsMargins => "test_rewards/margins",
         }
     }
 
     /// A lower bound (`min_*`) rather than an upper one.
     pub fn is_minimum(self) -> bool {
-        matches!(self, Check::MinTestAccuracy | Check::MinTrainSamplesPerS)
+        matches!(
+            self,
+            Check::MinTestAccuracy
+                | Check::MinTrainSamplesPerS
+                | Check::MinRewardsAccuracies
+                | Check::MinRewardsMargins
+        )
     }
 }

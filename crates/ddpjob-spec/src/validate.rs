@@ -64,6 +64,7 @@ impl JobSpec {
             );
         }
         let train = keys.train;
+        objective_problems(&mut c, raw, &model, &data, &keys.expect);
         if let ScheduleKind::Cosine { min_lr } = train.schedule.kind
             && min_lr > train.lr
         {
@@ -240,6 +241,70 @@ fn check_model(
     }
 }
 
+/// What `train.objective` needs of the rest: DPO trains a language model on pairs of
+/// instruction data; its keys and expectations are refused without it.
+fn objective_problems(
+    c: &mut Checker,
+    raw: &RawConfig,
+    model: &ModelSpec,
+    data: &DataSpec,
+    expect: &ExpectKeys,
+) {
+    let dpo = raw.train.objective == "dpo";
+    let stored = c.source.is_stored_job();
+    if !dpo && !raw.train.dpo.is_default() && !stored {
+        c.fail(
+            "train.dpo",
+            format!(
+                "applies only with train.objective = \"dpo\", and this job's is \"{}\"; set \
+                 train.objective = \"dpo\" or remove [train.dpo]",
+                raw.train.objective
+            ),
+        );
+    }
+    let dpo_expect = [
+        ("min_rewards_accuracies", expect.min_rewards_accuracies),
+        ("min_rewards_margins", expect.min_rewards_margins),
+    ];
+    for (key, value) in dpo_expect {
+        if value.is_some() && !dpo {
+            c.fail(
+                &format!("expect.{key}"),
+                "applies to train.objective = \"dpo\", whose evaluations report rewards",
+            );
+        }
+    }
+    if !dpo {
+        return;
+    }
+    if model.language().is_none() {
+        c.fail(
+            "train.objective",
+            format!(
+                "\"dpo\" tunes a language model, and model.arch = \"{}\" is not one",
+                model.arch()
+            ),
+        );
+    }
+    if !["jsonl", "parquet", "arrow"].contains(&data.dataset.as_str()) {
+        c.fail(
+            "train.objective",
+            format!(
+                "\"dpo\" trains on pairs {{\"prompt\", \"chosen\", \"rejected\"}}: set \
+                 data.dataset = \"jsonl\", \"parquet\" or \"arrow\" (this job's is \"{}\")",
+                data.dataset
+            ),
+        );
+    }
+    if expect.max_test_perplexity.is_some() {
+        c.fail(
+            "expect.max_test_perplexity",
+            "a DPO job's evaluations report rewards, not perplexity; use \
+             min_rewards_accuracies or max_test_loss",
+        );
+    }
+}
+
 /// The expectations that are set, in the order of [`Check::ALL`].
 fn expectations(e: &ExpectKeys) -> Vec<Expectation> {
     let values = [
@@ -249,6 +314,8 @@ fn expectations(e: &ExpectKeys) -> Vec<Expectation> {
         e.max_final_loss,
         e.max_wall_s,
         e.min_train_samples_per_s,
+        e.min_rewards_accuracies,
+        e.min_rewards_margins,
     ];
     Check::ALL
         .into_iter()

@@ -73,9 +73,8 @@ pub enum EvalThreads<'a> {
 /// peak) in parts of 4,096, and 1.5× faster.
 const SCORED_POSITIONS: [usize; 2] = [4_096, 16_384];
 
-/// Σ loss and correct predictions of `model` over `xs`, `ys` (see [`Model::score`]): token
-/// windows [n, t, ...] in parts of at most [`SCORED_POSITIONS`] positions (a window whole),
-/// anything else at once.
+/// What `model` adds up over `xs`, `ys` (see [`Model::eval_sums`]): token windows [n, t, ...]
+/// in parts of at most [`SCORED_POSITIONS`] positions (a window whole), anything else at once.
 /// `width`: the positions per window to size the parts by, when not `xs`'s own (in lockstep,
 /// the widest any rank's batch has, so every rank cuts its batch into as many parts).
 fn score(
@@ -83,19 +82,18 @@ fn score(
     xs: &Tensor,
     ys: &Tensor,
     width: Option<usize>,
-) -> candle_core::Result<(f64, usize)> {
+) -> candle_core::Result<EvalSums> {
     let dims = xs.dims();
     let most = SCORED_POSITIONS[usize::from(!xs.device().is_cpu())];
     let windows = match (xs.dtype().is_int(), dims) {
         (true, &[n, t, ..]) if n * width.unwrap_or(t) > most => (most / width.unwrap_or(t)).max(1),
-        _ => return model.score(xs, ys),
+        _ => return model.eval_sums(xs, ys),
     };
-    let mut sums = (0.0, 0);
+    let mut sums = EvalSums::default();
     for start in (0..dims[0]).step_by(windows) {
         let len = windows.min(dims[0] - start);
-        let (loss, correct) =
-            model.score(&xs.narrow(0, start, len)?, &ys.narrow(0, start, len)?)?;
-        sums = (sums.0 + loss, sums.1 + correct);
+        let part = model.eval_sums(&xs.narrow(0, start, len)?, &ys.narrow(0, start, len)?)?;
+        sums.add(&part);
     }
     Ok(sums)
 }
@@ -130,7 +128,7 @@ pub fn evaluate(
     if let EvalThreads::Lockstep = threads {
         shard.resize(picked.div_ceil(world), index(0));
     }
-    let mut sums = [0.0f64; 3];
+    let mut sums = EvalSums::default();
     for (k, chunk) in shard.chunks(batch_size).enumerate() {
         let (xs, ys) = batches.eval(chunk)?;
         let ys = ignore_rows_from(&ys, real.saturating_sub(k * batch_size))?;
@@ -139,28 +137,25 @@ pub fn evaluate(
             _ => None,
         };
         let ranges = super::shards::ranges(shards, chunk.len());
-        let part = |i: usize| -> candle_core::Result<[f64; 3]> {
+        let part = |i: usize| -> candle_core::Result<EvalSums> {
             let r = &ranges[i];
             let (xs, ys) = (
                 xs.narrow(0, r.start, r.len())?,
                 ys.narrow(0, r.start, r.len())?,
             );
-            let (loss, correct) = score(model, &xs, &ys, width)?;
-            let scored = crate::task::scored_targets(&ys)?;
-            Ok([loss, correct as f64, scored as f64])
+            score(model, &xs, &ys, width)
         };
         let parts = match shards {
             Some(pool) if ranges.len() > 1 => pool.run(ranges.len(), part),
             _ => vec![part(0)],
         };
         for part in parts {
-            for (sum, v) in sums.iter_mut().zip(part?) {
-                *sum += v;
-            }
+            sums.add(&part?);
         }
     }
-    comm.all_reduce_sum_f64(&mut sums)?;
-    Ok(result(task, sums))
+    let mut slots = sums.slots();
+    comm.all_reduce_sum_f64(&mut slots)?;
+    Ok(result(task, EvalSums::from_slots(&slots)))
 }
 
 /// The most positions per window of any rank's batch (`xs` [n, t, ...] here): a
@@ -190,8 +185,8 @@ fn ignore_rows_from(targets: &Tensor, from: usize) -> candle_core::Result<Tensor
     )
 }
 
-/// Sums of loss, correct predictions and scored targets over `pieces` (the split's batches),
-/// rank r scoring pieces r, r + W, ...: each piece alone on one thread, its three sums in its
+/// The sums over `pieces` (the split's batches), rank r scoring pieces r, r + W, ...: each
+/// piece alone on one thread, its sums in its
 /// own slots of a buffer that is zero elsewhere on every other rank (so the all-reduce adds
 /// only zeros to them: exact), then added in piece order, the same on every rank.
 fn in_pieces(
@@ -200,48 +195,41 @@ fn in_pieces(
     comm: &dyn Communicator,
     pieces: &[&[usize]],
     cpu: bool,
-) -> Result<[f64; 3], TrainError> {
+) -> Result<EvalSums, TrainError> {
+    const N: usize = EvalSums::SLOTS;
     let (rank, world) = (comm.rank(), comm.world_size());
     let mine: Vec<usize> = (rank..pieces.len()).step_by(world).collect();
     let side_by_side = if cpu { rayon::current_num_threads() } else { 1 };
-    let mut slots = vec![0.0f64; 3 * pieces.len()];
+    let mut slots = vec![0.0f64; N * pieces.len()];
     for group in mine.chunks(side_by_side.max(1)) {
         let loaded = group
             .iter()
             .map(|&p| batches.eval(pieces[p]))
             .collect::<Result<Vec<(Tensor, Tensor)>, _>>()?;
-        let score = |i: usize| -> candle_core::Result<[f64; 3]> {
+        let score = |i: usize| -> candle_core::Result<EvalSums> {
             let (xs, ys) = &loaded[i];
-            let (loss, correct) = score(model, xs, ys, None)?;
-            let scored = crate::task::scored_targets(ys)?;
-            Ok([loss, correct as f64, scored as f64])
+            score(model, xs, ys, None)
         };
         for (&p, sums) in
             group
                 .iter()
                 .zip(super::invariant::one_thread_each(group.len(), cpu, score))
         {
-            slots[3 * p..3 * p + 3].copy_from_slice(&sums?);
+            slots[N * p..N * (p + 1)].copy_from_slice(&sums?.slots());
         }
     }
     if world > 1 {
         comm.all_reduce_sum_f64(&mut slots)?;
     }
-    let mut sums = [0.0f64; 3];
-    for piece in slots.chunks_exact(3) {
-        for (sum, v) in sums.iter_mut().zip(piece) {
-            *sum += v;
-        }
+    let mut sums = EvalSums::default();
+    for piece in slots.chunks_exact(N) {
+        sums.add(&EvalSums::from_slots(piece));
     }
     Ok(sums)
 }
 
-fn result(task: &dyn Task, [loss, correct, targets]: [f64; 3]) -> EvalResult {
-    let sums = EvalSums {
-        loss,
-        correct,
-        targets,
-    };
+fn result(task: &dyn Task, sums: EvalSums) -> EvalResult {
+    let targets = sums.targets;
     let metrics = task.metrics();
     EvalResult {
         loss: sums.mean_loss(),
@@ -286,29 +274,33 @@ mod tests {
         let cpu = Device::Cpu;
         let windows = Tensor::zeros((1000, 64), DType::U32, &cpu).unwrap();
         let model = Rows::default();
+        let sums = |s: EvalSums| (s.loss, s.correct as usize);
         assert_eq!(
-            score(&model, &windows, &windows, None).unwrap(),
+            sums(score(&model, &windows, &windows, None).unwrap()),
             (1000.0, 64_000)
         );
         assert_eq!(model.most.load(Ordering::Relaxed), 4096 / 64);
         // A window longer than a part is scored whole, alone.
         let long = Tensor::zeros((3, 5000), DType::U32, &cpu).unwrap();
         let model = Rows::default();
-        assert_eq!(score(&model, &long, &long, None).unwrap(), (3.0, 15_000));
+        assert_eq!(
+            sums(score(&model, &long, &long, None).unwrap()),
+            (3.0, 15_000)
+        );
         assert_eq!(model.most.load(Ordering::Relaxed), 1);
         // Images (floats) at once, whatever their size.
         let images = Tensor::zeros((1000, 784), DType::F32, &cpu).unwrap();
         let labels = Tensor::zeros(1000, DType::U32, &cpu).unwrap();
         let model = Rows::default();
         assert_eq!(
-            score(&model, &images, &labels, None).unwrap(),
+            sums(score(&model, &images, &labels, None).unwrap()),
             (1000.0, 1000)
         );
         assert_eq!(model.most.load(Ordering::Relaxed), 1000);
         // In lockstep, cut by the widest rank's windows: as many parts as that rank's.
         let model = Rows::default();
         assert_eq!(
-            score(&model, &windows, &windows, Some(256)).unwrap(),
+            sums(score(&model, &windows, &windows, Some(256)).unwrap()),
             (1000.0, 64_000)
         );
         assert_eq!(model.most.load(Ordering::Relaxed), 4096 / 256);

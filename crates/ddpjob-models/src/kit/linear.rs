@@ -7,6 +7,7 @@ use candle_core::{DType, Result, Tensor, Var};
 
 use super::lora::Adapter;
 use crate::{FrozenSet, Mode};
+use ddpjob_seam::adapters;
 use ddpjob_kernels as kernels;
 use ddpjob_kernels::dropout::{self, Dropout};
 
@@ -37,14 +38,17 @@ impl Linear {
     }
 
     /// The layer, its LoRA adapter's input dropped out in training (masks keyed by each
-    /// row's seed and this layer's own site, as the model's dropout is).
+    /// row's seed and this layer's own site, as the model's dropout is); the base alone while
+    /// this thread's adapters are off (a preference objective's reference, see
+    /// `ddpjob_seam::adapters`).
     pub(crate) fn forward_mode(&self, x: &Tensor, compute: DType, mode: &Mode) -> Result<Tensor> {
+        let adapter = self.adapter.as_ref().filter(|_| !adapters::are_off());
         let bias = self
             .bias
             .as_ref()
             .map_or_else(|| self.zeros.clone(), |b| self.frozen.as_input(b));
         let weight = self.frozen.as_input(&self.weight);
-        if let Some(adapter) = &self.adapter
+        if let Some(adapter) = adapter
             && compute == DType::F32
             && kernels::applies(x)
             && self.frozen.contains(&self.weight)
@@ -78,7 +82,7 @@ impl Linear {
                 None => y,
             }
         };
-        let Some(adapter) = &self.adapter else {
+        let Some(adapter) = adapter else {
             return Ok(y);
         };
         let dropout = match mode {

@@ -39,7 +39,11 @@ pub fn around(
     let (reference, what) = match &stored {
         Some(path) if d.precompute_reference && path.is_file() => {
             let table = ReferenceTable::load(path).map_err(candle_core::Error::Msg)?;
-            let what = format!("precomputed ({} completions, {})", table.len(), path.display());
+            let what = format!(
+                "precomputed ({} completions, {})",
+                table.len(),
+                path.display()
+            );
             (Reference::Table(table), what)
         }
         _ => live(spec, data, device)?,
@@ -99,7 +103,10 @@ fn live(
     device: &Device,
 ) -> candle_core::Result<(Reference, String)> {
     if spec.model.lora().is_some() {
-        return Ok((Reference::AdaptersOff, "the base with the LoRA adapters off".into()));
+        return Ok((
+            Reference::AdaptersOff,
+            "the base with the LoRA adapters off".into(),
+        ));
     }
     let frozen = crate::models::build(
         &spec.model,

@@ -12,6 +12,7 @@ mod compat;
 mod devices;
 mod distributed;
 mod download;
+mod dpo;
 mod early_stopping;
 mod fake_hub;
 mod finetune;

@@ -123,15 +123,19 @@ impl DatasetOptions for JsonlOptions {
         }
         if cx.pairs {
             if self.pack {
-                return Err("data.pack = true packs examples into rows, but train.objective = \
+                return Err(
+                    "data.pack = true packs examples into rows, but train.objective = \
                             \"dpo\" scores each pair's two completions side by side, one a \
                             row: drop pack"
-                    .into());
+                        .into(),
+                );
             }
             if self.text_rows == Some(TextRows::Windows) {
-                return Err("data.text_rows = \"windows\" lays the rows end to end, but \
+                return Err(
+                    "data.text_rows = \"windows\" lays the rows end to end, but \
                             train.objective = \"dpo\" reads each row as a pair: drop text_rows"
-                    .into());
+                        .into(),
+                );
             }
             self.text_rows = Some(TextRows::Examples);
         }

@@ -190,10 +190,8 @@ impl Examples {
         }
         for i in 0..2 {
             let (tokens, spans) = one.get(i);
-            let spans: Vec<Range<usize>> = spans
-                .iter()
-                .map(|&[a, b]| a as usize..b as usize)
-                .collect();
+            let spans: Vec<Range<usize>> =
+                spans.iter().map(|&[a, b]| a as usize..b as usize).collect();
             self.push(tokens, &spans);
         }
         Ok(())

@@ -57,7 +57,11 @@ pub fn pair(
             let chosen = conversation::messages_of(chosen, fields.chosen)?;
             let rejected = conversation::messages_of(rejected, fields.rejected)?;
             let (prompt, chosen, rejected) = match prompt {
-                Some(p) => (conversation::messages_of(p, how.prompt_field)?, chosen, rejected),
+                Some(p) => (
+                    conversation::messages_of(p, how.prompt_field)?,
+                    chosen,
+                    rejected,
+                ),
                 None => shared_messages(chosen, rejected),
             };
             conversations(how, &prompt, &chosen, &rejected)
@@ -143,8 +147,15 @@ fn split(prompt: &[u32], wholes: [Vec<u32>; 2]) -> Pair {
 
 /// TRL's `extract_prompt` for conversations: the messages both share from the start are the
 /// prompt.
-fn shared_messages(mut chosen: Vec<Value>, mut rejected: Vec<Value>) -> (Vec<Value>, Vec<Value>, Vec<Value>) {
-    let n = chosen.iter().zip(&rejected).take_while(|(a, b)| a == b).count();
+fn shared_messages(
+    mut chosen: Vec<Value>,
+    mut rejected: Vec<Value>,
+) -> (Vec<Value>, Vec<Value>, Vec<Value>) {
+    let n = chosen
+        .iter()
+        .zip(&rejected)
+        .take_while(|(a, b)| a == b)
+        .count();
     let prompt: Vec<Value> = chosen.drain(..n).collect();
     rejected.drain(..n);
     (prompt, chosen, rejected)

@@ -54,11 +54,13 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 /// on the completion's tokens alone.
 #[test]
 fn pairs_are_tokenised_as_trl_tokenises_them() {
-    let reference: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture("dpo/reference.json")).unwrap(),
-    )
-    .unwrap();
-    for (name, file) in [("strings", "dpo/prefs.jsonl"), ("chat", "dpo/prefs-chat.jsonl")] {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("dpo/reference.json")).unwrap())
+            .unwrap();
+    for (name, file) in [
+        ("strings", "dpo/prefs.jsonl"),
+        ("chat", "dpo/prefs-chat.jsonl"),
+    ] {
         let task = open(&fixture(file), Some(&fixture("dpo/prefs-val.jsonl")), 512).unwrap();
         let want = reference["tokens"][name].as_array().unwrap();
         assert_eq!(task.train_len(), want.len(), "{name}");
@@ -78,11 +80,21 @@ fn pairs_are_tokenised_as_trl_tokenises_them() {
             assert_eq!(xs.dims()[..2], [1, 2]);
             let ys = ys.squeeze(0).unwrap().to_vec2::<u32>().unwrap();
             let chosen = ids(&row["chosen_ids"]);
-            let scored: Vec<u32> = ys[0].iter().copied().filter(|&y| y != IGNORE_TARGET).collect();
+            let scored: Vec<u32> = ys[0]
+                .iter()
+                .copied()
+                .filter(|&y| y != IGNORE_TARGET)
+                .collect();
             assert_eq!(scored, chosen, "{name} pair {i}");
         }
         assert_eq!(task.eval_len(), 6);
-        assert!(task.batches(&Device::Cpu).unwrap().note().unwrap().contains("24 training"));
+        assert!(
+            task.batches(&Device::Cpu)
+                .unwrap()
+                .note()
+                .unwrap()
+                .contains("24 training")
+        );
     }
 }
 
@@ -103,7 +115,10 @@ fn bad_pairs_are_named_counted_or_refused() {
     };
     let good = r#"{"prompt": "Q: hi\n", "chosen": "yes", "rejected": "no"}"#;
     let same = r#"{"prompt": "Q: hi\n", "chosen": "yes", "rejected": "yes"}"#;
-    let missing = write("missing.jsonl", &format!("{good}\n{{\"prompt\": \"a\", \"chosen\": \"b\"}}\n"));
+    let missing = write(
+        "missing.jsonl",
+        &format!("{good}\n{{\"prompt\": \"a\", \"chosen\": \"b\"}}\n"),
+    );
     let e = open(&missing, None, 64).err().unwrap();
     assert!(
         e.contains("missing.jsonl` line 2") && e.contains("no \"rejected\""),
@@ -118,7 +133,10 @@ fn bad_pairs_are_named_counted_or_refused() {
     assert!(note.contains("1 pairs with nothing to learn"), "{note}");
     let all = write("all.jsonl", &format!("{same}\n{same}\n"));
     let e = open(&all, Some(&val), 64).err().unwrap();
-    assert!(e.contains("no usable example") && e.contains("left out"), "{e}");
+    assert!(
+        e.contains("no usable example") && e.contains("left out"),
+        "{e}"
+    );
     // A prompt that fills the context leaves no completion: left out too.
     let long = format!(
         "{{\"prompt\": \"{}\", \"chosen\": \"yes\", \"rejected\": \"no\"}}",
@@ -128,7 +146,10 @@ fn bad_pairs_are_named_counted_or_refused() {
     let task = open(&cut, Some(&val), 64).unwrap();
     assert_eq!(task.train_len(), 1);
     // Strings beside messages, and pairs packed, are refused.
-    let mixed = write("mixed.jsonl", r#"{"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant", "content": "c"}]}"#);
+    let mixed = write(
+        "mixed.jsonl",
+        r#"{"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant", "content": "c"}]}"#,
+    );
     let e = open(&mixed, Some(&val), 64).err().unwrap();
     assert!(e.contains("both strings or both lists"), "{e}");
     let packed = JsonlOptions {

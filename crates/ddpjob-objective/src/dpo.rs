@@ -60,10 +60,15 @@ impl Dpo {
             Mode::Eval => policy.detach(),
             Mode::Train { .. } => policy,
         };
-        let reference = self.reference.row_logps(self.policy.as_ref(), &rows, &targets)?;
+        let reference = self
+            .reference
+            .row_logps(self.policy.as_ref(), &rows, &targets)?;
         let extents = row_extents(&targets)?;
         let lengths: Vec<f32> = extents.iter().map(|&(scored, _)| scored as f32).collect();
-        let real = extents.chunks(2).map(|p| p[0].0 > 0 && p[1].0 > 0).collect();
+        let real = extents
+            .chunks(2)
+            .map(|p| p[0].0 > 0 && p[1].0 > 0)
+            .collect();
         let pairs = |v: Vec<f32>| Tensor::from_vec(v, (n, 2), device);
         let scored = score(
             &self.settings,
@@ -157,16 +162,20 @@ impl Model for Dpo {
     }
 
     fn checkpoint_activations(&self) -> std::result::Result<(), String> {
-        Err("train.objective = \"dpo\" differentiates its loss with autograd over the whole \
+        Err(
+            "train.objective = \"dpo\" differentiates its loss with autograd over the whole \
              pass, which does not recompute blocks yet"
-            .into())
+                .into(),
+        )
     }
 
     fn shard_parameters(&self) -> std::result::Result<Vec<Vec<usize>>, String> {
-        Err("train.objective = \"dpo\" differentiates its loss with autograd over the whole \
+        Err(
+            "train.objective = \"dpo\" differentiates its loss with autograd over the whole \
              pass, which needs every parameter at once; use sharding = \"optimizer\" or \
              \"gradients\""
-            .into())
+                .into(),
+        )
     }
 
     fn rows_independent(&self) -> bool {

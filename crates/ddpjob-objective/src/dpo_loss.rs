@@ -34,10 +34,13 @@ pub struct Scored {
     pub logps: Tensor,
 }
 
-/// log σ(x), stable for any x: min(x, 0) − ln(1 + e^−|x|).
+/// log σ(x) = −ln(1 + e^−x), its argument held to [−80, 80] (where e^80 is still an f32 and
+/// the value exact to f32; beyond, a loss of 80 nats a pair). One smooth expression on
+/// purpose: the usual stable form min(x, 0) − ln(1 + e^−|x|) has kinks at 0 whose autograd
+/// gradients (min's 1/2 and |x|'s +1 at a tie) add to 1 instead of σ(−0) = 1/2, and at the
+/// first step, policy = reference, x is exactly 0 for most pairs.
 fn log_sigmoid(x: &Tensor) -> Result<Tensor> {
-    let tail = (x.abs()?.neg()?.exp()? + 1.0)?.log()?;
-    x.minimum(0.0)? - tail
+    (x.clamp(-80.0, 80.0)?.neg()?.exp()? + 1.0)?.log()?.neg()
 }
 
 /// The pairs' losses. `policy` and `reference`: summed log-probabilities [n, 2]; `lengths`:
@@ -84,7 +87,14 @@ impl Scored {
         let logps = self.logps.to_dtype(DType::F64)?.to_vec2::<f64>()?;
         let mut sums = [0.0; 6];
         for (r, l) in rewards.iter().zip(&logps) {
-            let add = [r[0], r[1], f64::from(u8::from(r[0] > r[1])), r[0] - r[1], l[0], l[1]];
+            let add = [
+                r[0],
+                r[1],
+                f64::from(u8::from(r[0] > r[1])),
+                r[0] - r[1],
+                l[0],
+                l[1],
+            ];
             sums.iter_mut().zip(add).for_each(|(s, a)| *s += a);
         }
         Ok(sums)
@@ -123,7 +133,10 @@ mod tests {
     fn close(got: &Tensor, want: &[f64]) {
         let got = got.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
         for (g, w) in got.iter().zip(want) {
-            assert!((g - w).abs() < 1e-6 * w.abs().max(1.0), "{got:?} vs {want:?}");
+            assert!(
+                (g - w).abs() < 1e-6 * w.abs().max(1.0),
+                "{got:?} vs {want:?}"
+            );
         }
     }
 
@@ -155,9 +168,38 @@ mod tests {
         let (p, r, l) = batch();
         let ipo = score(&settings(DpoLoss::Ipo, 0.0), &p, &r, &l).unwrap();
         // Per-token ratios: 2/4 - (-2/2) = 1.5 and -1/1 - 1/5 = -1.2; 1/(2β) = 5.
-        close(&ipo.losses, &[(1.5f64 - 5.0).powi(2), (-1.2f64 - 5.0).powi(2)]);
+        close(
+            &ipo.losses,
+            &[(1.5f64 - 5.0).powi(2), (-1.2f64 - 5.0).powi(2)],
+        );
         let hinge = score(&settings(DpoLoss::Hinge, 0.0), &p, &r, &l).unwrap();
         close(&hinge.losses, &[0.6, 1.2]);
+    }
+
+    #[test]
+    fn the_gradient_at_a_tie_is_half_beta() {
+        // Policy = reference: Δ = 0 exactly, d/dchosen of -ln σ(βΔ) = -β/2.
+        let p = candle_core::Var::from_tensor(&pairs(&[[-3.0, -4.0]])).unwrap();
+        let s = score(
+            &settings(DpoLoss::Sigmoid, 0.0),
+            &p,
+            &pairs(&[[-3.0, -4.0]]),
+            &pairs(&[[1.0, 1.0]]),
+        )
+        .unwrap();
+        let g = s.losses.sum_all().unwrap().backward().unwrap();
+        let g = g.get(&p).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(g, [[-0.05, 0.05]]);
+        // Far out, finite: a pair ranked right by 2000 nats, and wrong by as much.
+        let far = score(
+            &settings(DpoLoss::Sigmoid, 0.0),
+            &pairs(&[[0.0, -2000.0], [-2000.0, 0.0]]),
+            &pairs(&[[0.0, 0.0], [0.0, 0.0]]),
+            &pairs(&[[1.0, 1.0], [1.0, 1.0]]),
+        )
+        .unwrap();
+        let v = far.losses.to_vec1::<f32>().unwrap();
+        assert!(v[0] < 1e-30 && (v[1] - 80.0).abs() < 1e-3, "{v:?}");
     }
 
     #[test]

@@ -27,7 +27,10 @@ pub fn row_extents(ys: &Tensor) -> Result<Vec<(usize, usize)>> {
         .iter()
         .map(|row| {
             let scored = row.iter().filter(|&&y| y != IGNORE_TARGET).count();
-            let len = row.iter().rposition(|&y| y != IGNORE_TARGET).map_or(0, |p| p + 1);
+            let len = row
+                .iter()
+                .rposition(|&y| y != IGNORE_TARGET)
+                .map_or(0, |p| p + 1);
             (scored, len)
         })
         .collect())

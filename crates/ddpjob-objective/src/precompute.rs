@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
-use ddpjob_seam::task::{DataError, Task};
 use ddpjob_seam::Model;
+use ddpjob_seam::task::{DataError, Task};
 
 use super::reference::{Reference, ReferenceTable, row_keys};
 
@@ -41,14 +41,15 @@ pub fn precompute(
 ) -> std::result::Result<ReferenceTable, PrecomputeError> {
     let batches = task.batches(device)?;
     let splits = [task.train_len(), task.eval_len()];
-    let load = |split: usize, pairs: &[usize]| -> std::result::Result<(Tensor, Tensor), DataError> {
-        let (xs, ys) = match split {
-            0 => batches.train(0, pairs)?,
-            _ => batches.eval(pairs)?,
+    let load =
+        |split: usize, pairs: &[usize]| -> std::result::Result<(Tensor, Tensor), DataError> {
+            let (xs, ys) = match split {
+                0 => batches.train(0, pairs)?,
+                _ => batches.eval(pairs)?,
+            };
+            let (n, t) = (xs.dim(0)?, xs.dim(2)?);
+            Ok((xs.reshape((2 * n, t))?, ys.reshape((2 * n, t))?))
         };
-        let (n, t) = (xs.dim(0)?, xs.dim(2)?);
-        Ok((xs.reshape((2 * n, t))?, ys.reshape((2 * n, t))?))
-    };
     // Two values a pair, training's then validation's.
     let offsets = [0, 2 * splits[0]];
     let mut values = vec![0.0f64; 2 * (splits[0] + splits[1])];
@@ -82,4 +83,3 @@ pub fn precompute(
     }
     Ok(ReferenceTable::new(table, path))
 }
-

@@ -154,14 +154,17 @@ impl ReferenceTable {
 
     /// The table stored at `path`, or why it cannot be read (named, with the fix).
     pub fn load(path: &Path) -> std::result::Result<Self, String> {
-        let bytes = std::fs::read(path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+        let bytes =
+            std::fs::read(path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
         let bad = |why: &str| {
             format!(
                 "`{}` is damaged ({why}); delete it to compute the reference again",
                 path.display()
             )
         };
-        let rest = bytes.strip_prefix(MAGIC).ok_or_else(|| bad("not a reference table"))?;
+        let rest = bytes
+            .strip_prefix(MAGIC)
+            .ok_or_else(|| bad("not a reference table"))?;
         let (count, entries) = rest.split_at_checked(8).ok_or_else(|| bad("cut short"))?;
         let count = u64::from_le_bytes(count.try_into().expect("8 bytes")) as usize;
         if entries.len() != count * 20 {
@@ -171,7 +174,10 @@ impl ReferenceTable {
             .chunks_exact(20)
             .map(|e| {
                 let key: RowKey = e[..16].try_into().expect("16 bytes");
-                (key, f32::from_le_bytes(e[16..].try_into().expect("4 bytes")))
+                (
+                    key,
+                    f32::from_le_bytes(e[16..].try_into().expect("4 bytes")),
+                )
             })
             .collect();
         Ok(ReferenceTable::new(values, path.to_path_buf()))
@@ -191,7 +197,9 @@ mod tests {
             (row_key(&[1, 2, 3], &[u32::MAX, 3, 4]), -0.25),
         ]
         .into();
-        ReferenceTable::new(values.clone(), path.clone()).save().unwrap();
+        ReferenceTable::new(values.clone(), path.clone())
+            .save()
+            .unwrap();
         let back = ReferenceTable::load(&path).unwrap();
         assert_eq!(back.values, values);
         assert_ne!(row_key(&[1, 2], &[3, 4]), row_key(&[1, 2], &[3, 5]));

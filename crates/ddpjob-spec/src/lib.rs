@@ -39,8 +39,8 @@ pub use source::{STORED_JOB_HEADER, Source, flag_override};
 pub use spec::Backend;
 pub use spec::{
     Check, CheckpointSpec, DataSpec, DeviceChoice, DistributedSpec, DpoLoss, Expectation, JobSpec,
-    ModelSpec, Monitor, Objective, OnWriteError, OptimizerSpec, Precision, ScheduleKind, ScheduleSpec,
-    Sharding, TokenDtype, TokenizerKind, TrainSpec,
+    ModelSpec, Monitor, Objective, OnWriteError, OptimizerSpec, Precision, ScheduleKind,
+    ScheduleSpec, Sharding, TokenDtype, TokenizerKind, TrainSpec,
 };
 
 /// A validated job and the fully resolved config it came from (every default written out).

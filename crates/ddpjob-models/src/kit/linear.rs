@@ -7,9 +7,9 @@ use candle_core::{DType, Result, Tensor, Var};
 
 use super::lora::Adapter;
 use crate::{FrozenSet, Mode};
-use ddpjob_seam::adapters;
 use ddpjob_kernels as kernels;
 use ddpjob_kernels::dropout::{self, Dropout};
+use ddpjob_seam::adapters;
 
 /// `y = x·Wᵀ + b` for x [m, in], W [out, in] as torch's `nn.Linear`; without bias, `b` is a
 /// constant zero vector (so the fused CPU kernel applies either way).

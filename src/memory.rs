@@ -3,7 +3,7 @@
 //! (printed by `validate` and at launch, recorded in `summary.json`), and what the kernel says a
 //! worker used (`summary.json`'s `peak_rss_bytes`).
 
-use crate::config::{Backend, DeviceChoice, JobSpec, OptimizerSpec, Sharding};
+use crate::config::{Backend, DeviceChoice, JobSpec, Objective, OptimizerSpec, Sharding};
 use crate::models::Model;
 pub(crate) use ddpjob_data::host::gb;
 
@@ -26,6 +26,9 @@ pub struct Estimate {
     pub gradients: u64,
     /// The optimizer's state (this worker's 1/W of it when sharded).
     pub optimizer: u64,
+    /// `train.objective = "dpo"`'s frozen reference: a second copy of the weights for a full
+    /// fine-tune (none for LoRA, whose reference is the base, nor for a precomputed one).
+    pub reference: u64,
     /// What the batch's training pass keeps for its backward; `None`: the model does not say.
     pub activations: Option<u64>,
     /// The process itself, and the buffers a collective fills (two buckets, beside the
@@ -129,9 +132,17 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
         OptimizerSpec::Sgd { momentum, .. } if momentum > 0.0 => 4,
         OptimizerSpec::Sgd { .. } => 0,
     };
-    let live_rows = match pieces {
-        Some((local, in_flight)) => t.batch_size / local * in_flight,
-        None => t.batch_size,
+    // A preference pair is two rows (chosen, rejected), each the model's sample.
+    let dpo = t.objective == Objective::Dpo;
+    let rows_per_sample = if dpo { 2 } else { 1 };
+    let live_rows = rows_per_sample
+        * match pieces {
+            Some((local, in_flight)) => t.batch_size / local * in_flight,
+            None => t.batch_size,
+        };
+    let reference = match dpo && spec.model.lora().is_none() && !t.dpo.precompute_reference {
+        true => 4 * all,
+        false => 0,
     };
     // Passes in flight, each with what it keeps whatever its rows (stacked experts).
     let passes = match pieces {
@@ -146,6 +157,7 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
         weights: weights.unwrap_or(4 * all),
         gradients: 4 * per_shard * shards + earlier + averaged,
         optimizer: state_per_value * trainable / share,
+        reference,
         activations,
         runtime: RUNTIME_BYTES + collective_buffers(spec, layout, trainable),
         batch: t.batch_size,
@@ -219,7 +231,7 @@ fn collective_buffers(spec: &JobSpec, layout: Layout, trainable: u64) -> u64 {
 impl Estimate {
     /// The sum, when every part is known.
     pub fn total(&self) -> Option<u64> {
-        let known = self.weights + self.optimizer + self.runtime;
+        let known = self.weights + self.optimizer + self.reference + self.runtime;
         let a = self.activations?;
         Some(match self.activations_or_gradients {
             true => known + a.max(self.gradients),
@@ -247,8 +259,12 @@ impl Estimate {
             ),
             (None, _) => String::new(),
         };
+        let reference = match self.reference {
+            0 => String::new(),
+            r => format!(", reference {} (a frozen copy)", gb(r)),
+        };
         format!(
-            "weights {}, gradients {}, optimizer {}, {activations}, runtime {}{total}",
+            "weights {}, gradients {}, optimizer {}{reference}, {activations}, runtime {}{total}",
             gb(self.weights),
             gb(self.gradients),
             gb(self.optimizer),

@@ -80,7 +80,7 @@ fn last_resort(spec: &JobSpec) -> &'static str {
 /// its activations take.
 fn needed(e: &Estimate) -> u64 {
     e.total()
-        .unwrap_or(e.weights + e.gradients + e.optimizer + e.runtime)
+        .unwrap_or(e.weights + e.gradients + e.optimizer + e.reference + e.runtime)
 }
 
 /// `Err` (the message) when a worker's estimate `mine` is more than `free` bytes, the free
@@ -244,6 +244,7 @@ mod tests {
             weights,
             gradients: weights,
             optimizer: 2 * weights,
+            reference: 0,
             activations,
             runtime: 0,
             batch: 12,

@@ -219,3 +219,53 @@ fn the_hosts_available_memory_is_read() {
     let available = fit::available_host_memory().expect("/proc/meminfo says");
     assert!(available > 1 << 20 && available < 1 << 56, "{available}");
 }
+
+/// DPO counts two rows a pair, and a full fine-tune's frozen reference as a second copy of the
+/// weights; LoRA's reference (the base) and a precomputed one hold none.
+#[test]
+fn a_dpo_job_counts_its_pairs_rows_and_its_reference() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let spec_of = |extra: &str| {
+        let config = format!(
+            "[model]\narch = \"llama\"\ninit_from = \"{}\"\n{extra}\n[data]\ndataset = \"jsonl\"\n\
+             train_path = \"{}\"\n[train]\nbatch_size = 4\noptimizer = \"adamw\"\n\
+             objective = \"dpo\"\n",
+            root.join("chat/model").display(),
+            root.join("dpo/prefs.jsonl").display()
+        );
+        crate::config::load_str(Path::new("m.toml"), config, &[])
+            .unwrap()
+            .spec
+    };
+    let full = spec_of("");
+    let data = crate::task::load(&full, None).unwrap();
+    let model = crate::models::build(
+        &full.model,
+        data.input(),
+        0,
+        &Device::Cpu,
+        full.train.precision,
+        false,
+    )
+    .unwrap();
+    let p = model.params().element_count() as u64;
+    let dpo = estimate(&full, model.as_ref(), Layout::of(&full, 1, 1));
+    assert_eq!(dpo.reference, 4 * p);
+    assert!(dpo.describe().contains("reference"), "{}", dpo.describe());
+    let mut lm = full.clone();
+    lm.train.objective = Objective::Lm;
+    let plain = estimate(&lm, model.as_ref(), Layout::of(&lm, 1, 1));
+    assert_eq!(plain.reference, 0);
+    assert_eq!(dpo.activations.unwrap(), 2 * plain.activations.unwrap());
+    let mut precomputed = full.clone();
+    precomputed.train.dpo.precompute_reference = true;
+    assert_eq!(
+        estimate(&precomputed, model.as_ref(), Layout::of(&full, 1, 1)).reference,
+        0
+    );
+    let lora = spec_of("[model.lora]\nr = 4");
+    assert_eq!(
+        estimate(&lora, model.as_ref(), Layout::of(&lora, 1, 1)).reference,
+        0
+    );
+}

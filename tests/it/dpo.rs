@@ -203,7 +203,8 @@ fn a_lora_jobs_reference_is_the_base_and_a_precomputed_one_trains_the_same_bits(
 }
 
 /// A full fine-tune's frozen reference never moves; 2 workers × 12 pairs train the weights 1 ×
-/// 24 do; a job preempted mid-run resumes bit for bit; `[expect]` reads the rewards.
+/// 24 do; a job preempted mid-run resumes bit for bit; world-size-invariant training gives the
+/// same bits on 1 and 2 workers; `[expect]` reads the rewards.
 #[test]
 fn a_full_dpo_job_resumes_bit_for_bit_and_two_workers_match_one() {
     let t = TestJob::new();

@@ -153,8 +153,9 @@ impl Model for Dpo {
         Some(2.0 * (row + reference))
     }
 
+    /// A row's: the memory estimate counts two rows a pair (it knows the objective).
     fn activation_bytes_per_sample(&self, checkpointing: bool) -> Option<f64> {
-        Some(2.0 * self.policy.activation_bytes_per_sample(checkpointing)?)
+        self.policy.activation_bytes_per_sample(checkpointing)
     }
 
     fn activation_bytes_per_pass(&self, checkpointing: bool) -> f64 {

@@ -65,6 +65,15 @@ impl JobSpec {
         }
         let train = keys.train;
         objective_problems(&mut c, raw, &model, &data, &keys.expect);
+        if raw.train.objective == "dpo" && keys.distributed.sharding == super::spec::Sharding::Full
+        {
+            c.fail(
+                "distributed.sharding",
+                "\"full\" gathers the parameters block by block inside a model's own training \
+                 pass, and train.objective = \"dpo\" differentiates its loss over the whole \
+                 model at once; use sharding = \"optimizer\" or \"gradients\"",
+            );
+        }
         if let ScheduleKind::Cosine { min_lr } = train.schedule.kind
             && min_lr > train.lr
         {

@@ -253,12 +253,41 @@ impl MicroBatch {
             },
             Mode::Eval => Mode::Eval,
         };
+        let (inputs, targets) = trimmed(
+            self.inputs.index_select(&index, 0)?,
+            self.targets.index_select(&index, 0)?,
+        )?;
         Ok(MicroBatch {
-            inputs: self.inputs.index_select(&index, 0)?,
-            targets: self.targets.index_select(&index, 0)?,
+            inputs,
+            targets,
             mode,
         })
     }
+}
+
+/// A piece of rows of examples (targets [.., t], instruction data's or preference pairs')
+/// cut to its own longest row: positions past every row's last scored target are padding of
+/// the rank's batch, whose length depends on which rows the rank got. Causal, they change no
+/// loss; cut, a piece is the same tensor on any world size, so its kernels give the same bits.
+fn trimmed(inputs: Tensor, targets: Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let ignore = crate::task::IGNORE_TARGET;
+    let dims = targets.dims().to_vec();
+    let (Some(&t), true) = (
+        dims.last(),
+        dims.len() >= 2 && targets.dtype() == DType::U32,
+    ) else {
+        return Ok((inputs, targets));
+    };
+    let flat = targets.flatten_all()?.to_vec1::<u32>()?;
+    let used = (flat.chunks(t.max(1)))
+        .filter_map(|row| row.iter().rposition(|&y| y != ignore))
+        .max()
+        .map_or(1, |p| p + 1);
+    let dim = dims.len() - 1;
+    if used == t || inputs.dims().get(dim) != Some(&t) {
+        return Ok((inputs, targets));
+    }
+    Ok((inputs.narrow(dim, 0, used)?, targets.narrow(dim, 0, used)?))
 }
 
 #[cfg(test)]

@@ -354,6 +354,7 @@ mod tests {
             loss: 2.0,
             correct: 3.0,
             targets: 4.0,
+            ..EvalSums::default()
         };
         // A classifier declares its accuracy first; its records read as they always have.
         let values = MetricValues::of(&classifier_metrics(), &sums);

@@ -295,3 +295,41 @@ fn bad_dpo_settings_and_data_are_refused() {
         assert!(!t.job(name).exists(), "{name}: a job was made");
     }
 }
+
+/// `configs/dpo-lora.toml` runs from the repository's root as a new user runs it (its model
+/// and pairs are the fixtures), meets its `[expect]`, and exports its adapter.
+#[test]
+fn the_shipped_dpo_recipe_runs_as_written() {
+    let t = TestJob::new();
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let jobs = t.jobs_dir().display().to_string();
+    let config = root.join("configs/dpo-lora.toml").display().to_string();
+    let out = t
+        .command(&["run", &config, "--jobs-dir", &jobs], &[])
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    let run: crate::common::Run = out.into();
+    run.success();
+    assert!(
+        run.stdout.contains("expect met   min_rewards_accuracies"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("reference: precomputed now"),
+        "{}",
+        run.stdout
+    );
+    let adapter = t.path("adapter").display().to_string();
+    t.ddpjob(&[
+        "export",
+        "dpo-lora",
+        "--peft",
+        &adapter,
+        "--jobs-dir",
+        &jobs,
+    ])
+    .success();
+    assert!(t.path("adapter/adapter_config.json").is_file());
+}

@@ -1,22 +1,17 @@
 //! A completion's log-probability under a language model: Σ over its scored targets of
 //! log softmax(logits)[target] (TRL's `per_token_logps.sum(1)` over the completion mask),
-//! from the model's logits, differentiable.
+//! differentiable, as the model computes it (`Model::row_log_likelihoods`); and where each
+//! row's scored targets end.
 
-use candle_core::{D, DType, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use ddpjob_seam::task::IGNORE_TARGET;
 use ddpjob_seam::{Mode, Model};
 
 /// Each row's summed log-probability of its scored targets [m] (f32), for inputs and targets
-/// [m, t] (targets [`IGNORE_TARGET`] where nothing scores).
+/// [m, t] (targets [`IGNORE_TARGET`] where nothing scores): the model's
+/// [`Model::row_log_likelihoods`].
 pub fn row_logps(model: &dyn Model, xs: &Tensor, ys: &Tensor, mode: &Mode) -> Result<Tensor> {
-    let logits = model.forward(xs, mode)?.to_dtype(DType::F32)?;
-    let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-    let ys = ys.to_dtype(DType::U32)?;
-    let scored = ys.ne(IGNORE_TARGET)?;
-    let safe = scored.where_cond(&ys, &ys.zeros_like()?)?;
-    let picked = log_probs.gather(&safe.unsqueeze(D::Minus1)?, D::Minus1)?;
-    let picked = picked.squeeze(D::Minus1)?;
-    (picked * scored.to_dtype(DType::F32)?)?.sum(D::Minus1)
+    model.row_log_likelihoods(xs, ys, mode)
 }
 
 /// Each row's scored targets and the length it needs (its last scored target's position + 1;

@@ -23,7 +23,7 @@ pub use freeze::FrozenSet;
 pub use metric::{EvalSums, Metric, MetricInfo, MetricValues};
 pub use model::{
     CollectedGradients, GradientSink, KvCache, KvDecoder, Mode, Model, TrainPass,
-    chain_train_flops, hand_over_all,
+    chain_train_flops, hand_over_all, log_likelihoods,
 };
 pub use params::{Params, parameter_values, set_parameter, zeroed_parameter_values};
 pub use store::ParamStore;

@@ -49,6 +49,15 @@ pub trait Model: Send + Sync {
         crate::task::loss_sum_and_correct(&self.forward(xs, &Mode::Eval)?, targets)
     }
 
+    /// Each row's summed log-likelihood of its scored targets, [m] f32, for inputs and targets
+    /// [m, t] (targets [`crate::task::IGNORE_TARGET`] where nothing scores): Σ over the row's
+    /// scored positions of log softmax(logits)[target], differentiable. What a preference
+    /// objective reads of its policy. The default: from [`Model::forward`]'s logits, all of
+    /// them held at once; a model may compute it without (the llama's head, row by row).
+    fn row_log_likelihoods(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
+        log_likelihoods(&self.forward(xs, mode)?, targets)
+    }
+
     /// Everything an evaluation adds up for the batch: [`Model::score`]'s sums and the
     /// targets that score (the default), or an objective's own (a preference objective's per
     /// pair, see [`crate::metric::preference_metrics`]).
@@ -217,6 +226,23 @@ impl GradientSink for CollectedGradients {
     }
 }
 
+/// Σ over each row's scored targets of log softmax(`logits`)[target]: logits [m, t, vocab]
+/// (any float type, summed in f32), targets [m, t] → [m] (see [`Model::row_log_likelihoods`]).
+pub fn log_likelihoods(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    use candle_core::{D, DType};
+    let logits = logits.to_dtype(DType::F32)?;
+    // The max only steadies the exponentials: its gradient would cancel, so none is taken.
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let log_sum = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let log_probs = shifted.broadcast_sub(&log_sum)?;
+    let ys = targets.to_dtype(DType::U32)?;
+    let scored = ys.ne(crate::task::IGNORE_TARGET)?;
+    let safe = scored.where_cond(&ys, &ys.zeros_like()?)?;
+    let picked = log_probs.gather(&safe.unsqueeze(D::Minus1)?, D::Minus1)?;
+    (picked.squeeze(D::Minus1)? * scored.to_dtype(DType::F32)?)?.sum(D::Minus1)
+}
+
 /// [`Model::train_flops_per_sample`] of a chain of products whose forward passes cost
 /// `forward[i]` operations per sample: each costs as much again for its weight gradient and
 /// for its input gradient, except the first, whose input is data.
@@ -305,6 +331,10 @@ impl Model for Box<dyn Model> {
 
     fn eval_sums(&self, xs: &Tensor, targets: &Tensor) -> Result<EvalSums> {
         self.as_ref().eval_sums(xs, targets)
+    }
+
+    fn row_log_likelihoods(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
+        self.as_ref().row_log_likelihoods(xs, targets, mode)
     }
 
     fn train_flops_per_sample(&self) -> Option<f64> {

@@ -653,6 +653,34 @@ impl Model for Llama {
             .reshape((n, t, self.config.vocab_size))
     }
 
+    /// On the CPU in f32 the trunk runs once over the batch, then each row's log-likelihood is
+    /// the fused head's loss over that row alone, cut to its last scored target (times −its
+    /// scored targets): no [rows, t, vocab] logits are held, nor padding projected.
+    fn row_log_likelihoods(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
+        let (n, t) = packed::rows(xs)?;
+        let x = self.trunk(xs, mode)?;
+        let w = self.head_weight();
+        if !(self.compute == DType::F32 && head::applies(&x, &w)) {
+            let logits = self.project(&x)?.reshape((n, t, self.config.vocab_size))?;
+            return ddpjob_seam::log_likelihoods(&logits, targets);
+        }
+        let ignore = ddpjob_seam::task::IGNORE_TARGET;
+        let ys = targets.to_dtype(DType::U32)?.reshape((n, t))?;
+        let host = ys.to_vec2::<u32>()?;
+        let mut rows = Vec::with_capacity(n);
+        for (r, row) in host.iter().enumerate() {
+            let scored = row.iter().filter(|&&y| y != ignore).count();
+            let Some(last) = row.iter().rposition(|&y| y != ignore) else {
+                rows.push(Tensor::zeros(1, DType::F32, x.device())?);
+                continue;
+            };
+            let xr = x.narrow(0, r * t, last + 1)?;
+            let yr = ys.narrow(0, r, 1)?.narrow(1, 0, last + 1)?.flatten_all()?;
+            rows.push((head::loss(&xr, &w, &yr)? * -(scored as f64))?.reshape(1)?);
+        }
+        Tensor::cat(&rows, 0)
+    }
+
     /// On the CPU in f32 the output projection and the cross-entropy are one op that never
     /// holds all the logits (see `kit::head`).
     fn loss(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {

@@ -885,3 +885,67 @@ fn mistral_attends_within_its_sliding_window() {
     .unwrap_err();
     assert!(err.contains("model.sliding_window is Mistral's"), "{err}");
 }
+
+/// The llama's row log-likelihoods (the fused head row by row, each row cut to its last scored
+/// target) are the default's, from all the logits: the same values and gradients.
+#[test]
+fn row_log_likelihoods_are_the_logits_and_never_hold_them() {
+    let model = pretrained("llama");
+    let ignore = ddpjob_seam::task::IGNORE_TARGET;
+    let xs = Tensor::new(
+        &[
+            [5u32, 9, 17, 40, 3, 8],
+            [7, 7, 60, 2, 0, 0],
+            [1, 2, 3, 4, 5, 6],
+        ],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ys = Tensor::new(
+        &[
+            [ignore, ignore, 40, 3, 8, 11],
+            [ignore, 60, 2, ignore, ignore, ignore],
+            [ignore; 6],
+        ],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mode = Mode::Eval;
+    let fused = model.row_log_likelihoods(&xs, &ys, &mode).unwrap();
+    let plain = ddpjob_seam::log_likelihoods(&model.forward(&xs, &mode).unwrap(), &ys).unwrap();
+    let (a, b) = (
+        fused.to_vec1::<f32>().unwrap(),
+        plain.to_vec1::<f32>().unwrap(),
+    );
+    assert_eq!(a[2], 0.0);
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() < 1e-4, "{a:?} vs {b:?}");
+    }
+    let weights = |t: Tensor| {
+        let grads = (t * Tensor::new(&[1.0f32, -2.0, 3.0], &Device::Cpu).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        model
+            .params()
+            .vars()
+            .map(|v| {
+                grads
+                    .get(v)
+                    .map(|g| g.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            })
+            .collect::<Vec<_>>()
+    };
+    let (ga, gb) = (weights(fused), weights(plain));
+    for (i, (x, y)) in ga.iter().zip(&gb).enumerate() {
+        let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+        let worst = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "parameter {i}: {worst}");
+    }
+}

@@ -58,10 +58,10 @@ for mode in ["live", "precomputed"]:
     for r in range(1, rounds + 1):
         o_s, o_losses = ours(f"ours-{mode}-{r}")
         ref = json.load(open(jobs / f"trl-{mode}-{r}.json"))
-        diff = max(abs(a - b) for a, b in zip(o_losses, ref["losses"]))
-        rows.append((o_s, ref["step_s"], peak(f"ours-{mode}-{r}.rss"), ref["peak_rss_bytes"] / 1e6, diff))
-        print(f"{mode} round {r}: losses ddpjob {[round(x, 4) for x in o_losses]}")
-        print(f"{'':>12}TRL {[round(x, 4) for x in ref['losses']]}  max |diff| {diff:.1e}")
+        rows.append((o_s, ref["step_s"], peak(f"ours-{mode}-{r}.rss"), ref["peak_rss_bytes"] / 1e6))
+        # Both start at ln 2 (policy = reference); after that the batches (each its own
+        # shuffle) and the adapters' random A differ, so the steps are not comparable.
+        print(f"{mode} round {r}: first loss ddpjob {o_losses[0]:.4f}, TRL {ref['losses'][0]:.4f}")
     m = [statistics.median(c) for c in zip(*rows)]
     print(f"--- LoRA r 16, reference {mode}")
     print(f"{'':20}{'ddpjob':>10}{'TRL+peft':>10}{'ratio':>8}")

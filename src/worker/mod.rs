@@ -450,6 +450,9 @@ fn train(
         restoring,
     )
     .map_err(WorkerError::Model)?;
+    let (model, objective) =
+        crate::objective::around(model, spec, data, &device, Some(&job.root), comm)
+            .map_err(WorkerError::Model)?;
     if spec.train.activation_checkpointing {
         model.checkpoint_activations().map_err(|why| {
             WorkerError::Model(candle_core::Error::Msg(format!(
@@ -468,9 +471,6 @@ fn train(
             spec.model.arch()
         ))));
     }
-    let (model, objective) =
-        crate::objective::around(model, spec, data, &device, Some(&job.root), comm)
-            .map_err(WorkerError::Model)?;
     let leader = env.rank == 0;
     // Rank 0 drives the terminal and mirrors its lines into its log; the others' stdout is
     // their log file already.

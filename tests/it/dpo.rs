@@ -202,8 +202,8 @@ fn a_lora_jobs_reference_is_the_base_and_a_precomputed_one_trains_the_same_bits(
     );
 }
 
-/// A full fine-tune's frozen reference never moves; 2 workers × 12 pairs train the weights 1 ×
-/// 24 do; a job preempted mid-run resumes bit for bit; world-size-invariant training gives the
+/// A full fine-tune's frozen reference never moves; activation checkpointing trains the same
+/// weights (to rounding); 2 workers × 12 pairs train the weights 1 × 24 do; a job preempted mid-run resumes bit for bit; world-size-invariant training gives the
 /// same bits on 1 and 2 workers; `[expect]` reads the rewards.
 #[test]
 fn a_full_dpo_job_resumes_bit_for_bit_and_two_workers_match_one() {
@@ -221,10 +221,23 @@ fn a_full_dpo_job_resumes_bit_for_bit_and_two_workers_match_one() {
         "{summary}"
     );
 
+    // Activation checkpointing: each row through the llama's recomputing pass, the same
+    // weights but for rounding (a row computed alone, not beside the batch's others).
+    let recomputed = t.config("recomputed", &job("activation_checkpointing = true", ""));
+    t.run(&recomputed, &[]).success();
+    let weights = |name: &str| load_weights(&t.job(name).join("model.safetensors"));
+    let diff = max_abs_diff(&weights("one"), &weights("recomputed"));
+    assert!(diff < 1e-5, "checkpointed and not differ by {diff}");
+    let first = &train_records(&t, "recomputed")[0];
+    assert_eq!(
+        first["metrics"]["rewards/margins"].as_f64(),
+        Some(0.0),
+        "{first}"
+    );
+
     let half = job("", "").replace("batch_size = 24", "batch_size = 12");
     let two = t.config("two", &half);
     t.run(&two, &["--nproc-per-node", "2"]).success();
-    let weights = |name: &str| load_weights(&t.job(name).join("model.safetensors"));
     let diff = max_abs_diff(&weights("one"), &weights("two"));
     assert!(diff < 1e-5, "1 x 24 and 2 x 12 differ by {diff}");
 

@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Result, Tensor};
 use ddpjob_seam::metric::{EvalSums, pair_sums};
-use ddpjob_seam::{KvDecoder, Mode, Model, Params};
+use ddpjob_seam::{KvDecoder, Mode, Model, Params, TrainPass};
 
 use super::dpo_loss::{DpoSettings, LOGGED, Scored, score};
 use super::logps::{row_extents, row_logps};
@@ -29,7 +29,7 @@ fn rejected_seed(seed: u64) -> u64 {
 impl Dpo {
     /// Pairs [n, 2, t] as rows [2n, t] (chosen, rejected, chosen, ...), the mode's seeds one
     /// per row.
-    fn rows(xs: &Tensor, ys: &Tensor, mode: &Mode) -> Result<(Tensor, Tensor, Mode)> {
+    pub(crate) fn rows(xs: &Tensor, ys: &Tensor, mode: &Mode) -> Result<(Tensor, Tensor, Mode)> {
         let &[n, 2, t] = xs.dims() else {
             candle_core::bail!(
                 "the DPO objective takes pairs [n, 2, t], not {:?}: train.objective = \"dpo\" \
@@ -162,12 +162,29 @@ impl Model for Dpo {
         self.policy.activation_bytes_per_pass(checkpointing)
     }
 
+    /// The policy's recomputing pass, run a row at a time (see `row_passes`); not for a
+    /// policy whose loss has terms of its own (a mixture's load balancing), which a row's pass
+    /// would mix into its log-likelihood.
     fn checkpoint_activations(&self) -> std::result::Result<(), String> {
-        Err(
-            "train.objective = \"dpo\" differentiates its loss with autograd over the whole \
-             pass, which does not recompute blocks yet"
-                .into(),
-        )
+        if !self.policy.loss_terms().is_empty() {
+            return Err(
+                "train.objective = \"dpo\" recomputes a row at a time through the \
+                        model's own pass, whose loss here has terms besides the log-likelihood \
+                        (a mixture's load balancing)"
+                    .into(),
+            );
+        }
+        self.policy.checkpoint_activations()
+    }
+
+    fn train_pass(
+        &self,
+        xs: &Tensor,
+        targets: &Tensor,
+        mode: &Mode,
+    ) -> Result<Option<Box<dyn TrainPass + '_>>> {
+        let passes = self.row_passes(xs, targets, mode)?;
+        Ok(passes.map(|p| Box::new(p) as Box<dyn TrainPass + '_>))
     }
 
     fn shard_parameters(&self) -> std::result::Result<Vec<Vec<usize>>, String> {

@@ -14,6 +14,7 @@ pub mod dpo_loss;
 mod logps;
 pub mod precompute;
 pub mod reference;
+mod row_passes;
 
 pub use dpo::Dpo;
 pub use dpo_loss::DpoSettings;

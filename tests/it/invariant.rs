@@ -257,3 +257,43 @@ fn memory_advice_offers_no_sharding_the_mode_refuses() {
         "{invariant}"
     );
 }
+
+/// Instruction data: examples of different lengths, each rank's batch padded to its own
+/// longest. A piece is cut to its own longest row, so 1 and 2 workers train the same bits
+/// (before, a piece carried the padding of the rank's batch, and its bits changed with it).
+#[test]
+fn instruction_examples_train_the_same_bits_on_one_and_two_workers() {
+    let t = TestJob::new();
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let config = format!(
+        r#"seed = 2
+[model]
+init_from = "{}"
+[data]
+dataset = "jsonl"
+train_path = "{}"
+val_path = "{}"
+completion_field = "chosen"
+[train]
+epochs = 2
+global_batch_size = 8
+lr = 0.003
+optimizer = "adamw"
+log_every = 3
+[distributed]
+deterministic = "world-size-invariant"
+virtual_shards = 4
+"#,
+        fixtures.join("chat/model").display(),
+        fixtures.join("dpo/prefs.jsonl").display(),
+        fixtures.join("dpo/prefs-val.jsonl").display()
+    );
+    for (name, workers) in [("one", "1"), ("two", "2")] {
+        let cfg = t.config(name, &config);
+        t.run(&cfg, &["--nproc-per-node", workers]).success();
+    }
+    crate::common::assert_same_bits(
+        &t.job("one").join("model.safetensors"),
+        &t.job("two").join("model.safetensors"),
+    );
+}

@@ -113,6 +113,20 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
         false,
     )
     .map_err(crate::train::TrainError::from)?;
+    let pairs = spec.train.objective == crate::config::Objective::Dpo;
+    let model = match pairs {
+        false => model,
+        true => {
+            // A bench keeps no job to hold a precomputed reference in: the live one.
+            let mut live = spec.clone();
+            live.train.dpo.precompute_reference = false;
+            let task = crate::task::load(spec, None).map_err(crate::train::TrainError::from)?;
+            let comm = LocalCommunicator;
+            crate::objective::around(model, &live, task.as_ref(), &device, None, &comm)
+                .map_err(crate::train::TrainError::from)?
+                .0
+        }
+    };
     if spec.train.activation_checkpointing {
         model.checkpoint_activations().map_err(|why| {
             crate::train::TrainError::from(candle_core::Error::Msg(format!(
@@ -124,7 +138,7 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
     let t = &spec.train;
     let mut rng = Mt19937::new(spec.seed);
     let batches = (0..t.accumulation)
-        .map(|_| random_batch(&mut rng, t.batch_size, input, &device))
+        .map(|_| random_batch(&mut rng, t.batch_size, input, &device, pairs))
         .collect::<Result<Vec<_>, _>>()
         .map_err(crate::train::TrainError::from)?;
     let comm = LocalCommunicator;
@@ -267,13 +281,30 @@ fn use_threads(threads: usize) -> Result<(), BenchError> {
 }
 
 /// Images uniform in [0, 1) (as scaled pixels) with uniform labels, or uniform token windows;
-/// training mode, so a model with dropout pays for it as training does.
+/// training mode, so a model with dropout pays for it as training does. `pairs` (DPO): `n`
+/// preference pairs [n, 2, t], two windows each, the first half of each a prompt whose
+/// targets do not score.
 fn random_batch(
     rng: &mut Mt19937,
     n: usize,
     input: ModelInput,
     device: &Device,
+    pairs: bool,
 ) -> candle_core::Result<MicroBatch> {
+    if pairs {
+        let rows = random_batch(rng, 2 * n, input, device, false)?;
+        let (m, t) = rows.targets.dims2()?;
+        let prompt = Tensor::full(crate::task::IGNORE_TARGET, (m, t / 2), device)?;
+        let completion = rows.targets.narrow(1, t / 2, t - t / 2)?;
+        let targets = Tensor::cat(&[&prompt, &completion], 1)?;
+        return Ok(MicroBatch {
+            inputs: rows.inputs.reshape((n, 2, t))?,
+            targets: targets.reshape((n, 2, t))?,
+            mode: Mode::Train {
+                row_seeds: (0..n as u64).collect(),
+            },
+        });
+    }
     let pick = |rng: &mut Mt19937, k: usize| (rng.uniform(0.0, k as f32) as u32).min(k as u32 - 1);
     let (inputs, targets) = match input {
         ModelInput::Image {

@@ -203,8 +203,9 @@ fn a_lora_jobs_reference_is_the_base_and_a_precomputed_one_trains_the_same_bits(
 }
 
 /// A full fine-tune's frozen reference never moves; activation checkpointing trains the same
-/// weights (to rounding); 2 workers × 12 pairs train the weights 1 × 24 do; a job preempted mid-run resumes bit for bit; world-size-invariant training gives the
-/// same bits on 1 and 2 workers; `[expect]` reads the rewards.
+/// weights (to rounding); 2 workers × 12 pairs train the weights 1 × 24 do; a job preempted
+/// mid-run resumes bit for bit; world-size-invariant training gives the same bits on 1 and 2
+/// workers; `[expect]` reads the rewards.
 #[test]
 fn a_full_dpo_job_resumes_bit_for_bit_and_two_workers_match_one() {
     let t = TestJob::new();
@@ -345,4 +346,14 @@ fn the_shipped_dpo_recipe_runs_as_written() {
     ])
     .success();
     assert!(t.path("adapter/adapter_config.json").is_file());
+}
+
+/// `bench step` times a DPO step: random pairs, the live reference, the step the trainer runs.
+#[test]
+fn bench_step_times_a_dpo_step() {
+    let t = TestJob::new();
+    let cfg = t.config("bench", &job("", "")).display().to_string();
+    let run = t.ddpjob(&["bench", "step", "--config", &cfg, "--steps", "1"]);
+    run.success();
+    assert!(run.stdout.contains("step ms median"), "{}", run.stdout);
 }

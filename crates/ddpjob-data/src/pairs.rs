@@ -180,6 +180,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::single_range_in_vec_init)]
     fn the_prompt_ends_where_either_whole_parts_from_it() {
         let [c, r] = split(&[1, 2, 3], [vec![1, 2, 3, 4, 5], vec![1, 2, 7, 8]]);
         assert_eq!(c, (vec![1, 2, 3, 4, 5], vec![2..5]));

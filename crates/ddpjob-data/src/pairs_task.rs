@@ -1,11 +1,11 @@
 //! Preference pairs ready to batch (`train.objective = "dpo"`): a sample is a pair, its two
 //! examples (examples 2i and 2i + 1 of the stored split: the prompt and the chosen
 //! completion, the prompt and the rejected one) batched as TRL's collator batches them, each
-//! a row padded on the right to the longest row of the batch, targets ignored
-//! outside the completions
-//! ([`ddpjob_seam::task::IGNORE_TARGET`]). Inputs and targets are [pairs, 2, t]: a pair never parts, so a
-//! batch cut into row shards or among ranks keeps each pair whole, and the DPO objective (see
-//! `ddpjob-objective`) reads chosen at `[:, 0]` and rejected at `[:, 1]`.
+//! a row padded on the right to the longest row of the batch, targets ignored outside the
+//! completions ([`ddpjob_seam::task::IGNORE_TARGET`]). Inputs and targets are
+//! `[pairs, 2, t]`: a pair never parts, so a batch cut into row shards or among ranks keeps
+//! each pair whole, and the DPO objective (see `ddpjob-objective`) reads chosen at `[:, 0]`
+//! and rejected at `[:, 1]`.
 
 use std::ops::Range;
 
@@ -29,7 +29,7 @@ impl PairsTask {
         PairsTask { examples }
     }
 
-    /// [pairs, 2, t] inputs and targets of pairs `indices` of `examples`.
+    /// `[pairs, 2, t]` inputs and targets of pairs `indices` of `examples`.
     fn batch(
         &self,
         examples: &Examples,

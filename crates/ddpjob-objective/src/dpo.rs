@@ -1,5 +1,5 @@
 //! The DPO objective as a [`Model`] the trainer drives like any other: a batch is pairs
-//! (inputs and targets [pairs, 2, t], see `ddpjob-data`'s pairs), its loss the mean over the
+//! (inputs and targets `[pairs, 2, t]`, see `ddpjob-data`'s pairs), its loss the mean over the
 //! pairs of DPO's loss of the policy's log-probabilities against the reference's, its logged
 //! terms TRL's (`rewards/margins`, ...), its evaluation sums those `preference_metrics`
 //! reads. Everything else (parameters, sampling, the memory estimate) is the policy's, so a
@@ -27,7 +27,7 @@ fn rejected_seed(seed: u64) -> u64 {
 }
 
 impl Dpo {
-    /// Pairs [n, 2, t] as rows [2n, t] (chosen, rejected, chosen, ...), the mode's seeds one
+    /// Pairs `[n, 2, t]` as rows `[2n, t]` (chosen, rejected, chosen, ...), the mode's seeds one
     /// per row.
     pub(crate) fn rows(xs: &Tensor, ys: &Tensor, mode: &Mode) -> Result<(Tensor, Tensor, Mode)> {
         let &[n, 2, t] = xs.dims() else {

@@ -26,8 +26,8 @@ pub const LOGGED: [&str; 6] = [
     "logps/rejected",
 ];
 
-/// A batch of pairs scored: each pair's loss [n] (differentiable in the policy) and, detached,
-/// the rewards β·(logp_θ − logp_ref) [n, 2] and the policy's log-probabilities [n, 2].
+/// A batch of pairs scored: each pair's loss `[n]` (differentiable in the policy) and, detached,
+/// the rewards β·(logp_θ − logp_ref) `[n, 2]` and the policy's log-probabilities `[n, 2]`.
 pub struct Scored {
     pub losses: Tensor,
     pub rewards: Tensor,
@@ -43,8 +43,8 @@ fn log_sigmoid(x: &Tensor) -> Result<Tensor> {
     (x.clamp(-80.0, 80.0)?.neg()?.exp()? + 1.0)?.log()?.neg()
 }
 
-/// The pairs' losses. `policy` and `reference`: summed log-probabilities [n, 2]; `lengths`:
-/// each completion's scored tokens [n, 2] (IPO's per-token means).
+/// The pairs' losses. `policy` and `reference`: summed log-probabilities `[n, 2]`; `lengths`:
+/// each completion's scored tokens `[n, 2]` (IPO's per-token means).
 pub fn score(
     s: &DpoSettings,
     policy: &Tensor,

@@ -7,8 +7,8 @@ use candle_core::{DType, Result, Tensor};
 use ddpjob_seam::task::IGNORE_TARGET;
 use ddpjob_seam::{Mode, Model};
 
-/// Each row's summed log-probability of its scored targets [m] (f32), for inputs and targets
-/// [m, t] (targets [`IGNORE_TARGET`] where nothing scores): the model's
+/// Each row's summed log-probability of its scored targets `[m]` (f32), for inputs and targets
+/// `[m, t]` (targets [`IGNORE_TARGET`] where nothing scores): the model's
 /// [`Model::row_log_likelihoods`].
 pub fn row_logps(model: &dyn Model, xs: &Tensor, ys: &Tensor, mode: &Mode) -> Result<Tensor> {
     model.row_log_likelihoods(xs, ys, mode)

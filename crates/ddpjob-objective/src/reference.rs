@@ -51,7 +51,7 @@ pub fn row_key(xs: &[u32], ys: &[u32]) -> RowKey {
 }
 
 impl Reference {
-    /// The reference's summed log-probability of each row of `xs`, `ys` [m, t] (0 for a row
+    /// The reference's summed log-probability of each row of `xs`, `ys` `[m, t]` (0 for a row
     /// that scores nothing), each row alone; `policy` is the model adapters-off runs.
     pub fn row_logps(&self, policy: &dyn Model, xs: &Tensor, ys: &Tensor) -> Result<Vec<f32>> {
         let extents = row_extents(ys)?;
@@ -77,8 +77,10 @@ impl Reference {
                     table.get(&key).ok_or_else(|| {
                         candle_core::Error::Msg(format!(
                             "the precomputed reference (`{}`) has no completion of {len} \
-                             tokens met in this batch: it was made from other data; delete the \
-                             file to compute it again",
+                             tokens met in this batch: it holds the job's own pairs, as they \
+                             were when it was made (other data, as `eval --data` gives, needs \
+                             train.dpo.precompute_reference = false; a table from before the \
+                             data changed is deleted to compute it again)",
                             table.path.display()
                         ))
                     })?
@@ -89,7 +91,7 @@ impl Reference {
     }
 }
 
-/// The key of each row of `xs`, `ys` [m, t] cut to its length (`None` for a row that scores
+/// The key of each row of `xs`, `ys` `[m, t]` cut to its length (`None` for a row that scores
 /// nothing).
 pub fn row_keys(xs: &Tensor, ys: &Tensor) -> Result<Vec<Option<RowKey>>> {
     let extents = row_extents(ys)?;

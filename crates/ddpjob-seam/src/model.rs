@@ -49,9 +49,9 @@ pub trait Model: Send + Sync {
         crate::task::loss_sum_and_correct(&self.forward(xs, &Mode::Eval)?, targets)
     }
 
-    /// Each row's summed log-likelihood of its scored targets, [m] f32, for inputs and targets
-    /// [m, t] (targets [`crate::task::IGNORE_TARGET`] where nothing scores): Σ over the row's
-    /// scored positions of log softmax(logits)[target], differentiable. What a preference
+    /// Each row's summed log-likelihood of its scored targets, `[m]` f32, for inputs and
+    /// targets `[m, t]` (targets [`crate::task::IGNORE_TARGET`] where nothing scores): Σ over
+    /// the row's scored positions of `log softmax(logits)[target]`, differentiable. What a preference
     /// objective reads of its policy. The default: from [`Model::forward`]'s logits, all of
     /// them held at once; a model may compute it without (the llama's head, row by row).
     fn row_log_likelihoods(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
@@ -226,8 +226,9 @@ impl GradientSink for CollectedGradients {
     }
 }
 
-/// Σ over each row's scored targets of log softmax(`logits`)[target]: logits [m, t, vocab]
-/// (any float type, summed in f32), targets [m, t] → [m] (see [`Model::row_log_likelihoods`]).
+/// Σ over each row's scored targets of `log softmax(logits)[target]`: logits `[m, t, vocab]`
+/// (any float type, summed in f32), targets `[m, t]` → `[m]` (see
+/// [`Model::row_log_likelihoods`]).
 pub fn log_likelihoods(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     use candle_core::{D, DType};
     let logits = logits.to_dtype(DType::F32)?;

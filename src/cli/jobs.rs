@@ -390,6 +390,15 @@ fn memory_lines(
 fn opened(spec: &config::JobSpec, task: &dyn crate::task::Task) -> String {
     match spec.model.language() {
         // What was truncated or left out is said here, not first in the run's log.
+        Some(_) if task.example_counts().is_some_and(|c| c.pairs) => format!(
+            "preference pairs, two rows each of up to block_size + 1 tokens; {} for \
+             evaluation{}",
+            task.eval_len(),
+            task.batches(&candle_core::Device::Cpu)
+                .ok()
+                .and_then(|b| b.note())
+                .map_or(String::new(), |note| format!("; {note}")),
+        ),
         Some(_) if task.masks_targets() => format!(
             "examples, each up to block_size + 1 tokens; {} for evaluation{}{}",
             task.eval_len(),

@@ -62,9 +62,13 @@ pub(super) fn preview(args: &PreviewArgs) -> CliResult {
     let colour = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     for (i, e) in examples.iter().enumerate() {
         let trained = e.trained.iter().filter(|&&t| t).count();
+        let which = match counts.pairs {
+            true => format!("pair {}, {}", i / 2, ["chosen", "rejected"][i % 2]),
+            false => format!("example {i}"),
+        };
         let _ = writeln!(
             stdout,
-            "── example {i}: {} tokens, {trained} trained {}",
+            "── {which}: {} tokens, {trained} trained {}",
             e.ids.len(),
             "─".repeat(20)
         );
@@ -105,16 +109,25 @@ fn render(e: &Example, tokenizer: Option<&HfTokenizer>, colour: bool) -> String 
 
 /// The training set's counts in words.
 fn describe(c: &ExampleCounts) -> String {
+    let examples = match c.pairs {
+        true => format!("{} pairs ({} examples)", c.examples / 2, c.examples),
+        false => format!("{} examples", c.examples),
+    };
     let mut text = format!(
-        "training set: {} examples, {} tokens, {} trained ({:.1}%)",
-        c.examples,
+        "training set: {examples}, {} tokens, {} trained ({:.1}%)",
         c.tokens,
         c.trained,
         100.0 * c.trained as f64 / c.tokens.max(1) as f64
     );
     for (n, what) in [
         (c.truncated, "truncated to model.block_size + 1 tokens"),
-        (c.left_out, "left out with nothing to train"),
+        (
+            c.left_out,
+            match c.pairs {
+                true => "pairs left out with nothing to learn",
+                false => "left out with nothing to train",
+            },
+        ),
         (c.bad_records, "bad records skipped"),
     ] {
         if n > 0 {
@@ -128,5 +141,6 @@ fn counts_json(c: &ExampleCounts) -> serde_json::Value {
     serde_json::json!({
         "examples": c.examples, "tokens": c.tokens, "trained_tokens": c.trained,
         "truncated": c.truncated, "left_out": c.left_out, "bad_records": c.bad_records,
+        "pairs": c.pairs,
     })
 }

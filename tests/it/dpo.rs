@@ -335,6 +335,21 @@ fn the_shipped_dpo_recipe_runs_as_written() {
         "{}",
         run.stdout
     );
+    // `preview` shows each pair's two rows and counts pairs.
+    let out = t
+        .command(&["preview", &config, "--examples", "1"], &[])
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    let preview: crate::common::Run = out.into();
+    preview.success();
+    for line in [
+        "── pair 0, chosen:",
+        "── pair 0, rejected:",
+        "training set: 24 pairs (48 examples)",
+    ] {
+        assert!(preview.stdout.contains(line), "{}", preview.stdout);
+    }
     let adapter = t.path("adapter").display().to_string();
     t.ddpjob(&[
         "export",
@@ -356,4 +371,31 @@ fn bench_step_times_a_dpo_step() {
     let run = t.ddpjob(&["bench", "step", "--config", &cfg, "--steps", "1"]);
     run.success();
     assert!(run.stdout.contains("step ms median"), "{}", run.stdout);
+}
+
+/// Pairs as the Hub stores them: parquet files (string columns, and conversations as
+/// `list<struct<role, content>>` columns, written by pyarrow in make_dpo_fixture.py) train the
+/// weights their jsonl lines train, bit for bit.
+#[test]
+fn parquet_pairs_train_what_jsonl_pairs_train() {
+    let t = TestJob::new();
+    for set in ["prefs", "prefs-chat"] {
+        let of = |ext: &str| fixture(&format!("dpo/{set}.{ext}"));
+        let text = job("max_steps = 2", "")
+            .replace(&fixture("dpo/prefs.jsonl"), &of("jsonl"))
+            .replace(&fixture("dpo/prefs-val.jsonl"), &of("jsonl"));
+        let lines = t.config(&format!("{set}-jsonl"), &text);
+        let parquet = t.config(
+            &format!("{set}-parquet"),
+            &text
+                .replace(&of("jsonl"), &of("parquet"))
+                .replace("dataset = \"jsonl\"", "dataset = \"parquet\""),
+        );
+        t.run(&lines, &[]).success();
+        t.run(&parquet, &[]).success();
+        crate::common::assert_same_bits(
+            &t.job(&format!("{set}-jsonl")).join("model.safetensors"),
+            &t.job(&format!("{set}-parquet")).join("model.safetensors"),
+        );
+    }
 }

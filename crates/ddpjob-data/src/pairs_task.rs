@@ -74,7 +74,11 @@ impl Task for PairsTask {
     }
 
     fn example_counts(&self) -> Option<ExampleCounts> {
-        self.examples.example_counts()
+        let counts = self.examples.example_counts()?;
+        Some(ExampleCounts {
+            pairs: true,
+            ..counts
+        })
     }
 
     fn metrics(&self) -> Vec<Box<dyn Metric>> {

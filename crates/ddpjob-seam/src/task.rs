@@ -70,6 +70,8 @@ pub struct ExampleCounts {
     pub left_out: usize,
     /// Records skipped as bad (`data.skip_bad_lines`).
     pub bad_records: usize,
+    /// The examples are preference pairs, two a sample (chosen, then rejected).
+    pub pairs: bool,
 }
 
 /// A data set a job trains on, whatever it predicts.

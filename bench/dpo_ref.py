@@ -28,19 +28,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_ref import SMOLLM2  # noqa: E402  the shape bench/llama-vs-transformers.sh uses
+
 HERE = Path(__file__).resolve().parent.parent
-SMOLLM2 = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 JOB = """name = "dpo-bench"
 seed = 1
@@ -79,7 +70,7 @@ def prepare(args):
 
     work = Path(args.dir)
     model_dir = work / "model"
-    config = dict(SMOLLM2)
+    config = dict(SMOLLM2, max_position_embeddings=2048)
     if args.layers:
         config["num_hidden_layers"] = args.layers
     torch.manual_seed(0)

@@ -25,7 +25,9 @@
 # with `train.activation_checkpointing` against the same job without it, bit for bit), cnn (a Fashion-MNIST cnn epoch against
 # torch_ref.py), gpt (the GPT GPU recipe against gpt_ref.py), llama (a SmolLM2-135M-shaped
 # `llama` from a Hugging Face directory, bf16, against transformers on the same device: training
-# and `eval` tokens/s, the first steps' losses), bench (`bench step` of BENCH_CONFIG and of the step the cnn
+# and `eval` tokens/s, the first steps' losses), compile (the GPT recipe, GPT-2 124M's shape and
+# the llama against torch.compile: tokens/s, peak GPU memory, MFU; COMPILE_STEPS, default 300),
+# bench (`bench step` of BENCH_CONFIG and of the step the cnn
 # epoch runs, `bench allreduce`),
 # profile (ncu's time per kernel of the GPT recipe's step and the cnn's), resume (SIGTERM in the middle of a
 # run, then `resume`, against the same job uninterrupted). The device tool
@@ -49,7 +51,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
-all_steps=(driver warmup kernels cnn bench profile smoke nccl tcp2 memory zero recompute gpt llama resume)
+all_steps=(driver warmup kernels cnn bench profile smoke nccl tcp2 memory zero recompute gpt llama compile resume)
 wanted=("$@")
 [ $# -gt 0 ] || wanted=("${all_steps[@]}")
 for s in "${wanted[@]}"; do
@@ -62,6 +64,7 @@ wants() {
     cnn) record "cnn epoch vs torch_ref.py" skipped "SMOKE_ONLY"; return 1 ;;
     gpt) record "GPT recipe vs gpt_ref.py" skipped "SMOKE_ONLY"; return 1 ;;
     llama) record "llama vs transformers" skipped "SMOKE_ONLY"; return 1 ;;
+    compile) record "vs torch.compile" skipped "SMOKE_ONLY"; return 1 ;;
   esac
 }
 device=${DEVICE:-cuda}
@@ -501,6 +504,23 @@ print(f"train tokens/s {ours:,.0f} vs {refs['sdpa']['train_tokens_per_s']:,.0f} 
 PY
   ); then record "llama vs transformers" ok "$layers layers, batch $lbatch x 256, $lsteps steps: $detail"
   else record "llama vs transformers" FAIL "${detail:-$(tail_of "$logs/llama-prepare.log" 2) $(tail_of "$logs/llama-run.log" 2) $(tail_of "$logs/llama-eval.err" 2) $(tail_of "$logs/llama-ref-sdpa.err" 2)}"; fi
+fi
+
+# Against torch.compile (nanoGPT's GPU set-up: the model compiled, AdamW fused): the GPT recipe
+# and GPT-2 124M's shape against gpt_ref.py --bf16 --compile, the SmolLM2-shaped llama against
+# transformers under torch.compile (bench/compile-vs-torch.sh: tokens/s and the ratio, peak GPU
+# memory sampled the same way for both, model FLOPs utilisation), a command and a row a case.
+if wants compile; then
+  for c in gpt-recipe gpt2-124m llama; do
+    if [ ! -f "$text" ]; then record "vs torch.compile: $c" FAIL "no text at $text"; continue; fi
+    if line=$(DEVICE=$device TEXT=$text BIN="${bin[*]}" PYTHON=$python GPT_REF=$(ref gpt_ref.py) \
+          CASES=$c LLAMA_LAYERS=${LLAMA_LAYERS:-30} STEPS=${COMPILE_STEPS:-300} \
+          timeout -k 10 "$limit" bench/compile-vs-torch.sh 2> "$logs/compile-$c.err" \
+          | tee "$logs/compile-$c.log" | tail -2 | head -1) && [ -n "$line" ] \
+       && [[ "$line" != *failed* ]]; then
+      record "vs torch.compile: $c" ok "${line#*: }"
+    else record "vs torch.compile: $c" FAIL "${line:-$(tail_of "$logs/compile-$c.err" 2)}"; fi
+  done
 fi
 
 # SIGTERM in the middle of a run, then `resume`, against the same job uninterrupted: the final

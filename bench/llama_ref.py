@@ -26,6 +26,8 @@ attention (fused kernels on a GPU); `--batch` the job's per-step batch (`--set t
 ddpjob's `train.precision = "bf16-matmul"`: `torch.set_float32_matmul_precision("medium")` and
 oneDNN's `torch.backends.mkldnn.matmul.fp32_precision = "bf16"` (its bf16 products on CPUs
 with AVX512_BF16; TF32 on a GPU).
+`--compile`: the model under `torch.compile` and AdamW fused on a GPU (nanoGPT's set-up; the
+first 20 steps, compilation, left out of the tokens/s), for bench/compile-vs-torch.sh.
 `--lora R`: the model wrapped by peft (`LoraConfig(r=R, lora_alpha=2R)` on the seven projections,
 as ddpjob's `[model.lora]` of bench/lora-vs-peft.sh), only the adapters given to AdamW.
 """
@@ -218,7 +220,12 @@ def train(args):
                             lora_dropout=0.0, task_type="CAUSAL_LM")
         model = get_peft_model(model, config)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    parameters = sum(p.numel() for p in model.parameters())
+    # --compile: nanoGPT's GPU set-up, the model compiled and AdamW fused; the first 20 steps
+    # (compilation) are left out of the timing.
+    fused = {"fused": True} if args.compile and device.type == "cuda" else {}
+    opt = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, **fused)
+    net = torch.compile(model) if args.compile else model
     n = len(train_ids)
     windows = train_windows(n, BLOCK)
     losses, times = [], []
@@ -237,7 +244,7 @@ def train(args):
             x, y = rows[:, :-1], rows[:, 1:]
             t0 = finished()
             with autocast():
-                logits = model(x).logits
+                logits = net(x).logits
                 loss = torch.nn.functional.cross_entropy(
                     logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)
                 )
@@ -263,7 +270,7 @@ def train(args):
             ).item()
             count += rows[:, 1:].numel()
     eval_s = finished() - started
-    timed = times[2:] or times
+    timed = times[20 if args.compile else 2 :] or times
     print(
         json.dumps(
             {
@@ -273,6 +280,8 @@ def train(args):
                 "eval_tokens": count,
                 "eval_tokens_per_s": count / eval_s,
                 "load_s": load_s,
+                "parameters": parameters,
+                "compiled": args.compile,
             }
         )
     )
@@ -295,6 +304,8 @@ def main():
     b.add_argument("--precision", choices=["f32", "bf16", "bf16-matmul"], default="f32")
     b.add_argument("--attn", choices=["eager", "sdpa"], default="eager")
     b.add_argument("--batch", type=int, default=None, help="default: the job's")
+    b.add_argument("--compile", action="store_true",
+                   help="torch.compile the model, fused AdamW on a GPU (20 steps of warm-up untimed)")
     b.add_argument("--experts", choices=["eager", "grouped_mm", "batched_mm"], default=None,
                    help="transformers' experts_implementation (default: its own choice)")
     args = p.parse_args()

@@ -236,13 +236,19 @@ pub fn run(model: &EvalModel, spec: &JobSpec) -> Result<EvalReport, EvalError> {
     if job.is_some() {
         load_weights(built.params(), &weights)?;
     }
-    let job_dir = job.map(|j| j.root.as_path());
+    // A precomputed reference is the job's; one made here is for this evaluation alone (the
+    // weights are loaded by now, a LoRA job's base the one it started from).
+    let wrapping = crate::objective::Wrapping {
+        job: job.map(|j| j.root.as_path()),
+        keep: false,
+        restoring: false,
+    };
     let (built, _) = crate::objective::around(
         built,
         spec,
         task.as_ref(),
         &device,
-        job_dir,
+        wrapping,
         &LocalCommunicator,
     )?;
     let load_s = started.elapsed().as_secs_f64();

@@ -15,17 +15,30 @@ use crate::config::{JobSpec, Objective};
 use crate::models::Model;
 use crate::task::Task;
 
-/// `model` as `spec`'s objective trains and scores it; `job`: the job directory, where a
-/// precomputed reference is kept (`None`: computed and kept in memory only). A line for the
-/// log with it, saying what the reference is.
+/// Where the model [`around`] wraps stands.
+#[derive(Debug, Clone, Copy)]
+pub struct Wrapping<'a> {
+    /// The job directory, where a precomputed reference is read from (`None`: none is).
+    pub job: Option<&'a Path>,
+    /// A precomputed reference made now is kept there (a worker's; `eval` computes one for
+    /// itself, in memory).
+    pub keep: bool,
+    /// The model's weights are a checkpoint's, put in later: not the model as the job
+    /// started, so no reference may be computed from them.
+    pub restoring: bool,
+}
+
+/// `model` as `spec`'s objective trains and scores it, and a line for the log saying what the
+/// reference is.
 pub fn around(
     model: Box<dyn Model>,
     spec: &JobSpec,
     data: &dyn Task,
     device: &Device,
-    job: Option<&Path>,
+    at: Wrapping,
     comm: &dyn Communicator,
 ) -> candle_core::Result<(Box<dyn Model>, Option<String>)> {
+    let job = at.job;
     if spec.train.objective == Objective::Lm {
         return Ok((model, None));
     }
@@ -50,6 +63,15 @@ pub fn around(
     };
     let (reference, what) = match (d.precompute_reference, reference) {
         (true, live @ (Reference::AdaptersOff | Reference::Frozen(_))) => {
+            if at.restoring && matches!(live, Reference::AdaptersOff) {
+                return Err(candle_core::Error::Msg(format!(
+                    "train.dpo.precompute_reference: the job has no `{}` and its weights come \
+                     from a checkpoint, not as the job started, so the reference cannot be made \
+                     again; set precompute_reference = false to score against the base with \
+                     the adapters off",
+                    ReferenceTable::FILE
+                )));
+            }
             let path = stored.unwrap_or_else(|| std::env::temp_dir().join(ReferenceTable::FILE));
             let ranks = (comm.rank(), comm.world_size());
             let mut all_reduce =
@@ -64,10 +86,22 @@ pub fn around(
                 path.clone(),
             )
             .map_err(|e| candle_core::Error::Msg(format!("precomputing the reference: {e}")))?;
-            if comm.rank() == 0 && job.is_some() {
-                table.save().map_err(|e| {
-                    candle_core::Error::Msg(format!("cannot write `{}`: {e}", path.display()))
-                })?;
+            // Rank 0 keeps it; every rank hears whether that worked, so none goes on alone.
+            let saved = match (comm.rank(), at.keep && job.is_some()) {
+                (0, true) => table.save().map_err(|e| e.to_string()),
+                _ => Ok(()),
+            };
+            let mut failed = [f64::from(u8::from(saved.is_err()))];
+            if comm.world_size() > 1 {
+                comm.all_reduce_sum_f64(&mut failed)
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            }
+            if failed[0] > 0.0 {
+                let why = saved.err().unwrap_or_else(|| "on rank 0".into());
+                return Err(candle_core::Error::Msg(format!(
+                    "cannot write `{}`: {why}",
+                    path.display()
+                )));
             }
             let what = format!(
                 "precomputed now from {what} ({} completions, {})",

@@ -122,7 +122,12 @@ pub fn step(spec: &JobSpec, options: StepOptions) -> Result<StepBench, BenchErro
             live.train.dpo.precompute_reference = false;
             let task = crate::task::load(spec, None).map_err(crate::train::TrainError::from)?;
             let comm = LocalCommunicator;
-            crate::objective::around(model, &live, task.as_ref(), &device, None, &comm)
+            let wrapping = crate::objective::Wrapping {
+                job: None,
+                keep: false,
+                restoring: false,
+            };
+            crate::objective::around(model, &live, task.as_ref(), &device, wrapping, &comm)
                 .map_err(crate::train::TrainError::from)?
                 .0
         }

@@ -450,9 +450,13 @@ fn train(
         restoring,
     )
     .map_err(WorkerError::Model)?;
-    let (model, objective) =
-        crate::objective::around(model, spec, data, &device, Some(&job.root), comm)
-            .map_err(WorkerError::Model)?;
+    let wrapping = crate::objective::Wrapping {
+        job: Some(&job.root),
+        keep: true,
+        restoring,
+    };
+    let (model, objective) = crate::objective::around(model, spec, data, &device, wrapping, comm)
+        .map_err(WorkerError::Model)?;
     if spec.train.activation_checkpointing {
         model.checkpoint_activations().map_err(|why| {
             WorkerError::Model(candle_core::Error::Msg(format!(

@@ -302,6 +302,16 @@ fn bad_dpo_settings_and_data_are_refused() {
             job("", "").replace("[train]", "pack = true\n[train]"),
             "drop pack",
         ),
+        (
+            "prompted",
+            job("", "").replace("[train]", "train_on_prompt = true\n[train]"),
+            "drop train_on_prompt",
+        ),
+        (
+            "sharded",
+            job("", "[distributed]\nsharding = \"full\""),
+            "distributed.sharding",
+        ),
     ];
     for (name, text, message) in cases {
         let run = t.run(&t.config(name, &text), &[]);

@@ -130,6 +130,12 @@ impl DatasetOptions for JsonlOptions {
                         .into(),
                 );
             }
+            if self.train_on_prompt {
+                return Err("data.train_on_prompt = true scores the prompts, but \
+                            train.objective = \"dpo\" compares the two completions of a pair \
+                            alone (TRL's DPOTrainer): drop train_on_prompt"
+                    .into());
+            }
             if self.text_rows == Some(TextRows::Windows) {
                 return Err(
                     "data.text_rows = \"windows\" lays the rows end to end, but \

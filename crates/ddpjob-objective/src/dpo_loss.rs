@@ -34,13 +34,18 @@ pub struct Scored {
     pub logps: Tensor,
 }
 
-/// log σ(x) = −ln(1 + e^−x), its argument held to [−80, 80] (where e^80 is still an f32 and
-/// the value exact to f32; beyond, a loss of 80 nats a pair). One smooth expression on
-/// purpose: the usual stable form min(x, 0) − ln(1 + e^−|x|) has kinks at 0 whose autograd
-/// gradients (min's 1/2 and |x|'s +1 at a tie) add to 1 instead of σ(−0) = 1/2, and at the
-/// first step, policy = reference, x is exactly 0 for most pairs.
+/// log σ(x), exact and finite for any x: −ln(1 + e^−x) where x ≥ 0, x − ln(1 + e^x) below,
+/// each branch's argument held to its own side (beyond ±80, where only the other branch is
+/// read), so neither overflows and the gradient is σ(−x) everywhere. Not the usual stable form
+/// min(x, 0) − ln(1 + e^−|x|) on purpose: its kinks at 0 give autograd gradients (min's 1/2
+/// and |x|'s +1 at a tie) that add to 1 instead of σ(−0) = 1/2, and at the first step, policy
+/// = reference, x is exactly 0 for most pairs.
 fn log_sigmoid(x: &Tensor) -> Result<Tensor> {
-    (x.clamp(-80.0, 80.0)?.neg()?.exp()? + 1.0)?.log()?.neg()
+    let above = x.maximum(-80.0)?;
+    let below = x.minimum(80.0)?;
+    let from_above = (above.neg()?.exp()? + 1.0)?.log()?.neg()?;
+    let from_below = (&below - (below.exp()? + 1.0)?.log()?)?;
+    x.ge(0.0)?.where_cond(&from_above, &from_below)
 }
 
 /// The pairs' losses. `policy` and `reference`: summed log-probabilities `[n, 2]`; `lengths`:
@@ -190,7 +195,8 @@ mod tests {
         let g = s.losses.sum_all().unwrap().backward().unwrap();
         let g = g.get(&p).unwrap().to_vec2::<f32>().unwrap();
         assert_eq!(g, [[-0.05, 0.05]]);
-        // Far out, finite: a pair ranked right by 2000 nats, and wrong by as much.
+        // Far out, finite: a pair ranked right by 2000 nats, and wrong by as much (a loss of
+        // 200 nats, its gradient still β).
         let far = score(
             &settings(DpoLoss::Sigmoid, 0.0),
             &pairs(&[[0.0, -2000.0], [-2000.0, 0.0]]),
@@ -199,7 +205,21 @@ mod tests {
         )
         .unwrap();
         let v = far.losses.to_vec1::<f32>().unwrap();
-        assert!(v[0] < 1e-30 && (v[1] - 80.0).abs() < 1e-3, "{v:?}");
+        assert!(v[0] < 1e-30 && (v[1] - 200.0).abs() < 1e-3, "{v:?}");
+        let p = candle_core::Var::from_tensor(&pairs(&[[-2000.0, 0.0]])).unwrap();
+        let wrong = score(
+            &settings(DpoLoss::Sigmoid, 0.0),
+            &p,
+            &pairs(&[[0.0, 0.0]]),
+            &pairs(&[[1.0, 1.0]]),
+        )
+        .unwrap();
+        let g = wrong.losses.sum_all().unwrap().backward().unwrap();
+        let g = g.get(&p).unwrap().to_vec2::<f32>().unwrap();
+        assert!(
+            (g[0][0] + 0.1).abs() < 1e-6 && (g[0][1] - 0.1).abs() < 1e-6,
+            "{g:?}"
+        );
     }
 
     #[test]

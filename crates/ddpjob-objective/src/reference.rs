@@ -169,7 +169,7 @@ impl ReferenceTable {
             .ok_or_else(|| bad("not a reference table"))?;
         let (count, entries) = rest.split_at_checked(8).ok_or_else(|| bad("cut short"))?;
         let count = u64::from_le_bytes(count.try_into().expect("8 bytes")) as usize;
-        if entries.len() != count * 20 {
+        if count.checked_mul(20) != Some(entries.len()) {
             return Err(bad("its length does not match its header"));
         }
         let values = entries

@@ -21,6 +21,8 @@ pub(crate) struct RowPasses<'a> {
     passes: Vec<(Box<dyn TrainPass + 'a>, f64)>,
     loss: Tensor,
     logged: Tensor,
+    /// The policy's parameters: a batch with no scored row still answers for each.
+    params: usize,
 }
 
 impl Dpo {
@@ -92,6 +94,7 @@ impl Dpo {
             passes,
             loss: loss.detach(),
             logged,
+            params: self.policy.params().len(),
         }))
     }
 }
@@ -106,13 +109,9 @@ impl TrainPass for RowPasses<'_> {
     }
 
     fn backward(self: Box<Self>, scale: f64) -> Result<Vec<Option<Tensor>>> {
-        let mut total: Vec<Option<Tensor>> = Vec::new();
+        let mut total: Vec<Option<Tensor>> = vec![None; self.params];
         for (pass, weight) in self.passes {
             let grads = pass.backward(scale * weight)?;
-            if total.is_empty() {
-                total = grads;
-                continue;
-            }
             for (sum, g) in total.iter_mut().zip(grads) {
                 *sum = match (sum.take(), g) {
                     (Some(a), Some(b)) => Some((a + b)?),

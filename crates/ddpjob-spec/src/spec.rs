@@ -300,7 +300,6 @@ impl Sharding {
     }
 }
 
-/// `train.early_stopping.monitor`: the evaluation figure early stopping watches, as
 /// `train.objective`: what a job learns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Objective {
@@ -334,6 +333,7 @@ impl DpoLoss {
     }
 }
 
+/// `train.early_stopping.monitor`: the evaluation figure early stopping watches, as
 /// Lightning's `monitor` with the `mode` that fits it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]

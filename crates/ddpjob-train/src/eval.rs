@@ -86,7 +86,9 @@ fn score(
     let dims = xs.dims();
     let most = SCORED_POSITIONS[usize::from(!xs.device().is_cpu())];
     let windows = match (xs.dtype().is_int(), dims) {
-        (true, &[n, t, ..]) if n * width.unwrap_or(t) > most => (most / width.unwrap_or(t)).max(1),
+        (true, &[n, _, ..]) if n * width.unwrap_or(positions(dims)) > most => {
+            (most / width.unwrap_or(positions(dims))).max(1)
+        }
         _ => return model.eval_sums(xs, ys),
     };
     let mut sums = EvalSums::default();
@@ -96,6 +98,16 @@ fn score(
         sums.add(&part);
     }
     Ok(sums)
+}
+
+/// Positions a sample of token inputs `dims` [n, ...] holds: a window's t ([n, t], packed
+/// [n, t, 2]), or both rows of a preference pair ([n, 2, t]: 2t).
+fn positions(dims: &[usize]) -> usize {
+    match dims {
+        &[_, 2, t] if t != 2 => 2 * t,
+        &[_, t, ..] => t,
+        _ => 1,
+    }
 }
 
 /// Evaluates on the samples of `task`'s evaluation split that `batches` serves, or on
@@ -162,7 +174,7 @@ pub fn evaluate(
 /// collective, every rank's width in its own slot, the others zero, so the sum is exact.
 fn widest(comm: &dyn Communicator, xs: &Tensor) -> Result<usize, TrainError> {
     let mut widths = vec![0.0; comm.world_size()];
-    widths[comm.rank()] = xs.dims().get(1).copied().unwrap_or(0) as f64;
+    widths[comm.rank()] = positions(xs.dims()) as f64;
     comm.all_reduce_sum_f64(&mut widths)?;
     Ok(widths.into_iter().fold(0.0, f64::max) as usize)
 }
@@ -267,6 +279,19 @@ mod tests {
             self.most.fetch_max(rows, Ordering::Relaxed);
             Ok((rows as f64, ys.elem_count()))
         }
+    }
+
+    #[test]
+    fn a_samples_positions_count_both_rows_of_a_pair() {
+        assert_eq!(positions(&[8, 256]), 256);
+        assert_eq!(positions(&[8, 256, 2]), 256, "packed: token and position");
+        assert_eq!(positions(&[8, 2, 256]), 512, "a preference pair's two rows");
+        assert_eq!(positions(&[8, 2, 2]), 2, "a window of 2, packed");
+        // A pair's batch is cut into parts by its rows' positions, not by 2.
+        let model = Rows::default();
+        let pairs = Tensor::zeros((100, 2, 64), DType::U32, &Device::Cpu).unwrap();
+        score(&model, &pairs, &pairs, None).unwrap();
+        assert_eq!(model.most.load(Ordering::Relaxed), 4096 / 128);
     }
 
     #[test]

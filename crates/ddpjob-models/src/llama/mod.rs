@@ -619,11 +619,16 @@ impl Llama {
 
     /// The mean cross-entropy of the final norm's output `x` [n·t, hidden] against `targets`.
     fn loss_of(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let w = self.head_weight();
-        if self.compute == DType::F32 && head::applies(x, &w) {
-            return head::loss(x, &w, &targets.flatten_all()?);
+        self.loss_with(x, &self.head_weight(), targets)
+    }
+
+    /// [`Llama::loss_of`] with the head's weight `w` (the model's, or a detached copy).
+    fn loss_with(&self, x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        if self.compute == DType::F32 && head::applies(x, w) {
+            return head::loss(x, w, &targets.flatten_all()?);
         }
-        let logits = self.logits(x)?;
+        let dt = self.compute;
+        let logits = x.to_dtype(dt)?.matmul(&w.to_dtype(dt)?.t()?)?;
         if kernels::row_cross_entropy_applies(&logits) {
             // The GPU's cross-entropy reads bf16 logits as they are: no f32 copy of them.
             return ddpjob_seam::task::cross_entropy(&logits, targets);
@@ -653,17 +658,22 @@ impl Model for Llama {
             .reshape((n, t, self.config.vocab_size))
     }
 
-    /// On the CPU in f32 the trunk runs once over the batch, then each row's log-likelihood is
-    /// the fused head's loss over that row alone, cut to its last scored target (times −its
-    /// scored targets): no [rows, t, vocab] logits are held, nor padding projected.
+    /// The trunk runs once over the batch (in evaluation every layer detached, as
+    /// [`Model::score`] runs them, so no graph is kept), then each row's log-likelihood is the
+    /// loss of that row alone, cut to its last scored target, times −its scored targets: on the
+    /// CPU in f32 the fused head (no [rows, t, vocab] logits held, nor padding projected), on a
+    /// GPU the cross-entropy that reads bf16 logits as they are.
     fn row_log_likelihoods(&self, xs: &Tensor, targets: &Tensor, mode: &Mode) -> Result<Tensor> {
         let (n, t) = packed::rows(xs)?;
-        let x = self.trunk(xs, mode)?;
-        let w = self.head_weight();
-        if !(self.compute == DType::F32 && head::applies(&x, &w)) {
-            let logits = self.project(&x)?.reshape((n, t, self.config.vocab_size))?;
-            return ddpjob_seam::log_likelihoods(&logits, targets);
-        }
+        let (x, w) = match mode {
+            Mode::Eval => {
+                let (ids, packing) = packed::split(xs)?;
+                let shape = self.check_window(&ids)?;
+                let x = self.detached_layers(&ids, shape, packing.as_ref(), mode)?;
+                (self.final_norm(&x)?.detach(), self.head_weight().detach())
+            }
+            Mode::Train { .. } => (self.trunk(xs, mode)?, self.head_weight()),
+        };
         let ignore = ddpjob_seam::task::IGNORE_TARGET;
         let ys = targets.to_dtype(DType::U32)?.reshape((n, t))?;
         let host = ys.to_vec2::<u32>()?;
@@ -676,7 +686,8 @@ impl Model for Llama {
             };
             let xr = x.narrow(0, r * t, last + 1)?;
             let yr = ys.narrow(0, r, 1)?.narrow(1, 0, last + 1)?.flatten_all()?;
-            rows.push((head::loss(&xr, &w, &yr)? * -(scored as f64))?.reshape(1)?);
+            let loss = self.loss_with(&xr, &w, &yr)?.to_dtype(DType::F32)?;
+            rows.push((loss * -(scored as f64))?.reshape(1)?);
         }
         Tensor::cat(&rows, 0)
     }

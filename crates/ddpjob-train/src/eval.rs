@@ -103,9 +103,9 @@ fn score(
 /// Positions a sample of token inputs `dims` [n, ...] holds: a window's t ([n, t], packed
 /// [n, t, 2]), or both rows of a preference pair ([n, 2, t]: 2t).
 fn positions(dims: &[usize]) -> usize {
-    match dims {
-        &[_, 2, t] if t != 2 => 2 * t,
-        &[_, t, ..] => t,
+    match *dims {
+        [_, 2, t] if t != 2 => 2 * t,
+        [_, t, ..] => t,
         _ => 1,
     }
 }

@@ -204,8 +204,9 @@ fn a_lora_jobs_reference_is_the_base_and_a_precomputed_one_trains_the_same_bits(
 
 /// A full fine-tune's frozen reference never moves; activation checkpointing trains the same
 /// weights (to rounding); 2 workers × 12 pairs train the weights 1 × 24 do; a job preempted
-/// mid-run resumes bit for bit; world-size-invariant training gives the same bits on 1 and 2
-/// workers; `[expect]` reads the rewards.
+/// mid-run resumes bit for bit, and one whose worker dies restarts to the same bits;
+/// world-size-invariant training gives the same bits on 1 and 2 workers; `[expect]` reads the
+/// rewards.
 #[test]
 fn a_full_dpo_job_resumes_bit_for_bit_and_two_workers_match_one() {
     let t = TestJob::new();
@@ -248,6 +249,28 @@ fn a_full_dpo_job_resumes_bit_for_bit_and_two_workers_match_one() {
     t.run(&whole, &[&two[..], &["--name", "whole"]].concat())
         .success();
     preempt_resume_and_compare(&t, &whole, &two, "rank=1,step=7,kind=preempt");
+    // A worker that dies is restarted from the newest checkpoint (distributed.max_restarts):
+    // the same bits again.
+    let restarted = t.config(
+        "restarted",
+        &small.replace("[train]", "[distributed]\nmax_restarts = 1\n[train]"),
+    );
+    let fault = [("DDPJOB_FAULT", "rank=1,step=8,kind=exit")];
+    let run = t.run_env(
+        &restarted,
+        &[&two[..], &["--name", "restarted"]].concat(),
+        &fault,
+    );
+    run.success();
+    assert!(
+        run.stdout.contains("restart 1/1") || run.stderr.contains("restart 1/1"),
+        "{}",
+        run.stderr
+    );
+    crate::common::assert_same_bits(
+        &t.job("whole").join("model.safetensors"),
+        &t.job("restarted").join("model.safetensors"),
+    );
 
     let unmet = t.config(
         "unmet",

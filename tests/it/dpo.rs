@@ -66,7 +66,7 @@ fn eval_records(t: &TestJob, name: &str) -> Vec<serde_json::Value> {
 
 /// The same model, data and settings as TRL's run in make_dpo_fixture.py (the whole set as one
 /// batch, AdamW without weight decay at a constant 1e-3, no clipping, f32, beta 0.1): every
-/// step's loss and `rewards/margins` within 2e-3 of TRL's, for each of the three losses, and
+/// step's loss and `rewards/margins` within 1e-4 of TRL's, for each of the three losses, and
 /// the first step's rewards and log-probabilities TRL's.
 #[test]
 fn every_step_matches_trls_dpo_trainer() {
@@ -89,8 +89,9 @@ fn every_step_matches_trls_dpo_trainer() {
                 ),
             ] {
                 let trl = want[key][step].as_f64().unwrap();
+                // The issue asks 2e-3; measured 6e-6 (sigmoid, ipo, hinge alike).
                 assert!(
-                    (got - trl).abs() < 2e-3,
+                    (got - trl).abs() < 1e-4,
                     "{loss} step {}: {key} {got} vs TRL's {trl}",
                     step + 1
                 );

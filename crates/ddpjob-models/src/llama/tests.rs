@@ -887,7 +887,8 @@ fn mistral_attends_within_its_sliding_window() {
 }
 
 /// The llama's row log-likelihoods (the fused head row by row, each row cut to its last scored
-/// target) are the default's, from all the logits: the same values and gradients.
+/// target) are the default's, from all the logits: the same values and gradients (training);
+/// evaluation gives the same values and keeps no graph.
 #[test]
 fn row_log_likelihoods_are_the_logits_and_never_hold_them() {
     let model = pretrained("llama");
@@ -910,8 +911,24 @@ fn row_log_likelihoods_are_the_logits_and_never_hold_them() {
         &Device::Cpu,
     )
     .unwrap();
-    let mode = Mode::Eval;
+    // Evaluation detaches the fused rows (no graph kept); the values are training's.
+    let detached = model
+        .row_log_likelihoods(&xs, &ys, &Mode::Eval)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(model.params().vars().all(|v| detached.get(v).is_none()));
+    let mode = Mode::Train {
+        row_seeds: vec![1, 2, 3],
+    };
     let fused = model.row_log_likelihoods(&xs, &ys, &mode).unwrap();
+    let eval = model.row_log_likelihoods(&xs, &ys, &Mode::Eval).unwrap();
+    assert_eq!(
+        fused.to_vec1::<f32>().unwrap(),
+        eval.to_vec1::<f32>().unwrap()
+    );
     let plain = ddpjob_seam::log_likelihoods(&model.forward(&xs, &mode).unwrap(), &ys).unwrap();
     let (a, b) = (
         fused.to_vec1::<f32>().unwrap(),

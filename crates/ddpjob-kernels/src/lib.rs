@@ -24,6 +24,7 @@ mod conv;
 mod cross_entropy;
 mod device_code;
 pub mod dropout;
+mod flash_attention;
 mod gelu;
 mod grouped_linear;
 mod host;
@@ -55,6 +56,7 @@ pub use conv::unfolded::{applies as conv2d_unfolded_applies, bias_relu, conv2d_u
 pub use conv::{ConvGeometry, Pooling, conv2d};
 pub use conv::{ConvLayer, ConvOutput};
 pub use cross_entropy::{applies as row_cross_entropy_applies, row_cross_entropy};
+pub use flash_attention::{Attention, flash_attention};
 pub use gelu::{Activation, gelu};
 pub use grouped_linear::{
     applies as grouped_linear_applies, grouped_linear, grouped_linear_with_ops,

@@ -228,44 +228,45 @@ gelu_forms! {
 /// a·b + c, fused when `FMA` (only instantiated inside functions compiled for FMA, where it is
 /// one instruction; elsewhere `mul_add` would be a slow library call).
 #[inline(always)]
-fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     if FMA { a.mul_add(b, c) } else { a * b + c }
 }
+
+/// `pub fn $name(args)` running `super::$rows::<FMA>(args)` built for the best of the
+/// three targets this CPU has.
+macro_rules! dispatched {
+    ($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),*) => $rows:ident) => {
+        $(#[$doc])*
+        pub fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn fused($($arg: $ty),*) {
+                    super::$rows::<true>($($arg),*)
+                }
+                #[target_feature(enable = "avx2")]
+                unsafe fn run($($arg: $ty),*) {
+                    super::$rows::<false>($($arg),*)
+                }
+                // SAFETY: the CPU has AVX2 (checked above), and FMA where `fused` runs.
+                return unsafe {
+                    match std::arch::is_x86_feature_detected!("fma") {
+                        true => fused($($arg),*),
+                        false => run($($arg),*),
+                    }
+                };
+            }
+            super::$rows::<false>($($arg),*)
+        }
+    };
+}
+pub(crate) use dispatched;
 
 /// The elementwise loops, compiled for AVX2 and FMA (8-wide vectors, fused multiply-adds)
 /// where the CPU has them, else for AVX2 alone, else for the baseline. The FMA build rounds
 /// once where the others round twice, so its last bits differ; the others agree exactly.
 pub mod simd {
     use std::ops::Range;
-
-    /// `pub fn $name(args)` running `super::$rows::<FMA>(args)` built for the best of the
-    /// three targets this CPU has.
-    macro_rules! dispatched {
-        ($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),*) => $rows:ident) => {
-            $(#[$doc])*
-            pub fn $name($($arg: $ty),*) {
-                #[cfg(target_arch = "x86_64")]
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    #[target_feature(enable = "avx2,fma")]
-                    unsafe fn fused($($arg: $ty),*) {
-                        super::$rows::<true>($($arg),*)
-                    }
-                    #[target_feature(enable = "avx2")]
-                    unsafe fn run($($arg: $ty),*) {
-                        super::$rows::<false>($($arg),*)
-                    }
-                    // SAFETY: the CPU has AVX2 (checked above), and FMA where `fused` runs.
-                    return unsafe {
-                        match std::arch::is_x86_feature_detected!("fma") {
-                            true => fused($($arg),*),
-                            false => run($($arg),*),
-                        }
-                    };
-                }
-                super::$rows::<false>($($arg),*)
-            }
-        };
-    }
 
     dispatched!(
         /// y = GELU(x), exact.
@@ -358,7 +359,7 @@ pub fn exp(x: f32) -> f32 {
 
 /// [`exp`], its multiply-adds fused when `FMA`.
 #[inline(always)]
-fn exp_with<const FMA: bool>(x: f32) -> f32 {
+pub(crate) fn exp_with<const FMA: bool>(x: f32) -> f32 {
     // Adding 1.5 · 2^23 rounds to an integer, which then sits in the low mantissa bits: read
     // from there, not with `as i32` (a saturating conversion that does not vectorise).
     const ROUND: f32 = 12_582_912.0;

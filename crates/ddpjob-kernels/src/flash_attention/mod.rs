@@ -1,0 +1,189 @@
+//! Attention without the [t, t] scores: FlashAttention-2's algorithm on the CPU (f32, and
+//! `train.precision = "bf16-matmul"`'s products). The forward walks each query head's rows
+//! in tiles against the keys they see with an online softmax and keeps only the output and
+//! one log-sum-exp per row and head; the backward recomputes each tile's probabilities from
+//! those and adds the tile's share to dQ, dK and dV. A pass holds a few tiles per thread
+//! whatever the context, so memory grows linearly with it. Causal, grouped-query heads (a
+//! key-value head serves its group where it lies: no repeated copies), packed rows (each
+//! position sees its own example only) and sliding windows are one rule: the keys a position
+//! sees are `first_key(i)..=i`.
+//!
+//! The forward's tasks are (sequence, query head); the backward's (sequence, key-value head),
+//! each adding its group's gradients in a fixed order, so the results are the same bits for
+//! any thread count (world-size invariance relies on it). It depends on candle and this
+//! crate's host helpers only.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
+use rayon::prelude::*;
+
+use crate::host::{values, with_values};
+
+mod cpu;
+#[cfg(test)]
+mod tests;
+mod tile;
+
+/// The shape of an attention: heads, their size, the sequence length and which keys each
+/// position sees.
+#[derive(Clone, Debug)]
+pub struct Attention {
+    /// Query heads.
+    pub heads: usize,
+    /// Key-value heads (a divisor of `heads`; each serves `heads / kv_heads` query heads).
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// Positions per sequence.
+    pub t: usize,
+    /// Sliding window: position i sees keys i − window + 1 ..= i only.
+    pub window: Option<usize>,
+    /// Packed rows: for each position of every sequence ([n·t]), the first position of its
+    /// example, the first key it may see.
+    pub starts: Option<Arc<Vec<u32>>>,
+}
+
+impl Attention {
+    /// Columns of the input rows: q's heads, then k's, then v's.
+    fn cols(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    /// Columns of the output rows: every query head's values.
+    fn out_cols(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Query heads per key-value head.
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+
+    /// The sequences of `shape` [n·t, cols].
+    fn sequences(&self, shape: &Shape) -> Result<usize> {
+        let (rows, cols) = shape.dims2()?;
+        let (h, kv, t) = (self.heads, self.kv_heads, self.t);
+        if h == 0 || kv == 0 || h % kv != 0 || t == 0 || self.head_dim == 0 {
+            bail!("flash attention: {h} heads over {kv} key-value heads, t {t}: not a grouping");
+        }
+        if cols != self.cols() || rows % t != 0 {
+            bail!(
+                "flash attention: rows {shape:?} are not sequences of {t} with {h} query and \
+                 {kv} key-value heads of {}",
+                self.head_dim
+            );
+        }
+        if self.window == Some(0) {
+            bail!("flash attention: a window of 0 keys");
+        }
+        let n = rows / t;
+        if let Some(starts) = &self.starts
+            && starts.len() != n * t
+        {
+            bail!(
+                "flash attention: {} starts for {} positions",
+                starts.len(),
+                n * t
+            );
+        }
+        Ok(n)
+    }
+
+    /// The first visible key of each position of sequence `s`, when packed.
+    fn starts_of(&self, s: usize) -> Option<&[u32]> {
+        let t = self.t;
+        self.starts.as_deref().map(|all| &all[s * t..(s + 1) * t])
+    }
+
+    /// Rows of `out_cols` after the output's n·t that hold the log-sum-exps.
+    fn lse_rows(&self, n: usize) -> usize {
+        (n * self.heads * self.t).div_ceil(self.out_cols())
+    }
+}
+
+/// Attention of `qkv` [n·t, (H + 2·KV)·hd] (each row: its position's query heads, then key
+/// heads, then value heads; f32 on the CPU): the attended values [n·t, H·hd], heads side by
+/// side, before the output projection.
+pub fn flash_attention(qkv: &Tensor, attention: &Attention) -> Result<Tensor> {
+    let rows = qkv.dim(0)?;
+    // The op's result holds the log-sum-exps in rows after the output, where its backward
+    // finds them; the view of the output alone is contiguous.
+    qkv.contiguous()?
+        .apply_op1(attention.clone())?
+        .narrow(0, 0, rows)
+}
+
+/// Sequence `s`'s rows of `width` values, of sequences of `t` rows.
+fn sequence(v: &[f32], s: usize, t: usize, width: usize) -> &[f32] {
+    &v[s * t * width..][..t * width]
+}
+
+/// A raw slice of the output for the (sequence, head) tasks.
+fn out(v: &mut [f32]) -> cpu::Out {
+    cpu::Out(v.as_mut_ptr())
+}
+
+impl CustomOp1 for Attention {
+    fn name(&self) -> &'static str {
+        "ddpjob-flash-attention"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let n = self.sequences(layout.shape())?;
+        let x = values(storage, layout)?;
+        let (t, cols, co, h) = (self.t, self.cols(), self.out_cols(), self.heads);
+        let extra = self.lse_rows(n);
+        let mut all = vec![0f32; (n * t + extra) * co];
+        let (o, lse) = all.split_at_mut(n * t * co);
+        let o = out(o);
+        lse[..n * h * t]
+            .par_chunks_mut(t)
+            .enumerate()
+            .for_each(|(task, lse)| {
+                let (s, head) = (task / h, task % h);
+                let x = sequence(x, s, t, cols);
+                // SAFETY: sequence s's rows of the output lie at s·t·co in `all`; this task
+                // alone writes head `head`'s columns of them.
+                unsafe {
+                    let o = o.add(s * t * co);
+                    cpu::forward_head(self, x, o, lse, head, self.starts_of(s))
+                }
+            });
+        Ok((CpuStorage::F32(all), Shape::from((n * t + extra, co))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let n = self.sequences(qkv.shape())?;
+        let (t, cols, co, h) = (self.t, self.cols(), self.out_cols(), self.heads);
+        let mut dqkv = vec![0f32; n * t * cols];
+        let dx = out(&mut dqkv);
+        with_values(qkv, |x| {
+            with_values(res, |res| {
+                with_values(grad, |dy| {
+                    let (o, lse) = res.split_at(n * t * co);
+                    (0..n * self.kv_heads).into_par_iter().for_each(|task| {
+                        let (s, g) = (task / self.kv_heads, task % self.kv_heads);
+                        let saved = cpu::Saved {
+                            o: sequence(o, s, t, co),
+                            lse: &lse[s * h * t..(s + 1) * h * t],
+                        };
+                        // SAFETY: sequence s's gradient rows lie at s·t·cols in `dqkv`; this
+                        // task alone writes its group's q, k and v columns of them.
+                        unsafe {
+                            let dx = dx.add(s * t * cols);
+                            let inputs = (sequence(x, s, t, cols), sequence(dy, s, t, co));
+                            cpu::backward_group(self, inputs, saved, dx, g, self.starts_of(s))
+                        }
+                    });
+                    Ok(())
+                })
+            })
+        })?;
+        Ok(Some(Tensor::from_vec(dqkv, qkv.shape(), qkv.device())?))
+    }
+}

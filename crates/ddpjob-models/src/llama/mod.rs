@@ -7,8 +7,9 @@
 //! (`model.layers.0.self_attn.q_proj.weight`), so a `model.safetensors` is a Hugging Face
 //! checkpoint as is.
 //!
-//! On the CPU in f32 the attention and the output projection with its cross-entropy run as
-//! the model kit's fused ops (`kit::attention`, `kit::head`); RMSNorm, RoPE and SwiGLU are the
+//! On the CPU in f32 the attention runs in tiles (`kernels::flash_attention`: linear in the
+//! context, windows and packed rows included) and the output projection with its
+//! cross-entropy as the model kit's fused head (`kit::head`); RMSNorm, RoPE and SwiGLU are the
 //! kernels crate's ops (one fused op on the CPU in f32 and on a GPU, each way), as are the
 //! residual additions and the causal softmax; on a GPU the attention takes q, k and v apart
 //! as the GPT's does there; elsewhere candle's ops compute it.
@@ -547,13 +548,35 @@ impl Llama {
         let c = &self.config;
         let (heads, kv_heads, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let (q, k, v) = self.rotated_qkv(layer, h, (n, t), Position::from(packing), mode)?;
+        let window = layer.window.filter(|&w| w < t);
+        if kernels::applies(&q) {
+            // On the CPU in f32, in tiles (FlashAttention-2): no [t, t] scores, each key-value
+            // head read where it lies by the query heads of its group, windows and packed rows
+            // one rule. As fast as the [t, t] op of `kit::attention` below 1,024 positions,
+            // 1.5x at 1,024, 3.6x at 4,096 (docs/src/performance-llama.md).
+            let flat = |x: &Tensor, heads: usize| x.reshape((n * t, heads * hd));
+            let qkv = Tensor::cat(
+                &[flat(&q, heads)?, flat(&k, kv_heads)?, flat(&v, kv_heads)?],
+                1,
+            )?;
+            let shape = kernels::Attention {
+                heads,
+                kv_heads,
+                head_dim: hd,
+                t,
+                window,
+                starts: packing.map(|p| p.starts.clone()),
+            };
+            let y = kernels::flash_attention(&qkv, &shape)?;
+            return layer.o.forward_mode(&y, self.compute, mode);
+        }
         let k = repeat_kv(&k, heads / kv_heads)?;
         let v = repeat_kv(&v, heads / kv_heads)?;
         let width = heads * hd;
         // A window shorter than the rows: scores under a mask that also hides the keys it
         // leaves behind (composed from candle's ops; the fused kernels attend to the whole
         // causal past).
-        if let Some(window) = layer.window.filter(|&w| w < t) {
+        if let Some(window) = window {
             let mut mask = windowed_causal_mask(t, window, h.device())?;
             if let Some(p) = packing {
                 mask = p.mask()?.broadcast_add(&mask)?;
@@ -572,24 +595,18 @@ impl Llama {
             let y = attention::of_parts((&flat(q)?, &flat(k)?, &flat(v)?), n, heads, &unused)?;
             return layer.o.forward_mode(&y, self.compute, mode);
         }
-        let qkv = Tensor::cat(&[&q, &k, &v], 2)?.reshape((n * t, 3 * width))?;
-        let y = if let Some(p) = packing {
-            let qkv = qkv.reshape((n, t, 3 * width))?;
-            packed::attention(&qkv, heads, p)?.reshape((n * t, width))?
-        } else if kernels::applies(&qkv) {
-            attention::causal_attention(&qkv, heads, t)?
-        } else {
-            let qkv = qkv.reshape((n, t, 3 * width))?;
-            attention::with_ops(
-                &qkv,
-                heads,
-                None,
-                &windowed_causal_mask(t, t, qkv.device())?,
-            )?
-            .0
-            .reshape((n * t, width))?
+        // Packed rows on a GPU, and the CPU in bf16: candle's ops under the mask.
+        let qkv = Tensor::cat(&[&q, &k, &v], 2)?.reshape((n, t, 3 * width))?;
+        let y = match packing {
+            Some(p) => packed::attention_with_ops(&qkv, heads, p.mask()?)?,
+            None => {
+                let mask = windowed_causal_mask(t, t, qkv.device())?;
+                attention::with_ops(&qkv, heads, None, &mask)?.0
+            }
         };
-        layer.o.forward_mode(&y, self.compute, mode)
+        layer
+            .o
+            .forward_mode(&y.reshape((n * t, width))?, self.compute, mode)
     }
 
     /// `down(silu(gate(h)) · up(h))`, or the mixture of such MLPs with its routing.
@@ -808,7 +825,6 @@ impl Model for Llama {
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
         );
-        let repeated = if kv < q { 2 * q } else { 0 };
         // Qwen3's normed q and k, kept beside the projections.
         let normed = if c.qk_norm == QkNorm::None { 0 } else { q + kv };
         // Gemma's two output norms, and GeGLU's activation beside its product.
@@ -818,7 +834,9 @@ impl Model for Llama {
             } else {
                 0
             };
-        let attention = 6 * hidden + 6 * q + repeated + 3 * kv + normed;
+        // The attention in tiles: q, k and v side by side once ([q + 2·kv]), its output and a
+        // log-sum-exp per head, beside the projections and the rotated q and k.
+        let attention = 6 * hidden + 4 * q + 5 * kv + c.num_attention_heads + normed;
         let kept: Vec<usize> = (self.layers.iter())
             .map(|layer| match &layer.mlp {
                 Mlp::Dense { .. } => attention + 3 * inner,

@@ -259,7 +259,7 @@ fn the_memory_estimate_counts_the_router_the_chosen_experts_and_their_stacked_we
     let t = o.block_size();
     let model = build_llama(&o, &context(320, t, DType::F32)).unwrap();
     let (h, q, kv, e, k, s, inner) = (32, 64, 32, 8, 2, 16, 64);
-    let attention = 6 * h + 6 * q + 2 * q + 3 * kv + (q + kv);
+    let attention = 6 * h + 4 * q + 5 * kv + 4 + (q + kv);
     let sparse = attention + 4 * e + 2 * k + k * (3 * h + 3 * s) + 2 * h;
     let dense = attention + 3 * inner;
     let bytes = |per_position: usize| ((per_position + 2 * h) * t * 4) as f64;

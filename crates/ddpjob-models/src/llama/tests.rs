@@ -746,8 +746,9 @@ fn activations_per_sample_count_the_layers_kept() {
     );
     // The scratch llama: 4 layers of 128 channels, 4 query heads of 32, 2 key/value heads,
     // SwiGLU of 384; 65 tokens.
-    let (h, q, kv, i, layers) = (128.0, 128.0, 64.0, 384.0, 4.0);
-    let layer = 6.0 * h + 6.0 * q + 2.0 * q + 3.0 * kv + 3.0 * i;
+    let (h, q, kv, i, layers, heads) = (128.0, 128.0, 64.0, 384.0, 4.0, 4.0);
+    // The attention in tiles: q, k and v once side by side, a log-sum-exp per head.
+    let layer = 6.0 * h + 4.0 * q + 5.0 * kv + heads + 3.0 * i;
     // 65 symbols: the head keeps no logits.
     let bytes = |per_position: f64| (per_position + 2.0 * h) * t as f64 * 4.0;
     assert_eq!(off, bytes((layers + 1.0) * layer));

@@ -56,7 +56,9 @@ pub use conv::unfolded::{applies as conv2d_unfolded_applies, bias_relu, conv2d_u
 pub use conv::{ConvGeometry, Pooling, conv2d};
 pub use conv::{ConvLayer, ConvOutput};
 pub use cross_entropy::{applies as row_cross_entropy_applies, row_cross_entropy};
-pub use flash_attention::{Attention, flash_attention};
+pub use flash_attention::{
+    Attention, flash_attention, flash_attention_backward, flash_attention_forward,
+};
 pub use gelu::{Activation, gelu};
 pub use grouped_linear::{
     applies as grouped_linear_applies, grouped_linear, grouped_linear_with_ops,

@@ -100,6 +100,11 @@ impl Attention {
         self.starts.as_deref().map(|all| &all[s * t..(s + 1) * t])
     }
 
+    /// (t, input columns, output columns, query heads).
+    fn widths(&self) -> (usize, usize, usize, usize) {
+        (self.t, self.cols(), self.out_cols(), self.heads)
+    }
+
     /// Rows of `out_cols` after the output's n·t that hold the log-sum-exps.
     fn lse_rows(&self, n: usize) -> usize {
         (n * self.heads * self.t).div_ceil(self.out_cols())
@@ -128,6 +133,73 @@ fn out(v: &mut [f32]) -> cpu::Out {
     cpu::Out(v.as_mut_ptr())
 }
 
+/// [`flash_attention`]'s forward on raw rows: `x` [n·t, cols] (f32, as in `flash_attention`)
+/// into `o` [n·t, H·hd] (every value written) and `lse` [n, H, t], each row's log-sum-exp per
+/// head, which [`flash_attention_backward`] reads. For passes that keep their own buffers (the
+/// GPT's hand-written one).
+pub fn flash_attention_forward(
+    attention: &Attention,
+    x: &[f32],
+    o: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    let (t, cols, co, h) = attention.widths();
+    let n = attention.sequences(&Shape::from((x.len() / cols.max(1), cols)))?;
+    if x.len() != n * t * cols || o.len() != n * t * co || lse.len() < n * h * t {
+        bail!("flash attention: buffers do not fit {n} sequences of {t}");
+    }
+    let o = out(o);
+    lse[..n * h * t]
+        .par_chunks_mut(t)
+        .enumerate()
+        .for_each(|(task, lse)| {
+            let (s, head) = (task / h, task % h);
+            let x = sequence(x, s, t, cols);
+            // SAFETY: sequence s's rows of the output lie at s·t·co in `o`; this task alone
+            // writes head `head`'s columns of them.
+            unsafe {
+                let o = o.add(s * t * co);
+                cpu::forward_head(attention, x, o, lse, head, attention.starts_of(s))
+            }
+        });
+    Ok(())
+}
+
+/// The backward of [`flash_attention_forward`]: with its inputs `x`, its results `o` and `lse`
+/// and the output's gradient `dy` [n·t, H·hd], writes the gradient of `x` into `dx` (every
+/// value).
+pub fn flash_attention_backward(
+    attention: &Attention,
+    x: &[f32],
+    (o, lse): (&[f32], &[f32]),
+    dy: &[f32],
+    dx: &mut [f32],
+) -> Result<()> {
+    let (t, cols, co, h) = attention.widths();
+    let n = attention.sequences(&Shape::from((x.len() / cols.max(1), cols)))?;
+    let fits = x.len() == n * t * cols && dx.len() == x.len();
+    if !fits || o.len() < n * t * co || dy.len() < n * t * co || lse.len() < n * h * t {
+        bail!("flash attention: buffers do not fit {n} sequences of {t}");
+    }
+    let kv = attention.kv_heads;
+    let dx = out(dx);
+    (0..n * kv).into_par_iter().for_each(|task| {
+        let (s, g) = (task / kv, task % kv);
+        let saved = cpu::Saved {
+            o: sequence(o, s, t, co),
+            lse: &lse[s * h * t..(s + 1) * h * t],
+        };
+        // SAFETY: sequence s's gradient rows lie at s·t·cols in `dx`; this task alone writes
+        // its group's q, k and v columns of them.
+        unsafe {
+            let dx = dx.add(s * t * cols);
+            let inputs = (sequence(x, s, t, cols), sequence(dy, s, t, co));
+            cpu::backward_group(attention, inputs, saved, dx, g, attention.starts_of(s))
+        }
+    });
+    Ok(())
+}
+
 impl CustomOp1 for Attention {
     fn name(&self) -> &'static str {
         "ddpjob-flash-attention"
@@ -135,52 +207,23 @@ impl CustomOp1 for Attention {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let n = self.sequences(layout.shape())?;
-        let x = values(storage, layout)?;
-        let (t, cols, co, h) = (self.t, self.cols(), self.out_cols(), self.heads);
+        let (t, _, co, _) = self.widths();
         let extra = self.lse_rows(n);
         let mut all = vec![0f32; (n * t + extra) * co];
         let (o, lse) = all.split_at_mut(n * t * co);
-        let o = out(o);
-        lse[..n * h * t]
-            .par_chunks_mut(t)
-            .enumerate()
-            .for_each(|(task, lse)| {
-                let (s, head) = (task / h, task % h);
-                let x = sequence(x, s, t, cols);
-                // SAFETY: sequence s's rows of the output lie at s·t·co in `all`; this task
-                // alone writes head `head`'s columns of them.
-                unsafe {
-                    let o = o.add(s * t * co);
-                    cpu::forward_head(self, x, o, lse, head, self.starts_of(s))
-                }
-            });
+        flash_attention_forward(self, values(storage, layout)?, o, lse)?;
         Ok((CpuStorage::F32(all), Shape::from((n * t + extra, co))))
     }
 
     fn bwd(&self, qkv: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let n = self.sequences(qkv.shape())?;
-        let (t, cols, co, h) = (self.t, self.cols(), self.out_cols(), self.heads);
-        let mut dqkv = vec![0f32; n * t * cols];
-        let dx = out(&mut dqkv);
+        let (t, _, co, _) = self.widths();
+        let mut dqkv = vec![0f32; qkv.elem_count()];
         with_values(qkv, |x| {
             with_values(res, |res| {
                 with_values(grad, |dy| {
                     let (o, lse) = res.split_at(n * t * co);
-                    (0..n * self.kv_heads).into_par_iter().for_each(|task| {
-                        let (s, g) = (task / self.kv_heads, task % self.kv_heads);
-                        let saved = cpu::Saved {
-                            o: sequence(o, s, t, co),
-                            lse: &lse[s * h * t..(s + 1) * h * t],
-                        };
-                        // SAFETY: sequence s's gradient rows lie at s·t·cols in `dqkv`; this
-                        // task alone writes its group's q, k and v columns of them.
-                        unsafe {
-                            let dx = dx.add(s * t * cols);
-                            let inputs = (sequence(x, s, t, cols), sequence(dy, s, t, co));
-                            cpu::backward_group(self, inputs, saved, dx, g, self.starts_of(s))
-                        }
-                    });
-                    Ok(())
+                    flash_attention_backward(self, x, (o, lse), &dy[..n * t * co], &mut dqkv)
                 })
             })
         })?;

@@ -45,7 +45,8 @@ struct Activations {
     ln_1: Vec<f32>,
     qkv: Vec<f32>,
     /// Every head's attention probabilities, [n, heads, t, t]; empty where the backward
-    /// recomputes them instead (see [`keeps_probabilities`]).
+    /// recomputes them instead (see [`keeps_probabilities`]); in tiles (from
+    /// `attention::TILED_FROM` positions), every head's log-sum-exps, [n, heads, t].
     probabilities: Vec<f32>,
     attended: Vec<f32>,
     ln_2: Vec<f32>,
@@ -233,24 +234,7 @@ fn block_forward(
     let ln_1 = layer_norm(&x, w.ln_1, w.ln_1_bias);
     let qkv = linear_forward(&ln_1, w.c_attn, w.c_attn_bias, rows);
     let mut attended = scratch::take(rows * c);
-    let per_sequence = n_head * t * t;
-    let mut probabilities = match for_backward && keeps_probabilities(n_head, t, c) {
-        true => scratch::take(rows / t * per_sequence),
-        false => Vec::new(),
-    };
-    let sequences = attended
-        .par_chunks_mut(t * c)
-        .zip(qkv.par_chunks(t * 3 * c));
-    match probabilities.is_empty() {
-        true => sequences.for_each(|(y, x)| {
-            let mut p = scratch::take(t * t);
-            attention::sequence(x, y, t, n_head, &mut p);
-            scratch::give([p]);
-        }),
-        false => sequences
-            .zip(probabilities.par_chunks_mut(per_sequence))
-            .for_each(|((y, x), p)| attention::sequence(x, y, t, n_head, p)),
-    }
+    let probabilities = attend(&qkv, &mut attended, (n_head, t, c), for_backward);
     let mut branch = linear_forward(&attended, w.attn_proj, w.attn_proj_bias, rows);
     drop_in_place(&mut branch, masks.get(1 + 2 * i));
     let mid = add_to(branch, &x);
@@ -280,6 +264,62 @@ fn block_forward(
         activated,
     };
     (a, next)
+}
+
+/// Causal attention of `qkv` ([rows, 3C], windows of `t`, `heads` heads) into `attended`
+/// ([rows, C]): what the backward reads beside it, when `for_backward`. In tiles from
+/// [`attention::TILED_FROM`] positions (every head's log-sum-exps, rows · heads values),
+/// else per head's [t, t] probabilities: kept where [`keeps_probabilities`] says (every
+/// head's), or none (the backward recomputes them).
+fn attend(
+    qkv: &[f32],
+    attended: &mut [f32],
+    (heads, t, c): (usize, usize, usize),
+    for_backward: bool,
+) -> Vec<f32> {
+    let rows = attended.len() / c;
+    if attention::tiled(t) {
+        let mut lse = scratch::take(rows * heads);
+        kernels::flash_attention_forward(&tiles(heads, c, t), qkv, attended, &mut lse)
+            .expect("the GPT's rows are whole windows of its heads");
+        if for_backward {
+            return lse;
+        }
+        scratch::give([lse]);
+        return Vec::new();
+    }
+    let per_sequence = heads * t * t;
+    let mut probabilities = match for_backward && keeps_probabilities(heads, t, c) {
+        true => scratch::take(rows / t * per_sequence),
+        false => Vec::new(),
+    };
+    let sequences = attended
+        .par_chunks_mut(t * c)
+        .zip(qkv.par_chunks(t * 3 * c));
+    match probabilities.is_empty() {
+        true => sequences.for_each(|(y, x)| {
+            let mut p = scratch::take(t * t);
+            attention::sequence(x, y, t, heads, &mut p);
+            scratch::give([p]);
+        }),
+        false => sequences
+            .zip(probabilities.par_chunks_mut(per_sequence))
+            .for_each(|((y, x), p)| attention::sequence(x, y, t, heads, p)),
+    }
+    probabilities
+}
+
+/// The GPT's heads as the tiled attention takes them: each its own key-value head, windows of
+/// `t`, causal.
+fn tiles(heads: usize, c: usize, t: usize) -> kernels::Attention {
+    kernels::Attention {
+        heads,
+        kv_heads: heads,
+        head_dim: c / heads,
+        t,
+        window: None,
+        starts: None,
+    }
 }
 
 impl TrainPass for Pass<'_> {
@@ -378,18 +418,24 @@ impl TrainPass for Pass<'_> {
                 let d_att = d_att.unwrap_or_default();
                 let mut d_qkv = scratch::take(a.qkv.len());
                 let per_sequence = cfg.n_head * t * t;
-                d_qkv
-                    .par_chunks_mut(t * 3 * c)
-                    .zip(a.qkv.par_chunks(t * 3 * c))
-                    .zip(d_att.par_chunks(t * c))
-                    .enumerate()
-                    .for_each(|(s, ((dx, x), dy))| {
-                        let kept = (!a.probabilities.is_empty())
-                            .then(|| &a.probabilities[s * per_sequence..][..per_sequence]);
-                        let mut work = scratch::take(2 * t * t);
-                        attention::sequence_bwd(x, dy, dx, t, cfg.n_head, kept, &mut work);
-                        scratch::give([work]);
-                    });
+                if attention::tiled(t) {
+                    let saved = (&a.attended[..], &a.probabilities[..]);
+                    let tiles = tiles(cfg.n_head, c, t);
+                    kernels::flash_attention_backward(&tiles, &a.qkv, saved, &d_att, &mut d_qkv)?;
+                } else {
+                    d_qkv
+                        .par_chunks_mut(t * 3 * c)
+                        .zip(a.qkv.par_chunks(t * 3 * c))
+                        .zip(d_att.par_chunks(t * c))
+                        .enumerate()
+                        .for_each(|(s, ((dx, x), dy))| {
+                            let kept = (!a.probabilities.is_empty())
+                                .then(|| &a.probabilities[s * per_sequence..][..per_sequence]);
+                            let mut work = scratch::take(2 * t * t);
+                            attention::sequence_bwd(x, dy, dx, t, cfg.n_head, kept, &mut work);
+                            scratch::give([work]);
+                        });
+                }
                 let (d_ln_1, d_w, d_b) =
                     linear_backward(&a.ln_1, w.c_attn, &d_qkv, 3 * c, block.c_attn.wanted());
                 g.push_linear(&block.c_attn, d_w, d_b)?;
@@ -475,9 +521,12 @@ fn keeps_probabilities(heads: usize, t: usize, c: usize) -> bool {
     heads * t <= 4 * c
 }
 
-/// Attention probabilities a block keeps per position for its backward: `heads` · t where
-/// [`keeps_probabilities`], else none.
+/// Attention values a block keeps per position for its backward: `heads` · t probabilities
+/// where [`keeps_probabilities`], a log-sum-exp per head in tiles, else none.
 pub(super) fn kept_probabilities(heads: usize, t: usize, c: usize) -> usize {
+    if attention::tiled(t) {
+        return heads; // the log-sum-exps
+    }
     match keeps_probabilities(heads, t, c) {
         true => heads * t,
         false => 0,

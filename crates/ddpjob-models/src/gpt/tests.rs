@@ -840,3 +840,52 @@ fn the_estimate_counts_the_logits_the_head_keeps() {
     let kept = per_sample(&large) - per_sample(&small);
     assert_eq!(kept, (small.block_size * 50_304 * 4) as f64);
 }
+
+/// From `attention::TILED_FROM` positions both of the GPT's CPU passes attend in tiles (no
+/// [t, t] probabilities): the hand-written pass gives autograd's loss and gradients, and each
+/// position's logits are those of the same window cut short (the [t, t] attention's, below the
+/// threshold), within 1e-5.
+#[test]
+fn long_windows_attend_in_tiles_in_both_passes() {
+    let t = crate::kit::attention::TILED_FROM + 6;
+    let model = gpt(&GptConfig {
+        block_size: t,
+        n_layer: 1,
+        ..config(true, 0.0)
+    });
+    let mut rng = ddpjob_rng::Mt19937::new(5);
+    let tokens: Vec<u32> = (0..2 * t + 1).map(|_| rng.next_u32() % 11).collect();
+    let x = Tensor::from_vec(tokens[..2 * t].to_vec(), (2, t), &Device::Cpu).unwrap();
+    let y = Tensor::from_vec(tokens[1..].to_vec(), (2, t), &Device::Cpu).unwrap();
+    let mode = Mode::Train {
+        row_seeds: vec![1, 2],
+    };
+    let loss = model.loss(&x, &y, &mode).unwrap();
+    let store = loss.backward().unwrap();
+    let pass = model
+        .train_pass(&x, &y, &mode)
+        .unwrap()
+        .expect("f32 on the CPU");
+    let (hand_loss, hand) = (pass.loss().clone(), pass.backward(1.0).unwrap());
+    let (l1, l2) = (
+        loss.to_scalar::<f32>().unwrap(),
+        hand_loss.to_scalar::<f32>().unwrap(),
+    );
+    assert!((l1 - l2).abs() < 1e-5, "loss {l1} vs {l2}");
+    for ((name, var), grad) in model.params().iter().zip(&hand) {
+        let auto = values(store.get(var.as_tensor()).unwrap());
+        let scale = auto.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+        let diff = max_diff(&auto, &values(grad.as_ref().unwrap()));
+        assert!(diff < 1e-5 * scale, "{name} differs by {diff}");
+    }
+    // The first 64 positions, in tiles and as a short window through the [t, t] op.
+    let long = model
+        .forward(&x, &Mode::Eval)
+        .unwrap()
+        .narrow(1, 0, 64)
+        .unwrap();
+    let short = model
+        .forward(&x.narrow(1, 0, 64).unwrap(), &Mode::Eval)
+        .unwrap();
+    assert!(max_diff(&values(&long), &values(&short)) < 1e-5);
+}

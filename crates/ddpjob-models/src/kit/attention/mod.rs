@@ -22,10 +22,24 @@ pub(crate) mod tiles;
 
 use ddpjob_kernels as kernels;
 
+/// Positions from which the GPT's attention runs in tiles (`kernels::flash_attention`, no
+/// [t, t] probabilities): below, its small heads run faster on the register tiles here
+/// (measured, docs/src/performance-llama.md, "Long contexts"). The `llama` tiles at every
+/// length.
+pub(crate) const TILED_FROM: usize = 1024;
+
+/// Whether windows of `t` positions attend in tiles (see [`TILED_FROM`]).
+pub(crate) fn tiled(t: usize) -> bool {
+    t >= TILED_FROM
+}
+
 /// Causal attention of `qkv` [n·t, 3C] (sequences of `t` rows; q, k, v side by side, heads of
 /// `C / heads` columns each): the attended values [n·t, C], heads side by side, before the
 /// output projection.
 pub fn causal_attention(qkv: &Tensor, heads: usize, t: usize) -> Result<Tensor> {
+    if tiled(t) {
+        return in_tiles(qkv, heads, t, None);
+    }
     qkv.contiguous()?.apply_op1(AttentionOp {
         heads,
         t,
@@ -41,11 +55,36 @@ pub fn packed_attention(
     t: usize,
     starts: std::sync::Arc<Vec<u32>>,
 ) -> Result<Tensor> {
+    if tiled(t) {
+        return in_tiles(qkv, heads, t, Some(starts));
+    }
     qkv.contiguous()?.apply_op1(AttentionOp {
         heads,
         t,
         starts: Some(starts),
     })
+}
+
+/// [`causal_attention`] (or [`packed_attention`]) in tiles, every head its own key-value head.
+fn in_tiles(
+    qkv: &Tensor,
+    heads: usize,
+    t: usize,
+    starts: Option<std::sync::Arc<Vec<u32>>>,
+) -> Result<Tensor> {
+    let c = qkv.dim(1)? / 3;
+    if heads == 0 || c % heads != 0 {
+        bail!("attention: {c} channels do not split into {heads} heads");
+    }
+    let shape = kernels::Attention {
+        heads,
+        kv_heads: heads,
+        head_dim: c / heads,
+        t,
+        window: None,
+        starts,
+    };
+    kernels::flash_attention(qkv, &shape)
 }
 
 /// [`causal_attention`] from candle's ops, after the cached keys and values `past` (if any,

@@ -38,6 +38,7 @@ pub mod loss;
 pub mod nvrtc;
 mod optim;
 mod pool;
+pub mod quant4;
 mod rms_norm;
 pub mod rope;
 pub mod rows;

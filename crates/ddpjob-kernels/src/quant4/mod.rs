@@ -8,11 +8,15 @@
 //! made), so a base quantised here is the base bitsandbytes would load, and a checkpoint it
 //! saved reads back here.
 //!
-//! Depends on nothing but std. Not yet used by a model: it is the storage QLoRA's frozen
-//! layers are to de-quantise block by block (`[model.quantize]` is not a key yet).
+//! `linear` multiplies by such a weight a panel at a time (QLoRA's frozen layers). Depends
+//! on candle and this crate's host helpers only. Not yet used by a model (`[model.quantize]`
+//! is not a key yet).
 
+mod linear;
 #[cfg(test)]
 mod tests;
+
+pub use linear::{Quantized4Weight, quantized_linear};
 
 /// The 16 levels of a 4-bit type, as bitsandbytes' `get_4bit_type` gives them (divided by
 /// their largest magnitude).

@@ -136,3 +136,65 @@ fn round_trips_keep_the_values_and_bound_the_error() {
         same(&bits(&again), &bits(&back), &format!("{kind:?}"));
     }
 }
+
+/// A weight of 150 × 320 in NF4 with nested scales (row panels of 64 with a short last one,
+/// column panels of 256 and 64), and its dense f32 copy.
+fn weight() -> (Quantized4Weight, Tensor) {
+    let mut rng = ddpjob_rng::Mt19937::new(8);
+    let values: Vec<f32> = (0..150 * 320).map(|_| 0.05 * rng.normal()).collect();
+    let w =
+        Quantized4Weight::new(quantize_4bit(&values, 64, FourBit::Nf4, true), 150, 320).unwrap();
+    let dense = Tensor::from_vec(w.dequantized(), (150, 320), &Device::Cpu).unwrap();
+    (w, dense)
+}
+
+/// x·Wᵀ from the 4-bit weight, panel by panel, is x·Wᵀ of its de-quantised copy: values and
+/// x's gradient within 1e-5.
+#[test]
+fn the_4bit_linear_is_the_product_with_the_dequantized_weight() {
+    let (w, dense) = weight();
+    let x = crate::testing::random(&[7, 320], 0.0, 4);
+    crate::testing::same_with_gradients(
+        &[x],
+        |xs| quantized_linear(xs[0], &w).unwrap(),
+        |xs| xs[0].matmul(&dense.t().unwrap()).unwrap(),
+        1e-5,
+    );
+    assert_eq!(w.bytes(), 150 * 320 / 2 + 4 * 150 * 320 / 64);
+}
+
+/// The same bits on 1 and 3 threads, forward and backward.
+#[test]
+fn the_4bit_linear_gives_the_same_bits_for_any_thread_count() {
+    let (w, _) = weight();
+    let x = crate::testing::random(&[9, 320], 0.0, 6);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let y = quantized_linear(x.as_tensor(), &w).unwrap();
+            let grads = crate::host::uneven_sum(&y).backward().unwrap();
+            (
+                crate::f32_bits(&y),
+                crate::f32_bits(grads.get(x.as_tensor()).unwrap()),
+            )
+        })
+    };
+    assert!(run(1) == run(3));
+}
+
+/// Blocks that would straddle the weight's rows, or a length that is not the shape, are
+/// refused with what to change.
+#[test]
+fn weights_whose_blocks_straddle_rows_are_refused() {
+    let q = quantize_4bit(&vec![0.5f32; 100 * 10], 64, FourBit::Nf4, false);
+    let err = Quantized4Weight::new(q.clone(), 10, 100).unwrap_err();
+    assert!(
+        err.contains("not a multiple of the quantisation block size 64"),
+        "{err}"
+    );
+    let err = Quantized4Weight::new(q, 20, 100).unwrap_err();
+    assert!(err.contains("is not [20, 100]"), "{err}");
+}

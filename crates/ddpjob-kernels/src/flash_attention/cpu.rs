@@ -13,28 +13,10 @@ use std::ops::Range;
 
 use super::Attention;
 use super::tile::{Seen, simd};
-use crate::host::{Products, strided_product};
+use crate::host::{Out, Products, strided_product};
 
 /// Query rows, and keys, per tile.
 pub(super) const TILE: usize = 64;
-
-/// A raw output pointer shared by tasks that write disjoint elements behind it.
-#[derive(Clone, Copy)]
-pub(super) struct Out(pub(super) *mut f32);
-// SAFETY: tasks write disjoint columns or rows (see the callers), never the same element.
-unsafe impl Send for Out {}
-unsafe impl Sync for Out {}
-
-impl Out {
-    /// The pointer `offset` values on.
-    ///
-    /// # Safety
-    /// As `pointer::add`'s: inside the allocation.
-    pub(super) unsafe fn add(&self, offset: usize) -> Out {
-        // SAFETY: the caller's.
-        Out(unsafe { self.0.add(offset) })
-    }
-}
 
 /// The geometry of one sequence's tiles.
 struct Walk<'a> {
@@ -104,15 +86,16 @@ fn panel(
     out
 }
 
-/// Writes the first t rows of a [_, hd] panel into columns `first..first + hd` of the rows of
-/// `width` values at `dst`.
+/// Writes the first t rows of a [_, hd] panel into columns `first..first + hd` of the rows at
+/// `dst`.
 ///
 /// # Safety
-/// `dst` must hold t rows of `width` values, those columns written by nobody else.
-unsafe fn unpanel(panel: &[f32], dst: Out, width: usize, first: usize, (t, hd): (usize, usize)) {
+/// `dst` must hold t rows of `dst.row_stride` values, those columns written by nobody else.
+unsafe fn unpanel(panel: &[f32], dst: Out, first: usize, (t, hd): (usize, usize)) {
     for (i, src) in panel.chunks_exact(hd).take(t).enumerate() {
+        let at = dst.offset(i * dst.row_stride + first).ptr;
         // SAFETY: the caller's.
-        let row = unsafe { std::slice::from_raw_parts_mut(dst.0.add(i * width + first), hd) };
+        let row = unsafe { std::slice::from_raw_parts_mut(at, hd) };
         row.copy_from_slice(src);
     }
 }
@@ -123,11 +106,12 @@ fn padded(t: usize) -> usize {
 }
 
 /// The forward of query head `h` over one sequence: `x` its [t, cols] rows of q, k and v, `o`
-/// the sequence's first output row ([t, H·hd]), `lse` the head's t log-sum-exps.
+/// the sequence's first output row ([t, H·hd], rows `o.row_stride` apart), `lse` the head's t
+/// log-sum-exps.
 ///
 /// # Safety
-/// `o` must hold the sequence's t rows of H·hd values, and no other task may write head `h`'s
-/// columns of them.
+/// `o` must hold the sequence's t rows, and no other task may write head `h`'s columns of
+/// them.
 pub(super) unsafe fn forward_head(
     a: &Attention,
     x: &[f32],
@@ -136,7 +120,7 @@ pub(super) unsafe fn forward_head(
     h: usize,
     starts: Option<&[u32]>,
 ) {
-    let (t, hd, cols, co) = (a.t, a.head_dim, a.cols(), a.out_cols());
+    let (t, hd, cols) = (a.t, a.head_dim, a.cols());
     assert!(
         x.len() >= t * cols && lse.len() >= t,
         "flash attention: short input"
@@ -177,7 +161,7 @@ pub(super) unsafe fn forward_head(
                     row.iter_mut().for_each(|v| *v *= f);
                 }
             }
-            // Rows br.. of the tile (past the sequence) hold scores nobody reads.
+            // Rows br.. of the tile (past the sequence) are zeros: q's padding.
             // SAFETY: as above; `acc` is TILE rows of hd.
             unsafe {
                 product(
@@ -196,7 +180,7 @@ pub(super) unsafe fn forward_head(
         }
     }
     // SAFETY: the caller's.
-    unsafe { unpanel(&out, o, co, h * hd, (t, hd)) }
+    unsafe { unpanel(&out, o, h * hd, (t, hd)) }
 }
 
 /// The sequence's forward results a backward reads: the output [t, H·hd] and every head's
@@ -208,13 +192,14 @@ pub(super) struct Saved<'a> {
 
 /// The backward of key-value head `g` and the query heads of its group over one sequence:
 /// `x` its [t, cols] rows, `dy` the output's gradient [t, H·hd], `dx` the sequence's first
-/// gradient row ([t, cols]) receiving the group's q, k and v gradients. With P recomputed
+/// gradient row ([t, cols], rows `dx.row_stride` apart) receiving the group's q, k and v
+/// gradients. With P recomputed
 /// from the saved log-sum-exps: dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − D)·scale
 /// (D = Σ dO ⊙ O per row), dK += dSᵀ·Q, dQ += dS·K.
 ///
 /// # Safety
-/// `dx` must hold the sequence's t rows of `cols` values, and no other task may write the
-/// group's columns of them.
+/// `dx` must hold the sequence's t rows, and no other task may write the group's columns of
+/// them.
 pub(super) unsafe fn backward_group(
     a: &Attention,
     (x, dy): (&[f32], &[f32]),
@@ -277,8 +262,7 @@ pub(super) unsafe fn backward_group(
                     );
                     let lse = &saved.lse[h * t + i0..h * t + i1];
                     simd::probabilities((&mut s, TILE, TILE), &seen, scale, lse);
-                    // Rows past the sequence: P's rows are left as scores, but dO's are zeros.
-                    s[(i1 - i0) * TILE..].fill(0.0);
+                    // Rows past the sequence stay zeros (the panels' padding) in S, dO and dP.
                     let dvj = dv[j0 * hd..].as_mut_ptr();
                     product(
                         (TILE, hd, TILE),
@@ -295,7 +279,6 @@ pub(super) unsafe fn backward_group(
                         (vj, 1, hd),
                     );
                     simd::score_grads((&mut dp, TILE, TILE), &s, &d[i0..i1], scale);
-                    dp[(i1 - i0) * TILE..].fill(0.0);
                     let dkj = dk[j0 * hd..].as_mut_ptr();
                     product(
                         (TILE, hd, TILE),
@@ -316,11 +299,11 @@ pub(super) unsafe fn backward_group(
             }
         }
         // SAFETY: the caller's: head h's q columns are this task's.
-        unsafe { unpanel(&dq, dx, cols, h * hd, (t, hd)) }
+        unsafe { unpanel(&dq, dx, h * hd, (t, hd)) }
     }
     // SAFETY: the caller's: the group's k and v columns are this task's.
     unsafe {
-        unpanel(&dk, dx, cols, kc, (t, hd));
-        unpanel(&dv, dx, cols, vc, (t, hd));
+        unpanel(&dk, dx, kc, (t, hd));
+        unpanel(&dv, dx, vc, (t, hd));
     }
 }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
-use crate::host::{values, with_values};
+use crate::host::{Out, values, with_values};
 
 mod cpu;
 #[cfg(test)]
@@ -45,6 +45,19 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// Plain causal attention of `heads` heads of `head_dim` channels over sequences of `t`,
+    /// each head its own key-value head (GPT-2's).
+    pub fn multi_head(heads: usize, head_dim: usize, t: usize) -> Attention {
+        Attention {
+            heads,
+            kv_heads: heads,
+            head_dim,
+            t,
+            window: None,
+            starts: None,
+        }
+    }
+
     /// Columns of the input rows: q's heads, then k's, then v's.
     fn cols(&self) -> usize {
         (self.heads + 2 * self.kv_heads) * self.head_dim
@@ -128,11 +141,6 @@ fn sequence(v: &[f32], s: usize, t: usize, width: usize) -> &[f32] {
     &v[s * t * width..][..t * width]
 }
 
-/// A raw slice of the output for the (sequence, head) tasks.
-fn out(v: &mut [f32]) -> cpu::Out {
-    cpu::Out(v.as_mut_ptr())
-}
-
 /// [`flash_attention`]'s forward on raw rows: `x` [n·t, cols] (f32, as in `flash_attention`)
 /// into `o` [n·t, H·hd] (every value written) and `lse` [n, H, t], each row's log-sum-exp per
 /// head, which [`flash_attention_backward`] reads. For passes that keep their own buffers (the
@@ -148,19 +156,20 @@ pub fn flash_attention_forward(
     if x.len() != n * t * cols || o.len() != n * t * co || lse.len() < n * h * t {
         bail!("flash attention: buffers do not fit {n} sequences of {t}");
     }
-    let o = out(o);
+    let o = Out {
+        ptr: o.as_mut_ptr(),
+        row_stride: co,
+    };
     lse[..n * h * t]
         .par_chunks_mut(t)
         .enumerate()
         .for_each(|(task, lse)| {
             let (s, head) = (task / h, task % h);
             let x = sequence(x, s, t, cols);
+            let o = o.offset(s * t * co);
             // SAFETY: sequence s's rows of the output lie at s·t·co in `o`; this task alone
             // writes head `head`'s columns of them.
-            unsafe {
-                let o = o.add(s * t * co);
-                cpu::forward_head(attention, x, o, lse, head, attention.starts_of(s))
-            }
+            unsafe { cpu::forward_head(attention, x, o, lse, head, attention.starts_of(s)) }
         });
     Ok(())
 }
@@ -182,20 +191,21 @@ pub fn flash_attention_backward(
         bail!("flash attention: buffers do not fit {n} sequences of {t}");
     }
     let kv = attention.kv_heads;
-    let dx = out(dx);
+    let dx = Out {
+        ptr: dx.as_mut_ptr(),
+        row_stride: cols,
+    };
     (0..n * kv).into_par_iter().for_each(|task| {
         let (s, g) = (task / kv, task % kv);
         let saved = cpu::Saved {
             o: sequence(o, s, t, co),
             lse: &lse[s * h * t..(s + 1) * h * t],
         };
+        let dx = dx.offset(s * t * cols);
+        let inputs = (sequence(x, s, t, cols), sequence(dy, s, t, co));
         // SAFETY: sequence s's gradient rows lie at s·t·cols in `dx`; this task alone writes
         // its group's q, k and v columns of them.
-        unsafe {
-            let dx = dx.add(s * t * cols);
-            let inputs = (sequence(x, s, t, cols), sequence(dy, s, t, co));
-            cpu::backward_group(attention, inputs, saved, dx, g, attention.starts_of(s))
-        }
+        unsafe { cpu::backward_group(attention, inputs, saved, dx, g, attention.starts_of(s)) }
     });
     Ok(())
 }

@@ -11,7 +11,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
 use super::Quantized4;
-use crate::host::{Products, strided_product, values, with_values};
+use crate::host::{Out, Products, strided_product, values, with_values};
 
 /// W's rows de-quantised per forward task.
 const ROWS: usize = 64;
@@ -74,19 +74,6 @@ pub fn quantized_linear(x: &Tensor, w: &Quantized4Weight) -> Result<Tensor> {
     x.contiguous()?.apply_op1(w.clone())
 }
 
-/// An output shared by tasks that write disjoint columns of it.
-#[derive(Clone, Copy)]
-struct Columns(*mut f32);
-// SAFETY: each task writes its own columns (see the callers).
-unsafe impl Send for Columns {}
-unsafe impl Sync for Columns {}
-
-impl Columns {
-    fn at(&self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
-}
-
 impl Quantized4Weight {
     fn rows_of(&self, shape: &Shape) -> Result<usize> {
         let (rows, inputs) = shape.dims2()?;
@@ -110,7 +97,10 @@ impl CustomOp1 for Quantized4Weight {
         let x = values(storage, layout)?;
         let (out, inputs) = (self.out, self.inputs);
         let mut y = vec![0f32; rows * out];
-        let dst = Columns(y.as_mut_ptr());
+        let dst = Out {
+            ptr: y.as_mut_ptr(),
+            row_stride: out,
+        };
         let tasks = if rows == 0 { 0 } else { out.div_ceil(ROWS) };
         (0..tasks).into_par_iter().for_each(|task| {
             let (o0, o1) = (task * ROWS, ((task + 1) * ROWS).min(out));
@@ -122,7 +112,7 @@ impl CustomOp1 for Quantized4Weight {
             unsafe {
                 strided_product(
                     (rows, o1 - o0, inputs),
-                    (dst.at(o0), out),
+                    (dst.offset(o0).ptr, out),
                     false,
                     (x.as_ptr(), inputs, 1),
                     (panel.as_ptr(), 1, inputs),
@@ -138,7 +128,10 @@ impl CustomOp1 for Quantized4Weight {
         let rows = self.rows_of(x.shape())?;
         let (out, inputs) = (self.out, self.inputs);
         let mut dx = vec![0f32; rows * inputs];
-        let dst = Columns(dx.as_mut_ptr());
+        let dst = Out {
+            ptr: dx.as_mut_ptr(),
+            row_stride: inputs,
+        };
         let tasks = if rows == 0 {
             0
         } else {
@@ -159,7 +152,7 @@ impl CustomOp1 for Quantized4Weight {
                 unsafe {
                     strided_product(
                         (rows, width, out),
-                        (dst.at(c0), inputs),
+                        (dst.offset(c0).ptr, inputs),
                         false,
                         (dy.as_ptr(), out, 1),
                         (panel.as_ptr(), width, 1),

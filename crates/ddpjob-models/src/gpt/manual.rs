@@ -280,7 +280,8 @@ fn attend(
     let rows = attended.len() / c;
     if attention::tiled(t) {
         let mut lse = scratch::take(rows * heads);
-        kernels::flash_attention_forward(&tiles(heads, c, t), qkv, attended, &mut lse)
+        let tiles = kernels::Attention::multi_head(heads, c / heads, t);
+        kernels::flash_attention_forward(&tiles, qkv, attended, &mut lse)
             .expect("the GPT's rows are whole windows of its heads");
         if for_backward {
             return lse;
@@ -307,19 +308,6 @@ fn attend(
             .for_each(|((y, x), p)| attention::sequence(x, y, t, heads, p)),
     }
     probabilities
-}
-
-/// The GPT's heads as the tiled attention takes them: each its own key-value head, windows of
-/// `t`, causal.
-fn tiles(heads: usize, c: usize, t: usize) -> kernels::Attention {
-    kernels::Attention {
-        heads,
-        kv_heads: heads,
-        head_dim: c / heads,
-        t,
-        window: None,
-        starts: None,
-    }
 }
 
 impl TrainPass for Pass<'_> {
@@ -417,12 +405,12 @@ impl TrainPass for Pass<'_> {
                 g.push_linear(&block.attn_proj, d_w, d_b)?;
                 let d_att = d_att.unwrap_or_default();
                 let mut d_qkv = scratch::take(a.qkv.len());
-                let per_sequence = cfg.n_head * t * t;
                 if attention::tiled(t) {
                     let saved = (&a.attended[..], &a.probabilities[..]);
-                    let tiles = tiles(cfg.n_head, c, t);
+                    let tiles = kernels::Attention::multi_head(cfg.n_head, c / cfg.n_head, t);
                     kernels::flash_attention_backward(&tiles, &a.qkv, saved, &d_att, &mut d_qkv)?;
                 } else {
+                    let per_sequence = cfg.n_head * t * t;
                     d_qkv
                         .par_chunks_mut(t * 3 * c)
                         .zip(a.qkv.par_chunks(t * 3 * c))

@@ -573,9 +573,8 @@ impl Llama {
         let k = repeat_kv(&k, heads / kv_heads)?;
         let v = repeat_kv(&v, heads / kv_heads)?;
         let width = heads * hd;
-        // A window shorter than the rows: scores under a mask that also hides the keys it
-        // leaves behind (composed from candle's ops; the fused kernels attend to the whole
-        // causal past).
+        // A window shorter than the rows on a GPU or the CPU in bf16: scores under a mask that
+        // also hides the keys it leaves behind, composed from candle's ops.
         if let Some(window) = window {
             let mut mask = windowed_causal_mask(t, window, h.device())?;
             if let Some(p) = packing {

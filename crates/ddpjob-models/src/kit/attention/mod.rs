@@ -77,12 +77,8 @@ fn in_tiles(
         bail!("attention: {c} channels do not split into {heads} heads");
     }
     let shape = kernels::Attention {
-        heads,
-        kv_heads: heads,
-        head_dim: c / heads,
-        t,
-        window: None,
         starts,
+        ..kernels::Attention::multi_head(heads, c / heads, t)
     };
     kernels::flash_attention(qkv, &shape)
 }

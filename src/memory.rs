@@ -17,7 +17,8 @@ const RUNTIME_BYTES: u64 = 40_000_000;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Estimate {
     /// Every parameter, in f32 (with `sharding = "full"`, this worker's share of them and
-    /// what a pass gathers at once).
+    /// what a pass gathers at once), and a 4-bit base's codes and scales whole
+    /// (`[model.quantize]`).
     pub weights: u64,
     /// One gradient per row shard running side by side (a CPU worker's threads; in
     /// world-size-invariant training each piece in flight and the tree's partial sums; with
@@ -154,7 +155,7 @@ pub fn estimate(spec: &JobSpec, model: &dyn Model, layout: Layout) -> Estimate {
         .activation_bytes_per_sample(layout.checkpointing)
         .map(|per_sample| (per_sample * live_rows as f64 + per_pass) as u64);
     Estimate {
-        weights: weights.unwrap_or(4 * all),
+        weights: weights.unwrap_or(4 * all) + params.packed_bytes() as u64,
         gradients: 4 * per_shard * shards + earlier + averaged,
         optimizer: state_per_value * trainable / share,
         reference,

@@ -120,6 +120,11 @@ pub(super) fn export(args: &ExportArgs) -> CliResult {
         return Ok(());
     }
     let hf_dir = args.hf.as_deref().unwrap_or(Path::new("."));
+    // A 4-bit base (`[model.quantize]`) goes out de-quantised, in f32 or bf16 as asked.
+    let tensors = ddpjob_seam::packed::dequantize_saved(tensors).map_err(|e| {
+        let at = weights.display();
+        (1, anyhow!("`{at}`: {e}"))
+    })?;
     let tensors = match (lora, args.merge_lora) {
         (Some(lora), true) => {
             hf::peft::merge_lora(tensors, lora.scale()).map_err(|e| (1, anyhow!(e)))?

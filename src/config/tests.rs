@@ -17,6 +17,7 @@ fn mlp(hidden: &[i64]) -> ModelSpec {
         options,
         freeze: Vec::new(),
         lora: None,
+        quantize: None,
         language: None,
     }
 }

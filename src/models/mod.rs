@@ -49,12 +49,14 @@ pub fn build(
 ) -> Result<Box<dyn Model>> {
     let mut cx = ModelContext::new(input, seed, device, precision, restoring);
     cx.lora = spec.lora().cloned();
+    cx.quantize = spec.quantize().copied();
     let fail =
         |e: String| candle_core::Error::Msg(format!("model.arch = \"{}\": {e}", spec.arch()));
     let model = Registry::current()
         .build_model(spec.arch(), spec.options(), &cx)
         .map_err(|e| fail(e.to_string()))?;
-    ddpjob_models::adapt(model, spec.arch(), spec.lora(), spec.freeze(), restoring)
+    let (lora, quantize) = (spec.lora(), spec.quantize());
+    ddpjob_models::adapt(model, spec.arch(), lora, quantize, spec.freeze(), restoring)
 }
 
 /// `config.json` and tensors of a Hugging Face export of a job's model: `spec`'s options and

@@ -528,6 +528,17 @@ fn train(
             params.element_count()
         ));
     }
+    if let Some(q) = spec.model.quantize() {
+        let layers = params.packed().count();
+        reporter.line(&format!(
+            "base in 4 bits ([model.quantize]): {layers} linear layers, {} values in {} ({}; \
+             {} in f32)",
+            params.packed_element_count(),
+            crate::memory::gb(params.packed_bytes() as u64),
+            q.describe(),
+            crate::memory::gb(4 * params.packed_element_count() as u64),
+        ));
+    }
     // Row shards run one per thread on a CPU worker; a GPU worker runs its batch whole.
     let threads = if device.is_cpu() {
         rayon::current_num_threads()

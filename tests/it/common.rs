@@ -174,12 +174,18 @@ pub fn corpus() -> String {
     text
 }
 
-/// The tensors of a safetensors file, flattened to f32, by name.
+/// The tensors of a safetensors file, flattened to f32 (a 4-bit base's uint8 codes each
+/// one value), by name.
 pub fn load_weights(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let f32 = |t: candle_core::Tensor| {
+        t.to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1()
+    };
     candle_core::safetensors::load(path, &candle_core::Device::Cpu)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         .into_iter()
-        .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .map(|(k, t)| (k, f32(t).unwrap()))
         .collect()
 }
 

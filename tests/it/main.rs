@@ -27,6 +27,7 @@ mod mlflow;
 mod moe;
 mod nodes;
 mod open_models;
+mod qlora;
 mod recompute;
 mod resume;
 mod run;

@@ -70,7 +70,7 @@ pub use linear::linear;
 pub use linear::{
     Wanted, backward as linear_backward, forward as linear_forward, relu_grad, relu_in_place,
 };
-pub use lora_linear::{AdapterDropout, lora_linear};
+pub use lora_linear::{AdapterDropout, lora_linear, lora_linear_4bit};
 #[cfg(feature = "cuda")]
 pub use optim::cuda::adam_step_on_gpu;
 pub use optim::{

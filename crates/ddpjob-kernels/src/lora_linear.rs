@@ -5,10 +5,13 @@
 //! of a 4.4 GB step. Here the graph holds `x`, `A` and `B` only: the base and its bias are
 //! frozen (LoRA trains the adapters alone), held by the op, and the low-rank `d(x)·Aᵀ` and the
 //! dropout mask are recomputed in the backward (r columns; the mask from its rows' seeds).
+//! The base is an f32 weight, or a 4-bit one (QLoRA: [`lora_linear_4bit`]) de-quantised a
+//! panel at a time in both passes (see `quant4::linear`).
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
 
 use crate::host::{Mat, gemm, product, threads, values, with_values};
+use crate::quant4::Quantized4Weight;
 
 /// The adapter's input dropout: each row's seed, the layer's site and the probability; the
 /// mask is a function of these (see `dropout`).
@@ -41,8 +44,33 @@ pub fn lora_linear(
     scale: f64,
     dropout: Option<AdapterDropout>,
 ) -> Result<Tensor> {
+    let base = Base::Dense(weight.contiguous()?);
+    apply(x, base, bias, (a, b), scale, dropout)
+}
+
+/// [`lora_linear`] over a frozen 4-bit weight (QLoRA's layers): `x·Wᵀ + b + scale·(d(x)·Aᵀ)·Bᵀ`
+/// with W de-quantised a panel at a time, never whole.
+pub fn lora_linear_4bit(
+    x: &Tensor,
+    weight: &Quantized4Weight,
+    bias: &Tensor,
+    ab: (&Tensor, &Tensor),
+    scale: f64,
+    dropout: Option<AdapterDropout>,
+) -> Result<Tensor> {
+    apply(x, Base::Packed(weight.clone()), bias, ab, scale, dropout)
+}
+
+fn apply(
+    x: &Tensor,
+    base: Base,
+    bias: &Tensor,
+    (a, b): (&Tensor, &Tensor),
+    scale: f64,
+    dropout: Option<AdapterDropout>,
+) -> Result<Tensor> {
     let op = LoraLinearOp {
-        weight: weight.contiguous()?,
+        base,
         bias: bias.contiguous()?,
         scale: scale as f32,
         dropout,
@@ -51,8 +79,59 @@ pub fn lora_linear(
         .apply_op3(&a.contiguous()?, &b.contiguous()?, op)
 }
 
+/// The frozen base weight [out, in].
+enum Base {
+    Dense(Tensor),
+    Packed(Quantized4Weight),
+}
+
+impl Base {
+    fn dims(&self) -> Result<(usize, usize)> {
+        match self {
+            Base::Dense(w) => w.dims2(),
+            Base::Packed(q) => Ok(q.dims()),
+        }
+    }
+
+    /// x·Wᵀ + bias for `n` rows of x.
+    fn forward(&self, x: &[f32], bias: &Tensor, n: usize) -> Result<Vec<f32>> {
+        with_values(bias, |bias| match self {
+            Base::Dense(w) => with_values(w, |w| Ok(super::linear::forward(x, w, bias, n))),
+            Base::Packed(q) => {
+                let mut y = q.forward_values(x, n);
+                if bias.iter().any(|&b| b != 0.0) {
+                    for row in y.chunks_exact_mut(bias.len()) {
+                        row.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
+                    }
+                }
+                Ok(y)
+            }
+        })
+    }
+
+    /// dx = g·W (written over dx).
+    fn input_gradient(&self, g: &[f32], d: Dims, dx: &mut [f32]) -> Result<()> {
+        match self {
+            Base::Dense(w) => with_values(w, |w| {
+                gemm(
+                    dx,
+                    Mat::new(g, d.n, d.outputs),
+                    Mat::new(w, d.outputs, d.inputs),
+                    false,
+                    threads(),
+                );
+                Ok(())
+            }),
+            Base::Packed(q) => {
+                q.input_gradient_into(g, d.n, dx, false);
+                Ok(())
+            }
+        }
+    }
+}
+
 struct LoraLinearOp {
-    weight: Tensor,
+    base: Base,
     bias: Tensor,
     scale: f32,
     dropout: Option<AdapterDropout>,
@@ -72,7 +151,7 @@ impl LoraLinearOp {
         let (n, inputs) = x.dims2()?;
         let (r, a_inputs) = a.dims2()?;
         let (outputs, b_r) = b.dims2()?;
-        let (w_outputs, w_inputs) = self.weight.dims2()?;
+        let (w_outputs, w_inputs) = self.base.dims()?;
         if a_inputs != inputs || b_r != r || w_inputs != inputs || w_outputs != outputs {
             bail!(
                 "lora linear: input [{n}, {inputs}], A [{r}, {a_inputs}], B [{outputs}, {b_r}] \
@@ -130,11 +209,7 @@ impl CustomOp3 for LoraLinearOp {
             values(a, a_layout)?,
             values(b, b_layout)?,
         );
-        let mut y = with_values(&self.weight, |w| {
-            with_values(&self.bias, |bias| {
-                Ok(super::linear::forward(x, w, bias, d.n))
-            })
-        })?;
+        let mut y = self.base.forward(x, &self.bias, d.n)?;
         let h = self.low(&self.dropped(x), a, d);
         gemm(
             &mut y,
@@ -161,9 +236,7 @@ impl CustomOp3 for LoraLinearOp {
         let (dx, da, db) = with_values(x, |xv| {
             with_values(a, |av| {
                 with_values(b, |bv| {
-                    with_values(grad, |g| {
-                        with_values(&self.weight, |w| self.backward(xv, av, bv, g, w, d, want_x))
-                    })
+                    with_values(grad, |g| self.backward(xv, av, bv, g, d, want_x))
                 })
             })
         })?;
@@ -187,14 +260,12 @@ type Grads = (Option<Vec<f32>>, Vec<f32>, Vec<f32>);
 
 impl LoraLinearOp {
     // The op's operands and what to form: one caller, `bwd`.
-    #[allow(clippy::too_many_arguments)]
     fn backward(
         &self,
         x: &[f32],
         a: &[f32],
         b: &[f32],
         g: &[f32],
-        w: &[f32],
         d: Dims,
         want_x: bool,
     ) -> Result<Grads> {
@@ -216,15 +287,9 @@ impl LoraLinearOp {
             Mat::new(&xd, d.n, d.inputs),
             threads(),
         );
-        let dx = want_x.then(|| {
+        let dx = want_x.then(|| -> Result<Vec<f32>> {
             let mut dx = super::scratch::take(d.n * d.inputs);
-            gemm(
-                &mut dx,
-                Mat::new(g, d.n, d.outputs),
-                Mat::new(w, d.outputs, d.inputs),
-                false,
-                threads(),
-            );
+            self.base.input_gradient(g, d, &mut dx)?;
             let gha = Mat::new(&gh, d.n, d.r);
             let am = Mat::new(a, d.r, d.inputs);
             match &self.dropout {
@@ -237,9 +302,9 @@ impl LoraLinearOp {
                     }
                 }
             }
-            dx
+            Ok(dx)
         });
-        Ok((dx, da, db))
+        Ok((dx.transpose()?, da, db))
     }
 }
 

@@ -254,6 +254,7 @@ pub fn adapt(
     model: Box<dyn Model>,
     arch: &str,
     lora: Option<&LoraSpec>,
+    quantize: Option<&ddpjob_spec::QuantizeSpec>,
     freeze: &[String],
     restoring: bool,
 ) -> Result<Box<dyn Model>> {
@@ -264,6 +265,13 @@ pub fn adapt(
              model.safetensors hold them by name, so give each layer its own prefix \
              (VarBuilder::pp)"
         )));
+    }
+    if quantize.is_some() && model.params().packed().next().is_none() {
+        return Err(fail(
+            "model.quantize: this model keeps none of its layers in 4 bits (a 4-bit base is \
+             built for `llama` and its kin); leave [model.quantize] out"
+                .into(),
+        ));
     }
     let lora_on = lora.is_some();
     if lora_on && !model.params().iter().any(|(n, _)| is_adapter(n)) {

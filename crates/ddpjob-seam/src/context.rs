@@ -11,7 +11,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::task::ModelInput;
-use ddpjob_spec::{DataContext, LoraSpec, Precision};
+use ddpjob_spec::{DataContext, LoraSpec, Precision, QuantizeSpec};
 
 /// The dtype the forward and backward passes compute in for `precision` (the parameters
 /// stay f32).
@@ -44,6 +44,9 @@ pub struct ModelContext {
     /// `[model.lora]`, when on: the adapters `gpt` and `llama` put beside their linear layers
     /// (a model of your own without linear layers that take them is refused).
     pub lora: Option<LoraSpec>,
+    /// `[model.quantize]`, when on: the frozen decoder linear layers kept in 4 bits (a family
+    /// that cannot is refused).
+    pub quantize: Option<QuantizeSpec>,
 }
 
 impl ModelContext {
@@ -62,6 +65,7 @@ impl ModelContext {
             compute_dtype: compute_dtype(precision),
             restoring,
             lora: None,
+            quantize: None,
         }
     }
 }

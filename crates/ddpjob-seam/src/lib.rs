@@ -14,6 +14,7 @@ pub mod freeze;
 pub mod gate;
 pub mod metric;
 mod model;
+pub mod packed;
 mod params;
 mod store;
 pub mod task;
@@ -25,6 +26,7 @@ pub use model::{
     CollectedGradients, GradientSink, KvCache, KvDecoder, Mode, Model, TrainPass,
     chain_train_flops, hand_over_all, log_likelihoods,
 };
+pub use packed::PackedWeight;
 pub use params::{Params, parameter_values, set_parameter, zeroed_parameter_values};
 pub use store::ParamStore;
 pub use task::{BatchSource, DataError, ModelInput, Task};

@@ -5,6 +5,7 @@
 use candle_core::{Result, Tensor, Var};
 
 use crate::freeze::FrozenSet;
+use crate::packed::PackedWeight;
 
 /// Named trainable parameters in a fixed order (the order gradients are bucketed in).
 #[derive(Debug, Clone, Default)]
@@ -22,6 +23,9 @@ pub struct Params {
     /// Parameters that do not train (`model.freeze`; see `freeze.rs`), shared with the
     /// layers that hold them.
     pub(crate) frozen: FrozenSet,
+    /// Frozen weights kept in 4 bits (`[model.quantize]`), by name: not parameters, part of
+    /// the base (see `packed.rs`).
+    pub(crate) packed: Vec<(String, PackedWeight)>,
 }
 
 impl Params {
@@ -83,17 +87,26 @@ impl Params {
         self.entries.is_empty()
     }
 
-    /// The current values by name, aliases of tied parameters and buffers included: what
-    /// `model.safetensors` and checkpoints hold.
+    /// The current values by name, aliases of tied parameters and buffers included, and the
+    /// 4-bit weights as bitsandbytes saves them (see `packed::PackedWeight::saved`; a weight
+    /// never loaded is left out): what `model.safetensors` and checkpoints hold.
     pub fn named_tensors(&self) -> std::collections::HashMap<String, Tensor> {
         let aliased = self
             .aliases
             .iter()
             .map(|(a, i)| (a.clone(), self.entries[*i].1.as_tensor().clone()));
+        let device = self.entries.first().map(|(_, v)| v.device().clone());
+        let device = device.unwrap_or(candle_core::Device::Cpu);
+        let packed = self
+            .packed
+            .iter()
+            .filter_map(|(n, w)| w.saved(n, &device).ok())
+            .flatten();
         self.iter()
             .chain(self.buffers())
             .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
             .chain(aliased)
+            .chain(packed)
             .collect()
     }
 
@@ -138,6 +151,27 @@ impl Params {
     pub fn push(&mut self, name: String, var: Var) -> Var {
         self.entries.push((name, var.clone()));
         var
+    }
+
+    /// Appends the 4-bit weight `name` (for the builders of a model kit).
+    #[doc(hidden)]
+    pub fn push_packed(&mut self, name: String, weight: PackedWeight) {
+        self.packed.push((name, weight));
+    }
+
+    /// The frozen weights kept in 4 bits, by name, in the order the model made them.
+    pub fn packed(&self) -> impl Iterator<Item = (&str, &PackedWeight)> {
+        self.packed.iter().map(|(n, w)| (n.as_str(), w))
+    }
+
+    /// Values the 4-bit weights stand for (what their f32 copies would hold).
+    pub fn packed_element_count(&self) -> usize {
+        self.packed.iter().map(|(_, w)| w.len()).sum()
+    }
+
+    /// Bytes the 4-bit weights take (their codes and scales).
+    pub fn packed_bytes(&self) -> usize {
+        self.packed.iter().map(|(_, w)| w.bytes()).sum()
     }
 
     /// Appends the buffer `name`.

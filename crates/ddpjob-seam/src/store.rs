@@ -27,6 +27,7 @@ const BUFFER_NAMES: &[&str] = &["running_mean", "running_var"];
 ///     compute_dtype: DType::F32,
 ///     restoring: false,
 ///     lora: None,
+///     quantize: None,
 /// };
 /// let store = ParamStore::new(&cx);
 /// let vb = store.var_builder();
@@ -169,6 +170,7 @@ mod tests {
             compute_dtype: DType::F32,
             restoring: false,
             lora: None,
+            quantize: None,
         }
     }
 

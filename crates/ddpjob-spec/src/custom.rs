@@ -35,7 +35,7 @@ const MODEL: Section = Section {
     name: "model",
     selector: "arch",
     default: "mlp",
-    own: &["arch", "freeze", "lora", "revision"],
+    own: &["arch", "freeze", "lora", "quantize", "revision"],
     kind: |b, name| b.model_kind(name),
     names: |b| b.model_names(),
 };

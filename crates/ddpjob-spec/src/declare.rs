@@ -56,6 +56,8 @@ pub trait Section {
 
 /// `prefix.key`, or `key` at the root.
 pub fn join(prefix: &str, key: &str) -> String {
+    // A key named as a Rust keyword is declared as a raw identifier (`r#type`).
+    let key = key.trim_start_matches("r#");
     if prefix.is_empty() {
         key.to_string()
     } else {

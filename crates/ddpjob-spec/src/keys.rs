@@ -15,6 +15,7 @@ use super::checks::{
 use super::declare::section;
 use super::error::{ConfigError, Origin};
 use super::lora::TargetModules;
+use super::quantize::{BLOCK_SIZES, QuantType};
 use super::source::{Source, value_at, value_at_mut};
 use super::spec::{
     Backend, DeviceChoice, DpoLoss, Monitor, Objective, OnWriteError, OptimizerSpec, Precision,
@@ -72,7 +73,60 @@ section! {
         /// low-rank adapters (LoRA)
         #[serde(skip_serializing_if = "RawLora::is_off")]
         lora: RawLora = RawLora::default() => lora: LoraKeys = nested();
+        /// the frozen base in 4 bits (QLoRA)
+        #[serde(skip_serializing_if = "RawQuantize::is_off")]
+        quantize: RawQuantize = RawQuantize::default() => quantize: QuantizeKeys = nested();
     }
+}
+
+section! {
+    /// `[model.quantize]`: the frozen base's decoder linear layers kept in 4 bits, as
+    /// bitsandbytes' `BitsAndBytesConfig(load_in_4bit = True)` keeps them (never embeddings,
+    /// norms or the head), with `[model.lora]`'s adapters trained on top (QLoRA).
+    RawQuantize at "model.quantize", checked into QuantizeKeys {
+        /// `4`; `0` is off
+        bits: i64 = 0, shown "`0` (off)" => bits: usize = quantize_bits;
+        /// `"nf4"` (QLoRA's NormalFloat) or `"fp4"` (bitsandbytes' `bnb_4bit_quant_type`)
+        r#type: String = "nf4".into()
+            => kind: QuantType = choice(&[("nf4", QuantType::Nf4), ("fp4", QuantType::Fp4)]);
+        /// the blocks' scales quantised again, in 8 bits (`bnb_4bit_use_double_quant`)
+        double_quant: bool = false => double_quant: bool = any();
+        /// values per scale: 32, 64, 128, ..., 4096 (bitsandbytes' `blocksize`)
+        block_size: i64 = 64 => block_size: usize = block_size;
+    }
+}
+
+impl RawQuantize {
+    /// Whether quantisation is off and nothing else of it is set (left out of `job.toml`).
+    pub fn is_off(&self) -> bool {
+        *self == RawQuantize::default()
+    }
+}
+
+/// `model.quantize.bits`: 0 (off) or 4.
+fn quantize_bits(c: &mut Checker, key: &str, &bits: &i64, _: &RawQuantize) -> usize {
+    if bits != 0 && bits != 4 {
+        c.fail(
+            key,
+            format!(
+                "is {bits}: the quantised base is bitsandbytes' 4-bit (QLoRA), so bits = 4, or \
+                 0 for off (8-bit LLM.int8 is not supported)"
+            ),
+        );
+    }
+    bits.clamp(0, 4) as usize
+}
+
+/// `model.quantize.block_size`: one bitsandbytes takes.
+fn block_size(c: &mut Checker, key: &str, &size: &i64, _: &RawQuantize) -> usize {
+    if !BLOCK_SIZES.iter().any(|&b| b as i64 == size) {
+        c.fail(
+            key,
+            format!("is {size}; bitsandbytes' block sizes are {BLOCK_SIZES:?} (64 is QLoRA's)"),
+        );
+        return 64;
+    }
+    size as usize
 }
 
 section! {

@@ -19,6 +19,7 @@ mod error;
 mod keys;
 mod lora;
 mod peft_adapter;
+mod quantize;
 pub mod schema;
 mod source;
 mod spec;
@@ -35,6 +36,7 @@ pub use error::{ConfigError, Origin};
 pub use keys::RawConfig;
 pub use lora::{LoraSpec, TargetModules, is_adapter};
 pub use peft_adapter::AdapterConfig;
+pub use quantize::{QuantType, QuantizeSpec};
 pub use source::{STORED_JOB_HEADER, Source, flag_override};
 pub use spec::Backend;
 pub use spec::{
@@ -88,7 +90,7 @@ impl LoadedConfig {
                 model.insert("freeze".into(), self.spec.model.freeze().to_vec().into());
             }
             if let Some(toml::Value::Table(raw)) = doc.get("model") {
-                for key in ["lora", "revision"] {
+                for key in ["lora", "quantize", "revision"] {
                     if let Some(value) = raw.get(key) {
                         model.insert(key.into(), value.clone());
                     }

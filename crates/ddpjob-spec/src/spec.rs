@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 pub use super::builders::LanguageModelSpec;
 use super::lora::LoraSpec;
+use super::quantize::QuantizeSpec;
 
 // The sections whose checked keys are the spec itself, declared in `keys.rs`.
 pub use super::keys::{CheckpointSpec, DistributedSpec, LoggingSpec, ScheduleSpec, TrainSpec};
@@ -34,6 +35,8 @@ pub struct ModelSpec {
     pub freeze: Vec<String>,
     /// `[model.lora]`, when `r` > 0.
     pub lora: Option<LoraSpec>,
+    /// `[model.quantize]`, when `bits` is 4 (QLoRA's 4-bit base).
+    pub quantize: Option<QuantizeSpec>,
     /// For a language model: its window and tokenizer.
     pub language: Option<LanguageModelSpec>,
 }
@@ -52,6 +55,9 @@ impl ModelSpec {
         };
         if let Some(l) = &self.lora {
             described += &format!(", LoRA r = {} alpha = {}", l.r, l.alpha);
+        }
+        if let Some(q) = &self.quantize {
+            described += &format!(", base in {}", q.describe());
         }
         if !self.freeze.is_empty() {
             described += &format!(", frozen {:?}", self.freeze);
@@ -72,6 +78,11 @@ impl ModelSpec {
     /// `[model.lora]`, when on.
     pub fn lora(&self) -> Option<&LoraSpec> {
         self.lora.as_ref()
+    }
+
+    /// `[model.quantize]`, when on.
+    pub fn quantize(&self) -> Option<&QuantizeSpec> {
+        self.quantize.as_ref()
     }
 
     /// This model without the PEFT adapter its LoRA layers start from: built to load weights

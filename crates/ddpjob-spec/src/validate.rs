@@ -11,6 +11,7 @@ use super::declare::Section;
 use super::error::{ConfigError, Origin};
 use super::keys::{DataKeys, ExpectKeys, ModelKeys, RawConfig};
 use super::lora::{LoraSpec, TargetModules};
+use super::quantize::{QuantType, QuantizeSpec};
 use super::source::Source;
 use super::spec::{Check, DataSpec, Expectation, JobSpec, ModelSpec, ScheduleKind};
 
@@ -65,6 +66,9 @@ impl JobSpec {
         }
         let train = keys.train;
         objective_problems(&mut c, raw, &model, &data, &keys.expect);
+        if model.quantize.is_some() {
+            quantize_problems(&mut c, &keys.distributed);
+        }
         if raw.train.objective == "dpo" && keys.distributed.sharding == super::spec::Sharding::Full
         {
             c.fail(
@@ -241,12 +245,54 @@ fn check_model(
              e.g. r = 16",
         );
     }
+    let q = &m.quantize;
+    let quantize = (q.bits == 4).then_some(QuantizeSpec {
+        kind: q.kind,
+        block_size: q.block_size,
+        double_quant: q.double_quant,
+    });
+    // Anything but the keys' defaults (nf4, single quantisation, blocks of 64).
+    let others = q.kind != QuantType::Nf4 || q.double_quant || q.block_size != 64;
+    if q.bits == 0 && others {
+        c.fail(
+            "model.quantize.bits",
+            "is 0 (off), but other [model.quantize] keys are set: set bits = 4 for a 4-bit base",
+        );
+    }
+    if quantize.is_some() && lora.is_none() {
+        c.fail(
+            "model.quantize",
+            "a 4-bit base is frozen and cannot train by itself: QLoRA trains LoRA adapters on \
+             top of it, so add [model.lora] (e.g. r = 16, target_modules = \"all-linear\")",
+        );
+    }
     ModelSpec {
         arch,
         options,
         freeze: m.freeze.clone(),
         lora,
+        quantize,
         language,
+    }
+}
+
+/// What a 4-bit base (`[model.quantize]`) cannot go with in this version.
+fn quantize_problems(c: &mut Checker, d: &super::spec::DistributedSpec) {
+    if d.sharding == super::spec::Sharding::Full {
+        c.fail(
+            "distributed.sharding",
+            "\"full\" shards parameters, and a 4-bit base is no parameter (every worker keeps \
+             it whole, about an eighth of its f32 size); use sharding = \"optimizer\" or \
+             \"gradients\" with [model.quantize]",
+        );
+    }
+    if d.device == super::spec::DeviceChoice::Cuda {
+        c.fail(
+            "distributed.device",
+            "\"cuda\": the 4-bit layers of [model.quantize] run on CPU workers in this \
+             version (their CUDA kernels are not built yet); set device = \"cpu\", or leave \
+             [model.quantize] out to train LoRA over the 16-bit base on the GPU",
+        );
     }
 }
 

@@ -87,14 +87,19 @@ impl Quantized4Weight {
     }
 }
 
-impl CustomOp1 for Quantized4Weight {
-    fn name(&self) -> &'static str {
-        "ddpjob-quantized4-linear"
+impl Quantized4Weight {
+    /// The weight's shape [out, in].
+    pub fn dims(&self) -> (usize, usize) {
+        (self.out, self.inputs)
     }
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let rows = self.rows_of(layout.shape())?;
-        let x = values(storage, layout)?;
+    /// The codes and scales as stored (what a checkpoint's fingerprint and an export read).
+    pub fn stored(&self) -> &Quantized4 {
+        &self.weight
+    }
+
+    /// x [rows, in] · Wᵀ as values: [rows, out], a panel of [`ROWS`] of W's rows per task.
+    pub fn forward_values(&self, x: &[f32], rows: usize) -> Vec<f32> {
         let (out, inputs) = (self.out, self.inputs);
         let mut y = vec![0f32; rows * out];
         let dst = Out {
@@ -120,14 +125,18 @@ impl CustomOp1 for Quantized4Weight {
                 )
             }
         });
-        Ok((CpuStorage::F32(y), Shape::from((rows, out))))
+        y
     }
 
-    /// dx = dy · W, a panel of W's columns per task; W itself gets no gradient.
-    fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let rows = self.rows_of(x.shape())?;
+    /// dy [rows, out] · W into `dx` [rows, in] (added to it when `accumulate`), a panel of
+    /// [`COLUMNS`] of W's columns per task.
+    pub fn input_gradient_into(&self, dy: &[f32], rows: usize, dx: &mut [f32], accumulate: bool) {
         let (out, inputs) = (self.out, self.inputs);
-        let mut dx = vec![0f32; rows * inputs];
+        assert_eq!(
+            dx.len(),
+            rows * inputs,
+            "4-bit linear: dx of the wrong size"
+        );
         let dst = Out {
             ptr: dx.as_mut_ptr(),
             row_stride: inputs,
@@ -137,29 +146,48 @@ impl CustomOp1 for Quantized4Weight {
         } else {
             inputs.div_ceil(COLUMNS)
         };
+        (0..tasks).into_par_iter().for_each(|task| {
+            let (c0, c1) = (task * COLUMNS, ((task + 1) * COLUMNS).min(inputs));
+            let width = c1 - c0;
+            let mut panel = vec![0f32; out * width];
+            for (o, row) in panel.chunks_exact_mut(width).enumerate() {
+                let at = o * inputs;
+                self.weight
+                    .dequantize_into(&self.scales, at + c0..at + c1, row);
+            }
+            // SAFETY: dy is rows × out, the panel out × width, and dx's columns c0..c1 of
+            // its `rows` rows (stride inputs) are this task's alone.
+            unsafe {
+                strided_product(
+                    (rows, width, out),
+                    (dst.offset(c0).ptr, inputs),
+                    accumulate,
+                    (dy.as_ptr(), out, 1),
+                    (panel.as_ptr(), width, 1),
+                    Products::for_depth(out),
+                )
+            }
+        });
+    }
+}
+
+impl CustomOp1 for Quantized4Weight {
+    fn name(&self) -> &'static str {
+        "ddpjob-quantized4-linear"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let rows = self.rows_of(layout.shape())?;
+        let y = self.forward_values(values(storage, layout)?, rows);
+        Ok((CpuStorage::F32(y), Shape::from((rows, self.out))))
+    }
+
+    /// dx = dy · W, a panel of W's columns per task; W itself gets no gradient.
+    fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let rows = self.rows_of(x.shape())?;
+        let mut dx = vec![0f32; rows * self.inputs];
         with_values(grad, |dy| {
-            (0..tasks).into_par_iter().for_each(|task| {
-                let (c0, c1) = (task * COLUMNS, ((task + 1) * COLUMNS).min(inputs));
-                let width = c1 - c0;
-                let mut panel = vec![0f32; out * width];
-                for (o, row) in panel.chunks_exact_mut(width).enumerate() {
-                    let at = o * inputs;
-                    self.weight
-                        .dequantize_into(&self.scales, at + c0..at + c1, row);
-                }
-                // SAFETY: dy is rows × out, the panel out × width, and dx's columns c0..c1 of
-                // its `rows` rows (stride inputs) are this task's alone.
-                unsafe {
-                    strided_product(
-                        (rows, width, out),
-                        (dst.offset(c0).ptr, inputs),
-                        false,
-                        (dy.as_ptr(), out, 1),
-                        (panel.as_ptr(), width, 1),
-                        Products::for_depth(out),
-                    )
-                }
-            });
+            self.input_gradient_into(dy, rows, &mut dx, false);
             Ok(())
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))

@@ -198,3 +198,29 @@ fn weights_whose_blocks_straddle_rows_are_refused() {
     let err = Quantized4Weight::new(q, 20, 100).unwrap_err();
     assert!(err.contains("is not [20, 100]"), "{err}");
 }
+
+/// The fused QLoRA layer (`lora_linear_4bit`) is the 4-bit product plus the adapter's, as
+/// composed ops over the de-quantised weight: values and the gradients of x, A and B within
+/// 1e-5, with a bias.
+#[test]
+fn the_4bit_lora_layer_matches_its_composition_with_gradients() {
+    let (w, dense) = weight();
+    let (x, a, b) = (
+        crate::testing::random(&[7, 320], 0.0, 4),
+        crate::testing::random(&[4, 320], 0.0, 5),
+        crate::testing::random(&[150, 4], 0.0, 6),
+    );
+    let bias = crate::testing::random(&[150], 0.0, 7).as_tensor().clone();
+    crate::testing::same_with_gradients(
+        &[x, a, b],
+        |v| crate::lora_linear_4bit(v[0], &w, &bias, (v[1], v[2]), 2.0, None).unwrap(),
+        |v| {
+            let base = v[0].matmul(&dense.t().unwrap()).unwrap();
+            let base = base.broadcast_add(&bias).unwrap();
+            let low = v[0].matmul(&v[1].t().unwrap()).unwrap();
+            let low = low.matmul(&v[2].t().unwrap()).unwrap();
+            (base + (low * 2.0).unwrap()).unwrap()
+        },
+        1e-5,
+    );
+}

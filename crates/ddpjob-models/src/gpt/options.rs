@@ -352,6 +352,14 @@ fn trained_shape(t: &Trained) -> Result<Gpt2Shape, String> {
 /// `init_from`'s weights (unless a checkpoint will replace them).
 pub fn build_gpt(o: &GptOptions, cx: &ModelContext) -> Result<Box<dyn Model>, BuildError> {
     let (vocab_size, block_size) = token_windows("gpt", cx)?;
+    if cx.quantize.is_some() {
+        return Err(
+            "model.quantize: a 4-bit base is built for `llama` and its kin (llama, \
+                    mistral, qwen2, qwen3, gemma3_text, smollm3) in this version, not `gpt`; \
+                    leave [model.quantize] out to train LoRA over the f32 gpt"
+                .into(),
+        );
+    }
     let config = o.config(vocab_size, block_size);
     let source = WeightSource::for_job(cx, o.init_from.as_deref())?;
     // The gpt does its own autocast: its inputs are token ids, not values to cast.

@@ -1,7 +1,9 @@
 //! The linear layer every family builds from: `y = x·Wᵀ + b` as torch's `nn.Linear`, with an
 //! optional LoRA adapter beside it (PEFT's, its input dropped out by row seeds as the model's
 //! own dropout is), one fused op for f32 on the CPU (frozen base and adapter together), the
-//! compute dtype's products elsewhere. Made by [`super::ParamBuilder::linear`].
+//! compute dtype's products elsewhere. Its weight may be a frozen 4-bit one instead
+//! (`[model.quantize]`, QLoRA: [`PackedWeight`]), multiplied a panel at a time on the CPU in
+//! f32, the adapter fused beside it. Made by [`super::ParamBuilder::linear`].
 
 use candle_core::{DType, Result, Tensor, Var};
 
@@ -9,12 +11,15 @@ use super::lora::Adapter;
 use crate::{FrozenSet, Mode};
 use ddpjob_kernels as kernels;
 use ddpjob_kernels::dropout::{self, Dropout};
-use ddpjob_seam::adapters;
+use ddpjob_seam::{PackedWeight, adapters};
 
 /// `y = x·Wᵀ + b` for x [m, in], W [out, in] as torch's `nn.Linear`; without bias, `b` is a
 /// constant zero vector (so the fused CPU kernel applies either way).
 pub(crate) struct Linear {
+    /// Empty when the weight is `packed`.
     pub(crate) weight: Var,
+    /// The weight in 4 bits (frozen), instead of `weight`.
+    pub(crate) packed: Option<PackedWeight>,
     pub(crate) bias: Option<Var>,
     pub(crate) zeros: Tensor,
     pub(crate) frozen: FrozenSet,
@@ -47,6 +52,9 @@ impl Linear {
             .bias
             .as_ref()
             .map_or_else(|| self.zeros.clone(), |b| self.frozen.as_input(b));
+        if let Some(packed) = &self.packed {
+            return self.forward_packed(packed, x, &bias, compute, mode);
+        }
         let weight = self.frozen.as_input(&self.weight);
         if let Some(adapter) = adapter
             && compute == DType::F32
@@ -54,17 +62,7 @@ impl Linear {
             && self.frozen.contains(&self.weight)
         {
             // The frozen base and its adapter as one op (see `kernels::lora_linear`).
-            let dropout = match mode {
-                Mode::Train { row_seeds } if adapter.dropout > 0.0 && !row_seeds.is_empty() => {
-                    Some(kernels::AdapterDropout {
-                        row_seeds: row_seeds.clone(),
-                        site: LORA_DROPOUT_SITES + self.index,
-                        p: adapter.dropout,
-                        mask: dropout::mask,
-                    })
-                }
-                _ => None,
-            };
+            let dropout = self.adapter_dropout(adapter, mode);
             let ab = (
                 &self.frozen.as_input(&adapter.a),
                 &self.frozen.as_input(&adapter.b),
@@ -99,6 +97,64 @@ impl Linear {
         y + adapter.forward(&dropped, compute, &self.frozen)?
     }
 
+    /// The adapter's input dropout in training, keyed by the rows' seeds and this layer's site.
+    fn adapter_dropout(&self, adapter: &Adapter, mode: &Mode) -> Option<kernels::AdapterDropout> {
+        match mode {
+            Mode::Train { row_seeds } if adapter.dropout > 0.0 && !row_seeds.is_empty() => {
+                Some(kernels::AdapterDropout {
+                    row_seeds: row_seeds.clone(),
+                    site: LORA_DROPOUT_SITES + self.index,
+                    p: adapter.dropout,
+                    mask: dropout::mask,
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// The layer over its 4-bit weight: the product a panel at a time in f32 (inputs of another
+    /// compute dtype cast to f32 and the output back), the adapter fused beside it.
+    fn forward_packed(
+        &self,
+        packed: &PackedWeight,
+        x: &Tensor,
+        bias: &Tensor,
+        compute: DType,
+        mode: &Mode,
+    ) -> Result<Tensor> {
+        let weight = packed.get().ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "linear layer {}: its 4-bit weight was never loaded",
+                self.index
+            ))
+        })?;
+        let x = x.to_dtype(DType::F32)?;
+        if !kernels::applies(&x) {
+            return Err(candle_core::Error::Msg(
+                "model.quantize: 4-bit layers run on CPU workers in this version (their CUDA \
+                 kernels are not built yet); set distributed.backend = \"cpu\" or leave \
+                 [model.quantize] out"
+                    .into(),
+            ));
+        }
+        let adapter = self.adapter.as_ref().filter(|_| !adapters::are_off());
+        let y = match adapter {
+            Some(adapter) => {
+                let dropout = self.adapter_dropout(adapter, mode);
+                let ab = (
+                    &self.frozen.as_input(&adapter.a),
+                    &self.frozen.as_input(&adapter.b),
+                );
+                kernels::lora_linear_4bit(&x, weight, bias, ab, adapter.scale, dropout)?
+            }
+            None => match &self.bias {
+                Some(_) => kernels::quant4::quantized_linear(&x, weight)?.broadcast_add(bias)?,
+                None => kernels::quant4::quantized_linear(&x, weight)?,
+            },
+        };
+        y.to_dtype(compute)
+    }
+
     /// The fused q, k, v projection (no adapter) as three products by the thirds of its
     /// weight and bias, in the compute dtype: each [m, out / 3] (see `attention::of_parts`).
     pub(crate) fn forward_thirds(&self, x: &Tensor, compute: DType) -> Result<[Tensor; 3]> {
@@ -122,7 +178,7 @@ impl Linear {
     pub(crate) fn wanted(&self) -> kernels::Wanted {
         kernels::Wanted {
             input: true,
-            weight: !self.frozen.contains(&self.weight),
+            weight: self.packed.is_none() && !self.frozen.contains(&self.weight),
             bias: self.bias.as_ref().is_some_and(|b| !self.frozen.contains(b)),
         }
     }

@@ -2,7 +2,10 @@
 //! under their PyTorch names, drawn from the job's seed as the family's reference initialises
 //! them (nanoGPT's N(0, std), biases 0, gains 1), or blank to be read from a checkpoint or a
 //! Hugging Face directory; it makes the kit's layers (linear with its LoRA adapter,
-//! LayerNorm) and records which parameters are exempt from weight decay.
+//! LayerNorm) and records which parameters are exempt from weight decay. With
+//! `[model.quantize]` its linear layers' weights are made in 4 bits instead ([`PackedWeight`]:
+//! drawn values quantised at once, one layer's f32 copy at a time; blank ones filled by the
+//! source), never parameters.
 
 use candle_core::{DType, Device, Error, Result, Tensor, Var};
 
@@ -10,6 +13,8 @@ use super::lora::Adapter;
 use super::{LayerNorm, Linear};
 use crate::{FrozenSet, LoraSpec, is_adapter};
 use ddpjob_rng::Mt19937;
+use ddpjob_seam::PackedWeight;
+use ddpjob_spec::QuantizeSpec;
 
 /// Creates parameters in registration order, weights drawn N(0, std) from `Mt19937(seed)` as
 /// nanoGPT's `_init_weights` (biases 0, gains 1, which draw nothing), and records which ones
@@ -27,6 +32,9 @@ pub(crate) struct ParamBuilder<'a> {
     lora: Option<(LoraSpec, &'static [&'static str], Mt19937)>,
     /// Every linear layer made, for the message when no adapter target names one.
     linear_names: Vec<String>,
+    /// `[model.quantize]`: linear layers' weights made in 4 bits, and those made so far.
+    quantize: Option<QuantizeSpec>,
+    pub(crate) packed: Vec<(String, PackedWeight)>,
 }
 
 impl<'a> ParamBuilder<'a> {
@@ -39,7 +47,20 @@ impl<'a> ParamBuilder<'a> {
             frozen: FrozenSet::default(),
             lora: None,
             linear_names: Vec::new(),
+            quantize: None,
+            packed: Vec::new(),
         }
+    }
+
+    /// Linear layers' weights made in 4 bits as `quantize` says (frozen: the base of QLoRA).
+    pub fn with_quantize(mut self, quantize: Option<QuantizeSpec>) -> Self {
+        self.quantize = quantize;
+        self
+    }
+
+    /// Whether linear layers are made in 4 bits.
+    pub(crate) fn quantizes(&self) -> bool {
+        self.quantize.is_some()
     }
 
     /// Adapters beside the linear layers `lora` targets (`defaults`: the arch's targets when
@@ -119,7 +140,13 @@ impl<'a> ParamBuilder<'a> {
         std: f32,
         bias: bool,
     ) -> Result<Linear> {
-        let weight = self.normal(&format!("{name}.weight"), &[outputs, inputs], std)?;
+        let (weight, packed) = match self.quantize {
+            Some(spec) => self.packed(name, inputs, outputs, std, spec)?,
+            None => (
+                self.normal(&format!("{name}.weight"), &[outputs, inputs], std)?,
+                None,
+            ),
+        };
         let bias = match bias {
             true => Some(self.constant(format!("{name}.bias"), outputs, 0.0)?),
             false => None,
@@ -153,12 +180,35 @@ impl<'a> ParamBuilder<'a> {
         self.linear_names.push(name.to_string());
         Ok(Linear {
             weight,
+            packed,
             bias,
             zeros,
             frozen: self.frozen.clone(),
             adapter,
             index: self.linear_names.len() - 1,
         })
+    }
+
+    /// A 4-bit weight [outputs, inputs] named `{name}.weight`: drawn values quantised at once
+    /// (the same draws as an f32 weight's, so the seed's stream goes on the same), or blank
+    /// for the source to fill; and the empty stand-in the layer keeps as its f32 weight.
+    fn packed(
+        &mut self,
+        name: &str,
+        inputs: usize,
+        outputs: usize,
+        std: f32,
+        spec: QuantizeSpec,
+    ) -> Result<(Var, Option<PackedWeight>)> {
+        let full = format!("{name}.weight");
+        let packed = PackedWeight::blank(&full, outputs, inputs, spec).map_err(Error::Msg)?;
+        if let Some(rng) = &mut self.rng {
+            let values = crate::parameter_values(&full, &[outputs, inputs], || rng.normal() * std)?;
+            packed.fill(&values).map_err(Error::Msg)?;
+        }
+        self.packed.push((full, packed.clone()));
+        let stand_in = Var::from_vec(Vec::<f32>::new(), 0, self.device)?;
+        Ok((stand_in, Some(packed)))
     }
 
     pub(crate) fn layer_norm(&mut self, name: &str, size: usize, bias: bool) -> Result<LayerNorm> {

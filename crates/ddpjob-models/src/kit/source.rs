@@ -64,7 +64,9 @@ impl WeightSource {
             WeightSource::Drawn(seed) => ParamBuilder::new(*seed, &cx.device),
             _ => ParamBuilder::blank(&cx.device),
         };
-        builder.with_lora(cx.lora.as_ref(), lora_targets, cx.seed)
+        builder
+            .with_lora(cx.lora.as_ref(), lora_targets, cx.seed)
+            .with_quantize(cx.quantize)
     }
 
     /// Fills `params` (built by [`WeightSource::builder`]) from the source: nothing to do

@@ -195,6 +195,8 @@ struct Layer {
 }
 
 /// A layer's feed-forward part.
+// One per layer, read on every pass: boxing the larger variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 enum Mlp {
     /// `down(silu(gate(h)) · up(h))`.
     Dense {
@@ -223,6 +225,14 @@ impl Llama {
             )));
         }
         let c = config;
+        if init.quantizes() && c.moe.is_some() {
+            return Err(Error::Msg(
+                "model.quantize: a mixture of experts' layers are not kept in 4 bits in this \
+                 version (its experts' grouped products read f32 weights); leave \
+                 [model.quantize] out, or quantise a dense model"
+                    .into(),
+            ));
+        }
         let (hidden, hd) = (c.hidden_size, c.head_dim);
         let std = c.initializer_range as f32;
         let embed = init.normal("model.embed_tokens.weight", &[c.vocab_size, hidden], std)?;
@@ -314,6 +324,9 @@ impl Llama {
         };
         init.check_lora()?;
         let mut params = Params::from_vars(std::mem::take(&mut init.entries));
+        for (name, packed) in std::mem::take(&mut init.packed) {
+            params.push_packed(name, packed);
+        }
         params.share_frozen(init.frozen.clone());
         for &i in &init.no_decay {
             params.exempt_from_decay(i);
@@ -877,6 +890,8 @@ impl Model for Llama {
         let c = &self.config;
         let mut trainable = self.params.trainable_element_count() as f64;
         let mut frozen = self.params.element_count() as f64 - trainable;
+        // The 4-bit base's layers are frozen layers all the same.
+        frozen += self.params.packed_element_count() as f64;
         if !c.tie_word_embeddings {
             // The untied embedding is a lookup, whether it trains or not.
             let embed = (c.vocab_size * c.hidden_size) as f64;

@@ -41,6 +41,7 @@ pub(super) fn context(vocab_size: usize, block_size: usize, dtype: DType) -> Mod
         compute_dtype: dtype,
         restoring: false,
         lora: None,
+        quantize: None,
     }
 }
 
@@ -729,7 +730,7 @@ fn with_adapter() -> Box<dyn Model> {
     let mut cx = context(320, 64, DType::F32);
     cx.lora = Some(lora.clone());
     let model = Box::new(build_llama(&o, &cx).unwrap());
-    crate::adapt(model, "llama", Some(&lora), &[], false).unwrap()
+    crate::adapt(model, "llama", Some(&lora), None, &[], false).unwrap()
 }
 
 /// The memory estimate's share of a sample: per position, every layer's tensors and one

@@ -15,7 +15,8 @@ use crate::jobdir::hex;
 use ddpjob_seam::Params;
 
 /// SHA-256 over the frozen parameters, in order: each one's name, then its values as f32
-/// little-endian. `None` when nothing is frozen.
+/// little-endian; then each 4-bit weight's name, codes and block scales. `None` when nothing
+/// is frozen.
 pub fn fingerprint(params: &Params) -> candle_core::Result<Option<String>> {
     let mut hasher = Sha256::new();
     let mut any = false;
@@ -29,13 +30,26 @@ pub fn fingerprint(params: &Params) -> candle_core::Result<Option<String>> {
         // Little-endian in memory: ddpjob's wire formats build only there (see `comm::ring`).
         hasher.update(bytemuck::cast_slice::<f32, u8>(&values.to_vec1::<f32>()?));
     }
+    // The 4-bit base (`[model.quantize]`): its codes and block scales.
+    for (name, packed) in params.packed() {
+        let Some(weight) = packed.get() else {
+            candle_core::bail!("the 4-bit weight `{name}` was never loaded");
+        };
+        any = true;
+        hasher.update(name.as_bytes());
+        hasher.update(&weight.stored().codes);
+        hasher.update(bytemuck::cast_slice::<f32, u8>(&weight.stored().absmaxes()));
+    }
     Ok(any.then(|| hex(&hasher.finalize())))
 }
 
 /// What a checkpoint of `params` holds: their named tensors (buffers and aliases included)
-/// but the frozen parameters and their aliases.
+/// but the frozen parameters, their aliases and the 4-bit base.
 pub fn checkpointed(params: &Params) -> HashMap<String, Tensor> {
     let mut tensors = params.named_tensors();
+    for (name, _) in params.packed() {
+        tensors.retain(|n, _| !ddpjob_seam::packed::is_part_of(n, name));
+    }
     for (i, (name, _)) in params.iter().enumerate() {
         if params.is_frozen(i) {
             tensors.remove(name);
@@ -76,6 +90,26 @@ pub fn set_from(
     for (name, var) in params.buffers() {
         expected += 1;
         set_one(name, var, saved)?;
+    }
+    if base.is_none() {
+        // A whole model's file holds its 4-bit base as bitsandbytes saves it.
+        for (name, packed) in params.packed() {
+            let state = ddpjob_seam::packed::state_name(name, saved.keys())
+                .ok_or_else(|| format!("it has no 4-bit weight `{name}` (bitsandbytes' state)"))?;
+            let get = |n: &str| {
+                saved
+                    .get(n)
+                    .cloned()
+                    .ok_or_else(|| format!("no tensor `{n}`"))
+            };
+            packed
+                .fill_saved(name, state, &get)
+                .map_err(|e| format!("`{name}`: {e}"))?;
+            expected += saved
+                .keys()
+                .filter(|n| ddpjob_seam::packed::is_part_of(n, name))
+                .count();
+        }
     }
     let aliases = params.aliases().filter(|(_, n)| saved.contains_key(*n));
     expected += aliases.count();

@@ -10,6 +10,7 @@ pub mod hub;
 pub mod hub_dataset;
 pub mod job_tokenizer;
 pub mod peft;
+mod quantized;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -87,6 +88,7 @@ impl HfDir {
     /// Opens `root`: it must be a directory with a `config.json` and safetensors weights.
     pub fn open(root: &Path) -> Result<HfDir, HfError> {
         let config = read_config(root)?;
+        quantized::refuse_foreign(root, &config)?;
         let weight_files = weight_files(root)?;
         Ok(HfDir {
             root: root.to_path_buf(),
@@ -227,6 +229,9 @@ impl HfDir {
                     self.root.display()
                 )));
             };
+            if let Some(fix) = quantized::saved_in_four_bits(self, &file_name, present) {
+                return Err(fix);
+            }
             let stored = load(&file_name).map_err(weights)?;
             let tensor = layout.to_model(name, stored, var.dims()).map_err(weights)?;
             if tensor.dims() != var.dims() {
@@ -246,6 +251,7 @@ impl HfDir {
             }
             used.insert(file_name);
         }
+        self.fill_packed(present, &load, params, layout, &mut used)?;
         let mut extra: Vec<&String> = present
             .iter()
             .filter(|n| !used.contains(*n) && !aliases.contains(n.as_str()))

@@ -1,0 +1,221 @@
+//! QLoRA end to end (`[model.quantize]`): LoRA adapters trained over a base kept in 4 bits, on
+//! the tiny Qwen2 of `tests/fixtures/hf/qwen2` (made by `transformers`): the job trains,
+//! resumes bit for bit, two workers match one, its final weights hold the base as
+//! bitsandbytes saves it, its adapters export for PEFT and its merged export (de-quantised)
+//! scores what the job scores; bad keys are refused before anything is created.
+
+use std::path::Path;
+
+use crate::common::{TestJob, load_weights, max_abs_diff, preempt_resume_and_compare};
+use crate::open_models::{eval_json, fixture, job, text};
+
+/// The fixture's hidden size is 32: blocks of 32 keep every row whole.
+fn qlora_model(dir: &Path, quantize: &str) -> String {
+    format!(
+        "init_from = \"{}\"\nblock_size = 16\n[model.lora]\nr = 4\nalpha = 8\ndropout = 0.1\n\
+         target_modules = \"all-linear\"\n[model.quantize]\n{quantize}",
+        dir.display()
+    )
+}
+
+const NF4: &str = "bits = 4\ntype = \"nf4\"\nblock_size = 32\ndouble_quant = true";
+
+fn first_loss(t: &TestJob, name: &str) -> f64 {
+    t.metrics(name)
+        .iter()
+        .find_map(|m| m.get("loss").and_then(|l| l.as_f64()))
+        .expect("a logged loss")
+}
+
+#[test]
+fn a_qlora_job_trains_over_a_4bit_base_resumes_and_two_workers_match_one() {
+    let t = TestJob::new();
+    let text = text(&t);
+    let dir = fixture("qwen2");
+    let model = qlora_model(&dir, NF4);
+    let cfg = t.config(
+        "qlora",
+        &job(&text, &model, "").replace("log_every = 1", "log_every = 5"),
+    );
+    let two = ["--nproc-per-node", "2"];
+    let whole = t.run(&cfg, &[&two[..], &["--name", "whole"]].concat());
+    whole.success();
+    assert!(whole.stdout.contains("4-bit nf4"), "{}", whole.stdout);
+
+    // The final weights: the base as bitsandbytes saves it (uint8 codes, nested absmaxes,
+    // the JSON state), the adapters trained.
+    let saved = candle_core::safetensors::load(
+        t.job("whole").join("model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    assert_eq!(saved[q].dtype(), candle_core::DType::U8);
+    assert_eq!(saved[q].dims(), [32 * 32 / 2, 1]);
+    for part in [
+        ".absmax",
+        ".quant_map",
+        ".nested_absmax",
+        ".nested_quant_map",
+    ] {
+        assert!(saved.contains_key(&format!("{q}{part}")), "{part}");
+    }
+    assert!(saved.contains_key(&format!("{q}.quant_state.bitsandbytes__nf4")));
+    let b = saved["model.layers.1.mlp.down_proj.lora_B.weight"]
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert!(b.iter().any(|&v| v != 0.0), "the adapters did not train");
+
+    // Over the f32 base the same job starts from almost the same loss: the 4-bit base is
+    // the model, rounded.
+    let lora = job(
+        &text,
+        &model.replace(&format!("[model.quantize]\n{NF4}"), ""),
+        "",
+    );
+    t.run(
+        &t.config("lora", &lora.replace("max_steps = 30", "max_steps = 1")),
+        &[],
+    )
+    .success();
+    let (q4, f32_base) = (first_loss(&t, "whole"), first_loss(&t, "lora"));
+    assert!(
+        (q4 - f32_base).abs() < 0.05 && q4 != f32_base,
+        "first losses: 4-bit base {q4}, f32 base {f32_base}"
+    );
+
+    preempt_resume_and_compare(&t, &cfg, &two, "rank=1,step=17,kind=preempt");
+
+    // Adapter dropout keyed by sample: one worker with the whole batch trains as two with
+    // half of it each.
+    let short = |batch: &str| {
+        job(&text, &model, "")
+            .replace("batch_size = 8", batch)
+            .replace("max_steps = 30", "max_steps = 8")
+    };
+    t.run(&t.config("one", &short("batch_size = 8")), &[])
+        .success();
+    t.run(&t.config("two", &short("batch_size = 4")), &two)
+        .success();
+    let diff = max_abs_diff(
+        &adapters(&t.job("one").join("model.safetensors")),
+        &adapters(&t.job("two").join("model.safetensors")),
+    );
+    assert!(diff < 1e-5, "1 x 8 and 2 x 4 differ by {diff}");
+
+    let jobs = t.jobs_dir().display().to_string();
+    let peft = t.path("adapter");
+    let peft_s = peft.display().to_string();
+    t.ddpjob(&["export", "whole", "--peft", &peft_s, "--jobs-dir", &jobs])
+        .success();
+    let config = t.json(&peft.join("adapter_config.json"));
+    assert_eq!(config["r"], 4);
+    assert_eq!(
+        load_weights(&peft.join("adapter_model.safetensors")).len(),
+        2 * 7 * 2
+    );
+
+    // The merged export de-quantises the base and folds the adapters in: a plain f32 model
+    // that scores what the job scores.
+    let merged = t.path("merged");
+    let merged_s = merged.display().to_string();
+    t.ddpjob(&[
+        "export",
+        "whole",
+        "--hf",
+        &merged_s,
+        "--merge-lora",
+        "--jobs-dir",
+        &jobs,
+    ])
+    .success();
+    let exported = load_weights(&merged.join("model.safetensors"));
+    assert_eq!(exported[q].len(), 32 * 32, "q_proj de-quantised");
+    let cfg_s = cfg.display().to_string();
+    let job_loss = eval_json(&t, &["whole"])["loss"].as_f64().unwrap();
+    let merged_loss = eval_json(&t, &[&merged_s, "--data", &cfg_s])["loss"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (job_loss - merged_loss).abs() < 1e-5,
+        "job {job_loss} vs merged {merged_loss}"
+    );
+}
+
+/// The trained adapters of a job's final weights.
+fn adapters(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let mut all = load_weights(path);
+    all.retain(|name, _| name.contains(".lora_"));
+    all
+}
+
+#[test]
+fn bad_quantize_keys_exit_2_before_anything_is_created() {
+    let t = TestJob::new();
+    let text = text(&t);
+    let dir = fixture("qwen2");
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("bits", qlora_model(&dir, "bits = 8"), "model.quantize.bits"),
+        (
+            "type",
+            qlora_model(&dir, "bits = 4\ntype = \"int4\""),
+            "expected one of \"nf4\", \"fp4\"",
+        ),
+        (
+            "block",
+            qlora_model(&dir, "bits = 4\nblock_size = 48"),
+            "bitsandbytes' block sizes are",
+        ),
+        (
+            "straddle",
+            qlora_model(&dir, "bits = 4\nblock_size = 64"),
+            "not a multiple of it",
+        ),
+        (
+            "no-lora",
+            format!(
+                "init_from = \"{}\"\nblock_size = 16\n[model.quantize]\nbits = 4",
+                dir.display()
+            ),
+            "add [model.lora]",
+        ),
+        (
+            "off",
+            qlora_model(&dir, "type = \"fp4\""),
+            "is 0 (off), but other [model.quantize] keys are set",
+        ),
+        (
+            "gpt",
+            "arch = \"gpt\"\nn_layer = 1\nn_head = 2\nn_embd = 64\nblock_size = 16\n\
+             [model.lora]\nr = 4\n[model.quantize]\nbits = 4"
+                .to_string(),
+            "not `gpt`",
+        ),
+    ];
+    for (name, model, said) in cases {
+        let cfg = t.config(name, &job(&text, &model, ""));
+        t.run(&cfg, &[]).fails_with(2, said);
+        assert!(!t.job(name).exists(), "{name}: a job directory was made");
+    }
+    let sharded = job(
+        &text,
+        &qlora_model(&dir, NF4),
+        "[distributed]\nsharding = \"full\"",
+    );
+    t.run(&t.config("full", &sharded), &[])
+        .fails_with(2, "distributed.sharding");
+
+    // A checkpoint quantised another way is named as not supported.
+    let gptq = t.path("gptq");
+    crate::common::copy_dir(&dir, &gptq);
+    let config_path = gptq.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["quantization_config"] = serde_json::json!({"quant_method": "gptq", "bits": 4});
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let cfg = t.config("gptq", &job(&text, &qlora_model(&gptq, NF4), ""));
+    t.run(&cfg, &[]).fails_with(2, "quantised by \"gptq\"");
+    assert!(!t.job("gptq").exists());
+}

@@ -968,3 +968,55 @@ fn row_log_likelihoods_are_the_logits_and_never_hold_them() {
         assert!(worst < 1e-4, "parameter {i}: {worst}");
     }
 }
+
+/// QLoRA's base: the Qwen2 that `transformers` + bitsandbytes 0.50 quantised to NF4 (double
+/// quantisation, blocks of 64) and saved (`qwen2-h64-nf4`, see make_nf4_fixture.py), read
+/// from its saved codes, scores the loss of the f32 model of bitsandbytes' own
+/// `dequantize_4bit` weights (within 1e-5; bitsandbytes' CPU 4-bit product itself is 1e-4
+/// off that), and the same model's f32 weights (`qwen2-h64`) quantised here give the same
+/// codes and scales, bit for bit.
+#[test]
+fn a_bitsandbytes_4bit_checkpoint_scores_its_loss_and_its_f32_base_quantises_to_it() {
+    let r = candle_core::safetensors::load(
+        fixture("qwen2-h64-nf4").join("reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
+    let (x, y) = (ids.narrow(1, 0, 16).unwrap(), ids.narrow(1, 1, 16).unwrap());
+    let reference = r["dequantized_loss"].to_vec1::<f32>().unwrap()[0];
+    let bitsandbytes = r["loss"].to_vec1::<f32>().unwrap()[0];
+    let quantize = ddpjob_spec::QuantizeSpec {
+        kind: ddpjob_spec::QuantType::Nf4,
+        block_size: 64,
+        double_quant: true,
+    };
+    let build = |name: &str| {
+        let o = options_from(name);
+        let mut cx = context(320, o.block_size(), DType::F32);
+        cx.quantize = Some(quantize);
+        build_llama(&o, &cx).unwrap()
+    };
+    let (saved, here) = (build("qwen2-h64-nf4"), build("qwen2-h64"));
+    for model in [&saved, &here] {
+        assert_eq!(
+            model.params().packed().count(),
+            2 * 7,
+            "every decoder linear"
+        );
+        let loss = model.loss(&x, &y, &Mode::Eval).unwrap();
+        let loss = loss.to_scalar::<f32>().unwrap();
+        assert!(
+            (loss - reference).abs() < 1e-5,
+            "loss {loss} vs {reference}"
+        );
+        assert!(
+            (loss - bitsandbytes).abs() < 1e-3,
+            "{loss} vs {bitsandbytes}"
+        );
+    }
+    for ((name, a), (_, b)) in saved.params().packed().zip(here.params().packed()) {
+        let (a, b) = (a.get().unwrap().stored(), b.get().unwrap().stored());
+        assert!(a == b, "{name}: codes or scales differ from bitsandbytes'");
+    }
+}

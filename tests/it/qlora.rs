@@ -219,3 +219,106 @@ fn bad_quantize_keys_exit_2_before_anything_is_created() {
     t.run(&cfg, &[]).fails_with(2, "quantised by \"gptq\"");
     assert!(!t.job("gptq").exists());
 }
+
+/// A checkpoint transformers + bitsandbytes saved in 4 bits (`qwen2-h64-nf4`, made by
+/// make_nf4_fixture.py) trains as saved, its codes kept as bitsandbytes wrote them, which are
+/// the codes ddpjob makes of the same model's f32 weights (`qwen2-h64`); without
+/// `[model.quantize]`, or with another format, it is refused with what to set; the estimate
+/// counts the 4-bit base, not an f32 one.
+#[test]
+fn a_checkpoint_bitsandbytes_saved_in_4_bits_trains_as_saved() {
+    let t = TestJob::new();
+    let text = text(&t);
+    let nf4 = "bits = 4\ntype = \"nf4\"\nblock_size = 64\ndouble_quant = true";
+    let short = |dir: &Path, quantize: &str| {
+        let model = qlora_model(&fixture(dir.to_str().unwrap()), quantize);
+        job(&text, &model, "").replace("max_steps = 30", "max_steps = 3")
+    };
+    let saved_dir = fixture("qwen2-h64-nf4");
+    let bnb = candle_core::safetensors::load(
+        saved_dir.join("model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    for (name, dir) in [("saved", "qwen2-h64-nf4"), ("quantised", "qwen2-h64")] {
+        t.run(&t.config(name, &short(Path::new(dir), nf4)), &[])
+            .success();
+        let ours = load_weights(&t.job(name).join("model.safetensors"));
+        let mut compared = 0;
+        for (tensor, theirs) in &bnb {
+            // The JSON state says the same in its own spelling; every other part bit for bit.
+            if tensor.contains(".quant_state.") || !tensor.contains("_proj.weight") {
+                continue;
+            }
+            let theirs: Vec<f32> = theirs
+                .to_dtype(candle_core::DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(ours[tensor], theirs, "{name}: {tensor}");
+            compared += 1;
+        }
+        assert_eq!(compared, 2 * 7 * 5, "{name}: 14 layers of 5 parts each");
+    }
+
+    // Without [model.quantize], or another format: refused naming what to set.
+    let lora_only = job(&text, &qlora_model(&saved_dir, ""), "").replace("[model.quantize]\n", "");
+    t.run(&t.config("plain", &lora_only), &[])
+        .fails_with(2, "add [model.quantize] bits = 4, type = \"nf4\"");
+    let fp4 = short(
+        Path::new("qwen2-h64-nf4"),
+        "bits = 4\ntype = \"fp4\"\ndouble_quant = true",
+    );
+    t.run(&t.config("fp4", &fp4), &[])
+        .fails_with(2, "set [model.quantize] as it was saved");
+    assert!(!t.job("plain").exists() && !t.job("fp4").exists());
+
+    // The estimate counts the base's codes and scales instead of its f32 weights: 2 layers
+    // of q, k, v, o (64 x 64, 32 x 64, 32 x 64, 64 x 64) and gate, up, down (128 x 64 each),
+    // 73,728 values: 4 bytes each in f32, half a byte and an f32 scale per 64 in 4 bits.
+    let dense = short(Path::new("qwen2-h64"), nf4).replace(&format!("[model.quantize]\n{nf4}"), "");
+    t.run(&t.config("dense", &dense), &[]).success();
+    let peak = |name: &str| {
+        t.json(&t.job(name).join("summary.json"))["estimated_peak_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let values = 73_728;
+    assert_eq!(
+        peak("dense") - peak("quantised"),
+        4 * values - (values / 2 + 4 * values / 64)
+    );
+}
+
+/// `configs/qlora-smollm2.toml` as written, its model and text swapped for the fixtures (no
+/// Hub here): every key of it is read and the job runs.
+#[test]
+fn the_shipped_qlora_recipe_runs() {
+    let t = TestJob::new();
+    let text = text(&t);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let config = root.join("configs/qlora-smollm2.toml");
+    let sets = [
+        format!("model.init_from={}", fixture("qwen2-h64").display()),
+        "model.block_size=16".into(),
+        format!("data.path={}", text.display()),
+        "data.download=false".into(),
+        "train.max_steps=2".into(),
+        "train.eval_every=0".into(),
+        "checkpoint.every_steps=0".into(),
+    ];
+    let mut args = vec![];
+    for s in &sets {
+        args.extend(["--set", s.as_str()]);
+    }
+    let run = t.run(&config, &args);
+    run.success();
+    assert!(
+        run.stdout
+            .contains("base in 4 bits ([model.quantize]): 14 linear layers"),
+        "{}",
+        run.stdout
+    );
+}

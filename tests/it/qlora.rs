@@ -1,7 +1,7 @@
 //! QLoRA end to end (`[model.quantize]`): LoRA adapters trained over a base kept in 4 bits, on
 //! the tiny Qwen2 of `tests/fixtures/hf/qwen2` (made by `transformers`): the job trains,
 //! resumes bit for bit, two workers match one, its final weights hold the base as
-//! bitsandbytes saves it, its adapters export for PEFT and its merged export (de-quantised)
+//! bitsandbytes saves it, `sample` reads them, its adapters export for PEFT and its merged export (de-quantised)
 //! scores what the job scores; bad keys are refused before anything is created.
 
 use std::path::Path;
@@ -106,6 +106,20 @@ fn a_qlora_job_trains_over_a_4bit_base_resumes_and_two_workers_match_one() {
     assert!(diff < 1e-5, "1 x 8 and 2 x 4 differ by {diff}");
 
     let jobs = t.jobs_dir().display().to_string();
+    // `sample` generates from the final weights (the 4-bit base read back as saved).
+    let sample = t.ddpjob(&[
+        "sample",
+        "whole",
+        "--tokens",
+        "7",
+        "--json",
+        "--jobs-dir",
+        &jobs,
+    ]);
+    sample.success();
+    let line: serde_json::Value = serde_json::from_str(sample.stdout.trim()).unwrap();
+    assert_eq!(line["tokens"], 7);
+
     let peft = t.path("adapter");
     let peft_s = peft.display().to_string();
     t.ddpjob(&["export", "whole", "--peft", &peft_s, "--jobs-dir", &jobs])

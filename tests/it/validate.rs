@@ -19,7 +19,10 @@ fn every_shipped_config_validates() {
                 .and_then(|m| m.get("init_from"))
                 .and_then(toml::Value::as_str);
             if let Some(id) = init_from {
-                let arch = if id.contains("gpt2") {
+                let arch = if text.contains("[model.quantize]") {
+                    // A 4-bit base's blocks of 64 want layers 64 wide.
+                    "qwen2-h64"
+                } else if id.contains("gpt2") {
                     "gpt2"
                 } else if id.contains("Qwen3") {
                     "qwen3"

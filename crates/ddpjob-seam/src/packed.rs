@@ -41,10 +41,17 @@ impl PackedWeight {
         spec: QuantizeSpec,
     ) -> std::result::Result<Self, String> {
         if !inputs.is_multiple_of(spec.block_size) {
+            let fits = ddpjob_spec::QUANTIZE_BLOCK_SIZES
+                .iter()
+                .rev()
+                .find(|&&b| inputs.is_multiple_of(b));
+            let fix = match fits {
+                Some(b) => format!("choose a block size that divides {inputs}, e.g. {b}"),
+                None => format!("no block size bitsandbytes takes divides {inputs}"),
+            };
             return Err(format!(
                 "model.quantize.block_size = {}: `{name}` has {inputs} input features, not a \
-                 multiple of it, so its blocks would straddle rows; choose a block size that \
-                 divides {inputs} (e.g. 64)",
+                 multiple of it, so its blocks would straddle rows; {fix}",
                 spec.block_size
             ));
         }

@@ -36,7 +36,7 @@ pub use error::{ConfigError, Origin};
 pub use keys::RawConfig;
 pub use lora::{LoraSpec, TargetModules, is_adapter};
 pub use peft_adapter::AdapterConfig;
-pub use quantize::{QuantType, QuantizeSpec};
+pub use quantize::{BLOCK_SIZES as QUANTIZE_BLOCK_SIZES, QuantType, QuantizeSpec};
 pub use source::{STORED_JOB_HEADER, Source, flag_override};
 pub use spec::Backend;
 pub use spec::{

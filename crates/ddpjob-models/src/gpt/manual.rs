@@ -93,7 +93,7 @@ pub(super) fn forward<'a>(
             false => Keep::Everything,
         };
         let (blocks, x, normed) = trunk(gpt, &weights, &ids, t, &masks, keep);
-        let (loss, kept) = head::mean_loss(&normed, weights.get(0), &target_ids)?;
+        let (loss, kept) = head::mean_loss(&normed, weights.get(0), &target_ids, true)?;
         Ok((blocks, x, normed, (loss, kept)))
     })?;
     Ok(Pass {

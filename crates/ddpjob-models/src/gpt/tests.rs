@@ -436,12 +436,17 @@ fn fused_head_matches_composed(rows: usize, channels: usize, vocab: usize, maske
     // backward: the same gradients, bit for bit, as making them again.
     let (xv, wv) = (values(x.as_tensor()), values(w.as_tensor()));
     let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
-    let (loss, kept) = head::mean_loss(&xv, &wv, &ids).unwrap();
+    let (loss, kept) = head::mean_loss(&xv, &wv, &ids, true).unwrap();
     assert!(
         (loss - fused[0][0]).abs() < 1e-6,
         "{loss} vs {}",
         fused[0][0]
     );
+    // Asked not to keep them (activation checkpointing), the same loss and log-sum-exps, no
+    // logits: the backward then makes them again, to the same bits (below).
+    let (unkept_loss, unkept) = head::mean_loss(&xv, &wv, &ids, false).unwrap();
+    assert_eq!(unkept_loss.to_bits(), loss.to_bits());
+    assert!(unkept.logits.is_empty() && unkept.lse == kept.lse);
     let blocked = vocab_blocks::applies(vocab);
     assert_eq!(kept.lse.len(), if blocked { rows } else { 0 });
     assert_eq!(kept.logits.len(), if blocked { rows * vocab } else { 0 });

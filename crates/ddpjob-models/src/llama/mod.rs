@@ -654,7 +654,9 @@ impl Llama {
     /// [`Llama::loss_of`] with the head's weight `w` (the model's, or a detached copy).
     fn loss_with(&self, x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
         if self.compute == DType::F32 && head::applies(x, w) {
-            return head::loss(x, w, &targets.flatten_all()?);
+            // Checkpointing trades time for memory: the head's logits are made again too.
+            let keep = !self.checkpoint.load(Ordering::Relaxed);
+            return head::loss_keeping(x, w, &targets.flatten_all()?, keep);
         }
         let dt = self.compute;
         let logits = x.to_dtype(dt)?.matmul(&w.to_dtype(dt)?.t()?)?;
@@ -861,8 +863,12 @@ impl Model for Llama {
             true => kept.len() * hidden + largest,
         } + 2 * hidden;
         // The head's logits, kept for its backward when a sample's fit in its budget (counted
-        // per sample: a pass of several keeps them only within the same budget).
-        let logits = head::kept_logit_bytes(c.block_size, c.vocab_size);
+        // per sample: a pass of several keeps them only within the same budget), never when
+        // checkpointing.
+        let logits = match checkpointing {
+            true => 0,
+            false => head::kept_logit_bytes(c.block_size, c.vocab_size),
+        };
         Some((per_position * c.block_size * 4 + logits) as f64)
     }
 

@@ -42,11 +42,20 @@ const MIN_CHUNK: usize = 128;
 /// over the targets that are not [`ddpjob_seam::task::IGNORE_TARGET`]; differentiable in `x` and
 /// `w`. CPU f32 only (see [`applies`]).
 pub fn loss(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op3(
-        &w.contiguous()?,
-        &targets.contiguous()?,
-        HeadLossOp::default(),
-    )
+    loss_keeping(x, w, targets, true)
+}
+
+/// [`loss`], its backward making a large vocabulary's logits again instead of keeping them
+/// from the forward when `keep_logits` is false (a job that asked for activation
+/// checkpointing asked for memory over time: at SmolLM2's 49,152 tokens over 2 × 512
+/// positions the kept logits are 201 MB).
+pub fn loss_keeping(x: &Tensor, w: &Tensor, targets: &Tensor, keep_logits: bool) -> Result<Tensor> {
+    let op = HeadLossOp {
+        kept: Default::default(),
+        keep_logits,
+    };
+    x.contiguous()?
+        .apply_op3(&w.contiguous()?, &targets.contiguous()?, op)
 }
 
 /// Σ cross-entropy and the number of targets that are the logits' argmax (evaluation).
@@ -98,9 +107,10 @@ pub fn applies(x: &Tensor, w: &Tensor) -> bool {
 /// The op of one loss: its forward keeps each row's log-sum-exp (for a vocabulary made in
 /// blocks), so its backward does not make every logit once more to find it (at SmolLM2's
 /// 49,152 tokens that pass is a fifth matrix product of the head's size, 5% of a step).
-#[derive(Default)]
 struct HeadLossOp {
     kept: std::sync::Mutex<Kept>,
+    /// Whether a large vocabulary's logits are kept for the backward (see [`Kept`]).
+    keep_logits: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -196,7 +206,7 @@ impl CustomOp3 for HeadLossOp {
             values(w, w_layout)?,
             indices_of(t, t_layout)?,
         );
-        let (mean, kept) = mean_loss(x, w, &ids)?;
+        let (mean, kept) = mean_loss(x, w, &ids, self.keep_logits)?;
         if let Ok(mut slot) = self.kept.lock() {
             *slot = kept;
         }
@@ -243,12 +253,17 @@ impl CustomOp3 for HeadLossOp {
 
 /// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C] values) against `ids`, and
 /// for a vocabulary made in blocks each row's log-sum-exp, which [`loss_bwd`] then need not
-/// make again (empty otherwise).
-pub(crate) fn mean_loss(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f32, Kept)> {
+/// make again (empty otherwise), and its logits when they fit and `keep_logits`.
+pub(crate) fn mean_loss(
+    x: &[f32],
+    w: &[f32],
+    ids: &[usize],
+    keep_logits: bool,
+) -> Result<(f32, Kept)> {
     let dims = Dims::of(x.len(), w.len(), ids.len())?;
     check_targets(ids, dims.vocab)?;
     if vocab_blocks::applies(dims.vocab) {
-        let (sum, kept) = vocab_blocks::loss_sum(x, w, ids, dims.shape());
+        let (sum, kept) = vocab_blocks::loss_sum(x, w, ids, dims.shape(), keep_logits);
         return Ok((sum / scored(ids) as f32, kept));
     }
     let parts: Vec<f32> = (0..dims.chunks())

@@ -189,8 +189,14 @@ pub(crate) fn loss_sum_and_correct(
 
 /// Σ over rows of the cross-entropy (chunk sums added in order), and what [`loss_bwd`] can
 /// use of the forward ([`Kept`]).
-pub(crate) fn loss_sum(x: &[f32], w: &[f32], ids: &[usize], shape: Shape) -> (f32, Kept) {
-    let keep = shape.rows * shape.vocab * std::mem::size_of::<f32>() <= KEEP_BYTES;
+pub(crate) fn loss_sum(
+    x: &[f32],
+    w: &[f32],
+    ids: &[usize],
+    shape: Shape,
+    keep_logits: bool,
+) -> (f32, Kept) {
+    let keep = keep_logits && shape.rows * shape.vocab * std::mem::size_of::<f32>() <= KEEP_BYTES;
     let mut logits = vec![0f32; if keep { shape.rows * shape.vocab } else { 0 }];
     let chunks = shape.chunks();
     let slots: Vec<Option<&mut [f32]>> = match keep {

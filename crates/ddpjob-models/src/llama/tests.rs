@@ -758,6 +758,8 @@ fn activations_per_sample_count_the_layers_kept() {
     let large = build_llama(&o, &context(49_152, t, DType::F32)).unwrap();
     let kept = large.activation_bytes_per_sample(false).unwrap() - off;
     assert_eq!(kept, (t * 49_152 * 4) as f64);
+    // Checkpointing keeps none: the head makes them again in its backward.
+    assert_eq!(large.activation_bytes_per_sample(true).unwrap(), on);
     let bf16 = build_llama(&o, &context(65, t, DType::BF16)).unwrap();
     assert_eq!(bf16.activation_bytes_per_sample(false), None);
 }
@@ -1019,4 +1021,43 @@ fn a_bitsandbytes_4bit_checkpoint_scores_its_loss_and_its_f32_base_quantises_to_
         let (a, b) = (a.get().unwrap().stored(), b.get().unwrap().stored());
         assert!(a == b, "{name}: codes or scales differ from bitsandbytes'");
     }
+}
+
+/// The adapter `peft` made and saved over that 4-bit base (`qwen2-h64-nf4-lora`, see
+/// make_nf4_fixture.py), loaded over ddpjob's 4-bit base, scores what `peft` scores over the
+/// f32 model of bitsandbytes' de-quantised weights (within 1e-5), and what it scores over
+/// bitsandbytes' own 4-bit product within 1e-3.
+#[test]
+fn a_peft_adapter_over_a_bitsandbytes_base_scores_peft_s_loss() {
+    let dir = fixture("qwen2-h64-nf4-lora");
+    let r =
+        candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
+    let (x, y) = (ids.narrow(1, 0, 16).unwrap(), ids.narrow(1, 1, 16).unwrap());
+    let scalar = |k: &str| r[k].to_vec1::<f32>().unwrap()[0];
+    let lora = ddpjob_spec::LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        target_modules: ddpjob_spec::TargetModules::Regex("all-linear".into()),
+        adapter: Some(dir),
+    };
+    let quantize = ddpjob_spec::QuantizeSpec {
+        kind: ddpjob_spec::QuantType::Nf4,
+        block_size: 64,
+        double_quant: true,
+    };
+    let o = options_from("qwen2-h64-nf4");
+    let mut cx = context(320, o.block_size(), DType::F32);
+    (cx.lora, cx.quantize) = (Some(lora.clone()), Some(quantize));
+    let model = Box::new(build_llama(&o, &cx).unwrap());
+    let model = crate::adapt(model, "llama", Some(&lora), Some(&quantize), &[], false).unwrap();
+    let loss = model.loss(&x, &y, &Mode::Eval).unwrap();
+    let loss = loss.to_scalar::<f32>().unwrap();
+    let (exact, peft) = (scalar("exact_loss"), scalar("loss"));
+    assert!((loss - exact).abs() < 1e-5, "loss {loss} vs peft's {exact}");
+    assert!(
+        (loss - peft).abs() < 1e-3,
+        "loss {loss} vs peft over bitsandbytes' {peft}"
+    );
 }

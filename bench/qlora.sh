@@ -39,5 +39,5 @@ for batch in $batches; do
   read -r qms qpeak < <(step --set model.quantize.bits=4 --set model.quantize.double_quant=true)
   echo "| $batch x $context | $(printf %.0f "$lms") | $(printf %.0f "$qms") |" \
     "$(python3 -c "print(f'{$qms / $lms:.2f}x')") | $lpeak | $qpeak |" \
-    "$(python3 -c "print(f'{$qpeak / $lpeak:.2f}x')") |"
+    "$(python3 -c "print(f'{$qpeak / $lpeak:.3f}x')") |"
 done

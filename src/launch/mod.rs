@@ -156,6 +156,16 @@ impl Layout {
             (None, _) => Some(DEFAULT_MASTER_PORT),
         };
         let placement = device::place(&spec.distributed)?;
+        if placement.on_gpus() && spec.model.quantize().is_some() {
+            return Err(RunError::Usage(
+                "[model.quantize]: this node's workers would train on its GPUs \
+                 (distributed.device = \"auto\"), and the 4-bit layers run on CPU workers \
+                 only in this version (their CUDA kernels are not built yet); set \
+                 distributed.device = \"cpu\", or leave [model.quantize] out to train LoRA \
+                 over the 16-bit base on the GPU"
+                    .into(),
+            ));
+        }
         if let Some(notice) = &placement.notice {
             errln!("note: {notice}");
         }

@@ -128,13 +128,57 @@ fn verdict_for(
     };
     Err(format!(
         "each worker needs about {} (weights {}, gradients {}, optimizer {}, runtime \
-         {}{activations}), but {place}; {advice}",
+         {}{activations}), but {place}; {}; {advice}",
         gb(needed(mine)),
         gb(mine.weights),
         gb(mine.gradients),
         gb(mine.optimizer),
         gb(mine.runtime),
+        largest(mine),
     ))
+}
+
+/// The estimate's largest part and the settings that shrink it.
+fn largest(e: &Estimate) -> String {
+    let positions = match e.positions {
+        Some(t) => format!("batch {} x {t} positions", e.batch),
+        None => format!("batch {}", e.batch),
+    };
+    let parts = [
+        (
+            e.activations.unwrap_or(0),
+            format!("activations ({positions})"),
+            "train.activation_checkpointing, a smaller train.batch_size or, for a language \
+             model, a shorter model.block_size shrink them",
+        ),
+        (
+            e.weights,
+            "weights".to_string(),
+            "distributed.sharding = \"full\" divides them over the workers; with [model.lora], \
+             [model.quantize] keeps the base in 4 bits",
+        ),
+        (
+            e.optimizer,
+            "optimizer state".to_string(),
+            "distributed.sharding = \"optimizer\" divides it over the workers; [model.lora] \
+             trains (and keeps state for) adapters only",
+        ),
+        (
+            e.gradients,
+            "gradients".to_string(),
+            "distributed.sharding = \"gradients\" divides them over the workers",
+        ),
+        (
+            e.reference,
+            "the DPO reference".to_string(),
+            "train.dpo.precompute_reference = true leaves it out",
+        ),
+    ];
+    let (bytes, what, fix) = parts
+        .iter()
+        .max_by_key(|(bytes, ..)| *bytes)
+        .expect("parts");
+    format!("the largest part is {what} at {}: {fix}", gb(*bytes))
 }
 
 /// Before a job of `workers` CPU workers on this machine starts: `Err` (exit 2) when their
@@ -275,6 +319,14 @@ mod tests {
             "{why}"
         );
         assert!(!why.contains("sharding ("), "{why}");
+        assert!(
+            why.contains(
+                "the largest part is activations (batch 12 x 1024 positions) at 30.00 GB: \
+                 train.activation_checkpointing, a smaller train.batch_size or, for a language \
+                 model, a shorter model.block_size shrink them"
+            ),
+            "{why}"
+        );
         let why = verdict(&mine, &options, OTHERWISE, 0, 1_000_000_000).unwrap_err();
         assert!(why.contains("no single setting makes it fit"), "{why}");
         // Workers so many that the runtime alone is over a worker's share: fewer of them.
@@ -296,6 +348,10 @@ mod tests {
         let why = verdict(&mine, &[], OTHERWISE, 0, 3_000_000_000).unwrap_err();
         assert!(why.contains("activations not counted"), "{why}");
         assert!(why.contains("but GPU 0 has 3.00 GB free"), "{why}");
+        assert!(
+            why.contains("the largest part is optimizer state at 2.00 GB"),
+            "{why}"
+        );
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -218,8 +218,8 @@ fn bad_quantize_keys_exit_2_before_anything_is_created() {
 /// A checkpoint transformers + bitsandbytes saved in 4 bits (`qwen2-h64-nf4`, made by
 /// make_nf4_fixture.py) trains as saved, its codes kept as bitsandbytes wrote them, which are
 /// the codes ddpjob makes of the same model's f32 weights (`qwen2-h64`); without
-/// `[model.quantize]`, or with another format, it is refused with what to set; the estimate
-/// counts the 4-bit base, not an f32 one.
+/// `[model.quantize]` it is taken as saved, with another format or without adapters refused
+/// naming the key; the estimate counts the 4-bit base, not an f32 one.
 #[test]
 fn a_checkpoint_bitsandbytes_saved_in_4_bits_trains_as_saved() {
     let t = TestJob::new();
@@ -258,17 +258,38 @@ fn a_checkpoint_bitsandbytes_saved_in_4_bits_trains_as_saved() {
         assert_eq!(compared, 2 * 7 * 5, "{name}: 14 layers of 5 parts each");
     }
 
-    // Without [model.quantize], or another format: refused naming what to set.
-    let lora_only = job(&text, &qlora_model(&saved_dir, ""), "").replace("[model.quantize]\n", "");
-    t.run(&t.config("plain", &lora_only), &[])
-        .fails_with(2, "add [model.quantize] bits = 4, type = \"nf4\"");
-    let fp4 = short(
-        Path::new("qwen2-h64-nf4"),
-        "bits = 4\ntype = \"fp4\"\ndouble_quant = true",
+    // Without [model.quantize] the base is taken as saved, as `from_pretrained` takes it
+    // (its config.json's quantization_config); a job that asks for another type, or gives
+    // the 4-bit base no adapters to train, is refused naming the key.
+    let lora_only = job(&text, &qlora_model(&saved_dir, ""), "")
+        .replace("[model.quantize]\n", "")
+        .replace("max_steps = 30", "max_steps = 2");
+    let run = t.run(&t.config("as-saved", &lora_only), &[]);
+    run.success();
+    assert!(
+        run.stdout
+            .contains("base in 4 bits ([model.quantize]): 14 linear layers"),
+        "{}",
+        run.stdout
     );
+    assert!(
+        std::fs::read_to_string(t.job("as-saved").join("job.toml"))
+            .unwrap()
+            .contains("[model.quantize]"),
+        "job.toml records the quantisation taken"
+    );
+    let fp4 = short(Path::new("qwen2-h64-nf4"), "bits = 4\ntype = \"fp4\"");
     t.run(&t.config("fp4", &fp4), &[])
+        .fails_with(2, "was saved in 4 bits by bitsandbytes with \"nf4\"");
+    let no_lora = format!("init_from = \"{}\"\nblock_size = 16", saved_dir.display());
+    t.run(&t.config("no-lora", &job(&text, &no_lora, "")), &[])
+        .fails_with(2, "add [model.lora]");
+    let block = short(Path::new("qwen2-h64-nf4"), "block_size = 32");
+    t.run(&t.config("block", &block), &[])
         .fails_with(2, "set [model.quantize] as it was saved");
-    assert!(!t.job("plain").exists() && !t.job("fp4").exists());
+    for name in ["fp4", "no-lora", "block"] {
+        assert!(!t.job(name).exists(), "{name}: a job directory was made");
+    }
 
     // The estimate counts the base's codes and scales instead of its f32 weights: 2 layers
     // of q, k, v, o (64 x 64, 32 x 64, 32 x 64, 64 x 64) and gate, up, down (128 x 64 each),

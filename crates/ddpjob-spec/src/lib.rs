@@ -20,6 +20,7 @@ mod keys;
 mod lora;
 mod peft_adapter;
 mod quantize;
+mod saved_quantization;
 pub mod schema;
 mod source;
 mod spec;
@@ -267,6 +268,7 @@ fn load_source(mut source: Source, registry: &dyn Builders) -> Result<LoadedConf
     notes.extend(keys::leave_stale_checksums(&mut source));
     init_from_hub(&mut source, registry)?;
     adapter::resolve(&mut source)?;
+    saved_quantization::resolve(&mut source)?;
     arch_from_init(&mut source, registry)?;
     let custom = custom::extract(&mut source, registry, &mut notes)?;
     source.check_keys()?;

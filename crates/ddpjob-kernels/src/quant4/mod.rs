@@ -8,9 +8,9 @@
 //! made), so a base quantised here is the base bitsandbytes would load, and a checkpoint it
 //! saved reads back here.
 //!
-//! `linear` multiplies by such a weight a panel at a time (QLoRA's frozen layers). Depends
-//! on candle and this crate's host helpers only. Not yet used by a model (`[model.quantize]`
-//! is not a key yet).
+//! `linear` multiplies by such a weight a panel at a time (QLoRA's frozen layers, made by
+//! `[model.quantize]`; `lora_linear_4bit` fuses their adapters beside it). Depends on candle
+//! and this crate's host helpers only.
 
 mod linear;
 #[cfg(test)]

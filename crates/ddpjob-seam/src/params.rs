@@ -24,7 +24,7 @@ pub struct Params {
     /// layers that hold them.
     pub(crate) frozen: FrozenSet,
     /// Frozen weights kept in 4 bits (`[model.quantize]`), by name: not parameters, part of
-    /// the base (see `packed.rs`).
+    /// the base (see `packed/`).
     pub(crate) packed: Vec<(String, PackedWeight)>,
 }
 

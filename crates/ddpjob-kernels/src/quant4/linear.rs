@@ -98,7 +98,7 @@ impl Quantized4Weight {
         &self.weight
     }
 
-    /// x [rows, in] · Wᵀ as values: [rows, out], a panel of [`ROWS`] of W's rows per task.
+    /// x [rows, in] · Wᵀ as values: [rows, out], a panel of 64 of W's rows per task.
     pub fn forward_values(&self, x: &[f32], rows: usize) -> Vec<f32> {
         let (out, inputs) = (self.out, self.inputs);
         let mut y = vec![0f32; rows * out];
@@ -129,7 +129,7 @@ impl Quantized4Weight {
     }
 
     /// dy [rows, out] · W into `dx` [rows, in] (added to it when `accumulate`), a panel of
-    /// [`COLUMNS`] of W's columns per task.
+    /// 256 of W's columns per task.
     pub fn input_gradient_into(&self, dy: &[f32], rows: usize, dx: &mut [f32], accumulate: bool) {
         let (out, inputs) = (self.out, self.inputs);
         assert_eq!(

@@ -144,6 +144,17 @@ fn a_qlora_job_trains_over_a_4bit_base_resumes_and_two_workers_match_one() {
         (job_loss - merged_loss).abs() < 1e-5,
         "job {job_loss} vs merged {merged_loss}"
     );
+
+    // A job started from this one with adapters of another rank starts from its adapters
+    // folded into the base (de-quantised, folded, quantised again).
+    let next = qlora_model(&t.job("whole"), NF4).replace("r = 4", "r = 8");
+    let next = job(&text, &next, "").replace("max_steps = 30", "max_steps = 1");
+    t.run(&t.config("next", &next), &[]).success();
+    let started = eval_json(&t, &["next"])["loss"].as_f64().unwrap();
+    assert!(
+        (started - job_loss).abs() < 0.05,
+        "started at {started}, the job it continues scores {job_loss}"
+    );
 }
 
 #[test]

@@ -96,6 +96,10 @@ impl Trained {
         };
         let tensors = candle_core::safetensors::load(&self.weights, &candle_core::Device::Cpu)
             .map_err(unreadable)?;
+        // A 4-bit base (a QLoRA job's) takes its adapters in f32, quantised again as it loads.
+        let tensors = ddpjob_seam::packed::dequantize_saved(tensors).map_err(|e| {
+            crate::hf::HfError::Invalid(format!("`{}`: {e}", self.weights.display()))
+        })?;
         let folded = crate::hf::peft::merge_lora(tensors, scale).map_err(|e| {
             crate::hf::HfError::Invalid(format!("`{}`: {e}", self.weights.display()))
         })?;

@@ -16,7 +16,7 @@ pub use ddpjob_models::*;
 /// The model blank (nothing drawn; zero pages never touched), its `init_from` weights checked
 /// against it from their files' headers (names, shapes, types), not loaded: what the launcher
 /// and `validate` build to refuse weights that do not fit, and to estimate memory, before
-/// anything exists.
+/// anything exists. A model to be trained: a 4-bit base without adapters is refused.
 pub(crate) fn checked_blank(
     spec: &ModelSpec,
     input: ModelInput,
@@ -24,6 +24,16 @@ pub(crate) fn checked_blank(
     device: &Device,
     precision: Precision,
 ) -> Result<Box<dyn Model>> {
+    // Scoring or sampling a 4-bit model needs no adapters; training one does (as
+    // transformers refuses to fine-tune a purely quantised model).
+    if spec.quantize().is_some() && spec.lora().is_none() {
+        return Err(candle_core::Error::Msg(
+            "model.quantize: a 4-bit base is frozen and cannot train by itself: QLoRA trains \
+             LoRA adapters on top of it, so add [model.lora] (e.g. r = 16, target_modules = \
+             \"all-linear\")"
+                .into(),
+        ));
+    }
     // A model with a Hugging Face family reads its weights through `hf`, which honours
     // `checking`; a registered model's own loading would read them all: left blank.
     let through_hf = Registry::current().reads_hf_weights(spec.arch());

@@ -301,6 +301,23 @@ fn a_checkpoint_bitsandbytes_saved_in_4_bits_trains_as_saved() {
     for name in ["fp4", "no-lora", "block"] {
         assert!(!t.job(name).exists(), "{name}: a job directory was made");
     }
+    // Scoring needs no adapters: `eval` of the 4-bit checkpoint itself, and of the adapter
+    // `peft` made over it (`qwen2-h64-nf4-lora`), which changes its loss.
+    let data = t
+        .config("data", &job(&text, "block_size = 16", ""))
+        .display()
+        .to_string();
+    let score = |dir: &str| {
+        let dir = fixture(dir).display().to_string();
+        eval_json(&t, &[&dir, "--data", &data])["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    let (base, adapted) = (score("qwen2-h64-nf4"), score("qwen2-h64-nf4-lora"));
+    assert!(
+        base.is_finite() && adapted.is_finite() && base != adapted,
+        "{base} {adapted}"
+    );
 
     // The estimate counts the base's codes and scales instead of its f32 weights: 2 layers
     // of q, k, v, o (64 x 64, 32 x 64, 32 x 64, 64 x 64) and gate, up, down (128 x 64 each),

@@ -259,13 +259,6 @@ fn check_model(
             "is 0 (off), but other [model.quantize] keys are set: set bits = 4 for a 4-bit base",
         );
     }
-    if quantize.is_some() && lora.is_none() {
-        c.fail(
-            "model.quantize",
-            "a 4-bit base is frozen and cannot train by itself: QLoRA trains LoRA adapters on \
-             top of it, so add [model.lora] (e.g. r = 16, target_modules = \"all-linear\")",
-        );
-    }
     ModelSpec {
         arch,
         options,

@@ -6,7 +6,7 @@
 #
 #   bench/qlora.sh            STEPS=3 (timed steps after one warm-up), BATCHES="1 2", CONTEXT=512
 #
-# Needs a release build (cargo build --release). Figures: docs/src/qlora.md.
+# Needs a release build (cargo build --release). Figures: docs/src/fine-tuning.md ("QLoRA").
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 bin=${BIN:-$here/target/release/ddpjob}

@@ -89,24 +89,28 @@ impl Params {
 
     /// The current values by name, aliases of tied parameters and buffers included, and the
     /// 4-bit weights as bitsandbytes saves them (see `packed::PackedWeight::saved`; a weight
-    /// never loaded is left out): what `model.safetensors` and checkpoints hold.
+    /// never loaded is left out): what `model.safetensors` holds.
     pub fn named_tensors(&self) -> std::collections::HashMap<String, Tensor> {
+        // 4-bit weights are made on the CPU only (their layers run there).
+        let packed = (self.packed.iter())
+            .filter_map(|(n, w)| w.saved(n, &candle_core::Device::Cpu).ok())
+            .flatten();
+        let mut tensors = self.parameter_tensors();
+        tensors.extend(packed);
+        tensors
+    }
+
+    /// [`Params::named_tensors`] but the 4-bit weights: the parameters, buffers and aliases
+    /// (what a checkpoint starts from, which never holds the 4-bit base).
+    pub fn parameter_tensors(&self) -> std::collections::HashMap<String, Tensor> {
         let aliased = self
             .aliases
             .iter()
             .map(|(a, i)| (a.clone(), self.entries[*i].1.as_tensor().clone()));
-        let device = self.entries.first().map(|(_, v)| v.device().clone());
-        let device = device.unwrap_or(candle_core::Device::Cpu);
-        let packed = self
-            .packed
-            .iter()
-            .filter_map(|(n, w)| w.saved(n, &device).ok())
-            .flatten();
         self.iter()
             .chain(self.buffers())
             .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
             .chain(aliased)
-            .chain(packed)
             .collect()
     }
 

@@ -93,6 +93,11 @@ impl Quantized4Weight {
         (self.out, self.inputs)
     }
 
+    /// Each block's absmax (de-quantised once where nested).
+    pub fn scales(&self) -> &[f32] {
+        &self.scales
+    }
+
     /// The codes and scales as stored (what a checkpoint's fingerprint and an export read).
     pub fn stored(&self) -> &Quantized4 {
         &self.weight

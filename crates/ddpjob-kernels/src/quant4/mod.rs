@@ -102,9 +102,6 @@ pub struct Quantized4 {
     pub scales: Scales,
 }
 
-/// The block sizes bitsandbytes takes.
-pub const BLOCK_SIZES: [usize; 8] = [32, 64, 128, 256, 512, 1024, 2048, 4096];
-
 /// The absmaxes' block size with double quantisation (bitsandbytes' `quantize_4bit`).
 pub const NESTED_BLOCK: usize = 256;
 
@@ -117,8 +114,8 @@ fn absmaxes(values: &[f32], blocksize: usize) -> Vec<f32> {
 }
 
 /// `values` in 4 bits as `quantize_4bit(values, blocksize, compress_statistics = nested,
-/// quant_type)` stores them. `blocksize` must be one of [`BLOCK_SIZES`] (the caller checks,
-/// naming its key).
+/// quant_type)` stores them. `blocksize` must be one bitsandbytes takes (32, 64, ..., 4096: the
+/// spec checks `model.quantize.block_size`).
 pub fn quantize_4bit(values: &[f32], blocksize: usize, kind: FourBit, nested: bool) -> Quantized4 {
     let (order, mids) = kind.bounds();
     let absmax = absmaxes(values, blocksize);
@@ -286,6 +283,11 @@ pub fn quantize_blockwise(
 }
 
 impl Quantized4 {
+    /// Whether its scales are nested (double quantisation).
+    pub fn is_nested(&self) -> bool {
+        matches!(self.scales, Scales::Nested { .. })
+    }
+
     /// The scale of each block: its absmax, de-quantised first where nested.
     pub fn absmaxes(&self) -> Vec<f32> {
         match &self.scales {

@@ -53,7 +53,7 @@ impl Linear {
             .as_ref()
             .map_or_else(|| self.zeros.clone(), |b| self.frozen.as_input(b));
         if let Some(packed) = &self.packed {
-            return self.forward_packed(packed, x, &bias, compute, mode);
+            return self.forward_packed(packed, adapter, x, &bias, compute, mode);
         }
         let weight = self.frozen.as_input(&self.weight);
         if let Some(adapter) = adapter
@@ -63,11 +63,8 @@ impl Linear {
         {
             // The frozen base and its adapter as one op (see `kernels::lora_linear`).
             let dropout = self.adapter_dropout(adapter, mode);
-            let ab = (
-                &self.frozen.as_input(&adapter.a),
-                &self.frozen.as_input(&adapter.b),
-            );
-            return kernels::lora_linear(x, &weight, &bias, ab, adapter.scale, dropout);
+            let (a, b) = self.factors(adapter);
+            return kernels::lora_linear(x, &weight, &bias, (&a, &b), adapter.scale, dropout);
         }
         let y = if compute == DType::F32 && kernels::applies(x) {
             kernels::linear(x, &weight, &bias, false)?
@@ -97,6 +94,14 @@ impl Linear {
         y + adapter.forward(&dropped, compute, &self.frozen)?
     }
 
+    /// The adapter's `A` and `B` as the ops take them.
+    fn factors(&self, adapter: &Adapter) -> (Tensor, Tensor) {
+        (
+            self.frozen.as_input(&adapter.a),
+            self.frozen.as_input(&adapter.b),
+        )
+    }
+
     /// The adapter's input dropout in training, keyed by the rows' seeds and this layer's site.
     fn adapter_dropout(&self, adapter: &Adapter, mode: &Mode) -> Option<kernels::AdapterDropout> {
         match mode {
@@ -117,6 +122,7 @@ impl Linear {
     fn forward_packed(
         &self,
         packed: &PackedWeight,
+        adapter: Option<&Adapter>,
         x: &Tensor,
         bias: &Tensor,
         compute: DType,
@@ -132,20 +138,16 @@ impl Linear {
         if !kernels::applies(&x) {
             return Err(candle_core::Error::Msg(
                 "model.quantize: 4-bit layers run on CPU workers in this version (their CUDA \
-                 kernels are not built yet); set distributed.backend = \"cpu\" or leave \
+                 kernels are not built yet); set distributed.device = \"cpu\" or leave \
                  [model.quantize] out"
                     .into(),
             ));
         }
-        let adapter = self.adapter.as_ref().filter(|_| !adapters::are_off());
         let y = match adapter {
             Some(adapter) => {
                 let dropout = self.adapter_dropout(adapter, mode);
-                let ab = (
-                    &self.frozen.as_input(&adapter.a),
-                    &self.frozen.as_input(&adapter.b),
-                );
-                kernels::lora_linear_4bit(&x, weight, bias, ab, adapter.scale, dropout)?
+                let (a, b) = self.factors(adapter);
+                kernels::lora_linear_4bit(&x, weight, bias, (&a, &b), adapter.scale, dropout)?
             }
             None => match &self.bias {
                 Some(_) => kernels::quant4::quantized_linear(&x, weight)?.broadcast_add(bias)?,

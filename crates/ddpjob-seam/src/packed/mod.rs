@@ -18,7 +18,6 @@ pub use saved::{Stored, dequantize_saved, is_part_of, read_stored, state_name};
 
 use std::sync::{Arc, OnceLock};
 
-use candle_core::{Device, Result, Tensor};
 use ddpjob_kernels::quant4::quantize_4bit;
 pub use ddpjob_kernels::quant4::{FourBit, Quantized4, Quantized4Weight, Scales};
 use ddpjob_spec::{QuantType, QuantizeSpec};
@@ -118,13 +117,5 @@ impl PackedWeight {
     /// The weight, once filled.
     pub fn get(&self) -> Option<&Quantized4Weight> {
         self.slot.get()
-    }
-
-    /// The weight in f32 [out, inputs] (an export, a merge); `Err` when never filled.
-    pub fn dequantized(&self, device: &Device) -> Result<Tensor> {
-        let w = self.get().ok_or_else(|| {
-            candle_core::Error::Msg("a 4-bit weight was never loaded".to_string())
-        })?;
-        Tensor::from_vec(w.dequantized(), (self.out, self.inputs), device)
     }
 }

@@ -42,8 +42,6 @@ pub struct Stored {
     pub weight: Quantized4,
     /// Its shape [out, in].
     pub shape: Vec<usize>,
-    /// Whether its scales are nested (double quantisation).
-    pub nested: bool,
 }
 
 /// Reads the 4-bit weight saved as `name` (`<name>` uint8, `.absmax`, `.quant_map`, nested
@@ -127,7 +125,6 @@ pub fn read_stored(
             scales,
         },
         shape,
-        nested,
     })
 }
 
@@ -151,7 +148,7 @@ impl PackedWeight {
         let spec = self.spec;
         if q.kind != four_bit(spec.kind)
             || q.blocksize != spec.block_size
-            || stored.nested != spec.double_quant
+            || q.is_nested() != spec.double_quant
         {
             let kind = if q.kind == FourBit::Nf4 { "nf4" } else { "fp4" };
             return Err(format!(
@@ -159,7 +156,7 @@ impl PackedWeight {
                  but [model.quantize] says type = \"{}\", block_size = {}, double_quant = {}: \
                  set [model.quantize] as it was saved",
                 q.blocksize,
-                stored.nested,
+                q.is_nested(),
                 spec.kind.name(),
                 spec.block_size,
                 spec.double_quant

@@ -1,4 +1,6 @@
 //! The 4-bit weight and its saved form, round trips and refusals.
+use candle_core::{Device, Tensor};
+
 use super::*;
 
 fn weight(double_quant: bool) -> (PackedWeight, Vec<f32>) {

@@ -38,7 +38,7 @@ pub fn fingerprint(params: &Params) -> candle_core::Result<Option<String>> {
         any = true;
         hasher.update(name.as_bytes());
         hasher.update(&weight.stored().codes);
-        hasher.update(bytemuck::cast_slice::<f32, u8>(&weight.stored().absmaxes()));
+        hasher.update(bytemuck::cast_slice::<f32, u8>(weight.scales()));
     }
     Ok(any.then(|| hex(&hasher.finalize())))
 }
@@ -46,10 +46,7 @@ pub fn fingerprint(params: &Params) -> candle_core::Result<Option<String>> {
 /// What a checkpoint of `params` holds: their named tensors (buffers and aliases included)
 /// but the frozen parameters, their aliases and the 4-bit base.
 pub fn checkpointed(params: &Params) -> HashMap<String, Tensor> {
-    let mut tensors = params.named_tensors();
-    for (name, _) in params.packed() {
-        tensors.retain(|n, _| !ddpjob_seam::packed::is_part_of(n, name));
-    }
+    let mut tensors = params.parameter_tensors();
     for (i, (name, _)) in params.iter().enumerate() {
         if params.is_frozen(i) {
             tensors.remove(name);

@@ -223,25 +223,12 @@ impl HfDir {
                 continue;
             }
             let Some(file_name) = file_name else {
-                return Err(HfError::Invalid(format!(
-                    "`{}` has no tensor `{name}`, which the model described by its config.json \
-                     needs; the weights do not belong to this config",
-                    self.root.display()
-                )));
+                return Err(self.missing(name));
             };
             if let Some(fix) = quantized::saved_in_four_bits(self, &file_name, present) {
                 return Err(fix);
             }
-            let stored = load(&file_name).map_err(weights)?;
-            let tensor = layout.to_model(name, stored, var.dims()).map_err(weights)?;
-            if tensor.dims() != var.dims() {
-                return Err(HfError::Invalid(format!(
-                    "`{}`: tensor `{file_name}` has shape {:?}, the model expects {:?}",
-                    self.root.display(),
-                    tensor.dims(),
-                    var.dims()
-                )));
-            }
+            let tensor = self.read_as(name, &file_name, var.dims(), &load, layout)?;
             if !is_checking() {
                 tensor
                     .to_dtype(DType::F32)
@@ -267,6 +254,43 @@ impl HfDir {
             )));
         }
         Ok(())
+    }
+}
+
+impl HfDir {
+    /// The error for a tensor `name` the model needs and the files lack.
+    fn missing(&self, name: &str) -> HfError {
+        HfError::Invalid(format!(
+            "`{}` has no tensor `{name}`, which the model described by its config.json needs; \
+             the weights do not belong to this config",
+            self.root.display()
+        ))
+    }
+
+    /// The file's tensor `file_name`, read by `load`, in the layout of the model's `name`,
+    /// whose shape must be `dims`.
+    fn read_as(
+        &self,
+        name: &str,
+        file_name: &str,
+        dims: &[usize],
+        load: &dyn Fn(&str) -> candle_core::Result<candle_core::Tensor>,
+        layout: &dyn FileLayout,
+    ) -> Result<candle_core::Tensor, HfError> {
+        let weights = |cause| HfError::Weights {
+            path: self.root.clone(),
+            cause,
+        };
+        let stored = load(file_name).map_err(weights)?;
+        let tensor = layout.to_model(name, stored, dims).map_err(weights)?;
+        if tensor.dims() != dims {
+            return Err(HfError::Invalid(format!(
+                "`{}`: tensor `{file_name}` has shape {:?}, the model expects {dims:?}",
+                self.root.display(),
+                tensor.dims(),
+            )));
+        }
+        Ok(tensor)
     }
 }
 

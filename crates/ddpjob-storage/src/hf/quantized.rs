@@ -7,12 +7,13 @@
 
 use std::collections::HashSet;
 
+use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use serde_json::{Map, Value};
 
 use super::{FileLayout, HfDir, HfError, is_checking};
+use ddpjob_seam::Params;
 use ddpjob_seam::packed;
-use ddpjob_seam::{PackedWeight, Params};
 
 /// An error unless `config`'s `quantization_config` (if any) is bitsandbytes' 4-bit.
 pub(super) fn refuse_foreign(
@@ -77,28 +78,45 @@ impl HfDir {
             path: self.root.clone(),
             cause,
         };
+        // bitsandbytes' saved state, read for real even while checking (it is small and says
+        // whether it fits `[model.quantize]`): the files mapped once, when first needed.
+        let files = std::cell::OnceCell::new();
+        let saved = |name: &str| -> Result<Tensor, String> {
+            let files = match files.get() {
+                Some(files) => files,
+                None => {
+                    // SAFETY: read-only mapping, read while it lives (as in `HfDir::load_with`).
+                    let mapped = unsafe { MmapedSafetensors::multi(&self.weight_files) }
+                        .map_err(|e| format!("cannot read `{}`: {e}", self.root.display()))?;
+                    files.get_or_init(|| mapped)
+                }
+            };
+            files
+                .load(name, &Device::Cpu)
+                .map_err(|e| format!("cannot read `{name}`: {e}"))
+        };
         for (name, packed) in params.packed() {
             let Some(file_name) = layout.file_name(name, present) else {
-                return Err(HfError::Invalid(format!(
-                    "`{}` has no tensor `{name}`, which the model described by its config.json \
-                     needs; the weights do not belong to this config",
-                    self.root.display()
-                )));
+                return Err(self.missing(name));
             };
             if let Some(state) = stored_state(&file_name, present) {
-                self.fill_stored(&file_name, &state, packed, present, used)?;
+                let bad = |what: String| self.packed_error(&file_name, what);
+                let codes = !is_checking();
+                let stored = packed::read_stored(&file_name, &state, &saved, codes).map_err(bad)?;
+                packed.check_saved(&stored).map_err(bad)?;
+                used.extend(
+                    present
+                        .iter()
+                        .filter(|n| packed::is_part_of(n, &file_name))
+                        .cloned(),
+                );
+                if codes {
+                    packed.fill_stored(stored.weight).map_err(bad)?;
+                }
                 continue;
             }
             let dims = [packed.out, packed.inputs];
-            let stored = load(&file_name).map_err(weights)?;
-            let tensor = layout.to_model(name, stored, &dims).map_err(weights)?;
-            if tensor.dims() != dims {
-                return Err(HfError::Invalid(format!(
-                    "`{}`: tensor `{file_name}` has shape {:?}, the model expects {dims:?}",
-                    self.root.display(),
-                    tensor.dims(),
-                )));
-            }
+            let tensor = self.read_as(name, &file_name, &dims, load, layout)?;
             if !is_checking() {
                 let values = tensor.to_dtype(DType::F32).and_then(|t| t.flatten_all());
                 let values = values.and_then(|t| t.to_vec1::<f32>()).map_err(weights)?;
@@ -113,42 +131,5 @@ impl HfDir {
 
     fn packed_error(&self, name: &str, problem: String) -> HfError {
         HfError::Invalid(format!("`{}`: `{name}`: {problem}", self.root.display()))
-    }
-
-    /// Fills `packed` from bitsandbytes' saved codes and state (the state read for real even
-    /// while checking: it is small and says whether it fits `[model.quantize]`).
-    fn fill_stored(
-        &self,
-        file_name: &str,
-        state_name: &str,
-        packed: &PackedWeight,
-        present: &HashSet<String>,
-        used: &mut HashSet<String>,
-    ) -> Result<(), HfError> {
-        // SAFETY: read-only mapping, read while it lives (as in `HfDir::load_with`).
-        let files =
-            unsafe { candle_core::safetensors::MmapedSafetensors::multi(&self.weight_files) }
-                .map_err(|cause| HfError::Weights {
-                    path: self.root.clone(),
-                    cause,
-                })?;
-        let get = |name: &str| -> Result<Tensor, String> {
-            files
-                .load(name, &Device::Cpu)
-                .map_err(|e| format!("cannot read `{name}`: {e}"))
-        };
-        let bad = |what: String| self.packed_error(file_name, what);
-        let stored = packed::read_stored(file_name, state_name, &get, false).map_err(bad)?;
-        packed.check_saved(&stored).map_err(bad)?;
-        used.extend(
-            present
-                .iter()
-                .filter(|n| packed::is_part_of(n, file_name))
-                .cloned(),
-        );
-        if is_checking() {
-            return Ok(());
-        }
-        packed.fill_saved(file_name, state_name, &get).map_err(bad)
     }
 }

@@ -432,6 +432,10 @@ pub fn python_with(modules: &str, packages: &[&str], venv: &str) -> Option<PathB
         .join("target")
         .join(venv);
     let python = venv.join("bin/python");
+    // One install at a time: two tests making the same venv at once on a fresh checkout
+    // (the two MLflow tests) broke each other's pip; the second finds the first's.
+    static INSTALLING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = INSTALLING.lock().unwrap_or_else(|e| e.into_inner());
     if !imports(&python, modules) {
         eprintln!("installing {} into {}", packages.join(" "), venv.display());
         let made = Command::new(&system)

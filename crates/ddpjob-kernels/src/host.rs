@@ -290,6 +290,11 @@ impl<'a> Mat<'a> {
         }
     }
 
+    /// The matrix as [`strided_product`] takes it.
+    fn strided(&self) -> Strided {
+        (self.data.as_ptr(), self.row_stride, self.col_stride)
+    }
+
     /// The transpose, without moving any data.
     pub(crate) fn t(self) -> Self {
         Mat {
@@ -374,6 +379,24 @@ pub(crate) unsafe fn split_gemm(
         // SAFETY: the caller vouches for `out`.
         return unsafe { gemm_block(out, a, b, accumulate, products) };
     }
+    // Split by rows, every block multiplies by the whole b: copied into rows once here, not by
+    // each block (see `wants_rows`).
+    let mut held = Vec::new();
+    let b = match split_rows && products == Products::F32 && wants_rows(m, n, a.cols, b.strided()) {
+        true => {
+            held = ROWS_OF_B.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+            // SAFETY: `Mat`'s data covers every element of b (checked where it was made).
+            let (_, ld, _) = unsafe { rows_of(b.strided(), b.rows, n, &mut held) };
+            Mat {
+                data: &held[..],
+                rows: b.rows,
+                cols: n,
+                row_stride: ld,
+                col_stride: 1,
+            }
+        }
+        false => b,
+    };
     let len = if split_rows { m } else { n };
     let per_part = len.div_ceil(parts);
     // Rounding the share up can leave fewer non-empty parts than asked (305 rows in 19 parts
@@ -402,6 +425,9 @@ pub(crate) unsafe fn split_gemm(
         // inside it, and the caller keeps it to us until every block is done.
         unsafe { gemm_block(out, a, b, accumulate, products) }
     });
+    if !held.is_empty() {
+        ROWS_OF_B.with(|cell| *cell.borrow_mut() = held);
+    }
 }
 
 /// This machine's f32 matrix-product rate in operations per second, as the kernels reach it
@@ -519,7 +545,14 @@ pub unsafe fn strided_product(
         // instructions; the caller vouches for the memory.
         return unsafe { bf16_products::gemm((m, n, k), dst, accumulate, operand(a), operand(b)) };
     }
-    // SAFETY: the caller vouches for the memory.
+    let mut b = b;
+    let mut held = Vec::new();
+    if wants_rows(m, n, k, b) {
+        held = ROWS_OF_B.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+        // SAFETY: the caller vouches that every element of `b` is inside its allocation.
+        b = unsafe { rows_of(b, k, n, &mut held) };
+    }
+    // SAFETY: the caller vouches for the memory; `b` is the caller's or `held`'s, alive here.
     unsafe {
         gemm::gemm(
             m,
@@ -542,6 +575,67 @@ pub unsafe fn strided_product(
             false,
             Parallelism::None,
         )
+    }
+    if !held.is_empty() {
+        ROWS_OF_B.with(|cell| *cell.borrow_mut() = held);
+    }
+}
+
+thread_local! {
+    /// This thread's copy of the last `b` given by columns (see [`wants_rows`]), kept to be
+    /// written over by the next.
+    static ROWS_OF_B: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Whether `b` (k × n) is copied into rows before gemm multiplies by it. A `b` stored by
+/// columns (the weight of x·Wᵀ, a key block of q·kᵀ) is what gemm, which works on the
+/// transposed product for a row-major destination, copies into its panels one element at a
+/// time, the panel's 64 elements from 64 rows `b`'s column stride apart: at Qwen3's 1,024
+/// channels (4 KB) all 64 fall into one set of the L1 cache, which holds 8. Copied into rows
+/// here first, gemm's copy is then a straight one.
+fn wants_rows(m: usize, n: usize, k: usize, (_, _, cs): Strided) -> bool {
+    cs != 1 && m >= 32 && n >= 16 && k >= 16
+}
+
+/// Floats added to a copied row, so that rows 4 KB apart do not share cache sets.
+const ROW_PAD: usize = 16;
+
+/// `b` (k × n) copied into `held` as rows (k rows of n values, `n + ROW_PAD` apart).
+///
+/// # Safety
+/// Every element of `b` must be inside its allocation.
+unsafe fn rows_of(b: Strided, k: usize, n: usize, held: &mut Vec<f32>) -> Strided {
+    let ld = n + ROW_PAD;
+    if held.len() < k * ld {
+        held.resize(k * ld, 0.0);
+    }
+    // SAFETY: the caller vouches for b; `held` holds k rows of `ld` ≥ n values.
+    unsafe { gather_rows(b, (k, n), (held.as_mut_ptr(), ld)) };
+    (held.as_ptr(), ld, 1)
+}
+
+/// dst[p·ld + j] = src(p, j) for the k × n matrix `src`: a transpose when `src` is stored by
+/// columns, eight of its columns at a time, each read in order (the prefetcher's streams),
+/// written a tile of 16 rows at a time.
+///
+/// # Safety
+/// Every element of `src` must be inside its allocation, and `dst` must hold k rows of n
+/// writable values `ld` apart that nothing else accesses meanwhile.
+pub(crate) unsafe fn gather_rows(
+    (src, rs, cs): Strided,
+    (k, n): (usize, usize),
+    (dst, ld): (*mut f32, usize),
+) {
+    for j0 in (0..n).step_by(8) {
+        for p0 in (0..k).step_by(16) {
+            let depth = 16.min(k - p0);
+            for j in j0..(j0 + 8).min(n) {
+                for p in p0..p0 + depth {
+                    // SAFETY: (p, j) is inside src and inside dst, as the caller vouches.
+                    unsafe { *dst.add(p * ld + j) = *src.add(p * rs + j * cs) };
+                }
+            }
+        }
     }
 }
 

@@ -110,9 +110,16 @@ pub fn forward(x: &[f32], w: &[f32], b: &[f32], n: usize) -> Vec<f32> {
             Mat::new(x, n, inputs).t(),
             threads(),
         );
-        let mut y = Vec::with_capacity(n * outputs);
-        for i in 0..n {
-            y.extend(b.iter().enumerate().map(|(j, b)| yt[j * n + i] + b));
+        let mut y = super::scratch::take(n * outputs);
+        // SAFETY: yt is outputs × n, read as its transpose (n × outputs, by columns); y holds
+        // n rows of `outputs` values.
+        unsafe {
+            crate::host::gather_rows((yt.as_ptr(), 1, n), (n, outputs), (y.as_mut_ptr(), outputs))
+        };
+        if b.iter().any(|&v| v != 0.0) {
+            for row in y.chunks_exact_mut(outputs.max(1)) {
+                row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            }
         }
         y
     } else {

@@ -437,8 +437,9 @@ fn fused_head_matches_composed(rows: usize, channels: usize, vocab: usize, maske
     let (xv, wv) = (values(x.as_tensor()), values(w.as_tensor()));
     let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
     let (loss, kept) = head::mean_loss(&xv, &wv, &ids, true).unwrap();
+    // (A large vocabulary's training loss is made by `fused_grads`, its sums in another order.)
     assert!(
-        (loss - fused[0][0]).abs() < 1e-6,
+        (loss - fused[0][0]).abs() < 1e-6 * loss.abs().max(1.0),
         "{loss} vs {}",
         fused[0][0]
     );

@@ -648,15 +648,21 @@ impl Llama {
 
     /// The mean cross-entropy of the final norm's output `x` [n·t, hidden] against `targets`.
     fn loss_of(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        self.loss_with(x, &self.head_weight(), targets)
+        self.loss_with(x, &self.head_weight(), targets, true)
     }
 
-    /// [`Llama::loss_of`] with the head's weight `w` (the model's, or a detached copy).
-    fn loss_with(&self, x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    /// [`Llama::loss_of`] with the head's weight `w` (the model's, or a detached copy), of a
+    /// whole step's rows (`whole`: its gradients may be made in its forward, see `kit::head`)
+    /// or of one row of several.
+    fn loss_with(&self, x: &Tensor, w: &Tensor, targets: &Tensor, whole: bool) -> Result<Tensor> {
         if self.compute == DType::F32 && head::applies(x, w) {
+            let targets = targets.flatten_all()?;
+            if whole {
+                return head::loss(x, w, &targets);
+            }
             // Checkpointing trades time for memory: the head's logits are made again too.
             let keep = !self.checkpoint.load(Ordering::Relaxed);
-            return head::loss_keeping(x, w, &targets.flatten_all()?, keep);
+            return head::loss_keeping(x, w, &targets, keep);
         }
         let dt = self.compute;
         let logits = x.to_dtype(dt)?.matmul(&w.to_dtype(dt)?.t()?)?;
@@ -717,7 +723,7 @@ impl Model for Llama {
             };
             let xr = x.narrow(0, r * t, last + 1)?;
             let yr = ys.narrow(0, r, 1)?.narrow(1, 0, last + 1)?.flatten_all()?;
-            let loss = self.loss_with(&xr, &w, &yr)?.to_dtype(DType::F32)?;
+            let loss = self.loss_with(&xr, &w, &yr, false)?.to_dtype(DType::F32)?;
             rows.push((loss * -(scored as f64))?.reshape(1)?);
         }
         Tensor::cat(&rows, 0)
@@ -862,13 +868,9 @@ impl Model for Llama {
             false => kept.iter().sum::<usize>() + largest,
             true => kept.len() * hidden + largest,
         } + 2 * hidden;
-        // The head's logits, kept for its backward when a sample's fit in its budget (counted
-        // per sample: a pass of several keeps them only within the same budget), never when
-        // checkpointing.
-        let logits = match checkpointing {
-            true => 0,
-            false => head::kept_logit_bytes(c.block_size, c.vocab_size),
-        };
+        // The head's chunk of logits (counted per sample: a pass of several holds no more
+        // than one sample's, within the same budget).
+        let logits = head::kept_logit_bytes(c.block_size, c.vocab_size);
         Some((per_position * c.block_size * 4 + logits) as f64)
     }
 

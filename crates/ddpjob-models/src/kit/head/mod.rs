@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use crate::kit::attention::{View, gemm_into};
 use ddpjob_kernels::rows::{exp, max, sum_map};
 use ddpjob_kernels::{values, with_values};
+pub(crate) mod fused_grads;
 pub(crate) mod vocab_blocks;
 
 use ddpjob_kernels::{indices, indices_of};
@@ -40,9 +41,38 @@ const MIN_CHUNK: usize = 128;
 
 /// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C]) against `targets` [n] (u32),
 /// over the targets that are not [`ddpjob_seam::task::IGNORE_TARGET`]; differentiable in `x` and
-/// `w`. CPU f32 only (see [`applies`]).
+/// `w`. CPU f32 only (see [`applies`]). The loss of a whole step: for a large vocabulary in
+/// training its gradients are made in its forward (`fused_grads`), which holds a weight's
+/// gradient from then on; a loss per row (DPO's) takes [`loss_keeping`].
 pub fn loss(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    loss_keeping(x, w, targets, true)
+    let (vocab, tracked) = (w.dims()[0], x.track_op() || w.track_op());
+    if !(tracked && vocab_blocks::applies(vocab)) {
+        return loss_keeping(x, w, targets, true);
+    }
+    let op = GradsOp {
+        made: Default::default(),
+        want_dw: w.track_op(),
+        chunk: None,
+    };
+    x.contiguous()?
+        .apply_op3(&w.contiguous()?, &targets.contiguous()?, op)
+}
+
+/// [`loss`] with its gradients made `chunk` rows at a time (tests: several chunks).
+#[cfg(test)]
+pub(crate) fn loss_in_chunks(
+    x: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    chunk: usize,
+) -> Result<Tensor> {
+    let op = GradsOp {
+        made: Default::default(),
+        want_dw: w.track_op(),
+        chunk: Some(chunk),
+    };
+    x.contiguous()?
+        .apply_op3(&w.contiguous()?, &targets.contiguous()?, op)
 }
 
 /// [`loss`], its backward making a large vocabulary's logits again instead of keeping them
@@ -69,7 +99,7 @@ pub(crate) fn score_values(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f64, 
     let dims = Dims::of(x.len(), w.len(), ids.len())?;
     check_targets(ids, dims.vocab)?;
     if vocab_blocks::applies(dims.vocab) {
-        return Ok(vocab_blocks::loss_sum_and_correct(x, w, ids, dims.shape()));
+        return Ok(fused_grads::loss_sum_and_correct(x, w, ids, dims.shape()));
     }
     let parts: Vec<(f64, usize)> = (0..dims.chunks())
         .into_par_iter()
@@ -93,13 +123,17 @@ pub(crate) fn score_values(x: &[f32], w: &[f32], ids: &[usize]) -> Result<(f64, 
     Ok(parts.iter().fold((0.0, 0), |a, p| (a.0 + p.0, a.1 + p.1)))
 }
 
-/// Whether the fused op can run: f32 values on the CPU.
-/// Bytes of logits [`loss`] keeps for its backward over `rows` rows of a `vocab`-symbol
-/// vocabulary: all of them for a large vocabulary when they fit in 256 MB, else none.
+/// Bytes of logits [`loss`] holds at once in training over `rows` rows of a `vocab`-symbol
+/// vocabulary: a large vocabulary's chunk of rows (at most `fused_grads::CHUNK_BYTES`), else
+/// none worth counting.
 pub fn kept_logit_bytes(rows: usize, vocab: usize) -> usize {
-    vocab_blocks::kept_bytes(rows, vocab)
+    match vocab_blocks::applies(vocab) {
+        true => fused_grads::held_bytes(rows, vocab),
+        false => 0,
+    }
 }
 
+/// Whether the fused op can run: f32 values on the CPU.
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
     ddpjob_kernels::applies(x) && ddpjob_kernels::applies(w)
 }
@@ -359,6 +393,89 @@ pub(crate) fn loss_bwd(
         dw.iter_mut().zip(part).for_each(|(d, p)| *d += p);
     }
     Ok(dw)
+}
+
+/// The op of a whole step's loss over a large vocabulary: its forward makes the gradients of
+/// the mean loss (`fused_grads`), its backward scales them by the loss's gradient.
+struct GradsOp {
+    /// dx and dw (empty when `want_dw` is false), made by the forward, taken by the backward.
+    made: std::sync::Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+    want_dw: bool,
+    /// Rows per chunk, when not `fused_grads::chunk_rows`'s.
+    chunk: Option<usize>,
+}
+
+impl CustomOp3 for GradsOp {
+    fn name(&self) -> &'static str {
+        "ddpjob-head-loss-grads"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        w: &CpuStorage,
+        w_layout: &Layout,
+        t: &CpuStorage,
+        t_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w, ids) = (
+            values(x, x_layout)?,
+            values(w, w_layout)?,
+            indices_of(t, t_layout)?,
+        );
+        let dims = Dims::of(x.len(), w.len(), ids.len())?;
+        check_targets(&ids, dims.vocab)?;
+        let n = scored(&ids) as f32;
+        let chunk = self
+            .chunk
+            .unwrap_or_else(|| fused_grads::chunk_rows(dims.rows, dims.vocab));
+        let grads =
+            fused_grads::loss_and_grads(x, w, &ids, dims.shape(), 1.0 / n, self.want_dw, chunk);
+        if let Ok(mut slot) = self.made.lock() {
+            *slot = Some((grads.dx, grads.dw));
+        }
+        Ok((CpuStorage::F32(vec![grads.loss_sum / n]), Shape::from(())))
+    }
+
+    /// The forward's gradients times the loss's gradient `g` (made again, as [`HeadLossOp`]
+    /// makes them, if a second backward finds them taken).
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+        _loss: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+        let made = self.made.lock().ok().and_then(|mut m| m.take());
+        let (mut dx, mut dw) = match made {
+            Some(made) => made,
+            None => {
+                let ids = indices(targets)?;
+                with_values(x, |xv| {
+                    with_values(w, |wv| {
+                        let mut dx = vec![0f32; xv.len()];
+                        let dw =
+                            loss_bwd(xv, wv, &ids, 1.0, &mut dx, &Kept::default(), self.want_dw)?;
+                        Ok((dx, dw))
+                    })
+                })?
+            }
+        };
+        if g != 1.0 {
+            for part in [&mut dx, &mut dw] {
+                part.par_chunks_mut(1 << 16)
+                    .for_each(|c| c.iter_mut().for_each(|v| *v *= g));
+            }
+        }
+        let dw = match dw.is_empty() {
+            true => None,
+            false => Some(Tensor::from_vec(dw, w.shape(), w.device())?),
+        };
+        Ok((Some(Tensor::from_vec(dx, x.shape(), x.device())?), dw, None))
+    }
 }
 
 fn check_targets(ids: &[usize], vocab: usize) -> Result<()> {

@@ -1,4 +1,5 @@
-//! The head for large vocabularies (GPT-2's 50,304 tokens): logits made for a thread's rows a
+//! The head for large vocabularies (GPT-2's 50,304 tokens) where a loss is one of several
+//! (DPO's per row; a whole step's loss in training, and evaluation, are `fused_grads`'s): logits made for a thread's rows a
 //! block of vocabulary columns at a time, with the log-sum-exp carried across blocks (online
 //! softmax). Each block's logits stay in the core's cache from the product to the softmax, and
 //! each block of the weight is copied into gemm's layout once per pass instead of the whole
@@ -20,7 +21,7 @@ use crate::kit::attention::{View, gemm_into};
 use ddpjob_kernels::rows::{exp, max, sum_map};
 
 /// Vocabulary columns per block: 512 columns of 384 rows are 768 KB of logits.
-const BLOCK: usize = 512;
+pub(crate) const BLOCK: usize = 512;
 
 /// Rows per chunk at most (a thread's share of the rows otherwise).
 const MAX_ROWS: usize = 512;
@@ -36,15 +37,6 @@ const KEEP_BYTES: usize = 256 << 20;
 pub(crate) struct Kept {
     pub lse: Vec<f32>,
     pub logits: Vec<f32>,
-}
-
-/// Bytes of logits a loss over `rows` rows keeps for its backward (see [`Kept`]).
-pub(crate) fn kept_bytes(rows: usize, vocab: usize) -> usize {
-    let bytes = rows * vocab * std::mem::size_of::<f32>();
-    match applies(vocab) && bytes <= KEEP_BYTES {
-        true => bytes,
-        false => 0,
-    }
 }
 
 /// Whether a vocabulary of `vocab` symbols is made block by block here.
@@ -158,33 +150,6 @@ impl Shape {
         }
         stats
     }
-}
-
-/// Σ over rows of (cross-entropy, whether the target is the first largest logit).
-pub(crate) fn loss_sum_and_correct(
-    x: &[f32],
-    w: &[f32],
-    ids: &[usize],
-    shape: Shape,
-) -> (f64, usize) {
-    let parts: Vec<(f64, usize)> = shape
-        .chunks()
-        .into_par_iter()
-        .map(|rows| {
-            let stats = shape.stats(x, w, ids, &rows, None);
-            stats
-                .iter()
-                .zip(&ids[rows])
-                .filter(|(_, t)| **t != IGNORED)
-                .fold((0.0, 0), |(l, n), (s, &t)| {
-                    (
-                        l + (s.lse() - s.target) as f64,
-                        n + usize::from(s.best == t),
-                    )
-                })
-        })
-        .collect();
-    parts.iter().fold((0.0, 0), |a, p| (a.0 + p.0, a.1 + p.1))
 }
 
 /// Σ over rows of the cross-entropy (chunk sums added in order), and what [`loss_bwd`] can

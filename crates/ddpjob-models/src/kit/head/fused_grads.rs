@@ -26,10 +26,15 @@ use super::IGNORED;
 use super::vocab_blocks::{BLOCK, Shape};
 use crate::kit::attention::{View, gemm_into};
 use ddpjob_kernels::rows::exp;
+use ddpjob_kernels::scratch;
 
 /// Logits made and held at once, at most: one chunk of rows over the whole vocabulary (220
 /// rows at Qwen3's 151,936 tokens, 682 at SmolLM2's 49,152).
 pub(crate) const CHUNK_BYTES: usize = 128 << 20;
+
+/// Rows evaluation scores at once, at most (its transposed rows and a thread's block of logits
+/// are 16 and 8 MB at 1,024 channels).
+const SCORED_ROWS: usize = 4096;
 
 /// Rows per chunk at least, whatever the vocabulary: each chunk adds its rows' share to every
 /// block of dw, whose depth (the rows) then stays worth a product.
@@ -59,10 +64,16 @@ struct Pick {
 }
 
 /// Rows per chunk for `rows` rows of a `vocab`-token vocabulary: as many as [`CHUNK_BYTES`]
-/// holds (at least [`MIN_CHUNK_ROWS`]), the rows then spread evenly over the chunks.
+/// holds (at least [`MIN_CHUNK_ROWS`]), a multiple of 64.
 pub(crate) fn chunk_rows(rows: usize, vocab: usize) -> usize {
     let most = (CHUNK_BYTES / (vocab * std::mem::size_of::<f32>())).max(MIN_CHUNK_ROWS);
-    rows.div_ceil(rows.div_ceil(most).max(1)).max(1)
+    // A multiple of gemm's 64-row tile where that fits (the rows are its tiles' side: 171
+    // rows left a tile of 43 to a slower kernel); the last chunk takes what is left.
+    let most = match most >= MIN_CHUNK_ROWS {
+        true => most / MIN_CHUNK_ROWS * MIN_CHUNK_ROWS,
+        false => most,
+    };
+    most.min(rows).max(1)
 }
 
 /// Bytes of logits [`loss_and_grads`] holds at once over `rows` rows.
@@ -84,8 +95,10 @@ pub(crate) fn loss_and_grads(
     let (c, v) = (shape.channels, shape.vocab);
     let blocks = blocks(v);
     let chunk = chunk.clamp(1, shape.rows.max(1));
-    let mut logits = vec![0f32; chunk * v];
-    let mut dx = vec![0f32; shape.rows * c];
+    // Written in full before they are read (by the products, and dx by each chunk's first
+    // partial): the logits' buffer is the last step's.
+    let mut logits = scratch::take(chunk * v);
+    let mut dx = scratch::take(shape.rows * c);
     let mut dw = vec![0f32; if want_dw { v * c } else { 0 }];
     let mut loss_sum = 0f32;
     for (k, start) in (0..shape.rows).step_by(chunk).enumerate() {
@@ -108,6 +121,7 @@ pub(crate) fn loss_and_grads(
             k == 0,
         );
     }
+    scratch::give([logits]);
     Grads { loss_sum, dx, dw }
 }
 
@@ -121,7 +135,9 @@ pub(crate) fn loss_sum_and_correct(
 ) -> (f64, usize) {
     let (c, v) = (shape.channels, shape.vocab);
     let blocks = blocks(v);
-    let chunk = chunk_rows(shape.rows, v).min(shape.rows.max(1));
+    // Nothing is held beyond a block's logits per thread, so a chunk can be long: the weight
+    // is read once per chunk (622 MB at Qwen3's head).
+    let chunk = shape.rows.clamp(1, SCORED_ROWS);
     let (mut sum, mut correct) = (0f64, 0);
     for start in (0..shape.rows).step_by(chunk.max(1)) {
         let rows = start..(start + chunk).min(shape.rows);
@@ -429,9 +445,30 @@ mod tests {
     }
 
     #[test]
+    fn scores_over_more_rows_than_one_chunk_are_the_composed_ones() {
+        // 4,100 rows: a chunk of 4,096 and one of 4; every fifth target ignored.
+        let dev = Device::Cpu;
+        let (rows, channels, vocab) = (super::SCORED_ROWS + 4, 8, 2100);
+        let x = Tensor::randn(0f32, 1., (rows, channels), &dev).unwrap();
+        let w = Tensor::randn(0f32, 0.5, (vocab, channels), &dev).unwrap();
+        let ids: Vec<u32> = (0..rows as u32)
+            .map(|i| match i % 5 == 2 {
+                true => ddpjob_seam::task::IGNORE_TARGET,
+                false => (i * 13 + 1) % vocab as u32,
+            })
+            .collect();
+        let targets = Tensor::new(ids.as_slice(), &dev).unwrap();
+        let (sum, correct) = head::score(&x, &w, &targets).unwrap();
+        let logits = x.matmul(&w.t().unwrap()).unwrap();
+        let (sum2, correct2) = ddpjob_seam::task::loss_sum_and_correct(&logits, &targets).unwrap();
+        assert!((sum - sum2).abs() < 1e-6 * sum2.abs(), "{sum} vs {sum2}");
+        assert_eq!(correct, correct2);
+    }
+
+    #[test]
     fn a_chunk_holds_at_most_its_budget_of_logits_and_at_least_a_products_depth() {
-        // Qwen3's 151,936 tokens over 512 rows: three chunks of 171 rows.
-        assert_eq!(super::chunk_rows(512, 151_936), 171);
+        // Qwen3's 151,936 tokens over 512 rows: chunks of 192 rows (192, 192, 128).
+        assert_eq!(super::chunk_rows(512, 151_936), 192);
         assert!(super::held_bytes(512, 151_936) <= super::CHUNK_BYTES);
         // SmolLM2's 49,152 over 512: one chunk; a vocabulary too large for 64 rows: 64.
         assert_eq!(super::chunk_rows(512, 49_152), 512);

@@ -55,7 +55,10 @@ impl Dpo {
                 },
                 None => Mode::Eval,
             };
-            let Some(pass) = self.policy.train_pass(&x, &y, &row_mode)? else {
+            // Kept until the pairs are scored: nothing large held from each forward.
+            let pass =
+                ddpjob_seam::row_passes::within(|| self.policy.train_pass(&x, &y, &row_mode));
+            let Some(pass) = pass? else {
                 return Ok(None);
             };
             let mean = pass.loss().to_dtype(DType::F32)?.to_scalar::<f32>()?;

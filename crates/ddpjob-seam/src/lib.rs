@@ -16,6 +16,7 @@ pub mod metric;
 mod model;
 pub mod packed;
 mod params;
+pub mod row_passes;
 mod store;
 pub mod task;
 

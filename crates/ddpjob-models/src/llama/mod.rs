@@ -657,7 +657,7 @@ impl Llama {
     fn loss_with(&self, x: &Tensor, w: &Tensor, targets: &Tensor, whole: bool) -> Result<Tensor> {
         if self.compute == DType::F32 && head::applies(x, w) {
             let targets = targets.flatten_all()?;
-            if whole {
+            if whole && !ddpjob_seam::row_passes::active() {
                 return head::loss(x, w, &targets);
             }
             // Checkpointing trades time for memory: the head's logits are made again too.

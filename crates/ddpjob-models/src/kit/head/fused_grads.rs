@@ -26,7 +26,6 @@ use super::IGNORED;
 use super::vocab_blocks::{BLOCK, Shape};
 use crate::kit::attention::{View, gemm_into};
 use ddpjob_kernels::rows::exp;
-use ddpjob_kernels::scratch;
 
 /// Logits made and held at once, at most: one chunk of rows over the whole vocabulary (220
 /// rows at Qwen3's 151,936 tokens, 682 at SmolLM2's 49,152).
@@ -67,13 +66,9 @@ struct Pick {
 /// holds (at least [`MIN_CHUNK_ROWS`]), a multiple of 64.
 pub(crate) fn chunk_rows(rows: usize, vocab: usize) -> usize {
     let most = (CHUNK_BYTES / (vocab * std::mem::size_of::<f32>())).max(MIN_CHUNK_ROWS);
-    // A multiple of gemm's 64-row tile where that fits (the rows are its tiles' side: 171
-    // rows left a tile of 43 to a slower kernel); the last chunk takes what is left.
-    let most = match most >= MIN_CHUNK_ROWS {
-        true => most / MIN_CHUNK_ROWS * MIN_CHUNK_ROWS,
-        false => most,
-    };
-    most.min(rows).max(1)
+    // A multiple of gemm's 64-row tile (the rows are its tiles' side: 171 rows left a tile of
+    // 43 to a slower kernel); the last chunk takes what is left.
+    (most / MIN_CHUNK_ROWS * MIN_CHUNK_ROWS).min(rows).max(1)
 }
 
 /// Bytes of logits [`loss_and_grads`] holds at once over `rows` rows.
@@ -95,10 +90,8 @@ pub(crate) fn loss_and_grads(
     let (c, v) = (shape.channels, shape.vocab);
     let blocks = blocks(v);
     let chunk = chunk.clamp(1, shape.rows.max(1));
-    // Written in full before they are read (by the products, and dx by each chunk's first
-    // partial): the logits' buffer is the last step's.
-    let mut logits = scratch::take(chunk * v);
-    let mut dx = scratch::take(shape.rows * c);
+    let mut logits = vec![0f32; chunk * v];
+    let mut dx = vec![0f32; shape.rows * c];
     let mut dw = vec![0f32; if want_dw { v * c } else { 0 }];
     let mut loss_sum = 0f32;
     for (k, start) in (0..shape.rows).step_by(chunk).enumerate() {
@@ -121,7 +114,6 @@ pub(crate) fn loss_and_grads(
             k == 0,
         );
     }
-    scratch::give([logits]);
     Grads { loss_sum, dx, dw }
 }
 
@@ -302,7 +294,8 @@ fn to_dlogits(
         .for_each(|(block, cols)| {
             for col in block.chunks_exact_mut(n) {
                 for ((v, &l), &f) in col.iter_mut().zip(lse).zip(&factor) {
-                    *v = exp(*v - l) * f;
+                    // An ignored row's gradient is 0 whatever its logits (inf · 0 is not).
+                    *v = if f == 0.0 { 0.0 } else { exp(*v - l) * f };
                 }
             }
             for (r, &t) in targets.iter().enumerate() {
@@ -441,6 +434,32 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn a_loss_among_several_kept_passes_makes_its_gradients_in_its_backward() {
+        // DPO's per-row passes (`ddpjob_seam::row_passes`) must not each hold a weight
+        // gradient from their forward: they take the op that makes it in its backward.
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1., (8, 4), &dev).unwrap()).unwrap();
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1., (2100, 4), &dev).unwrap()).unwrap();
+        let targets = Tensor::new(&[1u32, 2, 3, 4, 5, 6, 7, 2099], &dev).unwrap();
+        let (xs, ws) = (x.as_tensor(), w.as_tensor());
+        assert!(head::grads_in_forward(xs, ws));
+        let whole = head::loss(xs, ws, &targets).unwrap();
+        let row = ddpjob_seam::row_passes::within(|| {
+            assert!(!head::grads_in_forward(xs, ws));
+            head::loss(xs, ws, &targets)
+        })
+        .unwrap();
+        // Nor a pass that wants no gradient (evaluation's detached rows), nor a small
+        // vocabulary.
+        assert!(!head::grads_in_forward(&xs.detach(), &ws.detach()));
+        assert!(!head::grads_in_forward(xs, &ws.narrow(0, 0, 2048).unwrap()));
+        let (a, b) = (run(whole, &x, w.as_tensor()), run(row, &x, w.as_tensor()));
+        for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+            assert!(max_diff(a, b) < 1e-5, "output {i}");
         }
     }
 

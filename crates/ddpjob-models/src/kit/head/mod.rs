@@ -43,10 +43,10 @@ const MIN_CHUNK: usize = 128;
 /// over the targets that are not [`ddpjob_seam::task::IGNORE_TARGET`]; differentiable in `x` and
 /// `w`. CPU f32 only (see [`applies`]). The loss of a whole step: for a large vocabulary in
 /// training its gradients are made in its forward (`fused_grads`), which holds a weight's
-/// gradient from then on; a loss per row (DPO's) takes [`loss_keeping`].
+/// gradient from then on; a loss per row (DPO's: `ddpjob_seam::row_passes`) takes
+/// [`loss_keeping`]'s op.
 pub fn loss(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let (vocab, tracked) = (w.dims()[0], x.track_op() || w.track_op());
-    if !(tracked && vocab_blocks::applies(vocab)) {
+    if !grads_in_forward(x, w) {
         return loss_keeping(x, w, targets, true);
     }
     let op = GradsOp {
@@ -56,6 +56,16 @@ pub fn loss(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
     };
     x.contiguous()?
         .apply_op3(&w.contiguous()?, &targets.contiguous()?, op)
+}
+
+/// Whether [`loss`] makes its gradients in its forward: a large vocabulary, gradients wanted,
+/// and not one of several passes kept to one backward (DPO's rows: each would hold a weight
+/// gradient until then).
+pub(crate) fn grads_in_forward(x: &Tensor, w: &Tensor) -> bool {
+    let vocab = w.dims().first().copied().unwrap_or(0);
+    (x.track_op() || w.track_op())
+        && vocab_blocks::applies(vocab)
+        && !ddpjob_seam::row_passes::active()
 }
 
 /// [`loss`] with its gradients made `chunk` rows at a time (tests: several chunks).

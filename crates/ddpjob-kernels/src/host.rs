@@ -384,7 +384,7 @@ pub(crate) unsafe fn split_gemm(
     let mut held = Vec::new();
     let b = match split_rows && products == Products::F32 && wants_rows(m, n, a.cols, b.strided()) {
         true => {
-            held = ROWS_OF_B.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+            held = ROWS_OF_B.take();
             // SAFETY: `Mat`'s data covers every element of b (checked where it was made).
             let (_, ld, _) = unsafe { rows_of(b.strided(), b.rows, n, &mut held) };
             Mat {
@@ -426,7 +426,7 @@ pub(crate) unsafe fn split_gemm(
         unsafe { gemm_block(out, a, b, accumulate, products) }
     });
     if !held.is_empty() {
-        ROWS_OF_B.with(|cell| *cell.borrow_mut() = held);
+        ROWS_OF_B.set(held);
     }
 }
 
@@ -548,7 +548,7 @@ pub unsafe fn strided_product(
     let mut b = b;
     let mut held = Vec::new();
     if wants_rows(m, n, k, b) {
-        held = ROWS_OF_B.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+        held = ROWS_OF_B.take();
         // SAFETY: the caller vouches that every element of `b` is inside its allocation.
         b = unsafe { rows_of(b, k, n, &mut held) };
     }
@@ -577,7 +577,7 @@ pub unsafe fn strided_product(
         )
     }
     if !held.is_empty() {
-        ROWS_OF_B.with(|cell| *cell.borrow_mut() = held);
+        ROWS_OF_B.set(held);
     }
 }
 

@@ -16,14 +16,7 @@ thread_local! {
 
 /// Runs `f` with this thread's LoRA adapters switched off (restored however `f` ends).
 pub fn without<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            OFF.set(self.0);
-        }
-    }
-    let _restore = Restore(OFF.replace(true));
-    f()
+    crate::thread_switch::on_within(&OFF, f)
 }
 
 /// Whether the adapters are off on this thread (a layer then computes its base alone).

@@ -19,6 +19,7 @@ mod params;
 pub mod row_passes;
 mod store;
 pub mod task;
+mod thread_switch;
 
 pub use context::{BuildError, Contents, DatasetOptions, JobFile, ModelContext, compute_dtype};
 pub use freeze::FrozenSet;

@@ -16,14 +16,7 @@ thread_local! {
 
 /// Runs `f` as one of several passes kept to one backward (restored however `f` ends).
 pub fn within<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            ACTIVE.set(self.0);
-        }
-    }
-    let _restore = Restore(ACTIVE.replace(true));
-    f()
+    crate::thread_switch::on_within(&ACTIVE, f)
 }
 
 /// Whether this thread's pass is one of several kept to one backward.

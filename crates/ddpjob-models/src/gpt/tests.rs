@@ -3,6 +3,7 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 
 use super::*;
 use crate::kit::head::vocab_blocks;
+use crate::testing::{max_diff, values};
 
 fn config(bias: bool, dropout: f64) -> GptConfig {
     GptConfig {
@@ -25,18 +26,6 @@ fn ids(rows: &[&[u32]]) -> Tensor {
     let t = rows[0].len();
     let flat: Vec<u32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
     Tensor::from_vec(flat, (rows.len(), t), &Device::Cpu).unwrap()
-}
-
-fn values(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 #[test]

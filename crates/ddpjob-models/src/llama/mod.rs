@@ -648,21 +648,15 @@ impl Llama {
 
     /// The mean cross-entropy of the final norm's output `x` [n·t, hidden] against `targets`.
     fn loss_of(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        self.loss_with(x, &self.head_weight(), targets, true)
+        self.loss_with(x, &self.head_weight(), targets)
     }
 
-    /// [`Llama::loss_of`] with the head's weight `w` (the model's, or a detached copy), of a
-    /// whole step's rows (`whole`: its gradients may be made in its forward, see `kit::head`)
-    /// or of one row of several.
-    fn loss_with(&self, x: &Tensor, w: &Tensor, targets: &Tensor, whole: bool) -> Result<Tensor> {
+    /// [`Llama::loss_of`] with the head's weight `w` (the model's, or a detached copy).
+    fn loss_with(&self, x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
         if self.compute == DType::F32 && head::applies(x, w) {
-            let targets = targets.flatten_all()?;
-            if whole && !ddpjob_seam::row_passes::active() {
-                return head::loss(x, w, &targets);
-            }
             // Checkpointing trades time for memory: the head's logits are made again too.
             let keep = !self.checkpoint.load(Ordering::Relaxed);
-            return head::loss_keeping(x, w, &targets, keep);
+            return head::loss_keeping(x, w, &targets.flatten_all()?, keep);
         }
         let dt = self.compute;
         let logits = x.to_dtype(dt)?.matmul(&w.to_dtype(dt)?.t()?)?;
@@ -723,7 +717,9 @@ impl Model for Llama {
             };
             let xr = x.narrow(0, r * t, last + 1)?;
             let yr = ys.narrow(0, r, 1)?.narrow(1, 0, last + 1)?.flatten_all()?;
-            let loss = self.loss_with(&xr, &w, &yr, false)?.to_dtype(DType::F32)?;
+            // One of the rows' losses kept to one backward (see `ddpjob_seam::row_passes`).
+            let loss = ddpjob_seam::row_passes::within(|| self.loss_with(&xr, &w, &yr))?;
+            let loss = loss.to_dtype(DType::F32)?;
             rows.push((loss * -(scored as f64))?.reshape(1)?);
         }
         Tensor::cat(&rows, 0)

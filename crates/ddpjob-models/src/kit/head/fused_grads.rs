@@ -27,8 +27,8 @@ use super::vocab_blocks::{BLOCK, Shape};
 use crate::kit::attention::{View, gemm_into};
 use ddpjob_kernels::rows::exp;
 
-/// Logits made and held at once, at most: one chunk of rows over the whole vocabulary (220
-/// rows at Qwen3's 151,936 tokens, 682 at SmolLM2's 49,152).
+/// Logits made and held at once, at most: one chunk of rows over the whole vocabulary (192
+/// rows at Qwen3's 151,936 tokens, 640 at SmolLM2's 49,152: see [`chunk_rows`]).
 pub(crate) const CHUNK_BYTES: usize = 128 << 20;
 
 /// Rows evaluation scores at once, at most (its transposed rows and a thread's block of logits
@@ -73,7 +73,7 @@ pub(crate) fn chunk_rows(rows: usize, vocab: usize) -> usize {
 
 /// Bytes of logits [`loss_and_grads`] holds at once over `rows` rows.
 pub(crate) fn held_bytes(rows: usize, vocab: usize) -> usize {
-    chunk_rows(rows, vocab).min(rows) * vocab * std::mem::size_of::<f32>()
+    chunk_rows(rows, vocab) * vocab * std::mem::size_of::<f32>()
 }
 
 /// The loss's sum over the rows of `x` [rows, channels] against `ids`, and the gradients of
@@ -88,7 +88,7 @@ pub(crate) fn loss_and_grads(
     chunk: usize,
 ) -> Grads {
     let (c, v) = (shape.channels, shape.vocab);
-    let blocks = blocks(v);
+    let blocks: Vec<Range<usize>> = shape.blocks().collect();
     let chunk = chunk.clamp(1, shape.rows.max(1));
     let mut logits = vec![0f32; chunk * v];
     let mut dx = vec![0f32; shape.rows * c];
@@ -125,8 +125,8 @@ pub(crate) fn loss_sum_and_correct(
     ids: &[usize],
     shape: Shape,
 ) -> (f64, usize) {
-    let (c, v) = (shape.channels, shape.vocab);
-    let blocks = blocks(v);
+    let c = shape.channels;
+    let blocks: Vec<Range<usize>> = shape.blocks().collect();
     // Nothing is held beyond a block's logits per thread, so a chunk can be long: the weight
     // is read once per chunk (622 MB at Qwen3's head).
     let chunk = shape.rows.clamp(1, SCORED_ROWS);
@@ -180,13 +180,6 @@ pub(crate) fn loss_sum_and_correct(
         }
     }
     (sum, correct)
-}
-
-/// The vocabulary's blocks of columns.
-fn blocks(vocab: usize) -> Vec<Range<usize>> {
-    (0..vocab.div_ceil(BLOCK))
-        .map(|b| b * BLOCK..((b + 1) * BLOCK).min(vocab))
-        .collect()
 }
 
 /// The rows `rows` of `x` [rows, channels] transposed, [channels, rows]: what each block's
@@ -363,18 +356,7 @@ mod tests {
     use candle_core::{Device, Tensor, Var};
 
     use crate::kit::head;
-
-    fn values(t: &Tensor) -> Vec<f32> {
-        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
-    }
-
-    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-        assert_eq!(a.len(), b.len());
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
-    }
+    use crate::testing::{max_diff, values};
 
     /// The loss, dx and dw (none for a frozen head) of `loss` · 3 (the backward's gradient is
     /// not 1).
@@ -409,7 +391,7 @@ mod tests {
                 false => w.as_tensor().clone(),
             };
             let reference = run(
-                head::loss_keeping(x.as_tensor(), &w, &targets, false).unwrap(),
+                head::loss_in_backward(x.as_tensor(), &w, &targets, false).unwrap(),
                 &x,
                 &w,
             );

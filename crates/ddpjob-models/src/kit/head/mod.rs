@@ -43,19 +43,10 @@ const MIN_CHUNK: usize = 128;
 /// over the targets that are not [`ddpjob_seam::task::IGNORE_TARGET`]; differentiable in `x` and
 /// `w`. CPU f32 only (see [`applies`]). The loss of a whole step: for a large vocabulary in
 /// training its gradients are made in its forward (`fused_grads`), which holds a weight's
-/// gradient from then on; a loss per row (DPO's: `ddpjob_seam::row_passes`) takes
-/// [`loss_keeping`]'s op.
+/// gradient from then on; a loss per row (DPO's: `ddpjob_seam::row_passes`) makes them in its
+/// backward.
 pub fn loss(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    if !grads_in_forward(x, w) {
-        return loss_keeping(x, w, targets, true);
-    }
-    let op = GradsOp {
-        made: Default::default(),
-        want_dw: w.track_op(),
-        chunk: None,
-    };
-    x.contiguous()?
-        .apply_op3(&w.contiguous()?, &targets.contiguous()?, op)
+    loss_keeping(x, w, targets, true)
 }
 
 /// Whether [`loss`] makes its gradients in its forward: a large vocabulary, gradients wanted,
@@ -85,11 +76,30 @@ pub(crate) fn loss_in_chunks(
         .apply_op3(&w.contiguous()?, &targets.contiguous()?, op)
 }
 
-/// [`loss`], its backward making a large vocabulary's logits again instead of keeping them
-/// from the forward when `keep_logits` is false (a job that asked for activation
-/// checkpointing asked for memory over time: at SmolLM2's 49,152 tokens over 2 × 512
-/// positions the kept logits are 201 MB).
+/// [`loss`]; where its gradients are made in its backward (see [`grads_in_forward`]), that
+/// makes a large vocabulary's logits again instead of keeping them from the forward when
+/// `keep_logits` is false (a job that asked for activation checkpointing asked for memory
+/// over time: at SmolLM2's 49,152 tokens over 2 × 512 positions the kept logits are 201 MB).
 pub fn loss_keeping(x: &Tensor, w: &Tensor, targets: &Tensor, keep_logits: bool) -> Result<Tensor> {
+    if !grads_in_forward(x, w) {
+        return loss_in_backward(x, w, targets, keep_logits);
+    }
+    let op = GradsOp {
+        made: Default::default(),
+        want_dw: w.track_op(),
+        chunk: None,
+    };
+    x.contiguous()?
+        .apply_op3(&w.contiguous()?, &targets.contiguous()?, op)
+}
+
+/// [`loss_keeping`] with its gradients made in its backward whatever the vocabulary.
+pub(crate) fn loss_in_backward(
+    x: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    keep_logits: bool,
+) -> Result<Tensor> {
     let op = HeadLossOp {
         kept: Default::default(),
         keep_logits,
@@ -265,7 +275,7 @@ impl CustomOp3 for HeadLossOp {
         targets: &Tensor,
         _loss: &Tensor,
         grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    ) -> Result<HeadGrads> {
         let ids = indices(targets)?;
         let g = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
         // The forward's, when it kept one per row of these targets (taken: used once).
@@ -279,20 +289,39 @@ impl CustomOp3 for HeadLossOp {
         } else {
             Kept::default()
         };
-        let (dx, dw) = with_values(x, |xv| {
-            with_values(w, |wv| {
-                let mut dx = vec![0f32; xv.len()];
-                // A frozen head (LoRA's, `model.freeze`) comes detached: no weight gradient.
-                let dw = loss_bwd(xv, wv, &ids, g, &mut dx, &kept, w.track_op())?;
-                Ok((dx, dw))
-            })
-        })?;
-        let dw = match dw.is_empty() {
-            true => None,
-            false => Some(Tensor::from_vec(dw, w.shape(), w.device())?),
-        };
-        Ok((Some(Tensor::from_vec(dx, x.shape(), x.device())?), dw, None))
+        // A frozen head (LoRA's, `model.freeze`) comes detached: no weight gradient.
+        let (dx, dw) = grads_made((x, w, &ids), g, &kept, w.track_op())?;
+        as_tensors((dx, dw), x, w)
     }
+}
+
+/// dx and dw of `g` · the mean loss of `x`, `w` against `ids`, made from what the forward
+/// kept (dw empty unless `want_dw`).
+fn grads_made(
+    (x, w, ids): (&Tensor, &Tensor, &[usize]),
+    g: f32,
+    kept: &Kept,
+    want_dw: bool,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    with_values(x, |xv| {
+        with_values(w, |wv| {
+            let mut dx = vec![0f32; xv.len()];
+            let dw = loss_bwd(xv, wv, ids, g, &mut dx, kept, want_dw)?;
+            Ok((dx, dw))
+        })
+    })
+}
+
+/// A head op's gradients for x, w (none when `dw` is empty) and the targets (none).
+type HeadGrads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+/// `dx` and `dw` as tensors of `x`'s and `w`'s shapes.
+fn as_tensors((dx, dw): (Vec<f32>, Vec<f32>), x: &Tensor, w: &Tensor) -> Result<HeadGrads> {
+    let dw = match dw.is_empty() {
+        true => None,
+        false => Some(Tensor::from_vec(dw, w.shape(), w.device())?),
+    };
+    Ok((Some(Tensor::from_vec(dx, x.shape(), x.device())?), dw, None))
 }
 
 /// Mean cross-entropy of logits `x`·`w`ᵀ (x [n, C], w [vocab, C] values) against `ids`, and
@@ -457,34 +486,25 @@ impl CustomOp3 for GradsOp {
         targets: &Tensor,
         _loss: &Tensor,
         grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    ) -> Result<HeadGrads> {
         let g = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
         let made = self.made.lock().ok().and_then(|mut m| m.take());
-        let (mut dx, mut dw) = match made {
-            Some(made) => made,
+        let grads = match made {
+            Some((mut dx, mut dw)) => {
+                if g != 1.0 {
+                    for part in [&mut dx, &mut dw] {
+                        part.par_chunks_mut(1 << 16)
+                            .for_each(|c| c.iter_mut().for_each(|v| *v *= g));
+                    }
+                }
+                (dx, dw)
+            }
             None => {
                 let ids = indices(targets)?;
-                with_values(x, |xv| {
-                    with_values(w, |wv| {
-                        let mut dx = vec![0f32; xv.len()];
-                        let dw =
-                            loss_bwd(xv, wv, &ids, 1.0, &mut dx, &Kept::default(), self.want_dw)?;
-                        Ok((dx, dw))
-                    })
-                })?
+                grads_made((x, w, &ids), g, &Kept::default(), self.want_dw)?
             }
         };
-        if g != 1.0 {
-            for part in [&mut dx, &mut dw] {
-                part.par_chunks_mut(1 << 16)
-                    .for_each(|c| c.iter_mut().for_each(|v| *v *= g));
-            }
-        }
-        let dw = match dw.is_empty() {
-            true => None,
-            false => Some(Tensor::from_vec(dw, w.shape(), w.device())?),
-        };
-        Ok((Some(Tensor::from_vec(dx, x.shape(), x.device())?), dw, None))
+        as_tensors(grads, x, w)
     }
 }
 

@@ -83,7 +83,7 @@ impl Shape {
     }
 
     /// The columns of every block.
-    fn blocks(&self) -> impl Iterator<Item = Range<usize>> {
+    pub(crate) fn blocks(&self) -> impl Iterator<Item = Range<usize>> {
         let vocab = self.vocab;
         (0..vocab.div_ceil(BLOCK)).map(move |b| b * BLOCK..((b + 1) * BLOCK).min(vocab))
     }
